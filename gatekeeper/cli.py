@@ -1,0 +1,62 @@
+"""`gatekeeper` command line.
+
+Each subcommand's arguments and entry point live with the component that owns
+them (``gatekeeper.<component>.command``: ``register(subparsers)`` and the
+handler set via ``set_defaults(func=...)``), so this module only wires them up
+and turns expected failures into one readable line and a non-zero exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from gatekeeper import __version__
+from gatekeeper.config import ConfigError
+
+
+class UsageError(Exception):
+    """An error the user can fix from the message alone; printed without a traceback."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from gatekeeper import certs_command
+    from gatekeeper.proxy import command as proxy_command
+    from gatekeeper.sandbox import command as sandbox_command
+    from gatekeeper.webhook import command as webhook_command
+
+    parser = argparse.ArgumentParser(
+        prog="gatekeeper",
+        description=(
+            "Keep a GPU cluster's Kubernetes control plane alive: an admission webhook that rejects "
+            "oversized Secrets and rewrites GPU pods to DRA or shared GPUs, and an API-aware front proxy "
+            "that balances every request across apiservers, limits expensive LISTs and sends GOAWAY."
+        ),
+    )
+    parser.add_argument("--version", action="version", version=f"gatekeeper {__version__}")
+    parser.add_argument("--log-level", default="INFO", help="logging level (DEBUG, INFO, WARNING); default INFO")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    webhook_command.register(sub)
+    proxy_command.register(sub)
+    certs_command.register(sub)
+    sandbox_command.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        rc = args.func(args)
+    except (UsageError, ConfigError, FileNotFoundError, FileExistsError) as exc:
+        print(f"gatekeeper {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return int(rc or 0)

@@ -1,0 +1,236 @@
+"""Typed configuration loaded from one YAML file.
+
+The file has a ``webhook:`` and a ``proxy:`` section. Each section is a tree of
+frozen dataclasses; the loader maps camelCase YAML keys (the Kubernetes habit
+operators already know) onto snake_case fields, checks every type, rejects
+unknown keys, and reports problems as ``FILE: key.path: expected X, got Y`` so
+an operator can fix the file without reading our code.
+
+Section dataclasses live beside the component that owns them
+(``gatekeeper.webhook.settings``, ``gatekeeper.proxy.settings``) so that each
+component can evolve its settings without touching the others; this module
+only holds the loader and the root.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
+
+import yaml
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A configuration problem, already phrased for the operator."""
+
+    def __init__(self, source: str, key: str, message: str) -> None:
+        self.source = source
+        self.key = key
+        self.message = message
+        where = f"{source}: {key}: " if key else f"{source}: "
+        super().__init__(where + message)
+
+
+def camel(name: str) -> str:
+    """snake_case field name -> the camelCase key used in YAML."""
+    head, *rest = name.split("_")
+    return head + "".join(p[:1].upper() + p[1:] for p in rest)
+
+
+def _key_of(f: dataclasses.Field[Any]) -> str:
+    return str(f.metadata.get("key", camel(f.name)))
+
+
+def _describe(tp: Any) -> str:
+    origin = get_origin(tp)
+    if tp is type(None):
+        return "null"
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in get_args(tp))
+    if origin in (list, tuple):
+        args = get_args(tp)
+        return f"a list of {_describe(args[0])}" if args else "a list"
+    if origin in (dict, Mapping):
+        args = get_args(tp)
+        return f"a mapping of {_describe(args[0])} to {_describe(args[1])}" if args else "a mapping"
+    if dataclasses.is_dataclass(tp):
+        return f"a mapping ({tp.__name__})"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(
+        tp, getattr(tp, "__name__", str(tp))
+    )
+
+
+def _typename(value: Any) -> str:
+    if value is None:
+        return "null"
+    return {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
+            float: "a number"}.get(type(value), type(value).__name__)
+
+
+def _convert(value: Any, tp: Any, source: str, key: str) -> Any:
+    origin = get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(value, arg, source, key)
+            except ConfigError as exc:
+                errors.append(exc)
+        if len(errors) == 1:
+            raise errors[0]
+        raise ConfigError(source, key, f"expected {_describe(tp)}, got {_typename(value)}")
+    if origin is Literal:
+        if value in get_args(tp):
+            return value
+        raise ConfigError(source, key, f"expected {_describe(tp)}, got {value!r}")
+    if origin in (list, tuple):
+        if not isinstance(value, list):
+            raise ConfigError(source, key, f"expected {_describe(tp)}, got {_typename(value)}")
+        (item_tp, *_) = get_args(tp) or (Any,)
+        items = [_convert(v, item_tp, source, f"{key}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin in (dict, Mapping):
+        if not isinstance(value, dict):
+            raise ConfigError(source, key, f"expected {_describe(tp)}, got {_typename(value)}")
+        ktp, vtp = get_args(tp) or (Any, Any)
+        return {
+            _convert(k, ktp, source, f"{key}.{k}"): _convert(v, vtp, source, f"{key}.{k}")
+            for k, v in value.items()
+        }
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        return from_mapping(tp, value, source, key)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    elif tp is Path:
+        if isinstance(value, str) and value:
+            return Path(value)
+    else:
+        raise TypeError(f"config loader cannot handle type {tp!r} at {key}")
+    raise ConfigError(source, key, f"expected {_describe(tp)}, got {_typename(value)} {value!r}")
+
+
+def from_mapping(cls: type[T], data: Any, source: str = "<config>", prefix: str = "") -> T:
+    """Build dataclass ``cls`` from a YAML mapping, strictly.
+
+    Dataclasses may define ``validate(self) -> None`` raising ``ValueError`` for
+    cross-field rules; the message is reported at this dataclass's key path.
+    """
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(source, prefix or "(top level)", f"expected a mapping, got {_typename(data)}")
+    assert dataclasses.is_dataclass(cls)
+    hints = get_type_hints(cls)
+    fields = {_key_of(f): f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(map(str, data)) - set(fields))
+    if unknown:
+        where = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
+        raise ConfigError(source, where, f"unknown key; expected one of: {', '.join(sorted(fields))}")
+    kwargs: dict[str, Any] = {}
+    for k, f in fields.items():
+        path = f"{prefix}.{k}" if prefix else k
+        if k in data:
+            kwargs[f.name] = _convert(data[k], hints[f.name], source, path)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(source, path, f"required key is missing (expected {_describe(hints[f.name])})")
+    obj = cls(**kwargs)
+    validate = getattr(obj, "validate", None)
+    if callable(validate):
+        try:
+            validate()
+        except ConfigError:
+            raise
+        except ValueError as exc:
+            raise ConfigError(source, prefix or "(top level)", str(exc)) from None
+    return obj
+
+
+def load_yaml(path: Path | str) -> Any:
+    """Read one YAML document, turning I/O and syntax errors into ConfigError."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ConfigError(str(p), "", f"cannot read config file: {exc.strerror}") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError(str(p), "", f"invalid YAML{line}: {problem}") from None
+
+
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h)$")
+
+
+def parse_duration(value: str | float | int) -> float:
+    """'15s', '500ms', '2m' or a bare number of seconds -> seconds."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    m = _DURATION.match(str(value).strip())
+    if not m:
+        raise ValueError(f"expected a duration like '15s', '500ms' or '2m', got {value!r}")
+    n, unit = float(m.group(1)), m.group(2)
+    return n * {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}[unit]
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Root of a gatekeeper config file."""
+
+    webhook: Any = None
+    """The ``webhook:`` section (gatekeeper.webhook.settings.WebhookSettings)."""
+    proxy: Any = None
+    """The ``proxy:`` section (gatekeeper.proxy.settings.ProxySettings)."""
+
+
+def load_config(path: Path | str, *, need: str | None = None) -> Config:
+    """Load the root config; ``need`` names a section that must be present."""
+    source = str(path)
+    data = load_yaml(path)
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(source, "(top level)", f"expected a mapping with webhook:/proxy:, got {_typename(data)}")
+    unknown = sorted(set(map(str, data)) - {"webhook", "proxy"})
+    if unknown:
+        raise ConfigError(source, unknown[0], "unknown key; expected one of: proxy, webhook")
+    if need and need not in data:
+        raise ConfigError(source, need, f"required section is missing; `gatekeeper {need}` needs a {need}: section")
+    webhook = proxy = None
+    if "webhook" in data:
+        from gatekeeper.webhook.settings import WebhookSettings
+
+        webhook = from_mapping(WebhookSettings, data["webhook"], source, "webhook")
+    if "proxy" in data:
+        from gatekeeper.proxy.settings import ProxySettings
+
+        proxy = from_mapping(ProxySettings, data["proxy"], source, "proxy")
+    return Config(webhook=webhook, proxy=proxy)
