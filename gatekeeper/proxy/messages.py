@@ -1,0 +1,110 @@
+"""The one request/response shape both protocol adapters speak.
+
+``h2.py`` and ``h1.py`` turn bytes into a :class:`ProxyRequest` and write back a
+:class:`ProxyResponse`; everything after them (identity, RequestInfo, flow
+control, balancing, upstream) is protocol-agnostic and sees only these types.
+
+Bodies are async iterators pulled by the consumer. That is the backpressure
+contract: the h2 adapter asks the response body for the next chunk only when
+the client's flow-control window has room, and the upstream reader only reads
+the socket when asked, so a slow client slows the backend read instead of
+growing a buffer. Request bodies work the same way in the other direction (the
+h2 adapter acknowledges DATA, i.e. opens the window, only as chunks are taken).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from gatekeeper.kube.requestinfo import RequestInfo
+
+Headers = list[tuple[str, str]]
+"""Header list with lower-case names, order and duplicates preserved."""
+
+
+async def empty_body() -> AsyncIterator[bytes]:
+    return
+    yield b""  # pragma: no cover - makes this an async generator
+
+
+@dataclass
+class UserInfo:
+    """Who the client is, as far as the proxy can tell before the apiserver does."""
+
+    name: str
+    groups: list[str] = field(default_factory=list)
+    extra: dict[str, list[str]] = field(default_factory=dict)
+    source: Literal["x509", "token", "anonymous"] = "anonymous"
+    """x509: verified client cert (proxy stamps X-Remote-*); token: bearer passed through untouched."""
+
+
+@dataclass
+class ProxyRequest:
+    """A client request, already parsed by a protocol adapter."""
+
+    method: str
+    target: str
+    """Raw request target: path plus optional ``?query``, exactly as the client sent it."""
+    headers: Headers
+    body: AsyncIterator[bytes] | None
+    """None when the request has no body (h2 END_STREAM on HEADERS, h1 no length)."""
+    protocol: Literal["h2", "http/1.1"]
+    peer: str = ""
+    peer_cert: dict[str, Any] | None = None
+    """``ssl.SSLObject.getpeercert()`` of a verified client certificate, if any."""
+    connection_id: int = 0
+    stream_id: int = 0
+    user: UserInfo | None = None
+    """Filled by the identity stage."""
+    info: RequestInfo | None = None
+    """Filled by the RequestInfo stage."""
+    annotations: dict[str, Any] = field(default_factory=dict)
+    """Free-form per-request notes between stages (e.g. chosen backend, flow schema)."""
+
+    def header(self, name: str) -> str | None:
+        name = name.lower()
+        for k, v in self.headers:
+            if k == name:
+                return v
+        return None
+
+
+@dataclass
+class Upgraded:
+    """A backend connection that switched protocols (WebSocket, SPDY).
+
+    The h1 adapter writes the 101 head, then splices bytes both ways between
+    the client socket and ``reader``/``writer`` until either side closes, and
+    finally awaits ``on_close`` so in-flight accounting ends.
+    """
+
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+    on_close: Callable[[], Awaitable[None]] | None = None
+
+
+@dataclass
+class ProxyResponse:
+    """A response to stream back; the adapter drives ``body`` to the end or until the client goes away."""
+
+    status: int
+    headers: Headers
+    body: AsyncIterator[bytes] = field(default_factory=empty_body)
+    upgraded: Upgraded | None = None
+    """Set on a 101 to an HTTP/1.1 upgrade request; body is then unused."""
+    on_complete: list[Callable[[BaseException | None], None]] = field(default_factory=list)
+    """Called once when the response ends: None on success, else the error (client reset, backend died)."""
+
+    def finish(self, error: BaseException | None = None) -> None:
+        callbacks, self.on_complete = self.on_complete, []
+        for cb in callbacks:
+            cb(error)
+
+
+Handler = Callable[[ProxyRequest], Awaitable[ProxyResponse]]
+"""One stage of the pipeline; a middleware is ``(request, next_handler) -> response``."""
+Middleware = Callable[[ProxyRequest, Handler], Awaitable[ProxyResponse]]

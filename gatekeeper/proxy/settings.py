@@ -1,0 +1,117 @@
+"""Typed ``proxy:`` section of the gatekeeper config file.
+
+Ownership: ``ListenerSettings``/``ProtocolSettings`` belong to the protocol
+adapters (server.py, h2.py, h1.py); ``BackendSettings``/``UpstreamSettings``
+to the pipeline (balancer.py, upstream.py); ``flowControl`` to
+``gatekeeper.proxy.flowcontrol``. Add fields where they belong, each with a
+one-line docstring; the loader (gatekeeper.config.from_mapping) maps camelCase
+YAML keys onto these snake_case fields and rejects unknown keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gatekeeper.proxy.flowcontrol.settings import FlowControlSettings
+
+MAX_GOAWAY_CHANCE = 0.02
+"""kube-apiserver refuses --goaway-chance above 0.02; so do we, outside tests."""
+
+
+@dataclass(frozen=True)
+class ListenerSettings:
+    """The client-facing TLS listener."""
+
+    address: str = "127.0.0.1"
+    """Bind address (loopback by default)."""
+    port: int = 6443
+    """TLS port serving both h2 and http/1.1 via ALPN (0 = pick a free port)."""
+    cert_file: str = ""
+    """Serving certificate (PEM)."""
+    key_file: str = ""
+    """Serving key (PEM)."""
+    client_ca_file: str = ""
+    """If set, client certificates are requested and verified against this CA (CN=user, O=groups)."""
+    metrics_address: str = "127.0.0.1"
+    """Bind address of the plain-HTTP /metrics, /healthz and /readyz listener."""
+    metrics_port: int = 0
+    """Port of that listener (0 = pick a free port, -1 = disabled)."""
+
+    def validate(self) -> None:
+        if not self.cert_file or not self.key_file:
+            raise ValueError("certFile and keyFile are required: the proxy only serves TLS")
+
+
+@dataclass(frozen=True)
+class ProtocolSettings:
+    """HTTP/2 and HTTP/1.1 behaviour, including GOAWAY rebalancing."""
+
+    goaway_chance: float = 0.0
+    """Per-request probability of a graceful GOAWAY (h2) or Connection: close (h1), in [0, 0.02]."""
+    allow_unsafe_goaway_chance: bool = False
+    """Test-only: allow goawayChance above 0.02 (up to 1.0)."""
+    drain_timeout_seconds: float = 60.0
+    """How long long-running streams (watches) may run after GOAWAY before the connection closes."""
+    shutdown_timeout_seconds: float = 30.0
+    """SIGTERM: how long to drain every connection before exiting."""
+    max_concurrent_streams: int = 250
+    """SETTINGS_MAX_CONCURRENT_STREAMS advertised to HTTP/2 clients."""
+    stream_window_bytes: int = 1 << 20
+    """Initial HTTP/2 stream flow-control window advertised to clients."""
+    max_header_list_bytes: int = 1 << 20
+    """Largest header block accepted from a client."""
+    idle_timeout_seconds: float = 300.0
+    """Close client connections idle (no open stream) for this long."""
+
+    def validate(self) -> None:
+        limit = 1.0 if self.allow_unsafe_goaway_chance else MAX_GOAWAY_CHANCE
+        if not 0.0 <= self.goaway_chance <= limit:
+            raise ValueError(
+                f"goawayChance must be within [0, {limit}] (kube-apiserver's limit is 0.02; "
+                f"0.001 is the upstream recommendation), got {self.goaway_chance}"
+            )
+
+
+@dataclass(frozen=True)
+class BackendSettings:
+    """One kube-apiserver behind the proxy."""
+
+    url: str
+    """https://host:port of the apiserver."""
+    weight: int = 1
+    """Relative share of requests (power-of-two-choices on in-flight / weight)."""
+    name: str = ""
+    """Label used in metrics (defaults to host:port)."""
+
+
+@dataclass(frozen=True)
+class UpstreamSettings:
+    """How the proxy talks to apiservers."""
+
+    ca_file: str = ""
+    """CA that signed the apiservers' serving certificates."""
+    client_cert_file: str = ""
+    """Front-proxy client certificate (CN must be in --requestheader-allowed-names)."""
+    client_key_file: str = ""
+    """Key of the front-proxy client certificate."""
+    max_connections_per_backend: int = 256
+    """aiohttp connection pool size per backend."""
+    connect_timeout_seconds: float = 5.0
+    """TCP+TLS connect timeout; a connect failure on a safe request is retried on another backend."""
+    health_interval_seconds: float = 2.0
+    """Active /readyz probe interval."""
+
+
+@dataclass(frozen=True)
+class ProxySettings:
+    """Root of the ``proxy:`` section."""
+
+    listener: ListenerSettings = field(default_factory=ListenerSettings)
+    protocol: ProtocolSettings = field(default_factory=ProtocolSettings)
+    backends: list[BackendSettings] = field(default_factory=list)
+    upstream: UpstreamSettings = field(default_factory=UpstreamSettings)
+    flow_control: FlowControlSettings = field(default_factory=FlowControlSettings)
+
+    def validate(self) -> None:
+        if not self.backends:
+            raise ValueError("backends: at least one apiserver URL is required")
