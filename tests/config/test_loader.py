@@ -1,0 +1,96 @@
+"""The strict config loader: every mistake names the file, the key and what was expected."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import pytest
+
+from gatekeeper.config import ConfigError, from_mapping, load_config, parse_duration
+
+
+@dataclass(frozen=True)
+class Inner:
+    size_limit: int = 1
+    mode: Literal["dra", "off"] = "off"
+
+
+@dataclass(frozen=True)
+class Outer:
+    name: str
+    inner: Inner = field(default_factory=Inner)
+    tags: list[str] = field(default_factory=list)
+    ratio: float | None = None
+
+    def validate(self) -> None:
+        if self.ratio is not None and self.ratio > 1:
+            raise ValueError("ratio must be <= 1")
+
+
+def test_camel_case_keys_fill_snake_case_fields() -> None:
+    out = from_mapping(Outer, {"name": "a", "inner": {"sizeLimit": 5, "mode": "dra"}, "tags": ["x"], "ratio": 1})
+    assert out == Outer(name="a", inner=Inner(size_limit=5, mode="dra"), tags=["x"], ratio=1.0)
+
+
+@pytest.mark.parametrize(
+    ("data", "key", "fragment"),
+    [
+        ({}, "name", "required key is missing"),
+        ({"name": "a", "bogus": 1}, "bogus", "unknown key"),
+        ({"name": "a", "inner": {"sizeLimit": "big"}}, "inner.sizeLimit", "expected an integer"),
+        ({"name": "a", "inner": {"sizeLimit": True}}, "inner.sizeLimit", "expected an integer"),
+        ({"name": "a", "inner": {"mode": "mig"}}, "inner.mode", "one of 'dra', 'off'"),
+        ({"name": "a", "tags": ["ok", 3]}, "tags[1]", "expected a string"),
+        ({"name": "a", "ratio": 2}, "(top level)", "ratio must be <= 1"),
+        ({"name": "a", "inner": []}, "inner", "expected a mapping"),
+    ],
+)
+def test_mistakes_name_the_key_and_the_expectation(data: dict, key: str, fragment: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        from_mapping(Outer, data, "cfg.yaml")
+    assert err.value.source == "cfg.yaml"
+    assert err.value.key == key
+    assert fragment in str(err.value)
+
+
+def test_yaml_syntax_errors_carry_the_line(tmp_path: Path) -> None:
+    p = tmp_path / "bad.yaml"
+    p.write_text("proxy:\n  listener: [unclosed\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: invalid YAML at line \d+"):
+        load_config(p)
+
+
+def test_unknown_top_level_section_is_rejected(tmp_path: Path) -> None:
+    p = tmp_path / "c.yaml"
+    p.write_text("webhok: {}\n")
+    with pytest.raises(ConfigError, match="webhok: unknown key"):
+        load_config(p)
+
+
+def test_missing_required_section_is_named(tmp_path: Path) -> None:
+    p = tmp_path / "c.yaml"
+    p.write_text("{}\n")
+    with pytest.raises(ConfigError, match="proxy: required section is missing"):
+        load_config(p, need="proxy")
+
+
+def test_proxy_goaway_chance_above_upstream_limit_is_rejected(tmp_path: Path) -> None:
+    p = tmp_path / "c.yaml"
+    p.write_text(
+        "proxy:\n  listener: {certFile: a, keyFile: b}\n  protocol: {goawayChance: 0.5}\n"
+        "  backends: [{url: 'https://127.0.0.1:1'}]\n"
+    )
+    with pytest.raises(ConfigError, match=r"proxy.protocol: goawayChance must be within \[0, 0.02\]"):
+        load_config(p)
+
+
+@pytest.mark.parametrize(("text", "seconds"), [("15s", 15.0), ("500ms", 0.5), ("2m", 120.0), (3, 3.0)])
+def test_durations_parse(text: str | int, seconds: float) -> None:
+    assert parse_duration(text) == seconds
+
+
+def test_bad_duration_says_what_form_is_expected() -> None:
+    with pytest.raises(ValueError, match="'15s'"):
+        parse_duration("soon")
