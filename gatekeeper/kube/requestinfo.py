@@ -1,0 +1,179 @@
+"""Request path -> RequestInfo, the way kube-apiserver derives it.
+
+The proxy needs the same view of a request that the apiserver's authorizer and
+API Priority and Fairness get (verb, group, version, namespace, resource,
+subresource, name), so that flow control classifies exactly like upstream and
+metrics speak the apiserver's vocabulary. The rules follow
+``k8s.io/apiserver/pkg/endpoints/request/requestinfo.go``:
+
+* ``/api/{version}/...`` (groupless) and ``/apis/{group}/{version}/...`` are
+  resource requests once they name at least a resource; anything shorter
+  (``/api``, ``/api/v1``, ``/apis/apps/v1``) and every other path (``/healthz``,
+  ``/openapi/v3/...``) is a non-resource request whose verb is the lower-case
+  HTTP method.
+* The legacy ``/watch/`` and ``/proxy/`` path prefixes set the verb directly.
+* ``namespaces/{ns}/{resource}/...`` moves ``ns`` into ``namespace``; the
+  namespace object itself (``/api/v1/namespaces/foo``, ``.../foo/status``,
+  ``.../foo/finalize``) is resource ``namespaces`` named ``foo`` *in* namespace
+  ``foo``, as upstream reports it.
+* GET without a name is ``list``, or ``watch`` when ``?watch`` is anything but
+  ``false``/``0``; a ``fieldSelector`` requiring ``metadata.name=X`` narrows such
+  a list/watch to name ``X`` (what informers for one object send). DELETE
+  without a name is ``deletecollection``.
+
+Long-running requests (their duration is not a cost signal, and flow control
+must not hold seats for them) are watches, ``proxy``, and the ``attach``,
+``exec``, ``portforward`` subresources, plus ``log`` when ``follow`` is set.
+Upstream treats every ``log`` as long-running for its request timeout; a
+non-follow log finishes on its own, so here it counts as an ordinary request.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from urllib.parse import parse_qs, unquote, urlsplit
+
+API_PREFIXES = frozenset({"api", "apis"})
+GROUPLESS_PREFIXES = frozenset({"api"})
+SPECIAL_VERBS = frozenset({"proxy", "watch"})
+SPECIAL_VERBS_NO_SUBRESOURCES = frozenset({"proxy"})
+NAMESPACE_SUBRESOURCES = frozenset({"status", "finalize"})
+LONG_RUNNING_VERBS = frozenset({"watch", "proxy"})
+LONG_RUNNING_SUBRESOURCES = frozenset({"attach", "exec", "proxy", "portforward"})
+
+_METHOD_VERBS = {
+    "POST": "create",
+    "GET": "get",
+    "HEAD": "get",
+    "PUT": "update",
+    "PATCH": "patch",
+    "DELETE": "delete",
+}
+
+# A DNS-1123-ish path segment; upstream only accepts a fieldSelector name that
+# is a valid path segment (no "/", not "." or "..", no "%").
+_BAD_SEGMENT = re.compile(r"[/%]")
+
+
+@dataclass(frozen=True)
+class RequestInfo:
+    """What a request does, in the apiserver's words."""
+
+    is_resource_request: bool
+    """True for /api and /apis paths that name a resource."""
+    path: str
+    """URL path, without the query."""
+    verb: str
+    """Kubernetes verb (get, list, watch, create, ...); lower-case HTTP method for non-resource URLs."""
+    api_prefix: str = ""
+    """'api' or 'apis' for resource requests."""
+    api_group: str = ""
+    """API group; '' is the core group."""
+    api_version: str = ""
+    """API version, e.g. v1."""
+    namespace: str = ""
+    """Namespace; '' for cluster-scoped and all-namespace requests."""
+    resource: str = ""
+    """Plural resource, e.g. pods."""
+    subresource: str = ""
+    """Subresource, e.g. status, log, exec."""
+    name: str = ""
+    """Object name from the path (or an exact metadata.name fieldSelector on list/watch)."""
+    parts: tuple[str, ...] = field(default=())
+    """Path segments starting at the resource: resource/name/subresource/..."""
+    long_running: bool = False
+    """Watches, proxy, exec/attach/portforward and followed logs."""
+
+    @property
+    def resource_key(self) -> str:
+        """``resource`` or ``resource/subresource`` (the form APF resourceRules and metrics use)."""
+        return f"{self.resource}/{self.subresource}" if self.subresource else self.resource
+
+
+def _split_path(path: str) -> list[str]:
+    path = path.strip("/")
+    return path.split("/") if path else []
+
+
+def _truthy(values: list[str] | None) -> bool:
+    """apimachinery's Convert_Slice_string_To_bool: anything but false/0 is true."""
+    if not values:
+        return False
+    return values[0].lower() not in ("false", "0")
+
+
+def _exact_name(selectors: list[str] | None) -> str:
+    """The name an exact ``metadata.name=`` / ``==`` term in a fieldSelector requires, or ''."""
+    if not selectors:
+        return ""
+    for term in selectors[0].split(","):
+        term = term.strip()
+        for op in ("==", "="):
+            key, sep, value = term.partition(op)
+            if sep and not key.endswith("!"):
+                if key.strip() == "metadata.name":
+                    value = value.strip()
+                    if value and value not in (".", "..") and not _BAD_SEGMENT.search(value):
+                        return value
+                    return ""
+                break
+    return ""
+
+
+def parse(method: str, target: str) -> RequestInfo:
+    """RequestInfo for an HTTP method and raw request target (path plus optional query).
+
+    Never raises: malformed paths come back as non-resource requests, just as
+    the apiserver would then 404 them; the proxy forwards them unchanged.
+    """
+    split = urlsplit(target if target.startswith("/") else "/" + target)
+    path = unquote(split.path) if "%" in split.path else split.path
+    query = parse_qs(split.query, keep_blank_values=True)
+    method = method.upper()
+    non_resource = RequestInfo(is_resource_request=False, path=path, verb=method.lower())
+
+    parts = _split_path(path)
+    if len(parts) < 3 or parts[0] not in API_PREFIXES:
+        return non_resource
+    prefix, parts = parts[0], parts[1:]
+    group = ""
+    if prefix not in GROUPLESS_PREFIXES:
+        if len(parts) < 3:
+            return non_resource
+        group, parts = parts[0], parts[1:]
+    version, parts = parts[0], parts[1:]
+
+    if parts[0] in SPECIAL_VERBS:
+        if len(parts) < 2:
+            # upstream returns an error with a partial info; the apiserver then 404s.
+            return RequestInfo(is_resource_request=True, path=path, verb=parts[0], api_prefix=prefix,
+                               api_group=group, api_version=version)
+        verb, parts = parts[0], parts[1:]
+    else:
+        verb = _METHOD_VERBS.get(method, "")
+
+    namespace = ""
+    if parts[0] == "namespaces" and len(parts) > 1:
+        namespace = parts[1]
+        if len(parts) > 2 and parts[2] not in NAMESPACE_SUBRESOURCES:
+            parts = parts[2:]
+
+    resource = parts[0] if parts else ""
+    name = parts[1] if len(parts) >= 2 else ""
+    subresource = parts[2] if len(parts) >= 3 and verb not in SPECIAL_VERBS_NO_SUBRESOURCES else ""
+
+    if not name and verb == "get":
+        verb = "watch" if _truthy(query.get("watch")) else "list"
+        name = _exact_name(query.get("fieldSelector"))
+    if not name and verb == "delete":
+        verb = "deletecollection"
+
+    long_running = verb in LONG_RUNNING_VERBS or subresource in LONG_RUNNING_SUBRESOURCES or (
+        subresource == "log" and _truthy(query.get("follow"))
+    )
+    return RequestInfo(
+        is_resource_request=True, path=path, verb=verb, api_prefix=prefix, api_group=group,
+        api_version=version, namespace=namespace, resource=resource, subresource=subresource,
+        name=name, parts=tuple(parts), long_running=long_running,
+    )

@@ -1,0 +1,117 @@
+"""Who is calling, and how that identity reaches the apiserver (pure).
+
+The proxy terminates TLS, so the apiserver never sees a client certificate.
+Following kube-apiserver's ``--requestheader-*`` contract (the one the
+aggregator and kcp's front proxy use):
+
+* A *verified* client certificate (the listener checked it against the
+  cluster client CA) becomes user = CN, groups = every O. The proxy then calls
+  the backend with its front-proxy client certificate and stamps
+  ``X-Remote-User``, one ``X-Remote-Group`` per group and
+  ``X-Remote-Extra-<key>`` per extra value (keys escaped like client-go's
+  auth-proxy round tripper, so the apiserver's unescape gives them back).
+* A bearer token (or any ``Authorization`` header) passes through untouched:
+  the apiserver authenticates it. The proxy cannot know the user; it names
+  the caller ``token:<sha256 prefix>`` only so flow control can tell callers
+  apart. Such requests go upstream *without* the front-proxy certificate (see
+  :func:`wants_front_proxy_cert`).
+* Anything else is anonymous and passes through as such.
+
+Client-sent ``X-Remote-*`` headers are always removed before anything is
+stamped; forwarding them would let any client that reaches the proxy claim to
+be ``system:masters``. ``Impersonate-*`` headers pass: the apiserver
+authorizes impersonation against the real (stamped or token) identity.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from gatekeeper.proxy.messages import Headers, UserInfo
+
+REMOTE_PREFIX = "x-remote-"
+USER_HEADER = "x-remote-user"
+GROUP_HEADER = "x-remote-group"
+EXTRA_PREFIX = "x-remote-extra-"
+ANONYMOUS_USER = "system:anonymous"
+ANONYMOUS_GROUP = "system:unauthenticated"
+
+# RFC 7230 tchar minus '%', which must be escaped so unescaping is unambiguous.
+_KEY_SAFE = frozenset(b"!#$&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+
+
+def _subject_attrs(peer_cert: Mapping[str, Any], attr: str) -> list[str]:
+    """Values of ``attr`` in a ``getpeercert()`` subject, in certificate order."""
+    out: list[str] = []
+    for rdn in peer_cert.get("subject", ()):
+        for key, value in rdn:
+            if key == attr:
+                out.append(value)
+    return out
+
+
+def token_user(credential: str) -> str:
+    """A stable, non-reversible name for a credential the proxy cannot read."""
+    return "token:" + hashlib.sha256(credential.encode()).hexdigest()[:16]
+
+
+def identify(peer_cert: Mapping[str, Any] | None, headers: Headers) -> UserInfo:
+    """UserInfo from a verified client certificate, else the Authorization header, else anonymous.
+
+    Certificate first, as kube-apiserver's authenticator chain does (x509 is
+    tried before tokens). ``peer_cert`` must only be a certificate the TLS
+    layer verified; an unverified one would be a free identity.
+    """
+    if peer_cert:
+        cns = _subject_attrs(peer_cert, "commonName")
+        if cns and cns[-1]:
+            return UserInfo(name=cns[-1], groups=_subject_attrs(peer_cert, "organizationName"), source="x509")
+    for name, value in headers:
+        if name == "authorization" and value.strip():
+            return UserInfo(name=token_user(value.strip()), source="token")
+    return UserInfo(name=ANONYMOUS_USER, groups=[ANONYMOUS_GROUP], source="anonymous")
+
+
+def escape_extra_key(key: str) -> str:
+    """Percent-encode an extra key so it is a valid header-name suffix (%XX for anything not a tchar)."""
+    return "".join(chr(b) if b in _KEY_SAFE else f"%{b:02X}" for b in key.encode())
+
+
+def _clean_value(value: str) -> str:
+    """Header values cannot carry CR/LF/NUL; drop them rather than let them split a header."""
+    return "".join(c for c in value if c not in "\r\n\0")
+
+
+def strip_remote(headers: Iterable[tuple[str, str]]) -> Headers:
+    """Every header except client-sent ``X-Remote-*`` (names are compared case-insensitively)."""
+    return [(k, v) for k, v in headers if not k.lower().startswith(REMOTE_PREFIX)]
+
+
+def identity_headers(user: UserInfo) -> Headers:
+    """The requestheader headers that assert ``user`` to the apiserver (x509 identities only)."""
+    if user.source != "x509":
+        return []
+    out: Headers = [(USER_HEADER, _clean_value(user.name))]
+    out += [(GROUP_HEADER, _clean_value(g)) for g in user.groups]
+    for key, values in user.extra.items():
+        out += [(EXTRA_PREFIX + escape_extra_key(key.lower()), _clean_value(v)) for v in values]
+    return out
+
+
+def upstream_identity_headers(headers: Iterable[tuple[str, str]], user: UserInfo) -> Headers:
+    """Client headers with spoofable identity removed and the proxy's assertion added."""
+    return strip_remote(headers) + identity_headers(user)
+
+
+def wants_front_proxy_cert(user: UserInfo) -> bool:
+    """Present the front-proxy certificate only when asserting an identity.
+
+    kube-apiserver tries its x509 authenticator on any client certificate; the
+    front-proxy certificate is not signed by the client CA, so that attempt
+    fails with an error, and with anonymous auth an error is final (401
+    instead of ``system:anonymous``). Token and anonymous requests therefore go
+    upstream with no client certificate, exactly as if they had gone direct.
+    """
+    return user.source == "x509"

@@ -1,0 +1,311 @@
+"""Which apiserver gets the next request (pure: no sockets, injectable clock and RNG).
+
+The seeds' incident was a TCP load balancer that balanced *connections*: one
+apiserver ended with 37 long-lived HTTP/2 connections, another with
+thousands. Here every request is placed on its own:
+
+* **Least in-flight by power of two choices.** Pick two distinct eligible
+  backends at random (weighted), send to the one with fewer in-flight
+  requests per unit of weight. P2C avoids the herd that pure
+  least-in-flight causes when many proxies (or many requests between counter
+  updates) see the same minimum.
+* **Watches count as in-flight while they are open**, so long-lived streams
+  spread the same way short requests do.
+* **Active health** (``/readyz``, probed by the I/O edge): a backend failing
+  ``unhealthy_threshold`` probes in a row stops getting new requests; one
+  success brings it back.
+* **Passive ejection** on a failed connect (immediately: the backend is
+  unreachable) or on a 5xx storm (at least ``storm_min_responses`` responses in
+  ``storm_window_seconds`` with a 5xx share of at least ``storm_ratio``).
+  Ejections last ``base * 2**(n-1)`` seconds, capped, where ``n`` counts
+  ejections since the backend last stayed healthy for ``2 * max`` seconds.
+  A successful probe lifts a connect-failure ejection early (it proves the
+  backend accepts connections again); a 5xx ejection waits out its time.
+* **Panic mode.** If no backend is eligible, all backends not actively known
+  down (else simply all) are candidates: sending to a possibly-bad backend
+  beats answering 503 for the whole control plane. A 5xx storm never ejects
+  the last eligible backend.
+
+Skew is reported as in-flight ``max/min`` and request-rate ``max/min`` over a
+sliding window, across eligible backends, each computed as
+``(max + 1) / (min + 1)`` so that idle backends give 1.0 rather than a
+division by zero; 1.0 is perfectly even.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+from urllib.parse import urlsplit
+
+from gatekeeper.proxy.settings import BackendSettings
+
+Clock = Callable[[], float]
+
+
+@dataclass(frozen=True)
+class EjectionPolicy:
+    """Passive ejection and active health thresholds."""
+
+    base_ejection_seconds: float = 1.0
+    """First ejection length; doubles for each further ejection."""
+    max_ejection_seconds: float = 30.0
+    """Cap on one ejection."""
+    storm_window_seconds: float = 10.0
+    """Window in which 5xx responses are counted."""
+    storm_min_responses: int = 10
+    """Fewest responses in the window before a storm can be declared."""
+    storm_ratio: float = 0.5
+    """Share of 5xx responses in the window that ejects the backend."""
+    unhealthy_threshold: int = 2
+    """Consecutive failed /readyz probes that take a backend out."""
+    rate_window_seconds: float = 60.0
+    """Window of the per-backend request-rate skew gauge."""
+
+
+STORM_STATUSES = frozenset({500, 502, 503, 504})
+
+
+class RateWindow:
+    """Events per one-second bucket over a sliding window; memory is O(window), not O(events)."""
+
+    def __init__(self, seconds: float, clock: Clock) -> None:
+        self.seconds = max(1, int(seconds))
+        self.clock = clock
+        self.buckets: deque[list[int]] = deque()  # [second, count]
+
+    def _trim(self, now_s: int) -> None:
+        while self.buckets and self.buckets[0][0] <= now_s - self.seconds:
+            self.buckets.popleft()
+
+    def add(self, n: int = 1) -> None:
+        now_s = int(self.clock())
+        self._trim(now_s)
+        if self.buckets and self.buckets[-1][0] == now_s:
+            self.buckets[-1][1] += n
+        else:
+            self.buckets.append([now_s, n])
+
+    def count(self) -> int:
+        self._trim(int(self.clock()))
+        return sum(c for _, c in self.buckets)
+
+
+@dataclass
+class Backend:
+    """One apiserver and everything the balancer knows about it."""
+
+    name: str
+    url: str
+    weight: int
+    in_flight: int = 0
+    watches: int = 0
+    requests_total: int = 0
+    connect_failures_total: int = 0
+    ejections_total: int = 0
+    ready: bool = True
+    """Last verdict of the active /readyz probe (after thresholds)."""
+    probe_failures: int = 0
+    ejected_until: float = 0.0
+    ejection_reason: Literal["", "connect", "5xx"] = ""
+    ejection_streak: int = 0
+    healthy_since: float = 0.0
+    responses: deque[tuple[float, bool]] = field(default_factory=deque)
+    """(time, was_5xx) inside the storm window."""
+    rate: RateWindow | None = None
+
+    def ejected(self, now: float) -> bool:
+        return now < self.ejected_until
+
+    def eligible(self, now: float) -> bool:
+        return self.ready and not self.ejected(now)
+
+    @property
+    def load(self) -> float:
+        return (self.in_flight + 1) / self.weight
+
+
+def backend_name(settings: BackendSettings) -> str:
+    if settings.name:
+        return settings.name
+    parts = urlsplit(settings.url)
+    return parts.netloc or settings.url
+
+
+@dataclass
+class Lease:
+    """One request's hold on a backend; ``release`` is idempotent."""
+
+    balancer: Balancer
+    backend: Backend
+    long_running: bool
+    released: bool = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.balancer._release(self)
+
+
+@dataclass(frozen=True)
+class Skew:
+    """Imbalance across eligible backends; 1.0 is even."""
+
+    in_flight_ratio: float
+    rate_ratio: float
+
+
+class Balancer:
+    """Backends, their health and load, and the per-request choice."""
+
+    def __init__(
+        self,
+        backends: Sequence[BackendSettings],
+        *,
+        policy: EjectionPolicy | None = None,
+        clock: Clock = time.monotonic,
+        rng: random.Random | None = None,
+    ) -> None:
+        if not backends:
+            raise ValueError("at least one backend is required")
+        self.policy = policy or EjectionPolicy()
+        self.clock = clock
+        self.rng = rng or random.Random()
+        self.backends: list[Backend] = []
+        seen: set[str] = set()
+        for s in backends:
+            if s.weight < 1:
+                raise ValueError(f"backend {s.url}: weight must be >= 1, got {s.weight}")
+            name = backend_name(s)
+            if name in seen:
+                raise ValueError(f"backend {s.url}: duplicate name {name!r}")
+            seen.add(name)
+            self.backends.append(
+                Backend(name=name, url=s.url.rstrip("/"), weight=s.weight, healthy_since=clock(),
+                        rate=RateWindow(self.policy.rate_window_seconds, clock))
+            )
+        self.by_name = {b.name: b for b in self.backends}
+
+    # --- choice -----------------------------------------------------------------------------
+
+    def candidates(self, exclude: frozenset[str] | set[str] = frozenset()) -> list[Backend]:
+        now = self.clock()
+        pool = [b for b in self.backends if b.name not in exclude]
+        eligible = [b for b in pool if b.eligible(now)]
+        if eligible:
+            return eligible
+        ready = [b for b in pool if b.ready]  # panic: ignore passive ejection
+        return ready or pool
+
+    def _weighted_pick(self, pool: list[Backend]) -> Backend:
+        total = sum(b.weight for b in pool)
+        x = self.rng.random() * total
+        for b in pool:
+            x -= b.weight
+            if x < 0:
+                return b
+        return pool[-1]
+
+    def choose(self, exclude: frozenset[str] | set[str] = frozenset()) -> Backend | None:
+        """Power of two choices on in-flight/weight among eligible backends; None if all are excluded."""
+        pool = self.candidates(exclude)
+        if not pool:
+            return None
+        if len(pool) == 1:
+            return pool[0]
+        a = self._weighted_pick(pool)
+        b = self._weighted_pick([x for x in pool if x is not a])
+        return a if a.load <= b.load else b
+
+    def acquire(self, backend: Backend, *, long_running: bool = False) -> Lease:
+        """Count a request (or an open watch) against ``backend`` until the lease is released."""
+        backend.in_flight += 1
+        backend.requests_total += 1
+        if long_running:
+            backend.watches += 1
+        if backend.rate is not None:
+            backend.rate.add()
+        return Lease(self, backend, long_running)
+
+    def _release(self, lease: Lease) -> None:
+        lease.backend.in_flight -= 1
+        if lease.long_running:
+            lease.backend.watches -= 1
+
+    # --- passive health -----------------------------------------------------------------------
+
+    def _eject(self, backend: Backend, reason: Literal["connect", "5xx"]) -> None:
+        now = self.clock()
+        p = self.policy
+        if backend.ejected(now):
+            return
+        if backend.healthy_since and now - backend.healthy_since >= 2 * p.max_ejection_seconds:
+            backend.ejection_streak = 0
+        backend.ejection_streak += 1
+        duration = min(p.max_ejection_seconds, p.base_ejection_seconds * 2 ** (backend.ejection_streak - 1))
+        backend.ejected_until = now + duration
+        backend.ejection_reason = reason
+        backend.ejections_total += 1
+        backend.responses.clear()
+        backend.healthy_since = backend.ejected_until
+
+    def report_connect_failure(self, backend: Backend) -> None:
+        """The backend refused or timed out a connection: nothing reached it, eject now."""
+        backend.connect_failures_total += 1
+        self._eject(backend, "connect")
+
+    def report_response(self, backend: Backend, status: int) -> None:
+        """Feed a response status into the 5xx storm detector."""
+        now = self.clock()
+        p = self.policy
+        window = backend.responses
+        window.append((now, status in STORM_STATUSES))
+        while window and window[0][0] < now - p.storm_window_seconds:
+            window.popleft()
+        if len(window) < p.storm_min_responses:
+            return
+        bad = sum(1 for _, is_bad in window if is_bad)
+        if bad / len(window) < p.storm_ratio:
+            return
+        others = [b for b in self.backends if b is not backend and b.eligible(now)]
+        if others:
+            self._eject(backend, "5xx")
+
+    # --- active health ------------------------------------------------------------------------
+
+    def report_probe(self, backend: Backend, ok: bool) -> None:
+        """Result of one /readyz probe."""
+        now = self.clock()
+        if ok:
+            backend.probe_failures = 0
+            if not backend.ready:
+                backend.ready = True
+                backend.healthy_since = now
+            if backend.ejection_reason == "connect" and backend.ejected(now):
+                backend.ejected_until = now
+                backend.healthy_since = now
+            return
+        backend.probe_failures += 1
+        if backend.probe_failures >= self.policy.unhealthy_threshold:
+            backend.ready = False
+
+    # --- observation --------------------------------------------------------------------------
+
+    def health(self, backend: Backend) -> Literal["healthy", "ejected", "unready"]:
+        if not backend.ready:
+            return "unready"
+        return "ejected" if backend.ejected(self.clock()) else "healthy"
+
+    def skew(self) -> Skew:
+        now = self.clock()
+        pool = [b for b in self.backends if b.eligible(now)] or self.backends
+        flights = [b.in_flight / b.weight for b in pool]
+        rates = [(b.rate.count() if b.rate else 0) / b.weight for b in pool]
+        return Skew(
+            in_flight_ratio=(max(flights) + 1) / (min(flights) + 1),
+            rate_ratio=(max(rates) + 1) / (min(rates) + 1),
+        )

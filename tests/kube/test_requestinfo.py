@@ -1,0 +1,155 @@
+"""RequestInfo table: the paths kube-apiserver documents, and what it derives from them."""
+
+from __future__ import annotations
+
+import pytest
+
+from gatekeeper.kube.requestinfo import parse
+
+# method, target, verb, prefix, group, version, namespace, resource, subresource, name
+RESOURCE_CASES = [
+    ("GET", "/api/v1/namespaces", "list", "api", "", "v1", "", "namespaces", "", ""),
+    ("GET", "/api/v1/namespaces/other", "get", "api", "", "v1", "other", "namespaces", "", "other"),
+    ("GET", "/api/v1/namespaces/other/pods", "list", "api", "", "v1", "other", "pods", "", ""),
+    ("GET", "/api/v1/namespaces/other/pods/foo", "get", "api", "", "v1", "other", "pods", "", "foo"),
+    ("HEAD", "/api/v1/namespaces/other/pods/foo", "get", "api", "", "v1", "other", "pods", "", "foo"),
+    ("GET", "/api/v1/pods", "list", "api", "", "v1", "", "pods", "", ""),
+    ("HEAD", "/api/v1/pods", "list", "api", "", "v1", "", "pods", "", ""),
+    ("GET", "/api/v1/namespaces/other/pods/foo", "get", "api", "", "v1", "other", "pods", "", "foo"),
+    ("GET", "/api/v1/namespaces/other/pods", "list", "api", "", "v1", "other", "pods", "", ""),
+    # special verbs
+    ("GET", "/api/v1/proxy/namespaces/other/pods/foo", "proxy", "api", "", "v1", "other", "pods", "", "foo"),
+    ("GET", "/api/v1/proxy/namespaces/other/pods/foo/subpath/not/a/subresource", "proxy", "api", "", "v1",
+     "other", "pods", "", "foo"),
+    ("GET", "/api/v1/watch/pods", "watch", "api", "", "v1", "", "pods", "", ""),
+    ("GET", "/api/v1/pods?watch=true", "watch", "api", "", "v1", "", "pods", "", ""),
+    ("GET", "/api/v1/pods?watch=1", "watch", "api", "", "v1", "", "pods", "", ""),
+    ("GET", "/api/v1/pods?watch=false", "list", "api", "", "v1", "", "pods", "", ""),
+    ("GET", "/api/v1/pods?watch=0", "list", "api", "", "v1", "", "pods", "", ""),
+    ("GET", "/api/v1/watch/namespaces/other/pods", "watch", "api", "", "v1", "other", "pods", "", ""),
+    # fieldSelector narrows list/watch to one name
+    ("GET", "/api/v1/namespaces/other/pods?fieldSelector=metadata.name%3Dfoo", "list", "api", "", "v1",
+     "other", "pods", "", "foo"),
+    ("GET", "/api/v1/namespaces/other/pods?watch=true&fieldSelector=metadata.name%3D%3Dfoo", "watch", "api",
+     "", "v1", "other", "pods", "", "foo"),
+    ("GET", "/api/v1/namespaces/other/pods?fieldSelector=metadata.name%21%3Dfoo", "list", "api", "", "v1",
+     "other", "pods", "", ""),
+    ("GET", "/api/v1/pods?fieldSelector=spec.nodeName%3Dn1,metadata.name%3Dbar", "list", "api", "", "v1",
+     "", "pods", "", "bar"),
+    ("GET", "/api/v1/pods?fieldSelector=spec.nodeName%3Dn1", "list", "api", "", "v1", "", "pods", "", ""),
+    # subresources
+    ("GET", "/api/v1/namespaces/other/pods/foo/status", "get", "api", "", "v1", "other", "pods", "status",
+     "foo"),
+    ("PUT", "/api/v1/namespaces/other/finalize", "update", "api", "", "v1", "other", "namespaces",
+     "finalize", "other"),
+    ("PUT", "/api/v1/namespaces/other/status", "update", "api", "", "v1", "other", "namespaces", "status",
+     "other"),
+    ("POST", "/api/v1/namespaces/other/pods/foo/binding", "create", "api", "", "v1", "other", "pods",
+     "binding", "foo"),
+    # verbs by method
+    ("POST", "/api/v1/namespaces/other/pods", "create", "api", "", "v1", "other", "pods", "", ""),
+    ("PUT", "/api/v1/namespaces/other/pods/foo", "update", "api", "", "v1", "other", "pods", "", "foo"),
+    ("PATCH", "/api/v1/namespaces/other/pods/foo", "patch", "api", "", "v1", "other", "pods", "", "foo"),
+    ("DELETE", "/api/v1/namespaces/other/pods/foo", "delete", "api", "", "v1", "other", "pods", "", "foo"),
+    ("DELETE", "/api/v1/namespaces/other/pods", "deletecollection", "api", "", "v1", "other", "pods", "", ""),
+    ("OPTIONS", "/api/v1/namespaces/other/pods/foo", "", "api", "", "v1", "other", "pods", "", "foo"),
+    # groups
+    ("GET", "/apis/extensions/v1beta1/namespaces/other/ingresses", "list", "apis", "extensions", "v1beta1",
+     "other", "ingresses", "", ""),
+    ("GET", "/apis/apps/v1/namespaces/other/deployments/foo/scale", "get", "apis", "apps", "v1", "other",
+     "deployments", "scale", "foo"),
+    ("GET", "/apis/apps/v1/watch/namespaces/other/deployments", "watch", "apis", "apps", "v1", "other",
+     "deployments", "", ""),
+    ("GET", "/apis/coordination.k8s.io/v1/namespaces/kube-system/leases/kube-scheduler", "get", "apis",
+     "coordination.k8s.io", "v1", "kube-system", "leases", "", "kube-scheduler"),
+    ("GET", "/apis/rbac.authorization.k8s.io/v1/clusterroles", "list", "apis", "rbac.authorization.k8s.io",
+     "v1", "", "clusterroles", "", ""),
+    ("POST", "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews", "create", "apis",
+     "authorization.k8s.io", "v1", "", "selfsubjectaccessreviews", "", ""),
+    # URL-escaped path segments are decoded as Go's URL.Path is
+    ("GET", "/api/v1/namespaces/other/secrets/a%2Db", "get", "api", "", "v1", "other", "secrets", "", "a-b"),
+]
+
+
+@pytest.mark.parametrize(
+    ("method", "target", "verb", "prefix", "group", "version", "namespace", "resource", "subresource",
+     "name"),
+    RESOURCE_CASES,
+)
+def test_resource_request_is_parsed_like_the_apiserver(
+    method: str, target: str, verb: str, prefix: str, group: str, version: str, namespace: str,
+    resource: str, subresource: str, name: str,
+) -> None:
+    info = parse(method, target)
+    assert info.is_resource_request
+    assert (info.verb, info.api_prefix, info.api_group, info.api_version, info.namespace, info.resource,
+            info.subresource, info.name) == (verb, prefix, group, version, namespace, resource, subresource,
+                                             name)
+
+
+NON_RESOURCE_CASES = [
+    ("GET", "/", "get"),
+    ("GET", "/healthz", "get"),
+    ("GET", "/livez?verbose", "get"),
+    ("GET", "/readyz/etcd", "get"),
+    ("GET", "/version", "get"),
+    ("GET", "/metrics", "get"),
+    ("GET", "/openapi/v2", "get"),
+    ("GET", "/openapi/v3/apis/apps/v1?hash=ABC", "get"),
+    ("GET", "/api", "get"),
+    ("GET", "/api/v1", "get"),
+    ("GET", "/apis", "get"),
+    ("GET", "/apis/apps", "get"),
+    ("GET", "/apis/apps/v1", "get"),
+    ("POST", "/apis/apps/v1", "post"),
+    ("DELETE", "/healthz", "delete"),
+    ("GET", "/other/v1/pods", "get"),
+]
+
+
+@pytest.mark.parametrize(("method", "target", "verb"), NON_RESOURCE_CASES)
+def test_non_resource_url_keeps_lowercase_http_method_as_verb(method: str, target: str, verb: str) -> None:
+    info = parse(method, target)
+    assert not info.is_resource_request
+    assert info.verb == verb
+    assert (info.resource, info.name, info.namespace) == ("", "", "")
+    assert info.path == target.split("?")[0]
+
+
+@pytest.mark.parametrize(
+    ("method", "target", "long_running"),
+    [
+        ("GET", "/api/v1/pods?watch=true", True),
+        ("GET", "/api/v1/watch/namespaces/a/pods", True),
+        ("GET", "/api/v1/pods", False),
+        ("GET", "/api/v1/namespaces/a/pods/p/log?follow=true", True),
+        ("GET", "/api/v1/namespaces/a/pods/p/log", False),
+        ("GET", "/api/v1/namespaces/a/pods/p/log?follow=false", False),
+        ("POST", "/api/v1/namespaces/a/pods/p/exec?command=ls", True),
+        ("GET", "/api/v1/namespaces/a/pods/p/exec?command=ls", True),
+        ("POST", "/api/v1/namespaces/a/pods/p/attach", True),
+        ("POST", "/api/v1/namespaces/a/pods/p/portforward", True),
+        ("GET", "/api/v1/namespaces/a/pods/p/proxy/metrics", True),
+        ("GET", "/api/v1/proxy/namespaces/a/pods/p", True),
+        ("GET", "/api/v1/namespaces/a/services/s:80/proxy/", True),
+        ("PUT", "/api/v1/namespaces/a/pods/p/status", False),
+        ("GET", "/healthz", False),
+    ],
+)
+def test_long_running_requests_are_detected(method: str, target: str, long_running: bool) -> None:
+    assert parse(method, target).long_running is long_running
+
+
+def test_resource_key_joins_subresource() -> None:
+    assert parse("GET", "/api/v1/namespaces/a/pods/p/log").resource_key == "pods/log"
+    assert parse("GET", "/api/v1/secrets").resource_key == "secrets"
+
+
+def test_legacy_special_verb_without_resource_is_resource_request_without_resource() -> None:
+    info = parse("GET", "/api/v1/watch")
+    assert info.is_resource_request and info.verb == "watch" and info.resource == ""
+
+
+def test_parts_start_at_resource() -> None:
+    assert parse("GET", "/apis/apps/v1/namespaces/ns/deployments/d/scale").parts == (
+        "deployments", "d", "scale")

@@ -1,0 +1,110 @@
+"""Identity from client certificates and tokens, and X-Remote-* hygiene."""
+
+from __future__ import annotations
+
+from urllib.parse import unquote
+
+from gatekeeper.proxy.auth import (
+    escape_extra_key,
+    identify,
+    strip_remote,
+    token_user,
+    upstream_identity_headers,
+    wants_front_proxy_cert,
+)
+from gatekeeper.proxy.messages import UserInfo
+
+ADMIN_CERT = {
+    "subject": (
+        (("organizationName", "system:masters"),),
+        (("organizationName", "team-a"),),
+        (("commonName", "alice"),),
+    ),
+    "issuer": ((("commonName", "gatekeeper-cluster-ca"),),),
+}
+
+
+def test_verified_certificate_gives_cn_user_and_o_groups() -> None:
+    user = identify(ADMIN_CERT, [])
+    assert (user.name, user.groups, user.source) == ("alice", ["system:masters", "team-a"], "x509")
+
+
+def test_certificate_wins_over_bearer_token_like_apiserver_chain() -> None:
+    user = identify(ADMIN_CERT, [("authorization", "Bearer abc")])
+    assert user.source == "x509" and user.name == "alice"
+
+
+def test_bearer_token_identity_is_a_hash_not_the_token() -> None:
+    user = identify(None, [("authorization", "Bearer s3cret")])
+    assert user.source == "token"
+    assert user.name == token_user("Bearer s3cret")
+    assert "s3cret" not in user.name
+    assert identify(None, [("authorization", "Bearer other")]).name != user.name
+
+
+def test_no_credentials_is_anonymous() -> None:
+    user = identify(None, [("accept", "application/json")])
+    assert (user.name, user.groups) == ("system:anonymous", ["system:unauthenticated"])
+    assert user.source == "anonymous"
+
+
+def test_certificate_without_cn_is_not_an_identity() -> None:
+    assert identify({"subject": ((("organizationName", "x"),),)}, []).source == "anonymous"
+
+
+def test_client_sent_x_remote_headers_are_stripped_case_insensitively() -> None:
+    headers = [
+        ("X-Remote-User", "admin"),
+        ("x-remote-group", "system:masters"),
+        ("X-REMOTE-EXTRA-scopes", "all"),
+        ("x-remote-anything", "x"),
+        ("impersonate-user", "bob"),
+        ("impersonate-group", "g"),
+        ("authorization", "Bearer t"),
+        ("x-remotely", "kept"),
+    ]
+    assert strip_remote(headers) == [
+        ("impersonate-user", "bob"),
+        ("impersonate-group", "g"),
+        ("authorization", "Bearer t"),
+        ("x-remotely", "kept"),
+    ]
+
+
+def test_token_request_gets_no_identity_headers_even_if_spoofed() -> None:
+    headers = [("authorization", "Bearer t"), ("x-remote-user", "admin"),
+               ("x-remote-group", "system:masters")]
+    user = identify(None, headers)
+    out = upstream_identity_headers(headers, user)
+    assert out == [("authorization", "Bearer t")]
+    assert not wants_front_proxy_cert(user)
+
+
+def test_certificate_identity_is_stamped_replacing_spoofed_headers() -> None:
+    headers = [("x-remote-user", "admin"), ("x-remote-group", "system:masters"), ("accept", "*/*")]
+    user = UserInfo(name="bob", groups=["dev", "ops"], extra={"Scopes": ["a", "b"], "acme.com/team": ["x"]},
+                    source="x509")
+    out = upstream_identity_headers(headers, user)
+    assert out == [
+        ("accept", "*/*"),
+        ("x-remote-user", "bob"),
+        ("x-remote-group", "dev"),
+        ("x-remote-group", "ops"),
+        ("x-remote-extra-scopes", "a"),
+        ("x-remote-extra-scopes", "b"),
+        ("x-remote-extra-acme.com%2Fteam", "x"),
+    ]
+    assert wants_front_proxy_cert(user)
+
+
+def test_extra_key_escaping_round_trips_through_unescape() -> None:
+    for key in ("plain", "acme.com/team", "100%", "with space", "ünï", "a:b=c"):
+        escaped = escape_extra_key(key)
+        assert all(c.isalnum() or c in "!#$&'*+-.^_`|~%" for c in escaped), escaped
+        assert unquote(escaped) == key
+
+
+def test_stamped_values_cannot_inject_headers() -> None:
+    user = UserInfo(name="bob\r\nx-remote-group: system:masters", source="x509")
+    (name, value), = upstream_identity_headers([], user)
+    assert name == "x-remote-user" and "\n" not in value and "\r" not in value
