@@ -1,0 +1,131 @@
+"""TypedDicts for the few Kubernetes object shapes gatekeeper reads or writes.
+
+Only the fields we touch are declared (``total=False``): these document shape
+for readers and mypy, they do not validate. Admission input is untrusted, so the
+policies still check types at runtime where a wrong type would crash them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NotRequired, TypedDict
+
+
+class ObjectMeta(TypedDict, total=False):
+    name: str
+    generateName: str
+    namespace: str
+    labels: dict[str, str]
+    annotations: dict[str, str]
+    deletionTimestamp: str
+
+
+class Secret(TypedDict, total=False):
+    apiVersion: str
+    kind: str
+    metadata: ObjectMeta
+    type: str
+    data: dict[str, str]
+    """base64-encoded values."""
+    stringData: dict[str, str]
+    """write-only plain values; the apiserver merges them into data (stringData wins)."""
+
+
+class ConfigMap(TypedDict, total=False):
+    apiVersion: str
+    kind: str
+    metadata: ObjectMeta
+    data: dict[str, str]
+    binaryData: dict[str, str]
+    """base64-encoded values."""
+
+
+class ResourceClaimRef(TypedDict):
+    """Container ``resources.claims[]`` entry."""
+
+    name: str
+    request: NotRequired[str]
+
+
+class ResourceRequirements(TypedDict, total=False):
+    limits: dict[str, Any]
+    requests: dict[str, Any]
+    claims: list[ResourceClaimRef]
+
+
+class Container(TypedDict, total=False):
+    name: str
+    image: str
+    resources: ResourceRequirements
+    restartPolicy: str
+    """``Always`` on an init container makes it a sidecar."""
+
+
+class PodResourceClaim(TypedDict, total=False):
+    """Pod ``spec.resourceClaims[]`` entry."""
+
+    name: str
+    resourceClaimName: str
+    resourceClaimTemplateName: str
+
+
+class PodSpec(TypedDict, total=False):
+    containers: list[Container]
+    initContainers: list[Container]
+    resourceClaims: list[PodResourceClaim]
+
+
+class Pod(TypedDict, total=False):
+    apiVersion: str
+    kind: str
+    metadata: ObjectMeta
+    spec: PodSpec
+
+
+class ExactDeviceRequest(TypedDict, total=False):
+    deviceClassName: str
+    allocationMode: str
+    count: int
+
+
+class DeviceRequest(TypedDict, total=False):
+    name: str
+    exactly: ExactDeviceRequest
+
+
+class DeviceConstraint(TypedDict, total=False):
+    requests: list[str]
+    matchAttribute: str
+
+
+class OpaqueDeviceConfiguration(TypedDict):
+    driver: str
+    parameters: dict[str, Any]
+
+
+class DeviceClaimConfiguration(TypedDict, total=False):
+    requests: list[str]
+    opaque: OpaqueDeviceConfiguration
+
+
+class DeviceClaim(TypedDict, total=False):
+    requests: list[DeviceRequest]
+    constraints: list[DeviceConstraint]
+    config: list[DeviceClaimConfiguration]
+
+
+class ResourceClaimSpec(TypedDict, total=False):
+    devices: DeviceClaim
+
+
+class ResourceClaimTemplateSpec(TypedDict, total=False):
+    metadata: ObjectMeta
+    spec: ResourceClaimSpec
+
+
+class ResourceClaimTemplate(TypedDict, total=False):
+    """``resource.k8s.io/v1`` ResourceClaimTemplate."""
+
+    apiVersion: str
+    kind: str
+    metadata: ObjectMeta
+    spec: ResourceClaimTemplateSpec

@@ -1,0 +1,165 @@
+"""Oversized Secret / ConfigMap policy (validating, pure).
+
+Why: the apiserver holds every object of a LIST in memory while it encodes the
+response; 5,000 Secrets of 0.2 MB made each LIST cost ~1 GB and OOMed the
+apiservers (the seeds' first incident). Rejecting big objects at admission keeps
+that from being built in the first place.
+
+Size is what the object costs in etcd and in a LIST: decoded ``data`` (from the
+base64 length, without decoding) + ``stringData`` UTF-8 bytes, plus annotation
+keys and values when ``countAnnotations`` is on. Rules:
+
+* CREATE/UPDATE above the hard limit -> denied with the name, size, limit, fix.
+* Above the soft limit -> allowed with a warning.
+* UPDATE of an object already over the hard limit that does not grow -> allowed
+  with a warning, so teams can shrink what exists and controllers can still
+  remove finalizers or change labels on it.
+* DELETE and CONNECT -> always allowed. dryRun -> same answer as a real request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from gatekeeper.kube.admission import AdmissionRequest, Decision, as_dict, object_label
+from gatekeeper.webhook.settings import SecretSettings, parse_size
+
+FIX = "keep large payloads in a volume or an external secret store"
+
+
+def b64_decoded_len(value: str) -> int:
+    """Decoded byte length of a base64 string, from its length and padding only."""
+    n = len(value)
+    if n == 0:
+        return 0
+    pad = 2 if value.endswith("==") else (1 if value.endswith("=") else 0)
+    return (n * 3) // 4 - pad
+
+
+def _utf8_len(value: Any) -> int:
+    if not isinstance(value, str):
+        value = str(value)
+    return len(value) if value.isascii() else len(value.encode())
+
+
+@dataclass(frozen=True)
+class Size:
+    """An object's counted size, split so the message can say where it comes from."""
+
+    data: int
+    annotations: int
+
+    @property
+    def total(self) -> int:
+        return self.data + self.annotations
+
+
+def object_size(kind: str, obj: dict[str, Any], count_annotations: bool) -> Size:
+    data = as_dict(obj.get("data"))
+    total = 0
+    if kind == "Secret":
+        string_data = as_dict(obj.get("stringData"))
+        for value in string_data.values():
+            total += _utf8_len(value)
+        for key, value in data.items():
+            if key not in string_data:
+                total += b64_decoded_len(value) if isinstance(value, str) else 0
+    else:  # ConfigMap: data is plain text, binaryData is base64
+        for value in data.values():
+            total += _utf8_len(value)
+        for value in as_dict(obj.get("binaryData")).values():
+            total += b64_decoded_len(value) if isinstance(value, str) else 0
+    ann = 0
+    if count_annotations:
+        for k, v in as_dict(as_dict(obj.get("metadata")).get("annotations")).items():
+            ann += _utf8_len(k) + _utf8_len(v)
+    return Size(total, ann)
+
+
+def human(n: int) -> str:
+    """212 KiB, 128.5 KiB, 1.2 MiB: exact enough that 'over the limit' is never '128 KiB > 128 KiB'."""
+    if n >= 1024 * 1024:
+        v, unit = n / (1024 * 1024), "MiB"
+    elif n >= 1024:
+        v, unit = n / 1024, "KiB"
+    else:
+        return f"{n} bytes"
+    text = f"{v:.1f}".removesuffix(".0")
+    return f"{text} {unit}"
+
+
+def human_pair(size: int, limit: int) -> tuple[str, str]:
+    """Both sizes, in bytes when rounding would make a size over the limit print as the limit."""
+    a, b = human(size), human(limit)
+    return (f"{size} bytes", f"{limit} bytes") if a == b and size != limit else (a, b)
+
+
+@dataclass(frozen=True)
+class Limits:
+    hard: int
+    soft: int
+
+
+def limits_for(settings: SecretSettings, kind: str, namespace: str, secret_type: str) -> Limits:
+    hard, soft = parse_size(settings.hard_limit), parse_size(settings.soft_limit)
+    for o in settings.overrides:
+        if o.namespaces and namespace not in o.namespaces:
+            continue
+        if o.types and (kind != "Secret" or secret_type not in o.types):
+            continue
+        if o.hard_limit is not None:
+            hard = parse_size(o.hard_limit)
+        if o.soft_limit is not None:
+            soft = parse_size(o.soft_limit)
+        break
+    return Limits(hard=hard, soft=min(soft, hard))
+
+
+def handles(req: AdmissionRequest, settings: SecretSettings) -> bool:
+    if req.group != "" or req.sub_resource:
+        return False
+    return (req.kind == "Secret" and settings.enabled) or (req.kind == "ConfigMap" and settings.config_maps)
+
+
+def review(req: AdmissionRequest, settings: SecretSettings) -> Decision:
+    """Decide one Secret/ConfigMap review (callers check :func:`handles` first)."""
+    if req.operation not in ("CREATE", "UPDATE") or req.object is None:
+        return Decision(outcome="allowed")
+    obj = req.object
+    meta = as_dict(obj.get("metadata"))
+    if req.operation == "UPDATE" and meta.get("deletionTimestamp"):
+        return Decision(outcome="allowed")  # finishing a deletion must never be blocked
+    secret_type = (obj.get("type") or "Opaque") if req.kind == "Secret" else ""
+    limits = limits_for(settings, req.kind, req.namespace, str(secret_type))
+    size = object_size(req.kind, obj, settings.count_annotations)
+    label = object_label(req.kind, req.namespace, meta)
+    where = f" (incl. {human(size.annotations)} of annotations)" if size.annotations > 1024 else ""
+    audit = {"size-bytes": str(size.total)}
+    if size.total > limits.hard:
+        if req.operation == "UPDATE" and req.old_object is not None:
+            old = object_size(req.kind, req.old_object, settings.count_annotations)
+            if old.total > limits.hard and size.total <= old.total:
+                audit["oversized-update"] = f"{old.total}->{size.total}"
+                return Decision(
+                    outcome="warned",
+                    warnings=[f"{label} is {human(size.total)}, still over the {human(limits.hard)} limit; "
+                              "allowed because it does not grow"],
+                    audit=audit,
+                )
+        audit["denied"] = f"size {size.total} > hard limit {limits.hard}"
+        shown, limit = human_pair(size.total, limits.hard)
+        return Decision(
+            allowed=False,
+            outcome="denied",
+            message=f"{label} is {shown}{where}, over the {limit} limit: {FIX}",
+            audit=audit,
+        )
+    if size.total > limits.soft:
+        return Decision(
+            outcome="warned",
+            warnings=[f"{label} is {human(size.total)}, over the {human(limits.soft)} soft limit "
+                      f"(denied above {human(limits.hard)}); move payloads to a volume"],
+            audit=audit,
+        )
+    return Decision(outcome="allowed")

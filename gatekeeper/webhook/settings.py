@@ -1,0 +1,179 @@
+"""Typed ``webhook:`` section of the gatekeeper config file.
+
+Defaults and why (the README repeats this):
+
+* ``secrets.hardLimit: 128Ki`` -- the seeds' incident was 5,000 Secrets of
+  ~0.2 MB (~195 KiB) each; a LIST of them pulled ~1 GB into the apiserver.
+  128 KiB denies those outright (they are ~1.5x the limit before counting the
+  ``last-applied-configuration`` copy, ~3x with it) while leaving a wide
+  margin over what Secrets are for: TLS pairs (2-8 KiB), dockerconfigjson and
+  tokens (<4 KiB), even a cert chain plus a private CA bundle (~20-50 KiB).
+  Helm release Secrets (up to ~1 MiB) get an explicit per-type override.
+* ``secrets.softLimit: 32Ki`` -- warn early (still 4x the usual TLS Secret)
+  so teams move payloads out before they hit the wall.
+* ``secrets.countAnnotations: true`` -- ``kubectl apply`` stores the whole
+  object again in ``kubectl.kubernetes.io/last-applied-configuration``, so a
+  Secret's stored (and LISTed) size is roughly twice its data.
+* ``gpu.defaultMode: off`` -- installing the webhook changes no pod until an
+  operator picks a mode globally, per namespace, or per pod (annotation).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Literal, get_args
+
+Mode = Literal["dra", "time-slicing", "mps", "mps-dra", "mig", "off"]
+MODES: tuple[str, ...] = get_args(Mode)
+
+ANNOTATION_PREFIX = "gatekeeper.dev/"
+"""Project-owned annotation prefix on pods (and the webhook names' suffix)."""
+MODE_ANNOTATION = ANNOTATION_PREFIX + "gpu-mode"
+"""Pod annotation selecting the GPU mode; ``off`` leaves the pod alone."""
+MEMORY_ANNOTATION = ANNOTATION_PREFIX + "gpu-memory"
+"""Pod annotation with the GPU memory each GPU container needs (mig mode), e.g. ``20Gi``."""
+REWRITTEN_ANNOTATION = ANNOTATION_PREFIX + "gpu-rewritten"
+"""Set on pods the webhook rewrote: what changed, for humans and for reinvocation."""
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(Ki|Mi|Gi|K|M|G|k|B)?\s*$")
+_UNITS = {None: 1, "B": 1, "k": 1000, "K": 1000, "M": 1000**2, "G": 1000**3,
+          "Ki": 1024, "Mi": 1024**2, "Gi": 1024**3}
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes from an integer or a Kubernetes-style quantity ('128Ki', '1Mi', '200k')."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 0:
+            raise ValueError(f"size must not be negative, got {value}")
+        return value
+    m = _SIZE.match(str(value))
+    if not m:
+        raise ValueError(f"expected a size like 131072, '128Ki' or '1Mi', got {value!r}")
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """The HTTPS listener the apiserver calls."""
+
+    address: str = "127.0.0.1"
+    """Bind address (``0.0.0.0`` inside a pod)."""
+    port: int = 8443
+    """TLS port for /validate, /mutate, /healthz, /readyz and /metrics (0 = pick a free port)."""
+    cert_file: str = ""
+    """Serving certificate (PEM); re-read when its mtime changes, for new connections."""
+    key_file: str = ""
+    """Serving key (PEM); re-read together with the certificate."""
+    cert_check_interval_seconds: float = 2.0
+    """How often (at most) a new connection checks the cert/key files' mtime."""
+    workers: int = 1
+    """Processes sharing the port with SO_REUSEPORT (``--workers`` overrides)."""
+    port_file: str = ""
+    """If set, the bound port is written here once listening (for port 0 and scripts)."""
+
+    def validate(self) -> None:
+        if not self.cert_file or not self.key_file:
+            raise ValueError("certFile and keyFile are required: the apiserver only calls webhooks over TLS")
+        if self.workers < 1:
+            raise ValueError(f"workers must be >= 1, got {self.workers}")
+
+
+@dataclass(frozen=True)
+class SizeOverride:
+    """Different limits for some namespaces and/or Secret types (first match wins)."""
+
+    namespaces: list[str] = field(default_factory=list)
+    """Namespaces this override applies to (empty = any)."""
+    types: list[str] = field(default_factory=list)
+    """Secret ``type`` values this override applies to, e.g. ``helm.sh/release.v1`` (empty = any)."""
+    hard_limit: int | str | None = None
+    """Deny above this size (null = keep the global hard limit)."""
+    soft_limit: int | str | None = None
+    """Warn above this size (null = keep the global soft limit)."""
+
+    def validate(self) -> None:
+        if not self.namespaces and not self.types:
+            raise ValueError("an override needs namespaces: and/or types: "
+                             "(to change every object, change the global limits)")
+        for v in (self.hard_limit, self.soft_limit):
+            if v is not None:
+                parse_size(v)
+
+
+@dataclass(frozen=True)
+class SecretSettings:
+    """Oversized Secret (and ConfigMap) policy, served on /validate."""
+
+    enabled: bool = True
+    """Apply the policy to Secrets."""
+    hard_limit: int | str = "128Ki"
+    """Deny CREATE/UPDATE above this many bytes (decoded data + stringData [+ annotations])."""
+    soft_limit: int | str = "32Ki"
+    """Allow with a warning above this many bytes."""
+    count_annotations: bool = True
+    """Count annotation keys and values (last-applied-configuration doubles the stored size)."""
+    config_maps: bool = False
+    """Apply the same limits to ConfigMaps (data + binaryData)."""
+    overrides: list[SizeOverride] = field(default_factory=list)
+    """Per-namespace / per-type limits; the first matching entry wins."""
+
+    def validate(self) -> None:
+        hard, soft = parse_size(self.hard_limit), parse_size(self.soft_limit)
+        if soft > hard:
+            raise ValueError(f"softLimit ({self.soft_limit}) must not exceed hardLimit ({self.hard_limit})")
+
+
+@dataclass(frozen=True)
+class GpuSettings:
+    """GPU pod rewrite policy, served on /mutate."""
+
+    enabled: bool = True
+    """Apply the policy to Pods."""
+    default_mode: Mode = "off"
+    """Mode when neither the pod annotation nor namespaceModes decides."""
+    namespace_modes: dict[str, Mode] = field(default_factory=dict)
+    """Per-namespace default mode."""
+    device_class: str = "gpu.nvidia.com"
+    """DeviceClass the DRA claims request."""
+    match_attribute: str = "resource.kubernetes.io/pcieRoot"
+    """Attribute all devices of a multi-GPU claim must share (topology alignment)."""
+    time_slicing_resource: str = "nvidia.com/gpu.shared"
+    """Extended resource the device plugin advertises for time-sliced GPUs."""
+    mps_resource: str = "nvidia.com/gpu.shared"
+    """Extended resource the device plugin advertises for MPS-shared GPUs."""
+    mps_driver: str = "gpu.nvidia.com"
+    """DRA driver that receives the opaque GpuConfig (mps-dra)."""
+    mig_gpu_model: str = "A100-40GB"
+    """GPU model whose MIG profiles the mig mode chooses from (see gpu.MIG_CATALOG)."""
+    mig_default_profile: str = ""
+    """Profile used when a mig pod has no gpu-memory annotation (empty = deny such pods)."""
+    template_prefix: str = "gatekeeper-gpu"
+    """Name prefix of the ResourceClaimTemplates the webhook keeps present."""
+    template_cache_seconds: float = 300.0
+    """How long a template known to exist is not re-checked."""
+
+    def validate(self) -> None:
+        from gatekeeper.webhook.gpu import MIG_CATALOG
+
+        if self.mig_gpu_model not in MIG_CATALOG:
+            raise ValueError(f"migGpuModel {self.mig_gpu_model!r} is unknown; expected one of "
+                             + ", ".join(MIG_CATALOG))
+        names = {p.name for p in MIG_CATALOG[self.mig_gpu_model]}
+        if self.mig_default_profile and self.mig_default_profile not in names:
+            raise ValueError(f"migDefaultProfile {self.mig_default_profile!r} is not a {self.mig_gpu_model} "
+                             f"profile; expected one of {', '.join(sorted(names))}")
+
+
+@dataclass(frozen=True)
+class WebhookSettings:
+    """Root of the ``webhook:`` section."""
+
+    server: ServerSettings = field(default_factory=ServerSettings)
+    """HTTPS listener (certFile/keyFile are checked when the server starts)."""
+    secrets: SecretSettings = field(default_factory=SecretSettings)
+    """Oversized Secret policy."""
+    gpu: GpuSettings = field(default_factory=GpuSettings)
+    """GPU pod policy."""
+    kubeconfig: str = ""
+    """Kubeconfig for template reconciliation (empty = in-cluster service account)."""

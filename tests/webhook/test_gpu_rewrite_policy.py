@@ -1,0 +1,219 @@
+"""GPU pod rewrite policy: AdmissionReview fixtures in, patched pod out (patch applied with jsonpatch)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from review_fixtures import apply, container, pod, request, review
+
+from gatekeeper.kube.admission import response
+from gatekeeper.webhook import gpu
+from gatekeeper.webhook.settings import REWRITTEN_ANNOTATION, GpuSettings
+
+DRA = GpuSettings(default_mode="dra")
+
+
+def run(obj, settings: GpuSettings = DRA, **kw):  # type: ignore[no-untyped-def]
+    doc = review(obj, kind="Pod", **kw)
+    req = request(doc)
+    assert gpu.handles(req, settings)
+    d = gpu.review(req, settings)
+    resp = response(req.uid, d)
+    return d, resp, apply(obj, resp)
+
+
+def claims_of(c):  # type: ignore[no-untyped-def]
+    return [x["name"] for x in c.get("resources", {}).get("claims", [])]
+
+
+def test_dra_single_gpu_container_becomes_claim_and_loses_nvidia_gpu() -> None:
+    d, resp, out = run(pod(container("main", 1, extra={"cpu": "2"})))
+    c = out["spec"]["containers"][0]
+    assert c["resources"]["limits"] == {"cpu": "2"}
+    assert claims_of(c) == ["gpu-main"]
+    (rc,) = out["spec"]["resourceClaims"]
+    assert rc["name"] == "gpu-main" and rc["resourceClaimTemplateName"] == gpu.template_name(DRA, "dra", 1)
+    (tmpl,) = d.templates
+    assert tmpl["apiVersion"] == "resource.k8s.io/v1" and tmpl["kind"] == "ResourceClaimTemplate"
+    assert tmpl["metadata"] == {"name": rc["resourceClaimTemplateName"], "namespace": "team-a",
+                                "labels": {"app.kubernetes.io/managed-by": "gatekeeper"}}
+    devices = tmpl["spec"]["spec"]["devices"]
+    assert devices["requests"] == [{"name": "gpu", "exactly": {
+        "deviceClassName": "gpu.nvidia.com", "allocationMode": "ExactCount", "count": 1}}]
+    assert "constraints" not in devices and "config" not in devices
+    assert out["metadata"]["annotations"][REWRITTEN_ANNOTATION] == "dra main:1->gpu-main"
+    r = resp["response"]
+    assert r["auditAnnotations"]["gpu-mode"] == "dra"
+    assert r["warnings"] and all(len(w) <= 120 for w in r["warnings"])
+
+
+def test_multi_gpu_claim_gets_topology_match_attribute() -> None:
+    d, _, out = run(pod(container("main", "4", where="both")))
+    c = out["spec"]["containers"][0]
+    assert "limits" not in c["resources"] and "requests" not in c["resources"]
+    devices = d.templates[0]["spec"]["spec"]["devices"]
+    assert devices["requests"][0]["exactly"]["count"] == 4
+    assert devices["constraints"] == [
+        {"requests": ["gpu"], "matchAttribute": "resource.kubernetes.io/pcieRoot"}]
+
+
+def test_patch_escapes_slash_in_resource_name() -> None:
+    d, _, _ = run(pod(container("main", 1, extra={"cpu": "1"})))
+    assert any(op["path"].endswith("/nvidia.com~1gpu") for op in d.patch)
+
+
+def test_init_and_sidecar_containers_are_rewritten_with_claims_named_by_container() -> None:
+    init = [container("fetch", 1), container("proxy", 1, restartPolicy="Always")]
+    d, _, out = run(pod(container("main", 2), container("logger"), init=init))
+    names = {rc["name"] for rc in out["spec"]["resourceClaims"]}
+    assert names == {"gpu-fetch", "gpu-proxy", "gpu-main"}
+    assert claims_of(out["spec"]["initContainers"][0]) == ["gpu-fetch"]
+    assert claims_of(out["spec"]["initContainers"][1]) == ["gpu-proxy"]
+    assert out["spec"]["initContainers"][1]["restartPolicy"] == "Always"
+    assert claims_of(out["spec"]["containers"][0]) == ["gpu-main"]
+    assert "resources" not in out["spec"]["containers"][1]
+    assert len(d.templates) == 2  # count 1 shared by fetch and proxy, count 2 for main
+
+
+def test_requests_without_limits_are_counted_and_removed() -> None:
+    _, _, out = run(pod(container("main", 2, where="requests", extra={"memory": "1Gi"})))
+    res = out["spec"]["containers"][0]["resources"]
+    assert res["requests"] == {"memory": "1Gi"} and claims_of(out["spec"]["containers"][0]) == ["gpu-main"]
+
+
+def test_generate_name_pod_without_name_gets_deterministic_claim_names() -> None:
+    obj = pod(container("worker", 1), name="", generate_name="job-")
+    d1, _, out1 = run(obj)
+    _d2, _, out2 = run(obj)
+    assert out1["spec"]["resourceClaims"] == out2["spec"]["resourceClaims"] == [
+        {"name": "gpu-worker", "resourceClaimTemplateName": gpu.template_name(DRA, "dra", 1)}]
+    assert "team-a/job-*" in d1.warnings[0] or "worker" in d1.warnings[0]
+
+
+def test_long_container_name_yields_valid_claim_name() -> None:
+    name = "c" * 63
+    cn = gpu.claim_name(name)
+    assert len(cn) <= 63 and cn.startswith("gpu-c") and cn != gpu.claim_name("c" * 62 + "d")
+
+
+@pytest.mark.parametrize("mode", ["dra", "mps-dra", "time-slicing", "mps"])
+def test_rewrite_is_idempotent_on_its_own_output(mode: str) -> None:
+    s = dataclasses.replace(DRA, default_mode=mode)
+    _, _, once = run(pod(container("main", 2, where="both"), init=[container("i", 1, where="requests")]), s)
+    d, resp, twice = run(once, s)
+    assert twice == once and "patch" not in resp["response"] and d.outcome == "skipped"
+
+
+def test_already_dra_pod_is_left_alone() -> None:
+    obj = pod(container("main", 1), resource_claims=[{"name": "nic", "resourceClaimName": "rdma"}])
+    d, resp, out = run(obj)
+    assert out == obj and "patch" not in resp["response"] and d.warnings
+
+
+def test_shared_names_pod_is_left_alone() -> None:
+    obj = pod(container("a", 1), container("b", extra={"nvidia.com/mig-1g.5gb": "1"}))
+    _, resp, out = run(obj)
+    assert out == obj and "patch" not in resp["response"]
+
+
+def test_pod_without_gpu_is_untouched_and_mode_off_keeps_gpu() -> None:
+    _, resp, _ = run(pod(container("web", extra={"cpu": "1"})))
+    assert "patch" not in resp["response"]
+    obj = pod(container("main", 1), annotations={"gatekeeper.dev/gpu-mode": "off"})
+    _, resp, out = run(obj)
+    assert out == obj and resp["response"]["allowed"]
+
+
+def test_mode_resolution_annotation_then_namespace_then_default() -> None:
+    s = GpuSettings(default_mode="off", namespace_modes={"team-a": "time-slicing"})
+    _, _, out = run(pod(container("m", 1)), s)
+    assert out["spec"]["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu.shared": "1"}
+    _, _, out = run(pod(container("m", 1)), s, namespace="other")
+    assert out["spec"]["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": 1}
+    _, _, out = run(pod(container("m", 1), annotations={"gatekeeper.dev/gpu-mode": "dra"}), s)
+    assert claims_of(out["spec"]["containers"][0]) == ["gpu-m"]
+
+
+def test_unknown_mode_annotation_is_denied_clearly() -> None:
+    d, resp, _ = run(pod(container("m", 1), annotations={"gatekeeper.dev/gpu-mode": "fast"}))
+    assert not d.allowed and "gatekeeper.dev/gpu-mode must be one of" in resp["response"]["status"]["message"]
+
+
+def test_fractional_gpu_count_is_denied() -> None:
+    d, _, _ = run(pod(container("m", "500m")))
+    assert not d.allowed and "whole number" in d.message
+
+
+def test_time_slicing_renames_in_limits_and_requests_and_adds_limits_when_missing() -> None:
+    s = GpuSettings(default_mode="time-slicing")
+    obj = pod(container("a", 2, where="both", extra={"cpu": "1"}), container("b", 1, where="requests"))
+    _, _, out = run(obj, s)
+    a, b = (c["resources"] for c in out["spec"]["containers"])
+    assert a["limits"] == {"cpu": "1", "nvidia.com/gpu.shared": "2"}
+    assert a["requests"] == {"cpu": "1", "nvidia.com/gpu.shared": "2"}
+    assert b == {"requests": {"nvidia.com/gpu.shared": "1"}, "limits": {"nvidia.com/gpu.shared": "1"}}
+
+
+def test_mps_uses_configured_resource_name() -> None:
+    s = GpuSettings(default_mode="mps", mps_resource="nvidia.com/gpu.mps")
+    _, _, out = run(pod(container("a", 1)), s)
+    assert out["spec"]["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu.mps": "1"}
+
+
+def test_mps_dra_template_carries_nvidia_gpuconfig() -> None:
+    d, _, _out = run(pod(container("a", 1)), GpuSettings(default_mode="mps-dra"))
+    (cfg,) = d.templates[0]["spec"]["spec"]["devices"]["config"]
+    assert cfg == {"requests": ["gpu"], "opaque": {"driver": "gpu.nvidia.com", "parameters": {
+        "apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig", "sharing": {"strategy": "MPS"}}}}
+    assert d.templates[0]["metadata"]["name"] != gpu.template_name(DRA, "dra", 1)
+
+
+@pytest.mark.parametrize(("model", "memory", "profile"), [
+    ("A100-40GB", "4Gi", "1g.5gb"),
+    ("A100-40GB", "8gb", "1g.10gb"),
+    ("A100-40GB", "10", "1g.10gb"),
+    ("A100-40GB", "15G", "3g.20gb"),
+    ("A100-40GB", "40Gi", "7g.40gb"),
+    ("A100-80GB", "20Gi", "1g.20gb"),
+    ("H100-80GB", "30Gi", "3g.40gb"),
+    ("H100-94GB", "47Gi", "3g.47gb"),
+    ("H100-96GB", "48Gi", "3g.48gb"),
+    ("H200-141GB", "512Mi", "1g.18gb"),
+    ("H200-141GB", "100Gi", "7g.141gb"),
+])
+def test_mig_picks_smallest_profile_that_fits(model: str, memory: str, profile: str) -> None:
+    s = GpuSettings(default_mode="mig", mig_gpu_model=model)
+    _, _, out = run(pod(container("m", 1), annotations={"gatekeeper.dev/gpu-memory": memory}), s)
+    assert out["spec"]["containers"][0]["resources"]["limits"] == {f"nvidia.com/mig-{profile}": "1"}
+
+
+def test_mig_denies_when_nothing_fits_or_memory_missing() -> None:
+    s = GpuSettings(default_mode="mig", mig_gpu_model="A100-40GB")
+    d, _, _ = run(pod(container("m", 1), annotations={"gatekeeper.dev/gpu-memory": "60Gi"}), s)
+    assert not d.allowed and "7g.40gb" in d.message and "A100-40GB" in d.message
+    d, _, _ = run(pod(container("m", 1)), s)
+    assert not d.allowed and "gatekeeper.dev/gpu-memory" in d.message
+    d, _, _ = run(pod(container("m", 1)), dataclasses.replace(s, mig_default_profile="2g.10gb"))
+    assert d.allowed
+
+
+def test_catalog_profile_names_match_their_memory() -> None:
+    for model, profiles in gpu.MIG_CATALOG.items():
+        assert profiles[-1].slices == 7 and str(profiles[-1].memory_gb) in model
+        for p in profiles:
+            assert p.name == f"{p.slices}g.{p.memory_gb}gb"
+
+
+def test_template_name_is_deterministic_and_depends_on_shape() -> None:
+    a = gpu.template_name(DRA, "dra", 2)
+    assert a == gpu.template_name(GpuSettings(default_mode="dra"), "dra", 2)
+    assert a != gpu.template_name(dataclasses.replace(DRA, match_attribute="x/numa"), "dra", 2)
+    assert a != gpu.template_name(DRA, "dra", 3)
+    assert len(a) <= 63
+
+
+def test_only_pod_create_is_handled() -> None:
+    obj = pod(container("m", 1))
+    assert not gpu.handles(request(review(obj, kind="Pod", operation="UPDATE", old=obj)), DRA)
+    assert not gpu.handles(request(review(obj, kind="Pod")), GpuSettings(enabled=False))

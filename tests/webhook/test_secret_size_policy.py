@@ -1,0 +1,169 @@
+"""Oversized Secret / ConfigMap policy: a table of AdmissionReview fixtures."""
+
+from __future__ import annotations
+
+import base64
+
+import pytest
+from review_fixtures import b64, request, review, secret
+
+from gatekeeper.kube.admission import response
+from gatekeeper.webhook import secrets
+from gatekeeper.webhook.settings import SecretSettings, SizeOverride
+
+KIB = 1024
+SETTINGS = SecretSettings(hard_limit="128Ki", soft_limit="32Ki", count_annotations=True)
+
+
+def decide(doc, settings: SecretSettings = SETTINGS):  # type: ignore[no-untyped-def]
+    req = request(doc)
+    assert secrets.handles(req, settings)
+    return secrets.review(req, settings)
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 4, 5, 1000, 131071, 131072, 131073])
+def test_decoded_length_is_computed_from_base64_length(n: int) -> None:
+    encoded = b64(n)
+    assert secrets.b64_decoded_len(encoded) == len(base64.b64decode(encoded)) == n
+
+
+def test_small_secret_is_allowed_without_warning() -> None:
+    d = decide(review(secret(data={"tls.crt": b64(4 * KIB)})))
+    assert d.allowed and not d.warnings and d.outcome == "allowed"
+
+
+def test_seed_sized_secret_is_denied_with_actionable_message() -> None:
+    d = decide(review(secret(data={"bundle": b64(212 * KIB)})))
+    assert not d.allowed
+    assert d.message == ("secret team-a/model-certs is 212 KiB, over the 128 KiB limit: "
+                         "keep large payloads in a volume or an external secret store")
+    body = response("uid-1", d)["response"]
+    assert body["allowed"] is False and body["status"]["code"] == 403 and "patch" not in body
+
+
+def test_string_data_only_secret_counts_utf8_bytes() -> None:
+    d = decide(review(secret(string_data={"cfg": "é" * (65 * KIB)})))  # 2 bytes each: 130 KiB
+    assert not d.allowed and "130 KiB" in d.message
+
+
+def test_string_data_overrides_same_key_in_data_instead_of_double_counting() -> None:
+    d = decide(review(secret(data={"k": b64(100 * KIB)}, string_data={"k": "x" * 10})))
+    assert d.allowed and not d.warnings
+
+
+def test_binary_data_is_counted_decoded() -> None:
+    # 120 KiB binary is 160 KiB of base64: must be judged on the 120 KiB.
+    d = decide(review(secret(data={"blob": b64(120 * KIB)})))
+    assert d.allowed and d.outcome == "warned"
+
+
+def test_exactly_at_hard_limit_is_allowed_one_byte_over_is_denied() -> None:
+    at = decide(review(secret(data={"a": b64(128 * KIB)}, annotations={})))
+    over = decide(review(secret(data={"a": b64(128 * KIB + 1)}, annotations={})))
+    assert at.allowed and at.outcome == "warned"
+    assert not over.allowed and "128 KiB, over the 128 KiB" not in over.message
+    assert "is 128 KiB" not in over.message  # 128.0 KiB + 1 byte must not print as the limit itself
+
+
+def test_exactly_at_soft_limit_has_no_warning() -> None:
+    assert not decide(review(secret(data={"a": b64(32 * KIB)}))).warnings
+    assert decide(review(secret(data={"a": b64(32 * KIB + 1)}))).warnings
+
+
+def test_last_applied_annotation_counts_toward_size() -> None:
+    payload = b64(70 * KIB)
+    last_applied = '{"data":{"a":"' + payload + '"}}'
+    obj = secret(data={"a": payload},
+                 annotations={"kubectl.kubernetes.io/last-applied-configuration": last_applied})
+    d = decide(review(obj))
+    assert not d.allowed and "of annotations" in d.message
+    d2 = decide(review(obj), SecretSettings(count_annotations=False))
+    assert d2.allowed
+
+
+def test_soft_limit_warning_is_short_and_names_the_object() -> None:
+    d = decide(review(secret(data={"a": b64(40 * KIB)})))
+    assert d.allowed and d.outcome == "warned"
+    (w,) = response("u", d)["response"]["warnings"]
+    assert len(w) <= 120 and "team-a/model-certs" in w and "32 KiB" in w
+
+
+def test_generate_name_secret_is_labelled_by_its_prefix() -> None:
+    d = decide(review(secret(name="", generate_name="tok-", data={"a": b64(200 * KIB)})))
+    assert "secret team-a/tok-* is 200 KiB" in d.message
+
+
+def test_shrinking_update_of_oversized_secret_is_allowed_with_warning() -> None:
+    old = secret(data={"a": b64(300 * KIB)})
+    new = secret(data={"a": b64(200 * KIB)})
+    d = decide(review(new, operation="UPDATE", old=old))
+    assert d.allowed and d.outcome == "warned" and "still over" in d.warnings[0]
+
+
+def test_growing_update_of_oversized_secret_is_denied() -> None:
+    d = decide(review(secret(data={"a": b64(250 * KIB)}), operation="UPDATE",
+                      old=secret(data={"a": b64(200 * KIB)})))
+    assert not d.allowed
+
+
+def test_update_that_crosses_the_limit_is_denied() -> None:
+    d = decide(review(secret(data={"a": b64(150 * KIB)}), operation="UPDATE",
+                      old=secret(data={"a": b64(10 * KIB)})))
+    assert not d.allowed
+
+
+def test_update_of_object_being_deleted_is_allowed() -> None:
+    new = secret(data={"a": b64(300 * KIB)})
+    new["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    d = decide(review(new, operation="UPDATE", old=secret(data={"a": b64(10 * KIB)})))
+    assert d.allowed
+
+
+def test_delete_is_never_blocked() -> None:
+    old = secret(data={"a": b64(900 * KIB)})
+    d = decide(review(None, operation="DELETE", old=old, kind="Secret"))
+    assert d.allowed and not d.warnings
+
+
+def test_dry_run_gets_the_same_answer() -> None:
+    obj = secret(data={"a": b64(212 * KIB)})
+    real, dry = decide(review(obj)), decide(review(obj, dry_run=True))
+    assert (real.allowed, real.message) == (dry.allowed, dry.message) == (False, real.message)
+
+
+def test_helm_release_type_override_allows_large_release_secret() -> None:
+    s = SecretSettings(overrides=[SizeOverride(types=["helm.sh/release.v1"], hard_limit="1536Ki",
+                                               soft_limit="1Mi")])
+    helm = secret("sh.helm.release.v1.app.v3", data={"release": b64(900 * KIB)}, type_="helm.sh/release.v1")
+    assert decide(review(helm), s).allowed
+    opaque = secret(data={"release": b64(900 * KIB)})
+    assert not decide(review(opaque), s).allowed
+
+
+def test_namespace_override_applies_only_to_its_namespace() -> None:
+    s = SecretSettings(overrides=[SizeOverride(namespaces=["ml-legacy"], hard_limit="512Ki")])
+    obj = secret(data={"a": b64(300 * KIB)})
+    assert decide(review(obj, namespace="ml-legacy"), s).allowed
+    assert not decide(review(obj, namespace="team-a"), s).allowed
+
+
+def test_first_matching_override_wins() -> None:
+    s = SecretSettings(overrides=[SizeOverride(namespaces=["ns"], hard_limit="64Ki"),
+                                  SizeOverride(namespaces=["ns"], hard_limit="1Mi")])
+    assert not decide(review(secret(data={"a": b64(100 * KIB)}), namespace="ns"), s).allowed
+
+
+def test_config_maps_are_checked_only_when_enabled() -> None:
+    cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "big", "namespace": "team-a"},
+          "data": {"a": "x" * (100 * KIB)}, "binaryData": {"b": b64(100 * KIB)}}
+    req = request(review(cm))
+    assert not secrets.handles(req, SecretSettings())
+    on = SecretSettings(config_maps=True)
+    d = secrets.review(req, on)
+    assert not d.allowed and d.message.startswith("configmap team-a/big is 200 KiB")
+
+
+def test_subresources_and_other_groups_are_not_handled() -> None:
+    doc = review(secret(data={"a": b64(900 * KIB)}))
+    doc["request"]["kind"]["group"] = "example.com"
+    assert not secrets.handles(request(doc), SETTINGS)
