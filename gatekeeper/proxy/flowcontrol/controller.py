@@ -1,0 +1,158 @@
+"""The flow-control decision core: classify, estimate, queue, dispatch (no sockets, asyncio or clock).
+
+The async middleware (``middleware.py``) calls :meth:`FlowController.admit`
+for each request and then :meth:`finish` / :meth:`release_seats` /
+:meth:`cancel` / :meth:`expire` as things happen; each call returns the
+tickets that were dispatched as a consequence, and the caller wakes them.
+Time is always passed in, so tests drive the whole thing deterministically.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+from gatekeeper.proxy.flowcontrol.objects import FlowSchema, PriorityLevel
+from gatekeeper.proxy.flowcontrol.policy import Policy, RequestFacts, UserFacts
+from gatekeeper.proxy.flowcontrol.queueset import LevelState, ListBudget, Ticket
+from gatekeeper.proxy.flowcontrol.seats import SizeEstimator
+
+
+def flow_hash(schema: str, distinguisher: str) -> int:
+    """flow = hash(schema name, distinguisher): a 64-bit value that deals the flow's hand of queues."""
+    digest = hashlib.sha256(schema.encode() + b"\x00" + distinguisher.encode()).digest()
+    return int.from_bytes(digest[:8], "big")
+
+
+def distinguisher_of(fs: FlowSchema, user_key: str, ri: RequestFacts) -> str:
+    if fs.distinguisher == "ByUser":
+        return user_key
+    if fs.distinguisher == "ByNamespace":
+        return ri.namespace
+    return ""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The knobs that are not part of the Kubernetes objects."""
+
+    server_concurrency_limit: int = 600
+    queue_wait_seconds: float = 15.0
+    bytes_per_seat: int = 8 << 20
+    max_seats: int = 10
+    list_bytes_cap: int = 1 << 30
+
+
+class FlowController:
+    """Holds the policy, one LevelState per priority level, the size estimator and the LIST byte budget."""
+
+    def __init__(self, policy: Policy, limits: Limits | None = None) -> None:
+        self.limits = limits or Limits()
+        self.estimator = SizeEstimator(self.limits.bytes_per_seat, self.limits.max_seats)
+        self.budget = ListBudget(self.limits.list_bytes_cap)
+        self.policy = policy
+        self.levels: dict[str, LevelState] = {}
+        self.draining: list[LevelState] = []
+        self.update(policy, self.limits)
+
+    def update(self, policy: Policy, limits: Limits | None = None) -> None:
+        """Swap in a new policy. Levels keep their queues when their shape is unchanged; otherwise the
+        old queues drain (their waiting requests are still served) while new requests use the new ones."""
+        if limits is not None:
+            self.limits = limits
+            self.estimator.bytes_per_seat, self.estimator.max_seats = limits.bytes_per_seat, limits.max_seats
+            self.budget.cap = limits.list_bytes_cap
+        self.policy = policy
+        levels: dict[str, LevelState] = {}
+        for name, spec in policy.levels.items():
+            limit = policy.limits.get(name, 0)
+            old = self.levels.pop(name, None)
+            if old is not None and old.same_geometry(spec):
+                old.spec, old.limit = spec, limit
+                levels[name] = old
+            else:
+                if old is not None:
+                    self.draining.append(old)
+                levels[name] = LevelState(spec, limit, self.budget)
+        self.draining.extend(self.levels.values())
+        self.levels = levels
+        self.draining = [lv for lv in self.draining if not lv.idle]
+
+    def classify(self, user: UserFacts, ri: RequestFacts) -> tuple[FlowSchema, PriorityLevel]:
+        return self.policy.classify(user, ri)
+
+    def admit(
+        self,
+        user: UserFacts,
+        ri: RequestFacts,
+        now: float,
+        *,
+        user_key: str | None = None,
+        key: Hashable | None = None,
+    ) -> tuple[Ticket, FlowSchema, list[Ticket]]:
+        """Classify and submit one request.
+
+        ``user_key`` is the ByUser distinguisher (defaults to the user name);
+        ``key`` is the coalescing key (only given for LISTs that may be merged).
+        Returns the ticket (state executing, queued or rejected), its schema,
+        and every ticket dispatched by this call.
+        """
+        fs, pl = self.policy.classify(user, ri)
+        est = self.estimator.estimate(ri.verb, ri.resource, ri.namespace)
+        dist = distinguisher_of(fs, user.name if user_key is None else user_key, ri)
+        t = Ticket(
+            flow=flow_hash(fs.name, dist),
+            seats=est.seats,
+            list_bytes=est.list_bytes,
+            key=key,
+            deadline=now + self.limits.queue_wait_seconds,
+        )
+        dispatched = self.levels[pl.name].submit(t)
+        return t, fs, dispatched
+
+    def _after(self, level: LevelState, dispatched: list[Ticket], freed_list_bytes: bool) -> list[Ticket]:
+        if freed_list_bytes:
+            for other in [*self.levels.values(), *self.draining]:
+                if other is not level:
+                    dispatched.extend(other.dispatch())
+        self.draining = [lv for lv in self.draining if not lv.idle]
+        return dispatched
+
+    def release_seats(self, t: Ticket) -> list[Ticket]:
+        """A watch got its first bytes: it keeps running but no longer holds seats."""
+        if t.level is None or not t.holds_seats:
+            return []
+        return self._after(t.level, t.level.release(t), bool(t.list_bytes))
+
+    def finish(self, t: Ticket) -> list[Ticket]:
+        """The request ended (response complete, failed, or client gone). Followers end with it."""
+        if t.level is None:
+            return []
+        freed = bool(t.list_bytes) and t.holds_seats
+        for f in t.followers:
+            f.state = "done"
+        return self._after(t.level, t.level.finish(t), freed)
+
+    def cancel(self, t: Ticket) -> list[Ticket]:
+        """The client went away: drop a waiting ticket, or finish an executing one."""
+        if t.state == "queued" and t.level is not None:
+            t.level.remove(t, "cancelled")
+            return []
+        if t.state == "executing":
+            return self.finish(t)
+        return []
+
+    def timeout(self, t: Ticket) -> bool:
+        """Reject ``t`` with reason time-out if it is still waiting."""
+        return t.level is not None and t.level.remove(t, "time-out")
+
+    def expire(self, now: float) -> list[Ticket]:
+        """Reject every waiting request past its deadline; returns them."""
+        out: list[Ticket] = []
+        for lv in [*self.levels.values(), *self.draining]:
+            out.extend(lv.expire(now))
+        return out
+
+    def observe_list(self, ri: RequestFacts, nbytes: int) -> None:
+        self.estimator.observe(ri.resource, ri.namespace, nbytes)

@@ -1,0 +1,254 @@
+"""One priority level's seats and queues: shuffle sharding plus fair queuing, no I/O, no clock.
+
+Queue choice (upstream's shuffle sharding): the flow's 64-bit hash deals a
+hand of ``handSize`` distinct queues out of ``queues``; the request joins the
+queue in the hand with the fewest seats waiting plus executing (first dealt
+wins ties). Different flows rarely share a whole hand, so a flood stays in its
+own few queues.
+
+Dispatch is start-time fair queuing by seats: a request gets a virtual start
+tag ``max(V, finish tag of the previous request in its queue)`` and a finish
+tag ``start + seats``; whenever seats are free, the queue whose head has the
+smallest finish tag goes next (ties rotate), and ``V`` moves to that head's
+start tag. A queue holding a thousand requests of one flow therefore gets the
+same share of dispatches as a queue holding one request of another flow. The
+head of the chosen queue is not skipped when it does not fit (a wide LIST
+waits for seats rather than starving behind narrow requests), as upstream does.
+
+Coalescing: when a request with a coalescing key is dispatched, every request
+with the same key still waiting anywhere in this level joins it, leaves its
+queue, and takes no seats; the caller serves them all from one upstream call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from gatekeeper.proxy.flowcontrol.objects import PriorityLevel
+
+State = Literal["new", "queued", "executing", "joined", "rejected", "cancelled", "done"]
+RejectReason = Literal["queue-full", "time-out", "concurrency-limit", "cancelled"]
+
+
+def deal(hash_value: int, deck: int, hand: int) -> list[int]:
+    """Shuffle-sharding hand: ``hand`` distinct queue indices in [0, deck) derived from one hash.
+
+    Same hand as upstream's ``shufflesharding.Deal`` for the same hash: the
+    hash is read as a mixed-radix number with radices deck, deck-1, ...; the
+    i-th digit then steps over the earlier digits (latest first), which
+    turns it into the index of a card not dealt yet. Needs log2(deck) * hand
+    bits of entropy (validated <= 60).
+    """
+    digits: list[int] = []
+    for i in range(hand):
+        hash_value, d = divmod(hash_value, deck - i)
+        digits.append(d)
+    cards = []
+    for i, d in enumerate(digits):
+        for earlier in reversed(digits[:i]):
+            if d >= earlier:
+                d += 1
+        cards.append(d)
+    return cards
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One request's journey through flow control."""
+
+    flow: int
+    seats: int
+    list_bytes: int = 0
+    key: Hashable | None = None
+    """Coalescing key; None for requests that must never be merged."""
+    deadline: float = float("inf")
+    payload: Any = None
+    """Owned by the caller (the async layer hangs its future here)."""
+    state: State = "new"
+    reason: RejectReason | None = None
+    level: LevelState | None = None
+    queue: int = -1
+    leader: Ticket | None = None
+    followers: list[Ticket] = field(default_factory=list)
+    holds_seats: bool = False
+    start_tag: float = 0.0
+    finish_tag: float = 0.0
+
+
+@dataclass
+class ListBudget:
+    """Global cap on estimated bytes of executing LISTs, shared by every limited level."""
+
+    cap: int
+    used: int = 0
+    executing: int = 0
+
+    def fits(self, nbytes: int) -> bool:
+        return nbytes == 0 or self.executing == 0 or self.used + nbytes <= self.cap
+
+
+@dataclass
+class _Queue:
+    items: list[Ticket] = field(default_factory=list)
+    last_finish: float = 0.0
+    executing_seats: int = 0
+
+    def waiting_seats(self) -> int:
+        return sum(t.seats for t in self.items)
+
+
+class LevelState:
+    """Runtime state of one PriorityLevelConfiguration."""
+
+    def __init__(self, spec: PriorityLevel, limit: int, budget: ListBudget) -> None:
+        self.spec = spec
+        self.limit = limit
+        self.budget = budget
+        self.queues = [_Queue() for _ in range(0 if (spec.exempt or spec.reject) else spec.queues)]
+        self.vtime = 0.0
+        self._rr = 0
+        self.executing_requests = 0
+        self.executing_seats = 0
+        self.waiting = 0
+
+    def same_geometry(self, spec: PriorityLevel) -> bool:
+        return (spec.exempt, spec.reject, spec.queues, spec.hand_size) == (
+            self.spec.exempt,
+            self.spec.reject,
+            self.spec.queues,
+            self.spec.hand_size,
+        )
+
+    @property
+    def idle(self) -> bool:
+        return self.executing_requests == 0 and self.waiting == 0
+
+    # -- admission --------------------------------------------------------
+    def submit(self, t: Ticket) -> list[Ticket]:
+        """Admit ``t``: execute, queue, or reject it. Returns every ticket dispatched as a result."""
+        t.level = self
+        if self.spec.exempt:
+            self._start(t, charge=False)
+            return [t]
+        if not self.spec.exempt:
+            t.seats = max(1, min(t.seats, self.limit)) if self.limit > 0 else t.seats
+        if self.spec.reject:
+            if self._fits(t):
+                self._start(t)
+                return [t]
+            self._reject(t, "concurrency-limit")
+            return []
+        hand = deal(t.flow, len(self.queues), self.spec.hand_size)
+        qi = min(hand, key=lambda i: self.queues[i].waiting_seats() + self.queues[i].executing_seats)
+        q = self.queues[qi]
+        if len(q.items) >= self.spec.queue_length_limit:
+            self._reject(t, "queue-full")
+            return []
+        t.queue, t.state = qi, "queued"
+        t.start_tag = max(self.vtime, q.last_finish)
+        t.finish_tag = q.last_finish = t.start_tag + t.seats
+        q.items.append(t)
+        self.waiting += 1
+        return self.dispatch()
+
+    def _fits(self, t: Ticket) -> bool:
+        if self.limit <= 0:
+            return False
+        if self.executing_seats + t.seats > self.limit and self.executing_requests > 0:
+            return False
+        return self.budget.fits(t.list_bytes)
+
+    def _start(self, t: Ticket, charge: bool = True) -> None:
+        t.state = "executing"
+        self.executing_requests += 1
+        if charge:
+            t.holds_seats = True
+            self.executing_seats += t.seats
+            if 0 <= t.queue < len(self.queues):
+                self.queues[t.queue].executing_seats += t.seats
+            if t.list_bytes:
+                self.budget.used += t.list_bytes
+                self.budget.executing += 1
+
+    def _reject(self, t: Ticket, reason: RejectReason) -> None:
+        t.state, t.reason = "rejected", reason
+
+    # -- dispatch ---------------------------------------------------------
+    def _next_queue(self) -> int | None:
+        best: tuple[float, int] | None = None
+        n = len(self.queues)
+        for k in range(n):
+            i = (self._rr + k) % n
+            q = self.queues[i]
+            if q.items and (best is None or q.items[0].finish_tag < best[0]):
+                best = (q.items[0].finish_tag, i)
+        return None if best is None else best[1]
+
+    def dispatch(self) -> list[Ticket]:
+        """Start as many waiting requests as seats (and the LIST budget) allow, fairly."""
+        out: list[Ticket] = []
+        while (qi := self._next_queue()) is not None:
+            head = self.queues[qi].items[0]
+            if not self._fits(head):
+                break
+            self.queues[qi].items.pop(0)
+            self.waiting -= 1
+            self._rr = (qi + 1) % len(self.queues)
+            self.vtime = max(self.vtime, head.start_tag)
+            self._start(head)
+            out.append(head)
+            if head.key is not None:
+                for q in self.queues:
+                    joined = [w for w in q.items if w.key == head.key]
+                    for w in joined:
+                        q.items.remove(w)
+                        self.waiting -= 1
+                        w.state, w.leader = "joined", head
+                        head.followers.append(w)
+                out.extend(head.followers)
+        return out
+
+    # -- completion -------------------------------------------------------
+    def release(self, t: Ticket) -> list[Ticket]:
+        """Give back ``t``'s seats (request finished, or a watch got its first bytes)."""
+        if not t.holds_seats:
+            return []
+        t.holds_seats = False
+        self.executing_seats -= t.seats
+        if 0 <= t.queue < len(self.queues):
+            self.queues[t.queue].executing_seats -= t.seats
+        if t.list_bytes:
+            self.budget.used -= t.list_bytes
+            self.budget.executing -= 1
+        return self.dispatch()
+
+    def finish(self, t: Ticket) -> list[Ticket]:
+        """The request (and its followers) ended; returns newly dispatched tickets."""
+        if t.state != "executing":
+            return []
+        t.state = "done"
+        self.executing_requests -= 1
+        if t.holds_seats:
+            return self.release(t)
+        return self.dispatch()
+
+    def remove(self, t: Ticket, reason: RejectReason) -> bool:
+        """Take a waiting ticket out of its queue (time-out or client gone). False if not waiting."""
+        if t.state != "queued":
+            return False
+        self.queues[t.queue].items.remove(t)
+        self.waiting -= 1
+        if reason == "cancelled":
+            t.state, t.reason = "cancelled", reason
+        else:
+            self._reject(t, reason)
+        return True
+
+    def expire(self, now: float) -> list[Ticket]:
+        """Reject every waiting request whose deadline has passed."""
+        out = [t for q in self.queues for t in q.items if t.deadline <= now]
+        for t in out:
+            self.remove(t, "time-out")
+        return out

@@ -1,0 +1,73 @@
+"""Work estimates: how many seats a request occupies, learnt from real response sizes.
+
+Upstream APF charges a LIST ``ceil(objects / 100)`` seats (capped at 10) from
+object counts in its storage. The proxy cannot count objects, but it sees every
+response byte, and bytes are what blow up an apiserver's memory (decode from
+etcd, convert, encode: several copies of the response at once). So:
+
+    non-LIST request:  seats = 1
+    WATCH:             seats = 1, held only until the first response bytes arrive
+    LIST:              est   = estimate[(resource, namespace)]
+                             (if unseen: estimate[(resource, "")], the cluster-wide LIST,
+                              else 0)
+                       seats = clamp(ceil(est / bytesPerSeat), 1, maxSeats)
+                       and never more than the level's concurrency limit, so a LIST
+                       wider than its level runs alone instead of never.
+
+    after each LIST response of ``b`` bytes (complete, status 200):
+        estimate = b                          if b >= estimate   (grow at once: safety)
+        estimate = 0.8 * estimate + 0.2 * b   otherwise          (shrink slowly)
+
+A LIST is dispatched only if, in addition to seats, the estimated bytes of all
+LISTs executing in limited levels stay within ``listBytesCap``
+(``sum(est of executing LISTs) + est <= cap``), unless no LIST is executing
+(so one oversized LIST still runs, alone). With the defaults (8 MiB per seat,
+10 seats max) two 1 GiB LISTs cannot run together in a 10-seat level while
+twenty 1 MiB LISTs can run in a 20-seat one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+DECAY = 0.8
+
+
+@dataclass
+class Estimate:
+    """What a request is expected to cost."""
+
+    seats: int
+    list_bytes: int = 0
+    """Estimated response bytes for a LIST (0 for other verbs); counts against the LIST bytes cap."""
+
+
+@dataclass
+class SizeEstimator:
+    """Per (resource, namespace) observed LIST response sizes, and the seat formula above."""
+
+    bytes_per_seat: int = 8 << 20
+    max_seats: int = 10
+    sizes: dict[tuple[str, str], float] = field(default_factory=dict)
+
+    def list_bytes(self, resource: str, namespace: str) -> int:
+        est = self.sizes.get((resource, namespace))
+        if est is None and namespace:
+            est = self.sizes.get((resource, ""))
+        return int(est or 0)
+
+    def estimate(self, verb: str, resource: str, namespace: str) -> Estimate:
+        if verb != "list":
+            return Estimate(seats=1)
+        b = self.list_bytes(resource, namespace)
+        seats = max(1, min(self.max_seats, math.ceil(b / self.bytes_per_seat)))
+        return Estimate(seats=seats, list_bytes=b)
+
+    def observe(self, resource: str, namespace: str, nbytes: int) -> None:
+        key = (resource, namespace)
+        old = self.sizes.get(key)
+        if old is None or nbytes >= old:
+            self.sizes[key] = float(nbytes)
+        else:
+            self.sizes[key] = DECAY * old + (1 - DECAY) * nbytes
