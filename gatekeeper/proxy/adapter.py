@@ -1,0 +1,82 @@
+"""Pieces both protocol adapters (h2.py, h1.py) share: error answers, header hygiene, handler calls.
+
+An adapter must never leak a traceback to a client: a handler that raises gets
+a 502 with a Kubernetes ``Status`` body, which kubectl and client-go print as a
+readable error.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+import orjson
+
+from gatekeeper.proxy.messages import Handler, Headers, ProxyRequest, ProxyResponse
+
+log = logging.getLogger("gatekeeper.proxy")
+
+HOP_BY_HOP = frozenset(
+    {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "upgrade", "te", "trailer",
+     "http2-settings"}
+)
+"""Connection-specific headers (RFC 9110 7.6.1); HTTP/2 forbids them outright (RFC 9113 8.2.2)."""
+
+NO_BODY_STATUSES = frozenset({204, 304})
+
+
+class ClientGone(ConnectionError):
+    """The client reset the stream or closed the connection before the response ended."""
+
+
+def response_has_body(method: str, status: int) -> bool:
+    """HEAD, 1xx, 204 and 304 responses carry no body whatever their headers say (RFC 9110 6.4.1)."""
+    return method != "HEAD" and status >= 200 and status not in NO_BODY_STATUSES
+
+
+def status_json(code: int, reason: str, message: str) -> bytes:
+    """A ``metav1.Status`` failure body, the error shape every Kubernetes client understands."""
+    return orjson.dumps(
+        {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+         "message": message, "reason": reason, "code": code}
+    )
+
+
+async def _once(data: bytes) -> AsyncIterator[bytes]:
+    yield data
+
+
+def error_response(code: int, reason: str, message: str) -> ProxyResponse:
+    body = status_json(code, reason, message)
+    headers: Headers = [("content-type", "application/json"), ("content-length", str(len(body)))]
+    return ProxyResponse(status=code, headers=headers, body=_once(body))
+
+
+async def call_handler(handler: Handler, request: ProxyRequest) -> ProxyResponse:
+    """Run the pipeline; any exception becomes a 502 Status (cancellation still propagates)."""
+    try:
+        return await handler(request)
+    except Exception as exc:
+        log.exception("handler failed for %s %s", request.method, request.target)
+        return error_response(
+            502, "InternalError", f"gatekeeper proxy could not serve the request: {type(exc).__name__}: {exc}"
+        )
+
+
+async def close_body(body: AsyncIterator[bytes]) -> None:
+    """Close a body iterator we stopped pulling, so its producer releases the upstream connection."""
+    aclose = getattr(body, "aclose", None)
+    if aclose is not None:
+        try:
+            await aclose()
+        except Exception:  # a producer failing at close must not mask the real outcome
+            log.debug("closing a response body failed", exc_info=True)
+
+
+def encode_header(value: str) -> bytes:
+    """Header text round-trips through utf-8 with surrogateescape, so odd bytes survive unchanged."""
+    return value.encode("utf-8", "surrogateescape")
+
+
+def decode_header(value: bytes) -> str:
+    return value.decode("utf-8", "surrogateescape")

@@ -1,0 +1,26 @@
+"""Collectors for the client-facing side of the proxy (connections, GOAWAYs, refused streams).
+
+They live apart from the pipeline's request metrics so the protocol adapters
+import nothing from the pipeline; both register on prometheus-client's default
+registry, so one ``/metrics`` page shows them together.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge
+
+CLIENT_CONNECTIONS = Gauge(
+    "gatekeeper_proxy_client_connections",
+    "Open client connections, by negotiated protocol (h2 or http/1.1).",
+    ["protocol"],
+)
+GOAWAY_SENT = Counter(
+    "gatekeeper_proxy_goaway_sent",
+    "Graceful GOAWAYs (h2) or Connection: close (http/1.1) sent to clients, by reason.",
+    ["reason"],
+)
+"""reason: chance (goawayChance), shutdown (SIGTERM), idle (idle timeout)."""
+REFUSED_STREAMS = Counter(
+    "gatekeeper_proxy_refused_streams",
+    "HTTP/2 streams refused with REFUSED_STREAM because they arrived after our GOAWAY.",
+)

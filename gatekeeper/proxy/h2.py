@@ -1,0 +1,489 @@
+"""HTTP/2 server connection on the ``h2`` state machine, with graceful GOAWAY.
+
+Sans-IO in the sense that matters for testing: :class:`H2Protocol` never
+touches a socket. The edge feeds it bytes (:meth:`H2Protocol.data_received`)
+and gives it three callables: ``write(bytes)`` (synchronous, so frames keep
+the order h2 produced them in), ``drain()`` (awaited after DATA, so a slow
+socket slows us down) and ``close()``. Unit tests wire those to a client-side
+``h2.connection.H2Connection`` in memory.
+
+Each stream runs the pipeline handler in its own task and streams the
+response back. Backpressure both ways:
+
+* Response DATA is sent only within the client's connection and stream
+  windows; the next body chunk is pulled only once there is window, so a slow
+  client slows the upstream read instead of growing a buffer.
+* Request DATA is acknowledged (window reopened) only as the pipeline takes
+  chunks, so a client can never have more than one window in flight per
+  stream (and one connection window in total) sitting in proxy memory.
+
+Graceful GOAWAY (h2's ``close_connection()`` would break in-flight streams,
+python-hyper/h2 issue 1181): flush h2's output, write our own GOAWAY frame
+carrying the highest client stream id seen while h2's state stays open,
+refuse later streams with REFUSED_STREAM, let in-flight streams finish and
+give long-running ones until the drain deadline, then ``close_connection()``
+with the same last stream id and close the socket ``close_delay`` seconds
+later so the client reads the final frame before the TCP close. Go's server
+does the same, and client-go then finishes its in-flight streams and opens a
+new connection; a watch cut at the deadline surfaces in client-go as "server
+sent GOAWAY and closed the connection", which it treats as a probable EOF
+and quietly re-watches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import random
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from h2.config import H2Configuration
+from h2.connection import H2Connection
+from h2.errors import ErrorCodes
+from h2.events import (
+    ConnectionTerminated,
+    DataReceived,
+    RemoteSettingsChanged,
+    RequestReceived,
+    StreamEnded,
+    StreamReset,
+    WindowUpdated,
+)
+from h2.exceptions import ProtocolError, StreamClosedError
+from h2.settings import SettingCodes, Settings
+from hyperframe.frame import GoAwayFrame
+
+from gatekeeper.proxy import conn_metrics
+from gatekeeper.proxy.adapter import (
+    HOP_BY_HOP,
+    ClientGone,
+    call_handler,
+    close_body,
+    decode_header,
+    encode_header,
+    response_has_body,
+)
+from gatekeeper.proxy.goaway import GoawayDecider, Reason
+from gatekeeper.proxy.messages import Handler, Headers, ProxyRequest, ProxyResponse
+from gatekeeper.proxy.settings import ProtocolSettings
+
+log = logging.getLogger("gatekeeper.proxy.h2")
+
+CONNECTION_WINDOW_FACTOR = 4
+"""Connection receive window = this many stream windows: bounds request-body memory per connection."""
+
+
+@dataclass(eq=False)
+class _Stream:
+    id: int
+    request: ProxyRequest
+    task: asyncio.Task[None] | None = None
+    inbox: deque[tuple[bytes, int]] = field(default_factory=deque)
+    """Received request DATA not yet taken by the pipeline: (data, flow-controlled length)."""
+    inbox_changed: asyncio.Event = field(default_factory=asyncio.Event)
+    window_open: asyncio.Event = field(default_factory=asyncio.Event)
+    ended: bool = False
+    """The client sent END_STREAM."""
+    error: BaseException | None = None
+    """Why the stream was cut (client reset, connection lost, drain deadline)."""
+
+
+class H2Protocol:
+    """One HTTP/2 client connection; see the module docstring for the I/O contract."""
+
+    def __init__(
+        self,
+        handler: Handler,
+        settings: ProtocolSettings,
+        *,
+        write: Callable[[bytes], None],
+        drain: Callable[[], Awaitable[None]],
+        close: Callable[[], None],
+        peer: str = "",
+        peer_cert: dict[str, Any] | None = None,
+        connection_id: int = 0,
+        rng: Callable[[], float] = random.random,
+        close_delay: float = 1.0,
+    ) -> None:
+        self._handler = handler
+        self._settings = settings
+        self._write = write
+        self._drain = drain
+        self._close = close
+        self._peer = peer
+        self._peer_cert = peer_cert
+        self.connection_id = connection_id
+        self._decider = GoawayDecider(settings.goaway_chance, rng)
+        self._close_delay = close_delay
+        self._conn = H2Connection(H2Configuration(client_side=False, header_encoding=None))
+        self._streams: dict[int, _Stream] = {}
+        self._streams_changed = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+        self._idle_handle: asyncio.TimerHandle | None = None
+        self._drain_task: asyncio.Task[None] | None = None
+        self._peer_goaway = False
+        self.goaway_last_stream_id: int | None = None
+        """Set once our graceful GOAWAY is written: streams above it are refused."""
+        self._deadline = math.inf
+        self._h2_closed = False
+        self.closed = asyncio.Event()
+        """Set once the transport was asked to close (by us or because the peer went away)."""
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """Send our preface (SETTINGS, connection WINDOW_UPDATE) and arm the idle timer."""
+        s = self._settings
+        self._conn.local_settings = Settings(
+            client=False,
+            initial_values={
+                SettingCodes.MAX_CONCURRENT_STREAMS: s.max_concurrent_streams,
+                SettingCodes.INITIAL_WINDOW_SIZE: s.stream_window_bytes,
+                SettingCodes.MAX_HEADER_LIST_SIZE: s.max_header_list_bytes,
+            },
+        )
+        # h2 applies MAX_HEADER_LIST_SIZE to its decoder only when the client ACKs our
+        # SETTINGS; a client may send large headers before that, so apply it now.
+        self._conn.decoder.max_header_list_size = s.max_header_list_bytes
+        self._conn.initiate_connection()
+        extra = s.stream_window_bytes * CONNECTION_WINDOW_FACTOR - self._conn.inbound_flow_control_window
+        if extra > 0:
+            self._conn.increment_flow_control_window(extra)
+        self._flush()
+        self._arm_idle()
+
+    def data_received(self, data: bytes) -> None:
+        """Feed bytes read from the client; never blocks (DATA is bounded by our windows)."""
+        if self._h2_closed:
+            return
+        try:
+            events = self._conn.receive_data(data)
+        except ProtocolError as exc:
+            log.info("h2 connection %d: protocol error from %s: %s", self.connection_id, self._peer, exc)
+            self._flush()  # h2 queued a GOAWAY with the right error code
+            self._abort(ClientGone(f"HTTP/2 protocol error: {exc}"))
+            return
+        for event in events:
+            if isinstance(event, RequestReceived):
+                self._on_request(event)
+            elif isinstance(event, DataReceived):
+                self._on_data(event)
+            elif isinstance(event, StreamEnded):
+                stream = self._streams.get(event.stream_id)
+                if stream is not None:
+                    stream.ended = True
+                    stream.inbox_changed.set()
+            elif isinstance(event, StreamReset):
+                self._on_reset(event)
+            elif isinstance(event, WindowUpdated):
+                self._wake_senders(event.stream_id)
+            elif isinstance(event, RemoteSettingsChanged):
+                self._wake_senders(0)  # INITIAL_WINDOW_SIZE may have opened every stream
+            elif isinstance(event, ConnectionTerminated):
+                self._on_peer_goaway(event)
+        self._flush()
+
+    def connection_lost(self) -> None:
+        """The socket is gone: cut every stream (their responses get finish(ClientGone))."""
+        self._abort(ClientGone("client closed the connection"))
+
+    def goaway(self, reason: Reason, drain_timeout: float | None = None) -> None:
+        """Start (or, if already started, only shorten) a graceful GOAWAY and drain."""
+        if self._h2_closed:
+            return
+        timeout = self._settings.drain_timeout_seconds if drain_timeout is None else drain_timeout
+        deadline = self._loop.time() + timeout
+        if self.goaway_last_stream_id is not None:
+            if deadline < self._deadline:
+                self._deadline = deadline
+                self._streams_changed.set()
+            return
+        self._flush()
+        self.goaway_last_stream_id = self._conn.highest_inbound_stream_id
+        frame = GoAwayFrame(stream_id=0, last_stream_id=self.goaway_last_stream_id, error_code=0)
+        self._write(frame.serialize())
+        conn_metrics.GOAWAY_SENT.labels(reason=reason).inc()
+        log.debug("h2 connection %d: GOAWAY (%s), last stream %d, %d in flight",
+                  self.connection_id, reason, self.goaway_last_stream_id, len(self._streams))
+        self._deadline = deadline
+        self._cancel_idle()
+        self._drain_task = self._loop.create_task(self._drain_then_close())
+
+    async def wait_closed(self) -> None:
+        await self.closed.wait()
+
+    @property
+    def open_streams(self) -> int:
+        return len(self._streams)
+
+    # ------------------------------------------------------------------ inbound events
+
+    def _on_request(self, event: RequestReceived) -> None:
+        sid = event.stream_id
+        if self.goaway_last_stream_id is not None and sid > self.goaway_last_stream_id:
+            self._conn.reset_stream(sid, ErrorCodes.REFUSED_STREAM)
+            conn_metrics.REFUSED_STREAMS.inc()
+            return
+        pseudo: dict[str, str] = {}
+        headers: Headers = []
+        cookies: list[str] = []
+        for raw_name, raw_value in event.headers or ():
+            name, value = decode_header(bytes(raw_name)), decode_header(bytes(raw_value))
+            if name.startswith(":"):
+                pseudo[name] = value
+            elif name == "cookie":
+                cookies.append(value)
+            else:
+                headers.append((name, value))
+        if cookies:  # RFC 9113 8.2.3: crumbs are joined with "; " before going to HTTP/1.1
+            headers.append(("cookie", "; ".join(cookies)))
+        if ":authority" in pseudo and not any(k == "host" for k, _ in headers):
+            headers.insert(0, ("host", pseudo[":authority"]))
+        request = ProxyRequest(
+            method=pseudo.get(":method", "GET"),
+            target=pseudo.get(":path", "/"),
+            headers=headers,
+            body=None,
+            protocol="h2",
+            peer=self._peer,
+            peer_cert=self._peer_cert,
+            connection_id=self.connection_id,
+            stream_id=sid,
+        )
+        stream = _Stream(sid, request, ended=event.stream_ended is not None)
+        if not stream.ended:
+            request.body = self._request_body(stream)
+        self._streams[sid] = stream
+        self._cancel_idle()
+        stream.task = self._loop.create_task(self._serve(stream))
+
+    def _on_data(self, event: DataReceived) -> None:
+        sid = event.stream_id
+        assert sid is not None
+        stream = self._streams.get(sid)
+        flow = event.flow_controlled_length or 0
+        if stream is None or stream.error is not None:
+            self._ack(sid, flow)  # nobody will read it: give the window back at once
+            return
+        stream.inbox.append((event.data or b"", flow))
+        stream.inbox_changed.set()
+
+    def _on_reset(self, event: StreamReset) -> None:
+        stream = self._streams.get(event.stream_id or 0)
+        if stream is None:
+            return
+        code = getattr(event.error_code, "name", event.error_code)
+        self._cut(stream, ClientGone(f"client reset HTTP/2 stream {stream.id} ({code})"))
+
+    def _on_peer_goaway(self, event: ConnectionTerminated) -> None:
+        """The client is closing: no new streams will come; finish ours, then close."""
+        self._peer_goaway = True
+        if event.error_code not in (0, ErrorCodes.NO_ERROR):
+            self._abort(ClientGone(f"client sent GOAWAY with {event.error_code}"))
+        elif not self._streams:
+            self._h2_closed = True
+            self._close_transport()
+
+    def _wake_senders(self, stream_id: int | None) -> None:
+        if not stream_id:
+            for stream in self._streams.values():
+                stream.window_open.set()
+        elif (one := self._streams.get(stream_id)) is not None:
+            one.window_open.set()
+
+    # ------------------------------------------------------------------ request bodies
+
+    async def _request_body(self, stream: _Stream) -> AsyncIterator[bytes]:
+        """Yield request DATA, reopening the client's window only for what the pipeline took."""
+        while True:
+            if stream.inbox:
+                data, flow = stream.inbox.popleft()
+                self._ack(stream.id, flow)
+                if data:
+                    yield data
+                continue
+            if stream.error is not None:
+                raise stream.error
+            if stream.ended:
+                return
+            stream.inbox_changed.clear()
+            await stream.inbox_changed.wait()
+
+    def _ack(self, stream_id: int, flow: int) -> None:
+        if flow <= 0 or self._h2_closed:
+            return
+        try:
+            self._conn.acknowledge_received_data(flow, stream_id)
+        except (ProtocolError, StreamClosedError):
+            return
+        self._flush()
+
+    # ------------------------------------------------------------------ responses
+
+    async def _serve(self, stream: _Stream) -> None:
+        response: ProxyResponse | None = None
+        error: BaseException | None = None
+        try:
+            response = await call_handler(self._handler, stream.request)
+            await self._send_response(stream, response)
+        except asyncio.CancelledError:
+            error = stream.error or ClientGone("HTTP/2 connection closed")
+        except Exception as exc:
+            error = stream.error or exc
+            if stream.error is None:
+                log.warning("h2 stream %d on connection %d failed: %s", stream.id, self.connection_id, exc)
+                self._reset(stream.id, ErrorCodes.INTERNAL_ERROR)
+        finally:
+            if response is not None:
+                await close_body(response.body)
+                response.finish(error)
+            self._stream_done(stream, completed=error is None)
+
+    async def _send_response(self, stream: _Stream, response: ProxyResponse) -> None:
+        sid = stream.id
+        if response.upgraded is not None:
+            # An upgrade can only answer an HTTP/1.1 request; never reached through a sane pipeline.
+            response.upgraded.writer.close()
+            raise RuntimeError("pipeline returned a protocol upgrade on an HTTP/2 stream")
+        headers = [(b":status", str(response.status).encode())]
+        headers += [(encode_header(k), encode_header(v)) for k, v in response.headers if k not in HOP_BY_HOP]
+        has_body = response_has_body(stream.request.method, response.status)
+        self._conn.send_headers(sid, headers, end_stream=not has_body)
+        self._flush()
+        if not has_body:
+            return
+        body = response.body
+        while True:
+            await self._wait_window(stream)  # pull the next chunk only when it can go out
+            try:
+                chunk = await body.__anext__()
+            except StopAsyncIteration:
+                break
+            await self._send_data(stream, chunk)
+        self._conn.end_stream(sid)
+        self._flush()
+
+    async def _send_data(self, stream: _Stream, chunk: bytes) -> None:
+        view = memoryview(chunk)
+        while view:
+            window = await self._wait_window(stream)
+            n = min(len(view), window, self._conn.max_outbound_frame_size)
+            self._conn.send_data(stream.id, bytes(view[:n]))
+            view = view[n:]
+            self._flush()
+            await self._drain()
+
+    async def _wait_window(self, stream: _Stream) -> int:
+        """Wait until the client's connection and stream windows both have room; return it."""
+        while True:
+            if stream.error is not None:
+                raise stream.error
+            if self._h2_closed:
+                raise ClientGone("HTTP/2 connection closed")
+            try:
+                window = self._conn.local_flow_control_window(stream.id)
+            except StreamClosedError:
+                raise ClientGone(f"HTTP/2 stream {stream.id} closed") from None
+            if window > 0:
+                return window
+            stream.window_open.clear()
+            await stream.window_open.wait()
+
+    def _reset(self, stream_id: int, code: ErrorCodes) -> None:
+        if self._h2_closed:
+            return
+        try:
+            self._conn.reset_stream(stream_id, code)
+        except (ProtocolError, StreamClosedError):
+            return
+        self._flush()
+
+    def _stream_done(self, stream: _Stream, *, completed: bool) -> None:
+        self._streams.pop(stream.id, None)
+        self._streams_changed.set()
+        if self._h2_closed:
+            return
+        if completed and self.goaway_last_stream_id is None and self._decider.decide():
+            self.goaway("chance")
+        if self._peer_goaway and not self._streams:
+            self._h2_closed = True
+            self._close_transport()
+        elif not self._streams:
+            self._arm_idle()
+
+    def _cut(self, stream: _Stream, error: BaseException) -> None:
+        if stream.error is None:
+            stream.error = error
+        stream.inbox_changed.set()
+        stream.window_open.set()
+        if stream.task is not None:
+            stream.task.cancel()
+
+    # ------------------------------------------------------------------ GOAWAY and closing
+
+    async def _drain_then_close(self) -> None:
+        while self._streams:
+            remaining = self._deadline - self._loop.time()
+            if remaining <= 0:
+                break
+            self._streams_changed.clear()
+            try:
+                await asyncio.wait_for(self._streams_changed.wait(), remaining)
+            except TimeoutError:
+                pass
+        tasks = [s.task for s in self._streams.values() if s.task is not None]
+        for stream in list(self._streams.values()):
+            self._cut(stream, ClientGone("HTTP/2 drain deadline passed after GOAWAY"))
+        # Final GOAWAY before the cut streams' tasks run, so nothing more goes out for them.
+        self._close_h2()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.sleep(self._close_delay)
+        self._close_transport()
+
+    def _close_h2(self) -> None:
+        if self._h2_closed:
+            return
+        try:
+            self._conn.close_connection(last_stream_id=self.goaway_last_stream_id)
+        except ProtocolError:
+            pass
+        self._flush()
+        self._h2_closed = True
+
+    def _abort(self, error: BaseException) -> None:
+        self._h2_closed = True
+        for stream in list(self._streams.values()):
+            self._cut(stream, error)
+        if self._drain_task is not None and self._drain_task is not asyncio.current_task():
+            self._drain_task.cancel()
+        self._close_transport()
+
+    def _close_transport(self) -> None:
+        self._cancel_idle()
+        if not self.closed.is_set():
+            self.closed.set()
+            self._close()
+
+    def _flush(self) -> None:
+        data = self._conn.data_to_send()
+        if data:
+            self._write(data)
+
+    def _arm_idle(self) -> None:
+        self._cancel_idle()
+        if self.goaway_last_stream_id is None and not self._h2_closed:
+            self._idle_handle = self._loop.call_later(self._settings.idle_timeout_seconds, self._on_idle)
+
+    def _cancel_idle(self) -> None:
+        if self._idle_handle is not None:
+            self._idle_handle.cancel()
+            self._idle_handle = None
+
+    def _on_idle(self) -> None:
+        self._idle_handle = None
+        if not self._streams:
+            self.goaway("idle")

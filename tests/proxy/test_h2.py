@@ -1,0 +1,272 @@
+"""HTTP/2 adapter driven in memory by a client ``H2Connection`` (no sockets)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import orjson
+from h2.errors import ErrorCodes
+from prometheus_client import REGISTRY
+
+from gatekeeper.proxy.adapter import ClientGone
+from gatekeeper.proxy.messages import ProxyRequest, ProxyResponse
+from gatekeeper.proxy.settings import ProtocolSettings
+
+
+def _finished(response: ProxyResponse) -> list[BaseException | None]:
+    calls: list[BaseException | None] = []
+    response.on_complete.append(calls.append)
+    return calls
+
+
+async def _chunks(*parts: bytes) -> AsyncIterator[bytes]:
+    for p in parts:
+        yield p
+
+
+async def test_request_maps_authority_to_host_and_drops_pseudo_headers(h2pair):
+    seen: list[ProxyRequest] = []
+    finishes: list[BaseException | None] = []
+
+    async def handler(req: ProxyRequest) -> ProxyResponse:
+        seen.append(req)
+        resp = ProxyResponse(200, [("content-type", "text/plain")], _chunks(b"hello ", b"world"))
+        resp.on_complete.append(finishes.append)
+        return resp
+
+    pair = h2pair(handler)
+    sid = pair.request("GET", "/api/v1/namespaces/a/pods?watch=true&x=%2F",
+                       headers=[("cookie", "a=1"), ("cookie", "b=2"), ("accept", "application/json")])
+    await pair.until(lambda: pair.ended(sid))
+    req = seen[0]
+    assert (req.method, req.target, req.protocol, req.stream_id) == (
+        "GET", "/api/v1/namespaces/a/pods?watch=true&x=%2F", "h2", sid)
+    assert req.body is None
+    assert ("host", "proxy.test") in req.headers
+    assert all(not k.startswith(":") for k, _ in req.headers)
+    assert req.header("cookie") == "a=1; b=2"
+    assert pair.status(sid) == 200
+    assert pair.body(sid) == b"hello world"
+    assert finishes == [None]
+
+
+async def test_handler_exception_becomes_502_status_json(h2pair):
+    async def handler(req: ProxyRequest) -> ProxyResponse:
+        raise RuntimeError("backend pool exploded")
+
+    pair = h2pair(handler)
+    sid = pair.request()
+    await pair.until(lambda: pair.ended(sid))
+    assert pair.status(sid) == 502
+    status = orjson.loads(pair.body(sid))
+    assert status["kind"] == "Status" and status["code"] == 502
+    assert "backend pool exploded" in status["message"]
+    assert "Traceback" not in status["message"]
+
+
+async def test_head_204_and_304_are_sent_without_body(h2pair):
+    async def handler(req: ProxyRequest) -> ProxyResponse:
+        code = {"/head": 200, "/nc": 204, "/nm": 304}[req.target]
+        return ProxyResponse(code, [("content-length", "5")], _chunks(b"oops!"))
+
+    pair = h2pair(handler)
+    ids = [pair.request("HEAD", "/head"), pair.request("GET", "/nc"), pair.request("GET", "/nm")]
+    await pair.until(lambda: all(pair.ended(s) for s in ids))
+    assert [pair.status(s) for s in ids] == [200, 204, 304]
+    assert [pair.body(s) for s in ids] == [b"", b"", b""]
+
+
+async def test_hop_by_hop_response_headers_are_dropped(h2pair):
+    async def handler(req: ProxyRequest) -> ProxyResponse:
+        return ProxyResponse(200, [("connection", "keep-alive"), ("transfer-encoding", "chunked"),
+                                   ("x-kept", "yes")], _chunks(b"ok"))
+
+    pair = h2pair(handler)
+    sid = pair.request()
+    await pair.until(lambda: pair.ended(sid))
+    resp = pair.response(sid)
+    assert resp is not None
+    names = {k for k, _ in resp.headers}
+    assert b"x-kept" in names and b"connection" not in names and b"transfer-encoding" not in names
+
+
+async def test_request_body_window_reopens_only_as_pipeline_consumes(h2pair):
+    """The client can send one stream window; more only after the handler takes chunks."""
+    window = 16384
+    release = asyncio.Event()
+    received: list[int] = []
+
+    async def handler(req: ProxyRequest) -> ProxyResponse:
+        await release.wait()
+        assert req.body is not None
+        total = 0
+        async for chunk in req.body:
+            total += len(chunk)
+        received.append(total)
+        return ProxyResponse(200, [], _chunks(str(total).encode()))
+
+    pair = h2pair(handler, ProtocolSettings(stream_window_bytes=window))
+    await pair.settle()
+    sid = pair.client.get_next_available_stream_id()
+    pair.client.send_headers(sid, [(":method", "POST"), (":path", "/api/v1/namespaces/a/configmaps"),
+                                   (":scheme", "https"), (":authority", "p")])
+    payload = b"z" * (window * 3)
+    sent = 0
+    pair.client.send_data(sid, payload[:window])
+    sent += window
+    pair.pump()
+    await pair.settle()
+    # Nothing consumed yet: the server must not have reopened the stream window.
+    assert pair.client.local_flow_control_window(sid) == 0
+    release.set()
+    while sent < len(payload):
+        await pair.until(lambda: pair.client.local_flow_control_window(sid) > 0)
+        n = min(pair.client.local_flow_control_window(sid), len(payload) - sent,
+                pair.client.max_outbound_frame_size)
+        pair.client.send_data(sid, payload[sent:sent + n])
+        sent += n
+        pair.pump()
+    pair.client.end_stream(sid)
+    pair.pump()
+    await pair.until(lambda: pair.ended(sid))
+    assert received == [len(payload)]
+    assert pair.body(sid) == str(len(payload)).encode()
+
+
+async def test_response_never_exceeds_small_client_window_nor_pulls_ahead(h2pair):
+    pulls = 0
+    chunk = b"y" * 600
+
+    async def body() -> AsyncIterator[bytes]:
+        nonlocal pulls
+        for _ in range(10):
+            pulls += 1
+            yield chunk
+
+    async def handler(req: ProxyRequest) -> ProxyResponse:
+        return ProxyResponse(200, [], body())
+
+    pair = h2pair(handler, client_window=1200)  # exactly two chunks
+    sid = pair.request()
+    await pair.until(lambda: len(pair.body(sid)) >= 1200)
+    await pair.settle(50)
+    assert len(pair.body(sid)) == 1200, "sent beyond the client's stream window"
+    assert pulls == 2, f"pulled {pulls} chunks for a window that holds two"
+    while not pair.ended(sid):
+        pair.ack(sid)
+        await pair.settle()
+    assert pair.body(sid) == chunk * 10
+    assert pulls == 10
+
+
+async def test_client_reset_cancels_handler_and_finishes_response(h2pair):
+    handler_cancelled = asyncio.Event()
+    body_closed = asyncio.Event()
+    responses: list[ProxyResponse] = []
+    finishes: list[BaseException | None] = []
+
+    async def endless() -> AsyncIterator[bytes]:
+        try:
+            while True:
+                yield b"event\n"
+                await asyncio.sleep(0.01)
+        finally:
+            body_closed.set()
+
+    async def handler(req: ProxyRequest) -> ProxyResponse:
+        if req.target == "/slow":
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                handler_cancelled.set()
+                raise
+        resp = ProxyResponse(200, [], endless())
+        resp.on_complete.append(finishes.append)
+        responses.append(resp)
+        return resp
+
+    pair = h2pair(handler)
+    watch = pair.request("GET", "/watch")
+    slow = pair.request("GET", "/slow")
+    await pair.until(lambda: len(pair.body(watch)) > 0)
+    pair.client.reset_stream(watch, ErrorCodes.CANCEL)
+    pair.client.reset_stream(slow, ErrorCodes.CANCEL)
+    pair.pump()
+    await pair.until(lambda: handler_cancelled.is_set() and body_closed.is_set() and finishes)
+    assert len(finishes) == 1 and isinstance(finishes[0], ClientGone)
+    await pair.until(lambda: pair.server.open_streams == 0)
+
+
+async def test_many_concurrent_streams_are_served_concurrently(h2pair):
+    n = 60
+    arrived = 0
+    all_in = asyncio.Event()
+
+    async def handler(req: ProxyRequest) -> ProxyResponse:
+        nonlocal arrived
+        arrived += 1
+        if arrived == n:
+            all_in.set()
+        await all_in.wait()  # only returns once all n streams are in flight at once
+        return ProxyResponse(200, [], _chunks(req.target.encode()))
+
+    pair = h2pair(handler, ProtocolSettings(max_concurrent_streams=100))
+    await pair.settle()
+    ids = [pair.request("GET", f"/s/{i}") for i in range(n)]
+    await pair.until(lambda: all(pair.ended(s) for s in ids))
+    assert [pair.body(s) for s in ids] == [f"/s/{i}".encode() for i in range(n)]
+
+
+async def test_large_header_block_is_accepted(h2pair):
+    seen: list[ProxyRequest] = []
+
+    async def handler(req: ProxyRequest) -> ProxyResponse:
+        seen.append(req)
+        return ProxyResponse(200, [], _chunks(b"ok"))
+
+    big = "a" * 300_000  # spans many CONTINUATION frames
+    pair = h2pair(handler)
+    encode = pair.client.encoder.encode
+    pair.client.encoder.encode = lambda headers, huffman=True: encode(headers, huffman=False)  # speed only
+    await pair.settle()
+    sid = pair.request(headers=[("authorization", "Bearer " + big)])
+    await pair.until(lambda: pair.ended(sid))
+    assert seen[0].header("authorization") == "Bearer " + big
+
+
+async def test_connection_lost_finishes_inflight_responses(h2pair):
+    finishes: list[BaseException | None] = []
+
+    async def endless() -> AsyncIterator[bytes]:
+        while True:
+            yield b"x"
+            await asyncio.sleep(0.01)
+
+    async def handler(req: ProxyRequest) -> ProxyResponse:
+        resp = ProxyResponse(200, [], endless())
+        resp.on_complete.append(finishes.append)
+        return resp
+
+    pair = h2pair(handler)
+    sid = pair.request()
+    await pair.until(lambda: len(pair.body(sid)) > 0)
+    pair.server.connection_lost()
+    await pair.until(lambda: bool(finishes))
+    assert isinstance(finishes[0], ClientGone)
+    assert pair.server.closed.is_set()
+
+
+async def test_idle_connection_gets_goaway_and_closes(h2pair):
+    before = REGISTRY.get_sample_value("gatekeeper_proxy_goaway_sent_total", {"reason": "idle"}) or 0.0
+
+    async def handler(req: ProxyRequest) -> ProxyResponse:
+        return ProxyResponse(200, [], _chunks(b"ok"))
+
+    pair = h2pair(handler, ProtocolSettings(idle_timeout_seconds=0.05))
+    sid = pair.request()
+    await pair.until(lambda: pair.ended(sid))
+    await pair.until(lambda: pair.transport_closed.is_set())
+    assert pair.goaways and pair.goaways[0].last_stream_id == sid and pair.goaways[0].error_code == 0
+    after = REGISTRY.get_sample_value("gatekeeper_proxy_goaway_sent_total", {"reason": "idle"})
+    assert after == before + 1
