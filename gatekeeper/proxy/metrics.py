@@ -1,0 +1,144 @@
+"""Prometheus metrics of the proxy's pipeline (requests, backends, skew).
+
+Names (all on prometheus-client's default registry, next to the client-side
+ones in ``conn_metrics.py`` and flow control's ``gatekeeper_flowcontrol_*``):
+
+``gatekeeper_proxy_requests_total{backend,verb,resource,code}``
+    Requests answered by each backend; ``resource`` is ``resource`` or
+    ``resource/subresource`` (empty for non-resource URLs, ``<unknown>`` on a
+    404 so that made-up paths cannot blow up the label set).
+``gatekeeper_proxy_request_duration_seconds{verb}``
+    Time until the backend's response headers arrived (not the body: a watch
+    would otherwise last forever).
+``gatekeeper_proxy_upstream_errors_total{backend,kind}``
+    ``connect`` (nothing sent), ``backend`` (failed after sending),
+    ``mid_stream`` (body cut off).
+``gatekeeper_proxy_upstream_retries_total``
+    Safe requests moved to another backend after a connect failure.
+``gatekeeper_proxy_backend_in_flight{backend}``
+    Requests the backend is serving now, watches included.
+``gatekeeper_proxy_backend_watches{backend}``
+    Open long-running requests (watches, exec, logs -f) on the backend.
+``gatekeeper_proxy_upstream_connections{backend}``
+    Pooled HTTP/1.1 connections (busy + idle) to the backend.
+``gatekeeper_proxy_backend_up{backend}``
+    1 if the backend gets new requests, 0 if unready (``/readyz``) or ejected.
+``gatekeeper_proxy_backend_state{backend,state}``
+    1 for the current state: healthy, ejected or unready.
+``gatekeeper_proxy_backend_ejections_total{backend}``
+    Passive ejections (connect failures, 5xx storms).
+``gatekeeper_proxy_skew_in_flight_ratio`` / ``gatekeeper_proxy_skew_request_rate_ratio``
+    ``(max + 1) / (min + 1)`` across eligible backends of in-flight requests
+    and of requests started in the last minute; 1.0 is perfectly even, and the
+    seeds' "37 connections vs thousands" would read in the tens.
+
+The main TLS port answers ``GET /metrics`` itself with this page (so
+``kubectl --kubeconfig proxy.kubeconfig get --raw /metrics`` shows the proxy's
+per-backend counts); an apiserver's own ``/metrics`` is reached by talking to
+that apiserver directly.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Protocol
+
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from gatekeeper.proxy.balancer import Balancer
+
+REQUESTS = Counter(
+    "gatekeeper_proxy_requests",
+    "Requests answered by each backend, by Kubernetes verb, resource and HTTP code.",
+    ["backend", "verb", "resource", "code"],
+)
+REQUEST_DURATION = Histogram(
+    "gatekeeper_proxy_request_duration_seconds",
+    "Time from sending a request upstream to the backend's response headers.",
+    ["verb"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+)
+UPSTREAM_ERRORS = Counter(
+    "gatekeeper_proxy_upstream_errors",
+    "Upstream failures by backend and kind (connect, backend, mid_stream).",
+    ["backend", "kind"],
+)
+UPSTREAM_RETRIES = Counter(
+    "gatekeeper_proxy_upstream_retries",
+    "Safe requests (GET/HEAD without body) sent to another backend after a connect failure.",
+)
+
+
+class PoolSource(Protocol):
+    """What the collector reads at scrape time (a running pipeline)."""
+
+    balancer: Balancer
+
+    def upstream_connections(self, backend: str) -> int: ...
+
+
+_sources: weakref.WeakSet[PoolSource] = weakref.WeakSet()
+
+
+def register_source(source: PoolSource) -> None:
+    """Expose a pipeline's backends; a process normally runs one, tests may run several."""
+    _sources.add(source)
+
+
+class BackendCollector(Collector):
+    """Gauges read from balancer state when scraped, so they can never drift from it."""
+
+    def collect(self) -> Iterator[Metric]:
+        in_flight = GaugeMetricFamily("gatekeeper_proxy_backend_in_flight",
+                                      "Requests each backend is serving now, watches included.",
+                                      labels=["backend"])
+        watches = GaugeMetricFamily("gatekeeper_proxy_backend_watches",
+                                    "Open long-running requests per backend.", labels=["backend"])
+        conns = GaugeMetricFamily("gatekeeper_proxy_upstream_connections",
+                                  "Pooled connections (busy + idle) per backend.", labels=["backend"])
+        up = GaugeMetricFamily("gatekeeper_proxy_backend_up",
+                               "1 if the backend receives new requests.", labels=["backend"])
+        state = GaugeMetricFamily("gatekeeper_proxy_backend_state",
+                                  "1 for the backend's current health state.", labels=["backend", "state"])
+        ejections = CounterMetricFamily("gatekeeper_proxy_backend_ejections",
+                                        "Passive ejections per backend.", labels=["backend"])
+        skew_flight = GaugeMetricFamily("gatekeeper_proxy_skew_in_flight_ratio",
+                                        "(max+1)/(min+1) of per-backend in-flight requests; 1 is even.")
+        skew_rate = GaugeMetricFamily("gatekeeper_proxy_skew_request_rate_ratio",
+                                      "(max+1)/(min+1) of per-backend recent request counts; 1 is even.")
+        any_source = False
+        for source in list(_sources):
+            any_source = True
+            bal = source.balancer
+            for b in bal.backends:
+                in_flight.add_metric([b.name], b.in_flight)
+                watches.add_metric([b.name], b.watches)
+                conns.add_metric([b.name], source.upstream_connections(b.name))
+                health = bal.health(b)
+                up.add_metric([b.name], 1.0 if health == "healthy" else 0.0)
+                for s in ("healthy", "ejected", "unready"):
+                    state.add_metric([b.name, s], 1.0 if s == health else 0.0)
+                ejections.add_metric([b.name], b.ejections_total)
+            skew = bal.skew()
+            skew_flight.add_metric([], skew.in_flight_ratio)
+            skew_rate.add_metric([], skew.rate_ratio)
+        yield from (in_flight, watches, conns, up, state, ejections)
+        if any_source:
+            yield skew_flight
+            yield skew_rate
+
+
+REGISTRY.register(BackendCollector())
+
+
+def resource_label(resource_key: str, code: int) -> str:
+    return "<unknown>" if code == 404 and resource_key else resource_key
+
+
+def render() -> tuple[bytes, str]:
+    """The whole default registry in the Prometheus text format."""
+    return generate_latest(REGISTRY), CONTENT_TYPE_LATEST

@@ -1,0 +1,266 @@
+"""Everything after the protocol adapters: identity -> RequestInfo -> [flow control] -> balancer + upstream.
+
+The pipeline is a list of middlewares ``(request, next) -> response`` ending
+in :class:`Dispatcher`, the handler that picks a backend and forwards. Flow
+control plugs in as one middleware between RequestInfo and the dispatcher
+(``build(..., flow_control=...)``): it sees ``request.user`` and
+``request.info`` already filled, and whatever it returns goes back to the
+client.
+
+The dispatcher makes no assumption that one call serves one client: flow
+control may coalesce identical LISTs and call it once for many. Everything it
+holds for a request (the backend lease, the pooled connection) is released
+when the returned body is exhausted or closed, or when ``finish()`` is called
+on the response, whichever comes first, so the caller only has to drive or
+drop the body it got.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+
+from gatekeeper.kube import requestinfo
+from gatekeeper.proxy import auth, metrics
+from gatekeeper.proxy.adapter import error_response
+from gatekeeper.proxy.balancer import Backend, Balancer, EjectionPolicy, Lease
+from gatekeeper.proxy.messages import Handler, Headers, Middleware, ProxyRequest, ProxyResponse
+from gatekeeper.proxy.settings import ProxySettings
+from gatekeeper.proxy.upstream import (
+    BackendClient,
+    BackendFailed,
+    ConnectFailed,
+    NoFrontProxyCert,
+    is_upgrade,
+)
+
+log = logging.getLogger("gatekeeper.proxy.pipeline")
+
+SAFE_METHODS = frozenset({"GET", "HEAD"})
+
+
+async def _once(data: bytes) -> AsyncIterator[bytes]:
+    yield data
+
+
+def status_response(code: int, reason: str, message: str, *, retry_after: int | None = None) -> ProxyResponse:
+    """A Kubernetes ``Status`` failure, the error shape kubectl and client-go print."""
+    response = error_response(code, reason, message)
+    if retry_after is not None:
+        # client-go retries 429/5xx only when Retry-After is present (and rewinds the body to do so).
+        response.headers.append(("retry-after", str(retry_after)))
+    return response
+
+
+# --- middlewares --------------------------------------------------------------------------------
+
+
+async def identity(request: ProxyRequest, next_handler: Handler) -> ProxyResponse:
+    """Strip client-sent X-Remote-*, then decide who the caller is (auth.py)."""
+    request.headers = auth.strip_remote(request.headers)
+    request.user = auth.identify(request.peer_cert, request.headers)
+    return await next_handler(request)
+
+
+async def request_info(request: ProxyRequest, next_handler: Handler) -> ProxyResponse:
+    request.info = requestinfo.parse(request.method, request.target)
+    return await next_handler(request)
+
+
+async def local_endpoints(request: ProxyRequest, next_handler: Handler) -> ProxyResponse:
+    """``GET /metrics`` on the main port is the proxy's own page (per-backend counts)."""
+    if request.method in SAFE_METHODS and request.target.split("?", 1)[0] == "/metrics":
+        body, content_type = metrics.render()
+        return ProxyResponse(status=200, headers=[("content-type", content_type),
+                                                  ("content-length", str(len(body)))],
+                             body=_once(b"" if request.method == "HEAD" else body))
+    return await next_handler(request)
+
+
+def chain(middlewares: Sequence[Middleware], final: Handler) -> Handler:
+    handler = final
+    for mw in reversed(middlewares):
+        handler = _bind(mw, handler)
+    return handler
+
+
+def _bind(mw: Middleware, next_handler: Handler) -> Handler:
+    async def handler(request: ProxyRequest) -> ProxyResponse:
+        return await mw(request, next_handler)
+
+    return handler
+
+
+# --- the final handler --------------------------------------------------------------------------
+
+
+def _forwarded_for(headers: Headers, peer: str) -> Headers:
+    """Append the client address to X-Forwarded-For (the apiserver logs it as a source IP in audit)."""
+    if not peer:
+        return headers
+    if peer.startswith("[") and "]" in peer:
+        host = peer[1:peer.index("]")]
+    elif peer.count(":") == 1:
+        host = peer.split(":", 1)[0]
+    else:
+        host = peer
+    prior = [v for k, v in headers if k == "x-forwarded-for"]
+    rest = [(k, v) for k, v in headers if k != "x-forwarded-for"]
+    return [*rest, ("x-forwarded-for", ", ".join([*prior, host]))]
+
+
+class Dispatcher:
+    """Choose a backend per request and forward; retries only a safe request that failed at connect."""
+
+    def __init__(self, balancer: Balancer, clients: dict[str, BackendClient]) -> None:
+        self.balancer = balancer
+        self.clients = clients
+
+    async def __call__(self, request: ProxyRequest) -> ProxyResponse:
+        info = request.info or requestinfo.parse(request.method, request.target)
+        user = request.user or auth.identify(request.peer_cert, request.headers)
+        headers = _forwarded_for(auth.upstream_identity_headers(request.headers, user), request.peer)
+        asserts_identity = auth.wants_front_proxy_cert(user)
+        upgrade = is_upgrade(request)
+        safe = request.method in SAFE_METHODS and request.body is None and not upgrade
+        tried: set[str] = set()
+        last_error = ""
+        while True:
+            backend = self.balancer.choose(tried)
+            if backend is None:
+                return status_response(503, "ServiceUnavailable",
+                                       f"gatekeeper proxy: no apiserver reachable ({last_error})",
+                                       retry_after=1)
+            client = self.clients[backend.name]
+            lease = self.balancer.acquire(backend, long_running=info.long_running or upgrade)
+            request.annotations["backend"] = backend.name
+            started = time.monotonic()
+            watch_like = info.verb == "watch"
+
+            def done(error: BaseException | None, _b: Backend = backend, _lease: Lease = lease) -> None:
+                _lease.release()
+                if error is not None and not isinstance(error, (asyncio.CancelledError, GeneratorExit)):
+                    metrics.UPSTREAM_ERRORS.labels(_b.name, "mid_stream").inc()
+
+            async def on_close(_lease: Lease = lease) -> None:
+                _lease.release()
+
+            try:
+                if upgrade:
+                    response = await client.upgrade(request, headers, identity=asserts_identity,
+                                                    on_close=on_close)
+                else:
+                    response = await client.send(request, headers, identity=asserts_identity,
+                                                 swallow_body_errors=watch_like, on_done=done)
+            except ConnectFailed as exc:
+                lease.release()
+                self.balancer.report_connect_failure(backend)
+                metrics.UPSTREAM_ERRORS.labels(backend.name, "connect").inc()
+                log.warning("connect to %s failed: %s", backend.name, exc)
+                tried.add(backend.name)
+                last_error = str(exc)
+                if safe:
+                    metrics.UPSTREAM_RETRIES.inc()
+                    continue
+                # Nothing reached the backend; client-go re-sends on 503 + Retry-After.
+                return status_response(503, "ServiceUnavailable",
+                                       f"gatekeeper proxy: apiserver {backend.name} unreachable: {exc}",
+                                       retry_after=1)
+            except NoFrontProxyCert as exc:
+                lease.release()
+                return status_response(500, "InternalError", f"gatekeeper proxy: {exc}")
+            except BackendFailed as exc:
+                lease.release()
+                self.balancer.report_connect_failure(backend)
+                metrics.UPSTREAM_ERRORS.labels(backend.name, "backend").inc()
+                log.warning("%s %s on %s failed: %s", request.method, request.target, backend.name, exc)
+                return status_response(502, "InternalError",
+                                       f"gatekeeper proxy: apiserver {backend.name} failed: {exc}")
+            except BaseException:
+                lease.release()
+                raise
+            self.balancer.report_response(backend, response.status)
+            metrics.REQUEST_DURATION.labels(info.verb).observe(time.monotonic() - started)
+            metrics.REQUESTS.labels(backend.name, info.verb, metrics.resource_label(info.resource_key,
+                                                                                    response.status),
+                                    str(response.status)).inc()
+            response.on_complete.append(_releaser(lease))
+            return response
+
+
+def _releaser(lease: Lease) -> Callable[[BaseException | None], None]:
+    def release(_error: BaseException | None) -> None:
+        lease.release()
+
+    return release
+
+
+@dataclass(eq=False)
+class Pipeline:
+    """A built pipeline: the handler for the adapters plus what must start and stop with it."""
+
+    handler: Handler
+    balancer: Balancer
+    clients: dict[str, BackendClient]
+    health_interval: float = 2.0
+    _probe_task: asyncio.Task[None] | None = field(default=None, repr=False)
+
+    def upstream_connections(self, backend: str) -> int:
+        client = self.clients.get(backend)
+        return client.connections() if client else 0
+
+    async def start(self) -> None:
+        metrics.register_source(self)
+        await self.probe_once()
+        self._probe_task = asyncio.create_task(self._probe_loop(), name="gatekeeper-proxy-health")
+
+    async def probe_once(self) -> None:
+        results = await asyncio.gather(*(self.clients[b.name].probe() for b in self.balancer.backends))
+        for backend, ok in zip(self.balancer.backends, results, strict=True):
+            before = self.balancer.health(backend)
+            self.balancer.report_probe(backend, ok)
+            after = self.balancer.health(backend)
+            if before != after:
+                log.info("backend %s: %s -> %s", backend.name, before, after)
+
+    async def _probe_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval)
+            try:
+                await self.probe_once()
+            except Exception:  # keep probing whatever one round did
+                log.exception("health probe round failed")
+
+    def ready(self) -> bool:
+        """At least one backend can take requests."""
+        return any(self.balancer.health(b) == "healthy" for b in self.balancer.backends)
+
+    async def close(self) -> None:
+        if self._probe_task is not None:
+            self._probe_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._probe_task
+            self._probe_task = None
+        await asyncio.gather(*(c.close() for c in self.clients.values()))
+
+
+def build(
+    settings: ProxySettings,
+    *,
+    flow_control: Middleware | None = None,
+    policy: EjectionPolicy | None = None,
+    balancer: Balancer | None = None,
+) -> Pipeline:
+    """identity -> RequestInfo -> local /metrics -> flow control (optional) -> dispatcher."""
+    balancer = balancer or Balancer(settings.backends, policy=policy)
+    clients = {b.name: BackendClient(b.name, b.url, settings.upstream) for b in balancer.backends}
+    middlewares: list[Middleware] = [identity, request_info, local_endpoints]
+    if flow_control is not None:
+        middlewares.append(flow_control)
+    handler = chain(middlewares, Dispatcher(balancer, clients))
+    return Pipeline(handler=handler, balancer=balancer, clients=clients,
+                    health_interval=settings.upstream.health_interval_seconds)

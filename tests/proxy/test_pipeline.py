@@ -1,0 +1,89 @@
+"""Pipeline shape: stage order, the flow-control seam and the proxy's own /metrics."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gatekeeper.proxy.messages import Handler, ProxyRequest, ProxyResponse
+from gatekeeper.proxy.pipeline import _forwarded_for, build, chain, identity, local_endpoints, request_info
+from gatekeeper.proxy.settings import BackendSettings, ProxySettings
+
+
+def req(method: str, target: str, headers: list[tuple[str, str]] | None = None, **kw: Any) -> ProxyRequest:
+    return ProxyRequest(method=method, target=target, headers=headers or [], body=None, protocol="h2", **kw)
+
+
+async def test_flow_control_sees_identity_and_requestinfo_before_dispatch() -> None:
+    seen: dict[str, Any] = {}
+
+    async def flow_control(request: ProxyRequest, next_handler: Handler) -> ProxyResponse:
+        seen["user"] = request.user
+        seen["info"] = request.info
+        seen["headers"] = list(request.headers)
+        return ProxyResponse(status=429, headers=[("retry-after", "1")])
+
+    settings = ProxySettings(backends=[BackendSettings(url="https://127.0.0.1:1")])
+    pipeline = build(settings, flow_control=flow_control)
+    try:
+        resp = await pipeline.handler(req("GET", "/api/v1/namespaces/a/secrets",
+                                          [("authorization", "Bearer t"), ("x-remote-user", "admin")]))
+    finally:
+        await pipeline.close()
+    assert resp.status == 429
+    assert seen["user"].source == "token"
+    assert (seen["info"].verb, seen["info"].resource, seen["info"].namespace) == ("list", "secrets", "a")
+    assert ("x-remote-user", "admin") not in seen["headers"]
+
+
+async def test_chain_runs_middlewares_in_order() -> None:
+    order: list[str] = []
+
+    def mw(name: str) -> Any:
+        async def run(request: ProxyRequest, next_handler: Handler) -> ProxyResponse:
+            order.append(name)
+            return await next_handler(request)
+
+        return run
+
+    async def final(request: ProxyRequest) -> ProxyResponse:
+        order.append("final")
+        return ProxyResponse(status=200, headers=[])
+
+    handler = chain([mw("a"), mw("b"), identity, request_info], final)
+    request = req("DELETE", "/api/v1/namespaces/a/pods")
+    await handler(request)
+    assert order == ["a", "b", "final"]
+    assert request.info is not None and request.info.verb == "deletecollection"
+    assert request.user is not None and request.user.source == "anonymous"
+
+
+async def test_proxy_answers_metrics_itself() -> None:
+    async def never(request: ProxyRequest) -> ProxyResponse:
+        raise AssertionError("/metrics must not be forwarded")
+
+    settings = ProxySettings(backends=[BackendSettings(url="https://127.0.0.1:1", name="b1")])
+    pipeline = build(settings)
+    from gatekeeper.proxy import metrics
+
+    metrics.register_source(pipeline)
+    resp = await local_endpoints(req("GET", "/metrics"), never)
+    body = b"".join([c async for c in resp.body]).decode()
+    await pipeline.close()
+    assert resp.status == 200
+    assert 'gatekeeper_proxy_backend_up{backend="b1"}' in body
+    assert "gatekeeper_proxy_skew_in_flight_ratio" in body
+
+
+async def test_other_paths_pass_local_endpoints() -> None:
+    async def nxt(request: ProxyRequest) -> ProxyResponse:
+        return ProxyResponse(status=204, headers=[])
+
+    assert (await local_endpoints(req("GET", "/metricsx"), nxt)).status == 204
+    assert (await local_endpoints(req("POST", "/metrics"), nxt)).status == 204
+
+
+def test_forwarded_for_appends_client_address() -> None:
+    assert _forwarded_for([("a", "1")], "127.0.0.1:4000") == [("a", "1"), ("x-forwarded-for", "127.0.0.1")]
+    assert _forwarded_for([("x-forwarded-for", "10.0.0.1")], "[::1]:4000") == [
+        ("x-forwarded-for", "10.0.0.1, ::1")]
+    assert _forwarded_for([], "") == []

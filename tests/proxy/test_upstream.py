@@ -1,0 +1,386 @@
+"""Upstream forwarding through the pipeline against in-process TLS fake apiservers.
+
+These are the fast tests (no control plane): header hygiene on the wire,
+which TLS client certificate is presented, streaming without buffering,
+retry-at-connect rules, mid-stream failure, lease accounting and upgrades.
+The same behaviours are proven against real kube-apiservers in
+``test_proxy_sandbox.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import tracemalloc
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from gatekeeper.certs import FRONT_PROXY_CA, PKI
+from gatekeeper.proxy.balancer import Balancer
+from gatekeeper.proxy.messages import ProxyRequest, ProxyResponse
+from gatekeeper.proxy.pipeline import Pipeline, build
+from gatekeeper.proxy.settings import BackendSettings, ProxySettings, UpstreamSettings
+from gatekeeper.proxy.upstream import parse_head, strip_hop_by_hop
+
+ADMIN_CERT = {"subject": ((("organizationName", "system:masters"),), (("commonName", "alice"),))}
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> PKI:
+    pki = PKI(tmp_path_factory.mktemp("pki"))
+    pki.init()
+    pki.issue_serving("backend", ips=["127.0.0.1"])
+    pki.issue_client("front-proxy-client", user="front-proxy-client", ca=FRONT_PROXY_CA)
+    return pki
+
+
+def server_ssl(pki: PKI) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(pki.cert_path("backend"), pki.key_path("backend"))
+    ctx.load_verify_locations(pki.cert_path(FRONT_PROXY_CA))
+    ctx.verify_mode = ssl.CERT_OPTIONAL
+    return ctx
+
+
+class FakeApiserver:
+    """An aiohttp app that records what reached it and can stream, echo and die."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict[str, Any]] = []
+        self.release = asyncio.Event()
+        self.runner: web.AppRunner | None = None
+        self.port = 0
+        app = web.Application()
+        app.router.add_route("*", "/echo", self.echo)
+        app.router.add_get("/readyz", self.readyz)
+        app.router.add_get("/big", self.big)
+        app.router.add_get("/api/v1/pods", self.pods)
+        app.router.add_get("/die", self.die)
+        self.app = app
+
+    async def start(self, pki: PKI) -> str:
+        self.runner = web.AppRunner(self.app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", self.port, ssl_context=server_ssl(pki))
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        return f"https://127.0.0.1:{self.port}"
+
+    async def stop(self) -> None:
+        if self.runner:
+            await self.runner.cleanup()
+
+    def _record(self, request: web.Request) -> None:
+        cert = request.transport.get_extra_info("peercert") if request.transport else None
+        self.seen.append({"headers": list(request.headers.items()), "cert": cert, "path": request.path_qs})
+
+    async def readyz(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def echo(self, request: web.Request) -> web.Response:
+        self._record(request)
+        body = await request.read()
+        return web.Response(body=body, headers={"Connection": "keep-alive, X-Hop", "X-Hop": "1",
+                                                "Keep-Alive": "timeout=5", "X-End": "kept"})
+
+    async def big(self, request: web.Request) -> web.StreamResponse:
+        """64 MiB in 1 MiB chunks; waits after the first so the test sees streaming, not buffering."""
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        chunk = b"x" * (1 << 20)
+        await resp.write(chunk)
+        await self.release.wait()
+        for _ in range(63):
+            await resp.write(chunk)
+        await resp.write_eof()
+        return resp
+
+    async def pods(self, request: web.Request) -> web.StreamResponse:
+        """A watch (``?watch=1``) or list that is cut off by the server dying after one event."""
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        await resp.prepare(request)
+        await resp.write(b'{"type":"ADDED","object":{}}\n')
+        await asyncio.sleep(0.05)
+        assert request.transport is not None
+        request.transport.abort()
+        return resp
+
+    async def die(self, request: web.Request) -> web.StreamResponse:
+        assert request.transport is not None
+        request.transport.abort()
+        return web.StreamResponse()
+
+
+def closed_port() -> int:
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def settings_for(pki: PKI, urls: list[str]) -> ProxySettings:
+    return ProxySettings(
+        backends=[BackendSettings(url=u) for u in urls],
+        upstream=UpstreamSettings(
+            ca_file=str(pki.cert_path("ca")), client_cert_file=str(pki.cert_path("front-proxy-client")),
+            client_key_file=str(pki.key_path("front-proxy-client")), connect_timeout_seconds=2.0,
+            health_interval_seconds=60,
+        ),
+    )
+
+
+async def body_of(resp: ProxyResponse) -> bytes:
+    return b"".join([c async for c in resp.body])
+
+
+def req(method: str, target: str, headers: list[tuple[str, str]] | None = None, *,
+        body: AsyncIterator[bytes] | None = None, cert: dict[str, Any] | None = None,
+        protocol: str = "h2") -> ProxyRequest:
+    return ProxyRequest(method=method, target=target, headers=headers or [], body=body,
+                        protocol=protocol, peer="127.0.0.1:5555", peer_cert=cert)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+async def fake(pki: PKI) -> AsyncIterator[tuple[FakeApiserver, Pipeline]]:
+    server = FakeApiserver()
+    url = await server.start(pki)
+    pipeline = build(settings_for(pki, [url]))
+    yield server, pipeline
+    await pipeline.close()
+    await server.stop()
+
+
+async def test_certificate_identity_is_stamped_and_front_proxy_cert_presented(fake: Any) -> None:
+    server, pipeline = fake
+    headers = [("x-remote-user", "mallory"), ("X-Remote-Group", "system:masters"),
+               ("impersonate-user", "bob"), ("connection", "x-secret"), ("x-secret", "drop-me"),
+               ("te", "trailers"), ("accept", "*/*")]
+    resp = await pipeline.handler(req("GET", "/echo", headers, cert=ADMIN_CERT))
+    assert resp.status == 200
+    await body_of(resp)
+    got = server.seen[-1]
+    names = [k.lower() for k, _ in got["headers"]]
+    values = [(k.lower(), v) for k, v in got["headers"]]
+    assert ("x-remote-user", "alice") in values and ("x-remote-group", "system:masters") in values
+    assert ("x-remote-user", "mallory") not in values
+    assert ("impersonate-user", "bob") in values
+    assert "x-secret" not in names and "te" not in names
+    assert ("x-forwarded-for", "127.0.0.1") in values
+    assert got["cert"] is not None, "front-proxy client certificate must be presented"
+    assert dict(x[0] for x in got["cert"]["subject"])["commonName"] == "front-proxy-client"
+    # response hop-by-hop headers (and those named in Connection) are gone, others kept
+    rnames = [k for k, _ in resp.headers]
+    assert "x-hop" not in rnames and "keep-alive" not in rnames and "connection" not in rnames
+    assert ("x-end", "kept") in resp.headers
+
+
+async def test_token_request_passes_untouched_without_client_cert(fake: Any) -> None:
+    server, pipeline = fake
+    headers = [("authorization", "Bearer abc"), ("x-remote-user", "admin")]
+    resp = await pipeline.handler(req("GET", "/echo", headers))
+    await body_of(resp)
+    got = server.seen[-1]
+    values = [(k.lower(), v) for k, v in got["headers"]]
+    assert ("authorization", "Bearer abc") in values
+    assert not any(k.startswith("x-remote-") for k, _ in values)
+    assert not got["cert"], "token requests must not carry the front-proxy certificate"
+
+
+async def test_request_body_streams_to_backend(fake: Any) -> None:
+    _server, pipeline = fake
+
+    async def gen() -> AsyncIterator[bytes]:
+        for i in range(100):
+            yield bytes([65 + i % 26]) * 10_000
+
+    resp = await pipeline.handler(req("POST", "/echo", [("content-type", "application/json")], body=gen()))
+    data = await body_of(resp)
+    assert len(data) == 1_000_000 and data[:3] == b"AAA" and data[-1:] == bytes([65 + 99 % 26])
+
+
+async def test_large_response_streams_without_buffering(fake: Any) -> None:
+    server, pipeline = fake
+    tracemalloc.start()
+    try:
+        resp = await pipeline.handler(req("GET", "/big"))
+        first = await resp.body.__anext__()  # arrives while the backend still holds the other 63 MiB
+        assert first
+        server.release.set()
+        total, peak_after_first = len(first), 0
+        tracemalloc.reset_peak()
+        async for chunk in resp.body:
+            total += len(chunk)
+        _, peak = tracemalloc.get_traced_memory()
+        peak_after_first = peak
+    finally:
+        tracemalloc.stop()
+    assert total == 64 << 20
+    assert peak_after_first < 16 << 20, f"proxy held {peak_after_first} bytes while streaming 64 MiB"
+    assert pipeline.balancer.backends[0].in_flight == 0
+
+
+async def test_watch_cut_by_backend_ends_cleanly_and_list_raises(fake: Any) -> None:
+    _server, pipeline = fake
+    watch = await pipeline.handler(req("GET", "/api/v1/pods?watch=1"))
+    assert pipeline.balancer.backends[0].watches == 1
+    data = await body_of(watch)  # must not raise: client-go re-watches on a clean end
+    assert data.startswith(b'{"type":"ADDED"')
+    assert pipeline.balancer.backends[0].watches == 0
+    listing = await pipeline.handler(req("GET", "/api/v1/pods"))
+    with pytest.raises(ConnectionError):
+        await body_of(listing)
+    assert pipeline.balancer.backends[0].in_flight == 0
+
+
+async def test_dropped_response_releases_lease_without_iteration(fake: Any) -> None:
+    _server, pipeline = fake
+    resp = await pipeline.handler(req("GET", "/echo"))
+    assert pipeline.balancer.backends[0].in_flight == 1
+    await resp.body.aclose()  # type: ignore[attr-defined]
+    assert pipeline.balancer.backends[0].in_flight == 0
+
+
+async def test_safe_request_moves_to_another_backend_after_connect_failure(pki: PKI) -> None:
+    server = FakeApiserver()
+    url = await server.start(pki)
+    dead = f"https://127.0.0.1:{closed_port()}"
+    pipeline = build(settings_for(pki, [dead, url]))
+    try:
+        for _ in range(6):
+            resp = await pipeline.handler(req("GET", "/echo"))
+            assert resp.status == 200
+            await body_of(resp)
+        dead_backend = pipeline.balancer.backends[0]
+        assert dead_backend.connect_failures_total >= 1
+        assert pipeline.balancer.health(dead_backend) == "ejected"
+    finally:
+        await pipeline.close()
+        await server.stop()
+
+
+async def test_unsafe_request_is_not_retried_but_gets_503_retry_after(pki: PKI) -> None:
+    dead = f"https://127.0.0.1:{closed_port()}"
+    pipeline = build(settings_for(pki, [dead]))
+    try:
+        async def gen() -> AsyncIterator[bytes]:
+            yield b"{}"
+
+        resp = await pipeline.handler(req("POST", "/api/v1/namespaces/a/configmaps", body=gen()))
+        assert resp.status == 503
+        assert ("retry-after", "1") in resp.headers
+        assert b'"reason":"ServiceUnavailable"' in await body_of(resp)
+    finally:
+        await pipeline.close()
+
+
+async def test_backend_dropping_request_is_502_not_retried(fake: Any) -> None:
+    _server, pipeline = fake
+    resp = await pipeline.handler(req("GET", "/die"))
+    assert resp.status == 502
+    assert b"Status" in await body_of(resp)
+
+
+async def test_probe_marks_backend_unready_and_back(pki: PKI) -> None:
+    server = FakeApiserver()
+    url = await server.start(pki)
+    port = server.port
+    pipeline = build(settings_for(pki, [url, f"https://127.0.0.1:{closed_port()}"]))
+    try:
+        await pipeline.probe_once()
+        await pipeline.probe_once()
+        a, b = pipeline.balancer.backends
+        assert pipeline.balancer.health(a) == "healthy" and pipeline.balancer.health(b) == "unready"
+        await server.stop()
+        await pipeline.probe_once()
+        await pipeline.probe_once()
+        assert pipeline.balancer.health(a) == "unready"
+        assert not pipeline.ready()
+        server2 = FakeApiserver()
+        server2.port = port
+        await server2.start(pki)
+        await pipeline.probe_once()
+        assert pipeline.balancer.health(a) == "healthy" and pipeline.ready()
+        await server2.stop()
+    finally:
+        await pipeline.close()
+
+
+async def upgrade_server(pki: PKI) -> tuple[asyncio.Server, int, list[bytes]]:
+    heads: list[bytes] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        heads.append(head)
+        if b"forbidden" in head.split(b"\r\n")[0]:
+            body = b'{"kind":"Status","code":403}'
+            writer.write(b"HTTP/1.1 403 Forbidden\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+        else:
+            writer.write(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                         b"Sec-WebSocket-Protocol: v5.channel.k8s.io\r\n\r\n")
+            while data := await reader.read(1024):
+                writer.write(data.upper())
+                await writer.drain()
+        await writer.drain()
+        writer.close()
+
+    srv = await asyncio.start_server(handle, "127.0.0.1", 0, ssl=server_ssl(pki))
+    return srv, srv.sockets[0].getsockname()[1], heads
+
+
+async def test_upgrade_returns_spliceable_backend_connection(pki: PKI) -> None:
+    srv, port, heads = await upgrade_server(pki)
+    pipeline = build(settings_for(pki, [f"https://127.0.0.1:{port}"]))
+    try:
+        headers = [("connection", "Upgrade"), ("upgrade", "websocket"), ("sec-websocket-key", "k"),
+                   ("x-remote-user", "admin")]
+        resp = await pipeline.handler(req("GET", "/api/v1/namespaces/a/pods/p/exec?command=ls", headers,
+                                          cert=ADMIN_CERT, protocol="http/1.1"))
+        assert resp.status == 101 and resp.upgraded is not None
+        assert ("upgrade", "websocket") in resp.headers
+        assert ("sec-websocket-protocol", "v5.channel.k8s.io") in resp.headers
+        assert pipeline.balancer.backends[0].watches == 1
+        resp.upgraded.writer.write(b"hello")
+        await resp.upgraded.writer.drain()
+        assert await resp.upgraded.reader.readexactly(5) == b"HELLO"
+        resp.upgraded.writer.close()
+        assert resp.upgraded.on_close is not None
+        await resp.upgraded.on_close()
+        assert pipeline.balancer.backends[0].in_flight == 0
+        head = heads[0].decode().lower()
+        assert "x-remote-user: alice" in head and "x-remote-user: admin" not in head
+        assert "upgrade: websocket" in head and "connection: upgrade" in head
+        # a refused upgrade is an ordinary response
+        resp = await pipeline.handler(req("GET", "/forbidden", headers, cert=ADMIN_CERT, protocol="http/1.1"))
+        assert resp.status == 403 and resp.upgraded is None
+        assert await body_of(resp) == b'{"kind":"Status","code":403}'
+        assert pipeline.balancer.backends[0].in_flight == 0
+    finally:
+        await pipeline.close()
+        srv.close()
+
+
+def test_hop_by_hop_stripping_keeps_upgrade_only_when_asked() -> None:
+    headers = [("connection", "upgrade, foo"), ("upgrade", "SPDY/3.1"), ("foo", "1"), ("transfer-encoding",
+               "chunked"), ("proxy-authorization", "x"), ("keep-alive", "5"), ("x-ok", "1")]
+    assert strip_hop_by_hop(headers) == [("x-ok", "1")]
+    assert strip_hop_by_hop(headers, keep_upgrade=True) == [("connection", "upgrade, foo"),
+                                                           ("upgrade", "SPDY/3.1"), ("x-ok", "1")]
+
+
+def test_parse_head_rejects_garbage() -> None:
+    assert parse_head(b"HTTP/1.1 101 Switching\r\nUpgrade: x\r\n\r\n") == (101, [("upgrade", "x")])
+    with pytest.raises(ValueError):
+        parse_head(b"SSH-2.0-OpenSSH\r\n\r\n")
+
+
+def test_balancer_argument_is_used(pki: PKI, tmp_path: Path) -> None:
+    settings = settings_for(pki, ["https://127.0.0.1:1"])
+    bal = Balancer(settings.backends)
+    assert build(settings, balancer=bal).balancer is bal
