@@ -1,18 +1,120 @@
-"""`gatekeeper sandbox`: CLI entry point (owned by the sandbox component)."""
+"""`gatekeeper sandbox build|up|status|down`: thin CLI over build.py and lifecycle.py."""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("sandbox", help="(not implemented yet)", description="not implemented yet")
-    p.add_argument("--config", help="YAML config file")
-    p.set_defaults(func=_run)
+    p = sub.add_parser(
+        "sandbox",
+        help="build and run a local control plane (etcd, apiservers, scheduler, KWOK GPU nodes)",
+        description=(
+            "A real Kubernetes control plane as local processes on 127.0.0.1: one etcd, N kube-apiservers "
+            "sharing it, optionally kube-scheduler and kube-controller-manager, and KWOK-simulated GPU nodes "
+            "that advertise nvidia.com/gpu and publish DRA ResourceSlices. Binaries are built from the Go "
+            "modules in gatekeeper/sandbox/gomod."
+        ),
+    )
+    ssub = p.add_subparsers(dest="sandbox_command", metavar="ACTION", required=True)
+
+    b = ssub.add_parser(
+        "build", help="build etcd, kube-* and kwok from Go modules into the cache (idempotent)",
+        description="Build (or adopt already built) binaries into $GATEKEEPER_CACHE/bin "
+                    "(default ~/.cache/gatekeeper/bin). A rerun with unchanged inputs is instant.",
+    )
+    b.add_argument("--force", action="store_true", help="rebuild even if the stamp says up to date")
+    b.add_argument("--only", action="append", choices=["etcd", "kwok", "k8s"], default=[],
+                   help="build only this component (repeatable)")
+    b.set_defaults(func=_build)
+
+    u = ssub.add_parser(
+        "up", help="start the control plane and wait until every component is healthy",
+        description="Start the sandbox in --state-dir (certs, kubeconfigs, logs, sandbox.json). "
+                    "On failure prints the failing component and its log tail, stops what it "
+                    "started and exits non-zero.",
+    )
+    _state_dir(u)
+    u.add_argument("--apiservers", type=_positive, default=3, help="kube-apiservers sharing etcd (default 3)")
+    u.add_argument("--gpu-nodes", type=_non_negative, default=0, help="KWOK GPU nodes (default 0)")
+    u.add_argument("--gpus-per-node", type=_positive, default=8, help="GPUs per node (default 8)")
+    u.add_argument("--with-scheduler", action="store_true",
+                   help="also run kube-scheduler and kube-controller-manager")
+    u.add_argument("--gogc", type=_positive, default=None, help="GOGC for the control-plane processes")
+    u.add_argument("--timeout", type=float, default=300.0,
+                   help="seconds each component may take (default 300)")
+    u.add_argument("--with-webhook", action="store_true", help="also run the gatekeeper webhook add-on")
+    u.add_argument("--with-proxy", action="store_true", help="also run the gatekeeper front proxy add-on")
+    u.add_argument("--proxy-goaway-chance", type=float, default=None,
+                   help="GOAWAY probability per request for the proxy add-on")
+    u.add_argument("--proxy-config", default=None, help="YAML config file for the proxy add-on")
+    u.set_defaults(func=_up)
+
+    s = ssub.add_parser("status", help="show each sandbox process and its health")
+    _state_dir(s)
+    s.set_defaults(func=_status)
+
+    d = ssub.add_parser("down", help="stop every sandbox process (TERM, then KILL); safe to repeat")
+    _state_dir(d)
+    d.set_defaults(func=_down)
 
 
-def _run(args: argparse.Namespace) -> int:
+def _state_dir(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--state-dir", required=True, type=Path, help="sandbox directory (e.g. ./.sandbox)")
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _build(args: argparse.Namespace) -> int:
     from gatekeeper.cli import UsageError
+    from gatekeeper.sandbox.build import BuildError, build_all
 
-    raise UsageError("`gatekeeper sandbox` is not implemented yet")
+    try:
+        build_all(force=args.force, only=tuple(args.only))
+    except BuildError as exc:
+        raise UsageError(str(exc)) from None
+    return 0
+
+
+def _up(args: argparse.Namespace) -> int:
+    from gatekeeper.cli import UsageError
+    from gatekeeper.sandbox.build import BuildError
+    from gatekeeper.sandbox.lifecycle import SandboxError, UpOptions, up
+
+    addons = tuple(n for n, on in (("webhook", args.with_webhook), ("proxy", args.with_proxy)) if on)
+    opts = UpOptions(
+        state_dir=args.state_dir, apiservers=args.apiservers, gpu_nodes=args.gpu_nodes,
+        gpus_per_node=args.gpus_per_node, with_scheduler=args.with_scheduler, gogc=args.gogc,
+        timeout=args.timeout, addons=addons,
+    )
+    try:
+        up(opts, args)
+    except (BuildError, SandboxError) as exc:
+        raise UsageError(str(exc)) from None
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from gatekeeper.sandbox.lifecycle import status
+
+    return status(args.state_dir)
+
+
+def _down(args: argparse.Namespace) -> int:
+    from gatekeeper.sandbox.lifecycle import down
+
+    return down(args.state_dir)

@@ -1,0 +1,143 @@
+"""Fake GPU nodes: the Node objects KWOK animates and the DRA objects a GPU driver would publish.
+
+Every node exists twice over, on purpose: as classic extended-resource capacity
+(``nvidia.com/gpu: N``, what the device plugin advertises) and as a
+``resource.k8s.io/v1`` ResourceSlice (what the DRA driver ``gpu.nvidia.com``
+publishes), so the webhook's rewrite from one to the other can be tested
+against a scheduler that really allocates both.
+
+Pure manifests here; ``up`` applies them with kubectl.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, TypedDict
+
+DRIVER = "gpu.nvidia.com"
+DEVICE_CLASS = "gpu.nvidia.com"
+EXTENDED_RESOURCE = "nvidia.com/gpu"
+PRODUCT = "NVIDIA H100 80GB HBM3"
+GPU_MEMORY = "80Gi"
+PCIE_ROOTS = ("pci0000:00", "pci0000:80")
+"""Two PCIe roots per node, half the GPUs each, so a 2-GPU ``matchAttribute`` constraint means something."""
+NODE_PREFIX = "gpu-node-"
+
+
+class ObjectMeta(TypedDict, total=False):
+    name: str
+    uid: str
+    labels: dict[str, str]
+    annotations: dict[str, str]
+    ownerReferences: list[dict[str, Any]]
+
+
+class Manifest(TypedDict, total=False):
+    apiVersion: str
+    kind: str
+    metadata: ObjectMeta
+    spec: dict[str, Any]
+    status: dict[str, Any]
+
+
+def node_names(count: int) -> list[str]:
+    return [f"{NODE_PREFIX}{i}" for i in range(count)]
+
+
+def device_class() -> Manifest:
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "DeviceClass",
+        "metadata": {"name": DEVICE_CLASS},
+        "spec": {"selectors": [{"cel": {"expression": f'device.driver == "{DRIVER}"'}}]},
+    }
+
+
+def node(name: str, gpus: int) -> Manifest:
+    """A Node as KWOK's docs create them; KWOK fills conditions and keeps our capacity.
+
+    No ``kwok.x-k8s.io/node=fake:NoSchedule`` taint: KWOK's docs add it to keep real
+    pods off fake nodes in a real cluster, but here every node is fake, and the
+    taint would force a toleration onto every pod the tests and webhook produce.
+    """
+    resources = {
+        "cpu": "128", "memory": "1Ti", "pods": "110", "ephemeral-storage": "10Ti",
+        EXTENDED_RESOURCE: str(gpus),
+    }
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {
+            "name": name,
+            "annotations": {"kwok.x-k8s.io/node": "fake", "node.alpha.kubernetes.io/ttl": "0"},
+            "labels": {
+                "kwok.x-k8s.io/node": "fake",
+                "type": "kwok",
+                "kubernetes.io/hostname": name,
+                "kubernetes.io/os": "linux",
+                "kubernetes.io/arch": "amd64",
+                "nvidia.com/gpu.present": "true",
+                "nvidia.com/gpu.count": str(gpus),
+                "nvidia.com/gpu.product": PRODUCT.replace(" ", "-"),
+            },
+        },
+        "spec": {},
+        "status": {"capacity": dict(resources), "allocatable": dict(resources)},
+    }
+
+
+def gpu_uuid(node_name: str, index: int) -> str:
+    """Stable across restarts, unique across nodes, shaped like nvidia-smi's ``GPU-<uuid>``."""
+    return f"GPU-{uuid.uuid5(uuid.NAMESPACE_DNS, f'{node_name}.gpu{index}.sandbox.gatekeeper')}"
+
+
+def pcie_root(index: int, gpus: int) -> str:
+    return PCIE_ROOTS[0] if index < (gpus + 1) // 2 else PCIE_ROOTS[1]
+
+
+def resource_slice(node_name: str, gpus: int, node_uid: str = "") -> Manifest:
+    """The one slice of pool ``node_name``; owned by the Node so deleting the node cleans it up."""
+    devices = [
+        {
+            "name": f"gpu-{i}",
+            "attributes": {
+                "productName": {"string": PRODUCT},
+                "architecture": {"string": "Hopper"},
+                "index": {"int": i},
+                "uuid": {"string": gpu_uuid(node_name, i)},
+                "resource.kubernetes.io/pcieRoot": {"string": pcie_root(i, gpus)},
+            },
+            "capacity": {"memory": {"value": GPU_MEMORY}},
+        }
+        for i in range(gpus)
+    ]
+    meta: ObjectMeta = {"name": f"{node_name}-{DRIVER}"}
+    if node_uid:
+        meta["ownerReferences"] = [
+            {"apiVersion": "v1", "kind": "Node", "name": node_name, "uid": node_uid, "controller": True}
+        ]
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceSlice",
+        "metadata": meta,
+        "spec": {
+            "driver": DRIVER,
+            "nodeName": node_name,
+            "pool": {"name": node_name, "generation": 1, "resourceSliceCount": 1},
+            "devices": devices,
+        },
+    }
+
+
+def as_list(items: list[Manifest]) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "List", "items": items}
+
+
+def node_ready(obj: dict[str, Any], *, require_untainted: bool) -> bool:
+    """Ready=True, and (with node-lifecycle on) the not-ready taint already removed."""
+    conditions = obj.get("status", {}).get("conditions", [])
+    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+    if not ready or not require_untainted:
+        return ready
+    taints = obj.get("spec", {}).get("taints") or []
+    return not any(t.get("key", "").startswith("node.kubernetes.io/") for t in taints)

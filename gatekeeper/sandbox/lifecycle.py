@@ -1,0 +1,339 @@
+"""``sandbox up | status | down``: start the control plane in order, wait for health, stop by pid.
+
+Order matters and each step waits for the previous one: etcd, then every
+apiserver (they share etcd and keys), then scheduler and controller manager,
+then KWOK and the GPU objects, then the add-ons (webhook, proxy). The state
+file is saved after every process start, so ``down`` knows every pid even if
+``up`` dies half way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from gatekeeper.sandbox import components as comp
+from gatekeeper.sandbox import gpu, kubectl, pki, processes
+from gatekeeper.sandbox.build import Binaries, installed
+from gatekeeper.sandbox.state import STATE_FILE, ProcessRecord, SandboxState
+
+Say = Callable[[str], None]
+
+
+class SandboxError(Exception):
+    """``up`` could not bring the sandbox to health; everything it started has been stopped."""
+
+
+class ComponentFailed(Exception):
+    """One component did not become healthy; carries its name and what was seen last."""
+
+    def __init__(self, name: str, detail: str) -> None:
+        super().__init__(f"{name}: {detail}")
+        self.name = name
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class UpOptions:
+    """What ``sandbox up`` was asked for."""
+
+    state_dir: Path
+    """Directory for certs, kubeconfigs, logs, etcd data and sandbox.json."""
+    apiservers: int = 3
+    """Number of kube-apiservers sharing one etcd."""
+    gpu_nodes: int = 0
+    """KWOK-simulated GPU nodes (each with a ResourceSlice)."""
+    gpus_per_node: int = 8
+    """``nvidia.com/gpu`` capacity and DRA devices per node."""
+    with_scheduler: bool = False
+    """Also run kube-scheduler and kube-controller-manager."""
+    gogc: int | None = None
+    """GOGC for etcd, apiservers, scheduler and controller manager (None: Go's default)."""
+    timeout: float = 300.0
+    """Seconds each component may take to become healthy."""
+    addons: tuple[str, ...] = ()
+    """Add-on modules ``gatekeeper.sandbox.with_<name>`` to start after the control plane."""
+
+
+def _tls(layout: comp.Layout) -> processes.TLSFiles:
+    p = layout.pki
+    return processes.TLSFiles(ca=p.ca, cert=p.crt("admin"), key=p.key("admin"))
+
+
+def _wait(
+    rec: ProcessRecord | None, name: str, check: Callable[[], tuple[bool, str]], timeout: float,
+) -> None:
+    """Poll ``check`` until it passes; fail fast if the process has already exited."""
+    deadline = time.monotonic() + timeout
+    detail = "not checked yet"
+    while True:
+        if rec is not None and not processes.is_alive(rec.pid):
+            raise ComponentFailed(name, f"process {rec.pid} exited (last check: {detail})")
+        ok, detail = check()
+        if ok:
+            return
+        if time.monotonic() > deadline:
+            raise ComponentFailed(name, f"not healthy after {timeout:.0f}s: {detail}")
+        time.sleep(0.5)
+
+
+def _refuse_if_running(directory: Path) -> None:
+    if not (directory / STATE_FILE).exists():
+        return
+    old = SandboxState.load(directory)
+    live = [p.name for p in old.processes if processes.is_ours(p)]
+    if live:
+        from gatekeeper.cli import UsageError
+
+        raise UsageError(
+            f"a sandbox is already running in {directory} ({', '.join(live)}); "
+            f"run `gatekeeper sandbox down --state-dir {directory}` first"
+        )
+
+
+def _fresh_dirs(layout: comp.Layout) -> None:
+    """Every ``up`` is a new cluster: old etcd data, run dirs and logs would only confuse."""
+    for d in (layout.etcd_data, layout.dir / "run", layout.dir / "logs"):
+        shutil.rmtree(d, ignore_errors=True)
+    (layout.dir / "logs").mkdir(parents=True)
+
+
+class _Starter:
+    """Starts processes into ``state`` and saves it after each one."""
+
+    def __init__(self, state: SandboxState, layout: comp.Layout, env: dict[str, str], say: Say) -> None:
+        self.state, self.layout, self.env, self.say = state, layout, env, say
+
+    def start(self, name: str, argv: list[str], *, ports: dict[str, int], urls: dict[str, str],
+              health: str = "", go_env: bool = True) -> ProcessRecord:
+        rec = processes.start(
+            name, argv, self.layout.log(name), env=self.env if go_env else {}, ports=ports, urls=urls,
+            health=health, cwd=self.layout.dir,
+        )
+        self.state.processes.append(rec)
+        self.state.save()
+        self.say(f"  started {name} (pid {rec.pid})")
+        return rec
+
+
+def _start_etcd(s: _Starter, bins: Binaries, timeout: float) -> str:
+    client, peer = processes.free_port(), processes.free_port()
+    url = f"http://127.0.0.1:{client}"
+    rec = s.start("etcd", comp.etcd_argv(bins.etcd, s.layout, client, peer),
+                  ports={"client": client, "peer": peer}, urls={"client": url}, health=f"{url}/health")
+    _wait(rec, "etcd", lambda: processes.probe(rec.health), timeout)
+    s.state.extra["etcd_url"] = url
+    return url
+
+
+def _start_apiservers(s: _Starter, bins: Binaries, opts: UpOptions, etcd_url: str) -> None:
+    layout = s.layout
+    recs = []
+    for i in range(1, opts.apiservers + 1):
+        port = processes.free_port()
+        url = f"https://127.0.0.1:{port}"
+        argv = comp.apiserver_argv(bins.kube_apiserver, layout, index=i, port=port, etcd_url=etcd_url,
+                                   node_lifecycle=opts.with_scheduler)
+        recs.append(s.start(f"kube-apiserver-{i}", argv, ports={"secure": port}, urls={"server": url},
+                            health=f"{url}/readyz"))
+        s.state.apiserver_urls.append(url)
+        pki.write_kubeconfig(layout.dir / f"apiserver-{i}.kubeconfig", layout.pki, "admin", url)
+    first = s.state.apiserver_urls[0]
+    pki.write_kubeconfig(layout.kubeconfig("admin"), layout.pki, "admin", first)
+    for client in ("kube-scheduler", "kube-controller-manager", "kwok"):
+        pki.write_kubeconfig(layout.kubeconfig(client), layout.pki, client, first)
+    s.state.save()
+    tls = _tls(layout)
+    for rec in recs:
+        _wait(rec, rec.name, lambda r=rec: processes.probe(r.health, tls), opts.timeout)  # type: ignore[misc]
+
+
+def _start_scheduler_and_kcm(s: _Starter, bins: Binaries, opts: UpOptions) -> None:
+    tls = _tls(s.layout)
+    started = []
+    for name, builder, binary in (
+        ("kube-scheduler", comp.scheduler_argv, bins.kube_scheduler),
+        ("kube-controller-manager", comp.controller_manager_argv, bins.kube_controller_manager),
+    ):
+        port = processes.free_port()
+        url = f"https://127.0.0.1:{port}"
+        started.append(s.start(name, builder(binary, s.layout, port), ports={"secure": port},
+                               urls={"server": url}, health=f"{url}/healthz"))
+    for rec in started:
+        _wait(rec, rec.name, lambda r=rec: processes.probe(r.health, tls), opts.timeout)  # type: ignore[misc]
+    kcm = started[1]
+    kc, kb = s.layout.kubeconfig("admin"), bins.kubectl
+
+    def default_sa() -> tuple[bool, str]:
+        # Pods cannot be created before the serviceaccount controller made `default`.
+        p = kubectl.run(kc, "get", "serviceaccount", "default", "-n", "default", "-o", "name", binary=kb)
+        return p.returncode == 0, (p.stdout + p.stderr).strip()
+
+    _wait(kcm, "kube-controller-manager (default ServiceAccount)", default_sa, opts.timeout)
+
+
+def _start_kwok(s: _Starter, bins: Binaries, opts: UpOptions) -> None:
+    port = processes.free_port()
+    url = f"http://127.0.0.1:{port}"
+    rec = s.start("kwok", comp.kwok_argv(bins.kwok, s.layout, bins.kwok_stages, port), ports={"server": port},
+                  urls={"server": url}, health=f"{url}/healthz", go_env=False)
+    _wait(rec, "kwok", lambda: processes.probe(rec.health), opts.timeout)
+
+
+def _publish_gpus(s: _Starter, bins: Binaries, opts: UpOptions) -> None:
+    kc, kb = s.layout.kubeconfig("admin"), bins.kubectl
+    kubectl.run(kc, "create", "-f", "-", input=json.dumps(gpu.device_class()), binary=kb, check=True)
+    names = gpu.node_names(opts.gpu_nodes)
+    s.state.extra.update({"gpu_nodes": names, "gpus_per_node": opts.gpus_per_node,
+                          "device_class": gpu.DEVICE_CLASS, "dra_driver": gpu.DRIVER})
+    s.state.save()
+    if not names:
+        return
+    nodes = [gpu.node(n, opts.gpus_per_node) for n in names]
+    out = kubectl.run(kc, "create", "-f", "-", "-o", "json", input=json.dumps(gpu.as_list(nodes)),
+                      binary=kb, check=True)
+    created = json.loads(out.stdout)
+    uids = {i["metadata"]["name"]: i["metadata"]["uid"] for i in created.get("items", [created])}
+    slices = [gpu.resource_slice(n, opts.gpus_per_node, uids.get(n, "")) for n in names]
+    kubectl.run(kc, "create", "-f", "-", input=json.dumps(gpu.as_list(slices)), binary=kb, check=True)
+    kwok_rec = s.state.process("kwok")
+
+    def all_ready() -> tuple[bool, str]:
+        p = kubectl.run(kc, "get", "nodes", "-l", comp.KWOK_NODE_SELECTOR, "-o", "json", binary=kb)
+        if p.returncode != 0:
+            return False, p.stderr.strip()
+        items = json.loads(p.stdout).get("items", [])
+        ready = [i["metadata"]["name"] for i in items
+                 if gpu.node_ready(i, require_untainted=opts.with_scheduler)]
+        return len(ready) == len(names), f"{len(ready)}/{len(names)} GPU nodes Ready: {sorted(ready)}"
+
+    _wait(kwok_rec, "kwok (GPU nodes Ready)", all_ready, opts.timeout)
+
+
+def _start_addons(state: SandboxState, args: argparse.Namespace, addons: tuple[str, ...], say: Say) -> None:
+    from gatekeeper.cli import UsageError
+
+    for name in addons:
+        module_name = f"gatekeeper.sandbox.with_{name}"
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name == module_name:
+                raise UsageError(f"--with-{name}: {module_name} is not implemented yet") from None
+            raise
+        say(f"starting add-on {name}")
+        state.save()
+        try:
+            module.start(state, args)
+        finally:
+            state.save()
+
+
+def up(opts: UpOptions, args: argparse.Namespace | None = None, say: Say = print) -> SandboxState:
+    """Bring the sandbox to health or stop everything and raise SandboxError."""
+    bins = installed()
+    directory = opts.state_dir.resolve()
+    directory.mkdir(parents=True, exist_ok=True)
+    _refuse_if_running(directory)
+    layout = comp.Layout(directory)
+    _fresh_dirs(layout)
+    t0 = time.monotonic()
+    say(f"sandbox in {directory}: certificates")
+    sandbox_pki = pki.create(layout.pki.dir)
+    state = SandboxState(dir=str(directory), certs_dir=str(sandbox_pki.dir),
+                         kubeconfig=str(layout.kubeconfig("admin")))
+    state.extra.update({"kubectl": str(bins.kubectl), "with_scheduler": opts.with_scheduler,
+                        "front_proxy_client": {"cert": str(sandbox_pki.crt(pki.FRONT_PROXY_CLIENT)),
+                                               "key": str(sandbox_pki.key(pki.FRONT_PROXY_CLIENT))},
+                        "apiserver_kubeconfigs": [str(directory / f"apiserver-{i}.kubeconfig")
+                                                  for i in range(1, opts.apiservers + 1)]})
+    state.save()
+    env = {"GOGC": str(opts.gogc)} if opts.gogc is not None else {}
+    s = _Starter(state, layout, env, say)
+    try:
+        etcd_url = _start_etcd(s, bins, opts.timeout)
+        _start_apiservers(s, bins, opts, etcd_url)
+        say(f"  {opts.apiservers} apiserver(s) ready after {time.monotonic() - t0:.1f}s")
+        if opts.with_scheduler:
+            _start_scheduler_and_kcm(s, bins, opts)
+        if opts.gpu_nodes:
+            _start_kwok(s, bins, opts)
+        _publish_gpus(s, bins, opts)
+        state.extra["control_plane_seconds"] = round(time.monotonic() - t0, 2)
+        _start_addons(state, args or argparse.Namespace(), opts.addons, say)
+    except BaseException as exc:
+        _report_failure(state, exc)
+        results = stop_all(state.processes)
+        state.save()
+        sys.stderr.write("stopped: " + ", ".join(f"{r.name} {r.outcome}" for r in results) + "\n")
+        if isinstance(exc, ComponentFailed | kubectl.KubectlError):
+            raise SandboxError(f"sandbox did not come up: {exc}") from exc
+        raise
+    state.extra["startup_seconds"] = round(time.monotonic() - t0, 2)
+    state.save()
+    say(f"sandbox up in {state.extra['startup_seconds']:.1f}s; "
+        f"export KUBECONFIG={state.kubeconfig}")
+    return state
+
+
+def _report_failure(state: SandboxState, exc: BaseException) -> None:
+    name = exc.name if isinstance(exc, ComponentFailed) else ""
+    sys.stderr.write(f"sandbox up failed: {exc}\n")
+    for rec in state.processes:
+        if name and not name.startswith(rec.name):
+            continue
+        if not name and processes.is_alive(rec.pid):
+            continue
+        sys.stderr.write(f"--- last lines of {rec.log} ({rec.name}) ---\n{processes.tail(rec.log)}\n")
+
+
+def stop_all(records: list[ProcessRecord]) -> list[processes.StopResult]:
+    """Everything else first (newest first), etcd last.
+
+    An apiserver whose etcd is already gone hangs in shutdown until SIGKILL; with
+    etcd still up it exits cleanly in about a second.
+    """
+    first = [r for r in reversed(records) if r.name != "etcd"]
+    last = [r for r in records if r.name == "etcd"]
+    return processes.stop(first) + processes.stop(last)
+
+
+def status(directory: Path, say: Say = print) -> int:
+    """One line per process: pid, alive, health, RSS. Non-zero if any is down or unhealthy."""
+    state = SandboxState.load(directory)
+    layout = comp.Layout(Path(state.dir))
+    tls = _tls(layout)
+    bad = 0
+    say(f"{'NAME':28} {'PID':>7} {'ALIVE':5} {'RSS MiB':>8}  HEALTH")
+    for rec in state.processes:
+        alive = processes.is_ours(rec)
+        health = "-"
+        if alive and rec.health:
+            ok, detail = processes.probe(rec.health, tls if rec.health.startswith("https") else None)
+            health = ("ok " if ok else "FAIL ") + detail[:60]
+            bad += not ok
+        bad += not alive
+        rss = processes.rss_kib(rec.pid) if alive else None
+        say(f"{rec.name:28} {rec.pid:>7} {'yes' if alive else 'NO':5} "
+            f"{(f'{rss / 1024:.0f}' if rss else '-'):>8}  {health}")
+    return 1 if bad else 0
+
+
+def down(directory: Path, say: Say = print) -> int:
+    """Stop every recorded process (whole group, TERM then KILL); safe to run again."""
+    state = SandboxState.load(directory)
+    results = stop_all(state.processes)
+    for r in results:
+        say(f"{r.name:28} pid {r.pid:>7}  {r.outcome}")
+    survivors = [r for r in results if r.outcome == "SURVIVED"]
+    if survivors:
+        say("some processes survived SIGKILL: " + ", ".join(f"{r.name} ({r.pid})" for r in survivors))
+        return 1
+    return 0

@@ -1,0 +1,198 @@
+"""Start, probe and stop sandbox processes by pid.
+
+Every process gets its own session (``start_new_session``), so its pid is also
+its process-group id and ``stop`` can take down anything it forked. Before
+signalling a recorded pid we check that the live process still runs the
+recorded binary: pids are reused, and ``down`` must never kill a stranger.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import signal
+import socket
+import ssl
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from gatekeeper.sandbox.state import ProcessRecord
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port the kernel just handed out; the small window before the process binds it is accepted."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def start(
+    name: str,
+    argv: Sequence[str],
+    log: Path,
+    *,
+    env: Mapping[str, str] | None = None,
+    cwd: Path | None = None,
+    ports: Mapping[str, int] | None = None,
+    urls: Mapping[str, str] | None = None,
+    health: str = "",
+) -> ProcessRecord:
+    """Start ``argv`` detached in its own session, stdout+stderr appended to ``log``."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    with log.open("ab") as out:
+        proc = subprocess.Popen(
+            list(argv), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+            env=full_env, cwd=cwd, start_new_session=True, close_fds=True,
+        )
+    return ProcessRecord(
+        name=name, pid=proc.pid, cmd=list(argv), log=str(log), ports=dict(ports or {}),
+        urls=dict(urls or {}), health=health, env=dict(env or {}),
+    )
+
+
+def _reap(pid: int) -> None:
+    """Collect the exit status if ``pid`` is our child, so it does not linger as a zombie."""
+    with contextlib.suppress(ChildProcessError, OSError):
+        os.waitpid(pid, os.WNOHANG)
+
+
+def _proc_state(pid: int) -> str | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[0]
+
+
+def is_alive(pid: int) -> bool:
+    """Running and not a zombie."""
+    _reap(pid)
+    try:
+        os.kill(pid, 0)
+    except OSError as exc:
+        if exc.errno == errno.ESRCH:
+            return False
+    state = _proc_state(pid)
+    return state is not None and state not in ("Z", "X")
+
+
+def is_ours(rec: ProcessRecord) -> bool:
+    """The pid is alive and still runs the binary we started (guards against pid reuse)."""
+    if not is_alive(rec.pid):
+        return False
+    try:
+        argv0 = Path(f"/proc/{rec.pid}/cmdline").read_bytes().split(b"\0", 1)[0].decode()
+    except OSError:
+        return False
+    return not rec.cmd or Path(argv0).name == Path(rec.cmd[0]).name
+
+
+def _signal(rec: ProcessRecord, sig: signal.Signals) -> None:
+    try:
+        if os.getpgid(rec.pid) == rec.pid:
+            os.killpg(rec.pid, sig)
+        else:
+            os.kill(rec.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _group_alive(pgid: int) -> bool:
+    """Any live member of the process group (children a component forked)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if os.getpgid(int(entry.name)) == pgid and is_alive(int(entry.name)):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+@dataclass
+class StopResult:
+    """What happened to one process on ``stop``."""
+
+    name: str
+    pid: int
+    outcome: str
+    """``stopped`` (SIGTERM), ``killed`` (needed SIGKILL), ``not running``, or ``SURVIVED``."""
+
+
+def stop(records: Iterable[ProcessRecord], *, grace: float = 10.0) -> list[StopResult]:
+    """SIGTERM every group, wait up to ``grace`` seconds, then SIGKILL; verify none is left."""
+    recs = list(records)
+    live = [r for r in recs if is_ours(r)]
+    results = {r.name: StopResult(r.name, r.pid, "not running") for r in recs}
+    for r in live:
+        _signal(r, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and any(is_alive(r.pid) or _group_alive(r.pid) for r in live):
+        time.sleep(0.1)
+    for r in live:
+        if is_alive(r.pid) or _group_alive(r.pid):
+            _signal(r, signal.SIGKILL)
+            results[r.name].outcome = "killed"
+        else:
+            results[r.name].outcome = "stopped"
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(is_alive(r.pid) or _group_alive(r.pid) for r in live):
+        time.sleep(0.1)
+    for r in live:
+        if is_alive(r.pid) or _group_alive(r.pid):
+            results[r.name].outcome = "SURVIVED"
+    return [results[r.name] for r in recs]
+
+
+@dataclass(frozen=True)
+class TLSFiles:
+    """CA to verify servers with, and the client certificate to present."""
+
+    ca: Path
+    cert: Path | None = None
+    key: Path | None = None
+
+
+def probe(url: str, tls: TLSFiles | None = None, timeout: float = 3.0) -> tuple[bool, str]:
+    """GET ``url``; healthy means HTTP 200. Returns (ok, short detail for humans)."""
+    ctx = None
+    if url.startswith("https://"):
+        ctx = ssl.create_default_context(cafile=str(tls.ca) if tls else None)
+        if tls and tls.cert and tls.key:
+            ctx.load_cert_chain(str(tls.cert), str(tls.key))
+    try:
+        with urllib.request.urlopen(url, timeout=timeout, context=ctx) as resp:
+            body = resp.read(200).decode(errors="replace").strip()
+            return resp.status == 200, f"{resp.status} {body}"
+    except urllib.error.HTTPError as exc:
+        return False, f"{exc.code} {exc.read(300).decode(errors='replace').strip()}"
+    except (OSError, ssl.SSLError) as exc:
+        return False, f"{type(exc).__name__}: {exc}"
+
+
+def tail(path: str | Path, lines: int = 30) -> str:
+    try:
+        data = Path(path).read_bytes()[-20000:]
+    except OSError as exc:
+        return f"(cannot read {path}: {exc})"
+    return "\n".join(data.decode(errors="replace").splitlines()[-lines:])
+
+
+def rss_kib(pid: int) -> int | None:
+    """Resident set size from /proc/<pid>/status, for the idle-RSS figures."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
