@@ -3,16 +3,49 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from typing import Any
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("webhook", help="(not implemented yet)", description="not implemented yet")
-    p.add_argument("--config", help="YAML config file")
+    p = sub.add_parser(
+        "webhook",
+        help="run the admission webhook (oversized Secrets, GPU pod rewrite)",
+        description=(
+            "Serve AdmissionReview v1 over TLS: POST /validate rejects oversized Secrets (and ConfigMaps), "
+            "POST /mutate rewrites nvidia.com/gpu pods to DRA claims or shared GPUs; "
+            "GET /healthz, /readyz, /metrics."
+        ),
+    )
+    p.add_argument("--config", required=True, help="YAML config file with a webhook: section")
+    p.add_argument("--workers", type=int, default=None,
+                   help="processes sharing the port via SO_REUSEPORT (default: webhook.server.workers)")
+    p.add_argument("--port", type=int, default=None, help="override webhook.server.port (0 = any free port)")
+    p.add_argument("--port-file", default=None, help="write the bound port to this file once listening")
     p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
     from gatekeeper.cli import UsageError
+    from gatekeeper.config import load_config
+    from gatekeeper.webhook.server import run
+    from gatekeeper.webhook.settings import WebhookSettings
 
-    raise UsageError("`gatekeeper webhook` is not implemented yet")
+    cfg = load_config(args.config, need="webhook")
+    settings: WebhookSettings = cfg.webhook
+    srv = settings.server
+    if args.port is not None:
+        srv = replace(srv, port=args.port)
+    if args.port_file is not None:
+        srv = replace(srv, port_file=args.port_file)
+    try:
+        srv.validate()
+    except ValueError as exc:
+        raise UsageError(f"{args.config}: webhook.server: {exc}") from None
+    for path in (srv.cert_file, srv.key_file):
+        with open(path, "rb"):  # FileNotFoundError -> one readable line from cli.main
+            pass
+    workers = args.workers if args.workers is not None else srv.workers
+    if workers < 1:
+        raise UsageError(f"--workers must be >= 1, got {workers}")
+    return run(replace(settings, server=srv), workers)

@@ -1,0 +1,47 @@
+"""Prometheus exposition shared by the components (a thin layer over prometheus-client).
+
+Components define their collectors on the default registry. With several
+worker processes (``--workers N``), each process only counts its own reviews;
+prometheus-client's multiprocess mode (``PROMETHEUS_MULTIPROC_DIR`` set
+*before* prometheus_client is imported, see :func:`enable_multiprocess`) makes
+every process write its samples to files that :func:`render` aggregates, so a
+scrape that lands on any worker reports the whole server.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+from aiohttp import web
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+def enable_multiprocess(prefix: str = "gatekeeper-metrics-") -> str:
+    """Point prometheus-client at a fresh directory; call before importing prometheus_client."""
+    path = os.environ.get(MULTIPROC_ENV) or tempfile.mkdtemp(prefix=prefix)
+    os.makedirs(path, exist_ok=True)
+    os.environ[MULTIPROC_ENV] = path
+    return path
+
+
+def render() -> tuple[bytes, str]:
+    """The exposition page and its content type."""
+    from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
+
+    if os.environ.get(MULTIPROC_ENV):
+        from prometheus_client import multiprocess
+
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+        return generate_latest(registry), CONTENT_TYPE_LATEST
+    return generate_latest(REGISTRY), CONTENT_TYPE_LATEST
+
+
+async def metrics_handler(request: web.Request) -> web.Response:
+    """aiohttp handler for ``GET /metrics``."""
+    body, content_type = render()
+    resp = web.Response(body=body)
+    resp.headers["Content-Type"] = content_type
+    return resp

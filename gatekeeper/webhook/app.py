@@ -1,0 +1,151 @@
+"""The webhook's HTTP edge: aiohttp routes around the pure policies.
+
+Routes: ``POST /validate`` (size policy), ``POST /mutate`` (GPU policy),
+``GET /healthz``, ``GET /readyz``, ``GET /metrics``. This module only maps
+HTTP to :mod:`gatekeeper.webhook.policies` and exceptions to status codes:
+a body that is not an AdmissionReview v1 gets 400 with the reason as text,
+never a traceback.
+
+Metrics (Prometheus):
+
+``gatekeeper_webhook_reviews_total{policy,operation,decision}``
+    ``policy`` is ``secret-size``, ``gpu`` or ``none`` (no policy for that
+    kind); ``decision`` is allowed, warned, denied, mutated, skipped or error.
+``gatekeeper_webhook_review_duration_seconds{route}``
+    Time from body received to response built (template creation included).
+``gatekeeper_webhook_bad_requests_total{route}``
+    Bodies rejected with 400.
+``gatekeeper_webhook_gpu_rewrites_total{mode}``
+    Pods rewritten, by GPU mode.
+``gatekeeper_webhook_template_reconciliations_total{result}``
+    ResourceClaimTemplate checks: created, exists (409), cached, error.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from gatekeeper.kube.admission import Decision, ReviewError, parse_review, response
+from gatekeeper.metrics import metrics_handler
+from gatekeeper.webhook import policies
+from gatekeeper.webhook.settings import WebhookSettings
+from gatekeeper.webhook.templates import TemplateError, TemplateKeeper
+
+log = logging.getLogger(__name__)
+
+MAX_BODY = 32 * 1024 * 1024
+"""A review carries object and oldObject (each up to the apiserver's ~3 MiB limit, base64-inflated)."""
+
+
+class Metrics:
+    """The webhook's collectors (created once per process)."""
+
+    def __init__(self) -> None:
+        from prometheus_client import Counter, Histogram
+
+        self.reviews = Counter("gatekeeper_webhook_reviews_total", "Admission reviews answered",
+                               ["policy", "operation", "decision"])
+        self.duration = Histogram("gatekeeper_webhook_review_duration_seconds", "Review latency",
+                                  ["route"], buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                                                      0.1, 0.25, 0.5, 1.0, 2.5))
+        self.bad_requests = Counter("gatekeeper_webhook_bad_requests_total", "Bodies rejected with 400",
+                                    ["route"])
+        self.rewrites = Counter("gatekeeper_webhook_gpu_rewrites_total", "GPU pods rewritten", ["mode"])
+        self.templates = Counter("gatekeeper_webhook_template_reconciliations_total",
+                                 "ResourceClaimTemplate create-if-missing results", ["result"])
+
+
+_METRICS: Metrics | None = None
+
+
+def metrics() -> Metrics:
+    global _METRICS
+    if _METRICS is None:
+        _METRICS = Metrics()
+    return _METRICS
+
+
+SETTINGS_KEY = web.AppKey("settings", WebhookSettings)
+KEEPER_KEY = web.AppKey("keeper", TemplateKeeper)
+READY_KEY = web.AppKey("ready", dict)
+
+
+def _json(doc: Any, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(doc), status=status, content_type="application/json")
+
+
+async def _review(request: web.Request, route: str) -> web.Response:
+    m = metrics()
+    started = time.perf_counter()
+    body = await request.read()
+    try:
+        req = parse_review(body)
+    except ReviewError as exc:
+        m.bad_requests.labels(route).inc()
+        return web.Response(status=400, text=f"bad AdmissionReview: {exc}\n")
+    settings = request.app[SETTINGS_KEY]
+    try:
+        policy, decision = (policies.validate if route == "validate" else policies.mutate)(req, settings)
+        if decision.allowed and decision.templates and not req.dry_run:
+            keeper = request.app.get(KEEPER_KEY)
+            if keeper is None:
+                decision = Decision(allowed=False, outcome="error", code=503, reason="ServiceUnavailable",
+                                    message="gatekeeper has no Kubernetes client to create "
+                                            "ResourceClaimTemplates (set webhook.kubeconfig)")
+            else:
+                try:
+                    await keeper.ensure(decision.templates)
+                except TemplateError as exc:
+                    decision = Decision(allowed=False, outcome="error", code=503,
+                                        reason="ServiceUnavailable", message=str(exc))
+    except Exception:  # a bug of ours must not become a traceback in someone's kubectl output
+        log.exception("policy failed on review %s", req.uid)
+        policy = "error"
+        decision = Decision(allowed=False, outcome="error", code=500, reason="InternalError",
+                            message="gatekeeper webhook internal error; see the webhook's log")
+    if decision.outcome == "mutated":
+        m.rewrites.labels(decision.audit.get("gpu-mode", "")).inc()
+    m.reviews.labels(policy, req.operation, decision.outcome).inc()
+    out = _json(response(req.uid, replace(decision, templates=[])))
+    m.duration.labels(route).observe(time.perf_counter() - started)
+    return out
+
+
+async def validate(request: web.Request) -> web.Response:
+    return await _review(request, "validate")
+
+
+async def mutate(request: web.Request) -> web.Response:
+    return await _review(request, "mutate")
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.Response(text="ok")
+
+
+async def readyz(request: web.Request) -> web.Response:
+    state = request.app[READY_KEY]
+    if not state.get("ready"):
+        return web.Response(status=503, text=f"not ready: {state.get('reason', 'starting')}\n")
+    return web.Response(text="ok")
+
+
+def build_app(settings: WebhookSettings, keeper: TemplateKeeper | None = None) -> web.Application:
+    app = web.Application(client_max_size=MAX_BODY)
+    app[SETTINGS_KEY] = settings
+    if keeper is not None:
+        app[KEEPER_KEY] = keeper
+    app[READY_KEY] = {"ready": True}
+    metrics()
+    app.router.add_post("/validate", validate)
+    app.router.add_post("/mutate", mutate)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics_handler)
+    return app

@@ -1,0 +1,136 @@
+"""Run the webhook: one uvloop process, or N processes sharing the port (SO_REUSEPORT).
+
+With ``--workers N`` the kernel spreads new connections over N listening
+sockets bound to the same port, one per process, so reviews use N cores
+without a shared accept lock. Metrics switch to prometheus-client's
+multiprocess mode so any worker's ``/metrics`` reports all of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import socket
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from gatekeeper.webhook.settings import WebhookSettings
+
+log = logging.getLogger(__name__)
+
+
+def _write_port_file(path: str, port: int) -> None:
+    if not path:
+        return
+    p = Path(path)
+    tmp = p.with_name(p.name + f".{os.getpid()}.tmp")
+    tmp.write_text(f"{port}\n")
+    tmp.replace(p)
+
+
+async def _kube_client(settings: WebhookSettings) -> Any:
+    if not settings.gpu.enabled:
+        return None
+    if not settings.kubeconfig and not os.environ.get("KUBERNETES_SERVICE_HOST"):
+        log.warning("no webhook.kubeconfig and not in a cluster: DRA rewrites cannot create "
+                    "ResourceClaimTemplates and will be refused")
+        return None
+    from gatekeeper.webhook.templates import kube_api_client
+
+    return await kube_api_client(settings.kubeconfig)
+
+
+async def serve(settings: WebhookSettings, stop: asyncio.Event | None = None) -> None:
+    """Serve until ``stop`` is set or SIGTERM/SIGINT arrives."""
+    from aiohttp import web
+
+    from gatekeeper.webhook.app import build_app, metrics
+    from gatekeeper.webhook.templates import TemplateKeeper, kube_creator
+    from gatekeeper.webhook.tls import ReloadingContext
+
+    srv = settings.server
+    tls = ReloadingContext(srv.cert_file, srv.key_file, srv.cert_check_interval_seconds)
+    api_client = await _kube_client(settings)
+    keeper = None
+    if api_client is not None:
+        counter = metrics().templates
+        keeper = TemplateKeeper(kube_creator(api_client), settings.gpu.template_cache_seconds,
+                                on_result=lambda r: counter.labels(r).inc())
+    app = build_app(settings, keeper)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, srv.address, srv.port, ssl_context=tls.base, reuse_port=True, backlog=2048)
+    await site.start()
+    server = getattr(site, "_server", None)
+    port = server.sockets[0].getsockname()[1] if server and server.sockets else srv.port
+    _write_port_file(srv.port_file, port)
+    log.info("gatekeeper webhook (pid %d) serving https://%s:%d", os.getpid(), srv.address, port)
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+        if api_client is not None:
+            await api_client.close()
+
+
+def _run_one(settings: WebhookSettings) -> None:
+    import uvloop
+
+    uvloop.run(serve(settings))
+
+
+def _reserve_port(address: str) -> socket.socket:
+    """Bind (not listen) a SO_REUSEPORT socket so port 0 resolves to one port all workers share."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    s = socket.socket(family, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    s.bind((address, 0))
+    return s
+
+
+def run(settings: WebhookSettings, workers: int = 1) -> int:
+    if workers <= 1:
+        _run_one(settings)
+        return 0
+    from gatekeeper.metrics import enable_multiprocess
+
+    owned_dir = None if os.environ.get("PROMETHEUS_MULTIPROC_DIR") else enable_multiprocess()
+    reserved = None
+    if settings.server.port == 0:
+        reserved = _reserve_port(settings.server.address)
+        settings = replace(settings, server=replace(settings.server, port=reserved.getsockname()[1]))
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_run_one, args=(settings,), name=f"webhook-worker-{i}")
+             for i in range(workers)]
+    for p in procs:
+        p.start()
+    log.info("started %d webhook workers on port %d", workers, settings.server.port)
+
+    def forward(signum: int, frame: object) -> None:
+        for p in procs:
+            if p.is_alive() and p.pid:
+                os.kill(p.pid, signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    try:
+        for p in procs:
+            p.join()
+    finally:
+        if reserved is not None:
+            reserved.close()
+        if owned_dir:
+            shutil.rmtree(owned_dir, ignore_errors=True)
+    return max((p.exitcode or 0) for p in procs)

@@ -1,0 +1,130 @@
+"""Keep the GPU ResourceClaimTemplates present in the namespaces that need them.
+
+A rewritten DRA pod references a ResourceClaimTemplate by name; if the template
+is missing, the resourceclaim controller cannot create the pod's claim and the
+pod stays Pending. So before answering a non-dryRun review whose patch points
+at templates, the webhook makes sure they exist:
+
+* create-if-missing as a single POST: ``409 AlreadyExists`` is success, so the
+  RBAC needed is just ``create`` on ``resourceclaimtemplates`` (no get/list);
+* a per-(namespace, name) cache with a TTL, so steady state costs nothing and a
+  template someone deleted comes back within ``templateCacheSeconds``;
+* concurrent reviews for the same template share one in-flight POST;
+* never on dryRun (the webhook declares ``sideEffects: NoneOnDryRun``).
+
+The kubernetes-asyncio part is one small adapter (:func:`kube_creator`); the
+cache logic takes any async ``create(obj)`` so it is unit-testable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+Create = Callable[[dict[str, Any]], Awaitable[None]]
+"""Create one object; raise AlreadyExists if it exists, TemplateError on any other failure."""
+
+
+class AlreadyExists(Exception):
+    """The object is already there (HTTP 409): for create-if-missing that is success."""
+
+
+class TemplateError(Exception):
+    """A template could not be ensured; the message is shown to the user who created the pod."""
+
+
+class TemplateKeeper:
+    """Create-if-missing with a TTL cache and in-flight de-duplication."""
+
+    def __init__(self, create: Create, cache_seconds: float = 300.0,
+                 clock: Callable[[], float] = time.monotonic,
+                 on_result: Callable[[str], None] | None = None) -> None:
+        self._create = create
+        self._ttl = cache_seconds
+        self._clock = clock
+        self._known: dict[tuple[str, str], float] = {}
+        self._inflight: dict[tuple[str, str], asyncio.Future[None]] = {}
+        self._on_result = on_result or (lambda result: None)
+
+    def known(self, namespace: str, name: str) -> bool:
+        exp = self._known.get((namespace, name))
+        return exp is not None and exp > self._clock()
+
+    async def ensure(self, objects: list[dict[str, Any]]) -> None:
+        await asyncio.gather(*(self._ensure_one(o) for o in objects))
+
+    async def _ensure_one(self, obj: dict[str, Any]) -> None:
+        meta = obj["metadata"]
+        key = (meta["namespace"], meta["name"])
+        if self.known(*key):
+            self._on_result("cached")
+            return
+        fut = self._inflight.get(key)
+        if fut is not None:
+            await asyncio.shield(fut)
+            return
+        fut = asyncio.get_running_loop().create_future()
+        self._inflight[key] = fut
+        try:
+            try:
+                await self._create(obj)
+                result = "created"
+                log.info("created ResourceClaimTemplate %s/%s", *key)
+            except AlreadyExists:
+                result = "exists"
+            self._known[key] = self._clock() + self._ttl
+            self._on_result(result)
+            fut.set_result(None)
+        except BaseException as exc:
+            self._on_result("error")
+            fut.set_exception(exc)
+            fut.exception()  # mark retrieved: waiters re-raise it themselves
+            raise
+        finally:
+            del self._inflight[key]
+
+
+def kube_creator(api_client: Any) -> Create:
+    """``create`` backed by kubernetes-asyncio (POST .../resourceclaimtemplates)."""
+    from kubernetes_asyncio.client import CustomObjectsApi
+    from kubernetes_asyncio.client.exceptions import ApiException
+
+    api = CustomObjectsApi(api_client)
+
+    async def create(obj: dict[str, Any]) -> None:
+        group, version = obj["apiVersion"].split("/")
+        meta = obj["metadata"]
+        try:
+            await api.create_namespaced_custom_object(group, version, meta["namespace"],
+                                                      "resourceclaimtemplates", obj)
+        except ApiException as exc:
+            if exc.status == 409:
+                raise AlreadyExists() from None
+            raise TemplateError(
+                f"gatekeeper could not create ResourceClaimTemplate {meta['namespace']}/{meta['name']}: "
+                f"HTTP {exc.status} {exc.reason}; the pod would stay Pending, so it was not admitted"
+            ) from None
+        except (TimeoutError, OSError) as exc:
+            raise TemplateError(
+                f"gatekeeper could not reach the apiserver to create ResourceClaimTemplate "
+                f"{meta['namespace']}/{meta['name']}: {exc}"
+            ) from None
+
+    return create
+
+
+async def kube_api_client(kubeconfig: str) -> Any:
+    """ApiClient from a kubeconfig file, or the in-cluster service account when empty."""
+    from kubernetes_asyncio import client, config
+
+    cfg = client.Configuration()
+    if kubeconfig:
+        await config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
+    else:
+        config.load_incluster_config(client_configuration=cfg)
+    return client.ApiClient(configuration=cfg)

@@ -1,0 +1,172 @@
+"""The aiohttp edge: routes, 400s on bad bodies, template reconciliation, metrics, TLS reload."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import ssl
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from review_fixtures import apply, b64, container, pod, review, secret
+
+from gatekeeper.certs import PKI, load_cert
+from gatekeeper.webhook.app import build_app
+from gatekeeper.webhook.server import serve
+from gatekeeper.webhook.settings import GpuSettings, ServerSettings, WebhookSettings
+from gatekeeper.webhook.templates import AlreadyExists, TemplateError, TemplateKeeper
+
+SETTINGS = WebhookSettings(gpu=GpuSettings(default_mode="dra"))
+
+
+class FakeCreate:
+    def __init__(self, fail: Exception | None = None) -> None:
+        self.created: list[dict[str, Any]] = []
+        self.fail = fail
+
+    async def __call__(self, obj: dict[str, Any]) -> None:
+        if self.fail:
+            raise self.fail
+        key = (obj["metadata"]["namespace"], obj["metadata"]["name"])
+        if key in {(o["metadata"]["namespace"], o["metadata"]["name"]) for o in self.created}:
+            raise AlreadyExists()
+        self.created.append(obj)
+
+
+@pytest.fixture
+async def client_and_fake(aiohttp_client):  # type: ignore[no-untyped-def]
+    fake = FakeCreate()
+    app = build_app(SETTINGS, TemplateKeeper(fake, cache_seconds=60))
+    return await aiohttp_client(app), fake
+
+
+@pytest.mark.parametrize(("body", "needle"), [
+    (b"", "empty request body"),
+    (b"garbage", "not valid JSON"),
+    (b'{"apiVersion":"admission.k8s.io/v1beta1","kind":"AdmissionReview","request":{"uid":"x"}}',
+     "only admission.k8s.io/v1"),
+    (b'{"apiVersion":"admission.k8s.io/v1","kind":"AdmissionReview","request":{"uid":"x"}}',
+     "request.kind is missing"),
+])
+async def test_malformed_review_gets_400_with_message(  # type: ignore[no-untyped-def]
+        client_and_fake, body: bytes, needle: str) -> None:
+    client, _ = client_and_fake
+    for route in ("/validate", "/mutate"):
+        resp = await client.post(route, data=body, headers={"Content-Type": "application/json"})
+        text = await resp.text()
+        assert resp.status == 400 and needle in text and "Traceback" not in text
+
+
+async def test_unknown_kind_is_allowed_untouched(client_and_fake) -> None:  # type: ignore[no-untyped-def]
+    client, _ = client_and_fake
+    doc = review({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "d"}}, group="apps")
+    for route in ("/validate", "/mutate"):
+        r = await (await client.post(route, data=orjson.dumps(doc))).json()
+        assert r["response"] == {"uid": doc["request"]["uid"], "allowed": True}
+
+
+async def test_validate_denies_oversized_secret_over_http(  # type: ignore[no-untyped-def]
+        client_and_fake) -> None:
+    client, _ = client_and_fake
+    doc = review(secret(data={"a": b64(300 * 1024)}))
+    r = await (await client.post("/validate", data=orjson.dumps(doc))).json()
+    assert r["response"]["allowed"] is False
+    assert "over the 128 KiB limit" in r["response"]["status"]["message"]
+
+
+async def test_mutate_creates_template_once_and_never_on_dry_run(client_and_fake) -> None:  # type: ignore[no-untyped-def]
+    client, fake = client_and_fake
+    obj = pod(container("main", 2))
+    dry = await (await client.post("/mutate", data=orjson.dumps(review(obj, dry_run=True)))).json()
+    assert fake.created == [] and "patch" in dry["response"]
+    for _ in range(3):
+        r = await (await client.post("/mutate", data=orjson.dumps(review(obj)))).json()
+    assert len(fake.created) == 1
+    out = apply(obj, r)
+    tname = fake.created[0]["metadata"]["name"]
+    assert out["spec"]["resourceClaims"][0]["resourceClaimTemplateName"] == tname
+    assert dry["response"]["patch"] == r["response"]["patch"]  # dryRun gets the same answer
+
+
+async def test_template_failure_refuses_pod_with_message(aiohttp_client) -> None:  # type: ignore[no-untyped-def]
+    app = build_app(SETTINGS, TemplateKeeper(FakeCreate(TemplateError("HTTP 403 Forbidden")), 60))
+    client = await aiohttp_client(app)
+    r = await (await client.post("/mutate", data=orjson.dumps(review(pod(container("m", 1)))))).json()
+    assert r["response"]["allowed"] is False and r["response"]["status"]["code"] == 503
+    assert "403 Forbidden" in r["response"]["status"]["message"]
+
+
+async def test_health_ready_and_metrics(client_and_fake) -> None:  # type: ignore[no-untyped-def]
+    client, _ = client_and_fake
+    await client.post("/mutate", data=orjson.dumps(review(pod(container("m", 1)))))
+    await client.post("/validate", data=b"nope")
+    assert (await client.get("/healthz")).status == 200
+    assert (await client.get("/readyz")).status == 200
+    text = await (await client.get("/metrics")).text()
+    assert 'gatekeeper_webhook_reviews_total{decision="mutated",operation="CREATE",policy="gpu"}' in text
+    assert 'gatekeeper_webhook_gpu_rewrites_total{mode="dra"}' in text
+    assert 'gatekeeper_webhook_bad_requests_total{route="validate"}' in text
+    assert "gatekeeper_webhook_review_duration_seconds_bucket" in text
+
+
+async def test_template_keeper_shares_one_inflight_create_and_expires_cache() -> None:
+    now = [0.0]
+    calls = 0
+
+    async def slow_create(obj: dict[str, Any]) -> None:
+        nonlocal calls
+        calls += 1
+        await asyncio.sleep(0.01)
+
+    keeper = TemplateKeeper(slow_create, cache_seconds=10, clock=lambda: now[0])
+    t = {"metadata": {"namespace": "a", "name": "t"}}
+    await asyncio.gather(*(keeper.ensure([t]) for _ in range(5)))
+    assert calls == 1
+    await keeper.ensure([t])
+    assert calls == 1
+    now[0] = 11
+    await keeper.ensure([t])
+    assert calls == 2
+
+
+def _peer_serial(port: int, ca: Path) -> int:
+    ctx = ssl.create_default_context(cafile=str(ca))
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port)) as raw, \
+            ctx.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+        der = tls.getpeercert(binary_form=True)
+    from cryptography import x509
+
+    return x509.load_der_x509_certificate(der).serial_number
+
+
+async def test_serving_certificate_is_reloaded_for_new_connections(tmp_path: Path) -> None:
+    pki = PKI(tmp_path / "pki")
+    pki.init()
+    issued = pki.issue_serving("webhook", ips=["127.0.0.1"])
+    port_file = tmp_path / "port"
+    server = ServerSettings(port=0, cert_file=str(issued.cert), key_file=str(issued.key),
+                            cert_check_interval_seconds=0.0, port_file=str(port_file))
+    settings = WebhookSettings(server=server,
+                               gpu=GpuSettings(enabled=False))
+    stop = asyncio.Event()
+    task = asyncio.create_task(serve(settings, stop))
+    try:
+        for _ in range(200):
+            if port_file.exists():
+                break
+            await asyncio.sleep(0.01)
+        port = int(port_file.read_text())
+        first = await asyncio.to_thread(_peer_serial, port, pki.cert_path("ca"))
+        assert first == load_cert(issued.cert).serial_number
+        before = os.stat(issued.cert).st_mtime_ns
+        reissued = pki.issue_serving("webhook", ips=["127.0.0.1"])
+        os.utime(reissued.cert, ns=(before + 10**9, before + 10**9))
+        second = await asyncio.to_thread(_peer_serial, port, pki.cert_path("ca"))
+        assert second == load_cert(reissued.cert).serial_number != first
+    finally:
+        stop.set()
+        await task
