@@ -1,0 +1,357 @@
+"""HTTP/1.1 client connections: keep-alive, streamed bodies, upgrade passthrough.
+
+The protocol core is ``h11`` (sans-IO: bytes in, events out, framing,
+keep-alive and HEAD/204/304 rules); this module is the thin asyncio edge
+that moves bytes between it, the socket and the pipeline handler.
+
+* Request bodies (content-length or chunked) are handed to the pipeline as an
+  async iterator that reads the socket only when pulled; ``Expect:
+  100-continue`` is answered when the pipeline first pulls the body, so a
+  request rejected before that (429, 403) never makes the client upload.
+* Response bodies are streamed; without ``content-length`` h11 uses chunked
+  encoding. Hop-by-hop headers from the pipeline are dropped.
+* A response with ``upgraded`` (WebSocket for kubectl >= 1.30 exec/attach/
+  port-forward, SPDY/3.1 for older clients) gets its 101 head written, then
+  bytes are spliced both ways unchanged until either side closes.
+* goawayChance: ``Connection: close`` must be in the response head, so for
+  HTTP/1.1 the coin is tossed when the head is written (not after the body as
+  on h2) and the connection closes after that body. The effect on
+  rebalancing is the same: the client's next request opens a new connection.
+* While a response is being produced the socket is watched for EOF, so a
+  client that hangs up on an idle watch ends the upstream watch at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import h11
+
+from gatekeeper.proxy import conn_metrics
+from gatekeeper.proxy.adapter import (
+    HOP_BY_HOP,
+    ClientGone,
+    call_handler,
+    close_body,
+    decode_header,
+    encode_header,
+    response_has_body,
+    status_json,
+)
+from gatekeeper.proxy.goaway import GoawayDecider
+from gatekeeper.proxy.messages import Handler, Headers, ProxyRequest, ProxyResponse, Upgraded
+from gatekeeper.proxy.settings import ProtocolSettings
+
+log = logging.getLogger("gatekeeper.proxy.h1")
+
+READ_SIZE = 65536
+PIPELINE_BUFFER_LIMIT = 65536
+"""Pipelined bytes read ahead while a response is running; beyond this we stop reading."""
+UNREAD_BODY_DRAIN_BYTES = 256 * 1024
+"""A request body the pipeline never read is drained up to this size to keep the connection; else close."""
+
+
+class H1Connection:
+    """Serve one HTTP/1.1 connection until the client leaves, asks to close, or we close it."""
+
+    def __init__(
+        self,
+        handler: Handler,
+        settings: ProtocolSettings,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        *,
+        peer: str = "",
+        peer_cert: dict[str, Any] | None = None,
+        connection_id: int = 0,
+        rng: Callable[[], float] = random.random,
+    ) -> None:
+        self._handler = handler
+        self._settings = settings
+        self._reader = reader
+        self._writer = writer
+        self._peer = peer
+        self._peer_cert = peer_cert
+        self.connection_id = connection_id
+        self._decider = GoawayDecider(settings.goaway_chance, rng)
+        self._conn = h11.Connection(h11.SERVER, max_incomplete_event_size=settings.max_header_list_bytes)
+        self._closing = False
+        self._idle = True
+        self._eof = False
+        self._request_done = asyncio.Event()
+        self.closed = asyncio.Event()
+
+    # ------------------------------------------------------------------ public
+
+    def shutdown(self) -> None:
+        """Graceful close: an idle connection closes now, a busy one after its current response."""
+        self._closing = True
+        if self._idle:
+            self._writer.close()
+
+    async def run(self) -> None:
+        try:
+            await self._serve()
+        except (ConnectionError, OSError, asyncio.IncompleteReadError) as exc:
+            log.debug("http/1.1 connection %d from %s ended: %s", self.connection_id, self._peer, exc)
+        finally:
+            self.closed.set()
+            self._writer.close()
+
+    # ------------------------------------------------------------------ request loop
+
+    async def _serve(self) -> None:
+        while not self._closing:
+            self._idle = True
+            try:
+                event = await self._next_event(idle=True)
+            except h11.RemoteProtocolError as exc:
+                await self._bad_request(exc)
+                return
+            self._idle = False
+            if isinstance(event, h11.ConnectionClosed) or event is None:
+                return
+            if not isinstance(event, h11.Request):  # pragma: no cover - h11 guarantees order
+                return
+            size = len(event.target) + sum(len(k) + len(v) + 4 for k, v in event.headers)
+            if size > self._settings.max_header_list_bytes:
+                # h11 only bounds *incomplete* heads; a head that arrived whole is checked here.
+                limit = self._settings.max_header_list_bytes
+                await self._bad_request(h11.RemoteProtocolError(
+                    f"request head is {size} bytes, over the {limit}-byte limit", error_status_hint=431))
+                return
+            keep_going = await self._exchange(event)
+            if not keep_going or self._conn.our_state is not h11.DONE:
+                return
+            if self._conn.their_state is not h11.DONE and not await self._drain_unread_body():
+                return
+            try:
+                self._conn.start_next_cycle()
+            except h11.LocalProtocolError:
+                return
+
+    async def _next_event(self, *, idle: bool = False) -> h11.Event | type[h11.PAUSED] | None:
+        while True:
+            event = self._conn.next_event()
+            if event is not h11.NEED_DATA:
+                return event  # type: ignore[return-value]
+            if self._eof:
+                return h11.ConnectionClosed()
+            if idle and self._conn.their_state is h11.IDLE and not self._conn.trailing_data[0]:
+                try:
+                    async with asyncio.timeout(self._settings.idle_timeout_seconds):
+                        data = await self._reader.read(READ_SIZE)
+                except TimeoutError:
+                    return None
+            else:
+                data = await self._reader.read(READ_SIZE)
+            if not data:
+                self._eof = True
+            self._conn.receive_data(data)
+
+    async def _bad_request(self, exc: h11.RemoteProtocolError) -> None:
+        """Malformed request line or headers: a clear 4xx Status, then close (framing is lost)."""
+        if self._conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
+            return
+        code = exc.error_status_hint
+        reason = "RequestHeaderFieldsTooLarge" if code == 431 else "BadRequest"
+        body = status_json(code, reason, f"malformed HTTP/1.1 request: {exc}")
+        try:
+            headers = [("content-type", "application/json"), ("content-length", str(len(body))),
+                       ("connection", "close")]
+            self._write(h11.Response(status_code=code, headers=headers))
+            self._write(h11.Data(data=body))
+            self._write(h11.EndOfMessage())
+            await self._writer.drain()
+        except (h11.LocalProtocolError, ConnectionError):
+            pass
+
+    def _request(self, event: h11.Request) -> ProxyRequest:
+        headers: Headers = [(decode_header(bytes(k)), decode_header(bytes(v))) for k, v in event.headers]
+        has_body = any(
+            (k == "content-length" and v.strip() != "0") or k == "transfer-encoding" for k, v in headers
+        )
+        request = ProxyRequest(
+            method=decode_header(bytes(event.method)),
+            target=decode_header(bytes(event.target)),
+            headers=headers,
+            body=None,
+            protocol="http/1.1",
+            peer=self._peer,
+            peer_cert=self._peer_cert,
+            connection_id=self.connection_id,
+        )
+        if has_body:
+            request.body = self._request_body()
+        return request
+
+    async def _request_body(self) -> AsyncIterator[bytes]:
+        if self._conn.they_are_waiting_for_100_continue:
+            self._write(h11.InformationalResponse(status_code=100, headers=[]))
+            await self._writer.drain()
+        while True:
+            event = await self._next_event()
+            if isinstance(event, h11.Data):
+                yield bytes(event.data)
+            elif isinstance(event, h11.EndOfMessage):
+                self._request_done.set()
+                return
+            else:
+                raise ClientGone("client closed the connection during the request body")
+
+    # ------------------------------------------------------------------ one exchange
+
+    async def _exchange(self, event: h11.Request) -> bool:
+        """Run the handler and write its response; False when the connection must close."""
+        request = self._request(event)
+        self._request_done = asyncio.Event()
+        if request.body is None:
+            end = await self._next_event()  # no body: EndOfMessage is already parsed
+            if not isinstance(end, h11.EndOfMessage):
+                return False
+            self._request_done.set()
+        task = asyncio.create_task(self._respond(request))
+        watcher = asyncio.create_task(self._watch_eof(task))
+        try:
+            return await task
+        except asyncio.CancelledError:
+            if watcher.done() and not watcher.cancelled():
+                return False  # the client hung up; _respond already finished the response
+            task.cancel()
+            raise
+        finally:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+
+    async def _watch_eof(self, task: asyncio.Task[bool]) -> None:
+        """After the request is fully read, notice the client hanging up (idle watches)."""
+        await self._request_done.wait()
+        if self._conn.their_state is h11.MIGHT_SWITCH_PROTOCOL:
+            return  # bytes after an upgrade request belong to the new protocol
+        buffered = 0
+        while buffered < PIPELINE_BUFFER_LIMIT:
+            data = await self._reader.read(READ_SIZE)
+            if not data:
+                self._eof = True
+                task.cancel()
+                return
+            buffered += len(data)
+            self._conn.receive_data(data)  # a pipelined next request: h11 keeps it for later
+
+    async def _respond(self, request: ProxyRequest) -> bool:
+        response: ProxyResponse | None = None
+        error: BaseException | None = None
+        try:
+            response = await call_handler(self._handler, request)
+            if response.upgraded is not None:
+                return await self._upgrade(request, response, response.upgraded)
+            return await self._send(request, response)
+        except asyncio.CancelledError:
+            error = ClientGone("client closed the connection" if self._eof else "connection closed")
+            return False
+        except (ConnectionError, OSError) as exc:
+            error = ClientGone(f"client connection failed: {exc}")
+            return False
+        except Exception as exc:  # h11 LocalProtocolError (e.g. body longer than content-length), body errors
+            error = exc
+            log.warning("http/1.1 response to %s %s failed: %s", request.method, request.target, exc)
+            return False
+        finally:
+            if response is not None and response.upgraded is None:
+                await close_body(response.body)
+                response.finish(error)
+
+    async def _send(self, request: ProxyRequest, response: ProxyResponse) -> bool:
+        headers = [(encode_header(k), encode_header(v)) for k, v in response.headers if k not in HOP_BY_HOP]
+        close = False
+        if self._closing:
+            close = True
+            conn_metrics.GOAWAY_SENT.labels(reason="shutdown").inc()
+        elif self._decider.decide():
+            close = True
+            conn_metrics.GOAWAY_SENT.labels(reason="chance").inc()
+        if close:
+            headers.append((b"connection", b"close"))
+        self._write(h11.Response(status_code=response.status, headers=headers))
+        if response_has_body(request.method, response.status):
+            async for chunk in response.body:
+                if chunk:
+                    self._write(h11.Data(data=chunk))
+                    await self._writer.drain()
+        self._write(h11.EndOfMessage())
+        await self._writer.drain()
+        return not close
+
+    async def _upgrade(self, request: ProxyRequest, response: ProxyResponse, up: Upgraded) -> bool:
+        """Write the backend's 101 head, then splice bytes both ways until one side closes."""
+        error: BaseException | None = None
+        try:
+            if response.status != 101 or self._conn.their_state is not h11.MIGHT_SWITCH_PROTOCOL:
+                raise RuntimeError(f"upgrade response {response.status} to a request that did not ask for it")
+            # Upgrade/Connection are the point of a 101: keep every header the backend sent.
+            headers = [(encode_header(k), encode_header(v)) for k, v in response.headers]
+            self._write(h11.InformationalResponse(status_code=101, headers=headers))
+            await self._writer.drain()
+            early, _ = self._conn.trailing_data
+            if early:
+                up.writer.write(early)
+                await up.writer.drain()
+            to_backend = asyncio.create_task(_pump(self._reader, up.writer))
+            to_client = asyncio.create_task(_pump(up.reader, self._writer))
+            try:
+                await asyncio.wait({to_backend, to_client}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for t in (to_backend, to_client):
+                    t.cancel()
+                await asyncio.gather(to_backend, to_client, return_exceptions=True)
+        except asyncio.CancelledError:
+            error = ClientGone("connection closed during an upgraded session")
+            raise
+        except Exception as exc:
+            error = exc
+            raise
+        finally:
+            up.writer.close()
+            response.finish(error)
+            if up.on_close is not None:
+                await up.on_close()
+        return False
+
+    def _write(self, event: h11.Event) -> None:
+        data = self._conn.send(event)
+        if data:
+            self._writer.write(data)
+
+    async def _drain_unread_body(self) -> bool:
+        """The pipeline answered without reading the request body; read and drop a little of it."""
+        if self._conn.they_are_waiting_for_100_continue:
+            return False
+        left = UNREAD_BODY_DRAIN_BYTES
+        try:
+            async with asyncio.timeout(1.0):
+                while left > 0:
+                    event = await self._next_event()
+                    if isinstance(event, h11.Data):
+                        left -= len(event.data)
+                    elif isinstance(event, h11.EndOfMessage):
+                        return True
+                    else:
+                        return False
+        except (TimeoutError, h11.RemoteProtocolError):
+            return False
+        return False
+
+
+async def _pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+    while True:
+        data = await src.read(READ_SIZE)
+        if not data:
+            return
+        dst.write(data)
+        await dst.drain()

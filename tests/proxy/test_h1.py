@@ -1,0 +1,399 @@
+"""HTTP/1.1 adapter over real asyncio sockets on 127.0.0.1 (h11 on the client side to parse)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass, field
+
+import h11
+import orjson
+import pytest
+
+from gatekeeper.proxy.adapter import ClientGone
+from gatekeeper.proxy.h1 import H1Connection
+from gatekeeper.proxy.messages import Handler, ProxyRequest, ProxyResponse, Upgraded
+from gatekeeper.proxy.settings import ProtocolSettings
+
+
+async def _chunks(*parts: bytes) -> AsyncIterator[bytes]:
+    for p in parts:
+        yield p
+
+
+@dataclass
+class Reply:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+    raw_headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+
+
+class Client:
+    """Raw socket + client-side h11, so the test sees exactly what the proxy put on the wire."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+        self.conn = h11.Connection(h11.CLIENT)
+
+    def send(self, *events: h11.Event) -> None:
+        for e in events:
+            self.writer.write(self.conn.send(e) or b"")
+
+    async def _event(self) -> h11.Event:
+        while True:
+            ev = self.conn.next_event()
+            if ev is h11.NEED_DATA:
+                self.conn.receive_data(await self.reader.read(65536))
+                continue
+            return ev  # type: ignore[return-value]
+
+    async def reply(self) -> Reply:
+        async with asyncio.timeout(5):
+            ev = await self._event()
+            while isinstance(ev, h11.InformationalResponse):
+                ev = await self._event()
+            assert isinstance(ev, h11.Response), ev
+            body = b""
+            while True:
+                nxt = await self._event()
+                if isinstance(nxt, h11.Data):
+                    body += nxt.data
+                elif isinstance(nxt, h11.EndOfMessage):
+                    break
+                else:
+                    raise AssertionError(nxt)
+        raw = list(ev.headers.raw_items())
+        return Reply(ev.status_code, {k.decode().lower(): v.decode() for k, v in raw}, body, raw)
+
+    async def get(self, target: str = "/api/v1/pods", method: str = "GET") -> Reply:
+        self.send(h11.Request(method=method, target=target, headers=[("host", "proxy.test")]),
+                  h11.EndOfMessage())
+        await self.writer.drain()
+        reply = await self.reply()
+        if self.conn.our_state is h11.DONE and self.conn.their_state is h11.DONE:
+            self.conn.start_next_cycle()
+        return reply
+
+    async def closed_by_server(self) -> bool:
+        async with asyncio.timeout(5):
+            return await self.reader.read(1) == b""
+
+
+class Server:
+    def __init__(self, handler: Handler, settings: ProtocolSettings, rng=random.random) -> None:
+        self.handler, self.settings, self.rng = handler, settings, rng
+        self.connections: list[H1Connection] = []
+        self.port = 0
+
+    async def _serve(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        conn = H1Connection(self.handler, self.settings, r, w, peer="127.0.0.1", rng=self.rng,
+                            connection_id=len(self.connections) + 1)
+        self.connections.append(conn)
+        await conn.run()
+
+    async def client(self) -> Client:
+        return Client(*await asyncio.open_connection("127.0.0.1", self.port))
+
+
+@pytest.fixture
+async def serve() -> AsyncGenerator:
+    servers: list[asyncio.Server] = []
+    clients: list[Client] = []
+    made: list[Server] = []
+
+    async def start(handler: Handler, settings: ProtocolSettings | None = None, **kw) -> Server:
+        s = Server(handler, settings or ProtocolSettings(), **kw)
+        made.append(s)
+        srv = await asyncio.start_server(s._serve, "127.0.0.1", 0)
+        s.port = srv.sockets[0].getsockname()[1]
+        servers.append(srv)
+        orig = s.client
+
+        async def client() -> Client:
+            c = await orig()
+            clients.append(c)
+            return c
+
+        s.client = client  # type: ignore[method-assign]
+        return s
+
+    yield start
+    for c in clients:
+        c.writer.close()
+    for srv in servers:
+        srv.close()
+    async with asyncio.timeout(5):  # every connection must wind down once its client is gone
+        for s in made:
+            for conn in s.connections:
+                await conn.closed.wait()
+
+
+EXPECT_HEAD = b"POST /api/v1/x HTTP/1.1\r\nHost: p\r\nContent-Length: 4\r\nExpect: 100-continue\r\n\r\n"
+
+
+async def echo_handler(req: ProxyRequest) -> ProxyResponse:
+    total = 0
+    if req.body is not None:
+        async for chunk in req.body:
+            total += len(chunk)
+    body = orjson.dumps({"method": req.method, "target": req.target, "bytes": total,
+                         "conn": req.connection_id, "protocol": req.protocol})
+    return ProxyResponse(200, [("content-type", "application/json")], _chunks(body))
+
+
+async def test_keepalive_serves_several_requests_on_one_connection(serve):
+    server = await serve(echo_handler)
+    client = await server.client()
+    replies = [await client.get(f"/api/v1/namespaces/ns{i}/pods") for i in range(3)]
+    targets = [orjson.loads(r.body)["target"] for r in replies]
+    assert targets == [f"/api/v1/namespaces/ns{i}/pods" for i in range(3)]
+    assert {orjson.loads(r.body)["conn"] for r in replies} == {1}
+    assert {orjson.loads(r.body)["protocol"] for r in replies} == {"http/1.1"}
+    # no content-length from the pipeline: streamed with chunked encoding
+    assert all(r.headers.get("transfer-encoding") == "chunked" for r in replies)
+    assert len(server.connections) == 1
+
+
+async def test_content_length_response_is_sent_as_is(serve):
+    async def handler(req: ProxyRequest) -> ProxyResponse:
+        return ProxyResponse(200, [("content-length", "10")], _chunks(b"01234", b"56789"))
+
+    client = await (await serve(handler)).client()
+    r = await client.get()
+    assert r.body == b"0123456789" and r.headers["content-length"] == "10"
+    assert "transfer-encoding" not in r.headers
+
+
+async def test_chunked_and_content_length_request_bodies_stream_to_handler(serve):
+    seen_chunks: list[int] = []
+
+    async def handler(req: ProxyRequest) -> ProxyResponse:
+        assert req.body is not None
+        total = 0
+        async for chunk in req.body:
+            seen_chunks.append(len(chunk))
+            total += len(chunk)
+        return ProxyResponse(200, [], _chunks(str(total).encode()))
+
+    client = await (await serve(handler)).client()
+    client.send(h11.Request(method="POST", target="/api/v1/namespaces/a/configmaps",
+                            headers=[("host", "p"), ("transfer-encoding", "chunked")]))
+    for _ in range(5):
+        client.send(h11.Data(data=b"x" * 1000))
+        await client.writer.drain()
+        await asyncio.sleep(0.01)
+    client.send(h11.EndOfMessage())
+    r = await client.reply()
+    assert r.body == b"5000"
+    assert len(seen_chunks) >= 2  # arrived in pieces, not buffered whole
+    client.conn.start_next_cycle()
+    client.send(h11.Request(method="PUT", target="/x", headers=[("host", "p"), ("content-length", "7")]),
+                h11.Data(data=b"1234567"), h11.EndOfMessage())
+    assert (await client.reply()).body == b"7"
+
+
+async def test_expect_100_continue_is_answered_when_the_body_is_read(serve):
+    client = await (await serve(echo_handler)).client()
+    client.writer.write(EXPECT_HEAD)
+    await client.writer.drain()
+    async with asyncio.timeout(5):
+        head = await client.reader.readuntil(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 100 ")
+    client.writer.write(b"abcd")
+    client.conn.send(h11.Request(method="POST", target="/api/v1/x",
+                                 headers=[("host", "p"), ("content-length", "4")]))
+    client.conn.send(h11.Data(data=b"abcd"))
+    client.conn.send(h11.EndOfMessage())
+    r = await client.reply()
+    assert orjson.loads(r.body)["bytes"] == 4
+
+
+async def test_request_rejected_before_body_gets_no_100_continue(serve):
+    async def handler(req: ProxyRequest) -> ProxyResponse:
+        return ProxyResponse(429, [("retry-after", "1")], _chunks(b"slow down"))
+
+    client = await (await serve(handler)).client()
+    client.writer.write(EXPECT_HEAD)
+    await client.writer.drain()
+    async with asyncio.timeout(5):
+        head = await client.reader.readuntil(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 429 ")
+
+
+@pytest.mark.parametrize(
+    ("raw", "code"),
+    [
+        (b"GARBAGE\r\n\r\n", 400),
+        (b"GET /x HTTP/1.1\r\nHost: p\r\nBad Header Name: v\r\n\r\n", 400),
+        (b"GET /x HTTP/1.1\r\nHost: p\r\nX-Big: " + b"a" * 40000 + b"\r\n\r\n", 431),
+    ],
+    ids=["request-line", "header-name", "header-too-large"],
+)
+async def test_malformed_request_gets_clear_4xx_status(serve, raw, code):
+    called = False
+
+    async def handler(req: ProxyRequest) -> ProxyResponse:
+        nonlocal called
+        called = True
+        return ProxyResponse(200, [], _chunks(b""))
+
+    client = await (await serve(handler, ProtocolSettings(max_header_list_bytes=32768))).client()
+    client.writer.write(raw)
+    await client.writer.drain()
+    r = await client.reply()
+    assert r.status == code
+    status = orjson.loads(r.body)
+    assert status["kind"] == "Status" and status["code"] == code and "malformed" in status["message"]
+    assert not called
+    assert await client.closed_by_server()
+
+
+async def test_head_204_304_have_no_body_and_keep_alive(serve):
+    async def handler(req: ProxyRequest) -> ProxyResponse:
+        code = {"/a": 200, "/b": 204, "/c": 304}[req.target]
+        return ProxyResponse(code, [("content-length", "5")] if code == 200 else [], _chunks(b"12345"))
+
+    client = await (await serve(handler)).client()
+    r1 = await client.get("/a", method="HEAD")
+    r2 = await client.get("/b")
+    r3 = await client.get("/c")
+    assert (r1.status, r1.body, r1.headers["content-length"]) == (200, b"", "5")
+    assert (r2.status, r2.body, r3.status, r3.body) == (204, b"", 304, b"")
+    assert (await client.get("/a")).body == b"12345"  # still the same keep-alive connection
+
+
+async def test_pipelined_requests_are_answered_in_order(serve):
+    server = await serve(echo_handler)
+    client = await server.client()
+    client.writer.write(b"GET /one HTTP/1.1\r\nHost: p\r\n\r\nGET /two HTTP/1.1\r\nHost: p\r\n\r\n")
+    await client.writer.drain()
+    replies = []
+    for target in ("/one", "/two"):
+        # both requests went out raw above; tell the parsing h11 client what it "sent"
+        client.conn.send(h11.Request(method="GET", target=target, headers=[("host", "p")]))
+        client.conn.send(h11.EndOfMessage())
+        replies.append(await client.reply())
+        client.conn.start_next_cycle()
+    r1, r2 = replies
+    assert [orjson.loads(r.body)["target"] for r in (r1, r2)] == ["/one", "/two"]
+
+
+async def test_handler_exception_becomes_502_status(serve):
+    async def handler(req: ProxyRequest) -> ProxyResponse:
+        raise ValueError("no backend")
+
+    client = await (await serve(handler)).client()
+    r = await client.get()
+    assert r.status == 502 and orjson.loads(r.body)["message"].endswith("ValueError: no backend")
+
+
+async def test_goaway_chance_sends_connection_close(serve):
+    server = await serve(echo_handler, ProtocolSettings(goaway_chance=1.0, allow_unsafe_goaway_chance=True),
+                         rng=lambda: 0.0)
+    client = await server.client()
+    r = await client.get()
+    assert r.headers.get("connection") == "close" and orjson.loads(r.body)["target"] == "/api/v1/pods"
+    assert await client.closed_by_server()
+
+
+async def test_no_goaway_when_draw_is_above_chance(serve):
+    server = await serve(echo_handler, ProtocolSettings(goaway_chance=0.02), rng=lambda: 0.5)
+    client = await server.client()
+    for _ in range(3):
+        assert "connection" not in (await client.get()).headers
+    assert len(server.connections) == 1
+
+
+async def test_client_hangup_ends_idle_watch(serve):
+    finishes: list[BaseException | None] = []
+    closed, finished = asyncio.Event(), asyncio.Event()
+
+    async def quiet_watch() -> AsyncIterator[bytes]:
+        try:
+            yield b'{"type":"ADDED"}\n'
+            await asyncio.sleep(3600)  # no events for a long time
+        finally:
+            closed.set()
+
+    async def handler(req: ProxyRequest) -> ProxyResponse:
+        resp = ProxyResponse(200, [], quiet_watch())
+        resp.on_complete += [finishes.append, lambda _e: finished.set()]
+        return resp
+
+    client = await (await serve(handler)).client()
+    client.writer.write(b"GET /api/v1/pods?watch=true HTTP/1.1\r\nHost: p\r\n\r\n")
+    await client.writer.drain()
+    async with asyncio.timeout(5):
+        await client.reader.readuntil(b"ADDED")
+    client.writer.close()
+    async with asyncio.timeout(5):
+        await closed.wait()
+        await finished.wait()
+    assert len(finishes) == 1 and isinstance(finishes[0], ClientGone)
+
+
+async def test_upgrade_is_spliced_byte_for_byte(serve):
+    """A fake backend speaks its own framing after 101; every byte value crosses unchanged."""
+    backend_got = bytearray()
+    backend_done = asyncio.Event()
+    hello = bytes(range(256))
+
+    async def backend(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        w.write(hello)  # unsolicited server->client bytes right after the switch
+        await w.drain()
+        while data := await r.read(65536):
+            backend_got.extend(data)
+            w.write(data[::-1])  # answer every read with its reverse
+            await w.drain()
+        w.close()
+        backend_done.set()
+
+    bsrv = await asyncio.start_server(backend, "127.0.0.1", 0)
+    bport = bsrv.sockets[0].getsockname()[1]
+    closed_calls: list[str] = []
+    on_close_done = asyncio.Event()
+    finishes: list[BaseException | None] = []
+
+    async def handler(req: ProxyRequest) -> ProxyResponse:
+        assert req.header("upgrade") == "SPDY/3.1"
+        r, w = await asyncio.open_connection("127.0.0.1", bport)
+
+        async def on_close() -> None:
+            closed_calls.append("closed")
+            on_close_done.set()
+
+        resp = ProxyResponse(101, [("connection", "Upgrade"), ("upgrade", "SPDY/3.1"),
+                                   ("x-stream-protocol-version", "v4.channel.k8s.io")],
+                             upgraded=Upgraded(r, w, on_close))
+        resp.on_complete.append(finishes.append)
+        return resp
+
+    client = await (await serve(handler)).client()
+    early = b"EARLY\x00\xff"
+    client.writer.write(b"POST /api/v1/namespaces/a/pods/p/exec?command=sh HTTP/1.1\r\nHost: p\r\n"
+                        b"Connection: Upgrade\r\nUpgrade: SPDY/3.1\r\n\r\n" + early)
+    await client.writer.drain()
+    async with asyncio.timeout(5):
+        head = await client.reader.readuntil(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 101 ")
+        assert b"x-stream-protocol-version: v4.channel.k8s.io" in head.lower()
+        assert await client.reader.readexactly(256) == hello
+        assert await client.reader.readexactly(len(early)) == early[::-1]
+        payload = os.urandom(100_000)
+        client.writer.write(payload)
+        await client.writer.drain()
+        got = bytearray()
+        while len(backend_got) < len(early) + len(payload) or len(got) < len(payload):
+            got.extend(await client.reader.read(65536))
+    assert bytes(backend_got) == early + payload
+    assert len(got) == len(payload)  # reversed per read, so compare multiset of bytes
+    assert sorted(got) == sorted(payload)
+    client.writer.close()
+    async with asyncio.timeout(5):
+        await backend_done.wait()
+        await on_close_done.wait()
+    assert closed_calls == ["closed"] and finishes == [None]
+    bsrv.close()
