@@ -197,10 +197,9 @@ def _publish_gpus(s: _Starter, bins: Binaries, opts: UpOptions) -> None:
     if not names:
         return
     nodes = [gpu.node(n, opts.gpus_per_node) for n in names]
-    out = kubectl.run(kc, "create", "-f", "-", "-o", "json", input=json.dumps(gpu.as_list(nodes)),
-                      binary=kb, check=True)
-    created = json.loads(out.stdout)
-    uids = {i["metadata"]["name"]: i["metadata"]["uid"] for i in created.get("items", [created])}
+    kubectl.run(kc, "create", "-f", "-", input=json.dumps(gpu.as_list(nodes)), binary=kb, check=True)
+    created = kubectl.get_json(kc, "nodes", "-l", comp.KWOK_NODE_SELECTOR, binary=kb)
+    uids = {i["metadata"]["name"]: i["metadata"]["uid"] for i in created["items"]}
     slices = [gpu.resource_slice(n, opts.gpus_per_node, uids.get(n, "")) for n in names]
     kubectl.run(kc, "create", "-f", "-", input=json.dumps(gpu.as_list(slices)), binary=kb, check=True)
     kwok_rec = s.state.process("kwok")
