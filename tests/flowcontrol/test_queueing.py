@@ -175,6 +175,6 @@ def test_policy_update_keeps_queues_and_applies_new_limit():
     running: deque = deque()
     ts = submit(fc, "a", 3, running)
     bigger = controller(queues=4, hand=1, total=3).policy
-    fc.update(bigger, Limits(server_concurrency_limit=3))
-    assert fc.levels["work"].limit == 3
-    assert fc.finish(ts[0]) == ts[1:]
+    # the raised limit lets the two waiting requests run at once
+    assert fc.update(bigger, Limits(server_concurrency_limit=3)) == ts[1:]
+    assert fc.levels["work"].limit == 3 and fc.levels["work"].executing_seats == 3

@@ -56,9 +56,10 @@ class FlowController:
         self.draining: list[LevelState] = []
         self.update(policy, self.limits)
 
-    def update(self, policy: Policy, limits: Limits | None = None) -> None:
+    def update(self, policy: Policy, limits: Limits | None = None) -> list[Ticket]:
         """Swap in a new policy. Levels keep their queues when their shape is unchanged; otherwise the
-        old queues drain (their waiting requests are still served) while new requests use the new ones."""
+        old queues drain (their waiting requests are still served) while new requests use the new ones.
+        Returns requests dispatched because limits grew."""
         if limits is not None:
             self.limits = limits
             self.estimator.bytes_per_seat, self.estimator.max_seats = limits.bytes_per_seat, limits.max_seats
@@ -78,6 +79,8 @@ class FlowController:
         self.draining.extend(self.levels.values())
         self.levels = levels
         self.draining = [lv for lv in self.draining if not lv.idle]
+        # a raised limit may let waiting requests run now
+        return [t for lv in [*self.levels.values(), *self.draining] for t in lv.dispatch()]
 
     def classify(self, user: UserFacts, ri: RequestFacts) -> tuple[FlowSchema, PriorityLevel]:
         return self.policy.classify(user, ri)

@@ -49,20 +49,29 @@ _V1 = "flowcontrol.apiserver.k8s.io/v1"
 class RequestFacts(Protocol):
     """The RequestInfo fields classification needs (gatekeeper.kube.requestinfo.RequestInfo has them)."""
 
-    is_resource_request: bool
-    path: str
-    verb: str
-    api_group: str
-    namespace: str
-    resource: str
-    subresource: str
+    @property
+    def is_resource_request(self) -> bool: ...
+    @property
+    def path(self) -> str: ...
+    @property
+    def verb(self) -> str: ...
+    @property
+    def api_group(self) -> str: ...
+    @property
+    def namespace(self) -> str: ...
+    @property
+    def resource(self) -> str: ...
+    @property
+    def subresource(self) -> str: ...
 
 
 class UserFacts(Protocol):
     """The UserInfo fields classification needs."""
 
-    name: str
-    groups: list[str]
+    @property
+    def name(self) -> str: ...
+    @property
+    def groups(self) -> list[str]: ...
 
 
 def _all(values: Sequence[str], wildcard: str, x: str) -> bool:

@@ -1,13 +1,66 @@
-"""Typed ``proxy.flowControl`` section (owned by gatekeeper.proxy.flowcontrol)."""
+"""Typed ``proxy.flowControl`` section (owned by gatekeeper.proxy.flowcontrol).
+
+Policy objects come inline (``flowSchemas``, ``priorityLevelConfigurations``:
+lists of v1 objects exactly as ``kubectl get -o yaml`` prints them) and/or
+from ``files`` (multi-document YAML, ``kind: List`` allowed). Relative file
+paths are resolved against the working directory of the proxy. Validation
+runs when the config loads, so a bad object stops ``gatekeeper proxy`` with
+``FILE: proxy.flowControl: FlowSchema/NAME: spec.field: problem``.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
 class FlowControlSettings:
     """API Priority and Fairness in the proxy."""
 
-    enabled: bool = False
-    """Placeholder until the flow-control issue lands."""
+    enabled: bool = True
+    """Classify, queue and limit requests before they reach a backend."""
+    server_concurrency_limit: int = 600
+    """Total seats shared by the Limited levels in proportion to nominalConcurrencyShares (upstream's
+    --max-requests-inflight + --max-mutating-requests-inflight, 400 + 200)."""
+    queue_wait_seconds: float = 15.0
+    """Longest a request waits in a queue before it gets 429 (reason time-out)."""
+    retry_after_seconds: int = 1
+    """Retry-After on 429s; client-go only retries when the header is present."""
+    bytes_per_seat: int = 8 << 20
+    """A LIST costs one seat per this many bytes of its observed response size (min 1)."""
+    max_seats: int = 10
+    """Most seats one request can cost (upstream's maximum is 10); also capped by its level's limit."""
+    list_bytes_cap: int = 1 << 30
+    """Cap on estimated response bytes of all LISTs executing in limited levels (one may always run)."""
+    coalesce: bool = True
+    """Serve identical queued LISTs of one identity with one upstream call."""
+    fanout_buffer_bytes: int = 8 << 20
+    """Per-client buffer of a coalesced response; a client further behind is cut off."""
+    flow_schemas: list[dict[str, Any]] = field(default_factory=list)
+    """Inline FlowSchema objects (flowcontrol.apiserver.k8s.io/v1)."""
+    priority_level_configurations: list[dict[str, Any]] = field(default_factory=list)
+    """Inline PriorityLevelConfiguration objects (flowcontrol.apiserver.k8s.io/v1)."""
+    files: list[str] = field(default_factory=list)
+    """Multi-document YAML files of FlowSchemas and PriorityLevelConfigurations; re-read on change/SIGHUP."""
+    reload_interval_seconds: float = 2.0
+    """How often the files are checked for changes (0 = only on SIGHUP)."""
+
+    def validate(self) -> None:
+        for name in (
+            "server_concurrency_limit",
+            "max_seats",
+            "bytes_per_seat",
+            "list_bytes_cap",
+            "fanout_buffer_bytes",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be at least 1")
+        if self.queue_wait_seconds <= 0:
+            raise ValueError("queueWaitSeconds: must be positive")
+        if self.retry_after_seconds < 1:
+            raise ValueError("retryAfterSeconds: must be a whole number of seconds >= 1")
+        if self.enabled:
+            from gatekeeper.proxy.flowcontrol.loading import load_policy
+
+            load_policy(self)  # raises ValueError naming the object and field

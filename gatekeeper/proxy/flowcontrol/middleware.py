@@ -1,0 +1,367 @@
+"""The asyncio edge of flow control: a pipeline middleware ``(request, next) -> response``.
+
+All decisions are the pure :class:`FlowController`'s; this layer only parks
+queued requests on futures, wakes them when the controller dispatches them,
+arms the queue-wait timers, and watches the response to tell the controller
+when a request stops costing seats:
+
+* ordinary requests hold their seats until the response body has been read to
+  the end (or failed, or the client left); the body's byte count then updates
+  the LIST size estimate for its (resource, namespace);
+* long-running requests (watches, ``logs -f``, exec/attach upgrades) hold
+  their seats only until the response head arrives — the first bytes of the
+  response, the moment the apiserver has set the watch up — then run outside
+  the limit;
+* a dispatched request that others joined (coalescing) is sent upstream once;
+  its body goes through a :class:`FanOut` to every waiter.
+
+Rejections are 429 with an integer ``Retry-After`` (client-go retries only
+when it is present), a ``Status`` body with reason ``TooManyRequests``, and
+headers naming the FlowSchema and priority level (upstream's
+``X-Kubernetes-PF-*-UID`` plus readable ``X-Gatekeeper-PF-*`` names).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from gatekeeper.kube import requestinfo
+from gatekeeper.kube.requestinfo import RequestInfo
+from gatekeeper.proxy.flowcontrol import metrics
+from gatekeeper.proxy.flowcontrol.coalesce import coalesce_key, identity_key
+from gatekeeper.proxy.flowcontrol.controller import FlowController
+from gatekeeper.proxy.flowcontrol.fanout import FanOut, Subscriber
+from gatekeeper.proxy.flowcontrol.loading import Reloader, limits_of, load_policy
+from gatekeeper.proxy.flowcontrol.objects import FlowSchema, PriorityLevel
+from gatekeeper.proxy.flowcontrol.policy import Policy
+from gatekeeper.proxy.flowcontrol.queueset import Ticket
+from gatekeeper.proxy.flowcontrol.settings import FlowControlSettings
+from gatekeeper.proxy.messages import Handler, ProxyRequest, ProxyResponse, UserInfo
+
+log = logging.getLogger("gatekeeper.proxy.flowcontrol")
+
+ANONYMOUS = UserInfo(name="system:anonymous", groups=["system:unauthenticated"])
+
+_REASON_TEXT = {
+    "queue-full": "its queue is full",
+    "time-out": "it waited in the queue for the longest allowed time",
+    "concurrency-limit": "the priority level has no free seats and rejects rather than queues",
+    "leader-failed": "the identical request it was merged with failed before answering",
+}
+
+
+def too_many_requests(fs: FlowSchema, pl: PriorityLevel, reason: str, retry_after: int) -> ProxyResponse:
+    """The 429 a client-go client understands and retries after ``retry_after`` seconds."""
+    message = (
+        f"Too many requests, please try again later: gatekeeper flow control rejected the request "
+        f"because {_REASON_TEXT.get(reason, reason)} (FlowSchema {fs.name}, priority level {pl.name})."
+    )
+    body = orjson.dumps(
+        {
+            "kind": "Status",
+            "apiVersion": "v1",
+            "metadata": {},
+            "status": "Failure",
+            "message": message,
+            "reason": "TooManyRequests",
+            "details": {"retryAfterSeconds": retry_after},
+            "code": 429,
+        }
+    )
+
+    async def once() -> AsyncIterator[bytes]:
+        yield body
+
+    return ProxyResponse(
+        status=429,
+        headers=[
+            ("content-type", "application/json"),
+            ("content-length", str(len(body))),
+            ("retry-after", str(retry_after)),
+            ("x-kubernetes-pf-flowschema-uid", fs.uid),
+            ("x-kubernetes-pf-prioritylevel-uid", pl.uid),
+            ("x-gatekeeper-pf-flowschema", fs.name),
+            ("x-gatekeeper-pf-prioritylevel", pl.name),
+        ],
+        body=once(),
+    )
+
+
+@dataclass(eq=False)
+class _Waiter:
+    """Per-request state the async layer hangs on a ticket."""
+
+    fs: FlowSchema
+    pl: PriorityLevel
+    info: RequestInfo
+    enqueued: float
+    future: asyncio.Future[None]
+    abandoned: bool = False
+    shared: asyncio.Future[ProxyResponse] | None = None
+    """For a follower: resolved by the leader with this follower's own view of the shared response."""
+    started: float = 0.0
+    seats_released: bool = False
+    finished: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class _Metered:
+    """Body wrapper: counts bytes and reports the end exactly once (end, error, or close)."""
+
+    def __init__(self, body: AsyncIterator[bytes], on_end: Callable[[int, bool, BaseException | None], None]):
+        self.body = body
+        self.on_end = on_end
+        self.count = 0
+        self.done = False
+
+    def __aiter__(self) -> _Metered:
+        return self
+
+    def _end(self, complete: bool, error: BaseException | None) -> None:
+        if not self.done:
+            self.done = True
+            self.on_end(self.count, complete, error)
+
+    async def __anext__(self) -> bytes:
+        if self.done:
+            raise StopAsyncIteration
+        try:
+            chunk = await self.body.__anext__()
+        except StopAsyncIteration:
+            self._end(True, None)
+            raise
+        except BaseException as exc:
+            self._end(False, exc)
+            raise
+        self.count += len(chunk)
+        return chunk
+
+    async def aclose(self) -> None:
+        self._end(False, None)
+        aclose = getattr(self.body, "aclose", None)
+        if aclose is not None:
+            with contextlib.suppress(Exception):
+                await aclose()
+
+
+class FlowControl:
+    """API Priority and Fairness as a pipeline middleware; pass the instance as ``flow_control``."""
+
+    def __init__(
+        self,
+        settings: FlowControlSettings,
+        policy: Policy | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = settings
+        self.clock = clock
+        self.controller = FlowController(policy or load_policy(settings), limits_of(settings))
+        self.peak_executing: dict[str, int] = {}
+        self.reloader = Reloader(settings, self.apply)
+        self._poll: asyncio.Task[None] | None = None
+        self._sighup = False
+        metrics.register_source(self)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def apply(self, policy: Policy) -> None:
+        """Swap in a new policy (reload); requests it lets run are woken."""
+        self._wake(self.controller.update(policy, limits_of(self.settings)))
+
+    async def start(self) -> None:
+        """Watch policy files and SIGHUP for reloads."""
+        loop = asyncio.get_running_loop()
+        if threading.current_thread() is threading.main_thread():
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                loop.add_signal_handler(signal.SIGHUP, self.reloader.reload)
+                self._sighup = True
+        if self.settings.files and self.settings.reload_interval_seconds > 0:
+            self._poll = loop.create_task(self._poll_files(), name="gatekeeper-flowcontrol-reload")
+
+    async def _poll_files(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.reload_interval_seconds)
+            try:
+                self.reloader.check()
+            except Exception:
+                log.exception("checking flow-control policy files failed")
+
+    async def close(self) -> None:
+        if self._sighup:
+            with contextlib.suppress(Exception):
+                asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
+            self._sighup = False
+        if self._poll is not None:
+            self._poll.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poll
+            self._poll = None
+
+    # -- the middleware -----------------------------------------------------------------------
+    async def __call__(self, request: ProxyRequest, next_handler: Handler) -> ProxyResponse:
+        if not self.settings.enabled:
+            return await next_handler(request)
+        info = request.info or requestinfo.parse(request.method, request.target)
+        user = request.user or ANONYMOUS
+        key = None
+        if (
+            self.settings.coalesce
+            and info.verb == "list"
+            and request.method == "GET"
+            and request.body is None
+        ):
+            ident = identity_key(user.name, user.groups, user.source, request.headers)
+            key = coalesce_key(request.method, request.target, request.headers, ident)
+        now = self.clock()
+        t, fs, dispatched = self.controller.admit(user, info, now, key=key)
+        assert t.level is not None
+        pl = t.level.spec
+        w = _Waiter(fs, pl, info, now, asyncio.get_running_loop().create_future())
+        t.payload = w
+        request.annotations["flow_schema"], request.annotations["priority_level"] = fs.name, pl.name
+        self._wake(dispatched)
+        if t.state == "queued":
+            timer = asyncio.get_running_loop().call_later(max(0.0, t.deadline - now), self._timeout, t)
+            try:
+                await w.future
+            except asyncio.CancelledError:
+                self._abandon(t)
+                raise
+            finally:
+                timer.cancel()
+        if t.state == "rejected":
+            metrics.REJECTED.labels(fs.name, pl.name, t.reason or "").inc()
+            metrics.WAIT.labels(fs.name, pl.name, "false").observe(self.clock() - now)
+            return too_many_requests(fs, pl, t.reason or "", self.settings.retry_after_seconds)
+        metrics.WAIT.labels(fs.name, pl.name, "true").observe(self.clock() - now)
+        metrics.SEATS.labels(fs.name, pl.name).observe(t.seats)
+        if t.state == "joined":
+            return await self._follow(t, w)
+        try:
+            response = await next_handler(request)
+        except BaseException as exc:
+            self._end(t, 0, False, exc, status=0)
+            raise
+        return self._respond(t, w, response)
+
+    # -- queue events -------------------------------------------------------------------------
+    def _wake(self, tickets: list[Ticket]) -> None:
+        for d in tickets:
+            w = d.payload
+            if not isinstance(w, _Waiter):
+                continue
+            if d.state == "executing":
+                w.started = self.clock()
+                metrics.DISPATCHED.labels(w.fs.name, w.pl.name).inc()
+                if d.level is not None:
+                    name = d.level.spec.name
+                    self.peak_executing[name] = max(
+                        self.peak_executing.get(name, 0), d.level.executing_requests
+                    )
+            elif d.state == "joined":
+                metrics.COALESCED.labels(w.fs.name, w.pl.name).inc()
+                w.shared = asyncio.get_running_loop().create_future()
+            if not w.future.done():
+                w.future.set_result(None)
+
+    def _timeout(self, t: Ticket) -> None:
+        if self.controller.timeout(t) and isinstance(t.payload, _Waiter) and not t.payload.future.done():
+            t.payload.future.set_result(None)
+
+    def _abandon(self, t: Ticket) -> None:
+        """The client went away (task cancelled) before its request ran."""
+        w = t.payload
+        assert isinstance(w, _Waiter)
+        w.abandoned = True
+        if t.state == "queued":
+            self.controller.cancel(t)
+            metrics.REJECTED.labels(w.fs.name, w.pl.name, "cancelled").inc()
+        elif t.state == "executing":
+            self._end(t, 0, False, None, status=0)
+
+    # -- responses ----------------------------------------------------------------------------
+    def _respond(self, t: Ticket, w: _Waiter, response: ProxyResponse) -> ProxyResponse:
+        response.headers.append(("x-gatekeeper-pf-flowschema", w.fs.name))
+        response.headers.append(("x-gatekeeper-pf-prioritylevel", w.pl.name))
+        if w.info.long_running or response.upgraded is not None:
+            self._release_seats(t)
+        if response.upgraded is not None:
+            upgraded = response.upgraded
+            inner = upgraded.on_close
+
+            async def on_close() -> None:
+                self._end(t, 0, False, None, status=101)
+                if inner is not None:
+                    await inner()
+
+            upgraded.on_close = on_close
+            return response
+        status = response.status
+        live = [f for f in t.followers if isinstance(f.payload, _Waiter) and not f.payload.abandoned]
+        if not t.followers:
+            response.body = _Metered(response.body, lambda n, ok, err: self._end(t, n, ok, err, status))
+            response.on_complete.append(lambda err: self._end(t, 0, False, err, status))
+            return response
+
+        def pumped(total: int, error: BaseException | None) -> None:
+            response.finish(error)
+            self._end(t, total, fan.complete, error, status)
+
+        fan = FanOut(response.body, 1 + len(t.followers), self.settings.fanout_buffer_bytes, pumped)
+        for i, f in enumerate(t.followers, start=1):
+            fw = f.payload
+            sub = fan.subs[i]
+            if f not in live or not isinstance(fw, _Waiter) or fw.shared is None:
+                sub.close()
+                continue
+            fw.shared.set_result(ProxyResponse(status=status, headers=list(response.headers), body=sub))
+        fan.start()
+        return ProxyResponse(status=status, headers=list(response.headers), body=fan.subs[0])
+
+    async def _follow(self, t: Ticket, w: _Waiter) -> ProxyResponse:
+        assert w.shared is not None
+        try:
+            return await w.shared
+        except asyncio.CancelledError:
+            w.abandoned = True
+            if w.shared.done() and not w.shared.cancelled() and w.shared.exception() is None:
+                body = w.shared.result().body
+                if isinstance(body, Subscriber):
+                    body.close()
+            raise
+
+    def _release_seats(self, t: Ticket) -> None:
+        w = t.payload
+        if isinstance(w, _Waiter) and not w.seats_released:
+            w.seats_released = True
+            metrics.EXECUTION.labels(w.fs.name, w.pl.name, "watch").observe(self.clock() - w.started)
+            self._wake(self.controller.release_seats(t))
+
+    def _end(self, t: Ticket, nbytes: int, complete: bool, error: BaseException | None, status: int) -> None:
+        """The upstream exchange is over: free seats, learn the LIST size, fail followers still waiting."""
+        w = t.payload
+        if not isinstance(w, _Waiter) or w.finished:
+            return
+        w.finished = True
+        if not w.seats_released:
+            metrics.EXECUTION.labels(w.fs.name, w.pl.name, "regular").observe(self.clock() - w.started)
+        if w.info.verb == "list" and status == 200 and complete:
+            self.controller.observe_list(w.info, nbytes)
+            metrics.LIST_BYTES.labels(w.info.resource_key).observe(nbytes)
+        for f in t.followers:
+            fw = f.payload
+            if isinstance(fw, _Waiter) and fw.shared is not None and not fw.shared.done():
+                # the shared call died before its response head: let client-go retry on its own
+                fw.shared.set_result(
+                    too_many_requests(fw.fs, fw.pl, "leader-failed", self.settings.retry_after_seconds)
+                )
+        self._wake(self.controller.finish(t))

@@ -1,0 +1,276 @@
+"""The asyncio middleware against an in-process upstream: limits, 429s, coalescing fan-out, watches, reloads.
+
+These are fast and deterministic; the same behaviours are checked against real
+apiservers in test_sandbox_storm.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import pytest
+import yaml
+from fc_helpers import flow_schema, group, queued_level, rr
+
+from gatekeeper.kube import requestinfo
+from gatekeeper.proxy.flowcontrol.middleware import FlowControl
+from gatekeeper.proxy.flowcontrol.settings import FlowControlSettings
+from gatekeeper.proxy.messages import ProxyRequest, ProxyResponse, UserInfo
+
+SECRETS = "/api/v1/secrets?limit=500"
+
+
+def seeds_settings(**kw) -> FlowControlSettings:
+    objs = {
+        "priority_level_configurations": [
+            queued_level("secrets-list", 2, queues=16, hand=4),
+            queued_level("catch-all", 98),
+        ],
+        "flow_schemas": [
+            flow_schema(
+                "secrets-list",
+                "secrets-list",
+                [{"subjects": [group("*")], "resourceRules": [rr(["list"], ["secrets"])]}],
+                500,
+                by="ByUser",
+            )
+        ],
+    }
+    objs.update(kw)
+    return FlowControlSettings(server_concurrency_limit=100, **objs)
+
+
+def req(target=SECRETS, user="alice", headers=None, method="GET") -> ProxyRequest:
+    r = ProxyRequest(
+        method=method,
+        target=target,
+        headers=headers or [("accept", "application/json")],
+        body=None,
+        protocol="h2",
+    )
+    r.user = UserInfo(name=user, groups=["system:authenticated"], source="x509")
+    r.info = requestinfo.parse(method, target)
+    return r
+
+
+class Upstream:
+    """A fake apiserver: counts calls and concurrency, answers after ``gate`` opens, body in chunks."""
+
+    def __init__(self, body: bytes = b'{"kind":"SecretList","items":[]}', chunks: int = 4):
+        self.body, self.chunks = body, chunks
+        self.calls = 0
+        self.running = 0
+        self.peak = 0
+        self.gate = asyncio.Event()
+        self.gate.set()
+
+    async def __call__(self, request: ProxyRequest) -> ProxyResponse:
+        self.calls += 1
+        self.running += 1
+        self.peak = max(self.peak, self.running)
+        await self.gate.wait()
+        size = max(1, len(self.body) // self.chunks)
+        parts = [self.body[i : i + size] for i in range(0, len(self.body), size)]
+
+        async def body():
+            try:
+                for p in parts:
+                    await asyncio.sleep(0)
+                    yield p
+            finally:
+                self.running -= 1
+
+        return ProxyResponse(status=200, headers=[("content-type", "application/json")], body=body())
+
+
+async def read(resp: ProxyResponse) -> bytes:
+    return b"".join([c async for c in resp.body])
+
+
+async def call(fc, r, up) -> tuple[int, bytes, dict]:
+    resp = await fc(r, up)
+    data = await read(resp)
+    resp.finish(None)
+    return resp.status, data, dict(resp.headers)
+
+
+async def test_seeds_policy_never_runs_more_than_two_secret_lists():
+    fc = FlowControl(seeds_settings(coalesce=False))
+    up = Upstream(body=b"x" * 10000)
+    results = await asyncio.gather(*(call(fc, req(user=f"u{i % 5}"), up) for i in range(20)))
+    assert [s for s, _, _ in results] == [200] * 20
+    assert all(d == up.body for _, d, _ in results)
+    assert up.peak == 2 and up.calls == 20
+    assert fc.peak_executing["secrets-list"] == 2
+    assert fc.controller.levels["secrets-list"].executing_requests == 0
+
+
+async def test_rejection_is_a_kubernetes_429_naming_schema_and_level():
+    reject = queued_level("secrets-list", 1)
+    reject["spec"]["limited"]["limitResponse"] = {"type": "Reject"}
+    fc = FlowControl(seeds_settings(priority_level_configurations=[reject, queued_level("catch-all", 99)]))
+    up = Upstream()
+    up.gate.clear()
+    first = asyncio.create_task(call(fc, req(), up))
+    await asyncio.sleep(0.01)
+    status, data, headers = await call(fc, req(user="bob"), up)
+    assert status == 429
+    assert headers["retry-after"] == "1"
+    body = json.loads(data)
+    assert (body["kind"], body["apiVersion"], body["status"], body["reason"], body["code"]) == (
+        "Status",
+        "v1",
+        "Failure",
+        "TooManyRequests",
+        429,
+    )
+    assert "secrets-list" in body["message"] and body["details"]["retryAfterSeconds"] == 1
+    assert headers["x-gatekeeper-pf-flowschema"] == "secrets-list"
+    assert headers["x-gatekeeper-pf-prioritylevel"] == "secrets-list"
+    uid = fc.controller.policy.levels["secrets-list"].uid
+    assert headers["x-kubernetes-pf-prioritylevel-uid"] == uid and headers["x-kubernetes-pf-flowschema-uid"]
+    up.gate.set()
+    assert (await first)[0] == 200
+
+
+async def test_queued_request_times_out_with_429():
+    fc = FlowControl(seeds_settings(queue_wait_seconds=0.2, coalesce=False))
+    up = Upstream()
+    up.gate.clear()
+    running = [asyncio.create_task(call(fc, req(user=f"u{i}"), up)) for i in range(2)]
+    await asyncio.sleep(0.01)
+    status, data, _ = await call(fc, req(user="late"), up)
+    assert status == 429 and b"waited in the queue" in data
+    up.gate.set()
+    assert [(await t)[0] for t in running] == [200, 200]
+
+
+async def test_identical_queued_lists_share_one_upstream_call():
+    fc = FlowControl(seeds_settings())
+    up = Upstream(body=b"y" * 50000, chunks=10)
+    up.gate.clear()
+    blockers = [
+        asyncio.create_task(call(fc, req(target=f"/api/v1/namespaces/n{i}/secrets"), up)) for i in range(2)
+    ]
+    await asyncio.sleep(0.01)
+    same = [asyncio.create_task(call(fc, req(user="alice"), up)) for _ in range(8)]
+    other = [asyncio.create_task(call(fc, req(user="bob"), up)) for _ in range(3)]
+    await asyncio.sleep(0.01)
+    assert up.calls == 2
+    up.gate.set()
+    results = await asyncio.gather(*blockers, *same, *other)
+    assert all(s == 200 and d == up.body for s, d, _ in results)
+    # 2 blockers + one call for alice's 8 + one for bob's 3: identities are never merged
+    assert up.calls == 4
+
+
+async def test_slow_coalesced_reader_is_cut_off_without_stalling_others():
+    fc = FlowControl(seeds_settings(fanout_buffer_bytes=4096))
+    up = Upstream(body=b"z" * 200_000, chunks=100)
+    up.gate.clear()
+    blockers = [
+        asyncio.create_task(call(fc, req(target=f"/api/v1/namespaces/n{i}/secrets"), up)) for i in range(2)
+    ]
+    await asyncio.sleep(0.01)
+    fast = [asyncio.create_task(fc(req(), up)) for _ in range(3)]
+    await asyncio.sleep(0.01)
+    up.gate.set()
+    await asyncio.gather(*blockers)
+    responses = await asyncio.gather(*fast)
+    slow = responses[0]
+    it = slow.body.__aiter__()
+    await it.__anext__()  # reads one chunk, then stalls
+    bodies = await asyncio.wait_for(asyncio.gather(*(read(r) for r in responses[1:])), 5)
+    assert all(b == up.body for b in bodies)
+    with pytest.raises(ConnectionError, match="fell 4096 bytes behind"):
+        while True:
+            await it.__anext__()
+    assert fc.controller.levels["secrets-list"].executing_seats == 0
+
+
+async def test_list_seats_grow_from_observed_response_size():
+    fc = FlowControl(seeds_settings(bytes_per_seat=1000, max_seats=10))
+    up = Upstream(body=b"s" * 4500)
+    await call(fc, req(), up)
+    est = fc.controller.estimator.estimate("list", "secrets", "")
+    assert (est.list_bytes, est.seats) == (4500, 5)
+
+
+async def test_watch_gives_back_its_seats_when_the_response_starts():
+    watch_target = "/api/v1/secrets?watch=true"
+    level = {
+        "priority_level_configurations": [queued_level("w", 1), queued_level("catch-all", 99)],
+        "flow_schemas": [
+            flow_schema(
+                "w", "w", [{"subjects": [group("*")], "resourceRules": [rr(["watch", "list"], ["secrets"])]}]
+            )
+        ],
+    }
+    fc = FlowControl(seeds_settings(**level))
+    up = Upstream()
+    stream = asyncio.Event()
+
+    async def handler(r: ProxyRequest) -> ProxyResponse:
+        if r.info and r.info.verb == "watch":
+
+            async def events():
+                await stream.wait()
+                yield b'{"type":"ADDED"}\n'
+
+            return ProxyResponse(status=200, headers=[], body=events())
+        return await up(r)
+
+    watch = await fc(req(target=watch_target), handler)
+    assert fc.controller.levels["w"].executing_seats == 0
+    status, _, _ = await asyncio.wait_for(call(fc, req(user="bob"), handler), 2)
+    assert status == 200
+    stream.set()
+    assert await read(watch) == b'{"type":"ADDED"}\n'
+    assert fc.controller.levels["w"].executing_requests == 0
+
+
+async def test_policy_file_reload_applies_good_and_keeps_running_on_bad(tmp_path, caplog):
+    path = tmp_path / "flows.yaml"
+    path.write_text(
+        yaml.safe_dump_all(
+            [
+                queued_level("secrets-list", 2),
+                flow_schema(
+                    "secrets-list",
+                    "secrets-list",
+                    [{"subjects": [group("*")], "resourceRules": [rr(["list"], ["secrets"])]}],
+                    500,
+                ),
+            ]
+        )
+    )
+    fc = FlowControl(FlowControlSettings(server_concurrency_limit=100, files=[str(path)]))
+    assert fc.controller.policy.limits["secrets-list"] == 29  # ceil(100 * 2 / 7)
+    path.write_text(
+        yaml.safe_dump_all(
+            [
+                queued_level("secrets-list", 95),
+                flow_schema(
+                    "secrets-list",
+                    "secrets-list",
+                    [{"subjects": [group("*")], "resourceRules": [rr(["list"], ["secrets"])]}],
+                    500,
+                ),
+            ]
+        )
+    )
+    assert fc.reloader.check()
+    assert fc.controller.levels["secrets-list"].limit == 95
+    path.write_text(
+        "kind: FlowSchema\napiVersion: flowcontrol.apiserver.k8s.io/v1\nmetadata: {name: x}\n"
+        "spec: {matchingPrecedence: 0, priorityLevelConfiguration: {name: catch-all}}\n"
+    )
+    with caplog.at_level(logging.ERROR):
+        assert not fc.reloader.reload()
+    assert (
+        "keeping the running policy" in caplog.text and "FlowSchema/x: spec.matchingPrecedence" in caplog.text
+    )
+    assert str(path) in caplog.text
+    assert fc.controller.levels["secrets-list"].limit == 95
