@@ -365,3 +365,8 @@ class FlowControl:
                     too_many_requests(fw.fs, fw.pl, "leader-failed", self.settings.retry_after_seconds)
                 )
         self._wake(self.controller.finish(t))
+
+
+def from_settings(settings: FlowControlSettings) -> FlowControl | None:
+    """The middleware for ``gatekeeper proxy`` (None when ``flowControl.enabled`` is false)."""
+    return FlowControl(settings) if settings.enabled else None
