@@ -332,6 +332,8 @@ class H2Protocol:
             await self._send_response(stream, response)
         except asyncio.CancelledError:
             error = stream.error or ClientGone("HTTP/2 connection closed")
+        except ClientGone as exc:  # the socket went away mid-write: nothing to reset
+            error = stream.error or exc
         except Exception as exc:
             error = stream.error or exc
             if stream.error is None:
