@@ -1,0 +1,160 @@
+"""``sandbox up --with-webhook``: run ``gatekeeper webhook`` in front of the sandbox.
+
+After the control plane is healthy this:
+
+1. issues a serving certificate for 127.0.0.1 from the sandbox CA, and a
+   client certificate for user ``gatekeeper-webhook`` bound by RBAC to exactly
+   what template reconciliation needs (create ResourceClaimTemplates), so the
+   sandbox proves the shipped RBAC is enough;
+2. writes ``DIR/webhook/config.yaml`` (GPU ``defaultMode: dra``, ConfigMaps
+   checked too) and starts the webhook in its own session, log in
+   ``DIR/logs/webhook.log``, and waits for ``/readyz``;
+3. registers the Validating and Mutating webhook configurations with
+   ``clientConfig.url`` + caBundle (see gatekeeper.webhook.registration);
+4. waits until *every* apiserver enforces both (server-side dry-run of an
+   oversized Secret is denied, of a GPU pod comes back rewritten), since each
+   apiserver picks the configurations up on its own informer.
+
+``state.extra["webhook"]`` records url, pid, config and log; ``sandbox down``
+stops the process with the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from gatekeeper.certs import PKI
+from gatekeeper.sandbox import kubectl, pki, processes
+from gatekeeper.sandbox.state import SandboxState
+from gatekeeper.webhook import registration
+
+USER = "gatekeeper-webhook"
+PROBE_NAMESPACE = "default"
+
+
+class WebhookStartError(Exception):
+    """The webhook add-on did not become ready; the message says what was seen last."""
+
+
+def _wait(what: str, check: Callable[[], tuple[bool, str]], timeout: float,
+          pid: int | None = None, log: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    detail = "not checked yet"
+    while True:
+        if pid is not None and not processes.is_alive(pid):
+            raise WebhookStartError(f"webhook: process {pid} exited ({detail})\n{processes.tail(log)}")
+        ok, detail = check()
+        if ok:
+            return
+        if time.monotonic() > deadline:
+            raise WebhookStartError(f"webhook: {what} not reached after {timeout:.0f}s: {detail}")
+        time.sleep(0.3)
+
+
+def webhook_config(state: SandboxState, serving: Any, kubeconfig: Path, port_file: Path) -> dict[str, Any]:
+    return {"webhook": {
+        "server": {"address": "127.0.0.1", "port": 0,
+                   "certFile": str(serving.cert), "keyFile": str(serving.key),
+                   "portFile": str(port_file), "certCheckIntervalSeconds": 1.0},
+        "secrets": {"configMaps": True, "overrides": [
+            {"types": ["helm.sh/release.v1"], "hardLimit": "1536Ki", "softLimit": "1Mi"}]},
+        "gpu": {"defaultMode": "dra", "deviceClass": state.extra.get("device_class", "gpu.nvidia.com")},
+        "kubeconfig": str(kubeconfig),
+    }}
+
+
+def _probe_secret() -> str:
+    data = base64.b64encode(b"\0" * (300 * 1024)).decode()
+    return json.dumps({"apiVersion": "v1", "kind": "Secret",
+                       "metadata": {"name": "gatekeeper-probe", "namespace": PROBE_NAMESPACE},
+                       "data": {"blob": data}})
+
+
+def _probe_pod() -> str:
+    return json.dumps({"apiVersion": "v1", "kind": "Pod",
+                       "metadata": {"name": "gatekeeper-probe", "namespace": PROBE_NAMESPACE},
+                       "spec": {"containers": [{"name": "probe", "image": "registry.k8s.io/pause:3.10",
+                                                "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}})
+
+
+def enforced(kubeconfig: str, binary: str | None) -> tuple[bool, str]:
+    """Both webhooks answer on the apiserver behind ``kubeconfig`` (dry-run only, no side effects)."""
+    p = kubectl.run(kubeconfig, "create", "--dry-run=server", "-f", "-", "-o", "name",
+                    input=_probe_secret(), binary=binary)
+    if registration.SECRETS_WEBHOOK not in p.stderr:
+        return False, f"oversized secret not denied yet: {(p.stdout + p.stderr).strip()[:200]}"
+    p = kubectl.run(kubeconfig, "create", "--dry-run=server", "-f", "-", "-o", "json",
+                    input=_probe_pod(), binary=binary)
+    if p.returncode != 0:
+        return False, f"probe pod refused: {p.stderr.strip()[:200]}"
+    if not json.loads(p.stdout).get("spec", {}).get("resourceClaims"):
+        return False, "GPU pod not rewritten yet"
+    return True, "enforced"
+
+
+def start(state: SandboxState, args: argparse.Namespace) -> None:
+    timeout = float(getattr(args, "timeout", 120.0) or 120.0)
+    directory = Path(state.dir)
+    binary = state.extra.get("kubectl")
+    work = directory / "webhook"
+    work.mkdir(parents=True, exist_ok=True)
+    ca = PKI(state.certs_dir)
+    serving = ca.issue_serving("webhook-serving", ips=["127.0.0.1"])
+    ca.issue_client(USER, user=USER)
+    sandbox_pki = pki.SandboxPKI(Path(state.certs_dir))
+    kubeconfig = pki.write_kubeconfig(work / "kubeconfig", sandbox_pki, USER, state.apiserver_urls[0])
+    kubectl.run(state.kubeconfig, "apply", "-f", "-", binary=binary, check=True,
+                input=json.dumps({"apiVersion": "v1", "kind": "List",
+                                  "items": registration.rbac({"kind": "User", "name": USER,
+                                                              "apiGroup": "rbac.authorization.k8s.io"})}))
+    # Pods are refused before any mutating webhook runs if their ServiceAccount is missing; without
+    # the controller-manager nobody makes `default`, so the GPU-pod readiness probe needs it.
+    kubectl.run(state.kubeconfig, "create", "serviceaccount", "default", "-n", PROBE_NAMESPACE, binary=binary)
+    port_file = work / "port"
+    port_file.unlink(missing_ok=True)
+    config_path = work / "config.yaml"
+    config = webhook_config(state, serving, kubeconfig, port_file)
+    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+    log = directory / "logs" / "webhook.log"
+    argv = [sys.executable, "-m", "gatekeeper", "webhook", "--config", str(config_path)]
+    rec = processes.start("webhook", argv, log, cwd=directory)
+    state.processes.append(rec)
+    state.save()
+
+    def port_written() -> tuple[bool, str]:
+        return (port_file.exists() and port_file.read_text().strip().isdigit()), "waiting for the port file"
+
+    _wait("listening", port_written, timeout, rec.pid, str(log))
+    port = int(port_file.read_text())
+    url = f"https://127.0.0.1:{port}"
+    rec.ports = {"https": port}
+    rec.urls = {"server": url, "validate": f"{url}/validate", "mutate": f"{url}/mutate",
+                "metrics": f"{url}/metrics"}
+    rec.health = f"{url}/readyz"
+    state.save()
+    tls = processes.TLSFiles(ca=Path(ca.cert_path("ca")))
+    _wait("/readyz", lambda: processes.probe(rec.health, tls), timeout, rec.pid, str(log))
+
+    bundle = ca.ca_bundle()
+    configs = [registration.validating_configuration({"url": url}, bundle),
+               registration.mutating_configuration({"url": url}, bundle)]
+    kubectl.run(state.kubeconfig, "apply", "-f", "-", binary=binary, check=True,
+                input=json.dumps({"apiVersion": "v1", "kind": "List", "items": configs}))
+    for kc in state.extra.get("apiserver_kubeconfigs") or [state.kubeconfig]:
+        _wait(f"enforcement on {kc}", lambda kc=kc: enforced(kc, binary),  # type: ignore[misc]
+              timeout, rec.pid, str(log))
+    state.extra["webhook"] = {
+        "url": url, "pid": rec.pid, "config": str(config_path), "log": str(log),
+        "kubeconfig": str(kubeconfig),
+        "validating": registration.VALIDATING_NAME, "mutating": registration.MUTATING_NAME,
+    }
+    state.save()

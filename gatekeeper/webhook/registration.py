@@ -1,0 +1,141 @@
+"""Validating/Mutating webhook configurations and RBAC, as data (pure).
+
+One definition serves the sandbox (``clientConfig.url`` to 127.0.0.1) and the
+shipped manifests in ``deploy/webhook/`` (``clientConfig.service``); a unit test
+keeps the YAML in step with this module.
+
+Choices:
+
+* ``admissionReviewVersions: [v1]`` only; the server answers anything else 400.
+* Validating webhook ``secrets.gatekeeper.dev``: Secrets and ConfigMaps,
+  CREATE and UPDATE (DELETE is never blocked, so it is not even sent).
+  ``sideEffects: None``.
+* Mutating webhook ``gpu.gatekeeper.dev``: Pod CREATE, ``sideEffects:
+  NoneOnDryRun`` (it creates ResourceClaimTemplates, never on dryRun),
+  ``reinvocationPolicy: IfNeeded`` (the rewrite is idempotent, and a later
+  webhook may inject a GPU container), and ``matchConditions`` so the
+  apiserver calls it only for pods that ask for ``nvidia.com/gpu`` and do not
+  say ``gatekeeper.dev/gpu-mode: off``.
+* ``namespaceSelector`` excludes kube-system and the webhook's own namespace,
+  so a broken webhook can never block its own recovery.
+* ``failurePolicy: Fail``: an oversized Secret or a whole-GPU pod slipping
+  through while the webhook is down is exactly what it exists to prevent;
+  the namespace exclusions keep the control plane itself writable.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gatekeeper.webhook.settings import MODE_ANNOTATION
+
+WEBHOOK_NAMESPACE = "gatekeeper-system"
+VALIDATING_NAME = "gatekeeper-secrets"
+MUTATING_NAME = "gatekeeper-gpu"
+SECRETS_WEBHOOK = "secrets.gatekeeper.dev"
+GPU_WEBHOOK = "gpu.gatekeeper.dev"
+RBAC_NAME = "gatekeeper-webhook"
+
+_ASKS_GPU = (
+    "has(c.resources) && ((has(c.resources.limits) && 'nvidia.com/gpu' in c.resources.limits) || "
+    "(has(c.resources.requests) && 'nvidia.com/gpu' in c.resources.requests))"
+)
+MATCH_CONDITIONS: list[dict[str, str]] = [
+    {
+        "name": "asks-for-nvidia-gpu",
+        "expression": (
+            f"object.spec.containers.exists(c, {_ASKS_GPU}) || "
+            f"(has(object.spec.initContainers) && object.spec.initContainers.exists(c, {_ASKS_GPU}))"
+        ),
+    },
+    {
+        "name": "gpu-mode-not-off",
+        "expression": (
+            "!has(object.metadata.annotations) || "
+            f"!('{MODE_ANNOTATION}' in object.metadata.annotations) || "
+            f"object.metadata.annotations['{MODE_ANNOTATION}'] != 'off'"
+        ),
+    },
+]
+
+RBAC_RULES: list[dict[str, Any]] = [
+    {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaimtemplates"], "verbs": ["create"]},
+]
+"""All the webhook does against the API: POST templates (409 means present; no get/list/watch)."""
+
+
+def namespace_selector(own_namespace: str = WEBHOOK_NAMESPACE) -> dict[str, Any]:
+    return {"matchExpressions": [{
+        "key": "kubernetes.io/metadata.name", "operator": "NotIn",
+        "values": sorted({"kube-system", own_namespace}),
+    }]}
+
+
+def _client_config(base: dict[str, Any], path: str, ca_bundle: str) -> dict[str, Any]:
+    cfg: dict[str, Any]
+    if "url" in base:
+        cfg = {"url": base["url"].rstrip("/") + path}
+    else:
+        cfg = {"service": {**base["service"], "path": path}}
+    if ca_bundle:
+        cfg["caBundle"] = ca_bundle
+    return cfg
+
+
+def validating_configuration(client: dict[str, Any], ca_bundle: str, *, config_maps: bool = True,
+                             own_namespace: str = WEBHOOK_NAMESPACE,
+                             timeout_seconds: int = 5) -> dict[str, Any]:
+    """``client`` is ``{"url": "https://127.0.0.1:PORT"}`` or ``{"service": {name, namespace, port}}``."""
+    resources = ["secrets", "configmaps"] if config_maps else ["secrets"]
+    return {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "ValidatingWebhookConfiguration",
+        "metadata": {"name": VALIDATING_NAME, "labels": {"app.kubernetes.io/name": "gatekeeper"}},
+        "webhooks": [{
+            "name": SECRETS_WEBHOOK,
+            "admissionReviewVersions": ["v1"],
+            "clientConfig": _client_config(client, "/validate", ca_bundle),
+            "rules": [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE"],
+                       "resources": resources, "scope": "Namespaced"}],
+            "sideEffects": "None",
+            "failurePolicy": "Fail",
+            "matchPolicy": "Equivalent",
+            "timeoutSeconds": timeout_seconds,
+            "namespaceSelector": namespace_selector(own_namespace),
+        }],
+    }
+
+
+def mutating_configuration(client: dict[str, Any], ca_bundle: str, *, own_namespace: str = WEBHOOK_NAMESPACE,
+                           timeout_seconds: int = 10) -> dict[str, Any]:
+    return {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "MutatingWebhookConfiguration",
+        "metadata": {"name": MUTATING_NAME, "labels": {"app.kubernetes.io/name": "gatekeeper"}},
+        "webhooks": [{
+            "name": GPU_WEBHOOK,
+            "admissionReviewVersions": ["v1"],
+            "clientConfig": _client_config(client, "/mutate", ca_bundle),
+            "rules": [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"],
+                       "resources": ["pods"], "scope": "Namespaced"}],
+            "sideEffects": "NoneOnDryRun",
+            "failurePolicy": "Fail",
+            "matchPolicy": "Equivalent",
+            "reinvocationPolicy": "IfNeeded",
+            "timeoutSeconds": timeout_seconds,
+            "namespaceSelector": namespace_selector(own_namespace),
+            "matchConditions": MATCH_CONDITIONS,
+        }],
+    }
+
+
+def rbac(subject: dict[str, Any]) -> list[dict[str, Any]]:
+    """ClusterRole + ClusterRoleBinding for ``subject`` (sandbox: a User; in-cluster: a ServiceAccount)."""
+    meta = {"name": RBAC_NAME, "labels": {"app.kubernetes.io/name": "gatekeeper"}}
+    return [
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": meta,
+         "rules": RBAC_RULES},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding", "metadata": meta,
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": RBAC_NAME},
+         "subjects": [subject]},
+    ]

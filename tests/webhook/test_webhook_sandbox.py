@@ -1,0 +1,194 @@
+"""The webhook in front of the real sandbox control plane, driven by real kubectl.
+
+Uses the session sandbox from tests/conftest.py (`sandbox up --with-webhook`, which
+registers both webhook configurations with clientConfig.url + caBundle).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gatekeeper.sandbox.state import SandboxState
+
+pytestmark = pytest.mark.sandbox
+
+KIB = 1024
+
+
+@pytest.fixture(scope="module")
+def webhook(sandbox: SandboxState) -> dict[str, Any]:
+    if "webhook" not in sandbox.extra:
+        pytest.skip("the session sandbox runs without the webhook add-on (GATEKEEPER_SANDBOX_ADDONS)")
+    return sandbox.extra["webhook"]
+
+
+def blob(tmp_path: Path, size: int) -> Path:
+    p = tmp_path / f"blob-{size}"
+    p.write_bytes(bytes(i % 251 for i in range(size)))
+    return p
+
+
+def pod_manifest(name: str, ns: str, gpus: int, *, annotations: dict[str, str] | None = None,
+                 node: str = "", init_gpus: int = 0) -> str:
+    spec: dict[str, Any] = {
+        "containers": [{"name": "main", "image": "registry.k8s.io/pause:3.10",
+                        "resources": {"limits": {"nvidia.com/gpu": str(gpus)}}}],
+    }
+    if init_gpus:
+        spec["initContainers"] = [{"name": "warmup", "image": "registry.k8s.io/pause:3.10",
+                                   "restartPolicy": "Always",
+                                   "resources": {"requests": {"nvidia.com/gpu": str(init_gpus)}}}]
+    if node:
+        spec["nodeSelector"] = {"kubernetes.io/hostname": node}
+    meta: dict[str, Any] = {"name": name, "namespace": ns, "annotations": annotations or {}}
+    return json.dumps({"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec})
+
+
+def wait_for(what: str, fn: Callable[[], Any], timeout: float = 90) -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = fn()
+        if last:
+            return last
+        time.sleep(0.5)
+    pytest.fail(f"{what}: not reached after {timeout}s (last: {last!r})", pytrace=False)
+
+
+def get(kubectl, *args: str) -> Any:
+    return json.loads(kubectl("get", *args, "-o", "json", check=True).stdout)
+
+
+def test_kubectl_secret_of_300_kib_is_denied_with_message(webhook, kubectl, namespace, tmp_path) -> None:
+    p = kubectl("create", "secret", "generic", "model-certs", "-n", namespace,
+                f"--from-file=bundle={blob(tmp_path, 300 * KIB)}")
+    assert p.returncode != 0
+    assert 'admission webhook "secrets.gatekeeper.dev" denied the request' in p.stderr
+    assert (f"secret {namespace}/model-certs is 300 KiB, over the 128 KiB limit: "
+            "keep large payloads in a volume or an external secret store") in p.stderr
+    assert kubectl("get", "secret", "model-certs", "-n", namespace).returncode != 0
+
+
+def test_kubectl_secret_of_10_kib_is_created(webhook, kubectl, namespace, tmp_path) -> None:
+    p = kubectl("create", "secret", "generic", "small", "-n", namespace,
+                f"--from-file=bundle={blob(tmp_path, 10 * KIB)}")
+    assert p.returncode == 0, p.stderr
+    assert get(kubectl, "secret", "small", "-n", namespace)["metadata"]["name"] == "small"
+
+
+def test_server_dry_run_gets_the_same_denial(webhook, kubectl, namespace, tmp_path) -> None:
+    p = kubectl("create", "secret", "generic", "big", "-n", namespace, "--dry-run=server",
+                f"--from-file=bundle={blob(tmp_path, 200 * KIB)}")
+    assert p.returncode != 0 and "over the 128 KiB limit" in p.stderr
+
+
+def test_helm_release_secret_override_admits_large_release(webhook, kubectl, namespace, tmp_path) -> None:
+    p = kubectl("create", "secret", "generic", "sh.helm.release.v1.app.v1", "-n", namespace,
+                "--type=helm.sh/release.v1", f"--from-file=release={blob(tmp_path, 700 * KIB)}")
+    assert p.returncode == 0, p.stderr
+
+
+def test_oversized_configmap_is_denied(webhook, kubectl, namespace, tmp_path) -> None:
+    p = kubectl("create", "configmap", "big", "-n", namespace,
+                f"--from-file=data={blob(tmp_path, 200 * KIB)}")
+    assert p.returncode != 0 and f"configmap {namespace}/big is 200 KiB" in p.stderr
+
+
+def test_gpu_pod_is_stored_rewritten_to_dra(webhook, kubectl, namespace) -> None:
+    p = kubectl("create", "-f", "-", input=pod_manifest("trainer", namespace, 1, init_gpus=1))
+    assert p.returncode == 0, p.stderr
+    assert "gatekeeper (dra): container main: nvidia.com/gpu=1" in p.stderr  # the warning reached kubectl
+    pod = get(kubectl, "pod", "trainer", "-n", namespace)
+    claims = {c["name"]: c["resourceClaimTemplateName"] for c in pod["spec"]["resourceClaims"]}
+    assert set(claims) == {"gpu-main", "gpu-warmup"}
+    main, warmup = pod["spec"]["containers"][0], pod["spec"]["initContainers"][0]
+    assert main["resources"].get("claims") == [{"name": "gpu-main"}]
+    assert "nvidia.com/gpu" not in json.dumps(main["resources"])
+    assert warmup["resources"].get("claims") == [{"name": "gpu-warmup"}]
+    assert pod["metadata"]["annotations"]["gatekeeper.dev/gpu-rewritten"].startswith("dra ")
+    templates = get(kubectl, "resourceclaimtemplates", "-n", namespace)["items"]
+    assert {t["metadata"]["name"] for t in templates} == set(claims.values())
+
+
+def test_gpu_mode_off_pod_keeps_whole_gpu(webhook, kubectl, namespace) -> None:
+    p = kubectl("create", "-f", "-", input=pod_manifest("legacy", namespace, 1,
+                                                        annotations={"gatekeeper.dev/gpu-mode": "off"}))
+    assert p.returncode == 0, p.stderr
+    pod = get(kubectl, "pod", "legacy", "-n", namespace)
+    assert pod["spec"]["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": "1"}
+    assert not pod["spec"].get("resourceClaims")
+
+
+def test_time_slicing_annotation_renames_resource(webhook, kubectl, namespace) -> None:
+    p = kubectl("create", "-f", "-", input=pod_manifest(
+        "shared", namespace, 1, annotations={"gatekeeper.dev/gpu-mode": "time-slicing"}))
+    assert p.returncode == 0, p.stderr
+    pod = get(kubectl, "pod", "shared", "-n", namespace)
+    assert pod["spec"]["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu.shared": "1"}
+
+
+def _claim_of(kubectl, ns: str, pod_name: str, claim: str) -> dict[str, Any] | None:
+    pod = get(kubectl, "pod", pod_name, "-n", ns)
+    for st in pod.get("status", {}).get("resourceClaimStatuses") or []:
+        if st["name"] == claim and st.get("resourceClaimName"):
+            c = get(kubectl, "resourceclaim", st["resourceClaimName"], "-n", ns)
+            return c if c.get("status", {}).get("allocation") else None
+    return None
+
+
+def _pcie_roots(kubectl, results: list[dict[str, Any]]) -> set[str]:
+    slices = get(kubectl, "resourceslices")["items"]
+    attrs = {(s["spec"]["pool"]["name"], d["name"]): d["attributes"]
+             for s in slices for d in s["spec"]["devices"]}
+    return {attrs[(r["pool"], r["device"])]["resource.kubernetes.io/pcieRoot"]["string"] for r in results}
+
+
+def test_dra_pod_gets_claim_allocated_and_is_bound_to_gpu_node(webhook, sandbox, kubectl, namespace) -> None:
+    assert kubectl("create", "-f", "-", input=pod_manifest("one", namespace, 1)).returncode == 0
+    claim = wait_for("claim allocated", lambda: _claim_of(kubectl, namespace, "one", "gpu-main"))
+    (result,) = claim["status"]["allocation"]["devices"]["results"]
+    assert result["driver"] == "gpu.nvidia.com"
+    node = wait_for("pod bound", lambda: get(kubectl, "pod", "one", "-n", namespace)["spec"].get("nodeName"))
+    assert node in sandbox.extra["gpu_nodes"] and result["pool"] == node
+
+
+def test_two_gpu_pod_gets_two_devices_on_one_pcie_root(webhook, sandbox, kubectl, namespace) -> None:
+    node = sandbox.extra["gpu_nodes"][-1]
+    # Fragment the node first: 3 GPUs taken means first-fit without the constraint would straddle roots.
+    assert kubectl("create", "-f", "-", input=pod_manifest("filler", namespace, 3, node=node)).returncode == 0
+    wait_for("filler allocated", lambda: _claim_of(kubectl, namespace, "filler", "gpu-main"))
+    assert kubectl("create", "-f", "-", input=pod_manifest("pair", namespace, 2, node=node)).returncode == 0
+    claim = wait_for("pair allocated", lambda: _claim_of(kubectl, namespace, "pair", "gpu-main"))
+    results = claim["status"]["allocation"]["devices"]["results"]
+    assert len(results) == 2 and {r["pool"] for r in results} == {node}
+    assert len({r["device"] for r in results}) == 2
+    assert len(_pcie_roots(kubectl, results)) == 1
+    assert claim["spec"]["devices"]["constraints"] == [
+        {"requests": ["gpu"], "matchAttribute": "resource.kubernetes.io/pcieRoot"}]
+    bound = wait_for("pair bound",
+                     lambda: get(kubectl, "pod", "pair", "-n", namespace)["spec"].get("nodeName"))
+    assert bound == node
+
+
+def test_webhook_metrics_count_reviews(webhook, sandbox, kubectl, namespace, tmp_path) -> None:
+    kubectl("create", "secret", "generic", "big", "-n", namespace,
+            f"--from-file=b={blob(tmp_path, 200 * KIB)}")
+    from gatekeeper.sandbox import processes
+
+    tls = processes.TLSFiles(ca=Path(sandbox.certs_dir) / "ca.crt")
+    import ssl
+    import urllib.request
+
+    ctx = ssl.create_default_context(cafile=str(tls.ca))
+    with urllib.request.urlopen(webhook["url"] + "/metrics", context=ctx, timeout=10) as r:
+        text = r.read().decode()
+    line = next(x for x in text.splitlines() if x.startswith(
+        'gatekeeper_webhook_reviews_total{decision="denied",operation="CREATE",policy="secret-size"}'))
+    assert float(line.split()[-1]) >= 1
+    assert 'gatekeeper_webhook_template_reconciliations_total{result="created"}' in text
