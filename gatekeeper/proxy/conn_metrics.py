@@ -14,6 +14,11 @@ CLIENT_CONNECTIONS = Gauge(
     "Open client connections, by negotiated protocol (h2 or http/1.1).",
     ["protocol"],
 )
+CLIENT_CONNECTIONS_ACCEPTED = Counter(
+    "gatekeeper_proxy_client_connections_accepted",
+    "Client connections accepted (TLS handshake done), by protocol: rises as GOAWAYs move clients.",
+    ["protocol"],
+)
 GOAWAY_SENT = Counter(
     "gatekeeper_proxy_goaway_sent",
     "Graceful GOAWAYs (h2) or Connection: close (http/1.1) sent to clients, by reason.",

@@ -151,6 +151,7 @@ class ProxyServer:
             return
         self._clients[client.id] = client
         conn_metrics.CLIENT_CONNECTIONS.labels(protocol=protocol).inc()
+        conn_metrics.CLIENT_CONNECTIONS_ACCEPTED.labels(protocol=protocol).inc()
         try:
             if protocol == "h2":
                 await self._run_h2(client, reader, writer, peer, peer_cert)
