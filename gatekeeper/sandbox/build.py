@@ -66,9 +66,11 @@ class Component:
     """``-ldflags`` value; ``{version}``, ``{major}``, ``{minor}`` are filled from the module version."""
     version_args: tuple[str, ...] = ("--version",)
     """Arguments that make each binary print its version and exit 0."""
+    gomod_root: Path = GOMOD_ROOT
+    """Where ``gomod`` lives; only tests point it elsewhere."""
 
     def source_dir(self) -> Path:
-        return GOMOD_ROOT / self.gomod
+        return self.gomod_root / self.gomod
 
     def version(self) -> str:
         return module_version((self.source_dir() / "go.mod").read_text(), self.module)

@@ -1,0 +1,59 @@
+"""`sandbox up/status/down` on a small sandbox of its own (1 apiserver, no nodes)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gatekeeper.sandbox import processes
+from gatekeeper.sandbox.state import SandboxState
+from gatekeeper.sandbox.testing import gatekeeper_cli, processes_mentioning, run_down, sandbox_up
+
+pytestmark = pytest.mark.sandbox
+
+
+@pytest.fixture
+def small_dir(tmp_path: Path):  # type: ignore[no-untyped-def]
+    directory = tmp_path / "small"
+    yield directory
+    run_down(directory)
+
+
+def test_status_then_down_leaves_no_process_and_down_is_repeatable(small_dir: Path) -> None:
+    state = sandbox_up(small_dir, "--apiservers", "1", "--gpu-nodes", "0", "--timeout", "120")
+    assert [p.name for p in state.processes] == ["etcd", "kube-apiserver-1"]
+    assert state.extra["startup_seconds"] > 0
+    st = gatekeeper_cli("sandbox", "status", "--state-dir", str(small_dir))
+    assert st.returncode == 0, st.stdout + st.stderr
+    assert "kube-apiserver-1" in st.stdout and "FAIL" not in st.stdout
+    assert sorted(processes_mentioning(small_dir)) == sorted(p.pid for p in state.processes)
+
+    down = gatekeeper_cli("sandbox", "down", "--state-dir", str(small_dir))
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert processes_mentioning(small_dir) == []
+    assert all(not processes.is_alive(p.pid) for p in state.processes)
+
+    again = gatekeeper_cli("sandbox", "down", "--state-dir", str(small_dir))
+    assert again.returncode == 0
+    assert again.stdout.count("not running") == 2
+    st = gatekeeper_cli("sandbox", "status", "--state-dir", str(small_dir))
+    assert st.returncode != 0, "status must report a stopped sandbox as unhealthy"
+
+
+def test_up_refuses_a_directory_whose_sandbox_is_still_running(small_dir: Path) -> None:
+    sandbox_up(small_dir, "--apiservers", "1", "--timeout", "120")
+    second = gatekeeper_cli("sandbox", "up", "--state-dir", str(small_dir), "--apiservers", "1")
+    assert second.returncode != 0
+    assert "already running" in second.stderr
+    assert SandboxState.load(small_dir).processes[0].name == "etcd"
+
+
+def test_failed_up_names_the_component_shows_its_log_and_stops_everything(small_dir: Path) -> None:
+    # A zero timeout: etcd cannot answer /health within microseconds of being spawned.
+    p = gatekeeper_cli("sandbox", "up", "--state-dir", str(small_dir), "--apiservers", "1", "--timeout", "0")
+    assert p.returncode != 0
+    assert "etcd: not healthy" in p.stderr
+    assert "--- last lines of" in p.stderr and "etcd.log" in p.stderr
+    assert "etcd stopped" in p.stderr or "etcd killed" in p.stderr
+    assert processes_mentioning(small_dir) == []

@@ -1,0 +1,83 @@
+"""Process bookkeeping used by `sandbox down`, exercised on real (tiny) local processes."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from gatekeeper.sandbox import processes
+from gatekeeper.sandbox.state import ProcessRecord
+
+SLEEP = "import time; time.sleep(300)"
+FORKER = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {SLEEP!r}]); time.sleep(300)"
+TERM_IGNORER = (
+    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); "
+    "time.sleep(300)"
+)
+
+
+def group_members(pgid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if os.getpgid(int(entry.name)) == pgid and processes.is_alive(int(entry.name)):
+                    out.append(int(entry.name))
+            except OSError:
+                pass
+    return out
+
+
+def wait_for(predicate, timeout: float = 10.0) -> bool:  # type: ignore[no-untyped-def]
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_stop_takes_down_the_whole_process_group_including_forked_children(tmp_path: Path) -> None:
+    rec = processes.start("forker", [sys.executable, "-c", FORKER], tmp_path / "forker.log")
+    assert wait_for(lambda: len(group_members(rec.pid)) == 2), "child was forked into the same group"
+    [result] = processes.stop([rec], grace=5)
+    assert result.outcome == "stopped"
+    assert group_members(rec.pid) == []
+    assert not processes.is_alive(rec.pid)
+
+
+def test_stop_escalates_to_sigkill_when_sigterm_is_ignored(tmp_path: Path) -> None:
+    log = tmp_path / "stubborn.log"
+    rec = processes.start("stubborn", [sys.executable, "-c", TERM_IGNORER], log)
+    assert wait_for(lambda: "ready" in log.read_text())
+    [result] = processes.stop([rec], grace=0.5)
+    assert result.outcome == "killed"
+    assert not processes.is_alive(rec.pid)
+
+
+def test_a_recorded_pid_now_running_something_else_is_left_alone(tmp_path: Path) -> None:
+    rec = processes.start("sleeper", [sys.executable, "-c", SLEEP], tmp_path / "s.log")
+    impostor = ProcessRecord(name="etcd", pid=rec.pid, cmd=["/somewhere/etcd"], log="")
+    try:
+        assert not processes.is_ours(impostor)
+        [result] = processes.stop([impostor], grace=0.5)
+        assert result.outcome == "not running"
+        assert processes.is_alive(rec.pid)
+    finally:
+        processes.stop([rec], grace=2)
+    assert not processes.is_alive(rec.pid)
+
+
+def test_stopping_twice_reports_not_running(tmp_path: Path) -> None:
+    rec = processes.start("sleeper", [sys.executable, "-c", SLEEP], tmp_path / "s.log")
+    assert processes.stop([rec], grace=5)[0].outcome == "stopped"
+    assert processes.stop([rec], grace=5)[0].outcome == "not running"
+
+
+def test_probe_reports_refused_connections_as_unhealthy() -> None:
+    port = processes.free_port()
+    ok, detail = processes.probe(f"http://127.0.0.1:{port}/healthz", timeout=1)
+    assert not ok and "refused" in detail.lower()
