@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from pathlib import Path
 
 from aiohttp import web
 
@@ -19,9 +20,16 @@ MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
 def enable_multiprocess(prefix: str = "gatekeeper-metrics-") -> str:
-    """Point prometheus-client at a fresh directory; call before importing prometheus_client."""
+    """Point prometheus-client at a clean directory; call before importing prometheus_client.
+
+    An inherited ``PROMETHEUS_MULTIPROC_DIR`` (e.g. an emptyDir that survives container restarts)
+    is emptied of sample files first: samples of dead processes would otherwise be summed forever.
+    Call it once, in the parent, before any worker starts.
+    """
     path = os.environ.get(MULTIPROC_ENV) or tempfile.mkdtemp(prefix=prefix)
     os.makedirs(path, exist_ok=True)
+    for stale in Path(path).glob("*.db"):
+        stale.unlink(missing_ok=True)
     os.environ[MULTIPROC_ENV] = path
     return path
 

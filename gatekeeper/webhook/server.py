@@ -106,7 +106,9 @@ def run(settings: WebhookSettings, workers: int = 1) -> int:
         return 0
     from gatekeeper.metrics import enable_multiprocess
 
-    owned_dir = None if os.environ.get("PROMETHEUS_MULTIPROC_DIR") else enable_multiprocess()
+    inherited = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+    path = enable_multiprocess()
+    owned_dir = None if inherited else path
     reserved = None
     if settings.server.port == 0:
         reserved = _reserve_port(settings.server.address)
