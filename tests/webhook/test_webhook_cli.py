@@ -1,0 +1,132 @@
+"""`gatekeeper webhook` as a real process: uvloop, certificate rotation, --workers 2, config errors."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import orjson
+import pytest
+from review_fixtures import container, pod, review
+
+from gatekeeper.certs import PKI, load_cert
+
+
+@pytest.fixture
+def pki(tmp_path: Path) -> PKI:
+    p = PKI(tmp_path / "pki")
+    p.init()
+    p.issue_serving("webhook", ips=["127.0.0.1"])
+    return p
+
+
+def write_config(tmp_path: Path, pki: PKI, extra: str = "") -> Path:
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(
+        "webhook:\n  server:\n    port: 0\n    certCheckIntervalSeconds: 0\n"
+        f"    certFile: {pki.cert_path('webhook')}\n    keyFile: {pki.key_path('webhook')}\n"
+        "  gpu:\n    defaultMode: time-slicing\n" + extra
+    )
+    return cfg
+
+
+@pytest.fixture
+def start(tmp_path: Path) -> Iterator:  # type: ignore[type-arg]
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def run(cfg: Path, *args: str) -> tuple[subprocess.Popen[bytes], int]:
+        port_file = tmp_path / f"port-{len(procs)}"
+        proc = subprocess.Popen([sys.executable, "-m", "gatekeeper", "webhook", "--config", str(cfg),
+                                 "--port-file", str(port_file), *args],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+        procs.append(proc)
+        deadline = time.monotonic() + 30
+        while not (port_file.exists() and port_file.read_text().strip()):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"webhook did not start: {proc.stderr.read().decode() if proc.stderr else ''}")
+            time.sleep(0.05)
+        time.sleep(0.3)  # with --workers, let every worker bind
+        return proc, int(port_file.read_text())
+
+    yield run
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(10)
+
+
+def tls_get_serial(port: int, ca: Path) -> int:
+    ctx = ssl.create_default_context(cafile=str(ca))
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as raw, \
+            ctx.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+        der = tls.getpeercert(binary_form=True)
+    from cryptography import x509
+
+    assert der is not None
+    return x509.load_der_x509_certificate(der).serial_number
+
+
+def post(port: int, ca: Path, path: str, body: bytes) -> tuple[int, bytes]:
+    import http.client
+
+    ctx = ssl.create_default_context(cafile=str(ca))
+    conn = http.client.HTTPSConnection("127.0.0.1", port, context=ctx, timeout=10)
+    conn.request("POST" if body else "GET", path, body=body or None,
+                 headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    data = resp.read()
+    conn.close()
+    return resp.status, data
+
+
+def test_rotated_certificate_is_served_to_new_connections(tmp_path: Path, pki: PKI, start) -> None:
+    _, port = start(write_config(tmp_path, pki))
+    ca = pki.cert_path("ca")
+    first = tls_get_serial(port, ca)
+    assert first == load_cert(pki.cert_path("webhook")).serial_number
+    time.sleep(0.05)
+    rotated = pki.issue_serving("webhook", ips=["127.0.0.1"])
+    st = os.stat(rotated.cert)
+    os.utime(rotated.cert, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    second = tls_get_serial(port, ca)
+    assert second == load_cert(rotated.cert).serial_number != first
+    status, _ = post(port, ca, "/healthz", b"")
+    assert status == 200
+
+
+def test_two_workers_share_the_port_and_report_all_reviews(tmp_path: Path, pki: PKI, start) -> None:
+    proc, port = start(write_config(tmp_path, pki), "--workers", "2")
+    children = subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    assert len(set(children) - {str(proc.pid)}) == 2
+    ca = pki.cert_path("ca")
+    n = 40
+    for _ in range(n):  # a new connection each time: the kernel spreads them over both workers
+        status, body = post(port, ca, "/mutate", orjson.dumps(review(pod(container("m", 1)), kind="Pod")))
+        assert status == 200 and orjson.loads(body)["response"]["patchType"] == "JSONPatch"
+    totals = []
+    for _ in range(4):  # whichever worker answers /metrics, it reports both workers' counts
+        _, text = post(port, ca, "/metrics", b"")
+        line = next(x for x in text.decode().splitlines()
+                    if x.startswith('gatekeeper_webhook_gpu_rewrites_total{mode="time-slicing"}'))
+        totals.append(float(line.split()[-1]))
+    assert totals == [n] * 4
+
+
+def test_missing_certificate_config_is_a_one_line_error(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("webhook:\n  gpu:\n    defaultMode: dra\n")
+    p = subprocess.run([sys.executable, "-m", "gatekeeper", "webhook", "--config", str(cfg)],
+                       capture_output=True, text=True, timeout=30)
+    assert p.returncode == 2 and "certFile and keyFile are required" in p.stderr
+    assert "Traceback" not in p.stderr
+    cfg.write_text("webhook:\n  gpu:\n    defaultMode: fast\n")
+    p = subprocess.run([sys.executable, "-m", "gatekeeper", "webhook", "--config", str(cfg)],
+                       capture_output=True, text=True, timeout=30)
+    assert p.returncode == 2 and "webhook.gpu.defaultMode" in p.stderr
