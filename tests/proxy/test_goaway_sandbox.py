@@ -1,0 +1,186 @@
+"""goawayChance against the real sandbox: real clients keep working while the proxy moves them.
+
+A dedicated ``gatekeeper proxy`` process (goawayChance raised through the
+test-only override) fronts the session sandbox's apiservers. kubectl (Go,
+HTTP/2) and kubernetes-asyncio (aiohttp, HTTP/1.1) talk through it while it
+sends GOAWAYs / ``Connection: close``; the proxy's own metrics show the
+GOAWAYs and the extra connections clients opened because of them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from gatekeeper.certs import PKI
+from gatekeeper.sandbox import processes
+from gatekeeper.sandbox.pki import SandboxPKI, kubeconfig
+from gatekeeper.sandbox.state import SandboxState
+from gatekeeper.sandbox.with_proxy import build_config
+
+pytestmark = pytest.mark.sandbox
+
+CHANCE = 0.3
+"""Far above kube-apiserver's 0.02 cap (test override) so a few dozen requests see several GOAWAYs."""
+
+
+@dataclass
+class GoawayProxy:
+    url: str
+    metrics_url: str
+    kubeconfig: Path
+    log: Path
+    proc: subprocess.Popen[bytes]
+
+    def metric(self, name: str, **labels: str) -> float:
+        text = httpx.get(f"{self.metrics_url}/metrics", timeout=10).text
+        total = 0.0
+        for m in re.finditer(rf"^{re.escape(name)}(?:\{{([^}}]*)\}})? ([0-9.e+-]+)$", text, re.M):
+            got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
+            if all(got.get(k) == v for k, v in labels.items()):
+                total += float(m.group(2))
+        return total
+
+
+@pytest.fixture(scope="module")
+def goaway_proxy(sandbox: SandboxState, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GoawayProxy]:
+    work = tmp_path_factory.mktemp("goaway-proxy")
+    serving = PKI(sandbox.certs_dir).issue_serving(
+        f"goaway-proxy-{uuid.uuid4().hex[:6]}", dns=["localhost"], ips=["127.0.0.1"])
+    port, metrics_port = processes.free_port(), processes.free_port()
+    config = build_config(
+        sandbox, port=port, metrics_port=metrics_port, serving_cert=serving.cert, serving_key=serving.key,
+        goaway_chance=CHANCE, user_config={"protocol": {"drainTimeoutSeconds": 30}},
+    )
+    config_path = work / "proxy.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    certs = SandboxPKI(Path(sandbox.certs_dir))
+    kc = work / "proxy.kubeconfig"
+    url = f"https://127.0.0.1:{port}"
+    kc.write_text(yaml.safe_dump(kubeconfig(url, certs.ca, certs.crt("admin"), certs.key("admin"))))
+    log = work / "proxy.log"
+    with log.open("ab") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "gatekeeper", "proxy", "--config", str(config_path)],
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    proxy = GoawayProxy(url, f"http://127.0.0.1:{metrics_port}", kc, log, proc)
+    try:
+        deadline = time.monotonic() + 60
+        while not processes.probe(f"{proxy.metrics_url}/readyz")[0]:
+            assert proc.poll() is None, f"proxy exited: {processes.tail(log)}"
+            assert time.monotonic() < deadline, f"proxy not ready: {processes.tail(log)}"
+            time.sleep(0.2)
+        yield proxy
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+    assert proc.returncode == 0, f"proxy exit code {proc.returncode}: {processes.tail(log)}"
+
+
+def _kubectl(sandbox: SandboxState) -> str:
+    return os.environ.get("GATEKEEPER_TEST_KUBECTL") or str(sandbox.extra.get("kubectl") or "kubectl")
+
+
+def _pods(namespace: str, names: list[str]) -> str:
+    items = [{"apiVersion": "v1", "kind": "Pod", "metadata": {"name": n, "namespace": namespace},
+              "spec": {"containers": [{"name": "c", "image": "registry.k8s.io/pause:3.10"}]}} for n in names]
+    return yaml.safe_dump({"apiVersion": "v1", "kind": "List", "items": items})
+
+
+def test_watch_keeps_receiving_events_across_many_goaways(
+    sandbox: SandboxState, goaway_proxy: GoawayProxy, namespace: str, tmp_path: Path,
+) -> None:
+    kubectl = _kubectl(sandbox)
+    base = [kubectl, "--kubeconfig", str(goaway_proxy.kubeconfig), "--cache-dir", str(tmp_path / "cache")]
+    goaways0 = goaway_proxy.metric("gatekeeper_proxy_goaway_sent_total", reason="chance")
+    conns0 = goaway_proxy.metric("gatekeeper_proxy_client_connections_accepted_total", protocol="h2")
+
+    watch = subprocess.Popen(
+        [*base, "-n", namespace, "get", "pods", "-w", "-o", "name"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(watch.stdout.readline, "")), daemon=True)  # type: ignore[union-attr]
+    reader.start()
+    processes_run = 1
+    try:
+        def seen(name: str) -> bool:
+            return any(line.strip() == f"pod/{name}" for line in list(lines))
+
+        def wait_seen(names: list[str], limit: float = 60) -> None:
+            deadline = time.monotonic() + limit
+            while not all(seen(n) for n in names):
+                assert watch.poll() is None, f"kubectl get -w exited: {watch.communicate()[1]}"
+                missing = [n for n in names if not seen(n)]
+                assert time.monotonic() < deadline, f"watch missed {missing}: {lines}"
+                time.sleep(0.1)
+
+        # The watch reports a pod created after it started (the initial list is empty).
+        time.sleep(2)
+        subprocess.run([*base, "-n", namespace, "create", "-f", "-"], input=_pods(namespace, ["first"]),
+                       text=True, check=True, capture_output=True, timeout=60)
+        processes_run += 1
+        wait_seen(["first"])
+
+        created: list[str] = []
+        for batch in range(5):
+            names = [f"p{batch}-{i}" for i in range(6)]
+            # one kubectl process, many requests: it must ride through GOAWAYs mid-run
+            done = subprocess.run([*base, "apply", "-f", "-"], input=_pods(namespace, names), text=True,
+                                  capture_output=True, timeout=120)
+            processes_run += 1
+            assert done.returncode == 0, done.stderr
+            created += names
+            wait_seen(created)
+        assert watch.poll() is None, "kubectl get -w ended"
+    finally:
+        watch.terminate()
+        watch.wait(10)
+
+    goaways = goaway_proxy.metric("gatekeeper_proxy_goaway_sent_total", reason="chance") - goaways0
+    conns = goaway_proxy.metric("gatekeeper_proxy_client_connections_accepted_total", protocol="h2") - conns0
+    print(f"GOAWAYs sent: {goaways:.0f}, h2 connections opened: {conns:.0f} "
+          f"by {processes_run} kubectl processes")
+    assert goaways >= 3
+    # every kubectl process opens one connection; GOAWAYs made them open more for later requests
+    assert conns > processes_run
+
+
+async def test_http11_client_reconnects_after_connection_close(
+    sandbox: SandboxState, goaway_proxy: GoawayProxy, namespace: str,
+) -> None:
+    from kubernetes_asyncio import client, config
+
+    closes0 = goaway_proxy.metric("gatekeeper_proxy_goaway_sent_total", reason="chance")
+    conns0 = goaway_proxy.metric("gatekeeper_proxy_client_connections_accepted_total", protocol="http/1.1")
+    cfg = client.Configuration()
+    await config.load_kube_config(config_file=str(goaway_proxy.kubeconfig), client_configuration=cfg)
+    async with client.ApiClient(cfg) as api:
+        core = client.CoreV1Api(api)
+        for i in range(30):
+            body = client.V1ConfigMap(metadata=client.V1ObjectMeta(name=f"cm-{i}"), data={"i": str(i)})
+            await core.create_namespaced_config_map(namespace, body)
+            listed = await core.list_namespaced_config_map(namespace)
+            assert f"cm-{i}" in {c.metadata.name for c in listed.items}
+    closes = goaway_proxy.metric("gatekeeper_proxy_goaway_sent_total", reason="chance") - closes0
+    conns = goaway_proxy.metric("gatekeeper_proxy_client_connections_accepted_total",
+                                protocol="http/1.1") - conns0
+    print(f"Connection: close sent {closes:.0f} times, http/1.1 connections opened: {conns:.0f}")
+    assert closes >= 3
+    assert conns >= closes  # each close made the client open a fresh connection
