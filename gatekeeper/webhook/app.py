@@ -59,6 +59,22 @@ class Metrics:
         self.rewrites = Counter("gatekeeper_webhook_gpu_rewrites_total", "GPU pods rewritten", ["mode"])
         self.templates = Counter("gatekeeper_webhook_template_reconciliations_total",
                                  "ResourceClaimTemplate create-if-missing results", ["result"])
+        self._children: dict[tuple[str, ...], Any] = {}
+
+    def review(self, policy: str, operation: str, decision: str) -> Any:
+        """The labelled counter child, cached: ``labels()`` takes a lock and builds a key each call."""
+        key = ("r", policy, operation, decision)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self.reviews.labels(policy, operation, decision)
+        return child
+
+    def latency(self, route: str) -> Any:
+        key = ("d", route)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self.duration.labels(route)
+        return child
 
 
 _METRICS: Metrics | None = None
@@ -111,9 +127,9 @@ async def _review(request: web.Request, route: str) -> web.Response:
                             message="gatekeeper webhook internal error; see the webhook's log")
     if decision.outcome == "mutated":
         m.rewrites.labels(decision.audit.get("gpu-mode", "")).inc()
-    m.reviews.labels(policy, req.operation, decision.outcome).inc()
+    m.review(policy, req.operation, decision.outcome).inc()
     out = _json(response(req.uid, replace(decision, templates=[])))
-    m.duration.labels(route).observe(time.perf_counter() - started)
+    m.latency(route).observe(time.perf_counter() - started)
     return out
 
 

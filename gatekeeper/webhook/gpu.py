@@ -25,6 +25,7 @@ class, constraint), so all pods of a shape share one template per namespace.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from dataclasses import dataclass
@@ -219,11 +220,17 @@ def template_spec(settings: GpuSettings, mode: str, count: int) -> dict[str, Any
 
 def template_name(settings: GpuSettings, mode: str, count: int) -> str:
     """Deterministic from what the template contains, so equal shapes share one template."""
-    key = "|".join([mode, str(count), settings.device_class,
-                    settings.match_attribute if count > 1 else "",
-                    settings.mps_driver if mode == "mps-dra" else ""])
+    return _template_name(settings.template_prefix, mode, count, settings.device_class,
+                          settings.match_attribute if count > 1 else "",
+                          settings.mps_driver if mode == "mps-dra" else "")
+
+
+@functools.lru_cache(maxsize=256)
+def _template_name(prefix: str, mode: str, count: int, device_class: str, match_attribute: str,
+                   mps_driver: str) -> str:
+    key = "|".join([mode, str(count), device_class, match_attribute, mps_driver])
     digest = hashlib.sha256(key.encode()).hexdigest()[:8]
-    return f"{settings.template_prefix}-{mode}-{count}-{digest}"
+    return f"{prefix}-{mode}-{count}-{digest}"
 
 
 def claim_template(settings: GpuSettings, mode: str, count: int, namespace: str) -> dict[str, Any]:
