@@ -1,0 +1,380 @@
+"""LIST-storm tooling against the sandbox apiservers (integration test and loadtest/bench_list_storm.py).
+
+* big Secrets written straight to an apiserver as ``helm.sh/release.v1``
+  (the type the sandbox webhook allows up to 1.5 MiB, as helm release
+  Secrets really are the big ones),
+* storm users: client certificates from the sandbox CA, RBAC to list Secrets,
+  and an apiserver-side FlowSchema/PriorityLevel that only *observes* them, so
+  ``apiserver_flowcontrol_current_executing_requests{flow_schema="fc-storm-observe"}``
+  counts exactly the storm's LISTs running inside each apiserver,
+* a private ``gatekeeper proxy`` process in front of the sandbox apiservers,
+* samplers for apiserver metrics and apiserver RSS (/proc).
+
+Everything binds and connects to 127.0.0.1 only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from gatekeeper.certs import PKI
+from gatekeeper.config import _key_of
+from gatekeeper.sandbox.pki import FRONT_PROXY_CLIENT, SandboxPKI, kubeconfig
+from gatekeeper.sandbox.state import SandboxState
+
+STORM_GROUP = "gatekeeper:storm"
+OBSERVE = "fc-storm-observe"
+REPO = Path(__file__).resolve().parents[2]
+SEEDS = REPO / "deploy" / "examples" / "flowcontrol-seeds.yaml"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def admin_client(state: SandboxState, url: str | None = None, timeout: float = 120) -> httpx.AsyncClient:
+    certs = SandboxPKI(Path(state.certs_dir))
+    ctx = ssl.create_default_context(cafile=str(certs.ca))
+    ctx.load_cert_chain(str(certs.crt("admin")), str(certs.key("admin")))
+    return httpx.AsyncClient(base_url=url or state.apiserver_urls[0], verify=ctx, timeout=timeout)
+
+
+def kubectl_binary(state: SandboxState) -> str:
+    return os.environ.get("GATEKEEPER_TEST_KUBECTL") or str(state.extra.get("kubectl") or "kubectl")
+
+
+def kubectl(
+    state: SandboxState,
+    *args: str,
+    kubeconfig_path: str | None = None,
+    input: str | None = None,
+    timeout: float = 120,
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [kubectl_binary(state), "--kubeconfig", kubeconfig_path or state.kubeconfig, *args],
+        input=input,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+async def create_secrets(
+    state: SandboxState, namespace: str, count: int, size: int, concurrency: int = 6
+) -> list[str]:
+    """``count`` Secrets of ``size`` random bytes in ``namespace`` (created if missing); returns names."""
+    async with admin_client(state) as c:
+        r = await c.post(
+            "/api/v1/namespaces",
+            json={"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}},
+        )
+        if r.status_code not in (201, 409):
+            raise RuntimeError(f"create namespace {namespace}: {r.status_code} {r.text[:300]}")
+        names = [f"blob-{i:04d}" for i in range(count)]
+        sem = asyncio.Semaphore(concurrency)
+
+        async def one(name: str) -> None:
+            body = {
+                "apiVersion": "v1",
+                "kind": "Secret",
+                "type": "helm.sh/release.v1",
+                "metadata": {"name": name},
+                "data": {"release": base64.b64encode(os.urandom(size)).decode()},
+            }
+            async with sem:
+                resp = await c.post(f"/api/v1/namespaces/{namespace}/secrets", json=body)
+            if resp.status_code not in (201, 409):
+                raise RuntimeError(f"create secret {name}: {resp.status_code} {resp.text[:300]}")
+
+        await asyncio.gather(*(one(n) for n in names))
+        return names
+
+
+def storm_rbac_and_observer() -> str:
+    """RBAC for the storm group, plus apiserver-side APF objects that only observe (lots of seats)."""
+    docs: list[dict[str, Any]] = [
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRole",
+            "metadata": {"name": "fc-storm"},
+            "rules": [
+                {
+                    "apiGroups": [""],
+                    "resources": ["secrets", "configmaps", "pods"],
+                    "verbs": ["get", "list", "watch", "create", "delete"],
+                }
+            ],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRoleBinding",
+            "metadata": {"name": "fc-storm"},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "fc-storm"},
+            "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "Group", "name": STORM_GROUP}],
+        },
+        {
+            "apiVersion": "flowcontrol.apiserver.k8s.io/v1",
+            "kind": "PriorityLevelConfiguration",
+            "metadata": {"name": OBSERVE},
+            "spec": {
+                "type": "Limited",
+                "limited": {
+                    "nominalConcurrencyShares": 100,
+                    "limitResponse": {
+                        "type": "Queue",
+                        "queuing": {"queues": 64, "handSize": 6, "queueLengthLimit": 100},
+                    },
+                },
+            },
+        },
+        {
+            "apiVersion": "flowcontrol.apiserver.k8s.io/v1",
+            "kind": "FlowSchema",
+            "metadata": {"name": OBSERVE},
+            "spec": {
+                "matchingPrecedence": 100,
+                "priorityLevelConfiguration": {"name": OBSERVE},
+                "distinguisherMethod": {"type": "ByUser"},
+                "rules": [
+                    {
+                        "subjects": [{"kind": "Group", "group": {"name": STORM_GROUP}}],
+                        "resourceRules": [
+                            {
+                                "verbs": ["list"],
+                                "apiGroups": [""],
+                                "resources": ["secrets"],
+                                "clusterScope": True,
+                                "namespaces": ["*"],
+                            }
+                        ],
+                    }
+                ],
+            },
+        },
+    ]
+    return yaml.safe_dump_all(docs)
+
+
+def storm_kubeconfig(state: SandboxState, directory: Path, user: str, server: str) -> Path:
+    """A kubeconfig for ``user`` (group gatekeeper:storm) at ``server``."""
+    pki = PKI(state.certs_dir)
+    issued = pki.issue_client(f"fc-{user}", user=user, groups=[STORM_GROUP])
+    path = directory / f"{user}.kubeconfig"
+    path.write_text(
+        yaml.safe_dump(kubeconfig(server, SandboxPKI(Path(state.certs_dir)).ca, issued.cert, issued.key))
+    )
+    path.chmod(0o600)
+    return path
+
+
+def _keys(cls: Any, **values: Any) -> dict[str, Any]:
+    """Config keys for a settings dataclass by Python field name (robust to key spelling changes)."""
+    by_name = {f.name: _key_of(f) for f in dataclasses.fields(cls)}
+    return {by_name[k]: v for k, v in values.items()}
+
+
+@dataclasses.dataclass
+class ProxyProcess:
+    """A private ``gatekeeper proxy`` in front of the sandbox apiservers."""
+
+    proc: subprocess.Popen[bytes]
+    url: str
+    metrics_url: str
+    log: Path
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"{self.metrics_url}/metrics", timeout=10) as r:
+            return r.read().decode()
+
+
+@contextlib.contextmanager
+def run_proxy(
+    state: SandboxState, directory: Path, flow_control: dict[str, Any] | None
+) -> Iterator[ProxyProcess]:
+    from gatekeeper.proxy.settings import ListenerSettings, UpstreamSettings
+
+    certs = SandboxPKI(Path(state.certs_dir))
+    serving = PKI(state.certs_dir).issue_serving("fc-proxy-serving", dns=["localhost"], ips=["127.0.0.1"])
+    port, mport = free_port(), free_port()
+    proxy: dict[str, Any] = {
+        "listener": _keys(
+            ListenerSettings,
+            address="127.0.0.1",
+            port=port,
+            cert_file=str(serving.cert),
+            key_file=str(serving.key),
+            client_ca_file=str(certs.ca),
+            metrics_address="127.0.0.1",
+            metrics_port=mport,
+        ),
+        "backends": [{"url": u, "name": f"apiserver-{i}"} for i, u in enumerate(state.apiserver_urls, 1)],
+        "upstream": _keys(
+            UpstreamSettings,
+            ca_file=str(certs.ca),
+            client_cert_file=str(certs.crt(FRONT_PROXY_CLIENT)),
+            client_key_file=str(certs.key(FRONT_PROXY_CLIENT)),
+        ),
+        "flowControl": flow_control if flow_control is not None else {"enabled": False},
+    }
+    directory.mkdir(parents=True, exist_ok=True)
+    cfg = directory / "proxy.yaml"
+    cfg.write_text(yaml.safe_dump({"proxy": proxy}, sort_keys=False))
+    log = directory / "proxy.log"
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gatekeeper", "proxy", "--config", str(cfg)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    pp = ProxyProcess(proc, f"https://127.0.0.1:{port}", f"http://127.0.0.1:{mport}", log)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"gatekeeper proxy exited {proc.returncode}:\n{log.read_text()[-3000:]}")
+            with contextlib.suppress(OSError):
+                with urllib.request.urlopen(f"{pp.metrics_url}/readyz", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"gatekeeper proxy not ready after 60s:\n{log.read_text()[-3000:]}")
+            time.sleep(0.2)
+        yield pp
+    finally:
+        pp.stop()
+
+
+_SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)", re.M)
+
+
+def metric_sum(text: str, name: str, **labels: str) -> float:
+    """Sum of samples of ``name`` whose labels include ``labels`` (Prometheus text format)."""
+    total = 0.0
+    for m in _SAMPLE.finditer(text):
+        if m.group("name") != name:
+            continue
+        have = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', m.group("labels") or ""))
+        if all(have.get(k) == v for k, v in labels.items()):
+            total += float(m.group("value"))
+    return total
+
+
+async def apiserver_metrics(state: SandboxState) -> list[str]:
+    async def one(url: str) -> str:
+        async with admin_client(state, url, timeout=20) as c:
+            return (await c.get("/metrics")).text
+
+    return list(await asyncio.gather(*(one(u) for u in state.apiserver_urls)))
+
+
+class ApiserverSampler:
+    """Samples, per apiserver, the storm's executing LISTs (apiserver APF gauge) and RSS, until stopped."""
+
+    def __init__(self, state: SandboxState, interval: float = 0.25) -> None:
+        self.state = state
+        self.interval = interval
+        self.max_executing_per_backend: list[float] = [0.0] * len(state.apiserver_urls)
+        self.max_executing_total = 0.0
+        self.peak_rss_total = 0
+        self.samples = 0
+        self._stop = asyncio.Event()
+        self.pids = [p.pid for p in state.processes if p.name.startswith("kube-apiserver")]
+
+    def rss_total(self) -> int:
+        total = 0
+        for pid in self.pids:
+            with contextlib.suppress(OSError):
+                for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1]) * 1024
+        return total
+
+    async def run(self, with_metrics: bool = True) -> None:
+        clients = [admin_client(self.state, u, timeout=20) for u in self.state.apiserver_urls]
+        try:
+            while not self._stop.is_set():
+                self.peak_rss_total = max(self.peak_rss_total, self.rss_total())
+                if with_metrics:
+                    texts = await asyncio.gather(
+                        *(c.get("/metrics") for c in clients), return_exceptions=True
+                    )
+                    now = []
+                    for i, t in enumerate(texts):
+                        if isinstance(t, BaseException):
+                            now.append(0.0)
+                            continue
+                        v = metric_sum(
+                            t.text, "apiserver_flowcontrol_current_executing_requests", flow_schema=OBSERVE
+                        )
+                        now.append(v)
+                        self.max_executing_per_backend[i] = max(self.max_executing_per_backend[i], v)
+                    self.max_executing_total = max(self.max_executing_total, sum(now))
+                    self.samples += 1
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), self.interval)
+        finally:
+            for c in clients:
+                await c.aclose()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+async def kubectl_list(
+    state: SandboxState, kubeconfig_path: Path, namespace: str, chunk: int = 100, limit_s: float = 300
+) -> tuple[int, set[str], float, str]:
+    """``kubectl get secrets -o name`` as a subprocess; returns (exit code, names, seconds, stderr)."""
+    t0 = time.monotonic()
+    proc = await asyncio.create_subprocess_exec(
+        kubectl_binary(state),
+        "--kubeconfig",
+        str(kubeconfig_path),
+        "get",
+        "secrets",
+        "-n",
+        namespace,
+        "-o",
+        "name",
+        f"--chunk-size={chunk}",
+        "--request-timeout=0",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), limit_s)
+    names = {line.split("/", 1)[-1] for line in out.decode().split() if line}
+    return proc.returncode or 0, names, time.monotonic() - t0, err.decode()
+
+
+def parse_json(text: str) -> Any:
+    return json.loads(text)
