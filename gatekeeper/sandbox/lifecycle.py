@@ -13,7 +13,9 @@ import argparse
 import importlib
 import json
 import shutil
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -231,6 +233,11 @@ def _start_addons(state: SandboxState, args: argparse.Namespace, addons: tuple[s
         state.save()
         try:
             module.start(state, args)
+        except (UsageError, KeyboardInterrupt, SystemExit):
+            raise
+        except Exception as exc:
+            # The add-on's own error type says what it saw; report it like any other component.
+            raise ComponentFailed(name, f"{type(exc).__name__}: {exc}") from exc
         finally:
             state.save()
 
@@ -256,6 +263,8 @@ def up(opts: UpOptions, args: argparse.Namespace | None = None, say: Say = print
     state.save()
     env = {"GOGC": str(opts.gogc)} if opts.gogc is not None else {}
     s = _Starter(state, layout, env, say)
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminate) if in_main else None
     try:
         etcd_url = _start_etcd(s, bins, opts.timeout)
         _start_apiservers(s, bins, opts, etcd_url)
@@ -275,11 +284,19 @@ def up(opts: UpOptions, args: argparse.Namespace | None = None, say: Say = print
         if isinstance(exc, ComponentFailed | kubectl.KubectlError):
             raise SandboxError(f"sandbox did not come up: {exc}") from exc
         raise
+    finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, previous)
     state.extra["startup_seconds"] = round(time.monotonic() - t0, 2)
     state.save()
     say(f"sandbox up in {state.extra['startup_seconds']:.1f}s; "
         f"export KUBECONFIG={state.kubeconfig}")
     return state
+
+
+def _terminate(signum: int, frame: object) -> None:
+    """SIGTERM during ``up`` unwinds like Ctrl-C, so what was started gets stopped."""
+    raise SystemExit(128 + signum)
 
 
 def _report_failure(state: SandboxState, exc: BaseException) -> None:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -21,9 +25,11 @@ def small_dir(tmp_path: Path):  # type: ignore[no-untyped-def]
 
 
 def test_status_then_down_leaves_no_process_and_down_is_repeatable(small_dir: Path) -> None:
-    state = sandbox_up(small_dir, "--apiservers", "1", "--gpu-nodes", "0", "--timeout", "120")
+    state = sandbox_up(small_dir, "--apiservers", "1", "--gpu-nodes", "0", "--gogc", "50", "--timeout", "120")
     assert [p.name for p in state.processes] == ["etcd", "kube-apiserver-1"]
     assert state.extra["startup_seconds"] > 0
+    for p in state.processes:
+        assert b"GOGC=50" in Path(f"/proc/{p.pid}/environ").read_bytes().split(b"\0"), p.name
     st = gatekeeper_cli("sandbox", "status", "--state-dir", str(small_dir))
     assert st.returncode == 0, st.stdout + st.stderr
     assert "kube-apiserver-1" in st.stdout and "FAIL" not in st.stdout
@@ -56,4 +62,22 @@ def test_failed_up_names_the_component_shows_its_log_and_stops_everything(small_
     assert "etcd: not healthy" in p.stderr
     assert "--- last lines of" in p.stderr and "etcd.log" in p.stderr
     assert "etcd stopped" in p.stderr or "etcd killed" in p.stderr
+    assert processes_mentioning(small_dir) == []
+
+
+def test_sigterm_during_up_stops_what_was_already_started(small_dir: Path) -> None:
+    argv = [sys.executable, "-m", "gatekeeper", "sandbox", "up", "--state-dir", str(small_dir),
+            "--apiservers", "1", "--timeout", "120"]
+    up = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    state_file = small_dir / "sandbox.json"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not (state_file.exists() and '"etcd"' in state_file.read_text()):
+        time.sleep(0.02)
+    up.send_signal(signal.SIGTERM)
+    _out, err = up.communicate(timeout=60)
+    assert up.returncode != 0, "up finished before SIGTERM arrived; the test did not exercise the interrupt"
+    assert "stopped:" in err, err
+    started = SandboxState.load(small_dir).processes
+    assert started, "at least etcd had started"
+    assert all(not processes.is_alive(p.pid) for p in started)
     assert processes_mentioning(small_dir) == []
