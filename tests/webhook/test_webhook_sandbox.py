@@ -192,3 +192,30 @@ def test_webhook_metrics_count_reviews(webhook, sandbox, kubectl, namespace, tmp
         'gatekeeper_webhook_reviews_total{decision="denied",operation="CREATE",policy="secret-size"}'))
     assert float(line.split()[-1]) >= 1
     assert 'gatekeeper_webhook_template_reconciliations_total{result="created"}' in text
+
+
+def test_mps_dra_pod_gets_claim_with_nvidia_gpuconfig_allocated(webhook, kubectl, namespace) -> None:
+    p = kubectl("create", "-f", "-", input=pod_manifest("mps", namespace, 1,
+                                                        annotations={"gatekeeper.dev/gpu-mode": "mps-dra"}))
+    assert p.returncode == 0, p.stderr
+    claim = wait_for("mps claim allocated", lambda: _claim_of(kubectl, namespace, "mps", "gpu-main"))
+    (cfg,) = claim["spec"]["devices"]["config"]
+    assert cfg["opaque"]["driver"] == "gpu.nvidia.com"
+    assert cfg["opaque"]["parameters"] == {"apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig",
+                                           "sharing": {"strategy": "MPS"}}
+
+
+def test_mig_pod_is_stored_with_smallest_fitting_profile(webhook, kubectl, namespace) -> None:
+    ann = {"gatekeeper.dev/gpu-mode": "mig", "gatekeeper.dev/gpu-memory": "8Gi"}
+    p = kubectl("create", "-f", "-", input=pod_manifest("mig", namespace, 1, annotations=ann))
+    assert p.returncode == 0, p.stderr
+    pod = get(kubectl, "pod", "mig", "-n", namespace)
+    assert pod["spec"]["containers"][0]["resources"]["limits"] == {"nvidia.com/mig-1g.10gb": "1"}
+
+
+def test_mig_pod_that_fits_no_profile_is_denied_with_message(webhook, kubectl, namespace) -> None:
+    ann = {"gatekeeper.dev/gpu-mode": "mig", "gatekeeper.dev/gpu-memory": "64Gi"}
+    p = kubectl("create", "-f", "-", input=pod_manifest("huge", namespace, 1, annotations=ann))
+    assert p.returncode != 0
+    assert 'admission webhook "gpu.gatekeeper.dev" denied the request' in p.stderr
+    assert "more than the largest A100-40GB MIG profile 7g.40gb" in p.stderr
