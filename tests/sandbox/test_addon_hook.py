@@ -1,0 +1,44 @@
+"""How `sandbox up` calls the add-on modules (`gatekeeper.sandbox.with_<name>.start`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from gatekeeper.cli import UsageError
+from gatekeeper.sandbox import lifecycle
+from gatekeeper.sandbox.state import ProcessRecord, SandboxState
+
+
+def quiet(_: str) -> None:
+    pass
+
+
+def test_an_add_on_without_a_module_is_a_clear_not_implemented_error(tmp_path: Path) -> None:
+    state = SandboxState(dir=str(tmp_path))
+    expected = r"--with-nothere: gatekeeper\.sandbox\.with_nothere is not implemented"
+    with pytest.raises(UsageError, match=expected):
+        lifecycle._start_addons(state, argparse.Namespace(), ("nothere",), quiet)
+
+
+def test_add_on_processes_are_saved_even_when_the_add_on_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def start(state: SandboxState, args: argparse.Namespace) -> None:
+        assert args.proxy_goaway_chance == 0.5, "add-ons see the up command's arguments"
+        state.processes.append(ProcessRecord(name="fake", pid=1, cmd=["fake"], log=""))
+        raise RuntimeError("backend never became ready")
+
+    module = types.ModuleType("gatekeeper.sandbox.with_fake")
+    module.start = start  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "gatekeeper.sandbox.with_fake", module)
+    state = SandboxState(dir=str(tmp_path))
+    with pytest.raises(lifecycle.ComponentFailed) as info:
+        lifecycle._start_addons(state, argparse.Namespace(proxy_goaway_chance=0.5), ("fake",), quiet)
+    assert info.value.name == "fake"
+    assert "RuntimeError: backend never became ready" in info.value.detail
+    assert [p.name for p in SandboxState.load(tmp_path).processes] == ["fake"]
