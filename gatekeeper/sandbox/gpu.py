@@ -14,6 +14,8 @@ from __future__ import annotations
 import uuid
 from typing import Any, TypedDict
 
+from gatekeeper.kube import objects
+
 DRIVER = "gpu.nvidia.com"
 DEVICE_CLASS = "gpu.nvidia.com"
 EXTENDED_RESOURCE = "nvidia.com/gpu"
@@ -24,11 +26,10 @@ PCIE_ROOTS = ("pci0000:00", "pci0000:80")
 NODE_PREFIX = "gpu-node-"
 
 
-class ObjectMeta(TypedDict, total=False):
-    name: str
+class ObjectMeta(objects.ObjectMeta, total=False):
+    """Adds what cluster-scoped objects the sandbox creates need on top of the shared shape."""
+
     uid: str
-    labels: dict[str, str]
-    annotations: dict[str, str]
     ownerReferences: list[dict[str, Any]]
 
 
