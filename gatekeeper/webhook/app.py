@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
 from typing import Any
 
 import orjson
@@ -128,7 +127,7 @@ async def _review(request: web.Request, route: str) -> web.Response:
     if decision.outcome == "mutated":
         m.rewrites.labels(decision.audit.get("gpu-mode", "")).inc()
     m.review(policy, req.operation, decision.outcome).inc()
-    out = _json(response(req.uid, replace(decision, templates=[])))
+    out = _json(response(req.uid, decision))
     m.latency(route).observe(time.perf_counter() - started)
     return out
 
