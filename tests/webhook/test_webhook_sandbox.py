@@ -219,3 +219,13 @@ def test_mig_pod_that_fits_no_profile_is_denied_with_message(webhook, kubectl, n
     assert p.returncode != 0
     assert 'admission webhook "gpu.gatekeeper.dev" denied the request' in p.stderr
     assert "more than the largest A100-40GB MIG profile 7g.40gb" in p.stderr
+
+
+def test_sandbox_state_records_webhook_url_and_pid(webhook, sandbox) -> None:
+    from gatekeeper.sandbox import processes
+
+    rec = sandbox.process("webhook")
+    assert webhook["pid"] == rec.pid and processes.is_ours(rec)
+    assert webhook["url"].startswith("https://127.0.0.1:") and rec.health == webhook["url"] + "/readyz"
+    ok, detail = processes.probe(rec.health, processes.TLSFiles(ca=Path(sandbox.certs_dir) / "ca.crt"))
+    assert ok, detail
