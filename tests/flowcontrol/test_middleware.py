@@ -274,3 +274,26 @@ async def test_policy_file_reload_applies_good_and_keeps_running_on_bad(tmp_path
     )
     assert str(path) in caplog.text
     assert fc.controller.levels["secrets-list"].limit == 95
+
+
+async def test_sighup_rereads_policy_files(tmp_path):
+    import os
+    import signal
+
+    path = tmp_path / "flows.yaml"
+    path.write_text(yaml.safe_dump_all([queued_level("secrets-list", 2)]))
+    fc = FlowControl(
+        FlowControlSettings(server_concurrency_limit=100, files=[str(path)], reload_interval_seconds=0)
+    )
+    await fc.start()
+    try:
+        assert fc.controller.levels["secrets-list"].limit == 29
+        path.write_text(yaml.safe_dump_all([queued_level("secrets-list", 45)]))
+        os.kill(os.getpid(), signal.SIGHUP)
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if fc.controller.levels["secrets-list"].limit == 90:
+                break
+        assert fc.controller.levels["secrets-list"].limit == 90  # ceil(100 * 45 / 50)
+    finally:
+        await fc.close()
