@@ -179,6 +179,8 @@ def test_two_gpu_pod_gets_two_devices_on_one_pcie_root(webhook, sandbox, kubectl
 def test_webhook_metrics_count_reviews(webhook, sandbox, kubectl, namespace, tmp_path) -> None:
     kubectl("create", "secret", "generic", "big", "-n", namespace,
             f"--from-file=b={blob(tmp_path, 200 * KIB)}")
+    # A fresh namespace: the DRA pod's template cannot be cached yet, so it is created.
+    assert kubectl("create", "-f", "-", input=pod_manifest("counted", namespace, 3)).returncode == 0
     from gatekeeper.sandbox import processes
 
     tls = processes.TLSFiles(ca=Path(sandbox.certs_dir) / "ca.crt")
