@@ -71,7 +71,9 @@ class SandboxState:
     def load(cls, directory: Path | str) -> SandboxState:
         path = Path(directory) / STATE_FILE
         if not path.exists():
-            raise FileNotFoundError(f"no sandbox in {directory} ({path} does not exist); run `gatekeeper sandbox up`")
+            raise FileNotFoundError(
+                f"no sandbox in {directory} ({path} does not exist); run `gatekeeper sandbox up`"
+            )
         raw = json.loads(path.read_text())
         procs = [ProcessRecord(**p) for p in raw.pop("processes", [])]
         return cls(processes=procs, **raw)
