@@ -180,14 +180,20 @@ def group_cpu_seconds(pgid: int) -> float:
     return total
 
 
-def h2load(url: str, body: bytes, seconds: float, concurrency: int, tmp: Path) -> tuple[float, list[float]]:
-    """Closed loop with nghttp2's h2load over HTTP/1.1+TLS (a C client: far less CPU than ours)."""
+def h2load(url: str, body: bytes, seconds: float, concurrency: int, tmp: Path,
+           rate: float | None = None) -> tuple[float, list[float]]:
+    """nghttp2's h2load over HTTP/1.1+TLS (a C client: far less CPU than ours).
+
+    Closed loop, or with ``rate`` an open-ish loop: each client sends at rate/concurrency per second.
+    """
     data, log = tmp / "body.json", tmp / "h2load.log"
     data.write_bytes(body)
     log.unlink(missing_ok=True)
+    paced = [f"--rps={rate / concurrency:.2f}"] if rate else []
     out = subprocess.run(["h2load", "--h1", "-c", str(concurrency), "-m", "1", "-D", str(int(seconds)),
                           "--warm-up-time", "1", "-d", str(data), "-H", "Content-Type: application/json",
-                          f"--log-file={log}", url], capture_output=True, text=True, timeout=seconds + 60)
+                          *paced, f"--log-file={log}", url], capture_output=True, text=True,
+                         timeout=seconds + 60)
     rows = [line.split("\t") for line in log.read_text().splitlines() if line.strip()]
     bad = [r for r in rows if r[1] != "200"]
     if out.returncode != 0 or bad or not rows:
@@ -274,8 +280,11 @@ def main() -> int:
                 rows[(sname, pname)] = (rate, pct(lat, 50), pct(lat, 99), per_core)
             if sname == "webhook, 1 worker":
                 half = rows[(sname, "small GPU pod")][0] / 2
-                lat = asyncio.run(open_loop(f"https://127.0.0.1:{port}/mutate", gpu_pod_review(), ctx, half,
-                                            seconds))
+                url = f"https://127.0.0.1:{port}/mutate"
+                if use_h2load:
+                    _, lat = h2load(url, gpu_pod_review(), seconds, args.concurrency, tmp, rate=half)
+                else:
+                    lat = asyncio.run(open_loop(url, gpu_pod_review(), ctx, half, seconds))
                 rows[(sname, f"small GPU pod @ {half:.0f}/s open loop")] = (
                     half, pct(lat, 50), pct(lat, 99), float("nan"))
         finally:
