@@ -33,6 +33,7 @@ and quietly re-watches.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import random
@@ -81,7 +82,7 @@ CONNECTION_WINDOW_FACTOR = 4
 class _Stream:
     id: int
     request: ProxyRequest
-    task: asyncio.Task[None] | None = None
+    task: asyncio.Task[bool] | None = None
     inbox: deque[tuple[bytes, int]] = field(default_factory=deque)
     """Received request DATA not yet taken by the pipeline: (data, flow-controlled length)."""
     inbox_changed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -168,24 +169,30 @@ class H2Protocol:
             self._abort(ClientGone(f"HTTP/2 protocol error: {exc}"))
             return
         for event in events:
-            if isinstance(event, RequestReceived):
-                self._on_request(event)
-            elif isinstance(event, DataReceived):
-                self._on_data(event)
-            elif isinstance(event, StreamEnded):
-                stream = self._streams.get(event.stream_id)
-                if stream is not None:
-                    stream.ended = True
-                    stream.inbox_changed.set()
-            elif isinstance(event, StreamReset):
-                self._on_reset(event)
-            elif isinstance(event, WindowUpdated):
-                self._wake_senders(event.stream_id)
-            elif isinstance(event, RemoteSettingsChanged):
-                self._wake_senders(0)  # INITIAL_WINDOW_SIZE may have opened every stream
-            elif isinstance(event, ConnectionTerminated):
-                self._on_peer_goaway(event)
+            try:
+                self._dispatch(event)
+            except Exception:  # one odd event must not take the other streams down with it
+                log.exception("h2 connection %d: handling %r failed", self.connection_id, event)
         self._flush()
+
+    def _dispatch(self, event: object) -> None:
+        if isinstance(event, RequestReceived):
+            self._on_request(event)
+        elif isinstance(event, DataReceived):
+            self._on_data(event)
+        elif isinstance(event, StreamEnded):
+            stream = self._streams.get(event.stream_id)
+            if stream is not None:
+                stream.ended = True
+                stream.inbox_changed.set()
+        elif isinstance(event, StreamReset):
+            self._on_reset(event)
+        elif isinstance(event, WindowUpdated):
+            self._wake_senders(event.stream_id)
+        elif isinstance(event, RemoteSettingsChanged):
+            self._wake_senders(0)  # INITIAL_WINDOW_SIZE may have opened every stream
+        elif isinstance(event, ConnectionTerminated):
+            self._on_peer_goaway(event)
 
     def connection_lost(self) -> None:
         """The socket is gone: cut every stream (their responses get finish(ClientGone))."""
@@ -225,8 +232,10 @@ class H2Protocol:
     def _on_request(self, event: RequestReceived) -> None:
         sid = event.stream_id
         if self.goaway_last_stream_id is not None and sid > self.goaway_last_stream_id:
-            self._conn.reset_stream(sid, ErrorCodes.REFUSED_STREAM)
-            conn_metrics.REFUSED_STREAMS.inc()
+            # The client may already have reset it (Go cancels streams above a GOAWAY's last id);
+            # then h2 has closed it and there is nothing to refuse.
+            if self._reset(sid, ErrorCodes.REFUSED_STREAM):
+                conn_metrics.REFUSED_STREAMS.inc()
             return
         pseudo: dict[str, str] = {}
         headers: Headers = []
@@ -260,6 +269,9 @@ class H2Protocol:
         self._streams[sid] = stream
         self._cancel_idle()
         stream.task = self._loop.create_task(self._serve(stream))
+        # Cleanup hangs off the task, not a finally in _serve: a task cancelled before its first
+        # step (HEADERS and RST_STREAM in one read) never runs its body at all.
+        stream.task.add_done_callback(functools.partial(self._task_done, stream))
 
     def _on_data(self, event: DataReceived) -> None:
         sid = event.stream_id
@@ -324,7 +336,8 @@ class H2Protocol:
 
     # ------------------------------------------------------------------ responses
 
-    async def _serve(self, stream: _Stream) -> None:
+    async def _serve(self, stream: _Stream) -> bool:
+        """Run the handler and stream its response; True when the response went out complete."""
         response: ProxyResponse | None = None
         error: BaseException | None = None
         try:
@@ -343,7 +356,11 @@ class H2Protocol:
             if response is not None:
                 await close_body(response.body)
                 response.finish(error)
-            self._stream_done(stream, completed=error is None)
+        return error is None
+
+    def _task_done(self, stream: _Stream, task: asyncio.Task[bool]) -> None:
+        completed = not task.cancelled() and task.exception() is None and task.result()
+        self._stream_done(stream, completed=completed)
 
     async def _send_response(self, stream: _Stream, response: ProxyResponse) -> None:
         sid = stream.id
@@ -395,14 +412,16 @@ class H2Protocol:
             stream.window_open.clear()
             await stream.window_open.wait()
 
-    def _reset(self, stream_id: int, code: ErrorCodes) -> None:
+    def _reset(self, stream_id: int, code: ErrorCodes) -> bool:
+        """RST_STREAM unless the stream is already closed; True if a reset went out."""
         if self._h2_closed:
-            return
+            return False
         try:
             self._conn.reset_stream(stream_id, code)
         except (ProtocolError, StreamClosedError):
-            return
+            return False
         self._flush()
+        return True
 
     def _stream_done(self, stream: _Stream, *, completed: bool) -> None:
         self._streams.pop(stream.id, None)

@@ -183,3 +183,27 @@ async def test_second_goaway_only_shortens_the_deadline(h2pair):
     pair.server.goaway("shutdown", drain_timeout=0.1)  # SIGTERM while draining a chance GOAWAY
     await pair.until(lambda: pair.transport_closed.is_set(), limit=3)
     assert len(pair.goaways) == 2  # one graceful, one final; no duplicate graceful frame
+
+
+async def test_stream_above_last_id_already_reset_by_client_keeps_connection(h2pair):
+    """Go cancels streams above a GOAWAY's last id itself; HEADERS+RST then arrive together."""
+    release = asyncio.Event()
+
+    async def handler(req: ProxyRequest) -> ProxyResponse:
+        await release.wait()
+        return ProxyResponse(200, [], _chunks(b"done"))
+
+    pair = h2pair(handler)
+    s1 = pair.request()
+    await pair.until(lambda: pair.server.open_streams == 1)
+    pair.server.goaway("chance")
+    late = pair.client.get_next_available_stream_id()
+    pair.client.send_headers(late, [(":method", "GET"), (":path", "/late"), (":scheme", "https"),
+                                    (":authority", "p")], end_stream=True)
+    pair.client.reset_stream(late, ErrorCodes.CANCEL)
+    pair.pump()
+    await pair.settle()
+    assert not pair.transport_closed.is_set()
+    release.set()
+    await pair.until(lambda: pair.transport_closed.is_set())
+    assert pair.body(s1) == b"done" and pair.ended(s1)

@@ -9,8 +9,11 @@ GOAWAYs and the extra connections clients opened because of them.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -33,6 +36,7 @@ from gatekeeper.sandbox.with_proxy import build_config
 
 pytestmark = pytest.mark.sandbox
 
+GOCLIENT = Path(__file__).parent / "goclient"
 CHANCE = 0.3
 """Far above kube-apiserver's 0.02 cap (test override) so a few dozen requests see several GOAWAYs."""
 
@@ -184,3 +188,49 @@ async def test_http11_client_reconnects_after_connection_close(
     print(f"Connection: close sent {closes:.0f} times, http/1.1 connections opened: {conns:.0f}")
     assert closes >= 3
     assert conns >= closes  # each close made the client open a fresh connection
+
+
+def goclient_binary() -> Path:
+    """Build tests/proxy/goclient (stdlib only) once per source version into the user cache."""
+    digest = hashlib.sha256(b"".join((GOCLIENT / f).read_bytes() for f in ("go.mod", "main.go"))).hexdigest()
+    out = Path.home() / ".cache" / "gatekeeper" / "goclient" / f"goclient-{digest[:16]}"
+    if not out.exists():
+        go = shutil.which("go") or "/usr/local/go/bin/go"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(out.name + f".{os.getpid()}.tmp")
+        env = {**os.environ, "CGO_ENABLED": "0", "GOTOOLCHAIN": "local", "GOFLAGS": "-mod=mod"}
+        subprocess.run([go, "build", "-o", str(tmp), "."], cwd=GOCLIENT, env=env, check=True, timeout=900,
+                       capture_output=True)
+        tmp.replace(out)
+    return out
+
+
+def test_go_http2_client_gets_every_answer_across_goaways(
+    sandbox: SandboxState, goaway_proxy: GoawayProxy, namespace: str,
+) -> None:
+    """Go's HTTP/2 client (what client-go uses) with 40 requests in flight on shared connections:
+    GOAWAYs land mid-flight, in-flight streams finish, streams above the last id are refused and
+    retried on new connections. Not one request may fail."""
+    binary = goclient_binary()
+    certs = SandboxPKI(Path(sandbox.certs_dir))
+    subprocess.run([_kubectl(sandbox), "--kubeconfig", str(goaway_proxy.kubeconfig), "-n", namespace,
+                    "create", "configmap", "present"], check=True, capture_output=True, timeout=60)
+    goaways0 = goaway_proxy.metric("gatekeeper_proxy_goaway_sent_total", reason="chance")
+    refused0 = goaway_proxy.metric("gatekeeper_proxy_refused_streams_total")
+    conns0 = goaway_proxy.metric("gatekeeper_proxy_client_connections_accepted_total", protocol="h2")
+    base = f"{goaway_proxy.url}/api/v1/namespaces/{namespace}/configmaps"
+    done = subprocess.run(
+        [str(binary), "-ca", str(certs.ca), "-cert", str(certs.crt("admin")), "-key", str(certs.key("admin")),
+         "-n", "400", "-p", "40", f"{base}/present", f"{base}/absent"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)
+    goaways = goaway_proxy.metric("gatekeeper_proxy_goaway_sent_total", reason="chance") - goaways0
+    refused = goaway_proxy.metric("gatekeeper_proxy_refused_streams_total") - refused0
+    conns = goaway_proxy.metric("gatekeeper_proxy_client_connections_accepted_total", protocol="h2") - conns0
+    print(f"Go client, 400 requests / 40 in flight: {goaways:.0f} GOAWAYs, {refused:.0f} refused streams, "
+          f"{conns:.0f} connections; {summary}")
+    assert summary["errors"] == {}
+    assert summary["codes"] == {"200 HTTP/2.0": 200, "404 HTTP/2.0": 200}
+    assert goaways >= 3 and refused >= 1 and conns > 1

@@ -270,3 +270,25 @@ async def test_idle_connection_gets_goaway_and_closes(h2pair):
     assert pair.goaways and pair.goaways[0].last_stream_id == sid and pair.goaways[0].error_code == 0
     after = REGISTRY.get_sample_value("gatekeeper_proxy_goaway_sent_total", {"reason": "idle"})
     assert after == before + 1
+
+
+async def test_headers_and_reset_in_one_read_leave_no_stream_behind(h2pair):
+    """A task cancelled before its first step must still be cleaned up (else drains never end)."""
+    calls: list[str] = []
+
+    async def handler(req: ProxyRequest) -> ProxyResponse:
+        calls.append(req.target)
+        return ProxyResponse(200, [], _chunks(b"ok"))
+
+    pair = h2pair(handler, ProtocolSettings(idle_timeout_seconds=0.2))
+    await pair.settle()
+    sid = pair.client.get_next_available_stream_id()
+    pair.client.send_headers(sid, [(":method", "GET"), (":path", "/gone"), (":scheme", "https"),
+                                   (":authority", "p")], end_stream=True)
+    pair.client.reset_stream(sid, ErrorCodes.CANCEL)
+    pair.pump()  # both frames in one read
+    await pair.settle()
+    assert pair.server.open_streams == 0
+    # the idle timer re-armed: the connection is retired once idle
+    await pair.until(lambda: pair.transport_closed.is_set())
+    assert pair.goaways and pair.goaways[0].error_code == 0

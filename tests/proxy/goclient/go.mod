@@ -1,0 +1,3 @@
+module gatekeeper.test/goclient
+
+go 1.22
