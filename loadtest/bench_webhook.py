@@ -298,6 +298,7 @@ def main() -> int:
     print("\npolicy core in-process (parse + decide + encode, one core, no HTTP/TLS):")
     for pname, (route, body) in payloads.items():
         print(f"  {pname:20} {core_rate(body, route):10.0f} reviews/s")
+    shutil.rmtree(tmp, ignore_errors=True)
     print(f"\n(HTTP figures include the load generator on the same {os.cpu_count()} cores: "
           "read the 'vs ref' column)")
     return 0
