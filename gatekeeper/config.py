@@ -63,7 +63,7 @@ def _describe(tp: Any) -> str:
         args = get_args(tp)
         return f"a mapping of {_describe(args[0])} to {_describe(args[1])}" if args else "a mapping"
     if dataclasses.is_dataclass(tp):
-        return f"a mapping ({tp.__name__})"
+        return f"a mapping ({getattr(tp, '__name__', tp)})"
     return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(
         tp, getattr(tp, "__name__", str(tp))
     )
