@@ -1,18 +1,192 @@
-"""`gatekeeper proxy`: CLI entry point (owned by the proxy component)."""
+"""`gatekeeper proxy --config FILE`: run the front proxy.
+
+Wires the pieces together and owns nothing else: the pipeline (identity,
+RequestInfo, flow control, balancer, upstream), a plain-HTTP side listener for
+``/metrics``, ``/healthz`` and ``/readyz`` (``listener.metricsPort``), and the
+TLS listener from ``gatekeeper.proxy.server`` that speaks h2 and HTTP/1.1 and
+handles SIGTERM (stop accepting, GOAWAY, drain, exit 0).
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
+
+from aiohttp import web
+
+from gatekeeper.proxy.messages import Middleware
+from gatekeeper.proxy.settings import ProxySettings
+
+log = logging.getLogger("gatekeeper.proxy")
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("proxy", help="(not implemented yet)", description="not implemented yet")
-    p.add_argument("--config", help="YAML config file")
+    p = sub.add_parser(
+        "proxy",
+        help="run the API-aware front proxy in front of several kube-apiservers",
+        description=(
+            "Serve h2 and HTTP/1.1 over TLS, balance every request across the configured apiservers "
+            "(least in-flight, power of two choices), assert client-certificate identities with the "
+            "front-proxy certificate, apply flow control, and send graceful GOAWAYs. /metrics, /healthz "
+            "and /readyz are served on listener.metricsPort (plain HTTP)."
+        ),
+    )
+    p.add_argument("--config", required=True, type=Path, help="YAML config file with a proxy: section")
     p.set_defaults(func=_run)
 
 
-def _run(args: argparse.Namespace) -> int:
+def _check_files(settings: ProxySettings) -> None:
     from gatekeeper.cli import UsageError
 
-    raise UsageError("`gatekeeper proxy` is not implemented yet")
+    files = {
+        "proxy.listener.certFile": settings.listener.cert_file,
+        "proxy.listener.keyFile": settings.listener.key_file,
+        "proxy.listener.clientCaFile": settings.listener.client_ca_file,
+        "proxy.upstream.caFile": settings.upstream.ca_file,
+        "proxy.upstream.clientCertFile": settings.upstream.client_cert_file,
+        "proxy.upstream.clientKeyFile": settings.upstream.client_key_file,
+    }
+    for key, path in files.items():
+        if path and not Path(path).is_file():
+            raise UsageError(f"{key}: {path} does not exist or is not a file")
+    if settings.listener.client_ca_file and not settings.upstream.client_cert_file:
+        raise UsageError(
+            "proxy.listener.clientCaFile is set (client certificates are accepted) but "
+            "proxy.upstream.clientCertFile is not: the proxy needs a front-proxy client certificate "
+            "to tell the apiservers who a certificate user is"
+        )
+
+
+def _run(args: argparse.Namespace) -> int:
+    from gatekeeper.config import load_config
+
+    settings: ProxySettings = load_config(args.config, need="proxy").proxy
+    _check_files(settings)
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:  # pragma: no cover - uvloop is a dependency, but plain asyncio works too
+        pass
+    asyncio.run(run(settings))
+    return 0
+
+
+def flow_control_middleware(settings: ProxySettings) -> Middleware | None:
+    """Flow control's entry point, ``gatekeeper.proxy.flowcontrol.middleware.from_settings``.
+
+    The flow-control package returns a Middleware (or None when disabled); if
+    it also has ``start()``/``close()`` coroutines, :func:`run` calls them.
+    """
+    try:
+        from gatekeeper.proxy.flowcontrol import middleware as fc  # type: ignore[attr-defined,unused-ignore]
+    except ModuleNotFoundError as exc:
+        if exc.name == "gatekeeper.proxy.flowcontrol.middleware":
+            return None
+        raise
+    return fc.from_settings(settings.flow_control)  # type: ignore[no-any-return,unused-ignore]
+
+
+async def _maybe(obj: Any, name: str) -> None:
+    fn = getattr(obj, name, None)
+    if fn is not None:
+        result = fn()
+        if asyncio.iscoroutine(result):
+            await result
+
+
+def metrics_app(ready: Callable[[], bool]) -> web.Application:
+    from gatekeeper.proxy import metrics
+
+    async def get_metrics(request: web.Request) -> web.Response:
+        body, content_type = metrics.render()
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
+    async def healthz(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def readyz(request: web.Request) -> web.Response:
+        if ready():
+            return web.Response(text="ok")
+        return web.Response(status=503, text="no healthy backend, or the listener is not serving yet")
+
+    app = web.Application()
+    app.router.add_get("/metrics", get_metrics)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/livez", healthz)
+    app.router.add_get("/readyz", readyz)
+    return app
+
+
+async def start_metrics_listener(
+    address: str, port: int, ready: Callable[[], bool],
+) -> tuple[web.AppRunner, int]:
+    runner = web.AppRunner(metrics_app(ready), access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, address, port)
+    await site.start()
+    server: Any = site._server
+    sockets = getattr(server, "sockets", None) or []
+    bound = sockets[0].getsockname()[1] if sockets else port
+    return runner, int(bound)
+
+
+async def run(
+    settings: ProxySettings,
+    *,
+    on_ready: Callable[[dict[str, Any]], None] | None = None,
+    serve: Callable[..., Awaitable[Any]] | None = None,
+) -> None:
+    """Run until the listener returns (SIGTERM drained); ``on_ready`` gets the bound URLs."""
+    from gatekeeper.proxy.pipeline import build
+
+    if serve is None:
+        from gatekeeper.proxy.server import serve as serve_fn
+
+        serve = serve_fn
+    flow = flow_control_middleware(settings)
+    pipeline = build(settings, flow_control=flow)
+    await _maybe(flow, "start")
+    await pipeline.start()
+    listening = asyncio.Event()
+    runner: web.AppRunner | None = None
+    info: dict[str, Any] = {}
+    try:
+        if settings.listener.metrics_port >= 0:
+            runner, mport = await start_metrics_listener(
+                settings.listener.metrics_address, settings.listener.metrics_port,
+                lambda: listening.is_set() and pipeline.ready(),
+            )
+            info["metricsUrl"] = f"http://{settings.listener.metrics_address}:{mport}"
+
+        def ready(bound: Any = None) -> None:
+            port = _port_of(bound, settings.listener.port)
+            info["url"] = f"https://{settings.listener.address}:{port}"
+            listening.set()
+            log.info("gatekeeper proxy serving on %s (metrics %s), backends: %s", info["url"],
+                     info.get("metricsUrl", "disabled"), ", ".join(b.url for b in pipeline.balancer.backends))
+            if on_ready is not None:
+                on_ready(dict(info))
+
+        await serve(settings, pipeline.handler, ready=ready)
+    finally:
+        if runner is not None:
+            await runner.cleanup()
+        await pipeline.close()
+        with contextlib.suppress(Exception):
+            await _maybe(flow, "close")
+
+
+def _port_of(bound: Any, default: int) -> int:
+    """The listener may report its bound port as an int, a (host, port) tuple or an object with ``port``."""
+    if isinstance(bound, int):
+        return bound
+    if isinstance(bound, tuple) and len(bound) >= 2:
+        return int(bound[1])
+    port = getattr(bound, "port", None)
+    return int(port) if port else default

@@ -1,0 +1,156 @@
+"""``sandbox up --with-proxy``: run ``gatekeeper proxy`` in front of every sandbox apiserver.
+
+Called by ``sandbox up`` once the control plane is healthy. It
+
+* issues a serving certificate for 127.0.0.1/::1/localhost from the cluster CA
+  (so the sandbox kubeconfigs' CA verifies the proxy too),
+* writes ``DIR/proxy/config.yaml``: every apiserver as a backend, client
+  certificates verified against the cluster CA, the sandbox's front-proxy
+  client certificate (CN ``front-proxy-client``, which the apiservers accept via
+  ``--requestheader-allowed-names``) for upstream calls,
+* starts ``python -m gatekeeper proxy`` in its own session (log in
+  ``DIR/logs/proxy.log``), waits for its ``/readyz``, records it in
+  ``sandbox.json`` (``sandbox down`` stops it like any other process), and
+* writes ``DIR/proxy.kubeconfig``: the admin client certificate, server = the proxy.
+
+``--proxy-goaway-chance P`` sets ``protocol.goawayChance`` (values above
+kube-apiserver's 0.02 cap turn on the test-only override). ``--proxy-config
+FILE`` is a gatekeeper config whose ``proxy:`` section is merged over the
+generated one, except the keys the sandbox must own (listener address, ports
+and certificates, backends, upstream certificates). Without it, flow control
+gets the sandbox default (the seeds' policy) from :func:`default_flow_control`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from gatekeeper.certs import CLUSTER_CA, PKI
+from gatekeeper.config import load_yaml
+from gatekeeper.proxy.settings import MAX_GOAWAY_CHANCE
+from gatekeeper.sandbox import processes
+from gatekeeper.sandbox.pki import FRONT_PROXY_CLIENT, SandboxPKI, write_kubeconfig
+from gatekeeper.sandbox.state import SandboxState
+
+NAME = "proxy"
+SERVING = "proxy-serving"
+READY_TIMEOUT = 60.0
+
+
+def default_flow_control() -> dict[str, Any] | None:
+    """The ``flowControl:`` section used when ``--proxy-config`` is not given.
+
+    This is the place for the seeds' policy (LIST of secrets cluster-wide, 2
+    concurrent, queued): flow control ships it as
+    ``gatekeeper.proxy.flowcontrol.defaults.sandbox_flow_control()``. Until that
+    module exists the proxy runs with flow control's built-in defaults.
+    """
+    try:
+        from gatekeeper.proxy.flowcontrol import defaults  # type: ignore[attr-defined,unused-ignore]
+    except ModuleNotFoundError as exc:
+        if exc.name == "gatekeeper.proxy.flowcontrol.defaults":
+            return None
+        raise
+    section = defaults.sandbox_flow_control()
+    return dict(section) if section is not None else None
+
+
+def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def build_config(
+    state: SandboxState, *, port: int, metrics_port: int, serving_cert: Path, serving_key: Path,
+    goaway_chance: float | None = None, user_config: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The whole config file (``{"proxy": {...}}``) for the sandbox proxy; pure, unit-testable."""
+    certs = SandboxPKI(Path(state.certs_dir))
+    owned: dict[str, Any] = {
+        "listener": {
+            "address": "127.0.0.1", "port": port, "certFile": str(serving_cert), "keyFile": str(serving_key),
+            "clientCaFile": str(certs.ca), "metricsAddress": "127.0.0.1", "metricsPort": metrics_port,
+        },
+        "backends": [{"url": url, "name": f"apiserver-{i}"} for i, url in enumerate(state.apiserver_urls, 1)],
+        "upstream": {
+            "caFile": str(certs.ca), "clientCertFile": str(certs.crt(FRONT_PROXY_CLIENT)),
+            "clientKeyFile": str(certs.key(FRONT_PROXY_CLIENT)),
+        },
+    }
+    proxy: dict[str, Any] = {}
+    if user_config is None:
+        flow = default_flow_control()
+        if flow is not None:
+            proxy["flowControl"] = flow
+    else:
+        proxy = dict(user_config)
+    proxy = _merge(proxy, owned)
+    if goaway_chance is not None:
+        protocol = dict(proxy.get("protocol") or {})
+        protocol["goawayChance"] = goaway_chance
+        if goaway_chance > MAX_GOAWAY_CHANCE:
+            protocol["allowUnsafeGoawayChance"] = True
+        proxy["protocol"] = protocol
+    return {"proxy": proxy}
+
+
+def _user_config(path: str | None) -> dict[str, Any] | None:
+    from gatekeeper.cli import UsageError
+
+    if not path:
+        return None
+    data = load_yaml(path) or {}
+    if not isinstance(data, dict) or not isinstance(data.get("proxy", {}), dict):
+        raise UsageError(f"--proxy-config {path}: expected a gatekeeper config with a proxy: mapping")
+    return dict(data.get("proxy") or {})
+
+
+def start(state: SandboxState, args: argparse.Namespace) -> None:
+    from gatekeeper.sandbox.lifecycle import ComponentFailed, _wait
+
+    directory = Path(state.dir)
+    pki = PKI(state.certs_dir)
+    serving = pki.issue_serving(SERVING, dns=["localhost"], ips=["127.0.0.1", "::1"], ca=CLUSTER_CA)
+    port, metrics_port = processes.free_port(), processes.free_port()
+    config = build_config(
+        state, port=port, metrics_port=metrics_port, serving_cert=serving.cert, serving_key=serving.key,
+        goaway_chance=getattr(args, "proxy_goaway_chance", None),
+        user_config=_user_config(getattr(args, "proxy_config", None)),
+    )
+    config_path = directory / "proxy" / "config.yaml"
+    config_path.parent.mkdir(parents=True, exist_ok=True)
+    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+
+    url = f"https://127.0.0.1:{port}"
+    metrics_url = f"http://127.0.0.1:{metrics_port}"
+    argv = [sys.executable, "-m", "gatekeeper", "proxy", "--config", str(config_path)]
+    rec = processes.start(
+        NAME, argv, directory / "logs" / f"{NAME}.log", cwd=directory,
+        ports={"secure": port, "metrics": metrics_port}, urls={"server": url, "metrics": metrics_url},
+        health=f"{metrics_url}/readyz",
+    )
+    state.processes.append(rec)
+    state.extra[NAME] = {"url": url, "metricsUrl": f"{metrics_url}/metrics", "pid": rec.pid,
+                         "config": str(config_path)}
+    state.save()
+    print(f"  started {NAME} (pid {rec.pid})")
+    try:
+        _wait(rec, NAME, lambda: processes.probe(f"{metrics_url}/readyz"), READY_TIMEOUT)
+    except ComponentFailed:
+        sys.stderr.write(f"--- last lines of {rec.log} ---\n{processes.tail(rec.log)}\n")
+        raise
+    kubeconfig = write_kubeconfig(directory / "proxy.kubeconfig", SandboxPKI(Path(state.certs_dir)), "admin",
+                                  url)
+    state.extra[NAME]["kubeconfig"] = str(kubeconfig)
+    state.save()
+    print(f"  proxy ready at {url}; export KUBECONFIG={kubeconfig}")
