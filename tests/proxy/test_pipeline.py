@@ -87,3 +87,16 @@ def test_forwarded_for_appends_client_address() -> None:
     assert _forwarded_for([("x-forwarded-for", "10.0.0.1")], "[::1]:4000") == [
         ("x-forwarded-for", "10.0.0.1, ::1")]
     assert _forwarded_for([], "") == []
+
+
+def test_deploy_example_config_is_valid() -> None:
+    from pathlib import Path
+
+    from gatekeeper.config import from_mapping, load_yaml
+
+    path = Path(__file__).resolve().parents[2] / "deploy" / "proxy" / "config.yaml"
+    data = load_yaml(path)["proxy"]
+    data["flowControl"] = {"enabled": False}  # its policy file lives on the node, not in the checkout
+    settings = from_mapping(ProxySettings, data, str(path), "proxy")
+    assert len(settings.backends) == 3 and settings.upstream.client_cert_file.endswith("front-proxy-client.crt")
+    assert settings.listener.client_ca_file
