@@ -31,9 +31,7 @@ class User:
     groups: list[str] = field(default_factory=list)
 
 
-def flow_schema(
-    name: str, level: str, rules: list[dict[str, Any]], precedence: int = 1000, by: str = ""
-) -> dict:
+def flow_schema(name: str, level: str, rules: list[dict[str, Any]], precedence: int = 1000, by: str = "") -> dict:
     spec: dict[str, Any] = {
         "matchingPrecedence": precedence,
         "priorityLevelConfiguration": {"name": level},

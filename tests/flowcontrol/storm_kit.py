@@ -80,9 +80,7 @@ def kubectl(
     )
 
 
-async def create_secrets(
-    state: SandboxState, namespace: str, count: int, size: int, concurrency: int = 6
-) -> list[str]:
+async def create_secrets(state: SandboxState, namespace: str, count: int, size: int, concurrency: int = 6) -> list[str]:
     """``count`` Secrets of ``size`` random bytes in ``namespace`` (created if missing); returns names."""
     async with admin_client(state) as c:
         r = await c.post(
@@ -181,9 +179,7 @@ def storm_kubeconfig(state: SandboxState, directory: Path, user: str, server: st
     pki = PKI(state.certs_dir)
     issued = pki.issue_client(f"fc-{user}", user=user, groups=[STORM_GROUP])
     path = directory / f"{user}.kubeconfig"
-    path.write_text(
-        yaml.safe_dump(kubeconfig(server, SandboxPKI(Path(state.certs_dir)).ca, issued.cert, issued.key))
-    )
+    path.write_text(yaml.safe_dump(kubeconfig(server, SandboxPKI(Path(state.certs_dir)).ca, issued.cert, issued.key)))
     path.chmod(0o600)
     return path
 
@@ -218,9 +214,7 @@ class ProxyProcess:
 
 
 @contextlib.contextmanager
-def run_proxy(
-    state: SandboxState, directory: Path, flow_control: dict[str, Any] | None
-) -> Iterator[ProxyProcess]:
+def run_proxy(state: SandboxState, directory: Path, flow_control: dict[str, Any] | None) -> Iterator[ProxyProcess]:
     from gatekeeper.proxy.settings import ListenerSettings, UpstreamSettings
 
     certs = SandboxPKI(Path(state.certs_dir))
@@ -326,17 +320,13 @@ class ApiserverSampler:
             while not self._stop.is_set():
                 self.peak_rss_total = max(self.peak_rss_total, self.rss_total())
                 if with_metrics:
-                    texts = await asyncio.gather(
-                        *(c.get("/metrics") for c in clients), return_exceptions=True
-                    )
+                    texts = await asyncio.gather(*(c.get("/metrics") for c in clients), return_exceptions=True)
                     now = []
                     for i, t in enumerate(texts):
                         if isinstance(t, BaseException):
                             now.append(0.0)
                             continue
-                        v = metric_sum(
-                            t.text, "apiserver_flowcontrol_current_executing_requests", flow_schema=OBSERVE
-                        )
+                        v = metric_sum(t.text, "apiserver_flowcontrol_current_executing_requests", flow_schema=OBSERVE)
                         now.append(v)
                         self.max_executing_per_backend[i] = max(self.max_executing_per_backend[i], v)
                     self.max_executing_total = max(self.max_executing_total, sum(now))

@@ -82,8 +82,7 @@ def test_seeds_example_enforces_two_concurrent_secret_lists(tmp_path):
     cfg = load_config(
         write(
             tmp_path,
-            BASE.replace("serverConcurrencyLimit: 100", "serverConcurrencyLimit: 600")
-            + f"    files: [{SEEDS}]\n",
+            BASE.replace("serverConcurrencyLimit: 100", "serverConcurrencyLimit: 600") + f"    files: [{SEEDS}]\n",
         )
     )
     from gatekeeper.proxy.flowcontrol.loading import load_policy
@@ -93,9 +92,7 @@ def test_seeds_example_enforces_two_concurrent_secret_lists(tmp_path):
     from gatekeeper.kube.requestinfo import parse
     from gatekeeper.proxy.messages import UserInfo
 
-    fs, pl = policy.classify(
-        UserInfo("bob", ["system:authenticated"]), parse("GET", "/api/v1/secrets?limit=500")
-    )
+    fs, pl = policy.classify(UserInfo("bob", ["system:authenticated"]), parse("GET", "/api/v1/secrets?limit=500"))
     assert (fs.name, pl.name) == ("secrets-list", "secrets-list")
     fs, _ = policy.classify(UserInfo("bob", []), parse("GET", "/api/v1/namespaces/a/secrets"))
     assert fs.name == "secrets-list"

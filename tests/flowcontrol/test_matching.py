@@ -49,9 +49,7 @@ def _policy():
             "workload",
             [
                 {
-                    "subjects": [
-                        {"kind": "ServiceAccount", "serviceAccount": {"namespace": "team-a", "name": "*"}}
-                    ],
+                    "subjects": [{"kind": "ServiceAccount", "serviceAccount": {"namespace": "team-a", "name": "*"}}],
                     "resourceRules": [rr(["*"], ["*"], groups=["*"])],
                 }
             ],

@@ -151,9 +151,7 @@ async def test_identical_queued_lists_share_one_upstream_call():
     fc = FlowControl(seeds_settings())
     up = Upstream(body=b"y" * 50000, chunks=10)
     up.gate.clear()
-    blockers = [
-        asyncio.create_task(call(fc, req(target=f"/api/v1/namespaces/n{i}/secrets"), up)) for i in range(2)
-    ]
+    blockers = [asyncio.create_task(call(fc, req(target=f"/api/v1/namespaces/n{i}/secrets"), up)) for i in range(2)]
     await asyncio.sleep(0.01)
     same = [asyncio.create_task(call(fc, req(user="alice"), up)) for _ in range(8)]
     other = [asyncio.create_task(call(fc, req(user="bob"), up)) for _ in range(3)]
@@ -166,28 +164,49 @@ async def test_identical_queued_lists_share_one_upstream_call():
     assert up.calls == 4
 
 
-async def test_slow_coalesced_reader_is_cut_off_without_stalling_others():
-    fc = FlowControl(seeds_settings(fanout_buffer_bytes=4096))
-    up = Upstream(body=b"z" * 200_000, chunks=100)
+async def _coalesced_trio(fc, up):
+    """Two blockers occupy the level, then three identical LISTs queue and share one upstream call."""
     up.gate.clear()
-    blockers = [
-        asyncio.create_task(call(fc, req(target=f"/api/v1/namespaces/n{i}/secrets"), up)) for i in range(2)
-    ]
+    blockers = [asyncio.create_task(call(fc, req(target=f"/api/v1/namespaces/n{i}/secrets"), up)) for i in range(2)]
     await asyncio.sleep(0.01)
-    fast = [asyncio.create_task(fc(req(), up)) for _ in range(3)]
+    waiting = [asyncio.create_task(fc(req(), up)) for _ in range(3)]
     await asyncio.sleep(0.01)
     up.gate.set()
     await asyncio.gather(*blockers)
-    responses = await asyncio.gather(*fast)
-    slow = responses[0]
-    it = slow.body.__aiter__()
-    await it.__anext__()  # reads one chunk, then stalls
+    return await asyncio.gather(*waiting)
+
+
+async def test_stuck_coalesced_reader_is_cut_off_and_others_finish():
+    fc = FlowControl(seeds_settings(fanout_buffer_bytes=4096, fanout_stall_seconds=0.3))
+    up = Upstream(body=b"z" * 200_000, chunks=100)
+    responses = await _coalesced_trio(fc, up)
+    assert up.calls == 3  # 2 blockers + 1 shared call
+    stuck = responses[0].body.__aiter__()
+    await stuck.__anext__()  # reads one chunk, then stops reading
+    t0 = asyncio.get_running_loop().time()
     bodies = await asyncio.wait_for(asyncio.gather(*(read(r) for r in responses[1:])), 5)
     assert all(b == up.body for b in bodies)
-    with pytest.raises(ConnectionError, match="fell 4096 bytes behind"):
+    assert asyncio.get_running_loop().time() - t0 >= 0.3  # the others waited for the stuck one, boundedly
+    with pytest.raises(ConnectionError, match="too slowly"):
         while True:
-            await it.__anext__()
+            await stuck.__anext__()
     assert fc.controller.levels["secrets-list"].executing_seats == 0
+
+
+async def test_slower_coalesced_reader_is_paced_not_cut_off():
+    fc = FlowControl(seeds_settings(fanout_buffer_bytes=4096, fanout_stall_seconds=2))
+    up = Upstream(body=b"q" * 100_000, chunks=50)
+    responses = await _coalesced_trio(fc, up)
+
+    async def slow(resp):
+        out = []
+        async for c in resp.body:
+            out.append(c)
+            await asyncio.sleep(0.002)
+        return b"".join(out)
+
+    bodies = await asyncio.wait_for(asyncio.gather(slow(responses[0]), *(read(r) for r in responses[1:])), 10)
+    assert all(b == up.body for b in bodies)
 
 
 async def test_list_seats_grow_from_observed_response_size():
@@ -203,9 +222,7 @@ async def test_watch_gives_back_its_seats_when_the_response_starts():
     level = {
         "priority_level_configurations": [queued_level("w", 1), queued_level("catch-all", 99)],
         "flow_schemas": [
-            flow_schema(
-                "w", "w", [{"subjects": [group("*")], "resourceRules": [rr(["watch", "list"], ["secrets"])]}]
-            )
+            flow_schema("w", "w", [{"subjects": [group("*")], "resourceRules": [rr(["watch", "list"], ["secrets"])]}])
         ],
     }
     fc = FlowControl(seeds_settings(**level))
@@ -269,9 +286,7 @@ async def test_policy_file_reload_applies_good_and_keeps_running_on_bad(tmp_path
     )
     with caplog.at_level(logging.ERROR):
         assert not fc.reloader.reload()
-    assert (
-        "keeping the running policy" in caplog.text and "FlowSchema/x: spec.matchingPrecedence" in caplog.text
-    )
+    assert "keeping the running policy" in caplog.text and "FlowSchema/x: spec.matchingPrecedence" in caplog.text
     assert str(path) in caplog.text
     assert fc.controller.levels["secrets-list"].limit == 95
 
@@ -282,9 +297,7 @@ async def test_sighup_rereads_policy_files(tmp_path):
 
     path = tmp_path / "flows.yaml"
     path.write_text(yaml.safe_dump_all([queued_level("secrets-list", 2)]))
-    fc = FlowControl(
-        FlowControlSettings(server_concurrency_limit=100, files=[str(path)], reload_interval_seconds=0)
-    )
+    fc = FlowControl(FlowControlSettings(server_concurrency_limit=100, files=[str(path)], reload_interval_seconds=0))
     await fc.start()
     try:
         assert fc.controller.levels["secrets-list"].limit == 29

@@ -79,9 +79,7 @@ def test_nonresource_wildcard_only_as_final_segment():
         "l",
         [{"subjects": [group("*")], "nonResourceRules": [{"verbs": ["get"], "nonResourceURLs": ["/hea*"]}]}],
     )
-    with pytest.raises(
-        ObjectError, match=r"FlowSchema/x: spec.rules\[0\].nonResourceRules\[0\].nonResourceURLs\[0\]"
-    ):
+    with pytest.raises(ObjectError, match=r"FlowSchema/x: spec.rules\[0\].nonResourceRules\[0\].nonResourceURLs\[0\]"):
         parse_flow_schema(fs)
 
 
@@ -95,9 +93,7 @@ def test_priority_level_queue_shape_is_checked():
 
 
 def test_unknown_priority_level_reference_is_reported():
-    with pytest.raises(
-        ObjectError, match=r"FlowSchema/secrets-list: spec.priorityLevelConfiguration.name: no Pri"
-    ):
+    with pytest.raises(ObjectError, match=r"FlowSchema/secrets-list: spec.priorityLevelConfiguration.name: no Pri"):
         build_policy([("f[0]", GOOD_FS)], 100)
 
 

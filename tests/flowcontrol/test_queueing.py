@@ -132,17 +132,13 @@ def test_queue_full_and_timeout_and_concurrency_limit():
 
 
 def test_wide_list_runs_alone_and_list_bytes_cap_holds():
-    fc = controller(
-        queues=8, hand=2, total=4, limits=Limits(server_concurrency_limit=4, list_bytes_cap=100 << 20)
-    )
+    fc = controller(queues=8, hand=2, total=4, limits=Limits(server_concurrency_limit=4, list_bytes_cap=100 << 20))
     fc.estimator.observe("secrets", "", 60 << 20)
     running: deque = deque()
     ts = submit(fc, "a", 3, running, req=Req("list", "secrets"))
     assert ts[0].seats == 4  # 8 seats by size, capped at the level's 4
     assert [t.state for t in ts] == ["executing", "queued", "queued"]
-    fc2 = controller(
-        queues=8, hand=2, total=100, limits=Limits(server_concurrency_limit=100, list_bytes_cap=100 << 20)
-    )
+    fc2 = controller(queues=8, hand=2, total=100, limits=Limits(server_concurrency_limit=100, list_bytes_cap=100 << 20))
     fc2.estimator.observe("secrets", "", 60 << 20)
     ts = submit(fc2, "a", 2, deque(), req=Req("list", "secrets"))
     # seats would allow both; the 100 MiB in-flight LIST budget does not

@@ -100,24 +100,18 @@ def test_storm_of_secret_lists_never_runs_more_than_two_upstream(sandbox: Sandbo
         sampling = asyncio.create_task(sampler.run())
         stop = asyncio.Event()
         others = asyncio.create_task(other_traffic(sandbox, storm, stop))
-        results = await asyncio.gather(
-            *(kit.kubectl_list(sandbox, kc, storm["ns"], limit_s=600) for kc in configs)
-        )
+        results = await asyncio.gather(*(kit.kubectl_list(sandbox, kc, storm["ns"], limit_s=600) for kc in configs))
         stop.set()
         sampler.stop()
         await sampling
         return results, sampler, await others
 
-    rejected_before = proxy_metric(
-        proxy, "gatekeeper_flowcontrol_rejected_requests_total", flow_schema="secrets-list"
-    )
+    rejected_before = proxy_metric(proxy, "gatekeeper_flowcontrol_rejected_requests_total", flow_schema="secrets-list")
     results, sampler, others = asyncio.run(run())
     for rc, names, _secs, err in results:
         assert rc == 0, err
         assert names == storm["names"], f"incomplete list: {len(names)} of {len(storm['names'])}"
-    peak_proxy = proxy_metric(
-        proxy, "gatekeeper_flowcontrol_peak_executing_requests", priority_level="secrets-list"
-    )
+    peak_proxy = proxy_metric(proxy, "gatekeeper_flowcontrol_peak_executing_requests", priority_level="secrets-list")
     rejected = (
         proxy_metric(proxy, "gatekeeper_flowcontrol_rejected_requests_total", flow_schema="secrets-list")
         - rejected_before
@@ -145,9 +139,7 @@ def test_storm_of_secret_lists_never_runs_more_than_two_upstream(sandbox: Sandbo
     assert others["create_pod"] and max(others["create_pod"]) < 30.0
 
 
-def test_identical_queued_lists_are_served_by_fewer_upstream_calls(
-    sandbox: SandboxState, storm: dict
-) -> None:
+def test_identical_queued_lists_are_served_by_fewer_upstream_calls(sandbox: SandboxState, storm: dict) -> None:
     proxy = storm["proxy"]
     kc = kit.storm_kubeconfig(sandbox, storm["dir"], "storm-same", proxy.url)
     n = 10
@@ -165,9 +157,7 @@ def test_identical_queued_lists_are_served_by_fewer_upstream_calls(
     for rc, names, _secs, err in results:
         assert rc == 0, err
         assert names == storm["names"]
-    dispatched = (
-        proxy_metric(proxy, "gatekeeper_flowcontrol_dispatched_requests_total", **labels) - dispatched0
-    )
+    dispatched = proxy_metric(proxy, "gatekeeper_flowcontrol_dispatched_requests_total", **labels) - dispatched0
     coalesced = proxy_metric(proxy, "gatekeeper_flowcontrol_coalesced_requests_total", **labels) - coalesced0
     rejected = proxy_metric(proxy, "gatekeeper_flowcontrol_rejected_requests_total", **labels) - rejected0
     upstream = after - before

@@ -18,9 +18,7 @@ from collections.abc import Sequence
 MERGE_HEADERS = ("accept", "accept-encoding", "authorization")
 
 
-def identity_key(
-    user_name: str, groups: Sequence[str], source: str, headers: Sequence[tuple[str, str]]
-) -> str:
+def identity_key(user_name: str, groups: Sequence[str], source: str, headers: Sequence[tuple[str, str]]) -> str:
     """A digest of everything that decides who the apiserver thinks the caller is."""
     h = hashlib.sha256()
     h.update(f"{source}\x00{user_name}\x00{','.join(groups)}".encode())
@@ -30,15 +28,11 @@ def identity_key(
     return h.hexdigest()
 
 
-def coalesce_key(
-    method: str, target: str, headers: Sequence[tuple[str, str]], identity: str
-) -> tuple[str, ...] | None:
+def coalesce_key(method: str, target: str, headers: Sequence[tuple[str, str]], identity: str) -> tuple[str, ...] | None:
     """The merge key for a request, or None if it must never be merged (only plain GET LISTs merge)."""
     if method != "GET":
         return None
-    picked = tuple(
-        f"{k}:{v}" for k, v in sorted(headers) if k in MERGE_HEADERS or k.startswith("impersonate-")
-    )
+    picked = tuple(f"{k}:{v}" for k, v in sorted(headers) if k in MERGE_HEADERS or k.startswith("impersonate-"))
     return (method, target, identity, *picked)
 
 

@@ -1,13 +1,15 @@
 """Stream one upstream response body to several clients without holding it whole.
 
 A pump task reads the upstream body and appends each chunk to every
-subscriber's own bounded buffer. It reads the next chunk only once the
-*fastest* subscriber has drained below half its limit, so the upstream read is
-paced by the best reader; a subscriber whose buffer would exceed the limit has
-fallen too far behind and is cut off with :class:`FanOutOverrun` (its client
-sees the stream reset and client-go retries the LIST) instead of stalling the
-others or growing memory. Memory is therefore at most ``subscribers x limit``
-plus one chunk, whatever the response size.
+subscriber's own buffer. Before reading the next chunk it waits until every
+subscriber has drained below half of ``limit_bytes``, so the upstream read is
+paced by the slowest reader and ordinary speed differences cost nobody
+anything. A reader that keeps its buffer above that mark for ``stall_seconds``
+(a stuck or far too slow client) is cut off with :class:`FanOutOverrun` — its
+client sees the stream reset, like any failed LIST — and the others carry on.
+So memory stays within ``readers x (limit/2 + one chunk)`` whatever the
+response size, and one slow reader delays the rest by at most
+``stall_seconds`` per stall.
 """
 
 from __future__ import annotations
@@ -19,10 +21,12 @@ from collections.abc import AsyncIterator, Callable
 
 
 class FanOutOverrun(ConnectionError):
-    """This reader fell more than the buffer limit behind the fastest one."""
+    """This reader stopped keeping up with the shared response."""
 
 
 class Subscriber:
+    """One client's view of the shared body: an async iterator over its own bounded buffer."""
+
     def __init__(self, fan: FanOut) -> None:
         self.fan = fan
         self.chunks: deque[bytes] = deque()
@@ -62,7 +66,7 @@ class Subscriber:
 
 
 class FanOut:
-    """One upstream body, many readers; see the module docstring for the memory bound."""
+    """One upstream body, many readers; see the module docstring for the memory and delay bounds."""
 
     def __init__(
         self,
@@ -70,9 +74,11 @@ class FanOut:
         n: int,
         limit_bytes: int,
         on_done: Callable[[int, BaseException | None], None],
+        stall_seconds: float = 10.0,
     ) -> None:
         self.source = source
         self.limit = limit_bytes
+        self.stall = stall_seconds
         self.subs = [Subscriber(self) for _ in range(n)]
         self.on_done = on_done
         self.total = 0
@@ -88,26 +94,43 @@ class FanOut:
     def _live(self) -> list[Subscriber]:
         return [s for s in self.subs if not s.closed and s.error is None]
 
+    def _full(self) -> list[Subscriber]:
+        return [s for s in self._live() if s.buffered > self.limit // 2]
+
+    def _cut(self, s: Subscriber) -> None:
+        s.error = FanOutOverrun(
+            f"this client read a shared (coalesced) LIST response too slowly: no progress within "
+            f"{self.stall:g}s with {s.buffered} bytes buffered; retry the request"
+        )
+        s.chunks.clear()
+        s.buffered = 0
+        s.ready.set()
+        self.cut_off += 1
+
+    async def _wait_for_room(self) -> None:
+        """Pace to the slowest reader; cut off readers that make no room within the stall time."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.stall
+        while self._full():
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                for s in self._full():
+                    self._cut(s)
+                return
+            self._progress.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._progress.wait(), remaining)
+
     async def _pump(self) -> None:
         error: BaseException | None = None
         try:
             async for chunk in self.source:
                 self.total += len(chunk)
                 for s in self._live():
-                    if s.buffered + len(chunk) > self.limit and s.buffered > 0:
-                        s.error = FanOutOverrun(
-                            f"coalesced LIST reader fell {self.limit} bytes behind; retry the request"
-                        )
-                        s.chunks.clear()
-                        s.buffered = 0
-                        self.cut_off += 1
-                    else:
-                        s.chunks.append(chunk)
-                        s.buffered += len(chunk)
+                    s.chunks.append(chunk)
+                    s.buffered += len(chunk)
                     s.ready.set()
-                while (live := self._live()) and min(s.buffered for s in live) > self.limit // 2:
-                    self._progress.clear()
-                    await self._progress.wait()
+                await self._wait_for_room()
                 if not self._live():
                     break
             else:

@@ -52,9 +52,7 @@ def load_policy(settings: FlowControlSettings) -> Policy:
     """Validate inline objects and files together; raises ValueError naming file, object and field."""
     objects: list[tuple[str, Any]] = []
     objects += [(f"flowSchemas[{i}]", o) for i, o in enumerate(settings.flow_schemas)]
-    objects += [
-        (f"priorityLevelConfigurations[{i}]", o) for i, o in enumerate(settings.priority_level_configurations)
-    ]
+    objects += [(f"priorityLevelConfigurations[{i}]", o) for i, o in enumerate(settings.priority_level_configurations)]
     for path in settings.files:
         objects += read_objects(path)
     try:
@@ -68,11 +66,7 @@ def _origin(objects: list[tuple[str, Any]], exc: ObjectError) -> str:
     """Prefix an object error with where the object came from (file and document index)."""
     kind, _, name = exc.obj.partition("/")
     for label, obj in objects:
-        if (
-            isinstance(obj, dict)
-            and obj.get("kind") == kind
-            and (obj.get("metadata") or {}).get("name") == name
-        ):
+        if isinstance(obj, dict) and obj.get("kind") == kind and (obj.get("metadata") or {}).get("name") == name:
             return f"{label}: "
     return ""
 

@@ -39,9 +39,7 @@ from prometheus_client.registry import Collector
 from gatekeeper.proxy.flowcontrol.controller import FlowController
 
 _FS_PL = ["flow_schema", "priority_level"]
-DISPATCHED = Counter(
-    "gatekeeper_flowcontrol_dispatched_requests", "Requests released to run upstream.", _FS_PL
-)
+DISPATCHED = Counter("gatekeeper_flowcontrol_dispatched_requests", "Requests released to run upstream.", _FS_PL)
 REJECTED = Counter(
     "gatekeeper_flowcontrol_rejected_requests",
     "Requests answered 429 (or dropped) by flow control.",
@@ -116,12 +114,8 @@ class _Gauges(Collector):
             for name, lv in c.levels.items():
                 draining = [d for d in c.draining if d.spec.name == name]
                 fams["inqueue"].add_metric([name], lv.waiting + sum(d.waiting for d in draining))
-                fams["exec"].add_metric(
-                    [name], lv.executing_requests + sum(d.executing_requests for d in draining)
-                )
-                fams["seats"].add_metric(
-                    [name], lv.executing_seats + sum(d.executing_seats for d in draining)
-                )
+                fams["exec"].add_metric([name], lv.executing_requests + sum(d.executing_requests for d in draining))
+                fams["seats"].add_metric([name], lv.executing_seats + sum(d.executing_seats for d in draining))
                 if not lv.spec.exempt:
                     fams["limit"].add_metric([name], lv.limit)
                 fams["peak"].add_metric([name], src.peak_executing.get(name, 0))

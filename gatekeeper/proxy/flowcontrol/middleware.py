@@ -213,12 +213,7 @@ class FlowControl:
         info = request.info or requestinfo.parse(request.method, request.target)
         user = request.user or ANONYMOUS
         key = None
-        if (
-            self.settings.coalesce
-            and info.verb == "list"
-            and request.method == "GET"
-            and request.body is None
-        ):
+        if self.settings.coalesce and info.verb == "list" and request.method == "GET" and request.body is None:
             ident = identity_key(user.name, user.groups, user.source, request.headers)
             key = coalesce_key(request.method, request.target, request.headers, ident)
         now = self.clock()
@@ -264,9 +259,7 @@ class FlowControl:
                 metrics.DISPATCHED.labels(w.fs.name, w.pl.name).inc()
                 if d.level is not None:
                     name = d.level.spec.name
-                    self.peak_executing[name] = max(
-                        self.peak_executing.get(name, 0), d.level.executing_requests
-                    )
+                    self.peak_executing[name] = max(self.peak_executing.get(name, 0), d.level.executing_requests)
             elif d.state == "joined":
                 metrics.COALESCED.labels(w.fs.name, w.pl.name).inc()
                 w.shared = asyncio.get_running_loop().create_future()
@@ -316,7 +309,13 @@ class FlowControl:
             response.finish(error)
             self._end(t, total, fan.complete, error, status)
 
-        fan = FanOut(response.body, 1 + len(t.followers), self.settings.fanout_buffer_bytes, pumped)
+        fan = FanOut(
+            response.body,
+            1 + len(t.followers),
+            self.settings.fanout_buffer_bytes,
+            pumped,
+            self.settings.fanout_stall_seconds,
+        )
         for i, f in enumerate(t.followers, start=1):
             fw = f.payload
             sub = fan.subs[i]

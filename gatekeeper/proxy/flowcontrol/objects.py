@@ -130,14 +130,10 @@ class _Reader:
         allowed = set(allowed)
         for k in value:
             if k not in allowed:
-                raise self.fail(
-                    f"{path}.{k}", f"unknown field; expected one of: {', '.join(sorted(allowed))}"
-                )
+                raise self.fail(f"{path}.{k}", f"unknown field; expected one of: {', '.join(sorted(allowed))}")
         return value
 
-    def strings(
-        self, value: Any, path: str, *, required: bool = True, wildcard: str | None = None
-    ) -> tuple[str, ...]:
+    def strings(self, value: Any, path: str, *, required: bool = True, wildcard: str | None = None) -> tuple[str, ...]:
         if value is None:
             value = []
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
@@ -241,9 +237,7 @@ def _non_resource_rule(r: _Reader, raw: Any, path: str) -> NonResourceRule:
         if not u.startswith("/"):
             raise r.fail(f"{path}.nonResourceURLs[{i}]", f"must start with '/', got {u!r}")
         if "*" in u[:-1] or (u.endswith("*") and not u.endswith("/*")):
-            raise r.fail(
-                f"{path}.nonResourceURLs[{i}]", f"'*' is only allowed as a final '/*' segment, got {u!r}"
-            )
+            raise r.fail(f"{path}.nonResourceURLs[{i}]", f"'*' is only allowed as a final '/*' segment, got {u!r}")
     return NonResourceRule(verbs=r.strings(m.get("verbs"), f"{path}.verbs", wildcard="*"), urls=urls)
 
 
@@ -259,24 +253,18 @@ def parse_flow_schema(obj: Any, index: str = "") -> FlowSchema:
     """Validate one FlowSchema object (a mapping) and compile it."""
     name, uid, spec = _header(obj, "FlowSchema", index)
     r = _Reader(f"FlowSchema/{name}")
-    spec = r.mapping(
-        spec, "spec", ("matchingPrecedence", "priorityLevelConfiguration", "distinguisherMethod", "rules")
-    )
+    spec = r.mapping(spec, "spec", ("matchingPrecedence", "priorityLevelConfiguration", "distinguisherMethod", "rules"))
     plc = r.mapping(spec.get("priorityLevelConfiguration"), "spec.priorityLevelConfiguration", ("name",))
     level = r.string(plc.get("name"), "spec.priorityLevelConfiguration.name")
     dm = r.mapping(spec.get("distinguisherMethod"), "spec.distinguisherMethod", ("type",))
     distinguisher = dm.get("type", "") if dm else ""
     if dm and distinguisher not in ("ByUser", "ByNamespace"):
-        raise r.fail(
-            "spec.distinguisherMethod.type", f"expected ByUser or ByNamespace, got {distinguisher!r}"
-        )
+        raise r.fail("spec.distinguisherMethod.type", f"expected ByUser or ByNamespace, got {distinguisher!r}")
     rules = []
     for i, raw in enumerate(_list(r, spec.get("rules"), "spec.rules")):
         p = f"spec.rules[{i}]"
         m = r.mapping(raw, p, ("subjects", "resourceRules", "nonResourceRules"))
-        subjects = tuple(
-            _subject(r, s, f"{p}.subjects[{j}]") for j, s in enumerate(_list(r, m.get("subjects"), p))
-        )
+        subjects = tuple(_subject(r, s, f"{p}.subjects[{j}]") for j, s in enumerate(_list(r, m.get("subjects"), p)))
         if not subjects:
             raise r.fail(f"{p}.subjects", "must not be empty")
         rr = tuple(
@@ -293,9 +281,7 @@ def parse_flow_schema(obj: Any, index: str = "") -> FlowSchema:
     return FlowSchema(
         name=name,
         uid=uid,
-        matching_precedence=r.integer(
-            spec.get("matchingPrecedence"), "spec.matchingPrecedence", 1000, 1, 10000
-        ),
+        matching_precedence=r.integer(spec.get("matchingPrecedence"), "spec.matchingPrecedence", 1000, 1, 10000),
         priority_level=level,
         distinguisher=distinguisher,  # type: ignore[arg-type]  # checked above
         rules=tuple(rules),
@@ -355,9 +341,7 @@ def parse_priority_level(obj: Any, index: str = "") -> PriorityLevel:
         )
     if lr_type != "Queue":
         raise r.fail("spec.limited.limitResponse.type", f"expected Queue or Reject, got {lr_type!r}")
-    q = r.mapping(
-        lr.get("queuing"), "spec.limited.limitResponse.queuing", ("queues", "handSize", "queueLengthLimit")
-    )
+    q = r.mapping(lr.get("queuing"), "spec.limited.limitResponse.queuing", ("queues", "handSize", "queueLengthLimit"))
     qp = "spec.limited.limitResponse.queuing"
     queues = r.integer(q.get("queues"), f"{qp}.queues", 64, 1)
     hand = r.integer(q.get("handSize"), f"{qp}.handSize", 8, 1)

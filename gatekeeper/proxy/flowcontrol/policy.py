@@ -108,17 +108,13 @@ def rule_matches(rule: PolicyRule, user: UserFacts, ri: RequestFacts) -> bool:
         res = f"{ri.resource}/{ri.subresource}" if ri.subresource else ri.resource
         for rr in rule.resource_rules:
             if not (
-                _all(rr.verbs, "*", ri.verb)
-                and _all(rr.resources, "*", res)
-                and _all(rr.api_groups, "*", ri.api_group)
+                _all(rr.verbs, "*", ri.verb) and _all(rr.resources, "*", res) and _all(rr.api_groups, "*", ri.api_group)
             ):
                 continue
             if rr.cluster_scope if not ri.namespace else _all(rr.namespaces, "*", ri.namespace):
                 return True
         return False
-    return any(
-        _all(nr.verbs, "*", ri.verb) and url_matches(nr.urls, ri.path) for nr in rule.non_resource_rules
-    )
+    return any(_all(nr.verbs, "*", ri.verb) and url_matches(nr.urls, ri.path) for nr in rule.non_resource_rules)
 
 
 def schema_matches(fs: FlowSchema, user: UserFacts, ri: RequestFacts) -> bool:
@@ -172,9 +168,7 @@ BUILTIN_OBJECTS: list[dict[str, Any]] = [
         [
             {
                 "subjects": [{"kind": "Group", "group": {"name": "*"}}],
-                "nonResourceRules": [
-                    {"verbs": ["get"], "nonResourceURLs": ["/healthz", "/readyz", "/livez"]}
-                ],
+                "nonResourceRules": [{"verbs": ["get"], "nonResourceURLs": ["/healthz", "/readyz", "/livez"]}],
             }
         ],
     ),
@@ -246,9 +240,7 @@ def build_policy(objects: Iterable[tuple[str, Any]], server_concurrency_limit: i
                 raise ObjectError(f"PriorityLevelConfiguration/{pl.name}", "metadata.name", "defined twice")
             levels[pl.name] = pl
         else:
-            raise ObjectError(
-                label, "kind", f"expected FlowSchema or PriorityLevelConfiguration, got {kind!r}"
-            )
+            raise ObjectError(label, "kind", f"expected FlowSchema or PriorityLevelConfiguration, got {kind!r}")
     for obj in BUILTIN_OBJECTS:
         if obj["kind"] == "FlowSchema" and obj["metadata"]["name"] not in schemas:
             schemas[obj["metadata"]["name"]] = parse_flow_schema(obj)
@@ -259,8 +251,7 @@ def build_policy(objects: Iterable[tuple[str, Any]], server_concurrency_limit: i
             raise ObjectError(
                 f"FlowSchema/{fs.name}",
                 "spec.priorityLevelConfiguration.name",
-                f"no PriorityLevelConfiguration named {fs.priority_level!r} "
-                f"(known: {', '.join(sorted(levels))})",
+                f"no PriorityLevelConfiguration named {fs.priority_level!r} (known: {', '.join(sorted(levels))})",
             )
     return Policy(
         schemas=tuple(sorted(schemas.values(), key=lambda s: (s.matching_precedence, s.name))),

@@ -36,7 +36,9 @@ class FlowControlSettings:
     coalesce: bool = True
     """Serve identical queued LISTs of one identity with one upstream call."""
     fanout_buffer_bytes: int = 8 << 20
-    """Per-client buffer of a coalesced response; a client further behind is cut off."""
+    """Per-client buffer of a coalesced response (the shared read waits while any client's is half full)."""
+    fanout_stall_seconds: float = 10.0
+    """A coalesced client that makes no room in its buffer for this long is cut off so the others go on."""
     flow_schemas: list[dict[str, Any]] = field(default_factory=list)
     """Inline FlowSchema objects (flowcontrol.apiserver.k8s.io/v1)."""
     priority_level_configurations: list[dict[str, Any]] = field(default_factory=list)
@@ -56,6 +58,8 @@ class FlowControlSettings:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be at least 1")
+        if self.fanout_stall_seconds <= 0:
+            raise ValueError("fanoutStallSeconds: must be positive")
         if self.queue_wait_seconds <= 0:
             raise ValueError("queueWaitSeconds: must be positive")
         if self.retry_after_seconds < 1:
