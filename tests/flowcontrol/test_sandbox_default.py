@@ -1,0 +1,23 @@
+"""`gatekeeper sandbox up --with-proxy` runs the proxy with the seeds' policy unless --proxy-config says otherwise."""
+
+from __future__ import annotations
+
+from gatekeeper.config import from_mapping
+from gatekeeper.proxy.flowcontrol.defaults import SEEDS_POLICY, sandbox_flow_control
+from gatekeeper.proxy.flowcontrol.loading import load_policy
+from gatekeeper.proxy.flowcontrol.middleware import FlowControl, from_settings
+from gatekeeper.proxy.flowcontrol.settings import FlowControlSettings
+from gatekeeper.sandbox.with_proxy import default_flow_control
+
+
+def test_sandbox_default_section_is_the_seeds_policy():
+    section = default_flow_control()
+    assert section == sandbox_flow_control() == {"files": [str(SEEDS_POLICY)]}
+    settings = from_mapping(FlowControlSettings, section, "sandbox", "proxy.flowControl")
+    policy = load_policy(settings)
+    assert policy.limits["secrets-list"] == 2
+    assert isinstance(from_settings(settings), FlowControl)
+
+
+def test_disabled_flow_control_yields_no_middleware():
+    assert from_settings(FlowControlSettings(enabled=False)) is None
