@@ -18,7 +18,9 @@ CREATE, every container (init and sidecar containers included) that asks for
 Mode: pod annotation ``gatekeeper.dev/gpu-mode``, else ``namespaceModes``, else
 ``defaultMode``. The rewrite is idempotent (its output no longer asks for
 ``nvidia.com/gpu``), and pods already using DRA claims or shared names are left
-alone. Claim names come from container names, never the pod name, so
+alone -- unless they carry our ``gpu-rewritten`` annotation: then those claims
+are ours, and a GPU container another webhook injected before a reinvocation
+is rewritten too. Claim names come from container names, never the pod name, so
 ``generateName`` pods work; template names come from (mode, count, device
 class, constraint), so all pods of a shape share one template per namespace.
 """
@@ -311,7 +313,9 @@ def review(req: AdmissionRequest, settings: GpuSettings) -> Decision:
         mode = resolve_mode(annotations, req.namespace, settings)
         if mode == "off":
             return Decision(outcome="skipped", audit={"gpu-mode": "off"})
-        if _already_shared_or_dra(spec, settings):
+        # A pod we rewrote before (reinvocation after a later webhook injected another GPU container)
+        # has our own claims and shared names; only a pod that came with its own is left alone.
+        if REWRITTEN_ANNOTATION not in annotations and _already_shared_or_dra(spec, settings):
             return Decision(outcome="skipped", warnings=[
                 f"{label} already uses DRA claims or shared GPUs; its {GPU} requests were left as they are"])
         return _rewrite(req, settings, mode, found, spec, meta, annotations, label)
@@ -327,12 +331,17 @@ def _rewrite(req: AdmissionRequest, settings: GpuSettings, mode: str, found: lis
     warnings: list[str] = []
     templates: dict[str, dict[str, Any]] = {}
     claims: list[dict[str, str]] = []
+    existing = spec.get("resourceClaims")
+    taken = {rc.get("name") for rc in existing if isinstance(rc, dict)} if isinstance(existing, list) else set()
     for c in found:
         if mode in ("dra", "mps-dra"):
             tmpl = claim_template(settings, mode, c.count, req.namespace)
             tname = tmpl["metadata"]["name"]
             templates[tname] = tmpl
             cname = claim_name(c.name)
+            if cname in taken:
+                raise PolicyError(f"{label}: container {c.name} would get DRA claim {cname}, but the pod "
+                                  "already has a resourceClaims entry of that name: rename one of them")
             claims.append({"name": cname, "resourceClaimTemplateName": tname})
             ops += _drop_gpu(c)
             res, _, _ = _resource_maps(c.container)
@@ -351,6 +360,9 @@ def _rewrite(req: AdmissionRequest, settings: GpuSettings, mode: str, found: lis
     if claims:
         ops += append_list_items(spec.get("resourceClaims"), "/spec/resourceClaims", claims)
     summary = f"{mode} " + " ".join(notes)
+    previous = annotations.get(REWRITTEN_ANNOTATION)
+    if isinstance(previous, str) and previous:
+        summary = f"{previous}; {summary}"  # reinvocation: keep what the first pass recorded
     ops.append(add_map_entry(meta.get("annotations") if isinstance(meta.get("annotations"), dict) else None,
                              "/metadata/annotations", REWRITTEN_ANNOTATION, summary))
     if not meta and "metadata" not in (req.object or {}):

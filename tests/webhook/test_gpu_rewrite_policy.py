@@ -88,7 +88,8 @@ def test_generate_name_pod_without_name_gets_deterministic_claim_names() -> None
     _d2, _, out2 = run(obj)
     assert out1["spec"]["resourceClaims"] == out2["spec"]["resourceClaims"] == [
         {"name": "gpu-worker", "resourceClaimTemplateName": gpu.template_name(DRA, "dra", 1)}]
-    assert "team-a/job-*" in d1.warnings[0] or "worker" in d1.warnings[0]
+    assert d1.warnings == ["gatekeeper (dra): container worker: nvidia.com/gpu=1 -> DRA claim gpu-worker "
+                           f"({gpu.template_name(DRA, 'dra', 1)})"]
 
 
 def test_long_container_name_yields_valid_claim_name() -> None:
@@ -217,3 +218,86 @@ def test_only_pod_create_is_handled() -> None:
     obj = pod(container("m", 1))
     assert not gpu.handles(request(review(obj, kind="Pod", operation="UPDATE", old=obj)), DRA)
     assert not gpu.handles(request(review(obj, kind="Pod")), GpuSettings(enabled=False))
+
+
+MODES_AND_SETTINGS = [
+    ("dra", DRA),
+    ("mps-dra", GpuSettings(default_mode="mps-dra")),
+    ("time-slicing", GpuSettings(default_mode="time-slicing")),
+    ("mps", GpuSettings(default_mode="mps", mps_resource="nvidia.com/gpu.mps")),
+    ("mig", GpuSettings(default_mode="mig", mig_gpu_model="H100-80GB")),
+]
+FIXTURE_PODS = {
+    "limits-only": lambda: pod(container("main", 1)),
+    "requests-only": lambda: pod(container("main", 2, where="requests", extra={"memory": "1Gi"})),
+    "both-with-cpu": lambda: pod(container("main", 4, where="both", extra={"cpu": "2"})),
+    "init-sidecar-multi": lambda: pod(container("a", 1), container("web"), container("b", 2, where="both"),
+                                      init=[container("fetch", 1),
+                                            container("side", 1, where="requests", restartPolicy="Always")]),
+    "generate-name": lambda: pod(container("w", 1), name="", generate_name="job-"),
+    "empty-claims-list": lambda: pod(container("main", 1), resource_claims=[]),
+    "no-annotations": lambda: pod(container("main", 1)),
+}
+
+
+@pytest.mark.parametrize("fixture", sorted(FIXTURE_PODS))
+@pytest.mark.parametrize(("mode", "settings"), MODES_AND_SETTINGS, ids=[m for m, _ in MODES_AND_SETTINGS])
+def test_every_mode_on_every_fixture_is_a_fixed_point(mode: str, settings: GpuSettings, fixture: str) -> None:
+    obj = FIXTURE_PODS[fixture]()
+    obj["metadata"].setdefault("annotations", {})[gpu.MEMORY_ANNOTATION] = "9Gi"
+    d, resp, once = run(obj, settings)
+    assert d.outcome == "mutated", d
+    containers = once["spec"]["containers"] + once["spec"].get("initContainers", [])
+    assert not [c["name"] for c in containers for m in c.get("resources", {}).values()
+                if isinstance(m, dict) and "nvidia.com/gpu" in m]
+    assert once["metadata"]["annotations"][REWRITTEN_ANNOTATION].startswith(mode + " ")
+    d2, resp2, twice = run(once, settings)
+    assert "patch" not in resp2["response"] and twice == once and d2.outcome == "skipped"
+
+
+def test_rewritten_pod_gets_an_injected_gpu_container_rewritten_on_reinvocation() -> None:
+    _, _, once = run(pod(container("main", 2)))
+    # A later mutating webhook adds a GPU sidecar; reinvocationPolicy IfNeeded calls us again.
+    once["spec"]["containers"].append(container("injected", 1, extra={"cpu": "1"}))
+    d, _, twice = run(once)
+    assert d.outcome == "mutated"
+    assert [rc["name"] for rc in twice["spec"]["resourceClaims"]] == ["gpu-main", "gpu-injected"]
+    main, injected = twice["spec"]["containers"]
+    assert main == once["spec"]["containers"][0]
+    assert injected["resources"] == {"limits": {"cpu": "1"}, "claims": [{"name": "gpu-injected"}]}
+    assert twice["metadata"]["annotations"][REWRITTEN_ANNOTATION] == (
+        "dra main:2->gpu-main; dra injected:1->gpu-injected")
+    _, resp, thrice = run(twice)
+    assert "patch" not in resp["response"] and thrice == twice
+
+
+def test_pod_with_its_own_claims_and_no_rewrite_annotation_is_still_left_alone() -> None:
+    obj = pod(container("main", 1), resource_claims=[{"name": "gpu-main", "resourceClaimName": "mine"}])
+    d, resp, out = run(obj)
+    assert out == obj and "patch" not in resp["response"] and d.outcome == "skipped"
+
+
+def test_claim_name_clash_on_reinvocation_is_denied_not_duplicated() -> None:
+    obj = pod(container("main", 1), annotations={REWRITTEN_ANNOTATION: "dra x:1->gpu-x"},
+              resource_claims=[{"name": "gpu-main", "resourceClaimName": "someone-elses"}])
+    d, _, _ = run(obj)
+    assert not d.allowed and "already has a resourceClaims entry of that name" in d.message
+
+
+def test_generate_name_pod_is_named_by_its_prefix_in_denials() -> None:
+    s = GpuSettings(default_mode="mig")
+    d, _, _ = run(pod(container("w", 1), name="", generate_name="job-"), s)
+    assert not d.allowed and d.message.startswith("pod team-a/job-* uses gpu-mode mig")
+
+
+def test_mig_catalog_is_nvidias_published_profile_table() -> None:
+    # NVIDIA MIG User Guide, "Supported MIG Profiles" (without the +me media-extension variants).
+    published = {
+        "A100-40GB": "1g.5gb 1g.10gb 2g.10gb 3g.20gb 4g.20gb 7g.40gb",
+        "A100-80GB": "1g.10gb 1g.20gb 2g.20gb 3g.40gb 4g.40gb 7g.80gb",
+        "H100-80GB": "1g.10gb 1g.20gb 2g.20gb 3g.40gb 4g.40gb 7g.80gb",
+        "H100-94GB": "1g.12gb 1g.24gb 2g.24gb 3g.47gb 4g.47gb 7g.94gb",
+        "H100-96GB": "1g.12gb 1g.24gb 2g.24gb 3g.48gb 4g.48gb 7g.96gb",
+        "H200-141GB": "1g.18gb 1g.35gb 2g.35gb 3g.71gb 4g.71gb 7g.141gb",
+    }
+    assert {m: " ".join(p.name for p in ps) for m, ps in gpu.MIG_CATALOG.items()} == published
