@@ -1,0 +1,369 @@
+"""Benchmark: gatekeeper proxy beside HAProxy (TCP and HTTP mode) in front of the same sandbox apiservers.
+
+Not a test: it prints figures and ratios measured in one run on one machine.
+
+    gatekeeper sandbox up --state-dir /tmp/bench --apiservers 3
+    python loadtest/bench_proxy.py --state-dir /tmp/bench
+    gatekeeper sandbox down --state-dir /tmp/bench
+
+Needs Debian's ``haproxy`` and ``nghttp2-client`` (h2load). Three parts:
+
+1. **Small GET throughput and latency**: h2load (HTTP/2, bearer token, because h2load
+   cannot present client certificates) against one apiserver directly (the reference),
+   gatekeeper, HAProxy TCP and HAProxy HTTP. p50/p99 from h2load's per-request log.
+2. **Memory while streaming a big LIST** (>= 200 MB of ConfigMaps): peak RSS growth of
+   the proxy process during the LIST, gatekeeper vs HAProxy.
+3. **Per-backend share after a backend restarts** (the seeds' skew): long-lived HTTP/2
+   clients keep issuing GETs; apiserver 3 is killed and restarted; the share of requests
+   it serves in the following window is read from every apiserver's own
+   ``apiserver_request_total``. A connection balancer leaves it idle; per-request
+   balancing gives it its third back.
+
+Restarting apiserver 3 updates sandbox.json, so ``sandbox down`` still stops it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import signal
+import ssl
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from gatekeeper.certs import PKI
+from gatekeeper.sandbox import processes
+from gatekeeper.sandbox.state import SandboxState
+from gatekeeper.sandbox.with_proxy import build_config
+
+BIG_NS = "gk-bench-big"
+
+
+def sh(*argv: str, **kw: Any) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(list(argv), capture_output=True, text=True, check=True, **kw)
+
+
+class Env:
+    """The sandbox, the two proxies under test, a token and TLS material."""
+
+    def __init__(self, state_dir: str, work: Path) -> None:
+        self.state = SandboxState.load(state_dir)
+        self.work = work
+        self.certs = Path(self.state.certs_dir)
+        self.kubectl = str(self.state.extra.get("kubectl") or "kubectl")
+        self.backends = list(self.state.apiserver_urls)
+        if len(self.backends) < 3:
+            sys.exit("the benchmark needs a sandbox with at least 3 apiservers (--apiservers 3)")
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.gk_url = self.hap_tcp_url = self.hap_http_url = ""
+        self.gk_pid = self.hap_pid = 0
+        self.token = ""
+
+    def admin_tls(self) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(cafile=str(self.certs / "ca.crt"))
+        ctx.load_cert_chain(str(self.certs / "admin.crt"), str(self.certs / "admin.key"))
+        return ctx
+
+    def token_tls(self) -> ssl.SSLContext:
+        return ssl.create_default_context(cafile=str(self.certs / "ca.crt"))
+
+    def make_token(self) -> None:
+        kc = self.state.kubeconfig
+        subprocess.run([self.kubectl, "--kubeconfig", kc, "create", "serviceaccount", "gk-bench"], capture_output=True)
+        subprocess.run([self.kubectl, "--kubeconfig", kc, "create", "clusterrolebinding", "gk-bench",
+                        "--clusterrole=cluster-admin", "--serviceaccount=default:gk-bench"], capture_output=True)
+        self.token = sh(self.kubectl, "--kubeconfig", kc, "create", "token", "gk-bench", "--duration=2h").stdout.strip()
+
+    def start_gatekeeper(self) -> None:
+        pki = PKI(self.certs)
+        serving = pki.issue_serving("bench-proxy", dns=["localhost"], ips=["127.0.0.1"])
+        port, mport = processes.free_port(), processes.free_port()
+        config = build_config(self.state, port=port, metrics_port=mport, serving_cert=serving.cert,
+                              serving_key=serving.key, user_config={"flowControl": {"enabled": False}})
+        config["proxy"]["upstream"]["healthIntervalSeconds"] = 0.5
+        path = self.work / "gatekeeper.yaml"
+        path.write_text(yaml.safe_dump(config))
+        log = (self.work / "gatekeeper.log").open("ab")
+        proc = subprocess.Popen([sys.executable, "-m", "gatekeeper", "proxy", "--config", str(path)],
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs.append(proc)
+        self.gk_pid, self.gk_url = proc.pid, f"https://127.0.0.1:{port}"
+        wait_ok(f"http://127.0.0.1:{mport}/readyz", None)
+
+    def start_haproxy(self) -> None:
+        pki = PKI(self.certs)
+        serving = pki.issue_serving("bench-haproxy", dns=["localhost"], ips=["127.0.0.1"])
+        pem = self.work / "haproxy-serving.pem"
+        pem.write_bytes(serving.cert.read_bytes() + serving.key.read_bytes())
+        fp = self.work / "front-proxy.pem"
+        fp.write_bytes((self.certs / "front-proxy-client.crt").read_bytes()
+                       + (self.certs / "front-proxy-client.key").read_bytes())
+        tcp, http = processes.free_port(), processes.free_port()
+        ca = self.certs / "ca.crt"
+        servers = [re.sub(r"^https://", "", u) for u in self.backends]
+        cfg = [
+            "global", "  maxconn 4000", "defaults", "  timeout connect 5s", "  timeout client 1h",
+            "  timeout server 1h", "  timeout tunnel 1h",
+            "frontend ft_tcp", "  mode tcp", f"  bind 127.0.0.1:{tcp}", "  default_backend bk_tcp",
+            "backend bk_tcp", "  mode tcp", "  balance leastconn",
+            *[f"  server a{i} {s} check inter 500ms fall 2 rise 1" for i, s in enumerate(servers, 1)],
+            "frontend ft_http", "  mode http",
+            f"  bind 127.0.0.1:{http} ssl crt {pem} ca-file {ca} verify optional alpn h2,http/1.1",
+            "  http-request del-header X-Remote-User", "  http-request del-header X-Remote-Group",
+            "  http-request set-header X-Remote-User %[ssl_c_s_dn(CN)] if { ssl_c_used } { ssl_c_verify 0 }",
+            "  http-request set-header X-Remote-Group %[ssl_c_s_dn(O)] if { ssl_c_used } { ssl_c_verify 0 }",
+            "  default_backend bk_http",
+            "backend bk_http", "  mode http", "  balance leastconn", "  http-reuse safe",
+            *[f"  server h{i} {s} ssl verify required ca-file {ca} crt {fp} check inter 500ms fall 2 rise 1"
+              for i, s in enumerate(servers, 1)],
+        ]
+        path = self.work / "haproxy.cfg"
+        path.write_text("\n".join(cfg) + "\n")
+        log = (self.work / "haproxy.log").open("ab")
+        proc = subprocess.Popen(["haproxy", "-db", "-f", str(path)], stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        self.procs.append(proc)
+        self.hap_pid = proc.pid
+        self.hap_tcp_url, self.hap_http_url = f"https://127.0.0.1:{tcp}", f"https://127.0.0.1:{http}"
+        time.sleep(1.5)
+        if proc.poll() is not None:
+            sys.exit(f"haproxy failed: {(self.work / 'haproxy.log').read_text()[-2000:]}")
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(40)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def wait_ok(url: str, ctx: ssl.SSLContext | None, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, verify=ctx or True, timeout=3).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise SystemExit(f"{url} not ready after {timeout}s")
+
+
+# --- 1. throughput ------------------------------------------------------------------------------
+
+def h2load(env: Env, base: str, n: int, clients: int, streams: int) -> dict[str, float]:
+    log = Path(tempfile.mktemp(dir=env.work, suffix=".h2load"))
+    out = sh("h2load", "-n", str(n), "-c", str(clients), "-m", str(streams), "-H",
+             f"authorization: Bearer {env.token}", "-H", "accept: application/json",
+             f"--log-file={log}", f"{base}/api/v1/namespaces/default").stdout
+    m = re.search(r"finished in ([\d.]+)(m?s), ([\d.]+) req/s", out)
+    ok = re.search(r"requests: .* (\d+) succeeded, (\d+) failed", out)
+    status = re.search(r"status codes: (\d+) 2xx", out)
+    lat = sorted(int(line.split("\t")[2]) / 1000 for line in log.read_text().splitlines() if line.strip())
+    if not m or not lat:
+        raise SystemExit(f"h2load output not understood:\n{out}")
+    return {"rps": float(m.group(3)), "p50": lat[len(lat) // 2], "p99": lat[int(len(lat) * 0.99) - 1],
+            "ok2xx": float(status.group(1)) if status else 0.0, "failed": float(ok.group(2)) if ok else -1}
+
+
+# --- 2. big LIST memory -------------------------------------------------------------------------
+
+async def ensure_big_list(env: Env, target_mb: int) -> int:
+    ns_url = f"{env.backends[0]}/api/v1/namespaces"
+    async with httpx.AsyncClient(verify=env.admin_tls(), timeout=120) as c:
+        await c.post(ns_url, json={"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": BIG_NS}})
+        have = (await c.get(f"{ns_url}/{BIG_NS}/configmaps?limit=500", headers={"accept-encoding": "identity"}))
+        existing = len(have.json().get("items", []))
+        want = target_mb + 10
+        value = "x" * 1_000_000
+        sem = asyncio.Semaphore(4)
+
+        async def make(i: int) -> None:
+            async with sem:
+                r = await c.post(f"{ns_url}/{BIG_NS}/configmaps", json={
+                    "apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"big-{i:04d}"},
+                    "data": {"v": value}})
+                if r.status_code not in (201, 409):
+                    raise SystemExit(f"creating configmap big-{i}: {r.status_code} {r.text[:200]}")
+
+        await asyncio.gather(*(make(i) for i in range(existing, want)))
+        return want
+
+
+async def stream_list(env: Env, base: str, pid: int) -> tuple[int, int, int, float]:
+    """Read the whole LIST through ``base``; returns (bytes, idle RSS KiB, peak RSS KiB, seconds)."""
+    idle = processes.rss_kib(pid) or 0
+    peak = idle
+    done = asyncio.Event()
+
+    async def sample() -> None:
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, processes.rss_kib(pid) or 0)
+            await asyncio.sleep(0.02)
+
+    sampler = asyncio.create_task(sample())
+    total = 0
+    t0 = time.monotonic()
+    async with httpx.AsyncClient(verify=env.token_tls(), http2=True, timeout=httpx.Timeout(30, read=300)) as c:
+        async with c.stream("GET", f"{base}/api/v1/namespaces/{BIG_NS}/configmaps", headers={
+                "authorization": f"Bearer {env.token}", "accept": "application/json",
+                "accept-encoding": "identity"}) as r:
+            if r.status_code != 200:
+                raise SystemExit(f"LIST through {base}: {r.status_code} {(await r.aread())[:300]!r}")
+            async for chunk in r.aiter_raw():
+                total += len(chunk)
+    done.set()
+    await sampler
+    return total, idle, peak, time.monotonic() - t0
+
+
+# --- 3. share after restart ---------------------------------------------------------------------
+
+def apiserver_get_counts(env: Env) -> list[float]:
+    out = []
+    for url in env.backends:
+        try:
+            text = httpx.get(f"{url}/metrics", verify=env.admin_tls(), timeout=10).text
+        except httpx.HTTPError:
+            out.append(0.0)
+            continue
+        total = 0.0
+        for m in re.finditer(r'^apiserver_request_total\{([^}]*)\} ([0-9.e+]+)$', text, re.M):
+            labels = m.group(1)
+            if 'resource="namespaces"' in labels and 'verb="GET"' in labels:
+                total += float(m.group(2))
+        out.append(total)
+    return out
+
+
+def restart_apiserver(env: Env, index: int, down_seconds: float) -> None:
+    """SIGKILL apiserver ``index`` (0-based), keep it down, start it again from its recorded command."""
+    rec = [p for p in env.state.processes if p.name.startswith("kube-apiserver")][index]
+    try:
+        os.killpg(rec.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    deadline = time.monotonic() + 10
+    while processes.is_alive(rec.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(down_seconds)  # long enough for every client to notice and move to a survivor
+    new = processes.start(rec.name, rec.cmd, Path(rec.log), env=rec.env, ports=rec.ports, urls=rec.urls,
+                          health=rec.health, cwd=Path(env.state.dir))
+    rec.pid = new.pid
+    env.state.save()
+    wait_ok(f"{env.backends[index]}/readyz", env.admin_tls())
+
+
+async def share_after_restart(
+    env: Env, base: str, clients: int, window: float, down_seconds: float,
+) -> tuple[list[float], int]:
+    errors = 0
+    stop = asyncio.Event()
+
+    async def client_loop() -> None:
+        nonlocal errors
+        async with httpx.AsyncClient(verify=env.token_tls(), http2=True, timeout=10,
+                                     headers={"authorization": f"Bearer {env.token}"}) as c:
+            while not stop.is_set():
+                try:
+                    r = await c.get(f"{base}/api/v1/namespaces/default")
+                    if r.status_code != 200:
+                        errors += 1
+                except httpx.HTTPError:
+                    errors += 1
+                    await asyncio.sleep(0.1)
+                await asyncio.sleep(0.02)
+
+    tasks = [asyncio.create_task(client_loop()) for _ in range(clients)]
+    await asyncio.sleep(3)
+    await asyncio.to_thread(restart_apiserver, env, 2, down_seconds)
+    await asyncio.sleep(2)
+    before = await asyncio.to_thread(apiserver_get_counts, env)
+    await asyncio.sleep(window)
+    after = await asyncio.to_thread(apiserver_get_counts, env)
+    stop.set()
+    await asyncio.gather(*tasks)
+    delta = [a - b for a, b in zip(after, before, strict=True)]
+    total = sum(delta) or 1.0
+    return [d / total for d in delta], errors
+
+
+# --- main ---------------------------------------------------------------------------------------
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--state-dir", required=True, help="a running sandbox with >= 3 apiservers")
+    ap.add_argument("--requests", type=int, default=4000, help="h2load requests per target")
+    ap.add_argument("--clients", type=int, default=8, help="h2load connections")
+    ap.add_argument("--streams", type=int, default=8, help="h2load concurrent streams per connection")
+    ap.add_argument("--list-mb", type=int, default=200, help="size of the big LIST in MB (>= 200)")
+    ap.add_argument("--share-clients", type=int, default=12, help="long-lived clients in the restart scenario")
+    ap.add_argument("--share-window", type=float, default=10.0, help="seconds measured after the restart")
+    ap.add_argument("--down-seconds", type=float, default=8.0, help="how long apiserver 3 stays down")
+    ap.add_argument("--skip", action="append", default=[], choices=["throughput", "memory", "share"])
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="gk-bench-"))
+    env = Env(args.state_dir, work)
+    env.make_token()
+    env.start_gatekeeper()
+    env.start_haproxy()
+    targets = {"direct": env.backends[0], "gatekeeper": env.gk_url, "haproxy-tcp": env.hap_tcp_url,
+               "haproxy-http": env.hap_http_url}
+    try:
+        if "throughput" not in args.skip:
+            print(f"\n== small GET: h2load -n {args.requests} -c {args.clients} -m {args.streams} ==")
+            res = {}
+            for name, url in targets.items():
+                h2load(env, url, max(200, args.requests // 10), args.clients, args.streams)  # warm-up
+                res[name] = h2load(env, url, args.requests, args.clients, args.streams)
+                r = res[name]
+                print(f"{name:13s} {r['rps']:8.0f} req/s  p50 {r['p50']:7.2f} ms  p99 {r['p99']:7.2f} ms  "
+                      f"2xx {r['ok2xx']:.0f} failed {r['failed']:.0f}")
+            for ref in ("direct", "haproxy-tcp", "haproxy-http"):
+                g, o = res["gatekeeper"], res[ref]
+                print(f"gatekeeper / {ref:12s}: throughput x{g['rps'] / o['rps']:.2f}, "
+                      f"p50 x{g['p50'] / o['p50']:.2f}, p99 x{g['p99'] / o['p99']:.2f}")
+        if "memory" not in args.skip:
+            n = asyncio.run(ensure_big_list(env, args.list_mb))
+            print(f"\n== proxy RSS while streaming a LIST of {n} x 1 MB ConfigMaps ==")
+            mem = {}
+            for name, url, pid in (("gatekeeper", env.gk_url, env.gk_pid),
+                                   ("haproxy-http", env.hap_http_url, env.hap_pid),
+                                   ("haproxy-tcp", env.hap_tcp_url, env.hap_pid)):
+                size, idle, peak, secs = asyncio.run(stream_list(env, url, pid))
+                mem[name] = (size, idle, peak)
+                print(f"{name:13s} {size / 1e6:7.1f} MB in {secs:5.1f} s  RSS idle {idle / 1024:6.1f} MiB  "
+                      f"peak {peak / 1024:6.1f} MiB  growth {(peak - idle) / 1024:6.1f} MiB "
+                      f"({(peak - idle) * 1024 / size:.3%} of the body)")
+            g, h = mem["gatekeeper"], mem["haproxy-http"]
+            print(f"gatekeeper RSS growth / body size: {(g[2] - g[1]) * 1024 / g[0]:.4f}; "
+                  f"gatekeeper peak RSS / haproxy peak RSS: x{g[2] / max(h[2], 1):.2f}")
+        if "share" not in args.skip:
+            print(f"\n== share of apiserver 3 after it was down {args.down_seconds:.0f} s and came back "
+                  f"({args.share_clients} long-lived h2 clients, {args.share_window:.0f} s window; even = 33%) ==")
+            for name in ("gatekeeper", "haproxy-tcp", "haproxy-http"):
+                shares, errors = asyncio.run(share_after_restart(env, targets[name], args.share_clients,
+                                                                 args.share_window, args.down_seconds))
+                print(f"{name:13s} shares " + " ".join(f"{s:5.1%}" for s in shares)
+                      + f"   apiserver-3 / even: x{shares[2] * 3:.2f}   client errors: {errors}")
+    finally:
+        env.stop()
+        print(f"\n(logs and configs in {work}; p50/p99 from h2load --log-file; "
+              "ratios are gatekeeper divided by the reference)")
+
+
+if __name__ == "__main__":
+    main()
