@@ -28,7 +28,7 @@ def register(sub: Any) -> None:
 def _run(args: argparse.Namespace) -> int:
     from gatekeeper.cli import UsageError
     from gatekeeper.config import load_config
-    from gatekeeper.webhook.server import run
+    from gatekeeper.webhook.server import StartupError, preflight, run
     from gatekeeper.webhook.settings import WebhookSettings
 
     cfg = load_config(args.config, need="webhook")
@@ -42,10 +42,12 @@ def _run(args: argparse.Namespace) -> int:
         srv.validate()
     except ValueError as exc:
         raise UsageError(f"{args.config}: webhook.server: {exc}") from None
-    for path in (srv.cert_file, srv.key_file):
-        with open(path, "rb"):  # FileNotFoundError -> one readable line from cli.main
-            pass
     workers = args.workers if args.workers is not None else srv.workers
     if workers < 1:
         raise UsageError(f"--workers must be >= 1, got {workers}")
-    return run(replace(settings, server=srv), workers)
+    settings = replace(settings, server=srv)
+    try:
+        preflight(settings)
+        return run(settings, workers)
+    except StartupError as exc:
+        raise UsageError(f"{args.config}: {exc}") from None

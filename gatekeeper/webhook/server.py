@@ -16,6 +16,8 @@ import os
 import shutil
 import signal
 import socket
+import ssl
+import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,24 @@ from typing import Any
 from gatekeeper.webhook.settings import WebhookSettings
 
 log = logging.getLogger(__name__)
+
+
+class StartupError(Exception):
+    """The server cannot start as configured; the message names the setting (shown without a traceback)."""
+
+
+def preflight(settings: WebhookSettings) -> None:
+    """Check what would otherwise fail as a traceback inside a worker: the TLS pair and the kubeconfig path."""
+    from gatekeeper.webhook.tls import load_server_context
+
+    srv = settings.server
+    try:
+        load_server_context(srv.cert_file, srv.key_file)
+    except (OSError, ssl.SSLError, ValueError) as exc:
+        raise StartupError(f"webhook.server.certFile/keyFile ({srv.cert_file}, {srv.key_file}): "
+                           f"cannot load the serving certificate and key: {exc}") from None
+    if settings.gpu.enabled and settings.kubeconfig and not os.path.isfile(settings.kubeconfig):
+        raise StartupError(f"webhook.kubeconfig: {settings.kubeconfig} does not exist")
 
 
 def _write_port_file(path: str, port: int) -> None:
@@ -56,7 +76,11 @@ async def serve(settings: WebhookSettings, stop: asyncio.Event | None = None) ->
 
     srv = settings.server
     tls = ReloadingContext(srv.cert_file, srv.key_file, srv.cert_check_interval_seconds)
-    api_client = await _kube_client(settings)
+    try:
+        api_client = await _kube_client(settings)
+    except Exception as exc:  # kubernetes_asyncio raises ConfigException, OSError, ... for a bad kubeconfig
+        raise StartupError(f"webhook.kubeconfig ({settings.kubeconfig or 'in-cluster'}): cannot build a "
+                           f"Kubernetes client: {exc}") from None
     keeper = None
     if api_client is not None:
         counter = metrics().templates
@@ -66,7 +90,14 @@ async def serve(settings: WebhookSettings, stop: asyncio.Event | None = None) ->
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
     site = web.TCPSite(runner, srv.address, srv.port, ssl_context=tls.base, reuse_port=True, backlog=2048)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        if api_client is not None:
+            await api_client.close()
+        raise StartupError(f"webhook.server: cannot listen on {srv.address}:{srv.port}: "
+                           f"{exc.strerror or exc}") from None
     server = getattr(site, "_server", None)
     port = server.sockets[0].getsockname()[1] if server and server.sockets else srv.port
     _write_port_file(srv.port_file, port)
@@ -90,13 +121,27 @@ def _run_one(settings: WebhookSettings) -> None:
     uvloop.run(serve(settings))
 
 
-def _reserve_port(address: str) -> socket.socket:
-    """Bind (not listen) a SO_REUSEPORT socket so port 0 resolves to one port all workers share."""
+def _run_worker(settings: WebhookSettings) -> None:
+    """A worker process: a startup error is one line on stderr and exit code 2, like the CLI's."""
+    try:
+        _run_one(settings)
+    except StartupError as exc:
+        print(f"gatekeeper webhook: error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def _reserve_port(address: str, port: int = 0) -> socket.socket:
+    """Bind (not listen) a SO_REUSEPORT socket: port 0 resolves to one port all workers share, and a
+    port that cannot be bound is reported once, by the parent, instead of by every worker."""
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
     s = socket.socket(family, socket.SOCK_STREAM)
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    s.bind((address, 0))
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        s.bind((address, port))
+    except OSError as exc:
+        s.close()
+        raise StartupError(f"webhook.server: cannot listen on {address}:{port}: {exc.strerror or exc}") from None
     return s
 
 
@@ -109,12 +154,15 @@ def run(settings: WebhookSettings, workers: int = 1) -> int:
     inherited = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
     path = enable_multiprocess()
     owned_dir = None if inherited else path
-    reserved = None
-    if settings.server.port == 0:
-        reserved = _reserve_port(settings.server.address)
-        settings = replace(settings, server=replace(settings.server, port=reserved.getsockname()[1]))
+    try:
+        reserved = _reserve_port(settings.server.address, settings.server.port)
+    except StartupError:
+        if owned_dir:
+            shutil.rmtree(owned_dir, ignore_errors=True)
+        raise
+    settings = replace(settings, server=replace(settings.server, port=reserved.getsockname()[1]))
     ctx = multiprocessing.get_context("fork")
-    procs = [ctx.Process(target=_run_one, args=(settings,), name=f"webhook-worker-{i}")
+    procs = [ctx.Process(target=_run_worker, args=(settings,), name=f"webhook-worker-{i}")
              for i in range(workers)]
     for p in procs:
         p.start()
@@ -131,8 +179,7 @@ def run(settings: WebhookSettings, workers: int = 1) -> int:
         for p in procs:
             p.join()
     finally:
-        if reserved is not None:
-            reserved.close()
+        reserved.close()
         if owned_dir:
             shutil.rmtree(owned_dir, ignore_errors=True)
     return max((p.exitcode or 0) for p in procs)

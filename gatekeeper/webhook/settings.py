@@ -53,6 +53,14 @@ def parse_size(value: int | str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2)])
 
 
+def _size_of(key: str, value: int | str) -> int:
+    """parse_size with the YAML key in the message (the loader reports the enclosing section)."""
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise ValueError(f"{key}: {exc}") from None
+
+
 @dataclass(frozen=True)
 class ServerSettings:
     """The HTTPS listener the apiserver calls."""
@@ -77,6 +85,10 @@ class ServerSettings:
             raise ValueError("certFile and keyFile are required: the apiserver only calls webhooks over TLS")
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be 0..65535 (0 = any free port), got {self.port}")
+        if self.cert_check_interval_seconds < 0:
+            raise ValueError(f"certCheckIntervalSeconds must be >= 0, got {self.cert_check_interval_seconds}")
 
 
 @dataclass(frozen=True)
@@ -96,9 +108,9 @@ class SizeOverride:
         if not self.namespaces and not self.types:
             raise ValueError("an override needs namespaces: and/or types: "
                              "(to change every object, change the global limits)")
-        for v in (self.hard_limit, self.soft_limit):
+        for key, v in (("hardLimit", self.hard_limit), ("softLimit", self.soft_limit)):
             if v is not None:
-                parse_size(v)
+                _size_of(key, v)
 
 
 @dataclass(frozen=True)
@@ -119,7 +131,7 @@ class SecretSettings:
     """Per-namespace / per-type limits; the first matching entry wins."""
 
     def validate(self) -> None:
-        hard, soft = parse_size(self.hard_limit), parse_size(self.soft_limit)
+        hard, soft = _size_of("hardLimit", self.hard_limit), _size_of("softLimit", self.soft_limit)
         if soft > hard:
             raise ValueError(f"softLimit ({self.soft_limit}) must not exceed hardLimit ({self.hard_limit})")
 

@@ -27,7 +27,8 @@ def _mtimes(*paths: str) -> tuple[int, ...]:
     return tuple(os.stat(p).st_mtime_ns for p in paths)
 
 
-def _server_context(cert_file: str, key_file: str) -> ssl.SSLContext:
+def load_server_context(cert_file: str, key_file: str) -> ssl.SSLContext:
+    """A TLS server context for the pair; raises OSError/ssl.SSLError when they cannot be loaded."""
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     ctx.set_alpn_protocols(["http/1.1"])
@@ -44,8 +45,8 @@ class ReloadingContext:
         self.check_interval = check_interval
         self._clock = clock
         self._stamp = _mtimes(cert_file, key_file)
-        self.current = _server_context(cert_file, key_file)
-        self.base = _server_context(cert_file, key_file)
+        self.current = load_server_context(cert_file, key_file)
+        self.base = load_server_context(cert_file, key_file)
         self.base.sni_callback = self._on_handshake
         self._next_check = clock() + check_interval
         self.reloads = 0
@@ -59,7 +60,7 @@ class ReloadingContext:
         if stamp == self._stamp:
             return False
         try:
-            ctx = _server_context(self.cert_file, self.key_file)
+            ctx = load_server_context(self.cert_file, self.key_file)
         except (OSError, ssl.SSLError, ValueError) as exc:
             log.warning("serving certificate changed but cannot be loaded yet (%s); keeping the old one",
                         exc)

@@ -245,7 +245,7 @@ FIXTURE_PODS = {
 def test_every_mode_on_every_fixture_is_a_fixed_point(mode: str, settings: GpuSettings, fixture: str) -> None:
     obj = FIXTURE_PODS[fixture]()
     obj["metadata"].setdefault("annotations", {})[gpu.MEMORY_ANNOTATION] = "9Gi"
-    d, resp, once = run(obj, settings)
+    d, _, once = run(obj, settings)
     assert d.outcome == "mutated", d
     containers = once["spec"]["containers"] + once["spec"].get("initContainers", [])
     assert not [c["name"] for c in containers for m in c.get("resources", {}).values()

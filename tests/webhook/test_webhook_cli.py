@@ -130,3 +130,52 @@ def test_missing_certificate_config_is_a_one_line_error(tmp_path: Path) -> None:
     p = subprocess.run([sys.executable, "-m", "gatekeeper", "webhook", "--config", str(cfg)],
                        capture_output=True, text=True, timeout=30)
     assert p.returncode == 2 and "webhook.gpu.defaultMode" in p.stderr
+
+
+def run_webhook(cfg: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "gatekeeper", "webhook", "--config", str(cfg), *args],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_unloadable_certificate_is_a_one_line_error_naming_the_setting(tmp_path: Path, pki: PKI) -> None:
+    bad = tmp_path / "bad.crt"
+    bad.write_text("not a certificate\n")
+    cfg = write_config(tmp_path, pki)
+    cfg.write_text(cfg.read_text().replace(str(pki.cert_path("webhook")), str(bad)))
+    p = run_webhook(cfg)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert "webhook.server.certFile/keyFile" in p.stderr and str(bad) in p.stderr
+
+
+def test_out_of_range_port_is_refused_not_wrapped_around(tmp_path: Path, pki: PKI) -> None:
+    cfg = write_config(tmp_path, pki)
+    cfg.write_text(cfg.read_text().replace("port: 0", "port: 70000"))
+    p = run_webhook(cfg)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert "webhook.server: port must be 0..65535" in p.stderr
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_port_already_taken_is_a_one_line_error(tmp_path: Path, pki: PKI, workers: str) -> None:
+    with socket.socket() as taken:  # a plain listener without SO_REUSEPORT: nobody may share it
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cfg = write_config(tmp_path, pki)
+        cfg.write_text(cfg.read_text().replace("port: 0", f"port: {port}"))
+        p = run_webhook(cfg, "--workers", workers)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert f"webhook.server: cannot listen on 127.0.0.1:{port}" in p.stderr
+
+
+def test_missing_kubeconfig_is_named(tmp_path: Path, pki: PKI) -> None:
+    cfg = write_config(tmp_path, pki, f"  kubeconfig: {tmp_path / 'nope'}\n")
+    p = run_webhook(cfg)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert f"webhook.kubeconfig: {tmp_path / 'nope'} does not exist" in p.stderr
+
+
+def test_bad_size_names_the_key(tmp_path: Path, pki: PKI) -> None:
+    cfg = write_config(tmp_path, pki, "  secrets:\n    softLimit: lots\n")
+    p = run_webhook(cfg)
+    assert p.returncode == 2 and "webhook.secrets: softLimit: expected a size" in p.stderr, p.stderr
