@@ -116,6 +116,8 @@ class Backend:
     healthy_since: float = 0.0
     responses: deque[tuple[float, bool]] = field(default_factory=deque)
     """(time, was_5xx) inside the storm window."""
+    bad_responses: int = 0
+    """How many of ``responses`` were 5xx (kept as a running count: no scan per response)."""
     rate: RateWindow | None = None
 
     def ejected(self, now: float) -> bool:
@@ -251,6 +253,7 @@ class Balancer:
         backend.ejection_reason = reason
         backend.ejections_total += 1
         backend.responses.clear()
+        backend.bad_responses = 0
         backend.healthy_since = backend.ejected_until
 
     def report_connect_failure(self, backend: Backend) -> None:
@@ -263,13 +266,12 @@ class Balancer:
         now = self.clock()
         p = self.policy
         window = backend.responses
-        window.append((now, status in STORM_STATUSES))
+        is_bad = status in STORM_STATUSES
+        window.append((now, is_bad))
+        backend.bad_responses += is_bad
         while window and window[0][0] < now - p.storm_window_seconds:
-            window.popleft()
-        if len(window) < p.storm_min_responses:
-            return
-        bad = sum(1 for _, is_bad in window if is_bad)
-        if bad / len(window) < p.storm_ratio:
+            backend.bad_responses -= window.popleft()[1]
+        if len(window) < p.storm_min_responses or backend.bad_responses / len(window) < p.storm_ratio:
             return
         others = [b for b in self.backends if b is not backend and b.eligible(now)]
         if others:

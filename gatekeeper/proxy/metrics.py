@@ -5,8 +5,9 @@ ones in ``conn_metrics.py`` and flow control's ``gatekeeper_flowcontrol_*``):
 
 ``gatekeeper_proxy_requests_total{backend,verb,resource,code}``
     Requests answered by each backend; ``resource`` is ``resource`` or
-    ``resource/subresource`` (empty for non-resource URLs, ``<unknown>`` on a
-    404 so that made-up paths cannot blow up the label set).
+    ``resource/subresource`` (empty for non-resource URLs, ``<unknown>`` for a
+    404 on a resource no backend ever answered, so made-up paths cannot blow up
+    the label set).
 ``gatekeeper_proxy_request_duration_seconds{verb}``
     Time until the backend's response headers arrived (not the body: a watch
     would otherwise last forever).
@@ -135,8 +136,24 @@ class BackendCollector(Collector):
 REGISTRY.register(BackendCollector())
 
 
+_known_resources: set[str] = set()
+MAX_KNOWN_RESOURCES = 2000
+
+
 def resource_label(resource_key: str, code: int) -> str:
-    return "<unknown>" if code == 404 and resource_key else resource_key
+    """The resource label, or ``<unknown>`` for a 404 on a resource no backend has ever served.
+
+    A client can invent paths; the label set must stay bounded. A resource is
+    learned from its first non-404 answer (up to MAX_KNOWN_RESOURCES), so a 404
+    for a missing ConfigMap still counts under ``configmaps``.
+    """
+    if not resource_key:
+        return ""
+    if code != 404:
+        if resource_key not in _known_resources and len(_known_resources) < MAX_KNOWN_RESOURCES:
+            _known_resources.add(resource_key)
+        return resource_key
+    return resource_key if resource_key in _known_resources else "<unknown>"
 
 
 def render() -> tuple[bytes, str]:

@@ -100,3 +100,12 @@ def test_deploy_example_config_is_valid() -> None:
     settings = from_mapping(ProxySettings, data, str(path), "proxy")
     assert len(settings.backends) == 3 and settings.upstream.client_cert_file.endswith("front-proxy-client.crt")
     assert settings.listener.client_ca_file
+
+
+def test_resource_label_is_bounded_against_invented_paths() -> None:
+    from gatekeeper.proxy.metrics import resource_label
+
+    assert resource_label("madeup-things-x1", 404) == "<unknown>"
+    assert resource_label("configmaps-lbl-test", 200) == "configmaps-lbl-test"
+    assert resource_label("configmaps-lbl-test", 404) == "configmaps-lbl-test"
+    assert resource_label("", 404) == ""

@@ -154,6 +154,8 @@ def proxy(sbx: SandboxState, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 def namespace(sbx: SandboxState) -> Iterator[str]:
     ns = f"px-{uuid.uuid4().hex[:6]}"
     run_kubectl(sbx, sbx.kubeconfig, "create", "namespace", ns)
+    # without kube-controller-manager nobody creates the "default" ServiceAccount pods need
+    run_kubectl(sbx, sbx.kubeconfig, "-n", ns, "create", "serviceaccount", "default", check=False)
     yield ns
     run_kubectl(sbx, sbx.kubeconfig, "delete", "namespace", ns, "--wait=false", check=False)
 
@@ -261,6 +263,26 @@ def test_metrics_on_proxy_show_all_backends_serving(sbx: SandboxState, proxy: Pr
     assert "gatekeeper_proxy_skew_request_rate_ratio" in text
     pattern = r'gatekeeper_proxy_requests_total\{[^}]*code="200"[^}]*resource="namespaces"[^}]*verb="get"'
     assert re.search(pattern, text)
+
+
+def test_kubectl_exec_upgrade_is_answered_not_hung(sbx: SandboxState, proxy: ProxyProcess, namespace: str) -> None:
+    """kubectl exec (WebSocket, falling back to SPDY) goes through the upgrade path to a real apiserver.
+
+    The sandbox has no kubelet to splice a session with, so the pod is kept unscheduled: the apiserver
+    refuses the upgrade ("does not have a host assigned"), and that refusal must come back to kubectl
+    as a readable error, not a hang (the 101 splice itself is covered in test_upstream.py/test_h1.py).
+    """
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "exec-target", "namespace": namespace},
+           "spec": {"nodeSelector": {"gatekeeper.test/no-such-node": "x"},
+                    "containers": [{"name": "c", "image": "busybox"}]}}
+    run_kubectl(sbx, proxy.kubeconfig, "apply", "-f", "-", stdin=yaml.safe_dump(pod))
+    t0 = time.monotonic()
+    proc = run_kubectl(sbx, proxy.kubeconfig, "-n", namespace, "exec", "exec-target", "--", "true",
+                       check=False, timeout=60)
+    assert proc.returncode != 0
+    assert "host" in proc.stderr.lower(), proc.stderr
+    assert time.monotonic() - t0 < 30
+    assert re.search(r'gatekeeper_proxy_requests_total\{[^}]*code="400"[^}]*resource="pods/exec"', proxy.metrics())
 
 
 # --- identity -----------------------------------------------------------------------------------
