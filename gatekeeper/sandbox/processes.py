@@ -84,20 +84,40 @@ def is_alive(pid: int) -> bool:
     return state is not None and state not in ("Z", "X")
 
 
-def is_ours(rec: ProcessRecord) -> bool:
-    """The pid is alive and still runs the binary we started (guards against pid reuse)."""
+def is_ours(rec: ProcessRecord, settle: float = 1.0) -> bool:
+    """The pid is alive and still runs the binary we started (guards against pid reuse).
+
+    Popen returns (vfork) while the child is still inside execve: for a moment its cmdline is
+    empty or still the parent's. A mismatch is therefore re-read for up to ``settle`` seconds
+    before the process is declared a stranger; otherwise a ``down`` racing a fresh start
+    would report "not running" and leave it behind.
+    """
     if not is_alive(rec.pid):
         return False
-    try:
-        argv0 = Path(f"/proc/{rec.pid}/cmdline").read_bytes().split(b"\0", 1)[0].decode()
-    except OSError:
-        return False
-    return not rec.cmd or Path(argv0).name == Path(rec.cmd[0]).name
+    if not rec.cmd:
+        return True
+    want = Path(rec.cmd[0]).name
+    deadline = time.monotonic() + settle
+    while True:
+        try:
+            argv0 = Path(f"/proc/{rec.pid}/cmdline").read_bytes().split(b"\0", 1)[0].decode()
+        except OSError:
+            return False
+        if Path(argv0).name == want:
+            return True
+        if time.monotonic() >= deadline or not is_alive(rec.pid):
+            return False
+        time.sleep(0.02)
 
 
 def _signal(rec: ProcessRecord, sig: signal.Signals) -> None:
     try:
-        if os.getpgid(rec.pid) == rec.pid:
+        try:
+            leader_group = os.getpgid(rec.pid)
+        except ProcessLookupError:  # leader gone: signal what is left of its group (see _orphaned)
+            os.killpg(rec.pid, sig)
+            return
+        if leader_group == rec.pid:
             os.killpg(rec.pid, sig)
         else:
             os.kill(rec.pid, sig)
@@ -128,10 +148,20 @@ class StopResult:
     """``stopped`` (SIGTERM), ``killed`` (needed SIGKILL), ``not running``, or ``SURVIVED``."""
 
 
+def _orphaned(rec: ProcessRecord) -> bool:
+    """The recorded process is gone but children it forked still run in its group.
+
+    Safe to signal: Linux does not hand out a pid again while a process group of that id exists, so
+    members of group ``rec.pid`` whose leader is dead can only be descendants of what we started
+    (a crashed ``webhook --workers`` parent leaves its workers exactly like this).
+    """
+    return not is_alive(rec.pid) and _group_alive(rec.pid)
+
+
 def stop(records: Iterable[ProcessRecord], *, grace: float = 10.0) -> list[StopResult]:
     """SIGTERM every group, wait up to ``grace`` seconds, then SIGKILL; verify none is left."""
     recs = list(records)
-    live = [r for r in recs if is_ours(r)]
+    live = [r for r in recs if is_ours(r) or _orphaned(r)]
     results = {r.name: StopResult(r.name, r.pid, "not running") for r in recs}
     for r in live:
         _signal(r, signal.SIGTERM)

@@ -81,3 +81,35 @@ def test_probe_reports_refused_connections_as_unhealthy() -> None:
     port = processes.free_port()
     ok, detail = processes.probe(f"http://127.0.0.1:{port}/healthz", timeout=1)
     assert not ok and "refused" in detail.lower()
+
+
+ORPHANER = (
+    "import subprocess, sys, time; "
+    f"c = subprocess.Popen([sys.executable, '-c', {SLEEP!r}]); print(c.pid, flush=True); time.sleep(300)"
+)
+
+
+def test_children_left_behind_by_a_dead_leader_are_stopped_too(tmp_path: Path) -> None:
+    log = tmp_path / "orphaner.log"
+    rec = processes.start("webhook", [sys.executable, "-c", ORPHANER], log)
+    assert wait_for(lambda: log.read_text().strip().isdigit())
+    child = int(log.read_text())
+    os.kill(rec.pid, 9)  # the leader crashes; its child keeps running in the leader's process group
+    assert wait_for(lambda: not processes.is_alive(rec.pid))
+    assert processes.is_alive(child) and os.getpgid(child) == rec.pid
+    [result] = processes.stop([rec], grace=5)
+    assert result.outcome == "stopped"
+    assert wait_for(lambda: not processes.is_alive(child), timeout=5), "orphaned child survived stop"
+    assert group_members(rec.pid) == []
+
+
+def test_a_process_is_ours_right_after_start_even_while_it_is_still_exec_ing(tmp_path: Path) -> None:
+    # Popen returns while the child may still be inside execve (empty or parent's cmdline): stop()
+    # right after start() must still recognise it, or `down` racing `up` would leave it running.
+    for _ in range(100):
+        rec = processes.start("sleeper", [sys.executable, "-c", SLEEP], tmp_path / "s.log")
+        try:
+            assert processes.is_ours(rec)
+        finally:
+            os.kill(rec.pid, 9)
+            os.waitpid(rec.pid, 0)
