@@ -303,6 +303,18 @@ def test_spoofed_remote_user_with_unprivileged_token_does_not_escalate(
         assert "system:masters" not in user.get("groups", [])
 
 
+def test_impersonation_headers_pass_and_are_authorized_by_the_apiserver(
+    sbx: SandboxState, proxy: ProxyProcess, namespace: str, viewer_token: str, tmp_path: Path,
+) -> None:
+    as_sa = f"--as=system:serviceaccount:{namespace}:px-editor"
+    who = json.loads(run_kubectl(sbx, proxy.kubeconfig, as_sa, "auth", "whoami", "-o", "json").stdout)
+    assert who["status"]["userInfo"]["username"] == f"system:serviceaccount:{namespace}:px-editor"
+    kc = token_kubeconfig(proxy, viewer_token, tmp_path / "token.kubeconfig")
+    # --raw: kubectl's discovery would hide the apiserver's message behind "Forbidden: unknown"
+    denied = run_kubectl(sbx, kc, "--as=sandbox-admin", "get", "--raw", "/api/v1/namespaces", check=False)
+    assert denied.returncode != 0 and "cannot impersonate" in denied.stderr, denied.stderr
+
+
 def test_spoofed_remote_user_with_client_cert_is_replaced_by_cert_identity(proxy: ProxyProcess) -> None:
     with httpx.Client(verify=proxy.tls(cert=True), http2=True) as client:
         review = client.post(f"{proxy.url}/apis/authentication.k8s.io/v1/selfsubjectreviews",
