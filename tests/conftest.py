@@ -17,7 +17,9 @@ from __future__ import annotations
 import atexit
 import importlib.util
 import os
+import signal
 import subprocess
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -27,7 +29,14 @@ from typing import Any
 import pytest
 
 from gatekeeper.sandbox.state import SandboxState
-from gatekeeper.sandbox.testing import UP_TIMEOUT, Kubectl, SandboxUpFailed, run_down, sandbox_up
+from gatekeeper.sandbox.testing import (
+    UP_TIMEOUT,
+    Kubectl,
+    SandboxUpFailed,
+    processes_mentioning,
+    run_down,
+    sandbox_up,
+)
 
 ADDONS = ("webhook", "proxy")
 
@@ -63,6 +72,10 @@ def up_or_fail(state_dir: Path, *extra: str) -> SandboxState:
         pytest.fail(str(exc), pytrace=False)
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 @pytest.fixture(scope="session")
 def sandbox(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SandboxState]:
     """The shared sandbox: 3 apiservers, 2 GPU nodes x 8 GPUs, scheduler + KCM, detected add-ons."""
@@ -77,6 +90,10 @@ def sandbox(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SandboxState]:
             run_down(state_dir)
 
     atexit.register(teardown)
+    # A CI timeout sends SIGTERM, whose default action skips both `finally` and atexit; turn it into
+    # an interrupt so the sandbox (in its own sessions, immune to the signal) is still torn down.
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _interrupt) if in_main else None
     try:
         extra = ["--apiservers", "3", "--gpu-nodes", "2", "--with-scheduler",
                  *(f"--with-{a}" for a in addons)]
@@ -86,6 +103,12 @@ def sandbox(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SandboxState]:
     finally:
         teardown()
         atexit.unregister(teardown)
+        if in_main and previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    # "No process survives the test session": anything still naming the state dir was missed by down.
+    leftover = processes_mentioning(state_dir)
+    if leftover:
+        pytest.fail(f"sandbox down left processes running: {leftover}", pytrace=False)
 
 
 @pytest.fixture(scope="session")

@@ -61,7 +61,7 @@ def test_failed_up_names_the_component_shows_its_log_and_stops_everything(small_
     assert p.returncode != 0
     assert "etcd: not healthy" in p.stderr
     assert "--- last lines of" in p.stderr and "etcd.log" in p.stderr
-    assert "etcd stopped" in p.stderr or "etcd killed" in p.stderr
+    assert "etcd stopped" in p.stderr or "etcd killed" in p.stderr, p.stderr
     assert processes_mentioning(small_dir) == []
 
 
