@@ -310,3 +310,28 @@ async def test_sighup_rereads_policy_files(tmp_path):
         assert fc.controller.levels["secrets-list"].limit == 90  # ceil(100 * 45 / 50)
     finally:
         await fc.close()
+
+
+async def test_client_leaving_mid_body_or_while_queued_frees_everything():
+    fc = FlowControl(seeds_settings(coalesce=False))
+    level = fc.controller.levels["secrets-list"]
+    up = Upstream(body=b"x" * 1000, chunks=10)
+    resp = await fc(req(), up)
+    it = resp.body.__aiter__()
+    await it.__anext__()
+    up.gate.clear()
+    blocker = asyncio.create_task(fc(req(user="b"), up))
+    await asyncio.sleep(0.01)
+    queued = asyncio.create_task(fc(req(user="c"), up))
+    await asyncio.sleep(0.01)
+    assert level.waiting == 1 and level.executing_requests == 2
+    queued.cancel()  # the client went away while waiting
+    with pytest.raises(asyncio.CancelledError):
+        await queued
+    assert level.waiting == 0
+    await it.aclose()  # the client reset the stream mid-body
+    resp.finish(ConnectionError("client gone"))
+    assert level.executing_requests == 1
+    up.gate.set()
+    await read(await blocker)
+    assert level.executing_requests == 0 and level.executing_seats == 0
