@@ -16,6 +16,7 @@ import base64
 import datetime as dt
 import ipaddress
 import os
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,8 +123,22 @@ def make_ca(common_name: str, days: int = 3650, algorithm: str = "ecdsa") -> tup
     return cert, key
 
 
+_DNS_LABEL = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$", re.IGNORECASE)
+
+
+def _check_dns_name(name: str) -> None:
+    """RFC 1123 host name, optionally ``*.`` wildcard: clients reject anything else at handshake time."""
+    labels = name[2:].split(".") if name.startswith("*.") else name.split(".")
+    if len(name) > 253 or not all(_DNS_LABEL.match(label) for label in labels):
+        raise ValueError(f"--dns {name!r} is not a DNS name (letters, digits and '-' in dot-separated "
+                         "labels, optionally starting with '*.')")
+
+
 def _parse_sans(dns: Iterable[str], ips: Iterable[str]) -> list[x509.GeneralName]:
-    sans: list[x509.GeneralName] = [x509.DNSName(d) for d in dns]
+    sans: list[x509.GeneralName] = []
+    for d in dns:
+        _check_dns_name(d)
+        sans.append(x509.DNSName(d))
     for ip in ips:
         try:
             sans.append(x509.IPAddress(ipaddress.ip_address(ip)))
@@ -147,6 +162,7 @@ def make_leaf(
 ) -> tuple[x509.Certificate, PrivateKey]:
     if not (server or client):
         raise ValueError("a leaf certificate must be for server use, client use, or both")
+    sans = _parse_sans(dns, ips)  # first: a bad --dns/--ip is the user's error, reported as such
     key = new_key(algorithm)
     now = _now()
     usages = []
@@ -177,7 +193,6 @@ def make_leaf(
             x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False
         )
     )
-    sans = _parse_sans(dns, ips)
     if sans:
         builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
     elif server:
@@ -242,6 +257,8 @@ class PKI:
     ) -> Issued:
         ca_cert, ca_key = self._ca(ca)
         cn = dns[0] if dns else (ips[0] if ips else name)
+        if len(cn) > 64:  # X.520 caps a CN at 64 characters; clients match SANs, the CN is a label
+            cn = name[:64]
         cert, key = make_leaf(ca_cert, ca_key, common_name=cn, dns=dns, ips=ips, server=True,
                               days=days, algorithm=algorithm)
         return self._store(name, cert, key)
@@ -262,7 +279,10 @@ class PKI:
 
     def ca_bundle(self, ca: str = CLUSTER_CA) -> str:
         """base64 of the CA PEM, the form ``clientConfig.caBundle`` and kubeconfigs take."""
-        return base64.b64encode(self.cert_path(ca).read_bytes()).decode()
+        path = self.cert_path(ca)
+        if not path.exists():
+            raise FileNotFoundError(f"{path} does not exist; run `gatekeeper certs init --dir {self.dir}` first")
+        return base64.b64encode(path.read_bytes()).decode()
 
     def check(self, warn_days: int = 30) -> list[CertStatus]:
         out = []

@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from gatekeeper.certs import CLUSTER_CA, FRONT_PROXY_CA, PKI
+from gatekeeper.cli import non_negative_int, positive_int
 
 
 def register(sub: Any) -> None:
@@ -36,7 +37,7 @@ def register(sub: Any) -> None:
     serving.add_argument("--name", required=True, help="file stem: writes NAME.crt and NAME.key")
     serving.add_argument("--dns", action="append", default=[], help="DNS subject alternative name (repeatable)")
     serving.add_argument("--ip", action="append", default=[], help="IP subject alternative name (repeatable)")
-    serving.add_argument("--days", type=int, default=365)
+    serving.add_argument("--days", type=positive_int, default=365, help="validity in days (default 365)")
     serving.add_argument("--algorithm", choices=["ecdsa", "rsa"], default="ecdsa")
     serving.set_defaults(func=_issue_serving)
     client = isub.add_parser("client", help="a client certificate (clientAuth): CN=user, O=groups")
@@ -48,7 +49,7 @@ def register(sub: Any) -> None:
         "--ca", choices=[CLUSTER_CA, FRONT_PROXY_CA], default=CLUSTER_CA,
         help="signing CA: 'ca' for users, 'front-proxy-ca' for a front proxy's own client cert",
     )
-    client.add_argument("--days", type=int, default=365)
+    client.add_argument("--days", type=positive_int, default=365, help="validity in days (default 365)")
     client.add_argument("--algorithm", choices=["ecdsa", "rsa"], default="ecdsa")
     client.set_defaults(func=_issue_client)
 
@@ -59,7 +60,8 @@ def register(sub: Any) -> None:
 
     check = csub.add_parser("check", help="report the expiry of every certificate in --dir")
     with_dir(check)
-    check.add_argument("--warn-days", type=int, default=30, help="flag certificates expiring sooner (default 30)")
+    check.add_argument("--warn-days", type=non_negative_int, default=30,
+                       help="flag certificates expiring sooner (default 30)")
     check.set_defaults(func=_check)
 
 
@@ -85,8 +87,13 @@ def _issue_serving(args: argparse.Namespace) -> int:
 
 
 def _issue_client(args: argparse.Namespace) -> int:
-    out = PKI(args.dir).issue_client(args.name, user=args.user, groups=args.group, ca=args.ca, days=args.days,
-                                     algorithm=args.algorithm)
+    try:
+        out = PKI(args.dir).issue_client(args.name, user=args.user, groups=args.group, ca=args.ca,
+                                         days=args.days, algorithm=args.algorithm)
+    except ValueError as exc:
+        from gatekeeper.cli import UsageError
+
+        raise UsageError(str(exc)) from None
     print(f"wrote {out.cert} and {out.key}")
     return 0
 

@@ -21,6 +21,22 @@ class UsageError(Exception):
     """An error the user can fix from the message alone; printed without a traceback."""
 
 
+def positive_int(text: str) -> int:
+    """argparse ``type=`` for counts and durations that must be at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """argparse ``type=`` for counts that may be 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     from gatekeeper import certs_command
     from gatekeeper.proxy import command as proxy_command

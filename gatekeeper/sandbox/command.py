@@ -6,6 +6,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from gatekeeper.cli import non_negative_int, positive_int
+
 
 def register(sub: Any) -> None:
     p = sub.add_parser(
@@ -37,12 +39,12 @@ def register(sub: Any) -> None:
                     "started and exits non-zero.",
     )
     _state_dir(u)
-    u.add_argument("--apiservers", type=_positive, default=3, help="kube-apiservers sharing etcd (default 3)")
-    u.add_argument("--gpu-nodes", type=_non_negative, default=0, help="KWOK GPU nodes (default 0)")
-    u.add_argument("--gpus-per-node", type=_positive, default=8, help="GPUs per node (default 8)")
+    u.add_argument("--apiservers", type=positive_int, default=3, help="kube-apiservers sharing etcd (default 3)")
+    u.add_argument("--gpu-nodes", type=non_negative_int, default=0, help="KWOK GPU nodes (default 0)")
+    u.add_argument("--gpus-per-node", type=positive_int, default=8, help="GPUs per node (default 8)")
     u.add_argument("--with-scheduler", action="store_true",
                    help="also run kube-scheduler and kube-controller-manager")
-    u.add_argument("--gogc", type=_positive, default=None, help="GOGC for the control-plane processes")
+    u.add_argument("--gogc", type=positive_int, default=None, help="GOGC for the control-plane processes")
     u.add_argument("--timeout", type=float, default=300.0,
                    help="seconds each component may take (default 300)")
     u.add_argument("--with-webhook", action="store_true", help="also run the gatekeeper webhook add-on")
@@ -63,20 +65,6 @@ def register(sub: Any) -> None:
 
 def _state_dir(p: argparse.ArgumentParser) -> None:
     p.add_argument("--state-dir", required=True, type=Path, help="sandbox directory (e.g. ./.sandbox)")
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
 
 
 def _build(args: argparse.Namespace) -> int:

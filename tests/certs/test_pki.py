@@ -133,3 +133,24 @@ def test_check_flags_certificates_expiring_within_warn_days(pki: PKI) -> None:
     pki.issue_serving("short", ips=["127.0.0.1"], days=5)
     rows = {r.path.name: r for r in pki.check(warn_days=30)}
     assert rows["short.crt"].state == "expiring"
+
+
+@pytest.mark.parametrize("name", ["bad name", "-lead.example", "a..b", "x" * 64 + ".example", "under_score.io"])
+def test_serving_cert_refuses_names_that_are_not_dns_names(pki: PKI, name: str) -> None:
+    with pytest.raises(ValueError, match="is not a DNS name"):
+        pki.issue_serving("bad", dns=[name])
+    assert not pki.cert_path("bad").exists()
+
+
+def test_serving_cert_accepts_service_and_wildcard_names(pki: PKI) -> None:
+    names = ["gatekeeper-webhook.gatekeeper-system.svc", "*.apps.example.com", "localhost"]
+    cert = load_cert(pki.issue_serving("ok", dns=names).cert)
+    assert cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
+        x509.DNSName) == names
+
+
+def test_serving_cert_for_a_dns_name_longer_than_a_common_name_is_issued(pki: PKI) -> None:
+    long_name = ".".join(["a" * 60, "b" * 60, "svc"])
+    cert = load_cert(pki.issue_serving("long", dns=[long_name]).cert)
+    assert cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
+        x509.DNSName) == [long_name]

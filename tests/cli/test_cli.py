@@ -47,3 +47,16 @@ def test_missing_config_file_is_reported_with_its_path(tmp_path: Path) -> None:
     out = run("proxy", "--config", str(missing))
     assert out.returncode != 0
     assert str(missing) in out.stderr and "Traceback" not in out.stderr
+
+
+def test_non_positive_validity_is_refused_by_the_parser(tmp_path: Path) -> None:
+    d = str(tmp_path / "c")
+    assert run("certs", "init", "--dir", d).returncode == 0
+    out = run("certs", "issue", "serving", "--dir", d, "--name", "x", "--ip", "127.0.0.1", "--days", "-3")
+    assert out.returncode == 2 and "argument --days: must be >= 1, got -3" in out.stderr
+    assert not (tmp_path / "c" / "x.crt").exists()
+
+
+def test_ca_bundle_before_init_names_the_fix(tmp_path: Path) -> None:
+    out = run("certs", "ca-bundle", "--dir", str(tmp_path / "none"))
+    assert out.returncode == 2 and "run `gatekeeper certs init" in out.stderr and "Traceback" not in out.stderr
