@@ -15,8 +15,8 @@ collector), so they can never drift from the queues' real state.
 ``gatekeeper_flowcontrol_work_estimated_seats{flow_schema,priority_level}``
 ``gatekeeper_flowcontrol_list_response_bytes{resource}``
     Observed LIST response sizes, the input of the seat estimate.
-``gatekeeper_flowcontrol_current_inqueue_requests{priority_level}``
-``gatekeeper_flowcontrol_current_executing_requests{priority_level}``
+``gatekeeper_flowcontrol_current_inqueue_requests{flow_schema,priority_level}``
+``gatekeeper_flowcontrol_current_executing_requests{flow_schema,priority_level}``
 ``gatekeeper_flowcontrol_current_executing_seats{priority_level}``
 ``gatekeeper_flowcontrol_nominal_limit_seats{priority_level}``
 ``gatekeeper_flowcontrol_peak_executing_requests{priority_level}``
@@ -81,6 +81,8 @@ class Source(Protocol):
 
     controller: FlowController
     peak_executing: dict[str, int]
+    executing_by_schema: dict[tuple[str, str], int]
+    """(flow_schema, priority_level) -> requests running upstream now."""
 
 
 _sources: weakref.WeakSet[Source] = weakref.WeakSet()
@@ -90,38 +92,68 @@ def register_source(source: Source) -> None:
     _sources.add(source)
 
 
+def _waiting_by_schema(c: FlowController) -> dict[tuple[str, str], int]:
+    out: dict[tuple[str, str], int] = {}
+    for lv in [*c.levels.values(), *c.draining]:
+        for q in lv.queues:
+            for t in q.items:
+                fs = getattr(t.payload, "fs", None)
+                key = (fs.name if fs is not None else "", lv.spec.name)
+                out[key] = out.get(key, 0) + 1
+    return out
+
+
 class _Gauges(Collector):
+    """Read at scrape time; summed over flow-control instances (a process normally has one)."""
+
     def collect(self) -> Iterator[Metric]:
-        names = {
-            "inqueue": ("gatekeeper_flowcontrol_current_inqueue_requests", "Requests waiting in queues."),
-            "exec": ("gatekeeper_flowcontrol_current_executing_requests", "Requests running upstream."),
+        by_schema = ["flow_schema", "priority_level"]
+        inqueue = GaugeMetricFamily(
+            "gatekeeper_flowcontrol_current_inqueue_requests", "Requests waiting in queues.", labels=by_schema
+        )
+        executing = GaugeMetricFamily(
+            "gatekeeper_flowcontrol_current_executing_requests",
+            "Requests running upstream (watches until their response starts).",
+            labels=by_schema,
+        )
+        per_level = {
             "seats": ("gatekeeper_flowcontrol_current_executing_seats", "Seats held by running requests."),
             "limit": ("gatekeeper_flowcontrol_nominal_limit_seats", "Nominal concurrency limit per level."),
-            "peak": (
-                "gatekeeper_flowcontrol_peak_executing_requests",
-                "Most requests of a level running at once.",
-            ),
+            "peak": ("gatekeeper_flowcontrol_peak_executing_requests", "Most requests of a level running at once."),
         }
-        fams = {k: GaugeMetricFamily(n, h, labels=["priority_level"]) for k, (n, h) in names.items()}
+        fams = {k: GaugeMetricFamily(n, h, labels=["priority_level"]) for k, (n, h) in per_level.items()}
         list_bytes = GaugeMetricFamily(
-            "gatekeeper_flowcontrol_executing_list_estimated_bytes",
-            "Estimated bytes of LISTs running upstream.",
+            "gatekeeper_flowcontrol_executing_list_estimated_bytes", "Estimated bytes of LISTs running upstream."
         )
-        any_source = False
-        for src in list(_sources):
-            any_source = True
+        waiting: dict[tuple[str, str], int] = {}
+        running: dict[tuple[str, str], int] = {}
+        levels: dict[str, dict[str, float]] = {}
+        used = 0
+        sources = list(_sources)
+        for src in sources:
             c = src.controller
+            for key, v in _waiting_by_schema(c).items():
+                waiting[key] = waiting.get(key, 0) + v
+            for key, v in src.executing_by_schema.items():
+                running[key] = running.get(key, 0) + v
             for name, lv in c.levels.items():
-                draining = [d for d in c.draining if d.spec.name == name]
-                fams["inqueue"].add_metric([name], lv.waiting + sum(d.waiting for d in draining))
-                fams["exec"].add_metric([name], lv.executing_requests + sum(d.executing_requests for d in draining))
-                fams["seats"].add_metric([name], lv.executing_seats + sum(d.executing_seats for d in draining))
-                if not lv.spec.exempt:
-                    fams["limit"].add_metric([name], lv.limit)
-                fams["peak"].add_metric([name], src.peak_executing.get(name, 0))
-            list_bytes.add_metric([], c.budget.used)
+                agg = levels.setdefault(name, {"seats": 0.0, "limit": 0.0, "peak": 0.0})
+                agg["seats"] += lv.executing_seats + sum(d.executing_seats for d in c.draining if d.spec.name == name)
+                agg["limit"] += 0 if lv.spec.exempt else lv.limit
+                agg["peak"] = max(agg["peak"], src.peak_executing.get(name, 0))
+            used += c.budget.used
+        for (fs, pl), v in sorted(waiting.items()):
+            inqueue.add_metric([fs, pl], v)
+        for (fs, pl), v in sorted(running.items()):
+            executing.add_metric([fs, pl], v)
+        for name, agg in sorted(levels.items()):
+            for k, fam in fams.items():
+                fam.add_metric([name], agg[k])
+        yield inqueue
+        yield executing
         yield from fams.values()
-        if any_source:
+        if sources:
+            list_bytes.add_metric([], used)
             yield list_bytes
 
 

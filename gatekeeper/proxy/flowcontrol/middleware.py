@@ -111,6 +111,8 @@ class _Waiter:
     """For a follower: resolved by the leader with this follower's own view of the shared response."""
     started: float = 0.0
     seats_released: bool = False
+    counted: bool = False
+    """Counted in executing_by_schema (the current_executing_requests gauge)."""
     finished: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -167,6 +169,7 @@ class FlowControl:
         self.clock = clock
         self.controller = FlowController(policy or load_policy(settings), limits_of(settings))
         self.peak_executing: dict[str, int] = {}
+        self.executing_by_schema: dict[tuple[str, str], int] = {}
         self.reloader = Reloader(settings, self.apply)
         self._poll: asyncio.Task[None] | None = None
         self._sighup = False
@@ -257,6 +260,9 @@ class FlowControl:
             if d.state == "executing":
                 w.started = self.clock()
                 metrics.DISPATCHED.labels(w.fs.name, w.pl.name).inc()
+                key = (w.fs.name, w.pl.name)
+                self.executing_by_schema[key] = self.executing_by_schema.get(key, 0) + 1
+                w.counted = True
                 if d.level is not None:
                     name = d.level.spec.name
                     self.peak_executing[name] = max(self.peak_executing.get(name, 0), d.level.executing_requests)
@@ -338,10 +344,18 @@ class FlowControl:
                     body.close()
             raise
 
+    def _uncount(self, w: _Waiter) -> None:
+        """The request no longer counts as executing (ended, or a watch got going)."""
+        if w.counted:
+            w.counted = False
+            key = (w.fs.name, w.pl.name)
+            self.executing_by_schema[key] = self.executing_by_schema.get(key, 1) - 1
+
     def _release_seats(self, t: Ticket) -> None:
         w = t.payload
         if isinstance(w, _Waiter) and not w.seats_released:
             w.seats_released = True
+            self._uncount(w)
             metrics.EXECUTION.labels(w.fs.name, w.pl.name, "watch").observe(self.clock() - w.started)
             self._wake(self.controller.release_seats(t))
 
@@ -351,6 +365,7 @@ class FlowControl:
         if not isinstance(w, _Waiter) or w.finished:
             return
         w.finished = True
+        self._uncount(w)
         if not w.seats_released:
             metrics.EXECUTION.labels(w.fs.name, w.pl.name, "regular").observe(self.clock() - w.started)
         if w.info.verb == "list" and status == 200 and complete:
