@@ -73,17 +73,12 @@ def _wait(
     rec: ProcessRecord | None, name: str, check: Callable[[], tuple[bool, str]], timeout: float,
 ) -> None:
     """Poll ``check`` until it passes; fail fast if the process has already exited."""
-    deadline = time.monotonic() + timeout
-    detail = "not checked yet"
-    while True:
-        if rec is not None and not processes.is_alive(rec.pid):
-            raise ComponentFailed(name, f"process {rec.pid} exited (last check: {detail})")
-        ok, detail = check()
-        if ok:
-            return
-        if time.monotonic() > deadline:
-            raise ComponentFailed(name, f"not healthy after {timeout:.0f}s: {detail}")
-        time.sleep(0.5)
+    try:
+        processes.poll_until(check, timeout, pid=rec.pid if rec is not None else None)
+    except processes.WaitFailed as exc:
+        if exc.exited and rec is not None:
+            raise ComponentFailed(name, f"process {rec.pid} exited (last check: {exc.detail})") from None
+        raise ComponentFailed(name, f"not healthy after {timeout:.0f}s: {exc.detail}") from None
 
 
 def _refuse_if_running(directory: Path) -> None:

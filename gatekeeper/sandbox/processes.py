@@ -18,7 +18,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -181,6 +181,31 @@ def stop(records: Iterable[ProcessRecord], *, grace: float = 10.0) -> list[StopR
         if is_alive(r.pid) or _group_alive(r.pid):
             results[r.name].outcome = "SURVIVED"
     return [results[r.name] for r in recs]
+
+
+class WaitFailed(Exception):
+    """:func:`poll_until` gave up: the process exited (``exited``) or time ran out; ``detail`` is the last check."""
+
+    def __init__(self, detail: str, *, exited: bool) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        self.exited = exited
+
+
+def poll_until(check: Callable[[], tuple[bool, str]], timeout: float, *, pid: int | None = None,
+               interval: float = 0.5) -> None:
+    """Call ``check`` until it passes; fail fast (``exited``) once ``pid`` is gone, else at ``timeout``."""
+    deadline = time.monotonic() + timeout
+    detail = "not checked yet"
+    while True:
+        if pid is not None and not is_alive(pid):
+            raise WaitFailed(detail, exited=True)
+        ok, detail = check()
+        if ok:
+            return
+        if time.monotonic() > deadline:
+            raise WaitFailed(detail, exited=False)
+        time.sleep(interval)
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,6 @@ import argparse
 import base64
 import json
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -47,17 +46,12 @@ class WebhookStartError(Exception):
 
 def _wait(what: str, check: Callable[[], tuple[bool, str]], timeout: float,
           pid: int | None = None, log: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    detail = "not checked yet"
-    while True:
-        if pid is not None and not processes.is_alive(pid):
-            raise WebhookStartError(f"webhook: process {pid} exited ({detail})\n{processes.tail(log)}")
-        ok, detail = check()
-        if ok:
-            return
-        if time.monotonic() > deadline:
-            raise WebhookStartError(f"webhook: {what} not reached after {timeout:.0f}s: {detail}")
-        time.sleep(0.3)
+    try:
+        processes.poll_until(check, timeout, pid=pid, interval=0.3)
+    except processes.WaitFailed as exc:
+        if exc.exited:
+            raise WebhookStartError(f"webhook: process {pid} exited ({exc.detail})\n{processes.tail(log)}") from None
+        raise WebhookStartError(f"webhook: {what} not reached after {timeout:.0f}s: {exc.detail}") from None
 
 
 def webhook_config(state: SandboxState, serving: Any, kubeconfig: Path, port_file: Path) -> dict[str, Any]:

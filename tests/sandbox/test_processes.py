@@ -6,6 +6,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 from gatekeeper.sandbox import processes
 from gatekeeper.sandbox.state import ProcessRecord
 
@@ -113,3 +115,21 @@ def test_a_process_is_ours_right_after_start_even_while_it_is_still_exec_ing(tmp
         finally:
             os.kill(rec.pid, 9)
             os.waitpid(rec.pid, 0)
+
+
+def test_poll_until_fails_fast_when_the_process_exits_and_reports_the_last_check(tmp_path: Path) -> None:
+    rec = processes.start("quitter", [sys.executable, "-c", "pass"], tmp_path / "q.log")
+    with pytest.raises(processes.WaitFailed) as info:
+        processes.poll_until(lambda: (False, "still starting"), timeout=120, pid=rec.pid, interval=0.05)
+    assert info.value.exited and info.value.detail == "still starting"
+    with pytest.raises(processes.WaitFailed) as info:
+        processes.poll_until(lambda: (False, "nope"), timeout=0, interval=0.01)
+    assert not info.value.exited and info.value.detail == "nope"
+    calls: list[int] = []
+
+    def third_time_lucky() -> tuple[bool, str]:
+        calls.append(1)
+        return len(calls) >= 3, "not yet"
+
+    processes.poll_until(third_time_lucky, timeout=60, interval=0.01)
+    assert len(calls) == 3
