@@ -50,9 +50,8 @@ def request(doc: dict[str, Any]):  # type: ignore[no-untyped-def]
     return review_from_dict(doc)
 
 
-def secret(name: str = "model-certs", *, data: dict[str, str] | None = None,
-           string_data: dict[str, str] | None = None, type_: str = "Opaque",
-           annotations: dict[str, str] | None = None, generate_name: str = "") -> dict[str, Any]:
+def _meta(name: str, generate_name: str, annotations: dict[str, str] | None) -> dict[str, Any]:
+    """Object metadata in namespace team-a; no name with generate_name models a generateName create."""
     meta: dict[str, Any] = {"namespace": "team-a"}
     if name:
         meta["name"] = name
@@ -60,6 +59,13 @@ def secret(name: str = "model-certs", *, data: dict[str, str] | None = None,
         meta["generateName"] = generate_name
     if annotations is not None:
         meta["annotations"] = annotations
+    return meta
+
+
+def secret(name: str = "model-certs", *, data: dict[str, str] | None = None,
+           string_data: dict[str, str] | None = None, type_: str = "Opaque",
+           annotations: dict[str, str] | None = None, generate_name: str = "") -> dict[str, Any]:
+    meta = _meta(name, generate_name, annotations)
     obj: dict[str, Any] = {"apiVersion": "v1", "kind": "Secret", "metadata": meta, "type": type_}
     if data is not None:
         obj["data"] = data
@@ -85,13 +91,7 @@ def container(name: str, gpus: int | str | None = None, *, where: str = "limits"
 def pod(*containers: dict[str, Any], init: list[dict[str, Any]] | None = None, name: str = "trainer",
         generate_name: str = "", annotations: dict[str, str] | None = None,
         resource_claims: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    meta: dict[str, Any] = {"namespace": "team-a"}
-    if name:
-        meta["name"] = name
-    if generate_name:
-        meta["generateName"] = generate_name
-    if annotations is not None:
-        meta["annotations"] = annotations
+    meta = _meta(name, generate_name, annotations)
     spec: dict[str, Any] = {"containers": list(containers)}
     if init is not None:
         spec["initContainers"] = init
