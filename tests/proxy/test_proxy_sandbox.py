@@ -435,51 +435,84 @@ def test_killed_backend_ends_its_watches_cleanly_and_traffic_moves_and_returns(
     assert rc == 0
 
 
+def watch_requests(metrics_text: str) -> float:
+    return sum(float(m.group(1)) for m in re.finditer(
+        r'^gatekeeper_proxy_requests_total\{[^}]*verb="watch"[^}]*\} ([0-9.e+]+)$', metrics_text, re.M))
+
+
+async def _informer_like(kubeconfig_path: Path, namespace: str, seen: list[str], stop: asyncio.Event) -> None:
+    """kubernetes-asyncio's Watch (HTTP/1.1): on a clean end of the stream it re-watches by itself."""
+    from kubernetes_asyncio import client, config, watch
+
+    api_client = await config.new_client_from_config(config_file=str(kubeconfig_path))
+    api_client.set_default_header("Accept-Encoding", "identity")  # see _watch on gzip members
+    try:
+        w = watch.Watch()
+        async for event in w.stream(client.CoreV1Api(api_client).list_namespaced_config_map, namespace):
+            seen.append(f"{event['type']} {event['object'].metadata.name}")
+            if stop.is_set():
+                w.stop()
+    finally:
+        await api_client.close()
+
+
 async def _kill_scenario(p: ProxyProcess, victim: subprocess.Popen[bytes], namespace: str) -> None:
     url = f"{p.url}/api/v1/namespaces/{namespace}/configmaps?watch=1&allowWatchBookmarks=true"
+    n_raw, n_informers = 9, 6
     # One HTTP/2 connection per watch: httpcore multiplexing idle streams on one connection can leave
     # a received END_STREAM unread (checked with a raw h2 client: the proxy ends all of them).
-    watchers = [httpx.AsyncClient(verify=p.tls(cert=True), http2=True) for _ in range(9)]
+    watchers = [httpx.AsyncClient(verify=p.tls(cert=True), http2=True) for _ in range(n_raw)]
+    stop = asyncio.Event()
     async with httpx.AsyncClient(verify=p.tls(cert=True), http2=True) as client:
-        events: list[list[str]] = [[] for _ in range(9)]
-        tasks = [asyncio.create_task(_watch(watchers[i], url, events[i])) for i in range(9)]
-        deadline = time.monotonic() + 15
-        on_victim = 0.0
+        events: list[list[str]] = [[] for _ in range(n_raw)]
+        tasks = [asyncio.create_task(_watch(watchers[i], url, events[i])) for i in range(n_raw)]
+        informer_seen: list[list[str]] = [[] for _ in range(n_informers)]
+        informers = [asyncio.create_task(_informer_like(p.kubeconfig, namespace, informer_seen[i], stop))
+                     for i in range(n_informers)]
+        deadline = time.monotonic() + 20
+        on_victim = total = 0.0
         while time.monotonic() < deadline:
             await asyncio.sleep(0.3)
             text = p.metrics()
             on_victim = gauge(text, "gatekeeper_proxy_backend_watches", "apiserver-3")
             total = sum(gauge(text, "gatekeeper_proxy_backend_watches", f"apiserver-{i}") for i in (1, 2, 3))
-            if total == 9:
+            if total == n_raw + n_informers:
                 break
-        assert total == 9 and on_victim >= 1, p.metrics()
+        assert total == n_raw + n_informers and on_victim >= 1, p.metrics()
+        watches_before = watch_requests(p.metrics())
         victim.send_signal(signal.SIGKILL)
         victim.wait(10)
-        # the victim's watches end, cleanly (END_STREAM), within seconds; the others keep running
+        # the victim's raw watches end, cleanly (END_STREAM), within seconds; the others keep running
         done, pending = await asyncio.wait(tasks, timeout=10)
-        assert len(done) == on_victim, ([t.result() for t in done], p.metrics(), processes.tail(p.log))
         assert all(t.result() == "clean" for t in done), [t.result() for t in done]
+        assert not any(t.done() for t in informers), [t.exception() for t in informers if t.done()]
         # new requests go to the survivors; none hangs, none fails
         for _ in range(30):
             r = await client.get(f"{p.url}/api/v1/namespaces/{namespace}", timeout=10)
             assert r.status_code == 200, r.text
-        # surviving watches still deliver events
+        # surviving watches still deliver events, and re-watching clients get them on a new watch
         seen_before = [len(ev) for ev in events]
         cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "after-kill"}}
         created = await client.post(f"{p.url}/api/v1/namespaces/{namespace}/configmaps", json=cm)
         assert created.status_code == 201, created.text
         live = [i for i, t in enumerate(tasks) if t in pending]
-        for _ in range(50):
-            if all("ADDED" in events[i][seen_before[i]:] for i in live):
+        for _ in range(100):
+            if all("ADDED" in events[i][seen_before[i]:] for i in live) and all(
+                    "ADDED after-kill" in seen for seen in informer_seen):
                 break
             await asyncio.sleep(0.1)
         survivors = [events[i][seen_before[i]:] for i in live]
         assert survivors and all("ADDED" in ev for ev in survivors), (events, seen_before, p.metrics())
+        assert all("ADDED after-kill" in seen for seen in informer_seen), informer_seen
+        # every watch the victim held either ended cleanly (raw) or was re-opened by its client (informers)
+        rewatches = watch_requests(p.metrics()) - watches_before
+        assert len(done) + rewatches >= on_victim, (len(done), rewatches, on_victim)
         text = p.metrics()
         assert gauge(text, "gatekeeper_proxy_backend_up", "apiserver-3") == 0.0
-        for t in pending:
+        stop.set()
+        for t in [*pending, *informers]:
             t.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
+        await asyncio.gather(*pending, *informers, return_exceptions=True)
         for w in watchers:
             await w.aclose()
 
