@@ -301,6 +301,8 @@ class ApiserverSampler:
         self.max_executing_per_backend: list[float] = [0.0] * len(state.apiserver_urls)
         self.max_executing_total = 0.0
         self.peak_rss_total = 0
+        self.peak_heap_total = 0.0
+        """Peak of the sum over apiservers of go_memstats_heap_alloc_bytes (live + not yet swept)."""
         self.samples = 0
         self._stop = asyncio.Event()
         self.pids = [p.pid for p in state.processes if p.name.startswith("kube-apiserver")]
@@ -322,14 +324,17 @@ class ApiserverSampler:
                 if with_metrics:
                     texts = await asyncio.gather(*(c.get("/metrics") for c in clients), return_exceptions=True)
                     now = []
+                    heap = 0.0
                     for i, t in enumerate(texts):
                         if isinstance(t, BaseException):
                             now.append(0.0)
                             continue
+                        heap += metric_sum(t.text, "go_memstats_heap_alloc_bytes")
                         v = metric_sum(t.text, "apiserver_flowcontrol_current_executing_requests", flow_schema=OBSERVE)
                         now.append(v)
                         self.max_executing_per_backend[i] = max(self.max_executing_per_backend[i], v)
                     self.max_executing_total = max(self.max_executing_total, sum(now))
+                    self.peak_heap_total = max(self.peak_heap_total, heap)
                     self.samples += 1
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stop.wait(), self.interval)
