@@ -109,3 +109,25 @@ def test_resource_label_is_bounded_against_invented_paths() -> None:
     assert resource_label("configmaps-lbl-test", 200) == "configmaps-lbl-test"
     assert resource_label("configmaps-lbl-test", 404) == "configmaps-lbl-test"
     assert resource_label("", 404) == ""
+
+
+def test_sandbox_proxy_config_merges_user_file_but_owns_ports_certs_and_backends(tmp_path: Any) -> None:
+    from gatekeeper.config import from_mapping
+    from gatekeeper.sandbox.state import SandboxState
+    from gatekeeper.sandbox.with_proxy import build_config
+
+    state = SandboxState(dir=str(tmp_path), certs_dir=str(tmp_path / "certs"),
+                         apiserver_urls=["https://127.0.0.1:1001", "https://127.0.0.1:1002"])
+    user = {"listener": {"port": 9}, "backends": [{"url": "https://elsewhere:1"}],
+            "protocol": {"drainTimeoutSeconds": 5}, "upstream": {"maxConnectionsPerBackend": 7},
+            "flowControl": {"enabled": False}}
+    config = build_config(state, port=4443, metrics_port=4444, serving_cert=tmp_path / "s.crt",
+                          serving_key=tmp_path / "s.key", goaway_chance=0.5, user_config=user)
+    settings = from_mapping(ProxySettings, config["proxy"], "<generated>", "proxy")
+    assert settings.listener.port == 4443 and settings.listener.metrics_port == 4444
+    assert [b.url for b in settings.backends] == state.apiserver_urls
+    assert settings.listener.client_ca_file.endswith("certs/ca.crt")
+    assert settings.upstream.client_cert_file.endswith("front-proxy-client.crt")
+    assert settings.upstream.max_connections_per_backend == 7
+    assert settings.protocol.drain_timeout_seconds == 5
+    assert settings.protocol.goaway_chance == 0.5 and settings.protocol.allow_unsafe_goaway_chance
