@@ -62,3 +62,23 @@ def test_requests_without_key_are_never_merged():
     b = fc.admit(User("alice"), LIST, 0.0)[0]
     c = fc.admit(User("alice"), LIST, 0.0)[0]
     assert fc.finish(a) == [b] and b.followers == [] and c.state == "queued"
+
+
+async def test_empty_shared_response_reaches_every_follower():
+    from test_middleware import Upstream, call, req, seeds_settings
+
+    from gatekeeper.proxy.flowcontrol.middleware import FlowControl
+
+    fc = FlowControl(seeds_settings())
+    up = Upstream(body=b"")
+    import asyncio
+
+    up.gate.clear()
+    blockers = [asyncio.create_task(call(fc, req(target=f"/api/v1/namespaces/n{i}/secrets"), up)) for i in range(2)]
+    await asyncio.sleep(0.01)
+    same = [asyncio.create_task(call(fc, req(), up)) for _ in range(4)]
+    await asyncio.sleep(0.01)
+    up.gate.set()
+    results = await asyncio.gather(*blockers, *same)
+    assert [s for s, _, _ in results] == [200] * 6
+    assert up.calls == 3

@@ -112,6 +112,8 @@ class _Waiter:
     started: float = 0.0
     seats_released: bool = False
     counted: bool = False
+    outcome: str = ""
+    """State at wake-up (executing, joined, rejected): the ticket may move on before this task resumes."""
     """Counted in executing_by_schema (the current_executing_requests gauge)."""
     finished: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
@@ -236,13 +238,14 @@ class FlowControl:
                 raise
             finally:
                 timer.cancel()
-        if t.state == "rejected":
+        outcome = w.outcome or t.state
+        if outcome == "rejected":
             metrics.REJECTED.labels(fs.name, pl.name, t.reason or "").inc()
             metrics.WAIT.labels(fs.name, pl.name, "false").observe(self.clock() - now)
             return too_many_requests(fs, pl, t.reason or "", self.settings.retry_after_seconds)
         metrics.WAIT.labels(fs.name, pl.name, "true").observe(self.clock() - now)
         metrics.SEATS.labels(fs.name, pl.name).observe(t.seats)
-        if t.state == "joined":
+        if outcome == "joined":
             return await self._follow(t, w)
         try:
             response = await next_handler(request)
@@ -269,11 +272,13 @@ class FlowControl:
             elif d.state == "joined":
                 metrics.COALESCED.labels(w.fs.name, w.pl.name).inc()
                 w.shared = asyncio.get_running_loop().create_future()
+            w.outcome = w.outcome or d.state
             if not w.future.done():
                 w.future.set_result(None)
 
     def _timeout(self, t: Ticket) -> None:
         if self.controller.timeout(t) and isinstance(t.payload, _Waiter) and not t.payload.future.done():
+            t.payload.outcome = "rejected"
             t.payload.future.set_result(None)
 
     def _abandon(self, t: Ticket) -> None:
