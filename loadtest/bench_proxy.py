@@ -318,11 +318,11 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="gk-bench-"))
     env = Env(args.state_dir, work)
     env.make_token()
-    env.start_gatekeeper()
-    env.start_haproxy()
-    targets = {"direct": env.backends[0], "gatekeeper": env.gk_url, "haproxy-tcp": env.hap_tcp_url,
-               "haproxy-http": env.hap_http_url}
     try:
+        env.start_gatekeeper()
+        env.start_haproxy()
+        targets = {"direct": env.backends[0], "gatekeeper": env.gk_url, "haproxy-tcp": env.hap_tcp_url,
+                   "haproxy-http": env.hap_http_url}
         if "throughput" not in args.skip:
             print(f"\n== small GET: h2load -n {args.requests} -c {args.clients} -m {args.streams} ==")
             res = {}
