@@ -116,6 +116,22 @@ def test_gpu_pod_is_stored_rewritten_to_dra(webhook, kubectl, namespace) -> None
     assert {t["metadata"]["name"] for t in templates} == set(claims.values())
 
 
+def test_server_dry_run_gpu_pod_is_rewritten_but_creates_no_template(webhook, kubectl, namespace) -> None:
+    # sideEffects: NoneOnDryRun -- the answer is the same, the ResourceClaimTemplate is not created.
+    p = kubectl("create", "--dry-run=server", "-o", "json", "-f", "-",
+                input=pod_manifest("dry", namespace, 2))
+    assert p.returncode == 0, p.stderr
+    pod = json.loads(p.stdout)
+    (claim,) = pod["spec"]["resourceClaims"]
+    assert claim["name"] == "gpu-main" and claim["resourceClaimTemplateName"].startswith("gatekeeper-gpu-dra-2-")
+    assert get(kubectl, "resourceclaimtemplates", "-n", namespace)["items"] == []
+    assert kubectl("get", "pod", "dry", "-n", namespace).returncode != 0
+    # The same pod for real does create it: the check above was not vacuous.
+    assert kubectl("create", "-f", "-", input=pod_manifest("real", namespace, 2)).returncode == 0
+    names = [t["metadata"]["name"] for t in get(kubectl, "resourceclaimtemplates", "-n", namespace)["items"]]
+    assert names == [claim["resourceClaimTemplateName"]]
+
+
 def test_gpu_mode_off_pod_keeps_whole_gpu(webhook, kubectl, namespace) -> None:
     p = kubectl("create", "-f", "-", input=pod_manifest("legacy", namespace, 1,
                                                         annotations={"gatekeeper.dev/gpu-mode": "off"}))
