@@ -89,8 +89,14 @@ class TemplateKeeper:
             del self._inflight[key]
 
 
-def kube_creator(api_client: Any) -> Create:
+REQUEST_TIMEOUT = 5.0
+"""Seconds for one POST: under the mutating webhook's 10 s timeoutSeconds, so a hung apiserver gets the
+user our message instead of the apiserver's bare 'context deadline exceeded'."""
+
+
+def kube_creator(api_client: Any, request_timeout: float = REQUEST_TIMEOUT) -> Create:
     """``create`` backed by kubernetes-asyncio (POST .../resourceclaimtemplates)."""
+    import aiohttp
     from kubernetes_asyncio.client import CustomObjectsApi
     from kubernetes_asyncio.client.exceptions import ApiException
 
@@ -101,7 +107,8 @@ def kube_creator(api_client: Any) -> Create:
         meta = obj["metadata"]
         try:
             await api.create_namespaced_custom_object(group, version, meta["namespace"],
-                                                      "resourceclaimtemplates", obj)
+                                                      "resourceclaimtemplates", obj,
+                                                      _request_timeout=request_timeout)
         except ApiException as exc:
             if exc.status == 409:
                 raise AlreadyExists() from None
@@ -109,10 +116,10 @@ def kube_creator(api_client: Any) -> Create:
                 f"gatekeeper could not create ResourceClaimTemplate {meta['namespace']}/{meta['name']}: "
                 f"HTTP {exc.status} {exc.reason}; the pod would stay Pending, so it was not admitted"
             ) from None
-        except (TimeoutError, OSError) as exc:
+        except (TimeoutError, OSError, aiohttp.ClientError) as exc:
             raise TemplateError(
                 f"gatekeeper could not reach the apiserver to create ResourceClaimTemplate "
-                f"{meta['namespace']}/{meta['name']}: {exc}"
+                f"{meta['namespace']}/{meta['name']}: {type(exc).__name__} {exc}"
             ) from None
 
     return create

@@ -172,3 +172,56 @@ async def test_serving_certificate_is_reloaded_for_new_connections(tmp_path: Pat
     finally:
         stop.set()
         await task
+
+
+async def _creator_against(aiohttp_server, handler, request_timeout: float):  # type: ignore[no-untyped-def]
+    from aiohttp import web
+    from kubernetes_asyncio import client
+
+    from gatekeeper.webhook.templates import kube_creator
+
+    app = web.Application()
+    app.router.add_post("/apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaimtemplates", handler)
+    server = await aiohttp_server(app)
+    cfg = client.Configuration(host=str(server.make_url("")).rstrip("/"))
+    api = client.ApiClient(configuration=cfg)
+    return api, kube_creator(api, request_timeout=request_timeout)
+
+
+TEMPLATE = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
+            "metadata": {"namespace": "team-a", "name": "t"}, "spec": {}}
+
+
+async def test_kube_creator_maps_409_to_already_exists_and_403_to_a_message(aiohttp_server) -> None:  # type: ignore[no-untyped-def]
+    from aiohttp import web
+
+    async def handler(request: web.Request) -> web.Response:
+        code = 409 if request.match_info["ns"] == "team-a" else 403
+        return web.json_response({"kind": "Status", "code": code}, status=code)
+
+    api, create = await _creator_against(aiohttp_server, handler, 5)
+    try:
+        with pytest.raises(AlreadyExists):
+            await create(TEMPLATE)
+        other = {**TEMPLATE, "metadata": {"namespace": "locked", "name": "t"}}
+        with pytest.raises(TemplateError, match="locked/t: HTTP 403"):
+            await create(other)
+    finally:
+        await api.close()
+
+
+async def test_kube_creator_gives_up_on_a_hung_apiserver_with_a_message(aiohttp_server) -> None:  # type: ignore[no-untyped-def]
+    from aiohttp import web
+
+    async def hang(request: web.Request) -> web.Response:
+        await asyncio.sleep(60)
+        return web.json_response({})
+
+    api, create = await _creator_against(aiohttp_server, hang, 0.5)
+    try:
+        started = time.monotonic()
+        with pytest.raises(TemplateError, match="could not reach the apiserver"):
+            await create(TEMPLATE)
+        assert time.monotonic() - started < 30  # bounded by the request timeout, not by the 60 s hang
+    finally:
+        await api.close()
