@@ -171,6 +171,23 @@ def from_mapping(cls: type[T], data: Any, source: str = "<config>", prefix: str 
     return obj
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last one silently,
+    so a second ``hardLimit:`` further down a long file would quietly win)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, Any] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, str | int | float | bool) and key in seen:
+                first = seen[key]
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} appears twice (first at line {first.line + 1})",
+                    key_node.start_mark)
+            seen[key] = key_node.start_mark
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_yaml(path: Path | str) -> Any:
     """Read one YAML document, turning I/O and syntax errors into ConfigError."""
     p = Path(path)
@@ -179,7 +196,7 @@ def load_yaml(path: Path | str) -> Any:
     except OSError as exc:
         raise ConfigError(str(p), "", f"cannot read config file: {exc.strerror}") from None
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass: no arbitrary objects
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

@@ -94,3 +94,20 @@ def test_durations_parse(text: str | int, seconds: float) -> None:
 def test_bad_duration_says_what_form_is_expected() -> None:
     with pytest.raises(ValueError, match="'15s'"):
         parse_duration("soon")
+
+
+def test_a_key_given_twice_is_an_error_with_both_lines(tmp_path: Path) -> None:
+    p = tmp_path / "twice.yaml"
+    p.write_text("webhook:\n  secrets:\n    hardLimit: 128Ki\n    softLimit: 32Ki\n    hardLimit: 1Mi\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(p)
+    assert str(p) in str(err.value)
+    assert "key 'hardLimit' appears twice (first at line 3)" in str(err.value) and "line 5" in str(err.value)
+
+
+def test_repeated_keys_in_different_mappings_are_fine(tmp_path: Path) -> None:
+    p = tmp_path / "ok.yaml"
+    p.write_text("webhook:\n  secrets:\n    overrides:\n    - types: [a]\n      hardLimit: 1Mi\n"
+                 "    - types: [b]\n      hardLimit: 2Mi\n")
+    cfg = load_config(p)
+    assert [o.hard_limit for o in cfg.webhook.secrets.overrides] == ["1Mi", "2Mi"]
