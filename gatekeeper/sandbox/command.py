@@ -89,20 +89,32 @@ def _up(args: argparse.Namespace) -> int:
         gpus_per_node=args.gpus_per_node, with_scheduler=args.with_scheduler, gogc=args.gogc,
         timeout=args.timeout, addons=addons,
     )
+    from gatekeeper.sandbox.state import StateError
+
     try:
         up(opts, args)
-    except (BuildError, SandboxError) as exc:
+    except (BuildError, SandboxError, StateError) as exc:
         raise UsageError(str(exc)) from None
     return 0
 
 
 def _status(args: argparse.Namespace) -> int:
+    from gatekeeper.cli import UsageError
     from gatekeeper.sandbox.lifecycle import status
+    from gatekeeper.sandbox.state import StateError
 
-    return status(args.state_dir)
+    try:
+        return status(args.state_dir)
+    except StateError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _down(args: argparse.Namespace) -> int:
+    from gatekeeper.cli import UsageError
     from gatekeeper.sandbox.lifecycle import down
+    from gatekeeper.sandbox.state import StateError
 
-    return down(args.state_dir)
+    try:
+        return down(args.state_dir)
+    except StateError as exc:
+        raise UsageError(str(exc)) from None

@@ -16,6 +16,10 @@ from typing import Any
 STATE_FILE = "sandbox.json"
 
 
+class StateError(Exception):
+    """``sandbox.json`` exists but cannot be read back (corrupt or from an incompatible version)."""
+
+
 @dataclass
 class ProcessRecord:
     """One process the sandbox started and must stop."""
@@ -74,6 +78,12 @@ class SandboxState:
             raise FileNotFoundError(
                 f"no sandbox in {directory} ({path} does not exist); run `gatekeeper sandbox up`"
             )
-        raw = json.loads(path.read_text())
-        procs = [ProcessRecord(**p) for p in raw.pop("processes", [])]
-        return cls(processes=procs, **raw)
+        try:
+            raw = json.loads(path.read_text())
+            procs = [ProcessRecord(**p) for p in raw.pop("processes", [])]
+            return cls(processes=procs, **raw)
+        except (ValueError, TypeError, AttributeError) as exc:  # not JSON, or not our shape
+            raise StateError(
+                f"{path} is not a readable sandbox state ({type(exc).__name__}: {exc}); the processes it "
+                "listed cannot be found from it: stop them by pid, then remove the file"
+            ) from None

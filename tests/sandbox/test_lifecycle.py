@@ -81,3 +81,12 @@ def test_sigterm_during_up_stops_what_was_already_started(small_dir: Path) -> No
     assert started, "at least etcd had started"
     assert all(not processes.is_alive(p.pid) for p in started)
     assert processes_mentioning(small_dir) == []
+
+
+@pytest.mark.parametrize("content", ["{not json", '{"dir": "/x", "processes": [{"pid": 1}]}', "[]"])
+def test_unreadable_state_file_is_a_one_line_error_for_status_down_and_up(tmp_path: Path, content: str) -> None:
+    (tmp_path / "sandbox.json").write_text(content)
+    for action in (["status"], ["down"], ["up", "--apiservers", "1"]):
+        p = gatekeeper_cli("sandbox", *action, "--state-dir", str(tmp_path))
+        assert p.returncode == 2 and "Traceback" not in p.stderr, (action, p.stderr)
+        assert "is not a readable sandbox state" in p.stderr, (action, p.stderr)
