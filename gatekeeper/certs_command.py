@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from gatekeeper.certs import CLUSTER_CA, FRONT_PROXY_CA, PKI
-from gatekeeper.cli import non_negative_int, positive_int
+from gatekeeper.cli import UsageError, non_negative_int, positive_int
 
 
 def register(sub: Any) -> None:
@@ -39,7 +39,7 @@ def register(sub: Any) -> None:
     serving.add_argument("--ip", action="append", default=[], help="IP subject alternative name (repeatable)")
     serving.add_argument("--days", type=positive_int, default=365, help="validity in days (default 365)")
     serving.add_argument("--algorithm", choices=["ecdsa", "rsa"], default="ecdsa")
-    serving.set_defaults(func=_issue_serving)
+    serving.set_defaults(func=_issue)
     client = isub.add_parser("client", help="a client certificate (clientAuth): CN=user, O=groups")
     with_dir(client)
     client.add_argument("--name", required=True, help="file stem: writes NAME.crt and NAME.key")
@@ -51,7 +51,7 @@ def register(sub: Any) -> None:
     )
     client.add_argument("--days", type=positive_int, default=365, help="validity in days (default 365)")
     client.add_argument("--algorithm", choices=["ecdsa", "rsa"], default="ecdsa")
-    client.set_defaults(func=_issue_client)
+    client.set_defaults(func=_issue)
 
     bundle = csub.add_parser("ca-bundle", help="print the base64 caBundle for webhook configurations")
     with_dir(bundle)
@@ -74,25 +74,15 @@ def _init(args: argparse.Namespace) -> int:
     return 0
 
 
-def _issue_serving(args: argparse.Namespace) -> int:
+def _issue(args: argparse.Namespace) -> int:
+    pki = PKI(args.dir)
     try:
-        out = PKI(args.dir).issue_serving(args.name, dns=args.dns, ips=args.ip, days=args.days,
-                                          algorithm=args.algorithm)
-    except ValueError as exc:
-        from gatekeeper.cli import UsageError
-
-        raise UsageError(str(exc)) from None
-    print(f"wrote {out.cert} and {out.key}")
-    return 0
-
-
-def _issue_client(args: argparse.Namespace) -> int:
-    try:
-        out = PKI(args.dir).issue_client(args.name, user=args.user, groups=args.group, ca=args.ca,
-                                         days=args.days, algorithm=args.algorithm)
-    except ValueError as exc:
-        from gatekeeper.cli import UsageError
-
+        if args.kind == "serving":
+            out = pki.issue_serving(args.name, dns=args.dns, ips=args.ip, days=args.days, algorithm=args.algorithm)
+        else:
+            out = pki.issue_client(args.name, user=args.user, groups=args.group, ca=args.ca, days=args.days,
+                                   algorithm=args.algorithm)
+    except ValueError as exc:  # a bad --dns/--ip/... is the user's to fix: one line, no traceback
         raise UsageError(str(exc)) from None
     print(f"wrote {out.cert} and {out.key}")
     return 0

@@ -89,32 +89,20 @@ def _up(args: argparse.Namespace) -> int:
         gpus_per_node=args.gpus_per_node, with_scheduler=args.with_scheduler, gogc=args.gogc,
         timeout=args.timeout, addons=addons,
     )
-    from gatekeeper.sandbox.state import StateError
-
     try:
         up(opts, args)
-    except (BuildError, SandboxError, StateError) as exc:
+    except (BuildError, SandboxError) as exc:
         raise UsageError(str(exc)) from None
     return 0
 
 
 def _status(args: argparse.Namespace) -> int:
-    from gatekeeper.cli import UsageError
     from gatekeeper.sandbox.lifecycle import status
-    from gatekeeper.sandbox.state import StateError
 
-    try:
-        return status(args.state_dir)
-    except StateError as exc:
-        raise UsageError(str(exc)) from None
+    return status(args.state_dir)
 
 
 def _down(args: argparse.Namespace) -> int:
-    from gatekeeper.cli import UsageError
     from gatekeeper.sandbox.lifecycle import down
-    from gatekeeper.sandbox.state import StateError
 
-    try:
-        return down(args.state_dir)
-    except StateError as exc:
-        raise UsageError(str(exc)) from None
+    return down(args.state_dir)

@@ -13,10 +13,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gatekeeper.cli import UsageError
+
 STATE_FILE = "sandbox.json"
 
 
-class StateError(Exception):
+class StateError(UsageError):
     """``sandbox.json`` exists but cannot be read back (corrupt or from an incompatible version)."""
 
 
