@@ -81,10 +81,17 @@ class Pod(TypedDict, total=False):
     spec: PodSpec
 
 
+class DeviceSelector(TypedDict, total=False):
+    cel: dict[str, str]
+    """``{"expression": "..."}``: a CEL expression over the device's attributes and capacity."""
+
+
 class ExactDeviceRequest(TypedDict, total=False):
     deviceClassName: str
     allocationMode: str
+    """``ExactCount`` (with ``count``) or ``All``."""
     count: int
+    selectors: list[DeviceSelector]
 
 
 class DeviceRequest(TypedDict, total=False):
