@@ -397,3 +397,34 @@ async def test_upgrade_is_spliced_byte_for_byte(serve):
         await on_close_done.wait()
     assert closed_calls == ["closed"] and finishes == [None]
     bsrv.close()
+
+
+async def test_idle_keepalive_connection_is_closed_after_idle_timeout(serve):
+    server = await serve(echo_handler, ProtocolSettings(idle_timeout_seconds=0.2))
+    client = await server.client()
+    assert (await client.get()).status == 200
+    assert await client.closed_by_server()
+
+
+async def test_shutdown_closes_idle_connection_and_marks_busy_one(serve):
+    release = asyncio.Event()
+
+    async def handler(req: ProxyRequest) -> ProxyResponse:
+        if req.target == "/busy":
+            await release.wait()
+        return ProxyResponse(200, [], _chunks(b"ok"))
+
+    server = await serve(handler)
+    idle = await server.client()
+    assert (await idle.get("/warm")).status == 200
+    busy = await server.client()
+    busy.send(h11.Request(method="GET", target="/busy", headers=[("host", "p")]), h11.EndOfMessage())
+    await busy.writer.drain()
+    await asyncio.sleep(0.05)
+    for conn in server.connections:
+        conn.shutdown()
+    assert await idle.closed_by_server()
+    release.set()
+    reply = await busy.reply()
+    assert reply.body == b"ok" and reply.headers.get("connection") == "close"
+    assert await busy.closed_by_server()
