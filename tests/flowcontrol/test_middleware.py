@@ -217,15 +217,14 @@ async def test_list_seats_grow_from_observed_response_size():
     assert (est.list_bytes, est.seats) == (4500, 5)
 
 
-async def test_watch_gives_back_its_seats_when_the_response_starts():
-    watch_target = "/api/v1/secrets?watch=true"
+def _watch_setup(**kw):
     level = {
         "priority_level_configurations": [queued_level("w", 1), queued_level("catch-all", 99)],
         "flow_schemas": [
             flow_schema("w", "w", [{"subjects": [group("*")], "resourceRules": [rr(["watch", "list"], ["secrets"])]}])
         ],
     }
-    fc = FlowControl(seeds_settings(**level))
+    fc = FlowControl(seeds_settings(**level, **kw))
     up = Upstream()
     stream = asyncio.Event()
 
@@ -239,13 +238,36 @@ async def test_watch_gives_back_its_seats_when_the_response_starts():
             return ProxyResponse(status=200, headers=[], body=events())
         return await up(r)
 
-    watch = await fc(req(target=watch_target), handler)
-    assert fc.controller.levels["w"].executing_seats == 0
-    status, _, _ = await asyncio.wait_for(call(fc, req(user="bob"), handler), 2)
-    assert status == 200
+    return fc, handler, stream
+
+
+async def test_watch_gives_back_its_seats_at_its_first_bytes():
+    fc, handler, stream = _watch_setup(watch_init_seconds=30)
+    watch = await fc(req(target="/api/v1/secrets?watch=true"), handler)
+    it = watch.body.__aiter__()
+    first = asyncio.create_task(it.__anext__())
+    await asyncio.sleep(0.05)
+    level = fc.controller.levels["w"]
+    assert level.executing_seats == 1  # head arrived, no events yet: still initializing
+    lister = asyncio.create_task(call(fc, req(user="bob"), handler))
+    await asyncio.sleep(0.05)
+    assert level.waiting == 1
     stream.set()
-    assert await read(watch) == b'{"type":"ADDED"}\n'
-    assert fc.controller.levels["w"].executing_requests == 0
+    assert await first == b'{"type":"ADDED"}\n'
+    assert (await asyncio.wait_for(lister, 2))[0] == 200
+    assert level.executing_seats == 0
+    await it.aclose()
+    assert level.executing_requests == 0
+
+
+async def test_silent_watch_holds_its_seat_at_most_watch_init_seconds():
+    fc, handler, _stream = _watch_setup(watch_init_seconds=0.2)
+    watch = await fc(req(target="/api/v1/secrets?watch=true"), handler)
+    t0 = asyncio.get_running_loop().time()
+    status, _, _ = await asyncio.wait_for(call(fc, req(user="bob"), handler), 5)
+    assert status == 200 and asyncio.get_running_loop().time() - t0 >= 0.15
+    assert fc.controller.levels["w"].executing_seats == 0
+    await watch.body.aclose()
 
 
 async def test_policy_file_reload_applies_good_and_keeps_running_on_bad(tmp_path, caplog):

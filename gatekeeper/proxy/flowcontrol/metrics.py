@@ -11,7 +11,7 @@ collector), so they can never drift from the queues' real state.
     Requests served by another identical request's upstream call.
 ``gatekeeper_flowcontrol_request_wait_duration_seconds{flow_schema,priority_level,execute}``
 ``gatekeeper_flowcontrol_request_execution_seconds{flow_schema,priority_level,type}``
-    type: regular, or watch (execution ends when the watch's response head arrives).
+    type: regular, or watch (execution ends when the watch's first bytes arrive).
 ``gatekeeper_flowcontrol_work_estimated_seats{flow_schema,priority_level}``
 ``gatekeeper_flowcontrol_list_response_bytes{resource}``
     Observed LIST response sizes, the input of the seat estimate.

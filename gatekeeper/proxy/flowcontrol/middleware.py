@@ -8,10 +8,11 @@ when a request stops costing seats:
 * ordinary requests hold their seats until the response body has been read to
   the end (or failed, or the client left); the body's byte count then updates
   the LIST size estimate for its (resource, namespace);
-* long-running requests (watches, ``logs -f``, exec/attach upgrades) hold
-  their seats only until the response head arrives — the first bytes of the
-  response, the moment the apiserver has set the watch up — then run outside
-  the limit;
+* long-running requests (watches, ``logs -f``) hold their seats only until
+  the first response body bytes arrive (initial events, a bookmark: the
+  watch is set up), or at most ``watchInitSeconds`` after the response head
+  for a watch that stays silent, then run outside the limit; exec/attach/
+  port-forward upgrades release at the 101;
 * a dispatched request that others joined (coalescing) is sent upstream once;
   its body goes through a :class:`FanOut` to every waiter.
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
 import threading
@@ -122,9 +124,15 @@ class _Waiter:
 class _Metered:
     """Body wrapper: counts bytes and reports the end exactly once (end, error, or close)."""
 
-    def __init__(self, body: AsyncIterator[bytes], on_end: Callable[[int, bool, BaseException | None], None]):
+    def __init__(
+        self,
+        body: AsyncIterator[bytes],
+        on_end: Callable[[int, bool, BaseException | None], None],
+        on_first: Callable[[], None] | None = None,
+    ):
         self.body = body
         self.on_end = on_end
+        self.on_first = on_first
         self.count = 0
         self.done = False
 
@@ -147,6 +155,9 @@ class _Metered:
         except BaseException as exc:
             self._end(False, exc)
             raise
+        if self.on_first is not None and chunk:
+            first, self.on_first = self.on_first, None
+            first()
         self.count += len(chunk)
         return chunk
 
@@ -296,8 +307,14 @@ class FlowControl:
     def _respond(self, t: Ticket, w: _Waiter, response: ProxyResponse) -> ProxyResponse:
         response.headers.append(("x-gatekeeper-pf-flowschema", w.fs.name))
         response.headers.append(("x-gatekeeper-pf-prioritylevel", w.pl.name))
-        if w.info.long_running or response.upgraded is not None:
-            self._release_seats(t)
+        on_first: Callable[[], None] | None = None
+        if response.upgraded is not None:
+            self._release_seats(t)  # the 101 is the start of the exec/attach/port-forward session
+        elif w.info.long_running:
+            # A watch is initialized once its first bytes (initial events or a bookmark) arrive; one that
+            # stays silent gets at most watchInitSeconds of seats.
+            on_first = functools.partial(self._release_seats, t)
+            asyncio.get_running_loop().call_later(self.settings.watch_init_seconds, self._release_seats, t)
         if response.upgraded is not None:
             upgraded = response.upgraded
             inner = upgraded.on_close
@@ -312,7 +329,7 @@ class FlowControl:
         status = response.status
         live = [f for f in t.followers if isinstance(f.payload, _Waiter) and not f.payload.abandoned]
         if not t.followers:
-            response.body = _Metered(response.body, lambda n, ok, err: self._end(t, n, ok, err, status))
+            response.body = _Metered(response.body, lambda n, ok, err: self._end(t, n, ok, err, status), on_first)
             response.on_complete.append(lambda err: self._end(t, 0, False, err, status))
             return response
 

@@ -6,7 +6,8 @@ response byte, and bytes are what blow up an apiserver's memory (decode from
 etcd, convert, encode: several copies of the response at once). So:
 
     non-LIST request:  seats = 1
-    WATCH:             seats = 1, held only until the first response bytes arrive
+    WATCH:             seats = 1, held only until the first response body bytes arrive
+                       (at most watchInitSeconds after the response head)
     LIST:              est   = estimate[(resource, namespace)]
                              (if unseen: estimate[(resource, "")], the cluster-wide LIST,
                               else 0)

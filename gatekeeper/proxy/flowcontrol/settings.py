@@ -33,6 +33,8 @@ class FlowControlSettings:
     """Most seats one request can cost (upstream's maximum is 10); also capped by its level's limit."""
     list_bytes_cap: int = 1 << 30
     """Cap on estimated response bytes of all LISTs executing in limited levels (one may always run)."""
+    watch_init_seconds: float = 2.0
+    """A watch holds its seat until its first body bytes, or at most this long after its response head."""
     coalesce: bool = True
     """Serve identical queued LISTs of one identity with one upstream call."""
     fanout_buffer_bytes: int = 8 << 20
@@ -58,6 +60,8 @@ class FlowControlSettings:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be at least 1")
+        if self.watch_init_seconds <= 0:
+            raise ValueError("watchInitSeconds: must be positive")
         if self.fanout_stall_seconds <= 0:
             raise ValueError("fanoutStallSeconds: must be positive")
         if self.queue_wait_seconds <= 0:
