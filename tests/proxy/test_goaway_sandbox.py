@@ -39,6 +39,8 @@ pytestmark = pytest.mark.sandbox
 GOCLIENT = Path(__file__).parent / "goclient"
 CHANCE = 0.3
 """Far above kube-apiserver's 0.02 cap (test override) so a few dozen requests see several GOAWAYs."""
+DRAIN = 5.0
+"""drainTimeoutSeconds: how long a long-running stream may outlive its connection's GOAWAY."""
 
 
 @dataclass
@@ -67,7 +69,7 @@ def goaway_proxy(sandbox: SandboxState, tmp_path_factory: pytest.TempPathFactory
     port, metrics_port = processes.free_port(), processes.free_port()
     config = build_config(
         sandbox, port=port, metrics_port=metrics_port, serving_cert=serving.cert, serving_key=serving.key,
-        goaway_chance=CHANCE, user_config={"protocol": {"drainTimeoutSeconds": 30}},
+        goaway_chance=CHANCE, user_config={"protocol": {"drainTimeoutSeconds": DRAIN}},
     )
     config_path = work / "proxy.yaml"
     config_path.write_text(yaml.safe_dump(config))
@@ -234,3 +236,28 @@ def test_go_http2_client_gets_every_answer_across_goaways(
     assert summary["errors"] == {}
     assert summary["codes"] == {"200 HTTP/2.0": 200, "404 HTTP/2.0": 200}
     assert goaways >= 3 and refused >= 1 and conns > 1
+
+
+def test_go_watch_on_a_goaway_connection_is_cut_as_probable_eof(
+    sandbox: SandboxState, goaway_proxy: GoawayProxy, namespace: str,
+) -> None:
+    """A watch sharing its HTTP/2 connection with requests outlives that connection's GOAWAY by the
+    drain deadline, then ends the way client-go's IsProbableEOF recognises (it re-watches quietly),
+    while the requests themselves all succeed."""
+    binary = goclient_binary()
+    certs = SandboxPKI(Path(sandbox.certs_dir))
+    base = f"{goaway_proxy.url}/api/v1/namespaces/{namespace}/configmaps"
+    done = subprocess.run(
+        [str(binary), "-ca", str(certs.ca), "-cert", str(certs.crt("admin")), "-key", str(certs.key("admin")),
+         "-n", "60", "-p", "5", "-watch", f"{base}?watch=true", "-watch-wait", f"{DRAIN * 6:.0f}s",
+         f"{base}/absent"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)
+    print(f"Go watch on a GOAWAY'd connection: {summary['watch']}")
+    assert summary["errors"] == {} and summary["codes"] == {"404 HTTP/2.0": 60}
+    watch = summary["watch"]
+    assert "server sent GOAWAY and closed the connection" in watch["error"]
+    assert "ErrCode=NO_ERROR" in watch["error"]
+    assert watch["seconds"] >= DRAIN
