@@ -343,6 +343,10 @@ class H2Protocol:
         try:
             response = await call_handler(self._handler, stream.request)
             await self._send_response(stream, response)
+            if not stream.ended:
+                # Answered before the request body ended (e.g. a 429): ask the client to stop
+                # uploading, without error (RFC 9113 8.1).
+                self._reset(stream.id, ErrorCodes.NO_ERROR)
         except asyncio.CancelledError:
             error = stream.error or ClientGone("HTTP/2 connection closed")
         except ClientGone as exc:  # the socket went away mid-write: nothing to reset

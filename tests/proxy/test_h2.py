@@ -292,3 +292,20 @@ async def test_headers_and_reset_in_one_read_leave_no_stream_behind(h2pair):
     # the idle timer re-armed: the connection is retired once idle
     await pair.until(lambda: pair.transport_closed.is_set())
     assert pair.goaways and pair.goaways[0].error_code == 0
+
+
+async def test_response_before_request_body_ends_resets_with_no_error(h2pair):
+    async def handler(req: ProxyRequest) -> ProxyResponse:
+        return ProxyResponse(429, [("retry-after", "1")], _chunks(b"too many"))
+
+    pair = h2pair(handler)
+    await pair.settle()
+    sid = pair.client.get_next_available_stream_id()
+    pair.client.send_headers(sid, [(":method", "POST"), (":path", "/api/v1/namespaces/a/secrets"),
+                                   (":scheme", "https"), (":authority", "p")])
+    pair.client.send_data(sid, b"{" * 1000)  # the body is still coming
+    pair.pump()
+    await pair.until(lambda: pair.reset(sid) is not None)
+    assert pair.status(sid) == 429 and pair.body(sid) == b"too many" and pair.ended(sid)
+    reset = pair.reset(sid)
+    assert reset is not None and reset.error_code == ErrorCodes.NO_ERROR
