@@ -52,3 +52,43 @@ def test_sandbox_proxy_classifies_secret_lists_with_the_seeds_policy(sandbox: Sa
         assert kit.metric_sum(text, "gatekeeper_flowcontrol_dispatched_requests_total", flow_schema="secrets-list") >= 1
     finally:
         kit.kubectl(sandbox, "delete", "-f", "-", "--ignore-not-found", input=kit.storm_rbac_and_observer())
+
+
+def test_proxy_process_reloads_policy_on_sighup_and_keeps_it_on_a_bad_edit(
+    sandbox: SandboxState, tmp_path: Path
+) -> None:
+    import signal
+
+    policy = tmp_path / "flows.yaml"
+    policy.write_text(kit.SEEDS.read_text())
+    with kit.run_proxy(sandbox, tmp_path, {"files": [str(policy)], "reloadIntervalSeconds": 0}) as proxy:
+
+        def limit() -> float:
+            return kit.metric_sum(
+                proxy.metrics(), "gatekeeper_flowcontrol_nominal_limit_seats", priority_level="secrets-list"
+            )
+
+        def wait_for(expected: float) -> float:
+            for _ in range(50):
+                if (got := limit()) == expected:
+                    return got
+                time.sleep(0.1)
+            return limit()
+
+        assert limit() == 2
+        # 3 shares of 1 + 294 + 5 (+2) -> ceil(600 * 3 / 302) = 6 seats
+        policy.write_text(
+            kit.SEEDS.read_text().replace("nominalConcurrencyShares: 1\n", "nominalConcurrencyShares: 3\n")
+        )
+        proxy.proc.send_signal(signal.SIGHUP)
+        assert wait_for(6) == 6
+        policy.write_text(kit.SEEDS.read_text().replace("handSize: 4", "handSize: 40"))
+        proxy.proc.send_signal(signal.SIGHUP)
+        for _ in range(50):
+            if "keeping the running policy" in proxy.log.read_text():
+                break
+            time.sleep(0.1)
+        log = proxy.log.read_text()
+        assert "keeping the running policy" in log and "PriorityLevelConfiguration/secrets-list" in log
+        assert "handSize" in log
+        assert limit() == 6
