@@ -27,5 +27,5 @@ GOAWAY_SENT = Counter(
 """reason: chance (goawayChance), shutdown (SIGTERM), idle (idle timeout)."""
 REFUSED_STREAMS = Counter(
     "gatekeeper_proxy_refused_streams",
-    "HTTP/2 streams refused with REFUSED_STREAM because they arrived after our GOAWAY.",
+    "HTTP/2 streams refused with REFUSED_STREAM: after our GOAWAY, or over MAX_CONCURRENT_STREAMS.",
 )

@@ -42,8 +42,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from h2.config import H2Configuration
-from h2.connection import H2Connection
 from h2.errors import ErrorCodes
 from h2.events import (
     ConnectionTerminated,
@@ -64,12 +62,14 @@ from gatekeeper.proxy.adapter import (
     ClientGone,
     call_handler,
     close_body,
-    decode_header,
     encode_header,
+    error_response,
     response_has_body,
 )
 from gatekeeper.proxy.goaway import GoawayDecider, Reason
-from gatekeeper.proxy.messages import Handler, Headers, ProxyRequest, ProxyResponse
+from gatekeeper.proxy.h2_conn import ProxyH2Connection, install_huffman_memo
+from gatekeeper.proxy.h2_headers import MalformedRequest, parse_request
+from gatekeeper.proxy.messages import Handler, ProxyRequest, ProxyResponse
 from gatekeeper.proxy.settings import ProtocolSettings
 
 log = logging.getLogger("gatekeeper.proxy.h2")
@@ -91,6 +91,8 @@ class _Stream:
     """The client sent END_STREAM."""
     error: BaseException | None = None
     """Why the stream was cut (client reset, connection lost, drain deadline)."""
+    malformed: str = ""
+    """Why the request header block is malformed; answered with 400 without calling the pipeline."""
 
 
 class H2Protocol:
@@ -120,7 +122,8 @@ class H2Protocol:
         self.connection_id = connection_id
         self._decider = GoawayDecider(settings.goaway_chance, rng)
         self._close_delay = close_delay
-        self._conn = H2Connection(H2Configuration(client_side=False, header_encoding=None))
+        install_huffman_memo()
+        self._conn = ProxyH2Connection(on_refused=self._on_refused)
         self._streams: dict[int, _Stream] = {}
         self._streams_changed = asyncio.Event()
         self._loop = asyncio.get_running_loop()
@@ -131,6 +134,7 @@ class H2Protocol:
         """Set once our graceful GOAWAY is written: streams above it are refused."""
         self._deadline = math.inf
         self._h2_closed = False
+        self._flush_scheduled = False
         self.closed = asyncio.Event()
         """Set once the transport was asked to close (by us or because the peer went away)."""
 
@@ -237,24 +241,15 @@ class H2Protocol:
             if self._reset(sid, ErrorCodes.REFUSED_STREAM):
                 conn_metrics.REFUSED_STREAMS.inc()
             return
-        pseudo: dict[str, str] = {}
-        headers: Headers = []
-        cookies: list[str] = []
-        for raw_name, raw_value in event.headers or ():
-            name, value = decode_header(bytes(raw_name)), decode_header(bytes(raw_value))
-            if name.startswith(":"):
-                pseudo[name] = value
-            elif name == "cookie":
-                cookies.append(value)
-            else:
-                headers.append((name, value))
-        if cookies:  # RFC 9113 8.2.3: crumbs are joined with "; " before going to HTTP/1.1
-            headers.append(("cookie", "; ".join(cookies)))
-        if ":authority" in pseudo and not any(k == "host" for k, _ in headers):
-            headers.insert(0, ("host", pseudo[":authority"]))
+        malformed = ""
+        try:
+            method, target, headers = parse_request(event.headers or ())
+        except MalformedRequest as exc:
+            malformed = str(exc)
+            method, target, headers = "GET", "/", []
         request = ProxyRequest(
-            method=pseudo.get(":method", "GET"),
-            target=pseudo.get(":path", "/"),
+            method=method,
+            target=target,
             headers=headers,
             body=None,
             protocol="h2",
@@ -263,7 +258,7 @@ class H2Protocol:
             connection_id=self.connection_id,
             stream_id=sid,
         )
-        stream = _Stream(sid, request, ended=event.stream_ended is not None)
+        stream = _Stream(sid, request, ended=event.stream_ended is not None, malformed=malformed)
         if not stream.ended:
             request.body = self._request_body(stream)
         self._streams[sid] = stream
@@ -272,6 +267,12 @@ class H2Protocol:
         # Cleanup hangs off the task, not a finally in _serve: a task cancelled before its first
         # step (HEADERS and RST_STREAM in one read) never runs its body at all.
         stream.task.add_done_callback(functools.partial(self._task_done, stream))
+
+    def _on_refused(self, stream_id: int) -> None:
+        """h2_conn refused a stream over MAX_CONCURRENT_STREAMS (the client may retry it)."""
+        conn_metrics.REFUSED_STREAMS.inc()
+        log.debug("h2 connection %d: stream %d refused, %d streams open",
+                  self.connection_id, stream_id, len(self._streams))
 
     def _on_data(self, event: DataReceived) -> None:
         sid = event.stream_id
@@ -332,7 +333,7 @@ class H2Protocol:
             self._conn.acknowledge_received_data(flow, stream_id)
         except (ProtocolError, StreamClosedError):
             return
-        self._flush()
+        self._flush_soon()
 
     # ------------------------------------------------------------------ responses
 
@@ -341,7 +342,10 @@ class H2Protocol:
         response: ProxyResponse | None = None
         error: BaseException | None = None
         try:
-            response = await call_handler(self._handler, stream.request)
+            if stream.malformed:
+                response = error_response(400, "BadRequest", f"malformed HTTP/2 request: {stream.malformed}")
+            else:
+                response = await call_handler(self._handler, stream.request)
             await self._send_response(stream, response)
             if not stream.ended:
                 # Answered before the request body ended (e.g. a 429): ask the client to stop
@@ -376,7 +380,7 @@ class H2Protocol:
         headers += [(encode_header(k), encode_header(v)) for k, v in response.headers if k not in HOP_BY_HOP]
         has_body = response_has_body(stream.request.method, response.status)
         self._conn.send_headers(sid, headers, end_stream=not has_body)
-        self._flush()
+        self._flush_soon()
         if not has_body:
             return
         body = response.body
@@ -388,7 +392,7 @@ class H2Protocol:
                 break
             await self._send_data(stream, chunk)
         self._conn.end_stream(sid)
-        self._flush()
+        self._flush_soon()
 
     async def _send_data(self, stream: _Stream, chunk: bytes) -> None:
         view = memoryview(chunk)
@@ -497,6 +501,21 @@ class H2Protocol:
         data = self._conn.data_to_send()
         if data:
             self._write(data)
+
+    def _flush_soon(self) -> None:
+        """Flush at the end of this loop iteration: frames of many streams go out in one TLS write.
+
+        Order is kept (everything queues in h2's buffer); anything that needs
+        its bytes out now (DATA before a drain, our GOAWAY) calls _flush().
+        """
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._loop.call_soon(self._deferred_flush)
+
+    def _deferred_flush(self) -> None:
+        self._flush_scheduled = False
+        if not self.closed.is_set():
+            self._flush()
 
     def _arm_idle(self) -> None:
         self._cancel_idle()

@@ -309,3 +309,49 @@ async def test_response_before_request_body_ends_resets_with_no_error(h2pair):
     assert pair.status(sid) == 429 and pair.body(sid) == b"too many" and pair.ended(sid)
     reset = pair.reset(sid)
     assert reset is not None and reset.error_code == ErrorCodes.NO_ERROR
+
+
+async def test_stream_over_max_concurrent_streams_is_refused_and_others_finish(h2pair):
+    release = asyncio.Event()
+
+    async def handler(req: ProxyRequest) -> ProxyResponse:
+        await release.wait()
+        return ProxyResponse(200, [], _chunks(req.target.encode()))
+
+    pair = h2pair(handler, ProtocolSettings(max_concurrent_streams=2))
+    await pair.settle()
+    # A misbehaving client that ignores our SETTINGS_MAX_CONCURRENT_STREAMS.
+    pair.client.remote_settings.max_concurrent_streams = 100
+    pair.client.remote_settings.acknowledge()
+    before = REGISTRY.get_sample_value("gatekeeper_proxy_refused_streams_total") or 0.0
+    ids = [pair.request("GET", f"/s/{i}") for i in range(3)]
+    await pair.until(lambda: pair.reset(ids[2]) is not None)
+    assert pair.reset(ids[2]).error_code == ErrorCodes.REFUSED_STREAM
+    assert REGISTRY.get_sample_value("gatekeeper_proxy_refused_streams_total") == before + 1
+    release.set()
+    await pair.until(lambda: pair.ended(ids[0]) and pair.ended(ids[1]))
+    assert [pair.body(s) for s in ids[:2]] == [b"/s/0", b"/s/1"]
+    assert pair.goaways == [] and not pair.transport_closed.is_set()
+    # The connection still takes new streams once there is room.
+    sid = pair.request("GET", "/after")
+    await pair.until(lambda: pair.ended(sid))
+    assert pair.body(sid) == b"/after"
+
+
+async def test_malformed_header_block_gets_400_on_that_stream_only(h2pair):
+    async def handler(req: ProxyRequest) -> ProxyResponse:
+        return ProxyResponse(200, [], _chunks(b"ok"))
+
+    pair = h2pair(handler)
+    await pair.settle()
+    # The client-side h2 would refuse to send these; switch its checks off like a broken client.
+    pair.client.config.validate_outbound_headers = False
+    pair.client.config.normalize_outbound_headers = False
+    bad = pair.request(headers=[("x-evil", "a\r\nx-remote-user: admin")])
+    good = pair.request()
+    await pair.until(lambda: pair.ended(bad) and pair.ended(good))
+    assert pair.status(bad) == 400
+    status = orjson.loads(pair.body(bad))
+    assert status["kind"] == "Status" and status["reason"] == "BadRequest"
+    assert "malformed HTTP/2 request" in status["message"]
+    assert pair.status(good) == 200 and pair.goaways == []

@@ -1,0 +1,114 @@
+"""The ``h2`` state machine as the proxy configures it: cheaper header handling, gentler stream limit.
+
+Three departures from a stock ``H2Connection``, each because of a measured
+cost or a needlessly harsh default:
+
+* **Huffman memo.** Every Kubernetes request carries a ~1 KB bearer token, and
+  HPACK encoders never index ``authorization`` (nghttp2 and Go mark it
+  never-indexed), so ``hpack`` Huffman-decodes the same kilobyte on every
+  request in pure Python: about a fifth of the proxy's CPU under h2load.
+  :func:`install_huffman_memo` wraps ``hpack``'s decoder with a small LRU keyed
+  by the encoded bytes. Huffman decoding is a pure function, so a hit returns
+  exactly what decoding would; invalid input raises as before (errors are
+  never cached). Only values of ``MEMO_MIN_BYTES``..``MEMO_MAX_BYTES`` are
+  memoized (short ones are cheap, huge ones would make the cache a memory
+  sink) and at most ``MEMO_ENTRIES`` of them, so the cache stays under a few
+  MB. A hit reveals nothing a caller does not already hold: to hit, it must
+  send the identical encoded token, and dict lookups compare a randomized
+  hash before any bytes.
+* **Header validation moved to us.** h2's inbound checks walk every byte of
+  every header in Python; :mod:`gatekeeper.proxy.h2_headers` checks the same
+  RFC 9113 rules with C-speed regexes and answers a malformed request with a
+  stream reset instead of killing the whole connection. Outbound validation is
+  off: response headers come from aiohttp's parser (already valid field
+  syntax, names lower-cased by ``upstream.py``) or from our own code, and the
+  adapter drops connection-specific headers itself.
+* **REFUSED_STREAM over the limit.** h2 treats a HEADERS frame beyond our
+  advertised ``MAX_CONCURRENT_STREAMS`` as a connection error, which would
+  break every other stream of that client. RFC 9113 5.1.2 allows a stream
+  error instead; Go's server sends REFUSED_STREAM, which clients retry on a
+  fresh stream. :class:`ProxyH2Connection` lets h2 process the frame (the
+  HPACK table must stay in step), resets that one stream with REFUSED_STREAM
+  and reports it through ``on_refused``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import hpack.hpack
+from h2.config import H2Configuration
+from h2.connection import H2Connection
+from h2.errors import ErrorCodes
+from h2.events import Event
+from hyperframe.frame import Frame, HeadersFrame
+
+MEMO_MIN_BYTES = 64
+MEMO_MAX_BYTES = 8192
+MEMO_ENTRIES = 256
+
+
+def _memoizing(decode: Callable[[Any], bytes]) -> Callable[[Any], bytes]:
+    cached = functools.lru_cache(maxsize=MEMO_ENTRIES)(decode)
+
+    @functools.wraps(decode)
+    def decode_huffman(data: Any) -> bytes:
+        if type(data) is bytes and MEMO_MIN_BYTES <= len(data) <= MEMO_MAX_BYTES:
+            return cached(data)
+        return decode(data)
+
+    decode_huffman.memo = cached  # type: ignore[attr-defined]
+    decode_huffman.original = decode  # type: ignore[attr-defined]
+    return decode_huffman
+
+
+def install_huffman_memo() -> None:
+    """Wrap ``hpack``'s Huffman decoder with the memo (idempotent; process-wide, decoding is pure)."""
+    current = hpack.hpack.decode_huffman
+    if getattr(current, "memo", None) is None:
+        hpack.hpack.decode_huffman = _memoizing(current)  # type: ignore[assignment]
+
+
+def config() -> H2Configuration:
+    """Server side, bytes headers, validation done by h2_headers (inbound) or not needed (outbound)."""
+    return H2Configuration(
+        client_side=False,
+        header_encoding=None,
+        validate_inbound_headers=False,
+        normalize_inbound_headers=False,
+        validate_outbound_headers=False,
+    )
+
+
+class ProxyH2Connection(H2Connection):
+    """An ``H2Connection`` that refuses streams over MAX_CONCURRENT_STREAMS instead of failing the connection."""
+
+    def __init__(self, on_refused: Callable[[int], None] | None = None) -> None:
+        super().__init__(config())
+        self._on_refused = on_refused
+        self._lift_limit = False
+
+    @property
+    def open_inbound_streams(self) -> int:
+        count = super().open_inbound_streams
+        return 0 if self._lift_limit else count
+
+    def _receive_headers_frame(self, frame: HeadersFrame) -> tuple[list[Frame], list[Event]]:
+        sid = frame.stream_id
+        over = (sid not in self.streams
+                and super().open_inbound_streams >= self.local_settings.max_concurrent_streams)
+        if not over:
+            return super()._receive_headers_frame(frame)
+        self._lift_limit = True
+        try:
+            frames, events = super()._receive_headers_frame(frame)
+        finally:
+            self._lift_limit = False
+        self._prepare_for_sending(frames)
+        self.reset_stream(sid, ErrorCodes.REFUSED_STREAM)
+        if self._on_refused is not None:
+            self._on_refused(sid)
+        # The request never reaches the proxy: drop its events (RequestReceived, StreamEnded, ...).
+        return [], [e for e in events if getattr(e, "stream_id", None) != sid]

@@ -1,0 +1,89 @@
+"""An HTTP/2 request header block -> method, target and HTTP/1.1-style headers (pure).
+
+h2 can check RFC 9113 header rules itself, but does so byte by byte in
+Python, and a bearer token is a kilobyte; ``h2_conn.config()`` turns that off
+and this module checks the same rules with compiled regexes. A malformed
+request is a :class:`MalformedRequest` (the adapter answers 400 on that stream
+only; RFC 9113 8.1.1 lets a server respond before resetting), never a
+connection error that would take the client's other streams down.
+
+Checked (RFC 9113 8.2, 8.3): field names are non-empty lower-case tokens;
+values have no NUL/CR/LF and no leading or trailing SP/HTAB; no
+connection-specific fields (``connection``, ``keep-alive``,
+``proxy-connection``, ``transfer-encoding``, ``upgrade``) and ``te`` only as
+``trailers``; pseudo-headers are the request ones, each at most once, before
+any regular field; ``:method``, ``:scheme`` and a non-empty ``:path`` are
+present; ``:authority`` and ``host`` agree when both are given.
+
+Conversion: ``cookie`` crumbs are joined with ``"; "`` (RFC 9113 8.2.3, for
+the HTTP/1.1 upstream) and ``:authority`` becomes ``host`` when the client
+sent no ``host``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+from gatekeeper.proxy.messages import Headers
+
+_BAD_NAME = re.compile(rb"[^!#$%&'*+\-.^_`|~0-9a-z]")
+"""Anything but a lower-case token character (RFC 9110 5.6.2; HTTP/2 forbids upper case)."""
+_BAD_VALUE = re.compile(rb"[\x00\r\n]|\A[ \t]|[ \t]\Z")
+REQUEST_PSEUDO = frozenset({b":method", b":scheme", b":authority", b":path"})
+CONNECTION_SPECIFIC = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding",
+                                 b"upgrade"})
+
+
+class MalformedRequest(ValueError):
+    """The header block breaks an RFC 9113 rule; the message says which."""
+
+
+def _text(raw: bytes) -> str:
+    """Header text round-trips through utf-8 with surrogateescape, so odd bytes survive unchanged."""
+    return raw.decode("utf-8", "surrogateescape")
+
+
+def parse_request(block: Iterable[tuple[bytes, bytes]]) -> tuple[str, str, Headers]:
+    """``(method, target, headers)`` from h2's decoded block, or :class:`MalformedRequest`."""
+    pseudo: dict[bytes, bytes] = {}
+    headers: Headers = []
+    cookies: list[str] = []
+    has_host = False
+    host = b""
+    for name, value in block:
+        name, value = bytes(name), bytes(value)
+        if value and _BAD_VALUE.search(value):
+            raise MalformedRequest(f"header {_text(name)!r} has a value with NUL, CR, LF or surrounding whitespace")
+        if name[:1] == b":":
+            if name not in REQUEST_PSEUDO:
+                raise MalformedRequest(f"unknown or response pseudo-header {_text(name)!r}")
+            if headers or cookies or has_host:
+                raise MalformedRequest(f"pseudo-header {_text(name)!r} after a regular header")
+            if name in pseudo:
+                raise MalformedRequest(f"pseudo-header {_text(name)!r} given twice")
+            pseudo[name] = value
+            continue
+        if not name or _BAD_NAME.search(name):
+            raise MalformedRequest(f"invalid header name {_text(name)!r} (HTTP/2 names are lower-case tokens)")
+        if name in CONNECTION_SPECIFIC:
+            raise MalformedRequest(f"connection-specific header {_text(name)!r} is not allowed in HTTP/2")
+        if name == b"te" and value.lower() != b"trailers":
+            raise MalformedRequest("te header other than 'trailers' is not allowed in HTTP/2")
+        if name == b"cookie":
+            cookies.append(_text(value))
+            continue
+        if name == b"host":
+            has_host, host = True, value
+        headers.append((_text(name), _text(value)))
+    for required in (b":method", b":scheme", b":path"):
+        if not pseudo.get(required):
+            raise MalformedRequest(f"missing or empty {_text(required)} pseudo-header")
+    authority = pseudo.get(b":authority")
+    if authority is not None and has_host and authority != host:
+        raise MalformedRequest("host header and :authority disagree")
+    if cookies:
+        headers.append(("cookie", "; ".join(cookies)))
+    if authority is not None and not has_host:
+        headers.insert(0, ("host", _text(authority)))
+    return _text(pseudo[b":method"]), _text(pseudo[b":path"]), headers

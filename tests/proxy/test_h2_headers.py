@@ -1,0 +1,101 @@
+"""RFC 9113 request header rules, checked by h2_headers instead of h2's per-byte validation."""
+
+from __future__ import annotations
+
+import random
+
+import hpack.hpack
+import pytest
+from hpack import HPACKDecodingError
+from hpack.huffman import HuffmanEncoder
+from hpack.huffman_constants import REQUEST_CODES, REQUEST_CODES_LENGTH
+
+from gatekeeper.proxy import h2_conn
+from gatekeeper.proxy.h2_headers import MalformedRequest, parse_request
+
+PSEUDO = [(b":method", b"GET"), (b":scheme", b"https"), (b":path", b"/api/v1/pods?watch=1"),
+          (b":authority", b"proxy.test")]
+
+
+def test_pseudo_headers_become_method_target_and_host():
+    method, target, headers = parse_request([*PSEUDO, (b"accept", b"application/json")])
+    assert (method, target) == ("GET", "/api/v1/pods?watch=1")
+    assert headers == [("host", "proxy.test"), ("accept", "application/json")]
+
+
+def test_cookie_crumbs_are_joined_and_host_header_wins_when_equal():
+    _, _, headers = parse_request([*PSEUDO, (b"host", b"proxy.test"), (b"cookie", b"a=1"), (b"cookie", b"b=2")])
+    assert headers == [("host", "proxy.test"), ("cookie", "a=1; b=2")]
+
+
+def test_non_utf8_bytes_survive_round_trip():
+    _, _, headers = parse_request([*PSEUDO, (b"x-raw", b"\xff\xfe")])
+    assert headers[-1][1].encode("utf-8", "surrogateescape") == b"\xff\xfe"
+
+
+@pytest.mark.parametrize(("extra", "why"), [
+    ([(b"X-Upper", b"1")], "invalid header name"),
+    ([(b"bad name", b"1")], "invalid header name"),
+    ([(b"", b"1")], "invalid header name"),
+    ([(b"x-a", b"v\r\nx-remote-user: admin")], "NUL, CR, LF"),
+    ([(b"x-a", b"nul\x00")], "NUL, CR, LF"),
+    ([(b"x-a", b" leading")], "surrounding whitespace"),
+    ([(b"x-a", b"trailing\t")], "surrounding whitespace"),
+    ([(b"connection", b"close")], "connection-specific"),
+    ([(b"transfer-encoding", b"chunked")], "connection-specific"),
+    ([(b"te", b"gzip")], "te header"),
+    ([(b"x-a", b"1"), (b":path", b"/late")], "after a regular header"),
+    ([(b":status", b"200")], "pseudo-header"),
+    ([(b":method", b"POST")], "given twice"),
+    ([(b"host", b"elsewhere.test")], "disagree"),
+])
+def test_malformed_blocks_are_rejected_with_a_reason(extra, why):
+    with pytest.raises(MalformedRequest, match=why):
+        parse_request([*PSEUDO, *extra])
+
+
+def test_te_trailers_is_allowed():
+    parse_request([*PSEUDO, (b"te", b"trailers")])
+
+
+@pytest.mark.parametrize("missing", [b":method", b":scheme", b":path"])
+def test_required_pseudo_headers(missing):
+    with pytest.raises(MalformedRequest, match="missing"):
+        parse_request([h for h in PSEUDO if h[0] != missing])
+
+
+def _huffman(data: bytes) -> bytes:
+    return HuffmanEncoder(REQUEST_CODES, REQUEST_CODES_LENGTH).encode(data)
+
+
+def test_huffman_memo_returns_what_decoding_returns_and_still_rejects_garbage():
+    h2_conn.install_huffman_memo()
+    h2_conn.install_huffman_memo()  # idempotent: one wrapper, not two
+    memo = hpack.hpack.decode_huffman
+    original = memo.original  # type: ignore[attr-defined]
+    assert getattr(original, "memo", None) is None
+    rng = random.Random(7)
+    for size in (1, 10, 100, 1000, 5000, 20000):
+        raw = bytes(rng.randrange(256) for _ in range(size))
+        enc = _huffman(raw)
+        assert memo(enc) == original(enc) == raw
+        assert memo(enc) == raw  # second call, from the memo when in range
+    # An EOS symbol inside the string is invalid: raised every time, never cached as a value.
+    bad = b"\xff\xff\xff\xff" * 20
+    for _ in range(2):
+        with pytest.raises(HPACKDecodingError):
+            memo(bad)
+
+
+def test_huffman_memo_is_bounded():
+    h2_conn.install_huffman_memo()
+    memo = hpack.hpack.decode_huffman
+    cache = memo.memo  # type: ignore[attr-defined]
+    for i in range(h2_conn.MEMO_ENTRIES + 50):
+        memo(_huffman(b"token-%06d-" % i + b"x" * 100))
+    assert cache.cache_info().currsize <= h2_conn.MEMO_ENTRIES
+    before = cache.cache_info()
+    memo(_huffman(b"y" * (h2_conn.MEMO_MAX_BYTES * 2)))  # too big to keep
+    memo(_huffman(b"short"))  # too small to bother
+    after = cache.cache_info()
+    assert (after.hits, after.misses) == (before.hits, before.misses)
