@@ -69,7 +69,7 @@ from gatekeeper.proxy.adapter import (
 from gatekeeper.proxy.goaway import GoawayDecider, Reason
 from gatekeeper.proxy.h2_conn import ProxyH2Connection, install_huffman_memo
 from gatekeeper.proxy.h2_headers import MalformedRequest, parse_request
-from gatekeeper.proxy.messages import Handler, ProxyRequest, ProxyResponse
+from gatekeeper.proxy.messages import Handler, Headers, ProxyRequest, ProxyResponse
 from gatekeeper.proxy.settings import ProtocolSettings
 
 log = logging.getLogger("gatekeeper.proxy.h2")
@@ -93,6 +93,21 @@ class _Stream:
     """Why the stream was cut (client reset, connection lost, drain deadline)."""
     malformed: str = ""
     """Why the request header block is malformed; answered with 400 without calling the pipeline."""
+
+
+def response_block(status: int, headers: Headers) -> list[tuple[bytes, bytes]]:
+    """The HEADERS block for a response: what h2's outbound normalization did, done once, here.
+
+    Names lower-cased (HTTP/2 requires it; a middleware may write ``Retry-After``),
+    connection-specific headers dropped, values trimmed. h2_conn.config() turns
+    h2's own normalization and validation off, so this is the only pass.
+    """
+    block = [(b":status", str(status).encode())]
+    for name, value in headers:
+        name = name.lower()
+        if name not in HOP_BY_HOP:
+            block.append((encode_header(name), encode_header(value.strip())))
+    return block
 
 
 class H2Protocol:
@@ -376,10 +391,8 @@ class H2Protocol:
             # An upgrade can only answer an HTTP/1.1 request; never reached through a sane pipeline.
             response.upgraded.writer.close()
             raise RuntimeError("pipeline returned a protocol upgrade on an HTTP/2 stream")
-        headers = [(b":status", str(response.status).encode())]
-        headers += [(encode_header(k), encode_header(v)) for k, v in response.headers if k not in HOP_BY_HOP]
         has_body = response_has_body(stream.request.method, response.status)
-        self._conn.send_headers(sid, headers, end_stream=not has_body)
+        self._conn.send_headers(sid, response_block(response.status, response.headers), end_stream=not has_body)
         self._flush_soon()
         if not has_body:
             return

@@ -16,13 +16,14 @@ cost or a needlessly harsh default:
   MB. A hit reveals nothing a caller does not already hold: to hit, it must
   send the identical encoded token, and dict lookups compare a randomized
   hash before any bytes.
-* **Header validation moved to us.** h2's inbound checks walk every byte of
+* **Header checks moved to us.** h2's inbound checks walk every byte of
   every header in Python; :mod:`gatekeeper.proxy.h2_headers` checks the same
   RFC 9113 rules with C-speed regexes and answers a malformed request with a
-  stream reset instead of killing the whole connection. Outbound validation is
-  off: response headers come from aiohttp's parser (already valid field
-  syntax, names lower-cased by ``upstream.py``) or from our own code, and the
-  adapter drops connection-specific headers itself.
+  400 on that stream instead of killing the whole connection. Outbound
+  normalization and validation are off: response headers come from aiohttp's
+  parser (valid field syntax, no CR/LF) or from our own code, and
+  ``h2.response_block`` lower-cases names, trims values and drops
+  connection-specific headers in one pass.
 * **REFUSED_STREAM over the limit.** h2 treats a HEADERS frame beyond our
   advertised ``MAX_CONCURRENT_STREAMS`` as a connection error, which would
   break every other stream of that client. RFC 9113 5.1.2 allows a stream
@@ -79,6 +80,7 @@ def config() -> H2Configuration:
         validate_inbound_headers=False,
         normalize_inbound_headers=False,
         validate_outbound_headers=False,
+        normalize_outbound_headers=False,
     )
 
 

@@ -184,10 +184,8 @@ class Dispatcher:
                 lease.release()
                 raise
             self.balancer.report_response(backend, response.status)
-            metrics.REQUEST_DURATION.labels(info.verb).observe(time.monotonic() - started)
-            metrics.REQUESTS.labels(backend.name, info.verb, metrics.resource_label(info.resource_key,
-                                                                                    response.status),
-                                    str(response.status)).inc()
+            metrics.observe_response(backend.name, info.verb, info.resource_key, response.status,
+                                     time.monotonic() - started)
             response.on_complete.append(_releaser(lease))
             return response
 

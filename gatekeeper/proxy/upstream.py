@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -67,11 +67,23 @@ def connection_tokens(headers: Headers) -> set[str]:
     return {t.strip().lower() for v in values for t in v.split(",") if t.strip()}
 
 
-def strip_hop_by_hop(headers: Headers, *, keep_upgrade: bool = False) -> Headers:
-    """Drop hop-by-hop headers and those the Connection header names (RFC 9110 7.6.1)."""
-    named = connection_tokens(headers)
-    drop = (HOP_BY_HOP | named) - ({"upgrade", "connection"} if keep_upgrade else set())
-    return [(k, v) for k, v in headers if k.lower() not in drop and not k.startswith(":")]
+_KEEP_UPGRADE = frozenset({"upgrade", "connection"})
+
+
+def strip_hop_by_hop(headers: Headers, *, keep_upgrade: bool = False, drop: frozenset[str] = frozenset()) -> Headers:
+    """Drop hop-by-hop headers, those the Connection header names (RFC 9110 7.6.1), and ``drop``.
+
+    Hot path (every request and response): one pass, one ``lower()`` per name,
+    and the Connection header's tokens are only parsed when there is one.
+    """
+    removed = HOP_BY_HOP | drop
+    for k, _ in headers:
+        if k.lower() == "connection":
+            removed = removed | connection_tokens(headers)
+            break
+    if keep_upgrade:
+        removed = removed - _KEEP_UPGRADE
+    return [(k, v) for k, v in headers if k.lower() not in removed and k[:1] != ":"]
 
 
 def is_upgrade(request: ProxyRequest) -> bool:
@@ -224,9 +236,7 @@ class BackendClient:
         Raises :class:`ConnectFailed` when nothing was sent, :class:`BackendFailed`
         when the backend failed after it may have seen the request.
         """
-        out = CIMultiDict(strip_hop_by_hop(headers))
-        for name in REQUEST_DROP:
-            out.popall(name, None)
+        out = CIMultiDict(strip_hop_by_hop(headers, drop=REQUEST_DROP))
         ssl_ctx = self._ssl(identity)
         try:
             resp = await self.session.request(
@@ -237,8 +247,7 @@ class BackendClient:
             raise ConnectFailed(f"{self.name}: {exc}") from exc
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise BackendFailed(f"{self.name}: {type(exc).__name__}: {exc}") from exc
-        resp_headers = strip_hop_by_hop([(k.decode("latin-1").lower(), v.decode("utf-8", "surrogateescape"))
-                                         for k, v in resp.raw_headers])
+        resp_headers = response_headers(resp.raw_headers)
         body = _ResponseBody(resp, swallow_errors=swallow_body_errors, on_done=on_done)
         response = ProxyResponse(status=resp.status, headers=resp_headers, body=body)
         return response
@@ -289,6 +298,11 @@ class BackendClient:
         # Refused upgrade (e.g. 403, 400): an ordinary response on a connection we then close.
         return ProxyResponse(status=status, headers=strip_hop_by_hop(resp_headers),
                              body=_raw_body(reader, writer, resp_headers, on_close))
+
+
+def response_headers(raw: Sequence[tuple[bytes, bytes]]) -> Headers:
+    """aiohttp's raw response headers as lower-case text pairs, hop-by-hop ones removed."""
+    return strip_hop_by_hop([(k.decode("latin-1").lower(), v.decode("utf-8", "surrogateescape")) for k, v in raw])
 
 
 def encode_head(method: str, target: str, host: str, headers: Headers) -> bytes:

@@ -355,3 +355,16 @@ async def test_malformed_header_block_gets_400_on_that_stream_only(h2pair):
     assert status["kind"] == "Status" and status["reason"] == "BadRequest"
     assert "malformed HTTP/2 request" in status["message"]
     assert pair.status(good) == 200 and pair.goaways == []
+
+
+async def test_response_header_names_are_lowercased_and_connection_headers_dropped(h2pair):
+    async def handler(req: ProxyRequest) -> ProxyResponse:
+        return ProxyResponse(429, [("Retry-After", "1"), ("Connection", "close"), ("Keep-Alive", "x"),
+                                   ("X-Padded", " v ")], _chunks(b"slow down"))
+
+    pair = h2pair(handler)
+    sid = pair.request()
+    await pair.until(lambda: pair.ended(sid))
+    headers = pair.response(sid).headers
+    assert (b"retry-after", b"1") in headers and (b"x-padded", b"v") in headers
+    assert not any(k in (b"connection", b"keep-alive", b"Retry-After") for k, _ in headers)
