@@ -10,8 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 
-import orjson
-
+from gatekeeper.kube import status
 from gatekeeper.proxy.messages import Handler, Headers, ProxyRequest, ProxyResponse
 
 log = logging.getLogger("gatekeeper.proxy")
@@ -36,19 +35,23 @@ def response_has_body(method: str, status: int) -> bool:
 
 def status_json(code: int, reason: str, message: str) -> bytes:
     """A ``metav1.Status`` failure body, the error shape every Kubernetes client understands."""
-    return orjson.dumps(
-        {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-         "message": message, "reason": reason, "code": code}
-    )
+    return status.failure_json(code, reason, message)
 
 
 async def _once(data: bytes) -> AsyncIterator[bytes]:
     yield data
 
 
-def error_response(code: int, reason: str, message: str) -> ProxyResponse:
-    body = status_json(code, reason, message)
+def error_response(code: int, reason: str, message: str, *, retry_after: int | None = None) -> ProxyResponse:
+    """A response carrying a Kubernetes ``Status`` failure (the one builder for adapters and pipeline).
+
+    ``retry_after`` sets the ``Retry-After`` header (client-go retries 429/5xx only when it is
+    present, rewinding the body to do so) and ``details.retryAfterSeconds``.
+    """
+    body = status.failure_json(code, reason, message, retry_after=retry_after)
     headers: Headers = [("content-type", "application/json"), ("content-length", str(len(body)))]
+    if retry_after is not None:
+        headers.append(("retry-after", str(retry_after)))
     return ProxyResponse(status=code, headers=headers, body=_once(body))
 
 

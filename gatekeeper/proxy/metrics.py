@@ -35,8 +35,11 @@ ones in ``conn_metrics.py`` and flow control's ``gatekeeper_flowcontrol_*``):
 
 The main TLS port answers ``GET /metrics`` itself with this page (so
 ``kubectl --kubeconfig proxy.kubeconfig get --raw /metrics`` shows the proxy's
-per-backend counts); an apiserver's own ``/metrics`` is reached by talking to
-that apiserver directly.
+per-backend counts), but only to verified client-certificate users in
+``proxy.listener.metricsGroups`` (default ``system:masters``); everyone else
+gets a 403 Status. The plain-HTTP ``metricsPort`` listener (loopback by
+default) serves it to Prometheus. An apiserver's own ``/metrics`` is reached
+by talking to that apiserver directly.
 """
 
 from __future__ import annotations

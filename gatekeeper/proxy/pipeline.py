@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 from gatekeeper.kube import requestinfo
@@ -47,15 +47,6 @@ async def _once(data: bytes) -> AsyncIterator[bytes]:
     yield data
 
 
-def status_response(code: int, reason: str, message: str, *, retry_after: int | None = None) -> ProxyResponse:
-    """A Kubernetes ``Status`` failure, the error shape kubectl and client-go print."""
-    response = error_response(code, reason, message)
-    if retry_after is not None:
-        # client-go retries 429/5xx only when Retry-After is present (and rewinds the body to do so).
-        response.headers.append(("retry-after", str(retry_after)))
-    return response
-
-
 # --- middlewares --------------------------------------------------------------------------------
 
 
@@ -71,14 +62,39 @@ async def request_info(request: ProxyRequest, next_handler: Handler) -> ProxyRes
     return await next_handler(request)
 
 
-async def local_endpoints(request: ProxyRequest, next_handler: Handler) -> ProxyResponse:
-    """``GET /metrics`` on the main port is the proxy's own page (per-backend counts)."""
-    if request.method in SAFE_METHODS and request.target.split("?", 1)[0] == "/metrics":
+def local_endpoints_for(metrics_groups: Collection[str]) -> Middleware:
+    """``GET /metrics`` on the main port is the proxy's own page (per-backend counts), for admins only.
+
+    The page names every backend and the callers' resources, so on the client-facing port it
+    is served only to verified client-certificate users in one of ``metrics_groups``
+    (``proxy.listener.metricsGroups``, default ``system:masters``); anyone else gets a 403
+    Status. Token callers cannot be checked here (only the apiserver can read a token);
+    Prometheus scrapes the plain ``listener.metricsPort`` listener, bound to loopback.
+    """
+    allowed = frozenset(metrics_groups)
+    needs = ", ".join(sorted(allowed)) or "(none: proxy.listener.metricsGroups is empty)"
+
+    async def local_endpoints(request: ProxyRequest, next_handler: Handler) -> ProxyResponse:
+        if request.method not in SAFE_METHODS or request.target.split("?", 1)[0] != "/metrics":
+            return await next_handler(request)
+        user = request.user or auth.identify(request.peer_cert, request.headers)
+        if user.source != "x509" or allowed.isdisjoint(user.groups):
+            return error_response(
+                403, "Forbidden",
+                f'gatekeeper proxy: user "{user.name}" cannot get path "/metrics" on the proxy: it needs a '
+                f"client certificate in one of the groups {needs} (proxy.listener.metricsGroups), "
+                "or read the proxy's metricsPort listener",
+            )
         body, content_type = metrics.render()
         return ProxyResponse(status=200, headers=[("content-type", content_type),
                                                   ("content-length", str(len(body)))],
                              body=_once(b"" if request.method == "HEAD" else body))
-    return await next_handler(request)
+
+    return local_endpoints
+
+
+local_endpoints = local_endpoints_for(["system:masters"])
+"""The /metrics middleware with the default group list."""
 
 
 def chain(middlewares: Sequence[Middleware], final: Handler) -> Handler:
@@ -132,7 +148,7 @@ class Dispatcher:
         while True:
             backend = self.balancer.choose(tried)
             if backend is None:
-                return status_response(503, "ServiceUnavailable",
+                return error_response(503, "ServiceUnavailable",
                                        f"gatekeeper proxy: no apiserver reachable ({last_error})",
                                        retry_after=1)
             client = self.clients[backend.name]
@@ -167,18 +183,18 @@ class Dispatcher:
                     metrics.UPSTREAM_RETRIES.inc()
                     continue
                 # Nothing reached the backend; client-go re-sends on 503 + Retry-After.
-                return status_response(503, "ServiceUnavailable",
+                return error_response(503, "ServiceUnavailable",
                                        f"gatekeeper proxy: apiserver {backend.name} unreachable: {exc}",
                                        retry_after=1)
             except NoFrontProxyCert as exc:
                 lease.release()
-                return status_response(500, "InternalError", f"gatekeeper proxy: {exc}")
+                return error_response(500, "InternalError", f"gatekeeper proxy: {exc}")
             except BackendFailed as exc:
                 lease.release()
                 self.balancer.report_connect_failure(backend)
                 metrics.UPSTREAM_ERRORS.labels(backend.name, "backend").inc()
                 log.warning("%s %s on %s failed: %s", request.method, request.target, backend.name, exc)
-                return status_response(502, "InternalError",
+                return error_response(502, "InternalError",
                                        f"gatekeeper proxy: apiserver {backend.name} failed: {exc}")
             except BaseException:
                 lease.release()
@@ -256,7 +272,7 @@ def build(
     """identity -> RequestInfo -> local /metrics -> flow control (optional) -> dispatcher."""
     balancer = balancer or Balancer(settings.backends, policy=policy)
     clients = {b.name: BackendClient(b.name, b.url, settings.upstream) for b in balancer.backends}
-    middlewares: list[Middleware] = [identity, request_info, local_endpoints]
+    middlewares: list[Middleware] = [identity, request_info, local_endpoints_for(settings.listener.metrics_groups)]
     if flow_control is not None:
         middlewares.append(flow_control)
     handler = chain(middlewares, Dispatcher(balancer, clients))

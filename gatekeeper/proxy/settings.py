@@ -36,6 +36,8 @@ class ListenerSettings:
     """Bind address of the plain-HTTP /metrics, /healthz and /readyz listener."""
     metrics_port: int = 0
     """Port of that listener (0 = pick a free port, -1 = disabled)."""
+    metrics_groups: list[str] = field(default_factory=lambda: ["system:masters"])
+    """Groups whose verified client-certificate users may read ``/metrics`` on the TLS port (others get 403)."""
 
     def validate(self) -> None:
         if not self.cert_file or not self.key_file:

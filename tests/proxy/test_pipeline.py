@@ -4,9 +4,20 @@ from __future__ import annotations
 
 from typing import Any
 
+import orjson
+import pytest
+
 from gatekeeper.proxy.messages import Handler, ProxyRequest, ProxyResponse
-from gatekeeper.proxy.pipeline import _forwarded_for, build, chain, identity, local_endpoints, request_info
-from gatekeeper.proxy.settings import BackendSettings, ProxySettings
+from gatekeeper.proxy.pipeline import (
+    _forwarded_for,
+    build,
+    chain,
+    identity,
+    local_endpoints,
+    local_endpoints_for,
+    request_info,
+)
+from gatekeeper.proxy.settings import BackendSettings, ProxySettings, UpstreamSettings
 
 
 def req(method: str, target: str, headers: list[tuple[str, str]] | None = None, **kw: Any) -> ProxyRequest:
@@ -57,7 +68,12 @@ async def test_chain_runs_middlewares_in_order() -> None:
     assert request.user is not None and request.user.source == "anonymous"
 
 
-async def test_proxy_answers_metrics_itself() -> None:
+def _cert(cn: str, *orgs: str) -> dict[str, Any]:
+    """A ``getpeercert()``-shaped verified certificate."""
+    return {"subject": ((("commonName", cn),), *((("organizationName", o),) for o in orgs))}
+
+
+async def test_proxy_answers_metrics_itself_to_masters() -> None:
     async def never(request: ProxyRequest) -> ProxyResponse:
         raise AssertionError("/metrics must not be forwarded")
 
@@ -66,12 +82,59 @@ async def test_proxy_answers_metrics_itself() -> None:
     from gatekeeper.proxy import metrics
 
     metrics.register_source(pipeline)
-    resp = await local_endpoints(req("GET", "/metrics"), never)
+    resp = await local_endpoints(req("GET", "/metrics", peer_cert=_cert("admin", "system:masters")), never)
     body = b"".join([c async for c in resp.body]).decode()
     await pipeline.close()
     assert resp.status == 200
     assert 'gatekeeper_proxy_backend_up{backend="b1"}' in body
     assert "gatekeeper_proxy_skew_in_flight_ratio" in body
+
+
+@pytest.mark.parametrize("request_kw", [
+    {},  # anonymous
+    {"headers": [("authorization", "Bearer some-token")]},  # the proxy cannot check a token
+    {"peer_cert": _cert("alice", "developers")},  # verified, but not an admin
+    {"headers": [("x-remote-group", "system:masters")], "peer_cert": _cert("bob")},  # spoofed group
+])
+async def test_metrics_on_main_port_is_forbidden_to_non_admins(request_kw: dict[str, Any]) -> None:
+    async def never(request: ProxyRequest) -> ProxyResponse:
+        raise AssertionError("/metrics must not be forwarded")
+
+    settings = ProxySettings(backends=[BackendSettings(url="https://127.0.0.1:1", name="b1")])
+    pipeline = build(settings, flow_control=None)
+    try:
+        headers = request_kw.get("headers", [])
+        resp = await pipeline.handler(req("GET", "/metrics", headers, peer_cert=request_kw.get("peer_cert")))
+    finally:
+        await pipeline.close()
+    body = orjson.loads(b"".join([c async for c in resp.body]))
+    assert resp.status == 403
+    assert (body["kind"], body["reason"], body["code"]) == ("Status", "Forbidden", 403)
+    assert "system:masters" in body["message"] and "gatekeeper_proxy" not in body["message"]
+
+
+async def test_metrics_groups_are_configurable() -> None:
+    async def never(request: ProxyRequest) -> ProxyResponse:
+        raise AssertionError("/metrics must not be forwarded")
+
+    mw = local_endpoints_for(["monitoring"])
+    ok = await mw(req("GET", "/metrics", peer_cert=_cert("prom", "monitoring")), never)
+    no = await mw(req("GET", "/metrics", peer_cert=_cert("admin", "system:masters")), never)
+    assert (ok.status, no.status) == (200, 403)
+
+
+async def test_pipeline_errors_are_status_bodies_with_retry_after() -> None:
+    settings = ProxySettings(backends=[BackendSettings(url="https://127.0.0.1:1", name="b1")],
+                             upstream=UpstreamSettings(connect_timeout_seconds=1))
+    pipeline = build(settings)
+    try:
+        resp = await pipeline.handler(req("POST", "/api/v1/namespaces/a/configmaps"))
+    finally:
+        await pipeline.close()
+    body = orjson.loads(b"".join([c async for c in resp.body]))
+    assert resp.status == 503 and ("retry-after", "1") in resp.headers
+    assert (body["kind"], body["reason"], body["details"]) == ("Status", "ServiceUnavailable",
+                                                               {"retryAfterSeconds": 1})
 
 
 async def test_other_paths_pass_local_endpoints() -> None:
