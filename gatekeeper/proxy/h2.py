@@ -54,6 +54,7 @@ from h2.events import (
 )
 from h2.exceptions import ProtocolError, StreamClosedError
 from h2.settings import SettingCodes, Settings
+from hpack import NeverIndexedHeaderTuple
 from hyperframe.frame import GoAwayFrame
 
 from gatekeeper.proxy import conn_metrics
@@ -95,6 +96,11 @@ class _Stream:
     """Why the request header block is malformed; answered with 400 without calling the pipeline."""
 
 
+VOLATILE_RESPONSE_HEADERS = frozenset({"audit-id", "date"})
+"""New value on (nearly) every response: HPACK-indexing them only evicts useful entries and
+lengthens hpack's linear table search, so they go out as literals that are not indexed."""
+
+
 def response_block(status: int, headers: Headers) -> list[tuple[bytes, bytes]]:
     """The HEADERS block for a response: what h2's outbound normalization did, done once, here.
 
@@ -102,10 +108,14 @@ def response_block(status: int, headers: Headers) -> list[tuple[bytes, bytes]]:
     connection-specific headers dropped, values trimmed. h2_conn.config() turns
     h2's own normalization and validation off, so this is the only pass.
     """
-    block = [(b":status", str(status).encode())]
+    block: list[tuple[bytes, bytes]] = [(b":status", str(status).encode())]
     for name, value in headers:
         name = name.lower()
-        if name not in HOP_BY_HOP:
+        if name in HOP_BY_HOP:
+            continue
+        if name in VOLATILE_RESPONSE_HEADERS:
+            block.append(NeverIndexedHeaderTuple(encode_header(name), encode_header(value.strip())))
+        else:
             block.append((encode_header(name), encode_header(value.strip())))
     return block
 

@@ -36,6 +36,7 @@ cost or a needlessly harsh default:
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -65,11 +66,31 @@ def _memoizing(decode: Callable[[Any], bytes]) -> Callable[[Any], bytes]:
     return decode_huffman
 
 
+class _QuietLog:
+    """``hpack``'s module logger minus ``debug``: hpack calls it ~36 times per request."""
+
+    def __init__(self, real: logging.Logger) -> None:
+        self.real = real
+
+    def debug(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+
 def install_huffman_memo() -> None:
-    """Wrap ``hpack``'s Huffman decoder with the memo (idempotent; process-wide, decoding is pure)."""
+    """Wrap ``hpack``'s Huffman decoder with the memo (idempotent; process-wide, decoding is pure).
+
+    Also silences hpack's per-header debug logging, unless DEBUG is already on for it when
+    the first connection starts (then it stays, for whoever is debugging).
+    """
     current = hpack.hpack.decode_huffman
     if getattr(current, "memo", None) is None:
         hpack.hpack.decode_huffman = _memoizing(current)  # type: ignore[assignment]
+    log = hpack.hpack.log
+    if isinstance(log, logging.Logger) and not log.isEnabledFor(logging.DEBUG):
+        hpack.hpack.log = _QuietLog(log)  # type: ignore[assignment]
 
 
 def config() -> H2Configuration:

@@ -368,3 +368,23 @@ async def test_response_header_names_are_lowercased_and_connection_headers_dropp
     headers = pair.response(sid).headers
     assert (b"retry-after", b"1") in headers and (b"x-padded", b"v") in headers
     assert not any(k in (b"connection", b"keep-alive", b"Retry-After") for k, _ in headers)
+
+
+async def test_per_response_audit_id_and_date_are_not_hpack_indexed(h2pair):
+    from hpack import NeverIndexedHeaderTuple
+
+    async def handler(req: ProxyRequest) -> ProxyResponse:
+        return ProxyResponse(200, [("Audit-Id", req.target[1:]), ("date", "now"), ("content-type", "x/y")],
+                             _chunks(b"ok"))
+
+    pair = h2pair(handler)
+    ids = [pair.request("GET", f"/{i}") for i in range(3)]
+    await pair.until(lambda: all(pair.ended(s) for s in ids))
+    for i, sid in enumerate(ids):
+        headers = {bytes(k): h for k, h in ((h[0], h) for h in pair.response(sid).headers)}
+        assert headers[b"audit-id"] == (b"audit-id", str(i).encode())
+        assert isinstance(headers[b"audit-id"], NeverIndexedHeaderTuple)
+        assert isinstance(headers[b"date"], NeverIndexedHeaderTuple)
+        assert not isinstance(headers[b"content-type"], NeverIndexedHeaderTuple)
+    table = [name for name, _ in pair.client.decoder.header_table.dynamic_entries]
+    assert b"audit-id" not in table and b"content-type" in table
