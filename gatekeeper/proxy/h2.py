@@ -54,23 +54,20 @@ from h2.events import (
 )
 from h2.exceptions import ProtocolError, StreamClosedError
 from h2.settings import SettingCodes, Settings
-from hpack import NeverIndexedHeaderTuple
 from hyperframe.frame import GoAwayFrame
 
 from gatekeeper.proxy import conn_metrics
 from gatekeeper.proxy.adapter import (
-    HOP_BY_HOP,
     ClientGone,
     call_handler,
     close_body,
-    encode_header,
     error_response,
     response_has_body,
 )
 from gatekeeper.proxy.goaway import GoawayDecider, Reason
 from gatekeeper.proxy.h2_conn import ProxyH2Connection, install_huffman_memo
-from gatekeeper.proxy.h2_headers import MalformedRequest, parse_request
-from gatekeeper.proxy.messages import Handler, Headers, ProxyRequest, ProxyResponse
+from gatekeeper.proxy.h2_headers import MalformedRequest, parse_request, response_block
+from gatekeeper.proxy.messages import Handler, ProxyRequest, ProxyResponse
 from gatekeeper.proxy.settings import ProtocolSettings
 
 log = logging.getLogger("gatekeeper.proxy.h2")
@@ -94,30 +91,6 @@ class _Stream:
     """Why the stream was cut (client reset, connection lost, drain deadline)."""
     malformed: str = ""
     """Why the request header block is malformed; answered with 400 without calling the pipeline."""
-
-
-VOLATILE_RESPONSE_HEADERS = frozenset({"audit-id", "date"})
-"""New value on (nearly) every response: HPACK-indexing them only evicts useful entries and
-lengthens hpack's linear table search, so they go out as literals that are not indexed."""
-
-
-def response_block(status: int, headers: Headers) -> list[tuple[bytes, bytes]]:
-    """The HEADERS block for a response: what h2's outbound normalization did, done once, here.
-
-    Names lower-cased (HTTP/2 requires it; a middleware may write ``Retry-After``),
-    connection-specific headers dropped, values trimmed. h2_conn.config() turns
-    h2's own normalization and validation off, so this is the only pass.
-    """
-    block: list[tuple[bytes, bytes]] = [(b":status", str(status).encode())]
-    for name, value in headers:
-        name = name.lower()
-        if name in HOP_BY_HOP:
-            continue
-        if name in VOLATILE_RESPONSE_HEADERS:
-            block.append(NeverIndexedHeaderTuple(encode_header(name), encode_header(value.strip())))
-        else:
-            block.append((encode_header(name), encode_header(value.strip())))
-    return block
 
 
 class H2Protocol:

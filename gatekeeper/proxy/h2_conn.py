@@ -22,7 +22,7 @@ cost or a needlessly harsh default:
   400 on that stream instead of killing the whole connection. Outbound
   normalization and validation are off: response headers come from aiohttp's
   parser (valid field syntax, no CR/LF) or from our own code, and
-  ``h2.response_block`` lower-cases names, trims values and drops
+  ``h2_headers.response_block`` lower-cases names, trims values and drops
   connection-specific headers in one pass.
 * **REFUSED_STREAM over the limit.** h2 treats a HEADERS frame beyond our
   advertised ``MAX_CONCURRENT_STREAMS`` as a connection error, which would

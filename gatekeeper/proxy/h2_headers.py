@@ -1,4 +1,4 @@
-"""An HTTP/2 request header block -> method, target and HTTP/1.1-style headers (pure).
+"""HTTP/2 header blocks (pure): request block -> method, target, headers; response -> HEADERS block.
 
 h2 can check RFC 9113 header rules itself, but does so byte by byte in
 Python, and a bearer token is a kilobyte; ``h2_conn.config()`` turns that off
@@ -25,6 +25,9 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
+from hpack import NeverIndexedHeaderTuple
+
+from gatekeeper.proxy.adapter import HOP_BY_HOP, encode_header
 from gatekeeper.proxy.messages import Headers
 
 _BAD_NAME = re.compile(rb"[^!#$%&'*+\-.^_`|~0-9a-z]")
@@ -87,3 +90,27 @@ def parse_request(block: Iterable[tuple[bytes, bytes]]) -> tuple[str, str, Heade
     if authority is not None and not has_host:
         headers.insert(0, ("host", _text(authority)))
     return _text(pseudo[b":method"]), _text(pseudo[b":path"]), headers
+
+
+VOLATILE_RESPONSE_HEADERS = frozenset({"audit-id", "date"})
+"""New value on (nearly) every response: HPACK-indexing them only evicts useful entries and
+lengthens hpack's linear table search, so they go out as literals that are not indexed."""
+
+
+def response_block(status: int, headers: Headers) -> list[tuple[bytes, bytes]]:
+    """The HEADERS block for a response: what h2's outbound normalization did, done once, here.
+
+    Names lower-cased (HTTP/2 requires it; a middleware may write ``Retry-After``),
+    connection-specific headers dropped, values trimmed. h2_conn.config() turns
+    h2's own normalization and validation off, so this is the only pass.
+    """
+    block: list[tuple[bytes, bytes]] = [(b":status", str(status).encode())]
+    for name, value in headers:
+        name = name.lower()
+        if name in HOP_BY_HOP:
+            continue
+        if name in VOLATILE_RESPONSE_HEADERS:
+            block.append(NeverIndexedHeaderTuple(encode_header(name), encode_header(value.strip())))
+        else:
+            block.append((encode_header(name), encode_header(value.strip())))
+    return block
