@@ -386,17 +386,22 @@ class H2Protocol:
                 chunk = await body.__anext__()
             except StopAsyncIteration:
                 break
-            await self._send_data(stream, chunk)
+            # A body that knows its last chunk (upstream._ResponseBody.exhausted) ends the
+            # stream on that DATA frame instead of an extra empty one.
+            last = getattr(body, "exhausted", False) is True
+            await self._send_data(stream, chunk, end_stream=last)
+            if last:
+                return
         self._conn.end_stream(sid)
         self._flush_soon()
 
-    async def _send_data(self, stream: _Stream, chunk: bytes) -> None:
+    async def _send_data(self, stream: _Stream, chunk: bytes, *, end_stream: bool = False) -> None:
         view = memoryview(chunk)
         while view:
             window = await self._wait_window(stream)
             n = min(len(view), window, self._conn.max_outbound_frame_size)
-            self._conn.send_data(stream.id, bytes(view[:n]))
-            view = view[n:]
+            view, piece = view[n:], bytes(view[:n])
+            self._conn.send_data(stream.id, piece, end_stream=end_stream and not view)
             self._flush()
             await self._drain()
 

@@ -123,6 +123,8 @@ class _ResponseBody:
         self.on_done = on_done
         self.done = False
         self.chunk_hint = chunk_hint
+        self.exhausted = False
+        """The chunk last returned was the final one (the next ``__anext__`` stops)."""
 
     def __aiter__(self) -> _ResponseBody:
         return self
@@ -147,6 +149,11 @@ class _ResponseBody:
         if not chunk:
             self._finish(None)
             raise StopAsyncIteration
+        if self.resp.content.at_eof():
+            # That was all of it: give the connection back now, and let the adapter end the
+            # stream with this chunk (one HTTP/2 DATA frame with END_STREAM instead of two).
+            self.exhausted = True
+            self._finish(None)
         return chunk
 
     def _finish(self, error: BaseException | None) -> None:

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 
 import orjson
 from h2.errors import ErrorCodes
+from h2.events import DataReceived
 from prometheus_client import REGISTRY
 
 from gatekeeper.proxy.adapter import ClientGone
@@ -388,3 +389,30 @@ async def test_per_response_audit_id_and_date_are_not_hpack_indexed(h2pair):
         assert not isinstance(headers[b"content-type"], NeverIndexedHeaderTuple)
     table = [name for name, _ in pair.client.decoder.header_table.dynamic_entries]
     assert b"audit-id" not in table and b"content-type" in table
+
+
+async def test_body_that_knows_its_last_chunk_ends_the_stream_on_that_data_frame(h2pair):
+    class KnowsEnd:
+        def __init__(self) -> None:
+            self.parts = [b"a" * 10, b"b" * 10]
+            self.exhausted = False
+
+        def __aiter__(self) -> KnowsEnd:
+            return self
+
+        async def __anext__(self) -> bytes:
+            if not self.parts:
+                raise StopAsyncIteration
+            part = self.parts.pop(0)
+            self.exhausted = not self.parts
+            return part
+
+    async def handler(req: ProxyRequest) -> ProxyResponse:
+        return ProxyResponse(200, [], KnowsEnd())
+
+    pair = h2pair(handler)
+    sid = pair.request()
+    await pair.until(lambda: pair.ended(sid))
+    frames = [e for e in pair.events if isinstance(e, DataReceived) and e.stream_id == sid]
+    assert [f.data for f in frames] == [b"a" * 10, b"b" * 10]
+    assert frames[-1].stream_ended is not None and frames[0].stream_ended is None

@@ -384,3 +384,20 @@ def test_balancer_argument_is_used(pki: PKI, tmp_path: Path) -> None:
     settings = settings_for(pki, ["https://127.0.0.1:1"])
     bal = Balancer(settings.backends)
     assert build(settings, balancer=bal).balancer is bal
+
+
+async def test_small_response_is_marked_exhausted_and_frees_its_connection_for_reuse(fake: Any) -> None:
+    _server, pipeline = fake
+    ends: list[BaseException | None] = []
+    for _ in range(3):
+        resp = await pipeline.handler(req("GET", "/readyz"))
+        resp.on_complete.append(ends.append)
+        body = resp.body
+        chunk = await body.__anext__()
+        assert chunk and getattr(body, "exhausted", False) is True
+        # Released (lease and pooled connection) before the adapter even asks for more.
+        assert pipeline.balancer.backends[0].in_flight == 0
+        with pytest.raises(StopAsyncIteration):
+            await body.__anext__()
+        resp.finish(None)
+    assert pipeline.upstream_connections(pipeline.balancer.backends[0].name) == 1, "keep-alive reuse"
