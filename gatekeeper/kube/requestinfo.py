@@ -30,6 +30,7 @@ non-follow log finishes on its own, so here it counts as an ordinary request.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -121,12 +122,25 @@ def _exact_name(selectors: list[str] | None) -> str:
     return ""
 
 
+CACHE_ENTRIES = 4096
+CACHE_MAX_TARGET = 1024
+"""Targets longer than this are parsed every time (they rarely repeat, and bound the cache's memory)."""
+
+
 def parse(method: str, target: str) -> RequestInfo:
     """RequestInfo for an HTTP method and raw request target (path plus optional query).
 
     Never raises: malformed paths come back as non-resource requests, just as
     the apiserver would then 404 them; the proxy forwards them unchanged.
+    Results are memoized: the same GETs and LISTs repeat all day in a cluster,
+    RequestInfo is immutable, and parsing is a pure function of its inputs.
     """
+    if len(target) <= CACHE_MAX_TARGET:
+        return _parse_cached(method, target)
+    return _parse(method, target)
+
+
+def _parse(method: str, target: str) -> RequestInfo:
     split = urlsplit(target if target.startswith("/") else "/" + target)
     path = unquote(split.path) if "%" in split.path else split.path
     query = parse_qs(split.query, keep_blank_values=True)
@@ -177,3 +191,6 @@ def parse(method: str, target: str) -> RequestInfo:
         api_version=version, namespace=namespace, resource=resource, subresource=subresource,
         name=name, parts=tuple(parts), long_running=long_running,
     )
+
+
+_parse_cached = functools.lru_cache(maxsize=CACHE_ENTRIES)(_parse)

@@ -153,3 +153,14 @@ def test_legacy_special_verb_without_resource_is_resource_request_without_resour
 def test_parts_start_at_resource() -> None:
     assert parse("GET", "/apis/apps/v1/namespaces/ns/deployments/d/scale").parts == (
         "deployments", "d", "scale")
+
+
+def test_parse_is_memoized_for_repeated_targets_but_not_for_huge_ones():
+    from gatekeeper.kube import requestinfo
+
+    a = parse("GET", "/api/v1/namespaces/memo/pods?watch=1")
+    assert parse("GET", "/api/v1/namespaces/memo/pods?watch=1") is a
+    assert parse("get", "/api/v1/namespaces/memo/pods?watch=1") == a  # method case does not matter
+    huge = "/api/v1/namespaces/memo/pods?labelSelector=" + "x" * requestinfo.CACHE_MAX_TARGET
+    first, second = parse("GET", huge), parse("GET", huge)
+    assert first == second and first is not second and first.verb == "list"
