@@ -35,10 +35,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
-
 from gatekeeper.kube import requestinfo
 from gatekeeper.kube.requestinfo import RequestInfo
+from gatekeeper.kube.status import failure_json
 from gatekeeper.proxy.flowcontrol import metrics
 from gatekeeper.proxy.flowcontrol.coalesce import coalesce_key, identity_key
 from gatekeeper.proxy.flowcontrol.controller import FlowController
@@ -68,18 +67,7 @@ def too_many_requests(fs: FlowSchema, pl: PriorityLevel, reason: str, retry_afte
         f"Too many requests, please try again later: gatekeeper flow control rejected the request "
         f"because {_REASON_TEXT.get(reason, reason)} (FlowSchema {fs.name}, priority level {pl.name})."
     )
-    body = orjson.dumps(
-        {
-            "kind": "Status",
-            "apiVersion": "v1",
-            "metadata": {},
-            "status": "Failure",
-            "message": message,
-            "reason": "TooManyRequests",
-            "details": {"retryAfterSeconds": retry_after},
-            "code": 429,
-        }
-    )
+    body = failure_json(429, "TooManyRequests", message, retry_after=retry_after)
 
     async def once() -> AsyncIterator[bytes]:
         yield body
