@@ -9,8 +9,9 @@ import pytest
 from fc_helpers import Req, User, flow_schema, group, queued_level, rr
 
 from gatekeeper.proxy.flowcontrol.controller import FlowController, Limits, flow_hash
+from gatekeeper.proxy.flowcontrol.objects import PriorityLevel
 from gatekeeper.proxy.flowcontrol.policy import build_policy
-from gatekeeper.proxy.flowcontrol.queueset import deal
+from gatekeeper.proxy.flowcontrol.queueset import deal, level_max_seats
 
 LIST = Req("list", "configmaps", namespace="ns")
 
@@ -96,7 +97,7 @@ def test_light_flow_gets_equal_share_against_a_flood():
 
 
 def test_share_is_by_seats_not_requests():
-    fc = controller(queues=16, hand=1, total=4)
+    fc = controller(queues=16, hand=1, total=14)  # a level where one request may take up to 3 seats
     running: deque = deque()
     fc.estimator.observe("secrets", "ns", 2 * fc.limits.bytes_per_seat)  # secrets LISTs cost 2 seats
     submit(fc, "heavy", 30, running, req=Req("list", "secrets", namespace="ns"))
@@ -131,19 +132,37 @@ def test_queue_full_and_timeout_and_concurrency_limit():
     assert (a.state, b.state, b.reason) == ("executing", "rejected", "concurrency-limit")
 
 
-def test_wide_list_runs_alone_and_list_bytes_cap_holds():
-    fc = controller(queues=8, hand=2, total=4, limits=Limits(server_concurrency_limit=4, list_bytes_cap=100 << 20))
+@pytest.mark.parametrize(
+    ("limit", "hand", "expected"),
+    # upstream's Test_GetMaxSeats table (apf_controller): 15% of the level, and at most limit // handSize
+    [(5, 6, 1), (10, 6, 1), (15, 6, 2), (20, 6, 3), (100, 6, 15), (200, 6, 30), (10, 1, 2), (100, 20, 5)],
+)
+def test_level_max_seats_follow_upstream(limit, hand, expected):
+    spec = PriorityLevel(name="l", uid="u", exempt=False, queues=64, hand_size=hand)
+    assert level_max_seats(spec, limit) == expected
+
+
+def test_big_lists_share_the_seeds_two_seat_level():
+    # the seeds' shape: 2 seats, 16 queues, hand 4 -> one seat per request, so two 60 MiB LISTs run together
+    fc = controller(queues=16, hand=4, total=2)
     fc.estimator.observe("secrets", "", 60 << 20)
-    running: deque = deque()
-    ts = submit(fc, "a", 3, running, req=Req("list", "secrets"))
-    assert ts[0].seats == 4  # 8 seats by size, capped at the level's 4
-    assert [t.state for t in ts] == ["executing", "queued", "queued"]
-    fc2 = controller(queues=8, hand=2, total=100, limits=Limits(server_concurrency_limit=100, list_bytes_cap=100 << 20))
-    fc2.estimator.observe("secrets", "", 60 << 20)
-    ts = submit(fc2, "a", 2, deque(), req=Req("list", "secrets"))
+    ts = submit(fc, "a", 3, deque(), req=Req("list", "secrets"))
+    assert [t.seats for t in ts] == [1, 1, 1]
+    assert [t.state for t in ts] == ["executing", "executing", "queued"]
+
+
+def test_wide_list_seats_scale_in_a_big_level_and_list_bytes_cap_holds():
+    fc = controller(queues=8, hand=2, total=100, limits=Limits(server_concurrency_limit=100, list_bytes_cap=100 << 20))
+    fc.estimator.observe("secrets", "", 60 << 20)
+    ts = submit(fc, "a", 2, deque(), req=Req("list", "secrets"))
+    assert ts[0].seats == 8  # ceil(60 MiB / 8 MiB); the level allows up to min(15, 50)
     # seats would allow both; the 100 MiB in-flight LIST budget does not
     assert [t.state for t in ts] == ["executing", "queued"]
-    assert [d for d in fc2.finish(ts[0])] == [ts[1]]
+    assert [d for d in fc.finish(ts[0])] == [ts[1]]
+    fr = controller(queues=8, hand=2, total=4, reject=True)
+    fr.estimator.observe("secrets", "", 60 << 20)
+    a, _, _ = fr.admit(User("a"), Req("list", "secrets"), 0.0)
+    assert (a.state, a.seats) == ("executing", 4)  # a Reject level caps only at its limit: runs alone
 
 
 def test_watch_releases_seats_at_first_bytes():

@@ -70,7 +70,7 @@ class FlowController:
             limit = policy.limits.get(name, 0)
             old = self.levels.pop(name, None)
             if old is not None and old.same_geometry(spec):
-                old.spec, old.limit = spec, limit
+                old.configure(spec, limit)
                 levels[name] = old
             else:
                 if old is not None:

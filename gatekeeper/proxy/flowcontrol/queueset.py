@@ -22,6 +22,7 @@ queue, and takes no seats; the caller serves them all from one upstream call.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -30,6 +31,28 @@ from gatekeeper.proxy.flowcontrol.objects import PriorityLevel
 
 State = Literal["new", "queued", "executing", "joined", "rejected", "cancelled", "done"]
 RejectReason = Literal["queue-full", "time-out", "concurrency-limit", "cancelled"]
+
+
+MAX_SEATS_SHARE = 0.15
+"""Upstream's priorityLevelMaxSeatsPercent: one request takes at most 15% of its level's seats."""
+
+
+def level_max_seats(spec: PriorityLevel, limit: int) -> int:
+    """Most seats one request may take in a level: ``max(1, min(ceil(0.15 * limit), limit // handSize))``.
+
+    Upstream's per-level maxSeats (``apf_controller.go``, queuing levels): a
+    wide request must leave room for others and fit a hand's share of the
+    level. Reject levels have no hand; the request is then only capped by the
+    level's limit (a LIST wider than its level runs alone rather than never).
+    In the seeds' 2-seat level (handSize 4) this is 1, so two secret LISTs of
+    any size may run at once, as the policy says; their memory is bounded by
+    the LIST bytes cap instead (see ``seats.py``).
+    """
+    if limit <= 0:
+        return 1
+    if spec.reject or spec.exempt:
+        return limit
+    return max(1, min(math.ceil(limit * MAX_SEATS_SHARE), limit // spec.hand_size))
 
 
 def deal(hash_value: int, deck: int, hand: int) -> list[int]:
@@ -105,6 +128,7 @@ class LevelState:
     def __init__(self, spec: PriorityLevel, limit: int, budget: ListBudget) -> None:
         self.spec = spec
         self.limit = limit
+        self.max_seats = level_max_seats(spec, limit)
         self.budget = budget
         self.queues = [_Queue() for _ in range(0 if (spec.exempt or spec.reject) else spec.queues)]
         self.vtime = 0.0
@@ -112,6 +136,10 @@ class LevelState:
         self.executing_requests = 0
         self.executing_seats = 0
         self.waiting = 0
+
+    def configure(self, spec: PriorityLevel, limit: int) -> None:
+        """A reload changed the level's limits but not its queues."""
+        self.spec, self.limit, self.max_seats = spec, limit, level_max_seats(spec, limit)
 
     def same_geometry(self, spec: PriorityLevel) -> bool:
         return (spec.exempt, spec.reject, spec.queues, spec.hand_size) == (
@@ -132,8 +160,7 @@ class LevelState:
         if self.spec.exempt:
             self._start(t, charge=False)
             return [t]
-        if not self.spec.exempt:
-            t.seats = max(1, min(t.seats, self.limit)) if self.limit > 0 else t.seats
+        t.seats = max(1, min(t.seats, self.max_seats))
         if self.spec.reject:
             if self._fits(t):
                 self._start(t)

@@ -12,8 +12,10 @@ etcd, convert, encode: several copies of the response at once). So:
                              (if unseen: estimate[(resource, "")], the cluster-wide LIST,
                               else 0)
                        seats = clamp(ceil(est / bytesPerSeat), 1, maxSeats)
-                       and never more than the level's concurrency limit, so a LIST
-                       wider than its level runs alone instead of never.
+                       then, in the level, at most the level's own maximum
+                       (queueset.level_max_seats, upstream's rule for queuing levels):
+                           max(1, min(ceil(0.15 * levelLimit), levelLimit // handSize))
+                       or the whole levelLimit for a Reject level.
 
     after each LIST response of ``b`` bytes (complete, status 200):
         estimate = b                          if b >= estimate   (grow at once: safety)
@@ -22,9 +24,14 @@ etcd, convert, encode: several copies of the response at once). So:
 A LIST is dispatched only if, in addition to seats, the estimated bytes of all
 LISTs executing in limited levels stay within ``listBytesCap``
 (``sum(est of executing LISTs) + est <= cap``), unless no LIST is executing
-(so one oversized LIST still runs, alone). With the defaults (8 MiB per seat,
-10 seats max) two 1 GiB LISTs cannot run together in a 10-seat level while
-twenty 1 MiB LISTs can run in a 20-seat one.
+(so one oversized LIST still runs, alone). Seats share a level by size in
+big levels (600-seat default total: a 60 MiB LIST costs 8 of a 588-seat level's
+seats, a 1 MiB one costs 1); in small levels the per-level maximum keeps a
+wide LIST from taking the whole level, and the byte cap is what keeps big
+LISTs apart: with the defaults (1 GiB cap) two 1 GiB LISTs never run together
+while twenty 1 MiB LISTs can. In the seeds' 2-seat level every LIST costs 1
+seat, so exactly two secret LISTs run at once whatever their size (within the
+byte cap), never more.
 """
 
 from __future__ import annotations

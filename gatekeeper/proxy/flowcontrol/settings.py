@@ -30,7 +30,8 @@ class FlowControlSettings:
     bytes_per_seat: int = 8 << 20
     """A LIST costs one seat per this many bytes of its observed response size (min 1)."""
     max_seats: int = 10
-    """Most seats one request can cost (upstream's maximum is 10); also capped by its level's limit."""
+    """Most seats one request can cost (upstream's maximum is 10); also capped per level as upstream does
+    (``max(1, min(ceil(0.15 * levelLimit), levelLimit // handSize))``)."""
     list_bytes_cap: int = 1 << 30
     """Cap on estimated response bytes of all LISTs executing in limited levels (one may always run)."""
     watch_init_seconds: float = 2.0
