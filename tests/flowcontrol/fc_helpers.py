@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from gatekeeper.proxy.flowcontrol.policy import flow_schema_object
+
 V1 = "flowcontrol.apiserver.k8s.io/v1"
 
 
@@ -32,14 +34,14 @@ class User:
 
 
 def flow_schema(name: str, level: str, rules: list[dict[str, Any]], precedence: int = 1000, by: str = "") -> dict:
-    spec: dict[str, Any] = {
-        "matchingPrecedence": precedence,
-        "priorityLevelConfiguration": {"name": level},
-        "rules": rules,
-    }
-    if by:
-        spec["distinguisherMethod"] = {"type": by}
-    return {"apiVersion": V1, "kind": "FlowSchema", "metadata": {"name": name}, "spec": spec}
+    return flow_schema_object(name, precedence, level, rules, by)
+
+
+def secrets_list_schema(by: str = "", name: str = "secrets-list", level: str = "secrets-list") -> dict:
+    """The seeds' FlowSchema shape: LIST of secrets by anyone, precedence 500."""
+    return flow_schema(
+        name, level, [{"subjects": [group("*")], "resourceRules": [rr(["list"], ["secrets"])]}], 500, by=by
+    )
 
 
 def queued_level(name: str, shares: int, queues: int = 64, hand: int = 8, qlen: int = 50) -> dict:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from fc_helpers import Req, User, flow_schema, group, nonres, queued_level, rr, user
+from fc_helpers import Req, User, flow_schema, group, nonres, queued_level, rr, secrets_list_schema, user
 
 from gatekeeper.proxy.flowcontrol.policy import build_policy
 
@@ -14,12 +14,7 @@ def _policy():
     objs = [
         queued_level("workload", 30),
         queued_level("secrets-list", 2),
-        flow_schema(
-            "secrets-list",
-            "secrets-list",
-            [{"subjects": [group("*")], "resourceRules": [rr(["list"], ["secrets"])]}],
-            500,
-        ),
+        secrets_list_schema(),
         # same precedence, name "a-..." sorts first and wins the tie
         flow_schema(
             "b-logs",

@@ -12,7 +12,7 @@ import logging
 
 import pytest
 import yaml
-from fc_helpers import flow_schema, group, queued_level, rr
+from fc_helpers import flow_schema, group, queued_level, rr, secrets_list_schema
 
 from gatekeeper.kube import requestinfo
 from gatekeeper.proxy.flowcontrol.middleware import FlowControl
@@ -28,15 +28,7 @@ def seeds_settings(**kw) -> FlowControlSettings:
             queued_level("secrets-list", 2, queues=16, hand=4),
             queued_level("catch-all", 98),
         ],
-        "flow_schemas": [
-            flow_schema(
-                "secrets-list",
-                "secrets-list",
-                [{"subjects": [group("*")], "resourceRules": [rr(["list"], ["secrets"])]}],
-                500,
-                by="ByUser",
-            )
-        ],
+        "flow_schemas": [secrets_list_schema(by="ByUser")],
     }
     objs.update(kw)
     return FlowControlSettings(server_concurrency_limit=100, **objs)
@@ -276,12 +268,7 @@ async def test_policy_file_reload_applies_good_and_keeps_running_on_bad(tmp_path
         yaml.safe_dump_all(
             [
                 queued_level("secrets-list", 2),
-                flow_schema(
-                    "secrets-list",
-                    "secrets-list",
-                    [{"subjects": [group("*")], "resourceRules": [rr(["list"], ["secrets"])]}],
-                    500,
-                ),
+                secrets_list_schema(),
             ]
         )
     )
@@ -291,12 +278,7 @@ async def test_policy_file_reload_applies_good_and_keeps_running_on_bad(tmp_path
         yaml.safe_dump_all(
             [
                 queued_level("secrets-list", 95),
-                flow_schema(
-                    "secrets-list",
-                    "secrets-list",
-                    [{"subjects": [group("*")], "resourceRules": [rr(["list"], ["secrets"])]}],
-                    500,
-                ),
+                secrets_list_schema(),
             ]
         )
     )

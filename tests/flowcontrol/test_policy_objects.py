@@ -5,17 +5,12 @@ from __future__ import annotations
 import copy
 
 import pytest
-from fc_helpers import flow_schema, group, queued_level, rr
+from fc_helpers import flow_schema, group, queued_level, rr, secrets_list_schema
 
 from gatekeeper.proxy.flowcontrol.objects import ObjectError, parse_flow_schema, parse_priority_level
 from gatekeeper.proxy.flowcontrol.policy import build_policy, split_objects
 
-GOOD_FS = flow_schema(
-    "secrets-list",
-    "secrets-list",
-    [{"subjects": [group("*")], "resourceRules": [rr(["list"], ["secrets"])]}],
-    500,
-)
+GOOD_FS = secrets_list_schema()
 
 
 def _broken(path: list, value) -> dict:

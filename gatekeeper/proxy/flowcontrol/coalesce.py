@@ -34,11 +34,3 @@ def coalesce_key(method: str, target: str, headers: Sequence[tuple[str, str]], i
         return None
     picked = tuple(f"{k}:{v}" for k, v in sorted(headers) if k in MERGE_HEADERS or k.startswith("impersonate-"))
     return (method, target, identity, *picked)
-
-
-def token_user_key(headers: Sequence[tuple[str, str]]) -> str:
-    """ByUser distinguisher for bearer-token callers whose user name the proxy cannot know."""
-    for k, v in headers:
-        if k == "authorization":
-            return "token:" + hashlib.sha256(v.encode()).hexdigest()[:16]
-    return ""

@@ -121,7 +121,10 @@ def schema_matches(fs: FlowSchema, user: UserFacts, ri: RequestFacts) -> bool:
     return any(rule_matches(r, user, ri) for r in fs.rules)
 
 
-def _fs(name: str, precedence: int, level: str, rules: list[dict[str, Any]], by: str = "") -> dict[str, Any]:
+def flow_schema_object(
+    name: str, precedence: int, level: str, rules: list[dict[str, Any]], by: str = ""
+) -> dict[str, Any]:
+    """A v1 FlowSchema mapping, as an operator would write it (the built-ins and tests use it)."""
     spec: dict[str, Any] = {
         "matchingPrecedence": precedence,
         "priorityLevelConfiguration": {"name": level},
@@ -155,13 +158,13 @@ BUILTIN_OBJECTS: list[dict[str, Any]] = [
             "limited": {"nominalConcurrencyShares": 5, "limitResponse": {"type": "Reject"}},
         },
     },
-    _fs(
+    flow_schema_object(
         "exempt",
         1,
         "exempt",
         [{"subjects": [{"kind": "Group", "group": {"name": "system:masters"}}], **_EVERYTHING}],
     ),
-    _fs(
+    flow_schema_object(
         "probes",
         2,
         "exempt",
@@ -172,7 +175,7 @@ BUILTIN_OBJECTS: list[dict[str, Any]] = [
             }
         ],
     ),
-    _fs(
+    flow_schema_object(
         "catch-all",
         10000,
         "catch-all",
