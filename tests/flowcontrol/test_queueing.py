@@ -42,9 +42,9 @@ def test_hand_is_a_deterministic_function_of_the_flow():
     assert deal(h, 64, 8) == deal(h, 64, 8)
     assert h != flow_hash("other", "alice")
     # known values: the hand is stable across releases (changing it would reshuffle every flow)
-    assert deal(0, 10, 3) == [0, 1, 2]
+    assert deal(0, 10, 3) == (0, 1, 2)
     # 123456789 = digits 21, 68, 34, 60 in radices 128, 127, 126, 125; each steps over earlier digits
-    assert deal(123456789, 128, 4) == [21, 69, 35, 62]
+    assert deal(123456789, 128, 4) == (21, 69, 35, 62)
 
 
 def test_hands_are_distinct_cards_within_the_deck():

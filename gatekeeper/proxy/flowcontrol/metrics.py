@@ -76,6 +76,32 @@ LIST_BYTES = Histogram(
 )
 
 
+class PairMetrics:
+    """The labelled children one (FlowSchema, priority level) pair records into, looked up once:
+    ``labels()`` costs more than the observation itself on the per-request path."""
+
+    __slots__ = ("coalesced", "dispatched", "exec_regular", "exec_watch", "seats", "wait_executed", "wait_rejected")
+
+    def __init__(self, fs: str, pl: str) -> None:
+        self.dispatched = DISPATCHED.labels(fs, pl)
+        self.coalesced = COALESCED.labels(fs, pl)
+        self.wait_executed = WAIT.labels(fs, pl, "true")
+        self.wait_rejected = WAIT.labels(fs, pl, "false")
+        self.seats = SEATS.labels(fs, pl)
+        self.exec_regular = EXECUTION.labels(fs, pl, "regular")
+        self.exec_watch = EXECUTION.labels(fs, pl, "watch")
+
+
+_pairs: dict[tuple[str, str], PairMetrics] = {}
+
+
+def for_pair(fs: str, pl: str) -> PairMetrics:
+    m = _pairs.get((fs, pl))
+    if m is None:
+        m = _pairs[(fs, pl)] = PairMetrics(fs, pl)
+    return m
+
+
 class Source(Protocol):
     """A running flow-control instance (the middleware)."""
 

@@ -5,9 +5,11 @@ queued requests on futures, wakes them when the controller dispatches them,
 arms the queue-wait timers, and watches the response to tell the controller
 when a request stops costing seats:
 
-* ordinary requests hold their seats until the response body has been read to
-  the end (or failed, or the client left); the body's byte count then updates
-  the LIST size estimate for its (resource, namespace);
+* ordinary requests hold their seats until the response has been written out
+  (the adapter's ``finish()``: complete, failed, or client gone); only LIST
+  bodies are wrapped, to count their bytes into the size estimate for their
+  (resource, namespace) when they end (other bodies pass through untouched, so
+  the hot path of small GETs pays nothing per chunk);
 * long-running requests (watches, ``logs -f``) hold their seats only until
   the first response body bytes arrive (initial events, a bookmark: the
   watch is set up), or at most ``watchInitSeconds`` after the response head
@@ -96,6 +98,7 @@ class _Waiter:
     info: RequestInfo
     enqueued: float
     future: asyncio.Future[None]
+    m: metrics.PairMetrics
     abandoned: bool = False
     shared: asyncio.Future[ProxyResponse] | None = None
     """For a follower: resolved by the leader with this follower's own view of the shared response."""
@@ -147,7 +150,15 @@ class _Metered:
             first, self.on_first = self.on_first, None
             first()
         self.count += len(chunk)
+        if getattr(self.body, "exhausted", False) is True:
+            self._end(True, None)  # the h2 adapter ends the stream on this chunk and reads no further
         return chunk
+
+    @property
+    def exhausted(self) -> bool:
+        """The upstream body's own last-chunk mark (``upstream._ResponseBody``), passed through so the
+        h2 adapter still ends the stream on the last DATA frame."""
+        return getattr(self.body, "exhausted", False) is True
 
     async def aclose(self) -> None:
         self._end(False, None)
@@ -224,7 +235,7 @@ class FlowControl:
         t, fs, dispatched = self.controller.admit(user, info, now, key=key)
         assert t.level is not None
         pl = t.level.spec
-        w = _Waiter(fs, pl, info, now, asyncio.get_running_loop().create_future())
+        w = _Waiter(fs, pl, info, now, asyncio.get_running_loop().create_future(), metrics.for_pair(fs.name, pl.name))
         t.payload = w
         request.annotations["flow_schema"], request.annotations["priority_level"] = fs.name, pl.name
         self._wake(dispatched)
@@ -240,10 +251,10 @@ class FlowControl:
         outcome = w.outcome or t.state
         if outcome == "rejected":
             metrics.REJECTED.labels(fs.name, pl.name, t.reason or "").inc()
-            metrics.WAIT.labels(fs.name, pl.name, "false").observe(self.clock() - now)
+            w.m.wait_rejected.observe(self.clock() - now)
             return too_many_requests(fs, pl, t.reason or "", self.settings.retry_after_seconds)
-        metrics.WAIT.labels(fs.name, pl.name, "true").observe(self.clock() - now)
-        metrics.SEATS.labels(fs.name, pl.name).observe(t.seats)
+        w.m.wait_executed.observe(self.clock() - now)
+        w.m.seats.observe(t.seats)
         if outcome == "joined":
             return await self._follow(t, w)
         try:
@@ -261,7 +272,7 @@ class FlowControl:
                 continue
             if d.state == "executing":
                 w.started = self.clock()
-                metrics.DISPATCHED.labels(w.fs.name, w.pl.name).inc()
+                w.m.dispatched.inc()
                 key = (w.fs.name, w.pl.name)
                 self.executing_by_schema[key] = self.executing_by_schema.get(key, 0) + 1
                 w.counted = True
@@ -269,7 +280,7 @@ class FlowControl:
                     name = d.level.spec.name
                     self.peak_executing[name] = max(self.peak_executing.get(name, 0), d.level.executing_requests)
             elif d.state == "joined":
-                metrics.COALESCED.labels(w.fs.name, w.pl.name).inc()
+                w.m.coalesced.inc()
                 w.shared = asyncio.get_running_loop().create_future()
             w.outcome = w.outcome or d.state
             if not w.future.done():
@@ -317,7 +328,11 @@ class FlowControl:
         status = response.status
         live = [f for f in t.followers if isinstance(f.payload, _Waiter) and not f.payload.abandoned]
         if not t.followers:
-            response.body = _Metered(response.body, lambda n, ok, err: self._end(t, n, ok, err, status), on_first)
+            if on_first is not None or w.info.verb == "list":
+                # a LIST's size feeds the seat estimate; a watch frees its seats at its first bytes
+                response.body = _Metered(response.body, lambda n, ok, err: self._end(t, n, ok, err, status), on_first)
+            # Every adapter calls finish() once the response is written out (or failed): the end of an
+            # ordinary request, and the backstop for a wrapped body that was never read to its end.
             response.on_complete.append(lambda err: self._end(t, 0, False, err, status))
             return response
 
@@ -366,7 +381,7 @@ class FlowControl:
         if isinstance(w, _Waiter) and not w.seats_released:
             w.seats_released = True
             self._uncount(w)
-            metrics.EXECUTION.labels(w.fs.name, w.pl.name, "watch").observe(self.clock() - w.started)
+            w.m.exec_watch.observe(self.clock() - w.started)
             self._wake(self.controller.release_seats(t))
 
     def _end(self, t: Ticket, nbytes: int, complete: bool, error: BaseException | None, status: int) -> None:
@@ -377,7 +392,7 @@ class FlowControl:
         w.finished = True
         self._uncount(w)
         if not w.seats_released:
-            metrics.EXECUTION.labels(w.fs.name, w.pl.name, "regular").observe(self.clock() - w.started)
+            w.m.exec_regular.observe(self.clock() - w.started)
         if w.info.verb == "list" and status == 200 and complete:
             self.controller.observe_list(w.info, nbytes)
             metrics.LIST_BYTES.labels(w.info.resource_key).observe(nbytes)

@@ -186,6 +186,10 @@ BUILTIN_OBJECTS: list[dict[str, Any]] = [
 """Upstream's mandatory objects, adapted: they apply unless an object of the same kind and name is given."""
 
 
+CLASSIFY_MEMO_SIZE = 4096
+"""Distinct (user, request shape) results a Policy remembers; the memo starts over when full."""
+
+
 @dataclass(frozen=True)
 class Policy:
     """Validated, cross-checked objects and the seat limits derived from them."""
@@ -195,8 +199,36 @@ class Policy:
     levels: dict[str, PriorityLevel]
     limits: dict[str, int] = field(default_factory=dict)
     """Nominal concurrency limit (seats) per Limited level."""
+    memo: dict[tuple[object, ...], tuple[FlowSchema, PriorityLevel]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+    """classify() results by every input the matching rules read. A reload builds a new Policy,
+    so a stale result can never outlive the objects it came from."""
 
     def classify(self, user: UserFacts, ri: RequestFacts) -> tuple[FlowSchema, PriorityLevel]:
+        groups = tuple(user.groups)
+        if ri.is_resource_request:
+            key: tuple[object, ...] = (
+                user.name,
+                groups,
+                ri.verb,
+                ri.api_group,
+                ri.resource,
+                ri.subresource,
+                ri.namespace,
+            )
+        else:
+            key = (user.name, groups, ri.verb, ri.path)
+        hit = self.memo.get(key)
+        if hit is not None:
+            return hit
+        found = self._match(user, ri)
+        if len(self.memo) >= CLASSIFY_MEMO_SIZE:
+            self.memo.clear()
+        self.memo[key] = found
+        return found
+
+    def _match(self, user: UserFacts, ri: RequestFacts) -> tuple[FlowSchema, PriorityLevel]:
         for fs in self.schemas:
             if schema_matches(fs, user, ri):
                 return fs, self.levels[fs.priority_level]

@@ -22,6 +22,7 @@ queue, and takes no seats; the caller serves them all from one upstream call.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Hashable
 from dataclasses import dataclass, field
@@ -55,14 +56,15 @@ def level_max_seats(spec: PriorityLevel, limit: int) -> int:
     return max(1, min(math.ceil(limit * MAX_SEATS_SHARE), limit // spec.hand_size))
 
 
-def deal(hash_value: int, deck: int, hand: int) -> list[int]:
+@functools.lru_cache(maxsize=8192)
+def deal(hash_value: int, deck: int, hand: int) -> tuple[int, ...]:
     """Shuffle-sharding hand: ``hand`` distinct queue indices in [0, deck) derived from one hash.
 
     Same hand as upstream's ``shufflesharding.Deal`` for the same hash: the
     hash is read as a mixed-radix number with radices deck, deck-1, ...; the
     i-th digit then steps over the earlier digits (latest first), which
     turns it into the index of a card not dealt yet. Needs log2(deck) * hand
-    bits of entropy (validated <= 60).
+    bits of entropy (validated <= 60). Pure, so memoized: a flow deals the same hand every time.
     """
     digits: list[int] = []
     for i in range(hand):
@@ -74,7 +76,7 @@ def deal(hash_value: int, deck: int, hand: int) -> list[int]:
             if d >= earlier:
                 d += 1
         cards.append(d)
-    return cards
+    return tuple(cards)
 
 
 @dataclass(eq=False)
@@ -117,9 +119,12 @@ class _Queue:
     items: list[Ticket] = field(default_factory=list)
     last_finish: float = 0.0
     executing_seats: int = 0
+    waiting_seats: int = 0
+    """Sum of the seats of ``items``, kept as items come and go."""
 
-    def waiting_seats(self) -> int:
-        return sum(t.seats for t in self.items)
+    def take(self, t: Ticket) -> None:
+        self.items.remove(t)
+        self.waiting_seats -= t.seats
 
 
 class LevelState:
@@ -167,16 +172,27 @@ class LevelState:
                 return [t]
             self._reject(t, "concurrency-limit")
             return []
-        hand = deal(t.flow, len(self.queues), self.spec.hand_size)
-        qi = min(hand, key=lambda i: self.queues[i].waiting_seats() + self.queues[i].executing_seats)
-        q = self.queues[qi]
+        queues = self.queues
+        qi = min(
+            deal(t.flow, len(queues), self.spec.hand_size),
+            key=lambda i: queues[i].waiting_seats + queues[i].executing_seats,
+        )
+        q = queues[qi]
         if len(q.items) >= self.spec.queue_length_limit:
             self._reject(t, "queue-full")
             return []
         t.queue, t.state = qi, "queued"
         t.start_tag = max(self.vtime, q.last_finish)
         t.finish_tag = q.last_finish = t.start_tag + t.seats
+        if self.waiting == 0 and self._fits(t):
+            # Nothing else waits in the level, so dispatch would pick this queue's only
+            # request at once: do exactly that without scanning every queue.
+            self._rr = (qi + 1) % len(queues)
+            self.vtime = max(self.vtime, t.start_tag)
+            self._start(t)
+            return [t]
         q.items.append(t)
+        q.waiting_seats += t.seats
         self.waiting += 1
         return self.dispatch()
 
@@ -204,6 +220,8 @@ class LevelState:
 
     # -- dispatch ---------------------------------------------------------
     def _next_queue(self) -> int | None:
+        if self.waiting == 0:
+            return None
         best: tuple[float, int] | None = None
         n = len(self.queues)
         for k in range(n):
@@ -220,17 +238,19 @@ class LevelState:
             head = self.queues[qi].items[0]
             if not self._fits(head):
                 break
-            self.queues[qi].items.pop(0)
+            q = self.queues[qi]
+            q.items.pop(0)
+            q.waiting_seats -= head.seats
             self.waiting -= 1
             self._rr = (qi + 1) % len(self.queues)
             self.vtime = max(self.vtime, head.start_tag)
             self._start(head)
             out.append(head)
-            if head.key is not None:
+            if head.key is not None and self.waiting:
                 for q in self.queues:
                     joined = [w for w in q.items if w.key == head.key]
                     for w in joined:
-                        q.items.remove(w)
+                        q.take(w)
                         self.waiting -= 1
                         w.state, w.leader = "joined", head
                         head.followers.append(w)
@@ -265,7 +285,7 @@ class LevelState:
         """Take a waiting ticket out of its queue (time-out or client gone). False if not waiting."""
         if t.state != "queued":
             return False
-        self.queues[t.queue].items.remove(t)
+        self.queues[t.queue].take(t)
         self.waiting -= 1
         if reason == "cancelled":
             t.state, t.reason = "cancelled", reason
