@@ -15,6 +15,7 @@ import yaml
 from fc_helpers import flow_schema, group, queued_level, rr, secrets_list_schema
 
 from gatekeeper.kube import requestinfo
+from gatekeeper.proxy.flowcontrol.loading import load_policy
 from gatekeeper.proxy.flowcontrol.middleware import FlowControl
 from gatekeeper.proxy.flowcontrol.settings import FlowControlSettings
 from gatekeeper.proxy.messages import ProxyRequest, ProxyResponse, UserInfo
@@ -339,3 +340,71 @@ async def test_client_leaving_mid_body_or_while_queued_frees_everything():
     up.gate.set()
     await read(await blocker)
     assert level.executing_requests == 0 and level.executing_seats == 0
+
+
+async def test_plain_get_holds_its_seat_until_the_response_is_finished():
+    one_seat = queued_level("secrets-list", 1, queues=4, hand=1)
+    getter = flow_schema("gets", "secrets-list", [{"subjects": [group("*")], "resourceRules": [rr(["get"], ["*"])]}])
+    fc = FlowControl(
+        seeds_settings(
+            priority_level_configurations=[one_seat, queued_level("catch-all", 99)],  # ceil(100 * 1 / 100) = 1
+            flow_schemas=[getter],
+        )
+    )
+    level = fc.controller.levels["secrets-list"]
+    up = Upstream(body=b"{}")
+    first = await fc(req("/api/v1/namespaces/a/secrets/x"), up)
+    assert await read(first) == b"{}"  # body read to its end, response not yet written out
+    second = asyncio.create_task(fc(req("/api/v1/namespaces/a/secrets/y", user="bob"), up))
+    await asyncio.sleep(0.01)
+    assert level.waiting == 1 and not second.done()
+    first.finish(None)  # the adapter wrote it out: the seat is free
+    resp = await asyncio.wait_for(second, 5)
+    assert await read(resp) == b"{}"
+    resp.finish(None)
+    assert level.idle and level.executing_seats == 0
+
+
+class _LastChunkMarked:
+    """An upstream body that, like upstream._ResponseBody, marks its final chunk and is never read past it."""
+
+    def __init__(self, parts: list[bytes]) -> None:
+        self.parts, self.exhausted = parts, False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> bytes:
+        if not self.parts:
+            raise StopAsyncIteration
+        chunk = self.parts.pop(0)
+        self.exhausted = not self.parts
+        return chunk
+
+
+async def test_list_size_is_learnt_when_h2_stops_at_the_marked_last_chunk():
+    fc = FlowControl(seeds_settings())
+
+    async def handler(r: ProxyRequest) -> ProxyResponse:
+        return ProxyResponse(status=200, headers=[], body=_LastChunkMarked([b"a" * 300, b"b" * 200]))
+
+    resp = await fc(req(), handler)
+    got = []
+    async for chunk in resp.body:  # what the h2 adapter does: stop after the marked chunk
+        got.append(chunk)
+        if getattr(resp.body, "exhausted", False) is True:
+            break
+    assert b"".join(got) == b"a" * 300 + b"b" * 200
+    assert getattr(resp.body, "exhausted", None) is True  # the mark reaches the adapter through flow control
+    resp.finish(None)
+    assert fc.controller.estimator.list_bytes("secrets", "") == 500
+
+
+def test_reload_reclassifies_requests_the_old_policy_remembered():
+    fc = FlowControl(seeds_settings())
+    alice = UserInfo(name="alice", groups=["system:authenticated"], source="x509")
+    info = requestinfo.parse("GET", SECRETS)
+    assert fc.controller.classify(alice, info)[0].name == "secrets-list"
+    assert fc.controller.classify(alice, info)[0].name == "secrets-list"  # from the memo
+    fc.apply(load_policy(seeds_settings(flow_schemas=[])))
+    assert fc.controller.classify(alice, info)[0].name == "catch-all"
