@@ -13,4 +13,26 @@ Layering, data flowing down:
 * ``loading.py`` / ``settings.py`` / ``defaults.py`` / ``metrics.py``: config, sandbox default, Prometheus
 
 Nothing above ``middleware.py`` touches asyncio or sockets.
+
+Known limits (deliberate, and where this differs from the apiserver's own APF):
+
+* Borrowing is not implemented: ``lendablePercent`` and ``borrowingLimitPercent``
+  are validated (range-checked, so pasted objects load) but ignored; every
+  Limited level always has exactly its nominal seats,
+  ``ceil(serverConcurrencyLimit * shares / sum of shares)``.
+* The proxy knows only what the connection proves: a client-certificate
+  caller's user name and groups (O=). A bearer-token caller, including every
+  in-cluster ServiceAccount token, is the user ``token:<sha256 prefix>`` with no
+  groups, so in practice ``ServiceAccount`` and named ``User``/``Group`` subjects
+  never match it; token callers fall through to rules with ``Group *`` or ``User *``
+  (ByUser still tells token callers apart). Impersonation headers are not
+  classified as the impersonated user (the apiserver authorizes them later).
+* Seats come from observed response bytes per (resource, namespace), not from
+  object counts, and a LIST with a selector is charged like the unfiltered
+  LIST of the same resource and namespace (see ``seats.py``).
+* One request takes at most its level's maxSeats (upstream's
+  ``max(1, min(ceil(0.15 * limit), limit // handSize))``), so in small levels
+  the LIST bytes cap, not seats, is what keeps huge LISTs apart.
+* Limits are per proxy process: N gatekeeper replicas in front of the same
+  apiservers admit up to N times each level's seats.
 """
