@@ -193,3 +193,30 @@ def test_policy_update_keeps_queues_and_applies_new_limit():
     # the raised limit lets the two waiting requests run at once
     assert fc.update(bigger, Limits(server_concurrency_limit=3)) == ts[1:]
     assert fc.levels["work"].limit == 3 and fc.levels["work"].executing_seats == 3
+
+
+def test_distinguisher_byuser_bynamespace_or_none_picks_the_flow():
+    objs = [
+        queued_level("work", 1),
+        queued_level("catch-all", 0),
+        *(
+            flow_schema(
+                name, "work", [{"subjects": [group("*")], "resourceRules": [rr([verb], ["configmaps"])]}], 100, by
+            )
+            for name, verb, by in (
+                ("by-user", "list", "ByUser"),
+                ("by-ns", "get", "ByNamespace"),
+                ("one", "create", ""),
+            )
+        ),
+    ]
+    fc = FlowController(build_policy([(str(i), o) for i, o in enumerate(objs)], 100))
+
+    def flow(who: str, verb: str, ns: str) -> int:
+        return fc.admit(User(who), Req(verb, "configmaps", namespace=ns), 0.0)[0].flow
+
+    assert flow("alice", "list", "a") == flow("alice", "list", "b") == flow_hash("by-user", "alice")
+    assert flow("bob", "list", "a") == flow_hash("by-user", "bob")
+    assert flow("alice", "get", "a") == flow("bob", "get", "a") == flow_hash("by-ns", "a")
+    assert flow("alice", "get", "b") == flow_hash("by-ns", "b")
+    assert flow("alice", "create", "a") == flow("bob", "create", "b") == flow_hash("one", "")
