@@ -25,6 +25,7 @@ from gatekeeper.proxy.messages import ProxyRequest, ProxyResponse
 from gatekeeper.proxy.pipeline import Pipeline, build
 from gatekeeper.proxy.settings import BackendSettings, ProxySettings, UpstreamSettings
 from gatekeeper.proxy.upstream import parse_head, strip_hop_by_hop
+from gatekeeper.sandbox.processes import free_port
 
 ADMIN_CERT = {"subject": ((("organizationName", "system:masters"),), (("commonName", "alice"),))}
 
@@ -113,16 +114,6 @@ class FakeApiserver:
         assert request.transport is not None
         request.transport.abort()
         return web.StreamResponse()
-
-
-def closed_port() -> int:
-    import socket
-
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def settings_for(pki: PKI, urls: list[str]) -> ProxySettings:
@@ -250,7 +241,7 @@ async def test_dropped_response_releases_lease_without_iteration(fake: Any) -> N
 async def test_safe_request_moves_to_another_backend_after_connect_failure(pki: PKI) -> None:
     server = FakeApiserver()
     url = await server.start(pki)
-    dead = f"https://127.0.0.1:{closed_port()}"
+    dead = f"https://127.0.0.1:{free_port()}"
     pipeline = build(settings_for(pki, [dead, url]))
     try:
         for _ in range(6):
@@ -266,7 +257,7 @@ async def test_safe_request_moves_to_another_backend_after_connect_failure(pki: 
 
 
 async def test_unsafe_request_is_not_retried_but_gets_503_retry_after(pki: PKI) -> None:
-    dead = f"https://127.0.0.1:{closed_port()}"
+    dead = f"https://127.0.0.1:{free_port()}"
     pipeline = build(settings_for(pki, [dead]))
     try:
         async def gen() -> AsyncIterator[bytes]:
@@ -291,7 +282,7 @@ async def test_probe_marks_backend_unready_and_back(pki: PKI) -> None:
     server = FakeApiserver()
     url = await server.start(pki)
     port = server.port
-    pipeline = build(settings_for(pki, [url, f"https://127.0.0.1:{closed_port()}"]))
+    pipeline = build(settings_for(pki, [url, f"https://127.0.0.1:{free_port()}"]))
     try:
         await pipeline.probe_once()
         await pipeline.probe_once()
