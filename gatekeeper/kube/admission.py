@@ -259,10 +259,6 @@ def op_remove(path: str) -> PatchOp:
     return {"op": "remove", "path": path}
 
 
-def op_replace(path: str, value: Any) -> PatchOp:
-    return {"op": "replace", "path": path, "value": value}
-
-
 def add_map_entry(parent: dict[str, Any] | None, parent_path: str, key: str, value: Any) -> PatchOp:
     """Set ``parent[key]``, creating the map when it is absent (JSON Patch cannot add into nothing)."""
     if parent is None:
