@@ -7,13 +7,25 @@ without relying on how pytest puts conftest files on ``sys.path``.
 from __future__ import annotations
 
 import os
+import re
+import signal
+import ssl
 import subprocess
 import sys
+import time
+import urllib.request
+import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import yaml
+
+from gatekeeper.certs import PKI
 from gatekeeper.sandbox import processes
+from gatekeeper.sandbox.pki import SandboxPKI, write_kubeconfig
 from gatekeeper.sandbox.state import STATE_FILE, SandboxState
+from gatekeeper.sandbox.with_proxy import build_config
 
 Kubectl = Callable[..., "subprocess.CompletedProcess[str]"]
 """``kubectl(*args, kubeconfig=None, input=None, timeout=60, check=False)`` as the fixture provides it."""
@@ -67,3 +79,84 @@ def processes_mentioning(directory: Path) -> list[int]:
         except OSError:
             continue
     return found
+
+
+class ProxyProcess:
+    """A private ``gatekeeper proxy`` subprocess in front of a sandbox's apiservers.
+
+    Configured by the same :func:`gatekeeper.sandbox.with_proxy.build_config` as
+    ``sandbox up --with-proxy`` (``user_config`` merged under the keys the sandbox
+    owns), so a test module can run a proxy with its own settings without
+    disturbing the shared sandbox. ``kubeconfig`` is the admin's, pointed at it.
+    """
+
+    def __init__(self, state: SandboxState, workdir: Path, *, name: str = "proxy-test",
+                 backends: list[str] | None = None, user_config: dict[str, Any] | None = None,
+                 goaway_chance: float | None = None, health_interval: float | None = None) -> None:
+        serving = PKI(state.certs_dir).issue_serving(f"{name}-{uuid.uuid4().hex[:6]}", dns=["localhost"],
+                                                     ips=["127.0.0.1"])
+        self.port, self.metrics_port = processes.free_port(), processes.free_port()
+        view = SandboxState(dir=state.dir, certs_dir=state.certs_dir,
+                            apiserver_urls=backends or list(state.apiserver_urls))
+        config = build_config(view, port=self.port, metrics_port=self.metrics_port, serving_cert=serving.cert,
+                              serving_key=serving.key, goaway_chance=goaway_chance, user_config=user_config or {})
+        if health_interval is not None:
+            config["proxy"]["upstream"]["healthIntervalSeconds"] = health_interval
+        self.config_path = workdir / "proxy.yaml"
+        self.config_path.write_text(yaml.safe_dump(config))
+        self.log = workdir / "proxy.log"
+        self.url = f"https://127.0.0.1:{self.port}"
+        self.metrics_url = f"http://127.0.0.1:{self.metrics_port}"
+        certs = SandboxPKI(Path(state.certs_dir))
+        self.kubeconfig = write_kubeconfig(workdir / "proxy.kubeconfig", certs, "admin", self.url)
+        self.ca = str(certs.ca)
+        self.admin_cert = (str(certs.crt("admin")), str(certs.key("admin")))
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 60) -> None:
+        """Start it and wait for ``/readyz``; fails with the log's tail if it exits or is not ready in time."""
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen([sys.executable, "-m", "gatekeeper", "proxy", "--config",
+                                          str(self.config_path)], stdout=out, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"proxy exited: {processes.tail(self.log)}"
+            ok, _ = processes.probe(f"{self.metrics_url}/readyz")
+            if ok:
+                return
+            time.sleep(0.2)
+        raise AssertionError(f"proxy not ready: {processes.tail(self.log)}")
+
+    def stop(self, timeout: float = 40) -> int | None:
+        """SIGTERM (drain), SIGKILL after ``timeout`` seconds; the exit code (None if never started)."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        return self.proc.returncode
+
+    def tls(self, *, cert: bool = False) -> ssl.SSLContext:
+        """Client TLS context (httpx ignores ``cert=`` when ``verify`` is a path, so build it here)."""
+        ctx = ssl.create_default_context(cafile=self.ca)
+        if cert:
+            ctx.load_cert_chain(*self.admin_cert)
+        return ctx
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"{self.metrics_url}/metrics", timeout=10) as resp:
+            return str(resp.read().decode())
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of the samples of ``name`` whose labels include ``labels``."""
+        total = 0.0
+        for m in re.finditer(rf"^{re.escape(name)}(?:\{{([^}}]*)\}})? ([0-9.e+-]+)$", self.metrics(), re.M):
+            got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
+            if all(got.get(k) == v for k, v in labels.items()):
+                total += float(m.group(2))
+        return total

@@ -12,27 +12,20 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import shutil
-import signal
 import subprocess
-import sys
 import threading
 import time
-import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
 import yaml
 
-from gatekeeper.certs import PKI
 from gatekeeper.sandbox import processes
-from gatekeeper.sandbox.pki import SandboxPKI, kubeconfig
+from gatekeeper.sandbox.pki import SandboxPKI
 from gatekeeper.sandbox.state import SandboxState
-from gatekeeper.sandbox.with_proxy import build_config
+from gatekeeper.sandbox.testing import ProxyProcess
 
 pytestmark = pytest.mark.sandbox
 
@@ -43,61 +36,16 @@ DRAIN = 5.0
 """drainTimeoutSeconds: how long a long-running stream may outlive its connection's GOAWAY."""
 
 
-@dataclass
-class GoawayProxy:
-    url: str
-    metrics_url: str
-    kubeconfig: Path
-    log: Path
-    proc: subprocess.Popen[bytes]
-
-    def metric(self, name: str, **labels: str) -> float:
-        text = httpx.get(f"{self.metrics_url}/metrics", timeout=10).text
-        total = 0.0
-        for m in re.finditer(rf"^{re.escape(name)}(?:\{{([^}}]*)\}})? ([0-9.e+-]+)$", text, re.M):
-            got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
-            if all(got.get(k) == v for k, v in labels.items()):
-                total += float(m.group(2))
-        return total
-
-
 @pytest.fixture(scope="module")
-def goaway_proxy(sandbox: SandboxState, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GoawayProxy]:
-    work = tmp_path_factory.mktemp("goaway-proxy")
-    serving = PKI(sandbox.certs_dir).issue_serving(
-        f"goaway-proxy-{uuid.uuid4().hex[:6]}", dns=["localhost"], ips=["127.0.0.1"])
-    port, metrics_port = processes.free_port(), processes.free_port()
-    config = build_config(
-        sandbox, port=port, metrics_port=metrics_port, serving_cert=serving.cert, serving_key=serving.key,
-        goaway_chance=CHANCE, user_config={"protocol": {"drainTimeoutSeconds": DRAIN}},
-    )
-    config_path = work / "proxy.yaml"
-    config_path.write_text(yaml.safe_dump(config))
-    certs = SandboxPKI(Path(sandbox.certs_dir))
-    kc = work / "proxy.kubeconfig"
-    url = f"https://127.0.0.1:{port}"
-    kc.write_text(yaml.safe_dump(kubeconfig(url, certs.ca, certs.crt("admin"), certs.key("admin"))))
-    log = work / "proxy.log"
-    with log.open("ab") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "gatekeeper", "proxy", "--config", str(config_path)],
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    proxy = GoawayProxy(url, f"http://127.0.0.1:{metrics_port}", kc, log, proc)
+def goaway_proxy(sandbox: SandboxState, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProxyProcess]:
+    proxy = ProxyProcess(sandbox, tmp_path_factory.mktemp("goaway-proxy"), name="goaway-proxy",
+                         goaway_chance=CHANCE, user_config={"protocol": {"drainTimeoutSeconds": DRAIN}})
     try:
-        deadline = time.monotonic() + 60
-        while not processes.probe(f"{proxy.metrics_url}/readyz")[0]:
-            assert proc.poll() is None, f"proxy exited: {processes.tail(log)}"
-            assert time.monotonic() < deadline, f"proxy not ready: {processes.tail(log)}"
-            time.sleep(0.2)
+        proxy.start()
         yield proxy
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
-    assert proc.returncode == 0, f"proxy exit code {proc.returncode}: {processes.tail(log)}"
+        rc = proxy.stop(timeout=60)
+    assert rc == 0, f"proxy exit code {rc}: {processes.tail(proxy.log)}"
 
 
 def _kubectl(sandbox: SandboxState) -> str:
@@ -111,7 +59,7 @@ def _pods(namespace: str, names: list[str]) -> str:
 
 
 def test_watch_keeps_receiving_events_across_many_goaways(
-    sandbox: SandboxState, goaway_proxy: GoawayProxy, namespace: str, tmp_path: Path,
+    sandbox: SandboxState, goaway_proxy: ProxyProcess, namespace: str, tmp_path: Path,
 ) -> None:
     kubectl = _kubectl(sandbox)
     base = [kubectl, "--kubeconfig", str(goaway_proxy.kubeconfig), "--cache-dir", str(tmp_path / "cache")]
@@ -169,7 +117,7 @@ def test_watch_keeps_receiving_events_across_many_goaways(
 
 
 async def test_http11_client_reconnects_after_connection_close(
-    sandbox: SandboxState, goaway_proxy: GoawayProxy, namespace: str,
+    sandbox: SandboxState, goaway_proxy: ProxyProcess, namespace: str,
 ) -> None:
     from kubernetes_asyncio import client, config
 
@@ -208,7 +156,7 @@ def goclient_binary() -> Path:
 
 
 def test_go_http2_client_gets_every_answer_across_goaways(
-    sandbox: SandboxState, goaway_proxy: GoawayProxy, namespace: str,
+    sandbox: SandboxState, goaway_proxy: ProxyProcess, namespace: str,
 ) -> None:
     """Go's HTTP/2 client (what client-go uses) with 40 requests in flight on shared connections:
     GOAWAYs land mid-flight, in-flight streams finish, streams above the last id are refused and
@@ -239,7 +187,7 @@ def test_go_http2_client_gets_every_answer_across_goaways(
 
 
 def test_go_watch_on_a_goaway_connection_is_cut_as_probable_eof(
-    sandbox: SandboxState, goaway_proxy: GoawayProxy, namespace: str,
+    sandbox: SandboxState, goaway_proxy: ProxyProcess, namespace: str,
 ) -> None:
     """A watch sharing its HTTP/2 connection with requests outlives that connection's GOAWAY by the
     drain deadline, then ends the way client-go's IsProbableEOF recognises (it re-watches quietly),

@@ -14,24 +14,20 @@ import json
 import os
 import re
 import signal
-import ssl
 import subprocess
 import sys
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 import yaml
 
-from gatekeeper.certs import PKI
 from gatekeeper.sandbox import processes
-from gatekeeper.sandbox.pki import SandboxPKI, kubeconfig
 from gatekeeper.sandbox.state import SandboxState
-from gatekeeper.sandbox.with_proxy import build_config
+from gatekeeper.sandbox.testing import ProxyProcess
 
 pytestmark = pytest.mark.sandbox
 
@@ -62,72 +58,6 @@ def run_kubectl(state: SandboxState, kubeconfig_path: Path | str, *args: str, st
     return proc
 
 
-class ProxyProcess:
-    """A dedicated ``gatekeeper proxy`` subprocess for one test module."""
-
-    def __init__(self, state: SandboxState, workdir: Path, backends: list[str] | None = None,
-                 extra: dict[str, Any] | None = None) -> None:
-        self.state = state
-        self.workdir = workdir
-        pki = PKI(state.certs_dir)
-        serving = pki.issue_serving(f"proxy-test-{uuid.uuid4().hex[:6]}", dns=["localhost"],
-                                    ips=["127.0.0.1"])
-        self.port, self.metrics_port = processes.free_port(), processes.free_port()
-        view = SandboxState(dir=state.dir, certs_dir=state.certs_dir,
-                            apiserver_urls=backends or list(state.apiserver_urls))
-        config = build_config(view, port=self.port, metrics_port=self.metrics_port, serving_cert=serving.cert,
-                              serving_key=serving.key, user_config=extra or {})
-        config["proxy"]["upstream"]["healthIntervalSeconds"] = 0.5
-        self.config_path = workdir / "proxy.yaml"
-        self.config_path.write_text(yaml.safe_dump(config))
-        self.log = workdir / "proxy.log"
-        self.url = f"https://127.0.0.1:{self.port}"
-        self.metrics_url = f"http://127.0.0.1:{self.metrics_port}"
-        certs = SandboxPKI(Path(state.certs_dir))
-        self.kubeconfig = workdir / "proxy.kubeconfig"
-        self.kubeconfig.write_text(yaml.safe_dump(kubeconfig(self.url, certs.ca, certs.crt("admin"),
-                                                             certs.key("admin"))))
-        self.ca = str(certs.ca)
-        self.admin_cert = (str(certs.crt("admin")), str(certs.key("admin")))
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        with self.log.open("ab") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "gatekeeper", "proxy", "--config",
-                                          str(self.config_path)], stdout=out, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"proxy exited: {processes.tail(self.log)}"
-            ok, _ = processes.probe(f"{self.metrics_url}/readyz")
-            if ok:
-                return
-            time.sleep(0.2)
-        raise AssertionError(f"proxy not ready: {processes.tail(self.log)}")
-
-    def stop(self) -> int | None:
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(40)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        return self.proc.returncode
-
-    def tls(self, *, cert: bool = False) -> ssl.SSLContext:
-        """Client TLS context (httpx ignores ``cert=`` when ``verify`` is a path, so build it here)."""
-        ctx = ssl.create_default_context(cafile=self.ca)
-        if cert:
-            ctx.load_cert_chain(*self.admin_cert)
-        return ctx
-
-    def metrics(self) -> str:
-        return httpx.get(f"{self.metrics_url}/metrics", timeout=10).text
-
-
 def backend_counts(metrics_text: str) -> dict[str, float]:
     counts: dict[str, float] = {}
     for m in re.finditer(r'^gatekeeper_proxy_requests_total\{([^}]*)\} ([0-9.e+]+)$', metrics_text, re.M):
@@ -143,7 +73,7 @@ def gauge(metrics_text: str, name: str, backend: str) -> float:
 
 @pytest.fixture(scope="module")
 def proxy(sbx: SandboxState, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProxyProcess]:
-    p = ProxyProcess(sbx, tmp_path_factory.mktemp("proxy"))
+    p = ProxyProcess(sbx, tmp_path_factory.mktemp("proxy"), health_interval=0.5)
     p.start()
     yield p
     rc = p.stop()
@@ -413,7 +343,7 @@ def test_killed_backend_ends_its_watches_cleanly_and_traffic_moves_and_returns(
     victim = _start_apiserver(cmd, log, port, sbx)
     restarted: subprocess.Popen[bytes] | None = None
     urls = [*sbx.apiserver_urls[:2], f"https://127.0.0.1:{port}"]
-    p = ProxyProcess(sbx, tmp_path, backends=urls)
+    p = ProxyProcess(sbx, tmp_path, backends=urls, health_interval=0.5)
     try:
         p.start()
         asyncio.run(_kill_scenario(p, victim, namespace))
