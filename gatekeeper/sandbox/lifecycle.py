@@ -69,12 +69,17 @@ def _tls(layout: comp.Layout) -> processes.TLSFiles:
     return processes.TLSFiles(ca=p.ca, cert=p.crt("admin"), key=p.key("admin"))
 
 
-def _wait(
+def wait_until(
     rec: ProcessRecord | None, name: str, check: Callable[[], tuple[bool, str]], timeout: float,
+    *, interval: float = 0.5,
 ) -> None:
-    """Poll ``check`` until it passes; fail fast if the process has already exited."""
+    """Poll ``check`` until it passes; fail fast if the process has already exited.
+
+    ``name`` starts with the process's record name (``"webhook (/readyz)"``), so a failed ``up``
+    prints that process's log tail (:func:`_report_failure`); add-ons wait with this too.
+    """
     try:
-        processes.poll_until(check, timeout, pid=rec.pid if rec is not None else None)
+        processes.poll_until(check, timeout, pid=rec.pid if rec is not None else None, interval=interval)
     except processes.WaitFailed as exc:
         if exc.exited and rec is not None:
             raise ComponentFailed(name, f"process {rec.pid} exited (last check: {exc.detail})") from None
@@ -125,7 +130,7 @@ def _start_etcd(s: _Starter, bins: Binaries, timeout: float) -> str:
     url = f"http://127.0.0.1:{client}"
     rec = s.start("etcd", comp.etcd_argv(bins.etcd, s.layout, client, peer),
                   ports={"client": client, "peer": peer}, urls={"client": url}, health=f"{url}/health")
-    _wait(rec, "etcd", lambda: processes.probe(rec.health), timeout)
+    wait_until(rec, "etcd", lambda: processes.probe(rec.health), timeout)
     s.state.extra["etcd_url"] = url
     return url
 
@@ -149,7 +154,7 @@ def _start_apiservers(s: _Starter, bins: Binaries, opts: UpOptions, etcd_url: st
     s.state.save()
     tls = _tls(layout)
     for rec in recs:
-        _wait(rec, rec.name, lambda r=rec: processes.probe(r.health, tls), opts.timeout)  # type: ignore[misc]
+        wait_until(rec, rec.name, lambda r=rec: processes.probe(r.health, tls), opts.timeout)  # type: ignore[misc]
 
 
 def _start_scheduler_and_kcm(s: _Starter, bins: Binaries, opts: UpOptions) -> None:
@@ -164,7 +169,7 @@ def _start_scheduler_and_kcm(s: _Starter, bins: Binaries, opts: UpOptions) -> No
         started.append(s.start(name, builder(binary, s.layout, port), ports={"secure": port},
                                urls={"server": url}, health=f"{url}/healthz"))
     for rec in started:
-        _wait(rec, rec.name, lambda r=rec: processes.probe(r.health, tls), opts.timeout)  # type: ignore[misc]
+        wait_until(rec, rec.name, lambda r=rec: processes.probe(r.health, tls), opts.timeout)  # type: ignore[misc]
     kcm = started[1]
     kc, kb = s.layout.kubeconfig("admin"), bins.kubectl
 
@@ -173,7 +178,7 @@ def _start_scheduler_and_kcm(s: _Starter, bins: Binaries, opts: UpOptions) -> No
         p = kubectl.run(kc, "get", "serviceaccount", "default", "-n", "default", "-o", "name", binary=kb)
         return p.returncode == 0, (p.stdout + p.stderr).strip()
 
-    _wait(kcm, "kube-controller-manager (default ServiceAccount)", default_sa, opts.timeout)
+    wait_until(kcm, "kube-controller-manager (default ServiceAccount)", default_sa, opts.timeout)
 
 
 def _start_kwok(s: _Starter, bins: Binaries, opts: UpOptions) -> None:
@@ -181,7 +186,7 @@ def _start_kwok(s: _Starter, bins: Binaries, opts: UpOptions) -> None:
     url = f"http://127.0.0.1:{port}"
     rec = s.start("kwok", comp.kwok_argv(bins.kwok, s.layout, bins.kwok_stages, port), ports={"server": port},
                   urls={"server": url}, health=f"{url}/healthz", go_env=False)
-    _wait(rec, "kwok", lambda: processes.probe(rec.health), opts.timeout)
+    wait_until(rec, "kwok", lambda: processes.probe(rec.health), opts.timeout)
 
 
 def _publish_gpus(s: _Starter, bins: Binaries, opts: UpOptions) -> None:
@@ -210,7 +215,7 @@ def _publish_gpus(s: _Starter, bins: Binaries, opts: UpOptions) -> None:
                  if gpu.node_ready(i, require_untainted=opts.with_scheduler)]
         return len(ready) == len(names), f"{len(ready)}/{len(names)} GPU nodes Ready: {sorted(ready)}"
 
-    _wait(kwok_rec, "kwok (GPU nodes Ready)", all_ready, opts.timeout)
+    wait_until(kwok_rec, "kwok (GPU nodes Ready)", all_ready, opts.timeout)
 
 
 def _start_addons(state: SandboxState, args: argparse.Namespace, addons: tuple[str, ...], say: Say) -> None:
@@ -228,8 +233,8 @@ def _start_addons(state: SandboxState, args: argparse.Namespace, addons: tuple[s
         state.save()
         try:
             module.start(state, args)
-        except (UsageError, KeyboardInterrupt, SystemExit):
-            raise
+        except (UsageError, ComponentFailed, KeyboardInterrupt, SystemExit):
+            raise  # a ComponentFailed from wait_until already names the add-on and the step
         except Exception as exc:
             # The add-on's own error type says what it saw; report it like any other component.
             raise ComponentFailed(name, f"{type(exc).__name__}: {exc}") from exc

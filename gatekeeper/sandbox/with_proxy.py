@@ -116,7 +116,7 @@ def _user_config(path: str | None) -> dict[str, Any] | None:
 
 
 def start(state: SandboxState, args: argparse.Namespace) -> None:
-    from gatekeeper.sandbox.lifecycle import ComponentFailed, _wait
+    from gatekeeper.sandbox.lifecycle import wait_until
 
     directory = Path(state.dir)
     pki = PKI(state.certs_dir)
@@ -144,11 +144,7 @@ def start(state: SandboxState, args: argparse.Namespace) -> None:
                          "config": str(config_path)}
     state.save()
     print(f"  started {NAME} (pid {rec.pid})")
-    try:
-        _wait(rec, NAME, lambda: processes.probe(f"{metrics_url}/readyz"), READY_TIMEOUT)
-    except ComponentFailed:
-        sys.stderr.write(f"--- last lines of {rec.log} ---\n{processes.tail(rec.log)}\n")
-        raise
+    wait_until(rec, NAME, lambda: processes.probe(f"{metrics_url}/readyz"), READY_TIMEOUT)
     kubeconfig = write_kubeconfig(directory / "proxy.kubeconfig", SandboxPKI(Path(state.certs_dir)), "admin",
                                   url)
     state.extra[NAME]["kubeconfig"] = str(kubeconfig)

@@ -25,7 +25,6 @@ import argparse
 import base64
 import json
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,25 +32,12 @@ import yaml
 
 from gatekeeper.certs import PKI
 from gatekeeper.sandbox import kubectl, pki, processes
+from gatekeeper.sandbox.lifecycle import wait_until
 from gatekeeper.sandbox.state import SandboxState
 from gatekeeper.webhook import registration
 
 USER = "gatekeeper-webhook"
 PROBE_NAMESPACE = "default"
-
-
-class WebhookStartError(Exception):
-    """The webhook add-on did not become ready; the message says what was seen last."""
-
-
-def _wait(what: str, check: Callable[[], tuple[bool, str]], timeout: float,
-          pid: int | None = None, log: str = "") -> None:
-    try:
-        processes.poll_until(check, timeout, pid=pid, interval=0.3)
-    except processes.WaitFailed as exc:
-        if exc.exited:
-            raise WebhookStartError(f"webhook: process {pid} exited ({exc.detail})\n{processes.tail(log)}") from None
-        raise WebhookStartError(f"webhook: {what} not reached after {timeout:.0f}s: {exc.detail}") from None
 
 
 def webhook_config(state: SandboxState, serving: Any, kubeconfig: Path, port_file: Path) -> dict[str, Any]:
@@ -127,7 +113,7 @@ def start(state: SandboxState, args: argparse.Namespace) -> None:
     def port_written() -> tuple[bool, str]:
         return (port_file.exists() and port_file.read_text().strip().isdigit()), "waiting for the port file"
 
-    _wait("listening", port_written, timeout, rec.pid, str(log))
+    wait_until(rec, "webhook (listening)", port_written, timeout, interval=0.3)
     port = int(port_file.read_text())
     url = f"https://127.0.0.1:{port}"
     rec.ports = {"https": port}
@@ -136,7 +122,7 @@ def start(state: SandboxState, args: argparse.Namespace) -> None:
     rec.health = f"{url}/readyz"
     state.save()
     tls = processes.TLSFiles(ca=Path(ca.cert_path("ca")))
-    _wait("/readyz", lambda: processes.probe(rec.health, tls), timeout, rec.pid, str(log))
+    wait_until(rec, "webhook (/readyz)", lambda: processes.probe(rec.health, tls), timeout, interval=0.3)
 
     bundle = ca.ca_bundle()
     configs = [registration.validating_configuration({"url": url}, bundle),
@@ -144,8 +130,8 @@ def start(state: SandboxState, args: argparse.Namespace) -> None:
     kubectl.run(state.kubeconfig, "apply", "-f", "-", binary=binary, check=True,
                 input=json.dumps({"apiVersion": "v1", "kind": "List", "items": configs}))
     for kc in state.extra.get("apiserver_kubeconfigs") or [state.kubeconfig]:
-        _wait(f"enforcement on {kc}", lambda kc=kc: enforced(kc, binary),  # type: ignore[misc]
-              timeout, rec.pid, str(log))
+        wait_until(rec, f"webhook (enforcement on {kc})", lambda kc=kc: enforced(kc, binary),  # type: ignore[misc]
+                   timeout, interval=0.3)
     state.extra["webhook"] = {
         "url": url, "pid": rec.pid, "config": str(config_path), "log": str(log),
         "kubeconfig": str(kubeconfig),

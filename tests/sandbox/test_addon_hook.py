@@ -42,3 +42,18 @@ def test_add_on_processes_are_saved_even_when_the_add_on_fails(
     assert info.value.name == "fake"
     assert "RuntimeError: backend never became ready" in info.value.detail
     assert [p.name for p in SandboxState.load(tmp_path).processes] == ["fake"]
+
+
+def test_an_add_on_that_waited_with_wait_until_keeps_its_own_step_in_the_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def start(state: SandboxState, args: argparse.Namespace) -> None:
+        lifecycle.wait_until(None, "fake (/readyz)", lambda: (False, "503 not ready"), timeout=0, interval=0.01)
+
+    module = types.ModuleType("gatekeeper.sandbox.with_fake")
+    module.start = start  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "gatekeeper.sandbox.with_fake", module)
+    with pytest.raises(lifecycle.ComponentFailed) as info:
+        lifecycle._start_addons(SandboxState(dir=str(tmp_path)), argparse.Namespace(), ("fake",), quiet)
+    assert info.value.name == "fake (/readyz)"
+    assert info.value.detail == "not healthy after 0s: 503 not ready"
