@@ -10,9 +10,11 @@ scrape that lands on any worker reports the whole server.
 
 from __future__ import annotations
 
+import functools
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 
@@ -32,6 +34,16 @@ def enable_multiprocess(prefix: str = "gatekeeper-metrics-") -> str:
         stale.unlink(missing_ok=True)
     os.environ[MULTIPROC_ENV] = path
     return path
+
+
+@functools.lru_cache(maxsize=4096)
+def child(metric: Any, *labels: str) -> Any:
+    """``metric.labels(*labels)``, looked up once per label set for the hot paths.
+
+    ``labels()`` validates and takes a lock on every call; a child evicted from this
+    bounded cache is the same object when prometheus-client hands it out again.
+    """
+    return metric.labels(*labels)
 
 
 def render() -> tuple[bytes, str]:

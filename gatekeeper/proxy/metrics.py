@@ -44,14 +44,15 @@ by talking to that apiserver directly.
 
 from __future__ import annotations
 
-import functools
 import weakref
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from gatekeeper.metrics import child
 
 if TYPE_CHECKING:
     from gatekeeper.proxy.balancer import Balancer
@@ -160,21 +161,10 @@ def resource_label(resource_key: str, code: int) -> str:
     return resource_key if resource_key in _known_resources else "<unknown>"
 
 
-@functools.lru_cache(maxsize=4096)
-def _request_counter(backend: str, verb: str, resource: str, code: str) -> Any:
-    return REQUESTS.labels(backend, verb, resource, code)
-
-
-@functools.lru_cache(maxsize=64)
-def _duration(verb: str) -> Any:
-    return REQUEST_DURATION.labels(verb)
-
-
 def observe_response(backend: str, verb: str, resource_key: str, code: int, seconds: float) -> None:
-    """Count one backend answer. Label children are looked up once and kept (``labels()`` validates
-    and locks on every call); a child evicted from this small cache is the same object when fetched again."""
-    _duration(verb).observe(seconds)
-    _request_counter(backend, verb, resource_label(resource_key, code), str(code)).inc()
+    """Count one backend answer (label children looked up once, see :func:`gatekeeper.metrics.child`)."""
+    child(REQUEST_DURATION, verb).observe(seconds)
+    child(REQUESTS, backend, verb, resource_label(resource_key, code), str(code)).inc()
 
 
 def render() -> tuple[bytes, str]:

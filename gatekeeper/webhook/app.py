@@ -31,7 +31,7 @@ import orjson
 from aiohttp import web
 
 from gatekeeper.kube.admission import Decision, ReviewError, parse_review, response
-from gatekeeper.metrics import metrics_handler
+from gatekeeper.metrics import child, metrics_handler
 from gatekeeper.webhook import policies
 from gatekeeper.webhook.settings import WebhookSettings
 from gatekeeper.webhook.templates import TemplateError, TemplateKeeper
@@ -58,22 +58,6 @@ class Metrics:
         self.rewrites = Counter("gatekeeper_webhook_gpu_rewrites_total", "GPU pods rewritten", ["mode"])
         self.templates = Counter("gatekeeper_webhook_template_reconciliations_total",
                                  "ResourceClaimTemplate create-if-missing results", ["result"])
-        self._children: dict[tuple[str, ...], Any] = {}
-
-    def review(self, policy: str, operation: str, decision: str) -> Any:
-        """The labelled counter child, cached: ``labels()`` takes a lock and builds a key each call."""
-        key = ("r", policy, operation, decision)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = self.reviews.labels(policy, operation, decision)
-        return child
-
-    def latency(self, route: str) -> Any:
-        key = ("d", route)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = self.duration.labels(route)
-        return child
 
 
 _METRICS: Metrics | None = None
@@ -126,9 +110,9 @@ async def _review(request: web.Request, route: str) -> web.Response:
                             message="gatekeeper webhook internal error; see the webhook's log")
     if decision.outcome == "mutated":
         m.rewrites.labels(decision.audit.get("gpu-mode", "")).inc()
-    m.review(policy, req.operation, decision.outcome).inc()
+    child(m.reviews, policy, req.operation, decision.outcome).inc()
     out = _json(response(req.uid, decision))
-    m.latency(route).observe(time.perf_counter() - started)
+    child(m.duration, route).observe(time.perf_counter() - started)
     return out
 
 
