@@ -38,12 +38,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import yaml
 
 from gatekeeper.certs import PKI
 from gatekeeper.sandbox import processes
 from gatekeeper.sandbox.state import SandboxState
-from gatekeeper.sandbox.with_proxy import build_config
+from gatekeeper.sandbox.testing import ProxyProcess
 
 BIG_NS = "gk-bench-big"
 
@@ -84,20 +83,15 @@ class Env:
         self.token = sh(self.kubectl, "--kubeconfig", kc, "create", "token", "gk-bench", "--duration=2h").stdout.strip()
 
     def start_gatekeeper(self) -> None:
-        pki = PKI(self.certs)
-        serving = pki.issue_serving("bench-proxy", dns=["localhost"], ips=["127.0.0.1"])
-        port, mport = processes.free_port(), processes.free_port()
-        config = build_config(self.state, port=port, metrics_port=mport, serving_cert=serving.cert,
-                              serving_key=serving.key, user_config={"flowControl": {"enabled": False}})
-        config["proxy"]["upstream"]["healthIntervalSeconds"] = 0.5
-        path = self.work / "gatekeeper.yaml"
-        path.write_text(yaml.safe_dump(config))
-        log = (self.work / "gatekeeper.log").open("ab")
-        proc = subprocess.Popen([sys.executable, "-m", "gatekeeper", "proxy", "--config", str(path)],
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        self.procs.append(proc)
-        self.gk_pid, self.gk_url = proc.pid, f"https://127.0.0.1:{port}"
-        wait_ok(f"http://127.0.0.1:{mport}/readyz", None)
+        gk = ProxyProcess(self.state, self.work, name="bench-proxy", health_interval=0.5,
+                          user_config={"flowControl": {"enabled": False}})
+        try:
+            gk.start(timeout=120)
+        finally:
+            if gk.proc is not None:
+                self.procs.append(gk.proc)  # stop() ends it even if it never became ready
+        assert gk.proc is not None
+        self.gk_pid, self.gk_url = gk.proc.pid, gk.url
 
     def start_haproxy(self) -> None:
         pki = PKI(self.certs)
