@@ -33,6 +33,7 @@ from gatekeeper.sandbox.testing import (
     UP_TIMEOUT,
     Kubectl,
     SandboxUpFailed,
+    kubectl_binary,
     processes_mentioning,
     run_down,
     sandbox_up,
@@ -121,12 +122,6 @@ def sandbox_state(sandbox: SandboxState) -> SandboxState:
 def admin_kubeconfig(sandbox: SandboxState) -> Path:
     """Admin (system:masters) kubeconfig for apiserver 1."""
     return Path(sandbox.kubeconfig)
-
-
-def kubectl_binary(state: SandboxState) -> str:
-    """``GATEKEEPER_TEST_KUBECTL`` (e.g. ``kubectl`` from PATH), else the sandbox's own v1.37 build."""
-    override = os.environ.get("GATEKEEPER_TEST_KUBECTL")
-    return override or str(state.extra.get("kubectl") or "kubectl")
 
 
 @pytest.fixture(scope="session")

@@ -37,6 +37,11 @@ class SandboxUpFailed(Exception):
     """``sandbox up`` exited non-zero; the message holds its output and what ``down`` stopped."""
 
 
+def kubectl_binary(state: SandboxState) -> str:
+    """``GATEKEEPER_TEST_KUBECTL`` (e.g. ``kubectl`` from PATH), else the sandbox's own v1.37 build."""
+    return os.environ.get("GATEKEEPER_TEST_KUBECTL") or str(state.extra.get("kubectl") or "kubectl")
+
+
 def gatekeeper_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """Run the real CLI in a subprocess (the way operators and CI do)."""
     return subprocess.run([sys.executable, "-m", "gatekeeper", *args], capture_output=True, text=True,

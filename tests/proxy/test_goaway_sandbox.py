@@ -25,7 +25,7 @@ import yaml
 from gatekeeper.sandbox import processes
 from gatekeeper.sandbox.pki import SandboxPKI
 from gatekeeper.sandbox.state import SandboxState
-from gatekeeper.sandbox.testing import ProxyProcess
+from gatekeeper.sandbox.testing import ProxyProcess, kubectl_binary
 
 pytestmark = pytest.mark.sandbox
 
@@ -48,10 +48,6 @@ def goaway_proxy(sandbox: SandboxState, tmp_path_factory: pytest.TempPathFactory
     assert rc == 0, f"proxy exit code {rc}: {processes.tail(proxy.log)}"
 
 
-def _kubectl(sandbox: SandboxState) -> str:
-    return os.environ.get("GATEKEEPER_TEST_KUBECTL") or str(sandbox.extra.get("kubectl") or "kubectl")
-
-
 def _pods(namespace: str, names: list[str]) -> str:
     items = [{"apiVersion": "v1", "kind": "Pod", "metadata": {"name": n, "namespace": namespace},
               "spec": {"containers": [{"name": "c", "image": "registry.k8s.io/pause:3.10"}]}} for n in names]
@@ -61,7 +57,7 @@ def _pods(namespace: str, names: list[str]) -> str:
 def test_watch_keeps_receiving_events_across_many_goaways(
     sandbox: SandboxState, goaway_proxy: ProxyProcess, namespace: str, tmp_path: Path,
 ) -> None:
-    kubectl = _kubectl(sandbox)
+    kubectl = kubectl_binary(sandbox)
     base = [kubectl, "--kubeconfig", str(goaway_proxy.kubeconfig), "--cache-dir", str(tmp_path / "cache")]
     goaways0 = goaway_proxy.metric("gatekeeper_proxy_goaway_sent_total", reason="chance")
     conns0 = goaway_proxy.metric("gatekeeper_proxy_client_connections_accepted_total", protocol="h2")
@@ -163,7 +159,7 @@ def test_go_http2_client_gets_every_answer_across_goaways(
     retried on new connections. Not one request may fail."""
     binary = goclient_binary()
     certs = SandboxPKI(Path(sandbox.certs_dir))
-    subprocess.run([_kubectl(sandbox), "--kubeconfig", str(goaway_proxy.kubeconfig), "-n", namespace,
+    subprocess.run([kubectl_binary(sandbox), "--kubeconfig", str(goaway_proxy.kubeconfig), "-n", namespace,
                     "create", "configmap", "present"], check=True, capture_output=True, timeout=60)
     goaways0 = goaway_proxy.metric("gatekeeper_proxy_goaway_sent_total", reason="chance")
     refused0 = goaway_proxy.metric("gatekeeper_proxy_refused_streams_total")
