@@ -23,7 +23,6 @@ import json
 import os
 import re
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -39,7 +38,9 @@ import yaml
 from gatekeeper.certs import PKI
 from gatekeeper.config import _key_of
 from gatekeeper.sandbox.pki import FRONT_PROXY_CLIENT, SandboxPKI, kubeconfig
+from gatekeeper.sandbox.processes import free_port
 from gatekeeper.sandbox.state import SandboxState
+from gatekeeper.sandbox.testing import kubectl_binary
 
 STORM_GROUP = "gatekeeper:storm"
 OBSERVE = "fc-storm-observe"
@@ -47,21 +48,11 @@ REPO = Path(__file__).resolve().parents[2]
 SEEDS = REPO / "deploy" / "examples" / "flowcontrol-seeds.yaml"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def admin_client(state: SandboxState, url: str | None = None, timeout: float = 120) -> httpx.AsyncClient:
     certs = SandboxPKI(Path(state.certs_dir))
     ctx = ssl.create_default_context(cafile=str(certs.ca))
     ctx.load_cert_chain(str(certs.crt("admin")), str(certs.key("admin")))
     return httpx.AsyncClient(base_url=url or state.apiserver_urls[0], verify=ctx, timeout=timeout)
-
-
-def kubectl_binary(state: SandboxState) -> str:
-    return os.environ.get("GATEKEEPER_TEST_KUBECTL") or str(state.extra.get("kubectl") or "kubectl")
 
 
 def kubectl(
