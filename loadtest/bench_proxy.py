@@ -342,9 +342,10 @@ def main() -> None:
                 print(f"{name:13s} {size / 1e6:7.1f} MB in {secs:5.1f} s  RSS idle {idle / 1024:6.1f} MiB  "
                       f"peak {peak / 1024:6.1f} MiB  growth {(peak - idle) / 1024:6.1f} MiB "
                       f"({(peak - idle) * 1024 / size:.3%} of the body)")
-            g, h = mem["gatekeeper"], mem["haproxy-http"]
-            print(f"gatekeeper RSS growth / body size: {(g[2] - g[1]) * 1024 / g[0]:.4f}; "
-                  f"gatekeeper peak RSS / haproxy peak RSS: x{g[2] / max(h[2], 1):.2f}")
+            gsize, gidle, gpeak = mem["gatekeeper"]
+            hpeak = mem["haproxy-http"][2]
+            print(f"gatekeeper RSS growth / body size: {(gpeak - gidle) * 1024 / gsize:.4f}; "
+                  f"gatekeeper peak RSS / haproxy peak RSS: x{gpeak / max(hpeak, 1):.2f}")
         if "share" not in args.skip:
             print(f"\n== share of apiserver 3 after it was down {args.down_seconds:.0f} s and came back "
                   f"({args.share_clients} long-lived h2 clients, {args.share_window:.0f} s window; even = 33%) ==")
