@@ -18,6 +18,8 @@ ADMISSION_PLUGINS = ("NodeRestriction", "MutatingAdmissionWebhook", "ValidatingA
 so the dependency is visible). The default set is not spelled out: it changes between releases."""
 KWOK_NODE_SELECTOR = "kwok.x-k8s.io/node=fake"
 NODE_LEASE_SECONDS = 40
+EXEC_NAMESPACE = "sandbox-exec"
+"""Pods in this namespace accept ``kubectl exec``; KWOK runs the command on the host (see ``kwok_exec_config``)."""
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,10 @@ class Layout:
 
     def workdir(self, name: str) -> Path:
         return self.dir / "run" / name
+
+    @property
+    def kwok_exec_config(self) -> Path:
+        return self.dir / "kwok-exec.yaml"
 
     def kubeconfig(self, client: str) -> Path:
         """``kubeconfig`` for the admin on apiserver 1, ``<client>.kubeconfig`` otherwise."""
@@ -101,6 +107,10 @@ def apiserver_argv(
         f"--service-cluster-ip-range={SERVICE_CIDR}",
         "--allow-privileged=true",
         "--profiling=false",
+        # KWOK's server plays the kubelets (exec/logs): dialled at the node's InternalIP, its
+        # certificate verified against the sandbox CA.
+        "--kubelet-preferred-address-types=InternalIP",
+        f"--kubelet-certificate-authority={pki.ca}",
     ]
     if not node_lifecycle:
         argv.append("--disable-admission-plugins=TaintNodesByCondition")
@@ -144,13 +154,41 @@ def controller_manager_argv(binary: Path, layout: Layout, port: int) -> list[str
     ]
 
 
+def kwok_exec_config(namespace: str = EXEC_NAMESPACE) -> dict[str, object]:
+    """A KWOK ``ClusterExec``: ``kubectl exec`` into pods of ``namespace`` runs the command locally.
+
+    KWOK pods have no containers, so KWOK's server (playing the kubelet the apiserver
+    dials) runs the exec'd argv as a host process of the kwok user. Only one
+    namespace is opted in, so an exec elsewhere still fails as it would on a node
+    without a runtime, and only tests that mean to run local commands do.
+    """
+    return {
+        "apiVersion": "kwok.x-k8s.io/v1alpha1",
+        "kind": "ClusterExec",
+        "metadata": {"name": "sandbox-local-exec"},
+        "spec": {"selector": {"matchNamespaces": [namespace]}, "execs": [{"local": {}}]},
+    }
+
+
 def kwok_argv(binary: Path, layout: Layout, stages: Path, port: int) -> list[str]:
-    """KWOK with its default stages, managing only nodes annotated as fake, renewing node leases."""
+    """KWOK with its default stages, managing only nodes annotated as fake, renewing node leases.
+
+    Its server also plays every node's kubelet for exec/attach/logs/port-forward:
+    nodes advertise ``127.0.0.1:<port>`` (``--node-ip``/``--node-port`` feed the
+    node stages' ``status.addresses`` and ``daemonEndpoints``), and it serves TLS
+    from the sandbox CA there (plain HTTP still answers ``/healthz`` on the same
+    port), because the apiserver only speaks HTTPS to kubelets.
+    """
+    pki = layout.pki
     return [
         str(binary),
         f"--kubeconfig={layout.kubeconfig('kwok')}",
-        f"--config={stages}",
+        f"--config={stages},{layout.kwok_exec_config}",
         f"--manage-nodes-with-annotation-selector={KWOK_NODE_SELECTOR}",
         f"--node-lease-duration-seconds={NODE_LEASE_SECONDS}",
         f"--server-address=127.0.0.1:{port}",
+        "--node-ip=127.0.0.1",
+        f"--node-port={port}",
+        f"--tls-cert-file={pki.crt('components-serving')}",
+        f"--tls-private-key-file={pki.key('components-serving')}",
     ]

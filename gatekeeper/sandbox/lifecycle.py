@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 from gatekeeper.sandbox import components as comp
 from gatekeeper.sandbox import gpu, kubectl, pki, processes
 from gatekeeper.sandbox.build import Binaries, installed
@@ -184,6 +186,8 @@ def _start_scheduler_and_kcm(s: _Starter, bins: Binaries, opts: UpOptions) -> No
 def _start_kwok(s: _Starter, bins: Binaries, opts: UpOptions) -> None:
     port = processes.free_port()
     url = f"http://127.0.0.1:{port}"
+    s.layout.kwok_exec_config.write_text(yaml.safe_dump(comp.kwok_exec_config()))
+    s.state.extra["exec_namespace"] = comp.EXEC_NAMESPACE
     rec = s.start("kwok", comp.kwok_argv(bins.kwok, s.layout, bins.kwok_stages, port), ports={"server": port},
                   urls={"server": url}, health=f"{url}/healthz", go_env=False)
     wait_until(rec, "kwok", lambda: processes.probe(rec.health), opts.timeout)

@@ -74,8 +74,20 @@ def test_kwok_manages_only_annotated_nodes_with_lease_heartbeats() -> None:
     k = flags(comp.kwok_argv(Path("/bin/kwok"), layout, Path("/cache/stages.yaml"), 10247))
     assert k["--manage-nodes-with-annotation-selector"] == "kwok.x-k8s.io/node=fake"
     assert int(k["--node-lease-duration-seconds"]) > 0
-    assert k["--config"] == "/cache/stages.yaml"
+    assert k["--config"].split(",") == ["/cache/stages.yaml", "/sbx/kwok-exec.yaml"]
     assert k["--server-address"] == "127.0.0.1:10247"
+
+
+def test_kwok_plays_the_kubelet_the_apiserver_dials_for_exec() -> None:
+    layout = comp.Layout(Path("/sbx"))
+    k = flags(comp.kwok_argv(Path("/bin/kwok"), layout, Path("/cache/stages.yaml"), 10247))
+    assert (k["--node-ip"], k["--node-port"]) == ("127.0.0.1", "10247")
+    assert k["--tls-cert-file"] and k["--tls-private-key-file"]
+    a = apiserver(1)
+    assert a["--kubelet-preferred-address-types"] == "InternalIP"
+    assert a["--kubelet-certificate-authority"] == a["--client-ca-file"]
+    spec = comp.kwok_exec_config()["spec"]
+    assert spec == {"selector": {"matchNamespaces": [comp.EXEC_NAMESPACE]}, "execs": [{"local": {}}]}
 
 
 def test_gpu_node_advertises_capacity_and_is_selected_by_kwok() -> None:
