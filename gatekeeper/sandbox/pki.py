@@ -72,8 +72,8 @@ def create(directory: Path) -> SandboxPKI:
     pki.issue_serving(
         "apiserver", dns=APISERVER_DNS, ips=("127.0.0.1", "::1", KUBERNETES_SERVICE_IP), days=365,
     )
-    # One serving cert for the scheduler's and controller-manager's secure ports, so /healthz is
-    # probed with real verification instead of their self-signed certificates.
+    # One serving cert for the scheduler's and controller-manager's secure ports and for KWOK's
+    # kubelet endpoint (exec), so /healthz and the apiserver's kubelet dial are verified for real.
     pki.issue_serving("components-serving", dns=("localhost",), ips=("127.0.0.1",))
     for stem, (user, groups) in CLIENTS.items():
         pki.issue_client(stem, user=user, groups=groups)
