@@ -33,6 +33,7 @@ and quietly re-watches.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import math
@@ -61,12 +62,12 @@ from gatekeeper.proxy.adapter import (
     ClientGone,
     call_handler,
     close_body,
-    error_response,
     response_has_body,
 )
 from gatekeeper.proxy.goaway import GoawayDecider, Reason
 from gatekeeper.proxy.h2_conn import ProxyH2Connection, install_huffman_memo
 from gatekeeper.proxy.h2_headers import MalformedRequest, parse_request, response_block
+from gatekeeper.proxy.h2_limits import FloodError, FloodGuard, limits_of
 from gatekeeper.proxy.messages import Handler, ProxyRequest, ProxyResponse
 from gatekeeper.proxy.settings import ProtocolSettings
 
@@ -89,8 +90,6 @@ class _Stream:
     """The client sent END_STREAM."""
     error: BaseException | None = None
     """Why the stream was cut (client reset, connection lost, drain deadline)."""
-    malformed: str = ""
-    """Why the request header block is malformed; answered with 400 without calling the pipeline."""
 
 
 class H2Protocol:
@@ -121,7 +120,11 @@ class H2Protocol:
         self._decider = GoawayDecider(settings.goaway_chance, rng)
         self._close_delay = close_delay
         install_huffman_memo()
-        self._conn = ProxyH2Connection(on_refused=self._on_refused)
+        self._conn = ProxyH2Connection(
+            on_refused=self._on_refused,
+            guard=FloodGuard(limits_of(settings), settings.h2_abuse_interval_seconds),
+            on_bad_length=self._on_bad_length,
+        )
         self._streams: dict[int, _Stream] = {}
         self._streams_changed = asyncio.Event()
         self._loop = asyncio.get_running_loop()
@@ -166,7 +169,12 @@ class H2Protocol:
         try:
             events = self._conn.receive_data(data)
         except ProtocolError as exc:
-            log.info("h2 connection %d: protocol error from %s: %s", self.connection_id, self._peer, exc)
+            if isinstance(exc, FloodError):
+                conn_metrics.reject(f"h2_flood_{exc.kind}", "h2 connection %d from %s: %s, GOAWAY ENHANCE_YOUR_CALM",
+                                    self.connection_id, self._peer, exc)
+            else:
+                conn_metrics.reject("h2_protocol_error", "h2 connection %d from %s: %s",
+                                    self.connection_id, self._peer, exc)
             self._flush()  # h2 queued a GOAWAY with the right error code
             self._abort(ClientGone(f"HTTP/2 protocol error: {exc}"))
             return
@@ -236,15 +244,20 @@ class H2Protocol:
         if self.goaway_last_stream_id is not None and sid > self.goaway_last_stream_id:
             # The client may already have reset it (Go cancels streams above a GOAWAY's last id);
             # then h2 has closed it and there is nothing to refuse.
+            self._conn.release_stream(sid)
             if self._reset(sid, ErrorCodes.REFUSED_STREAM):
                 conn_metrics.REFUSED_STREAMS.inc()
             return
-        malformed = ""
         try:
             method, target, headers = parse_request(event.headers or ())
         except MalformedRequest as exc:
-            malformed = str(exc)
-            method, target, headers = "GET", "/", []
+            # RFC 9113 8.1.1: a malformed request is a stream error of type PROTOCOL_ERROR
+            # (Go's server and nginx reset; h2spec 8.1.2 checks it). Nothing reaches the pipeline.
+            self._conn.release_stream(sid)
+            self._reset(sid, ErrorCodes.PROTOCOL_ERROR)
+            conn_metrics.reject("h2_malformed", "h2 connection %d from %s, stream %d: %s",
+                                self.connection_id, self._peer, sid, exc)
+            return
         request = ProxyRequest(
             method=method,
             target=target,
@@ -256,7 +269,7 @@ class H2Protocol:
             connection_id=self.connection_id,
             stream_id=sid,
         )
-        stream = _Stream(sid, request, ended=event.stream_ended is not None, malformed=malformed)
+        stream = _Stream(sid, request, ended=event.stream_ended is not None)
         if not stream.ended:
             request.body = self._request_body(stream)
         self._streams[sid] = stream
@@ -272,13 +285,25 @@ class H2Protocol:
         log.debug("h2 connection %d: stream %d refused, %d streams open",
                   self.connection_id, stream_id, len(self._streams))
 
+    def _on_bad_length(self, stream_id: int) -> None:
+        """h2_conn reset a stream whose DATA disagreed with its content-length (RFC 9113 8.1.1)."""
+        conn_metrics.reject("h2_malformed", "h2 connection %d from %s, stream %d: body length differs from "
+                            "content-length", self.connection_id, self._peer, stream_id)
+        stream = self._streams.get(stream_id)
+        if stream is not None:
+            self._cut(stream, ClientGone(f"HTTP/2 stream {stream_id}: body length differs from content-length"))
+        else:
+            self._conn.release_stream(stream_id)
+
     def _on_data(self, event: DataReceived) -> None:
         sid = event.stream_id
         assert sid is not None
         stream = self._streams.get(sid)
         flow = event.flow_controlled_length or 0
-        if stream is None or stream.error is not None:
-            self._ack(sid, flow)  # nobody will read it: give the window back at once
+        if stream is None or stream.error is not None or not event.data:
+            # Nobody will read it, or there is nothing to read (a zero-length or padding-only
+            # frame must not take a place in the inbox): give the window back at once.
+            self._ack(sid, flow)
             return
         stream.inbox.append((event.data or b"", flow))
         stream.inbox_changed.set()
@@ -340,10 +365,7 @@ class H2Protocol:
         response: ProxyResponse | None = None
         error: BaseException | None = None
         try:
-            if stream.malformed:
-                response = error_response(400, "BadRequest", f"malformed HTTP/2 request: {stream.malformed}")
-            else:
-                response = await call_handler(self._handler, stream.request)
+            response = await call_handler(self._handler, stream.request)
             await self._send_response(stream, response)
             if not stream.ended:
                 # Answered before the request body ended (e.g. a 429): ask the client to stop
@@ -406,7 +428,13 @@ class H2Protocol:
             await self._drain()
 
     async def _wait_window(self, stream: _Stream) -> int:
-        """Wait until the client's connection and stream windows both have room; return it."""
+        """Wait until the client's connection and stream windows both have room; return it.
+
+        A client that keeps the window shut (INITIAL_WINDOW_SIZE=0, no WINDOW_UPDATE) would
+        pin this stream's seat and upstream connection forever: after
+        ``responseStallTimeoutSeconds`` without room the stream is reset (CANCEL) and cut.
+        """
+        deadline: float | None = None
         while True:
             if stream.error is not None:
                 raise stream.error
@@ -418,8 +446,20 @@ class H2Protocol:
                 raise ClientGone(f"HTTP/2 stream {stream.id} closed") from None
             if window > 0:
                 return window
+            now = self._loop.time()
+            if deadline is None:
+                deadline = now + self._settings.response_stall_timeout_seconds
+            elif now >= deadline:
+                self._reset(stream.id, ErrorCodes.CANCEL)
+                conn_metrics.reject("response_stall", "h2 connection %d from %s, stream %d: flow-control window "
+                                    "shut for %.0fs", self.connection_id, self._peer, stream.id,
+                                    self._settings.response_stall_timeout_seconds)
+                stream.error = ClientGone(f"HTTP/2 stream {stream.id}: client window stayed at 0")
+                raise stream.error
             stream.window_open.clear()
-            await stream.window_open.wait()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(deadline - now):
+                    await stream.window_open.wait()
 
     def _reset(self, stream_id: int, code: ErrorCodes) -> bool:
         """RST_STREAM unless the stream is already closed; True if a reset went out."""
@@ -434,6 +474,7 @@ class H2Protocol:
 
     def _stream_done(self, stream: _Stream, *, completed: bool) -> None:
         self._streams.pop(stream.id, None)
+        self._conn.release_stream(stream.id)
         self._streams_changed.set()
         if self._h2_closed:
             return

@@ -1,6 +1,6 @@
 """The ``h2`` state machine as the proxy configures it: cheaper header handling, gentler stream limit.
 
-Three departures from a stock ``H2Connection``, each because of a measured
+Five departures from a stock ``H2Connection``, each because of a measured
 cost or a needlessly harsh default:
 
 * **Huffman memo.** Every Kubernetes request carries a ~1 KB bearer token, and
@@ -18,8 +18,8 @@ cost or a needlessly harsh default:
   hash before any bytes.
 * **Header checks moved to us.** h2's inbound checks walk every byte of
   every header in Python; :mod:`gatekeeper.proxy.h2_headers` checks the same
-  RFC 9113 rules with C-speed regexes and answers a malformed request with a
-  400 on that stream instead of killing the whole connection. Outbound
+  RFC 9113 rules with C-speed regexes, and a malformed request costs only its
+  own stream (RST_STREAM PROTOCOL_ERROR), not the whole connection. Outbound
   normalization and validation are off: response headers come from aiohttp's
   parser (valid field syntax, no CR/LF) or from our own code, and
   ``h2_headers.response_block`` lower-cases names, trims values and drops
@@ -30,7 +30,16 @@ cost or a needlessly harsh default:
   error instead; Go's server sends REFUSED_STREAM, which clients retry on a
   fresh stream. :class:`ProxyH2Connection` lets h2 process the frame (the
   HPACK table must stay in step), resets that one stream with REFUSED_STREAM
-  and reports it through ``on_refused``.
+  and reports it through ``on_refused``. A stream counts against that limit
+  from its HEADERS until the adapter calls :meth:`release_stream` (its
+  handler finished), not until h2 considers it closed: rapid reset.
+* **Flood accounting.** Every received frame goes through
+  ``h2_limits.FloodGuard`` first (PING, SETTINGS, RST_STREAM, empty and
+  closed-stream frames per interval); over a limit, h2 sends GOAWAY
+  ENHANCE_YOUR_CALM.
+* **Content-length mismatch is a stream error.** h2 fails the whole
+  connection; RFC 9113 8.1.1 and Go's server reset only that stream with
+  PROTOCOL_ERROR (reported through ``on_bad_length``).
 """
 
 from __future__ import annotations
@@ -44,8 +53,11 @@ import hpack.hpack
 from h2.config import H2Configuration
 from h2.connection import H2Connection
 from h2.errors import ErrorCodes
-from h2.events import Event
-from hyperframe.frame import Frame, HeadersFrame
+from h2.events import Event, RequestReceived
+from h2.exceptions import InvalidBodyLengthError
+from hyperframe.frame import DataFrame, Frame, HeadersFrame
+
+from gatekeeper.proxy.h2_limits import FloodGuard, frame_kinds
 
 MEMO_MIN_BYTES = 64
 MEMO_MAX_BYTES = 8192
@@ -108,22 +120,70 @@ def config() -> H2Configuration:
 class ProxyH2Connection(H2Connection):
     """An ``H2Connection`` that refuses streams over MAX_CONCURRENT_STREAMS instead of failing the connection."""
 
-    def __init__(self, on_refused: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self,
+        on_refused: Callable[[int], None] | None = None,
+        *,
+        guard: FloodGuard | None = None,
+        on_bad_length: Callable[[int], None] | None = None,
+    ) -> None:
         super().__init__(config())
         self._on_refused = on_refused
+        self._on_bad_length = on_bad_length
+        self._guard = guard
         self._lift_limit = False
+        self._held: set[int] = set()
+        """Streams accepted and not yet released by the adapter (its handler may still run)."""
 
     @property
     def open_inbound_streams(self) -> int:
         count = super().open_inbound_streams
         return 0 if self._lift_limit else count
 
+    @property
+    def held_streams(self) -> int:
+        return len(self._held)
+
+    def release_stream(self, stream_id: int) -> None:
+        """The adapter is done with a stream: it stops counting against MAX_CONCURRENT_STREAMS.
+
+        A stream the client reset is closed for h2 at once, but its handler may still be
+        unwinding (closing an upstream connection, releasing a seat); until it is done the
+        stream keeps its slot, so HEADERS+RST_STREAM pairs cannot run unbounded handlers.
+        """
+        self._held.discard(stream_id)
+
+    def _receive_frame(self, frame: Frame) -> list[Event]:
+        if self._guard is not None:
+            sid = frame.stream_id
+            closed = bool(sid) and (self._stream_closed_by(sid) is not None or (
+                sid not in self.streams and sid <= self.highest_inbound_stream_id))
+            for kind in frame_kinds(frame, on_closed_stream=closed):
+                self._guard.count(kind)
+        return super()._receive_frame(frame)
+
+    def _receive_data_frame(self, frame: DataFrame) -> tuple[list[Frame], list[Event]]:
+        try:
+            return super()._receive_data_frame(frame)
+        except InvalidBodyLengthError:
+            # h2 makes a content-length mismatch a connection error; RFC 9113 8.1.1 makes it a
+            # malformed request, a stream error (Go's server resets only that stream).
+            sid = frame.stream_id
+            self.reset_stream(sid, ErrorCodes.PROTOCOL_ERROR)
+            self.acknowledge_received_data(frame.flow_controlled_length, sid)
+            if self._on_bad_length is not None:
+                self._on_bad_length(sid)
+            return [], []
+
     def _receive_headers_frame(self, frame: HeadersFrame) -> tuple[list[Frame], list[Event]]:
         sid = frame.stream_id
-        over = (sid not in self.streams
-                and super().open_inbound_streams >= self.local_settings.max_concurrent_streams)
+        new = sid not in self.streams
+        over = new and max(super().open_inbound_streams, len(self._held)) >= self.local_settings.max_concurrent_streams
         if not over:
-            return super()._receive_headers_frame(frame)
+            frames, events = super()._receive_headers_frame(frame)
+            if new and any(isinstance(e, RequestReceived) and e.stream_id == sid for e in events):
+                self._held.add(sid)
+            return frames, events
         self._lift_limit = True
         try:
             frames, events = super()._receive_headers_frame(frame)

@@ -3,8 +3,8 @@
 h2 can check RFC 9113 header rules itself, but does so byte by byte in
 Python, and a bearer token is a kilobyte; ``h2_conn.config()`` turns that off
 and this module checks the same rules with compiled regexes. A malformed
-request is a :class:`MalformedRequest` (the adapter answers 400 on that stream
-only; RFC 9113 8.1.1 lets a server respond before resetting), never a
+request is a :class:`MalformedRequest` (the adapter resets that stream only
+with PROTOCOL_ERROR, as RFC 9113 8.1.1 and Go's server do), never a
 connection error that would take the client's other streams down.
 
 Checked (RFC 9113 8.2, 8.3): field names are non-empty lower-case tokens;

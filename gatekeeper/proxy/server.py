@@ -41,14 +41,13 @@ from gatekeeper.proxy import conn_metrics
 from gatekeeper.proxy.adapter import ClientGone
 from gatekeeper.proxy.h1 import H1Connection
 from gatekeeper.proxy.h2 import H2Protocol
+from gatekeeper.proxy.h2_limits import check_limits
 from gatekeeper.proxy.messages import Handler
 from gatekeeper.proxy.settings import ListenerSettings, ProxySettings
 
 log = logging.getLogger("gatekeeper.proxy.server")
 
 READ_SIZE = 65536
-HANDSHAKE_TIMEOUT = 10.0
-"""Seconds a client gets to finish the TLS handshake."""
 H2_CIPHERS = "ECDHE+AESGCM:ECDHE+CHACHA20"
 """TLS 1.2 suites RFC 9113 9.2.2 allows (AEAD, ephemeral key exchange); every TLS 1.3 suite is fine."""
 
@@ -88,6 +87,7 @@ class ProxyServer:
     ) -> None:
         settings.listener.validate()
         settings.protocol.validate()
+        check_limits(settings.listener, settings.protocol)
         self._settings = settings
         self._handler = handler
         self._rng = rng
@@ -95,6 +95,8 @@ class ProxyServer:
         self._ssl = make_ssl_context(settings.listener)
         self._server: asyncio.Server | None = None
         self._clients: dict[int, _Client] = {}
+        self._open = 0
+        """Accepted TCP connections not yet closed, TLS handshakes included (listener.maxClientConnections)."""
         self._ids = itertools.count(1)
         self._stopping = False
         self.port = 0
@@ -105,10 +107,9 @@ class ProxyServer:
 
     async def start(self) -> int:
         lst = self._settings.listener
-        self._server = await asyncio.start_server(
-            self._on_client, lst.address, lst.port, ssl=self._ssl, ssl_handshake_timeout=HANDSHAKE_TIMEOUT,
-            backlog=1024,
-        )
+        # TLS is started per connection (not ssl= here) so the connection cap is applied before
+        # any handshake work, and handshake timeouts and failures can be counted.
+        self._server = await asyncio.start_server(self._on_client, lst.address, lst.port, backlog=1024)
         self.port = int(self._server.sockets[0].getsockname()[1])
         return self.port
 
@@ -137,6 +138,46 @@ class ProxyServer:
     # ------------------------------------------------------------------ per connection
 
     async def _on_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        lst = self._settings.listener
+        if self._stopping or self._open >= lst.max_client_connections:
+            if not self._stopping:
+                conn_metrics.reject("connection_cap", "%d client connections open (maxClientConnections)",
+                                    self._open)
+            writer.transport.abort()
+            return
+        self._open += 1
+        try:
+            if await self._start_tls(writer):
+                await self._serve_client(reader, writer)
+        finally:
+            self._open -= 1
+            await self._close_writer(writer)
+
+    async def _start_tls(self, writer: asyncio.StreamWriter) -> bool:
+        timeout = self._settings.listener.tls_handshake_timeout_seconds
+        try:
+            await writer.start_tls(self._ssl, ssl_handshake_timeout=timeout)
+        except ConnectionAbortedError as exc:  # asyncio's sslproto aborts a handshake past its timeout
+            conn_metrics.reject("handshake_timeout", "TLS handshake from %s: %s",
+                                writer.get_extra_info("peername"), exc)
+            return False
+        except (ssl.SSLError, OSError, EOFError) as exc:
+            conn_metrics.reject("handshake_failed", "TLS handshake from %s failed: %s",
+                                writer.get_extra_info("peername"), exc)
+            return False
+        p = self._settings.protocol
+        writer.transport.set_write_buffer_limits(high=p.write_buffer_high_bytes, low=p.write_buffer_low_bytes)
+        return True
+
+    async def _close_writer(self, writer: asyncio.StreamWriter) -> None:
+        """Close gracefully (TLS close_notify after pending output), but abort a client that is not reading."""
+        writer.close()
+        try:
+            await asyncio.wait_for(writer.wait_closed(), self._close_delay + 1.0)
+        except (TimeoutError, ConnectionError, OSError, ssl.SSLError):
+            writer.transport.abort()
+
+    async def _serve_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         ssl_obj = writer.get_extra_info("ssl_object")
         alpn = ssl_obj.selected_alpn_protocol() if ssl_obj is not None else None
         protocol = "h2" if alpn == "h2" else "http/1.1"
@@ -166,7 +207,6 @@ class ProxyServer:
         finally:
             conn_metrics.CLIENT_CONNECTIONS.labels(protocol=protocol).dec()
             self._clients.pop(client.id, None)
-            writer.close()
 
     async def _run_h2(
         self, client: _Client, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
@@ -176,9 +216,22 @@ class ProxyServer:
             if not writer.is_closing():
                 writer.write(data)
 
+        stall = self._settings.protocol.response_stall_timeout_seconds
+        low = self._settings.protocol.write_buffer_low_bytes
+        transport = writer.transport
+
         async def drain() -> None:
             try:
-                await writer.drain()
+                if transport.get_write_buffer_size() <= low:
+                    await writer.drain()  # not paused: returns at once (the common, cheap case)
+                else:
+                    async with asyncio.timeout(stall):
+                        await writer.drain()
+            except TimeoutError:
+                conn_metrics.reject("write_stall", "h2 connection %d from %s: output not read for %.0fs",
+                                    client.id, peer, stall)
+                writer.transport.abort()
+                raise ClientGone(f"client did not read for {stall:.0f}s") from None
             except (ConnectionError, OSError) as exc:
                 raise ClientGone(f"client socket failed: {exc}") from exc
 
@@ -193,11 +246,15 @@ class ProxyServer:
             proto.goaway("shutdown", drain_timeout=0)
         try:
             while not proto.closed.is_set():
+                # Backpressure on input: while our output to this client is over the high-water
+                # mark (it floods PINGs or SETTINGS and never reads the answers), read nothing more
+                # until it drops under the low-water mark; cut it if that takes too long.
+                await drain()
                 data = await reader.read(READ_SIZE)
                 if not data:
                     break
                 proto.data_received(data)
-        except (ConnectionError, OSError):
+        except (ConnectionError, OSError):  # ClientGone included
             pass
         finally:
             proto.connection_lost()

@@ -38,6 +38,10 @@ class ListenerSettings:
     """Port of that listener (0 = pick a free port, -1 = disabled)."""
     metrics_groups: list[str] = field(default_factory=lambda: ["system:masters"])
     """Groups whose verified client-certificate users may read ``/metrics`` on the TLS port (others get 403)."""
+    tls_handshake_timeout_seconds: float = 10.0
+    """A client must finish the TLS handshake within this many seconds or is cut (counted)."""
+    max_client_connections: int = 20000
+    """Client connections open at once (handshaking included); more are closed at accept (counted)."""
 
     def validate(self) -> None:
         if not self.cert_file or not self.key_file:
@@ -64,6 +68,26 @@ class ProtocolSettings:
     """Largest header block accepted from a client."""
     idle_timeout_seconds: float = 300.0
     """Close client connections idle (no open stream) for this long."""
+    response_stall_timeout_seconds: float = 60.0
+    """A response that cannot move for this long is cut: HTTP/2 stream window held at 0 (RST_STREAM
+    CANCEL), or the client stops reading its socket (connection closed). Frees seat, upstream, memory."""
+    write_buffer_high_bytes: int = 65536
+    """Stop reading a client's input while this much of our output to it is unsent (flood/slow reader)."""
+    write_buffer_low_bytes: int = 16384
+    """Resume reading once the unsent output is back under this."""
+    h2_abuse_interval_seconds: float = 10.0
+    """Window over which the per-connection HTTP/2 frame counters below are counted."""
+    h2_max_resets_per_interval: int = 1000
+    """RST_STREAM frames a client may send per interval (rapid reset, CVE-2023-44487), then GOAWAY
+    ENHANCE_YOUR_CALM."""
+    h2_max_pings_per_interval: int = 100
+    """PING frames (not ACKs) a client may send per interval."""
+    h2_max_settings_per_interval: int = 100
+    """SETTINGS frames (not ACKs) a client may send per interval."""
+    h2_max_empty_frames_per_interval: int = 1000
+    """Zero-length DATA (without END_STREAM) and CONTINUATION frames a client may send per interval."""
+    h2_max_closed_stream_frames_per_interval: int = 1000
+    """DATA, HEADERS, CONTINUATION or RST_STREAM frames on already-closed streams per interval."""
 
     def validate(self) -> None:
         limit = 1.0 if self.allow_unsafe_goaway_chance else MAX_GOAWAY_CHANCE

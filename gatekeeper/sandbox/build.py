@@ -125,7 +125,16 @@ KWOK = Component(
     binaries=("kwok",),
     ldflags_template="-s -w -X sigs.k8s.io/kwok/pkg/consts.Version={version}",
 )
-COMPONENTS = (ETCD, KWOK, K8S)
+H2SPEC = Component(
+    name="h2spec",
+    gomod="h2spec",
+    module="github.com/summerwind/h2spec",
+    packages=("github.com/summerwind/h2spec/cmd/h2spec",),
+    binaries=("h2spec",),
+    ldflags_template="-s -w -X main.VERSION={version}",
+)
+"""HTTP/2 conformance checker; tests/proxy/test_h2spec.py runs it against the proxy (not used by ``up``)."""
+COMPONENTS = (ETCD, KWOK, K8S, H2SPEC)
 
 
 def module_version(gomod_text: str, module: str) -> str:
@@ -341,6 +350,14 @@ def build_all(*, force: bool = False, only: tuple[str, ...] = (), say: Callable[
             continue
         build_component(c, force=force, say=say)
         sys.stdout.flush()
+
+
+def h2spec_binary() -> Path:
+    """Path of the built h2spec, or a BuildError naming the fix."""
+    path = H2SPEC.bin_dir() / "h2spec"
+    if not path.is_file():
+        raise BuildError(f"h2spec is not built (missing {path}); run `gatekeeper sandbox build`")
+    return path
 
 
 @dataclass(frozen=True)

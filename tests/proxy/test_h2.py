@@ -339,8 +339,11 @@ async def test_stream_over_max_concurrent_streams_is_refused_and_others_finish(h
     assert pair.body(sid) == b"/after"
 
 
-async def test_malformed_header_block_gets_400_on_that_stream_only(h2pair):
+async def test_malformed_header_block_resets_that_stream_only_with_protocol_error(h2pair):
+    calls: list[ProxyRequest] = []
+
     async def handler(req: ProxyRequest) -> ProxyResponse:
+        calls.append(req)
         return ProxyResponse(200, [], _chunks(b"ok"))
 
     pair = h2pair(handler)
@@ -350,12 +353,11 @@ async def test_malformed_header_block_gets_400_on_that_stream_only(h2pair):
     pair.client.config.normalize_outbound_headers = False
     bad = pair.request(headers=[("x-evil", "a\r\nx-remote-user: admin")])
     good = pair.request()
-    await pair.until(lambda: pair.ended(bad) and pair.ended(good))
-    assert pair.status(bad) == 400
-    status = orjson.loads(pair.body(bad))
-    assert status["kind"] == "Status" and status["reason"] == "BadRequest"
-    assert "malformed HTTP/2 request" in status["message"]
+    await pair.until(lambda: pair.reset(bad) is not None and pair.ended(good))
+    assert pair.reset(bad).error_code == ErrorCodes.PROTOCOL_ERROR
+    assert pair.response(bad) is None
     assert pair.status(good) == 200 and pair.goaways == []
+    assert [r.stream_id for r in calls] == [good]
 
 
 async def test_response_header_names_are_lowercased_and_connection_headers_dropped(h2pair):
