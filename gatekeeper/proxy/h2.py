@@ -452,7 +452,7 @@ class H2Protocol:
             elif now >= deadline:
                 self._reset(stream.id, ErrorCodes.CANCEL)
                 conn_metrics.reject("response_stall", "h2 connection %d from %s, stream %d: flow-control window "
-                                    "shut for %.0fs", self.connection_id, self._peer, stream.id,
+                                    "shut for %gs", self.connection_id, self._peer, stream.id,
                                     self._settings.response_stall_timeout_seconds)
                 stream.error = ClientGone(f"HTTP/2 stream {stream.id}: client window stayed at 0")
                 raise stream.error
