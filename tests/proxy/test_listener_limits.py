@@ -1,0 +1,153 @@
+"""Listener limits over real sockets on 127.0.0.1: connection cap, TLS handshake timeout, a client that never reads.
+
+An in-process ``ProxyServer`` with a trivial handler (no backend is involved in
+these attacks); blocking client sockets run in threads so the server's event
+loop keeps running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import ssl
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+from h2.events import StreamEnded
+from h2_raw import RawH2, tls_context
+from hyperframe.frame import PingFrame
+from prometheus_client import REGISTRY
+
+from gatekeeper.certs import PKI
+from gatekeeper.proxy.messages import ProxyRequest, ProxyResponse
+from gatekeeper.proxy.server import ProxyServer
+from gatekeeper.proxy.settings import ListenerSettings, ProtocolSettings, ProxySettings
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> PKI:
+    pki = PKI(tmp_path_factory.mktemp("pki"))
+    pki.init()
+    pki.issue_serving("proxy", dns=["localhost"], ips=["127.0.0.1"])
+    return pki
+
+
+def _rejected(reason: str) -> float:
+    return REGISTRY.get_sample_value("gatekeeper_proxy_client_rejected_total", {"reason": reason}) or 0.0
+
+
+async def _ok(req: ProxyRequest) -> ProxyResponse:
+    async def body() -> AsyncIterator[bytes]:
+        yield b"ok"
+    return ProxyResponse(200, [], body())
+
+
+def _server(pki: PKI, listener: dict[str, object] | None = None, **protocol: object) -> ProxyServer:
+    lst = ListenerSettings(address="127.0.0.1", port=0, cert_file=str(pki.cert_path("proxy")),
+                           key_file=str(pki.key_path("proxy")), **listener or {})  # type: ignore[arg-type]
+    settings = ProxySettings(listener=lst, protocol=ProtocolSettings(**protocol))  # type: ignore[arg-type]
+    return ProxyServer(settings, _ok, close_delay=0.1)
+
+
+def _get(port: int, ca: str) -> int | None:
+    client = RawH2(port, ca=ca)
+    try:
+        sid = client.request("/version")
+        client.read_until(lambda ev: any(isinstance(e, StreamEnded) and e.stream_id == sid for e in ev), 10)
+        return sid if not client.closed else None
+    finally:
+        client.close()
+
+
+def _is_cut(sock: socket.socket, timeout: float) -> bool:
+    """True when the peer closes or resets the connection within ``timeout``."""
+    sock.settimeout(timeout)
+    try:
+        return sock.recv(1) == b""
+    except (ConnectionError, ssl.SSLError):
+        return True
+    except TimeoutError:
+        return False
+
+
+async def test_connections_over_the_cap_are_closed_and_counted(pki: PKI) -> None:
+    server = _server(pki, {"max_client_connections": 2})
+    port = await server.start()
+    ca = str(pki.cert_path("ca"))
+    before = _rejected("connection_cap")
+    try:
+        held = [await asyncio.to_thread(RawH2, port, ca=ca) for _ in range(2)]
+        raw = await asyncio.to_thread(socket.create_connection, ("127.0.0.1", port), 5)
+        assert await asyncio.to_thread(_is_cut, raw, 5), "a connection over the cap must be closed"
+        raw.close()
+        assert _rejected("connection_cap") == before + 1
+        for c in held:
+            c.close()
+        # Seats come back once clients leave.
+        async with asyncio.timeout(10):
+            while server.connections or server._open:  # noqa: ASYNC110 - counters, no event to wait on
+                await asyncio.sleep(0.01)
+        assert await asyncio.to_thread(_get, port, ca) is not None
+    finally:
+        await server.shutdown(1)
+
+
+async def test_silent_client_is_cut_at_the_tls_handshake_timeout(pki: PKI) -> None:
+    server = _server(pki, {"tls_handshake_timeout_seconds": 0.5})
+    port = await server.start()
+    before = _rejected("handshake_timeout")
+    try:
+        raw = await asyncio.to_thread(socket.create_connection, ("127.0.0.1", port), 5)
+        start = time.monotonic()
+        assert await asyncio.to_thread(_is_cut, raw, 5)
+        assert time.monotonic() - start < 3
+        raw.close()
+        async with asyncio.timeout(5):
+            while _rejected("handshake_timeout") < before + 1:  # noqa: ASYNC110
+                await asyncio.sleep(0.01)
+    finally:
+        await server.shutdown(1)
+
+
+def _flood_pings_without_reading(port: int, seconds: float) -> tuple[bool, int]:
+    """Send PINGs and never read the ACKs; (cut by the server, bytes we got to send)."""
+    ctx = tls_context()
+    raw = socket.create_connection(("127.0.0.1", port), timeout=5)
+    sock = ctx.wrap_socket(raw, server_hostname="localhost")
+    sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00")
+    chunk = b"".join(PingFrame(0, opaque_data=i.to_bytes(8, "big")).serialize() for i in range(1000))
+    sent = 0
+    deadline = time.monotonic() + seconds
+    sock.settimeout(0.5)
+    try:
+        while time.monotonic() < deadline:
+            try:
+                sock.sendall(chunk)
+                sent += len(chunk)
+            except TimeoutError:
+                continue  # the server stopped reading us: keep trying until it cuts us
+    except (ConnectionError, ssl.SSLError, OSError):
+        return True, sent
+    finally:
+        sock.close()
+    return False, sent
+
+
+async def test_never_reading_flooder_is_paused_then_cut_with_bounded_output(pki: PKI) -> None:
+    """PINGs under no rate limit: reading stops at the high-water mark, the write stall cuts the client."""
+    server = _server(pki, h2_max_pings_per_interval=10**9, response_stall_timeout_seconds=1.0,
+                     write_buffer_high_bytes=65536, write_buffer_low_bytes=16384)
+    port = await server.start()
+    before = _rejected("write_stall")
+
+    try:
+        cut, sent = await asyncio.to_thread(_flood_pings_without_reading, port, 20)
+        assert cut, "a client that never reads must be cut after responseStallTimeoutSeconds"
+        assert _rejected("write_stall") >= before + 1
+        # Every 17-byte PING we read costs a 17-byte ACK we cannot send: what we read is bounded
+        # by the high-water mark (plus one read), so the client could not push much either.
+        print(f"flooder pushed {sent} bytes before the cut")
+        assert sent < 32 * 1024 * 1024, f"the server kept reading: {sent} bytes of PINGs accepted"
+    finally:
+        await server.shutdown(1)
