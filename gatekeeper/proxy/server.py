@@ -107,9 +107,12 @@ class ProxyServer:
 
     async def start(self) -> int:
         lst = self._settings.listener
-        # TLS is started per connection (not ssl= here) so the connection cap is applied before
-        # any handshake work, and handshake timeouts and failures can be counted.
-        self._server = await asyncio.start_server(self._on_client, lst.address, lst.port, backlog=1024)
+        # The handshake is asyncio's (and uvloop's): a per-connection start_tls would let the cap act
+        # before the handshake, but loses a ClientHello that arrives early under uvloop.
+        self._server = await asyncio.start_server(
+            self._on_client, lst.address, lst.port, ssl=self._ssl,
+            ssl_handshake_timeout=lst.tls_handshake_timeout_seconds, backlog=1024,
+        )
         self.port = int(self._server.sockets[0].getsockname()[1])
         return self.port
 
@@ -147,27 +150,12 @@ class ProxyServer:
             return
         self._open += 1
         try:
-            if await self._start_tls(writer):
-                await self._serve_client(reader, writer)
+            p = self._settings.protocol
+            writer.transport.set_write_buffer_limits(high=p.write_buffer_high_bytes, low=p.write_buffer_low_bytes)
+            await self._serve_client(reader, writer)
         finally:
             self._open -= 1
             await self._close_writer(writer)
-
-    async def _start_tls(self, writer: asyncio.StreamWriter) -> bool:
-        timeout = self._settings.listener.tls_handshake_timeout_seconds
-        try:
-            await writer.start_tls(self._ssl, ssl_handshake_timeout=timeout)
-        except ConnectionAbortedError as exc:  # asyncio's sslproto aborts a handshake past its timeout
-            conn_metrics.reject("handshake_timeout", "TLS handshake from %s: %s",
-                                writer.get_extra_info("peername"), exc)
-            return False
-        except (ssl.SSLError, OSError, EOFError) as exc:
-            conn_metrics.reject("handshake_failed", "TLS handshake from %s failed: %s",
-                                writer.get_extra_info("peername"), exc)
-            return False
-        p = self._settings.protocol
-        writer.transport.set_write_buffer_limits(high=p.write_buffer_high_bytes, low=p.write_buffer_low_bytes)
-        return True
 
     async def _close_writer(self, writer: asyncio.StreamWriter) -> None:
         """Close gracefully (TLS close_notify after pending output), but abort a client that is not reading."""
