@@ -35,6 +35,7 @@ from hyperframe.frame import (
     SettingsFrame,
 )
 
+from gatekeeper.config import camel
 from gatekeeper.proxy.settings import ListenerSettings, ProtocolSettings
 
 RST_STREAM = "rst_stream"
@@ -113,17 +114,14 @@ class FloodGuard:
 
 def check_limits(listener: ListenerSettings, protocol: ProtocolSettings) -> None:
     """Refuse limit settings that would disable a defence or break every client (config-time error)."""
-    positive = {
-        "tlsHandshakeTimeoutSeconds": listener.tls_handshake_timeout_seconds,
-        "maxClientConnections": listener.max_client_connections,
-        "responseStallTimeoutSeconds": protocol.response_stall_timeout_seconds,
-        "writeBufferHighBytes": protocol.write_buffer_high_bytes,
-        "h2AbuseIntervalSeconds": protocol.h2_abuse_interval_seconds,
-        "maxConcurrentStreams": protocol.max_concurrent_streams,
-        **{f"h2Max{k.title().replace('_', '')}PerInterval": v for k, v in limits_of(protocol).items()},
-    }
-    for name, value in positive.items():
+    values = [(name, getattr(listener, name)) for name in ("tls_handshake_timeout_seconds", "max_client_connections")]
+    values += [(name, getattr(protocol, name)) for name in (
+        "response_stall_timeout_seconds", "write_buffer_high_bytes", "h2_abuse_interval_seconds",
+        "max_concurrent_streams", "h2_max_resets_per_interval", "h2_max_pings_per_interval",
+        "h2_max_settings_per_interval", "h2_max_empty_frames_per_interval",
+        "h2_max_closed_stream_frames_per_interval")]
+    for name, value in values:
         if not value > 0:
-            raise ValueError(f"{name} must be > 0, got {value}")
+            raise ValueError(f"{camel(name)} must be > 0, got {value}")
     if not 0 <= protocol.write_buffer_low_bytes <= protocol.write_buffer_high_bytes:
         raise ValueError("writeBufferLowBytes must be within [0, writeBufferHighBytes]")

@@ -17,8 +17,10 @@ from h2.exceptions import ProtocolError
 from h2.settings import SettingCodes, Settings
 
 
-def tls_context(ca: str | None = None) -> ssl.SSLContext:
+def tls_context(ca: str | None = None, cert: tuple[str, str] | None = None) -> ssl.SSLContext:
     ctx = ssl.create_default_context(cafile=ca) if ca else ssl.create_default_context()
+    if cert is not None:
+        ctx.load_cert_chain(*cert)
     if ca is None:
         ctx.check_hostname = False
         ctx.verify_mode = ssl.CERT_NONE
@@ -29,10 +31,10 @@ def tls_context(ca: str | None = None) -> ssl.SSLContext:
 class RawH2:
     """One TLS connection speaking h2 through a client ``H2Connection`` (or raw bytes)."""
 
-    def __init__(self, port: int, *, ca: str | None = None, window: int | None = None,
-                 timeout: float = 10.0) -> None:
+    def __init__(self, port: int, *, ca: str | None = None, cert: tuple[str, str] | None = None,
+                 window: int | None = None, timeout: float = 10.0) -> None:
         raw = socket.create_connection(("127.0.0.1", port), timeout=timeout)
-        self.sock = tls_context(ca).wrap_socket(raw, server_hostname="localhost")
+        self.sock = tls_context(ca, cert).wrap_socket(raw, server_hostname="localhost")
         assert self.sock.selected_alpn_protocol() == "h2"
         self.conn = H2Connection(H2Configuration(client_side=True, header_encoding=None))
         if window is not None:
