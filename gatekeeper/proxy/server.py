@@ -163,7 +163,9 @@ class ProxyServer:
         try:
             await asyncio.wait_for(writer.wait_closed(), self._close_delay + 1.0)
         except (TimeoutError, ConnectionError, OSError, ssl.SSLError):
-            writer.transport.abort()
+            pass
+        finally:
+            writer.transport.abort()  # no-op once closed; frees a non-reading client's buffers otherwise
 
     async def _serve_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         ssl_obj = writer.get_extra_info("ssl_object")
