@@ -17,6 +17,13 @@ response back. Backpressure both ways:
   chunks, so a client can never have more than one window in flight per
   stream (and one connection window in total) sitting in proxy memory.
 
+Abuse limits: a malformed request (RFC 9113 8.1.1) gets RST_STREAM
+PROTOCOL_ERROR and never reaches the pipeline; frame floods end in GOAWAY
+ENHANCE_YOUR_CALM (``h2_limits``); a stream keeps its MAX_CONCURRENT_STREAMS
+slot until its handler has finished, even after the client reset it; a
+response whose window stays shut for ``responseStallTimeoutSeconds`` is reset
+with CANCEL, which releases its seat and upstream connection.
+
 Graceful GOAWAY (h2's ``close_connection()`` would break in-flight streams,
 python-hyper/h2 issue 1181): flush h2's output, write our own GOAWAY frame
 carrying the highest client stream id seen while h2's state stays open,

@@ -21,6 +21,15 @@ anonymous clients still connect) and verifies any presented certificate
 against that CA; a verified certificate reaches the pipeline as
 ``ProxyRequest.peer_cert``. An untrusted certificate fails the handshake.
 
+Limits (``listener.*``/``protocol.*``, counted in ``gatekeeper_proxy_client_rejected_total``):
+the TLS handshake must finish within ``tlsHandshakeTimeoutSeconds``; past
+``maxClientConnections`` open connections a new one is closed right after its
+handshake; an h2 client's input is not read while our output to it is over
+``writeBufferHighBytes`` (resumed under ``writeBufferLowBytes``), and a client
+that leaves it there for ``responseStallTimeoutSeconds`` is cut. Closing waits
+``close_delay`` + 1 s for a graceful TLS close, then aborts, so a client that
+never reads cannot keep its buffers.
+
 This module only moves bytes; protocol logic lives in ``h2.py``/``h1.py``.
 """
 

@@ -147,3 +147,20 @@ async def test_never_reading_flooder_is_paused_then_cut_with_bounded_output(pki:
         assert sent < 32 * 1024 * 1024, f"the server kept reading: {sent} bytes of PINGs accepted"
     finally:
         await server.shutdown(1)
+
+
+@pytest.mark.parametrize("bad", [
+    {"tls_handshake_timeout_seconds": 0}, {"max_client_connections": 0},
+])
+def test_limit_settings_that_disable_a_defence_are_refused(pki: PKI, bad: dict[str, object]) -> None:
+    with pytest.raises(ValueError, match="must be > 0"):
+        _server(pki, bad)
+
+
+@pytest.mark.parametrize("bad", [
+    {"response_stall_timeout_seconds": 0}, {"h2_max_resets_per_interval": 0},
+    {"write_buffer_low_bytes": 1 << 20},
+])
+def test_protocol_limits_that_disable_a_defence_are_refused(pki: PKI, bad: dict[str, object]) -> None:
+    with pytest.raises(ValueError, match="must be"):
+        _server(pki, **bad)
