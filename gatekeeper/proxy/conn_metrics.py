@@ -41,7 +41,9 @@ CLIENT_REJECTED = Counter(
 """reason is one of :data:`REJECT_REASONS` (a fixed set, so the series count stays bounded)."""
 
 REJECT_REASONS = frozenset({
-    "connection_cap",         # over listener.maxClientConnections: closed right after the TLS handshake
+    "connection_cap",         # over listener.maxClientConnections: closed at accept, before any TLS work
+    "handshake_timeout",      # TLS handshake not done within listener.tlsHandshakeTimeoutSeconds
+    "handshake_failed",       # TLS handshake error (untrusted certificate, not TLS, ...)
     "write_stall",            # client stopped reading: outbound buffer stayed full for responseStallTimeout
     "response_stall",         # client kept a stream's flow-control window at 0 for responseStallTimeout
     "h2_malformed",           # RFC 9113 8.1.1 malformed request: RST_STREAM PROTOCOL_ERROR

@@ -23,8 +23,8 @@ against that CA; a verified certificate reaches the pipeline as
 
 Limits (``listener.*``/``protocol.*``, counted in ``gatekeeper_proxy_client_rejected_total``):
 the TLS handshake must finish within ``tlsHandshakeTimeoutSeconds``; past
-``maxClientConnections`` open connections a new one is closed right after its
-handshake; an h2 client's input is not read while our output to it is over
+``maxClientConnections`` open connections (handshakes included) a new one is
+closed at accept, before any TLS work; an h2 client's input is not read while our output to it is over
 ``writeBufferHighBytes`` (resumed under ``writeBufferLowBytes``), and a client
 that leaves it there for ``responseStallTimeoutSeconds`` is cut. Closing waits
 ``close_delay`` + 1 s for a graceful TLS close, then aborts, so a client that
@@ -41,6 +41,7 @@ import itertools
 import logging
 import random
 import signal
+import socket
 import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -102,7 +103,10 @@ class ProxyServer:
         self._rng = rng
         self._close_delay = close_delay
         self._ssl = make_ssl_context(settings.listener)
-        self._server: asyncio.Server | None = None
+        self._sockets: list[socket.socket] = []
+        self._accepters: list[asyncio.Task[None]] = []
+        self._handshakes: set[asyncio.Task[None]] = set()
+        """Connections still in their TLS handshake (shutdown cancels these; clients are drained)."""
         self._clients: dict[int, _Client] = {}
         self._open = 0
         """Accepted TCP connections not yet closed, TLS handshakes included (listener.maxClientConnections)."""
@@ -115,22 +119,28 @@ class ProxyServer:
         return len(self._clients)
 
     async def start(self) -> int:
+        """Bind every address ``listener.address`` resolves to (one port) and start accepting."""
         lst = self._settings.listener
-        # The handshake is asyncio's (and uvloop's): a per-connection start_tls would let the cap act
-        # before the handshake, but loses a ClientHello that arrives early under uvloop.
-        self._server = await asyncio.start_server(
-            self._on_client, lst.address, lst.port, ssl=self._ssl,
-            ssl_handshake_timeout=lst.tls_handshake_timeout_seconds, backlog=1024,
-        )
-        self.port = int(self._server.sockets[0].getsockname()[1])
+        loop = asyncio.get_running_loop()
+        infos = await loop.getaddrinfo(lst.address, lst.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        port = lst.port
+        for family, *_, addr in dict.fromkeys((i[0], i[4][0]) for i in infos):
+            sock = socket.create_server((addr, port), family=family, backlog=1024)
+            sock.setblocking(False)
+            port = int(sock.getsockname()[1])  # port 0: every address shares the first one's port
+            self._sockets.append(sock)
+        self.port = port
+        self._accepters = [loop.create_task(self._accept(sock)) for sock in self._sockets]
         return self.port
 
     async def shutdown(self, drain_seconds: float | None = None) -> None:
         """Stop accepting, GOAWAY everyone, wait up to ``drain_seconds`` for streams to finish, then cut."""
         timeout = self._settings.protocol.shutdown_timeout_seconds if drain_seconds is None else drain_seconds
         self._stopping = True
-        if self._server is not None:
-            self._server.close()
+        for task in [*self._accepters, *self._handshakes]:
+            task.cancel()
+        for sock in self._sockets:
+            sock.close()
         clients = list(self._clients.values())
         log.info("shutting down: %d client connections to drain (up to %.0fs)", len(clients), timeout)
         for client in clients:
@@ -149,22 +159,58 @@ class ProxyServer:
 
     # ------------------------------------------------------------------ per connection
 
-    async def _on_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        lst = self._settings.listener
-        if self._stopping or self._open >= lst.max_client_connections:
-            if not self._stopping:
+    async def _accept(self, sock: socket.socket) -> None:
+        """Accept loop: the connection cap acts here, before any TLS work is spent on a connection.
+
+        Our own loop (not ``asyncio.start_server(ssl=...)``) so that over-cap connections are
+        closed at accept and handshake timeouts and failures can be counted; the TLS transport
+        is still the event loop's own (``connect_accepted_socket``), so no byte is read before it.
+        """
+        loop = asyncio.get_running_loop()
+        cap = self._settings.listener.max_client_connections
+        while not self._stopping:
+            try:
+                conn, _ = await loop.sock_accept(sock)
+            except OSError as exc:  # EMFILE and friends: back off instead of spinning
+                log.warning("accept failed: %s", exc)
+                await asyncio.sleep(0.1)
+                continue
+            if self._open >= cap:
                 conn_metrics.reject("connection_cap", "%d client connections open (maxClientConnections)",
                                     self._open)
-            writer.transport.abort()
-            return
-        self._open += 1
+                conn.close()
+                continue
+            self._open += 1
+            task = loop.create_task(self._handshake(conn))
+            self._handshakes.add(task)
+            task.add_done_callback(self._handshakes.discard)
+
+    async def _handshake(self, conn: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        lst, p = self._settings.listener, self._settings.protocol
+        reader = asyncio.StreamReader()
+        protocol = asyncio.StreamReaderProtocol(reader)
         try:
-            p = self._settings.protocol
-            writer.transport.set_write_buffer_limits(high=p.write_buffer_high_bytes, low=p.write_buffer_low_bytes)
-            await self._serve_client(reader, writer)
+            try:
+                transport, _ = await loop.connect_accepted_socket(
+                    lambda: protocol, conn, ssl=self._ssl, ssl_handshake_timeout=lst.tls_handshake_timeout_seconds)
+            except (ConnectionAbortedError, TimeoutError) as exc:  # asyncio/uvloop abort a handshake past its timeout
+                conn_metrics.reject("handshake_timeout", "TLS handshake not done in %gs: %s",
+                                    lst.tls_handshake_timeout_seconds, exc)
+                return
+            except (ssl.SSLError, OSError, EOFError) as exc:
+                conn_metrics.reject("handshake_failed", "TLS handshake failed: %s", exc)
+                return
+            self._handshakes.discard(asyncio.current_task())  # a client now: drained, not cancelled
+            writer = asyncio.StreamWriter(transport, protocol, reader, loop)
+            try:
+                transport.set_write_buffer_limits(high=p.write_buffer_high_bytes, low=p.write_buffer_low_bytes)
+                await self._serve_client(reader, writer)
+            finally:
+                await self._close_writer(writer)
         finally:
+            conn.close()  # no-op when the transport already closed it
             self._open -= 1
-            await self._close_writer(writer)
 
     async def _close_writer(self, writer: asyncio.StreamWriter) -> None:
         """Close gracefully (TLS close_notify after pending output), but abort a client that is not reading."""

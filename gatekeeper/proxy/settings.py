@@ -39,9 +39,9 @@ class ListenerSettings:
     metrics_groups: list[str] = field(default_factory=lambda: ["system:masters"])
     """Groups whose verified client-certificate users may read ``/metrics`` on the TLS port (others get 403)."""
     tls_handshake_timeout_seconds: float = 10.0
-    """A client must finish the TLS handshake within this many seconds or is cut."""
+    """A client must finish the TLS handshake within this many seconds or is cut (counted)."""
     max_client_connections: int = 20000
-    """Client connections open at once; more are closed right after their TLS handshake (counted)."""
+    """Client connections open at once (handshaking included); more are closed at accept (counted)."""
 
     def validate(self) -> None:
         if not self.cert_file or not self.key_file:
