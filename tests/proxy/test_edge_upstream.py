@@ -141,3 +141,19 @@ def test_config_without_upstream_ca_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="caFile is required"):
         load_config(path, need="proxy")
 
+
+
+async def test_client_failing_its_upgrade_does_not_eject_the_backend(pki: PKI) -> None:
+    async def early_bytes() -> AsyncIterator[bytes]:
+        raise ClientGone("client closed before the upgrade")
+        yield b""  # pragma: no cover - makes this an async generator
+
+    async with bench(pki) as b:
+        request = req("GET", "/api/v1/namespaces/a/pods/p/exec?command=sh", early_bytes())
+        request.protocol = "http/1.1"
+        request.headers = [("connection", "Upgrade"), ("upgrade", "websocket")]
+        resp = await b.pipeline.handler(request)
+        await drain(resp)
+        be = b.pipeline.balancer.backends[0]
+        assert resp.status == 400
+        assert be.ejections_total == 0 and b.pipeline.balancer.health(be) == "healthy" and be.in_flight == 0
