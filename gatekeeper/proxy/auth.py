@@ -35,7 +35,6 @@ authorizes impersonation against the real (stamped or token) identity.
 from __future__ import annotations
 
 import hashlib
-import unicodedata
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -63,12 +62,17 @@ def _subject_attrs(peer_cert: Mapping[str, Any], attr: str) -> list[str]:
 
 
 def _bad_name(value: str) -> str:
-    """Why a certificate name cannot be an identity, or ''."""
+    """Why a certificate name cannot be an identity, or ''.
+
+    ``str.isprintable`` is False for every control (Cc), format (Cf, e.g. zero-width
+    space), line/paragraph separator and non-ASCII space character: a name with any
+    of them is refused, as is one with leading or trailing whitespace.
+    """
     if value != value.strip():
         return "leading or trailing whitespace"
-    for ch in value:
-        if unicodedata.category(ch) in ("Cc", "Cf", "Zl", "Zp"):
-            return f"control character U+{ord(ch):04X}"
+    if not value.isprintable():
+        ch = next(c for c in value if not c.isprintable())
+        return f"the non-printable character U+{ord(ch):04X}"
     return ""
 
 

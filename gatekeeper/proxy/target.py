@@ -20,9 +20,13 @@ RequestInfo classifies is exactly the path the backend receives.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Literal
 from urllib.parse import unquote
+
+_BAD_CHAR = re.compile(r"[^\x21-\x7e]|#")
+"""Anything but visible ASCII (controls, space, DEL, non-ASCII), or a fragment marker."""
 
 Reason = Literal["target_form", "dot_segment", "nul", "bad_byte", "fragment"]
 
@@ -45,14 +49,14 @@ def check(method: str, target: str) -> BadTarget | None:
         shown = target[:64]
         return BadTarget("target_form",
                          f"request target {shown!r} is not a path: only origin-form targets (/...) are accepted")
-    for ch in target:
-        o = ord(ch)
-        if o <= 0x20 or o >= 0x7F:
-            if o == 0:
-                return BadTarget("nul", "request target contains a NUL byte")
-            return BadTarget("bad_byte", f"request target contains the byte 0x{o:02x}; percent-encode it")
-    if "#" in target:
-        return BadTarget("fragment", "request target contains a fragment (#); a target never carries one")
+    bad = _BAD_CHAR.search(target)
+    if bad is not None:
+        ch = bad.group()
+        if ch == "\0":
+            return BadTarget("nul", "request target contains a NUL byte")
+        if ch == "#":
+            return BadTarget("fragment", "request target contains a fragment (#); a target never carries one")
+        return BadTarget("bad_byte", f"request target contains the byte 0x{ord(ch):02x}; percent-encode it")
     path = target.split("?", 1)[0]
     if "%" in path:
         decoded = unquote(path, errors="surrogateescape")
@@ -60,7 +64,7 @@ def check(method: str, target: str) -> BadTarget | None:
             return BadTarget("nul", "request path contains an encoded NUL (%00)")
     else:
         decoded = path
-    if "." in decoded:
+    if "/." in decoded:  # every segment follows a "/", so a dot segment needs one before it
         for segment in decoded.split("/"):
             if segment in (".", ".."):
                 return BadTarget("dot_segment",
