@@ -7,7 +7,7 @@ ones in ``conn_metrics.py`` and flow control's ``gatekeeper_flowcontrol_*``):
     Requests answered by each backend; ``resource`` is ``resource`` or
     ``resource/subresource`` (empty for non-resource URLs). Both labels are
     bounded against invented input: a verb outside the Kubernetes and HTTP
-    vocabulary is ``other``; a resource is learned only from a successful (2xx)
+    vocabulary is ``other``; a resource is learned only from a non-error (<400)
     answer, anything not learned is ``<unknown>``, and past
     ``MAX_KNOWN_RESOURCES`` learned names new ones count as ``<other>``.
 ``gatekeeper_proxy_rejected_requests_total{reason}``
@@ -172,8 +172,9 @@ def resource_label(resource_key: str, code: int) -> str:
     """The resource label: learned names, ``<unknown>`` for unlearned ones, ``<other>`` past the cap.
 
     A client can invent paths, and the apiserver answers made-up resources with
-    404, or 401/403 before it even looks; so a name is learned only from a 2xx
-    answer, which no backend gives a resource that does not exist. A 404 for a
+    404, or 401/403 before it even looks; so a name is learned only from a
+    non-error answer (1xx-3xx, e.g. 200 or an exec's 101), which no backend gives
+    a resource that does not exist. A 404 for a
     missing ConfigMap still counts under ``configmaps`` once any ConfigMap
     request has succeeded.
     """
@@ -181,7 +182,7 @@ def resource_label(resource_key: str, code: int) -> str:
         return ""
     if resource_key in _known_resources:
         return resource_key
-    if 200 <= code < 300:
+    if code < 400:
         if len(_known_resources) < MAX_KNOWN_RESOURCES:
             _known_resources.add(resource_key)
             return resource_key
