@@ -59,11 +59,11 @@ async def call_handler(handler: Handler, request: ProxyRequest) -> ProxyResponse
     """Run the pipeline; any exception becomes a 502 Status (cancellation still propagates)."""
     try:
         return await handler(request)
-    except Exception as exc:
+    except Exception:
         log.exception("handler failed for %s %s", request.method, request.target)
-        return error_response(
-            502, "InternalError", f"gatekeeper proxy could not serve the request: {type(exc).__name__}: {exc}"
-        )
+        # The log has the traceback; the client gets no exception text (it can carry addresses
+        # and object reprs).
+        return error_response(502, "InternalError", "gatekeeper proxy could not serve the request")
 
 
 async def close_body(body: AsyncIterator[bytes]) -> None:

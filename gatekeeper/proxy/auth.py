@@ -17,6 +17,15 @@ aggregator and kcp's front proxy use):
   :func:`wants_front_proxy_cert`).
 * Anything else is anonymous and passes through as such.
 
+Certificate names are refused, not cleaned: a CN or O with a control
+character or leading/trailing whitespace (``system:mas\rters``) gets a 401
+before any upstream call (:func:`bad_certificate_names`), because cleaning it
+would turn it into some other, possibly privileged, name.
+
+Headers the client names in ``Connection`` are dropped *before* identity is
+stamped (:func:`drop_connection_named`), so ``Connection: x-remote-group``
+cannot make a later hop-by-hop pass remove what the proxy asserted.
+
 Client-sent ``X-Remote-*`` headers are always removed before anything is
 stamped; forwarding them would let any client that reaches the proxy claim to
 be ``system:masters``. ``Impersonate-*`` headers pass: the apiserver
@@ -49,6 +58,56 @@ def _subject_attrs(peer_cert: Mapping[str, Any], attr: str) -> list[str]:
         for key, value in rdn:
             if key == attr:
                 out.append(value)
+    return out
+
+
+def _bad_name(value: str) -> str:
+    """Why a certificate name cannot be an identity, or ''.
+
+    ``str.isprintable`` is False for every control (Cc), format (Cf, e.g. zero-width
+    space), line/paragraph separator and non-ASCII space character: a name with any
+    of them is refused, as is one with leading or trailing whitespace.
+    """
+    if value != value.strip():
+        return "leading or trailing whitespace"
+    if not value.isprintable():
+        ch = next(c for c in value if not c.isprintable())
+        return f"the non-printable character U+{ord(ch):04X}"
+    return ""
+
+
+def bad_certificate_names(peer_cert: Mapping[str, Any] | None) -> str:
+    """A message if the verified certificate's CN or any O is not a clean name, else ''."""
+    if not peer_cert:
+        return ""
+    for attr, label in (("commonName", "CN"), ("organizationName", "O")):
+        for value in _subject_attrs(peer_cert, attr):
+            why = _bad_name(value)
+            if why:
+                return f"client certificate {label} {value!r} contains {why}; refusing it rather than guessing"
+    return ""
+
+
+# Connection tokens that mean something to the connection itself, not a header to drop.
+_CONNECTION_OPTIONS = frozenset({"close", "keep-alive"})
+
+
+def drop_connection_named(headers: Headers) -> Headers:
+    """Remove the headers the client's ``Connection`` names (RFC 9110 7.6.1), keeping an upgrade.
+
+    The ``Connection`` header itself is reduced to ``upgrade`` (when the client
+    asked to switch protocols and sent ``Upgrade``) or removed, so no later
+    hop-by-hop pass can remove a header the proxy adds after this point.
+    """
+    tokens = {t.strip().lower() for k, v in headers if k.lower() == "connection"
+              for t in v.split(",") if t.strip()}
+    if not tokens:
+        return headers
+    upgrade = "upgrade" in tokens and any(k.lower() == "upgrade" for k, _ in headers)
+    named = tokens - _CONNECTION_OPTIONS - {"upgrade"}
+    out = [(k, v) for k, v in headers if k.lower() != "connection" and k.lower() not in named]
+    if upgrade:
+        out.append(("connection", "upgrade"))
     return out
 
 

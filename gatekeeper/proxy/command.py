@@ -51,6 +51,9 @@ def _check_files(settings: ProxySettings) -> None:
         "proxy.upstream.clientCertFile": settings.upstream.client_cert_file,
         "proxy.upstream.clientKeyFile": settings.upstream.client_key_file,
     }
+    if not settings.upstream.ca_file:
+        raise UsageError("proxy.upstream.caFile is required: the CA that signed the apiservers' serving "
+                         "certificates (the system roots are never trusted for them)")
     for key, path in files.items():
         if path and not Path(path).is_file():
             raise UsageError(f"{key}: {path} does not exist or is not a file")
@@ -113,7 +116,8 @@ def metrics_app(ready: Callable[[], bool]) -> web.Application:
     async def readyz(request: web.Request) -> web.Response:
         if ready():
             return web.Response(text="ok")
-        return web.Response(status=503, text="no healthy backend, or the listener is not serving yet")
+        return web.Response(status=503, text="no healthy backend, the listener is not serving yet, or it is "
+                                             "shutting down")
 
     app = web.Application()
     app.router.add_get("/metrics", get_metrics)
@@ -154,13 +158,14 @@ async def run(
     await _maybe(flow, "start")
     await pipeline.start()
     listening = asyncio.Event()
+    draining = asyncio.Event()
     runner: web.AppRunner | None = None
     info: dict[str, Any] = {}
     try:
         if settings.listener.metrics_port >= 0:
             runner, mport = await start_metrics_listener(
                 settings.listener.metrics_address, settings.listener.metrics_port,
-                lambda: listening.is_set() and pipeline.ready(),
+                lambda: listening.is_set() and not draining.is_set() and pipeline.ready(),
             )
             info["metricsUrl"] = f"http://{settings.listener.metrics_address}:{mport}"
 
@@ -173,7 +178,12 @@ async def run(
             if on_ready is not None:
                 on_ready(dict(info))
 
-        await serve(settings, pipeline.handler, ready=ready)
+        def stopping() -> None:
+            # Load balancers stop sending new connections while the open ones drain.
+            draining.set()
+            log.info("draining: /readyz now answers 503")
+
+        await serve(settings, pipeline.handler, ready=ready, stopping=stopping)
     finally:
         if runner is not None:
             await runner.cleanup()

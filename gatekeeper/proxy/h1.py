@@ -19,6 +19,15 @@ that moves bytes between it, the socket and the pipeline handler.
   rebalancing is the same: the client's next request opens a new connection.
 * While a response is being produced the socket is watched for EOF, so a
   client that hangs up on an idle watch ends the upstream watch at once.
+* Slow clients are cut, each by a setting: a request head must be complete
+  ``h1HeaderTimeoutSeconds`` after its first byte (no 408: the connection just
+  closes, as Go's ReadHeaderTimeout does); a request body that is idle for
+  ``h1BodyIdleTimeoutSeconds`` fails the request; a client that takes no
+  response bytes for ``h1WriteStallTimeoutSeconds`` has its connection
+  aborted (not closed: a close would wait to flush to a client that never
+  reads), which frees the backend connection, the seat and the buffers.
+* ``Content-Length`` together with ``Transfer-Encoding`` is a 400 (RFC 9112
+  6.3: such a message is a request-smuggling attempt, or broken).
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ from typing import Any
 
 import h11
 
-from gatekeeper.proxy import conn_metrics
+from gatekeeper.proxy import conn_metrics, metrics
 from gatekeeper.proxy.adapter import (
     HOP_BY_HOP,
     ClientGone,
@@ -118,6 +127,13 @@ class H1Connection:
                 return
             if not isinstance(event, h11.Request):  # pragma: no cover - h11 guarantees order
                 return
+            names = {bytes(k) for k, _ in event.headers}
+            if b"content-length" in names and b"transfer-encoding" in names:
+                metrics.reject("length_and_chunked", f"{self._peer}: Content-Length with Transfer-Encoding")
+                await self._bad_request(h11.RemoteProtocolError(
+                    "Content-Length together with Transfer-Encoding (RFC 9112 6.3); send one of them",
+                    error_status_hint=400))
+                return
             size = len(event.target) + sum(len(k) + len(v) + 4 for k, v in event.headers)
             if size > self._settings.max_header_list_bytes:
                 # h11 only bounds *incomplete* heads; a head that arrived whole is checked here.
@@ -135,7 +151,14 @@ class H1Connection:
             except h11.LocalProtocolError:
                 return
 
-    async def _next_event(self, *, idle: bool = False) -> h11.Event | type[h11.PAUSED] | None:
+    async def _next_event(self, *, idle: bool = False, body: bool = False) -> h11.Event | type[h11.PAUSED] | None:
+        """The next h11 event; None when the connection must close (idle, or the head came too slowly).
+
+        ``idle``: waiting for a request head (idle timeout, then the header timeout from its
+        first byte). ``body``: reading a request body (idle timeout per read, raises ClientGone).
+        """
+        head_deadline: float | None = None
+        loop = asyncio.get_running_loop()
         while True:
             event = self._conn.next_event()
             if event is not h11.NEED_DATA:
@@ -148,6 +171,26 @@ class H1Connection:
                         data = await self._reader.read(READ_SIZE)
                 except TimeoutError:
                     return None
+                head_deadline = loop.time() + self._settings.h1_header_timeout_seconds
+            elif idle:
+                if head_deadline is None:
+                    head_deadline = loop.time() + self._settings.h1_header_timeout_seconds
+                try:
+                    async with asyncio.timeout_at(head_deadline):
+                        data = await self._reader.read(READ_SIZE)
+                except TimeoutError:
+                    metrics.reject("header_timeout", f"{self._peer}: request head incomplete after "
+                                   f"{self._settings.h1_header_timeout_seconds:g}s")
+                    return None
+            elif body:
+                try:
+                    async with asyncio.timeout(self._settings.h1_body_idle_timeout_seconds):
+                        data = await self._reader.read(READ_SIZE)
+                except TimeoutError:
+                    self._closing = True
+                    metrics.reject("body_timeout", f"{self._peer}: request body idle for "
+                                   f"{self._settings.h1_body_idle_timeout_seconds:g}s")
+                    raise ClientGone("request body idle too long") from None
             else:
                 data = await self._reader.read(READ_SIZE)
             if not data:
@@ -195,7 +238,7 @@ class H1Connection:
             self._write(h11.InformationalResponse(status_code=100, headers=[]))
             await self._writer.drain()
         while True:
-            event = await self._next_event()
+            event = await self._next_event(body=True)
             if isinstance(event, h11.Data):
                 yield bytes(event.data)
             elif isinstance(event, h11.EndOfMessage):
@@ -283,10 +326,21 @@ class H1Connection:
             async for chunk in response.body:
                 if chunk:
                     self._write(h11.Data(data=chunk))
-                    await self._writer.drain()
+                    await self._drain()
         self._write(h11.EndOfMessage())
-        await self._writer.drain()
+        await self._drain()
         return not close
+
+    async def _drain(self) -> None:
+        """Wait for the client to take the response; abort the connection if it stalls too long."""
+        try:
+            async with asyncio.timeout(self._settings.h1_write_stall_timeout_seconds):
+                await self._writer.drain()
+        except TimeoutError:
+            metrics.reject("response_stall", f"{self._peer}: took no response bytes for "
+                           f"{self._settings.h1_write_stall_timeout_seconds:g}s")
+            self._writer.transport.abort()
+            raise ClientGone("client stopped reading the response") from None
 
     async def _upgrade(self, request: ProxyRequest, response: ProxyResponse, up: Upgraded) -> bool:
         """Write the backend's 101 head, then splice bytes both ways until one side closes."""

@@ -5,9 +5,15 @@ ones in ``conn_metrics.py`` and flow control's ``gatekeeper_flowcontrol_*``):
 
 ``gatekeeper_proxy_requests_total{backend,verb,resource,code}``
     Requests answered by each backend; ``resource`` is ``resource`` or
-    ``resource/subresource`` (empty for non-resource URLs, ``<unknown>`` for a
-    404 on a resource no backend ever answered, so made-up paths cannot blow up
-    the label set).
+    ``resource/subresource`` (empty for non-resource URLs). Both labels are
+    bounded against invented input: a verb outside the Kubernetes and HTTP
+    vocabulary is ``other``; a resource is learned only from a non-error (<400)
+    answer, anything not learned is ``<unknown>``, and past
+    ``MAX_KNOWN_RESOURCES`` learned names new ones count as ``<other>``.
+``gatekeeper_proxy_rejected_requests_total{reason}``
+    Requests the proxy refused or cut itself, by a fixed set of reasons
+    (:data:`REJECT_REASONS`); each reason is also logged, at most once per
+    ``REJECT_LOG_INTERVAL`` seconds with the count of the ones not logged.
 ``gatekeeper_proxy_request_duration_seconds{verb}``
     Time until the backend's response headers arrived (not the body: a watch
     would otherwise last forever).
@@ -44,9 +50,11 @@ by talking to that apiserver directly.
 
 from __future__ import annotations
 
+import logging
+import time
 import weakref
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Literal, Protocol, get_args
 
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -56,6 +64,8 @@ from gatekeeper.metrics import child
 
 if TYPE_CHECKING:
     from gatekeeper.proxy.balancer import Balancer
+
+Clock = Callable[[], float]
 
 REQUESTS = Counter(
     "gatekeeper_proxy_requests",
@@ -142,29 +152,105 @@ REGISTRY.register(BackendCollector())
 
 
 _known_resources: set[str] = set()
-MAX_KNOWN_RESOURCES = 2000
+MAX_KNOWN_RESOURCES = 500
+"""Hard cap on learned resource label values (a big cluster with many CRDs serves a few hundred)."""
+
+KNOWN_VERBS = frozenset({
+    # Kubernetes verbs RequestInfo derives for resource requests
+    "get", "list", "watch", "create", "update", "patch", "delete", "deletecollection", "proxy",
+    # lower-case HTTP methods, the verb of non-resource requests
+    "head", "post", "put", "options", "connect", "trace",
+})
+
+
+def verb_label(verb: str) -> str:
+    """The verb, or ``other`` for one a client made up (``FOO /api``): the label set stays fixed."""
+    return verb if verb in KNOWN_VERBS else "other"
 
 
 def resource_label(resource_key: str, code: int) -> str:
-    """The resource label, or ``<unknown>`` for a 404 on a resource no backend has ever served.
+    """The resource label: learned names, ``<unknown>`` for unlearned ones, ``<other>`` past the cap.
 
-    A client can invent paths; the label set must stay bounded. A resource is
-    learned from its first non-404 answer (up to MAX_KNOWN_RESOURCES), so a 404
-    for a missing ConfigMap still counts under ``configmaps``.
+    A client can invent paths, and the apiserver answers made-up resources with
+    404, or 401/403 before it even looks; so a name is learned only from a
+    non-error answer (1xx-3xx, e.g. 200 or an exec's 101), which no backend gives
+    a resource that does not exist. A 404 for a
+    missing ConfigMap still counts under ``configmaps`` once any ConfigMap
+    request has succeeded.
     """
     if not resource_key:
         return ""
-    if code != 404:
-        if resource_key not in _known_resources and len(_known_resources) < MAX_KNOWN_RESOURCES:
-            _known_resources.add(resource_key)
+    if resource_key in _known_resources:
         return resource_key
-    return resource_key if resource_key in _known_resources else "<unknown>"
+    if code < 400:
+        if len(_known_resources) < MAX_KNOWN_RESOURCES:
+            _known_resources.add(resource_key)
+            return resource_key
+        return "<other>"
+    return "<unknown>"
 
 
 def observe_response(backend: str, verb: str, resource_key: str, code: int, seconds: float) -> None:
     """Count one backend answer (label children looked up once, see :func:`gatekeeper.metrics.child`)."""
+    verb = verb_label(verb)
     child(REQUEST_DURATION, verb).observe(seconds)
     child(REQUESTS, backend, verb, resource_label(resource_key, code), str(code)).inc()
+
+
+RejectReason = Literal[
+    "target_form", "dot_segment", "nul", "bad_byte", "fragment",  # request target (target.py)
+    "length_and_chunked",  # HTTP/1.1 Content-Length with Transfer-Encoding
+    "bad_identity",  # client certificate name with control characters or edge whitespace
+    "header_timeout", "body_timeout", "response_stall",  # HTTP/1.1 client too slow
+    "pool_timeout", "upstream_header_timeout",  # upstream too slow
+]
+REJECT_REASONS: tuple[str, ...] = get_args(RejectReason)
+REJECTED = Counter(
+    "gatekeeper_proxy_rejected_requests",
+    "Requests the proxy refused or cut itself, by reason (a fixed set).",
+    ["reason"],
+)
+for _reason in REJECT_REASONS:
+    REJECTED.labels(_reason)
+REJECT_LOG_INTERVAL = 10.0
+"""Seconds between two log lines for the same rejection reason."""
+
+_reject_log = logging.getLogger("gatekeeper.proxy.rejected")
+
+
+class RateLimitedLog:
+    """One warning per key per interval, carrying how many were left out since the last one.
+
+    A flood of bad requests must be visible in the log without the log becoming the flood.
+    """
+
+    def __init__(self, logger: logging.Logger, interval: float, clock: Clock = time.monotonic) -> None:
+        self.logger = logger
+        self.interval = interval
+        self.clock = clock
+        self._next: dict[str, float] = {}
+        self._skipped: dict[str, int] = {}
+
+    def warning(self, key: str, message: str) -> bool:
+        """Log ``message`` unless ``key`` was logged within the interval; True if it was logged."""
+        now = self.clock()
+        if now < self._next.get(key, 0.0):
+            self._skipped[key] = self._skipped.get(key, 0) + 1
+            return False
+        skipped = self._skipped.pop(key, 0)
+        self._next[key] = now + self.interval
+        suffix = f" ({skipped} more {key} since the last report)" if skipped else ""
+        self.logger.warning("%s: %s%s", key, message, suffix)
+        return True
+
+
+reject_log = RateLimitedLog(_reject_log, REJECT_LOG_INTERVAL)
+
+
+def reject(reason: RejectReason, message: str) -> None:
+    """Count a refusal under ``reason`` and log it, rate-limited."""
+    child(REJECTED, reason).inc()
+    reject_log.warning(reason, message)
 
 
 def render() -> tuple[bytes, str]:

@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 from gatekeeper.kube import requestinfo
-from gatekeeper.proxy import auth, metrics
+from gatekeeper.proxy import auth, metrics, target
 from gatekeeper.proxy.adapter import error_response
 from gatekeeper.proxy.balancer import Backend, Balancer, EjectionPolicy, Lease
 from gatekeeper.proxy.messages import Handler, Headers, Middleware, ProxyRequest, ProxyResponse
@@ -33,12 +33,17 @@ from gatekeeper.proxy.settings import ProxySettings
 from gatekeeper.proxy.upstream import (
     BackendClient,
     BackendFailed,
+    ClientBodyFailed,
     ConnectFailed,
     NoFrontProxyCert,
+    PoolTimeout,
+    UpstreamTimeout,
     is_upgrade,
 )
 
 log = logging.getLogger("gatekeeper.proxy.pipeline")
+upstream_log = metrics.RateLimitedLog(log, metrics.REJECT_LOG_INTERVAL)
+"""A dead backend fails every request; one line per backend per interval says so."""
 
 SAFE_METHODS = frozenset({"GET", "HEAD"})
 
@@ -50,9 +55,26 @@ async def _once(data: bytes) -> AsyncIterator[bytes]:
 # --- middlewares --------------------------------------------------------------------------------
 
 
+async def request_target(request: ProxyRequest, next_handler: Handler) -> ProxyResponse:
+    """Refuse targets that could steer or mis-classify the request (target.py); answer ``OPTIONS *``."""
+    bad = target.check(request.method, request.target)
+    if bad is not None:
+        metrics.reject(bad.reason, f"{request.peer} {request.method}: {bad.message}")
+        return error_response(400, "BadRequest", f"gatekeeper proxy: {bad.message}")
+    if request.target == "*":
+        # What Go's net/http (and so kube-apiserver) answers to OPTIONS *: 200, no body.
+        return ProxyResponse(status=200, headers=[("content-length", "0")])
+    return await next_handler(request)
+
+
 async def identity(request: ProxyRequest, next_handler: Handler) -> ProxyResponse:
-    """Strip client-sent X-Remote-*, then decide who the caller is (auth.py)."""
-    request.headers = auth.strip_remote(request.headers)
+    """Drop Connection-named and client-sent X-Remote-* headers, refuse unclean certificate names,
+    then decide who the caller is (auth.py)."""
+    bad = auth.bad_certificate_names(request.peer_cert)
+    if bad:
+        metrics.reject("bad_identity", f"{request.peer}: {bad}")
+        return error_response(401, "Unauthorized", f"gatekeeper proxy: {bad}")
+    request.headers = auth.strip_remote(auth.drop_connection_named(request.headers))
     request.user = auth.identify(request.peer_cert, request.headers)
     return await next_handler(request)
 
@@ -165,27 +187,47 @@ class Dispatcher:
             async def on_close(_lease: Lease = lease) -> None:
                 _lease.release()
 
+            # Error bodies name the backend by its configured name and a short cause; exception
+            # details (addresses, SSLContext reprs) go to the log only.
             try:
                 if upgrade:
                     response = await client.upgrade(request, headers, identity=asserts_identity,
                                                     on_close=on_close)
                 else:
                     response = await client.send(request, headers, identity=asserts_identity,
-                                                 swallow_body_errors=watch_like, on_done=done)
+                                                 swallow_body_errors=watch_like, on_done=done,
+                                                 long_running=info.long_running)
             except ConnectFailed as exc:
                 lease.release()
                 self.balancer.report_connect_failure(backend)
                 metrics.UPSTREAM_ERRORS.labels(backend.name, "connect").inc()
-                log.warning("connect to %s failed: %s", backend.name, exc)
+                upstream_log.warning(f"connect:{backend.name}",
+                                     f"connect to {backend.name} failed: {exc.__cause__ or exc}")
                 tried.add(backend.name)
-                last_error = str(exc)
+                last_error = f"{backend.name}: {exc}"
                 if safe:
                     metrics.UPSTREAM_RETRIES.inc()
                     continue
                 # Nothing reached the backend; client-go re-sends on 503 + Retry-After.
                 return error_response(503, "ServiceUnavailable",
-                                       f"gatekeeper proxy: apiserver {backend.name} unreachable: {exc}",
+                                       f"gatekeeper proxy: apiserver {backend.name} unreachable ({exc})",
                                        retry_after=1)
+            except PoolTimeout as exc:
+                lease.release()
+                metrics.reject("pool_timeout", str(exc))
+                return error_response(503, "ServiceUnavailable",
+                                       f"gatekeeper proxy: apiserver {backend.name} is busy (no free "
+                                       "connection in time)", retry_after=1)
+            except UpstreamTimeout as exc:
+                lease.release()
+                metrics.reject("upstream_header_timeout", f"{request.method} {request.target[:200]}: {exc}")
+                return error_response(504, "Timeout",
+                                       f"gatekeeper proxy: apiserver {backend.name} did not answer in time")
+            except ClientBodyFailed as exc:
+                # The client broke off its own body: not the backend's fault, nothing to eject.
+                lease.release()
+                log.debug("%s %s: %s", request.method, request.target, exc)
+                return error_response(400, "BadRequest", "gatekeeper proxy: the request body ended early")
             except NoFrontProxyCert as exc:
                 lease.release()
                 return error_response(500, "InternalError", f"gatekeeper proxy: {exc}")
@@ -193,9 +235,10 @@ class Dispatcher:
                 lease.release()
                 self.balancer.report_connect_failure(backend)
                 metrics.UPSTREAM_ERRORS.labels(backend.name, "backend").inc()
-                log.warning("%s %s on %s failed: %s", request.method, request.target, backend.name, exc)
+                upstream_log.warning(f"failed:{backend.name}", f"{request.method} {request.target[:200]} on "
+                                     f"{backend.name} failed: {exc.__cause__ or exc}")
                 return error_response(502, "InternalError",
-                                       f"gatekeeper proxy: apiserver {backend.name} failed: {exc}")
+                                       f"gatekeeper proxy: apiserver {backend.name} failed before answering")
             except BaseException:
                 lease.release()
                 raise
@@ -269,10 +312,11 @@ def build(
     policy: EjectionPolicy | None = None,
     balancer: Balancer | None = None,
 ) -> Pipeline:
-    """identity -> RequestInfo -> local /metrics -> flow control (optional) -> dispatcher."""
+    """target -> identity -> RequestInfo -> local /metrics -> flow control (optional) -> dispatcher."""
     balancer = balancer or Balancer(settings.backends, policy=policy)
     clients = {b.name: BackendClient(b.name, b.url, settings.upstream) for b in balancer.backends}
-    middlewares: list[Middleware] = [identity, request_info, local_endpoints_for(settings.listener.metrics_groups)]
+    middlewares: list[Middleware] = [request_target, identity, request_info,
+                                     local_endpoints_for(settings.listener.metrics_groups)]
     if flow_control is not None:
         middlewares.append(flow_control)
     handler = chain(middlewares, Dispatcher(balancer, clients))

@@ -54,6 +54,7 @@ from gatekeeper.proxy.h2 import H2Protocol
 from gatekeeper.proxy.h2_limits import check_limits
 from gatekeeper.proxy.messages import Handler
 from gatekeeper.proxy.settings import ListenerSettings, ProxySettings
+from gatekeeper.tls import ReloadingTLS
 
 log = logging.getLogger("gatekeeper.proxy.server")
 
@@ -73,6 +74,13 @@ def make_ssl_context(listener: ListenerSettings) -> ssl.SSLContext:
         ctx.load_verify_locations(cafile=listener.client_ca_file)
         ctx.verify_mode = ssl.CERT_OPTIONAL
     return ctx
+
+
+def reloading_ssl_context(listener: ListenerSettings) -> ssl.SSLContext:
+    """:func:`make_ssl_context` whose certificate and client CA follow the files (gatekeeper/tls.py)."""
+    files = [listener.cert_file, listener.key_file, listener.client_ca_file]
+    return ReloadingTLS(lambda: make_ssl_context(listener), files, what="proxy serving certificate and client CA",
+                        check_interval=listener.cert_check_interval_seconds).server_base()
 
 
 @dataclass(eq=False)
@@ -102,7 +110,7 @@ class ProxyServer:
         self._handler = handler
         self._rng = rng
         self._close_delay = close_delay
-        self._ssl = make_ssl_context(settings.listener)
+        self._ssl = reloading_ssl_context(settings.listener)
         self._sockets: list[socket.socket] = []
         self._accepters: list[asyncio.Task[None]] = []
         self._handshakes: set[asyncio.Task[None]] = set()
@@ -310,8 +318,12 @@ async def serve(
     handler: Handler,
     *,
     ready: Callable[[int], None] | None = None,
+    stopping: Callable[[], None] | None = None,
 ) -> None:
-    """Serve until SIGTERM/SIGINT, then drain gracefully and return (see the module docstring)."""
+    """Serve until SIGTERM/SIGINT, then drain gracefully and return (see the module docstring).
+
+    ``stopping`` runs the moment the signal arrives, before the drain (``/readyz`` turns 503).
+    """
     server = ProxyServer(settings, handler)
     port = await server.start()
     loop = asyncio.get_running_loop()
@@ -327,6 +339,8 @@ async def serve(
     try:
         await stop.wait()
         log.info("signal received: draining")
+        if stopping is not None:
+            stopping()
     finally:
         for sig in installed:
             loop.remove_signal_handler(sig)

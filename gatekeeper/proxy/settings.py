@@ -42,6 +42,8 @@ class ListenerSettings:
     """A client must finish the TLS handshake within this many seconds or is cut (counted)."""
     max_client_connections: int = 20000
     """Client connections open at once (handshaking included); more are closed at accept (counted)."""
+    cert_check_interval_seconds: float = 2.0
+    """How often certFile/keyFile/clientCaFile are checked for changes (new handshakes use them)."""
 
     def validate(self) -> None:
         if not self.cert_file or not self.key_file:
@@ -88,6 +90,13 @@ class ProtocolSettings:
     """Zero-length DATA (without END_STREAM) and CONTINUATION frames a client may send per interval."""
     h2_max_closed_stream_frames_per_interval: int = 1000
     """DATA, HEADERS, CONTINUATION or RST_STREAM frames on already-closed streams per interval."""
+    # --- harden-edge: HTTP/1.1 client timeouts ---------------------------------------------
+    h1_header_timeout_seconds: float = 32.0
+    """HTTP/1.1: a request's head must be complete this long after its first byte (kube-apiserver: 32 s)."""
+    h1_body_idle_timeout_seconds: float = 60.0
+    """HTTP/1.1: a request body that sends nothing for this long is cut (the request fails, the connection closes)."""
+    h1_write_stall_timeout_seconds: float = 60.0
+    """HTTP/1.1: a client that takes no response bytes for this long is cut, releasing its backend connection."""
 
     def validate(self) -> None:
         limit = 1.0 if self.allow_unsafe_goaway_chance else MAX_GOAWAY_CHANCE
@@ -126,6 +135,22 @@ class UpstreamSettings:
     """TCP+TLS connect timeout; a connect failure on a safe request is retried on another backend."""
     health_interval_seconds: float = 2.0
     """Active /readyz probe interval."""
+    # --- harden-edge: upstream timeouts and pools -------------------------------------------
+    max_long_running_connections_per_backend: int = 8192
+    """Separate pool for watches, exec and followed logs (one HTTP/1.1 connection each), per backend."""
+    pool_acquire_timeout_seconds: float = 10.0
+    """Longest wait for a free pooled connection; past it the client gets 503 + Retry-After."""
+    cert_check_interval_seconds: float = 2.0
+    """How often caFile and the front-proxy certificate are checked for changes (new connections use them)."""
+    response_header_timeout_seconds: float = 60.0
+    """Longest wait for a backend's response headers on a non-long-running request (apiserver's --request-timeout)."""
+
+    def validate(self) -> None:
+        if not self.ca_file:
+            raise ValueError(
+                "caFile is required: the CA that signed the apiservers' serving certificates "
+                "(the proxy never trusts the system roots for its backends)"
+            )
 
 
 @dataclass(frozen=True)

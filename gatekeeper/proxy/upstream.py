@@ -35,9 +35,12 @@ from urllib.parse import urlsplit
 
 import aiohttp
 from multidict import CIMultiDict
+from yarl import URL
 
+from gatekeeper.proxy import target
 from gatekeeper.proxy.messages import Headers, ProxyRequest, ProxyResponse, Upgraded
 from gatekeeper.proxy.settings import UpstreamSettings
+from gatekeeper.tls import ReloadingTLS
 
 log = logging.getLogger("gatekeeper.proxy.upstream")
 
@@ -51,7 +54,26 @@ MAX_HEAD_BYTES = 256 * 1024
 
 
 class ConnectFailed(ConnectionError):
-    """No byte of the request reached the backend (TCP/TLS connect failed or timed out)."""
+    """No byte of the request reached the backend (TCP/TLS connect failed or timed out).
+
+    ``str()`` is a short cause safe to show a client (``connection refused``,
+    ``TLS handshake failed``...); the exception chain keeps the details for the log.
+    """
+
+
+class PoolTimeout(ConnectionError):
+    """No pooled connection to the backend freed up in time: nothing was sent, the backend is not at fault."""
+
+
+class UpstreamTimeout(ConnectionError):
+    """The backend sent no response headers within the response-header timeout."""
+
+
+class ClientBodyFailed(ConnectionError):
+    """The client's request body failed while it was being forwarded (client gone, body idle).
+
+    The backend did nothing wrong: no ejection, no 5xx count against it.
+    """
 
 
 class NoFrontProxyCert(RuntimeError):
@@ -95,8 +117,24 @@ def is_upgrade(request: ProxyRequest) -> bool:
     )
 
 
+def connect_cause(exc: BaseException) -> str:
+    """A short, client-safe cause of a failed connect (never an exception repr: no addresses, no objects)."""
+    if isinstance(exc, (TimeoutError, aiohttp.ConnectionTimeoutError)):
+        return "connect timed out"
+    if isinstance(exc, (aiohttp.ClientConnectorCertificateError, aiohttp.ClientConnectorSSLError,
+                        ssl.SSLError)):
+        return "TLS handshake failed"
+    os_error = getattr(exc, "os_error", exc)
+    if isinstance(os_error, ConnectionRefusedError):
+        return "connection refused"
+    return "connect failed"
+
+
 def make_ssl_context(settings: UpstreamSettings, *, client_cert: bool) -> ssl.SSLContext:
-    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=settings.ca_file or None)
+    """Trust exactly ``upstream.caFile``: with no CA nothing verifies, the system roots are never loaded."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    if settings.ca_file:
+        ctx.load_verify_locations(cafile=settings.ca_file)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     ctx.set_alpn_protocols(["http/1.1"])
     if client_cert:
@@ -104,6 +142,26 @@ def make_ssl_context(settings: UpstreamSettings, *, client_cert: bool) -> ssl.SS
             raise ValueError("upstream.clientCertFile and clientKeyFile are required to assert identities")
         ctx.load_cert_chain(settings.client_cert_file, settings.client_key_file)
     return ctx
+
+
+class _ClientBody:
+    """The client's request body as forwarded upstream, remembering whether *the client* failed it."""
+
+    def __init__(self, body: AsyncIterator[bytes]) -> None:
+        self.body = body
+        self.error: BaseException | None = None
+
+    def __aiter__(self) -> _ClientBody:
+        return self
+
+    async def __anext__(self) -> bytes:
+        try:
+            return await self.body.__anext__()
+        except StopAsyncIteration:
+            raise
+        except BaseException as exc:
+            self.error = exc
+            raise
 
 
 class _ResponseBody:
@@ -185,79 +243,156 @@ class BackendClient:
             raise ValueError(f"backend url must be https://host:port, got {url!r}")
         self.host = split.hostname
         self.port = split.port or 443
+        self.base_url = URL(self.url)
         self.settings = settings
-        self.ssl_identity: ssl.SSLContext | None = None
+        interval = settings.cert_check_interval_seconds
+        files = [settings.ca_file]
+        self.tls_identity: ReloadingTLS | None = None
         if settings.client_cert_file or settings.client_key_file:
-            self.ssl_identity = make_ssl_context(settings, client_cert=True)
-        self.ssl_plain = make_ssl_context(settings, client_cert=False)
-        self._session: aiohttp.ClientSession | None = None
+            self.tls_identity = ReloadingTLS(
+                lambda: make_ssl_context(settings, client_cert=True),
+                [*files, settings.client_cert_file, settings.client_key_file],
+                what="upstream CA and front-proxy client certificate", check_interval=interval,
+            )
+        self.tls_plain = ReloadingTLS(lambda: make_ssl_context(settings, client_cert=False), files,
+                                      what="upstream CA", check_interval=interval)
+        # Short requests and long-running ones (watches, exec, logs -f) have separate pools, so
+        # thousands of open watches never starve GETs of a connection (and vice versa).
+        self._slots = asyncio.Semaphore(settings.max_connections_per_backend)
+        self._long_slots = asyncio.Semaphore(settings.max_long_running_connections_per_backend)
+        self._sessions: dict[bool, aiohttp.ClientSession] = {}
 
     @property
-    def session(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            connector = aiohttp.TCPConnector(
-                limit=self.settings.max_connections_per_backend, limit_per_host=0, ssl=self.ssl_plain,
-                enable_cleanup_closed=True,
-            )
-            self._session = aiohttp.ClientSession(
+    def ssl_identity(self) -> ssl.SSLContext | None:
+        return self.tls_identity.get() if self.tls_identity is not None else None
+
+    @property
+    def ssl_plain(self) -> ssl.SSLContext:
+        return self.tls_plain.get()
+
+    def _session(self, long_running: bool) -> aiohttp.ClientSession:
+        session = self._sessions.get(long_running)
+        if session is None:
+            limit = (self.settings.max_long_running_connections_per_backend if long_running
+                     else self.settings.max_connections_per_backend)
+            connector = aiohttp.TCPConnector(limit=limit, limit_per_host=0, ssl=self.ssl_plain,
+                                             enable_cleanup_closed=True)
+            session = aiohttp.ClientSession(
                 connector=connector,
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.settings.connect_timeout_seconds),
                 auto_decompress=False,
                 skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
                 cookie_jar=aiohttp.DummyCookieJar(),
             )
-        return self._session
+            # aiohttp re-sends an idempotent request (PUT and DELETE included) once when a reused
+            # connection turns out closed. The proxy cannot know the backend did not act on the
+            # first copy, so nothing is ever re-sent behind the client's back.
+            session._retry_connection = False
+            self._sessions[long_running] = session
+        return session
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        """The short-request pool (health probes use it too)."""
+        return self._session(False)
 
     def _ssl(self, identity: bool) -> ssl.SSLContext:
         if not identity:
             return self.ssl_plain
-        if self.ssl_identity is None:
+        ctx = self.ssl_identity
+        if ctx is None:
             raise NoFrontProxyCert(
                 "the proxy has no front-proxy client certificate (upstream.clientCertFile/clientKeyFile), "
                 "so it cannot assert a client-certificate identity to the apiserver; use a token or "
                 "configure the certificate"
             )
-        return self.ssl_identity
+        return ctx
+
+    def upstream_url(self, request_target: str) -> URL:
+        """The backend URL for an origin-form target, built from parts: never re-parsed, never normalised."""
+        path, query = target.split(request_target)
+        if not path.startswith("/"):
+            raise ValueError(f"not an origin-form target: {request_target[:64]!r}")
+        return URL.build(scheme=self.base_url.scheme, authority=self.base_url.raw_authority, path=path,
+                         query_string=query, encoded=True)
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        sessions, self._sessions = list(self._sessions.values()), {}
+        for session in sessions:
+            await session.close()
 
     def connections(self) -> int:
-        """Open upstream connections (busy + idle); reads aiohttp internals, 0 if they change."""
-        if self._session is None:
-            return 0
-        conn: Any = self._session.connector
+        """Open upstream connections (busy + idle) in both pools; reads aiohttp internals, 0 if they change."""
+        total = 0
+        for session in self._sessions.values():
+            conn: Any = session.connector
+            try:
+                total += len(conn._acquired) + sum(len(v) for v in conn._conns.values())
+            except (AttributeError, TypeError):
+                return 0
+        return total
+
+    async def _acquire_slot(self, long_running: bool) -> asyncio.Semaphore:
+        slots = self._long_slots if long_running else self._slots
         try:
-            return len(conn._acquired) + sum(len(v) for v in conn._conns.values())
-        except (AttributeError, TypeError):
-            return 0
+            async with asyncio.timeout(self.settings.pool_acquire_timeout_seconds):
+                await slots.acquire()
+        except TimeoutError:
+            pool = "long-running" if long_running else "short-request"
+            raise PoolTimeout(
+                f"no free {pool} connection to {self.name} within "
+                f"{self.settings.pool_acquire_timeout_seconds:g}s"
+            ) from None
+        return slots
 
     async def send(
         self, request: ProxyRequest, headers: Headers, *, identity: bool, swallow_body_errors: bool,
-        on_done: Callable[[BaseException | None], None],
+        on_done: Callable[[BaseException | None], None], long_running: bool = False,
     ) -> ProxyResponse:
         """Forward one request; the response body streams from the backend as it is pulled.
 
-        Raises :class:`ConnectFailed` when nothing was sent, :class:`BackendFailed`
-        when the backend failed after it may have seen the request.
+        Raises :class:`PoolTimeout` or :class:`ConnectFailed` when nothing was sent,
+        :class:`UpstreamTimeout` when no response headers came in time,
+        :class:`ClientBodyFailed` when the client's body broke off, and
+        :class:`BackendFailed` when the backend failed after it may have seen the request.
         """
         out = CIMultiDict(strip_hop_by_hop(headers, drop=REQUEST_DROP))
         ssl_ctx = self._ssl(identity)
+        url = self.upstream_url(request.target)
+        body = _ClientBody(request.body) if request.body is not None else None
+        slots = await self._acquire_slot(long_running)
+        released = False
+
+        def release_slot(error: BaseException | None) -> None:
+            nonlocal released
+            if not released:
+                released = True
+                slots.release()
+                on_done(error)
+
+        header_timeout = None if long_running else self.settings.response_header_timeout_seconds
         try:
-            resp = await self.session.request(
-                request.method, self.url + request.target, headers=out,
-                data=request.body, allow_redirects=False, ssl=ssl_ctx, compress=None,
-            )
-        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
-            raise ConnectFailed(f"{self.name}: {exc}") from exc
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            raise BackendFailed(f"{self.name}: {type(exc).__name__}: {exc}") from exc
+            async with asyncio.timeout(header_timeout):
+                resp = await self._session(long_running).request(
+                    request.method, url, headers=out,
+                    data=body, allow_redirects=False, ssl=ssl_ctx, compress=None,
+                )
+        except BaseException as exc:
+            released = True
+            slots.release()
+            if body is not None and body.error is not None:
+                raise ClientBodyFailed(f"request body failed: {body.error}") from body.error
+            if isinstance(exc, (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)):
+                raise ConnectFailed(connect_cause(exc)) from exc
+            if isinstance(exc, TimeoutError):
+                raise UpstreamTimeout(
+                    f"no response headers from {self.name} within {header_timeout:g}s") from exc
+            if isinstance(exc, (aiohttp.ClientError, OSError)):
+                raise BackendFailed(f"{self.name}: {type(exc).__name__}") from exc
+            raise
         resp_headers = response_headers(resp.raw_headers)
-        body = _ResponseBody(resp, swallow_errors=swallow_body_errors, on_done=on_done)
-        response = ProxyResponse(status=resp.status, headers=resp_headers, body=body)
-        return response
+        response_body = _ResponseBody(resp, swallow_errors=swallow_body_errors, on_done=release_slot)
+        return ProxyResponse(status=resp.status, headers=resp_headers, body=response_body)
 
     async def probe(self, path: str = "/readyz", deadline: float = 3.0) -> bool:
         """Active health: /readyz answers 200; 401/403 count as up (reachable, the probe lacks rights)."""
@@ -277,6 +412,8 @@ class BackendClient:
     ) -> ProxyResponse:
         """Open a raw TLS connection, send the upgrade request, hand the 101 connection to the adapter."""
         ssl_ctx = self._ssl(identity)
+        head = encode_head(request.method, str(self.upstream_url(request.target).raw_path_qs),
+                           f"{self.host}:{self.port}", strip_hop_by_hop(headers, keep_upgrade=True))
         try:
             reader, writer = await asyncio.wait_for(
                 asyncio.open_connection(self.host, self.port, ssl=ssl_ctx, server_hostname=self.host,
@@ -284,18 +421,20 @@ class BackendClient:
                 self.settings.connect_timeout_seconds,
             )
         except (TimeoutError, OSError, ssl.SSLError) as exc:
-            raise ConnectFailed(f"{self.name}: {type(exc).__name__}: {exc}") from exc
+            raise ConnectFailed(connect_cause(exc)) from exc
+        body = _ClientBody(request.body) if request.body is not None else None
         try:
-            writer.write(encode_head(request.method, request.target, f"{self.host}:{self.port}",
-                                     strip_hop_by_hop(headers, keep_upgrade=True)))
-            if request.body is not None:
-                async for chunk in request.body:
+            writer.write(head)
+            if body is not None:
+                async for chunk in body:
                     writer.write(chunk)
             await writer.drain()
             status, resp_headers = parse_head(await reader.readuntil(b"\r\n\r\n"))
         except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:
             writer.close()
-            raise BackendFailed(f"{self.name}: upgrade failed: {type(exc).__name__}: {exc}") from exc
+            if body is not None and body.error is not None:
+                raise ClientBodyFailed(f"upgrade request body failed: {body.error}") from body.error
+            raise BackendFailed(f"{self.name}: upgrade failed: {type(exc).__name__}") from exc
         except BaseException:
             writer.close()
             raise

@@ -1,79 +1,30 @@
-"""A server SSLContext whose certificate follows the files on disk.
+"""The webhook's serving context: :class:`gatekeeper.tls.ReloadingTLS` over its cert/key pair.
 
-cert-manager (or ``gatekeeper certs issue``) rewrites the serving cert/key in
-place; the webhook must pick them up without a restart or dropped reviews.
-The listener is created with a *base* context whose ``sni_callback`` runs at
-every TLS handshake (OpenSSL calls it with or without SNI). The callback checks
-the files' mtimes at most every ``check_interval`` seconds -- two ``stat``
-calls, nothing on the hot path otherwise -- and, if they changed, builds a new
-context and switches the handshaking connection to it. Connections already
-established keep the certificate they negotiated. A half-written pair (cert
-updated, key not yet) fails to load; the old context stays in use and the
-next check tries again.
+cert-manager (or ``gatekeeper certs issue``) rewrites the pair in place; the
+listener's ``sni_callback`` switches every new handshake to the current
+context, so reviews keep flowing through a rotation (see gatekeeper/tls.py).
 """
 
 from __future__ import annotations
 
-import logging
-import os
 import ssl
 import time
 from collections.abc import Callable
 
-log = logging.getLogger(__name__)
-
-
-def _mtimes(*paths: str) -> tuple[int, ...]:
-    return tuple(os.stat(p).st_mtime_ns for p in paths)
+from gatekeeper.tls import ReloadingTLS, server_context
 
 
 def load_server_context(cert_file: str, key_file: str) -> ssl.SSLContext:
     """A TLS server context for the pair; raises OSError/ssl.SSLError when they cannot be loaded."""
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    ctx.set_alpn_protocols(["http/1.1"])
-    ctx.load_cert_chain(cert_file, key_file)
-    return ctx
+    return server_context(cert_file, key_file)
 
 
-class ReloadingContext:
-    """Holds the current context and swaps it in for new handshakes when the files change."""
+class ReloadingContext(ReloadingTLS):
+    """The webhook's reloading serving context; ``base`` is what the listener is created with."""
 
     def __init__(self, cert_file: str, key_file: str, check_interval: float = 2.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(lambda: server_context(cert_file, key_file), [cert_file, key_file],
+                         what="webhook serving certificate", check_interval=check_interval, clock=clock)
         self.cert_file, self.key_file = cert_file, key_file
-        self.check_interval = check_interval
-        self._clock = clock
-        self._stamp = _mtimes(cert_file, key_file)
-        self.current = load_server_context(cert_file, key_file)
-        self.base = load_server_context(cert_file, key_file)
-        self.base.sni_callback = self._on_handshake
-        self._next_check = clock() + check_interval
-        self.reloads = 0
-
-    def maybe_reload(self) -> bool:
-        """Reload if the files changed since the last successful load; True if reloaded."""
-        try:
-            stamp = _mtimes(self.cert_file, self.key_file)
-        except OSError:
-            return False
-        if stamp == self._stamp:
-            return False
-        try:
-            ctx = load_server_context(self.cert_file, self.key_file)
-        except (OSError, ssl.SSLError, ValueError) as exc:
-            log.warning("serving certificate changed but cannot be loaded yet (%s); keeping the old one",
-                        exc)
-            return False
-        self.current, self._stamp = ctx, stamp
-        self.reloads += 1
-        log.info("reloaded serving certificate from %s", self.cert_file)
-        return True
-
-    def _on_handshake(self, sslobj: ssl.SSLObject | ssl.SSLSocket, server_name: str | None,
-                      ctx: ssl.SSLContext) -> None:
-        now = self._clock()
-        if now >= self._next_check:
-            self._next_check = now + self.check_interval
-            self.maybe_reload()
-        sslobj.context = self.current
+        self.base = self.server_base()

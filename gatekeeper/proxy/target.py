@@ -1,0 +1,79 @@
+"""Request-target hygiene (pure): what the proxy accepts as a target, and nothing else.
+
+Two attacks shaped this module:
+
+* **Steering.** Appending a client's target to ``https://backend:port`` and
+  re-parsing the string turns ``@127.0.0.1:PORT/x`` into userinfo plus a new
+  authority, so the proxy would open a connection (with its front-proxy client
+  certificate and stamped identity) to any host the client names.
+* **Flow-control bypass.** ``/healthz/../api/v1/secrets`` is classified by its
+  raw path (an exempt probe) while the HTTP client normalises it before
+  sending, so the apiserver serves ``/api/v1/secrets`` unqueued.
+
+The rules: origin-form only (``/...``); ``*`` only with OPTIONS (answered
+locally, as Go's ``net/http`` does); no dot segments in any spelling
+(``.``/``..``, ``%2e``, ``%2E%2e``...), no NUL, no byte outside visible ASCII,
+no fragment. Whatever passes is forwarded byte for byte (the upstream URL is
+built from parts with ``encoded=True``, never re-parsed), so the path
+RequestInfo classifies is exactly the path the backend receives.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+from urllib.parse import unquote
+
+_BAD_CHAR = re.compile(r"[^\x21-\x7e]|#")
+"""Anything but visible ASCII (controls, space, DEL, non-ASCII), or a fragment marker."""
+
+Reason = Literal["target_form", "dot_segment", "nul", "bad_byte", "fragment"]
+
+
+@dataclass(frozen=True)
+class BadTarget:
+    """Why a target was refused (``reason`` is the bounded metric label)."""
+
+    reason: Reason
+    message: str
+
+
+def check(method: str, target: str) -> BadTarget | None:
+    """None if ``target`` may be forwarded as is; else why not. ``OPTIONS *`` is the caller's to answer."""
+    if target == "*":
+        if method == "OPTIONS":
+            return None
+        return BadTarget("target_form", f'request target "*" is only valid with OPTIONS, not {method}')
+    if not target.startswith("/"):
+        shown = target[:64]
+        return BadTarget("target_form",
+                         f"request target {shown!r} is not a path: only origin-form targets (/...) are accepted")
+    bad = _BAD_CHAR.search(target)
+    if bad is not None:
+        ch = bad.group()
+        if ch == "\0":
+            return BadTarget("nul", "request target contains a NUL byte")
+        if ch == "#":
+            return BadTarget("fragment", "request target contains a fragment (#); a target never carries one")
+        return BadTarget("bad_byte", f"request target contains the byte 0x{ord(ch):02x}; percent-encode it")
+    path = target.split("?", 1)[0]
+    if "%" in path:
+        decoded = unquote(path, errors="surrogateescape")
+        if "\0" in decoded:
+            return BadTarget("nul", "request path contains an encoded NUL (%00)")
+    else:
+        decoded = path
+    if "/." in decoded:  # every segment follows a "/", so a dot segment needs one before it
+        for segment in decoded.split("/"):
+            if segment in (".", ".."):
+                return BadTarget("dot_segment",
+                                 f"request path contains the dot segment {segment!r} (in some encoding); "
+                                 "send the normalised path")
+    return None
+
+
+def split(target: str) -> tuple[str, str]:
+    """Raw path and raw query (without ``?``) of an accepted origin-form target, unchanged."""
+    path, _, query = target.partition("?")
+    return path, query

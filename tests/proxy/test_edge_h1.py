@@ -1,0 +1,109 @@
+"""HTTP/1.1 clients that stall or smuggle: each is cut within its setting and holds nothing afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import pytest
+from edge_kit import bench, make_pki, status_of
+
+from gatekeeper.certs import PKI
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> PKI:
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+def rejected(reason: str) -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("gatekeeper_proxy_rejected_requests_total", {"reason": reason}) or 0.0
+
+
+async def until(predicate, limit: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    async with asyncio.timeout(limit):
+        while not predicate():  # noqa: ASYNC110 - state spread over the proxy's objects
+            await asyncio.sleep(0.02)
+
+
+async def test_content_length_with_transfer_encoding_is_a_400(pki: PKI) -> None:
+    async with bench(pki) as b:
+        before = rejected("length_and_chunked")
+        raw = await b.raw(b"POST /api/v1/namespaces/a/configmaps HTTP/1.1\r\nhost: x\r\ncontent-length: 5\r\n"
+                          b"transfer-encoding: chunked\r\n\r\n0\r\n\r\nGET /smuggled HTTP/1.1\r\nhost: x\r\n\r\n")
+        assert status_of(raw) == 400, raw[:200]
+        assert b"Transfer-Encoding" in raw
+        assert b.backend.paths() == []
+        assert rejected("length_and_chunked") == before + 1
+
+
+async def test_half_sent_request_head_is_cut_at_the_header_timeout(pki: PKI) -> None:
+    """``GET / HTTP/1.1\\r\\n`` and silence: the connection closes at the header timeout, not the idle one."""
+    async with bench(pki, protocol={"h1_header_timeout_seconds": 0.5, "idle_timeout_seconds": 60}) as b:
+        before = rejected("header_timeout")
+        reader, writer = await b.open()
+        writer.write(b"GET /api/v1/pods HTTP/1.1\r\n")
+        await writer.drain()
+        started = time.monotonic()
+        data = b"?"
+        async with asyncio.timeout(5):
+            # a slowloris trickles a header byte now and then; the deadline counts from the first byte
+            try:
+                for ch in b"x-aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa: 1\r\n":
+                    writer.write(bytes([ch]))
+                    await writer.drain()
+                    await asyncio.sleep(0.1)
+                data = await reader.read()
+            except ConnectionError:
+                data = b""
+        assert data == b""
+        assert time.monotonic() - started < 2.0
+        assert rejected("header_timeout") == before + 1
+        await until(lambda: b.server.connections == 0)
+        writer.close()
+
+
+async def test_idle_request_body_fails_the_request_without_ejecting_the_backend(pki: PKI) -> None:
+    async with bench(pki, protocol={"h1_body_idle_timeout_seconds": 0.5}) as b:
+        before = rejected("body_timeout")
+        reader, writer = await b.open()
+        writer.write(b"PUT /api/v1/namespaces/a/configmaps/c HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n"
+                     b"0123456789")
+        await writer.drain()
+        async with asyncio.timeout(5):
+            data = await reader.read()
+        assert status_of(data) == 400, data[:200]
+        assert rejected("body_timeout") == before + 1
+        be = b.pipeline.balancer.backends[0]
+        assert be.ejections_total == 0 and be.in_flight == 0
+        writer.close()
+
+
+async def test_client_that_stops_reading_is_aborted_and_releases_the_backend(pki: PKI) -> None:
+    async with bench(pki, protocol={"h1_write_stall_timeout_seconds": 0.5}) as b:
+        before = rejected("response_stall")
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        loop = asyncio.get_running_loop()
+        await loop.sock_connect(sock, ("127.0.0.1", b.port))
+        reader, writer = await asyncio.open_connection(sock=sock, ssl=b.client_ctx(),
+                                                       server_hostname="localhost")
+        writer.write(b"GET /big HTTP/1.1\r\nhost: x\r\n\r\n")
+        await writer.drain()
+        await reader.read(1000)  # the head arrived; now never read again
+        reader._transport.pause_reading()  # type: ignore[attr-defined]
+        be = b.pipeline.balancer.backends[0]
+        await until(lambda: rejected("response_stall") == before + 1)
+        await until(lambda: be.in_flight == 0 and b.server.connections == 0)
+        assert b.pipeline.clients[be.name].connections() <= 1  # the pooled connection was closed or freed
+        writer.close()
+
+
+async def test_default_header_timeout_is_the_apiservers() -> None:
+    from gatekeeper.proxy.settings import ProtocolSettings
+
+    assert ProtocolSettings().h1_header_timeout_seconds == 32.0
