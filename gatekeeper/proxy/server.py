@@ -107,7 +107,7 @@ class ProxyServer:
         lst = self._settings.listener
         self._server = await asyncio.start_server(
             self._on_client, lst.address, lst.port, ssl=self._ssl, ssl_handshake_timeout=HANDSHAKE_TIMEOUT,
-            backlog=1024,
+            backlog=1024, reuse_port=lst.reuse_port or None,
         )
         self.port = int(self._server.sockets[0].getsockname()[1])
         return self.port

@@ -97,14 +97,16 @@ class ProxyProcess:
 
     def __init__(self, state: SandboxState, workdir: Path, *, name: str = "proxy-test",
                  backends: list[str] | None = None, user_config: dict[str, Any] | None = None,
-                 goaway_chance: float | None = None, health_interval: float | None = None) -> None:
+                 goaway_chance: float | None = None, health_interval: float | None = None,
+                 workers: int | None = None) -> None:
         serving = PKI(state.certs_dir).issue_serving(f"{name}-{uuid.uuid4().hex[:6]}", dns=["localhost"],
                                                      ips=["127.0.0.1"])
         self.port, self.metrics_port = processes.free_port(), processes.free_port()
         view = SandboxState(dir=state.dir, certs_dir=state.certs_dir,
                             apiserver_urls=backends or list(state.apiserver_urls))
         config = build_config(view, port=self.port, metrics_port=self.metrics_port, serving_cert=serving.cert,
-                              serving_key=serving.key, goaway_chance=goaway_chance, user_config=user_config or {})
+                              serving_key=serving.key, goaway_chance=goaway_chance, user_config=user_config or {},
+                              workers=workers)
         if health_interval is not None:
             config["proxy"]["upstream"]["healthIntervalSeconds"] = health_interval
         self.config_path = workdir / "proxy.yaml"
