@@ -139,8 +139,30 @@ async def render(sup: Supervisor) -> bytes:
         got = await asyncio.gather(*(_fetch(session, f"{u}/metrics") for u in urls), return_exceptions=True)
     pages = [p for p in got if isinstance(p, str)]
     mpc, names = multiprocess_page()
-    peaks = {name: v["peak"] for name, v in sup.ledger.view().items()}
-    return mpc + merge_pages(pages, names, peaks).encode()
+    view = sup.ledger.view()
+    peaks = {name: v["peak"] for name, v in view.items()}
+    return mpc + merge_pages(pages, names, peaks).encode() + supervisor_page(sup, len(urls), view).encode()
+
+
+def supervisor_page(sup: Supervisor, serving: int, view: dict[str, dict[str, int]]) -> str:
+    """The parent's own figures: workers serving, restarts, and the seat ledger (proxy-wide seats)."""
+    lines = [
+        "# HELP gatekeeper_proxy_workers Worker processes configured and serving.",
+        "# TYPE gatekeeper_proxy_workers gauge",
+        _fmt("gatekeeper_proxy_workers", (("state", "configured"),), float(len(sup.slots))),
+        _fmt("gatekeeper_proxy_workers", (("state", "serving"),), float(serving)),
+        "# HELP gatekeeper_proxy_worker_restarts Workers restarted after they died.",
+        "# TYPE gatekeeper_proxy_worker_restarts counter",
+        *(_fmt("gatekeeper_proxy_worker_restarts_total", (("worker", str(s.index)),), float(s.restarts))
+          for s in sup.slots),
+        "# HELP gatekeeper_flowcontrol_ledger_seats Seats in use and requests queued per level, all workers.",
+        "# TYPE gatekeeper_flowcontrol_ledger_seats gauge",
+    ]
+    for name, v in sorted(view.items()):
+        for what in ("seats", "waiting"):
+            lines.append(_fmt("gatekeeper_flowcontrol_ledger_seats", (("priority_level", name), ("what", what)),
+                              float(v[what])))
+    return "\n".join(lines) + "\n"
 
 
 async def ready(sup: Supervisor) -> tuple[bool, str]:
@@ -167,7 +189,11 @@ async def start_parent_listener(sup: Supervisor, address: str, port: int) -> tup
         ok, detail = await ready(sup)
         return web.Response(status=200 if ok else 503, text="ok" if ok else detail)
 
+    async def workers(request: web.Request) -> web.Response:
+        return web.json_response(sup.describe())
+
     app = web.Application()
+    app.router.add_get("/workers", workers)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/livez", healthz)

@@ -17,6 +17,7 @@ upstream client for every request, so one proxy process tops out at one core.
   ``listener.metricsPort`` for the whole proxy (``worker_metrics.py``): counters
   and histograms from prometheus-client's multiprocess files, live gauges
   summed from the workers' private pages, skew recomputed from the sums.
+* ``GET /workers`` on that port lists each worker (pid, restarts, private metrics URL).
 * A worker whose parent dies gets SIGTERM (``PR_SET_PDEATHSIG``).
 
 The runtime directory (ledger, wake sockets, per-worker ``worker-N.json``
@@ -206,6 +207,20 @@ class Supervisor:
                 if slot.proc is not None and info.get("pid") == slot.proc.pid and slot.proc.returncode is None:
                     slot.ready_once = True
                     out.append(str(info["metricsUrl"]))
+        return out
+
+    def describe(self) -> list[dict[str, Any]]:
+        """``GET /workers`` on the metrics port: index, pid, restarts and private metrics URL of each worker."""
+        out = []
+        for slot in self.slots:
+            info: dict[str, Any] = {}
+            with contextlib.suppress(OSError, ValueError):
+                info = json.loads((self.runtime / f"worker-{slot.index}.json").read_text())
+            pid = slot.proc.pid if slot.proc is not None else None
+            alive = slot.proc is not None and slot.proc.returncode is None
+            serving = alive and info.get("pid") == pid
+            out.append({"index": slot.index, "pid": pid, "alive": alive, "restarts": slot.restarts,
+                        "metricsUrl": info.get("metricsUrl") if serving else None})
         return out
 
     def stop(self) -> None:
