@@ -131,8 +131,15 @@ def metrics_app(ready: Callable[[], bool]) -> web.Application:
             return web.Response(text="ok")
         return web.Response(status=503, text="no healthy backend, or the listener is not serving yet")
 
+    async def worker_page(request: web.Request) -> web.Response:
+        """This process's own samples, whatever ``metrics.render`` became (the supervisor merges them)."""
+        from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+
+        return web.Response(body=generate_latest(REGISTRY), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
     app = web.Application()
     app.router.add_get("/metrics", get_metrics)
+    app.router.add_get("/metrics/worker", worker_page)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/livez", healthz)
     app.router.add_get("/readyz", readyz)

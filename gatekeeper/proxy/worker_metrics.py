@@ -12,6 +12,11 @@ Two kinds of samples, two sources:
   every worker reports the same limit), the proxy-wide peak of a level (from the
   seat ledger, not a sum of per-worker peaks), and the skew ratios, recomputed
   from the summed per-backend figures, so the skew describes the whole proxy.
+
+Each worker serves its own samples on ``/metrics/worker`` of its private
+listener; its ``/metrics`` (and the admin-only ``/metrics`` on the TLS port)
+renders the same merged page as the parent (:func:`render_in_worker`), so a
+scrape that lands on any worker still sees the whole proxy.
 """
 
 from __future__ import annotations
@@ -19,11 +24,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import ClientSession, ClientTimeout, web
 
 if TYPE_CHECKING:
+    from gatekeeper.proxy.flowcontrol.ledger import SeatLedger
     from gatekeeper.proxy.workers import Supervisor
 
 SKEW_INPUT = "gatekeeper_proxy_worker_skew_input"
@@ -136,12 +143,36 @@ async def render(sup: Supervisor) -> bytes:
     """The whole proxy's page: multiprocess samples, then the merged live families."""
     urls = sup.worker_urls()
     async with ClientSession(timeout=ClientTimeout(total=FETCH_TIMEOUT)) as session:
-        got = await asyncio.gather(*(_fetch(session, f"{u}/metrics") for u in urls), return_exceptions=True)
+        got = await asyncio.gather(*(_fetch(session, f"{u}/metrics/worker") for u in urls), return_exceptions=True)
     pages = [p for p in got if isinstance(p, str)]
     mpc, names = multiprocess_page()
     view = sup.ledger.view()
     peaks = {name: v["peak"] for name, v in view.items()}
     return mpc + merge_pages(pages, names, peaks).encode() + supervisor_page(sup, len(urls), view).encode()
+
+
+def render_in_worker(runtime: Path, ledger: SeatLedger) -> tuple[bytes, str]:
+    """A worker's ``/metrics`` (TLS port for admins, and its private listener): the whole proxy's page.
+
+    Synchronous, as ``gatekeeper.proxy.metrics.render`` is: this worker's live page comes from its own
+    registry, the other workers' from their private ``/metrics/worker`` (a short blocking fetch on an
+    admin-only path; never this worker's own listener, which could not answer while it waits)."""
+    import json
+    import os
+    import urllib.request
+
+    from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+
+    pages = [generate_latest(REGISTRY).decode()]
+    for path in sorted(runtime.glob("worker-*.json")):
+        with contextlib.suppress(OSError, ValueError):
+            info = json.loads(path.read_text())
+            if info.get("pid") != os.getpid():
+                with urllib.request.urlopen(f"{info['metricsUrl']}/metrics/worker", timeout=2) as resp:
+                    pages.append(resp.read().decode())
+    mpc, names = multiprocess_page()
+    peaks = {name: v["peak"] for name, v in ledger.view().items()}
+    return mpc + merge_pages(pages, names, peaks).encode(), CONTENT_TYPE_LATEST
 
 
 def supervisor_page(sup: Supervisor, serving: int, view: dict[str, dict[str, int]]) -> str:

@@ -103,13 +103,17 @@ def run_worker(settings: ProxySettings, index: int, runtime: Path, port: int) ->
     settings = worker_settings(settings, port)
 
     def setup(flow: Any, pipeline: Any) -> None:
-        from gatekeeper.proxy.worker_metrics import register_recent_requests
+        import functools
 
+        from gatekeeper.proxy import metrics
+        from gatekeeper.proxy.flowcontrol.ledger import SeatLedger, attach
+        from gatekeeper.proxy.worker_metrics import register_recent_requests, render_in_worker
+
+        ledger = SeatLedger(runtime / "ledger", index)
         register_recent_requests(pipeline)
+        metrics.render = functools.partial(render_in_worker, runtime, ledger)  # /metrics shows the whole proxy
         if flow is not None and getattr(flow, "controller", None) is not None:
-            from gatekeeper.proxy.flowcontrol.ledger import SeatLedger, attach
-
-            attach(flow, SeatLedger(runtime / "ledger", index))
+            attach(flow, ledger)
 
     def on_ready(info: dict[str, Any]) -> None:
         path = runtime / f"worker-{index}.json"

@@ -58,7 +58,7 @@ def workers_of(proxy: kit.ProxyProcess) -> list[dict]:
 def worker_metric(worker: dict, name: str, **labels: str) -> float:
     if not worker.get("metricsUrl"):
         return 0.0
-    with urllib.request.urlopen(f"{worker['metricsUrl']}/metrics", timeout=10) as r:
+    with urllib.request.urlopen(f"{worker['metricsUrl']}/metrics/worker", timeout=10) as r:
         return kit.metric_sum(r.read().decode(), name, **labels)
 
 

@@ -10,6 +10,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from gatekeeper.sandbox.state import SandboxState
@@ -39,7 +40,7 @@ def workers_of(p: ProxyProcess) -> list[dict]:
 
 
 def per_worker(p: ProxyProcess, name: str, **labels: str) -> dict[int, float]:
-    return {w["index"]: sample_sum(get(f"{w['metricsUrl']}/metrics"), name, **labels)
+    return {w["index"]: sample_sum(get(f"{w['metricsUrl']}/metrics/worker"), name, **labels)
             for w in workers_of(p) if w["metricsUrl"]}
 
 
@@ -94,6 +95,10 @@ def test_metrics_add_up_across_workers(proxy: ProxyProcess) -> None:
         assert open_watches == len(watches) == sum(per_worker(proxy, "gatekeeper_proxy_backend_watches").values())
         assert sample_sum(page, "gatekeeper_proxy_client_connections", protocol="h2") == len(conns)
         assert sample_sum(page, "gatekeeper_proxy_workers", state="serving") == WORKERS
+        # the admin-only /metrics on the TLS port, answered by whichever worker, shows the whole proxy too
+        for _ in range(3):  # new connections: the kernel picks the worker
+            tls_page = httpx.get(f"{proxy.url}/metrics", verify=proxy.tls(cert=True)).text
+            assert sample_sum(tls_page, name, **labels) - before == counted
         # the skew over the summed per-backend watches: 6 watches over 3 backends, whatever the split
         flights = [sample_sum(page, "gatekeeper_proxy_backend_in_flight", backend=f"apiserver-{i}") for i in (1, 2, 3)]
         skew = sample_sum(page, "gatekeeper_proxy_skew_in_flight_ratio")
