@@ -19,10 +19,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "flowcontrol"))
 
-from fc_helpers import Req, User  # noqa: E402
-from test_queueing import controller  # noqa: E402
+from fc_helpers import Req, User
+from test_queueing import controller
 
-from gatekeeper.proxy.flowcontrol.ledger import LedgerLevel, SeatLedger  # noqa: E402
+from gatekeeper.proxy.flowcontrol.ledger import LedgerLevel, SeatLedger
 
 
 def run(n: int, ledger: SeatLedger | None) -> float:
