@@ -143,7 +143,7 @@ def test_concurrent_processes_never_exceed_the_limit(tmp_path):
     parent = SeatLedger.create(tmp_path / "ledger", 4)
     ctx = multiprocessing.get_context("fork")
     peak = ctx.Value("i", 0)
-    procs = [ctx.Process(target=_hammer, args=(str(tmp_path / "ledger"), w, 2000, peak)) for w in range(4)]
+    procs = [ctx.Process(target=_hammer, args=(str(tmp_path / "ledger"), w, 1000, peak)) for w in range(4)]
     for p in procs:
         p.start()
     for p in procs:

@@ -144,20 +144,26 @@ class SeatLedger:
         return slot * self._row + 2 + worker * _PER_WORKER + field
 
     def try_take(self, slot: int, limit: int, seats: int, list_bytes: int, list_cap: int) -> bool:
-        """Take ``seats`` in the level for this worker if they fit proxy-wide and it is this worker's turn."""
+        """Take ``seats`` in the level for this worker if they fit proxy-wide and it is this worker's turn.
+
+        The hot path of every non-exempt request: one lock pair, one pass over the worker columns."""
         me = self.worker
         if limit <= 0:
             return False
-        with self._locked() as v:
-            b = self._base(slot)
+        v = self._ints
+        b = slot * self._row
+        fd = self._fd
+        fcntl.lockf(fd, fcntl.LOCK_EX)
+        try:
             total = holders = 0
             waiting: list[int] = []
+            c = b + 2
             for w in range(self.workers):
-                c = b + 2 + w * _PER_WORKER
-                total += v[c + _SEATS]
-                holders += v[c + _HOLDERS]
-                if w != me and v[c + _WAITING] > 0:
+                total += v[c]
+                holders += v[c + 1]
+                if v[c + 2] > 0 and w != me:
                     waiting.append(w)
+                c += _PER_WORKER
             if total + seats > limit and holders > 0:
                 return False
             if list_bytes:
@@ -173,34 +179,42 @@ class SeatLedger:
                     self.signal(nxt)
                     return False
             c = b + 2 + me * _PER_WORKER
-            v[c + _SEATS] += seats
-            v[c + _HOLDERS] += 1
+            v[c] += seats
+            v[c + 1] += 1
             v[b] = me
-            v[b + 1] = max(v[b + 1], holders + 1)
+            if holders >= v[b + 1]:
+                v[b + 1] = holders + 1
             if list_bytes:
                 v[self._list_off + 2 * me] += list_bytes
                 v[self._list_off + 2 * me + 1] += 1
             return True
+        finally:
+            fcntl.lockf(fd, fcntl.LOCK_UN)
 
     def give(self, slot: int, seats: int, list_bytes: int) -> None:
         """Return seats taken by :meth:`try_take`; wake the worker whose turn is next."""
         me = self.worker
+        v = self._ints
+        b = slot * self._row
         wake: list[int] = []
-        with self._locked() as v:
-            b = self._base(slot)
+        fd = self._fd
+        fcntl.lockf(fd, fcntl.LOCK_EX)
+        try:
             c = b + 2 + me * _PER_WORKER
-            v[c + _SEATS] = max(0, v[c + _SEATS] - seats)
-            v[c + _HOLDERS] = max(0, v[c + _HOLDERS] - 1)
+            v[c] = max(0, v[c] - seats)
+            v[c + 1] = max(0, v[c + 1] - 1)
             if list_bytes:
                 v[self._list_off + 2 * me] = max(0, v[self._list_off + 2 * me] - list_bytes)
                 v[self._list_off + 2 * me + 1] = max(0, v[self._list_off + 2 * me + 1] - 1)
                 wake = self._waiting_anywhere(v)
             else:
-                waiting = [w for w in range(self.workers) if w != me and v[self._col(slot, w, _WAITING)] > 0]
+                waiting = [w for w in range(self.workers) if w != me and v[b + 4 + w * _PER_WORKER] > 0]
                 if waiting:
                     nxt = _next_after(int(v[b]), sorted([*waiting, me]))
                     if nxt != me:
                         wake = [nxt]
+        finally:
+            fcntl.lockf(fd, fcntl.LOCK_UN)
         for w in wake:
             self.signal(w)
 
