@@ -49,7 +49,7 @@ def test_a_level_limit_holds_across_workers(tmp_path):
     while running:
         t = running.pop(0)
         owner = fcs[tickets.index(t) % 4]
-        owner.finish(t)
+        running += owner.finish(t)
         done += 1
         # other workers learn of the freed seat by a wake-up: each retries its dispatch
         for fc in fcs:
@@ -79,6 +79,29 @@ def test_a_freed_seat_goes_to_the_waiting_worker_in_turn(tmp_path):
     w1.finish(other)
     (nxt,) = [d for lv in w0.levels.values() for d in lv.dispatch()]
     assert nxt in flood[1:] and nxt.state == "executing"
+
+
+def test_workers_share_a_contended_level_by_their_busy_queues(tmp_path):
+    """Worker 0 has three flows queued, worker 1 one flow: with one process each flow would get a
+    quarter of the dispatches, so worker 0 must get about three quarters, not half (round robin)."""
+    _, (w0, w1) = workers(tmp_path, 2, total=1)
+    first = w0.admit(User("starter"), LIST, 0.0)[0]
+    mine = {w0: [], w1: []}
+    for _ in range(30):
+        for u in ("a", "b", "c"):
+            mine[w0].append(w0.admit(User(u), LIST, 0.0)[0])
+        mine[w1].append(w1.admit(User("d"), LIST, 0.0)[0])
+    wins = {w0: 0, w1: 0}
+    running = first
+    owner = w0
+    for _ in range(40):
+        started = [(owner, d) for d in owner.finish(running)]
+        started += [(fc, d) for fc in (w0, w1) for lv in fc.levels.values() for d in lv.dispatch()]
+        assert len(started) == 1, "exactly one worker takes the freed seat"
+        owner, running = started[0]
+        wins[owner] += 1
+    share = wins[w0] / 40
+    assert 0.65 <= share <= 0.85, f"worker 0 got {share:.0%} of the seats for 3 of the 4 flows"
 
 
 def test_seats_of_a_dead_worker_are_released(tmp_path):

@@ -8,22 +8,27 @@ wider than the limit still runs alone), and the LIST byte budget is checked
 the same way across workers.
 
 Layout of the ledger file (mmap, shared by the supervisor and its workers):
-a table of level names, then per level ``[last_granted, peak]`` and per
-worker ``[seats, holders, waiting]``, then per worker ``[list_bytes,
-list_count]``. Every decision takes one POSIX record lock (``fcntl.lockf``)
+a table of level names, then per level ``[last_granted, peak, V]`` and per
+worker ``[seats, holders, waiting, active queues, virtual time]``, then per
+worker ``[list_bytes, list_count]``. Every decision takes one POSIX record lock (``fcntl.lockf``)
 on the file: the kernel drops it when its holder dies, so a worker killed in
 the middle of a decision cannot wedge the others, and the supervisor zeroes
 a dead worker's columns (:meth:`SeatLedger.clear_worker`): its seats are
 released at once.
 
-Fairness across workers: when others have requests waiting in a level, the
-seat goes to the next waiting worker in round-robin order after the last one
-granted (the local fair queuing then picks the flow inside that worker). A
-worker that is not next is refused and the next one is woken through its
-datagram socket (``wake-N.sock`` beside the ledger); a 50 ms poll in every
-worker with waiting requests backs up lost wake-ups. Since the kernel spreads
-connections over workers, a flood on one connection gets at most its
-worker's share of a contended level.
+Fairness across workers: start-time fair queuing between workers, each
+weighted by its number of non-empty queues in the level. When others have
+requests waiting, a free seat goes to the waiting worker with the lowest
+virtual time; a grant advances the winner's virtual time by
+``1 / its non-empty queues``, and a worker whose queues were empty starts at
+the level's current virtual time. Inside the winner, the local fair queuing
+picks the queue. Every non-empty queue of the proxy therefore gets about the
+same share of a contended level, as with one process (upstream APF's unit of
+fairness is the queue too). A worker that is not next is refused and the next
+one is woken through its datagram socket (``wake-N.sock`` beside the ledger);
+a 50 ms poll in every worker with waiting requests backs up lost wake-ups.
+(A level whose queue geometry changed on reload briefly has two local states
+with one ledger column; the fairness weight then follows the newer one.)
 """
 
 from __future__ import annotations
@@ -48,8 +53,11 @@ MAX_LEVELS = 64
 NAME_BYTES = 64
 _HEADER = 3  # magic, workers, levels
 _MAGIC = 0x6B6C6564676572  # "ledger"
-_PER_WORKER = 3  # seats, holders, waiting
-_SEATS, _HOLDERS, _WAITING = 0, 1, 2
+_HEAD = 3  # per level: last_granted, peak holders, virtual time V
+_PER_WORKER = 5  # seats, holders, waiting, active queues, virtual time
+_SEATS, _HOLDERS, _WAITING, _ACTIVE, _VT = 0, 1, 2, 3, 4
+VT_SCALE = 1 << 20
+"""One grant to a worker with one active queue advances its virtual time by this much."""
 
 
 def _name_key(name: str) -> bytes:
@@ -75,7 +83,7 @@ class SeatLedger:
         self._names_off = _HEADER * 8
         ints_off = self._names_off + self.levels * NAME_BYTES
         self._ints = memoryview(self._mm)[ints_off:].cast("q")
-        self._row = 2 + self.workers * _PER_WORKER
+        self._row = _HEAD + self.workers * _PER_WORKER
         self._list_off = self.levels * self._row
         self._slots: dict[str, int] = {}
         self._wake: socket.socket | None = None
@@ -83,7 +91,7 @@ class SeatLedger:
     @classmethod
     def create(cls, path: Path, workers: int, levels: int = MAX_LEVELS) -> SeatLedger:
         """The supervisor's call: a zeroed ledger for ``workers`` columns."""
-        size = 8 * (_HEADER + levels * (2 + workers * _PER_WORKER) + 2 * workers) + levels * NAME_BYTES
+        size = 8 * (_HEADER + levels * (_HEAD + workers * _PER_WORKER) + 2 * workers) + levels * NAME_BYTES
         with open(path, "wb") as f:
             f.write(b"\0" * size)
         fd = os.open(path, os.O_RDWR)
@@ -141,12 +149,15 @@ class SeatLedger:
         return slot * self._row
 
     def _col(self, slot: int, worker: int, field: int) -> int:
-        return slot * self._row + 2 + worker * _PER_WORKER + field
+        return slot * self._row + _HEAD + worker * _PER_WORKER + field
 
     def try_take(self, slot: int, limit: int, seats: int, list_bytes: int, list_cap: int) -> bool:
         """Take ``seats`` in the level for this worker if they fit proxy-wide and it is this worker's turn.
 
-        The hot path of every non-exempt request: one lock pair, one pass over the worker columns."""
+        The hot path of every non-exempt request: one lock pair, one pass over the worker columns.
+        Turn: among this worker and the others with queued requests, the one with the lowest virtual
+        time (start-time fair queuing across workers, each weighted by its non-empty queues, so every
+        queue in the proxy gets an equal share, as within one worker)."""
         me = self.worker
         if limit <= 0:
             return False
@@ -156,13 +167,16 @@ class SeatLedger:
         fcntl.lockf(fd, fcntl.LOCK_EX)
         try:
             total = holders = 0
-            waiting: list[int] = []
-            c = b + 2
+            c = b + _HEAD
+            mine = c + me * _PER_WORKER
+            my_vt = max(v[mine + _VT], v[b + 2])
+            turn = me
+            turn_vt = my_vt
             for w in range(self.workers):
                 total += v[c]
                 holders += v[c + 1]
-                if v[c + 2] > 0 and w != me:
-                    waiting.append(w)
+                if w != me and v[c + _WAITING] > 0 and v[c + _VT] < turn_vt:
+                    turn, turn_vt = w, v[c + _VT]
                 c += _PER_WORKER
             if total + seats > limit and holders > 0:
                 return False
@@ -173,15 +187,14 @@ class SeatLedger:
                     count += v[self._list_off + 2 * w + 1]
                 if count > 0 and used + list_bytes > list_cap:
                     return False
-            if waiting:
-                nxt = _next_after(int(v[b]), sorted([*waiting, me]))
-                if nxt != me:
-                    self.signal(nxt)
-                    return False
-            c = b + 2 + me * _PER_WORKER
-            v[c] += seats
-            v[c + 1] += 1
+            if turn != me:
+                self.signal(turn)
+                return False
+            v[mine] += seats
+            v[mine + 1] += 1
+            v[mine + _VT] = my_vt + VT_SCALE // max(1, v[mine + _ACTIVE])
             v[b] = me
+            v[b + 2] = my_vt
             if holders >= v[b + 1]:
                 v[b + 1] = holders + 1
             if list_bytes:
@@ -192,7 +205,7 @@ class SeatLedger:
             fcntl.lockf(fd, fcntl.LOCK_UN)
 
     def give(self, slot: int, seats: int, list_bytes: int) -> None:
-        """Return seats taken by :meth:`try_take`; wake the worker whose turn is next."""
+        """Return seats taken by :meth:`try_take`; wake the waiting worker whose turn is next."""
         me = self.worker
         v = self._ints
         b = slot * self._row
@@ -200,7 +213,7 @@ class SeatLedger:
         fd = self._fd
         fcntl.lockf(fd, fcntl.LOCK_EX)
         try:
-            c = b + 2 + me * _PER_WORKER
+            c = b + _HEAD + me * _PER_WORKER
             v[c] = max(0, v[c] - seats)
             v[c + 1] = max(0, v[c + 1] - 1)
             if list_bytes:
@@ -208,20 +221,38 @@ class SeatLedger:
                 v[self._list_off + 2 * me + 1] = max(0, v[self._list_off + 2 * me + 1] - 1)
                 wake = self._waiting_anywhere(v)
             else:
-                waiting = [w for w in range(self.workers) if w != me and v[b + 4 + w * _PER_WORKER] > 0]
-                if waiting:
-                    nxt = _next_after(int(v[b]), sorted([*waiting, me]))
-                    if nxt != me:
-                        wake = [nxt]
+                nxt = self._next_waiting(v, b)
+                if nxt is not None and nxt != me:
+                    wake = [nxt]
         finally:
             fcntl.lockf(fd, fcntl.LOCK_UN)
         for w in wake:
             self.signal(w)
 
-    def add_waiting(self, slot: int, delta: int) -> None:
-        """This worker's count of queued requests in the level (one writer per cell: no lock)."""
-        c = self._col(slot, self.worker, _WAITING)
-        self._ints[c] = max(0, self._ints[c] + delta)
+    def _next_waiting(self, v: memoryview, b: int) -> int | None:
+        best: tuple[int, int] | None = None
+        for w in range(self.workers):
+            c = b + _HEAD + w * _PER_WORKER
+            if v[c + _WAITING] > 0 and (best is None or v[c + _VT] < best[0]):
+                best = (int(v[c + _VT]), w)
+        return None if best is None else best[1]
+
+    def set_waiting(self, slot: int, waiting: int, active: int) -> None:
+        """This worker's queued requests and non-empty queues in the level (it alone writes them).
+
+        A worker whose queues were empty starts at the level's virtual time, so it neither gets
+        credit for the time it had nothing queued nor falls behind (start-time fair queuing)."""
+        c = self._col(slot, self.worker, 0)
+        v = self._ints
+        if v[c + _WAITING] == 0 and waiting > 0:
+            fcntl.lockf(self._fd, fcntl.LOCK_EX)
+            try:
+                v[c + _VT] = max(v[c + _VT], v[slot * self._row + 2])
+                v[c + _ACTIVE], v[c + _WAITING] = active, waiting
+            finally:
+                fcntl.lockf(self._fd, fcntl.LOCK_UN)
+            return
+        v[c + _ACTIVE], v[c + _WAITING] = active, waiting
 
     def _waiting_anywhere(self, v: memoryview) -> list[int]:
         return [w for w in range(self.workers) if w != self.worker
@@ -231,7 +262,7 @@ class SeatLedger:
         """A worker died: drop its seats, holders and queue counts, and wake whoever waits."""
         with self._locked() as v:
             for s in range(self.levels):
-                for f in (_SEATS, _HOLDERS, _WAITING):
+                for f in (_SEATS, _HOLDERS, _WAITING, _ACTIVE):
                     v[self._col(s, worker, f)] = 0
             v[self._list_off + 2 * worker] = 0
             v[self._list_off + 2 * worker + 1] = 0
@@ -277,13 +308,6 @@ class SeatLedger:
             self._wake.sendto(b"w", self.wake_path(worker))
 
 
-def _next_after(last: int, candidates: list[int]) -> int:
-    for c in candidates:
-        if c > last:
-            return c
-    return candidates[0]
-
-
 class LedgerLevel(LevelState):
     """A level whose seats are checked and charged in the shared ledger as well as locally."""
 
@@ -293,6 +317,7 @@ class LedgerLevel(LevelState):
         self.ledger = ledger
         self.slot = ledger.slot(spec.name)
         self._waiting = 0
+        self.queues = []
         super().__init__(spec, limit, budget)
 
     @property
@@ -302,8 +327,9 @@ class LedgerLevel(LevelState):
     @waiting.setter
     def waiting(self, n: int) -> None:
         if n != self._waiting:
-            self.ledger.add_waiting(self.slot, n - self._waiting)
             self._waiting = n
+            active = sum(1 for q in self.queues if q.items) if n else 0
+            self.ledger.set_waiting(self.slot, n, active)
 
     def _fits(self, t: Ticket) -> bool:
         return super()._fits(t) and self.ledger.try_take(
