@@ -29,8 +29,8 @@ from gatekeeper.sandbox.testing import WireH2
 pytestmark = pytest.mark.sandbox
 
 WORKERS = 4
-SECRETS = 60
-SIZE = 100 * 1024
+SECRETS = 100
+SIZE = 200 * 1024
 CLIENTS = 20
 LEVEL = "secrets-list"
 
@@ -82,7 +82,7 @@ def test_twenty_tenant_lists_through_four_workers_never_run_more_than_two_upstre
               for w in workers_of(proxy)}
 
     async def run() -> tuple[list, kit.ApiserverSampler]:
-        sampler = kit.ApiserverSampler(sandbox, interval=0.2)
+        sampler = kit.ApiserverSampler(sandbox, interval=0.1)
         sampling = asyncio.create_task(sampler.run())
         results = await asyncio.gather(*(kit.kubectl_list(sandbox, kc, storm4["ns"], limit_s=300) for kc in configs))
         sampler.stop()
@@ -100,7 +100,8 @@ def test_twenty_tenant_lists_through_four_workers_never_run_more_than_two_upstre
           f"{peak:.0f}; apiserver APF max total {sampler.max_executing_total:.0f} over {sampler.samples} samples")
     assert sum(1 for v in served.values() if v > 0) >= 2, "the LISTs must have been spread over several workers"
     assert 1 <= peak <= 2
-    assert sampler.samples > 0 and sampler.max_executing_total <= 2
+    # the apiservers' own APF gauges saw the storm's LISTs, never more than 2 at once
+    assert sampler.samples > 0 and 1 <= sampler.max_executing_total <= 2
 
 
 def _tenant_ctx(state: SandboxState, directory: Path, user: str) -> ssl.SSLContext:

@@ -21,17 +21,19 @@ proxy-wide, queues stay per worker (``ledger.py``).
   instead of a dispatcher process. Each worker keeps its own queues and fair
   queuing; before a request starts, the worker checks and charges the level's
   seats (and the LIST byte budget) for the whole proxy in the ledger under one
-  ``fcntl`` record lock, and gives them back when the request ends. A level's
+  ``fcntl`` record lock, and gives them back (no lock: each worker writes only
+  its own column) when the request ends. A level's
   limit is therefore the proxy's limit: the seeds' 2 secret LISTs stay 2 with
   4 workers. Queue-wait timeouts, queue-full and 429s are decided by the
   worker that holds the request, exactly as with one process.
-* Cost, measured (``loadtest/bench_ledger.py``, one uncontended worker): about
-  +20 us per request for a level with free seats (two lock/unlock pairs and a
-  scan of N worker columns), against ~15 us for admit+finish alone and several
-  hundred us of proxy CPU per small GET; no message to another process, no
-  wait. A dispatcher process would cost a round trip (two context switches and
-  a socket write/read each way) per request. Exempt requests never touch the
-  ledger.
+* Cost, measured (``loadtest/bench_ledger.py``, one uncontended worker, 4
+  columns): about +10 us per request for a level with free seats on a quiet
+  machine (one lock/unlock pair and a scan of N worker columns; admit+finish
+  alone is ~15 us), and up to +50 us when the shared machine ran at load
+  average 50 (every syscall then cost ~10x), against 600-900 us of proxy CPU
+  per small GET; no message to another process, no wait. A dispatcher
+  process would cost a round trip (two context switches and a socket
+  write/read each way) per request. Exempt requests never touch the ledger.
 * Fairness across workers: when other workers have requests waiting in a
   level, a free seat goes to the next waiting worker in round-robin order (the
   one refused wakes it through its datagram socket; a 50 ms poll backs up a

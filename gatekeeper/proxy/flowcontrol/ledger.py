@@ -10,11 +10,12 @@ the same way across workers.
 Layout of the ledger file (mmap, shared by the supervisor and its workers):
 a table of level names, then per level ``[last_granted, peak, V]`` and per
 worker ``[seats, holders, waiting, active queues, virtual time]``, then per
-worker ``[list_bytes, list_count]``. Every decision takes one POSIX record lock (``fcntl.lockf``)
-on the file: the kernel drops it when its holder dies, so a worker killed in
-the middle of a decision cannot wedge the others, and the supervisor zeroes
-a dead worker's columns (:meth:`SeatLedger.clear_worker`): its seats are
-released at once.
+worker ``[list_bytes, list_count]``. Each worker writes only its own
+column. Taking seats (check the sum, then charge) holds one POSIX record
+lock (``fcntl.lockf``) on the file; giving them back needs none. The kernel
+drops the lock when its holder dies, so a worker killed in the middle of a
+decision cannot wedge the others, and the supervisor zeroes a dead worker's
+columns (:meth:`SeatLedger.clear_worker`): its seats are released at once.
 
 Fairness across workers: start-time fair queuing between workers, each
 weighted by its number of non-empty queues in the level. When others have
@@ -205,29 +206,26 @@ class SeatLedger:
             fcntl.lockf(fd, fcntl.LOCK_UN)
 
     def give(self, slot: int, seats: int, list_bytes: int) -> None:
-        """Return seats taken by :meth:`try_take`; wake the waiting worker whose turn is next."""
+        """Return seats taken by :meth:`try_take`; wake the waiting worker whose turn is next.
+
+        No lock: a worker's column is written only by that worker (and by the supervisor once it is
+        dead), and each cell is one aligned 8-byte store. A taker that reads the old, higher value
+        only refuses a seat it could have had, and the wake-up below makes it look again."""
         me = self.worker
         v = self._ints
         b = slot * self._row
-        wake: list[int] = []
-        fd = self._fd
-        fcntl.lockf(fd, fcntl.LOCK_EX)
-        try:
-            c = b + _HEAD + me * _PER_WORKER
-            v[c] = max(0, v[c] - seats)
-            v[c + 1] = max(0, v[c + 1] - 1)
-            if list_bytes:
-                v[self._list_off + 2 * me] = max(0, v[self._list_off + 2 * me] - list_bytes)
-                v[self._list_off + 2 * me + 1] = max(0, v[self._list_off + 2 * me + 1] - 1)
-                wake = self._waiting_anywhere(v)
-            else:
-                nxt = self._next_waiting(v, b)
-                if nxt is not None and nxt != me:
-                    wake = [nxt]
-        finally:
-            fcntl.lockf(fd, fcntl.LOCK_UN)
-        for w in wake:
-            self.signal(w)
+        c = b + _HEAD + me * _PER_WORKER
+        v[c] = max(0, v[c] - seats)
+        v[c + 1] = max(0, v[c + 1] - 1)
+        if list_bytes:
+            v[self._list_off + 2 * me] = max(0, v[self._list_off + 2 * me] - list_bytes)
+            v[self._list_off + 2 * me + 1] = max(0, v[self._list_off + 2 * me + 1] - 1)
+            for w in self._waiting_anywhere(v):
+                self.signal(w)
+            return
+        nxt = self._next_waiting(v, b)
+        if nxt is not None and nxt != me:
+            self.signal(nxt)
 
     def _next_waiting(self, v: memoryview, b: int) -> int | None:
         best: tuple[int, int] | None = None
