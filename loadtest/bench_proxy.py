@@ -19,6 +19,13 @@ Needs Debian's ``haproxy`` and ``nghttp2-client`` (h2load). Three parts:
    ``apiserver_request_total``. A connection balancer leaves it idle; per-request
    balancing gives it its third back.
 
+4. **Open loop, closed loop, CPU per request, workers** (``--only-modes`` runs just this):
+   fixed rates (``--rates 200,600``) with p50/p99; closed loop with the proxy's CPU per
+   request (utime+stime of the proxy and its workers from /proc); ``--workers 1`` beside
+   HAProxy ``nbthread 1`` and ``--workers 2`` beside ``nbthread 2``; throughput by worker
+   count (``--workers-table 1,2,3``). Gatekeeper runs with the flow-control policy
+   ``sandbox up --with-proxy`` deploys; HAProxy in HTTP mode with TLS on both sides.
+
 Restarting apiserver 3 updates sandbox.json, so ``sandbox down`` still stops it.
 """
 
@@ -82,21 +89,33 @@ class Env:
                         "--clusterrole=cluster-admin", "--serviceaccount=default:gk-bench"], capture_output=True)
         self.token = sh(self.kubectl, "--kubeconfig", kc, "create", "token", "gk-bench", "--duration=2h").stdout.strip()
 
-    def start_gatekeeper(self) -> None:
-        gk = ProxyProcess(self.state, self.work, name="bench-proxy", health_interval=0.5,
-                          user_config={"flowControl": {"enabled": False}})
+    def start_gatekeeper(self, name: str = "bench-proxy", workers: int | None = None,
+                         deployed_flow_control: bool = False) -> tuple[str, int]:
+        """A gatekeeper proxy; ``deployed_flow_control`` gives it the policy ``sandbox up --with-proxy`` deploys."""
+        flow: dict[str, Any] = {"enabled": False}
+        if deployed_flow_control:
+            from gatekeeper.sandbox.with_proxy import default_flow_control
+
+            flow = default_flow_control() or {}
+        work = self.work / name
+        work.mkdir(exist_ok=True)
+        gk = ProxyProcess(self.state, work, name=name, health_interval=0.5, user_config={"flowControl": flow},
+                          workers=workers if workers is not None else 1)
         try:
             gk.start(timeout=120)
         finally:
             if gk.proc is not None:
                 self.procs.append(gk.proc)  # stop() ends it even if it never became ready
         assert gk.proc is not None
-        self.gk_pid, self.gk_url = gk.proc.pid, gk.url
+        if name == "bench-proxy":
+            self.gk_pid, self.gk_url = gk.proc.pid, gk.url
+        return gk.url, gk.proc.pid
 
-    def start_haproxy(self) -> None:
+    def start_haproxy(self, nbthread: int = 1, name: str = "haproxy") -> tuple[str, int]:
+        """HAProxy with ``nbthread`` threads; returns (HTTP-mode URL, pid)."""
         pki = PKI(self.certs)
-        serving = pki.issue_serving("bench-haproxy", dns=["localhost"], ips=["127.0.0.1"])
-        pem = self.work / "haproxy-serving.pem"
+        serving = pki.issue_serving(f"bench-{name}", dns=["localhost"], ips=["127.0.0.1"])
+        pem = self.work / f"{name}-serving.pem"
         pem.write_bytes(serving.cert.read_bytes() + serving.key.read_bytes())
         fp = self.work / "front-proxy.pem"
         fp.write_bytes((self.certs / "front-proxy-client.crt").read_bytes()
@@ -105,8 +124,8 @@ class Env:
         ca = self.certs / "ca.crt"
         servers = [re.sub(r"^https://", "", u) for u in self.backends]
         cfg = [
-            "global", "  maxconn 4000", "defaults", "  timeout connect 5s", "  timeout client 1h",
-            "  timeout server 1h", "  timeout tunnel 1h",
+            "global", "  maxconn 4000", f"  nbthread {nbthread}", "defaults", "  timeout connect 5s",
+            "  timeout client 1h", "  timeout server 1h", "  timeout tunnel 1h",
             "frontend ft_tcp", "  mode tcp", f"  bind 127.0.0.1:{tcp}", "  default_backend bk_tcp",
             "backend bk_tcp", "  mode tcp", "  balance leastconn",
             *[f"  server a{i} {s} check inter 500ms fall 2 rise 1" for i, s in enumerate(servers, 1)],
@@ -120,17 +139,19 @@ class Env:
             *[f"  server h{i} {s} ssl verify required ca-file {ca} crt {fp} check inter 500ms fall 2 rise 1"
               for i, s in enumerate(servers, 1)],
         ]
-        path = self.work / "haproxy.cfg"
+        path = self.work / f"{name}.cfg"
         path.write_text("\n".join(cfg) + "\n")
-        log = (self.work / "haproxy.log").open("ab")
+        log = (self.work / f"{name}.log").open("ab")
         proc = subprocess.Popen(["haproxy", "-db", "-f", str(path)], stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         self.procs.append(proc)
-        self.hap_pid = proc.pid
-        self.hap_tcp_url, self.hap_http_url = f"https://127.0.0.1:{tcp}", f"https://127.0.0.1:{http}"
+        if name == "haproxy":
+            self.hap_pid = proc.pid
+            self.hap_tcp_url, self.hap_http_url = f"https://127.0.0.1:{tcp}", f"https://127.0.0.1:{http}"
         time.sleep(1.5)
         if proc.poll() is not None:
-            sys.exit(f"haproxy failed: {(self.work / 'haproxy.log').read_text()[-2000:]}")
+            sys.exit(f"haproxy failed: {(self.work / f'{name}.log').read_text()[-2000:]}")
+        return f"https://127.0.0.1:{http}", proc.pid
 
     def stop(self) -> None:
         for p in self.procs:
@@ -157,9 +178,10 @@ def wait_ok(url: str, ctx: ssl.SSLContext | None, timeout: float = 120) -> None:
 
 # --- 1. throughput ------------------------------------------------------------------------------
 
-def h2load(env: Env, base: str, n: int, clients: int, streams: int) -> dict[str, float]:
+def h2load(env: Env, base: str, n: int, clients: int, streams: int, rps: int = 0) -> dict[str, float]:
     log = Path(tempfile.mktemp(dir=env.work, suffix=".h2load"))
-    out = sh("h2load", "-n", str(n), "-c", str(clients), "-m", str(streams), "-H",
+    rate = [f"--rps={rps}"] if rps else []
+    out = sh("h2load", *rate, "-n", str(n), "-c", str(clients), "-m", str(streams), "-H",
              f"authorization: Bearer {env.token}", "-H", "accept: application/json",
              f"--log-file={log}", f"{base}/api/v1/namespaces/default").stdout
     m = re.search(r"finished in ([\d.]+)(m?s), ([\d.]+) req/s", out)
@@ -295,6 +317,96 @@ async def share_after_restart(
     return [d / total for d in delta], errors
 
 
+# --- 4. open loop, closed loop, CPU per request, workers ----------------------------------------
+
+def tree_pids(root: int) -> list[int]:
+    """``root`` and its descendants (the proxy's supervisor and workers)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, []))
+    return out
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """utime + stime of ``pids`` from /proc/PID/stat."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total / tick
+
+
+def load_average() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def open_loop(env: Env, base: str, rate: int, seconds: float, clients: int = 4) -> dict[str, float]:
+    """``rate`` req/s for ``seconds`` (h2load --rps per client), p50/p99 of the requests' latency."""
+    return h2load(env, base, int(rate * seconds), clients, 8, rps=max(1, rate // clients))
+
+
+def closed_loop(env: Env, base: str, pid: int, n: int, clients: int, streams: int) -> dict[str, float]:
+    """Closed loop plus the proxy's CPU (all its processes) per request."""
+    pids = tree_pids(pid)
+    cpu0 = cpu_seconds(pids)
+    r = h2load(env, base, n, clients, streams)
+    r["cpu_ms"] = (cpu_seconds(pids) - cpu0) * 1000 / max(1.0, r["ok2xx"])
+    return r
+
+
+def modes(env: Env, args: argparse.Namespace) -> None:
+    """Open loop at fixed rates, closed loop with CPU per request, and throughput by worker count,
+    each beside HAProxy HTTP mode (same TLS on both sides) in the same run, flow control as deployed."""
+    counts = sorted({1, 2, *args.workers_table})
+    gk = {w: env.start_gatekeeper(f"gk-w{w}", workers=w, deployed_flow_control=True) for w in counts}
+    hap = {t: env.start_haproxy(nbthread=t, name=f"hap-t{t}") for t in (1, 2)}
+    for url, _ in [*gk.values(), *hap.values()]:
+        h2load(env, url, 400, 4, 4)  # warm-up: connections, pools, caches
+    print(f"\nload average before: {load_average()}")
+    if "rates" not in args.skip:
+        print(f"\n== open loop: fixed rates, {args.rate_seconds:.0f} s each (h2load --rps, 4 connections) ==")
+        for rate in args.rates:
+            for w, t in ((1, 1), (2, 2)):
+                g = open_loop(env, gk[w][0], rate, args.rate_seconds)
+                h = open_loop(env, hap[t][0], rate, args.rate_seconds)
+                print(f"{rate:4d} req/s  gatekeeper --workers {w}: p50 {g['p50']:6.2f} p99 {g['p99']:6.2f} ms | "
+                      f"haproxy nbthread {t}: p50 {h['p50']:6.2f} p99 {h['p99']:6.2f} ms | "
+                      f"ratio p50 x{g['p50'] / h['p50']:.2f} p99 x{g['p99'] / h['p99']:.2f}")
+    if "closed" not in args.skip:
+        n, c, m = args.requests, args.clients, args.streams
+        print(f"\n== closed loop: h2load -n {n} -c {c} -m {m}; proxy CPU per request from /proc ==")
+        res: dict[str, dict[str, float]] = {}
+        for w in counts:
+            res[f"gk{w}"] = closed_loop(env, gk[w][0], gk[w][1], n, c, m)
+        for t in (1, 2):
+            res[f"hap{t}"] = closed_loop(env, hap[t][0], hap[t][1], n, c, m)
+        for key, r in res.items():
+            label = f"gatekeeper --workers {key[2:]}" if key.startswith("gk") else f"haproxy nbthread {key[3:]}"
+            print(f"{label:24s} {r['rps']:7.0f} req/s  p50 {r['p50']:6.2f} p99 {r['p99']:6.2f} ms  "
+                  f"CPU {r['cpu_ms']:.3f} ms/req  failed {r['failed']:.0f}")
+        for w, t in ((1, 1), (2, 2)):
+            g, h = res[f"gk{w}"], res[f"hap{t}"]
+            print(f"workers {w} / nbthread {t}: throughput x{g['rps'] / h['rps']:.2f}, CPU per request "
+                  f"x{g['cpu_ms'] / max(h['cpu_ms'], 1e-6):.1f}, p50 x{g['p50'] / h['p50']:.2f}")
+        base = res["gk1"]["rps"]
+        print("throughput by workers: " + ", ".join(f"{w}: x{res[f'gk{w}']['rps'] / base:.2f}" for w in counts))
+    print(f"load average after: {load_average()}")
+
+
 # --- main ---------------------------------------------------------------------------------------
 
 def main() -> None:
@@ -307,12 +419,23 @@ def main() -> None:
     ap.add_argument("--share-clients", type=int, default=12, help="long-lived clients in the restart scenario")
     ap.add_argument("--share-window", type=float, default=10.0, help="seconds measured after the restart")
     ap.add_argument("--down-seconds", type=float, default=8.0, help="how long apiserver 3 stays down")
-    ap.add_argument("--skip", action="append", default=[], choices=["throughput", "memory", "share"])
+    ap.add_argument("--skip", action="append", default=[],
+                    choices=["throughput", "memory", "share", "rates", "closed"])
+    ap.add_argument("--only-modes", action="store_true",
+                    help="run only the open-loop / closed-loop / workers comparison (skip parts 1-3)")
+    ap.add_argument("--rates", type=lambda v: [int(x) for x in v.split(",")], default=[200, 600],
+                    help="open-loop rates in req/s (comma-separated)")
+    ap.add_argument("--rate-seconds", type=float, default=10.0, help="seconds per open-loop rate")
+    ap.add_argument("--workers-table", type=lambda v: [int(x) for x in v.split(",")], default=[1, 2],
+                    help="gatekeeper worker counts for the closed-loop table (1 and 2 always run)")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="gk-bench-"))
     env = Env(args.state_dir, work)
     env.make_token()
     try:
+        if args.only_modes:
+            modes(env, args)
+            return
         env.start_gatekeeper()
         env.start_haproxy()
         targets = {"direct": env.backends[0], "gatekeeper": env.gk_url, "haproxy-tcp": env.hap_tcp_url,
@@ -354,6 +477,8 @@ def main() -> None:
                                                                  args.share_window, args.down_seconds))
                 print(f"{name:13s} shares " + " ".join(f"{s:5.1%}" for s in shares)
                       + f"   apiserver-3 / even: x{shares[2] * 3:.2f}   client errors: {errors}")
+        if not {"rates", "closed"} <= set(args.skip):
+            modes(env, args)
     finally:
         env.stop()
         print(f"\n(logs and configs in {work}; p50/p99 from h2load --log-file; "

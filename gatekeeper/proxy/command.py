@@ -37,6 +37,11 @@ def register(sub: Any) -> None:
         ),
     )
     p.add_argument("--config", required=True, type=Path, help="YAML config file with a proxy: section")
+    p.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="worker processes sharing the port (default proxy.workers; 0 = one per usable core)")
+    for hidden in ("--worker-index", "--worker-port"):  # set by the supervisor (proxy/workers.py)
+        p.add_argument(hidden, type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--runtime-dir", type=Path, default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=_run)
 
 
@@ -67,9 +72,20 @@ def _check_files(settings: ProxySettings) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from gatekeeper.config import load_config
+    from gatekeeper.proxy import workers
 
     settings: ProxySettings = load_config(args.config, need="proxy").proxy
     _check_files(settings)
+    if args.worker_index is not None and args.runtime_dir is not None and args.worker_port is not None:
+        workers.run_worker(settings, args.worker_index, args.runtime_dir, args.worker_port)
+        return 0
+    if args.workers is not None and args.workers < 0:
+        from gatekeeper.cli import UsageError
+
+        raise UsageError("--workers: must be >= 0 (0 = one per usable core)")
+    n = workers.worker_count(settings, args.workers)
+    if n > 1:
+        return workers.supervise(settings, args.config, n)
     try:
         import uvloop
 
@@ -119,8 +135,15 @@ def metrics_app(ready: Callable[[], bool]) -> web.Application:
         return web.Response(status=503, text="no healthy backend, the listener is not serving yet, or it is "
                                              "shutting down")
 
+    async def worker_page(request: web.Request) -> web.Response:
+        """This process's own samples, whatever ``metrics.render`` became (the supervisor merges them)."""
+        from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+
+        return web.Response(body=generate_latest(REGISTRY), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
     app = web.Application()
     app.router.add_get("/metrics", get_metrics)
+    app.router.add_get("/metrics/worker", worker_page)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/livez", healthz)
     app.router.add_get("/readyz", readyz)
@@ -145,8 +168,11 @@ async def run(
     *,
     on_ready: Callable[[dict[str, Any]], None] | None = None,
     serve: Callable[..., Awaitable[Any]] | None = None,
+    setup: Callable[[Any, Any], None] | None = None,
 ) -> None:
-    """Run until the listener returns (SIGTERM drained); ``on_ready`` gets the bound URLs."""
+    """Run until the listener returns (SIGTERM drained); ``on_ready`` gets the bound URLs.
+
+    ``setup(flow_control, pipeline)`` runs before the listener starts (a worker attaches its seat ledger)."""
     from gatekeeper.proxy.pipeline import build
 
     if serve is None:
@@ -157,6 +183,8 @@ async def run(
     pipeline = build(settings, flow_control=flow)
     await _maybe(flow, "start")
     await pipeline.start()
+    if setup is not None:
+        setup(flow, pipeline)
     listening = asyncio.Event()
     draining = asyncio.Event()
     runner: web.AppRunner | None = None

@@ -17,6 +17,7 @@ CLIENT_CONNECTIONS = Gauge(
     "gatekeeper_proxy_client_connections",
     "Open client connections, by negotiated protocol (h2 or http/1.1).",
     ["protocol"],
+    multiprocess_mode="livesum",  # with --workers: the sum over live workers
 )
 CLIENT_CONNECTIONS_ACCEPTED = Counter(
     "gatekeeper_proxy_client_connections_accepted",

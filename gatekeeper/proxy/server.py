@@ -133,7 +133,7 @@ class ProxyServer:
         infos = await loop.getaddrinfo(lst.address, lst.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         port = lst.port
         for family, *_, addr in dict.fromkeys((i[0], i[4][0]) for i in infos):
-            sock = socket.create_server((addr, port), family=family, backlog=1024)
+            sock = socket.create_server((addr, port), family=family, backlog=1024, reuse_port=lst.reuse_port)
             sock.setblocking(False)
             port = int(sock.getsockname()[1])  # port 0: every address shares the first one's port
             self._sockets.append(sock)

@@ -44,6 +44,8 @@ class ListenerSettings:
     """Client connections open at once (handshaking included); more are closed at accept (counted)."""
     cert_check_interval_seconds: float = 2.0
     """How often certFile/keyFile/clientCaFile are checked for changes (new handshakes use them)."""
+    reuse_port: bool = False
+    """Bind the TLS port with SO_REUSEPORT (set by the worker supervisor, see ``proxy/workers.py``)."""
 
     def validate(self) -> None:
         if not self.cert_file or not self.key_file:
@@ -162,7 +164,13 @@ class ProxySettings:
     backends: list[BackendSettings] = field(default_factory=list)
     upstream: UpstreamSettings = field(default_factory=UpstreamSettings)
     flow_control: FlowControlSettings = field(default_factory=FlowControlSettings)
+    workers: int = 0
+    """Worker processes sharing the TLS port (0 = one per usable core, at most maxWorkers; 1 = no supervisor)."""
+    max_workers: int = 8
+    """Cap on the automatic worker count (an explicit ``workers``/``--workers`` may exceed it)."""
 
     def validate(self) -> None:
         if not self.backends:
             raise ValueError("backends: at least one apiserver URL is required")
+        if self.workers < 0 or self.max_workers < 1:
+            raise ValueError("workers must be >= 0 (0 = one per usable core) and maxWorkers >= 1")

@@ -52,6 +52,8 @@ def register(sub: Any) -> None:
     u.add_argument("--proxy-goaway-chance", type=float, default=None,
                    help="GOAWAY probability per request for the proxy add-on")
     u.add_argument("--proxy-config", default=None, help="YAML config file for the proxy add-on")
+    u.add_argument("--proxy-workers", type=non_negative_int, default=None,
+                   help="worker processes of the proxy add-on (default proxy.workers: one per usable core)")
     u.set_defaults(func=_up)
 
     s = ssub.add_parser("status", help="show each sandbox process and its health")

@@ -6,6 +6,7 @@ without relying on how pytest puts conftest files on ``sys.path``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -97,14 +98,16 @@ class ProxyProcess:
 
     def __init__(self, state: SandboxState, workdir: Path, *, name: str = "proxy-test",
                  backends: list[str] | None = None, user_config: dict[str, Any] | None = None,
-                 goaway_chance: float | None = None, health_interval: float | None = None) -> None:
+                 goaway_chance: float | None = None, health_interval: float | None = None,
+                 workers: int | None = None) -> None:
         serving = PKI(state.certs_dir).issue_serving(f"{name}-{uuid.uuid4().hex[:6]}", dns=["localhost"],
                                                      ips=["127.0.0.1"])
         self.port, self.metrics_port = processes.free_port(), processes.free_port()
         view = SandboxState(dir=state.dir, certs_dir=state.certs_dir,
                             apiserver_urls=backends or list(state.apiserver_urls))
         config = build_config(view, port=self.port, metrics_port=self.metrics_port, serving_cert=serving.cert,
-                              serving_key=serving.key, goaway_chance=goaway_chance, user_config=user_config or {})
+                              serving_key=serving.key, goaway_chance=goaway_chance, user_config=user_config or {},
+                              workers=workers)
         if health_interval is not None:
             config["proxy"]["upstream"]["healthIntervalSeconds"] = health_interval
         self.config_path = workdir / "proxy.yaml"
@@ -165,3 +168,78 @@ class ProxyProcess:
             if all(got.get(k) == v for k, v in labels.items()):
                 total += float(m.group(2))
         return total
+
+
+class WireH2:
+    """A bare HTTP/2 client on a blocking TLS socket, for tests that must see frames.
+
+    It records every GOAWAY and never grants flow-control window beyond the initial
+    64 KiB, so a large response stalls inside the proxy: the request keeps its
+    flow-control seats for as long as the test wants.
+    """
+
+    def __init__(self, url: str, ctx: ssl.SSLContext, timeout: float = 10.0) -> None:
+        import socket
+        from urllib.parse import urlsplit
+
+        import h2.config
+        import h2.connection
+
+        parts = urlsplit(url)
+        self.host, port = parts.hostname or "127.0.0.1", parts.port or 443
+        ctx.set_alpn_protocols(["h2"])
+        raw = socket.create_connection((self.host, port), timeout)
+        self.sock = ctx.wrap_socket(raw, server_hostname=self.host)
+        self.conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
+        self.conn.initiate_connection()
+        self.sock.sendall(self.conn.data_to_send())
+        self.status: dict[int, int] = {}
+        self.ended: set[int] = set()
+        self.goaway: tuple[int, int] | None = None
+        """(error code, last stream id) of the server's GOAWAY."""
+        self.closed = False
+
+    def request(self, path: str, method: str = "GET") -> int:
+        sid = int(self.conn.get_next_available_stream_id())
+        self.conn.send_headers(sid, [(":method", method), (":path", path), (":scheme", "https"),
+                                     (":authority", self.host)], end_stream=True)
+        self.sock.sendall(self.conn.data_to_send())
+        return sid
+
+    def read_until(self, done: Callable[[], bool], timeout: float = 10.0) -> bool:
+        """Read frames until ``done()`` or the connection closes; True if ``done()``."""
+        import h2.events
+
+        deadline = time.monotonic() + timeout
+        while not done():
+            left = deadline - time.monotonic()
+            if left <= 0 or self.closed:
+                return False
+            self.sock.settimeout(min(left, 1.0))
+            try:
+                data = self.sock.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError:
+                data = b""
+            if not data:
+                self.closed = True
+                return done()
+            for ev in self.conn.receive_data(data):
+                if isinstance(ev, h2.events.ResponseReceived):
+                    headers: dict[Any, Any] = dict(ev.headers or [])
+                    self.status[int(ev.stream_id or 0)] = int(headers[":status"])
+                elif isinstance(ev, h2.events.StreamEnded | h2.events.StreamReset):
+                    self.ended.add(int(ev.stream_id or 0))
+                elif isinstance(ev, h2.events.ConnectionTerminated):
+                    self.goaway = (int(ev.error_code or 0), int(ev.last_stream_id or 0))
+            out = self.conn.data_to_send()
+            if out:
+                with contextlib.suppress(OSError):
+                    self.sock.sendall(out)
+        return True
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+        self.closed = True

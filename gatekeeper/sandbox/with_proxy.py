@@ -13,6 +13,7 @@ Called by ``sandbox up`` once the control plane is healthy. It
   ``sandbox.json`` (``sandbox down`` stops it like any other process), and
 * writes ``DIR/proxy.kubeconfig``: the admin client certificate, server = the proxy.
 
+``--proxy-workers N`` sets ``workers`` (N processes on the port, ``proxy/workers.py``).
 ``--proxy-goaway-chance P`` sets ``protocol.goawayChance`` (values above
 kube-apiserver's 0.02 cap turn on the test-only override). ``--proxy-config
 FILE`` is a gatekeeper config whose ``proxy:`` section is merged over the
@@ -72,7 +73,7 @@ def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
 
 def build_config(
     state: SandboxState, *, port: int, metrics_port: int, serving_cert: Path, serving_key: Path,
-    goaway_chance: float | None = None, user_config: dict[str, Any] | None = None,
+    goaway_chance: float | None = None, user_config: dict[str, Any] | None = None, workers: int | None = None,
 ) -> dict[str, Any]:
     """The whole config file (``{"proxy": {...}}``) for the sandbox proxy; pure, unit-testable."""
     certs = SandboxPKI(Path(state.certs_dir))
@@ -101,6 +102,8 @@ def build_config(
         if goaway_chance > MAX_GOAWAY_CHANCE:
             protocol["allowUnsafeGoawayChance"] = True
         proxy["protocol"] = protocol
+    if workers is not None:
+        proxy["workers"] = workers
     return {"proxy": proxy}
 
 
@@ -126,6 +129,7 @@ def start(state: SandboxState, args: argparse.Namespace) -> None:
         state, port=port, metrics_port=metrics_port, serving_cert=serving.cert, serving_key=serving.key,
         goaway_chance=getattr(args, "proxy_goaway_chance", None),
         user_config=_user_config(getattr(args, "proxy_config", None)),
+        workers=getattr(args, "proxy_workers", None),
     )
     config_path = directory / "proxy" / "config.yaml"
     config_path.parent.mkdir(parents=True, exist_ok=True)

@@ -205,7 +205,9 @@ class ProxyProcess:
 
 
 @contextlib.contextmanager
-def run_proxy(state: SandboxState, directory: Path, flow_control: dict[str, Any] | None) -> Iterator[ProxyProcess]:
+def run_proxy(
+    state: SandboxState, directory: Path, flow_control: dict[str, Any] | None, workers: int | None = None
+) -> Iterator[ProxyProcess]:
     from gatekeeper.proxy.settings import ListenerSettings, UpstreamSettings
 
     certs = SandboxPKI(Path(state.certs_dir))
@@ -231,6 +233,8 @@ def run_proxy(state: SandboxState, directory: Path, flow_control: dict[str, Any]
         ),
         "flowControl": flow_control if flow_control is not None else {"enabled": False},
     }
+    if workers is not None:
+        proxy["workers"] = workers
     directory.mkdir(parents=True, exist_ok=True)
     cfg = directory / "proxy.yaml"
     cfg.write_text(yaml.safe_dump({"proxy": proxy}, sort_keys=False))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 from gatekeeper.proxy.flowcontrol.objects import FlowSchema, PriorityLevel
@@ -51,6 +51,9 @@ class Limits:
 class FlowController:
     """Holds the policy, one LevelState per priority level, the size estimator and the LIST byte budget."""
 
+    level_factory: Callable[[PriorityLevel, int, ListBudget], LevelState] = LevelState
+    """Builds each level's state; worker processes swap in ``ledger.LedgerLevel`` (proxy-wide seats)."""
+
     def __init__(self, policy: Policy, limits: Limits | None = None) -> None:
         self.limits = limits or Limits()
         self.estimator = SizeEstimator(self.limits.bytes_per_seat, self.limits.max_seats)
@@ -79,7 +82,7 @@ class FlowController:
             else:
                 if old is not None:
                     self.draining.append(old)
-                levels[name] = LevelState(spec, limit, self.budget)
+                levels[name] = self.level_factory(spec, limit, self.budget)
         self.draining.extend(self.levels.values())
         self.levels = levels
         self.draining = [lv for lv in self.draining if not lv.idle]

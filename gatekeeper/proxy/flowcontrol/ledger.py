@@ -1,0 +1,391 @@
+"""Proxy-wide seats for N worker processes: a shared-memory ledger under a file lock.
+
+Each worker keeps its own queues (shuffle sharding and fair queuing among the
+flows it sees, ``queueset.py``); only *seats* are proxy-wide. A worker may
+start a request in a level when the seats held by every worker, plus the
+request's, fit the level's limit (the same rule as one process: a request
+wider than the limit still runs alone), and the LIST byte budget is checked
+the same way across workers.
+
+Layout of the ledger file (mmap, shared by the supervisor and its workers):
+a table of level names, then per level ``[last_granted, peak, V]`` and per
+worker ``[seats, holders, waiting, active queues, virtual time]``, then per
+worker ``[list_bytes, list_count]``. Each worker writes only its own
+column. Taking seats (check the sum, then charge) holds one POSIX record
+lock (``fcntl.lockf``) on the file; giving them back needs none. The kernel
+drops the lock when its holder dies, so a worker killed in the middle of a
+decision cannot wedge the others, and the supervisor zeroes a dead worker's
+columns (:meth:`SeatLedger.clear_worker`): its seats are released at once.
+
+Fairness across workers: start-time fair queuing between workers, each
+weighted by its number of non-empty queues in the level. When others have
+requests waiting, a free seat goes to the waiting worker with the lowest
+virtual time; a grant advances the winner's virtual time by
+``1 / its non-empty queues``, and a worker whose queues were empty starts at
+the level's current virtual time. Inside the winner, the local fair queuing
+picks the queue. Every non-empty queue of the proxy therefore gets about the
+same share of a contended level, as with one process (upstream APF's unit of
+fairness is the queue too). A worker that is not next is refused and the next
+one is woken through its datagram socket (``wake-N.sock`` beside the ledger);
+a 50 ms poll in every worker with waiting requests backs up lost wake-ups.
+(A level whose queue geometry changed on reload briefly has two local states
+with one ledger column; the fairness weight then follows the newer one.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import mmap
+import os
+import socket
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from gatekeeper.proxy.flowcontrol.objects import PriorityLevel
+from gatekeeper.proxy.flowcontrol.queueset import LevelState, ListBudget, Ticket
+
+if TYPE_CHECKING:
+    from gatekeeper.proxy.flowcontrol.middleware import FlowControl
+
+MAX_LEVELS = 64
+NAME_BYTES = 64
+_HEADER = 3  # magic, workers, levels
+_MAGIC = 0x6B6C6564676572  # "ledger"
+_HEAD = 3  # per level: last_granted, peak holders, virtual time V
+_PER_WORKER = 5  # seats, holders, waiting, active queues, virtual time
+_SEATS, _HOLDERS, _WAITING, _ACTIVE, _VT = 0, 1, 2, 3, 4
+VT_SCALE = 1 << 20
+"""One grant to a worker with one active queue advances its virtual time by this much."""
+
+
+def _name_key(name: str) -> bytes:
+    raw = name.encode()
+    if len(raw) <= NAME_BYTES:
+        return raw.ljust(NAME_BYTES, b"\0")
+    return raw[:NAME_BYTES - 16] + hashlib.sha256(raw).hexdigest()[:16].encode()
+
+
+class SeatLedger:
+    """One mmap'ed ledger file; ``worker`` is this process's column (-1 in the supervisor)."""
+
+    def __init__(self, path: Path, worker: int = -1) -> None:
+        self.path = Path(path)
+        self.worker = worker
+        self._fd = os.open(self.path, os.O_RDWR)
+        self._mm = mmap.mmap(self._fd, os.fstat(self._fd).st_size)
+        head = memoryview(self._mm)[: _HEADER * 8].cast("q")
+        if head[0] != _MAGIC:
+            raise ValueError(f"{self.path}: not a seat ledger")
+        self.workers = int(head[1])
+        self.levels = int(head[2])
+        self._names_off = _HEADER * 8
+        ints_off = self._names_off + self.levels * NAME_BYTES
+        self._ints = memoryview(self._mm)[ints_off:].cast("q")
+        self._row = _HEAD + self.workers * _PER_WORKER
+        self._list_off = self.levels * self._row
+        self._slots: dict[str, int] = {}
+        self._wake: socket.socket | None = None
+
+    @classmethod
+    def create(cls, path: Path, workers: int, levels: int = MAX_LEVELS) -> SeatLedger:
+        """The supervisor's call: a zeroed ledger for ``workers`` columns."""
+        size = 8 * (_HEADER + levels * (_HEAD + workers * _PER_WORKER) + 2 * workers) + levels * NAME_BYTES
+        with open(path, "wb") as f:
+            f.write(b"\0" * size)
+        fd = os.open(path, os.O_RDWR)
+        try:
+            with mmap.mmap(fd, size) as mm:
+                head = memoryview(mm)[: _HEADER * 8].cast("q")
+                head[0], head[1], head[2] = _MAGIC, workers, levels
+                head.release()
+        finally:
+            os.close(fd)
+        return cls(path, -1)
+
+    def close(self) -> None:
+        self._ints.release()
+        self._mm.close()
+        os.close(self._fd)
+        if self._wake is not None:
+            self._wake.close()
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[memoryview]:
+        fcntl.lockf(self._fd, fcntl.LOCK_EX)
+        try:
+            yield self._ints
+        finally:
+            fcntl.lockf(self._fd, fcntl.LOCK_UN)
+
+    # -- levels ---------------------------------------------------------------------------------
+    def slot(self, name: str) -> int:
+        """The level's row, found or allocated (levels are matched by name across workers)."""
+        got = self._slots.get(name)
+        if got is not None:
+            return got
+        key = _name_key(name)
+        with self._locked():
+            for i in range(self.levels):
+                off = self._names_off + i * NAME_BYTES
+                cur = self._mm[off:off + NAME_BYTES]
+                if cur == key or cur == b"\0" * NAME_BYTES:
+                    self._mm[off:off + NAME_BYTES] = key
+                    self._slots[name] = i
+                    return i
+        raise RuntimeError(f"seat ledger {self.path}: more than {self.levels} priority levels")
+
+    def names(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for i in range(self.levels):
+            off = self._names_off + i * NAME_BYTES
+            raw = self._mm[off:off + NAME_BYTES].rstrip(b"\0")
+            if raw:
+                out[raw.decode(errors="replace")] = i
+        return out
+
+    def _base(self, slot: int) -> int:
+        return slot * self._row
+
+    def _col(self, slot: int, worker: int, field: int) -> int:
+        return slot * self._row + _HEAD + worker * _PER_WORKER + field
+
+    def try_take(self, slot: int, limit: int, seats: int, list_bytes: int, list_cap: int) -> bool:
+        """Take ``seats`` in the level for this worker if they fit proxy-wide and it is this worker's turn.
+
+        The hot path of every non-exempt request: one lock pair, one pass over the worker columns.
+        Turn: among this worker and the others with queued requests, the one with the lowest virtual
+        time (start-time fair queuing across workers, each weighted by its non-empty queues, so every
+        queue in the proxy gets an equal share, as within one worker)."""
+        me = self.worker
+        if limit <= 0:
+            return False
+        v = self._ints
+        b = slot * self._row
+        fd = self._fd
+        fcntl.lockf(fd, fcntl.LOCK_EX)
+        try:
+            total = holders = 0
+            c = b + _HEAD
+            mine = c + me * _PER_WORKER
+            my_vt = max(v[mine + _VT], v[b + 2])
+            turn = me
+            turn_vt = my_vt
+            for w in range(self.workers):
+                total += v[c]
+                holders += v[c + 1]
+                if w != me and v[c + _WAITING] > 0 and v[c + _VT] < turn_vt:
+                    turn, turn_vt = w, v[c + _VT]
+                c += _PER_WORKER
+            if total + seats > limit and holders > 0:
+                return False
+            if list_bytes:
+                used = count = 0
+                for w in range(self.workers):
+                    used += v[self._list_off + 2 * w]
+                    count += v[self._list_off + 2 * w + 1]
+                if count > 0 and used + list_bytes > list_cap:
+                    return False
+            if turn != me:
+                self.signal(turn)
+                return False
+            v[mine] += seats
+            v[mine + 1] += 1
+            v[mine + _VT] = my_vt + VT_SCALE // max(1, v[mine + _ACTIVE])
+            v[b] = me
+            v[b + 2] = my_vt
+            if holders >= v[b + 1]:
+                v[b + 1] = holders + 1
+            if list_bytes:
+                v[self._list_off + 2 * me] += list_bytes
+                v[self._list_off + 2 * me + 1] += 1
+            return True
+        finally:
+            fcntl.lockf(fd, fcntl.LOCK_UN)
+
+    def give(self, slot: int, seats: int, list_bytes: int) -> None:
+        """Return seats taken by :meth:`try_take`; wake the waiting worker whose turn is next.
+
+        No lock: a worker's column is written only by that worker (and by the supervisor once it is
+        dead), and each cell is one aligned 8-byte store. A taker that reads the old, higher value
+        only refuses a seat it could have had, and the wake-up below makes it look again."""
+        me = self.worker
+        v = self._ints
+        b = slot * self._row
+        c = b + _HEAD + me * _PER_WORKER
+        v[c] = max(0, v[c] - seats)
+        v[c + 1] = max(0, v[c + 1] - 1)
+        if list_bytes:
+            v[self._list_off + 2 * me] = max(0, v[self._list_off + 2 * me] - list_bytes)
+            v[self._list_off + 2 * me + 1] = max(0, v[self._list_off + 2 * me + 1] - 1)
+            for w in self._waiting_anywhere(v):
+                self.signal(w)
+            return
+        nxt = self._next_waiting(v, b)
+        if nxt is not None and nxt != me:
+            self.signal(nxt)
+
+    def _next_waiting(self, v: memoryview, b: int) -> int | None:
+        best: tuple[int, int] | None = None
+        for w in range(self.workers):
+            c = b + _HEAD + w * _PER_WORKER
+            if v[c + _WAITING] > 0 and (best is None or v[c + _VT] < best[0]):
+                best = (int(v[c + _VT]), w)
+        return None if best is None else best[1]
+
+    def set_waiting(self, slot: int, waiting: int, active: int) -> None:
+        """This worker's queued requests and non-empty queues in the level (it alone writes them).
+
+        A worker whose queues were empty starts at the level's virtual time, so it neither gets
+        credit for the time it had nothing queued nor falls behind (start-time fair queuing)."""
+        c = self._col(slot, self.worker, 0)
+        v = self._ints
+        if v[c + _WAITING] == 0 and waiting > 0:
+            fcntl.lockf(self._fd, fcntl.LOCK_EX)
+            try:
+                v[c + _VT] = max(v[c + _VT], v[slot * self._row + 2])
+                v[c + _ACTIVE], v[c + _WAITING] = active, waiting
+            finally:
+                fcntl.lockf(self._fd, fcntl.LOCK_UN)
+            return
+        v[c + _ACTIVE], v[c + _WAITING] = active, waiting
+
+    def _waiting_anywhere(self, v: memoryview) -> list[int]:
+        return [w for w in range(self.workers) if w != self.worker
+                and any(v[self._col(s, w, _WAITING)] > 0 for s in range(self.levels))]
+
+    def clear_worker(self, worker: int) -> None:
+        """A worker died: drop its seats, holders and queue counts, and wake whoever waits."""
+        with self._locked() as v:
+            for s in range(self.levels):
+                for f in (_SEATS, _HOLDERS, _WAITING, _ACTIVE):
+                    v[self._col(s, worker, f)] = 0
+            v[self._list_off + 2 * worker] = 0
+            v[self._list_off + 2 * worker + 1] = 0
+            wake = [w for w in range(self.workers) if w != worker
+                    and any(v[self._col(s, w, _WAITING)] > 0 for s in range(self.levels))]
+        for w in wake:
+            self.signal(w)
+
+    def view(self) -> dict[str, dict[str, int]]:
+        """Per level name: proxy-wide seats, holders, waiting and peak holders (for /metrics and tests)."""
+        out: dict[str, dict[str, int]] = {}
+        with self._locked() as v:
+            for name, s in self.names().items():
+                b = self._base(s)
+                out[name] = {
+                    "seats": sum(int(v[self._col(s, w, _SEATS)]) for w in range(self.workers)),
+                    "holders": sum(int(v[self._col(s, w, _HOLDERS)]) for w in range(self.workers)),
+                    "waiting": sum(int(v[self._col(s, w, _WAITING)]) for w in range(self.workers)),
+                    "peak": int(v[b + 1]),
+                }
+        return out
+
+    # -- wake-ups -------------------------------------------------------------------------------
+    def wake_path(self, worker: int) -> str:
+        return str(self.path.with_name(f"wake-{worker}.sock"))
+
+    def bind_wake(self) -> socket.socket:
+        """This worker's wake socket (non-blocking; the caller reads it from its event loop)."""
+        path = self.wake_path(self.worker)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        s.bind(path)
+        s.setblocking(False)
+        self._wake = s
+        return s
+
+    def signal(self, worker: int) -> None:
+        if self._wake is None:
+            self._wake = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            self._wake.setblocking(False)
+        with contextlib.suppress(OSError):  # not bound yet, restarting, or its buffer is full: the poll covers it
+            self._wake.sendto(b"w", self.wake_path(worker))
+
+
+class LedgerLevel(LevelState):
+    """A level whose seats are checked and charged in the shared ledger as well as locally."""
+
+    ledger: SeatLedger
+
+    def __init__(self, spec: PriorityLevel, limit: int, budget: ListBudget, ledger: SeatLedger) -> None:
+        self.ledger = ledger
+        self.slot = ledger.slot(spec.name)
+        self._waiting = 0
+        self.queues = []
+        super().__init__(spec, limit, budget)
+
+    @property
+    def waiting(self) -> int:
+        return self._waiting
+
+    @waiting.setter
+    def waiting(self, n: int) -> None:
+        if n != self._waiting:
+            self._waiting = n
+            active = sum(1 for q in self.queues if q.items) if n else 0
+            self.ledger.set_waiting(self.slot, n, active)
+
+    def _fits(self, t: Ticket) -> bool:
+        return super()._fits(t) and self.ledger.try_take(
+            self.slot, self.limit, t.seats, t.list_bytes, self.budget.cap)
+
+    def release(self, t: Ticket) -> list[Ticket]:
+        if t.holds_seats:
+            self.ledger.give(self.slot, t.seats, t.list_bytes)
+        return super().release(t)
+
+
+POLL_SECONDS = 0.05
+"""Backstop for a lost wake-up: a worker with queued requests retries dispatch this often."""
+
+
+def attach(flow: FlowControl, ledger: SeatLedger) -> Callable[[], None]:
+    """Make a running worker's flow control use the ledger; returns a function that detaches it.
+
+    Levels are rebuilt as :class:`LedgerLevel` (call before any request is admitted), the wake
+    socket is read from the event loop, and queued requests are retried every POLL_SECONDS.
+    """
+    import asyncio
+    import functools
+
+    ctl = flow.controller
+    ctl.level_factory = functools.partial(_ledger_level, ledger=ledger)
+    ctl.levels, ctl.draining = {}, []
+    flow.apply(ctl.policy)
+    loop = asyncio.get_running_loop()
+    sock = ledger.bind_wake()
+
+    def levels() -> list[LevelState]:
+        return [*ctl.levels.values(), *ctl.draining]
+
+    def redispatch() -> None:
+        flow._wake([t for lv in levels() for t in lv.dispatch()])
+
+    def on_wake() -> None:
+        with contextlib.suppress(OSError):
+            while sock.recv(64):
+                pass
+        redispatch()
+
+    async def poll() -> None:
+        while True:
+            await asyncio.sleep(POLL_SECONDS)
+            if any(lv.waiting for lv in levels()):
+                redispatch()
+
+    loop.add_reader(sock.fileno(), on_wake)
+    task = loop.create_task(poll(), name="gatekeeper-ledger-poll")
+
+    def detach() -> None:
+        task.cancel()
+        loop.remove_reader(sock.fileno())
+
+    return detach
+
+
+def _ledger_level(spec: PriorityLevel, limit: int, budget: ListBudget, *, ledger: SeatLedger) -> LevelState:
+    return LedgerLevel(spec, limit, budget, ledger)

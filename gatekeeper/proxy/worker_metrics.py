@@ -1,0 +1,239 @@
+"""One ``/metrics`` page for all proxy workers, served by the supervising parent.
+
+Two kinds of samples, two sources:
+
+* counters, histograms and ``Gauge`` objects are written by every worker to
+  prometheus-client's multiprocess files (``PROMETHEUS_MULTIPROC_DIR``) and read
+  with its ``MultiProcessCollector``: a dead worker's counts stay in the sums;
+* the gauges computed from live state at scrape time (per-backend in-flight,
+  watches, pooled connections, flow control's queues and seats) exist only
+  inside each worker, so the parent fetches each live worker's private page and
+  merges them: summed, except health flags and nominal limits (highest value:
+  every worker reports the same limit), the proxy-wide peak of a level (from the
+  seat ledger, not a sum of per-worker peaks), and the skew ratios, recomputed
+  from the summed per-backend figures, so the skew describes the whole proxy.
+
+Each worker serves its own samples on ``/metrics/worker`` of its private
+listener; its ``/metrics`` (and the admin-only ``/metrics`` on the TLS port)
+renders the same merged page as the parent (:func:`render_in_worker`), so a
+scrape that lands on any worker still sees the whole proxy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import ClientSession, ClientTimeout, web
+
+if TYPE_CHECKING:
+    from gatekeeper.proxy.flowcontrol.ledger import SeatLedger
+    from gatekeeper.proxy.workers import Supervisor
+
+SKEW_INPUT = "gatekeeper_proxy_worker_skew_input"
+"""Hidden per-worker family: in-flight and recent requests per backend, divided by weight (kind label)."""
+_MAX = {
+    "gatekeeper_proxy_backend_up",
+    "gatekeeper_proxy_backend_state",
+    "gatekeeper_flowcontrol_nominal_limit_seats",
+}
+_PEAK = "gatekeeper_flowcontrol_peak_executing_requests"
+_SKEW = {"in_flight": "gatekeeper_proxy_skew_in_flight_ratio", "rate": "gatekeeper_proxy_skew_request_rate_ratio"}
+FETCH_TIMEOUT = 5.0
+
+
+def register_recent_requests(pipeline: Any) -> None:
+    """In a worker: expose the per-backend inputs of the skew ratios, for the parent to sum."""
+    from prometheus_client import REGISTRY
+    from prometheus_client.core import GaugeMetricFamily, Metric
+    from prometheus_client.registry import Collector
+
+    balancer = pipeline.balancer
+
+    class SkewInputs(Collector):
+        def collect(self) -> Iterator[Metric]:
+            fam = GaugeMetricFamily(SKEW_INPUT, "Per-worker skew inputs (merged by the supervisor).",
+                                    labels=["backend", "kind", "eligible"])
+            now = balancer.clock()
+            for b in balancer.backends:
+                eligible = "1" if b.eligible(now) else "0"
+                fam.add_metric([b.name, "in_flight", eligible], b.in_flight / b.weight)
+                fam.add_metric([b.name, "rate", eligible], (b.rate.count() if b.rate else 0) / b.weight)
+            yield fam
+
+    REGISTRY.register(SkewInputs())
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _fmt(name: str, labels: tuple[tuple[str, str], ...], value: float) -> str:
+    inner = ",".join(f'{k}="{_escape(v)}"' for k, v in labels)
+    return f"{name}{{{inner}}} {value!r}" if inner else f"{name} {value!r}"
+
+
+def merge_pages(pages: list[str], skip: set[str], peaks: dict[str, int]) -> str:
+    """Merge the workers' live families (those not in ``skip``) into one text page."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families: dict[str, tuple[str, str, dict[tuple[str, tuple[tuple[str, str], ...]], float]]] = {}
+    for page in pages:
+        for fam in text_string_to_metric_families(page):
+            if fam.name in skip:
+                continue
+            _, _, samples = families.setdefault(fam.name, (fam.type, fam.documentation, {}))
+            for s in fam.samples:
+                key = (s.name, tuple(sorted(s.labels.items())))
+                old = samples.get(key)
+                if old is None:
+                    samples[key] = s.value
+                elif fam.name in _MAX or fam.name == _PEAK or s.name.endswith("_created"):
+                    samples[key] = max(old, s.value)
+                else:
+                    samples[key] = old + s.value
+    inputs = families.pop(SKEW_INPUT, None)
+    if inputs is not None:
+        for kind, name in _SKEW.items():
+            per_backend: dict[str, float] = {}
+            eligible: set[str] = set()
+            for (_, labels), value in inputs[2].items():
+                lab = dict(labels)
+                if lab.get("kind") == kind:
+                    per_backend[lab["backend"]] = per_backend.get(lab["backend"], 0.0) + value
+                    if lab.get("eligible") == "1":
+                        eligible.add(lab["backend"])
+            pool = [v for b, v in per_backend.items() if b in eligible] or list(per_backend.values())
+            if pool and name in families:
+                families[name] = (families[name][0], families[name][1],
+                                  {(name, ()): (max(pool) + 1) / (min(pool) + 1)})
+    if _PEAK in families:
+        samples = families[_PEAK][2]
+        for sname, labels in list(samples):
+            level = dict(labels).get("priority_level", "")
+            if level in peaks:
+                samples[(sname, labels)] = max(peaks[level], 0)
+    out: list[str] = []
+    for name, (typ, doc, samples) in families.items():
+        out.append(f"# HELP {name} {doc}")
+        out.append(f"# TYPE {name} {typ}")
+        out.extend(_fmt(sname, labels, value) for (sname, labels), value in samples.items())
+    return "\n".join(out) + "\n" if out else ""
+
+
+def multiprocess_page() -> tuple[bytes, set[str]]:
+    from prometheus_client import CollectorRegistry, generate_latest, multiprocess
+
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry)
+    names = {m.name for m in registry.collect()}
+    return generate_latest(registry), names
+
+
+async def _fetch(session: ClientSession, url: str) -> str:
+    async with session.get(url) as resp:
+        resp.raise_for_status()
+        return await resp.text()
+
+
+async def render(sup: Supervisor) -> bytes:
+    """The whole proxy's page: multiprocess samples, then the merged live families."""
+    urls = sup.worker_urls()
+    async with ClientSession(timeout=ClientTimeout(total=FETCH_TIMEOUT)) as session:
+        got = await asyncio.gather(*(_fetch(session, f"{u}/metrics/worker") for u in urls), return_exceptions=True)
+    pages = [p for p in got if isinstance(p, str)]
+    mpc, names = multiprocess_page()
+    view = sup.ledger.view()
+    peaks = {name: v["peak"] for name, v in view.items()}
+    return mpc + merge_pages(pages, names, peaks).encode() + supervisor_page(sup, len(urls), view).encode()
+
+
+def render_in_worker(runtime: Path, ledger: SeatLedger) -> tuple[bytes, str]:
+    """A worker's ``/metrics`` (TLS port for admins, and its private listener): the whole proxy's page.
+
+    Synchronous, as ``gatekeeper.proxy.metrics.render`` is: this worker's live page comes from its own
+    registry, the other workers' from their private ``/metrics/worker`` (a short blocking fetch on an
+    admin-only path; never this worker's own listener, which could not answer while it waits)."""
+    import json
+    import os
+    import urllib.request
+
+    from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+
+    pages = [generate_latest(REGISTRY).decode()]
+    for path in sorted(runtime.glob("worker-*.json")):
+        with contextlib.suppress(OSError, ValueError):
+            info = json.loads(path.read_text())
+            if info.get("pid") != os.getpid():
+                with urllib.request.urlopen(f"{info['metricsUrl']}/metrics/worker", timeout=2) as resp:
+                    pages.append(resp.read().decode())
+    mpc, names = multiprocess_page()
+    peaks = {name: v["peak"] for name, v in ledger.view().items()}
+    return mpc + merge_pages(pages, names, peaks).encode(), CONTENT_TYPE_LATEST
+
+
+def supervisor_page(sup: Supervisor, serving: int, view: dict[str, dict[str, int]]) -> str:
+    """The parent's own figures: workers serving, restarts, and the seat ledger (proxy-wide seats)."""
+    lines = [
+        "# HELP gatekeeper_proxy_workers Worker processes configured and serving.",
+        "# TYPE gatekeeper_proxy_workers gauge",
+        _fmt("gatekeeper_proxy_workers", (("state", "configured"),), float(len(sup.slots))),
+        _fmt("gatekeeper_proxy_workers", (("state", "serving"),), float(serving)),
+        "# HELP gatekeeper_proxy_worker_restarts Workers restarted after they died.",
+        "# TYPE gatekeeper_proxy_worker_restarts counter",
+        *(_fmt("gatekeeper_proxy_worker_restarts_total", (("worker", str(s.index)),), float(s.restarts))
+          for s in sup.slots),
+        "# HELP gatekeeper_flowcontrol_ledger_seats Seats in use and requests queued per level, all workers.",
+        "# TYPE gatekeeper_flowcontrol_ledger_seats gauge",
+    ]
+    for name, v in sorted(view.items()):
+        for what in ("seats", "waiting"):
+            lines.append(_fmt("gatekeeper_flowcontrol_ledger_seats", (("priority_level", name), ("what", what)),
+                              float(v[what])))
+    return "\n".join(lines) + "\n"
+
+
+async def ready(sup: Supervisor) -> tuple[bool, str]:
+    """Ready when every worker serves and answers its own ``/readyz``."""
+    urls = sup.worker_urls()
+    if len(urls) < len(sup.slots):
+        return False, f"{len(urls)} of {len(sup.slots)} workers serving"
+    async with ClientSession(timeout=ClientTimeout(total=FETCH_TIMEOUT)) as session:
+        results = await asyncio.gather(*(_fetch(session, f"{u}/readyz") for u in urls), return_exceptions=True)
+    bad = sum(1 for r in results if not isinstance(r, str))
+    return bad == 0, f"{len(urls) - bad} of {len(sup.slots)} workers ready"
+
+
+async def start_parent_listener(sup: Supervisor, address: str, port: int) -> tuple[web.AppRunner, int]:
+    from prometheus_client import CONTENT_TYPE_LATEST
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(body=await render(sup), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def healthz(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def readyz(request: web.Request) -> web.Response:
+        ok, detail = await ready(sup)
+        return web.Response(status=200 if ok else 503, text="ok" if ok else detail)
+
+    async def workers(request: web.Request) -> web.Response:
+        return web.json_response(sup.describe())
+
+    app = web.Application()
+    app.router.add_get("/workers", workers)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/livez", healthz)
+    app.router.add_get("/readyz", readyz)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, address, port)
+    await site.start()
+    bound = port
+    with contextlib.suppress(Exception):
+        bound = int(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
+    return runner, bound

@@ -1,0 +1,296 @@
+"""``gatekeeper proxy --workers N``: N proxy processes on one port under a supervising parent.
+
+Why processes: one Python event loop does TLS, HTTP/2, flow control and the
+upstream client for every request, so one proxy process tops out at one core.
+
+* The parent reserves the TLS port (bound, never listening, so ``port: 0``
+  resolves once) and starts N workers (``python -m gatekeeper proxy`` with
+  hidden ``--worker-index``/``--runtime-dir``), each listening on that port
+  with SO_REUSEPORT: the kernel spreads new connections over them.
+* A worker that dies is restarted in the same slot (backoff up to 10 s), and
+  the seats it held in the flow-control ledger are released at once
+  (``flowcontrol/ledger.py``: the levels' limits are proxy-wide).
+* SIGTERM/SIGINT: every worker drains (GOAWAY, streams finish, exit 0); the
+  parent exits with the worst worker exit code. SIGHUP is forwarded to every
+  worker (flow-control policy reload).
+* The parent serves ``/metrics``, ``/healthz`` and ``/readyz`` on
+  ``listener.metricsPort`` for the whole proxy (``worker_metrics.py``): counters
+  and histograms from prometheus-client's multiprocess files, live gauges
+  summed from the workers' private pages, skew recomputed from the sums.
+* ``GET /workers`` on that port lists each worker (pid, restarts, private metrics URL).
+* A worker whose parent dies gets SIGTERM (``PR_SET_PDEATHSIG``).
+
+The runtime directory (ledger, wake sockets, per-worker ``worker-N.json``
+with its private metrics URL) is a fresh temporary directory removed at exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from gatekeeper.proxy.settings import ProxySettings
+
+log = logging.getLogger("gatekeeper.proxy.workers")
+
+MAX_BACKOFF = 10.0
+STABLE_SECONDS = 10.0
+"""A worker that ran this long before dying is restarted without backoff."""
+PARENT_ENV = "GATEKEEPER_PROXY_PARENT"
+
+
+def usable_cores() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def worker_count(settings: ProxySettings, flag: int | None) -> int:
+    """``--workers`` wins; else ``proxy.workers``; 0 means one per usable core, capped by ``maxWorkers``."""
+    n = flag if flag is not None else settings.workers
+    return n if n > 0 else min(usable_cores(), settings.max_workers)
+
+
+def reserve_port(address: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    s = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        s.bind((address, port))
+    except OSError:
+        s.close()
+        raise
+    return s
+
+
+# ---------------------------------------------------------------------------------------- worker side
+
+def worker_settings(settings: ProxySettings, port: int) -> ProxySettings:
+    """A worker listens on the reserved port with SO_REUSEPORT; its metrics page is private (loopback, any port)."""
+    listener = replace(settings.listener, port=port, reuse_port=True, metrics_address="127.0.0.1", metrics_port=0)
+    return replace(settings, listener=listener)
+
+
+def _die_with_parent() -> None:
+    parent = int(os.environ.get(PARENT_ENV, "0") or 0)
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if parent and os.getppid() != parent:
+        sys.exit(0)  # the parent died before we could ask to follow it
+
+
+def run_worker(settings: ProxySettings, index: int, runtime: Path, port: int) -> None:
+    """One worker: the ordinary proxy, plus the ledger and a ``worker-N.json`` once it serves."""
+    from gatekeeper.proxy.command import run
+
+    _die_with_parent()
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # flow control installs its reload handler; never die of it
+    settings = worker_settings(settings, port)
+
+    def setup(flow: Any, pipeline: Any) -> None:
+        import functools
+
+        from gatekeeper.proxy import metrics
+        from gatekeeper.proxy.flowcontrol.ledger import SeatLedger, attach
+        from gatekeeper.proxy.worker_metrics import register_recent_requests, render_in_worker
+
+        ledger = SeatLedger(runtime / "ledger", index)
+        register_recent_requests(pipeline)
+        metrics.render = functools.partial(render_in_worker, runtime, ledger)  # /metrics shows the whole proxy
+        if flow is not None and getattr(flow, "controller", None) is not None:
+            attach(flow, ledger)
+
+    def on_ready(info: dict[str, Any]) -> None:
+        path = runtime / f"worker-{index}.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"pid": os.getpid(), **info}))
+        tmp.replace(path)
+
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:  # pragma: no cover
+        pass
+    asyncio.run(run(settings, on_ready=on_ready, setup=setup))
+
+
+# ---------------------------------------------------------------------------------------- parent side
+
+@dataclass
+class _Slot:
+    index: int
+    proc: asyncio.subprocess.Process | None = None
+    started: float = 0.0
+    restarts: int = 0
+    quick_deaths: int = 0
+    ready_once: bool = False
+
+
+class Supervisor:
+    """Starts, watches and stops the workers; serves the proxy-wide metrics."""
+
+    def __init__(self, settings: ProxySettings, config: Path, workers: int, runtime: Path, port: int) -> None:
+        self.settings = settings
+        self.config = config
+        self.runtime = runtime
+        self.port = port
+        self.slots = [_Slot(i) for i in range(workers)]
+        self.stopping = asyncio.Event()
+        self.fatal: int | None = None
+        from gatekeeper.proxy.flowcontrol.ledger import SeatLedger
+
+        self.ledger = SeatLedger.create(runtime / "ledger", workers)
+
+    async def _spawn(self, slot: _Slot) -> None:
+        argv = [sys.executable, "-m", "gatekeeper", "proxy", "--config", str(self.config), "--workers", "1",
+                "--worker-index", str(slot.index), "--runtime-dir", str(self.runtime), "--worker-port", str(self.port)]
+        env = {**os.environ, PARENT_ENV: str(os.getpid())}
+        (self.runtime / f"worker-{slot.index}.json").unlink(missing_ok=True)
+        slot.proc = await asyncio.create_subprocess_exec(*argv, env=env, stdin=asyncio.subprocess.DEVNULL)
+        slot.started = time.monotonic()
+        log.info("worker %d started (pid %d)", slot.index, slot.proc.pid)
+
+    async def _watch(self, slot: _Slot) -> None:
+        while True:
+            assert slot.proc is not None
+            code = await slot.proc.wait()
+            pid = slot.proc.pid
+            slot.ready_once = slot.ready_once or (self.runtime / f"worker-{slot.index}.json").exists()
+            self._forget(slot.index, pid)
+            if self.stopping.is_set():
+                return
+            lived = time.monotonic() - slot.started
+            if not slot.ready_once and code == 2:
+                log.error("worker %d exited 2 before serving (a configuration error): stopping", slot.index)
+                self.fatal = 2
+                self.stop()
+                return
+            slot.quick_deaths = 0 if lived >= STABLE_SECONDS else slot.quick_deaths + 1
+            delay = 0.0 if slot.quick_deaths == 0 else min(MAX_BACKOFF, 0.25 * 2 ** slot.quick_deaths)
+            log.warning("worker %d (pid %d) exited with %s after %.1fs; restarting in %.1fs",
+                        slot.index, pid, code, lived, delay)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.stopping.wait(), delay)
+            if self.stopping.is_set():
+                return
+            slot.restarts += 1
+            await self._spawn(slot)
+
+    def _forget(self, index: int, pid: int) -> None:
+        """A worker is gone: release its seats, drop its live-gauge files and its metrics address."""
+        self.ledger.clear_worker(index)
+        with contextlib.suppress(Exception):
+            from prometheus_client import multiprocess
+
+            multiprocess.mark_process_dead(pid)
+        (self.runtime / f"worker-{index}.json").unlink(missing_ok=True)
+
+    def worker_urls(self) -> list[str]:
+        """Private metrics URLs of the live, serving workers."""
+        out = []
+        for slot in self.slots:
+            path = self.runtime / f"worker-{slot.index}.json"
+            with contextlib.suppress(OSError, ValueError):
+                info = json.loads(path.read_text())
+                if slot.proc is not None and info.get("pid") == slot.proc.pid and slot.proc.returncode is None:
+                    slot.ready_once = True
+                    out.append(str(info["metricsUrl"]))
+        return out
+
+    def describe(self) -> list[dict[str, Any]]:
+        """``GET /workers`` on the metrics port: index, pid, restarts and private metrics URL of each worker."""
+        out = []
+        for slot in self.slots:
+            info: dict[str, Any] = {}
+            with contextlib.suppress(OSError, ValueError):
+                info = json.loads((self.runtime / f"worker-{slot.index}.json").read_text())
+            pid = slot.proc.pid if slot.proc is not None else None
+            alive = slot.proc is not None and slot.proc.returncode is None
+            serving = alive and info.get("pid") == pid
+            out.append({"index": slot.index, "pid": pid, "alive": alive, "restarts": slot.restarts,
+                        "metricsUrl": info.get("metricsUrl") if serving else None})
+        return out
+
+    def stop(self) -> None:
+        if self.stopping.is_set():
+            return
+        self.stopping.set()
+        for slot in self.slots:
+            if slot.proc is not None and slot.proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    slot.proc.send_signal(signal.SIGTERM)
+
+    def reload(self) -> None:
+        for slot in self.slots:
+            if slot.proc is not None and slot.proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    slot.proc.send_signal(signal.SIGHUP)
+
+    async def run(self) -> int:
+        from gatekeeper.proxy.worker_metrics import start_parent_listener
+
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, self.stop)
+        loop.add_signal_handler(signal.SIGINT, self.stop)
+        loop.add_signal_handler(signal.SIGHUP, self.reload)
+        for slot in self.slots:
+            await self._spawn(slot)
+        watchers = [loop.create_task(self._watch(s)) for s in self.slots]
+        runner = None
+        lst = self.settings.listener
+        if lst.metrics_port >= 0:
+            runner, mport = await start_parent_listener(self, lst.metrics_address, lst.metrics_port)
+            log.info("proxy metrics for all %d workers on http://%s:%d", len(self.slots), lst.metrics_address, mport)
+        log.info("gatekeeper proxy: %d workers on https://%s:%d", len(self.slots), lst.address, self.port)
+        try:
+            await self.stopping.wait()
+            await asyncio.gather(*watchers, return_exceptions=True)
+            codes = [s.proc.returncode for s in self.slots if s.proc is not None]
+        finally:
+            if runner is not None:
+                await runner.cleanup()
+        if self.fatal is not None:
+            return self.fatal
+        bad = [c for c in codes if c]
+        return max((abs(c) for c in bad), default=0)
+
+
+def supervise(settings: ProxySettings, config: Path, workers: int) -> int:
+    """The parent process: returns the exit code (0 when every worker drained cleanly)."""
+    from gatekeeper.metrics import enable_multiprocess
+
+    inherited = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+    metrics_dir = enable_multiprocess("gatekeeper-proxy-metrics-")
+    runtime = Path(tempfile.mkdtemp(prefix="gatekeeper-proxy-"))
+    lst = settings.listener
+    try:
+        reserved = reserve_port(lst.address, lst.port)
+    except OSError as exc:
+        from gatekeeper.cli import UsageError
+
+        shutil.rmtree(runtime, ignore_errors=True)
+        raise UsageError(f"proxy.listener: cannot listen on {lst.address}:{lst.port}: {exc.strerror or exc}") from None
+    port = int(reserved.getsockname()[1])
+    try:
+        return asyncio.run(Supervisor(settings, config, workers, runtime, port).run())
+    finally:
+        reserved.close()
+        shutil.rmtree(runtime, ignore_errors=True)
+        if not inherited:
+            shutil.rmtree(metrics_dir, ignore_errors=True)

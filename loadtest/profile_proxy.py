@@ -1,0 +1,87 @@
+"""Profile the proxy under closed-loop load: where does the CPU of a small GET go?
+
+Not a test. Starts one gatekeeper proxy (one worker, the flow-control policy
+``sandbox up --with-proxy`` deploys) in front of a running sandbox, drives it with
+h2load (small GETs, bearer token), samples it with py-spy (``pip install py-spy``),
+and prints the functions with the largest inclusive and self shares::
+
+    gatekeeper sandbox up --state-dir /tmp/bench --apiservers 3
+    python loadtest/profile_proxy.py --state-dir /tmp/bench [--seconds 20] [--svg out.svg]
+    gatekeeper sandbox down --state-dir /tmp/bench
+
+The raw collapsed stacks stay in the printed work directory (``flamegraph.pl`` or
+speedscope read them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_proxy import Env, h2load
+
+
+def summarize(collapsed: Path, top: int) -> None:
+    inclusive: collections.Counter[str] = collections.Counter()
+    own: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in collapsed.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack:
+            continue
+        n = int(count)
+        total += n
+        frames = [f.split(" (")[0] + " " + f.split(" (")[-1].split(":")[0].rsplit("/", 1)[-1]
+                  for f in stack.split(";")]
+        for f in set(frames):
+            inclusive[f] += n
+        own[frames[-1]] += n
+    print(f"\n{total} samples; inclusive share (top {top}):")
+    for f, n in inclusive.most_common(top):
+        print(f"  {n / total:6.1%}  {f}")
+    print(f"\nself share (top {top}):")
+    for f, n in own.most_common(top):
+        print(f"  {n / total:6.1%}  {f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--state-dir", required=True)
+    ap.add_argument("--seconds", type=int, default=20)
+    ap.add_argument("--requests", type=int, default=200_000, help="upper bound; h2load is stopped after --seconds")
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--svg", default="", help="also write a flame graph here")
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="gk-profile-"))
+    env = Env(args.state_dir, work)
+    env.make_token()
+    try:
+        url, pid = env.start_gatekeeper("gk-profile", workers=1, deployed_flow_control=True)
+        h2load(env, url, 500, 4, 4)  # warm-up
+        load = threading.Thread(target=lambda: subprocess.run(
+            ["timeout", str(args.seconds + 5), "h2load", "-n", str(args.requests), "-c", "8", "-m", "8",
+             "-H", f"authorization: Bearer {env.token}", f"{url}/api/v1/namespaces/default"],
+            capture_output=True), daemon=True)
+        load.start()
+        raw = work / "profile.txt"
+        subprocess.run(["py-spy", "record", "--pid", str(pid), "--duration", str(args.seconds), "--rate", "200",
+                        "--format", "raw", "-o", str(raw), "--nonblocking"], check=True, capture_output=True)
+        if args.svg:
+            subprocess.run(["py-spy", "record", "--pid", str(pid), "--duration", "5", "-o", args.svg,
+                            "--nonblocking"], check=True, capture_output=True)
+        load.join()
+        summarize(raw, args.top)
+    finally:
+        env.stop()
+        print(f"\n(collapsed stacks in {work})")
+
+
+if __name__ == "__main__":
+    main()

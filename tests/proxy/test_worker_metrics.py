@@ -1,0 +1,81 @@
+"""Merging the workers' live metric pages into one, and how many workers a config asks for."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from gatekeeper.proxy import workers
+from gatekeeper.proxy.settings import BackendSettings, ProxySettings
+from gatekeeper.proxy.worker_metrics import SKEW_INPUT, merge_pages
+
+
+def page(in_flight: dict[str, float], rate: dict[str, float], up: float, peak: float, limit: float) -> str:
+    lines = ["# HELP gatekeeper_proxy_backend_in_flight x", "# TYPE gatekeeper_proxy_backend_in_flight gauge"]
+    lines += [f'gatekeeper_proxy_backend_in_flight{{backend="{b}"}} {v}' for b, v in in_flight.items()]
+    lines += ["# HELP gatekeeper_proxy_backend_up x", "# TYPE gatekeeper_proxy_backend_up gauge"]
+    lines += [f'gatekeeper_proxy_backend_up{{backend="{b}"}} {up}' for b in in_flight]
+    lines += ["# HELP gatekeeper_proxy_skew_in_flight_ratio x", "# TYPE gatekeeper_proxy_skew_in_flight_ratio gauge",
+              "gatekeeper_proxy_skew_in_flight_ratio 9.0"]
+    lines += ["# HELP gatekeeper_flowcontrol_peak_executing_requests x",
+              "# TYPE gatekeeper_flowcontrol_peak_executing_requests gauge",
+              f'gatekeeper_flowcontrol_peak_executing_requests{{priority_level="secrets-list"}} {peak}',
+              f'gatekeeper_flowcontrol_peak_executing_requests{{priority_level="exempt"}} {peak}']
+    lines += ["# HELP gatekeeper_flowcontrol_nominal_limit_seats x",
+              "# TYPE gatekeeper_flowcontrol_nominal_limit_seats gauge",
+              f'gatekeeper_flowcontrol_nominal_limit_seats{{priority_level="secrets-list"}} {limit}']
+    lines += [f"# HELP {SKEW_INPUT} x", f"# TYPE {SKEW_INPUT} gauge"]
+    lines += [f'{SKEW_INPUT}{{backend="{b}",eligible="1",kind="in_flight"}} {v}' for b, v in in_flight.items()]
+    lines += [f'{SKEW_INPUT}{{backend="{b}",eligible="1",kind="rate"}} {v}' for b, v in rate.items()]
+    lines += ["# HELP gatekeeper_proxy_requests_total x", "# TYPE gatekeeper_proxy_requests_total counter",
+              'gatekeeper_proxy_requests_total{backend="a"} 5.0']
+    return "\n".join(lines) + "\n"
+
+
+def value(text: str, sample: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(sample + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{sample} missing from\n{text}")
+
+
+def test_live_gauges_sum_skew_is_recomputed_and_flags_take_the_highest():
+    one = page({"a": 3, "b": 0}, {"a": 10, "b": 0}, up=1, peak=2, limit=2)
+    two = page({"a": 0, "b": 1}, {"a": 0, "b": 6}, up=1, peak=1, limit=2)
+    merged = merge_pages([one, two], skip={"gatekeeper_proxy_requests"}, peaks={"secrets-list": 2})
+    assert value(merged, 'gatekeeper_proxy_backend_in_flight{backend="a"}') == 3
+    assert value(merged, 'gatekeeper_proxy_backend_in_flight{backend="b"}') == 1
+    assert value(merged, 'gatekeeper_proxy_backend_up{backend="a"}') == 1  # not 2
+    assert value(merged, 'gatekeeper_flowcontrol_nominal_limit_seats{priority_level="secrets-list"}') == 2
+    # proxy-wide peak from the ledger, not 2 + 1; a level outside the ledger keeps the highest worker value
+    assert value(merged, 'gatekeeper_flowcontrol_peak_executing_requests{priority_level="secrets-list"}') == 2
+    assert value(merged, 'gatekeeper_flowcontrol_peak_executing_requests{priority_level="exempt"}') == 2
+    # (max+1)/(min+1) over the summed per-backend in-flight: (3+1)/(1+1), not a sum of per-worker ratios
+    assert value(merged, "gatekeeper_proxy_skew_in_flight_ratio") == pytest.approx(2.0)
+    assert SKEW_INPUT not in merged
+    assert "gatekeeper_proxy_requests_total" not in merged  # counters come from the multiprocess files
+
+
+def test_label_values_are_escaped_back():
+    text = ('# HELP m x\n# TYPE m gauge\nm{backend="we\\"ird\\\\name"} 1.0\n')
+    merged = merge_pages([text, text], skip=set(), peaks={})
+    assert 'm{backend="we\\"ird\\\\name"} 2.0' in merged
+
+
+def test_worker_count_flag_then_config_then_cores(monkeypatch):
+    settings = ProxySettings(backends=[BackendSettings(url="https://127.0.0.1:1")])
+    monkeypatch.setattr(workers, "usable_cores", lambda: 16)
+    assert workers.worker_count(settings, 3) == 3
+    assert workers.worker_count(replace(settings, workers=5), None) == 5
+    assert workers.worker_count(settings, None) == 8  # capped by maxWorkers
+    assert workers.worker_count(replace(settings, max_workers=2), 0) == 2
+    with pytest.raises(ValueError, match="workers"):
+        replace(settings, workers=-1).validate()
+
+
+def test_worker_settings_share_the_port_and_keep_metrics_private():
+    settings = ProxySettings(backends=[BackendSettings(url="https://127.0.0.1:1")])
+    w = workers.worker_settings(settings, 4443)
+    assert (w.listener.port, w.listener.reuse_port, w.listener.metrics_port) == (4443, True, 0)
+    assert w.listener.metrics_address == "127.0.0.1"
