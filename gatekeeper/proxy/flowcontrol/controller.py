@@ -97,15 +97,22 @@ class FlowController:
         *,
         user_key: str | None = None,
         key: Hashable | None = None,
+        exempt_ok: bool = True,
     ) -> tuple[Ticket, FlowSchema, list[Ticket]]:
         """Classify and submit one request.
 
         ``user_key`` is the ByUser distinguisher (defaults to the user name);
         ``key`` is the coalescing key (only given for LISTs that may be merged).
+        ``exempt_ok=False`` (a caller whose token could not be verified) turns a
+        match on an Exempt level into the catch-all: an unauthenticated
+        request never reaches an exempt level upstream either (it gets its 401
+        first), so an unverifiable token must never skip the queues here.
         Returns the ticket (state executing, queued or rejected), its schema,
         and every ticket dispatched by this call.
         """
         fs, pl = self.policy.classify(user, ri)
+        if pl.exempt and not exempt_ok:
+            fs, pl = self.policy.catch_all()
         est = self.estimator.estimate(ri.verb, ri.resource, ri.namespace)
         if pl.exempt:  # runs at once, uncounted: no queue, so no flow either
             t = Ticket(flow=0, seats=est.seats, list_bytes=est.list_bytes, key=None, deadline=now)

@@ -49,6 +49,9 @@ from gatekeeper.proxy.flowcontrol.objects import FlowSchema, PriorityLevel
 from gatekeeper.proxy.flowcontrol.policy import Policy
 from gatekeeper.proxy.flowcontrol.queueset import Ticket
 from gatekeeper.proxy.flowcontrol.settings import FlowControlSettings
+from gatekeeper.proxy.identity.classify import unverified_flow
+from gatekeeper.proxy.identity.fetch import TokenIdentities, Upstream
+from gatekeeper.proxy.identity.jwt import Identity
 from gatekeeper.proxy.messages import Handler, ProxyRequest, ProxyResponse, UserInfo
 
 log = logging.getLogger("gatekeeper.proxy.flowcontrol")
@@ -183,6 +186,8 @@ class FlowControl:
         self.peak_executing: dict[str, int] = {}
         self.executing_by_schema: dict[tuple[str, str], int] = {}
         self.reloader = Reloader(settings, self.apply)
+        self.identities = TokenIdentities(settings.tokens)
+        """Token callers' identities, for classification and queuing only (see gatekeeper.proxy.identity)."""
         self._poll: asyncio.Task[None] | None = None
         self._sighup = False
         metrics.register_source(self)
@@ -192,8 +197,13 @@ class FlowControl:
         """Swap in a new policy (reload); requests it lets run are woken."""
         self._wake(self.controller.update(policy, limits_of(self.settings)))
 
+    def use_upstream(self, upstreams: list[Upstream]) -> None:
+        """The pipeline's backend clients, for the issuer keys and TokenReviews (``command.run`` wires it)."""
+        self.identities.use_upstream(upstreams)
+
     async def start(self) -> None:
-        """Watch policy files and SIGHUP for reloads."""
+        """Watch policy files and SIGHUP for reloads; fetch the service-account issuer's keys."""
+        await self.identities.start()
         loop = asyncio.get_running_loop()
         if threading.current_thread() is threading.main_thread():
             with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
@@ -211,6 +221,7 @@ class FlowControl:
                 log.exception("checking flow-control policy files failed")
 
     async def close(self) -> None:
+        await self.identities.close()
         if self._sighup:
             with contextlib.suppress(Exception):
                 asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
@@ -231,8 +242,21 @@ class FlowControl:
         if self.settings.coalesce and info.verb == "list" and request.method == "GET" and request.body is None:
             ident = identity_key(user.name, user.groups, user.source, request.headers)
             key = coalesce_key(request.method, request.target, request.headers, ident)
+        facts: UserInfo | Identity = user
+        user_key: str | None = None
+        verified = True
+        if user.source == "token":
+            # Classification only: request.user and the Authorization header are left as they are,
+            # so the token goes upstream untouched and the apiserver authenticates it.
+            auth = request.header("authorization") or ""
+            who = self.identities.cached(auth) or await self.identities.resolve(auth)
+            facts, verified = who, who.verified
+            if not verified:
+                user_key = unverified_flow(request.peer)
         now = self.clock()
-        t, fs, dispatched = self.controller.admit(user, info, now, key=key)
+        t, fs, dispatched = self.controller.admit(
+            facts, info, now, user_key=user_key, key=key, exempt_ok=verified
+        )
         assert t.level is not None
         pl = t.level.spec
         w = _Waiter(fs, pl, info, now, asyncio.get_running_loop().create_future(), metrics.for_pair(fs.name, pl.name))

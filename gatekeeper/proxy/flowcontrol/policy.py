@@ -228,6 +228,14 @@ class Policy:
         self.memo[key] = found
         return found
 
+    def catch_all(self) -> tuple[FlowSchema, PriorityLevel]:
+        """The ``catch-all`` FlowSchema and its level (always present: built in unless replaced)."""
+        for fs in self.schemas:
+            if fs.name == "catch-all":
+                return fs, self.levels[fs.priority_level]
+        fs = self.schemas[-1]
+        return fs, self.levels[fs.priority_level]
+
     def _match(self, user: UserFacts, ri: RequestFacts) -> tuple[FlowSchema, PriorityLevel]:
         for fs in self.schemas:
             if schema_matches(fs, user, ri):

@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from gatekeeper.proxy.identity.settings import TokenSettings
+
 
 @dataclass(frozen=True)
 class FlowControlSettings:
@@ -50,6 +52,10 @@ class FlowControlSettings:
     """Multi-document YAML files of FlowSchemas and PriorityLevelConfigurations; re-read on change/SIGHUP."""
     reload_interval_seconds: float = 2.0
     """How often the files are checked for changes (0 = only on SIGHUP)."""
+    tokens: TokenSettings = field(default_factory=TokenSettings)
+    """Who bearer-token callers are, for classification and fair queuing only (tokens still go upstream
+    untouched and the apiserver authenticates them): ServiceAccount tokens verified locally, optional
+    TokenReview, and one shared flow per source address for tokens that cannot be verified."""
 
     def validate(self) -> None:
         for name in (
@@ -69,6 +75,7 @@ class FlowControlSettings:
             raise ValueError("queueWaitSeconds: must be positive")
         if self.retry_after_seconds < 1:
             raise ValueError("retryAfterSeconds: must be a whole number of seconds >= 1")
+        self.tokens.validate()
         if self.enabled:
             from gatekeeper.proxy.flowcontrol.loading import load_policy
 
