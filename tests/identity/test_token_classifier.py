@@ -83,3 +83,10 @@ def test_review_budget_is_a_per_second_token_bucket() -> None:
     b = Budget(rate=2, burst=2)
     assert [b.take(0.0) for _ in range(3)] == [True, True, False]
     assert b.take(0.49) is False and b.take(0.51) is True
+
+
+def test_with_serviceaccount_verification_off_tokens_go_to_review_or_fail() -> None:
+    auth = "Bearer " + kit.sign(kit.sa_claims(now=NOW), RSA)
+    assert classifier(review=True, service_accounts=False).decide(auth, NOW).step == "review"
+    off = classifier(service_accounts=False)
+    assert off.decide(auth, NOW).outcome == "no-verifier" and off.cached(auth, NOW) is UNVERIFIED

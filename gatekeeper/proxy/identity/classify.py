@@ -83,8 +83,10 @@ class TokenClassifier:
         failed_entries: int = 10000,
         failed_seconds: float = 60.0,
         review: bool = False,
+        service_accounts: bool = True,
     ) -> None:
         self.verifier = verifier
+        self.service_accounts = service_accounts
         self.verified: ExpiringCache[Identity] = ExpiringCache(cache_entries)
         self.failed: ExpiringCache[str] = ExpiringCache(failed_entries)
         self.failed_seconds = failed_seconds
@@ -111,8 +113,13 @@ class TokenClassifier:
             return Decision("done", hit, "cached")
         if self.failed.get(key, now) is not None:
             return Decision("done", UNVERIFIED, "failed-cached")
-        if not self.verifier.ready:  # no keys yet: nothing is cached as failed before the first JWKS
-            return Decision("refresh", UNVERIFIED, "no-keys", token, key)
+        if not self.service_accounts or not self.verifier.ready:
+            if self.review:
+                return Decision("review", UNVERIFIED, "review", token, key)
+            if self.service_accounts:  # no keys yet: nothing is cached as failed before the first JWKS
+                return Decision("refresh", UNVERIFIED, "no-keys", token, key)
+            self.fail(key, "no-verifier", now)
+            return Decision("done", UNVERIFIED, "no-verifier")
         try:
             v = self.verifier.verify(token, now)
         except UnknownKey:

@@ -74,6 +74,7 @@ class TokenIdentities:
             failed_entries=settings.failed_cache_entries,
             failed_seconds=settings.failed_cache_seconds,
             review=settings.token_review,
+            service_accounts=settings.service_accounts,
         )
         self.budget = Budget(settings.reviews_per_second, max(1.0, settings.reviews_per_second))
         self.upstreams: list[Upstream] = []
@@ -211,7 +212,7 @@ class TokenIdentities:
             raise FetchError("no upstream apiservers configured")
         errors: list[str] = []
         for up in self.upstreams:
-            headers = {"Accept": "application/json"}
+            headers = {"Accept": "application/jwk-set+json" if path == JWKS_PATH else "application/json"}
             if body is not None:
                 headers["Content-Type"] = "application/json"
             if up.ssl_identity is not None:
