@@ -189,6 +189,7 @@ class FlowControl:
         self.identities = TokenIdentities(settings.tokens)
         """Token callers' identities, for classification and queuing only (see gatekeeper.proxy.identity)."""
         self._poll: asyncio.Task[None] | None = None
+        self._borrow: asyncio.Task[None] | None = None
         self._sighup = False
         metrics.register_source(self)
 
@@ -211,6 +212,16 @@ class FlowControl:
                 self._sighup = True
         if self.settings.files and self.settings.reload_interval_seconds > 0:
             self._poll = loop.create_task(self._poll_files(), name="gatekeeper-flowcontrol-reload")
+        self._borrow = loop.create_task(self._borrowing(), name="gatekeeper-flowcontrol-borrowing")
+
+    async def _borrowing(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.borrowing_adjustment_seconds)
+            self.adjust()
+
+    def adjust(self) -> None:
+        """One borrowing step (see ``borrowing.py``); requests a grown limit lets run are woken."""
+        self._wake(self.controller.adjust(self.clock()))
 
     async def _poll_files(self) -> None:
         while True:
@@ -226,11 +237,12 @@ class FlowControl:
             with contextlib.suppress(Exception):
                 asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
             self._sighup = False
-        if self._poll is not None:
-            self._poll.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._poll
-            self._poll = None
+        for task in (self._poll, self._borrow):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._poll = self._borrow = None
 
     # -- the middleware -----------------------------------------------------------------------
     async def __call__(self, request: ProxyRequest, next_handler: Handler) -> ProxyResponse:
@@ -311,7 +323,7 @@ class FlowControl:
                 w.future.set_result(None)
 
     def _timeout(self, t: Ticket) -> None:
-        if self.controller.timeout(t) and isinstance(t.payload, _Waiter) and not t.payload.future.done():
+        if self.controller.timeout(t, self.clock()) and isinstance(t.payload, _Waiter) and not t.payload.future.done():
             t.payload.outcome = "rejected"
             t.payload.future.set_result(None)
 
@@ -321,7 +333,7 @@ class FlowControl:
         assert isinstance(w, _Waiter)
         w.abandoned = True
         if t.state == "queued":
-            self.controller.cancel(t)
+            self.controller.cancel(t, self.clock())
             metrics.REJECTED.labels(w.fs.name, w.pl.name, "cancelled").inc()
         elif t.state == "executing":
             self._end(t, 0, False, None, status=0)
@@ -406,7 +418,7 @@ class FlowControl:
             w.seats_released = True
             self._uncount(w)
             w.m.exec_watch.observe(self.clock() - w.started)
-            self._wake(self.controller.release_seats(t))
+            self._wake(self.controller.release_seats(t, self.clock()))
 
     def _end(self, t: Ticket, nbytes: int, complete: bool, error: BaseException | None, status: int) -> None:
         """The upstream exchange is over: free seats, learn the LIST size, fail followers still waiting."""
@@ -427,7 +439,7 @@ class FlowControl:
                 fw.shared.set_result(
                     too_many_requests(fw.fs, fw.pl, "leader-failed", self.settings.retry_after_seconds)
                 )
-        self._wake(self.controller.finish(t))
+        self._wake(self.controller.finish(t, self.clock()))
 
 
 def from_settings(settings: FlowControlSettings) -> FlowControl | None:

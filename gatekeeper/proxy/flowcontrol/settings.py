@@ -52,6 +52,9 @@ class FlowControlSettings:
     """Multi-document YAML files of FlowSchemas and PriorityLevelConfigurations; re-read on change/SIGHUP."""
     reload_interval_seconds: float = 2.0
     """How often the files are checked for changes (0 = only on SIGHUP)."""
+    borrowing_adjustment_seconds: float = 10.0
+    """How often levels' current limits are re-divided by seat demand (lendablePercent/borrowingLimitPercent;
+    upstream's period is 10 s)."""
     tokens: TokenSettings = field(default_factory=TokenSettings)
     """Who bearer-token callers are, for classification and fair queuing only (tokens still go upstream
     untouched and the apiserver authenticates them): ServiceAccount tokens verified locally, optional
@@ -71,6 +74,8 @@ class FlowControlSettings:
             raise ValueError("watchInitSeconds: must be positive")
         if self.fanout_stall_seconds <= 0:
             raise ValueError("fanoutStallSeconds: must be positive")
+        if self.borrowing_adjustment_seconds <= 0:
+            raise ValueError("borrowingAdjustmentSeconds: must be positive")
         if self.queue_wait_seconds <= 0:
             raise ValueError("queueWaitSeconds: must be positive")
         if self.retry_after_seconds < 1:
