@@ -15,6 +15,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 
 from gatekeeper.proxy.flowcontrol.borrowing import Bounds, allocate, bounds_of, go_round, item_for
+from gatekeeper.proxy.flowcontrol.listcost import ListShape
 from gatekeeper.proxy.flowcontrol.objects import FlowSchema, PriorityLevel
 from gatekeeper.proxy.flowcontrol.policy import Policy, RequestFacts, UserFacts
 from gatekeeper.proxy.flowcontrol.queueset import LevelState, ListBudget, Ticket
@@ -47,6 +48,7 @@ class Limits:
     bytes_per_seat: int = 8 << 20
     max_seats: int = 10
     list_bytes_cap: int = 1 << 30
+    storage_only_resources: frozenset[str] = frozenset()
 
 
 class FlowController:
@@ -54,7 +56,9 @@ class FlowController:
 
     def __init__(self, policy: Policy, limits: Limits | None = None) -> None:
         self.limits = limits or Limits()
-        self.estimator = SizeEstimator(self.limits.bytes_per_seat, self.limits.max_seats)
+        self.estimator = SizeEstimator(
+            self.limits.bytes_per_seat, self.limits.max_seats, storage_only=self.limits.storage_only_resources
+        )
         self.budget = ListBudget(self.limits.list_bytes_cap)
         self.policy = policy
         self.levels: dict[str, LevelState] = {}
@@ -73,6 +77,7 @@ class FlowController:
         if limits is not None:
             self.limits = limits
             self.estimator.bytes_per_seat, self.estimator.max_seats = limits.bytes_per_seat, limits.max_seats
+            self.estimator.storage_only = limits.storage_only_resources
             self.budget.cap = limits.list_bytes_cap
         self.policy = policy
         levels: dict[str, LevelState] = {}
@@ -140,6 +145,8 @@ class FlowController:
         user_key: str | None = None,
         key: Hashable | None = None,
         exempt_ok: bool = True,
+        shape: ListShape | None = None,
+        single: bool = False,
     ) -> tuple[Ticket, FlowSchema, list[Ticket]]:
         """Classify and submit one request.
 
@@ -149,13 +156,15 @@ class FlowController:
         match on an Exempt level into the catch-all: an unauthenticated
         request never reaches an exempt level upstream either (it gets its 401
         first), so an unverifiable token must never skip the queues here.
+        ``shape`` (a LIST's options) and ``single`` (a LIST narrowed to one name)
+        refine the LIST's cost (``listcost.py``).
         Returns the ticket (state executing, queued or rejected), its schema,
         and every ticket dispatched by this call.
         """
         fs, pl = self.policy.classify(user, ri)
         if pl.exempt and not exempt_ok:
             fs, pl = self.policy.catch_all()
-        est = self.estimator.estimate(ri.verb, ri.resource, ri.namespace)
+        est = self.estimator.estimate(ri.verb, ri.resource, ri.namespace, shape, single)
         if pl.exempt:  # runs at once, uncounted: no queue, so no flow either
             t = Ticket(flow=0, seats=est.seats, list_bytes=est.list_bytes, key=None, deadline=now)
             return t, fs, self.levels[pl.name].submit(t)
@@ -226,5 +235,7 @@ class FlowController:
             self._note(lv, now)
         return out
 
-    def observe_list(self, ri: RequestFacts, nbytes: int) -> None:
-        self.estimator.observe(ri.resource, ri.namespace, nbytes)
+    def observe_list(
+        self, ri: RequestFacts, nbytes: int, shape: ListShape | None = None, continued: bool | None = False
+    ) -> None:
+        self.estimator.observe(ri.resource, ri.namespace, nbytes, shape, continued)

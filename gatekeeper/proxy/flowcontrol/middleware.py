@@ -44,6 +44,7 @@ from gatekeeper.proxy.flowcontrol import metrics
 from gatekeeper.proxy.flowcontrol.coalesce import coalesce_key, identity_key
 from gatekeeper.proxy.flowcontrol.controller import FlowController
 from gatekeeper.proxy.flowcontrol.fanout import FanOut, Subscriber
+from gatekeeper.proxy.flowcontrol.listcost import ListShape, continued_response, list_shape
 from gatekeeper.proxy.flowcontrol.loading import Reloader, limits_of, load_policy
 from gatekeeper.proxy.flowcontrol.objects import FlowSchema, PriorityLevel
 from gatekeeper.proxy.flowcontrol.policy import Policy
@@ -113,6 +114,11 @@ class _Waiter:
     """Counted in executing_by_schema (the current_executing_requests gauge)."""
     finished: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    shape: ListShape | None = None
+    """A LIST's options (limit, selectors, resourceVersion): its cost, and what its response teaches."""
+    head: bytes = b""
+    """The first bytes of a LIST response (its metadata: is there a continue token?)."""
+    content_type: str = ""
 
 
 class _Metered:
@@ -129,6 +135,7 @@ class _Metered:
         self.on_first = on_first
         self.count = 0
         self.done = False
+        self.head = b""
 
     def __aiter__(self) -> _Metered:
         return self
@@ -149,9 +156,11 @@ class _Metered:
         except BaseException as exc:
             self._end(False, exc)
             raise
-        if self.on_first is not None and chunk:
-            first, self.on_first = self.on_first, None
-            first()
+        if not self.head and chunk:
+            self.head = chunk[:4096]
+            if self.on_first is not None:
+                first, self.on_first = self.on_first, None
+                first()
         self.count += len(chunk)
         if getattr(self.body, "exhausted", False) is True:
             self._end(True, None)  # the h2 adapter ends the stream on this chunk and reads no further
@@ -265,13 +274,15 @@ class FlowControl:
             facts, verified = who, who.verified
             if not verified:
                 user_key = unverified_flow(request.peer)
+        shape = list_shape(request.target) if info.verb == "list" else None
         now = self.clock()
         t, fs, dispatched = self.controller.admit(
-            facts, info, now, user_key=user_key, key=key, exempt_ok=verified
+            facts, info, now, user_key=user_key, key=key, exempt_ok=verified, shape=shape, single=bool(info.name)
         )
         assert t.level is not None
         pl = t.level.spec
         w = _Waiter(fs, pl, info, now, asyncio.get_running_loop().create_future(), metrics.for_pair(fs.name, pl.name))
+        w.shape = shape
         t.payload = w
         request.annotations["flow_schema"], request.annotations["priority_level"] = fs.name, pl.name
         self._wake(dispatched)
@@ -366,7 +377,11 @@ class FlowControl:
         if not t.followers:
             if on_first is not None or w.info.verb == "list":
                 # a LIST's size feeds the seat estimate; a watch frees its seats at its first bytes
-                response.body = _Metered(response.body, lambda n, ok, err: self._end(t, n, ok, err, status), on_first)
+                metered = _Metered(response.body, lambda n, ok, err: self._end(t, n, ok, err, status), on_first)
+                if w.shape is not None:
+                    w.content_type = next((v for k, v in response.headers if k == "content-type"), "")
+                    metered.on_end = lambda n, ok, err: self._end(t, n, ok, err, status, metered.head)
+                response.body = metered
             # Every adapter calls finish() once the response is written out (or failed): the end of an
             # ordinary request, and the backstop for a wrapped body that was never read to its end.
             response.on_complete.append(lambda err: self._end(t, 0, False, err, status))
@@ -420,7 +435,9 @@ class FlowControl:
             w.m.exec_watch.observe(self.clock() - w.started)
             self._wake(self.controller.release_seats(t, self.clock()))
 
-    def _end(self, t: Ticket, nbytes: int, complete: bool, error: BaseException | None, status: int) -> None:
+    def _end(
+        self, t: Ticket, nbytes: int, complete: bool, error: BaseException | None, status: int, head: bytes = b""
+    ) -> None:
         """The upstream exchange is over: free seats, learn the LIST size, fail followers still waiting."""
         w = t.payload
         if not isinstance(w, _Waiter) or w.finished:
@@ -430,7 +447,7 @@ class FlowControl:
         if not w.seats_released:
             w.m.exec_regular.observe(self.clock() - w.started)
         if w.info.verb == "list" and status == 200 and complete:
-            self.controller.observe_list(w.info, nbytes)
+            self.controller.observe_list(w.info, nbytes, w.shape, continued_response(head, w.content_type))
             metrics.LIST_BYTES.labels(w.info.resource_key).observe(nbytes)
         for f in t.followers:
             fw = f.payload

@@ -36,6 +36,9 @@ class FlowControlSettings:
     (``max(1, min(ceil(0.15 * levelLimit), levelLimit // handSize))``)."""
     list_bytes_cap: int = 1 << 30
     """Cap on estimated response bytes of all LISTs executing in limited levels (one may always run)."""
+    storage_only_resources: list[str] = field(default_factory=list)
+    """Resources the apiservers keep no watch cache for (``--watch-cache-sizes=secrets#0``): their LISTs always
+    read etcd, so a selector LIST of them costs the whole collection (see ``listcost.py``)."""
     watch_init_seconds: float = 2.0
     """A watch holds its seat until its first body bytes, or at most this long after its response head."""
     coalesce: bool = True
