@@ -21,8 +21,8 @@ Classification follows upstream APF exactly (``k8s.io/apiserver/pkg/util/flowcon
 Built-in objects exist unless the operator supplies an object of the same name:
 the ``exempt`` level with FlowSchemas for ``system:masters`` and the health
 endpoints, and the ``catch-all`` level/FlowSchema (upstream's mandatory pair;
-the catch-all subject here is Group ``*`` because a bearer-token caller's
-groups are unknown to the proxy).
+the catch-all subject here is Group ``*`` so it matches whatever identity the
+proxy settles on, verified or not).
 """
 
 from __future__ import annotations

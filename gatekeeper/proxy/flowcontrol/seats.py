@@ -10,7 +10,10 @@ etcd, convert, encode: several copies of the response at once). So:
                        (at most watchInitSeconds after the response head)
     LIST:              est   = estimate[(resource, namespace)]
                              (if unseen: estimate[(resource, "")], the cluster-wide LIST,
-                              else 0)
+                              else 0), then refined by the LIST's shape (``listcost.py``):
+                             limit=N costs N * perObject[resource] (learnt from paginated
+                             responses), a selector LIST read from storage the whole est,
+                             a metadata.name LIST one object
                        seats = clamp(ceil(est / bytesPerSeat), 1, maxSeats)
                        then, in the level, at most the level's own maximum
                        (queueset.level_max_seats, upstream's rule for queuing levels):
