@@ -116,9 +116,8 @@ class _Waiter:
     extra: dict[str, Any] = field(default_factory=dict)
     shape: ListShape | None = None
     """A LIST's options (limit, selectors, resourceVersion): its cost, and what its response teaches."""
-    head: bytes = b""
-    """The first bytes of a LIST response (its metadata: is there a continue token?)."""
     content_type: str = ""
+    """A LIST response's Content-Type (a continue token can only be seen in JSON)."""
 
 
 class _Metered:
