@@ -189,9 +189,9 @@ class FlowController:
         self._note(level, now)
         if freed_list_bytes:
             for other in [*self.levels.values(), *self.draining]:
-                if other is not level:
-                    dispatched.extend(other.dispatch())
-                    other.note_demand(self.now)
+                if other is not level and (more := other.dispatch()):
+                    dispatched.extend(more)
+                    other.note_demand(self.now)  # coalesced followers left the queues
         self.draining = [lv for lv in self.draining if not lv.idle]
         return dispatched
 

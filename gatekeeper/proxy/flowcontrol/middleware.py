@@ -446,7 +446,9 @@ class FlowControl:
         if not w.seats_released:
             w.m.exec_regular.observe(self.clock() - w.started)
         if w.info.verb == "list" and status == 200 and complete:
-            self.controller.observe_list(w.info, nbytes, w.shape, continued_response(head, w.content_type))
+            shape = w.shape
+            continued = continued_response(head, w.content_type) if shape is not None and shape.limit else False
+            self.controller.observe_list(w.info, nbytes, shape, continued)
             metrics.LIST_BYTES.labels(w.info.resource_key).observe(nbytes)
         for f in t.followers:
             fw = f.payload
