@@ -118,3 +118,25 @@ def test_jwks_skips_unusable_keys_and_keeps_the_rest() -> None:
     assert list(parse_jwks(doc)) == [kit.jwk(EC)["kid"]]
     with pytest.raises(ValueError):
         ServiceAccountVerifier().set_keys(kit.ISSUER, {"keys": []})
+
+
+@pytest.mark.parametrize(
+    ("header", "claims"),
+    [
+        ({"alg": ["RS256"]}, {}),
+        ({"alg": "RS256", "kid": {"x": 1}}, {}),
+        ({"alg": {"a": 1}, "kid": 5}, {"exp": "soon", "aud": {"x": 1}, "nbf": [1]}),
+        ({"alg": "RS256"}, {"exp": True, "kubernetes.io": "ns", "sub": 3}),
+        ([], []),
+        ("x", 7),
+    ],
+)
+def test_hostile_json_shapes_fail_as_token_errors_never_crash(header: object, claims: object) -> None:
+    import json
+
+    def part(x: object) -> str:
+        return kit.b64(json.dumps(x).encode())
+
+    full = {**kit.sa_claims(now=NOW), **claims} if isinstance(claims, dict) else claims
+    token = f"{part(header)}.{part(full)}.{kit.b64(b'sig')}"
+    assert reason(verifier(), token) in {"malformed", "algorithm", "signature", "unknown-kid", "claims"}

@@ -77,6 +77,9 @@ def test_token_review_shapes() -> None:
         "username": "alice@example.com", "uid": "1", "groups": ["dev", 3], "extra": {"k": ["v"]}}}})
     assert who is not None and (who.name, who.groups, who.extra) == ("alice@example.com", ["dev"], {"k": ["v"]})
     assert parse_review({"status": {"authenticated": False, "error": "nope"}}) is None
+    assert parse_review({"status": {"authenticated": True, "user": ["x"]}}) is None
+    odd = parse_review({"status": {"authenticated": True, "user": {"username": "u", "groups": "abc", "extra": 1}}})
+    assert odd is not None and (odd.groups, odd.extra) == ([], {})
 
 
 def test_review_budget_is_a_per_second_token_bucket() -> None:

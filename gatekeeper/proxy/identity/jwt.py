@@ -263,7 +263,7 @@ class ServiceAccountVerifier:
         if not self.issuer or iss != self.issuer:
             raise NotServiceAccount("issuer", "not this cluster's service-account issuer")
         alg = header.get("alg")
-        if alg not in ALGORITHMS:
+        if not isinstance(alg, str) or alg not in ALGORITHMS:
             raise TokenError("algorithm", f"alg {str(alg)[:16]!r} is not accepted")
         kid = header.get("kid")
         if isinstance(kid, str) and kid:

@@ -60,11 +60,14 @@ def parse_review(doc: Any) -> Identity | None:
     st: TokenReviewStatus = status  # type: ignore[assignment]
     if st.get("authenticated") is not True:
         return None
-    user = st.get("user") or {}
-    name = user.get("username") if isinstance(user, dict) else None
+    user = st.get("user")
+    if not isinstance(user, dict):
+        return None
+    name = user.get("username")
     if not isinstance(name, str) or not name:
         return None
-    groups = [g for g in user.get("groups") or [] if isinstance(g, str)]
+    raw_groups = user.get("groups")
+    groups = [g for g in raw_groups if isinstance(g, str)] if isinstance(raw_groups, list) else []
     raw_extra = user.get("extra") or {}
     extra = {
         k: [x for x in v if isinstance(x, str)]
