@@ -93,3 +93,16 @@ def test_with_serviceaccount_verification_off_tokens_go_to_review_or_fail() -> N
     assert classifier(review=True, service_accounts=False).decide(auth, NOW).step == "review"
     off = classifier(service_accounts=False)
     assert off.decide(auth, NOW).outcome == "no-verifier" and off.cached(auth, NOW) is UNVERIFIED
+
+
+async def test_an_unexpected_failure_while_classifying_means_unverified_not_an_error(monkeypatch) -> None:
+    from gatekeeper.proxy.identity.fetch import TokenIdentities
+    from gatekeeper.proxy.identity.settings import TokenSettings
+
+    ti = TokenIdentities(TokenSettings())
+
+    def boom(*_a: object) -> None:
+        raise RuntimeError("bug")
+
+    monkeypatch.setattr(ti.classifier, "decide", boom)
+    assert await ti.resolve("Bearer x") is UNVERIFIED

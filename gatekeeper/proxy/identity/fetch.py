@@ -115,6 +115,15 @@ class TokenIdentities:
         return hit
 
     async def resolve(self, authorization: str) -> Identity:
+        """The cold path: verify, refresh keys, or review. Never raises (a failure means unverified)."""
+        try:
+            return await self._resolve(authorization)
+        except Exception:  # a bug here must not fail the request: it only classifies it
+            log.exception("classifying a token caller failed; treating the caller as unverified")
+            metrics.TOKENS.labels("error").inc()
+            return UNVERIFIED
+
+    async def _resolve(self, authorization: str) -> Identity:
         d = self._decide(authorization)
         if d.step == "refresh" and self.settings.service_accounts and self.upstreams and await self.refresh():
             d = self._decide(authorization)
