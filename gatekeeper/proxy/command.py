@@ -181,6 +181,9 @@ async def run(
         serve = serve_fn
     flow = flow_control_middleware(settings)
     pipeline = build(settings, flow_control=flow)
+    use_upstream = getattr(flow, "use_upstream", None)
+    if use_upstream is not None:  # flow control fetches the issuer's keys through the same clients
+        use_upstream(list(pipeline.clients.values()))
     await _maybe(flow, "start")
     await pipeline.start()
     if setup is not None:

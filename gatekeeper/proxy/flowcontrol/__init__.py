@@ -5,6 +5,8 @@ Layering, data flowing down:
 * ``objects.py``   v1 FlowSchema / PriorityLevelConfiguration validation (errors name object and field)
 * ``policy.py``    built-in objects, upstream matching rules, nominal seat limits
 * ``seats.py``     seats from observed LIST response sizes (the formula is documented there)
+* ``listcost.py`` a LIST's cost from its options (limit, selectors, watch cache vs storage)
+* ``borrowing.py`` lendable/borrowable seats between levels (upstream's allocation)
 * ``queueset.py``  one level: shuffle sharding, fair queuing by seats, coalescing, reject reasons
 * ``controller.py`` all levels + the LIST byte budget; pure, time passed in
 * ``coalesce.py``  which requests may share one upstream call
@@ -52,20 +54,21 @@ proxy-wide, queues stay per worker (``ledger.py``).
 
 Known limits (deliberate, and where this differs from the apiserver's own APF):
 
-* Borrowing is not implemented: ``lendablePercent`` and ``borrowingLimitPercent``
-  are validated (range-checked, so pasted objects load) but ignored; every
-  Limited level always has exactly its nominal seats,
-  ``ceil(serverConcurrencyLimit * shares / sum of shares)``.
-* The proxy knows only what the connection proves: a client-certificate
-  caller's user name and groups (O=). A bearer-token caller, including every
-  in-cluster ServiceAccount token, is the user ``token:<sha256 prefix>`` with no
-  groups, so in practice ``ServiceAccount`` and named ``User``/``Group`` subjects
-  never match it; token callers fall through to rules with ``Group *`` or ``User *``
-  (ByUser still tells token callers apart). Impersonation headers are not
+* Borrowing follows upstream (``borrowing.py``: seat-demand statistics every
+  ``borrowingAdjustmentSeconds``, one fairFrac allocation of the nominal
+  total) among Limited levels only; exempt levels' demand is not counted
+  against the others as upstream does.
+* Token callers (``gatekeeper.proxy.identity``): ServiceAccount tokens are
+  verified locally and classified as the apiserver's user; other tokens via
+  optional TokenReview; a token that cannot be verified is ``system:anonymous``
+  with one ByUser flow per source address and is never exempt. The identity
+  is only for classification and queuing: the token goes upstream untouched
+  and the apiserver authenticates it. Impersonation headers are not
   classified as the impersonated user (the apiserver authorizes them later).
-* Seats come from observed response bytes per (resource, namespace), not from
-  object counts, and a LIST with a selector is charged like the unfiltered
-  LIST of the same resource and namespace (see ``seats.py``).
+* Seats come from observed response bytes per (resource, namespace) and a
+  learnt per-object size, not from object counts (see ``seats.py`` and
+  ``listcost.py``); Table responses (``kubectl get``) are learnt as if they
+  were the objects.
 * One request takes at most its level's maxSeats (upstream's
   ``max(1, min(ceil(0.15 * limit), limit // handSize))``), so in small levels
   the LIST bytes cap, not seats, is what keeps huge LISTs apart.

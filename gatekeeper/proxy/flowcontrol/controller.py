@@ -14,6 +14,8 @@ import hashlib
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
+from gatekeeper.proxy.flowcontrol.borrowing import Bounds, allocate, bounds_of, go_round, item_for
+from gatekeeper.proxy.flowcontrol.listcost import ListShape
 from gatekeeper.proxy.flowcontrol.objects import FlowSchema, PriorityLevel
 from gatekeeper.proxy.flowcontrol.policy import Policy, RequestFacts, UserFacts
 from gatekeeper.proxy.flowcontrol.queueset import LevelState, ListBudget, Ticket
@@ -46,6 +48,7 @@ class Limits:
     bytes_per_seat: int = 8 << 20
     max_seats: int = 10
     list_bytes_cap: int = 1 << 30
+    storage_only_resources: frozenset[str] = frozenset()
 
 
 class FlowController:
@@ -56,11 +59,18 @@ class FlowController:
 
     def __init__(self, policy: Policy, limits: Limits | None = None) -> None:
         self.limits = limits or Limits()
-        self.estimator = SizeEstimator(self.limits.bytes_per_seat, self.limits.max_seats)
+        self.estimator = SizeEstimator(
+            self.limits.bytes_per_seat, self.limits.max_seats, storage_only=self.limits.storage_only_resources
+        )
         self.budget = ListBudget(self.limits.list_bytes_cap)
         self.policy = policy
         self.levels: dict[str, LevelState] = {}
         self.draining: list[LevelState] = []
+        self.bounds: dict[str, Bounds] = {}
+        """Borrowing bounds (nominal, minCL, maxCL) per Limited level."""
+        self.fair_frac = 0.0
+        self.now = 0.0
+        """Latest time seen; used when a caller does not pass one."""
         self.update(policy, self.limits)
 
     def update(self, policy: Policy, limits: Limits | None = None) -> list[Ticket]:
@@ -70,6 +80,7 @@ class FlowController:
         if limits is not None:
             self.limits = limits
             self.estimator.bytes_per_seat, self.estimator.max_seats = limits.bytes_per_seat, limits.max_seats
+            self.estimator.storage_only = limits.storage_only_resources
             self.budget.cap = limits.list_bytes_cap
         self.policy = policy
         levels: dict[str, LevelState] = {}
@@ -86,8 +97,44 @@ class FlowController:
         self.draining.extend(self.levels.values())
         self.levels = levels
         self.draining = [lv for lv in self.draining if not lv.idle]
+        total = self.limits.server_concurrency_limit
+        self.bounds = {
+            name: bounds_of(lv.spec, lv.nominal, total) for name, lv in levels.items() if not lv.spec.exempt
+        }
+        self._reallocate()
         # a raised limit may let waiting requests run now
         return [t for lv in [*self.levels.values(), *self.draining] for t in lv.dispatch()]
+
+    # -- borrowing ------------------------------------------------------------------------------
+    def adjust(self, now: float) -> list[Ticket]:
+        """Upstream's periodic borrowing step: close every level's seat-demand period, update its
+        statistics, and re-divide the nominal total into current limits (``borrowing.py``).
+        Returns requests dispatched because a limit grew."""
+        self.now = max(self.now, now)
+        for name in self.bounds:
+            lv = self.levels[name]
+            lv.demand_stats.update(*lv.demand.results(now))
+            lv.demand.reset(now)
+        self._reallocate()
+        out = [t for lv in self.levels.values() for t in lv.dispatch()]
+        for lv in self.levels.values():
+            lv.note_demand(self.now)
+        return out
+
+    def _reallocate(self) -> None:
+        names = list(self.bounds)
+        items = [item_for(self.bounds[n], self.levels[n].demand_stats) for n in names]
+        allocs, self.fair_frac = allocate(sum(b.nominal for b in self.bounds.values()), items)
+        for name, item, alloc in zip(names, items, allocs, strict=True):
+            lv = self.levels[name]
+            lv.target = item.target
+            lv.limit = go_round(alloc)
+
+    def _note(self, lv: LevelState | None, now: float | None) -> None:
+        if now is not None and now > self.now:
+            self.now = now
+        if lv is not None:
+            lv.note_demand(self.now)
 
     def classify(self, user: UserFacts, ri: RequestFacts) -> tuple[FlowSchema, PriorityLevel]:
         return self.policy.classify(user, ri)
@@ -100,19 +147,32 @@ class FlowController:
         *,
         user_key: str | None = None,
         key: Hashable | None = None,
+        exempt_ok: bool = True,
+        shape: ListShape | None = None,
+        single: bool = False,
     ) -> tuple[Ticket, FlowSchema, list[Ticket]]:
         """Classify and submit one request.
 
         ``user_key`` is the ByUser distinguisher (defaults to the user name);
         ``key`` is the coalescing key (only given for LISTs that may be merged).
+        ``exempt_ok=False`` (a caller whose token could not be verified) turns a
+        match on an Exempt level into the catch-all: an unauthenticated
+        request never reaches an exempt level upstream either (it gets its 401
+        first), so an unverifiable token must never skip the queues here.
+        ``shape`` (a LIST's options) and ``single`` (a LIST narrowed to one name)
+        refine the LIST's cost (``listcost.py``).
         Returns the ticket (state executing, queued or rejected), its schema,
         and every ticket dispatched by this call.
         """
         fs, pl = self.policy.classify(user, ri)
-        est = self.estimator.estimate(ri.verb, ri.resource, ri.namespace)
+        if pl.exempt and not exempt_ok:
+            fs, pl = self.policy.catch_all()
+        est = self.estimator.estimate(ri.verb, ri.resource, ri.namespace, shape, single)
         if pl.exempt:  # runs at once, uncounted: no queue, so no flow either
             t = Ticket(flow=0, seats=est.seats, list_bytes=est.list_bytes, key=None, deadline=now)
             return t, fs, self.levels[pl.name].submit(t)
+        if now > self.now:
+            self.now = now
         dist = distinguisher_of(fs, user.name if user_key is None else user_key, ri)
         t = Ticket(
             flow=flow_hash(fs.name, dist),
@@ -121,51 +181,64 @@ class FlowController:
             key=key,
             deadline=now + self.limits.queue_wait_seconds,
         )
-        dispatched = self.levels[pl.name].submit(t)
+        level = self.levels[pl.name]
+        dispatched = level.submit(t)
+        level.note_demand(self.now)
         return t, fs, dispatched
 
-    def _after(self, level: LevelState, dispatched: list[Ticket], freed_list_bytes: bool) -> list[Ticket]:
+    def _after(
+        self, level: LevelState, dispatched: list[Ticket], freed_list_bytes: bool, now: float | None = None
+    ) -> list[Ticket]:
+        self._note(level, now)
         if freed_list_bytes:
             for other in [*self.levels.values(), *self.draining]:
-                if other is not level:
-                    dispatched.extend(other.dispatch())
+                if other is not level and (more := other.dispatch()):
+                    dispatched.extend(more)
+                    other.note_demand(self.now)  # coalesced followers left the queues
         self.draining = [lv for lv in self.draining if not lv.idle]
         return dispatched
 
-    def release_seats(self, t: Ticket) -> list[Ticket]:
+    def release_seats(self, t: Ticket, now: float | None = None) -> list[Ticket]:
         """A watch got its first bytes: it keeps running but no longer holds seats."""
         if t.level is None or not t.holds_seats:
             return []
-        return self._after(t.level, t.level.release(t), bool(t.list_bytes))
+        return self._after(t.level, t.level.release(t), bool(t.list_bytes), now)
 
-    def finish(self, t: Ticket) -> list[Ticket]:
+    def finish(self, t: Ticket, now: float | None = None) -> list[Ticket]:
         """The request ended (response complete, failed, or client gone). Followers end with it."""
         if t.level is None:
             return []
         freed = bool(t.list_bytes) and t.holds_seats
         for f in t.followers:
             f.state = "done"
-        return self._after(t.level, t.level.finish(t), freed)
+        return self._after(t.level, t.level.finish(t), freed, now)
 
-    def cancel(self, t: Ticket) -> list[Ticket]:
+    def cancel(self, t: Ticket, now: float | None = None) -> list[Ticket]:
         """The client went away: drop a waiting ticket, or finish an executing one."""
         if t.state == "queued" and t.level is not None:
             t.level.remove(t, "cancelled")
+            self._note(t.level, now)
             return []
         if t.state == "executing":
-            return self.finish(t)
+            return self.finish(t, now)
         return []
 
-    def timeout(self, t: Ticket) -> bool:
+    def timeout(self, t: Ticket, now: float | None = None) -> bool:
         """Reject ``t`` with reason time-out if it is still waiting."""
-        return t.level is not None and t.level.remove(t, "time-out")
+        removed = t.level is not None and t.level.remove(t, "time-out")
+        if removed:
+            self._note(t.level, now)
+        return removed
 
     def expire(self, now: float) -> list[Ticket]:
         """Reject every waiting request past its deadline; returns them."""
         out: list[Ticket] = []
         for lv in [*self.levels.values(), *self.draining]:
             out.extend(lv.expire(now))
+            self._note(lv, now)
         return out
 
-    def observe_list(self, ri: RequestFacts, nbytes: int) -> None:
-        self.estimator.observe(ri.resource, ri.namespace, nbytes)
+    def observe_list(
+        self, ri: RequestFacts, nbytes: int, shape: ListShape | None = None, continued: bool | None = False
+    ) -> None:
+        self.estimator.observe(ri.resource, ri.namespace, nbytes, shape, continued)

@@ -30,6 +30,7 @@ def limits_of(settings: FlowControlSettings) -> Limits:
         bytes_per_seat=settings.bytes_per_seat,
         max_seats=settings.max_seats,
         list_bytes_cap=settings.list_bytes_cap,
+        storage_only_resources=frozenset(settings.storage_only_resources),
     )
 
 

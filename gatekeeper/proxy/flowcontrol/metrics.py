@@ -19,6 +19,14 @@ collector), so they can never drift from the queues' real state.
 ``gatekeeper_flowcontrol_current_executing_requests{flow_schema,priority_level}``
 ``gatekeeper_flowcontrol_current_executing_seats{priority_level}``
 ``gatekeeper_flowcontrol_nominal_limit_seats{priority_level}``
+``gatekeeper_flowcontrol_current_limit_seats{priority_level}``
+``gatekeeper_flowcontrol_lower_limit_seats{priority_level}`` / ``..._upper_limit_seats``
+    Borrowing (upstream's metrics of the same names): the current limit, between
+    nominal - lendable and nominal + borrowable, re-divided every borrowingAdjustmentSeconds.
+``gatekeeper_flowcontrol_demand_seats_average{priority_level}`` / ``_stdev`` / ``_high_watermark`` / ``_smoothed``
+``gatekeeper_flowcontrol_target_seats{priority_level}``
+``gatekeeper_flowcontrol_seat_fair_frac``
+    The seat-demand statistics of the last period, the allocation target, and the fair fraction.
 ``gatekeeper_flowcontrol_peak_executing_requests{priority_level}``
     Highest number of requests of the level running upstream at once since start
     (the figure the seeds' "at most 2 secret LISTs" policy is checked against).
@@ -145,9 +153,20 @@ class _Gauges(Collector):
         per_level = {
             "seats": ("gatekeeper_flowcontrol_current_executing_seats", "Seats held by running requests."),
             "limit": ("gatekeeper_flowcontrol_nominal_limit_seats", "Nominal concurrency limit per level."),
+            "current": ("gatekeeper_flowcontrol_current_limit_seats", "Current limit (nominal moved by borrowing)."),
+            "lower": ("gatekeeper_flowcontrol_lower_limit_seats", "Nominal limit minus what the level may lend."),
+            "upper": ("gatekeeper_flowcontrol_upper_limit_seats", "Nominal limit plus what the level may borrow."),
+            "avg": ("gatekeeper_flowcontrol_demand_seats_average", "Time-averaged seat demand, last period."),
+            "stdev": ("gatekeeper_flowcontrol_demand_seats_stdev", "Standard deviation of seat demand, last period."),
+            "high": ("gatekeeper_flowcontrol_demand_seats_high_watermark", "Peak seat demand, last period."),
+            "smoothed": ("gatekeeper_flowcontrol_demand_seats_smoothed", "Smoothed seat demand envelope."),
+            "target": ("gatekeeper_flowcontrol_target_seats", "Seat allocation target of the last adjustment."),
             "peak": ("gatekeeper_flowcontrol_peak_executing_requests", "Most requests of a level running at once."),
         }
         fams = {k: GaugeMetricFamily(n, h, labels=["priority_level"]) for k, (n, h) in per_level.items()}
+        fair_frac = GaugeMetricFamily(
+            "gatekeeper_flowcontrol_seat_fair_frac", "Fair fraction of the last borrowing allocation."
+        )
         list_bytes = GaugeMetricFamily(
             "gatekeeper_flowcontrol_executing_list_estimated_bytes", "Estimated bytes of LISTs running upstream."
         )
@@ -155,6 +174,7 @@ class _Gauges(Collector):
         running: dict[tuple[str, str], int] = {}
         levels: dict[str, dict[str, float]] = {}
         used = 0
+        frac = 0.0
         sources = list(_sources)
         for src in sources:
             c = src.controller
@@ -163,11 +183,21 @@ class _Gauges(Collector):
             for key, v in src.executing_by_schema.items():
                 running[key] = running.get(key, 0) + v
             for name, lv in c.levels.items():
-                agg = levels.setdefault(name, {"seats": 0.0, "limit": 0.0, "peak": 0.0})
+                agg = levels.setdefault(name, dict.fromkeys(per_level, 0.0))
                 agg["seats"] += lv.executing_seats + sum(d.executing_seats for d in c.draining if d.spec.name == name)
-                agg["limit"] += 0 if lv.spec.exempt else lv.limit
                 agg["peak"] = max(agg["peak"], src.peak_executing.get(name, 0))
+                b = c.bounds.get(name)
+                if b is not None:
+                    st = lv.demand_stats
+                    values: dict[str, float] = {
+                        "limit": b.nominal, "current": lv.limit, "lower": b.lower, "upper": b.upper,
+                        "avg": st.avg, "stdev": st.stddev, "high": st.high_watermark, "smoothed": st.smoothed,
+                        "target": lv.target,
+                    }
+                    for k, x in values.items():
+                        agg[k] += x
             used += c.budget.used
+            frac = max(frac, c.fair_frac)
         for (fs, pl), v in sorted(waiting.items()):
             inqueue.add_metric([fs, pl], v)
         for (fs, pl), v in sorted(running.items()):
@@ -181,6 +211,8 @@ class _Gauges(Collector):
         if sources:
             list_bytes.add_metric([], used)
             yield list_bytes
+            fair_frac.add_metric([], frac)
+            yield fair_frac
 
 
 REGISTRY.register(_Gauges())

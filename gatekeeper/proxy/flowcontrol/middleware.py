@@ -44,11 +44,15 @@ from gatekeeper.proxy.flowcontrol import metrics
 from gatekeeper.proxy.flowcontrol.coalesce import coalesce_key, identity_key
 from gatekeeper.proxy.flowcontrol.controller import FlowController
 from gatekeeper.proxy.flowcontrol.fanout import FanOut, Subscriber
+from gatekeeper.proxy.flowcontrol.listcost import ListShape, continued_response, list_shape
 from gatekeeper.proxy.flowcontrol.loading import Reloader, limits_of, load_policy
 from gatekeeper.proxy.flowcontrol.objects import FlowSchema, PriorityLevel
 from gatekeeper.proxy.flowcontrol.policy import Policy
 from gatekeeper.proxy.flowcontrol.queueset import Ticket
 from gatekeeper.proxy.flowcontrol.settings import FlowControlSettings
+from gatekeeper.proxy.identity.classify import unverified_flow
+from gatekeeper.proxy.identity.fetch import TokenIdentities, Upstream
+from gatekeeper.proxy.identity.jwt import Identity
 from gatekeeper.proxy.messages import Handler, ProxyRequest, ProxyResponse, UserInfo
 
 log = logging.getLogger("gatekeeper.proxy.flowcontrol")
@@ -110,6 +114,10 @@ class _Waiter:
     """Counted in executing_by_schema (the current_executing_requests gauge)."""
     finished: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    shape: ListShape | None = None
+    """A LIST's options (limit, selectors, resourceVersion): its cost, and what its response teaches."""
+    content_type: str = ""
+    """A LIST response's Content-Type (a continue token can only be seen in JSON)."""
 
 
 class _Metered:
@@ -126,6 +134,7 @@ class _Metered:
         self.on_first = on_first
         self.count = 0
         self.done = False
+        self.head = b""
 
     def __aiter__(self) -> _Metered:
         return self
@@ -146,9 +155,11 @@ class _Metered:
         except BaseException as exc:
             self._end(False, exc)
             raise
-        if self.on_first is not None and chunk:
-            first, self.on_first = self.on_first, None
-            first()
+        if not self.head and chunk:
+            self.head = chunk[:4096]
+            if self.on_first is not None:
+                first, self.on_first = self.on_first, None
+                first()
         self.count += len(chunk)
         if getattr(self.body, "exhausted", False) is True:
             self._end(True, None)  # the h2 adapter ends the stream on this chunk and reads no further
@@ -183,7 +194,10 @@ class FlowControl:
         self.peak_executing: dict[str, int] = {}
         self.executing_by_schema: dict[tuple[str, str], int] = {}
         self.reloader = Reloader(settings, self.apply)
+        self.identities = TokenIdentities(settings.tokens)
+        """Token callers' identities, for classification and queuing only (see gatekeeper.proxy.identity)."""
         self._poll: asyncio.Task[None] | None = None
+        self._borrow: asyncio.Task[None] | None = None
         self._sighup = False
         metrics.register_source(self)
 
@@ -192,8 +206,13 @@ class FlowControl:
         """Swap in a new policy (reload); requests it lets run are woken."""
         self._wake(self.controller.update(policy, limits_of(self.settings)))
 
+    def use_upstream(self, upstreams: list[Upstream]) -> None:
+        """The pipeline's backend clients, for the issuer keys and TokenReviews (``command.run`` wires it)."""
+        self.identities.use_upstream(upstreams)
+
     async def start(self) -> None:
-        """Watch policy files and SIGHUP for reloads."""
+        """Watch policy files and SIGHUP for reloads; fetch the service-account issuer's keys."""
+        await self.identities.start()
         loop = asyncio.get_running_loop()
         if threading.current_thread() is threading.main_thread():
             with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
@@ -201,6 +220,16 @@ class FlowControl:
                 self._sighup = True
         if self.settings.files and self.settings.reload_interval_seconds > 0:
             self._poll = loop.create_task(self._poll_files(), name="gatekeeper-flowcontrol-reload")
+        self._borrow = loop.create_task(self._borrowing(), name="gatekeeper-flowcontrol-borrowing")
+
+    async def _borrowing(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.borrowing_adjustment_seconds)
+            self.adjust()
+
+    def adjust(self) -> None:
+        """One borrowing step (see ``borrowing.py``); requests a grown limit lets run are woken."""
+        self._wake(self.controller.adjust(self.clock()))
 
     async def _poll_files(self) -> None:
         while True:
@@ -211,15 +240,17 @@ class FlowControl:
                 log.exception("checking flow-control policy files failed")
 
     async def close(self) -> None:
+        await self.identities.close()
         if self._sighup:
             with contextlib.suppress(Exception):
                 asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
             self._sighup = False
-        if self._poll is not None:
-            self._poll.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._poll
-            self._poll = None
+        for task in (self._poll, self._borrow):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._poll = self._borrow = None
 
     # -- the middleware -----------------------------------------------------------------------
     async def __call__(self, request: ProxyRequest, next_handler: Handler) -> ProxyResponse:
@@ -231,11 +262,26 @@ class FlowControl:
         if self.settings.coalesce and info.verb == "list" and request.method == "GET" and request.body is None:
             ident = identity_key(user.name, user.groups, user.source, request.headers)
             key = coalesce_key(request.method, request.target, request.headers, ident)
+        facts: UserInfo | Identity = user
+        user_key: str | None = None
+        verified = True
+        if user.source == "token":
+            # Classification only: request.user and the Authorization header are left as they are,
+            # so the token goes upstream untouched and the apiserver authenticates it.
+            auth = request.header("authorization") or ""
+            who = self.identities.cached(auth) or await self.identities.resolve(auth)
+            facts, verified = who, who.verified
+            if not verified:
+                user_key = unverified_flow(request.peer)
+        shape = list_shape(request.target) if info.verb == "list" else None
         now = self.clock()
-        t, fs, dispatched = self.controller.admit(user, info, now, key=key)
+        t, fs, dispatched = self.controller.admit(
+            facts, info, now, user_key=user_key, key=key, exempt_ok=verified, shape=shape, single=bool(info.name)
+        )
         assert t.level is not None
         pl = t.level.spec
         w = _Waiter(fs, pl, info, now, asyncio.get_running_loop().create_future(), metrics.for_pair(fs.name, pl.name))
+        w.shape = shape
         t.payload = w
         request.annotations["flow_schema"], request.annotations["priority_level"] = fs.name, pl.name
         self._wake(dispatched)
@@ -287,7 +333,7 @@ class FlowControl:
                 w.future.set_result(None)
 
     def _timeout(self, t: Ticket) -> None:
-        if self.controller.timeout(t) and isinstance(t.payload, _Waiter) and not t.payload.future.done():
+        if self.controller.timeout(t, self.clock()) and isinstance(t.payload, _Waiter) and not t.payload.future.done():
             t.payload.outcome = "rejected"
             t.payload.future.set_result(None)
 
@@ -297,7 +343,7 @@ class FlowControl:
         assert isinstance(w, _Waiter)
         w.abandoned = True
         if t.state == "queued":
-            self.controller.cancel(t)
+            self.controller.cancel(t, self.clock())
             metrics.REJECTED.labels(w.fs.name, w.pl.name, "cancelled").inc()
         elif t.state == "executing":
             self._end(t, 0, False, None, status=0)
@@ -330,7 +376,11 @@ class FlowControl:
         if not t.followers:
             if on_first is not None or w.info.verb == "list":
                 # a LIST's size feeds the seat estimate; a watch frees its seats at its first bytes
-                response.body = _Metered(response.body, lambda n, ok, err: self._end(t, n, ok, err, status), on_first)
+                metered = _Metered(response.body, lambda n, ok, err: self._end(t, n, ok, err, status), on_first)
+                if w.shape is not None:
+                    w.content_type = next((v for k, v in response.headers if k == "content-type"), "")
+                    metered.on_end = lambda n, ok, err: self._end(t, n, ok, err, status, metered.head)
+                response.body = metered
             # Every adapter calls finish() once the response is written out (or failed): the end of an
             # ordinary request, and the backstop for a wrapped body that was never read to its end.
             response.on_complete.append(lambda err: self._end(t, 0, False, err, status))
@@ -382,9 +432,11 @@ class FlowControl:
             w.seats_released = True
             self._uncount(w)
             w.m.exec_watch.observe(self.clock() - w.started)
-            self._wake(self.controller.release_seats(t))
+            self._wake(self.controller.release_seats(t, self.clock()))
 
-    def _end(self, t: Ticket, nbytes: int, complete: bool, error: BaseException | None, status: int) -> None:
+    def _end(
+        self, t: Ticket, nbytes: int, complete: bool, error: BaseException | None, status: int, head: bytes = b""
+    ) -> None:
         """The upstream exchange is over: free seats, learn the LIST size, fail followers still waiting."""
         w = t.payload
         if not isinstance(w, _Waiter) or w.finished:
@@ -394,7 +446,9 @@ class FlowControl:
         if not w.seats_released:
             w.m.exec_regular.observe(self.clock() - w.started)
         if w.info.verb == "list" and status == 200 and complete:
-            self.controller.observe_list(w.info, nbytes)
+            shape = w.shape
+            continued = continued_response(head, w.content_type) if shape is not None and shape.limit else False
+            self.controller.observe_list(w.info, nbytes, shape, continued)
             metrics.LIST_BYTES.labels(w.info.resource_key).observe(nbytes)
         for f in t.followers:
             fw = f.payload
@@ -403,7 +457,7 @@ class FlowControl:
                 fw.shared.set_result(
                     too_many_requests(fw.fs, fw.pl, "leader-failed", self.settings.retry_after_seconds)
                 )
-        self._wake(self.controller.finish(t))
+        self._wake(self.controller.finish(t, self.clock()))
 
 
 def from_settings(settings: FlowControlSettings) -> FlowControl | None:

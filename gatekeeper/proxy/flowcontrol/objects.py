@@ -13,8 +13,8 @@ many objects.
 errors, as with ``kubectl apply --validate=strict``. v1beta3 objects are
 accepted too: their fields mean the same.
 
-Borrowing (``lendablePercent``/``borrowingLimitPercent``) is accepted and
-range-checked but not acted on: each level keeps its nominal seats.
+Borrowing (``lendablePercent``/``borrowingLimitPercent``) is range-checked here
+and applied by the controller (``borrowing.py``).
 """
 
 from __future__ import annotations

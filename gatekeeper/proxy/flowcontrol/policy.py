@@ -21,8 +21,8 @@ Classification follows upstream APF exactly (``k8s.io/apiserver/pkg/util/flowcon
 Built-in objects exist unless the operator supplies an object of the same name:
 the ``exempt`` level with FlowSchemas for ``system:masters`` and the health
 endpoints, and the ``catch-all`` level/FlowSchema (upstream's mandatory pair;
-the catch-all subject here is Group ``*`` because a bearer-token caller's
-groups are unknown to the proxy).
+the catch-all subject here is Group ``*`` so it matches whatever identity the
+proxy settles on, verified or not).
 """
 
 from __future__ import annotations
@@ -227,6 +227,14 @@ class Policy:
             self.memo.clear()
         self.memo[key] = found
         return found
+
+    def catch_all(self) -> tuple[FlowSchema, PriorityLevel]:
+        """The ``catch-all`` FlowSchema and its level (always present: built in unless replaced)."""
+        for fs in self.schemas:
+            if fs.name == "catch-all":
+                return fs, self.levels[fs.priority_level]
+        fs = self.schemas[-1]
+        return fs, self.levels[fs.priority_level]
 
     def _match(self, user: UserFacts, ri: RequestFacts) -> tuple[FlowSchema, PriorityLevel]:
         for fs in self.schemas:

@@ -28,6 +28,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from gatekeeper.proxy.flowcontrol.borrowing import DemandIntegrator, DemandStats
 from gatekeeper.proxy.flowcontrol.objects import PriorityLevel
 
 State = Literal["new", "queued", "executing", "joined", "rejected", "cancelled", "done"]
@@ -133,7 +134,15 @@ class LevelState:
     def __init__(self, spec: PriorityLevel, limit: int, budget: ListBudget) -> None:
         self.spec = spec
         self.limit = limit
+        """Current concurrency limit in seats: the nominal one, moved by borrowing (``borrowing.py``)."""
+        self.nominal = limit
         self.max_seats = level_max_seats(spec, limit)
+        self.waiting_seats = 0
+        """Seats of all waiting requests; with executing_seats, the level's seat demand."""
+        self.demand = DemandIntegrator()
+        self.demand_stats = DemandStats()
+        self.target = float(limit)
+        """The borrowing allocation's target for this level at the last adjustment."""
         self.budget = budget
         self.queues = [_Queue() for _ in range(0 if (spec.exempt or spec.reject) else spec.queues)]
         self.vtime = 0.0
@@ -144,7 +153,11 @@ class LevelState:
 
     def configure(self, spec: PriorityLevel, limit: int) -> None:
         """A reload changed the level's limits but not its queues."""
-        self.spec, self.limit, self.max_seats = spec, limit, level_max_seats(spec, limit)
+        self.spec, self.limit, self.nominal, self.max_seats = spec, limit, limit, level_max_seats(spec, limit)
+
+    def note_demand(self, now: float) -> None:
+        """Feed the seat-demand integrator (call after anything that changed seats or the queues)."""
+        self.demand.set(self.executing_seats + self.waiting_seats, now)
 
     def same_geometry(self, spec: PriorityLevel) -> bool:
         return (spec.exempt, spec.reject, spec.queues, spec.hand_size) == (
@@ -193,6 +206,7 @@ class LevelState:
             return [t]
         q.items.append(t)
         q.waiting_seats += t.seats
+        self.waiting_seats += t.seats
         self.waiting += 1
         return self.dispatch()
 
@@ -241,6 +255,7 @@ class LevelState:
             q = self.queues[qi]
             q.items.pop(0)
             q.waiting_seats -= head.seats
+            self.waiting_seats -= head.seats
             self.waiting -= 1
             self._rr = (qi + 1) % len(self.queues)
             self.vtime = max(self.vtime, head.start_tag)
@@ -251,6 +266,7 @@ class LevelState:
                     joined = [w for w in q.items if w.key == head.key]
                     for w in joined:
                         q.take(w)
+                        self.waiting_seats -= w.seats
                         self.waiting -= 1
                         w.state, w.leader = "joined", head
                         head.followers.append(w)
@@ -286,6 +302,7 @@ class LevelState:
         if t.state != "queued":
             return False
         self.queues[t.queue].take(t)
+        self.waiting_seats -= t.seats
         self.waiting -= 1
         if reason == "cancelled":
             t.state, t.reason = "cancelled", reason

@@ -10,7 +10,10 @@ etcd, convert, encode: several copies of the response at once). So:
                        (at most watchInitSeconds after the response head)
     LIST:              est   = estimate[(resource, namespace)]
                              (if unseen: estimate[(resource, "")], the cluster-wide LIST,
-                              else 0)
+                              else 0), then refined by the LIST's shape (``listcost.py``):
+                             limit=N costs N * perObject[resource] (learnt from paginated
+                             responses), a selector LIST read from storage the whole est,
+                             a metadata.name LIST one object
                        seats = clamp(ceil(est / bytesPerSeat), 1, maxSeats)
                        then, in the level, at most the level's own maximum
                        (queueset.level_max_seats, upstream's rule for queuing levels):
@@ -38,6 +41,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
+
+from gatekeeper.proxy.flowcontrol.listcost import FULL, ListShape, from_storage
+from gatekeeper.proxy.flowcontrol.listcost import list_bytes as shaped_bytes
 
 DECAY = 0.8
 
@@ -53,11 +60,16 @@ class Estimate:
 
 @dataclass
 class SizeEstimator:
-    """Per (resource, namespace) observed LIST response sizes, and the seat formula above."""
+    """Per (resource, namespace) observed LIST response sizes, per-object sizes, and the seat formula above."""
 
     bytes_per_seat: int = 8 << 20
     max_seats: int = 10
     sizes: dict[tuple[str, str], float] = field(default_factory=dict)
+    """Size of the whole collection: complete responses of LISTs without a selector."""
+    per_object: dict[str, float] = field(default_factory=dict)
+    """Bytes per object by resource: a page of a paginated LIST (limit=N, continue token set) holds N objects."""
+    storage_only: frozenset[str] = frozenset()
+    """Resources whose LISTs always read storage (no watch cache on the apiservers)."""
 
     def list_bytes(self, resource: str, namespace: str) -> int:
         est = self.sizes.get((resource, namespace))
@@ -65,17 +77,38 @@ class SizeEstimator:
             est = self.sizes.get((resource, ""))
         return int(est or 0)
 
-    def estimate(self, verb: str, resource: str, namespace: str) -> Estimate:
+    def estimate(
+        self, verb: str, resource: str, namespace: str, shape: ListShape | None = None, single: bool = False
+    ) -> Estimate:
+        """Seats for one request; a LIST's bytes follow its shape (``listcost.py``) when one is given."""
         if verb != "list":
             return Estimate(seats=1)
         b = self.list_bytes(resource, namespace)
+        if shape is not None and (shape is not FULL or single):
+            storage = from_storage(shape, resource in self.storage_only)
+            b = int(shaped_bytes(shape, b, self.per_object.get(resource), single=single, storage=storage))
         seats = max(1, min(self.max_seats, math.ceil(b / self.bytes_per_seat)))
         return Estimate(seats=seats, list_bytes=b)
 
-    def observe(self, resource: str, namespace: str, nbytes: int) -> None:
-        key = (resource, namespace)
-        old = self.sizes.get(key)
-        if old is None or nbytes >= old:
-            self.sizes[key] = float(nbytes)
+    def observe(
+        self, resource: str, namespace: str, nbytes: int, shape: ListShape | None = None,
+        continued: bool | None = False,
+    ) -> None:
+        """Learn from a complete 200 LIST response of ``nbytes``. ``continued``: the response carried a
+        continue token (True), none (False), or it could not be told (None, e.g. protobuf)."""
+        if shape is not None and shape.limit > 0 and continued:  # a full page: exactly ``limit`` objects
+            self._blend(self.per_object, resource, nbytes / shape.limit)
+            return
+        # no continue token (or an encoding where it cannot be seen, e.g. protobuf: as before, the
+        # response counts as the whole collection; the estimate only shrinks slowly on smaller ones)
+        if shape is not None and (shape.selector or shape.continued):
+            return  # a filtered or later page says nothing about the whole collection
+        self._blend(self.sizes, (resource, namespace), nbytes)
+
+    @staticmethod
+    def _blend(table: dict[Any, float], key: Any, value: float) -> None:
+        old = table.get(key)
+        if old is None or value >= old:
+            table[key] = float(value)
         else:
-            self.sizes[key] = DECAY * old + (1 - DECAY) * nbytes
+            table[key] = DECAY * old + (1 - DECAY) * value

@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from gatekeeper.proxy.identity.settings import TokenSettings
+
 
 @dataclass(frozen=True)
 class FlowControlSettings:
@@ -34,6 +36,9 @@ class FlowControlSettings:
     (``max(1, min(ceil(0.15 * levelLimit), levelLimit // handSize))``)."""
     list_bytes_cap: int = 1 << 30
     """Cap on estimated response bytes of all LISTs executing in limited levels (one may always run)."""
+    storage_only_resources: list[str] = field(default_factory=list)
+    """Resources the apiservers keep no watch cache for (``--watch-cache-sizes=secrets#0``): their LISTs always
+    read etcd, so a selector LIST of them costs the whole collection (see ``listcost.py``)."""
     watch_init_seconds: float = 2.0
     """A watch holds its seat until its first body bytes, or at most this long after its response head."""
     coalesce: bool = True
@@ -50,6 +55,13 @@ class FlowControlSettings:
     """Multi-document YAML files of FlowSchemas and PriorityLevelConfigurations; re-read on change/SIGHUP."""
     reload_interval_seconds: float = 2.0
     """How often the files are checked for changes (0 = only on SIGHUP)."""
+    borrowing_adjustment_seconds: float = 10.0
+    """How often levels' current limits are re-divided by seat demand (lendablePercent/borrowingLimitPercent;
+    upstream's period is 10 s)."""
+    tokens: TokenSettings = field(default_factory=TokenSettings)
+    """Who bearer-token callers are, for classification and fair queuing only (tokens still go upstream
+    untouched and the apiserver authenticates them): ServiceAccount tokens verified locally, optional
+    TokenReview, and one shared flow per source address for tokens that cannot be verified."""
 
     def validate(self) -> None:
         for name in (
@@ -65,10 +77,13 @@ class FlowControlSettings:
             raise ValueError("watchInitSeconds: must be positive")
         if self.fanout_stall_seconds <= 0:
             raise ValueError("fanoutStallSeconds: must be positive")
+        if self.borrowing_adjustment_seconds <= 0:
+            raise ValueError("borrowingAdjustmentSeconds: must be positive")
         if self.queue_wait_seconds <= 0:
             raise ValueError("queueWaitSeconds: must be positive")
         if self.retry_after_seconds < 1:
             raise ValueError("retryAfterSeconds: must be a whole number of seconds >= 1")
+        self.tokens.validate()
         if self.enabled:
             from gatekeeper.proxy.flowcontrol.loading import load_policy
 

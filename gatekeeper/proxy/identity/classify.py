@@ -1,0 +1,142 @@
+"""From an ``Authorization`` header to the identity flow control uses (pure, time passed in).
+
+Decision order for a bearer token:
+
+1. its digest is in the verified cache: that identity (the warm path: a hash
+   and two dict lookups);
+2. it is in the failed cache: the shared *unverified* identity;
+3. it verifies as a ServiceAccount token: cache it until it expires;
+4. it is a ServiceAccount-issuer token signed by an unknown key id: the edge
+   refreshes the JWKS (rate-limited) and asks again;
+5. it is some other token and TokenReview is on: the edge reviews it;
+6. otherwise it is unverified.
+
+An unverified caller is ``system:anonymous`` in ``system:unauthenticated`` for
+matching, and its ByUser flow is its source address, not its token: every
+made-up token from one address lands in the same flow, so inventing tokens
+buys no extra queues. It is never exempt (see ``controller.admit``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from gatekeeper.proxy.identity.cache import ExpiringCache, digest
+from gatekeeper.proxy.identity.jwt import (
+    Identity,
+    NotServiceAccount,
+    ServiceAccountVerifier,
+    TokenError,
+    UnknownKey,
+)
+
+UNVERIFIED = Identity(name="system:anonymous", groups=["system:unauthenticated"], verified=False)
+"""Stand-in identity of a token caller the proxy could not verify."""
+
+Step = Literal["done", "refresh", "review"]
+
+
+def bearer_token(authorization: str) -> str | None:
+    """The token of ``Bearer <token>`` (scheme case-insensitive), as upstream's bearer authenticator reads it."""
+    scheme, _, rest = authorization.strip().partition(" ")
+    if scheme.lower() != "bearer":
+        return None
+    token = rest.strip()
+    return token if token and " " not in token else None
+
+
+def source_host(peer: str) -> str:
+    """The address part of ``host:port`` / ``[v6]:port`` (flows of unverified callers key on it)."""
+    if peer.startswith("[") and "]" in peer:
+        return peer[1 : peer.index("]")]
+    if peer.count(":") == 1:
+        return peer.split(":", 1)[0]
+    return peer
+
+
+def unverified_flow(peer: str) -> str:
+    return "unverified@" + source_host(peer)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What :meth:`TokenClassifier.decide` concluded, and what the edge should do next."""
+
+    step: Step
+    identity: Identity
+    """The identity to use now (``UNVERIFIED`` until a pending step says otherwise)."""
+    outcome: str
+    """Metric label: cached, verified, reviewed-cached, failed-cached, not-bearer, or a TokenError reason."""
+    token: str = ""
+    key: bytes = b""
+
+
+class TokenClassifier:
+    """The verifier plus the caches; the edge owns key fetching and TokenReview calls."""
+
+    def __init__(
+        self,
+        verifier: ServiceAccountVerifier,
+        *,
+        cache_entries: int = 10000,
+        failed_entries: int = 10000,
+        failed_seconds: float = 60.0,
+        review: bool = False,
+        service_accounts: bool = True,
+    ) -> None:
+        self.verifier = verifier
+        self.service_accounts = service_accounts
+        self.verified: ExpiringCache[Identity] = ExpiringCache(cache_entries)
+        self.failed: ExpiringCache[str] = ExpiringCache(failed_entries)
+        self.failed_seconds = failed_seconds
+        self.review = review
+
+    def cached(self, authorization: str, now: float) -> Identity | None:
+        """The warm path: the identity if this token's verdict is cached, else None."""
+        token = bearer_token(authorization)
+        if token is None:
+            return UNVERIFIED
+        key = digest(token)
+        hit = self.verified.get(key, now)
+        if hit is not None:
+            return hit
+        return UNVERIFIED if self.failed.get(key, now) is not None else None
+
+    def decide(self, authorization: str, now: float) -> Decision:
+        token = bearer_token(authorization)
+        if token is None:
+            return Decision("done", UNVERIFIED, "not-bearer")
+        key = digest(token)
+        hit = self.verified.get(key, now)
+        if hit is not None:
+            return Decision("done", hit, "cached")
+        if self.failed.get(key, now) is not None:
+            return Decision("done", UNVERIFIED, "failed-cached")
+        if not self.service_accounts or not self.verifier.ready:
+            if self.review:
+                return Decision("review", UNVERIFIED, "review", token, key)
+            if self.service_accounts:  # no keys yet: nothing is cached as failed before the first JWKS
+                return Decision("refresh", UNVERIFIED, "no-keys", token, key)
+            self.fail(key, "no-verifier", now)
+            return Decision("done", UNVERIFIED, "no-verifier")
+        try:
+            v = self.verifier.verify(token, now)
+        except UnknownKey:
+            return Decision("refresh", UNVERIFIED, "unknown-kid", token, key)
+        except NotServiceAccount as exc:
+            if self.review:
+                return Decision("review", UNVERIFIED, exc.reason, token, key)
+            self.fail(key, exc.reason, now)
+            return Decision("done", UNVERIFIED, exc.reason)
+        except TokenError as exc:
+            self.fail(key, exc.reason, now)
+            return Decision("done", UNVERIFIED, exc.reason)
+        self.verified.put(key, v.identity, v.expires, now)
+        return Decision("done", v.identity, "verified")
+
+    def fail(self, key: bytes, reason: str, now: float, seconds: float | None = None) -> None:
+        self.failed.put(key, reason, now + (self.failed_seconds if seconds is None else seconds), now)
+
+    def remember(self, key: bytes, identity: Identity, expires: float, now: float) -> None:
+        self.verified.put(key, identity, expires, now)

@@ -1,0 +1,256 @@
+"""The asyncio edge of token identity: issuer keys and TokenReviews through the proxy's own upstream.
+
+The proxy calls the apiservers it fronts with the same pooled clients the
+pipeline uses (``BackendClient``), trying each backend in turn. When it has a
+front-proxy client certificate it asserts its own identity (``proxyUser``,
+``proxyGroups``) with ``X-Remote-User``/``X-Remote-Group``; that user needs the
+built-in ``system:service-account-issuer-discovery`` role for the keys and
+``system:auth-delegator`` (``create tokenreviews``) for TokenReview
+(``deploy/examples/proxy-identity-rbac.yaml``). Without the certificate the
+calls go anonymously.
+
+Keys are fetched at start, every ``jwksRefreshSeconds``, and when a token
+names a key id the current set lacks (at most once per
+``jwksMinRefreshSeconds``, so a flood of made-up key ids costs one fetch per
+period, not one per token). A failed fetch keeps the previous keys.
+
+Again: whatever is decided here only steers classification and queuing. The
+request's ``Authorization`` header is forwarded unchanged and the apiserver
+authenticates it as if the proxy were not there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import aiohttp
+
+from gatekeeper.proxy.identity import metrics
+from gatekeeper.proxy.identity.classify import UNVERIFIED, Decision, TokenClassifier
+from gatekeeper.proxy.identity.jwt import Identity, ServiceAccountVerifier
+from gatekeeper.proxy.identity.review import TOKEN_REVIEW_PATH, Budget, parse_review, review_request
+from gatekeeper.proxy.identity.settings import TokenSettings
+
+log = logging.getLogger("gatekeeper.proxy.identity")
+
+DISCOVERY_PATH = "/.well-known/openid-configuration"
+JWKS_PATH = "/openid/v1/jwks"
+MAX_DOCUMENT_BYTES = 1 << 20
+
+
+class Upstream(Protocol):
+    """What the edge needs of ``gatekeeper.proxy.upstream.BackendClient``."""
+
+    name: str
+    url: str
+
+    @property
+    def session(self) -> aiohttp.ClientSession: ...
+
+    ssl_identity: Any
+    ssl_plain: Any
+
+
+class FetchError(RuntimeError):
+    pass
+
+
+class TokenIdentities:
+    """Resolve a token caller's identity for flow control; see the module docstring."""
+
+    def __init__(self, settings: TokenSettings, clock: Callable[[], float] = time.time) -> None:
+        self.settings = settings
+        self.clock = clock
+        self.verifier = ServiceAccountVerifier(audiences=tuple(settings.audiences))
+        self.classifier = TokenClassifier(
+            self.verifier,
+            cache_entries=settings.cache_entries,
+            failed_entries=settings.failed_cache_entries,
+            failed_seconds=settings.failed_cache_seconds,
+            review=settings.token_review,
+            service_accounts=settings.service_accounts,
+        )
+        self.budget = Budget(settings.reviews_per_second, max(1.0, settings.reviews_per_second))
+        self.upstreams: list[Upstream] = []
+        self._refresh: asyncio.Task[bool] | None = None
+        self._last_refresh = float("-inf")
+        self._loop_task: asyncio.Task[None] | None = None
+        self._reviews: dict[bytes, asyncio.Future[Identity]] = {}
+        self._counts = {k: metrics.TOKENS.labels(k) for k in ("cached", "failed-cached", "not-bearer")}
+
+    # -- wiring -------------------------------------------------------------------------------
+    def use_upstream(self, upstreams: Sequence[Upstream]) -> None:
+        self.upstreams = list(upstreams)
+
+    async def start(self) -> None:
+        if self.settings.service_accounts and self.upstreams and self._loop_task is None:
+            await self.refresh(force=True)
+            self._loop_task = asyncio.get_running_loop().create_task(self._refresh_loop(), name="gatekeeper-jwks")
+
+    async def close(self) -> None:
+        for task in (self._loop_task, self._refresh):
+            if task is not None and not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        self._loop_task = self._refresh = None
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.jwks_refresh_seconds)
+            await self.refresh(force=True)
+
+    # -- resolution ---------------------------------------------------------------------------
+    def cached(self, authorization: str) -> Identity | None:
+        """The warm path, synchronous: a cached verdict or None (then await :meth:`resolve`)."""
+        hit = self.classifier.cached(authorization, self.clock())
+        if hit is not None:
+            self._counts["cached" if hit.verified else "failed-cached"].inc()
+        return hit
+
+    async def resolve(self, authorization: str) -> Identity:
+        """The cold path: verify, refresh keys, or review. Never raises (a failure means unverified)."""
+        try:
+            return await self._resolve(authorization)
+        except Exception:  # a bug here must not fail the request: it only classifies it
+            log.exception("classifying a token caller failed; treating the caller as unverified")
+            metrics.TOKENS.labels("error").inc()
+            return UNVERIFIED
+
+    async def _resolve(self, authorization: str) -> Identity:
+        d = self._decide(authorization)
+        if d.step == "refresh" and self.settings.service_accounts and self.upstreams and await self.refresh():
+            d = self._decide(authorization)
+        if d.step == "review":
+            return await self._review(d)
+        if d.step != "done":  # keys could not be (re)fetched: do not cache the failure
+            metrics.TOKENS.labels(d.outcome).inc()
+        return d.identity
+
+    def _decide(self, authorization: str) -> Decision:
+        t0 = time.perf_counter()
+        d = self.classifier.decide(authorization, self.clock())
+        if d.outcome == "verified":
+            metrics.VERIFY_SECONDS.observe(time.perf_counter() - t0)
+        if d.step == "done":
+            metrics.TOKENS.labels(d.outcome).inc()
+        return d
+
+    # -- JWKS ---------------------------------------------------------------------------------
+    async def refresh(self, force: bool = False) -> bool:
+        """Fetch discovery + JWKS (single flight); False if skipped by the rate limit or failed."""
+        if self._refresh is not None and not self._refresh.done():
+            return await asyncio.shield(self._refresh)
+        now = time.monotonic()
+        if not force and now - self._last_refresh < self.settings.jwks_min_refresh_seconds:
+            metrics.JWKS_REFRESH.labels("skipped").inc()
+            return False
+        self._last_refresh = now
+        self._refresh = asyncio.get_running_loop().create_task(self._fetch_keys())
+        return await asyncio.shield(self._refresh)
+
+    async def _fetch_keys(self) -> bool:
+        try:
+            discovery = await self._call("GET", DISCOVERY_PATH)
+            issuer = discovery.get("issuer") if isinstance(discovery, dict) else None
+            if not isinstance(issuer, str) or not issuer:
+                raise FetchError(f"{DISCOVERY_PATH} has no issuer")
+            jwks = await self._call("GET", JWKS_PATH)
+            if self.verifier.set_keys(issuer, jwks):
+                self.classifier.verified.clear()
+                self.classifier.failed.clear()
+        except (FetchError, ValueError) as exc:
+            metrics.JWKS_REFRESH.labels("error").inc()
+            log.warning("service-account keys not refreshed (keeping %d keys): %s", len(self.verifier.keys), exc)
+            return False
+        metrics.JWKS_REFRESH.labels("ok").inc()
+        return True
+
+    # -- TokenReview --------------------------------------------------------------------------
+    async def _review(self, d: Decision) -> Identity:
+        pending = self._reviews.get(d.key)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        if not self.budget.take(time.monotonic()):
+            metrics.TOKENS.labels("budget").inc()
+            return UNVERIFIED
+        fut: asyncio.Future[Identity] = asyncio.get_running_loop().create_future()
+        self._reviews[d.key] = fut
+        try:
+            identity = await self._send_review(d)
+            fut.set_result(identity)
+            return identity
+        except BaseException as exc:
+            fut.set_result(UNVERIFIED)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            return UNVERIFIED
+        finally:
+            del self._reviews[d.key]
+
+    async def _send_review(self, d: Decision) -> Identity:
+        now = self.clock()
+        try:
+            doc = await self._call("POST", TOKEN_REVIEW_PATH, review_request(d.token, self.settings.audiences))
+            identity = parse_review(doc)
+        except (FetchError, ValueError) as exc:
+            metrics.REVIEWS.labels("error").inc()
+            metrics.TOKENS.labels("review-error").inc()
+            log.warning("TokenReview failed: %s", exc)
+            return UNVERIFIED
+        if identity is None:
+            metrics.REVIEWS.labels("unauthenticated").inc()
+            metrics.TOKENS.labels("review-unauthenticated").inc()
+            self.classifier.fail(d.key, "review-unauthenticated", now, self.settings.review_failed_cache_seconds)
+            return UNVERIFIED
+        metrics.REVIEWS.labels("authenticated").inc()
+        metrics.TOKENS.labels("reviewed").inc()
+        self.classifier.remember(d.key, identity, now + self.settings.review_cache_seconds, now)
+        return identity
+
+    # -- HTTP ---------------------------------------------------------------------------------
+    async def _call(self, method: str, path: str, body: bytes | None = None) -> Any:
+        """One JSON call, tried on each backend in turn until one answers 2xx."""
+        if not self.upstreams:
+            raise FetchError("no upstream apiservers configured")
+        errors: list[str] = []
+        for up in self.upstreams:
+            headers = {"Accept": "application/jwk-set+json" if path == JWKS_PATH else "application/json"}
+            if body is not None:
+                headers["Content-Type"] = "application/json"
+            if up.ssl_identity is not None:
+                headers["X-Remote-User"] = self.settings.proxy_user
+            try:
+                async with up.session.request(
+                    method,
+                    up.url + path,
+                    headers=[*headers.items(), *(("X-Remote-Group", g) for g in self.settings.proxy_groups
+                                                 if up.ssl_identity is not None)],
+                    data=body,
+                    ssl=up.ssl_identity or up.ssl_plain,
+                    timeout=aiohttp.ClientTimeout(total=self.settings.fetch_timeout_seconds),
+                ) as resp:
+                    chunks: list[bytes] = []
+                    size = 0
+                    async for chunk in resp.content.iter_any():
+                        size += len(chunk)
+                        if size > MAX_DOCUMENT_BYTES:
+                            break
+                        chunks.append(chunk)
+                    if size > MAX_DOCUMENT_BYTES:
+                        errors.append(f"{up.name}: {path} is larger than {MAX_DOCUMENT_BYTES} bytes")
+                        continue
+                    data = b"".join(chunks)
+                    if not 200 <= resp.status < 300:
+                        errors.append(f"{up.name}: {method} {path}: HTTP {resp.status}: {data[:200]!r}")
+                        continue
+                    return json.loads(data)
+            except (TimeoutError, aiohttp.ClientError, OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+                errors.append(f"{up.name}: {method} {path}: {type(exc).__name__}: {exc}")
+        raise FetchError("; ".join(errors))

@@ -1,0 +1,98 @@
+"""TokenReview shapes and the per-second review budget (pure).
+
+A token the proxy cannot verify itself (an OIDC or webhook token, a legacy
+secret-based ServiceAccount token) may be sent to the apiservers as a
+``TokenReview`` (``authentication.k8s.io/v1``), the same call an aggregated
+apiserver makes with ``--authentication-kubeconfig``. The proxy needs
+``create tokenreviews`` for its own identity (``system:auth-delegator``).
+
+What it costs: one apiserver round trip (one authenticator run, so for a
+webhook authenticator one more webhook call) per distinct token per cache
+lifetime, at most ``reviewsPerSecond`` a second; the first request of such a
+token waits for it (bounded by ``reviewTimeoutSeconds``). Beyond the budget a
+token is classified like a token that failed, until a later request gets a
+review.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, TypedDict
+
+from gatekeeper.proxy.identity.jwt import Identity
+
+TOKEN_REVIEW_PATH = "/apis/authentication.k8s.io/v1/tokenreviews"
+
+
+class TokenReviewUser(TypedDict, total=False):
+    username: str
+    uid: str
+    groups: list[str]
+    extra: dict[str, list[str]]
+
+
+class TokenReviewStatus(TypedDict, total=False):
+    authenticated: bool
+    user: TokenReviewUser
+    audiences: list[str]
+    error: str
+
+
+def review_request(token: str, audiences: Sequence[str] = ()) -> bytes:
+    spec: dict[str, Any] = {"token": token}
+    if audiences:
+        spec["audiences"] = list(audiences)
+    return json.dumps(
+        {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview", "spec": spec}, separators=(",", ":")
+    ).encode()
+
+
+def parse_review(doc: Any) -> Identity | None:
+    """The reviewed identity, or None when the apiserver says the token is not authenticated.
+
+    Raises ValueError for a response that is not a TokenReview status.
+    """
+    status = doc.get("status") if isinstance(doc, dict) else None
+    if not isinstance(status, dict):
+        raise ValueError("TokenReview response has no status")
+    st: TokenReviewStatus = status  # type: ignore[assignment]
+    if st.get("authenticated") is not True:
+        return None
+    user = st.get("user")
+    if not isinstance(user, dict):
+        return None
+    name = user.get("username")
+    if not isinstance(name, str) or not name:
+        return None
+    raw_groups = user.get("groups")
+    groups = [g for g in raw_groups if isinstance(g, str)] if isinstance(raw_groups, list) else []
+    raw_extra = user.get("extra") or {}
+    extra = {
+        k: [x for x in v if isinstance(x, str)]
+        for k, v in (raw_extra.items() if isinstance(raw_extra, dict) else ())
+        if isinstance(k, str) and isinstance(v, list)
+    }
+    uid = user.get("uid")
+    return Identity(name=name, groups=groups, extra=extra, uid=uid if isinstance(uid, str) else "")
+
+
+@dataclass
+class Budget:
+    """A token bucket: ``rate`` reviews a second, bursts of up to ``burst``."""
+
+    rate: float
+    burst: float
+    tokens: float = -1.0
+    last: float = 0.0
+
+    def take(self, now: float) -> bool:
+        if self.tokens < 0:
+            self.tokens, self.last = self.burst, now
+        self.tokens = min(self.burst, self.tokens + (now - self.last) * self.rate)
+        self.last = now
+        if self.tokens >= 1:
+            self.tokens -= 1
+            return True
+        return False
