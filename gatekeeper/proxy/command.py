@@ -41,7 +41,7 @@ def register(sub: Any) -> None:
 
 
 def _check_files(settings: ProxySettings) -> None:
-    from gatekeeper.cli import UsageError
+    from gatekeeper.errors import UsageError
 
     files = {
         "proxy.listener.certFile": settings.listener.cert_file,

@@ -32,10 +32,12 @@ import yaml
 
 from gatekeeper.certs import CLUSTER_CA, PKI
 from gatekeeper.config import load_yaml
+from gatekeeper.errors import UsageError
 from gatekeeper.proxy.settings import MAX_GOAWAY_CHANCE
 from gatekeeper.sandbox import processes
 from gatekeeper.sandbox.pki import FRONT_PROXY_CLIENT, SandboxPKI, write_kubeconfig
 from gatekeeper.sandbox.state import SandboxState
+from gatekeeper.sandbox.waiting import wait_until
 
 NAME = "proxy"
 SERVING = "proxy-serving"
@@ -105,8 +107,6 @@ def build_config(
 
 
 def _user_config(path: str | None) -> dict[str, Any] | None:
-    from gatekeeper.cli import UsageError
-
     if not path:
         return None
     data = load_yaml(path) or {}
@@ -116,8 +116,6 @@ def _user_config(path: str | None) -> dict[str, Any] | None:
 
 
 def start(state: SandboxState, args: argparse.Namespace) -> None:
-    from gatekeeper.sandbox.lifecycle import wait_until
-
     directory = Path(state.dir)
     pki = PKI(state.certs_dir)
     serving = pki.issue_serving(SERVING, dns=["localhost"], ips=["127.0.0.1", "::1"], ca=CLUSTER_CA)

@@ -26,8 +26,8 @@ def register(sub: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from gatekeeper.cli import UsageError
     from gatekeeper.config import load_config
+    from gatekeeper.errors import UsageError
     from gatekeeper.webhook.server import StartupError, preflight, run
     from gatekeeper.webhook.settings import WebhookSettings
 
