@@ -11,7 +11,10 @@ YAML keys onto these snake_case fields and rejects unknown keys.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
+from gatekeeper.config import ConfigError, from_mapping, register_section
+from gatekeeper.proxy.flowcontrol.loading import load_policy
 from gatekeeper.proxy.flowcontrol.settings import FlowControlSettings
 
 MAX_GOAWAY_CHANCE = 0.02
@@ -117,3 +120,22 @@ class ProxySettings:
     def validate(self) -> None:
         if not self.backends:
             raise ValueError("backends: at least one apiserver URL is required")
+
+
+def load_section(data: Any, source: str, key: str) -> ProxySettings:
+    """Parse ``proxy:`` (pure dataclasses), then read and check the flow-control policy it names.
+
+    The policy files are read here, in the load step, not in a dataclass's
+    ``validate()``: parsing stays free of I/O, and a bad policy still stops
+    ``gatekeeper proxy`` with ``FILE: proxy.flowControl: <object>: <field>: <problem>``.
+    """
+    settings = from_mapping(ProxySettings, data, source, key)
+    if settings.flow_control.enabled:
+        try:
+            load_policy(settings.flow_control)
+        except ValueError as exc:
+            raise ConfigError(source, f"{key}.flowControl", str(exc)) from None
+    return settings
+
+
+register_section("proxy", load_section)

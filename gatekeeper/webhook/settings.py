@@ -24,6 +24,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
+from gatekeeper.config import dataclass_section, register_section
+
 Mode = Literal["dra", "time-slicing", "mps", "mps-dra", "mig", "off"]
 MODES: tuple[str, ...] = get_args(Mode)
 
@@ -189,3 +191,6 @@ class WebhookSettings:
     """GPU pod policy."""
     kubeconfig: str = ""
     """Kubeconfig for template reconciliation (empty = in-cluster service account)."""
+
+
+register_section("webhook", dataclass_section(WebhookSettings))
