@@ -33,6 +33,7 @@ import yaml
 from gatekeeper.certs import CLUSTER_CA, PKI
 from gatekeeper.config import load_yaml
 from gatekeeper.errors import UsageError
+from gatekeeper.proxy.flowcontrol.defaults import sandbox_flow_control
 from gatekeeper.proxy.settings import MAX_GOAWAY_CHANCE
 from gatekeeper.sandbox import processes
 from gatekeeper.sandbox.pki import FRONT_PROXY_CLIENT, SandboxPKI, write_kubeconfig
@@ -44,22 +45,10 @@ SERVING = "proxy-serving"
 READY_TIMEOUT = 60.0
 
 
-def default_flow_control() -> dict[str, Any] | None:
-    """The ``flowControl:`` section used when ``--proxy-config`` is not given.
-
-    This is the place for the seeds' policy (LIST of secrets cluster-wide, 2
-    concurrent, queued): flow control ships it as
-    ``gatekeeper.proxy.flowcontrol.defaults.sandbox_flow_control()``. Until that
-    module exists the proxy runs with flow control's built-in defaults.
-    """
-    try:
-        from gatekeeper.proxy.flowcontrol import defaults  # type: ignore[attr-defined,unused-ignore]
-    except ModuleNotFoundError as exc:
-        if exc.name == "gatekeeper.proxy.flowcontrol.defaults":
-            return None
-        raise
-    section = defaults.sandbox_flow_control()
-    return dict(section) if section is not None else None
+def default_flow_control() -> dict[str, Any]:
+    """The ``flowControl:`` section used when ``--proxy-config`` is not given: the seeds' policy
+    (LIST of secrets cluster-wide, 2 concurrent, queued), shipped by flow control as package data."""
+    return sandbox_flow_control()
 
 
 def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
@@ -91,9 +80,7 @@ def build_config(
     }
     proxy: dict[str, Any] = {}
     if user_config is None:
-        flow = default_flow_control()
-        if flow is not None:
-            proxy["flowControl"] = flow
+        proxy["flowControl"] = default_flow_control()
     else:
         proxy = dict(user_config)
     proxy = _merge(proxy, owned)
