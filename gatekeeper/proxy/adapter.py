@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 
 from gatekeeper.kube import status
 from gatekeeper.proxy.messages import Handler, Headers, ProxyRequest, ProxyResponse
+from gatekeeper.proxy.messages import close_body as close_body  # the adapters' import; defined with the contract
 
 log = logging.getLogger("gatekeeper.proxy")
 
@@ -64,16 +65,6 @@ async def call_handler(handler: Handler, request: ProxyRequest) -> ProxyResponse
         return error_response(
             502, "InternalError", f"gatekeeper proxy could not serve the request: {type(exc).__name__}: {exc}"
         )
-
-
-async def close_body(body: AsyncIterator[bytes]) -> None:
-    """Close a body iterator we stopped pulling, so its producer releases the upstream connection."""
-    aclose = getattr(body, "aclose", None)
-    if aclose is not None:
-        try:
-            await aclose()
-        except Exception:  # a producer failing at close must not mask the real outcome
-            log.debug("closing a response body failed", exc_info=True)
 
 
 def encode_header(value: str) -> bytes:

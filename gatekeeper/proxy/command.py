@@ -19,8 +19,10 @@ from typing import Any
 
 from aiohttp import web
 
-from gatekeeper.proxy.messages import Middleware
-from gatekeeper.proxy.settings import ProxySettings
+from gatekeeper.errors import UsageError
+from gatekeeper.proxy.flowcontrol.middleware import from_settings
+from gatekeeper.proxy.messages import ManagedMiddleware
+from gatekeeper.proxy.settings import ProxySettings  # also registers the proxy: config section
 
 log = logging.getLogger("gatekeeper.proxy")
 
@@ -41,8 +43,6 @@ def register(sub: Any) -> None:
 
 
 def _check_files(settings: ProxySettings) -> None:
-    from gatekeeper.errors import UsageError
-
     files = {
         "proxy.listener.certFile": settings.listener.cert_file,
         "proxy.listener.keyFile": settings.listener.key_file,
@@ -77,27 +77,9 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def flow_control_middleware(settings: ProxySettings) -> Middleware | None:
-    """Flow control's entry point, ``gatekeeper.proxy.flowcontrol.middleware.from_settings``.
-
-    The flow-control package returns a Middleware (or None when disabled); if
-    it also has ``start()``/``close()`` coroutines, :func:`run` calls them.
-    """
-    try:
-        from gatekeeper.proxy.flowcontrol import middleware as fc  # type: ignore[attr-defined,unused-ignore]
-    except ModuleNotFoundError as exc:
-        if exc.name == "gatekeeper.proxy.flowcontrol.middleware":
-            return None
-        raise
-    return fc.from_settings(settings.flow_control)  # type: ignore[no-any-return,unused-ignore]
-
-
-async def _maybe(obj: Any, name: str) -> None:
-    fn = getattr(obj, name, None)
-    if fn is not None:
-        result = fn()
-        if asyncio.iscoroutine(result):
-            await result
+def flow_control_middleware(settings: ProxySettings) -> ManagedMiddleware | None:
+    """Flow control's middleware (None when ``flowControl.enabled`` is false); :func:`run` starts and closes it."""
+    return from_settings(settings.flow_control)
 
 
 def metrics_app(ready: Callable[[], bool]) -> web.Application:
@@ -140,7 +122,7 @@ async def run(
     settings: ProxySettings,
     *,
     on_ready: Callable[[dict[str, Any]], None] | None = None,
-    serve: Callable[..., Awaitable[Any]] | None = None,
+    serve: Callable[..., Awaitable[None]] | None = None,
 ) -> None:
     """Run until the listener returns (SIGTERM drained); ``on_ready`` gets the bound URLs."""
     from gatekeeper.proxy.pipeline import build
@@ -151,7 +133,8 @@ async def run(
         serve = serve_fn
     flow = flow_control_middleware(settings)
     pipeline = build(settings, flow_control=flow)
-    await _maybe(flow, "start")
+    if flow is not None:
+        await flow.start()
     await pipeline.start()
     listening = asyncio.Event()
     runner: web.AppRunner | None = None
@@ -164,8 +147,7 @@ async def run(
             )
             info["metricsUrl"] = f"http://{settings.listener.metrics_address}:{mport}"
 
-        def ready(bound: Any = None) -> None:
-            port = _port_of(bound, settings.listener.port)
+        def ready(port: int) -> None:
             info["url"] = f"https://{settings.listener.address}:{port}"
             listening.set()
             log.info("gatekeeper proxy serving on %s (metrics %s), backends: %s", info["url"],
@@ -178,15 +160,6 @@ async def run(
         if runner is not None:
             await runner.cleanup()
         await pipeline.close()
-        with contextlib.suppress(Exception):
-            await _maybe(flow, "close")
-
-
-def _port_of(bound: Any, default: int) -> int:
-    """The listener may report its bound port as an int, a (host, port) tuple or an object with ``port``."""
-    if isinstance(bound, int):
-        return bound
-    if isinstance(bound, tuple) and len(bound) >= 2:
-        return int(bound[1])
-    port = getattr(bound, "port", None)
-    return int(port) if port else default
+        if flow is not None:
+            with contextlib.suppress(Exception):
+                await flow.close()

@@ -49,7 +49,7 @@ from gatekeeper.proxy.flowcontrol.objects import FlowSchema, PriorityLevel
 from gatekeeper.proxy.flowcontrol.policy import Policy
 from gatekeeper.proxy.flowcontrol.queueset import Ticket
 from gatekeeper.proxy.flowcontrol.settings import FlowControlSettings
-from gatekeeper.proxy.messages import Handler, ProxyRequest, ProxyResponse, UserInfo
+from gatekeeper.proxy.messages import Handler, ProxyRequest, ProxyResponse, UserInfo, close_body, is_exhausted
 
 log = logging.getLogger("gatekeeper.proxy.flowcontrol")
 
@@ -150,7 +150,7 @@ class _Metered:
             first, self.on_first = self.on_first, None
             first()
         self.count += len(chunk)
-        if getattr(self.body, "exhausted", False) is True:
+        if is_exhausted(self.body):
             self._end(True, None)  # the h2 adapter ends the stream on this chunk and reads no further
         return chunk
 
@@ -158,14 +158,11 @@ class _Metered:
     def exhausted(self) -> bool:
         """The upstream body's own last-chunk mark (``upstream._ResponseBody``), passed through so the
         h2 adapter still ends the stream on the last DATA frame."""
-        return getattr(self.body, "exhausted", False) is True
+        return is_exhausted(self.body)
 
     async def aclose(self) -> None:
         self._end(False, None)
-        aclose = getattr(self.body, "aclose", None)
-        if aclose is not None:
-            with contextlib.suppress(Exception):
-                await aclose()
+        await close_body(self.body)
 
 
 class FlowControl:
