@@ -20,6 +20,8 @@ from gatekeeper.proxy import command as proxy_command
 from gatekeeper.sandbox import command as sandbox_command
 from gatekeeper.webhook import command as webhook_command
 
+# The command modules keep their imports light: prometheus_client must not be imported before a
+# command has set PROMETHEUS_MULTIPROC_DIR (tests/cli/test_cli.py checks this).
 # Re-exported for callers written before gatekeeper.errors existed; new code imports gatekeeper.errors.
 __all__ = ["UsageError", "build_parser", "main", "non_negative_int", "positive_int"]
 

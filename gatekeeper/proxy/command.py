@@ -20,7 +20,6 @@ from typing import Any
 from aiohttp import web
 
 from gatekeeper.errors import UsageError
-from gatekeeper.proxy.flowcontrol.middleware import from_settings
 from gatekeeper.proxy.messages import ManagedMiddleware
 from gatekeeper.proxy.settings import ProxySettings  # also registers the proxy: config section
 
@@ -78,7 +77,14 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def flow_control_middleware(settings: ProxySettings) -> ManagedMiddleware | None:
-    """Flow control's middleware (None when ``flowControl.enabled`` is false); :func:`run` starts and closes it."""
+    """Flow control's middleware (None when ``flowControl.enabled`` is false); :func:`run` starts and closes it.
+
+    Imported here, not at the top: ``gatekeeper.cli`` imports every command module to build its parser,
+    and prometheus_client (flow control's metrics) must not be imported before ``gatekeeper webhook
+    --workers N`` has set ``PROMETHEUS_MULTIPROC_DIR``.
+    """
+    from gatekeeper.proxy.flowcontrol.middleware import from_settings
+
     return from_settings(settings.flow_control)
 
 

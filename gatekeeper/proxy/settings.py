@@ -11,9 +11,10 @@ YAML keys onto these snake_case fields and rejects unknown keys.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from gatekeeper.config import ConfigError, from_mapping, register_section
+from gatekeeper.listener import TLSListenerSettings
 from gatekeeper.proxy.flowcontrol.loading import load_policy
 from gatekeeper.proxy.flowcontrol.settings import FlowControlSettings
 
@@ -22,17 +23,13 @@ MAX_GOAWAY_CHANCE = 0.02
 
 
 @dataclass(frozen=True)
-class ListenerSettings:
-    """The client-facing TLS listener."""
+class ListenerSettings(TLSListenerSettings):
+    """The client-facing TLS listener (h2 and http/1.1 via ALPN) and its plain-HTTP side listener."""
 
-    address: str = "127.0.0.1"
-    """Bind address (loopback by default)."""
+    tls_required_because: ClassVar[str] = "the proxy only serves TLS"
+
     port: int = 6443
     """TLS port serving both h2 and http/1.1 via ALPN (0 = pick a free port)."""
-    cert_file: str = ""
-    """Serving certificate (PEM)."""
-    key_file: str = ""
-    """Serving key (PEM)."""
     client_ca_file: str = ""
     """If set, client certificates are requested and verified against this CA (CN=user, O=groups)."""
     metrics_address: str = "127.0.0.1"
@@ -41,10 +38,6 @@ class ListenerSettings:
     """Port of that listener (0 = pick a free port, -1 = disabled)."""
     metrics_groups: list[str] = field(default_factory=lambda: ["system:masters"])
     """Groups whose verified client-certificate users may read ``/metrics`` on the TLS port (others get 403)."""
-
-    def validate(self) -> None:
-        if not self.cert_file or not self.key_file:
-            raise ValueError("certFile and keyFile are required: the proxy only serves TLS")
 
 
 @dataclass(frozen=True)
