@@ -20,6 +20,7 @@ from typing import Any
 from aiohttp import web
 
 from gatekeeper.errors import UsageError
+from gatekeeper.ops import add_ops_routes
 from gatekeeper.proxy.messages import ManagedMiddleware
 from gatekeeper.proxy.settings import ProxySettings  # also registers the proxy: config section
 
@@ -89,25 +90,8 @@ def flow_control_middleware(settings: ProxySettings) -> ManagedMiddleware | None
 
 
 def metrics_app(ready: Callable[[], bool]) -> web.Application:
-    from gatekeeper.proxy import metrics
-
-    async def get_metrics(request: web.Request) -> web.Response:
-        body, content_type = metrics.render()
-        return web.Response(body=body, headers={"Content-Type": content_type})
-
-    async def healthz(request: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    async def readyz(request: web.Request) -> web.Response:
-        if ready():
-            return web.Response(text="ok")
-        return web.Response(status=503, text="no healthy backend, or the listener is not serving yet")
-
     app = web.Application()
-    app.router.add_get("/metrics", get_metrics)
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/livez", healthz)
-    app.router.add_get("/readyz", readyz)
+    add_ops_routes(app, lambda: None if ready() else "no healthy backend, or the listener is not serving yet")
     return app
 
 

@@ -48,11 +48,12 @@ import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Protocol
 
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Histogram, generate_latest
+from prometheus_client import REGISTRY, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from gatekeeper.metrics import child
+from gatekeeper.metrics import render as render  # the one renderer (multiprocess-aware); pipeline.py's /metrics
 
 if TYPE_CHECKING:
     from gatekeeper.proxy.balancer import Balancer
@@ -165,8 +166,3 @@ def observe_response(backend: str, verb: str, resource_key: str, code: int, seco
     """Count one backend answer (label children looked up once, see :func:`gatekeeper.metrics.child`)."""
     child(REQUEST_DURATION, verb).observe(seconds)
     child(REQUESTS, backend, verb, resource_label(resource_key, code), str(code)).inc()
-
-
-def render() -> tuple[bytes, str]:
-    """The whole default registry in the Prometheus text format."""
-    return generate_latest(REGISTRY), CONTENT_TYPE_LATEST
