@@ -248,7 +248,7 @@ BAD = [
       "proxy/flowcontrol/middleware.py": ""}, "imports only itself and kube/"),
     ({"proxy/flowcontrol/seats.py": "def f(p):\n    return open(p).read()\n"}, "calls open()"),
     ({"proxy/listen/__init__.py": "", "proxy/pipeline/__init__.py": "",
-      "proxy/pipeline/chain.py": "from gatekeeper.proxy.listen import h2\n", "proxy/listen/h2.py": ""},
+      "proxy/pipeline/stages.py": "from gatekeeper.proxy.listen import h2\n", "proxy/listen/h2.py": ""},
      "gatekeeper.proxy.pipeline must not import gatekeeper.proxy.listen"),
     ({"proxy/listen/__init__.py": "", "proxy/upstream/__init__.py": "", "proxy/pipeline/__init__.py": "",
       "proxy/upstream/client.py": "from gatekeeper.proxy.pipeline import balancer\n",
@@ -271,7 +271,8 @@ def test_imports_that_point_down_pass(tmp_path: Path) -> None:
         "proxy/listen/__init__.py": "",
         "proxy/listen/server.py": "import asyncio\nfrom gatekeeper.proxy import messages\n",
         "proxy/messages.py": "", "proxy/pipeline/__init__.py": "",
-        "proxy/pipeline/chain.py": "from gatekeeper.proxy.upstream import client\nfrom gatekeeper.kube import status\n",
+        "proxy/pipeline/stages.py":
+            "from gatekeeper.proxy.upstream import client\nfrom gatekeeper.kube import status\n",
         "proxy/upstream/__init__.py": "", "proxy/upstream/client.py": "import aiohttp\n", "kube/status.py": "",
         "proxy/flowcontrol/core/__init__.py": "", "proxy/flowcontrol/core/policy.py": "import math\n",
         "proxy/flowcontrol/core/controller.py": "from gatekeeper.proxy.flowcontrol.core.policy import x\n",
