@@ -70,6 +70,11 @@ async def empty_body() -> AsyncIterator[bytes]:
     yield b""  # pragma: no cover - makes this an async generator
 
 
+async def one_chunk(data: bytes) -> AsyncIterator[bytes]:
+    """A body that is ``data`` in one piece (a Status, a /metrics page)."""
+    yield data
+
+
 @dataclass
 class UserInfo:
     """Who the client is, as far as the proxy can tell before the apiserver does."""

@@ -39,7 +39,7 @@ from typing import Any
 
 from gatekeeper.kube import requestinfo
 from gatekeeper.kube.requestinfo import RequestInfo
-from gatekeeper.kube.status import failure_json
+from gatekeeper.proxy.adapter import error_response
 from gatekeeper.proxy.flowcontrol import metrics
 from gatekeeper.proxy.flowcontrol.coalesce import coalesce_key, identity_key
 from gatekeeper.proxy.flowcontrol.controller import FlowController
@@ -69,24 +69,14 @@ def too_many_requests(fs: FlowSchema, pl: PriorityLevel, reason: str, retry_afte
         f"Too many requests, please try again later: gatekeeper flow control rejected the request "
         f"because {_REASON_TEXT.get(reason, reason)} (FlowSchema {fs.name}, priority level {pl.name})."
     )
-    body = failure_json(429, "TooManyRequests", message, retry_after=retry_after)
-
-    async def once() -> AsyncIterator[bytes]:
-        yield body
-
-    return ProxyResponse(
-        status=429,
-        headers=[
-            ("content-type", "application/json"),
-            ("content-length", str(len(body))),
-            ("retry-after", str(retry_after)),
-            ("x-kubernetes-pf-flowschema-uid", fs.uid),
-            ("x-kubernetes-pf-prioritylevel-uid", pl.uid),
-            ("x-gatekeeper-pf-flowschema", fs.name),
-            ("x-gatekeeper-pf-prioritylevel", pl.name),
-        ],
-        body=once(),
-    )
+    response = error_response(429, "TooManyRequests", message, retry_after=retry_after)
+    response.headers += [
+        ("x-kubernetes-pf-flowschema-uid", fs.uid),
+        ("x-kubernetes-pf-prioritylevel-uid", pl.uid),
+        ("x-gatekeeper-pf-flowschema", fs.name),
+        ("x-gatekeeper-pf-prioritylevel", pl.name),
+    ]
+    return response
 
 
 @dataclass(eq=False)
