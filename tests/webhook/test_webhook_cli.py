@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -18,6 +19,17 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from review_fixtures import container, pod, review
 
 from gatekeeper.certs import PKI, load_cert
+
+
+def listening_sockets(port: int) -> int:
+    """TCP sockets in LISTEN state on ``port`` (each SO_REUSEPORT worker has its own)."""
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(FileNotFoundError), open(table) as f:
+            for row in f.readlines()[1:]:
+                local, state = row.split()[1], row.split()[3]
+                count += state == "0A" and int(local.rsplit(":", 1)[1], 16) == port
+    return count
 
 
 @pytest.fixture
@@ -54,8 +66,13 @@ def start(tmp_path: Path) -> Iterator:  # type: ignore[type-arg]
             if proc.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(f"webhook did not start: {proc.stderr.read().decode() if proc.stderr else ''}")
             time.sleep(0.05)
-        time.sleep(0.3)  # with --workers, let every worker bind
-        return proc, int(port_file.read_text())
+        port = int(port_file.read_text())
+        workers = int(args[args.index("--workers") + 1]) if "--workers" in args else 1
+        while listening_sockets(port) < workers:  # the first worker wrote the file; wait for the others
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"{workers} webhook workers did not all listen on {port}")
+            time.sleep(0.05)
+        return proc, port
 
     yield run
     for proc in procs:
