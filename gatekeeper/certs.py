@@ -41,6 +41,15 @@ class Issued:
     key: Path
 
 
+def _key_usage(*, ca: bool, key_encipherment: bool) -> x509.KeyUsage:
+    """Digital signature always; certificate and CRL signing for a CA; key encipherment for RSA leaves
+    (TLS key exchange with an RSA key encrypts to it; ECDSA keys only sign)."""
+    return x509.KeyUsage(
+        digital_signature=True, content_commitment=False, key_encipherment=key_encipherment,
+        data_encipherment=False, key_agreement=False, key_cert_sign=ca, crl_sign=ca,
+        encipher_only=False, decipher_only=False,
+    )
+
 def _now() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
 
@@ -109,14 +118,7 @@ def make_ca(common_name: str, days: int = 3650, algorithm: str = "ecdsa") -> tup
         .not_valid_before(now - dt.timedelta(minutes=5))
         .not_valid_after(now + dt.timedelta(days=days))
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True, content_commitment=False, key_encipherment=False,
-                data_encipherment=False, key_agreement=False, key_cert_sign=True, crl_sign=True,
-                encipher_only=False, decipher_only=False,
-            ),
-            critical=True,
-        )
+        .add_extension(_key_usage(ca=True, key_encipherment=False), critical=True)
         .add_extension(ski, critical=False)
         .sign(key, hashes.SHA256())
     )
@@ -180,14 +182,7 @@ def make_leaf(
         .not_valid_before(now - dt.timedelta(minutes=5))
         .not_valid_after(min(now + dt.timedelta(days=days), ca_cert.not_valid_after_utc))
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True, content_commitment=False, key_encipherment=is_rsa,
-                data_encipherment=False, key_agreement=False, key_cert_sign=False, crl_sign=False,
-                encipher_only=False, decipher_only=False,
-            ),
-            critical=True,
-        )
+        .add_extension(_key_usage(ca=False, key_encipherment=is_rsa), critical=True)
         .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
         .add_extension(
             x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False

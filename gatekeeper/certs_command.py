@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from gatekeeper.certs import CLUSTER_CA, FRONT_PROXY_CA, PKI
-from gatekeeper.cli import UsageError, non_negative_int, positive_int
+from gatekeeper.errors import UsageError, non_negative_int, positive_int
 
 
 def register(sub: Any) -> None:

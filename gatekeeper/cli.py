@@ -13,36 +13,20 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from gatekeeper import __version__
+from gatekeeper import __version__, certs_command
 from gatekeeper.config import ConfigError
+from gatekeeper.errors import UsageError, non_negative_int, positive_int
+from gatekeeper.proxy import command as proxy_command
+from gatekeeper.sandbox import command as sandbox_command
+from gatekeeper.webhook import command as webhook_command
 
-
-class UsageError(Exception):
-    """An error the user can fix from the message alone; printed without a traceback."""
-
-
-def positive_int(text: str) -> int:
-    """argparse ``type=`` for counts and durations that must be at least 1."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    """argparse ``type=`` for counts that may be 0."""
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+# The command modules keep their imports light: prometheus_client must not be imported before a
+# command has set PROMETHEUS_MULTIPROC_DIR (tests/cli/test_cli.py checks this).
+# Re-exported for callers written before gatekeeper.errors existed; new code imports gatekeeper.errors.
+__all__ = ["UsageError", "build_parser", "main", "non_negative_int", "positive_int"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from gatekeeper import certs_command
-    from gatekeeper.proxy import command as proxy_command
-    from gatekeeper.sandbox import command as sandbox_command
-    from gatekeeper.webhook import command as webhook_command
-
     parser = argparse.ArgumentParser(
         prog="gatekeeper",
         description=(

@@ -1,7 +1,9 @@
-"""Typed configuration loaded from one YAML file.
+"""Typed configuration loaded from one YAML file (base layer: knows no component).
 
-The file has a ``webhook:`` and a ``proxy:`` section. Each section is a tree of
-frozen dataclasses; the loader maps camelCase YAML keys (the Kubernetes habit
+The file's top-level keys are *sections* (``webhook:``, ``proxy:``). Each
+component registers its own with :func:`register_section` when its settings
+module is imported, so this loader never imports a component. A section is a
+tree of frozen dataclasses; the loader maps camelCase YAML keys (the Kubernetes habit
 operators already know) onto snake_case fields, checks every type, rejects
 unknown keys, and reports problems as ``FILE: key.path: expected X, got Y`` so
 an operator can fix the file without reading our code.
@@ -9,7 +11,7 @@ an operator can fix the file without reading our code.
 Section dataclasses live beside the component that owns them
 (``gatekeeper.webhook.settings``, ``gatekeeper.proxy.settings``) so that each
 component can evolve its settings without touching the others; this module
-only holds the loader and the root.
+only holds the generic loader, the strict YAML reader and the section registry.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import dataclasses
 import re
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
@@ -218,36 +220,58 @@ def parse_duration(value: str | float | int) -> float:
     return n * {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}[unit]
 
 
-@dataclasses.dataclass(frozen=True)
-class Config:
-    """Root of a gatekeeper config file."""
+SectionParser = Callable[[Any, str, str], Any]
+"""``parse(data, source, key)``: one top-level section's YAML value -> its typed settings.
 
-    webhook: Any = None
-    """The ``webhook:`` section (gatekeeper.webhook.settings.WebhookSettings)."""
-    proxy: Any = None
-    """The ``proxy:`` section (gatekeeper.proxy.settings.ProxySettings)."""
+It raises ConfigError naming ``source`` and a key path under ``key``; :func:`from_mapping`
+does that for a dataclass tree."""
+
+_sections: dict[str, SectionParser] = {}
+
+
+def register_section(name: str, parse: SectionParser) -> None:
+    """Make ``name:`` a known top-level section; the owning component calls this on import."""
+    _sections[name] = parse
+
+
+def dataclass_section(cls: type[Any]) -> SectionParser:
+    """A section parser that is just :func:`from_mapping` of ``cls``."""
+
+    def parse(data: Any, source: str, key: str) -> Any:
+        return from_mapping(cls, data, source, key)
+
+    return parse
+
+
+class Config:
+    """Root of a gatekeeper config file: each present section by name (``cfg.proxy``), absent ones None."""
+
+    def __init__(self, sections: Mapping[str, Any]) -> None:
+        self.sections = dict(sections)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_") or name == "sections":
+            raise AttributeError(name)
+        return self.sections.get(name)
 
 
 def load_config(path: Path | str, *, need: str | None = None) -> Config:
-    """Load the root config; ``need`` names a section that must be present."""
+    """Load the root config; ``need`` names a section that must be present.
+
+    Only registered sections are known (see :func:`register_section`): import the
+    settings module of each component whose section the file may hold.
+    """
     source = str(path)
     data = load_yaml(path)
     if data is None:
         data = {}
+    known = sorted(_sections)
     if not isinstance(data, dict):
-        raise ConfigError(source, "(top level)", f"expected a mapping with webhook:/proxy:, got {_typename(data)}")
-    unknown = sorted(set(map(str, data)) - {"webhook", "proxy"})
+        raise ConfigError(source, "(top level)",
+                          f"expected a mapping with sections {', '.join(known)}, got {_typename(data)}")
+    unknown = sorted(set(map(str, data)) - set(known))
     if unknown:
-        raise ConfigError(source, unknown[0], "unknown key; expected one of: proxy, webhook")
+        raise ConfigError(source, unknown[0], f"unknown key; expected one of: {', '.join(known)}")
     if need and need not in data:
         raise ConfigError(source, need, f"required section is missing; `gatekeeper {need}` needs a {need}: section")
-    webhook = proxy = None
-    if "webhook" in data:
-        from gatekeeper.webhook.settings import WebhookSettings
-
-        webhook = from_mapping(WebhookSettings, data["webhook"], source, "webhook")
-    if "proxy" in data:
-        from gatekeeper.proxy.settings import ProxySettings
-
-        proxy = from_mapping(ProxySettings, data["proxy"], source, "proxy")
-    return Config(webhook=webhook, proxy=proxy)
+    return Config({name: _sections[name](data[name], source, name) for name in known if name in data})

@@ -5,7 +5,8 @@ worker processes (``--workers N``), each process only counts its own reviews;
 prometheus-client's multiprocess mode (``PROMETHEUS_MULTIPROC_DIR`` set
 *before* prometheus_client is imported, see :func:`enable_multiprocess`) makes
 every process write its samples to files that :func:`render` aggregates, so a
-scrape that lands on any worker reports the whole server.
+scrape that lands on any worker reports the whole server. No HTTP here: the
+aiohttp routes are in ``gatekeeper.ops``.
 """
 
 from __future__ import annotations
@@ -15,8 +16,6 @@ import os
 import tempfile
 from pathlib import Path
 from typing import Any
-
-from aiohttp import web
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
@@ -47,7 +46,8 @@ def child(metric: Any, *labels: str) -> Any:
 
 
 def render() -> tuple[bytes, str]:
-    """The exposition page and its content type."""
+    """The exposition page and its content type: every process's samples in multiprocess mode, else this
+    process's default registry. The one renderer: the webhook's and the proxy's /metrics both use it."""
     from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
 
     if os.environ.get(MULTIPROC_ENV):
@@ -57,11 +57,3 @@ def render() -> tuple[bytes, str]:
         multiprocess.MultiProcessCollector(registry)
         return generate_latest(registry), CONTENT_TYPE_LATEST
     return generate_latest(REGISTRY), CONTENT_TYPE_LATEST
-
-
-async def metrics_handler(request: web.Request) -> web.Response:
-    """aiohttp handler for ``GET /metrics``."""
-    body, content_type = render()
-    resp = web.Response(body=body)
-    resp.headers["Content-Type"] = content_type
-    return resp

@@ -15,7 +15,6 @@ and a silently skipped integration suite proves nothing.
 from __future__ import annotations
 
 import atexit
-import importlib.util
 import os
 import signal
 import subprocess
@@ -28,6 +27,7 @@ from typing import Any
 
 import pytest
 
+from gatekeeper.sandbox import lifecycle
 from gatekeeper.sandbox.state import SandboxState
 from gatekeeper.sandbox.testing import (
     UP_TIMEOUT,
@@ -39,11 +39,11 @@ from gatekeeper.sandbox.testing import (
     sandbox_up,
 )
 
-ADDONS = ("webhook", "proxy")
+ADDONS = tuple(lifecycle.ADDONS)
 
 
 def selected_addons() -> list[str]:
-    """Add-ons whose module exists, unless ``GATEKEEPER_SANDBOX_ADDONS`` says otherwise."""
+    """Every add-on `sandbox up` knows (lifecycle.ADDONS), unless ``GATEKEEPER_SANDBOX_ADDONS`` says otherwise."""
     env = os.environ.get("GATEKEEPER_SANDBOX_ADDONS")
     if env is not None:
         names = [] if env.strip() in ("", "none") else [n.strip() for n in env.split(",") if n.strip()]
@@ -51,7 +51,7 @@ def selected_addons() -> list[str]:
         if unknown:
             raise pytest.UsageError(f"GATEKEEPER_SANDBOX_ADDONS: unknown add-on(s) {sorted(unknown)}")
         return names
-    return [n for n in ADDONS if importlib.util.find_spec(f"gatekeeper.sandbox.with_{n}") is not None]
+    return list(ADDONS)
 
 
 def require_binaries() -> None:

@@ -8,10 +8,10 @@ readable error.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
 
 from gatekeeper.kube import status
-from gatekeeper.proxy.messages import Handler, Headers, ProxyRequest, ProxyResponse
+from gatekeeper.proxy.messages import Handler, Headers, ProxyRequest, ProxyResponse, one_chunk
+from gatekeeper.proxy.messages import close_body as close_body  # the adapters' import; defined with the contract
 
 log = logging.getLogger("gatekeeper.proxy")
 
@@ -38,10 +38,6 @@ def status_json(code: int, reason: str, message: str) -> bytes:
     return status.failure_json(code, reason, message)
 
 
-async def _once(data: bytes) -> AsyncIterator[bytes]:
-    yield data
-
-
 def error_response(code: int, reason: str, message: str, *, retry_after: int | None = None) -> ProxyResponse:
     """A response carrying a Kubernetes ``Status`` failure (the one builder for adapters and pipeline).
 
@@ -52,7 +48,7 @@ def error_response(code: int, reason: str, message: str, *, retry_after: int | N
     headers: Headers = [("content-type", "application/json"), ("content-length", str(len(body)))]
     if retry_after is not None:
         headers.append(("retry-after", str(retry_after)))
-    return ProxyResponse(status=code, headers=headers, body=_once(body))
+    return ProxyResponse(status=code, headers=headers, body=one_chunk(body))
 
 
 async def call_handler(handler: Handler, request: ProxyRequest) -> ProxyResponse:
@@ -64,16 +60,6 @@ async def call_handler(handler: Handler, request: ProxyRequest) -> ProxyResponse
         # The log has the traceback; the client gets no exception text (it can carry addresses
         # and object reprs).
         return error_response(502, "InternalError", "gatekeeper proxy could not serve the request")
-
-
-async def close_body(body: AsyncIterator[bytes]) -> None:
-    """Close a body iterator we stopped pulling, so its producer releases the upstream connection."""
-    aclose = getattr(body, "aclose", None)
-    if aclose is not None:
-        try:
-            await aclose()
-        except Exception:  # a producer failing at close must not mask the real outcome
-            log.debug("closing a response body failed", exc_info=True)
 
 
 def encode_header(value: str) -> bytes:

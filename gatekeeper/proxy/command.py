@@ -15,12 +15,16 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from gatekeeper.proxy.messages import Middleware
-from gatekeeper.proxy.settings import ProxySettings
+from gatekeeper.errors import UsageError
+from gatekeeper.ops import add_ops_routes
+from gatekeeper.proxy.settings import ProxySettings  # also registers the proxy: config section
+
+if TYPE_CHECKING:
+    from gatekeeper.proxy.flowcontrol.middleware import FlowControl
 
 log = logging.getLogger("gatekeeper.proxy")
 
@@ -46,8 +50,6 @@ def register(sub: Any) -> None:
 
 
 def _check_files(settings: ProxySettings) -> None:
-    from gatekeeper.cli import UsageError
-
     files = {
         "proxy.listener.certFile": settings.listener.cert_file,
         "proxy.listener.keyFile": settings.listener.key_file,
@@ -80,8 +82,6 @@ def _run(args: argparse.Namespace) -> int:
         workers.run_worker(settings, args.worker_index, args.runtime_dir, args.worker_port)
         return 0
     if args.workers is not None and args.workers < 0:
-        from gatekeeper.cli import UsageError
-
         raise UsageError("--workers: must be >= 0 (0 = one per usable core)")
     n = workers.worker_count(settings, args.workers)
     if n > 1:
@@ -96,44 +96,20 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def flow_control_middleware(settings: ProxySettings) -> Middleware | None:
-    """Flow control's entry point, ``gatekeeper.proxy.flowcontrol.middleware.from_settings``.
+def flow_control_middleware(settings: ProxySettings) -> FlowControl | None:
+    """Flow control's middleware (None when ``flowControl.enabled`` is false); :func:`run` starts and closes it.
 
-    The flow-control package returns a Middleware (or None when disabled); if
-    it also has ``start()``/``close()`` coroutines, :func:`run` calls them.
+    Imported here, not at the top: ``gatekeeper.cli`` imports every command module to build its parser,
+    and prometheus_client (flow control's metrics) must not be imported before ``gatekeeper webhook
+    --workers N`` has set ``PROMETHEUS_MULTIPROC_DIR``.
     """
-    try:
-        from gatekeeper.proxy.flowcontrol import middleware as fc  # type: ignore[attr-defined,unused-ignore]
-    except ModuleNotFoundError as exc:
-        if exc.name == "gatekeeper.proxy.flowcontrol.middleware":
-            return None
-        raise
-    return fc.from_settings(settings.flow_control)  # type: ignore[no-any-return,unused-ignore]
+    from gatekeeper.proxy.flowcontrol.middleware import from_settings
 
-
-async def _maybe(obj: Any, name: str) -> None:
-    fn = getattr(obj, name, None)
-    if fn is not None:
-        result = fn()
-        if asyncio.iscoroutine(result):
-            await result
+    return from_settings(settings.flow_control)
 
 
 def metrics_app(ready: Callable[[], bool]) -> web.Application:
     from gatekeeper.proxy import metrics
-
-    async def get_metrics(request: web.Request) -> web.Response:
-        body, content_type = metrics.render()
-        return web.Response(body=body, headers={"Content-Type": content_type})
-
-    async def healthz(request: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    async def readyz(request: web.Request) -> web.Response:
-        if ready():
-            return web.Response(text="ok")
-        return web.Response(status=503, text="no healthy backend, the listener is not serving yet, or it is "
-                                             "shutting down")
 
     async def worker_page(request: web.Request) -> web.Response:
         """This process's own samples, whatever ``metrics.render`` became (the supervisor merges them)."""
@@ -142,11 +118,9 @@ def metrics_app(ready: Callable[[], bool]) -> web.Application:
         return web.Response(body=generate_latest(REGISTRY), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     app = web.Application()
-    app.router.add_get("/metrics", get_metrics)
+    add_ops_routes(app, lambda: None if ready() else "no healthy backend, the listener is not serving yet, or it is "
+                                                     "shutting down", render=lambda: metrics.render())
     app.router.add_get("/metrics/worker", worker_page)
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/livez", healthz)
-    app.router.add_get("/readyz", readyz)
     return app
 
 
@@ -181,10 +155,10 @@ async def run(
         serve = serve_fn
     flow = flow_control_middleware(settings)
     pipeline = build(settings, flow_control=flow)
-    use_upstream = getattr(flow, "use_upstream", None)
-    if use_upstream is not None:  # flow control fetches the issuer's keys through the same clients
-        use_upstream(list(pipeline.clients.values()))
-    await _maybe(flow, "start")
+    if flow is not None:
+        # flow control fetches the issuer's keys through the same clients
+        flow.use_upstream(list(pipeline.clients.values()))
+        await flow.start()
     await pipeline.start()
     if setup is not None:
         setup(flow, pipeline)
@@ -200,8 +174,7 @@ async def run(
             )
             info["metricsUrl"] = f"http://{settings.listener.metrics_address}:{mport}"
 
-        def ready(bound: Any = None) -> None:
-            port = _port_of(bound, settings.listener.port)
+        def ready(port: int) -> None:
             info["url"] = f"https://{settings.listener.address}:{port}"
             listening.set()
             log.info("gatekeeper proxy serving on %s (metrics %s), backends: %s", info["url"],
@@ -219,15 +192,6 @@ async def run(
         if runner is not None:
             await runner.cleanup()
         await pipeline.close()
-        with contextlib.suppress(Exception):
-            await _maybe(flow, "close")
-
-
-def _port_of(bound: Any, default: int) -> int:
-    """The listener may report its bound port as an int, a (host, port) tuple or an object with ``port``."""
-    if isinstance(bound, int):
-        return bound
-    if isinstance(bound, tuple) and len(bound) >= 2:
-        return int(bound[1])
-    port = getattr(bound, "port", None)
-    return int(port) if port else default
+        if flow is not None:
+            with contextlib.suppress(Exception):
+                await flow.close()

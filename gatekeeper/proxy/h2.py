@@ -75,7 +75,7 @@ from gatekeeper.proxy.goaway import GoawayDecider, Reason
 from gatekeeper.proxy.h2_conn import ProxyH2Connection, install_huffman_memo
 from gatekeeper.proxy.h2_headers import MalformedRequest, parse_request, response_block
 from gatekeeper.proxy.h2_limits import FloodError, FloodGuard, limits_of
-from gatekeeper.proxy.messages import Handler, ProxyRequest, ProxyResponse
+from gatekeeper.proxy.messages import Handler, ProxyRequest, ProxyResponse, is_exhausted
 from gatekeeper.proxy.settings import ProtocolSettings
 
 log = logging.getLogger("gatekeeper.proxy.h2")
@@ -417,7 +417,7 @@ class H2Protocol:
                 break
             # A body that knows its last chunk (upstream._ResponseBody.exhausted) ends the
             # stream on that DATA frame instead of an extra empty one.
-            last = getattr(body, "exhausted", False) is True
+            last = is_exhausted(body)
             await self._send_data(stream, chunk, end_stream=last)
             if last:
                 return

@@ -10,25 +10,69 @@ the client's flow-control window has room, and the upstream reader only reads
 the socket when asked, so a slow client slows the backend read instead of
 growing a buffer. Request bodies work the same way in the other direction (the
 h2 adapter acknowledges DATA, i.e. opens the window, only as chunks are taken).
+
+Two optional parts of a body's contract are written down as protocols, so
+mypy checks their use: :class:`Closable` (``aclose()``: the consumer stopped
+pulling, release the upstream connection) and :class:`KnowsLastChunk`
+(``exhausted``: the chunk just returned was the last one, so h2 can end the
+stream on that DATA frame). :func:`close_body` and :func:`is_exhausted` are the
+only places that test for them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from gatekeeper.kube.requestinfo import RequestInfo
+
+log = logging.getLogger(__name__)
 
 Headers = list[tuple[str, str]]
 """Header list with lower-case names, order and duplicates preserved."""
 
 
+@runtime_checkable
+class Closable(Protocol):
+    """A body whose producer holds something (an upstream connection) until closed or drained."""
+
+    def aclose(self) -> Awaitable[None]: ...
+
+
+@runtime_checkable
+class KnowsLastChunk(Protocol):
+    """A body that knows, right after returning a chunk, whether that chunk was the last."""
+
+    @property
+    def exhausted(self) -> bool: ...
+
+
+def is_exhausted(body: object) -> bool:
+    """True once a :class:`KnowsLastChunk` body has returned its last chunk (always False for others)."""
+    return isinstance(body, KnowsLastChunk) and body.exhausted is True
+
+
+async def close_body(body: object) -> None:
+    """Close a body iterator we stopped pulling, so its producer releases the upstream connection."""
+    if isinstance(body, Closable):
+        try:
+            await body.aclose()
+        except Exception:  # a producer failing at close must not mask the real outcome
+            log.debug("closing a body failed", exc_info=True)
+
+
 async def empty_body() -> AsyncIterator[bytes]:
     return
     yield b""  # pragma: no cover - makes this an async generator
+
+
+async def one_chunk(data: bytes) -> AsyncIterator[bytes]:
+    """A body that is ``data`` in one piece (a Status, a /metrics page)."""
+    yield data
 
 
 @dataclass
@@ -107,4 +151,18 @@ class ProxyResponse:
 
 Handler = Callable[[ProxyRequest], Awaitable[ProxyResponse]]
 """One stage of the pipeline; a middleware is ``(request, next_handler) -> response``."""
-Middleware = Callable[[ProxyRequest, Handler], Awaitable[ProxyResponse]]
+
+
+class Middleware(Protocol):
+    """A pipeline stage around the rest: ``await mw(request, next_handler)``."""
+
+    def __call__(self, request: ProxyRequest, next_handler: Handler, /) -> Awaitable[ProxyResponse]: ...
+
+
+class ManagedMiddleware(Middleware, Protocol):
+    """A middleware with background work: ``gatekeeper proxy`` awaits ``start()`` before serving and
+    ``close()`` after the listener has drained (flow control's policy reloads)."""
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...

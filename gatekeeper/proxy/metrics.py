@@ -56,11 +56,12 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Literal, Protocol, get_args
 
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Histogram, generate_latest
+from prometheus_client import REGISTRY, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from gatekeeper.metrics import child
+from gatekeeper.metrics import render as render  # the one renderer (multiprocess-aware); pipeline.py's /metrics
 
 if TYPE_CHECKING:
     from gatekeeper.proxy.balancer import Balancer
@@ -252,7 +253,3 @@ def reject(reason: RejectReason, message: str) -> None:
     child(REJECTED, reason).inc()
     reject_log.warning(reason, message)
 
-
-def render() -> tuple[bytes, str]:
-    """The whole default registry in the Prometheus text format."""
-    return generate_latest(REGISTRY), CONTENT_TYPE_LATEST

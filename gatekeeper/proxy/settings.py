@@ -11,7 +11,11 @@ YAML keys onto these snake_case fields and rejects unknown keys.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
+from gatekeeper.config import ConfigError, from_mapping, register_section
+from gatekeeper.listener import TLSListenerSettings
+from gatekeeper.proxy.flowcontrol.loading import load_policy
 from gatekeeper.proxy.flowcontrol.settings import FlowControlSettings
 
 MAX_GOAWAY_CHANCE = 0.02
@@ -19,17 +23,13 @@ MAX_GOAWAY_CHANCE = 0.02
 
 
 @dataclass(frozen=True)
-class ListenerSettings:
-    """The client-facing TLS listener."""
+class ListenerSettings(TLSListenerSettings):
+    """The client-facing TLS listener (h2 and http/1.1 via ALPN) and its plain-HTTP side listener."""
 
-    address: str = "127.0.0.1"
-    """Bind address (loopback by default)."""
+    tls_required_because: ClassVar[str] = "the proxy only serves TLS"
+
     port: int = 6443
     """TLS port serving both h2 and http/1.1 via ALPN (0 = pick a free port)."""
-    cert_file: str = ""
-    """Serving certificate (PEM)."""
-    key_file: str = ""
-    """Serving key (PEM)."""
     client_ca_file: str = ""
     """If set, client certificates are requested and verified against this CA (CN=user, O=groups)."""
     metrics_address: str = "127.0.0.1"
@@ -42,14 +42,8 @@ class ListenerSettings:
     """A client must finish the TLS handshake within this many seconds or is cut (counted)."""
     max_client_connections: int = 20000
     """Client connections open at once (handshaking included); more are closed at accept (counted)."""
-    cert_check_interval_seconds: float = 2.0
-    """How often certFile/keyFile/clientCaFile are checked for changes (new handshakes use them)."""
     reuse_port: bool = False
     """Bind the TLS port with SO_REUSEPORT (set by the worker supervisor, see ``proxy/workers.py``)."""
-
-    def validate(self) -> None:
-        if not self.cert_file or not self.key_file:
-            raise ValueError("certFile and keyFile are required: the proxy only serves TLS")
 
 
 @dataclass(frozen=True)
@@ -174,3 +168,22 @@ class ProxySettings:
             raise ValueError("backends: at least one apiserver URL is required")
         if self.workers < 0 or self.max_workers < 1:
             raise ValueError("workers must be >= 0 (0 = one per usable core) and maxWorkers >= 1")
+
+
+def load_section(data: Any, source: str, key: str) -> ProxySettings:
+    """Parse ``proxy:`` (pure dataclasses), then read and check the flow-control policy it names.
+
+    The policy files are read here, in the load step, not in a dataclass's
+    ``validate()``: parsing stays free of I/O, and a bad policy still stops
+    ``gatekeeper proxy`` with ``FILE: proxy.flowControl: <object>: <field>: <problem>``.
+    """
+    settings = from_mapping(ProxySettings, data, source, key)
+    if settings.flow_control.enabled:
+        try:
+            load_policy(settings.flow_control)
+        except ValueError as exc:
+            raise ConfigError(source, f"{key}.flowControl", str(exc)) from None
+    return settings
+
+
+register_section("proxy", load_section)

@@ -282,7 +282,7 @@ def supervise(settings: ProxySettings, config: Path, workers: int) -> int:
     try:
         reserved = reserve_port(lst.address, lst.port)
     except OSError as exc:
-        from gatekeeper.cli import UsageError
+        from gatekeeper.errors import UsageError
 
         shutil.rmtree(runtime, ignore_errors=True)
         raise UsageError(f"proxy.listener: cannot listen on {lst.address}:{lst.port}: {exc.strerror or exc}") from None

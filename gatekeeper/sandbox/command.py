@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from gatekeeper.cli import non_negative_int, positive_int
+from gatekeeper.errors import non_negative_int, positive_int
 
 
 def register(sub: Any) -> None:
@@ -70,7 +70,7 @@ def _state_dir(p: argparse.ArgumentParser) -> None:
 
 
 def _build(args: argparse.Namespace) -> int:
-    from gatekeeper.cli import UsageError
+    from gatekeeper.errors import UsageError
     from gatekeeper.sandbox.build import BuildError, build_all
 
     try:
@@ -81,7 +81,7 @@ def _build(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from gatekeeper.cli import UsageError
+    from gatekeeper.errors import UsageError
     from gatekeeper.sandbox.build import BuildError
     from gatekeeper.sandbox.lifecycle import SandboxError, UpOptions, up
 

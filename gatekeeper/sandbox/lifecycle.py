@@ -10,7 +10,6 @@ file is saved after every process start, so ``down`` knows every pid even if
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import shutil
 import signal
@@ -23,25 +22,22 @@ from pathlib import Path
 
 import yaml
 
+from gatekeeper.errors import UsageError
 from gatekeeper.sandbox import components as comp
-from gatekeeper.sandbox import gpu, kubectl, pki, processes
+from gatekeeper.sandbox import gpu, kubectl, pki, processes, with_proxy, with_webhook
 from gatekeeper.sandbox.build import Binaries, installed
 from gatekeeper.sandbox.state import STATE_FILE, ProcessRecord, SandboxState
+from gatekeeper.sandbox.waiting import ComponentFailed, wait_until
+
+# ComponentFailed and wait_until live in waiting.py so that add-ons can use them without importing
+# this module (which imports the add-ons); they stay importable from here.
+__all__ = ["ADDONS", "ComponentFailed", "SandboxError", "UpOptions", "down", "status", "up", "wait_until"]
 
 Say = Callable[[str], None]
 
 
 class SandboxError(Exception):
     """``up`` could not bring the sandbox to health; everything it started has been stopped."""
-
-
-class ComponentFailed(Exception):
-    """One component did not become healthy; carries its name and what was seen last."""
-
-    def __init__(self, name: str, detail: str) -> None:
-        super().__init__(f"{name}: {detail}")
-        self.name = name
-        self.detail = detail
 
 
 @dataclass(frozen=True)
@@ -63,29 +59,12 @@ class UpOptions:
     timeout: float = 300.0
     """Seconds each component may take to become healthy."""
     addons: tuple[str, ...] = ()
-    """Add-on modules ``gatekeeper.sandbox.with_<name>`` to start after the control plane."""
+    """Add-ons (keys of :data:`ADDONS`) to start after the control plane."""
 
 
 def _tls(layout: comp.Layout) -> processes.TLSFiles:
     p = layout.pki
     return processes.TLSFiles(ca=p.ca, cert=p.crt("admin"), key=p.key("admin"))
-
-
-def wait_until(
-    rec: ProcessRecord | None, name: str, check: Callable[[], tuple[bool, str]], timeout: float,
-    *, interval: float = 0.5,
-) -> None:
-    """Poll ``check`` until it passes; fail fast if the process has already exited.
-
-    ``name`` starts with the process's record name (``"webhook (/readyz)"``), so a failed ``up``
-    prints that process's log tail (:func:`_report_failure`); add-ons wait with this too.
-    """
-    try:
-        processes.poll_until(check, timeout, pid=rec.pid if rec is not None else None, interval=interval)
-    except processes.WaitFailed as exc:
-        if exc.exited and rec is not None:
-            raise ComponentFailed(name, f"process {rec.pid} exited (last check: {exc.detail})") from None
-        raise ComponentFailed(name, f"not healthy after {timeout:.0f}s: {exc.detail}") from None
 
 
 def _refuse_if_running(directory: Path) -> None:
@@ -94,8 +73,6 @@ def _refuse_if_running(directory: Path) -> None:
     old = SandboxState.load(directory)
     live = [p.name for p in old.processes if processes.is_ours(p)]
     if live:
-        from gatekeeper.cli import UsageError
-
         raise UsageError(
             f"a sandbox is already running in {directory} ({', '.join(live)}); "
             f"run `gatekeeper sandbox down --state-dir {directory}` first"
@@ -222,21 +199,21 @@ def _publish_gpus(s: _Starter, bins: Binaries, opts: UpOptions) -> None:
     wait_until(kwok_rec, "kwok (GPU nodes Ready)", all_ready, opts.timeout)
 
 
-def _start_addons(state: SandboxState, args: argparse.Namespace, addons: tuple[str, ...], say: Say) -> None:
-    from gatekeeper.cli import UsageError
+AddonStart = Callable[[SandboxState, argparse.Namespace], None]
 
+ADDONS: dict[str, AddonStart] = {"webhook": with_webhook.start, "proxy": with_proxy.start}
+"""``sandbox up --with-<name>``: each add-on's ``start(state, args)``, run after the control plane."""
+
+
+def _start_addons(state: SandboxState, args: argparse.Namespace, addons: tuple[str, ...], say: Say) -> None:
     for name in addons:
-        module_name = f"gatekeeper.sandbox.with_{name}"
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name == module_name:
-                raise UsageError(f"--with-{name}: {module_name} is not implemented yet") from None
-            raise
+        start = ADDONS.get(name)
+        if start is None:
+            raise UsageError(f"--with-{name}: unknown add-on; expected one of: {', '.join(sorted(ADDONS))}")
         say(f"starting add-on {name}")
         state.save()
         try:
-            module.start(state, args)
+            start(state, args)
         except (UsageError, ComponentFailed, KeyboardInterrupt, SystemExit):
             raise  # a ComponentFailed from wait_until already names the add-on and the step
         except Exception as exc:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gatekeeper.cli import UsageError
+from gatekeeper.errors import UsageError
 
 STATE_FILE = "sandbox.json"
 

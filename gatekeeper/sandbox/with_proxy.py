@@ -33,32 +33,23 @@ import yaml
 
 from gatekeeper.certs import CLUSTER_CA, PKI
 from gatekeeper.config import load_yaml
+from gatekeeper.errors import UsageError
+from gatekeeper.proxy.flowcontrol.defaults import sandbox_flow_control
 from gatekeeper.proxy.settings import MAX_GOAWAY_CHANCE
 from gatekeeper.sandbox import processes
 from gatekeeper.sandbox.pki import FRONT_PROXY_CLIENT, SandboxPKI, write_kubeconfig
 from gatekeeper.sandbox.state import SandboxState
+from gatekeeper.sandbox.waiting import wait_until
 
 NAME = "proxy"
 SERVING = "proxy-serving"
 READY_TIMEOUT = 60.0
 
 
-def default_flow_control() -> dict[str, Any] | None:
-    """The ``flowControl:`` section used when ``--proxy-config`` is not given.
-
-    This is the place for the seeds' policy (LIST of secrets cluster-wide, 2
-    concurrent, queued): flow control ships it as
-    ``gatekeeper.proxy.flowcontrol.defaults.sandbox_flow_control()``. Until that
-    module exists the proxy runs with flow control's built-in defaults.
-    """
-    try:
-        from gatekeeper.proxy.flowcontrol import defaults  # type: ignore[attr-defined,unused-ignore]
-    except ModuleNotFoundError as exc:
-        if exc.name == "gatekeeper.proxy.flowcontrol.defaults":
-            return None
-        raise
-    section = defaults.sandbox_flow_control()
-    return dict(section) if section is not None else None
+def default_flow_control() -> dict[str, Any]:
+    """The ``flowControl:`` section used when ``--proxy-config`` is not given: the seeds' policy
+    (LIST of secrets cluster-wide, 2 concurrent, queued), shipped by flow control as package data."""
+    return sandbox_flow_control()
 
 
 def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
@@ -90,9 +81,7 @@ def build_config(
     }
     proxy: dict[str, Any] = {}
     if user_config is None:
-        flow = default_flow_control()
-        if flow is not None:
-            proxy["flowControl"] = flow
+        proxy["flowControl"] = default_flow_control()
     else:
         proxy = dict(user_config)
     proxy = _merge(proxy, owned)
@@ -108,8 +97,6 @@ def build_config(
 
 
 def _user_config(path: str | None) -> dict[str, Any] | None:
-    from gatekeeper.cli import UsageError
-
     if not path:
         return None
     data = load_yaml(path) or {}
@@ -119,8 +106,6 @@ def _user_config(path: str | None) -> dict[str, Any] | None:
 
 
 def start(state: SandboxState, args: argparse.Namespace) -> None:
-    from gatekeeper.sandbox.lifecycle import wait_until
-
     directory = Path(state.dir)
     pki = PKI(state.certs_dir)
     serving = pki.issue_serving(SERVING, dns=["localhost"], ips=["127.0.0.1", "::1"], ca=CLUSTER_CA)

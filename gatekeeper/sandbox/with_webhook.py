@@ -32,8 +32,8 @@ import yaml
 
 from gatekeeper.certs import PKI
 from gatekeeper.sandbox import kubectl, pki, processes
-from gatekeeper.sandbox.lifecycle import wait_until
 from gatekeeper.sandbox.state import SandboxState
+from gatekeeper.sandbox.waiting import wait_until
 from gatekeeper.webhook import registration
 
 USER = "gatekeeper-webhook"

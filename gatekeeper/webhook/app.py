@@ -31,7 +31,8 @@ import orjson
 from aiohttp import web
 
 from gatekeeper.kube.admission import Decision, ReviewError, parse_review, response
-from gatekeeper.metrics import child, metrics_handler
+from gatekeeper.metrics import child
+from gatekeeper.ops import add_ops_routes
 from gatekeeper.webhook import policies
 from gatekeeper.webhook.settings import WebhookSettings
 from gatekeeper.webhook.templates import TemplateError, TemplateKeeper
@@ -124,15 +125,9 @@ async def mutate(request: web.Request) -> web.Response:
     return await _review(request, "mutate")
 
 
-async def healthz(request: web.Request) -> web.Response:
-    return web.Response(text="ok")
-
-
-async def readyz(request: web.Request) -> web.Response:
-    state = request.app[READY_KEY]
-    if not state.get("ready"):
-        return web.Response(status=503, text=f"not ready: {state.get('reason', 'starting')}\n")
-    return web.Response(text="ok")
+def _not_ready(app: web.Application) -> str | None:
+    state = app[READY_KEY]
+    return None if state.get("ready") else f"not ready: {state.get('reason', 'starting')}\n"
 
 
 def build_app(settings: WebhookSettings, keeper: TemplateKeeper | None = None) -> web.Application:
@@ -144,7 +139,5 @@ def build_app(settings: WebhookSettings, keeper: TemplateKeeper | None = None) -
     metrics()
     app.router.add_post("/validate", validate)
     app.router.add_post("/mutate", mutate)
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/readyz", readyz)
-    app.router.add_get("/metrics", metrics_handler)
+    add_ops_routes(app, lambda: _not_ready(app))
     return app

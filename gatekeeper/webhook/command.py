@@ -6,6 +6,10 @@ import argparse
 from dataclasses import replace
 from typing import Any
 
+from gatekeeper.config import load_config
+from gatekeeper.errors import UsageError
+from gatekeeper.webhook.settings import WebhookSettings  # also registers the webhook: config section
+
 
 def register(sub: Any) -> None:
     p = sub.add_parser(
@@ -26,10 +30,7 @@ def register(sub: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from gatekeeper.cli import UsageError
-    from gatekeeper.config import load_config
     from gatekeeper.webhook.server import StartupError, preflight, run
-    from gatekeeper.webhook.settings import WebhookSettings
 
     cfg = load_config(args.config, need="webhook")
     settings: WebhookSettings = cfg.webhook

@@ -22,7 +22,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Literal, get_args
+from typing import ClassVar, Literal, get_args
+
+from gatekeeper.config import dataclass_section, register_section
+from gatekeeper.listener import TLSListenerSettings
 
 Mode = Literal["dra", "time-slicing", "mps", "mps-dra", "mig", "off"]
 MODES: tuple[str, ...] = get_args(Mode)
@@ -62,33 +65,22 @@ def _size_of(key: str, value: int | str) -> int:
 
 
 @dataclass(frozen=True)
-class ServerSettings:
-    """The HTTPS listener the apiserver calls."""
+class ServerSettings(TLSListenerSettings):
+    """The HTTPS listener the apiserver calls (/validate, /mutate, /healthz, /readyz, /metrics)."""
 
-    address: str = "127.0.0.1"
-    """Bind address (``0.0.0.0`` inside a pod)."""
+    tls_required_because: ClassVar[str] = "the apiserver only calls webhooks over TLS"
+
     port: int = 8443
     """TLS port for /validate, /mutate, /healthz, /readyz and /metrics (0 = pick a free port)."""
-    cert_file: str = ""
-    """Serving certificate (PEM); re-read when its mtime changes, for new connections."""
-    key_file: str = ""
-    """Serving key (PEM); re-read together with the certificate."""
-    cert_check_interval_seconds: float = 2.0
-    """How often (at most) a new connection checks the cert/key files' mtime."""
     workers: int = 1
     """Processes sharing the port with SO_REUSEPORT (``--workers`` overrides)."""
     port_file: str = ""
     """If set, the bound port is written here once listening (for port 0 and scripts)."""
 
     def validate(self) -> None:
-        if not self.cert_file or not self.key_file:
-            raise ValueError("certFile and keyFile are required: the apiserver only calls webhooks over TLS")
+        super().validate()
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be 0..65535 (0 = any free port), got {self.port}")
-        if self.cert_check_interval_seconds < 0:
-            raise ValueError(f"certCheckIntervalSeconds must be >= 0, got {self.cert_check_interval_seconds}")
 
 
 @dataclass(frozen=True)
@@ -189,3 +181,6 @@ class WebhookSettings:
     """GPU pod policy."""
     kubeconfig: str = ""
     """Kubeconfig for template reconciliation (empty = in-cluster service account)."""
+
+
+register_section("webhook", dataclass_section(WebhookSettings))

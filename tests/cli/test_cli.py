@@ -60,3 +60,13 @@ def test_non_positive_validity_is_refused_by_the_parser(tmp_path: Path) -> None:
 def test_ca_bundle_before_init_names_the_fix(tmp_path: Path) -> None:
     out = run("certs", "ca-bundle", "--dir", str(tmp_path / "none"))
     assert out.returncode == 2 and "run `gatekeeper certs init" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_building_the_parser_does_not_import_prometheus_client() -> None:
+    # `gatekeeper webhook --workers N` sets PROMETHEUS_MULTIPROC_DIR after parsing; prometheus_client
+    # reads it at import, so an import while building the parser would leave each worker counting alone.
+    code = ("import sys; from gatekeeper.cli import build_parser; build_parser(); "
+            "print('prometheus_client' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

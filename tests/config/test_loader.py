@@ -8,6 +8,9 @@ from typing import Literal
 
 import pytest
 
+import gatekeeper.proxy.settings  # registers the proxy: section
+import gatekeeper.webhook.settings  # noqa: F401 - registers the webhook: section
+from gatekeeper import config
 from gatekeeper.config import ConfigError, from_mapping, load_config, parse_duration
 
 
@@ -111,3 +114,22 @@ def test_repeated_keys_in_different_mappings_are_fine(tmp_path: Path) -> None:
                  "    - types: [b]\n      hardLimit: 2Mi\n")
     cfg = load_config(p)
     assert [o.hard_limit for o in cfg.webhook.secrets.overrides] == ["1Mi", "2Mi"]
+
+
+def test_the_loader_knows_only_the_sections_components_registered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    p = tmp_path / "c.yaml"
+    p.write_text("proxy: {}\nextra: {name: x, inner: {sizeLimit: 3}}\n")
+    monkeypatch.setattr(config, "_sections", {})
+    with pytest.raises(ConfigError, match=r"extra: unknown key; expected one of: $"):
+        load_config(p)
+    config.register_section("proxy", lambda data, source, key: data)
+    config.register_section("extra", config.dataclass_section(Outer))
+    cfg = load_config(p, need="extra")
+    assert cfg.extra == Outer(name="x", inner=Inner(size_limit=3)) and cfg.proxy == {}
+    assert cfg.webhook is None
+    p.write_text("extra: {name: x, inner: {sizeLimit: big}}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(p)
+    assert err.value.key == "extra.inner.sizeLimit"

@@ -65,7 +65,7 @@ def test_requests_without_key_are_never_merged():
 
 
 async def test_empty_shared_response_reaches_every_follower():
-    from test_middleware import Upstream, call, req, seeds_settings
+    from test_middleware import Upstream, call, req, seeds_settings, until
 
     from gatekeeper.proxy.flowcontrol.middleware import FlowControl
 
@@ -75,9 +75,10 @@ async def test_empty_shared_response_reaches_every_follower():
 
     up.gate.clear()
     blockers = [asyncio.create_task(call(fc, req(target=f"/api/v1/namespaces/n{i}/secrets"), up)) for i in range(2)]
-    await asyncio.sleep(0.01)
+    await until(lambda: up.calls == 2, "two blockers to hold both seats")
     same = [asyncio.create_task(call(fc, req(), up)) for _ in range(4)]
-    await asyncio.sleep(0.01)
+    level = fc.controller.levels["secrets-list"]
+    await until(lambda: level.waiting == 4, "four identical LISTs to queue")
     up.gate.set()
     results = await asyncio.gather(*blockers, *same)
     assert [s for s, _, _ in results] == [200] * 6

@@ -6,7 +6,7 @@ import asyncio
 
 from fc_helpers import flow_schema, group, queued_level, rr
 from prometheus_client import REGISTRY
-from test_middleware import Upstream, call, req
+from test_middleware import Upstream, call, req, until
 
 from gatekeeper.proxy.flowcontrol.middleware import FlowControl
 from gatekeeper.proxy.flowcontrol.settings import FlowControlSettings
@@ -33,9 +33,9 @@ async def test_metrics_track_dispatch_queue_and_rejections():
     up = Upstream(body=b"m" * 3000)
     up.gate.clear()
     first = asyncio.create_task(call(fc, req(user="a"), up))
-    await asyncio.sleep(0.01)
+    await until(lambda: up.calls == 1, "the first LIST to hold the only seat")
     second = asyncio.create_task(call(fc, req(user="b"), up))
-    await asyncio.sleep(0.01)
+    await until(lambda: fc.controller.levels[PL].waiting == 1, "the second LIST to queue")
     status, _, _ = await call(fc, req(user="c"), up)  # the one queue (length 1) is full
     assert status == 429
     assert value("gatekeeper_flowcontrol_current_executing_requests", **labels) == 1

@@ -78,6 +78,16 @@ class Upstream:
         return ProxyResponse(status=200, headers=[("content-type", "application/json")], body=body())
 
 
+async def until(cond, what: str, limit: float = 5.0) -> None:
+    """Yield to the event loop until ``cond()`` holds; fail naming ``what`` after ``limit`` seconds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limit
+    while not cond():
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out after {limit}s waiting for {what}")
+        await asyncio.sleep(0)
+
+
 async def read(resp: ProxyResponse) -> bytes:
     return b"".join([c async for c in resp.body])
 
@@ -107,7 +117,7 @@ async def test_rejection_is_a_kubernetes_429_naming_schema_and_level():
     up = Upstream()
     up.gate.clear()
     first = asyncio.create_task(call(fc, req(), up))
-    await asyncio.sleep(0.01)
+    await until(lambda: up.calls == 1, "the first LIST to hold the only seat")
     status, data, headers = await call(fc, req(user="bob"), up)
     assert status == 429
     assert headers["retry-after"] == "1"
@@ -133,7 +143,7 @@ async def test_queued_request_times_out_with_429():
     up = Upstream()
     up.gate.clear()
     running = [asyncio.create_task(call(fc, req(user=f"u{i}"), up)) for i in range(2)]
-    await asyncio.sleep(0.01)
+    await until(lambda: up.calls == 2, "two LISTs to hold both seats")
     status, data, _ = await call(fc, req(user="late"), up)
     assert status == 429 and b"waited in the queue" in data
     up.gate.set()
@@ -145,10 +155,11 @@ async def test_identical_queued_lists_share_one_upstream_call():
     up = Upstream(body=b"y" * 50000, chunks=10)
     up.gate.clear()
     blockers = [asyncio.create_task(call(fc, req(target=f"/api/v1/namespaces/n{i}/secrets"), up)) for i in range(2)]
-    await asyncio.sleep(0.01)
+    await until(lambda: up.calls == 2, "two blockers to hold both seats")
     same = [asyncio.create_task(call(fc, req(user="alice"), up)) for _ in range(8)]
     other = [asyncio.create_task(call(fc, req(user="bob"), up)) for _ in range(3)]
-    await asyncio.sleep(0.01)
+    level = fc.controller.levels["secrets-list"]
+    await until(lambda: level.waiting == 11, "all 11 LISTs to queue")
     assert up.calls == 2
     up.gate.set()
     results = await asyncio.gather(*blockers, *same, *other)
@@ -161,9 +172,10 @@ async def _coalesced_trio(fc, up):
     """Two blockers occupy the level, then three identical LISTs queue and share one upstream call."""
     up.gate.clear()
     blockers = [asyncio.create_task(call(fc, req(target=f"/api/v1/namespaces/n{i}/secrets"), up)) for i in range(2)]
-    await asyncio.sleep(0.01)
+    await until(lambda: up.calls == 2, "two blockers to hold both seats")
     waiting = [asyncio.create_task(fc(req(), up)) for _ in range(3)]
-    await asyncio.sleep(0.01)
+    level = fc.controller.levels["secrets-list"]
+    await until(lambda: level.waiting == 3, "three identical LISTs to queue")
     up.gate.set()
     await asyncio.gather(*blockers)
     return await asyncio.gather(*waiting)
@@ -239,12 +251,11 @@ async def test_watch_gives_back_its_seats_at_its_first_bytes():
     watch = await fc(req(target="/api/v1/secrets?watch=true"), handler)
     it = watch.body.__aiter__()
     first = asyncio.create_task(it.__anext__())
-    await asyncio.sleep(0.05)
+    await until(lambda: len(stream._waiters) == 1, "the watch to wait for its first event")
     level = fc.controller.levels["w"]
     assert level.executing_seats == 1  # head arrived, no events yet: still initializing
     lister = asyncio.create_task(call(fc, req(user="bob"), handler))
-    await asyncio.sleep(0.05)
-    assert level.waiting == 1
+    await until(lambda: level.waiting == 1, "the LIST to queue behind the initializing watch")
     stream.set()
     assert await first == b'{"type":"ADDED"}\n'
     assert (await asyncio.wait_for(lister, 2))[0] == 200
@@ -307,12 +318,13 @@ async def test_sighup_rereads_policy_files(tmp_path):
     try:
         assert fc.controller.levels["secrets-list"].limit == 29
         path.write_text(yaml.safe_dump_all([queued_level("secrets-list", 45)]))
+        # A real SIGHUP with no handler installed would end the whole pytest process.
+        assert signal.getsignal(signal.SIGHUP) not in (signal.SIG_DFL, signal.SIG_IGN, None), (
+            "FlowControl.start() installed no SIGHUP handler"
+        )
         os.kill(os.getpid(), signal.SIGHUP)
-        for _ in range(100):
-            await asyncio.sleep(0.01)
-            if fc.controller.levels["secrets-list"].limit == 90:
-                break
-        assert fc.controller.levels["secrets-list"].limit == 90  # ceil(100 * 45 / 50)
+        # ceil(100 * 45 / 50); a reload replaces the levels, so look them up afresh each time
+        await until(lambda: fc.controller.levels["secrets-list"].limit == 90, "the SIGHUP reload")
     finally:
         await fc.close()
 
@@ -326,9 +338,9 @@ async def test_client_leaving_mid_body_or_while_queued_frees_everything():
     await it.__anext__()
     up.gate.clear()
     blocker = asyncio.create_task(fc(req(user="b"), up))
-    await asyncio.sleep(0.01)
+    await until(lambda: up.calls == 2, "the blocker to hold the second seat")
     queued = asyncio.create_task(fc(req(user="c"), up))
-    await asyncio.sleep(0.01)
+    await until(lambda: level.waiting == 1, "the third LIST to queue")
     assert level.waiting == 1 and level.executing_requests == 2
     queued.cancel()  # the client went away while waiting
     with pytest.raises(asyncio.CancelledError):
@@ -356,7 +368,7 @@ async def test_plain_get_holds_its_seat_until_the_response_is_finished():
     first = await fc(req("/api/v1/namespaces/a/secrets/x"), up)
     assert await read(first) == b"{}"  # body read to its end, response not yet written out
     second = asyncio.create_task(fc(req("/api/v1/namespaces/a/secrets/y", user="bob"), up))
-    await asyncio.sleep(0.01)
+    await until(lambda: level.waiting == 1, "the second GET to queue")
     assert level.waiting == 1 and not second.done()
     first.finish(None)  # the adapter wrote it out: the seat is free
     resp = await asyncio.wait_for(second, 5)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import gatekeeper
 from gatekeeper.config import from_mapping
 from gatekeeper.proxy.flowcontrol.defaults import SEEDS_POLICY, sandbox_flow_control
 from gatekeeper.proxy.flowcontrol.loading import load_policy
@@ -21,3 +24,12 @@ def test_sandbox_default_section_is_the_seeds_policy():
 
 def test_disabled_flow_control_yields_no_middleware():
     assert from_settings(FlowControlSettings(enabled=False)) is None
+
+
+def test_the_packaged_seeds_policy_is_inside_the_package_and_equals_the_deploy_example():
+    package = Path(gatekeeper.__file__).resolve().parent
+    assert SEEDS_POLICY.resolve().is_relative_to(package), "the sandbox default must not need the source tree"
+    example = Path(__file__).resolve().parents[2] / "deploy" / "examples" / "flowcontrol-seeds.yaml"
+    assert SEEDS_POLICY.read_bytes() == example.read_bytes(), (
+        f"{SEEDS_POLICY} and {example} differ: edit one, copy it over the other"
+    )

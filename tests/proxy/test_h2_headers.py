@@ -54,8 +54,10 @@ def test_malformed_blocks_are_rejected_with_a_reason(extra, why):
         parse_request([*PSEUDO, *extra])
 
 
-def test_te_trailers_is_allowed():
-    parse_request([*PSEUDO, (b"te", b"trailers")])
+def test_te_trailers_is_allowed_and_passed_on():
+    method, target, headers = parse_request([*PSEUDO, (b"te", b"trailers")])
+    assert (method, target) == ("GET", "/api/v1/pods?watch=1")
+    assert ("te", "trailers") in headers
 
 
 @pytest.mark.parametrize("missing", [b":method", b":scheme", b":path"])

@@ -1,15 +1,13 @@
-"""How `sandbox up` calls the add-on modules (`gatekeeper.sandbox.with_<name>.start`)."""
+"""How `sandbox up` calls the add-ons (`gatekeeper.sandbox.lifecycle.ADDONS`)."""
 
 from __future__ import annotations
 
 import argparse
-import sys
-import types
 from pathlib import Path
 
 import pytest
 
-from gatekeeper.cli import UsageError
+from gatekeeper.errors import UsageError
 from gatekeeper.sandbox import lifecycle
 from gatekeeper.sandbox.state import ProcessRecord, SandboxState
 
@@ -18,9 +16,9 @@ def quiet(_: str) -> None:
     pass
 
 
-def test_an_add_on_without_a_module_is_a_clear_not_implemented_error(tmp_path: Path) -> None:
+def test_an_unknown_add_on_is_a_clear_error_naming_the_known_ones(tmp_path: Path) -> None:
     state = SandboxState(dir=str(tmp_path))
-    expected = r"--with-nothere: gatekeeper\.sandbox\.with_nothere is not implemented"
+    expected = r"--with-nothere: unknown add-on; expected one of: proxy, webhook"
     with pytest.raises(UsageError, match=expected):
         lifecycle._start_addons(state, argparse.Namespace(), ("nothere",), quiet)
 
@@ -33,9 +31,7 @@ def test_add_on_processes_are_saved_even_when_the_add_on_fails(
         state.processes.append(ProcessRecord(name="fake", pid=1, cmd=["fake"], log=""))
         raise RuntimeError("backend never became ready")
 
-    module = types.ModuleType("gatekeeper.sandbox.with_fake")
-    module.start = start  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "gatekeeper.sandbox.with_fake", module)
+    monkeypatch.setitem(lifecycle.ADDONS, "fake", start)
     state = SandboxState(dir=str(tmp_path))
     with pytest.raises(lifecycle.ComponentFailed) as info:
         lifecycle._start_addons(state, argparse.Namespace(proxy_goaway_chance=0.5), ("fake",), quiet)
@@ -50,9 +46,7 @@ def test_an_add_on_that_waited_with_wait_until_keeps_its_own_step_in_the_failure
     def start(state: SandboxState, args: argparse.Namespace) -> None:
         lifecycle.wait_until(None, "fake (/readyz)", lambda: (False, "503 not ready"), timeout=0, interval=0.01)
 
-    module = types.ModuleType("gatekeeper.sandbox.with_fake")
-    module.start = start  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "gatekeeper.sandbox.with_fake", module)
+    monkeypatch.setitem(lifecycle.ADDONS, "fake", start)
     with pytest.raises(lifecycle.ComponentFailed) as info:
         lifecycle._start_addons(SandboxState(dir=str(tmp_path)), argparse.Namespace(), ("fake",), quiet)
     assert info.value.name == "fake (/readyz)"

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import yaml
 
+import gatekeeper.webhook.settings  # noqa: F401 - registers the webhook: section
 from gatekeeper.config import from_mapping, load_config
 from gatekeeper.webhook import registration
 from gatekeeper.webhook.secrets import limits_for

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -14,9 +15,21 @@ from pathlib import Path
 
 import orjson
 import pytest
+from prometheus_client.multiprocess import MultiProcessCollector
 from review_fixtures import container, pod, review
 
 from gatekeeper.certs import PKI, load_cert
+
+
+def listening_sockets(port: int) -> int:
+    """TCP sockets in LISTEN state on ``port`` (each SO_REUSEPORT worker has its own)."""
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(FileNotFoundError), open(table) as f:
+            for row in f.readlines()[1:]:
+                local, state = row.split()[1], row.split()[3]
+                count += state == "0A" and int(local.rsplit(":", 1)[1], 16) == port
+    return count
 
 
 @pytest.fixture
@@ -41,19 +54,25 @@ def write_config(tmp_path: Path, pki: PKI, extra: str = "") -> Path:
 def start(tmp_path: Path) -> Iterator:  # type: ignore[type-arg]
     procs: list[subprocess.Popen[bytes]] = []
 
-    def run(cfg: Path, *args: str) -> tuple[subprocess.Popen[bytes], int]:
+    def run(cfg: Path, *args: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], int]:
         port_file = tmp_path / f"port-{len(procs)}"
         proc = subprocess.Popen([sys.executable, "-m", "gatekeeper", "webhook", "--config", str(cfg),
                                  "--port-file", str(port_file), *args],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+                                env=env)
         procs.append(proc)
         deadline = time.monotonic() + 30
         while not (port_file.exists() and port_file.read_text().strip()):
             if proc.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(f"webhook did not start: {proc.stderr.read().decode() if proc.stderr else ''}")
             time.sleep(0.05)
-        time.sleep(0.3)  # with --workers, let every worker bind
-        return proc, int(port_file.read_text())
+        port = int(port_file.read_text())
+        workers = int(args[args.index("--workers") + 1]) if "--workers" in args else 1
+        while listening_sockets(port) < workers:  # the first worker wrote the file; wait for the others
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"{workers} webhook workers did not all listen on {port}")
+            time.sleep(0.05)
+        return proc, port
 
     yield run
     for proc in procs:
@@ -102,7 +121,10 @@ def test_rotated_certificate_is_served_to_new_connections(tmp_path: Path, pki: P
 
 
 def test_two_workers_share_the_port_and_report_all_reviews(tmp_path: Path, pki: PKI, start) -> None:
-    proc, port = start(write_config(tmp_path, pki), "--workers", "2")
+    samples = tmp_path / "multiproc"
+    samples.mkdir()
+    proc, port = start(write_config(tmp_path, pki), "--workers", "2",
+                       env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(samples)})
     children = subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True, text=True).stdout.split()
     assert len(set(children) - {str(proc.pid)}) == 2
     ca = pki.cert_path("ca")
@@ -117,6 +139,15 @@ def test_two_workers_share_the_port_and_report_all_reviews(tmp_path: Path, pki: 
                     if x.startswith('gatekeeper_webhook_gpu_rewrites_total{mode="time-slicing"}'))
         totals.append(float(line.split()[-1]))
     assert totals == [n] * 4
+    # ...and the sum is really of two workers: each one's own sample file holds part of the reviews.
+    per_worker = {}
+    for path in samples.glob("counter_*.db"):
+        for metric in MultiProcessCollector.merge([str(path)]):
+            per_worker[path.stem] = per_worker.get(path.stem, 0.0) + sum(
+                s.value for s in metric.samples
+                if s.name == "gatekeeper_webhook_gpu_rewrites_total" and s.labels.get("mode") == "time-slicing")
+    served = {k: v for k, v in per_worker.items() if v}
+    assert len(served) == 2 and sum(served.values()) == n, per_worker
 
 
 def test_missing_certificate_config_is_a_one_line_error(tmp_path: Path) -> None:

@@ -1,6 +1,10 @@
 """API Priority and Fairness in the proxy, one hop before the apiservers.
 
-Layering, data flowing down:
+Layering, data flowing down. The *core* (objects, policy, seats, queueset,
+controller, coalesce) is pure: no asyncio, no sockets, no files, time passed
+in; tests/architecture/test_layers.py enforces it. The *edge* (fanout,
+middleware, loading, metrics, defaults) adapts it to the asyncio pipeline,
+the policy files and Prometheus.
 
 * ``objects.py``   v1 FlowSchema / PriorityLevelConfiguration validation (errors name object and field)
 * ``policy.py``    built-in objects, upstream matching rules, nominal seat limits
@@ -10,11 +14,11 @@ Layering, data flowing down:
 * ``queueset.py``  one level: shuffle sharding, fair queuing by seats, coalescing, reject reasons
 * ``controller.py`` all levels + the LIST byte budget; pure, time passed in
 * ``coalesce.py``  which requests may share one upstream call
-* ``fanout.py``    one upstream body to many clients with bounded per-client buffers
-* ``middleware.py`` the asyncio edge: pipeline middleware, 429s, reloads
-* ``loading.py`` / ``settings.py`` / ``defaults.py`` / ``metrics.py``: config, sandbox default, Prometheus
-
-Nothing above ``middleware.py`` touches asyncio or sockets.
+* ``fanout.py``    (edge) one upstream body to many clients with bounded per-client buffers
+* ``middleware.py`` (edge) the asyncio middleware: 429s, reloads (SIGHUP, file polling)
+* ``loading.py`` / ``defaults.py`` / ``metrics.py`` (edge): policy files, the sandbox default
+  (``seeds.yaml``, package data), Prometheus
+* ``settings.py``  the ``proxy.flowControl`` dataclasses (no I/O)
 
 Worker processes (``gatekeeper proxy --workers N``, ``proxy/workers.py``): seats are
 proxy-wide, queues stay per worker (``ledger.py``).

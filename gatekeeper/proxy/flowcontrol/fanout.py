@@ -19,6 +19,8 @@ import contextlib
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 
+from gatekeeper.proxy.messages import close_body
+
 
 class FanOutOverrun(ConnectionError):
     """This reader stopped keeping up with the shared response."""
@@ -144,10 +146,7 @@ class FanOut:
             for s in self.subs:
                 s.ended = True
                 s.ready.set()
-            aclose = getattr(self.source, "aclose", None)
-            if aclose is not None:
-                with contextlib.suppress(Exception):
-                    await aclose()
+            await close_body(self.source)
             self.on_done(self.total, error)
         if error is not None and not isinstance(error, Exception):
             raise error

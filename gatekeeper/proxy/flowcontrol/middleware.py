@@ -39,7 +39,7 @@ from typing import Any
 
 from gatekeeper.kube import requestinfo
 from gatekeeper.kube.requestinfo import RequestInfo
-from gatekeeper.kube.status import failure_json
+from gatekeeper.proxy.adapter import error_response
 from gatekeeper.proxy.flowcontrol import metrics
 from gatekeeper.proxy.flowcontrol.coalesce import coalesce_key, identity_key
 from gatekeeper.proxy.flowcontrol.controller import FlowController
@@ -53,7 +53,7 @@ from gatekeeper.proxy.flowcontrol.settings import FlowControlSettings
 from gatekeeper.proxy.identity.classify import unverified_flow
 from gatekeeper.proxy.identity.fetch import TokenIdentities, Upstream
 from gatekeeper.proxy.identity.jwt import Identity
-from gatekeeper.proxy.messages import Handler, ProxyRequest, ProxyResponse, UserInfo
+from gatekeeper.proxy.messages import Handler, ProxyRequest, ProxyResponse, UserInfo, close_body, is_exhausted
 
 log = logging.getLogger("gatekeeper.proxy.flowcontrol")
 
@@ -73,24 +73,14 @@ def too_many_requests(fs: FlowSchema, pl: PriorityLevel, reason: str, retry_afte
         f"Too many requests, please try again later: gatekeeper flow control rejected the request "
         f"because {_REASON_TEXT.get(reason, reason)} (FlowSchema {fs.name}, priority level {pl.name})."
     )
-    body = failure_json(429, "TooManyRequests", message, retry_after=retry_after)
-
-    async def once() -> AsyncIterator[bytes]:
-        yield body
-
-    return ProxyResponse(
-        status=429,
-        headers=[
-            ("content-type", "application/json"),
-            ("content-length", str(len(body))),
-            ("retry-after", str(retry_after)),
-            ("x-kubernetes-pf-flowschema-uid", fs.uid),
-            ("x-kubernetes-pf-prioritylevel-uid", pl.uid),
-            ("x-gatekeeper-pf-flowschema", fs.name),
-            ("x-gatekeeper-pf-prioritylevel", pl.name),
-        ],
-        body=once(),
-    )
+    response = error_response(429, "TooManyRequests", message, retry_after=retry_after)
+    response.headers += [
+        ("x-kubernetes-pf-flowschema-uid", fs.uid),
+        ("x-kubernetes-pf-prioritylevel-uid", pl.uid),
+        ("x-gatekeeper-pf-flowschema", fs.name),
+        ("x-gatekeeper-pf-prioritylevel", pl.name),
+    ]
+    return response
 
 
 @dataclass(eq=False)
@@ -161,7 +151,7 @@ class _Metered:
                 first, self.on_first = self.on_first, None
                 first()
         self.count += len(chunk)
-        if getattr(self.body, "exhausted", False) is True:
+        if is_exhausted(self.body):
             self._end(True, None)  # the h2 adapter ends the stream on this chunk and reads no further
         return chunk
 
@@ -169,14 +159,11 @@ class _Metered:
     def exhausted(self) -> bool:
         """The upstream body's own last-chunk mark (``upstream._ResponseBody``), passed through so the
         h2 adapter still ends the stream on the last DATA frame."""
-        return getattr(self.body, "exhausted", False) is True
+        return is_exhausted(self.body)
 
     async def aclose(self) -> None:
         self._end(False, None)
-        aclose = getattr(self.body, "aclose", None)
-        if aclose is not None:
-            with contextlib.suppress(Exception):
-                await aclose()
+        await close_body(self.body)
 
 
 class FlowControl:

@@ -3,8 +3,10 @@
 Policy objects come inline (``flowSchemas``, ``priorityLevelConfigurations``:
 lists of v1 objects exactly as ``kubectl get -o yaml`` prints them) and/or
 from ``files`` (multi-document YAML, ``kind: List`` allowed). Relative file
-paths are resolved against the working directory of the proxy. Validation
-runs when the config loads, so a bad object stops ``gatekeeper proxy`` with
+paths are resolved against the working directory of the proxy. The objects
+are checked when the config loads (``gatekeeper.proxy.settings.load_section``
+reads the files; this dataclass's ``validate()`` does no I/O), so a bad object
+stops ``gatekeeper proxy`` with
 ``FILE: proxy.flowControl: FlowSchema/NAME: spec.field: problem``.
 """
 
@@ -84,7 +86,3 @@ class FlowControlSettings:
         if self.retry_after_seconds < 1:
             raise ValueError("retryAfterSeconds: must be a whole number of seconds >= 1")
         self.tokens.validate()
-        if self.enabled:
-            from gatekeeper.proxy.flowcontrol.loading import load_policy
-
-            load_policy(self)  # raises ValueError naming the object and field

@@ -53,8 +53,11 @@ class Upstream(Protocol):
     @property
     def session(self) -> aiohttp.ClientSession: ...
 
-    ssl_identity: Any
-    ssl_plain: Any
+    @property
+    def ssl_identity(self) -> Any: ...
+
+    @property
+    def ssl_plain(self) -> Any: ...
 
 
 class FetchError(RuntimeError):
