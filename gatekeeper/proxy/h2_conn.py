@@ -156,8 +156,10 @@ class ProxyH2Connection(H2Connection):
     def _receive_frame(self, frame: Frame) -> list[Event]:
         if self._guard is not None:
             sid = frame.stream_id
-            closed = bool(sid) and (self._stream_closed_by(sid) is not None or (
-                sid not in self.streams and sid <= self.highest_inbound_stream_id))
+            # Cheap for the common frames: a new stream's HEADERS is above the highest id,
+            # DATA on an open stream is found open at once.
+            closed = 0 < sid <= self.highest_inbound_stream_id and (
+                (stream := self.streams.get(sid)) is None or stream.closed)
             for kind in frame_kinds(frame, on_closed_stream=closed):
                 self._guard.count(kind)
         return super()._receive_frame(frame)

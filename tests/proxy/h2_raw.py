@@ -33,6 +33,7 @@ class RawH2:
 
     def __init__(self, port: int, *, ca: str | None = None, cert: tuple[str, str] | None = None,
                  window: int | None = None, timeout: float = 10.0) -> None:
+        self._timeout = timeout
         raw = socket.create_connection(("127.0.0.1", port), timeout=timeout)
         self.sock = tls_context(ca, cert).wrap_socket(raw, server_hostname="localhost")
         assert self.sock.selected_alpn_protocol() == "h2"
@@ -46,9 +47,14 @@ class RawH2:
         self.flush()
 
     def flush(self) -> None:
+        """Send what h2 queued; after a failed write (TLS cannot resume it) nothing more is sent."""
         data = self.conn.data_to_send()
-        if data:
-            self.sock.sendall(data)
+        if data and not self.closed:
+            try:
+                self.sock.sendall(data)
+            except (OSError, ssl.SSLError):
+                self.closed = True
+                raise
 
     def request(self, path: str, method: str = "GET", headers: list[tuple[str, str]] | None = None) -> int:
         sid = self.conn.get_next_available_stream_id()
@@ -59,6 +65,12 @@ class RawH2:
 
     def read_until(self, predicate: object, timeout: float) -> bool:
         """Read and process frames until ``predicate(events)`` or the peer closes; False on timeout."""
+        try:
+            return self._read_until(predicate, timeout)
+        finally:
+            self.sock.settimeout(self._timeout)
+
+    def _read_until(self, predicate: object, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         while not predicate(self.events):  # type: ignore[operator]
             remaining = deadline - time.monotonic()
@@ -79,7 +91,10 @@ class RawH2:
             except ProtocolError:
                 self.closed = True
                 return bool(predicate(self.events))  # type: ignore[operator]
-            self.flush()
+            try:
+                self.flush()
+            except (OSError, ssl.SSLError):
+                return bool(predicate(self.events))  # type: ignore[operator]
         return True
 
     def goaway_code(self) -> int | None:
