@@ -7,9 +7,10 @@ ones in ``conn_metrics.py`` and flow control's ``gatekeeper_flowcontrol_*``):
     Requests answered by each backend; ``resource`` is ``resource`` or
     ``resource/subresource`` (empty for non-resource URLs). Both labels are
     bounded against invented input: a verb outside the Kubernetes and HTTP
-    vocabulary is ``other``; a resource is learned only from a non-error (<400)
-    answer, anything not learned is ``<unknown>``, and past
-    ``MAX_KNOWN_RESOURCES`` learned names new ones count as ``<other>``.
+    vocabulary is ``other``; a resource is learned only from an answer that
+    only an existing resource gives (see :func:`resource_label`), anything not
+    learned is ``<unknown>``, and past ``MAX_KNOWN_RESOURCES`` learned names new
+    ones count as ``<other>``.
 ``gatekeeper_proxy_rejected_requests_total{reason}``
     Requests the proxy refused or cut itself, by a fixed set of reasons
     (:data:`REJECT_REASONS`); each reason is also logged, at most once per
@@ -156,6 +157,10 @@ _known_resources: set[str] = set()
 MAX_KNOWN_RESOURCES = 500
 """Hard cap on learned resource label values (a big cluster with many CRDs serves a few hundred)."""
 
+RESOURCE_HANDLER_ERRORS = frozenset({400, 409, 410, 422})
+"""Error codes the apiserver gives only from an existing resource's handler (bad request, conflict,
+expired resourceVersion, invalid object); a made-up resource gets 404 (or 401/403/429) first."""
+
 KNOWN_VERBS = frozenset({
     # Kubernetes verbs RequestInfo derives for resource requests
     "get", "list", "watch", "create", "update", "patch", "delete", "deletecollection", "proxy",
@@ -173,9 +178,9 @@ def resource_label(resource_key: str, code: int) -> str:
     """The resource label: learned names, ``<unknown>`` for unlearned ones, ``<other>`` past the cap.
 
     A client can invent paths, and the apiserver answers made-up resources with
-    404, or 401/403 before it even looks; so a name is learned only from a
-    non-error answer (1xx-3xx, e.g. 200 or an exec's 101), which no backend gives
-    a resource that does not exist. A 404 for a
+    404, or 401/403/429 before it even looks; so a name is learned only from an
+    answer that only a real resource's handler gives: 1xx-3xx (e.g. 200, an exec's
+    101) or one of :data:`RESOURCE_HANDLER_ERRORS` (a refused exec's 400, a 409). A 404 for a
     missing ConfigMap still counts under ``configmaps`` once any ConfigMap
     request has succeeded.
     """
@@ -183,7 +188,7 @@ def resource_label(resource_key: str, code: int) -> str:
         return ""
     if resource_key in _known_resources:
         return resource_key
-    if code < 400:
+    if code < 400 or code in RESOURCE_HANDLER_ERRORS:
         if len(_known_resources) < MAX_KNOWN_RESOURCES:
             _known_resources.add(resource_key)
             return resource_key

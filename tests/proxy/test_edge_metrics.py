@@ -59,10 +59,11 @@ def test_resource_label_learns_only_from_success_and_has_a_hard_cap(monkeypatch:
     monkeypatch.setattr(metrics, "MAX_KNOWN_RESOURCES", 3)
     assert metrics.resource_label("widgets", 403) == "<unknown>"
     assert metrics.resource_label("widgets", 401) == "<unknown>"
+    assert metrics.resource_label("widgets", 429) == "<unknown>"
     assert metrics.resource_label("pods", 200) == "pods"
     assert metrics.resource_label("pods", 404) == "pods"
     assert metrics.resource_label("a", 201) == "a"
-    assert metrics.resource_label("pods/exec", 101) == "pods/exec"
+    assert metrics.resource_label("pods/exec", 400) == "pods/exec"
     assert metrics.resource_label("c", 200) == "<other>"
     assert metrics.resource_label("", 200) == ""
 
