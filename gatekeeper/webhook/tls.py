@@ -27,12 +27,19 @@ def _mtimes(*paths: str) -> tuple[int, ...]:
     return tuple(os.stat(p).st_mtime_ns for p in paths)
 
 
-def load_server_context(cert_file: str, key_file: str) -> ssl.SSLContext:
-    """A TLS server context for the pair; raises OSError/ssl.SSLError when they cannot be loaded."""
+def load_server_context(cert_file: str, key_file: str, client_ca_file: str = "") -> ssl.SSLContext:
+    """A TLS server context for the pair; raises OSError/ssl.SSLError when they cannot be loaded.
+
+    With ``client_ca_file`` a client certificate is asked for and, if sent, must chain to that CA
+    (CERT_OPTIONAL: the kubelet's probes send none; the app refuses reviews without one).
+    """
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     ctx.set_alpn_protocols(["http/1.1"])
     ctx.load_cert_chain(cert_file, key_file)
+    if client_ca_file:
+        ctx.load_verify_locations(cafile=client_ca_file)
+        ctx.verify_mode = ssl.CERT_OPTIONAL
     return ctx
 
 
@@ -40,13 +47,14 @@ class ReloadingContext:
     """Holds the current context and swaps it in for new handshakes when the files change."""
 
     def __init__(self, cert_file: str, key_file: str, check_interval: float = 2.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, client_ca_file: str = "") -> None:
         self.cert_file, self.key_file = cert_file, key_file
+        self.client_ca_file = client_ca_file
         self.check_interval = check_interval
         self._clock = clock
         self._stamp = _mtimes(cert_file, key_file)
-        self.current = load_server_context(cert_file, key_file)
-        self.base = load_server_context(cert_file, key_file)
+        self.current = load_server_context(cert_file, key_file, client_ca_file)
+        self.base = load_server_context(cert_file, key_file, client_ca_file)
         self.base.sni_callback = self._on_handshake
         self._next_check = clock() + check_interval
         self.reloads = 0
@@ -60,7 +68,7 @@ class ReloadingContext:
         if stamp == self._stamp:
             return False
         try:
-            ctx = load_server_context(self.cert_file, self.key_file)
+            ctx = load_server_context(self.cert_file, self.key_file, self.client_ca_file)
         except (OSError, ssl.SSLError, ValueError) as exc:
             log.warning("serving certificate changed but cannot be loaded yet (%s); keeping the old one",
                         exc)
