@@ -1,7 +1,7 @@
 """Validating/Mutating webhook configurations and RBAC, as data (pure).
 
 One definition serves the sandbox (``clientConfig.url`` to 127.0.0.1) and the
-shipped manifests in ``deploy/webhook/`` (``clientConfig.service``); a unit test
+Helm chart in ``deploy/helm/gatekeeper/`` (``clientConfig.service``); tests/deploy
 keeps the YAML in step with this module.
 
 Choices:
