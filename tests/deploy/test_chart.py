@@ -109,7 +109,7 @@ def test_failure_policy_and_timeouts_are_per_webhook_values() -> None:
 
 
 def test_deployment_defaults_are_safe_for_a_critical_webhook() -> None:
-    docs = render()
+    docs = render(*chart.MANIFEST_SETS)
     (dep,) = by_kind(docs, "Deployment")
     spec = dep["spec"]["template"]["spec"]
     (c,) = spec["containers"]
