@@ -68,6 +68,8 @@ class Component:
     """Arguments that make each binary print its version and exit 0."""
     gomod_root: Path = GOMOD_ROOT
     """Where ``gomod`` lives; only tests point it elsewhere."""
+    tags: tuple[str, ...] = ()
+    """Go build tags (promtool drops its service-discovery plugins with ``remove_all_sd``)."""
 
     def source_dir(self) -> Path:
         return self.gomod_root / self.gomod
@@ -89,7 +91,8 @@ class Component:
     def stamp(self) -> str:
         src = self.source_dir()
         gomod, gosum = (src / "go.mod").read_bytes(), (src / "go.sum").read_bytes()
-        return stamp_of(gomod, gosum, self.ldflags(), self.packages)
+        tags = f" -tags={','.join(self.tags)}" if self.tags else ""
+        return stamp_of(gomod, gosum, self.ldflags() + tags, self.packages)
 
 
 _K8S_LDFLAGS = (
@@ -134,7 +137,37 @@ H2SPEC = Component(
     ldflags_template="-s -w -X main.VERSION={version}",
 )
 """HTTP/2 conformance checker; tests/proxy/test_h2spec.py runs it against the proxy (not used by ``up``)."""
-COMPONENTS = (ETCD, KWOK, K8S, H2SPEC)
+HELM = Component(
+    name="helm",
+    gomod="helm",
+    module="helm.sh/helm/v3",
+    packages=("helm.sh/helm/v3/cmd/helm",),
+    binaries=("helm",),
+    ldflags_template="-s -w -X helm.sh/helm/v3/internal/version.version={version}",
+    version_args=("version", "--short"),
+)
+PROMTOOL = Component(
+    name="promtool",
+    gomod="promtool",
+    module="github.com/prometheus/prometheus",
+    packages=("github.com/prometheus/prometheus/cmd/promtool",),
+    binaries=("promtool",),
+    ldflags_template="-s -w -X github.com/prometheus/common/version.Version={bare}",
+    tags=("remove_all_sd",),
+)
+"""Deploy tooling: ``helm lint``/``helm template`` and ``promtool check|test rules`` in the suite.
+
+promtool is built without Prometheus' service-discovery plugins (cloud SDKs), which
+halves its build; rule checking and rule unit tests do not use them.
+"""
+CRD_MODULES = {
+    "cert-manager": ("github.com/cert-manager/cert-manager", "v1.21.2", "deploy/crds"),
+    "prometheus-operator": ("github.com/prometheus-operator/prometheus-operator", "v0.85.0",
+                            "example/prometheus-operator-crd"),
+}
+"""CRDs the chart's optional objects need, taken from the projects' Go modules (no other source
+is reachable from the build machine): name -> (module, version, directory of CRD YAML)."""
+COMPONENTS = (ETCD, KWOK, K8S, H2SPEC, HELM, PROMTOOL)
 
 
 def module_version(gomod_text: str, module: str) -> str:
@@ -228,7 +261,8 @@ def go_build_argv(component: Component, out: Path) -> list[str]:
     etcd's main package path ends in ``/v3``, which go would name ``v3``/``server``.
     """
     target = str(out / component.binaries[0]) if len(component.packages) == 1 else str(out) + os.sep
-    return ["go", "build", "-v", "-trimpath", "-ldflags", component.ldflags(), "-o", target,
+    tags = ["-tags", ",".join(component.tags)] if component.tags else []
+    return ["go", "build", "-v", "-trimpath", *tags, "-ldflags", component.ldflags(), "-o", target,
             *component.packages]
 
 
@@ -350,14 +384,58 @@ def build_all(*, force: bool = False, only: tuple[str, ...] = (), say: Callable[
             continue
         build_component(c, force=force, say=say)
         sys.stdout.flush()
+    if not only or "crds" in only:
+        install_crds(force=force, say=say)
+
+
+def crd_dir(name: str, root: Path | None = None) -> Path:
+    """``<cache>/crds/<name>-<version>``: the CRD YAML of one CRD_MODULES entry."""
+    _module, version, _sub = CRD_MODULES[name]
+    return (root or cache_root()) / "crds" / f"{name}-{version}"
+
+
+def install_crds(*, force: bool = False, say: Callable[[str], None] = print) -> None:
+    """Copy each project's CRD YAML out of its module (``go mod download``) into the cache."""
+    for name, (module, version, sub) in CRD_MODULES.items():
+        dest = crd_dir(name)
+        if not force and any(dest.glob("*.yaml")):
+            say(f"[crds] {name} {version} up to date in {dest}")
+            continue
+        cache_root().mkdir(parents=True, exist_ok=True)
+        out = subprocess.run(
+            ["go", "mod", "download", "-json", f"{module}@{version}"], cwd=cache_root(), env=go_env(),
+            capture_output=True, text=True, timeout=600,
+        )
+        try:
+            module_dir = Path(json.loads(out.stdout)["Dir"])
+        except (ValueError, KeyError, TypeError):
+            raise BuildError(
+                f"go mod download {module}@{version} failed: {(out.stderr or out.stdout)[-500:]}"
+            ) from None
+        files = sorted((module_dir / sub).glob("*.yaml"))
+        if not files:
+            raise BuildError(f"no CRD YAML under {module_dir / sub}")
+        staging = dest.with_name(dest.name + ".partial")
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        for f in files:
+            shutil.copyfile(f, staging / f.name)
+        shutil.rmtree(dest, ignore_errors=True)
+        os.replace(staging, dest)
+        say(f"[crds] {name} {version}: {len(files)} files -> {dest}")
+
+
+def deploy_tool(component: Component) -> Path:
+    """Path of a test/deploy tool (h2spec, helm, promtool), or a BuildError naming the fix."""
+    path = component.bin_dir() / component.binaries[0]
+    if not path.is_file():
+        raise BuildError(f"{path} is not built; run `gatekeeper sandbox build`")
+    return path
 
 
 def h2spec_binary() -> Path:
     """Path of the built h2spec, or a BuildError naming the fix."""
-    path = H2SPEC.bin_dir() / "h2spec"
-    if not path.is_file():
-        raise BuildError(f"h2spec is not built (missing {path}); run `gatekeeper sandbox build`")
-    return path
+    return deploy_tool(H2SPEC)
 
 
 @dataclass(frozen=True)

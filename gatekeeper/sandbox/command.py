@@ -28,7 +28,8 @@ def register(sub: Any) -> None:
                     "(default ~/.cache/gatekeeper/bin). A rerun with unchanged inputs is instant.",
     )
     b.add_argument("--force", action="store_true", help="rebuild even if the stamp says up to date")
-    b.add_argument("--only", action="append", choices=["etcd", "kwok", "k8s", "h2spec"], default=[],
+    b.add_argument("--only", action="append",
+                   choices=["etcd", "kwok", "k8s", "h2spec", "helm", "promtool", "crds"], default=[],
                    help="build only this component (repeatable)")
     b.set_defaults(func=_build)
 

@@ -24,7 +24,7 @@ import yaml
 
 from gatekeeper.errors import UsageError
 from gatekeeper.sandbox import components as comp
-from gatekeeper.sandbox import gpu, kubectl, pki, processes, with_proxy, with_webhook
+from gatekeeper.sandbox import gpu, kubectl, pki, processes, webhook_client, with_proxy, with_webhook
 from gatekeeper.sandbox.build import Binaries, installed
 from gatekeeper.sandbox.state import STATE_FILE, ProcessRecord, SandboxState
 from gatekeeper.sandbox.waiting import ComponentFailed, wait_until
@@ -117,11 +117,12 @@ def _start_etcd(s: _Starter, bins: Binaries, timeout: float) -> str:
 def _start_apiservers(s: _Starter, bins: Binaries, opts: UpOptions, etcd_url: str) -> None:
     layout = s.layout
     recs = []
+    admission_config = webhook_client.write(layout.pki.dir, layout.dir)
     for i in range(1, opts.apiservers + 1):
         port = processes.free_port()
         url = f"https://127.0.0.1:{port}"
         argv = comp.apiserver_argv(bins.kube_apiserver, layout, index=i, port=port, etcd_url=etcd_url,
-                                   node_lifecycle=opts.with_scheduler)
+                                   node_lifecycle=opts.with_scheduler, admission_config=admission_config)
         recs.append(s.start(f"kube-apiserver-{i}", argv, ports={"secure": port}, urls={"server": url},
                             health=f"{url}/readyz"))
         s.state.apiserver_urls.append(url)

@@ -9,6 +9,9 @@ After the control plane is healthy this:
 2. writes ``DIR/webhook/config.yaml`` (GPU ``defaultMode: dra``, ConfigMaps
    checked too) and starts the webhook in its own session, log in
    ``DIR/logs/webhook.log``, and waits for ``/readyz``;
+   The webhook requires the apiservers' client certificate (``clientCaFile`` +
+   ``allowedClientNames``, see gatekeeper.sandbox.webhook_client), so every
+   review in the sandbox is authenticated as in a hardened install;
 3. registers the Validating and Mutating webhook configurations with
    ``clientConfig.url`` + caBundle (see gatekeeper.webhook.registration);
 4. waits until *every* apiserver enforces both (server-side dry-run of an
@@ -31,7 +34,7 @@ from typing import Any
 import yaml
 
 from gatekeeper.certs import PKI
-from gatekeeper.sandbox import kubectl, pki, processes
+from gatekeeper.sandbox import kubectl, pki, processes, webhook_client
 from gatekeeper.sandbox.state import SandboxState
 from gatekeeper.sandbox.waiting import wait_until
 from gatekeeper.webhook import registration
@@ -50,6 +53,14 @@ def webhook_config(state: SandboxState, serving: Any, kubeconfig: Path, port_fil
         "gpu": {"defaultMode": "dra", "deviceClass": state.extra.get("device_class", "gpu.nvidia.com")},
         "kubeconfig": str(kubeconfig),
     }}
+
+
+def authenticated(config: dict[str, Any], client_ca: Path) -> dict[str, Any]:
+    """Only the apiservers' webhook client certificate (sandbox/webhook_client.py) may call."""
+    server = config["webhook"]["server"]
+    server["clientCaFile"] = str(client_ca)
+    server["allowedClientNames"] = [webhook_client.CLIENT_NAME]
+    return config
 
 
 def _probe_secret() -> str:
@@ -102,7 +113,7 @@ def start(state: SandboxState, args: argparse.Namespace) -> None:
     port_file = work / "port"
     port_file.unlink(missing_ok=True)
     config_path = work / "config.yaml"
-    config = webhook_config(state, serving, kubeconfig, port_file)
+    config = authenticated(webhook_config(state, serving, kubeconfig, port_file), Path(ca.cert_path("ca")))
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
     log = directory / "logs" / "webhook.log"
     argv = [sys.executable, "-m", "gatekeeper", "webhook", "--config", str(config_path)]

@@ -19,12 +19,26 @@ Metrics (Prometheus):
     Pods rewritten, by GPU mode.
 ``gatekeeper_webhook_template_reconciliations_total{result}``
     ResourceClaimTemplate checks: created, exists (409), cached, error.
+``gatekeeper_webhook_refused_requests_total{route,reason}``
+    Requests refused before any policy ran: ``too-large`` (413, above
+    ``server.maxBodyBytes``) or ``unauthenticated`` (403, no verified
+    apiserver client certificate while ``server.clientCaFile`` is set), and
+    reviews whose object creation was refused for an unverified caller
+    (``unauthenticated-create``).
+
+Trust: with ``server.clientCaFile`` only the apiserver (a client certificate
+from that CA whose CN or DNS SAN is in ``allowedClientNames``) gets reviews
+answered. Without it every caller is unverified: reviews are still answered
+(a forged review only hurts its sender, since the apiserver never sees the
+answer), but nothing is ever created for one, so a pod that POSTs a forged
+AdmissionReview cannot make the webhook create ResourceClaimTemplates.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -39,8 +53,6 @@ from gatekeeper.webhook.templates import TemplateError, TemplateKeeper
 
 log = logging.getLogger(__name__)
 
-MAX_BODY = 32 * 1024 * 1024
-"""A review carries object and oldObject (each up to the apiserver's ~3 MiB limit, base64-inflated)."""
 
 
 class Metrics:
@@ -59,6 +71,8 @@ class Metrics:
         self.rewrites = Counter("gatekeeper_webhook_gpu_rewrites_total", "GPU pods rewritten", ["mode"])
         self.templates = Counter("gatekeeper_webhook_template_reconciliations_total",
                                  "ResourceClaimTemplate create-if-missing results", ["result"])
+        self.refused = Counter("gatekeeper_webhook_refused_requests_total",
+                               "Requests refused before or instead of acting on them", ["route", "reason"])
 
 
 _METRICS: Metrics | None = None
@@ -71,9 +85,26 @@ def metrics() -> Metrics:
     return _METRICS
 
 
+Authenticate = Callable[[web.Request, WebhookSettings], str]
 SETTINGS_KEY = web.AppKey("settings", WebhookSettings)
+AUTH_KEY: web.AppKey[Authenticate] = web.AppKey("authenticate")
 KEEPER_KEY = web.AppKey("keeper", TemplateKeeper)
 READY_KEY = web.AppKey("ready", dict)
+
+
+def verified_caller(request: web.Request, settings: WebhookSettings) -> str:
+    """The apiserver's certificate name if the caller proved it is the apiserver, else ``""``.
+
+    The TLS layer already checked the chain against ``clientCaFile`` (CERT_OPTIONAL); here only the
+    name is matched, so another client of the same CA is not taken for the apiserver.
+    """
+    srv = settings.server
+    if not srv.client_ca_file or request.transport is None:
+        return ""
+    cert = request.transport.get_extra_info("peercert") or {}
+    names = [v for rdn in cert.get("subject", ()) for k, v in rdn if k == "commonName"]
+    names += [v for k, v in cert.get("subjectAltName", ()) if k == "DNS"]
+    return next((n for n in names if n in srv.allowed_client_names), "")
 
 
 def _json(doc: Any, status: int = 200) -> web.Response:
@@ -83,18 +114,36 @@ def _json(doc: Any, status: int = 200) -> web.Response:
 async def _review(request: web.Request, route: str) -> web.Response:
     m = metrics()
     started = time.perf_counter()
-    body = await request.read()
+    settings = request.app[SETTINGS_KEY]
+    caller = request.app[AUTH_KEY](request, settings)
+    if settings.server.client_ca_file and not caller:
+        m.refused.labels(route, "unauthenticated").inc()
+        return web.Response(status=403, text="gatekeeper webhook: only the kube-apiserver may call this "
+                                             "(client certificate from webhook.server.clientCaFile with a "
+                                             "name in allowedClientNames)\n")
+    try:
+        body = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        m.refused.labels(route, "too-large").inc()
+        return web.Response(status=413, text=f"AdmissionReview larger than webhook.server.maxBodyBytes "
+                                             f"({settings.server.max_body_bytes} bytes)\n")
     try:
         req = parse_review(body)
     except ReviewError as exc:
         m.bad_requests.labels(route).inc()
         return web.Response(status=400, text=f"bad AdmissionReview: {exc}\n")
-    settings = request.app[SETTINGS_KEY]
     try:
         policy, decision = (policies.validate if route == "validate" else policies.mutate)(req, settings)
         if decision.allowed and decision.templates and not req.dry_run:
             keeper = request.app.get(KEEPER_KEY)
-            if keeper is None:
+            if not caller:
+                m.refused.labels(route, "unauthenticated-create").inc()
+                decision = Decision(allowed=False, outcome="error", code=403, reason="Forbidden",
+                                    message="gatekeeper creates ResourceClaimTemplates only for a verified "
+                                            "kube-apiserver caller; set webhook.server.clientCaFile and "
+                                            "allowedClientNames (README: Authenticated webhook), or use a "
+                                            "GPU mode that creates nothing (time-slicing, mps, mig)")
+            elif keeper is None:
                 decision = Decision(allowed=False, outcome="error", code=503, reason="ServiceUnavailable",
                                     message="gatekeeper has no Kubernetes client to create "
                                             "ResourceClaimTemplates (set webhook.kubeconfig)")
@@ -130,12 +179,18 @@ def _not_ready(app: web.Application) -> str | None:
     return None if state.get("ready") else f"not ready: {state.get('reason', 'starting')}\n"
 
 
-def build_app(settings: WebhookSettings, keeper: TemplateKeeper | None = None) -> web.Application:
-    app = web.Application(client_max_size=MAX_BODY)
+def build_app(settings: WebhookSettings, keeper: TemplateKeeper | None = None,
+              *, ready: bool = True, authenticate: Authenticate | None = None) -> web.Application:
+    """``ready=False``: /readyz answers 503 until the server sets ``app[READY_KEY]["ready"]``.
+
+    ``authenticate`` names the verified caller (``""``: none); in-process tests without TLS pass one.
+    """
+    app = web.Application(client_max_size=settings.server.max_body_bytes)
     app[SETTINGS_KEY] = settings
+    app[AUTH_KEY] = authenticate or verified_caller
     if keeper is not None:
         app[KEEPER_KEY] = keeper
-    app[READY_KEY] = {"ready": True}
+    app[READY_KEY] = {"ready": ready, "reason": "starting"}
     metrics()
     app.router.add_post("/validate", validate)
     app.router.add_post("/mutate", mutate)

@@ -1,7 +1,7 @@
 """Validating/Mutating webhook configurations and RBAC, as data (pure).
 
 One definition serves the sandbox (``clientConfig.url`` to 127.0.0.1) and the
-shipped manifests in ``deploy/webhook/`` (``clientConfig.service``); a unit test
+Helm chart in ``deploy/helm/gatekeeper/`` (``clientConfig.service``); tests/deploy
 keeps the YAML in step with this module.
 
 Choices:
@@ -18,6 +18,13 @@ Choices:
   say ``gatekeeper.dev/gpu-mode: off``.
 * ``namespaceSelector`` excludes kube-system and the webhook's own namespace,
   so a broken webhook can never block its own recovery.
+* Emergency exemption: a namespace or an object labelled
+  ``gatekeeper.dev/exempt: "true"`` is never sent to either webhook
+  (namespaceSelector and objectSelector), so an operator can take a namespace
+  out of the webhook's path while it is broken, without deleting the
+  configurations. ``kube-root-ca.crt`` (which kube-controller-manager writes
+  into every new namespace) is excluded by a matchCondition, so new namespaces
+  never depend on the webhook.
 * ``failurePolicy: Fail``: an oversized Secret or a whole-GPU pod slipping
   through while the webhook is down is exactly what it exists to prevent;
   the namespace exclusions keep the control plane itself writable.
@@ -35,6 +42,13 @@ MUTATING_NAME = "gatekeeper-gpu"
 SECRETS_WEBHOOK = "secrets.gatekeeper.dev"
 GPU_WEBHOOK = "gpu.gatekeeper.dev"
 RBAC_NAME = "gatekeeper-webhook"
+EXEMPT_LABEL = "gatekeeper.dev/exempt"
+"""Label (value ``"true"``) on a namespace or object that takes it out of both webhooks' path."""
+NOT_ROOT_CA = {
+    "name": "not-kube-root-ca",
+    "expression": "request.resource.resource != 'configmaps' || object.metadata.name != 'kube-root-ca.crt'",
+}
+"""kube-controller-manager publishes this ConfigMap into every namespace; it must never wait on us."""
 
 _ASKS_GPU = (
     "has(c.resources) && ((has(c.resources.limits) && 'nvidia.com/gpu' in c.resources.limits) || "
@@ -65,10 +79,15 @@ RBAC_RULES: list[dict[str, Any]] = [
 
 
 def namespace_selector(own_namespace: str = WEBHOOK_NAMESPACE) -> dict[str, Any]:
-    return {"matchExpressions": [{
-        "key": "kubernetes.io/metadata.name", "operator": "NotIn",
-        "values": sorted({"kube-system", own_namespace}),
-    }]}
+    return {"matchExpressions": [
+        {"key": "kubernetes.io/metadata.name", "operator": "NotIn",
+         "values": sorted({"kube-system", own_namespace})},
+        {"key": EXEMPT_LABEL, "operator": "NotIn", "values": ["true"]},
+    ]}
+
+
+def object_selector() -> dict[str, Any]:
+    return {"matchExpressions": [{"key": EXEMPT_LABEL, "operator": "NotIn", "values": ["true"]}]}
 
 
 def _client_config(base: dict[str, Any], path: str, ca_bundle: str) -> dict[str, Any]:
@@ -102,6 +121,8 @@ def validating_configuration(client: dict[str, Any], ca_bundle: str, *, config_m
             "matchPolicy": "Equivalent",
             "timeoutSeconds": timeout_seconds,
             "namespaceSelector": namespace_selector(own_namespace),
+            "objectSelector": object_selector(),
+            **({"matchConditions": [NOT_ROOT_CA]} if config_maps else {}),
         }],
     }
 
@@ -124,6 +145,7 @@ def mutating_configuration(client: dict[str, Any], ca_bundle: str, *, own_namesp
             "reinvocationPolicy": "IfNeeded",
             "timeoutSeconds": timeout_seconds,
             "namespaceSelector": namespace_selector(own_namespace),
+            "objectSelector": object_selector(),
             "matchConditions": MATCH_CONDITIONS,
         }],
     }

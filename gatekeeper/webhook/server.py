@@ -41,6 +41,12 @@ def preflight(settings: WebhookSettings) -> None:
     except (OSError, ssl.SSLError, ValueError) as exc:
         raise StartupError(f"webhook.server.certFile/keyFile ({srv.cert_file}, {srv.key_file}): "
                            f"cannot load the serving certificate and key: {exc}") from None
+    if srv.client_ca_file:
+        try:
+            load_server_context(srv.cert_file, srv.key_file, srv.client_ca_file)
+        except (OSError, ssl.SSLError, ValueError) as exc:
+            raise StartupError(f"webhook.server.clientCaFile ({srv.client_ca_file}): cannot load the "
+                               f"client CA: {exc}") from None
     if settings.gpu.enabled and settings.kubeconfig and not os.path.isfile(settings.kubeconfig):
         raise StartupError(f"webhook.kubeconfig: {settings.kubeconfig} does not exist")
 
@@ -70,12 +76,13 @@ async def serve(settings: WebhookSettings, stop: asyncio.Event | None = None) ->
     """Serve until ``stop`` is set or SIGTERM/SIGINT arrives."""
     from aiohttp import web
 
-    from gatekeeper.webhook.app import build_app, metrics
+    from gatekeeper.webhook.app import READY_KEY, build_app, metrics
     from gatekeeper.webhook.templates import TemplateKeeper, kube_creator
     from gatekeeper.webhook.tls import ReloadingContext
 
     srv = settings.server
-    tls = ReloadingContext(srv.cert_file, srv.key_file, srv.cert_check_interval_seconds)
+    tls = ReloadingContext(srv.cert_file, srv.key_file, srv.cert_check_interval_seconds,
+                           client_ca_file=srv.client_ca_file)
     try:
         api_client = await _kube_client(settings)
     except Exception as exc:  # kubernetes_asyncio raises ConfigException, OSError, ... for a bad kubeconfig
@@ -86,7 +93,7 @@ async def serve(settings: WebhookSettings, stop: asyncio.Event | None = None) ->
         counter = metrics().templates
         keeper = TemplateKeeper(kube_creator(api_client), settings.gpu.template_cache_seconds,
                                 on_result=lambda r: counter.labels(r).inc())
-    app = build_app(settings, keeper)
+    app = build_app(settings, keeper, ready=False)
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
     site = web.TCPSite(runner, srv.address, srv.port, ssl_context=tls.base, reuse_port=True, backlog=2048)
@@ -100,6 +107,8 @@ async def serve(settings: WebhookSettings, stop: asyncio.Event | None = None) ->
                            f"{exc.strerror or exc}") from None
     server = getattr(site, "_server", None)
     port = server.sockets[0].getsockname()[1] if server and server.sockets else srv.port
+    # Certificates are loaded (ReloadingContext) and the socket listens: only now is /readyz true.
+    app[READY_KEY].update(ready=True, reason="")
     _write_port_file(srv.port_file, port)
     log.info("gatekeeper webhook (pid %d) serving https://%s:%d", os.getpid(), srv.address, port)
     stop = stop or asyncio.Event()
@@ -110,6 +119,11 @@ async def serve(settings: WebhookSettings, stop: asyncio.Event | None = None) ->
     try:
         await stop.wait()
     finally:
+        # From SIGTERM on, /readyz is false (in-flight and late reviews are still answered while the
+        # endpoint removal propagates; the pod's preStop sleep covers that before SIGTERM).
+        app[READY_KEY].update(ready=False, reason="shutting down")
+        if srv.shutdown_delay_seconds:
+            await asyncio.sleep(srv.shutdown_delay_seconds)
         await runner.cleanup()
         if api_client is not None:
             await api_client.close()

@@ -76,11 +76,30 @@ class ServerSettings(TLSListenerSettings):
     """Processes sharing the port with SO_REUSEPORT (``--workers`` overrides)."""
     port_file: str = ""
     """If set, the bound port is written here once listening (for port 0 and scripts)."""
+    max_body_bytes: int = 6 * 1024 * 1024 + 64 * 1024
+    """Largest review accepted (413 above): an UPDATE carries object and oldObject, each at most the
+    apiserver's 3 MiB request limit (etcd's own default is 1.5 MiB), plus the review envelope."""
+    client_ca_file: str = ""
+    """CA (PEM) of the apiserver's webhook client certificate. Set: callers without a certificate
+    from it, or with a name not in ``allowedClientNames``, get 403 on /validate and /mutate."""
+    allowed_client_names: list[str] = field(default_factory=list)
+    """Client certificate CN or DNS SANs accepted as the apiserver (required with clientCaFile)."""
+    shutdown_delay_seconds: float = 0.0
+    """After SIGTERM, keep answering with /readyz false this long before closing the listener (outside
+    Kubernetes; in a pod the preStop sleep plays this part)."""
 
     def validate(self) -> None:
         super().validate()
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
+        if self.shutdown_delay_seconds < 0:
+            raise ValueError(f"shutdownDelaySeconds must be >= 0, got {self.shutdown_delay_seconds}")
+        if self.max_body_bytes < 64 * 1024:
+            raise ValueError(f"maxBodyBytes must be >= 65536 (a review envelope), got {self.max_body_bytes}")
+        if self.client_ca_file and not self.allowed_client_names:
+            raise ValueError("clientCaFile is set but allowedClientNames is empty: name the apiserver's client "
+                             "certificate (CN or DNS SAN), or any pod holding a certificate from that CA could "
+                             "call the webhook")
 
 
 @dataclass(frozen=True)

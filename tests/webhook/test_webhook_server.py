@@ -22,6 +22,11 @@ from gatekeeper.webhook.templates import AlreadyExists, TemplateError, TemplateK
 SETTINGS = WebhookSettings(gpu=GpuSettings(default_mode="dra"))
 
 
+def as_apiserver(request: object, settings: object) -> str:
+    """In-process clients have no TLS: these tests play the verified apiserver (see test_webhook_authn)."""
+    return "kube-apiserver"
+
+
 class FakeCreate:
     def __init__(self, fail: Exception | None = None) -> None:
         self.created: list[dict[str, Any]] = []
@@ -39,7 +44,7 @@ class FakeCreate:
 @pytest.fixture
 async def client_and_fake(aiohttp_client):  # type: ignore[no-untyped-def]
     fake = FakeCreate()
-    app = build_app(SETTINGS, TemplateKeeper(fake, cache_seconds=60))
+    app = build_app(SETTINGS, TemplateKeeper(fake, cache_seconds=60), authenticate=as_apiserver)
     return await aiohttp_client(app), fake
 
 
@@ -92,7 +97,8 @@ async def test_mutate_creates_template_once_and_never_on_dry_run(client_and_fake
 
 
 async def test_template_failure_refuses_pod_with_message(aiohttp_client) -> None:  # type: ignore[no-untyped-def]
-    app = build_app(SETTINGS, TemplateKeeper(FakeCreate(TemplateError("HTTP 403 Forbidden")), 60))
+    app = build_app(SETTINGS, TemplateKeeper(FakeCreate(TemplateError("HTTP 403 Forbidden")), 60),
+                    authenticate=as_apiserver)
     client = await aiohttp_client(app)
     r = await (await client.post("/mutate", data=orjson.dumps(review(pod(container("m", 1)))))).json()
     assert r["response"]["allowed"] is False and r["response"]["status"]["code"] == 503

@@ -1,0 +1,204 @@
+"""The Helm chart: lint, rendering per values set, safe defaults, and deploy/manifests kept in sync."""
+
+from __future__ import annotations
+
+import base64
+import copy
+import functools
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from cryptography import x509
+
+from gatekeeper.config import from_mapping, load_config
+from gatekeeper.sandbox import chart
+from gatekeeper.webhook import registration
+from gatekeeper.webhook.secrets import limits_for
+from gatekeeper.webhook.settings import WebhookSettings
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+VALUES_SETS = DEPLOY / "helm" / "values-tests"
+
+
+def render(*sets: str, values: tuple[Path, ...] = (), hooks: bool = True) -> list[dict[str, Any]]:
+    return copy.deepcopy(_render(sets, values, hooks))
+
+
+@functools.cache
+def _render(sets: tuple[str, ...], values: tuple[Path, ...], hooks: bool) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(chart.template(values, sets, hooks=hooks)) if d]
+
+
+def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def webhook_settings(docs: list[dict[str, Any]]) -> WebhookSettings:
+    (cm,) = [d for d in by_kind(docs, "ConfigMap") if d["metadata"]["name"].endswith("-config")]
+    raw = yaml.safe_load(cm["data"]["config.yaml"])["webhook"]
+    settings: WebhookSettings = from_mapping(WebhookSettings, raw, "chart ConfigMap", "webhook")
+    return settings
+
+
+@pytest.fixture(autouse=True)
+def _helm(helm_bin: Path) -> None:
+    """Every test here needs helm."""
+
+
+def test_helm_lint_is_clean_for_every_values_set(helm_bin: Path) -> None:
+    for values in [None, *sorted(VALUES_SETS.glob("*.yaml"))]:
+        argv = [str(helm_bin), "lint", "--strict", str(chart.CHART), "--kube-version", chart.KUBE_VERSION]
+        if values:
+            argv += ["--values", str(values)]
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, (values, out.stdout + out.stderr)
+
+
+def test_rendered_manifests_are_in_sync_with_the_chart() -> None:
+    assert chart.RENDERED.read_text() == chart.default_manifests(), (
+        "deploy/manifests/gatekeeper.yaml is stale: run `python -m gatekeeper.sandbox.chart`")
+    assert not any("helm.sh/hook" in str(d["metadata"].get("annotations", {}))
+                   for d in yaml.safe_load_all(chart.RENDERED.read_text()) if d)
+
+
+def test_webhooks_match_the_registration_module_the_sandbox_uses() -> None:
+    docs = render("config.secrets.configMaps=true")
+    ns = chart.NAMESPACE
+    svc = {"service": {"name": "gatekeeper-webhook", "namespace": ns, "port": 443}}
+    for want in (registration.validating_configuration(svc, "", own_namespace=ns),
+                 registration.mutating_configuration(svc, "", own_namespace=ns)):
+        (got,) = by_kind(docs, want["kind"])
+        assert got["metadata"]["name"] == want["metadata"]["name"]
+        for g, w in zip(got["webhooks"], want["webhooks"], strict=True):
+            assert {k: v for k, v in g.items() if k != "clientConfig"} == \
+                   {k: v for k, v in w.items() if k != "clientConfig"}
+            assert g["clientConfig"]["service"] == w["clientConfig"]["service"]
+
+
+def test_config_maps_are_registered_only_when_their_policy_is_on() -> None:
+    (off,) = by_kind(render(), "ValidatingWebhookConfiguration")
+    assert off["webhooks"][0]["rules"][0]["resources"] == ["secrets"]
+    assert "matchConditions" not in off["webhooks"][0]
+    docs = render("config.secrets.configMaps=true")
+    (on,) = by_kind(docs, "ValidatingWebhookConfiguration")
+    assert on["webhooks"][0]["rules"][0]["resources"] == ["secrets", "configmaps"]
+    assert "kube-root-ca.crt" in on["webhooks"][0]["matchConditions"][0]["expression"]
+    assert webhook_settings(docs).secrets.config_maps is True
+
+
+def test_emergency_label_exempts_namespaces_and_objects_from_both_webhooks() -> None:
+    docs = render("exemptions.namespaces={legacy}")
+    for kind in ("ValidatingWebhookConfiguration", "MutatingWebhookConfiguration"):
+        (w,) = by_kind(docs, kind)[0]["webhooks"]
+        exprs = w["namespaceSelector"]["matchExpressions"]
+        assert {"key": "gatekeeper.dev/exempt", "operator": "NotIn", "values": ["true"]} in exprs
+        assert set(exprs[0]["values"]) == {"gatekeeper-system", "kube-system", "legacy"}
+        assert w["objectSelector"]["matchExpressions"][0]["key"] == "gatekeeper.dev/exempt"
+    (w,) = by_kind(render("exemptions.objectLabel=false"), "MutatingWebhookConfiguration")[0]["webhooks"]
+    assert "objectSelector" not in w
+
+
+def test_failure_policy_and_timeouts_are_per_webhook_values() -> None:
+    docs = render("webhooks.gpu.failurePolicy=Ignore", "webhooks.secrets.timeoutSeconds=3")
+    (m,) = by_kind(docs, "MutatingWebhookConfiguration")[0]["webhooks"]
+    (v,) = by_kind(docs, "ValidatingWebhookConfiguration")[0]["webhooks"]
+    assert (m["failurePolicy"], v["failurePolicy"], v["timeoutSeconds"]) == ("Ignore", "Fail", 3)
+
+
+def test_deployment_defaults_are_safe_for_a_critical_webhook() -> None:
+    docs = render(*chart.MANIFEST_SETS)
+    (dep,) = by_kind(docs, "Deployment")
+    spec = dep["spec"]["template"]["spec"]
+    (c,) = spec["containers"]
+    assert spec["priorityClassName"] == "system-cluster-critical"
+    assert c["lifecycle"]["preStop"]["sleep"]["seconds"] >= 10  # > endpoints propagation (a few s)
+    assert spec["terminationGracePeriodSeconds"] > c["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert c["startupProbe"]["httpGet"]["path"] == "/readyz"
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    (ns,) = by_kind(docs, "Namespace")
+    assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
+    settings = webhook_settings(docs)
+    assert settings.server.port == 8443 and settings.gpu.default_mode == "off"
+    assert settings.server.max_body_bytes < 32 * 1024 * 1024
+
+
+def test_image_digest_and_scheduling_values_reach_the_pod() -> None:
+    docs = render("image.digest=sha256:" + "a" * 64, "nodeSelector.role=infra", "replicas=3",
+                  "tolerations[0].operator=Exists", "priorityClassName=")
+    (dep,) = by_kind(docs, "Deployment")
+    spec = dep["spec"]["template"]["spec"]
+    assert spec["containers"][0]["image"].endswith("@sha256:" + "a" * 64)
+    assert spec["nodeSelector"] == {"role": "infra"} and dep["spec"]["replicas"] == 3
+    assert spec["tolerations"] == [{"operator": "Exists"}] and "priorityClassName" not in spec
+
+
+def test_client_certificate_authentication_values_make_a_valid_config() -> None:
+    docs = render("config.server.clientCaSecret=apiserver-webhook-ca",
+                  "config.server.allowedClientNames={kube-apiserver-webhook-client}")
+    s = webhook_settings(docs)
+    assert s.server.client_ca_file == "/etc/gatekeeper/client-ca/ca.crt"
+    assert s.server.allowed_client_names == ["kube-apiserver-webhook-client"]
+    (dep,) = by_kind(docs, "Deployment")
+    vols = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
+    assert vols["client-ca"]["secret"]["secretName"] == "apiserver-webhook-ca"
+
+
+def test_cert_manager_chain_gives_a_ca_bundle_not_the_serving_certificate() -> None:
+    docs = render()
+    certs = {c["metadata"]["name"]: c for c in by_kind(docs, "Certificate")}
+    issuers = {i["metadata"]["name"]: i for i in by_kind(docs, "Issuer")}
+    ca, serving = certs["gatekeeper-webhook-ca"], certs["gatekeeper-webhook"]
+    assert ca["spec"]["isCA"] is True and "selfSigned" in issuers[ca["spec"]["issuerRef"]["name"]]["spec"]
+    ca_issuer = issuers[serving["spec"]["issuerRef"]["name"]]
+    assert ca_issuer["spec"]["ca"]["secretName"] == ca["spec"]["secretName"]
+    for kind in ("ValidatingWebhookConfiguration", "MutatingWebhookConfiguration"):
+        (w,) = by_kind(docs, kind)
+        assert w["metadata"]["annotations"]["cert-manager.io/inject-ca-from"] == \
+            "gatekeeper-system/gatekeeper-webhook"
+
+
+def test_generated_certificates_chain_to_the_ca_bundle() -> None:
+    docs = render("certificates.mode=generated")
+    assert not by_kind(docs, "Certificate")
+    (secret,) = by_kind(docs, "Secret")
+    ca = x509.load_pem_x509_certificate(base64.b64decode(secret["data"]["ca.crt"]))
+    leaf = x509.load_pem_x509_certificate(base64.b64decode(secret["data"]["tls.crt"]))
+    leaf.verify_directly_issued_by(ca)
+    sans = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert "gatekeeper-webhook.gatekeeper-system.svc" in sans.get_values_for_type(x509.DNSName)
+    for kind in ("ValidatingWebhookConfiguration", "MutatingWebhookConfiguration"):
+        (w,) = by_kind(docs, kind)[0]["webhooks"]
+        assert w["clientConfig"]["caBundle"] == secret["data"]["ca.crt"]
+
+
+def test_optional_objects_follow_their_switches() -> None:
+    off = {d["kind"] for d in render(values=(VALUES_SETS / "everything-off.yaml",))}
+    assert not off & {"NetworkPolicy", "ServiceMonitor", "PodMonitor", "PrometheusRule", "Job",
+                      "Namespace", "PodDisruptionBudget", "MutatingWebhookConfiguration"}
+    on = {d["kind"] for d in render(values=(VALUES_SETS / "monitoring.yaml",))}
+    assert {"ServiceMonitor", "PodMonitor", "PrometheusRule", "NetworkPolicy"} <= on
+
+
+def test_pre_delete_hook_removes_both_webhook_configurations() -> None:
+    (job,) = by_kind(render(), "Job")
+    assert job["metadata"]["annotations"]["helm.sh/hook"] == "pre-delete"
+    args = job["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "validatingwebhookconfiguration/gatekeeper-secrets" in args
+    assert "mutatingwebhookconfiguration/gatekeeper-gpu" in args
+
+
+def test_gpu_match_conditions_file_matches_the_registration_module() -> None:
+    shipped = yaml.safe_load((chart.CHART / "files" / "gpu-match-conditions.yaml").read_text())
+    assert shipped == registration.MATCH_CONDITIONS
+
+
+def test_example_config_loads_and_lets_helm_releases_through() -> None:
+    cfg = load_config(DEPLOY / "examples" / "webhook-config.yaml", need="webhook")
+    s: WebhookSettings = cfg.webhook
+    helm = limits_for(s.secrets, "Secret", "team-a", "helm.sh/release.v1")
+    opaque = limits_for(s.secrets, "Secret", "team-a", "Opaque")
+    assert helm.hard == 1536 * 1024 and opaque.hard == 128 * 1024
+    assert s.gpu.namespace_modes["batch-legacy"] == "off"
