@@ -41,7 +41,7 @@ from typing import Any
 
 import h11
 
-from gatekeeper.proxy import conn_metrics, metrics
+from gatekeeper.proxy import conn_metrics, rejections
 from gatekeeper.proxy.adapter import (
     HOP_BY_HOP,
     ClientGone,
@@ -129,7 +129,7 @@ class H1Connection:
                 return
             names = {bytes(k) for k, _ in event.headers}
             if b"content-length" in names and b"transfer-encoding" in names:
-                metrics.reject("length_and_chunked", f"{self._peer}: Content-Length with Transfer-Encoding")
+                rejections.reject("length_and_chunked", f"{self._peer}: Content-Length with Transfer-Encoding")
                 await self._bad_request(h11.RemoteProtocolError(
                     "Content-Length together with Transfer-Encoding (RFC 9112 6.3); send one of them",
                     error_status_hint=400))
@@ -179,7 +179,7 @@ class H1Connection:
                     async with asyncio.timeout_at(head_deadline):
                         data = await self._reader.read(READ_SIZE)
                 except TimeoutError:
-                    metrics.reject("header_timeout", f"{self._peer}: request head incomplete after "
+                    rejections.reject("header_timeout", f"{self._peer}: request head incomplete after "
                                    f"{self._settings.h1_header_timeout_seconds:g}s")
                     return None
             elif body:
@@ -188,7 +188,7 @@ class H1Connection:
                         data = await self._reader.read(READ_SIZE)
                 except TimeoutError:
                     self._closing = True
-                    metrics.reject("body_timeout", f"{self._peer}: request body idle for "
+                    rejections.reject("body_timeout", f"{self._peer}: request body idle for "
                                    f"{self._settings.h1_body_idle_timeout_seconds:g}s")
                     raise ClientGone("request body idle too long") from None
             else:
@@ -337,7 +337,7 @@ class H1Connection:
             async with asyncio.timeout(self._settings.h1_write_stall_timeout_seconds):
                 await self._writer.drain()
         except TimeoutError:
-            metrics.reject("response_stall", f"{self._peer}: took no response bytes for "
+            rejections.reject("response_stall", f"{self._peer}: took no response bytes for "
                            f"{self._settings.h1_write_stall_timeout_seconds:g}s")
             self._writer.transport.abort()
             raise ClientGone("client stopped reading the response") from None

@@ -48,7 +48,7 @@ import random
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from h2.errors import ErrorCodes
 from h2.events import (
@@ -64,7 +64,7 @@ from h2.exceptions import ProtocolError, StreamClosedError
 from h2.settings import SettingCodes, Settings
 from hyperframe.frame import GoAwayFrame
 
-from gatekeeper.proxy import conn_metrics
+from gatekeeper.proxy import conn_metrics, rejections
 from gatekeeper.proxy.adapter import (
     ClientGone,
     call_handler,
@@ -177,11 +177,12 @@ class H2Protocol:
             events = self._conn.receive_data(data)
         except ProtocolError as exc:
             if isinstance(exc, FloodError):
-                conn_metrics.reject(f"h2_flood_{exc.kind}", "h2 connection %d from %s: %s, GOAWAY ENHANCE_YOUR_CALM",
-                                    self.connection_id, self._peer, exc)
+                rejections.reject(cast(rejections.RejectReason, f"h2_flood_{exc.kind}"),  # h2_limits kinds
+                                  "h2 connection %d from %s: %s, GOAWAY ENHANCE_YOUR_CALM",
+                                  self.connection_id, self._peer, exc)
             else:
-                conn_metrics.reject("h2_protocol_error", "h2 connection %d from %s: %s",
-                                    self.connection_id, self._peer, exc)
+                rejections.reject("h2_protocol_error", "h2 connection %d from %s: %s",
+                                  self.connection_id, self._peer, exc)
             self._flush()  # h2 queued a GOAWAY with the right error code
             self._abort(ClientGone(f"HTTP/2 protocol error: {exc}"))
             return
@@ -262,7 +263,7 @@ class H2Protocol:
             # (Go's server and nginx reset; h2spec 8.1.2 checks it). Nothing reaches the pipeline.
             self._conn.release_stream(sid)
             self._reset(sid, ErrorCodes.PROTOCOL_ERROR)
-            conn_metrics.reject("h2_malformed", "h2 connection %d from %s, stream %d: %s",
+            rejections.reject("h2_malformed", "h2 connection %d from %s, stream %d: %s",
                                 self.connection_id, self._peer, sid, exc)
             return
         request = ProxyRequest(
@@ -294,7 +295,7 @@ class H2Protocol:
 
     def _on_bad_length(self, stream_id: int) -> None:
         """h2_conn reset a stream whose DATA disagreed with its content-length (RFC 9113 8.1.1)."""
-        conn_metrics.reject("h2_malformed", "h2 connection %d from %s, stream %d: body length differs from "
+        rejections.reject("h2_malformed", "h2 connection %d from %s, stream %d: body length differs from "
                             "content-length", self.connection_id, self._peer, stream_id)
         stream = self._streams.get(stream_id)
         if stream is not None:
@@ -458,7 +459,7 @@ class H2Protocol:
                 deadline = now + self._settings.response_stall_timeout_seconds
             elif now >= deadline:
                 self._reset(stream.id, ErrorCodes.CANCEL)
-                conn_metrics.reject("response_stall", "h2 connection %d from %s, stream %d: flow-control window "
+                rejections.reject("response_stall", "h2 connection %d from %s, stream %d: flow-control window "
                                     "shut for %gs", self.connection_id, self._peer, stream.id,
                                     self._settings.response_stall_timeout_seconds)
                 stream.error = ClientGone(f"HTTP/2 stream {stream.id}: client window stayed at 0")

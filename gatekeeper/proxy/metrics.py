@@ -11,10 +11,9 @@ ones in ``conn_metrics.py`` and flow control's ``gatekeeper_flowcontrol_*``):
     only an existing resource gives (see :func:`resource_label`), anything not
     learned is ``<unknown>``, and past ``MAX_KNOWN_RESOURCES`` learned names new
     ones count as ``<other>``.
-``gatekeeper_proxy_rejected_requests_total{reason}``
-    Requests the proxy refused or cut itself, by a fixed set of reasons
-    (:data:`REJECT_REASONS`); each reason is also logged, at most once per
-    ``REJECT_LOG_INTERVAL`` seconds with the count of the ones not logged.
+``gatekeeper_proxy_rejected_total{reason}``
+    Everything the proxy refused or cut itself, by a fixed set of reasons
+    (``rejections.py``, shared with the protocol adapters).
 ``gatekeeper_proxy_request_duration_seconds{verb}``
     Time until the backend's response headers arrived (not the body: a watch
     would otherwise last forever).
@@ -51,11 +50,9 @@ by talking to that apiserver directly.
 
 from __future__ import annotations
 
-import logging
-import time
 import weakref
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Literal, Protocol, get_args
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import REGISTRY, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -201,60 +198,4 @@ def observe_response(backend: str, verb: str, resource_key: str, code: int, seco
     verb = verb_label(verb)
     child(REQUEST_DURATION, verb).observe(seconds)
     child(REQUESTS, backend, verb, resource_label(resource_key, code), str(code)).inc()
-
-
-RejectReason = Literal[
-    "target_form", "dot_segment", "nul", "bad_byte", "fragment",  # request target (target.py)
-    "length_and_chunked",  # HTTP/1.1 Content-Length with Transfer-Encoding
-    "bad_identity",  # client certificate name with control characters or edge whitespace
-    "header_timeout", "body_timeout", "response_stall",  # HTTP/1.1 client too slow
-    "pool_timeout", "upstream_header_timeout",  # upstream too slow
-]
-REJECT_REASONS: tuple[str, ...] = get_args(RejectReason)
-REJECTED = Counter(
-    "gatekeeper_proxy_rejected_requests",
-    "Requests the proxy refused or cut itself, by reason (a fixed set).",
-    ["reason"],
-)
-for _reason in REJECT_REASONS:
-    REJECTED.labels(_reason)
-REJECT_LOG_INTERVAL = 10.0
-"""Seconds between two log lines for the same rejection reason."""
-
-_reject_log = logging.getLogger("gatekeeper.proxy.rejected")
-
-
-class RateLimitedLog:
-    """One warning per key per interval, carrying how many were left out since the last one.
-
-    A flood of bad requests must be visible in the log without the log becoming the flood.
-    """
-
-    def __init__(self, logger: logging.Logger, interval: float, clock: Clock = time.monotonic) -> None:
-        self.logger = logger
-        self.interval = interval
-        self.clock = clock
-        self._next: dict[str, float] = {}
-        self._skipped: dict[str, int] = {}
-
-    def warning(self, key: str, message: str) -> bool:
-        """Log ``message`` unless ``key`` was logged within the interval; True if it was logged."""
-        now = self.clock()
-        if now < self._next.get(key, 0.0):
-            self._skipped[key] = self._skipped.get(key, 0) + 1
-            return False
-        skipped = self._skipped.pop(key, 0)
-        self._next[key] = now + self.interval
-        suffix = f" ({skipped} more {key} since the last report)" if skipped else ""
-        self.logger.warning("%s: %s%s", key, message, suffix)
-        return True
-
-
-reject_log = RateLimitedLog(_reject_log, REJECT_LOG_INTERVAL)
-
-
-def reject(reason: RejectReason, message: str) -> None:
-    """Count a refusal under ``reason`` and log it, rate-limited."""
-    child(REJECTED, reason).inc()
-    reject_log.warning(reason, message)
 

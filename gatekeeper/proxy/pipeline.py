@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 from gatekeeper.kube import requestinfo
-from gatekeeper.proxy import auth, metrics, target
+from gatekeeper.proxy import auth, metrics, rejections, target
 from gatekeeper.proxy.adapter import error_response
 from gatekeeper.proxy.balancer import Backend, Balancer, EjectionPolicy, Lease
 from gatekeeper.proxy.messages import Handler, Headers, Middleware, ProxyRequest, ProxyResponse
@@ -42,7 +42,7 @@ from gatekeeper.proxy.upstream import (
 )
 
 log = logging.getLogger("gatekeeper.proxy.pipeline")
-upstream_log = metrics.RateLimitedLog(log, metrics.REJECT_LOG_INTERVAL)
+upstream_log = rejections.RateLimitedLog(log, rejections.LOG_INTERVAL)
 """A dead backend fails every request; one line per backend per interval says so."""
 
 SAFE_METHODS = frozenset({"GET", "HEAD"})
@@ -59,7 +59,7 @@ async def request_target(request: ProxyRequest, next_handler: Handler) -> ProxyR
     """Refuse targets that could steer or mis-classify the request (target.py); answer ``OPTIONS *``."""
     bad = target.check(request.method, request.target)
     if bad is not None:
-        metrics.reject(bad.reason, f"{request.peer} {request.method}: {bad.message}")
+        rejections.reject(bad.reason, f"{request.peer} {request.method}: {bad.message}")
         return error_response(400, "BadRequest", f"gatekeeper proxy: {bad.message}")
     if request.target == "*":
         # What Go's net/http (and so kube-apiserver) answers to OPTIONS *: 200, no body.
@@ -72,7 +72,7 @@ async def identity(request: ProxyRequest, next_handler: Handler) -> ProxyRespons
     then decide who the caller is (auth.py)."""
     bad = auth.bad_certificate_names(request.peer_cert)
     if bad:
-        metrics.reject("bad_identity", f"{request.peer}: {bad}")
+        rejections.reject("bad_identity", f"{request.peer}: {bad}")
         return error_response(401, "Unauthorized", f"gatekeeper proxy: {bad}")
     request.headers = auth.strip_remote(auth.drop_connection_named(request.headers))
     request.user = auth.identify(request.peer_cert, request.headers)
@@ -214,13 +214,13 @@ class Dispatcher:
                                        retry_after=1)
             except PoolTimeout as exc:
                 lease.release()
-                metrics.reject("pool_timeout", str(exc))
+                rejections.reject("pool_timeout", str(exc))
                 return error_response(503, "ServiceUnavailable",
                                        f"gatekeeper proxy: apiserver {backend.name} is busy (no free "
                                        "connection in time)", retry_after=1)
             except UpstreamTimeout as exc:
                 lease.release()
-                metrics.reject("upstream_header_timeout", f"{request.method} {request.target[:200]}: {exc}")
+                rejections.reject("upstream_header_timeout", f"{request.method} {request.target[:200]}: {exc}")
                 return error_response(504, "Timeout",
                                        f"gatekeeper proxy: apiserver {backend.name} did not answer in time")
             except ClientBodyFailed as exc:

@@ -21,7 +21,7 @@ anonymous clients still connect) and verifies any presented certificate
 against that CA; a verified certificate reaches the pipeline as
 ``ProxyRequest.peer_cert``. An untrusted certificate fails the handshake.
 
-Limits (``listener.*``/``protocol.*``, counted in ``gatekeeper_proxy_client_rejected_total``):
+Limits (``listener.*``/``protocol.*``, counted in ``gatekeeper_proxy_rejected_total``):
 the TLS handshake must finish within ``tlsHandshakeTimeoutSeconds``; past
 ``maxClientConnections`` open connections (handshakes included) a new one is
 closed at accept, before any TLS work; an h2 client's input is not read while our output to it is over
@@ -47,7 +47,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from gatekeeper.proxy import conn_metrics
+from gatekeeper.proxy import conn_metrics, rejections
 from gatekeeper.proxy.adapter import ClientGone
 from gatekeeper.proxy.h1 import H1Connection
 from gatekeeper.proxy.h2 import H2Protocol
@@ -184,7 +184,7 @@ class ProxyServer:
                 await asyncio.sleep(0.1)
                 continue
             if self._open >= cap:
-                conn_metrics.reject("connection_cap", "%d client connections open (maxClientConnections)",
+                rejections.reject("connection_cap", "%d client connections open (maxClientConnections)",
                                     self._open)
                 conn.close()
                 continue
@@ -203,11 +203,11 @@ class ProxyServer:
                 transport, _ = await loop.connect_accepted_socket(
                     lambda: protocol, conn, ssl=self._ssl, ssl_handshake_timeout=lst.tls_handshake_timeout_seconds)
             except (ConnectionAbortedError, TimeoutError) as exc:  # asyncio/uvloop abort a handshake past its timeout
-                conn_metrics.reject("handshake_timeout", "TLS handshake not done in %gs: %s",
+                rejections.reject("handshake_timeout", "TLS handshake not done in %gs: %s",
                                     lst.tls_handshake_timeout_seconds, exc)
                 return
             except (ssl.SSLError, OSError, EOFError) as exc:
-                conn_metrics.reject("handshake_failed", "TLS handshake failed: %s", exc)
+                rejections.reject("handshake_failed", "TLS handshake failed: %s", exc)
                 return
             self._handshakes.discard(asyncio.current_task())  # a client now: drained, not cancelled
             writer = asyncio.StreamWriter(transport, protocol, reader, loop)
@@ -281,7 +281,7 @@ class ProxyServer:
                     async with asyncio.timeout(stall):
                         await writer.drain()
             except TimeoutError:
-                conn_metrics.reject("write_stall", "h2 connection %d from %s: output not read for %.0fs",
+                rejections.reject("write_stall", "h2 connection %d from %s: output not read for %.0fs",
                                     client.id, peer, stall)
                 writer.transport.abort()
                 raise ClientGone(f"client did not read for {stall:.0f}s") from None

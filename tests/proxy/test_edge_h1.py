@@ -20,7 +20,7 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> PKI:
 def rejected(reason: str) -> float:
     from prometheus_client import REGISTRY
 
-    return REGISTRY.get_sample_value("gatekeeper_proxy_rejected_requests_total", {"reason": reason}) or 0.0
+    return REGISTRY.get_sample_value("gatekeeper_proxy_rejected_total", {"reason": reason}) or 0.0
 
 
 async def until(predicate, limit: float = 10.0) -> None:  # type: ignore[no-untyped-def]

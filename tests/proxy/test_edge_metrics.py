@@ -9,7 +9,7 @@ from edge_kit import bench, make_pki
 from prometheus_client import REGISTRY
 
 from gatekeeper.certs import PKI
-from gatekeeper.proxy import metrics
+from gatekeeper.proxy import metrics, rejections
 from gatekeeper.proxy.messages import ProxyRequest
 
 
@@ -78,7 +78,7 @@ def test_unknown_verbs_are_other(verb: str, label: str) -> None:
 
 def test_rejection_log_is_rate_limited(caplog: pytest.LogCaptureFixture) -> None:
     now = [0.0]
-    limited = metrics.RateLimitedLog(metrics._reject_log, 10.0, clock=lambda: now[0])
+    limited = rejections.RateLimitedLog(rejections.reject_log.logger, 10.0, clock=lambda: now[0])
     with caplog.at_level("WARNING", logger="gatekeeper.proxy.rejected"):
         logged = [limited.warning("nul", f"attempt {i}") for i in range(100)]
         now[0] = 11.0
@@ -86,3 +86,17 @@ def test_rejection_log_is_rate_limited(caplog: pytest.LogCaptureFixture) -> None
     assert logged.count(True) == 1
     assert [r.getMessage() for r in caplog.records] == [
         "nul: attempt 0", "nul: later (99 more nul since the last report)"]
+
+
+def test_every_h2_flood_kind_is_a_known_rejection_reason() -> None:
+    from gatekeeper.proxy import h2_limits
+
+    kinds = {h2_limits.RST_STREAM, h2_limits.PING, h2_limits.SETTINGS, h2_limits.EMPTY_FRAME, h2_limits.CLOSED_STREAM}
+    assert {f"h2_flood_{k}" for k in kinds} <= set(rejections.REJECT_REASONS)
+
+
+def test_a_client_target_with_percent_signs_is_logged_verbatim(caplog: pytest.LogCaptureFixture) -> None:
+    limited = rejections.RateLimitedLog(rejections.reject_log.logger, 10.0, clock=lambda: 0.0)
+    with caplog.at_level("WARNING", logger="gatekeeper.proxy.rejected"):
+        limited.warning("dot_segment", "GET /api/%2e%2e/%s%d: dot segment")
+    assert [r.getMessage() for r in caplog.records] == ["dot_segment: GET /api/%2e%2e/%s%d: dot segment"]

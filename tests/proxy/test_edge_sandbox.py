@@ -64,7 +64,7 @@ def curl(proxy: ProxyProcess, *args: str, cert: bool = True) -> tuple[int, str]:
 
 
 def rejected(proxy: ProxyProcess, reason: str) -> float:
-    return proxy.metric("gatekeeper_proxy_rejected_requests_total", reason=reason)
+    return proxy.metric("gatekeeper_proxy_rejected_total", reason=reason)
 
 
 @pytest.mark.parametrize("http", ["--http1.1", "--http2"])

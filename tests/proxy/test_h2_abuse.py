@@ -30,7 +30,7 @@ async def _ok(req: ProxyRequest) -> ProxyResponse:
 
 
 def _rejected(reason: str) -> float:
-    return REGISTRY.get_sample_value("gatekeeper_proxy_client_rejected_total", {"reason": reason}) or 0.0
+    return REGISTRY.get_sample_value("gatekeeper_proxy_rejected_total", {"reason": reason}) or 0.0
 
 
 def _calm(pair) -> bool:

@@ -59,7 +59,7 @@ def _version(proxy: ProxyProcess) -> int:
 
 
 def test_window_zero_client_is_cut_within_the_stall_timeout_while_others_are_served(proxy: ProxyProcess) -> None:
-    stalls0 = proxy.metric("gatekeeper_proxy_client_rejected_total", reason="response_stall")
+    stalls0 = proxy.metric("gatekeeper_proxy_rejected_total", reason="response_stall")
     client = RawH2(proxy.port, ca=proxy.ca, cert=proxy.admin_cert, window=0)
     try:
         start = time.monotonic()
@@ -76,7 +76,7 @@ def test_window_zero_client_is_cut_within_the_stall_timeout_while_others_are_ser
         assert STALL - 0.5 <= took <= STALL + 5, f"cut after {took:.1f}s, stall timeout is {STALL}s"
     finally:
         client.close()
-    assert proxy.metric("gatekeeper_proxy_client_rejected_total", reason="response_stall") >= stalls0 + 1
+    assert proxy.metric("gatekeeper_proxy_rejected_total", reason="response_stall") >= stalls0 + 1
     assert _version(proxy) == 200
 
 
@@ -106,7 +106,7 @@ def test_never_reading_ping_flooder_is_cut_and_proxy_memory_stays_bounded(proxy:
     assert proxy.proc is not None
     pid = proxy.proc.pid
     before = _rss_bytes(pid)
-    floods0 = proxy.metric("gatekeeper_proxy_client_rejected_total", reason="h2_flood_ping")
+    floods0 = proxy.metric("gatekeeper_proxy_rejected_total", reason="h2_flood_ping")
     peak = [before]
     results: list[bool] = []
     threads = [threading.Thread(target=lambda: results.append(_flood_pings(proxy.port, proxy.ca, 20, peak, pid)))
@@ -118,7 +118,7 @@ def test_never_reading_ping_flooder_is_cut_and_proxy_memory_stays_bounded(proxy:
     assert results == [True] * 4, "every flooder must be cut"
     print(f"proxy RSS {before >> 20} MiB before, peak {peak[0] >> 20} MiB during 4 PING floods")
     assert peak[0] - before < 64 * 1024 * 1024, f"proxy RSS grew by {(peak[0] - before) >> 20} MiB"
-    assert proxy.metric("gatekeeper_proxy_client_rejected_total", reason="h2_flood_ping") >= floods0 + 4
+    assert proxy.metric("gatekeeper_proxy_rejected_total", reason="h2_flood_ping") >= floods0 + 4
     assert _version(proxy) == 200
 
 

@@ -34,7 +34,7 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> PKI:
 
 
 def _rejected(reason: str) -> float:
-    return REGISTRY.get_sample_value("gatekeeper_proxy_client_rejected_total", {"reason": reason}) or 0.0
+    return REGISTRY.get_sample_value("gatekeeper_proxy_rejected_total", {"reason": reason}) or 0.0
 
 
 async def _ok(req: ProxyRequest) -> ProxyResponse:
