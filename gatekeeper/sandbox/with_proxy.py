@@ -25,6 +25,7 @@ gets the sandbox default (the seeds' policy) from :func:`default_flow_control`.
 from __future__ import annotations
 
 import argparse
+import importlib.resources
 import sys
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,7 @@ from gatekeeper.config import load_yaml
 from gatekeeper.errors import UsageError
 from gatekeeper.proxy.flowcontrol.defaults import sandbox_flow_control
 from gatekeeper.proxy.settings import MAX_GOAWAY_CHANCE
-from gatekeeper.sandbox import processes
+from gatekeeper.sandbox import kubectl, processes
 from gatekeeper.sandbox.pki import FRONT_PROXY_CLIENT, SandboxPKI, write_kubeconfig
 from gatekeeper.sandbox.state import SandboxState
 from gatekeeper.sandbox.waiting import wait_until
@@ -105,8 +106,16 @@ def _user_config(path: str | None) -> dict[str, Any] | None:
     return dict(data.get("proxy") or {})
 
 
+IDENTITY_RBAC = importlib.resources.files("gatekeeper.proxy.identity").joinpath("rbac.yaml")
+"""What the proxy's own identity needs to verify ServiceAccount tokens (issuer discovery) and to ask
+TokenReviews; the same file is ``deploy/examples/proxy-identity-rbac.yaml`` for real clusters."""
+
+
 def start(state: SandboxState, args: argparse.Namespace) -> None:
     directory = Path(state.dir)
+    # Before the proxy starts, so its first fetch of the issuer's keys is allowed: without them every
+    # token caller would be classified as unverified (one flow per address) instead of by who it is.
+    kubectl.run(state.kubeconfig, "apply", "-f", "-", input=IDENTITY_RBAC.read_text(), check=True)
     pki = PKI(state.certs_dir)
     serving = pki.issue_serving(SERVING, dns=["localhost"], ips=["127.0.0.1", "::1"], ca=CLUSTER_CA)
     port, metrics_port = processes.free_port(), processes.free_port()
