@@ -1,6 +1,6 @@
 """CPU cost of the flow-control middleware per request, in process (no sockets, no backends).
 
-Drives ``gatekeeper.proxy.flowcontrol.middleware.FlowControl`` with the seeds'
+Drives ``gatekeeper.proxy.flowcontrol.edge.middleware.FlowControl`` with the seeds'
 policy (``deploy/examples/flowcontrol-seeds.yaml``) the way a protocol adapter
 does (call the middleware, read the body, close it, ``finish()`` the response)
 against an upstream that answers at once, and in the same run through a no-op
@@ -35,8 +35,8 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from gatekeeper.kube import requestinfo
-from gatekeeper.proxy.flowcontrol.defaults import SEEDS_POLICY
-from gatekeeper.proxy.flowcontrol.middleware import FlowControl
+from gatekeeper.proxy.flowcontrol.edge.defaults import SEEDS_POLICY
+from gatekeeper.proxy.flowcontrol.edge.middleware import FlowControl
 from gatekeeper.proxy.flowcontrol.settings import FlowControlSettings
 from gatekeeper.proxy.messages import Handler, ProxyRequest, ProxyResponse, UserInfo
 
@@ -151,7 +151,7 @@ async def main(requests: int, rounds: int) -> None:
 
 def cold_verify(n: int = 2000) -> None:
     """The cache-miss path: one full local verification per call."""
-    from gatekeeper.proxy.identity.jwt import ServiceAccountVerifier
+    from gatekeeper.proxy.pipeline.tokens.jwt import ServiceAccountVerifier
 
     v = ServiceAccountVerifier()
     v.set_keys(ISSUER, JWKS)

@@ -1,6 +1,6 @@
 """Memory and throughput of the HTTP/2 adapter alone, in memory (no sockets, no backends).
 
-Streams a response body of SIZE MiB through ``gatekeeper.proxy.h2.H2Protocol``
+Streams a response body of SIZE MiB through ``gatekeeper.proxy.listen.h2.H2Protocol``
 to a client-side ``h2`` connection that reads and acknowledges everything, and
 reports, in one run:
 
@@ -25,7 +25,7 @@ from h2.config import H2Configuration
 from h2.connection import H2Connection
 from h2.events import DataReceived, StreamEnded
 
-from gatekeeper.proxy.h2 import H2Protocol
+from gatekeeper.proxy.listen.h2 import H2Protocol
 from gatekeeper.proxy.messages import ProxyRequest, ProxyResponse
 from gatekeeper.proxy.settings import ProtocolSettings
 

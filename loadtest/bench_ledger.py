@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "flowcont
 from fc_helpers import Req, User
 from test_queueing import controller
 
-from gatekeeper.proxy.flowcontrol.ledger import LedgerLevel, SeatLedger
+from gatekeeper.proxy.flowcontrol.edge.ledger import LedgerLevel, SeatLedger
 
 
 def run(n: int, ledger: SeatLedger | None) -> float:

@@ -3,7 +3,7 @@
 Wires the pieces together and owns nothing else: the pipeline (identity,
 RequestInfo, flow control, balancer, upstream), a plain-HTTP side listener for
 ``/metrics``, ``/healthz`` and ``/readyz`` (``listener.metricsPort``), and the
-TLS listener from ``gatekeeper.proxy.server`` that speaks h2 and HTTP/1.1 and
+TLS listener from ``gatekeeper.proxy.listen.server`` that speaks h2 and HTTP/1.1 and
 handles SIGTERM (stop accepting, GOAWAY, drain, exit 0).
 """
 
@@ -24,7 +24,7 @@ from gatekeeper.ops import add_ops_routes
 from gatekeeper.proxy.settings import ProxySettings  # also registers the proxy: config section
 
 if TYPE_CHECKING:
-    from gatekeeper.proxy.flowcontrol.middleware import FlowControl
+    from gatekeeper.proxy.flowcontrol.edge.middleware import FlowControl
 
 log = logging.getLogger("gatekeeper.proxy")
 
@@ -103,7 +103,7 @@ def flow_control_middleware(settings: ProxySettings) -> FlowControl | None:
     and prometheus_client (flow control's metrics) must not be imported before ``gatekeeper webhook
     --workers N`` has set ``PROMETHEUS_MULTIPROC_DIR``.
     """
-    from gatekeeper.proxy.flowcontrol.middleware import from_settings
+    from gatekeeper.proxy.flowcontrol.edge.middleware import from_settings
 
     return from_settings(settings.flow_control)
 
@@ -147,10 +147,10 @@ async def run(
     """Run until the listener returns (SIGTERM drained); ``on_ready`` gets the bound URLs.
 
     ``setup(flow_control, pipeline)`` runs before the listener starts (a worker attaches its seat ledger)."""
-    from gatekeeper.proxy.pipeline import build
+    from gatekeeper.proxy.pipeline.stages import build
 
     if serve is None:
-        from gatekeeper.proxy.server import serve as serve_fn
+        from gatekeeper.proxy.listen.server import serve as serve_fn
 
         serve = serve_fn
     flow = flow_control_middleware(settings)

@@ -62,7 +62,7 @@ from gatekeeper.metrics import child
 from gatekeeper.metrics import render as render  # the one renderer (multiprocess-aware); pipeline.py's /metrics
 
 if TYPE_CHECKING:
-    from gatekeeper.proxy.balancer import Balancer
+    from gatekeeper.proxy.pipeline.balancer import Balancer
 
 Clock = Callable[[], float]
 

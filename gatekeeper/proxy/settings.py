@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 from gatekeeper.config import ConfigError, from_mapping, register_section
 from gatekeeper.listener import TLSListenerSettings
-from gatekeeper.proxy.flowcontrol.loading import load_policy
+from gatekeeper.proxy.flowcontrol.edge.loading import load_policy
 from gatekeeper.proxy.flowcontrol.settings import FlowControlSettings
 
 MAX_GOAWAY_CHANCE = 0.02

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import ClientSession, ClientTimeout, web
 
 if TYPE_CHECKING:
-    from gatekeeper.proxy.flowcontrol.ledger import SeatLedger
+    from gatekeeper.proxy.flowcontrol.edge.ledger import SeatLedger
     from gatekeeper.proxy.workers import Supervisor
 
 SKEW_INPUT = "gatekeeper_proxy_worker_skew_input"

@@ -106,7 +106,7 @@ def run_worker(settings: ProxySettings, index: int, runtime: Path, port: int) ->
         import functools
 
         from gatekeeper.proxy import metrics
-        from gatekeeper.proxy.flowcontrol.ledger import SeatLedger, attach
+        from gatekeeper.proxy.flowcontrol.edge.ledger import SeatLedger, attach
         from gatekeeper.proxy.worker_metrics import register_recent_requests, render_in_worker
 
         ledger = SeatLedger(runtime / "ledger", index)
@@ -153,7 +153,7 @@ class Supervisor:
         self.slots = [_Slot(i) for i in range(workers)]
         self.stopping = asyncio.Event()
         self.fatal: int | None = None
-        from gatekeeper.proxy.flowcontrol.ledger import SeatLedger
+        from gatekeeper.proxy.flowcontrol.edge.ledger import SeatLedger
 
         self.ledger = SeatLedger.create(runtime / "ledger", workers)
 

@@ -35,7 +35,7 @@ import yaml
 from gatekeeper.certs import CLUSTER_CA, PKI
 from gatekeeper.config import load_yaml
 from gatekeeper.errors import UsageError
-from gatekeeper.proxy.flowcontrol.defaults import sandbox_flow_control
+from gatekeeper.proxy.flowcontrol.edge.defaults import sandbox_flow_control
 from gatekeeper.proxy.settings import MAX_GOAWAY_CHANCE
 from gatekeeper.sandbox import kubectl, processes
 from gatekeeper.sandbox.pki import FRONT_PROXY_CLIENT, SandboxPKI, write_kubeconfig
@@ -106,7 +106,7 @@ def _user_config(path: str | None) -> dict[str, Any] | None:
     return dict(data.get("proxy") or {})
 
 
-IDENTITY_RBAC = importlib.resources.files("gatekeeper.proxy.identity").joinpath("rbac.yaml")
+IDENTITY_RBAC = importlib.resources.files("gatekeeper.proxy.pipeline.tokens").joinpath("rbac.yaml")
 """What the proxy's own identity needs to verify ServiceAccount tokens (issuer discovery) and to ask
 TokenReviews; the same file is ``deploy/examples/proxy-identity-rbac.yaml`` for real clusters."""
 

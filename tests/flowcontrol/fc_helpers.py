@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from gatekeeper.proxy.flowcontrol.policy import flow_schema_object
+from gatekeeper.proxy.flowcontrol.core.policy import flow_schema_object
 
 V1 = "flowcontrol.apiserver.k8s.io/v1"
 

@@ -15,7 +15,7 @@ import random
 import pytest
 from fc_helpers import Req, User, flow_schema, group, queued_level, rr
 
-from gatekeeper.proxy.flowcontrol.borrowing import (
+from gatekeeper.proxy.flowcontrol.core.borrowing import (
     Bounds,
     DemandIntegrator,
     DemandStats,
@@ -24,9 +24,9 @@ from gatekeeper.proxy.flowcontrol.borrowing import (
     bounds_of,
     go_round,
 )
-from gatekeeper.proxy.flowcontrol.controller import FlowController, Limits
-from gatekeeper.proxy.flowcontrol.objects import PriorityLevel
-from gatekeeper.proxy.flowcontrol.policy import build_policy
+from gatekeeper.proxy.flowcontrol.core.controller import FlowController, Limits
+from gatekeeper.proxy.flowcontrol.core.objects import PriorityLevel
+from gatekeeper.proxy.flowcontrol.core.policy import build_policy
 
 GET = Req(verb="get", resource="configmaps", namespace="default")
 

@@ -7,7 +7,7 @@ from collections import deque
 from fc_helpers import Req, User
 from test_queueing import controller
 
-from gatekeeper.proxy.flowcontrol.coalesce import coalesce_key, identity_key
+from gatekeeper.proxy.flowcontrol.core.coalesce import coalesce_key, identity_key
 
 LIST = Req("list", "secrets", namespace="ns")
 TARGET = "/api/v1/namespaces/ns/secrets?limit=500"
@@ -67,7 +67,7 @@ def test_requests_without_key_are_never_merged():
 async def test_empty_shared_response_reaches_every_follower():
     from test_middleware import Upstream, call, req, seeds_settings, until
 
-    from gatekeeper.proxy.flowcontrol.middleware import FlowControl
+    from gatekeeper.proxy.flowcontrol.edge.middleware import FlowControl
 
     fc = FlowControl(seeds_settings())
     up = Upstream(body=b"")

@@ -86,7 +86,7 @@ def test_seeds_example_enforces_two_concurrent_secret_lists(tmp_path):
             BASE.replace("serverConcurrencyLimit: 100", "serverConcurrencyLimit: 600") + f"    files: [{SEEDS}]\n",
         )
     )
-    from gatekeeper.proxy.flowcontrol.loading import load_policy
+    from gatekeeper.proxy.flowcontrol.edge.loading import load_policy
 
     policy = load_policy(cfg.proxy.flow_control)
     assert policy.limits["secrets-list"] == 2

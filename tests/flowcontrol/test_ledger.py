@@ -15,9 +15,9 @@ from fc_helpers import Req, User
 from test_coalescing_core import key_for
 from test_queueing import controller
 
-from gatekeeper.proxy.flowcontrol.controller import FlowController
-from gatekeeper.proxy.flowcontrol.ledger import LedgerLevel, SeatLedger
-from gatekeeper.proxy.flowcontrol.queueset import Ticket
+from gatekeeper.proxy.flowcontrol.core.controller import FlowController
+from gatekeeper.proxy.flowcontrol.core.queueset import Ticket
+from gatekeeper.proxy.flowcontrol.edge.ledger import LedgerLevel, SeatLedger
 
 LIST = Req("list", "secrets", namespace="ns")
 

@@ -9,9 +9,9 @@ import pytest
 from test_middleware import req, seeds_settings
 
 from gatekeeper.kube import requestinfo
-from gatekeeper.proxy.flowcontrol.listcost import ListShape, continued_response, from_storage, list_shape
-from gatekeeper.proxy.flowcontrol.middleware import FlowControl
-from gatekeeper.proxy.flowcontrol.seats import SizeEstimator
+from gatekeeper.proxy.flowcontrol.core.listcost import ListShape, continued_response, from_storage, list_shape
+from gatekeeper.proxy.flowcontrol.core.seats import SizeEstimator
+from gatekeeper.proxy.flowcontrol.edge.middleware import FlowControl
 from gatekeeper.proxy.messages import ProxyRequest, ProxyResponse
 
 MIB = 1 << 20

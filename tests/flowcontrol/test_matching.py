@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from fc_helpers import Req, User, flow_schema, group, nonres, queued_level, rr, secrets_list_schema, user
 
-from gatekeeper.proxy.flowcontrol.policy import build_policy
+from gatekeeper.proxy.flowcontrol.core.policy import build_policy
 
 SA_FOO = "system:serviceaccount:team-a:builder"
 

@@ -8,7 +8,7 @@ from fc_helpers import flow_schema, group, queued_level, rr
 from prometheus_client import REGISTRY
 from test_middleware import Upstream, call, req, until
 
-from gatekeeper.proxy.flowcontrol.middleware import FlowControl
+from gatekeeper.proxy.flowcontrol.edge.middleware import FlowControl
 from gatekeeper.proxy.flowcontrol.settings import FlowControlSettings
 
 FS = PL = "metrics-probe"

@@ -15,8 +15,8 @@ import yaml
 from fc_helpers import flow_schema, group, queued_level, rr, secrets_list_schema
 
 from gatekeeper.kube import requestinfo
-from gatekeeper.proxy.flowcontrol.loading import load_policy
-from gatekeeper.proxy.flowcontrol.middleware import FlowControl
+from gatekeeper.proxy.flowcontrol.edge.loading import load_policy
+from gatekeeper.proxy.flowcontrol.edge.middleware import FlowControl
 from gatekeeper.proxy.flowcontrol.settings import FlowControlSettings
 from gatekeeper.proxy.messages import ProxyRequest, ProxyResponse, UserInfo
 

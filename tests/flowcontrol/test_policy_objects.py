@@ -7,8 +7,8 @@ import copy
 import pytest
 from fc_helpers import flow_schema, group, queued_level, rr, secrets_list_schema
 
-from gatekeeper.proxy.flowcontrol.objects import ObjectError, parse_flow_schema, parse_priority_level
-from gatekeeper.proxy.flowcontrol.policy import build_policy, split_objects
+from gatekeeper.proxy.flowcontrol.core.objects import ObjectError, parse_flow_schema, parse_priority_level
+from gatekeeper.proxy.flowcontrol.core.policy import build_policy, split_objects
 
 GOOD_FS = secrets_list_schema()
 

@@ -8,10 +8,10 @@ from collections import Counter, deque
 import pytest
 from fc_helpers import Req, User, flow_schema, group, queued_level, rr
 
-from gatekeeper.proxy.flowcontrol.controller import FlowController, Limits, flow_hash
-from gatekeeper.proxy.flowcontrol.objects import PriorityLevel
-from gatekeeper.proxy.flowcontrol.policy import build_policy
-from gatekeeper.proxy.flowcontrol.queueset import deal, level_max_seats
+from gatekeeper.proxy.flowcontrol.core.controller import FlowController, Limits, flow_hash
+from gatekeeper.proxy.flowcontrol.core.objects import PriorityLevel
+from gatekeeper.proxy.flowcontrol.core.policy import build_policy
+from gatekeeper.proxy.flowcontrol.core.queueset import deal, level_max_seats
 
 LIST = Req("list", "configmaps", namespace="ns")
 

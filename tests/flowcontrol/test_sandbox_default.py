@@ -6,9 +6,9 @@ from pathlib import Path
 
 import gatekeeper
 from gatekeeper.config import from_mapping
-from gatekeeper.proxy.flowcontrol.defaults import SEEDS_POLICY, sandbox_flow_control
-from gatekeeper.proxy.flowcontrol.loading import load_policy
-from gatekeeper.proxy.flowcontrol.middleware import FlowControl, from_settings
+from gatekeeper.proxy.flowcontrol.edge.defaults import SEEDS_POLICY, sandbox_flow_control
+from gatekeeper.proxy.flowcontrol.edge.loading import load_policy
+from gatekeeper.proxy.flowcontrol.edge.middleware import FlowControl, from_settings
 from gatekeeper.proxy.flowcontrol.settings import FlowControlSettings
 from gatekeeper.sandbox.with_proxy import default_flow_control
 

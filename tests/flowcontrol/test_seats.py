@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gatekeeper.proxy.flowcontrol.seats import SizeEstimator
+from gatekeeper.proxy.flowcontrol.core.seats import SizeEstimator
 
 MiB = 1 << 20
 

@@ -17,8 +17,8 @@ import pytest
 import token_kit as kit
 from aiohttp import web
 
-from gatekeeper.proxy.identity.fetch import TokenIdentities
-from gatekeeper.proxy.identity.settings import TokenSettings
+from gatekeeper.proxy.pipeline.tokens.fetch import TokenIdentities
+from gatekeeper.proxy.pipeline.tokens.settings import TokenSettings
 
 KEY_A, KEY_B = kit.rsa_key(), kit.rsa_key()
 

@@ -9,18 +9,18 @@ from pathlib import Path
 import pytest
 
 PURE = [
-    "gatekeeper.proxy.identity.jwt",
-    "gatekeeper.proxy.identity.cache",
-    "gatekeeper.proxy.identity.classify",
-    "gatekeeper.proxy.identity.review",
-    "gatekeeper.proxy.identity.settings",
-    "gatekeeper.proxy.flowcontrol.borrowing",
-    "gatekeeper.proxy.flowcontrol.listcost",
-    "gatekeeper.proxy.flowcontrol.controller",
-    "gatekeeper.proxy.flowcontrol.queueset",
-    "gatekeeper.proxy.flowcontrol.seats",
+    "gatekeeper.proxy.pipeline.tokens.jwt",
+    "gatekeeper.proxy.pipeline.tokens.cache",
+    "gatekeeper.proxy.pipeline.tokens.classify",
+    "gatekeeper.proxy.pipeline.tokens.review",
+    "gatekeeper.proxy.pipeline.tokens.settings",
+    "gatekeeper.proxy.flowcontrol.core.borrowing",
+    "gatekeeper.proxy.flowcontrol.core.listcost",
+    "gatekeeper.proxy.flowcontrol.core.controller",
+    "gatekeeper.proxy.flowcontrol.core.queueset",
+    "gatekeeper.proxy.flowcontrol.core.seats",
 ]
-IO = {"asyncio", "aiohttp", "socket", "ssl", "httpx", "urllib.request", "gatekeeper.proxy.identity.fetch"}
+IO = {"asyncio", "aiohttp", "socket", "ssl", "httpx", "urllib.request", "gatekeeper.proxy.pipeline.tokens.fetch"}
 
 
 def _imports(module: str) -> set[str]:

@@ -6,9 +6,9 @@ import time
 
 import token_kit as kit
 
-from gatekeeper.proxy.identity.classify import UNVERIFIED, TokenClassifier, bearer_token, unverified_flow
-from gatekeeper.proxy.identity.jwt import ServiceAccountVerifier
-from gatekeeper.proxy.identity.review import Budget, parse_review, review_request
+from gatekeeper.proxy.pipeline.tokens.classify import UNVERIFIED, TokenClassifier, bearer_token, unverified_flow
+from gatekeeper.proxy.pipeline.tokens.jwt import ServiceAccountVerifier
+from gatekeeper.proxy.pipeline.tokens.review import Budget, parse_review, review_request
 
 RSA = kit.rsa_key()
 NOW = time.time()
@@ -96,8 +96,8 @@ def test_with_serviceaccount_verification_off_tokens_go_to_review_or_fail() -> N
 
 
 async def test_an_unexpected_failure_while_classifying_means_unverified_not_an_error(monkeypatch) -> None:
-    from gatekeeper.proxy.identity.fetch import TokenIdentities
-    from gatekeeper.proxy.identity.settings import TokenSettings
+    from gatekeeper.proxy.pipeline.tokens.fetch import TokenIdentities
+    from gatekeeper.proxy.pipeline.tokens.settings import TokenSettings
 
     ti = TokenIdentities(TokenSettings())
 

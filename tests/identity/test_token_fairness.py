@@ -15,9 +15,9 @@ import pytest
 import token_kit as kit
 
 from gatekeeper.kube import requestinfo
-from gatekeeper.proxy.flowcontrol import middleware as fc_middleware
-from gatekeeper.proxy.flowcontrol.middleware import FlowControl
-from gatekeeper.proxy.flowcontrol.policy import flow_schema_object
+from gatekeeper.proxy.flowcontrol.core.policy import flow_schema_object
+from gatekeeper.proxy.flowcontrol.edge import middleware as fc_middleware
+from gatekeeper.proxy.flowcontrol.edge.middleware import FlowControl
 from gatekeeper.proxy.flowcontrol.settings import FlowControlSettings
 from gatekeeper.proxy.messages import ProxyRequest, ProxyResponse, UserInfo
 

@@ -11,7 +11,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
 from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature
 
-from gatekeeper.proxy.identity.jwt import kid_of
+from gatekeeper.proxy.pipeline.tokens.jwt import kid_of
 
 ISSUER = "https://kubernetes.default.svc.cluster.local"
 

@@ -22,7 +22,7 @@ from h2.events import DataReceived, Event, ResponseReceived, StreamEnded, Stream
 from h2.settings import SettingCodes, Settings
 from hyperframe.frame import Frame, GoAwayFrame
 
-from gatekeeper.proxy.h2 import H2Protocol
+from gatekeeper.proxy.listen.h2 import H2Protocol
 from gatekeeper.proxy.messages import Handler
 from gatekeeper.proxy.settings import ProtocolSettings
 

@@ -21,8 +21,8 @@ import h11
 import orjson
 
 from gatekeeper.certs import FRONT_PROXY_CA, PKI
-from gatekeeper.proxy.pipeline import Pipeline, build
-from gatekeeper.proxy.server import ProxyServer
+from gatekeeper.proxy.listen.server import ProxyServer
+from gatekeeper.proxy.pipeline.stages import Pipeline, build
 from gatekeeper.proxy.settings import (
     BackendSettings,
     ListenerSettings,

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from urllib.parse import unquote
 
-from gatekeeper.proxy.auth import (
+from gatekeeper.proxy.messages import UserInfo
+from gatekeeper.proxy.pipeline.auth import (
     escape_extra_key,
     identify,
     strip_remote,
@@ -12,7 +13,6 @@ from gatekeeper.proxy.auth import (
     upstream_identity_headers,
     wants_front_proxy_cert,
 )
-from gatekeeper.proxy.messages import UserInfo
 
 ADMIN_CERT = {
     "subject": (

@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from gatekeeper.proxy.balancer import Balancer, EjectionPolicy
+from gatekeeper.proxy.pipeline.balancer import Balancer, EjectionPolicy
 from gatekeeper.proxy.settings import BackendSettings
 
 

@@ -89,7 +89,7 @@ def test_rejection_log_is_rate_limited(caplog: pytest.LogCaptureFixture) -> None
 
 
 def test_every_h2_flood_kind_is_a_known_rejection_reason() -> None:
-    from gatekeeper.proxy import h2_limits
+    from gatekeeper.proxy.listen import h2_limits
 
     kinds = {h2_limits.RST_STREAM, h2_limits.PING, h2_limits.SETTINGS, h2_limits.EMPTY_FRAME, h2_limits.CLOSED_STREAM}
     assert {f"h2_flood_{k}" for k in kinds} <= set(rejections.REJECT_REASONS)

@@ -118,7 +118,7 @@ async def test_backend_receives_exactly_the_target_requestinfo_classified(pki: P
         return orig(method, raw_target)
 
     async with bench(pki) as b:
-        import gatekeeper.proxy.pipeline as pipeline_module
+        import gatekeeper.proxy.pipeline.stages as pipeline_module
 
         pipeline_module.requestinfo.parse = spy  # type: ignore[assignment]
         try:

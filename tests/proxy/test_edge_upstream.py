@@ -16,9 +16,9 @@ from gatekeeper.certs import PKI
 from gatekeeper.config import ConfigError, load_config
 from gatekeeper.proxy.adapter import ClientGone
 from gatekeeper.proxy.messages import ProxyRequest, ProxyResponse
-from gatekeeper.proxy.pipeline import build
+from gatekeeper.proxy.pipeline.stages import build
 from gatekeeper.proxy.settings import UpstreamSettings
-from gatekeeper.proxy.upstream import make_ssl_context
+from gatekeeper.proxy.upstream.client import make_ssl_context
 from gatekeeper.sandbox.processes import free_port
 
 ADMIN = {"subject": ((("organizationName", "system:masters"),), (("commonName", "admin"),))}

@@ -11,7 +11,7 @@ from h2.errors import ErrorCodes
 from prometheus_client import REGISTRY
 
 from gatekeeper.proxy.adapter import ClientGone
-from gatekeeper.proxy.goaway import GoawayDecider, should_goaway
+from gatekeeper.proxy.listen.goaway import GoawayDecider, should_goaway
 from gatekeeper.proxy.messages import ProxyRequest, ProxyResponse
 from gatekeeper.proxy.settings import ProtocolSettings
 

@@ -13,7 +13,7 @@ import orjson
 import pytest
 
 from gatekeeper.proxy.adapter import ClientGone
-from gatekeeper.proxy.h1 import H1Connection
+from gatekeeper.proxy.listen.h1 import H1Connection
 from gatekeeper.proxy.messages import Handler, ProxyRequest, ProxyResponse, Upgraded
 from gatekeeper.proxy.settings import ProtocolSettings
 

@@ -10,8 +10,8 @@ from hpack import HPACKDecodingError
 from hpack.huffman import HuffmanEncoder
 from hpack.huffman_constants import REQUEST_CODES, REQUEST_CODES_LENGTH
 
-from gatekeeper.proxy import h2_conn
-from gatekeeper.proxy.h2_headers import MalformedRequest, parse_request
+from gatekeeper.proxy.listen import h2_conn
+from gatekeeper.proxy.listen.h2_headers import MalformedRequest, parse_request
 
 PSEUDO = [(b":method", b"GET"), (b":scheme", b"https"), (b":path", b"/api/v1/pods?watch=1"),
           (b":authority", b"proxy.test")]

@@ -20,8 +20,8 @@ from hyperframe.frame import PingFrame
 from prometheus_client import REGISTRY
 
 from gatekeeper.certs import PKI
+from gatekeeper.proxy.listen.server import ProxyServer
 from gatekeeper.proxy.messages import ProxyRequest, ProxyResponse
-from gatekeeper.proxy.server import ProxyServer
 from gatekeeper.proxy.settings import ListenerSettings, ProtocolSettings, ProxySettings
 
 

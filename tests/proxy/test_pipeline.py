@@ -8,7 +8,7 @@ import orjson
 import pytest
 
 from gatekeeper.proxy.messages import Handler, ProxyRequest, ProxyResponse
-from gatekeeper.proxy.pipeline import (
+from gatekeeper.proxy.pipeline.stages import (
     _forwarded_for,
     build,
     chain,

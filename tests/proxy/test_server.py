@@ -17,8 +17,8 @@ import orjson
 import pytest
 
 from gatekeeper.certs import PKI
+from gatekeeper.proxy.listen.server import ProxyServer
 from gatekeeper.proxy.messages import ProxyRequest, ProxyResponse
-from gatekeeper.proxy.server import ProxyServer
 from gatekeeper.proxy.settings import ListenerSettings, ProtocolSettings, ProxySettings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -181,7 +181,7 @@ SLOW_SERVER = textwrap.dedent(
     """
     import asyncio, sys
     from gatekeeper.proxy.messages import ProxyResponse
-    from gatekeeper.proxy.server import serve
+    from gatekeeper.proxy.listen.server import serve
     from gatekeeper.proxy.settings import ListenerSettings, ProtocolSettings, ProxySettings
 
     async def slow(n, delay):

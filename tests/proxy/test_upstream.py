@@ -20,11 +20,11 @@ import pytest
 from aiohttp import web
 
 from gatekeeper.certs import FRONT_PROXY_CA, PKI
-from gatekeeper.proxy.balancer import Balancer
 from gatekeeper.proxy.messages import ProxyRequest, ProxyResponse
-from gatekeeper.proxy.pipeline import Pipeline, build
+from gatekeeper.proxy.pipeline.balancer import Balancer
+from gatekeeper.proxy.pipeline.stages import Pipeline, build
 from gatekeeper.proxy.settings import BackendSettings, ProxySettings, UpstreamSettings
-from gatekeeper.proxy.upstream import parse_head, strip_hop_by_hop
+from gatekeeper.proxy.upstream.client import parse_head, strip_hop_by_hop
 from gatekeeper.sandbox.processes import free_port
 
 ADMIN_CERT = {"subject": ((("organizationName", "system:masters"),), (("commonName", "alice"),))}

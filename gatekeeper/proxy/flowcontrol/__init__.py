@@ -62,7 +62,7 @@ Known limits (deliberate, and where this differs from the apiserver's own APF):
   ``borrowingAdjustmentSeconds``, one fairFrac allocation of the nominal
   total) among Limited levels only; exempt levels' demand is not counted
   against the others as upstream does.
-* Token callers (``gatekeeper.proxy.identity``): ServiceAccount tokens are
+* Token callers (``gatekeeper.proxy.pipeline.tokens``): ServiceAccount tokens are
   verified locally and classified as the apiserver's user; other tokens via
   optional TokenReview; a token that cannot be verified is ``system:anonymous``
   with one ByUser flow per source address and is never exempt. The identity

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from gatekeeper.proxy.identity.settings import TokenSettings
+from gatekeeper.proxy.pipeline.tokens.settings import TokenSettings
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ cost or a needlessly harsh default:
   send the identical encoded token, and dict lookups compare a randomized
   hash before any bytes.
 * **Header checks moved to us.** h2's inbound checks walk every byte of
-  every header in Python; :mod:`gatekeeper.proxy.h2_headers` checks the same
+  every header in Python; :mod:`gatekeeper.proxy.listen.h2_headers` checks the same
   RFC 9113 rules with C-speed regexes, and a malformed request costs only its
   own stream (RST_STREAM PROTOCOL_ERROR), not the whole connection. Outbound
   normalization and validation are off: response headers come from aiohttp's
@@ -57,7 +57,7 @@ from h2.events import Event, RequestReceived
 from h2.exceptions import InvalidBodyLengthError
 from hyperframe.frame import DataFrame, Frame, HeadersFrame
 
-from gatekeeper.proxy.h2_limits import FloodGuard, frame_kinds
+from gatekeeper.proxy.listen.h2_limits import FloodGuard, frame_kinds
 
 MEMO_MIN_BYTES = 64
 MEMO_MAX_BYTES = 8192

@@ -30,7 +30,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gatekeeper.proxy.flowcontrol.objects import PriorityLevel
+from gatekeeper.proxy.flowcontrol.core.objects import PriorityLevel
 
 SMOOTHING = 0.977
 """Upstream's seatDemandSmoothingCoefficient."""

@@ -31,13 +31,13 @@ from typing import Any, Protocol
 
 import aiohttp
 
-from gatekeeper.proxy.identity import metrics
-from gatekeeper.proxy.identity.classify import UNVERIFIED, Decision, TokenClassifier
-from gatekeeper.proxy.identity.jwt import Identity, ServiceAccountVerifier
-from gatekeeper.proxy.identity.review import TOKEN_REVIEW_PATH, Budget, parse_review, review_request
-from gatekeeper.proxy.identity.settings import TokenSettings
+from gatekeeper.proxy.pipeline.tokens import metrics
+from gatekeeper.proxy.pipeline.tokens.classify import UNVERIFIED, Decision, TokenClassifier
+from gatekeeper.proxy.pipeline.tokens.jwt import Identity, ServiceAccountVerifier
+from gatekeeper.proxy.pipeline.tokens.review import TOKEN_REVIEW_PATH, Budget, parse_review, review_request
+from gatekeeper.proxy.pipeline.tokens.settings import TokenSettings
 
-log = logging.getLogger("gatekeeper.proxy.identity")
+log = logging.getLogger("gatekeeper.proxy.pipeline.tokens")
 
 DISCOVERY_PATH = "/.well-known/openid-configuration"
 JWKS_PATH = "/openid/v1/jwks"
@@ -45,7 +45,7 @@ MAX_DOCUMENT_BYTES = 1 << 20
 
 
 class Upstream(Protocol):
-    """What the edge needs of ``gatekeeper.proxy.upstream.BackendClient``."""
+    """What the edge needs of ``gatekeeper.proxy.upstream.client.BackendClient``."""
 
     name: str
     url: str

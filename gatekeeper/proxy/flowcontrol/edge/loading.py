@@ -15,9 +15,9 @@ from typing import Any
 
 import yaml
 
-from gatekeeper.proxy.flowcontrol.controller import Limits
-from gatekeeper.proxy.flowcontrol.objects import ObjectError
-from gatekeeper.proxy.flowcontrol.policy import Policy, build_policy, split_objects
+from gatekeeper.proxy.flowcontrol.core.controller import Limits
+from gatekeeper.proxy.flowcontrol.core.objects import ObjectError
+from gatekeeper.proxy.flowcontrol.core.policy import Policy, build_policy, split_objects
 from gatekeeper.proxy.flowcontrol.settings import FlowControlSettings
 
 log = logging.getLogger("gatekeeper.proxy.flowcontrol")

@@ -64,21 +64,22 @@ from h2.exceptions import ProtocolError, StreamClosedError
 from h2.settings import SettingCodes, Settings
 from hyperframe.frame import GoAwayFrame
 
-from gatekeeper.proxy import conn_metrics, rejections
+from gatekeeper.proxy import rejections
 from gatekeeper.proxy.adapter import (
     ClientGone,
     call_handler,
     close_body,
     response_has_body,
 )
-from gatekeeper.proxy.goaway import GoawayDecider, Reason
-from gatekeeper.proxy.h2_conn import ProxyH2Connection, install_huffman_memo
-from gatekeeper.proxy.h2_headers import MalformedRequest, parse_request, response_block
-from gatekeeper.proxy.h2_limits import FloodError, FloodGuard, limits_of
+from gatekeeper.proxy.listen import conn_metrics
+from gatekeeper.proxy.listen.goaway import GoawayDecider, Reason
+from gatekeeper.proxy.listen.h2_conn import ProxyH2Connection, install_huffman_memo
+from gatekeeper.proxy.listen.h2_headers import MalformedRequest, parse_request, response_block
+from gatekeeper.proxy.listen.h2_limits import FloodError, FloodGuard, limits_of
 from gatekeeper.proxy.messages import Handler, ProxyRequest, ProxyResponse, is_exhausted
 from gatekeeper.proxy.settings import ProtocolSettings
 
-log = logging.getLogger("gatekeeper.proxy.h2")
+log = logging.getLogger("gatekeeper.proxy.listen.h2")
 
 CONNECTION_WINDOW_FACTOR = 4
 """Connection receive window = this many stream windows: bounds request-body memory per connection."""

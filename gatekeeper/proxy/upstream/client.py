@@ -11,7 +11,7 @@ on a shared HTTP/2 connection.
   ``maxConnectionsPerBackend``. Two TLS contexts share that pool: one presents
   the front-proxy client certificate (requests whose identity the proxy
   asserts with ``X-Remote-*``), one presents none (token and anonymous
-  requests, see :func:`gatekeeper.proxy.auth.wants_front_proxy_cert`).
+  requests, see :func:`gatekeeper.proxy.pipeline.auth.wants_front_proxy_cert`).
 * Hop-by-hop headers (RFC 9110 7.6.1 plus every header named in
   ``Connection``) are removed both ways.
 * Bodies stream with ``iter_any()``; the response body is pulled by the
@@ -42,7 +42,7 @@ from gatekeeper.proxy.messages import Headers, ProxyRequest, ProxyResponse, Upgr
 from gatekeeper.proxy.settings import UpstreamSettings
 from gatekeeper.tls import ReloadingTLS
 
-log = logging.getLogger("gatekeeper.proxy.upstream")
+log = logging.getLogger("gatekeeper.proxy.upstream.client")
 
 HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-connection", "proxy-authenticate", "proxy-authorization", "te",

@@ -25,12 +25,13 @@ from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 from gatekeeper.kube import requestinfo
-from gatekeeper.proxy import auth, metrics, rejections, target
+from gatekeeper.proxy import metrics, rejections, target
 from gatekeeper.proxy.adapter import error_response
-from gatekeeper.proxy.balancer import Backend, Balancer, EjectionPolicy, Lease
 from gatekeeper.proxy.messages import Handler, Headers, Middleware, ProxyRequest, ProxyResponse
+from gatekeeper.proxy.pipeline import auth
+from gatekeeper.proxy.pipeline.balancer import Backend, Balancer, EjectionPolicy, Lease
 from gatekeeper.proxy.settings import ProxySettings
-from gatekeeper.proxy.upstream import (
+from gatekeeper.proxy.upstream.client import (
     BackendClient,
     BackendFailed,
     ClientBodyFailed,
@@ -41,7 +42,7 @@ from gatekeeper.proxy.upstream import (
     is_upgrade,
 )
 
-log = logging.getLogger("gatekeeper.proxy.pipeline")
+log = logging.getLogger("gatekeeper.proxy.pipeline.stages")
 upstream_log = rejections.RateLimitedLog(log, rejections.LOG_INTERVAL)
 """A dead backend fails every request; one line per backend per interval says so."""
 

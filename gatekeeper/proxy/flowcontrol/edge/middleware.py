@@ -40,20 +40,20 @@ from typing import Any
 from gatekeeper.kube import requestinfo
 from gatekeeper.kube.requestinfo import RequestInfo
 from gatekeeper.proxy.adapter import error_response
-from gatekeeper.proxy.flowcontrol import metrics
-from gatekeeper.proxy.flowcontrol.coalesce import coalesce_key, identity_key
-from gatekeeper.proxy.flowcontrol.controller import FlowController
-from gatekeeper.proxy.flowcontrol.fanout import FanOut, Subscriber
-from gatekeeper.proxy.flowcontrol.listcost import ListShape, continued_response, list_shape
-from gatekeeper.proxy.flowcontrol.loading import Reloader, limits_of, load_policy
-from gatekeeper.proxy.flowcontrol.objects import FlowSchema, PriorityLevel
-from gatekeeper.proxy.flowcontrol.policy import Policy
-from gatekeeper.proxy.flowcontrol.queueset import Ticket
+from gatekeeper.proxy.flowcontrol.core.coalesce import coalesce_key, identity_key
+from gatekeeper.proxy.flowcontrol.core.controller import FlowController
+from gatekeeper.proxy.flowcontrol.core.listcost import ListShape, continued_response, list_shape
+from gatekeeper.proxy.flowcontrol.core.objects import FlowSchema, PriorityLevel
+from gatekeeper.proxy.flowcontrol.core.policy import Policy
+from gatekeeper.proxy.flowcontrol.core.queueset import Ticket
+from gatekeeper.proxy.flowcontrol.edge import metrics
+from gatekeeper.proxy.flowcontrol.edge.fanout import FanOut, Subscriber
+from gatekeeper.proxy.flowcontrol.edge.loading import Reloader, limits_of, load_policy
 from gatekeeper.proxy.flowcontrol.settings import FlowControlSettings
-from gatekeeper.proxy.identity.classify import unverified_flow
-from gatekeeper.proxy.identity.fetch import TokenIdentities, Upstream
-from gatekeeper.proxy.identity.jwt import Identity
 from gatekeeper.proxy.messages import Handler, ProxyRequest, ProxyResponse, UserInfo, close_body, is_exhausted
+from gatekeeper.proxy.pipeline.tokens.classify import unverified_flow
+from gatekeeper.proxy.pipeline.tokens.fetch import TokenIdentities, Upstream
+from gatekeeper.proxy.pipeline.tokens.jwt import Identity
 
 log = logging.getLogger("gatekeeper.proxy.flowcontrol")
 
@@ -182,7 +182,7 @@ class FlowControl:
         self.executing_by_schema: dict[tuple[str, str], int] = {}
         self.reloader = Reloader(settings, self.apply)
         self.identities = TokenIdentities(settings.tokens)
-        """Token callers' identities, for classification and queuing only (see gatekeeper.proxy.identity)."""
+        """Token callers' identities, for classification and queuing only (see gatekeeper.proxy.pipeline.tokens)."""
         self._poll: asyncio.Task[None] | None = None
         self._borrow: asyncio.Task[None] | None = None
         self._sighup = False

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
-from gatekeeper.proxy.identity.jwt import Identity
+from gatekeeper.proxy.pipeline.tokens.jwt import Identity
 
 TOKEN_REVIEW_PATH = "/apis/authentication.k8s.io/v1/tokenreviews"
 

@@ -41,7 +41,7 @@ from typing import Any
 
 import h11
 
-from gatekeeper.proxy import conn_metrics, rejections
+from gatekeeper.proxy import rejections
 from gatekeeper.proxy.adapter import (
     HOP_BY_HOP,
     ClientGone,
@@ -52,11 +52,12 @@ from gatekeeper.proxy.adapter import (
     response_has_body,
     status_json,
 )
-from gatekeeper.proxy.goaway import GoawayDecider
+from gatekeeper.proxy.listen import conn_metrics
+from gatekeeper.proxy.listen.goaway import GoawayDecider
 from gatekeeper.proxy.messages import Handler, Headers, ProxyRequest, ProxyResponse, Upgraded
 from gatekeeper.proxy.settings import ProtocolSettings
 
-log = logging.getLogger("gatekeeper.proxy.h1")
+log = logging.getLogger("gatekeeper.proxy.listen.h1")
 
 READ_SIZE = 65536
 PIPELINE_BUFFER_LIMIT = 65536

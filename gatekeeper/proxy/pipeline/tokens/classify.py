@@ -22,8 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from gatekeeper.proxy.identity.cache import ExpiringCache, digest
-from gatekeeper.proxy.identity.jwt import (
+from gatekeeper.proxy.pipeline.tokens.cache import ExpiringCache, digest
+from gatekeeper.proxy.pipeline.tokens.jwt import (
     Identity,
     NotServiceAccount,
     ServiceAccountVerifier,

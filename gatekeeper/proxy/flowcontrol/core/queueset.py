@@ -28,8 +28,8 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from gatekeeper.proxy.flowcontrol.borrowing import DemandIntegrator, DemandStats
-from gatekeeper.proxy.flowcontrol.objects import PriorityLevel
+from gatekeeper.proxy.flowcontrol.core.borrowing import DemandIntegrator, DemandStats
+from gatekeeper.proxy.flowcontrol.core.objects import PriorityLevel
 
 State = Literal["new", "queued", "executing", "joined", "rejected", "cancelled", "done"]
 RejectReason = Literal["queue-full", "time-out", "concurrency-limit", "cancelled"]

@@ -14,12 +14,12 @@ import hashlib
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
-from gatekeeper.proxy.flowcontrol.borrowing import Bounds, allocate, bounds_of, go_round, item_for
-from gatekeeper.proxy.flowcontrol.listcost import ListShape
-from gatekeeper.proxy.flowcontrol.objects import FlowSchema, PriorityLevel
-from gatekeeper.proxy.flowcontrol.policy import Policy, RequestFacts, UserFacts
-from gatekeeper.proxy.flowcontrol.queueset import LevelState, ListBudget, Ticket
-from gatekeeper.proxy.flowcontrol.seats import SizeEstimator
+from gatekeeper.proxy.flowcontrol.core.borrowing import Bounds, allocate, bounds_of, go_round, item_for
+from gatekeeper.proxy.flowcontrol.core.listcost import ListShape
+from gatekeeper.proxy.flowcontrol.core.objects import FlowSchema, PriorityLevel
+from gatekeeper.proxy.flowcontrol.core.policy import Policy, RequestFacts, UserFacts
+from gatekeeper.proxy.flowcontrol.core.queueset import LevelState, ListBudget, Ticket
+from gatekeeper.proxy.flowcontrol.core.seats import SizeEstimator
 
 
 @functools.lru_cache(maxsize=8192)

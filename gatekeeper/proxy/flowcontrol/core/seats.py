@@ -43,8 +43,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from gatekeeper.proxy.flowcontrol.listcost import FULL, ListShape, from_storage
-from gatekeeper.proxy.flowcontrol.listcost import list_bytes as shaped_bytes
+from gatekeeper.proxy.flowcontrol.core.listcost import FULL, ListShape, from_storage
+from gatekeeper.proxy.flowcontrol.core.listcost import list_bytes as shaped_bytes
 
 DECAY = 0.8
 

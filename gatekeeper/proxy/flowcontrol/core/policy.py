@@ -32,7 +32,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from gatekeeper.proxy.flowcontrol.objects import (
+from gatekeeper.proxy.flowcontrol.core.objects import (
     FlowSchema,
     ObjectError,
     PolicyRule,

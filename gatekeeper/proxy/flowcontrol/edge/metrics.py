@@ -44,7 +44,7 @@ from prometheus_client import REGISTRY, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from gatekeeper.proxy.flowcontrol.controller import FlowController
+from gatekeeper.proxy.flowcontrol.core.controller import FlowController
 
 _FS_PL = ["flow_schema", "priority_level"]
 DISPATCHED = Counter("gatekeeper_flowcontrol_dispatched_requests", "Requests released to run upstream.", _FS_PL)

@@ -44,11 +44,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gatekeeper.proxy.flowcontrol.objects import PriorityLevel
-from gatekeeper.proxy.flowcontrol.queueset import LevelState, ListBudget, Ticket
+from gatekeeper.proxy.flowcontrol.core.objects import PriorityLevel
+from gatekeeper.proxy.flowcontrol.core.queueset import LevelState, ListBudget, Ticket
 
 if TYPE_CHECKING:
-    from gatekeeper.proxy.flowcontrol.middleware import FlowControl
+    from gatekeeper.proxy.flowcontrol.edge.middleware import FlowControl
 
 MAX_LEVELS = 64
 NAME_BYTES = 64

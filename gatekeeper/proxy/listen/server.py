@@ -47,16 +47,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from gatekeeper.proxy import conn_metrics, rejections
+from gatekeeper.proxy import rejections
 from gatekeeper.proxy.adapter import ClientGone
-from gatekeeper.proxy.h1 import H1Connection
-from gatekeeper.proxy.h2 import H2Protocol
-from gatekeeper.proxy.h2_limits import check_limits
+from gatekeeper.proxy.listen import conn_metrics
+from gatekeeper.proxy.listen.h1 import H1Connection
+from gatekeeper.proxy.listen.h2 import H2Protocol
+from gatekeeper.proxy.listen.h2_limits import check_limits
 from gatekeeper.proxy.messages import Handler
 from gatekeeper.proxy.settings import ListenerSettings, ProxySettings
 from gatekeeper.tls import ReloadingTLS
 
-log = logging.getLogger("gatekeeper.proxy.server")
+log = logging.getLogger("gatekeeper.proxy.listen.server")
 
 READ_SIZE = 65536
 H2_CIPHERS = "ECDHE+AESGCM:ECDHE+CHACHA20"

@@ -1,0 +1,3 @@
+"""What happens to a request between the adapters and a backend, in order: identity (auth,
+tokens/), RequestInfo, the flow-control hook, the balancer (stages.py wires them).
+"""
