@@ -71,6 +71,7 @@ def etcd_argv(binary: Path, layout: Layout, client_port: int, peer_port: int) ->
 
 def apiserver_argv(
     binary: Path, layout: Layout, *, index: int, port: int, etcd_url: str, node_lifecycle: bool,
+    extra: tuple[str, ...] = (),
 ) -> list[str]:
     """One of N kube-apiservers sharing etcd, the client CA and the service-account keys.
 
@@ -114,6 +115,7 @@ def apiserver_argv(
     ]
     if not node_lifecycle:
         argv.append("--disable-admission-plugins=TaintNodesByCondition")
+    argv.extend(extra)
     return argv
 
 
