@@ -205,7 +205,10 @@ class ProxyProcess:
 
 
 @contextlib.contextmanager
-def run_proxy(state: SandboxState, directory: Path, flow_control: dict[str, Any] | None) -> Iterator[ProxyProcess]:
+def run_proxy(
+    state: SandboxState, directory: Path, flow_control: dict[str, Any] | None, extra: dict[str, Any] | None = None
+) -> Iterator[ProxyProcess]:
+    """``extra``: more top-level proxy config sections (e.g. ``{"protocol": {"goawayChance": 0.01}}``)."""
     from gatekeeper.proxy.settings import ListenerSettings, UpstreamSettings
 
     certs = SandboxPKI(Path(state.certs_dir))
@@ -230,6 +233,7 @@ def run_proxy(state: SandboxState, directory: Path, flow_control: dict[str, Any]
             client_key_file=str(certs.key(FRONT_PROXY_CLIENT)),
         ),
         "flowControl": flow_control if flow_control is not None else {"enabled": False},
+        **(extra or {}),
     }
     directory.mkdir(parents=True, exist_ok=True)
     cfg = directory / "proxy.yaml"

@@ -1,0 +1,155 @@
+"""Time series of the components' own figures while a load runs: /proc (RSS, CPU) and their /metrics.
+
+A background thread samples every ``interval`` seconds. Processes are looked up
+by name in the sandbox state on every tick, so an apiserver restarted mid-run
+(skew, gogc) is followed to its new pid. Each apiserver's /metrics gives the Go
+heap (``go_memstats_heap_alloc_bytes``: RSS hides freed-but-mapped memory) and a
+request counter (``apiserver_request_total`` for the verbs and resource the
+scenario drives), so per-apiserver shares come from the servers themselves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import os
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from gatekeeper.sandbox.state import SandboxState
+from loadtest.harness.cluster import admin, kit
+
+FIELDS = ["arm", "t", "component", "rss_bytes", "cpu_seconds", "heap_bytes", "requests"]
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def proc_figures(pid: int) -> tuple[int, float] | None:
+    """(RSS bytes, user+system CPU seconds) of ``pid`` and every process in its process group, or None.
+
+    Sandbox components lead their own group (``start_new_session``), so a
+    multi-worker webhook or proxy counts its workers too.
+    """
+    rss, cpu, seen = 0, 0.0, False
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(d.name) != pid and int(fields[2]) != pid:
+                continue
+            status = (d / "status").read_text()
+        except (OSError, IndexError, ValueError):
+            continue
+        seen = True
+        rss += next((int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmRSS:")), 0)
+        cpu += (int(fields[11]) + int(fields[12])) / CLK_TCK
+    return (rss, cpu) if seen else None
+
+
+@dataclass
+class Sampler:
+    state: SandboxState
+    arm: str
+    components: Sequence[str] = ("kube-apiserver",)
+    """Process-name prefixes to follow (``kube-apiserver`` matches every apiserver)."""
+    count: dict[str, str] = field(default_factory=dict)
+    """Labels selecting the ``apiserver_request_total`` series to count, e.g. ``{"resource": "secrets"}``."""
+    interval: float = 0.5
+    extra_pids: dict[str, int] = field(default_factory=dict)
+    """More processes to follow by pid (the gatekeeper proxy, HAProxy, the webhook)."""
+    rows: list[dict[str, object]] = field(default_factory=list)
+    events: list[tuple[float, str]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"sampler-{self.arm}", daemon=True)
+        self.t0 = time.monotonic()
+
+    def __enter__(self) -> Sampler:
+        self.t0 = time.monotonic()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def mark(self, what: str) -> float:
+        """Record an event (e.g. "restart kube-apiserver-2") at the current offset; returns the offset."""
+        t = time.monotonic() - self.t0
+        self.events.append((t, what))
+        return t
+
+    def _clients(self) -> list[httpx.Client]:
+        return [admin(self.state, u, timeout=10) for u in self.state.apiserver_urls]
+
+    def _loop(self) -> None:
+        clients = self._clients()
+        try:
+            while not self._stop.is_set():
+                self.sample_once(clients)
+                self._stop.wait(self.interval)
+        finally:
+            for c in clients:
+                c.close()
+
+    def sample_once(self, clients: list[httpx.Client]) -> None:
+        t = round(time.monotonic() - self.t0, 3)
+        procs = [(p.name, p.pid) for p in self.state.processes if p.name.startswith(tuple(self.components))]
+        procs += list(self.extra_pids.items())
+        metrics: dict[str, tuple[float, float]] = {}
+        for i, c in enumerate(clients, 1):
+            with contextlib.suppress(httpx.HTTPError):
+                text = c.get("/metrics").text
+                metrics[f"kube-apiserver-{i}"] = (kit.metric_sum(text, "go_memstats_heap_alloc_bytes"),
+                                                  kit.metric_sum(text, "apiserver_request_total", **self.count))
+        for name, pid in procs:
+            figures = proc_figures(pid)
+            heap, requests = metrics.get(name, ("", ""))
+            self.rows.append({"arm": self.arm, "t": t, "component": name,
+                              "rss_bytes": figures[0] if figures else "",
+                              "cpu_seconds": figures[1] if figures else "",
+                              "heap_bytes": heap, "requests": requests})
+
+    def series(self, component_prefix: str, column: str) -> dict[str, list[tuple[float, float]]]:
+        """Per component: [(t, value)] of numeric samples of ``column``."""
+        out: dict[str, list[tuple[float, float]]] = {}
+        for r in self.rows:
+            name = str(r["component"])
+            v = r[column]
+            if name.startswith(component_prefix) and v != "":
+                out.setdefault(name, []).append((float(r["t"]), float(v)))  # type: ignore[arg-type]
+        return out
+
+    def summed(self, component_prefix: str, column: str) -> list[tuple[float, float]]:
+        """Sum over matching components per tick (ticks where any of them had no value are skipped)."""
+        per = self.series(component_prefix, column)
+        by_t: dict[float, list[float]] = {}
+        for points in per.values():
+            for t, v in points:
+                by_t.setdefault(t, []).append(v)
+        return [(t, sum(vs)) for t, vs in sorted(by_t.items()) if len(vs) == len(per)]
+
+    def peak(self, component_prefix: str, column: str) -> float:
+        return max((v for _, v in self.summed(component_prefix, column)), default=0.0)
+
+    def first(self, component_prefix: str, column: str) -> float:
+        s = self.summed(component_prefix, column)
+        return s[0][1] if s else 0.0
+
+
+def write_rows(path: Path, samplers: Iterable[Sampler]) -> int:
+    """All samplers' rows into one CSV (one header); returns the number of rows."""
+    n = 0
+    with path.open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=FIELDS)
+        w.writeheader()
+        for s in samplers:
+            w.writerows(s.rows)
+            n += len(s.rows)
+    return n
