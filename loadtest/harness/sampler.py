@@ -65,19 +65,26 @@ class Sampler:
     rows: list[dict[str, object]] = field(default_factory=list)
     events: list[tuple[float, str]] = field(default_factory=list)
 
+    metrics_interval: float = 1.0
+    """/metrics is scraped on its own thread: a busy apiserver answers it slowly, and /proc must not wait."""
+
     def __post_init__(self) -> None:
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name=f"sampler-{self.arm}", daemon=True)
+        self._threads = [threading.Thread(target=self._proc_loop, name=f"proc-{self.arm}", daemon=True),
+                         threading.Thread(target=self._metrics_loop, name=f"metrics-{self.arm}", daemon=True)]
+        self._lock = threading.Lock()
         self.t0 = time.monotonic()
 
     def __enter__(self) -> Sampler:
         self.t0 = time.monotonic()
-        self._thread.start()
+        for t in self._threads:
+            t.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        self._thread.join(30)
+        for t in self._threads:
+            t.join(30)
 
     def mark(self, what: str) -> float:
         """Record an event (e.g. "restart kube-apiserver-2") at the current offset; returns the offset."""
@@ -85,36 +92,39 @@ class Sampler:
         self.events.append((t, what))
         return t
 
-    def _clients(self) -> list[httpx.Client]:
-        return [admin(self.state, u, timeout=10) for u in self.state.apiserver_urls]
+    def _now(self) -> float:
+        return round(time.monotonic() - self.t0, 3)
 
-    def _loop(self) -> None:
-        clients = self._clients()
+    def _add(self, **row: object) -> None:
+        with self._lock:
+            self.rows.append({"arm": self.arm, "rss_bytes": "", "cpu_seconds": "", "heap_bytes": "", "requests": "",
+                              **row})
+
+    def _proc_loop(self) -> None:
+        while not self._stop.is_set():
+            t = self._now()
+            procs = [(p.name, p.pid) for p in self.state.processes if p.name.startswith(tuple(self.components))]
+            for name, pid in procs + list(self.extra_pids.items()):
+                figures = proc_figures(pid)
+                if figures:
+                    self._add(t=t, component=name, rss_bytes=figures[0], cpu_seconds=figures[1])
+            self._stop.wait(self.interval)
+
+    def _metrics_loop(self) -> None:
+        clients = [admin(self.state, u, timeout=10) for u in self.state.apiserver_urls]
         try:
             while not self._stop.is_set():
-                self.sample_once(clients)
-                self._stop.wait(self.interval)
+                t = self._now()
+                for i, c in enumerate(clients, 1):
+                    with contextlib.suppress(httpx.HTTPError):
+                        text = c.get("/metrics").text
+                        self._add(t=t, component=f"kube-apiserver-{i}",
+                                  heap_bytes=kit.metric_sum(text, "go_memstats_heap_alloc_bytes"),
+                                  requests=kit.metric_sum(text, "apiserver_request_total", **self.count))
+                self._stop.wait(self.metrics_interval)
         finally:
             for c in clients:
                 c.close()
-
-    def sample_once(self, clients: list[httpx.Client]) -> None:
-        t = round(time.monotonic() - self.t0, 3)
-        procs = [(p.name, p.pid) for p in self.state.processes if p.name.startswith(tuple(self.components))]
-        procs += list(self.extra_pids.items())
-        metrics: dict[str, tuple[float, float]] = {}
-        for i, c in enumerate(clients, 1):
-            with contextlib.suppress(httpx.HTTPError):
-                text = c.get("/metrics").text
-                metrics[f"kube-apiserver-{i}"] = (kit.metric_sum(text, "go_memstats_heap_alloc_bytes"),
-                                                  kit.metric_sum(text, "apiserver_request_total", **self.count))
-        for name, pid in procs:
-            figures = proc_figures(pid)
-            heap, requests = metrics.get(name, ("", ""))
-            self.rows.append({"arm": self.arm, "t": t, "component": name,
-                              "rss_bytes": figures[0] if figures else "",
-                              "cpu_seconds": figures[1] if figures else "",
-                              "heap_bytes": heap, "requests": requests})
 
     def series(self, component_prefix: str, column: str) -> dict[str, list[tuple[float, float]]]:
         """Per component: [(t, value)] of numeric samples of ``column``."""

@@ -44,7 +44,7 @@ def slope_mib_per_min(points: list[tuple[float, float]]) -> float:
 
 
 def run(ctx: RunContext) -> None:
-    users, duration = ctx.n(8, 2), max(20.0, 360 * ctx.scale)
+    users, duration = ctx.n(8, 2), max(20.0, 240 * ctx.scale)
     report = Report(ctx.out, "gogc: apiserver memory under churn, GOGC 100 vs 50", CLAIM)
     samplers: list[Sampler] = []
     results: list[dict[str, Any]] = []

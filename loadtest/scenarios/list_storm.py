@@ -74,7 +74,8 @@ def run(ctx: RunContext) -> None:
             ctx.say(f"  {arm}: apiservers restarted ({ready_s:.1f}s)")
             time.sleep(2)  # let the restarted servers settle: the baseline is their idle heap
             with target(arm, state, ctx) as (urls, notes):
-                sampler = Sampler(state, arm, count={"verb": "LIST", "resource": "secrets"}, interval=0.5,
+                sampler = Sampler(state, arm, count={"verb": "LIST", "resource": "secrets"}, interval=0.25,
+                                  metrics_interval=0.5,
                                   extra_pids={"gatekeeper-proxy": notes["pid"]} if "pid" in notes else {})
                 spec = {"user_classes": ["loadtest.harness.users:ListerUser"], "users": listers,
                         "spawn_rate": listers, "run_time": 900, "until_done": True, "rounds": rounds,
