@@ -14,6 +14,7 @@ import importlib
 import shutil
 import sys
 import time
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -59,8 +60,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ScenarioError as exc:
             print(f"loadtest {name}: error: {exc}", file=sys.stderr)
             failed.append(name)
+        except Exception:
+            if args.scenario != "all":
+                raise
+            traceback.print_exc()  # ``all`` goes on with the next scenario; the exit code says one failed
+            failed.append(name)
         finally:
             if not args.keep_work:
                 shutil.rmtree(ctx.work, ignore_errors=True)
         ctx.say(f"== {name} done in {time.monotonic() - t0:.0f}s: {out / 'report.md'}")
+    if failed:
+        print(f"loadtest: failed: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0

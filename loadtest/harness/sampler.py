@@ -45,8 +45,11 @@ def proc_figures(pid: int) -> tuple[int, float] | None:
             status = (d / "status").read_text()
         except (OSError, IndexError, ValueError):
             continue
+        vm = next((int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmRSS:")), None)
+        if vm is None:  # a zombie or a kernel thread: no memory of its own to report
+            continue
         seen = True
-        rss += next((int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmRSS:")), 0)
+        rss += vm
         cpu += (int(fields[11]) + int(fields[12])) / CLK_TCK
     return (rss, cpu) if seen else None
 
