@@ -42,7 +42,30 @@ def build_parser() -> argparse.ArgumentParser:
     proxy_command.register(sub)
     certs_command.register(sub)
     sandbox_command.register(sub)
+    _register_loadtest(sub)
     return parser
+
+
+def _register_loadtest(sub: argparse._SubParsersAction) -> None:
+    """``gatekeeper loadtest ...`` = ``python -m loadtest ...`` (the package sits beside ``gatekeeper/`` in a
+    checkout; it needs the ``loadtest`` extra)."""
+    # prefix_chars "+": every argument, --help and --out included, belongs to loadtest's own parser
+    p = sub.add_parser("loadtest", add_help=False, prefix_chars="+",
+                       help="run a seed scenario end to end and write its report (python -m loadtest; "
+                            "see `gatekeeper loadtest --help`)")
+    p.add_argument("loadtest_args", nargs=argparse.REMAINDER)
+
+    def run(args: argparse.Namespace) -> int:
+        from pathlib import Path
+
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        try:
+            from loadtest.cli import main as loadtest_main
+        except ModuleNotFoundError as exc:
+            raise UsageError(f"loadtest needs a source checkout and `pip install -e '.[loadtest]'` ({exc})") from None
+        return loadtest_main(args.loadtest_args)
+
+    p.set_defaults(func=run)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

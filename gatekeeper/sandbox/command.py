@@ -45,6 +45,9 @@ def register(sub: Any) -> None:
     u.add_argument("--gpus-per-node", type=positive_int, default=8, help="GPUs per node (default 8)")
     u.add_argument("--with-scheduler", action="store_true",
                    help="also run kube-scheduler and kube-controller-manager")
+    u.add_argument("--apiserver-arg", action="append", default=[], metavar="ARG",
+                   help="extra kube-apiserver flag, e.g. --apiserver-arg=--watch-cache-sizes=secrets#0 "
+                        "(repeatable; appended after the sandbox's own flags)")
     u.add_argument("--gogc", type=positive_int, default=None, help="GOGC for the control-plane processes")
     u.add_argument("--timeout", type=float, default=300.0,
                    help="seconds each component may take (default 300)")
@@ -90,7 +93,7 @@ def _up(args: argparse.Namespace) -> int:
     opts = UpOptions(
         state_dir=args.state_dir, apiservers=args.apiservers, gpu_nodes=args.gpu_nodes,
         gpus_per_node=args.gpus_per_node, with_scheduler=args.with_scheduler, gogc=args.gogc,
-        timeout=args.timeout, addons=addons,
+        timeout=args.timeout, addons=addons, apiserver_args=tuple(args.apiserver_arg),
     )
     try:
         up(opts, args)

@@ -72,6 +72,7 @@ def etcd_argv(binary: Path, layout: Layout, client_port: int, peer_port: int) ->
 def apiserver_argv(
     binary: Path, layout: Layout, *, index: int, port: int, etcd_url: str, node_lifecycle: bool,
     admission_config: Path | None = None,
+    extra: tuple[str, ...] = (),
 ) -> list[str]:
     """One of N kube-apiservers sharing etcd, the client CA and the service-account keys.
 
@@ -117,6 +118,7 @@ def apiserver_argv(
         argv.append("--disable-admission-plugins=TaintNodesByCondition")
     if admission_config is not None:  # client certificate towards webhooks (sandbox/webhook_client.py)
         argv.append(f"--admission-control-config-file={admission_config}")
+    argv.extend(extra)
     return argv
 
 

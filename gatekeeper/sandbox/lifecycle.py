@@ -60,6 +60,8 @@ class UpOptions:
     """Seconds each component may take to become healthy."""
     addons: tuple[str, ...] = ()
     """Add-ons (keys of :data:`ADDONS`) to start after the control plane."""
+    apiserver_args: tuple[str, ...] = ()
+    """Extra kube-apiserver flags, appended last (e.g. ``--watch-cache-sizes=secrets#0`` for storage LISTs)."""
 
 
 def _tls(layout: comp.Layout) -> processes.TLSFiles:
@@ -122,7 +124,8 @@ def _start_apiservers(s: _Starter, bins: Binaries, opts: UpOptions, etcd_url: st
         port = processes.free_port()
         url = f"https://127.0.0.1:{port}"
         argv = comp.apiserver_argv(bins.kube_apiserver, layout, index=i, port=port, etcd_url=etcd_url,
-                                   node_lifecycle=opts.with_scheduler, admission_config=admission_config)
+                                   node_lifecycle=opts.with_scheduler, admission_config=admission_config,
+                                   extra=opts.apiserver_args)
         recs.append(s.start(f"kube-apiserver-{i}", argv, ports={"secure": port}, urls={"server": url},
                             health=f"{url}/readyz"))
         s.state.apiserver_urls.append(url)

@@ -206,8 +206,10 @@ class ProxyProcess:
 
 @contextlib.contextmanager
 def run_proxy(
-    state: SandboxState, directory: Path, flow_control: dict[str, Any] | None, workers: int | None = None
+    state: SandboxState, directory: Path, flow_control: dict[str, Any] | None, workers: int | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> Iterator[ProxyProcess]:
+    """``extra``: more top-level proxy config sections (e.g. ``{"protocol": {"goawayChance": 0.01}}``)."""
     from gatekeeper.proxy.settings import ListenerSettings, UpstreamSettings
 
     certs = SandboxPKI(Path(state.certs_dir))
@@ -232,6 +234,7 @@ def run_proxy(
             client_key_file=str(certs.key(FRONT_PROXY_CLIENT)),
         ),
         "flowControl": flow_control if flow_control is not None else {"enabled": False},
+        **(extra or {}),
     }
     if workers is not None:
         proxy["workers"] = workers

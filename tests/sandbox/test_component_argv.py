@@ -128,3 +128,12 @@ def test_node_readiness_waits_for_the_not_ready_taint_to_go_when_node_lifecycle_
     assert gpu.node_ready(tainted, require_untainted=False)
     assert not gpu.node_ready({"status": {"conditions": [{"type": "Ready", "status": "False"}]}},
                               require_untainted=False)
+
+
+def test_extra_apiserver_flags_come_last_so_storage_read_lists_can_be_configured() -> None:
+    layout = comp.Layout(Path("/sbx"))
+    argv = comp.apiserver_argv(Path("/bin/kube-apiserver"), layout, index=1, port=6444,
+                               etcd_url="http://127.0.0.1:2379", node_lifecycle=True,
+                               extra=("--watch-cache-sizes=secrets#0", "--goaway-chance=0.001"))
+    assert argv[-2:] == ["--watch-cache-sizes=secrets#0", "--goaway-chance=0.001"]
+    assert flags(argv)["--watch-cache-sizes"] == "secrets#0"

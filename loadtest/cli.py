@@ -1,0 +1,74 @@
+"""``python -m loadtest SCENARIO --out DIR`` (also ``gatekeeper loadtest ...``): one seed claim, end to end.
+
+Brings up the sandbox the scenario needs (or adopts ``--state-dir``), drives the
+load with Locust, samples /proc and the components' /metrics, tears down, and
+writes DIR/report.md with the seed's figure beside ours, DIR/*.csv and DIR/*.png.
+``all`` runs every scenario into DIR/<scenario>/ (about 30 minutes at ``--scale 1``
+on a 2-core machine); ``--scale`` grows or shrinks every scenario.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import shutil
+import sys
+import time
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+
+from loadtest.harness.cluster import ScenarioError
+from loadtest.harness.run import RunContext
+
+SCENARIOS = {
+    "list-storm": "loadtest.scenarios.list_storm",
+    "skew": "loadtest.scenarios.skew",
+    "admission": "loadtest.scenarios.admission",
+    "gogc": "loadtest.scenarios.gogc",
+}
+"""In the issue's priority order; ``all`` runs them in this order."""
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m loadtest", description=__doc__.split("\n\n")[0])
+    p.add_argument("scenario", choices=[*SCENARIOS, "all"])
+    p.add_argument("--out", type=Path, required=True, help="report directory (created; files overwritten)")
+    p.add_argument("--state-dir", type=Path, default=None,
+                   help="use this running sandbox instead of starting one (it is left running)")
+    p.add_argument("--scale", type=float, default=1.0,
+                   help="multiply every scenario's counts and durations (default 1.0; 0.05 takes seconds)")
+    p.add_argument("--keep-work", action="store_true", help="keep the work directory (sandbox logs, specs)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if not 0 < args.scale <= 100:
+        print("--scale must be in (0, 100]", file=sys.stderr)
+        return 2
+    names = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
+    failed = []
+    for name in names:
+        out = args.out / name if args.scenario == "all" else args.out
+        out.mkdir(parents=True, exist_ok=True)
+        ctx = RunContext(out=out, scale=args.scale, adopt=args.state_dir)
+        t0 = time.monotonic()
+        ctx.say(f"== {name} (scale {args.scale}) -> {out}; work in {ctx.work}")
+        try:
+            importlib.import_module(SCENARIOS[name]).run(ctx)
+        except ScenarioError as exc:
+            print(f"loadtest {name}: error: {exc}", file=sys.stderr)
+            failed.append(name)
+        except Exception:
+            if args.scenario != "all":
+                raise
+            traceback.print_exc()  # ``all`` goes on with the next scenario; the exit code says one failed
+            failed.append(name)
+        finally:
+            if not args.keep_work:
+                shutil.rmtree(ctx.work, ignore_errors=True)
+        ctx.say(f"== {name} done in {time.monotonic() - t0:.0f}s: {out / 'report.md'}")
+    if failed:
+        print(f"loadtest: failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0

@@ -1,0 +1,160 @@
+"""What a scenario leaves in ``--out``: report.md (seed's figure beside ours, setup, ratios), CSVs, PNGs.
+
+Every number in a report comes from the run that wrote it; the setup block
+records the machine (cores, load average before and after), the versions and
+the exact command, because on a shared 2-core machine the ratios are what count.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+MIB = 1 << 20
+
+
+def _first_line(argv: Sequence[str]) -> str:
+    try:
+        p = subprocess.run(list(argv), capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"unavailable ({type(exc).__name__})"
+    return ((p.stdout or p.stderr).strip().splitlines() or ["?"])[0]
+
+
+def versions(apiserver_binary: str | None) -> dict[str, str]:
+    from importlib.metadata import version  # not ``import locust``: that would gevent-patch this process
+
+    from gatekeeper import __version__
+
+    out = {"gatekeeper": __version__, "python": platform.python_version(), "locust": version("locust"),
+           "matplotlib": matplotlib.__version__,
+           "git commit": _first_line(["git", "-C", str(Path(__file__).resolve().parents[2]), "rev-parse",
+                                      "--short", "HEAD"])}
+    if apiserver_binary:
+        out["kube-apiserver"] = _first_line([apiserver_binary, "--version"])
+    return out
+
+
+@dataclass
+class Report:
+    """A report under construction; ``write`` renders it to ``out/report.md``."""
+
+    out: Path
+    title: str
+    claim: str
+    """The seed's words and figure (quoted)."""
+    command: str = field(default_factory=lambda: shlex.join([Path(sys.executable).name, "-m", "loadtest",
+                                                             *sys.argv[1:]]))
+    load_before: tuple[float, float, float] = field(default_factory=os.getloadavg)
+    seed_vs_ours: list[tuple[str, str, str]] = field(default_factory=list)
+    """(what, seed's figure, ours)."""
+    sections: list[str] = field(default_factory=list)
+    plots: list[tuple[str, str]] = field(default_factory=list)
+    csvs: list[str] = field(default_factory=list)
+    setup: dict[str, str] = field(default_factory=dict)
+    apiserver_binary: str | None = None
+
+    def table(self, header: Sequence[str], rows: Sequence[Sequence[object]], title: str = "") -> None:
+        lines = [f"### {title}\n"] if title else []
+        lines.append("| " + " | ".join(header) + " |")
+        lines.append("|" + "---|" * len(header))
+        lines += ["| " + " | ".join(_cell(c) for c in r) + " |" for r in rows]
+        self.sections.append("\n".join(lines) + "\n")
+
+    def text(self, markdown: str) -> None:
+        self.sections.append(markdown.strip() + "\n")
+
+    def plot(self, name: str, caption: str) -> Path:
+        self.plots.append((name, caption))
+        return self.out / name
+
+    def write(self) -> Path:
+        load_after = os.getloadavg()
+        setup = {
+            "machine": f"{os.cpu_count()} cores, {_mem_gib():.0f} GiB, {platform.platform()}",
+            "load average (1/5/15 min) before": " / ".join(f"{x:.2f}" for x in self.load_before),
+            "load average (1/5/15 min) after": " / ".join(f"{x:.2f}" for x in load_after),
+            **self.setup,
+            **versions(self.apiserver_binary),
+        }
+        parts = [f"# {self.title}\n", "## The seed's claim\n", "\n".join(f"> {line}" for line in
+                                                                         self.claim.strip().splitlines()) + "\n"]
+        if self.seed_vs_ours:
+            parts += ["## Seed vs ours\n", "| figure | seed | ours (this run) |", "|---|---|---|"]
+            parts += [f"| {a} | {b} | {c} |" for a, b, c in self.seed_vs_ours]
+            parts.append("")
+        parts += ["## Results\n", *self.sections]
+        if self.plots:
+            parts.append("## Plots\n")
+            parts += [f"![{cap}]({name})\n\n*{cap}*\n" for name, cap in self.plots]
+        parts += ["## Setup\n", f"Command: `{self.command}`\n"]
+        parts += [f"- {k}: {v}" for k, v in setup.items()]
+        if self.csvs:
+            parts += ["", "Raw samples: " + ", ".join(f"[{c}]({c})" for c in self.csvs)]
+        path = self.out / "report.md"
+        path.write_text("\n".join(parts) + "\n")
+        return path
+
+
+def _cell(c: object) -> str:
+    if isinstance(c, float):
+        return f"{c:.2f}" if abs(c) < 100 else f"{c:.0f}"
+    return str(c)
+
+
+def _mem_gib() -> float:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) / (1 << 20)
+    return 0.0
+
+
+def line_plot(path: Path, title: str, ylabel: str, series: dict[str, list[tuple[float, float]]],
+              events: Sequence[tuple[float, str]] = (), scale: float = 1.0, xlabel: str = "seconds") -> None:
+    """One line per series (values divided by ``scale``), vertical dashed lines at ``events``."""
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for label, points in series.items():
+        if points:
+            ax.plot([t for t, _ in points], [v / scale for _, v in points], label=label, linewidth=1.4)
+    for t, what in events:
+        ax.axvline(t, linestyle="--", color="grey", linewidth=0.8)
+        ax.annotate(what, (t, ax.get_ylim()[1]), fontsize=7, rotation=90, va="top", ha="right")
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def bar_plot(path: Path, title: str, ylabel: str, bars: dict[str, float]) -> None:
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.bar(list(bars), list(bars.values()), color="#4a7ab5")
+    for i, v in enumerate(bars.values()):
+        ax.annotate(f"{v:.0f}", (i, v), ha="center", va="bottom", fontsize=8)
+    ax.set_title(title)
+    ax.set_ylabel(ylabel)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def locust_rows(prefix: Path) -> dict[str, dict[str, str]]:
+    """Locust's PREFIX_stats.csv by request name (``Aggregated`` for the total)."""
+    with prefix.with_name(prefix.name + "_stats.csv").open() as fh:
+        return {r["Name"]: r for r in csv.DictReader(fh)}

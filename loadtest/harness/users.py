@@ -1,0 +1,193 @@
+"""Locust users that speak to kube-apiservers as tenants do: own identity, HTTP/2 where clients use it.
+
+Each user is an ``httpx.Client`` (gevent-patched sockets, as Locust runs them)
+and reports every request through Locust's ``request`` event, so Locust's own
+statistics, CSV writer and percentiles do the counting. Users read their
+parameters from ``environment.spec`` (the JSON the driver was given): targets
+and identities are dealt round-robin by user index, so N users spread over the
+apiservers and the tenants the way the scenario says.
+"""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import os
+import random
+import ssl
+import time
+import uuid
+from typing import Any
+
+import httpx
+from locust import User, constant, constant_throughput, task
+from locust.exception import StopUser
+
+_index = itertools.count()
+
+
+class K8sUser(User):
+    abstract = True
+    wait_time = constant(0)
+
+    def on_start(self) -> None:
+        self.spec: dict[str, Any] = self.environment.spec
+        self.index = next(_index)
+        targets = self.spec["targets"]
+        ids = self.spec.get("identities") or [None]
+        self.target = targets[self.index % len(targets)]
+        ident = ids[self.index % len(ids)] if not self.target.startswith("http://") else None
+        headers = {"accept": "application/json", "accept-encoding": "identity"}
+        ctx = ssl.create_default_context(cafile=self.spec["ca"])
+        if ident and ident["kind"] == "token":
+            headers["authorization"] = f"Bearer {ident['token']}"
+        elif ident:
+            ctx.load_cert_chain(ident["cert"], ident["key"])
+        self.client = httpx.Client(
+            base_url=self.target, http2=bool(self.spec.get("http2")), verify=ctx,
+            headers=headers, timeout=httpx.Timeout(float(self.spec.get("request_timeout", 300)), connect=10),
+        )
+        self.ns = self.spec["namespace"]
+
+    def on_stop(self) -> None:
+        self.client.close()
+
+    def call(self, method: str, name: str, path: str, *, ok: tuple[int, ...] = (200, 201), stream: bool = False,
+             **kw: Any) -> httpx.Response | None:
+        """One request, reported to Locust; the response (body read) if its status is in ``ok``, else None."""
+        t0 = time.perf_counter()
+        exc: Exception | None = None
+        resp: httpx.Response | None = None
+        length = 0
+        try:
+            if stream:
+                with self.client.stream(method, path, **kw) as resp:
+                    for chunk in resp.iter_raw():
+                        length += len(chunk)
+            else:
+                resp = self.client.request(method, path, **kw)
+                length = len(resp.content)
+            if resp.status_code not in ok:
+                exc = RuntimeError(f"{resp.status_code} {resp.reason_phrase}")
+        except httpx.HTTPError as e:
+            exc = e
+        self.environment.events.request.fire(
+            request_type=method, name=name, response_time=(time.perf_counter() - t0) * 1000,
+            response_length=length, exception=exc, context={"target": self.target}, response=resp,
+        )
+        return resp if exc is None else None
+
+
+class ListerUser(K8sUser):
+    """The seeds' tenant: full LISTs of the namespace's Secrets, ``rounds`` times, then it leaves.
+
+    429 + Retry-After is retried as client-go does (up to 10 times); each one is
+    reported as ``throttled (429)``, and the LIST's time includes the waits.
+    """
+
+    @task
+    def storm(self) -> None:
+        for _ in range(int(self.spec.get("rounds", 1))):
+            t0 = time.perf_counter()
+            for _attempt in range(11):
+                resp = self.call("GET", "LIST secrets (one try)", f"/api/v1/namespaces/{self.ns}/secrets",
+                                 ok=(200, 429), stream=True)
+                if resp is not None and resp.status_code == 429:
+                    self.environment.events.request.fire(
+                        request_type="GET", name="throttled (429)", response_time=0, response_length=0,
+                        exception=None, context={})
+                    time.sleep(float(resp.headers.get("retry-after", "1")))
+                    continue
+                break
+            ok = resp is not None and resp.status_code == 200
+            self.environment.events.request.fire(
+                request_type="GET", name="LIST secrets", response_time=(time.perf_counter() - t0) * 1000,
+                response_length=0, exception=None if ok else RuntimeError("LIST did not complete"), context={})
+        raise StopUser()
+
+
+class SteadyUser(K8sUser):
+    """A long-lived client issuing small requests at a steady rate on one connection (HTTP/2 or kubectl
+    proxy's), like a controller: the shape whose connections an L4 balancer pins."""
+
+    def wait_time(self) -> float:
+        return float(constant_throughput(float(self.spec.get("rate", 5)))(self))
+
+    @task
+    def get(self) -> None:
+        self.call("GET", "LIST configmaps", f"/api/v1/namespaces/{self.ns}/configmaps?limit=1")
+
+
+class ChurnUser(K8sUser):
+    """Steady churn: Secrets and Pods created, updated and deleted, with periodic LISTs (gogc)."""
+
+    def on_start(self) -> None:
+        super().on_start()
+        self.secrets: list[str] = []
+        self.pods: list[str] = []
+        self.size = int(self.spec.get("secret_bytes", 32 * 1024))
+
+    def _secret(self, name: str) -> dict[str, Any]:
+        return {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name},
+                "data": {"blob": base64.b64encode(os.urandom(self.size)).decode()}}
+
+    @task(4)
+    def create_secret(self) -> None:
+        name = f"churn-{uuid.uuid4().hex[:10]}"
+        if self.call("POST", "CREATE secret", f"/api/v1/namespaces/{self.ns}/secrets", json=self._secret(name)):
+            self.secrets.append(name)
+
+    @task(3)
+    def update_secret(self) -> None:
+        if self.secrets:
+            name = random.choice(self.secrets)
+            self.call("PUT", "UPDATE secret", f"/api/v1/namespaces/{self.ns}/secrets/{name}",
+                      json=self._secret(name))
+
+    @task(3)
+    def delete_secret(self) -> None:
+        if len(self.secrets) > 5:
+            name = self.secrets.pop(random.randrange(len(self.secrets)))
+            self.call("DELETE", "DELETE secret", f"/api/v1/namespaces/{self.ns}/secrets/{name}")
+
+    @task(2)
+    def create_pod(self) -> None:
+        name = f"churn-{uuid.uuid4().hex[:10]}"
+        if self.call("POST", "CREATE pod", f"/api/v1/namespaces/{self.ns}/pods", json=pod(name)):
+            self.pods.append(name)
+
+    @task(2)
+    def delete_pod(self) -> None:
+        if len(self.pods) > 5:
+            name = self.pods.pop(random.randrange(len(self.pods)))
+            self.call("DELETE", "DELETE pod", f"/api/v1/namespaces/{self.ns}/pods/{name}",
+                      params={"gracePeriodSeconds": "0"})
+
+    @task(1)
+    def list_secrets(self) -> None:
+        self.call("GET", "LIST secrets", f"/api/v1/namespaces/{self.ns}/secrets", stream=True)
+
+
+class CreateUser(K8sUser):
+    """Admission traffic: create a Pod or a Secret (timed), then delete it (not timed as admission)."""
+
+    @task
+    def create_pod(self) -> None:
+        name = f"adm-{uuid.uuid4().hex[:10]}"
+        if self.call("POST", "CREATE pod", f"/api/v1/namespaces/{self.ns}/pods", json=pod(name)):
+            self.call("DELETE", "DELETE pod", f"/api/v1/namespaces/{self.ns}/pods/{name}",
+                      params={"gracePeriodSeconds": "0"})
+
+    @task
+    def create_secret(self) -> None:
+        name = f"adm-{uuid.uuid4().hex[:10]}"
+        body = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name},
+                "data": {"k": base64.b64encode(os.urandom(1024)).decode()}}
+        if self.call("POST", "CREATE secret", f"/api/v1/namespaces/{self.ns}/secrets", json=body):
+            self.call("DELETE", "DELETE secret", f"/api/v1/namespaces/{self.ns}/secrets/{name}")
+
+
+def pod(name: str) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": {"app": "loadtest"}},
+            "spec": {"containers": [{"name": "c", "image": "registry.k8s.io/pause:3.10",
+                                     "resources": {"requests": {"cpu": "10m"}}}]}}

@@ -1,0 +1,77 @@
+"""The scenario maths and plumbing that need no sandbox: shares, balance time, flag swapping, /proc, CLI."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from gatekeeper.sandbox.state import SandboxState
+from loadtest.harness.cluster import with_flags
+from loadtest.harness.sampler import Sampler, proc_figures
+from loadtest.scenarios.gogc import slope_mib_per_min
+from loadtest.scenarios.skew import shares, time_to_balance
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def sampler_with(counters: dict[str, list[float]]) -> Sampler:
+    s = Sampler(SandboxState(dir="/nonexistent"), "arm")
+    for name, values in counters.items():
+        for t, v in enumerate(values):
+            s.rows.append({"arm": "arm", "t": float(t), "component": name, "rss_bytes": 1, "cpu_seconds": 0,
+                           "heap_bytes": 0, "requests": v})
+    return s
+
+
+def test_shares_follow_each_apiservers_own_counter_across_a_restart() -> None:
+    # apiserver 2 restarts at t=5 (its counter starts again from 0) and then takes an equal part
+    s = sampler_with({
+        "kube-apiserver-1": [0, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100],
+        "kube-apiserver-2": [0, 10, 20, 30, 40, 0, 10, 20, 30, 40, 50],
+        "kube-apiserver-3": [0, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100],
+    })
+    sh = shares(s, window=2.0)
+    for i in range(len(sh["kube-apiserver-1"])):
+        assert abs(sum(sh[n][i][1] for n in sh) - 1.0) < 1e-9
+    last = {n: pts[-1][1] for n, pts in sh.items()}
+    assert all(abs(v - 1 / 3) < 1e-9 for v in last.values()), last
+
+
+def test_balance_time_is_none_while_one_apiserver_gets_nothing_and_counts_from_the_restart() -> None:
+    idle = sampler_with({"kube-apiserver-1": [0, 10, 20, 30, 40, 50], "kube-apiserver-2": [0, 0, 0, 0, 0, 0],
+                         "kube-apiserver-3": [0, 10, 20, 30, 40, 50]})
+    assert time_to_balance(shares(idle, 2.0), since=0.0) is None
+    healing = sampler_with({"kube-apiserver-1": [0, 10, 20, 30, 40, 50, 60, 70, 80, 90],
+                            "kube-apiserver-2": [0, 0, 0, 0, 10, 20, 30, 40, 50, 60],
+                            "kube-apiserver-3": [0, 10, 20, 30, 40, 50, 60, 70, 80, 90]})
+    took = time_to_balance(shares(healing, 2.0), since=1.0, hold=3)
+    assert took is not None and 3.0 <= took <= 5.0, took
+
+
+def test_restart_flags_replace_earlier_values_of_the_same_flag() -> None:
+    cmd = ["kube-apiserver", "--goaway-chance=0.001", "--secure-port=1"]
+    assert with_flags(cmd, ["--goaway-chance=0"]) == ["kube-apiserver", "--secure-port=1", "--goaway-chance=0"]
+
+
+def test_proc_figures_read_rss_and_cpu_of_a_live_process_and_none_for_a_dead_one() -> None:
+    rss, cpu = proc_figures(os.getpid()) or (0, -1.0)
+    assert rss > 10 * 1024 * 1024 and cpu > 0
+    assert proc_figures(2**22 + 12345) is None
+
+
+def test_rss_slope_is_in_mib_per_minute_over_the_second_half() -> None:
+    mib = 1 << 20
+    points = [(float(t), 100 * mib + t * mib) for t in range(120)]  # +1 MiB/s
+    assert abs(slope_mib_per_min(points) - 60.0) < 1e-6
+
+
+def test_gatekeeper_loadtest_hands_every_argument_to_the_loadtest_parser() -> None:
+    p = subprocess.run([sys.executable, "-m", "gatekeeper", "loadtest", "--help"], capture_output=True,
+                       text=True, cwd="/", timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert "list-storm" in p.stdout and "--scale" in p.stdout
+    bad = subprocess.run([sys.executable, "-m", "loadtest", "list-storm", "--out", "/tmp/x", "--scale", "0"],
+                         capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert bad.returncode == 2 and "--scale" in bad.stderr

@@ -1,0 +1,150 @@
+"""Every scenario end to end at a tiny scale: real sandbox, real Locust, a report that parses.
+
+Scenarios are not tests of the seeds' claims (their figures need the default
+scale); these check that each one runs, writes report.md with the seed's figure
+beside a number of ours, CSVs whose numbers are real samples, and PNGs that are
+images, and that the figures agree with what the load was (e.g. every lister's
+LISTs completed, shares sum to one).
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.sandbox
+REPO = Path(__file__).resolve().parents[2]
+MIB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def haproxy() -> str:
+    """Debian's haproxy; installed here when missing (CI runs as root), never silently skipped."""
+    found = shutil.which("haproxy") or shutil.which("haproxy", path="/usr/sbin")
+    if not found and os.geteuid() == 0 and shutil.which("apt-get"):
+        subprocess.run(["apt-get", "install", "-y", "-q", "haproxy"], capture_output=True, timeout=600)
+        if not shutil.which("haproxy", path="/usr/sbin:/usr/bin"):
+            subprocess.run(["apt-get", "update", "-q"], capture_output=True, timeout=600)
+            subprocess.run(["apt-get", "install", "-y", "-q", "haproxy"], capture_output=True, timeout=600)
+        found = shutil.which("haproxy", path="/usr/sbin:/usr/bin")
+    if not found:
+        pytest.fail("haproxy is needed by the list-storm and skew scenarios: apt-get install -y haproxy")
+    return found
+
+
+def run_scenario(name: str, out: Path, scale: float = 0.02) -> Path:
+    p = subprocess.run([sys.executable, "-m", "loadtest", name, "--out", str(out), "--scale", str(scale)],
+                       cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, f"{name} failed:\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
+    return out / "report.md"
+
+
+def check_report(report: Path) -> str:
+    """The sections, a number of ours in every seed row, and every linked file exists and parses."""
+    import matplotlib.image
+
+    text = report.read_text()
+    for section in ("## The seed's claim", "## Seed vs ours", "## Results", "## Plots", "## Setup"):
+        assert section in text, section
+    assert re.search(r"- machine: \d+ cores", text)
+    assert re.search(r"- load average \(1/5/15 min\) before: [\d.]+ / [\d.]+ / [\d.]+", text)
+    assert "Command: `" in text and "kube-apiserver: Kubernetes v" in text
+    seed_rows = re.findall(r"^\| ([^|]+) \| ([^|]+) \| ([^|]+) \|$", text.split("## Seed vs ours")[1]
+                           .split("## Results")[0], re.M)
+    ours = [r[2] for r in seed_rows if r[0] not in ("figure", "---")]
+    assert ours and all(re.search(r"\d", o) for o in ours), seed_rows
+    links = re.findall(r"\]\(([^)]+\.(?:png|csv))\)", text)
+    assert any(link.endswith(".png") for link in links) and any(link.endswith(".csv") for link in links)
+    for link in links:
+        path = report.parent / link
+        assert path.exists(), link
+        if link.endswith(".png"):
+            img = matplotlib.image.imread(path)
+            assert img.shape[0] > 200 and img.shape[1] > 400 and img.std() > 0, link
+        else:
+            with path.open() as fh:
+                assert len(list(csv.DictReader(fh))) > 0, link
+    return text
+
+
+def samples(out: Path) -> list[dict[str, str]]:
+    with (out / "samples.csv").open() as fh:
+        return list(csv.DictReader(fh))
+
+
+def check_samples(out: Path, arms: list[str]) -> list[dict[str, str]]:
+    rows = samples(out)
+    for arm in arms:
+        rss = [float(r["rss_bytes"]) for r in rows
+               if r["arm"] == arm and r["component"].startswith("kube-apiserver") and r["rss_bytes"]]
+        assert len(rss) >= 3 and min(rss) > 50 * MIB, (arm, rss[:5])
+        heap = [float(r["heap_bytes"]) for r in rows if r["arm"] == arm and r["heap_bytes"]]
+        assert heap and max(heap) > 10 * MIB, arm
+    return rows
+
+
+def locust_stats(out: Path, arm: str) -> dict[str, dict[str, str]]:
+    with (out / f"{arm}_stats.csv").open() as fh:
+        return {r["Name"]: r for r in csv.DictReader(fh)}
+
+
+def test_list_storm_writes_a_report_where_every_lister_completed_in_every_arm(tmp_path: Path, haproxy: str) -> None:
+    out = tmp_path / "list-storm"
+    text = check_report(run_scenario("list-storm", out, scale=0.05))
+    arms = ["direct", "haproxy", "gatekeeper", "gatekeeper-coalescing"]
+    rows = check_samples(out, arms)
+    for arm in arms:
+        lst = locust_stats(out, arm)["LIST secrets"]
+        assert int(lst["Request Count"]) == 2 * 2 and int(lst["Failure Count"]) == 0, (arm, lst)
+        assert float(lst["50%"]) > 0
+    upstream = {}
+    for arm in arms:
+        per: dict[str, list[float]] = {}
+        for r in rows:
+            if r["arm"] == arm and r["requests"]:
+                per.setdefault(r["component"], []).append(float(r["requests"]))
+        upstream[arm] = sum(v[-1] - v[0] for v in per.values())
+    assert upstream["direct"] == 4, upstream
+    assert "secrets#0" in text and "peak upstream secret LISTs" in text
+
+
+def test_skew_reports_per_apiserver_shares_that_sum_to_one(tmp_path: Path, haproxy: str) -> None:
+    out = tmp_path / "skew"
+    check_report(run_scenario("skew", out))
+    check_samples(out, ["haproxy", "gatekeeper"])
+    with (out / "shares.csv").open() as fh:
+        shares = list(csv.DictReader(fh))
+    by: dict[tuple[str, str], float] = {}
+    for r in shares:
+        by[(r["arm"], r["t"])] = by.get((r["arm"], r["t"]), 0.0) + float(r["share"])
+    assert {a for a, _ in by} == {"haproxy", "haproxy-goaway", "haproxy-goaway-0.02", "gatekeeper",
+                                     "gatekeeper-goaway"}
+    assert all(abs(v - 1.0) < 0.01 for v in by.values())
+    for arm in ("haproxy", "gatekeeper"):
+        assert float(locust_stats(out, arm)["Aggregated"]["Request Count"]) > 50
+
+
+def test_admission_measures_both_arms_and_webhook_cpu_per_review(tmp_path: Path) -> None:
+    out = tmp_path / "admission"
+    text = check_report(run_scenario("admission", out))
+    check_samples(out, ["webhooks-off", "webhooks-on"])
+    for arm in ("webhooks-off", "webhooks-on"):
+        stats = locust_stats(out, arm)
+        assert int(stats["CREATE pod"]["Request Count"]) > 0 and int(stats["CREATE secret"]["Request Count"]) > 0
+    m = re.search(r"\*\*([\d.]+) ms CPU per review\*\*", text)
+    assert m and float(m.group(1)) > 0, text
+
+
+def test_gogc_reports_rss_freed_by_a_restart_for_both_gogc_values(tmp_path: Path) -> None:
+    out = tmp_path / "gogc"
+    text = check_report(run_scenario("gogc", out))
+    check_samples(out, ["GOGC=100", "GOGC=50"])
+    freed = re.findall(r"\| GOGC=\d+ \|.*\| (-?\d+)% \|", text)
+    assert len(freed) == 2, text
