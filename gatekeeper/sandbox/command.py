@@ -42,6 +42,9 @@ def register(sub: Any) -> None:
     u.add_argument("--apiservers", type=positive_int, default=3, help="kube-apiservers sharing etcd (default 3)")
     u.add_argument("--gpu-nodes", type=non_negative_int, default=0, help="KWOK GPU nodes (default 0)")
     u.add_argument("--gpus-per-node", type=positive_int, default=8, help="GPUs per node (default 8)")
+    u.add_argument("--gpu-sharing", choices=["none", "memory"], default="none",
+                   help="publish the GPUs exclusive (none, default) or shareable by memory like the NVIDIA "
+                        "DRA driver's --consumable-shares=memory (for the webhook's shared mode)")
     u.add_argument("--with-scheduler", action="store_true",
                    help="also run kube-scheduler and kube-controller-manager")
     u.add_argument("--gogc", type=positive_int, default=None, help="GOGC for the control-plane processes")
@@ -87,7 +90,7 @@ def _up(args: argparse.Namespace) -> int:
     opts = UpOptions(
         state_dir=args.state_dir, apiservers=args.apiservers, gpu_nodes=args.gpu_nodes,
         gpus_per_node=args.gpus_per_node, with_scheduler=args.with_scheduler, gogc=args.gogc,
-        timeout=args.timeout, addons=addons,
+        timeout=args.timeout, addons=addons, gpu_sharing=args.gpu_sharing,
     )
     try:
         up(opts, args)

@@ -24,6 +24,13 @@ GPU_MEMORY = "80Gi"
 PCIE_ROOTS = ("pci0000:00", "pci0000:80")
 """Two PCIe roots per node, half the GPUs each, so a 2-GPU ``matchAttribute`` constraint means something."""
 NODE_PREFIX = "gpu-node-"
+SHARING_MODES = ("none", "memory")
+"""``--gpu-sharing``: ``memory`` publishes every GPU as the NVIDIA DRA driver does with
+``--consumable-shares=memory`` (kubernetes-sigs/dra-driver-nvidia-gpu, cmd/gpu-kubelet-plugin/
+consumable_shares.go): ``allowMultipleAllocations: true`` and a ``memory`` capacity whose
+``requestPolicy`` defaults to the whole GPU and allows 1Mi..all in 1Mi steps. A claim that asks for no
+memory still gets the whole GPU (the default), so whole-GPU pods behave exactly as with ``none``."""
+MEMORY_STEP = "1Mi"
 
 
 class ObjectMeta(objects.ObjectMeta, total=False):
@@ -96,22 +103,34 @@ def pcie_root(index: int, gpus: int) -> str:
     return PCIE_ROOTS[0] if index < (gpus + 1) // 2 else PCIE_ROOTS[1]
 
 
-def resource_slice(node_name: str, gpus: int, node_uid: str = "") -> Manifest:
-    """The one slice of pool ``node_name``; owned by the Node so deleting the node cleans it up."""
-    devices = [
-        {
-            "name": f"gpu-{i}",
-            "attributes": {
-                "productName": {"string": PRODUCT},
-                "architecture": {"string": "Hopper"},
-                "index": {"int": i},
-                "uuid": {"string": gpu_uuid(node_name, i)},
-                "resource.kubernetes.io/pcieRoot": {"string": pcie_root(i, gpus)},
-            },
-            "capacity": {"memory": {"value": GPU_MEMORY}},
+def gpu_device(node_name: str, i: int, gpus: int, sharing: str = "none") -> dict[str, Any]:
+    """One GPU as the driver publishes it (``sharing``: see :data:`SHARING_MODES`)."""
+    device: dict[str, Any] = {
+        "name": f"gpu-{i}",
+        "attributes": {
+            "type": {"string": "gpu"},
+            "productName": {"string": PRODUCT},
+            "architecture": {"string": "Hopper"},
+            "index": {"int": i},
+            "uuid": {"string": gpu_uuid(node_name, i)},
+            "resource.kubernetes.io/pcieRoot": {"string": pcie_root(i, gpus)},
+        },
+        "capacity": {"memory": {"value": GPU_MEMORY}},
+    }
+    if sharing == "memory":
+        device["allowMultipleAllocations"] = True
+        device["capacity"]["memory"]["requestPolicy"] = {
+            "default": GPU_MEMORY,
+            "validRange": {"min": MEMORY_STEP, "max": GPU_MEMORY, "step": MEMORY_STEP},
         }
-        for i in range(gpus)
-    ]
+    elif sharing != "none":
+        raise ValueError(f"gpu sharing must be one of {', '.join(SHARING_MODES)}, got {sharing!r}")
+    return device
+
+
+def resource_slice(node_name: str, gpus: int, node_uid: str = "", sharing: str = "none") -> Manifest:
+    """The one slice of pool ``node_name``; owned by the Node so deleting the node cleans it up."""
+    devices = [gpu_device(node_name, i, gpus, sharing) for i in range(gpus)]
     meta: ObjectMeta = {"name": f"{node_name}-{DRIVER}"}
     if node_uid:
         meta["ownerReferences"] = [

@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
-Mode = Literal["dra", "time-slicing", "mps", "mps-dra", "mig", "off"]
+Mode = Literal["dra", "shared", "time-slicing", "mps", "mps-dra", "mig", "off"]
 MODES: tuple[str, ...] = get_args(Mode)
 
 ANNOTATION_PREFIX = "gatekeeper.dev/"
@@ -32,7 +32,7 @@ ANNOTATION_PREFIX = "gatekeeper.dev/"
 MODE_ANNOTATION = ANNOTATION_PREFIX + "gpu-mode"
 """Pod annotation selecting the GPU mode; ``off`` leaves the pod alone."""
 MEMORY_ANNOTATION = ANNOTATION_PREFIX + "gpu-memory"
-"""Pod annotation with the GPU memory each GPU container needs (mig mode), e.g. ``20Gi``."""
+"""Pod annotation with the GPU memory each GPU container needs (shared and mig modes), e.g. ``20Gi``."""
 REWRITTEN_ANNOTATION = ANNOTATION_PREFIX + "gpu-rewritten"
 """Set on pods the webhook rewrote: what changed, for humans and for reinvocation."""
 
@@ -150,6 +150,13 @@ class GpuSettings:
     """DeviceClass the DRA claims request."""
     match_attribute: str = "resource.kubernetes.io/pcieRoot"
     """Attribute all devices of a multi-GPU claim must share (topology alignment)."""
+    align_up_to: int = 4
+    """Largest claim that gets ``matchAttribute``: the GPUs under one root of the nodes (4 of 8 on
+    the sandbox's and on common 8-GPU servers). Larger claims get no constraint, since none could hold."""
+    shared_default_memory: str = ""
+    """GPU memory a ``shared`` pod gets without a gpu-memory annotation (empty: such pods are denied)."""
+    namespace_gpu_memory: dict[str, str] = field(default_factory=dict)
+    """Per-namespace default GPU memory for ``shared`` pods, e.g. ``{inference: 16Gi}``."""
     time_slicing_resource: str = "nvidia.com/gpu.shared"
     """Extended resource the device plugin advertises for time-sliced GPUs."""
     mps_resource: str = "nvidia.com/gpu.shared"
@@ -166,7 +173,17 @@ class GpuSettings:
     """How long a template known to exist is not re-checked."""
 
     def validate(self) -> None:
-        from gatekeeper.webhook.gpu import MIG_CATALOG
+        from gatekeeper.webhook.gpu.sizing import MIG_CATALOG, parse_quantity_bytes
+
+        if self.align_up_to < 1:
+            raise ValueError(f"alignUpTo must be >= 1 (1 = never align), got {self.align_up_to}")
+        for key, value in [("sharedDefaultMemory", self.shared_default_memory),
+                           *((f"namespaceGpuMemory.{ns}", v) for ns, v in self.namespace_gpu_memory.items())]:
+            if value:
+                try:
+                    parse_quantity_bytes(value)
+                except ValueError as exc:
+                    raise ValueError(f"{key}: {exc}") from None
 
         if self.mig_gpu_model not in MIG_CATALOG:
             raise ValueError(f"migGpuModel {self.mig_gpu_model!r} is unknown; expected one of "

@@ -7,8 +7,15 @@ CREATE, every container (init and sidecar containers included) that asks for
 
 * ``dra``: a pod ``resourceClaims`` entry per container, pointing at a shared
   ResourceClaimTemplate (``resource.k8s.io/v1``) requesting ``count: N`` devices
-  of the device class; N > 1 adds a ``matchAttribute`` constraint (default
-  ``resource.kubernetes.io/pcieRoot``) so the scheduler itself aligns topology.
+  of the device class; 1 < N <= ``alignUpTo`` adds a ``matchAttribute``
+  constraint (default ``resource.kubernetes.io/pcieRoot``) so the scheduler
+  itself aligns topology.
+* ``shared``: the same claim, but each device request also asks for
+  ``capacity.requests.memory`` (from ``gatekeeper.dev/gpu-memory``, else the
+  namespace's or the configured default). On GPUs published with
+  ``allowMultipleAllocations`` (the NVIDIA DRA driver's consumable-shares mode)
+  the scheduler packs many such claims onto one GPU until its memory is used:
+  this is the mode that raises utilization.
 * ``mps-dra``: the same, plus NVIDIA's opaque ``GpuConfig`` with MPS sharing.
 * ``time-slicing`` / ``mps``: rename to the device plugin's shared resource.
 * ``mig``: rename to ``nvidia.com/mig-<profile>``, the smallest profile of the
@@ -27,9 +34,6 @@ class, constraint), so all pods of a shape share one template per namespace.
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +50,25 @@ from gatekeeper.kube.admission import (
     op_remove,
     short,
 )
+from gatekeeper.webhook.gpu.claims import (
+    DRA_API,
+    DRA_MODES,
+    MANAGED_BY,
+    REQUEST_NAME,
+    aligned,
+    claim_name,
+    claim_template,
+    template_name,
+    template_spec,
+)
+from gatekeeper.webhook.gpu.sizing import (
+    MIG_CATALOG,
+    MigProfile,
+    mib_quantity,
+    parse_gpu_memory,
+    parse_quantity_bytes,
+    smallest_mig_profile,
+)
 from gatekeeper.webhook.settings import (
     MEMORY_ANNOTATION,
     MODE_ANNOTATION,
@@ -54,57 +77,15 @@ from gatekeeper.webhook.settings import (
     GpuSettings,
 )
 
+__all__ = [
+    "DRA_API", "DRA_MODES", "GPU", "MANAGED_BY", "MIG_CATALOG", "MIG_PREFIX", "REQUEST_NAME", "GpuContainer",
+    "MigProfile", "PolicyError", "aligned", "claim_name", "claim_template", "gpu_containers", "handles",
+    "parse_gpu_memory", "parse_quantity_bytes", "resolve_mode", "review", "shared_memory",
+    "smallest_mig_profile", "template_name", "template_spec",
+]
+
 GPU = "nvidia.com/gpu"
 MIG_PREFIX = "nvidia.com/mig-"
-DRA_API = "resource.k8s.io/v1"
-REQUEST_NAME = "gpu"
-MANAGED_BY = {"app.kubernetes.io/managed-by": "gatekeeper"}
-
-
-@dataclass(frozen=True)
-class MigProfile:
-    """One MIG GPU-instance profile: compute slices (of 7) and memory in GB, as in its name."""
-
-    name: str
-    slices: int
-    memory_gb: int
-
-
-def _profiles(*specs: str) -> tuple[MigProfile, ...]:
-    out = []
-    for s in specs:
-        g, mem = s.split(".")
-        out.append(MigProfile(s, int(g.removesuffix("g")), int(mem.removesuffix("gb"))))
-    return tuple(out)
-
-
-_A100_80 = _profiles("1g.10gb", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb")
-MIG_CATALOG: dict[str, tuple[MigProfile, ...]] = {
-    # NVIDIA MIG User Guide, "Supported MIG Profiles" (the +me media-extension variants are left
-    # out: one per GPU, meant for video decode, never the right answer to "how much memory").
-    "A100-40GB": _profiles("1g.5gb", "1g.10gb", "2g.10gb", "3g.20gb", "4g.20gb", "7g.40gb"),
-    "A100-80GB": _A100_80,
-    "H100-80GB": _A100_80,
-    "H100-94GB": _profiles("1g.12gb", "1g.24gb", "2g.24gb", "3g.47gb", "4g.47gb", "7g.94gb"),
-    "H100-96GB": _profiles("1g.12gb", "1g.24gb", "2g.24gb", "3g.48gb", "4g.48gb", "7g.96gb"),
-    "H200-141GB": _profiles("1g.18gb", "1g.35gb", "2g.35gb", "3g.71gb", "4g.71gb", "7g.141gb"),
-}
-
-_MEM = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(gib|gb|gi|g|mib|mb|mi|m)?\s*$", re.IGNORECASE)
-
-
-def parse_gpu_memory(text: str) -> float:
-    """GB as MIG profile names count them: '20', '20gb', '20G' and '20Gi' all mean 20; '512Mi' is 0.5."""
-    m = _MEM.match(text)
-    if not m:
-        raise ValueError(f"{MEMORY_ANNOTATION} must be a size like '20Gi' or '10gb', got {text!r}")
-    value, unit = float(m.group(1)), (m.group(2) or "g").lower()
-    return value / 1024 if unit.startswith("m") else value
-
-
-def smallest_mig_profile(model: str, need_gb: float) -> MigProfile | None:
-    fits = [p for p in MIG_CATALOG[model] if p.memory_gb >= need_gb]
-    return min(fits, key=lambda p: (p.memory_gb, p.slices)) if fits else None
 
 
 @dataclass(frozen=True)
@@ -185,66 +166,6 @@ def resolve_mode(annotations: dict[str, Any], namespace: str, settings: GpuSetti
     return settings.namespace_modes.get(namespace, settings.default_mode)
 
 
-def claim_name(container: str) -> str:
-    """Pod-level claim name from the container name (unique per pod), kept a DNS label."""
-    name = f"gpu-{container}"
-    if len(name) <= 63:
-        return name
-    digest = hashlib.sha256(container.encode()).hexdigest()[:8]
-    return f"gpu-{container[:50].rstrip('-')}-{digest}"
-
-
-def template_spec(settings: GpuSettings, mode: str, count: int) -> dict[str, Any]:
-    """ResourceClaimTemplate ``spec`` (which itself holds the claim's ``spec``)."""
-    devices: dict[str, Any] = {
-        "requests": [{
-            "name": REQUEST_NAME,
-            "exactly": {"deviceClassName": settings.device_class, "allocationMode": "ExactCount",
-                        "count": count},
-        }]
-    }
-    if count > 1 and settings.match_attribute:
-        devices["constraints"] = [{"requests": [REQUEST_NAME], "matchAttribute": settings.match_attribute}]
-    if mode == "mps-dra":
-        devices["config"] = [{
-            "requests": [REQUEST_NAME],
-            "opaque": {
-                "driver": settings.mps_driver,
-                "parameters": {
-                    "apiVersion": "resource.nvidia.com/v1beta1",
-                    "kind": "GpuConfig",
-                    "sharing": {"strategy": "MPS"},
-                },
-            },
-        }]
-    return {"spec": {"devices": devices}}
-
-
-def template_name(settings: GpuSettings, mode: str, count: int) -> str:
-    """Deterministic from what the template contains, so equal shapes share one template."""
-    return _template_name(settings.template_prefix, mode, count, settings.device_class,
-                          settings.match_attribute if count > 1 else "",
-                          settings.mps_driver if mode == "mps-dra" else "")
-
-
-@functools.lru_cache(maxsize=256)
-def _template_name(prefix: str, mode: str, count: int, device_class: str, match_attribute: str,
-                   mps_driver: str) -> str:
-    key = "|".join([mode, str(count), device_class, match_attribute, mps_driver])
-    digest = hashlib.sha256(key.encode()).hexdigest()[:8]
-    return f"{prefix}-{mode}-{count}-{digest}"
-
-
-def claim_template(settings: GpuSettings, mode: str, count: int, namespace: str) -> dict[str, Any]:
-    return {
-        "apiVersion": DRA_API,
-        "kind": "ResourceClaimTemplate",
-        "metadata": {"name": template_name(settings, mode, count), "namespace": namespace,
-                     "labels": dict(MANAGED_BY)},
-        "spec": template_spec(settings, mode, count),
-    }
-
-
 def _drop_gpu(c: GpuContainer) -> list[PatchOp]:
     """Remove nvidia.com/gpu from limits and requests (the whole map if it held nothing else)."""
     _, limits, requests = _resource_maps(c.container)
@@ -295,6 +216,22 @@ def _mig_profile(annotations: dict[str, Any], settings: GpuSettings, label: str)
     return profile.name
 
 
+def shared_memory(annotations: dict[str, Any], namespace: str, settings: GpuSettings, label: str) -> str:
+    """The capacity request (whole MiB, rounded up) of a shared pod's GPUs; where it came from is in the error."""
+    raw = annotations.get(MEMORY_ANNOTATION)
+    source = f"annotation {MEMORY_ANNOTATION}"
+    if raw is None:
+        raw = settings.namespace_gpu_memory.get(namespace) or settings.shared_default_memory
+        source = f"the default for namespace {namespace}"
+    if not raw:
+        raise PolicyError(f"{label} uses gpu-mode shared but says no GPU memory: set the annotation "
+                          f"{MEMORY_ANNOTATION} (e.g. '16Gi') to what one GPU container needs")
+    try:
+        return mib_quantity(parse_quantity_bytes(str(raw)))
+    except ValueError as exc:
+        raise PolicyError(f"{label}: {source}: {exc}") from None
+
+
 def handles(req: AdmissionRequest, settings: GpuSettings) -> bool:
     return (settings.enabled and req.kind == "Pod" and req.group == "" and not req.sub_resource
             and req.operation == "CREATE")
@@ -333,9 +270,10 @@ def _rewrite(req: AdmissionRequest, settings: GpuSettings, mode: str, found: lis
     claims: list[dict[str, str]] = []
     existing = spec.get("resourceClaims")
     taken = {rc.get("name") for rc in existing if isinstance(rc, dict)} if isinstance(existing, list) else set()
+    memory = shared_memory(annotations, req.namespace, settings, label) if mode == "shared" else ""
     for c in found:
-        if mode in ("dra", "mps-dra"):
-            tmpl = claim_template(settings, mode, c.count, req.namespace)
+        if mode in DRA_MODES:
+            tmpl = claim_template(settings, mode, c.count, req.namespace, memory)
             tname = tmpl["metadata"]["name"]
             templates[tname] = tmpl
             cname = claim_name(c.name)
@@ -347,7 +285,7 @@ def _rewrite(req: AdmissionRequest, settings: GpuSettings, mode: str, found: lis
             res, _, _ = _resource_maps(c.container)
             ops += append_list_items(res.get("claims"), f"{c.path}/resources/claims", [{"name": cname}])
             target = f"DRA claim {cname} ({tname})"
-            notes.append(f"{c.name}:{c.count}->{cname}")
+            notes.append(f"{c.name}:{c.count}->{cname}" + (f"@{memory}" if memory else ""))
         else:
             if mode == "mig":
                 new = MIG_PREFIX + _mig_profile(annotations, settings, label)
