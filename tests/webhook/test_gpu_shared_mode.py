@@ -107,7 +107,7 @@ def test_align_up_to_is_configurable_and_changes_the_template_name() -> None:
 
 
 def test_settings_reject_bad_shared_defaults_and_align_up_to() -> None:
-    with pytest.raises(ValueError, match="namespaceGpuMemory.ml"):
+    with pytest.raises(ValueError, match=r"namespaceGpuMemory\.ml"):
         GpuSettings(namespace_gpu_memory={"ml": "big"}).validate()
     with pytest.raises(ValueError, match="sharedDefaultMemory"):
         GpuSettings(shared_default_memory="-1Gi").validate()
