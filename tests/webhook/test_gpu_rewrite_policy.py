@@ -63,17 +63,31 @@ def test_patch_escapes_slash_in_resource_name() -> None:
     assert any(op["path"].endswith("/nvidia.com~1gpu") for op in d.patch)
 
 
-def test_init_and_sidecar_containers_are_rewritten_with_claims_named_by_container() -> None:
+def test_regular_init_shares_the_app_claim_and_sidecar_keeps_its_own() -> None:
     init = [container("fetch", 1), container("proxy", 1, restartPolicy="Always")]
     d, _, out = run(pod(container("main", 2), container("logger"), init=init))
-    names = {rc["name"] for rc in out["spec"]["resourceClaims"]}
-    assert names == {"gpu-fetch", "gpu-proxy", "gpu-main"}
-    assert claims_of(out["spec"]["initContainers"][0]) == ["gpu-fetch"]
+    claims = {rc["name"]: rc["resourceClaimTemplateName"] for rc in out["spec"]["resourceClaims"]}
+    assert set(claims) == {"gpu", "gpu-proxy"}
+    assert claims_of(out["spec"]["initContainers"][0]) == ["gpu"]
     assert claims_of(out["spec"]["initContainers"][1]) == ["gpu-proxy"]
     assert out["spec"]["initContainers"][1]["restartPolicy"] == "Always"
-    assert claims_of(out["spec"]["containers"][0]) == ["gpu-main"]
+    assert claims_of(out["spec"]["containers"][0]) == ["gpu"]
     assert "resources" not in out["spec"]["containers"][1]
-    assert len(d.templates) == 2  # count 1 shared by fetch and proxy, count 2 for main
+    counts = {t["metadata"]["name"]: t["spec"]["spec"]["devices"]["requests"][0]["exactly"]["count"]
+              for t in d.templates}
+    assert counts[claims["gpu"]] == 2 and counts[claims["gpu-proxy"]] == 1  # max(1, 2), not 1 + 2
+
+
+@pytest.mark.parametrize(("inits", "apps", "pooled"), [
+    ([1], [1], 1), ([4], [1, 1], 4), ([1, 3], [2], 3), ([2], [1, 2, 1], 4), ([1], [], 1),
+])
+def test_pod_claim_is_max_of_largest_init_and_sum_of_app(inits: list[int], apps: list[int], pooled: int) -> None:
+    obj = pod(*[container(f"app{i}", n) for i, n in enumerate(apps)] or [container("web")],
+              init=[container(f"init{i}", n) for i, n in enumerate(inits)])
+    d, _, out = run(obj)
+    (tmpl,) = d.templates
+    assert tmpl["spec"]["spec"]["devices"]["requests"][0]["exactly"]["count"] == pooled
+    assert [rc["name"] for rc in out["spec"]["resourceClaims"]] == ["gpu"]
 
 
 def test_requests_without_limits_are_counted_and_removed() -> None:

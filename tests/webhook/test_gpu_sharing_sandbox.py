@@ -183,3 +183,34 @@ def test_packing_report_shared_uses_fewer_gpus_than_whole(sharing_sandbox) -> No
     assert shared.gpus_used < whole.gpus_used
     assert shared.utilization > whole.utilization
     assert "| shared | 8/8 |" in packing.table([whole, shared])
+
+
+def _pod_with_init(name: str, ns: str, *, sidecar: bool) -> str:
+    init: dict[str, Any] = {"name": "warmup", "image": "registry.k8s.io/pause:3.10",
+                            "resources": {"limits": {"nvidia.com/gpu": "1"}}}
+    if sidecar:
+        init["restartPolicy"] = "Always"
+    doc = json.loads(gpu_pod(name, ns, 1))
+    doc["spec"]["initContainers"] = [init]
+    return json.dumps(doc)
+
+
+def _devices_held(cluster: Any, ns: str, pod: str) -> int:
+    def all_allocated() -> list[dict[str, Any]] | None:
+        p = cluster.get("pod", pod, "-n", ns)
+        names = [st.get("resourceClaimName") for st in p.get("status", {}).get("resourceClaimStatuses") or []]
+        if not names or not all(names):
+            return None
+        claims = [cluster.get("resourceclaim", n, "-n", ns) for n in names]
+        return claims if all(c.get("status", {}).get("allocation") for c in claims) else None
+
+    claims = wait_for(f"claims of {pod} allocated", all_allocated)
+    return sum(len(c["status"]["allocation"]["devices"]["results"]) for c in claims)
+
+
+def test_regular_init_container_reuses_the_app_gpu_and_a_sidecar_keeps_its_own(cluster, ns) -> None:
+    # Before: a 1-GPU init + a 1-GPU main container held 2 GPUs for the pod's whole life.
+    cluster.run("create", "-f", "-", input=_pod_with_init("init-then-main", ns, sidecar=False))
+    cluster.run("create", "-f", "-", input=_pod_with_init("sidecar-and-main", ns, sidecar=True))
+    assert _devices_held(cluster, ns, "init-then-main") == 1
+    assert _devices_held(cluster, ns, "sidecar-and-main") == 2

@@ -78,10 +78,31 @@ from gatekeeper.webhook.settings import (
 )
 
 __all__ = [
-    "DRA_API", "DRA_MODES", "GPU", "MANAGED_BY", "MIG_CATALOG", "MIG_PREFIX", "REQUEST_NAME", "GpuContainer",
-    "MigProfile", "PolicyError", "aligned", "claim_name", "claim_template", "gpu_containers", "handles",
-    "parse_gpu_memory", "parse_quantity_bytes", "resolve_mode", "review", "shared_memory",
-    "smallest_mig_profile", "template_name", "template_spec",
+    "DRA_API",
+    "DRA_MODES",
+    "GPU",
+    "MANAGED_BY",
+    "MIG_CATALOG",
+    "MIG_PREFIX",
+    "POD_CLAIM",
+    "REQUEST_NAME",
+    "GpuContainer",
+    "MigProfile",
+    "PolicyError",
+    "aligned",
+    "claim_groups",
+    "claim_name",
+    "claim_template",
+    "gpu_containers",
+    "handles",
+    "parse_gpu_memory",
+    "parse_quantity_bytes",
+    "resolve_mode",
+    "review",
+    "shared_memory",
+    "smallest_mig_profile",
+    "template_name",
+    "template_spec",
 ]
 
 GPU = "nvidia.com/gpu"
@@ -164,6 +185,35 @@ def resolve_mode(annotations: dict[str, Any], namespace: str, settings: GpuSetti
                 f"annotation {MODE_ANNOTATION} must be one of {', '.join(MODES)}, got {value!r}")
         return str(value)
     return settings.namespace_modes.get(namespace, settings.default_mode)
+
+
+POD_CLAIM = "gpu"
+"""The claim app and regular init containers share (never clashes: per-container claims are ``gpu-<name>``)."""
+
+
+def _regular_init(c: GpuContainer) -> bool:
+    return c.path.startswith("/spec/initContainers/") and c.container.get("restartPolicy") != "Always"
+
+
+def claim_groups(found: list[GpuContainer]) -> list[tuple[str, int, list[GpuContainer]]]:
+    """(claim name, GPU count, containers using it), as device-plugin semantics allocate.
+
+    A regular init container runs to completion before the app containers start, so the kubelet
+    hands its GPUs on to them: the pod needs max(largest init, sum of app), not the sum of all.
+    A claim is reserved for the pod's whole life, so a claim per init container would hold GPUs that
+    nobody uses after start-up. With regular init containers asking for GPUs, they and the app
+    containers therefore share one claim of that size. Sidecars (``restartPolicy: Always``) run
+    beside the app containers and keep a claim of their own, as they keep their own devices with the
+    device plugin. Without regular GPU init containers every container keeps its own claim, so
+    containers do not see each other's GPUs.
+    """
+    inits = [c for c in found if _regular_init(c)]
+    if not inits:
+        return [(claim_name(c.name), c.count, [c]) for c in found]
+    app = [c for c in found if c.path.startswith("/spec/containers/")]
+    sidecars = [c for c in found if c not in inits and c not in app]
+    count = max(max(c.count for c in inits), sum(c.count for c in app))
+    return [(POD_CLAIM, count, inits + app)] + [(claim_name(c.name), c.count, [c]) for c in sidecars]
 
 
 def _drop_gpu(c: GpuContainer) -> list[PatchOp]:
@@ -271,30 +321,31 @@ def _rewrite(req: AdmissionRequest, settings: GpuSettings, mode: str, found: lis
     existing = spec.get("resourceClaims")
     taken = {rc.get("name") for rc in existing if isinstance(rc, dict)} if isinstance(existing, list) else set()
     memory = shared_memory(annotations, req.namespace, settings, label) if mode == "shared" else ""
-    for c in found:
-        if mode in DRA_MODES:
-            tmpl = claim_template(settings, mode, c.count, req.namespace, memory)
+    if mode in DRA_MODES:
+        for cname, count, members in claim_groups(found):
+            tmpl = claim_template(settings, mode, count, req.namespace, memory)
             tname = tmpl["metadata"]["name"]
             templates[tname] = tmpl
-            cname = claim_name(c.name)
             if cname in taken:
-                raise PolicyError(f"{label}: container {c.name} would get DRA claim {cname}, but the pod "
+                raise PolicyError(f"{label}: container {members[0].name} would get DRA claim {cname}, but the pod "
                                   "already has a resourceClaims entry of that name: rename one of them")
             claims.append({"name": cname, "resourceClaimTemplateName": tname})
-            ops += _drop_gpu(c)
-            res, _, _ = _resource_maps(c.container)
-            ops += append_list_items(res.get("claims"), f"{c.path}/resources/claims", [{"name": cname}])
-            target = f"DRA claim {cname} ({tname})"
-            notes.append(f"{c.name}:{c.count}->{cname}" + (f"@{memory}" if memory else ""))
-        else:
+            for c in members:
+                ops += _drop_gpu(c)
+                res, _, _ = _resource_maps(c.container)
+                ops += append_list_items(res.get("claims"), f"{c.path}/resources/claims", [{"name": cname}])
+                notes.append(f"{c.name}:{c.count}->{cname}" + (f"@{memory}" if memory else ""))
+                warnings.append(short(f"gatekeeper ({mode}): container {c.name}: {GPU}={c.count} -> "
+                                      f"DRA claim {cname} ({tname})"))
+    else:
+        for c in found:
             if mode == "mig":
                 new = MIG_PREFIX + _mig_profile(annotations, settings, label)
             else:
                 new = settings.time_slicing_resource if mode == "time-slicing" else settings.mps_resource
             ops += _rename(c, new)
-            target = f"{new}={c.count}"
             notes.append(f"{c.name}:{c.count}->{new}")
-        warnings.append(short(f"gatekeeper ({mode}): container {c.name}: {GPU}={c.count} -> {target}"))
+            warnings.append(short(f"gatekeeper ({mode}): container {c.name}: {GPU}={c.count} -> {new}={c.count}"))
     if claims:
         ops += append_list_items(spec.get("resourceClaims"), "/spec/resourceClaims", claims)
     summary = f"{mode} " + " ".join(notes)
