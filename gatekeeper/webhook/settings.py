@@ -158,9 +158,11 @@ class GpuSettings:
     namespace_gpu_memory: dict[str, str] = field(default_factory=dict)
     """Per-namespace default GPU memory for ``shared`` pods, e.g. ``{inference: 16Gi}``."""
     time_slicing_resource: str = "nvidia.com/gpu.shared"
-    """Extended resource the device plugin advertises for time-sliced GPUs."""
-    mps_resource: str = "nvidia.com/gpu.shared"
-    """Extended resource the device plugin advertises for MPS-shared GPUs."""
+    """Extended resource the device plugin advertises for time-sliced GPUs (its ``renameByDefault`` name)."""
+    mps_resource: str = "nvidia.com/gpu.mps"
+    """Extended resource for MPS-shared GPUs: a different name from time-slicing (the device plugin's
+    ``sharing.mps.resources[].rename``), or the scheduler could put a pod that expects MPS's memory
+    limits onto a time-sliced GPU that has none."""
     mps_driver: str = "gpu.nvidia.com"
     """DRA driver that receives the opaque GpuConfig (mps-dra)."""
     mig_gpu_model: str = "A100-40GB"
@@ -175,6 +177,9 @@ class GpuSettings:
     def validate(self) -> None:
         from gatekeeper.webhook.gpu.sizing import MIG_CATALOG, parse_quantity_bytes
 
+        if self.time_slicing_resource == self.mps_resource:
+            raise ValueError(f"timeSlicingResource and mpsResource are both {self.mps_resource!r}: give them "
+                             "different names (the device plugin's rename), so the scheduler can tell them apart")
         if self.align_up_to < 1:
             raise ValueError(f"alignUpTo must be >= 1 (1 = never align), got {self.align_up_to}")
         for key, value in [("sharedDefaultMemory", self.shared_default_memory),

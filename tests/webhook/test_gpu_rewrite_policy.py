@@ -115,7 +115,8 @@ def test_long_container_name_yields_valid_claim_name() -> None:
 @pytest.mark.parametrize("mode", ["dra", "mps-dra", "time-slicing", "mps"])
 def test_rewrite_is_idempotent_on_its_own_output(mode: str) -> None:
     s = dataclasses.replace(DRA, default_mode=mode)
-    _, _, once = run(pod(container("main", 2, where="both"), init=[container("i", 1, where="requests")]), s)
+    main = 1 if mode == "mps" else 2  # an MPS share is one GPU (denial tested below)
+    _, _, once = run(pod(container("main", main, where="both"), init=[container("i", 1, where="requests")]), s)
     d, resp, twice = run(once, s)
     assert twice == once and "patch" not in resp["response"] and d.outcome == "skipped"
 
@@ -174,6 +175,23 @@ def test_mps_uses_configured_resource_name() -> None:
     s = GpuSettings(default_mode="mps", mps_resource="nvidia.com/gpu.mps")
     _, _, out = run(pod(container("a", 1)), s)
     assert out["spec"]["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu.mps": "1"}
+
+
+def test_time_slicing_and_mps_default_to_different_resource_names() -> None:
+    _, _, ts = run(pod(container("a", 1)), GpuSettings(default_mode="time-slicing"))
+    _, _, mps = run(pod(container("a", 1)), GpuSettings(default_mode="mps"))
+    assert ts["spec"]["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu.shared": "1"}
+    assert mps["spec"]["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu.mps": "1"}
+    with pytest.raises(ValueError, match="scheduler can tell them apart"):
+        GpuSettings(mps_resource="nvidia.com/gpu.shared").validate()
+
+
+def test_mps_count_above_one_is_denied_with_what_to_do() -> None:
+    d, _, _ = run(pod(container("a", 2)), GpuSettings(default_mode="mps"))
+    assert not d.allowed and d.code == 422
+    assert d.message == ("pod team-a/trainer: container a asks for nvidia.com/gpu=2 in gpu-mode mps, but an MPS "
+                         "share is one GPU (the device plugin refuses more): ask for 1, or use gpu-mode dra or mps-dra "
+                         "for 2 GPUs")
 
 
 def test_mps_dra_template_carries_nvidia_gpuconfig() -> None:
@@ -259,6 +277,10 @@ FIXTURE_PODS = {
 def test_every_mode_on_every_fixture_is_a_fixed_point(mode: str, settings: GpuSettings, fixture: str) -> None:
     obj = FIXTURE_PODS[fixture]()
     obj["metadata"].setdefault("annotations", {})[gpu.MEMORY_ANNOTATION] = "9Gi"
+    if mode == "mps" and any(c.count > 1 for c in gpu.gpu_containers(obj["spec"], "pod")):
+        d, _, _ = run(obj, settings)
+        assert not d.allowed and "an MPS share is one GPU" in d.message
+        return
     d, _, once = run(obj, settings)
     assert d.outcome == "mutated", d
     containers = once["spec"]["containers"] + once["spec"].get("initContainers", [])

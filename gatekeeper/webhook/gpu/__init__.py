@@ -339,6 +339,11 @@ def _rewrite(req: AdmissionRequest, settings: GpuSettings, mode: str, found: lis
                                       f"DRA claim {cname} ({tname})"))
     else:
         for c in found:
+            if mode == "mps" and c.count > 1:
+                raise PolicyError(
+                    f"{label}: container {c.name} asks for {GPU}={c.count} in gpu-mode mps, but an MPS share is "
+                    f"one GPU (the device plugin refuses more): ask for 1, or use gpu-mode dra or mps-dra "
+                    f"for {c.count} GPUs")
             if mode == "mig":
                 new = MIG_PREFIX + _mig_profile(annotations, settings, label)
             else:
