@@ -51,6 +51,9 @@ def register(sub: Any) -> None:
     u.add_argument("--timeout", type=float, default=300.0,
                    help="seconds each component may take (default 300)")
     u.add_argument("--with-webhook", action="store_true", help="also run the gatekeeper webhook add-on")
+    u.add_argument("--webhook-config", default=None,
+                   help="YAML file whose webhook: section (GPU modes, defaults, limits) overrides the webhook "
+                        "add-on's; server and kubeconfig stay the sandbox's")
     u.add_argument("--with-proxy", action="store_true", help="also run the gatekeeper front proxy add-on")
     u.add_argument("--proxy-goaway-chance", type=float, default=None,
                    help="GOAWAY probability per request for the proxy add-on")

@@ -49,9 +49,12 @@ def sharing_sandbox(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sandbo
     from gatekeeper.sandbox.testing import run_down
 
     state_dir = tmp_path_factory.mktemp("gpu-sharing")
+    config = state_dir.parent / f"{state_dir.name}-webhook.yaml"
+    config.write_text("webhook:\n  gpu:\n    namespaceGpuMemory: {shared-default: 6Gi}\n")
     try:
         yield up_or_fail(state_dir, "--apiservers", "1", "--gpu-nodes", "2", "--gpus-per-node", "8",
-                         "--with-scheduler", "--with-webhook", "--gpu-sharing", "memory")
+                         "--with-scheduler", "--with-webhook", "--gpu-sharing", "memory",
+                         "--webhook-config", str(config))
     finally:
         run_down(state_dir)
 
@@ -214,3 +217,21 @@ def test_regular_init_container_reuses_the_app_gpu_and_a_sidecar_keeps_its_own(c
     cluster.run("create", "-f", "-", input=_pod_with_init("sidecar-and-main", ns, sidecar=True))
     assert _devices_held(cluster, ns, "init-then-main") == 1
     assert _devices_held(cluster, ns, "sidecar-and-main") == 2
+
+
+def test_webhook_config_flag_sets_a_namespace_memory_default(cluster) -> None:
+    # `--webhook-config` gave namespace shared-default 6Gi: a shared pod there needs no annotation.
+    ns = "shared-default"
+    cluster.run("create", "namespace", ns)
+    try:
+        wait_for("default ServiceAccount",
+                 lambda: cluster.run("get", "serviceaccount", "default", "-n", ns, check=False).returncode == 0)
+        cluster.run("create", "-f", "-", input=gpu_pod("plain", ns, 1, mode="shared"))
+        claim = wait_for("claim allocated", lambda: allocated_claim(cluster, ns, "plain"))
+        (r,) = claim["status"]["allocation"]["devices"]["results"]
+        assert parse_quantity_bytes(r["consumedCapacity"]["memory"]) == 6 * GIB
+        p = cluster.run("create", "-f", "-", input=gpu_pod("elsewhere", "default", 1, mode="shared"), check=False)
+        assert p.returncode != 0 and "gpu-mode shared but says no GPU memory" in p.stderr
+    finally:
+        cluster.run("delete", "namespace", ns, "--wait=false", check=False)
+        packing.wait_claims_gone(cluster, ns)
