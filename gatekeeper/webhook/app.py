@@ -17,6 +17,8 @@ Metrics (Prometheus):
     Bodies rejected with 400.
 ``gatekeeper_webhook_gpu_rewrites_total{mode}``
     Pods rewritten, by GPU mode.
+``gatekeeper_webhook_gpu_mode_decisions_total{mode,source}``
+    GPU pods decided, by mode and what chose it (annotation, namespace, default, enforced, opt-out).
 ``gatekeeper_webhook_template_reconciliations_total{result}``
     ResourceClaimTemplate checks: created, exists (409), cached, error.
 """
@@ -56,6 +58,8 @@ class Metrics:
         self.bad_requests = Counter("gatekeeper_webhook_bad_requests_total", "Bodies rejected with 400",
                                     ["route"])
         self.rewrites = Counter("gatekeeper_webhook_gpu_rewrites_total", "GPU pods rewritten", ["mode"])
+        self.mode_decisions = Counter("gatekeeper_webhook_gpu_mode_decisions_total",
+                                      "GPU pods decided, by mode and by what chose the mode", ["mode", "source"])
         self.templates = Counter("gatekeeper_webhook_template_reconciliations_total",
                                  "ResourceClaimTemplate create-if-missing results", ["result"])
 
@@ -110,6 +114,9 @@ async def _review(request: web.Request, route: str) -> web.Response:
                             message="gatekeeper webhook internal error; see the webhook's log")
     if decision.outcome == "mutated":
         m.rewrites.labels(decision.audit.get("gpu-mode", "")).inc()
+    if "gpu-mode-source" in decision.audit:
+        m.mode_decisions.labels(decision.audit.get("gpu-mode", "denied"),
+                                decision.audit["gpu-mode-source"]).inc()
     child(m.reviews, policy, req.operation, decision.outcome).inc()
     out = _json(response(req.uid, decision))
     child(m.duration, route).observe(time.perf_counter() - started)

@@ -14,8 +14,9 @@ Choices:
   NoneOnDryRun`` (it creates ResourceClaimTemplates, never on dryRun),
   ``reinvocationPolicy: IfNeeded`` (the rewrite is idempotent, and a later
   webhook may inject a GPU container), and ``matchConditions`` so the
-  apiserver calls it only for pods that ask for ``nvidia.com/gpu`` and do not
-  say ``gatekeeper.dev/gpu-mode: off``.
+  apiserver calls it only for pods that ask for ``nvidia.com/gpu``. Pods that
+  say ``gatekeeper.dev/gpu-mode: off`` are sent too: in an enforced namespace
+  that annotation must be denied, so the apiserver may not skip them.
 * ``namespaceSelector`` excludes kube-system and the webhook's own namespace,
   so a broken webhook can never block its own recovery.
 * ``failurePolicy: Fail``: an oversized Secret or a whole-GPU pod slipping
@@ -26,8 +27,6 @@ Choices:
 from __future__ import annotations
 
 from typing import Any
-
-from gatekeeper.webhook.settings import MODE_ANNOTATION
 
 WEBHOOK_NAMESPACE = "gatekeeper-system"
 VALIDATING_NAME = "gatekeeper-secrets"
@@ -46,14 +45,6 @@ MATCH_CONDITIONS: list[dict[str, str]] = [
         "expression": (
             f"object.spec.containers.exists(c, {_ASKS_GPU}) || "
             f"(has(object.spec.initContainers) && object.spec.initContainers.exists(c, {_ASKS_GPU}))"
-        ),
-    },
-    {
-        "name": "gpu-mode-not-off",
-        "expression": (
-            "!has(object.metadata.annotations) || "
-            f"!('{MODE_ANNOTATION}' in object.metadata.annotations) || "
-            f"object.metadata.annotations['{MODE_ANNOTATION}'] != 'off'"
         ),
     },
 ]

@@ -33,6 +33,8 @@ MODE_ANNOTATION = ANNOTATION_PREFIX + "gpu-mode"
 """Pod annotation selecting the GPU mode; ``off`` leaves the pod alone."""
 MEMORY_ANNOTATION = ANNOTATION_PREFIX + "gpu-memory"
 """Pod annotation with the GPU memory each GPU container needs (shared and mig modes), e.g. ``20Gi``."""
+DECISION_ANNOTATION = ANNOTATION_PREFIX + "gpu-decision"
+"""Set on rewritten pods: the mode and what chose it (annotation, namespace, default, enforced)."""
 REWRITTEN_ANNOTATION = ANNOTATION_PREFIX + "gpu-rewritten"
 """Set on pods the webhook rewrote: what changed, for humans and for reinvocation."""
 
@@ -146,6 +148,11 @@ class GpuSettings:
     """Mode when neither the pod annotation nor namespaceModes decides."""
     namespace_modes: dict[str, Mode] = field(default_factory=dict)
     """Per-namespace default mode."""
+    enforced_namespaces: list[str] = field(default_factory=list)
+    """Namespaces whose mode (namespaceModes, else defaultMode) a pod annotation cannot change: a
+    conflicting ``gatekeeper.dev/gpu-mode`` annotation is denied, so the policy is not advisory."""
+    opt_out_groups: list[str] = field(default_factory=list)
+    """Groups whose members may still set a different mode by annotation in enforced namespaces."""
     device_class: str = "gpu.nvidia.com"
     """DeviceClass the DRA claims request."""
     match_attribute: str = "resource.kubernetes.io/pcieRoot"

@@ -113,3 +113,46 @@ def test_settings_reject_bad_shared_defaults_and_align_up_to() -> None:
         GpuSettings(shared_default_memory="-1Gi").validate()
     with pytest.raises(ValueError, match="alignUpTo"):
         GpuSettings(align_up_to=0).validate()
+
+
+ENFORCED = GpuSettings(default_mode="dra", namespace_modes={"team-a": "shared"}, enforced_namespaces=["team-a"],
+                       opt_out_groups=["gpu-admins"], shared_default_memory="8Gi")
+
+
+def _as(obj, groups):  # type: ignore[no-untyped-def]
+    doc = review(obj, kind="Pod")
+    doc["request"]["userInfo"]["groups"] = groups
+    req = request(doc)
+    d = gpu.review(req, ENFORCED)
+    return d, apply(obj, response(req.uid, d)) if d.allowed else None
+
+
+def test_enforced_namespace_denies_a_conflicting_mode_annotation_clearly() -> None:
+    d, _ = _as(pod(container("m", 1), annotations={"gatekeeper.dev/gpu-mode": "off"}), ["system:authenticated"])
+    assert not d.allowed and d.code == 403
+    assert d.message == ("namespace team-a enforces gpu-mode shared; the pod's annotation gatekeeper.dev/gpu-mode: "
+                         "off is not allowed here (only members of gpu-admins may opt out): remove the annotation "
+                         "or set it to shared")
+
+
+def test_enforced_namespace_applies_its_mode_and_records_the_decision() -> None:
+    for ann in ({}, {"gatekeeper.dev/gpu-mode": "shared"}):
+        d, out = _as(pod(container("m", 1), annotations=dict(ann)), ["dev"])
+        assert d.allowed and out is not None
+        assert out["metadata"]["annotations"]["gatekeeper.dev/gpu-decision"] == "mode=shared source=enforced"
+        assert d.audit["gpu-mode-source"] == "enforced"
+
+
+def test_opt_out_group_may_choose_another_mode_and_it_is_recorded() -> None:
+    d, out = _as(pod(container("m", 1), annotations={"gatekeeper.dev/gpu-mode": "dra"}), ["gpu-admins"])
+    assert d.allowed and out is not None
+    assert out["metadata"]["annotations"]["gatekeeper.dev/gpu-decision"] == "mode=dra source=opt-out"
+    d, _ = _as(pod(container("m", 1), annotations={"gatekeeper.dev/gpu-mode": "off"}), ["gpu-admins"])
+    assert d.allowed and d.audit == {"gpu-mode": "off", "gpu-mode-source": "opt-out"}
+
+
+def test_without_enforcement_the_annotation_still_wins_and_says_so() -> None:
+    s = dataclasses.replace(ENFORCED, enforced_namespaces=[])
+    req = request(review(pod(container("m", 1), annotations={"gatekeeper.dev/gpu-mode": "dra"}), kind="Pod"))
+    d = gpu.review(req, s)
+    assert d.allowed and d.audit["gpu-mode-source"] == "annotation"

@@ -50,7 +50,8 @@ def sharing_sandbox(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sandbo
 
     state_dir = tmp_path_factory.mktemp("gpu-sharing")
     config = state_dir.parent / f"{state_dir.name}-webhook.yaml"
-    config.write_text("webhook:\n  gpu:\n    namespaceGpuMemory: {shared-default: 6Gi}\n")
+    config.write_text("webhook:\n  gpu:\n    namespaceGpuMemory: {shared-default: 6Gi, enforced: 4Gi}\n"
+                      "    namespaceModes: {enforced: shared}\n    enforcedNamespaces: [enforced]\n")
     try:
         yield up_or_fail(state_dir, "--apiservers", "1", "--gpu-nodes", "2", "--gpus-per-node", "8",
                          "--with-scheduler", "--with-webhook", "--gpu-sharing", "memory",
@@ -235,3 +236,39 @@ def test_webhook_config_flag_sets_a_namespace_memory_default(cluster) -> None:
     finally:
         cluster.run("delete", "namespace", ns, "--wait=false", check=False)
         packing.wait_claims_gone(cluster, ns)
+
+
+def test_enforced_namespace_denies_an_opt_out_annotation_through_kubectl(cluster, sharing_sandbox) -> None:
+    ns = "enforced"
+    cluster.run("create", "namespace", ns)
+    try:
+        wait_for("default ServiceAccount",
+                 lambda: cluster.run("get", "serviceaccount", "default", "-n", ns, check=False).returncode == 0)
+        p = cluster.run("create", "-f", "-", input=gpu_pod("escape", ns, 1, mode="off"), check=False)
+        assert p.returncode != 0
+        assert 'admission webhook "gpu.gatekeeper.dev" denied the request' in p.stderr
+        assert "namespace enforced enforces gpu-mode shared" in p.stderr
+        assert cluster.run("get", "pod", "escape", "-n", ns, check=False).returncode != 0
+        doc = json.loads(gpu_pod("kept", ns, 1))
+        del doc["metadata"]["annotations"]
+        cluster.run("create", "-f", "-", input=json.dumps(doc))
+        pod = cluster.get("pod", "kept", "-n", ns)
+        assert pod["metadata"]["annotations"]["gatekeeper.dev/gpu-decision"] == "mode=shared source=enforced"
+        claim = wait_for("claim allocated", lambda: allocated_claim(cluster, ns, "kept"))
+        (r,) = claim["status"]["allocation"]["devices"]["results"]
+        assert parse_quantity_bytes(r["consumedCapacity"]["memory"]) == 4 * GIB
+        metrics = _metrics(sharing_sandbox)
+        assert 'gatekeeper_webhook_gpu_mode_decisions_total{mode="denied",source="enforced"}' in metrics
+        assert 'gatekeeper_webhook_gpu_mode_decisions_total{mode="shared",source="enforced"}' in metrics
+    finally:
+        cluster.run("delete", "namespace", ns, "--wait=false", check=False)
+        packing.wait_claims_gone(cluster, ns)
+
+
+def _metrics(state: SandboxState) -> str:
+    import ssl
+    import urllib.request
+
+    ctx = ssl.create_default_context(cafile=str(Path(state.certs_dir) / "ca.crt"))
+    with urllib.request.urlopen(state.extra["webhook"]["url"] + "/metrics", context=ctx, timeout=10) as r:
+        return str(r.read().decode())

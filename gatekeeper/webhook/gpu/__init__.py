@@ -70,6 +70,7 @@ from gatekeeper.webhook.gpu.sizing import (
     smallest_mig_profile,
 )
 from gatekeeper.webhook.settings import (
+    DECISION_ANNOTATION,
     MEMORY_ANNOTATION,
     MODE_ANNOTATION,
     MODES,
@@ -89,10 +90,12 @@ __all__ = [
     "GpuContainer",
     "MigProfile",
     "PolicyError",
+    "PolicyForbidden",
     "aligned",
     "claim_groups",
     "claim_name",
     "claim_template",
+    "decide_mode",
     "gpu_containers",
     "handles",
     "parse_gpu_memory",
@@ -177,14 +180,41 @@ def _already_shared_or_dra(spec: dict[str, Any], settings: GpuSettings) -> bool:
     return False
 
 
+class PolicyForbidden(PolicyError):
+    """The pod asks for something its namespace's policy does not let this user choose."""
+
+
 def resolve_mode(annotations: dict[str, Any], namespace: str, settings: GpuSettings) -> str:
+    return decide_mode(annotations, namespace, settings, groups=())[0]
+
+
+def decide_mode(annotations: dict[str, Any], namespace: str, settings: GpuSettings,
+                groups: Any) -> tuple[str, str]:
+    """(mode, source): source is annotation, namespace, default, enforced or opt-out.
+
+    In an ``enforcedNamespaces`` namespace the annotation may only repeat the namespace's mode,
+    unless the user is in ``optOutGroups``; anything else is denied rather than silently ignored,
+    so the user learns why their pod is not what they asked for.
+    """
     value = annotations.get(MODE_ANNOTATION)
+    if value is not None and value not in MODES:
+        raise PolicyError(f"annotation {MODE_ANNOTATION} must be one of {', '.join(MODES)}, got {value!r}")
+    ns_mode = settings.namespace_modes.get(namespace)
+    base, base_source = (ns_mode, "namespace") if ns_mode else (settings.default_mode, "default")
+    if namespace in settings.enforced_namespaces:
+        if value is None or value == base:
+            return base, "enforced"
+        allowed = set(settings.opt_out_groups)
+        mine = {g for g in groups if isinstance(g, str)} if isinstance(groups, list | tuple) else set()
+        if allowed & mine:
+            return str(value), "opt-out"
+        who = f"members of {', '.join(sorted(allowed))}" if allowed else "nobody"
+        raise PolicyForbidden(
+            f"namespace {namespace} enforces gpu-mode {base}; the pod's annotation {MODE_ANNOTATION}: {value} "
+            f"is not allowed here (only {who} may opt out): remove the annotation or set it to {base}")
     if value is not None:
-        if value not in MODES:
-            raise PolicyError(
-                f"annotation {MODE_ANNOTATION} must be one of {', '.join(MODES)}, got {value!r}")
-        return str(value)
-    return settings.namespace_modes.get(namespace, settings.default_mode)
+        return str(value), "annotation"
+    return base, base_source
 
 
 POD_CLAIM = "gpu"
@@ -297,15 +327,25 @@ def review(req: AdmissionRequest, settings: GpuSettings) -> Decision:
         found = gpu_containers(spec, label)
         if not found:
             return Decision(outcome="skipped")
-        mode = resolve_mode(annotations, req.namespace, settings)
+        groups = as_dict(req.raw.get("userInfo")).get("groups") or []
+        mode, source = decide_mode(annotations, req.namespace, settings, groups)
         if mode == "off":
-            return Decision(outcome="skipped", audit={"gpu-mode": "off"})
+            return Decision(outcome="skipped", audit={"gpu-mode": "off", "gpu-mode-source": source})
         # A pod we rewrote before (reinvocation after a later webhook injected another GPU container)
         # has our own claims and shared names; only a pod that came with its own is left alone.
         if REWRITTEN_ANNOTATION not in annotations and _already_shared_or_dra(spec, settings):
             return Decision(outcome="skipped", warnings=[
                 f"{label} already uses DRA claims or shared GPUs; its {GPU} requests were left as they are"])
-        return _rewrite(req, settings, mode, found, spec, meta, annotations, label)
+        decision = _rewrite(req, settings, mode, found, spec, meta, annotations, label)
+        decision.audit["gpu-mode-source"] = source
+        if DECISION_ANNOTATION not in annotations:
+            # After the rewritten annotation, whose add created the map if the pod had none.
+            decision.patch.append(op_add(f"/metadata/annotations/{escape(DECISION_ANNOTATION)}",
+                                         f"mode={mode} source={source}"))
+        return decision
+    except PolicyForbidden as exc:
+        return Decision(allowed=False, outcome="denied", message=str(exc), code=403, reason="Forbidden",
+                        audit={"gpu-denied": str(exc), "gpu-mode-source": "enforced"})
     except PolicyError as exc:
         return Decision(allowed=False, outcome="denied", message=str(exc), code=422, reason="Invalid",
                         audit={"gpu-denied": str(exc)})
