@@ -214,6 +214,8 @@ def test_mps_dra_template_carries_nvidia_gpuconfig() -> None:
     ("H100-96GB", "48Gi", "3g.48gb"),
     ("H200-141GB", "512Mi", "1g.18gb"),
     ("H200-141GB", "100Gi", "7g.141gb"),
+    ("A30-24GB", "7Gi", "2g.12gb"),
+    ("B200-180GB", "30Gi", "1g.45gb"),
 ])
 def test_mig_picks_smallest_profile_that_fits(model: str, memory: str, profile: str) -> None:
     s = GpuSettings(default_mode="mig", mig_gpu_model=model)
@@ -233,7 +235,8 @@ def test_mig_denies_when_nothing_fits_or_memory_missing() -> None:
 
 def test_catalog_profile_names_match_their_memory() -> None:
     for model, profiles in gpu.MIG_CATALOG.items():
-        assert profiles[-1].slices == 7 and str(profiles[-1].memory_gb) in model
+        assert profiles[-1].slices == (4 if model.startswith("A30") else 7)
+        assert str(profiles[-1].memory_gb) in model
         for p in profiles:
             assert p.name == f"{p.slices}g.{p.memory_gb}gb"
 
@@ -335,5 +338,7 @@ def test_mig_catalog_is_nvidias_published_profile_table() -> None:
         "H100-94GB": "1g.12gb 1g.24gb 2g.24gb 3g.47gb 4g.47gb 7g.94gb",
         "H100-96GB": "1g.12gb 1g.24gb 2g.24gb 3g.48gb 4g.48gb 7g.96gb",
         "H200-141GB": "1g.18gb 1g.35gb 2g.35gb 3g.71gb 4g.71gb 7g.141gb",
+        "A30-24GB": "1g.6gb 2g.12gb 4g.24gb",
+        "B200-180GB": "1g.23gb 1g.45gb 2g.45gb 3g.90gb 4g.90gb 7g.180gb",
     }
     assert {m: " ".join(p.name for p in ps) for m, ps in gpu.MIG_CATALOG.items()} == published

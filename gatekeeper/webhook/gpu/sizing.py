@@ -72,12 +72,14 @@ _A100_80 = _profiles("1g.10gb", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.
 MIG_CATALOG: dict[str, tuple[MigProfile, ...]] = {
     # NVIDIA MIG User Guide, "Supported MIG Profiles" (the +me media-extension variants are left
     # out: one per GPU, meant for video decode, never the right answer to "how much memory").
+    "A30-24GB": _profiles("1g.6gb", "2g.12gb", "4g.24gb"),  # 4 slices, not 7
     "A100-40GB": _profiles("1g.5gb", "1g.10gb", "2g.10gb", "3g.20gb", "4g.20gb", "7g.40gb"),
     "A100-80GB": _A100_80,
     "H100-80GB": _A100_80,
     "H100-94GB": _profiles("1g.12gb", "1g.24gb", "2g.24gb", "3g.47gb", "4g.47gb", "7g.94gb"),
     "H100-96GB": _profiles("1g.12gb", "1g.24gb", "2g.24gb", "3g.48gb", "4g.48gb", "7g.96gb"),
     "H200-141GB": _profiles("1g.18gb", "1g.35gb", "2g.35gb", "3g.71gb", "4g.71gb", "7g.141gb"),
+    "B200-180GB": _profiles("1g.23gb", "1g.45gb", "2g.45gb", "3g.90gb", "4g.90gb", "7g.180gb"),
 }
 
 _LEGACY_MEM = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(gib|gb|gi|g|mib|mb|mi|m)?\s*$", re.IGNORECASE)
