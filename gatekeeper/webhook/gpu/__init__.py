@@ -1,4 +1,4 @@
-"""GPU pod rewrite policy (mutating, pure).
+"""GPU pod rewrite policy (mutating, pure); modes.py decides the mode, claims.py builds claims, sizing.py reads sizes.
 
 Why: whole-GPU pods idle at 12-30% utilization, and DRA replaces device-plugin
 counting plus custom NUMA/topology schedulers (the seeds' last lesson). At Pod
@@ -61,6 +61,7 @@ from gatekeeper.webhook.gpu.claims import (
     template_name,
     template_spec,
 )
+from gatekeeper.webhook.gpu.modes import PolicyError, PolicyForbidden, decide_mode, resolve_mode
 from gatekeeper.webhook.gpu.sizing import (
     MIG_CATALOG,
     MigProfile,
@@ -72,8 +73,6 @@ from gatekeeper.webhook.gpu.sizing import (
 from gatekeeper.webhook.settings import (
     DECISION_ANNOTATION,
     MEMORY_ANNOTATION,
-    MODE_ANNOTATION,
-    MODES,
     REWRITTEN_ANNOTATION,
     GpuSettings,
 )
@@ -121,10 +120,6 @@ class GpuContainer:
     name: str
     count: int
     container: dict[str, Any]
-
-
-class PolicyError(ValueError):
-    """The pod cannot be admitted as written; the message goes to the user."""
 
 
 def _count(value: Any, where: str) -> int:
@@ -178,43 +173,6 @@ def _already_shared_or_dra(spec: dict[str, Any], settings: GpuSettings) -> bool:
             if any(k in shared or k.startswith(MIG_PREFIX) for k in m):
                 return True
     return False
-
-
-class PolicyForbidden(PolicyError):
-    """The pod asks for something its namespace's policy does not let this user choose."""
-
-
-def resolve_mode(annotations: dict[str, Any], namespace: str, settings: GpuSettings) -> str:
-    return decide_mode(annotations, namespace, settings, groups=())[0]
-
-
-def decide_mode(annotations: dict[str, Any], namespace: str, settings: GpuSettings,
-                groups: Any) -> tuple[str, str]:
-    """(mode, source): source is annotation, namespace, default, enforced or opt-out.
-
-    In an ``enforcedNamespaces`` namespace the annotation may only repeat the namespace's mode,
-    unless the user is in ``optOutGroups``; anything else is denied rather than silently ignored,
-    so the user learns why their pod is not what they asked for.
-    """
-    value = annotations.get(MODE_ANNOTATION)
-    if value is not None and value not in MODES:
-        raise PolicyError(f"annotation {MODE_ANNOTATION} must be one of {', '.join(MODES)}, got {value!r}")
-    ns_mode = settings.namespace_modes.get(namespace)
-    base, base_source = (ns_mode, "namespace") if ns_mode else (settings.default_mode, "default")
-    if namespace in settings.enforced_namespaces:
-        if value is None or value == base:
-            return base, "enforced"
-        allowed = set(settings.opt_out_groups)
-        mine = {g for g in groups if isinstance(g, str)} if isinstance(groups, list | tuple) else set()
-        if allowed & mine:
-            return str(value), "opt-out"
-        who = f"members of {', '.join(sorted(allowed))}" if allowed else "nobody"
-        raise PolicyForbidden(
-            f"namespace {namespace} enforces gpu-mode {base}; the pod's annotation {MODE_ANNOTATION}: {value} "
-            f"is not allowed here (only {who} may opt out): remove the annotation or set it to {base}")
-    if value is not None:
-        return str(value), "annotation"
-    return base, base_source
 
 
 POD_CLAIM = "gpu"
