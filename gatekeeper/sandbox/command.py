@@ -45,6 +45,9 @@ def register(sub: Any) -> None:
     u.add_argument("--gpu-sharing", choices=["none", "memory"], default="none",
                    help="publish the GPUs exclusive (none, default) or shareable by memory like the NVIDIA "
                         "DRA driver's --consumable-shares=memory (for the webhook's shared mode)")
+    u.add_argument("--gpu-extended-resource-mapping", action="store_true",
+                   help="the GPU DeviceClass maps nvidia.com/gpu (KEP-5004 extendedResourceName) and the "
+                        "nodes do not advertise it, so the scheduler serves unchanged GPU pods through DRA")
     u.add_argument("--with-scheduler", action="store_true",
                    help="also run kube-scheduler and kube-controller-manager")
     u.add_argument("--gogc", type=positive_int, default=None, help="GOGC for the control-plane processes")
@@ -94,6 +97,7 @@ def _up(args: argparse.Namespace) -> int:
         state_dir=args.state_dir, apiservers=args.apiservers, gpu_nodes=args.gpu_nodes,
         gpus_per_node=args.gpus_per_node, with_scheduler=args.with_scheduler, gogc=args.gogc,
         timeout=args.timeout, addons=addons, gpu_sharing=args.gpu_sharing,
+        gpu_extended_resource_mapping=args.gpu_extended_resource_mapping,
     )
     try:
         up(opts, args)

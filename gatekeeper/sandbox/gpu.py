@@ -52,26 +52,33 @@ def node_names(count: int) -> list[str]:
     return [f"{NODE_PREFIX}{i}" for i in range(count)]
 
 
-def device_class() -> Manifest:
+def device_class(extended_resource_mapping: bool = False) -> Manifest:
+    """The GPUs' DeviceClass; ``extended_resource_mapping`` adds KEP-5004's ``extendedResourceName``."""
+    spec: dict[str, Any] = {"selectors": [{"cel": {"expression": f'device.driver == "{DRIVER}"'}}]}
+    if extended_resource_mapping:
+        spec["extendedResourceName"] = EXTENDED_RESOURCE
     return {
         "apiVersion": "resource.k8s.io/v1",
         "kind": "DeviceClass",
         "metadata": {"name": DEVICE_CLASS},
-        "spec": {"selectors": [{"cel": {"expression": f'device.driver == "{DRIVER}"'}}]},
+        "spec": spec,
     }
 
 
-def node(name: str, gpus: int) -> Manifest:
+def node(name: str, gpus: int, advertise_extended_resource: bool = True) -> Manifest:
     """A Node as KWOK's docs create them; KWOK fills conditions and keeps our capacity.
 
     No ``kwok.x-k8s.io/node=fake:NoSchedule`` taint: KWOK's docs add it to keep real
     pods off fake nodes in a real cluster, but here every node is fake, and the
     taint would force a toleration onto every pod the tests and webhook produce.
+
+    Without ``advertise_extended_resource`` the node has no ``nvidia.com/gpu`` capacity, as a node
+    served only by a DRA driver: the scheduler serves the resource there through KEP-5004's
+    DeviceClass mapping (a node that advertises it keeps device-plugin accounting).
     """
-    resources = {
-        "cpu": "128", "memory": "1Ti", "pods": "110", "ephemeral-storage": "10Ti",
-        EXTENDED_RESOURCE: str(gpus),
-    }
+    resources = {"cpu": "128", "memory": "1Ti", "pods": "110", "ephemeral-storage": "10Ti"}
+    if advertise_extended_resource:
+        resources[EXTENDED_RESOURCE] = str(gpus)
     return {
         "apiVersion": "v1",
         "kind": "Node",

@@ -81,11 +81,12 @@ def _probe_secret() -> str:
 
 def _probe_pod() -> str:
     return json.dumps({"apiVersion": "v1", "kind": "Pod",
-                       # dra by annotation, so a --webhook-config with another defaultMode is still probed
+                       # dra by annotation, so a --webhook-config with another defaultMode is still probed; 2 GPUs
+                       # get alignment, so a KEP-5004 mapping (which serves 1 GPU alone) still gets rewritten
                        "metadata": {"name": "gatekeeper-probe", "namespace": PROBE_NAMESPACE,
                                     "annotations": {"gatekeeper.dev/gpu-mode": "dra"}},
                        "spec": {"containers": [{"name": "probe", "image": "registry.k8s.io/pause:3.10",
-                                                "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}})
+                                                "resources": {"limits": {"nvidia.com/gpu": "2"}}}]}})
 
 
 def enforced(kubeconfig: str, binary: str | None) -> tuple[bool, str]:

@@ -35,6 +35,7 @@ from aiohttp import web
 from gatekeeper.kube.admission import Decision, ReviewError, parse_review, response
 from gatekeeper.metrics import child, metrics_handler
 from gatekeeper.webhook import policies
+from gatekeeper.webhook.deviceclasses import ExtendedResourceMap
 from gatekeeper.webhook.settings import WebhookSettings
 from gatekeeper.webhook.templates import TemplateError, TemplateKeeper
 
@@ -77,6 +78,7 @@ def metrics() -> Metrics:
 SETTINGS_KEY = web.AppKey("settings", WebhookSettings)
 KEEPER_KEY = web.AppKey("keeper", TemplateKeeper)
 READY_KEY = web.AppKey("ready", dict)
+MAPPING_KEY = web.AppKey("extended_resource_map", ExtendedResourceMap)
 
 
 def _json(doc: Any, status: int = 200) -> web.Response:
@@ -94,7 +96,11 @@ async def _review(request: web.Request, route: str) -> web.Response:
         return web.Response(status=400, text=f"bad AdmissionReview: {exc}\n")
     settings = request.app[SETTINGS_KEY]
     try:
-        policy, decision = (policies.validate if route == "validate" else policies.mutate)(req, settings)
+        if route == "validate":
+            policy, decision = policies.validate(req, settings)
+        else:
+            mapping = request.app.get(MAPPING_KEY)
+            policy, decision = policies.mutate(req, settings, mapping is not None and mapping.mapped)
         if decision.allowed and decision.templates and not req.dry_run:
             keeper = request.app.get(KEEPER_KEY)
             if keeper is None:

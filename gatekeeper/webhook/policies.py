@@ -22,8 +22,9 @@ def validate(req: AdmissionRequest, settings: WebhookSettings) -> tuple[str, Dec
     return UNHANDLED, Decision(outcome="skipped")
 
 
-def mutate(req: AdmissionRequest, settings: WebhookSettings) -> tuple[str, Decision]:
+def mutate(req: AdmissionRequest, settings: WebhookSettings,
+           extended_resource_mapped: bool = False) -> tuple[str, Decision]:
     """Answer a /mutate review: (policy label for metrics, decision)."""
     if gpu.handles(req, settings.gpu):
-        return "gpu", gpu.review(req, settings.gpu)
+        return "gpu", gpu.review(req, settings.gpu, extended_resource_mapped)
     return UNHANDLED, Decision(outcome="skipped")

@@ -51,8 +51,10 @@ MATCH_CONDITIONS: list[dict[str, str]] = [
 
 RBAC_RULES: list[dict[str, Any]] = [
     {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaimtemplates"], "verbs": ["create"]},
+    {"apiGroups": ["resource.k8s.io"], "resources": ["deviceclasses"], "verbs": ["list"]},
 ]
-"""All the webhook does against the API: POST templates (409 means present; no get/list/watch)."""
+"""All the webhook does against the API: POST templates (409 means present) and LIST DeviceClasses
+(does one map nvidia.com/gpu, KEP-5004?)."""
 
 
 def namespace_selector(own_namespace: str = WEBHOOK_NAMESPACE) -> dict[str, Any]:

@@ -87,6 +87,15 @@ async def serve(settings: WebhookSettings, stop: asyncio.Event | None = None) ->
         keeper = TemplateKeeper(kube_creator(api_client), settings.gpu.template_cache_seconds,
                                 on_result=lambda r: counter.labels(r).inc())
     app = build_app(settings, keeper)
+    mapping_task = None
+    if api_client is not None:
+        from gatekeeper.webhook.app import MAPPING_KEY
+        from gatekeeper.webhook.deviceclasses import ExtendedResourceMap, kube_lister
+
+        mapping = ExtendedResourceMap(kube_lister(api_client), settings.gpu.device_class_check_seconds)
+        await mapping.refresh()  # the first pods already see an existing mapping
+        app[MAPPING_KEY] = mapping
+        mapping_task = asyncio.create_task(mapping.run())
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
     site = web.TCPSite(runner, srv.address, srv.port, ssl_context=tls.base, reuse_port=True, backlog=2048)
@@ -110,6 +119,8 @@ async def serve(settings: WebhookSettings, stop: asyncio.Event | None = None) ->
     try:
         await stop.wait()
     finally:
+        if mapping_task is not None:
+            mapping_task.cancel()
         await runner.cleanup()
         if api_client is not None:
             await api_client.close()

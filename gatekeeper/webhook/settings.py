@@ -180,6 +180,9 @@ class GpuSettings:
     """Name prefix of the ResourceClaimTemplates the webhook keeps present."""
     template_cache_seconds: float = 300.0
     """How long a template known to exist is not re-checked."""
+    device_class_check_seconds: float = 10.0
+    """How often the DeviceClasses are listed to see whether one maps ``nvidia.com/gpu`` (KEP-5004):
+    a mapping added or removed changes what ``dra`` mode does within this time."""
 
     def validate(self) -> None:
         from gatekeeper.webhook.gpu.sizing import MIG_CATALOG, parse_quantity_bytes

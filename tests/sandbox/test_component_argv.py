@@ -128,3 +128,12 @@ def test_node_readiness_waits_for_the_not_ready_taint_to_go_when_node_lifecycle_
     assert gpu.node_ready(tainted, require_untainted=False)
     assert not gpu.node_ready({"status": {"conditions": [{"type": "Ready", "status": "False"}]}},
                               require_untainted=False)
+
+
+def test_extended_resource_mapping_sets_the_device_class_field_and_drops_node_capacity() -> None:
+    from gatekeeper.sandbox import gpu as sgpu
+
+    assert "extendedResourceName" not in sgpu.device_class()["spec"]
+    assert sgpu.device_class(True)["spec"]["extendedResourceName"] == "nvidia.com/gpu"
+    assert "nvidia.com/gpu" in sgpu.node("n", 8)["status"]["allocatable"]
+    assert "nvidia.com/gpu" not in sgpu.node("n", 8, False)["status"]["allocatable"]

@@ -101,6 +101,7 @@ __all__ = [
     "parse_quantity_bytes",
     "resolve_mode",
     "review",
+    "served_by_extended_resource",
     "shared_memory",
     "smallest_mig_profile",
     "template_name",
@@ -275,8 +276,22 @@ def handles(req: AdmissionRequest, settings: GpuSettings) -> bool:
             and req.operation == "CREATE")
 
 
-def review(req: AdmissionRequest, settings: GpuSettings) -> Decision:
-    """Decide one Pod CREATE (callers check :func:`handles` first)."""
+def served_by_extended_resource(found: list[GpuContainer], settings: GpuSettings) -> bool:
+    """Whether KEP-5004 alone gives these containers what ``dra`` mode would.
+
+    With a DeviceClass mapping ``nvidia.com/gpu`` the scheduler turns each container's count into a
+    DRA request itself; what it cannot add is a topology constraint, so only claims that
+    :func:`aligned` would constrain still need our rewrite.
+    """
+    return not any(aligned(settings, count) for _, count, _ in claim_groups(found))
+
+
+def review(req: AdmissionRequest, settings: GpuSettings, extended_resource_mapped: bool = False) -> Decision:
+    """Decide one Pod CREATE (callers check :func:`handles` first).
+
+    ``extended_resource_mapped``: a DeviceClass has ``extendedResourceName: nvidia.com/gpu`` (KEP-5004),
+    so plain ``dra`` pods that need nothing more are left for the scheduler to serve.
+    """
     pod = req.object or {}
     meta, spec = as_dict(pod.get("metadata")), as_dict(pod.get("spec"))
     annotations = as_dict(meta.get("annotations"))
@@ -294,6 +309,11 @@ def review(req: AdmissionRequest, settings: GpuSettings) -> Decision:
         if REWRITTEN_ANNOTATION not in annotations and _already_shared_or_dra(spec, settings):
             return Decision(outcome="skipped", warnings=[
                 f"{label} already uses DRA claims or shared GPUs; its {GPU} requests were left as they are"])
+        if mode == "dra" and extended_resource_mapped and served_by_extended_resource(found, settings):
+            return Decision(outcome="skipped", audit={"gpu-mode": "dra", "gpu-mode-source": source,
+                                                      "gpu-kep5004": "served"}, warnings=[short(
+                f"gatekeeper (dra): {label} left as it is: a DeviceClass maps {GPU} (KEP-5004), so the "
+                "scheduler allocates its GPUs through DRA itself")])
         decision = _rewrite(req, settings, mode, found, spec, meta, annotations, label)
         decision.audit["gpu-mode-source"] = source
         if DECISION_ANNOTATION not in annotations:

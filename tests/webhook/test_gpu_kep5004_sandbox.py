@@ -1,0 +1,103 @@
+"""KEP-5004 (DRAExtendedResource) against the real scheduler: ``sandbox up --gpu-extended-resource-mapping``.
+
+A module sandbox of its own (1 apiserver, 1 KWOK node x 4 GPUs that does not advertise
+``nvidia.com/gpu``, scheduler + controller manager, the webhook listing DeviceClasses every
+second). The scheduler itself serves an unchanged 1-GPU pod through DRA; the webhook leaves it
+alone, still aligns a multi-GPU pod, and notices the mapping going away and coming back.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from test_gpu_sharing_sandbox import allocated_claim, gpu_pod, packing, wait_for
+
+from gatekeeper.sandbox.state import SandboxState
+
+pytestmark = pytest.mark.sandbox
+
+
+@pytest.fixture(scope="module")
+def mapped_sandbox(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SandboxState]:
+    from conftest import up_or_fail
+
+    from gatekeeper.sandbox.testing import run_down
+
+    state_dir = tmp_path_factory.mktemp("gpu-kep5004")
+    config = state_dir.parent / f"{state_dir.name}-webhook.yaml"
+    config.write_text("webhook:\n  gpu:\n    deviceClassCheckSeconds: 1\n")
+    try:
+        yield up_or_fail(state_dir, "--apiservers", "1", "--gpu-nodes", "1", "--gpus-per-node", "4",
+                         "--with-scheduler", "--with-webhook", "--gpu-extended-resource-mapping",
+                         "--webhook-config", str(config))
+    finally:
+        run_down(state_dir)
+
+
+@pytest.fixture
+def cluster(mapped_sandbox: SandboxState) -> Any:
+    return packing.Cluster(mapped_sandbox)
+
+
+@pytest.fixture
+def ns(cluster: Any) -> Iterator[str]:
+    name = f"k-{uuid.uuid4().hex[:8]}"
+    cluster.run("create", "namespace", name)
+    wait_for("default ServiceAccount",
+             lambda: cluster.run("get", "serviceaccount", "default", "-n", name, check=False).returncode == 0)
+    yield name
+    cluster.run("delete", "namespace", name, "--wait=false", check=False)
+    packing.wait_claims_gone(cluster, name)
+
+
+def rewritten_on_dry_run(cluster: Any, ns: str) -> bool:
+    p = cluster.run("create", "--dry-run=server", "-o", "json", "-f", "-", input=gpu_pod("probe", ns, 1))
+    return bool(json.loads(p.stdout)["spec"].get("resourceClaims"))
+
+
+def test_unchanged_one_gpu_pod_is_allocated_through_dra_by_the_scheduler(cluster, ns, mapped_sandbox) -> None:
+    dc = cluster.get("deviceclass", mapped_sandbox.extra["device_class"])
+    assert dc["spec"]["extendedResourceName"] == "nvidia.com/gpu"
+    p = cluster.run("create", "-f", "-", input=gpu_pod("one", ns, 1))
+    assert "KEP-5004" in p.stderr  # the webhook's warning, shown by kubectl
+    pod = cluster.get("pod", "one", "-n", ns)
+    assert not pod["spec"].get("resourceClaims")
+    assert pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
+
+    def extended_claim() -> dict[str, Any] | None:
+        st = cluster.get("pod", "one", "-n", ns).get("status", {}).get("extendedResourceClaimStatus") or {}
+        name = st.get("resourceClaimName")
+        if not name:
+            return None
+        c = cluster.get("resourceclaim", name, "-n", ns)
+        return c if c.get("status", {}).get("allocation") else None
+
+    claim = wait_for("scheduler's KEP-5004 claim allocated", extended_claim)
+    (result,) = claim["status"]["allocation"]["devices"]["results"]
+    assert result["driver"] == mapped_sandbox.extra["dra_driver"]
+    assert wait_for("bound", lambda: cluster.get("pod", "one", "-n", ns)["spec"].get("nodeName"))
+
+
+def test_multi_gpu_pod_still_gets_the_aligned_claim(cluster, ns) -> None:
+    cluster.run("create", "-f", "-", input=gpu_pod("pair", ns, 2))
+    assert cluster.get("pod", "pair", "-n", ns)["spec"]["resourceClaims"]
+    claim = wait_for("aligned claim allocated", lambda: allocated_claim(cluster, ns, "pair"))
+    assert claim["spec"]["devices"]["constraints"][0]["matchAttribute"] == "resource.kubernetes.io/pcieRoot"
+    assert len(claim["status"]["allocation"]["devices"]["results"]) == 2
+
+
+def test_webhook_follows_the_mapping_being_removed_and_restored(cluster, ns, mapped_sandbox) -> None:
+    name = mapped_sandbox.extra["device_class"]
+    assert not rewritten_on_dry_run(cluster, ns)
+    cluster.run("patch", "deviceclass", name, "--type=json",
+                "-p", '[{"op": "remove", "path": "/spec/extendedResourceName"}]')
+    try:
+        wait_for("webhook rewrites without the mapping", lambda: rewritten_on_dry_run(cluster, ns), timeout=30)
+    finally:
+        cluster.run("patch", "deviceclass", name, "--type=merge",
+                    "-p", '{"spec": {"extendedResourceName": "nvidia.com/gpu"}}')
+    wait_for("webhook leaves pods alone again", lambda: not rewritten_on_dry_run(cluster, ns), timeout=30)
