@@ -20,7 +20,8 @@ Metrics (Prometheus):
 ``gatekeeper_webhook_gpu_mode_decisions_total{mode,source}``
     GPU pods decided, by mode and what chose it (annotation, namespace, default, enforced, opt-out).
 ``gatekeeper_webhook_template_reconciliations_total{result}``
-    ResourceClaimTemplate checks: created, exists (409), cached, error.
+    ResourceClaimTemplate checks: created, exists (409), cached, error; and the lifecycle loop's
+    recreated (deleted while pods use it) and collected (unreferenced past the grace period).
 """
 
 from __future__ import annotations

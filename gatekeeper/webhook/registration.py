@@ -50,11 +50,13 @@ MATCH_CONDITIONS: list[dict[str, str]] = [
 ]
 
 RBAC_RULES: list[dict[str, Any]] = [
-    {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaimtemplates"], "verbs": ["create"]},
+    {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaimtemplates"],
+     "verbs": ["create", "list", "delete"]},
     {"apiGroups": ["resource.k8s.io"], "resources": ["deviceclasses"], "verbs": ["list"]},
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
 ]
-"""All the webhook does against the API: POST templates (409 means present) and LIST DeviceClasses
-(does one map nvidia.com/gpu, KEP-5004?)."""
+"""All the webhook does against the API: POST templates (409 means present), LIST and DELETE them
+(lifecycle), LIST pods (which templates are referenced) and DeviceClasses (KEP-5004 mapping)."""
 
 
 def namespace_selector(own_namespace: str = WEBHOOK_NAMESPACE) -> dict[str, Any]:

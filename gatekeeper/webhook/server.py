@@ -96,6 +96,16 @@ async def serve(settings: WebhookSettings, stop: asyncio.Event | None = None) ->
         await mapping.refresh()  # the first pods already see an existing mapping
         app[MAPPING_KEY] = mapping
         mapping_task = asyncio.create_task(mapping.run())
+    lifecycle_task = None
+    if keeper is not None and settings.gpu.template_reconcile_seconds > 0:
+        from gatekeeper.webhook.template_lifecycle import TemplateLifecycle, kube_ops
+
+        counter = metrics().templates
+        lifecycle = TemplateLifecycle(kube_ops(api_client), settings.gpu.template_reconcile_seconds,
+                                      settings.gpu.template_gc_grace_seconds, forget=keeper.forget,
+                                      on_result=lambda r: counter.labels(r).inc())
+        keeper.on_ensured = lifecycle.ensured
+        lifecycle_task = asyncio.create_task(lifecycle.run())
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
     site = web.TCPSite(runner, srv.address, srv.port, ssl_context=tls.base, reuse_port=True, backlog=2048)
@@ -119,8 +129,9 @@ async def serve(settings: WebhookSettings, stop: asyncio.Event | None = None) ->
     try:
         await stop.wait()
     finally:
-        if mapping_task is not None:
-            mapping_task.cancel()
+        for task in (mapping_task, lifecycle_task):
+            if task is not None:
+                task.cancel()
         await runner.cleanup()
         if api_client is not None:
             await api_client.close()

@@ -180,6 +180,12 @@ class GpuSettings:
     """Name prefix of the ResourceClaimTemplates the webhook keeps present."""
     template_cache_seconds: float = 300.0
     """How long a template known to exist is not re-checked."""
+    template_reconcile_seconds: float = 30.0
+    """How often the lifecycle loop re-creates deleted templates pods still use and collects unused
+    ones (0 = off). Also bounds how long the admission cache can believe in a deleted template."""
+    template_gc_grace_seconds: float = 600.0
+    """How long a template of ours must go unreferenced by any pod (and unused by admission) before it
+    is deleted: long enough that a Job's next pod or a rollout's next ReplicaSet finds it still there."""
     device_class_check_seconds: float = 10.0
     """How often the DeviceClasses are listed to see whether one maps ``nvidia.com/gpu`` (KEP-5004):
     a mapping added or removed changes what ``dra`` mode does within this time."""

@@ -32,11 +32,13 @@ def test_webhook_configurations_match_registration_module() -> None:
     assert {"kube-system", "gatekeeper-system"} <= set(excluded)
 
 
-def test_rbac_grants_only_template_creation_and_device_class_listing() -> None:
+def test_rbac_grants_only_template_lifecycle_and_listing() -> None:
     (role,) = [d for d in docs("rbac.yaml") if d["kind"] == "ClusterRole"]
     assert role["rules"] == registration.RBAC_RULES == [
-        {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaimtemplates"], "verbs": ["create"]},
-        {"apiGroups": ["resource.k8s.io"], "resources": ["deviceclasses"], "verbs": ["list"]}]
+        {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaimtemplates"],
+         "verbs": ["create", "list", "delete"]},
+        {"apiGroups": ["resource.k8s.io"], "resources": ["deviceclasses"], "verbs": ["list"]},
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}]
     (binding,) = [d for d in docs("rbac.yaml") if d["kind"] == "ClusterRoleBinding"]
     assert binding["subjects"][0]["kind"] == "ServiceAccount"
 

@@ -9,6 +9,7 @@ from review_fixtures import apply, container, pod, request, review
 
 from gatekeeper.kube.admission import response
 from gatekeeper.webhook import gpu
+from gatekeeper.webhook.gpu.claims import spec_hash
 from gatekeeper.webhook.settings import REWRITTEN_ANNOTATION, GpuSettings
 
 DRA = GpuSettings(default_mode="dra")
@@ -37,7 +38,8 @@ def test_dra_single_gpu_container_becomes_claim_and_loses_nvidia_gpu() -> None:
     (tmpl,) = d.templates
     assert tmpl["apiVersion"] == "resource.k8s.io/v1" and tmpl["kind"] == "ResourceClaimTemplate"
     assert tmpl["metadata"] == {"name": rc["resourceClaimTemplateName"], "namespace": "team-a",
-                                "labels": {"app.kubernetes.io/managed-by": "gatekeeper"}}
+                                "labels": {"app.kubernetes.io/managed-by": "gatekeeper"},
+                                "annotations": {"gatekeeper.dev/spec-hash": spec_hash(tmpl["spec"])}}
     devices = tmpl["spec"]["spec"]["devices"]
     assert devices["requests"] == [{"name": "gpu", "exactly": {
         "deviceClassName": "gpu.nvidia.com", "allocationMode": "ExactCount", "count": 1}}]

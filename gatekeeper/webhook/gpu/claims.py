@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 from typing import Any
 
 from gatekeeper.webhook.settings import GpuSettings
@@ -87,12 +88,21 @@ def _template_name(prefix: str, mode: str, count: int, device_class: str, match_
     return f"{prefix}-{mode}-{count}-{digest}"
 
 
+SPEC_HASH_ANNOTATION = "gatekeeper.dev/spec-hash"
+"""On every template: a hash of its spec, so the reconciler can tell ours from an edited or foreign one."""
+
+
+def spec_hash(spec: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(spec, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
 def claim_template(settings: GpuSettings, mode: str, count: int, namespace: str,
                    memory: str = "") -> dict[str, Any]:
+    spec = template_spec(settings, mode, count, memory)
     return {
         "apiVersion": DRA_API,
         "kind": "ResourceClaimTemplate",
         "metadata": {"name": template_name(settings, mode, count, memory), "namespace": namespace,
-                     "labels": dict(MANAGED_BY)},
-        "spec": template_spec(settings, mode, count, memory),
+                     "labels": dict(MANAGED_BY), "annotations": {SPEC_HASH_ANNOTATION: spec_hash(spec)}},
+        "spec": spec,
     }

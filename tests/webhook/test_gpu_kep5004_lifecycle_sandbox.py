@@ -4,11 +4,13 @@ A module sandbox of its own (1 apiserver, 1 KWOK node x 4 GPUs that does not adv
 ``nvidia.com/gpu``, scheduler + controller manager, the webhook listing DeviceClasses every
 second). The scheduler itself serves an unchanged 1-GPU pod through DRA; the webhook leaves it
 alone, still aligns a multi-GPU pod, and notices the mapping going away and coming back.
+The same sandbox runs the template lifecycle loop every second with a 4 s GC grace period.
 """
 
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -29,7 +31,8 @@ def mapped_sandbox(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sandbox
 
     state_dir = tmp_path_factory.mktemp("gpu-kep5004")
     config = state_dir.parent / f"{state_dir.name}-webhook.yaml"
-    config.write_text("webhook:\n  gpu:\n    deviceClassCheckSeconds: 1\n")
+    config.write_text("webhook:\n  gpu:\n    deviceClassCheckSeconds: 1\n    templateReconcileSeconds: 1\n"
+                      "    templateGcGraceSeconds: 4\n")
     try:
         yield up_or_fail(state_dir, "--apiservers", "1", "--gpu-nodes", "1", "--gpus-per-node", "4",
                          "--with-scheduler", "--with-webhook", "--gpu-extended-resource-mapping",
@@ -101,3 +104,36 @@ def test_webhook_follows_the_mapping_being_removed_and_restored(cluster, ns, map
         cluster.run("patch", "deviceclass", name, "--type=merge",
                     "-p", '{"spec": {"extendedResourceName": "nvidia.com/gpu"}}')
     wait_for("webhook leaves pods alone again", lambda: not rewritten_on_dry_run(cluster, ns), timeout=30)
+
+
+def template_of(cluster: Any, ns: str, pod: str) -> str:
+    return str(cluster.get("pod", pod, "-n", ns)["spec"]["resourceClaims"][0]["resourceClaimTemplateName"])
+
+
+def template_uid(cluster: Any, ns: str, name: str) -> str:
+    p = cluster.run("get", "resourceclaimtemplate", name, "-n", ns, "-o", "jsonpath={.metadata.uid}", check=False)
+    return str(p.stdout).strip() if p.returncode == 0 else ""
+
+
+def test_deleted_template_a_pod_references_comes_back(cluster, ns) -> None:
+    cluster.run("create", "-f", "-", input=gpu_pod("user", ns, 2))
+    name = template_of(cluster, ns, "user")
+    tmpl = cluster.get("resourceclaimtemplate", name, "-n", ns)
+    assert tmpl["metadata"]["labels"] == {"app.kubernetes.io/managed-by": "gatekeeper"}
+    assert tmpl["metadata"]["annotations"]["gatekeeper.dev/spec-hash"]
+    first = tmpl["metadata"]["uid"]
+    cluster.run("delete", "resourceclaimtemplate", name, "-n", ns)
+    second = wait_for("template re-created", lambda: template_uid(cluster, ns, name) not in ("", first)
+                      and template_uid(cluster, ns, name), timeout=30)
+    assert second != first
+    assert cluster.get("resourceclaimtemplate", name, "-n", ns)["spec"] == tmpl["spec"]
+
+
+def test_template_no_pod_references_is_collected_after_the_grace_period(cluster, ns) -> None:
+    cluster.run("create", "-f", "-", input=gpu_pod("gone", ns, 2))
+    name = template_of(cluster, ns, "gone")
+    assert template_uid(cluster, ns, name)
+    deleted = time.monotonic()
+    cluster.run("delete", "pod", "gone", "-n", ns, "--grace-period=0", "--force")
+    wait_for("unreferenced template collected", lambda: not template_uid(cluster, ns, name), timeout=40)
+    assert time.monotonic() - deleted >= 4  # not before the (test-configured 4 s) grace period
