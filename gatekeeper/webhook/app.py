@@ -37,6 +37,7 @@ from gatekeeper.kube.admission import Decision, ReviewError, parse_review, respo
 from gatekeeper.metrics import child, metrics_handler
 from gatekeeper.webhook import policies
 from gatekeeper.webhook.deviceclasses import ExtendedResourceMap
+from gatekeeper.webhook.namespace_modes import NamespaceModes
 from gatekeeper.webhook.settings import WebhookSettings
 from gatekeeper.webhook.templates import TemplateError, TemplateKeeper
 
@@ -80,6 +81,7 @@ SETTINGS_KEY = web.AppKey("settings", WebhookSettings)
 KEEPER_KEY = web.AppKey("keeper", TemplateKeeper)
 READY_KEY = web.AppKey("ready", dict)
 MAPPING_KEY = web.AppKey("extended_resource_map", ExtendedResourceMap)
+NAMESPACE_MODES_KEY = web.AppKey("namespace_modes", NamespaceModes)
 
 
 def _json(doc: Any, status: int = 200) -> web.Response:
@@ -101,7 +103,9 @@ async def _review(request: web.Request, route: str) -> web.Response:
             policy, decision = policies.validate(req, settings)
         else:
             mapping = request.app.get(MAPPING_KEY)
-            policy, decision = policies.mutate(req, settings, mapping is not None and mapping.mapped)
+            ns_modes = request.app.get(NAMESPACE_MODES_KEY)
+            policy, decision = policies.mutate(req, settings, mapping is not None and mapping.mapped,
+                                               ns_modes.modes if ns_modes is not None else None)
         if decision.allowed and decision.templates and not req.dry_run:
             keeper = request.app.get(KEEPER_KEY)
             if keeper is None:

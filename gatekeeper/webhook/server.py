@@ -87,7 +87,7 @@ async def serve(settings: WebhookSettings, stop: asyncio.Event | None = None) ->
         keeper = TemplateKeeper(kube_creator(api_client), settings.gpu.template_cache_seconds,
                                 on_result=lambda r: counter.labels(r).inc())
     app = build_app(settings, keeper)
-    mapping_task = None
+    mapping_task = ns_task = None
     if api_client is not None:
         from gatekeeper.webhook.app import MAPPING_KEY
         from gatekeeper.webhook.deviceclasses import ExtendedResourceMap, kube_lister
@@ -96,6 +96,14 @@ async def serve(settings: WebhookSettings, stop: asyncio.Event | None = None) ->
         await mapping.refresh()  # the first pods already see an existing mapping
         app[MAPPING_KEY] = mapping
         mapping_task = asyncio.create_task(mapping.run())
+        from gatekeeper.webhook.app import NAMESPACE_MODES_KEY
+        from gatekeeper.webhook.namespace_modes import NamespaceModes, kube_namespace_source
+
+        ns_modes = NamespaceModes(*kube_namespace_source(api_client))
+        app[NAMESPACE_MODES_KEY] = ns_modes
+        ns_task = asyncio.create_task(ns_modes.run())
+        with contextlib.suppress(TimeoutError):  # the first pods already see existing labels
+            await asyncio.wait_for(ns_modes.synced.wait(), 10)
     lifecycle_task = None
     if keeper is not None and settings.gpu.template_reconcile_seconds > 0:
         from gatekeeper.webhook.template_lifecycle import TemplateLifecycle, kube_ops
@@ -129,7 +137,7 @@ async def serve(settings: WebhookSettings, stop: asyncio.Event | None = None) ->
     try:
         await stop.wait()
     finally:
-        for task in (mapping_task, lifecycle_task):
+        for task in (mapping_task, ns_task, lifecycle_task):
             if task is not None:
                 task.cancel()
         await runner.cleanup()

@@ -38,7 +38,8 @@ def test_rbac_grants_only_template_lifecycle_and_listing() -> None:
         {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaimtemplates"],
          "verbs": ["create", "list", "delete"]},
         {"apiGroups": ["resource.k8s.io"], "resources": ["deviceclasses"], "verbs": ["list"]},
-        {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}]
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
+        {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"]}]
     (binding,) = [d for d in docs("rbac.yaml") if d["kind"] == "ClusterRoleBinding"]
     assert binding["subjects"][0]["kind"] == "ServiceAccount"
 

@@ -75,3 +75,61 @@ def test_map_follows_changes_and_keeps_the_last_answer_when_listing_fails() -> N
         return seen
 
     assert asyncio.run(scenario()) == [True, True, False]
+
+
+def test_namespace_label_sets_the_mode_where_the_config_says_nothing() -> None:
+    from gatekeeper.webhook import policies
+    from gatekeeper.webhook.settings import WebhookSettings
+
+    s = GpuSettings(default_mode="dra", namespace_modes={"cfg": "off"})
+    d = gpu.review(request(review(pod(container("c", 1)), kind="Pod", namespace="lab")), s, False, "time-slicing")
+    assert d.outcome == "mutated" and d.audit["gpu-mode"] == "time-slicing"
+    assert d.audit["gpu-mode-source"] == "namespace-label"
+    # the operator's namespaceModes wins over the label
+    d = gpu.review(request(review(pod(container("c", 1)), kind="Pod", namespace="cfg")), s, False, "dra")
+    assert d.outcome == "skipped" and d.audit["gpu-mode-source"] == "namespace"
+    # policies.mutate looks the pod's namespace up in the cache's map
+    ws = WebhookSettings(gpu=s)
+    _, d = policies.mutate(request(review(pod(container("c", 1)), kind="Pod", namespace="lab")), ws,
+                           namespace_modes={"lab": "off"})
+    assert d.outcome == "skipped" and d.audit["gpu-mode-source"] == "namespace-label"
+
+
+def test_namespace_label_with_no_such_mode_denies_with_the_fix() -> None:
+    d = gpu.review(request(review(pod(container("c", 1)), kind="Pod", namespace="lab")), DRA, False, "fast")
+    assert not d.allowed and "fix the namespace's label" in (d.message or "")
+
+
+def test_namespace_cache_follows_list_watch_events_and_relists_after_an_error() -> None:
+    from gatekeeper.webhook.namespace_modes import NamespaceModes
+
+    def ns(name: str, mode: str | None) -> dict[str, Any]:
+        return {"metadata": {"name": name, "labels": {"gatekeeper.dev/gpu-mode": mode} if mode else {}}}
+
+    lists = [([ns("a", "dra")], "1"), ([ns("c", "mig")], "9")]
+    streams = [[("MODIFIED", ns("a", "shared")), ("ADDED", ns("b", "off")), ("MODIFIED", ns("b", None)),
+                ("ERROR", {})], []]
+    seen: list[dict[str, str]] = []
+
+    async def list_ns() -> tuple[list[dict[str, Any]], str]:
+        return lists.pop(0)
+
+    async def watch_ns(rv: str) -> Any:
+        events = streams.pop(0)
+        if not streams:
+            done.set()  # the second watch, after the relist
+        for ev in events:
+            yield ev
+            seen.append(dict(cache.modes))
+
+    async def scenario() -> dict[str, str]:
+        task = asyncio.create_task(cache.run())
+        await asyncio.wait_for(done.wait(), 5)
+        task.cancel()
+        return dict(cache.modes)
+
+    cache = NamespaceModes(list_ns, watch_ns, retry_seconds=0.01)
+    done = asyncio.Event()
+    final = asyncio.run(scenario())
+    assert seen[:3] == [{"a": "shared"}, {"a": "shared", "b": "off"}, {"a": "shared"}]
+    assert final == {"c": "mig"}  # the ERROR event led to a fresh LIST

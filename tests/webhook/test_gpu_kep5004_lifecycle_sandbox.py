@@ -137,3 +137,23 @@ def test_template_no_pod_references_is_collected_after_the_grace_period(cluster,
     cluster.run("delete", "pod", "gone", "-n", ns, "--grace-period=0", "--force")
     wait_for("unreferenced template collected", lambda: not template_uid(cluster, ns, name), timeout=40)
     assert time.monotonic() - deleted >= 4  # not before the (test-configured 4 s) grace period
+
+
+def dry_run_mode(cluster: Any, ns: str) -> str:
+    """What the webhook does to an unannotated 2-GPU pod in ``ns`` (server-side dry run)."""
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p", "namespace": ns},
+           "spec": {"containers": [{"name": "main", "image": "registry.k8s.io/pause:3.10",
+                                    "resources": {"limits": {"nvidia.com/gpu": "2"}}}]}}
+    out = json.loads(cluster.run("create", "--dry-run=server", "-o", "json", "-f", "-", input=json.dumps(pod)).stdout)
+    return str(out["metadata"].get("annotations", {}).get("gatekeeper.dev/gpu-decision", "untouched"))
+
+
+def test_namespace_gpu_mode_label_is_followed_through_the_watch(cluster, ns) -> None:
+    assert dry_run_mode(cluster, ns) == "mode=dra source=default"
+    cluster.run("label", "namespace", ns, "gatekeeper.dev/gpu-mode=time-slicing")
+    wait_for("label seen", lambda: dry_run_mode(cluster, ns) == "mode=time-slicing source=namespace-label",
+             timeout=30)
+    cluster.run("label", "--overwrite", "namespace", ns, "gatekeeper.dev/gpu-mode=off")
+    wait_for("label change seen", lambda: dry_run_mode(cluster, ns) == "untouched", timeout=30)
+    cluster.run("label", "namespace", ns, "gatekeeper.dev/gpu-mode-")
+    wait_for("label removal seen", lambda: dry_run_mode(cluster, ns) == "mode=dra source=default", timeout=30)

@@ -286,11 +286,13 @@ def served_by_extended_resource(found: list[GpuContainer], settings: GpuSettings
     return not any(aligned(settings, count) for _, count, _ in claim_groups(found))
 
 
-def review(req: AdmissionRequest, settings: GpuSettings, extended_resource_mapped: bool = False) -> Decision:
+def review(req: AdmissionRequest, settings: GpuSettings, extended_resource_mapped: bool = False,
+           namespace_label_mode: str | None = None) -> Decision:
     """Decide one Pod CREATE (callers check :func:`handles` first).
 
     ``extended_resource_mapped``: a DeviceClass has ``extendedResourceName: nvidia.com/gpu`` (KEP-5004),
     so plain ``dra`` pods that need nothing more are left for the scheduler to serve.
+    ``namespace_label_mode``: the pod's namespace's ``gatekeeper.dev/gpu-mode`` label, if any.
     """
     pod = req.object or {}
     meta, spec = as_dict(pod.get("metadata")), as_dict(pod.get("spec"))
@@ -301,7 +303,7 @@ def review(req: AdmissionRequest, settings: GpuSettings, extended_resource_mappe
         if not found:
             return Decision(outcome="skipped")
         groups = as_dict(req.raw.get("userInfo")).get("groups") or []
-        mode, source = decide_mode(annotations, req.namespace, settings, groups)
+        mode, source = decide_mode(annotations, req.namespace, settings, groups, namespace_label_mode)
         if mode == "off":
             return Decision(outcome="skipped", audit={"gpu-mode": "off", "gpu-mode-source": source})
         # A pod we rewrote before (reinvocation after a later webhook injected another GPU container)

@@ -1,7 +1,7 @@
 """Which GPU mode a pod gets, and who may choose it (pure).
 
-The pod annotation, ``namespaceModes`` and ``defaultMode`` decide in that
-order, except in ``enforcedNamespaces``: there the namespace's mode holds, and
+The pod annotation, ``namespaceModes``, the namespace's ``gatekeeper.dev/gpu-mode``
+label and ``defaultMode`` decide in that order, except in ``enforcedNamespaces``: there the namespace's mode holds, and
 an annotation asking for another is denied, not ignored, unless the user is in
 ``optOutGroups``. Installing the webhook must make the policy hold, not merely
 suggest it.
@@ -26,9 +26,25 @@ def resolve_mode(annotations: dict[str, Any], namespace: str, settings: GpuSetti
     return decide_mode(annotations, namespace, settings, groups=())[0]
 
 
+def _namespace_mode(namespace: str, settings: GpuSettings, label_mode: str | None) -> tuple[str, str] | None:
+    """The config's namespaceModes first (the operator's file), then the namespace's label."""
+    ns_mode = settings.namespace_modes.get(namespace)
+    if ns_mode:
+        return ns_mode, "namespace"
+    if label_mode is None:
+        return None
+    if label_mode not in MODES:
+        raise PolicyError(f"namespace {namespace} has label {MODE_ANNOTATION}={label_mode!r}, which is not a mode "
+                          f"(one of {', '.join(MODES)}): fix the namespace's label")
+    return label_mode, "namespace-label"
+
+
 def decide_mode(annotations: dict[str, Any], namespace: str, settings: GpuSettings,
-                groups: Any) -> tuple[str, str]:
-    """(mode, source): source is annotation, namespace, default, enforced or opt-out.
+                groups: Any, label_mode: str | None = None) -> tuple[str, str]:
+    """(mode, source): source is annotation, namespace, namespace-label, default, enforced or opt-out.
+
+    ``label_mode``: the namespace's ``gatekeeper.dev/gpu-mode`` label, used where namespaceModes
+    says nothing.
 
     In an ``enforcedNamespaces`` namespace the annotation may only repeat the namespace's mode,
     unless the user is in ``optOutGroups``; anything else is denied rather than silently ignored,
@@ -37,8 +53,7 @@ def decide_mode(annotations: dict[str, Any], namespace: str, settings: GpuSettin
     value = annotations.get(MODE_ANNOTATION)
     if value is not None and value not in MODES:
         raise PolicyError(f"annotation {MODE_ANNOTATION} must be one of {', '.join(MODES)}, got {value!r}")
-    ns_mode = settings.namespace_modes.get(namespace)
-    base, base_source = (ns_mode, "namespace") if ns_mode else (settings.default_mode, "default")
+    base, base_source = _namespace_mode(namespace, settings, label_mode) or (settings.default_mode, "default")
     if namespace in settings.enforced_namespaces:
         if value is None or value == base:
             return base, "enforced"
