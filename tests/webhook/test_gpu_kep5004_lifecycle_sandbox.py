@@ -157,3 +157,15 @@ def test_namespace_gpu_mode_label_is_followed_through_the_watch(cluster, ns) -> 
     wait_for("label change seen", lambda: dry_run_mode(cluster, ns) == "untouched", timeout=30)
     cluster.run("label", "namespace", ns, "gatekeeper.dev/gpu-mode-")
     wait_for("label removal seen", lambda: dry_run_mode(cluster, ns) == "mode=dra source=default", timeout=30)
+
+
+@pytest.mark.parametrize(("memory", "profile"), [("20Gi", "7g.40gb"), ("20G", "3g.20gb")])
+def test_mig_reads_gpu_memory_in_exact_units_through_the_apiserver(cluster, ns, memory, profile) -> None:
+    # A100-40GB (the default migGpuModel): 20Gi is 21.5 GB and does not fit a 20 GB profile.
+    pod = {"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"name": "m", "namespace": ns,
+                        "annotations": {"gatekeeper.dev/gpu-mode": "mig", "gatekeeper.dev/gpu-memory": memory}},
+           "spec": {"containers": [{"name": "main", "image": "registry.k8s.io/pause:3.10",
+                                    "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}}
+    out = json.loads(cluster.run("create", "--dry-run=server", "-o", "json", "-f", "-", input=json.dumps(pod)).stdout)
+    assert out["spec"]["containers"][0]["resources"]["limits"] == {f"nvidia.com/mig-{profile}": "1"}

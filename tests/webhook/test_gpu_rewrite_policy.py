@@ -209,11 +209,20 @@ def test_mps_dra_template_carries_nvidia_gpuconfig() -> None:
     ("A100-40GB", "8gb", "1g.10gb"),
     ("A100-40GB", "10", "1g.10gb"),
     ("A100-40GB", "15G", "3g.20gb"),
-    ("A100-40GB", "40Gi", "7g.40gb"),
-    ("A100-80GB", "20Gi", "1g.20gb"),
+    ("A100-40GB", "40G", "7g.40gb"),
+    # 20Gi is 21.5 GB: more than a 1g.20gb holds (it was read as 20 GB before, ~7% short)
+    ("A100-80GB", "20Gi", "3g.40gb"),
+    ("A100-80GB", "20G", "1g.20gb"),
+    ("A100-80GB", "20gb", "1g.20gb"),
+    ("A100-80GB", "20", "1g.20gb"),
+    ("A100-80GB", "19073Mi", "1g.20gb"),  # 19073 MiB < 20e9 bytes < 19074 MiB
+    ("A100-80GB", "19074Mi", "3g.40gb"),
+    ("A100-80GB", "20e9", "1g.20gb"),
+    ("A100-80GB", "2000000001e1", "3g.40gb"),
     ("H100-80GB", "30Gi", "3g.40gb"),
-    ("H100-94GB", "47Gi", "3g.47gb"),
-    ("H100-96GB", "48Gi", "3g.48gb"),
+    ("H100-94GB", "47Gi", "7g.94gb"),
+    ("H100-94GB", "47G", "3g.47gb"),
+    ("H100-96GB", "48Gi", "7g.96gb"),
     ("H200-141GB", "512Mi", "1g.18gb"),
     ("H200-141GB", "100Gi", "7g.141gb"),
     ("A30-24GB", "7Gi", "2g.12gb"),
@@ -229,6 +238,10 @@ def test_mig_denies_when_nothing_fits_or_memory_missing() -> None:
     s = GpuSettings(default_mode="mig", mig_gpu_model="A100-40GB")
     d, _, _ = run(pod(container("m", 1), annotations={"gatekeeper.dev/gpu-memory": "60Gi"}), s)
     assert not d.allowed and "7g.40gb" in d.message and "A100-40GB" in d.message
+    d, _, _ = run(pod(container("m", 1), annotations={"gatekeeper.dev/gpu-memory": "40Gi"}), s)
+    assert not d.allowed  # 42.9 GB: never rounded down into the 40 GB profile
+    d, _, _ = run(pod(container("m", 1), annotations={"gatekeeper.dev/gpu-memory": "lots"}), s)
+    assert not d.allowed and "like '20Gi'" in d.message
     d, _, _ = run(pod(container("m", 1)), s)
     assert not d.allowed and "gatekeeper.dev/gpu-memory" in d.message
     d, _, _ = run(pod(container("m", 1)), dataclasses.replace(s, mig_default_profile="2g.10gb"))

@@ -66,7 +66,7 @@ from gatekeeper.webhook.gpu.sizing import (
     MIG_CATALOG,
     MigProfile,
     mib_quantity,
-    parse_gpu_memory,
+    mig_need_bytes,
     parse_quantity_bytes,
     smallest_mig_profile,
 )
@@ -97,7 +97,7 @@ __all__ = [
     "decide_mode",
     "gpu_containers",
     "handles",
-    "parse_gpu_memory",
+    "mig_need_bytes",
     "parse_quantity_bytes",
     "resolve_mode",
     "review",
@@ -242,7 +242,7 @@ def _mig_profile(annotations: dict[str, Any], settings: GpuSettings, label: str)
         raise PolicyError(f"{label} uses gpu-mode mig but has no {MEMORY_ANNOTATION} annotation "
                           f"(e.g. '20Gi'): set it so a {settings.mig_gpu_model} MIG profile can be chosen")
     try:
-        need = parse_gpu_memory(str(raw))
+        need = mig_need_bytes(str(raw))
     except ValueError as exc:
         raise PolicyError(f"{label}: {exc}") from None
     profile = smallest_mig_profile(settings.mig_gpu_model, need)

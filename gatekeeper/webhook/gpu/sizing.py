@@ -82,22 +82,28 @@ MIG_CATALOG: dict[str, tuple[MigProfile, ...]] = {
     "B200-180GB": _profiles("1g.23gb", "1g.45gb", "2g.45gb", "3g.90gb", "4g.90gb", "7g.180gb"),
 }
 
-_LEGACY_MEM = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(gib|gb|gi|g|mib|mb|mi|m)?\s*$", re.IGNORECASE)
+_LEGACY_UNIT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(gib|gb|gi|g|mib|mb|mi|m)?\s*$", re.IGNORECASE)
+_LEGACY_SUFFIX = {"gib": "Gi", "gi": "Gi", "gb": "G", "g": "G", "mib": "Mi", "mi": "Mi", "mb": "M", "m": "M"}
 
 
-def parse_gpu_memory(text: str) -> float:
-    """GB as MIG profile names count them: '20', '20gb', '20G' and '20Gi' all mean 20; '512Mi' is 0.5.
+def mig_need_bytes(text: str) -> int:
+    """Bytes (rounded up) a mig pod's ``gatekeeper.dev/gpu-memory`` asks for.
 
-    Kept for the mig mode's established behaviour; the shared mode uses
-    :func:`parse_quantity_bytes`, which reads units exactly.
+    Exact Kubernetes units, so ``20Gi`` is 21.5 GB, not 20 GB (reading it as 20 would pick a
+    profile ~7% too small). The forms the mig mode always accepted keep their meaning: a bare
+    number is GB (as profile names count), and ``gb``/``mb``/``g``/``m`` in any case are GB/MB.
     """
-    m = _LEGACY_MEM.match(text)
-    if not m:
-        raise ValueError(f"gatekeeper.dev/gpu-memory must be a size like '20Gi' or '10gb', got {text!r}")
-    value, unit = float(m.group(1)), (m.group(2) or "g").lower()
-    return value / 1024 if unit.startswith("m") else value
+    m = _LEGACY_UNIT.match(text)
+    if m:
+        unit = (m.group(2) or "g").lower()
+        text = m.group(1) + _LEGACY_SUFFIX[unit]
+    try:
+        return parse_quantity_bytes(text)
+    except ValueError:
+        raise ValueError(f"gatekeeper.dev/gpu-memory must be a size like '20Gi' or '10G', got {text!r}") from None
 
 
-def smallest_mig_profile(model: str, need_gb: float) -> MigProfile | None:
-    fits = [p for p in MIG_CATALOG[model] if p.memory_gb >= need_gb]
+def smallest_mig_profile(model: str, need_bytes: int) -> MigProfile | None:
+    """Profile names count GB (10^9 bytes), a lower bound of what each profile really has."""
+    fits = [p for p in MIG_CATALOG[model] if p.memory_gb * 10**9 >= need_bytes]
     return min(fits, key=lambda p: (p.memory_gb, p.slices)) if fits else None
