@@ -43,6 +43,12 @@ def register(sub: Any) -> None:
     u.add_argument("--apiservers", type=positive_int, default=3, help="kube-apiservers sharing etcd (default 3)")
     u.add_argument("--gpu-nodes", type=non_negative_int, default=0, help="KWOK GPU nodes (default 0)")
     u.add_argument("--gpus-per-node", type=positive_int, default=8, help="GPUs per node (default 8)")
+    u.add_argument("--gpu-sharing", choices=["none", "memory"], default="none",
+                   help="publish the GPUs exclusive (none, default) or shareable by memory like the NVIDIA "
+                        "DRA driver's --consumable-shares=memory (for the webhook's shared mode)")
+    u.add_argument("--gpu-extended-resource-mapping", action="store_true",
+                   help="the GPU DeviceClass maps nvidia.com/gpu (KEP-5004 extendedResourceName) and the "
+                        "nodes do not advertise it, so the scheduler serves unchanged GPU pods through DRA")
     u.add_argument("--with-scheduler", action="store_true",
                    help="also run kube-scheduler and kube-controller-manager")
     u.add_argument("--apiserver-arg", action="append", default=[], metavar="ARG",
@@ -52,6 +58,9 @@ def register(sub: Any) -> None:
     u.add_argument("--timeout", type=float, default=300.0,
                    help="seconds each component may take (default 300)")
     u.add_argument("--with-webhook", action="store_true", help="also run the gatekeeper webhook add-on")
+    u.add_argument("--webhook-config", default=None,
+                   help="YAML file whose webhook: section (GPU modes, defaults, limits) overrides the webhook "
+                        "add-on's; server and kubeconfig stay the sandbox's")
     u.add_argument("--with-proxy", action="store_true", help="also run the gatekeeper front proxy add-on")
     u.add_argument("--proxy-goaway-chance", type=float, default=None,
                    help="GOAWAY probability per request for the proxy add-on")
@@ -93,7 +102,8 @@ def _up(args: argparse.Namespace) -> int:
     opts = UpOptions(
         state_dir=args.state_dir, apiservers=args.apiservers, gpu_nodes=args.gpu_nodes,
         gpus_per_node=args.gpus_per_node, with_scheduler=args.with_scheduler, gogc=args.gogc,
-        timeout=args.timeout, addons=addons, apiserver_args=tuple(args.apiserver_arg),
+        timeout=args.timeout, addons=addons, apiserver_args=tuple(args.apiserver_arg), gpu_sharing=args.gpu_sharing,
+        gpu_extended_resource_mapping=args.gpu_extended_resource_mapping,
     )
     try:
         up(opts, args)

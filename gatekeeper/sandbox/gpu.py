@@ -24,6 +24,13 @@ GPU_MEMORY = "80Gi"
 PCIE_ROOTS = ("pci0000:00", "pci0000:80")
 """Two PCIe roots per node, half the GPUs each, so a 2-GPU ``matchAttribute`` constraint means something."""
 NODE_PREFIX = "gpu-node-"
+SHARING_MODES = ("none", "memory")
+"""``--gpu-sharing``: ``memory`` publishes every GPU as the NVIDIA DRA driver does with
+``--consumable-shares=memory`` (kubernetes-sigs/dra-driver-nvidia-gpu, cmd/gpu-kubelet-plugin/
+consumable_shares.go): ``allowMultipleAllocations: true`` and a ``memory`` capacity whose
+``requestPolicy`` defaults to the whole GPU and allows 1Mi..all in 1Mi steps. A claim that asks for no
+memory still gets the whole GPU (the default), so whole-GPU pods behave exactly as with ``none``."""
+MEMORY_STEP = "1Mi"
 
 
 class ObjectMeta(objects.ObjectMeta, total=False):
@@ -45,26 +52,33 @@ def node_names(count: int) -> list[str]:
     return [f"{NODE_PREFIX}{i}" for i in range(count)]
 
 
-def device_class() -> Manifest:
+def device_class(extended_resource_mapping: bool = False) -> Manifest:
+    """The GPUs' DeviceClass; ``extended_resource_mapping`` adds KEP-5004's ``extendedResourceName``."""
+    spec: dict[str, Any] = {"selectors": [{"cel": {"expression": f'device.driver == "{DRIVER}"'}}]}
+    if extended_resource_mapping:
+        spec["extendedResourceName"] = EXTENDED_RESOURCE
     return {
         "apiVersion": "resource.k8s.io/v1",
         "kind": "DeviceClass",
         "metadata": {"name": DEVICE_CLASS},
-        "spec": {"selectors": [{"cel": {"expression": f'device.driver == "{DRIVER}"'}}]},
+        "spec": spec,
     }
 
 
-def node(name: str, gpus: int) -> Manifest:
+def node(name: str, gpus: int, advertise_extended_resource: bool = True) -> Manifest:
     """A Node as KWOK's docs create them; KWOK fills conditions and keeps our capacity.
 
     No ``kwok.x-k8s.io/node=fake:NoSchedule`` taint: KWOK's docs add it to keep real
     pods off fake nodes in a real cluster, but here every node is fake, and the
     taint would force a toleration onto every pod the tests and webhook produce.
+
+    Without ``advertise_extended_resource`` the node has no ``nvidia.com/gpu`` capacity, as a node
+    served only by a DRA driver: the scheduler serves the resource there through KEP-5004's
+    DeviceClass mapping (a node that advertises it keeps device-plugin accounting).
     """
-    resources = {
-        "cpu": "128", "memory": "1Ti", "pods": "110", "ephemeral-storage": "10Ti",
-        EXTENDED_RESOURCE: str(gpus),
-    }
+    resources = {"cpu": "128", "memory": "1Ti", "pods": "110", "ephemeral-storage": "10Ti"}
+    if advertise_extended_resource:
+        resources[EXTENDED_RESOURCE] = str(gpus)
     return {
         "apiVersion": "v1",
         "kind": "Node",
@@ -96,22 +110,34 @@ def pcie_root(index: int, gpus: int) -> str:
     return PCIE_ROOTS[0] if index < (gpus + 1) // 2 else PCIE_ROOTS[1]
 
 
-def resource_slice(node_name: str, gpus: int, node_uid: str = "") -> Manifest:
-    """The one slice of pool ``node_name``; owned by the Node so deleting the node cleans it up."""
-    devices = [
-        {
-            "name": f"gpu-{i}",
-            "attributes": {
-                "productName": {"string": PRODUCT},
-                "architecture": {"string": "Hopper"},
-                "index": {"int": i},
-                "uuid": {"string": gpu_uuid(node_name, i)},
-                "resource.kubernetes.io/pcieRoot": {"string": pcie_root(i, gpus)},
-            },
-            "capacity": {"memory": {"value": GPU_MEMORY}},
+def gpu_device(node_name: str, i: int, gpus: int, sharing: str = "none") -> dict[str, Any]:
+    """One GPU as the driver publishes it (``sharing``: see :data:`SHARING_MODES`)."""
+    device: dict[str, Any] = {
+        "name": f"gpu-{i}",
+        "attributes": {
+            "type": {"string": "gpu"},
+            "productName": {"string": PRODUCT},
+            "architecture": {"string": "Hopper"},
+            "index": {"int": i},
+            "uuid": {"string": gpu_uuid(node_name, i)},
+            "resource.kubernetes.io/pcieRoot": {"string": pcie_root(i, gpus)},
+        },
+        "capacity": {"memory": {"value": GPU_MEMORY}},
+    }
+    if sharing == "memory":
+        device["allowMultipleAllocations"] = True
+        device["capacity"]["memory"]["requestPolicy"] = {
+            "default": GPU_MEMORY,
+            "validRange": {"min": MEMORY_STEP, "max": GPU_MEMORY, "step": MEMORY_STEP},
         }
-        for i in range(gpus)
-    ]
+    elif sharing != "none":
+        raise ValueError(f"gpu sharing must be one of {', '.join(SHARING_MODES)}, got {sharing!r}")
+    return device
+
+
+def resource_slice(node_name: str, gpus: int, node_uid: str = "", sharing: str = "none") -> Manifest:
+    """The one slice of pool ``node_name``; owned by the Node so deleting the node cleans it up."""
+    devices = [gpu_device(node_name, i, gpus, sharing) for i in range(gpus)]
     meta: ObjectMeta = {"name": f"{node_name}-{DRIVER}"}
     if node_uid:
         meta["ownerReferences"] = [

@@ -58,6 +58,10 @@ class UpOptions:
     """GOGC for etcd, apiservers, scheduler and controller manager (None: Go's default)."""
     timeout: float = 300.0
     """Seconds each component may take to become healthy."""
+    gpu_sharing: str = "none"
+    """How the fake GPUs are published: ``none`` (exclusive) or ``memory`` (consumable shares)."""
+    gpu_extended_resource_mapping: bool = False
+    """DeviceClass maps ``nvidia.com/gpu`` (KEP-5004) and nodes do not advertise it (DRA serves it)."""
     addons: tuple[str, ...] = ()
     """Add-ons (keys of :data:`ADDONS`) to start after the control plane."""
     apiserver_args: tuple[str, ...] = ()
@@ -176,18 +180,21 @@ def _start_kwok(s: _Starter, bins: Binaries, opts: UpOptions) -> None:
 
 def _publish_gpus(s: _Starter, bins: Binaries, opts: UpOptions) -> None:
     kc, kb = s.layout.kubeconfig("admin"), bins.kubectl
-    kubectl.run(kc, "create", "-f", "-", input=json.dumps(gpu.device_class()), binary=kb, check=True)
+    dc = gpu.device_class(opts.gpu_extended_resource_mapping)
+    kubectl.run(kc, "create", "-f", "-", input=json.dumps(dc), binary=kb, check=True)
     names = gpu.node_names(opts.gpu_nodes)
     s.state.extra.update({"gpu_nodes": names, "gpus_per_node": opts.gpus_per_node,
-                          "device_class": gpu.DEVICE_CLASS, "dra_driver": gpu.DRIVER})
+                          "device_class": gpu.DEVICE_CLASS, "dra_driver": gpu.DRIVER,
+                          "gpu_sharing": opts.gpu_sharing,
+                          "gpu_extended_resource_mapping": opts.gpu_extended_resource_mapping})
     s.state.save()
     if not names:
         return
-    nodes = [gpu.node(n, opts.gpus_per_node) for n in names]
+    nodes = [gpu.node(n, opts.gpus_per_node, not opts.gpu_extended_resource_mapping) for n in names]
     kubectl.run(kc, "create", "-f", "-", input=json.dumps(gpu.as_list(nodes)), binary=kb, check=True)
     created = kubectl.get_json(kc, "nodes", "-l", comp.KWOK_NODE_SELECTOR, binary=kb)
     uids = {i["metadata"]["name"]: i["metadata"]["uid"] for i in created["items"]}
-    slices = [gpu.resource_slice(n, opts.gpus_per_node, uids.get(n, "")) for n in names]
+    slices = [gpu.resource_slice(n, opts.gpus_per_node, uids.get(n, ""), opts.gpu_sharing) for n in names]
     kubectl.run(kc, "create", "-f", "-", input=json.dumps(gpu.as_list(slices)), binary=kb, check=True)
     kwok_rec = s.state.process("kwok")
 

@@ -63,6 +63,26 @@ def authenticated(config: dict[str, Any], client_ca: Path) -> dict[str, Any]:
     return config
 
 
+def merge_user_config(config: dict[str, Any], user: Any, source: str) -> dict[str, Any]:
+    """``--webhook-config FILE``: the file's ``webhook:`` section over the sandbox's defaults.
+
+    ``server`` and ``kubeconfig`` stay the sandbox's (its certificates, port file and RBAC'd user),
+    everything else (GPU modes, namespace defaults, secret limits) is the user's to set.
+    """
+    section = user.get("webhook") if isinstance(user, dict) else None
+    if not isinstance(section, dict):
+        raise ValueError(f"{source}: expected a mapping with a webhook: section")
+    merged = dict(config["webhook"])
+    for key, value in section.items():
+        if key in ("server", "kubeconfig"):
+            continue
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = {**merged[key], **value}
+        else:
+            merged[key] = value
+    return {"webhook": merged}
+
+
 def _probe_secret() -> str:
     data = base64.b64encode(b"\0" * (300 * 1024)).decode()
     return json.dumps({"apiVersion": "v1", "kind": "Secret",
@@ -72,9 +92,12 @@ def _probe_secret() -> str:
 
 def _probe_pod() -> str:
     return json.dumps({"apiVersion": "v1", "kind": "Pod",
-                       "metadata": {"name": "gatekeeper-probe", "namespace": PROBE_NAMESPACE},
+                       # dra by annotation, so a --webhook-config with another defaultMode is still probed; 2 GPUs
+                       # get alignment, so a KEP-5004 mapping (which serves 1 GPU alone) still gets rewritten
+                       "metadata": {"name": "gatekeeper-probe", "namespace": PROBE_NAMESPACE,
+                                    "annotations": {"gatekeeper.dev/gpu-mode": "dra"}},
                        "spec": {"containers": [{"name": "probe", "image": "registry.k8s.io/pause:3.10",
-                                                "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}})
+                                                "resources": {"limits": {"nvidia.com/gpu": "2"}}}]}})
 
 
 def enforced(kubeconfig: str, binary: str | None) -> tuple[bool, str]:
@@ -114,6 +137,9 @@ def start(state: SandboxState, args: argparse.Namespace) -> None:
     port_file.unlink(missing_ok=True)
     config_path = work / "config.yaml"
     config = authenticated(webhook_config(state, serving, kubeconfig, port_file), Path(ca.cert_path("ca")))
+    user_file = getattr(args, "webhook_config", None)
+    if user_file:  # the user's policy sections; server (and so authentication) stays the sandbox's
+        config = merge_user_config(config, yaml.safe_load(Path(user_file).read_text()), str(user_file))
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
     log = directory / "logs" / "webhook.log"
     argv = [sys.executable, "-m", "gatekeeper", "webhook", "--config", str(config_path)]

@@ -17,8 +17,11 @@ Metrics (Prometheus):
     Bodies rejected with 400.
 ``gatekeeper_webhook_gpu_rewrites_total{mode}``
     Pods rewritten, by GPU mode.
+``gatekeeper_webhook_gpu_mode_decisions_total{mode,source}``
+    GPU pods decided, by mode and what chose it (annotation, namespace, default, enforced, opt-out).
 ``gatekeeper_webhook_template_reconciliations_total{result}``
-    ResourceClaimTemplate checks: created, exists (409), cached, error.
+    ResourceClaimTemplate checks: created, exists (409), cached, error; and the lifecycle loop's
+    recreated (deleted while pods use it) and collected (unreferenced past the grace period).
 ``gatekeeper_webhook_refused_requests_total{route,reason}``
     Requests refused before any policy ran: ``too-large`` (413, above
     ``server.maxBodyBytes``) or ``unauthenticated`` (403, no verified
@@ -48,6 +51,8 @@ from gatekeeper.kube.admission import Decision, ReviewError, parse_review, respo
 from gatekeeper.metrics import child
 from gatekeeper.ops import add_ops_routes
 from gatekeeper.webhook import policies
+from gatekeeper.webhook.deviceclasses import ExtendedResourceMap
+from gatekeeper.webhook.namespace_modes import NamespaceModes
 from gatekeeper.webhook.settings import WebhookSettings
 from gatekeeper.webhook.templates import TemplateError, TemplateKeeper
 
@@ -69,6 +74,8 @@ class Metrics:
         self.bad_requests = Counter("gatekeeper_webhook_bad_requests_total", "Bodies rejected with 400",
                                     ["route"])
         self.rewrites = Counter("gatekeeper_webhook_gpu_rewrites_total", "GPU pods rewritten", ["mode"])
+        self.mode_decisions = Counter("gatekeeper_webhook_gpu_mode_decisions_total",
+                                      "GPU pods decided, by mode and by what chose the mode", ["mode", "source"])
         self.templates = Counter("gatekeeper_webhook_template_reconciliations_total",
                                  "ResourceClaimTemplate create-if-missing results", ["result"])
         self.refused = Counter("gatekeeper_webhook_refused_requests_total",
@@ -90,6 +97,8 @@ SETTINGS_KEY = web.AppKey("settings", WebhookSettings)
 AUTH_KEY: web.AppKey[Authenticate] = web.AppKey("authenticate")
 KEEPER_KEY = web.AppKey("keeper", TemplateKeeper)
 READY_KEY = web.AppKey("ready", dict)
+MAPPING_KEY = web.AppKey("extended_resource_map", ExtendedResourceMap)
+NAMESPACE_MODES_KEY = web.AppKey("namespace_modes", NamespaceModes)
 
 
 def verified_caller(request: web.Request, settings: WebhookSettings) -> str:
@@ -133,7 +142,13 @@ async def _review(request: web.Request, route: str) -> web.Response:
         m.bad_requests.labels(route).inc()
         return web.Response(status=400, text=f"bad AdmissionReview: {exc}\n")
     try:
-        policy, decision = (policies.validate if route == "validate" else policies.mutate)(req, settings)
+        if route == "validate":
+            policy, decision = policies.validate(req, settings)
+        else:
+            mapping = request.app.get(MAPPING_KEY)
+            ns_modes = request.app.get(NAMESPACE_MODES_KEY)
+            policy, decision = policies.mutate(req, settings, mapping is not None and mapping.mapped,
+                                               ns_modes.modes if ns_modes is not None else None)
         if decision.allowed and decision.templates and not req.dry_run:
             keeper = request.app.get(KEEPER_KEY)
             if not caller:
@@ -160,6 +175,9 @@ async def _review(request: web.Request, route: str) -> web.Response:
                             message="gatekeeper webhook internal error; see the webhook's log")
     if decision.outcome == "mutated":
         m.rewrites.labels(decision.audit.get("gpu-mode", "")).inc()
+    if "gpu-mode-source" in decision.audit:
+        m.mode_decisions.labels(decision.audit.get("gpu-mode", "denied"),
+                                decision.audit["gpu-mode-source"]).inc()
     child(m.reviews, policy, req.operation, decision.outcome).inc()
     out = _json(response(req.uid, decision))
     child(m.duration, route).observe(time.perf_counter() - started)

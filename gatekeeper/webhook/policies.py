@@ -8,6 +8,8 @@ webhook must never be the reason an unrelated object cannot be written.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from gatekeeper.kube.admission import AdmissionRequest, Decision
 from gatekeeper.webhook import gpu, secrets
 from gatekeeper.webhook.settings import WebhookSettings
@@ -22,8 +24,13 @@ def validate(req: AdmissionRequest, settings: WebhookSettings) -> tuple[str, Dec
     return UNHANDLED, Decision(outcome="skipped")
 
 
-def mutate(req: AdmissionRequest, settings: WebhookSettings) -> tuple[str, Decision]:
-    """Answer a /mutate review: (policy label for metrics, decision)."""
+def mutate(req: AdmissionRequest, settings: WebhookSettings, extended_resource_mapped: bool = False,
+           namespace_modes: Mapping[str, str] | None = None) -> tuple[str, Decision]:
+    """Answer a /mutate review: (policy label for metrics, decision).
+
+    ``namespace_modes``: namespaces' ``gatekeeper.dev/gpu-mode`` labels (from the watch-backed cache).
+    """
     if gpu.handles(req, settings.gpu):
-        return "gpu", gpu.review(req, settings.gpu)
+        label = (namespace_modes or {}).get(req.namespace)
+        return "gpu", gpu.review(req, settings.gpu, extended_resource_mapped, label)
     return UNHANDLED, Decision(outcome="skipped")

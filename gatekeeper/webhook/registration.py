@@ -14,8 +14,9 @@ Choices:
   NoneOnDryRun`` (it creates ResourceClaimTemplates, never on dryRun),
   ``reinvocationPolicy: IfNeeded`` (the rewrite is idempotent, and a later
   webhook may inject a GPU container), and ``matchConditions`` so the
-  apiserver calls it only for pods that ask for ``nvidia.com/gpu`` and do not
-  say ``gatekeeper.dev/gpu-mode: off``.
+  apiserver calls it only for pods that ask for ``nvidia.com/gpu``. Pods that
+  say ``gatekeeper.dev/gpu-mode: off`` are sent too: in an enforced namespace
+  that annotation must be denied, so the apiserver may not skip them.
 * ``namespaceSelector`` excludes kube-system and the webhook's own namespace,
   so a broken webhook can never block its own recovery.
 * Emergency exemption: a namespace or an object labelled
@@ -33,8 +34,6 @@ Choices:
 from __future__ import annotations
 
 from typing import Any
-
-from gatekeeper.webhook.settings import MODE_ANNOTATION
 
 WEBHOOK_NAMESPACE = "gatekeeper-system"
 VALIDATING_NAME = "gatekeeper-secrets"
@@ -62,20 +61,18 @@ MATCH_CONDITIONS: list[dict[str, str]] = [
             f"(has(object.spec.initContainers) && object.spec.initContainers.exists(c, {_ASKS_GPU}))"
         ),
     },
-    {
-        "name": "gpu-mode-not-off",
-        "expression": (
-            "!has(object.metadata.annotations) || "
-            f"!('{MODE_ANNOTATION}' in object.metadata.annotations) || "
-            f"object.metadata.annotations['{MODE_ANNOTATION}'] != 'off'"
-        ),
-    },
 ]
 
 RBAC_RULES: list[dict[str, Any]] = [
-    {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaimtemplates"], "verbs": ["create"]},
+    {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaimtemplates"],
+     "verbs": ["create", "list", "delete"]},
+    {"apiGroups": ["resource.k8s.io"], "resources": ["deviceclasses"], "verbs": ["list"]},
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
+    {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"]},
 ]
-"""All the webhook does against the API: POST templates (409 means present; no get/list/watch)."""
+"""All the webhook does against the API: POST templates (409 means present), LIST and DELETE them
+(lifecycle), LIST pods (which templates are referenced) and DeviceClasses (KEP-5004 mapping), LIST+WATCH
+namespaces (their gatekeeper.dev/gpu-mode label)."""
 
 
 def namespace_selector(own_namespace: str = WEBHOOK_NAMESPACE) -> dict[str, Any]:

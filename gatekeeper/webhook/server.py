@@ -94,6 +94,33 @@ async def serve(settings: WebhookSettings, stop: asyncio.Event | None = None) ->
         keeper = TemplateKeeper(kube_creator(api_client), settings.gpu.template_cache_seconds,
                                 on_result=lambda r: counter.labels(r).inc())
     app = build_app(settings, keeper, ready=False)
+    mapping_task = ns_task = None
+    if api_client is not None:
+        from gatekeeper.webhook.app import MAPPING_KEY
+        from gatekeeper.webhook.deviceclasses import ExtendedResourceMap, kube_lister
+
+        mapping = ExtendedResourceMap(kube_lister(api_client), settings.gpu.device_class_check_seconds)
+        await mapping.refresh()  # the first pods already see an existing mapping
+        app[MAPPING_KEY] = mapping
+        mapping_task = asyncio.create_task(mapping.run())
+        from gatekeeper.webhook.app import NAMESPACE_MODES_KEY
+        from gatekeeper.webhook.namespace_modes import NamespaceModes, kube_namespace_source
+
+        ns_modes = NamespaceModes(*kube_namespace_source(api_client))
+        app[NAMESPACE_MODES_KEY] = ns_modes
+        ns_task = asyncio.create_task(ns_modes.run())
+        with contextlib.suppress(TimeoutError):  # the first pods already see existing labels
+            await asyncio.wait_for(ns_modes.synced.wait(), 10)
+    lifecycle_task = None
+    if keeper is not None and settings.gpu.template_reconcile_seconds > 0:
+        from gatekeeper.webhook.template_lifecycle import TemplateLifecycle, kube_ops
+
+        counter = metrics().templates
+        lifecycle = TemplateLifecycle(kube_ops(api_client), settings.gpu.template_reconcile_seconds,
+                                      settings.gpu.template_gc_grace_seconds, forget=keeper.forget,
+                                      on_result=lambda r: counter.labels(r).inc())
+        keeper.on_ensured = lifecycle.ensured
+        lifecycle_task = asyncio.create_task(lifecycle.run())
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
     site = web.TCPSite(runner, srv.address, srv.port, ssl_context=tls.base, reuse_port=True, backlog=2048)
@@ -124,6 +151,9 @@ async def serve(settings: WebhookSettings, stop: asyncio.Event | None = None) ->
         app[READY_KEY].update(ready=False, reason="shutting down")
         if srv.shutdown_delay_seconds:
             await asyncio.sleep(srv.shutdown_delay_seconds)
+        for task in (mapping_task, ns_task, lifecycle_task):
+            if task is not None:
+                task.cancel()
         await runner.cleanup()
         if api_client is not None:
             await api_client.close()

@@ -27,7 +27,7 @@ from typing import ClassVar, Literal, get_args
 from gatekeeper.config import dataclass_section, register_section
 from gatekeeper.listener import TLSListenerSettings
 
-Mode = Literal["dra", "time-slicing", "mps", "mps-dra", "mig", "off"]
+Mode = Literal["dra", "shared", "time-slicing", "mps", "mps-dra", "mig", "off"]
 MODES: tuple[str, ...] = get_args(Mode)
 
 ANNOTATION_PREFIX = "gatekeeper.dev/"
@@ -35,7 +35,9 @@ ANNOTATION_PREFIX = "gatekeeper.dev/"
 MODE_ANNOTATION = ANNOTATION_PREFIX + "gpu-mode"
 """Pod annotation selecting the GPU mode; ``off`` leaves the pod alone."""
 MEMORY_ANNOTATION = ANNOTATION_PREFIX + "gpu-memory"
-"""Pod annotation with the GPU memory each GPU container needs (mig mode), e.g. ``20Gi``."""
+"""Pod annotation with the GPU memory each GPU container needs (shared and mig modes), e.g. ``20Gi``."""
+DECISION_ANNOTATION = ANNOTATION_PREFIX + "gpu-decision"
+"""Set on rewritten pods: the mode and what chose it (annotation, namespace, default, enforced)."""
 REWRITTEN_ANNOTATION = ANNOTATION_PREFIX + "gpu-rewritten"
 """Set on pods the webhook rewrote: what changed, for humans and for reinvocation."""
 
@@ -157,14 +159,28 @@ class GpuSettings:
     """Mode when neither the pod annotation nor namespaceModes decides."""
     namespace_modes: dict[str, Mode] = field(default_factory=dict)
     """Per-namespace default mode."""
+    enforced_namespaces: list[str] = field(default_factory=list)
+    """Namespaces whose mode (namespaceModes, else defaultMode) a pod annotation cannot change: a
+    conflicting ``gatekeeper.dev/gpu-mode`` annotation is denied, so the policy is not advisory."""
+    opt_out_groups: list[str] = field(default_factory=list)
+    """Groups whose members may still set a different mode by annotation in enforced namespaces."""
     device_class: str = "gpu.nvidia.com"
     """DeviceClass the DRA claims request."""
     match_attribute: str = "resource.kubernetes.io/pcieRoot"
     """Attribute all devices of a multi-GPU claim must share (topology alignment)."""
+    align_up_to: int = 4
+    """Largest claim that gets ``matchAttribute``: the GPUs under one root of the nodes (4 of 8 on
+    the sandbox's and on common 8-GPU servers). Larger claims get no constraint, since none could hold."""
+    shared_default_memory: str = ""
+    """GPU memory a ``shared`` pod gets without a gpu-memory annotation (empty: such pods are denied)."""
+    namespace_gpu_memory: dict[str, str] = field(default_factory=dict)
+    """Per-namespace default GPU memory for ``shared`` pods, e.g. ``{inference: 16Gi}``."""
     time_slicing_resource: str = "nvidia.com/gpu.shared"
-    """Extended resource the device plugin advertises for time-sliced GPUs."""
-    mps_resource: str = "nvidia.com/gpu.shared"
-    """Extended resource the device plugin advertises for MPS-shared GPUs."""
+    """Extended resource the device plugin advertises for time-sliced GPUs (its ``renameByDefault`` name)."""
+    mps_resource: str = "nvidia.com/gpu.mps"
+    """Extended resource for MPS-shared GPUs: a different name from time-slicing (the device plugin's
+    ``sharing.mps.resources[].rename``), or the scheduler could put a pod that expects MPS's memory
+    limits onto a time-sliced GPU that has none."""
     mps_driver: str = "gpu.nvidia.com"
     """DRA driver that receives the opaque GpuConfig (mps-dra)."""
     mig_gpu_model: str = "A100-40GB"
@@ -175,9 +191,31 @@ class GpuSettings:
     """Name prefix of the ResourceClaimTemplates the webhook keeps present."""
     template_cache_seconds: float = 300.0
     """How long a template known to exist is not re-checked."""
+    template_reconcile_seconds: float = 30.0
+    """How often the lifecycle loop re-creates deleted templates pods still use and collects unused
+    ones (0 = off). Also bounds how long the admission cache can believe in a deleted template."""
+    template_gc_grace_seconds: float = 600.0
+    """How long a template of ours must go unreferenced by any pod (and unused by admission) before it
+    is deleted: long enough that a Job's next pod or a rollout's next ReplicaSet finds it still there."""
+    device_class_check_seconds: float = 10.0
+    """How often the DeviceClasses are listed to see whether one maps ``nvidia.com/gpu`` (KEP-5004):
+    a mapping added or removed changes what ``dra`` mode does within this time."""
 
     def validate(self) -> None:
-        from gatekeeper.webhook.gpu import MIG_CATALOG
+        from gatekeeper.webhook.gpu.sizing import MIG_CATALOG, parse_quantity_bytes
+
+        if self.time_slicing_resource == self.mps_resource:
+            raise ValueError(f"timeSlicingResource and mpsResource are both {self.mps_resource!r}: give them "
+                             "different names (the device plugin's rename), so the scheduler can tell them apart")
+        if self.align_up_to < 1:
+            raise ValueError(f"alignUpTo must be >= 1 (1 = never align), got {self.align_up_to}")
+        for key, value in [("sharedDefaultMemory", self.shared_default_memory),
+                           *((f"namespaceGpuMemory.{ns}", v) for ns, v in self.namespace_gpu_memory.items())]:
+            if value:
+                try:
+                    parse_quantity_bytes(value)
+                except ValueError as exc:
+                    raise ValueError(f"{key}: {exc}") from None
 
         if self.mig_gpu_model not in MIG_CATALOG:
             raise ValueError(f"migGpuModel {self.mig_gpu_model!r} is unknown; expected one of "

@@ -7,8 +7,10 @@ at templates, the webhook makes sure they exist:
 
 * create-if-missing as a single POST: ``409 AlreadyExists`` is success, so the
   RBAC needed is just ``create`` on ``resourceclaimtemplates`` (no get/list);
-* a per-(namespace, name) cache with a TTL, so steady state costs nothing and a
-  template someone deleted comes back within ``templateCacheSeconds``;
+* a per-(namespace, name) cache with a TTL, so steady state costs nothing; the
+  lifecycle loop (template_lifecycle.py) drops a template from it as soon as it
+  sees the template deleted, so the cache never hides a deletion for longer than
+  ``templateReconcileSeconds`` (and ``templateCacheSeconds`` bounds it anyway);
 * concurrent reviews for the same template share one in-flight POST;
 * never on dryRun (the webhook declares ``sideEffects: NoneOnDryRun``).
 
@@ -50,6 +52,12 @@ class TemplateKeeper:
         self._known: dict[tuple[str, str], float] = {}
         self._inflight: dict[tuple[str, str], asyncio.Future[None]] = {}
         self._on_result = on_result or (lambda result: None)
+        self.on_ensured: Callable[[list[dict[str, Any]]], None] = lambda objects: None
+        """Told of every batch made sure of (the lifecycle loop keeps their specs and spares them from GC)."""
+
+    def forget(self, namespace: str, name: str) -> None:
+        """Drop a template from the cache (it was deleted): the next pod that needs it creates it."""
+        self._known.pop((namespace, name), None)
 
     def known(self, namespace: str, name: str) -> bool:
         exp = self._known.get((namespace, name))
@@ -57,6 +65,7 @@ class TemplateKeeper:
 
     async def ensure(self, objects: list[dict[str, Any]]) -> None:
         await asyncio.gather(*(self._ensure_one(o) for o in objects))
+        self.on_ensured(objects)
 
     async def _ensure_one(self, obj: dict[str, Any]) -> None:
         meta = obj["metadata"]

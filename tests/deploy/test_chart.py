@@ -202,3 +202,16 @@ def test_example_config_loads_and_lets_helm_releases_through() -> None:
     opaque = limits_for(s.secrets, "Secret", "team-a", "Opaque")
     assert helm.hard == 1536 * 1024 and opaque.hard == 128 * 1024
     assert s.gpu.namespace_modes["batch-legacy"] == "off"
+
+
+def test_webhook_cluster_role_has_exactly_the_registration_module_rules() -> None:
+    """The sandbox grants RBAC_RULES; the chart must grant the same, or a feature works only in the sandbox."""
+    roles = [r for r in by_kind(render(), "ClusterRole") if r["metadata"]["name"].endswith("webhook")
+             or any("resourceclaimtemplates" in rule.get("resources", []) for rule in r.get("rules", []))]
+    assert len(roles) == 1, [r["metadata"]["name"] for r in by_kind(render(), "ClusterRole")]
+
+    def norm(rules: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
+        return {(g, res, v) for rule in rules for g in rule.get("apiGroups", [""]) for res in rule["resources"]
+                for v in rule["verbs"]}
+
+    assert norm(roles[0]["rules"]) == norm(registration.RBAC_RULES)

@@ -137,3 +137,12 @@ def test_extra_apiserver_flags_come_last_so_storage_read_lists_can_be_configured
                                extra=("--watch-cache-sizes=secrets#0", "--goaway-chance=0.001"))
     assert argv[-2:] == ["--watch-cache-sizes=secrets#0", "--goaway-chance=0.001"]
     assert flags(argv)["--watch-cache-sizes"] == "secrets#0"
+
+
+def test_extended_resource_mapping_sets_the_device_class_field_and_drops_node_capacity() -> None:
+    from gatekeeper.sandbox import gpu as sgpu
+
+    assert "extendedResourceName" not in sgpu.device_class()["spec"]
+    assert sgpu.device_class(True)["spec"]["extendedResourceName"] == "nvidia.com/gpu"
+    assert "nvidia.com/gpu" in sgpu.node("n", 8)["status"]["allocatable"]
+    assert "nvidia.com/gpu" not in sgpu.node("n", 8, False)["status"]["allocatable"]

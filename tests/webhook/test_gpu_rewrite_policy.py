@@ -9,6 +9,7 @@ from review_fixtures import apply, container, pod, request, review
 
 from gatekeeper.kube.admission import response
 from gatekeeper.webhook import gpu
+from gatekeeper.webhook.gpu.claims import spec_hash
 from gatekeeper.webhook.settings import REWRITTEN_ANNOTATION, GpuSettings
 
 DRA = GpuSettings(default_mode="dra")
@@ -37,7 +38,8 @@ def test_dra_single_gpu_container_becomes_claim_and_loses_nvidia_gpu() -> None:
     (tmpl,) = d.templates
     assert tmpl["apiVersion"] == "resource.k8s.io/v1" and tmpl["kind"] == "ResourceClaimTemplate"
     assert tmpl["metadata"] == {"name": rc["resourceClaimTemplateName"], "namespace": "team-a",
-                                "labels": {"app.kubernetes.io/managed-by": "gatekeeper"}}
+                                "labels": {"app.kubernetes.io/managed-by": "gatekeeper"},
+                                "annotations": {"gatekeeper.dev/spec-hash": spec_hash(tmpl["spec"])}}
     devices = tmpl["spec"]["spec"]["devices"]
     assert devices["requests"] == [{"name": "gpu", "exactly": {
         "deviceClassName": "gpu.nvidia.com", "allocationMode": "ExactCount", "count": 1}}]
@@ -63,17 +65,31 @@ def test_patch_escapes_slash_in_resource_name() -> None:
     assert any(op["path"].endswith("/nvidia.com~1gpu") for op in d.patch)
 
 
-def test_init_and_sidecar_containers_are_rewritten_with_claims_named_by_container() -> None:
+def test_regular_init_shares_the_app_claim_and_sidecar_keeps_its_own() -> None:
     init = [container("fetch", 1), container("proxy", 1, restartPolicy="Always")]
     d, _, out = run(pod(container("main", 2), container("logger"), init=init))
-    names = {rc["name"] for rc in out["spec"]["resourceClaims"]}
-    assert names == {"gpu-fetch", "gpu-proxy", "gpu-main"}
-    assert claims_of(out["spec"]["initContainers"][0]) == ["gpu-fetch"]
+    claims = {rc["name"]: rc["resourceClaimTemplateName"] for rc in out["spec"]["resourceClaims"]}
+    assert set(claims) == {"gpu", "gpu-proxy"}
+    assert claims_of(out["spec"]["initContainers"][0]) == ["gpu"]
     assert claims_of(out["spec"]["initContainers"][1]) == ["gpu-proxy"]
     assert out["spec"]["initContainers"][1]["restartPolicy"] == "Always"
-    assert claims_of(out["spec"]["containers"][0]) == ["gpu-main"]
+    assert claims_of(out["spec"]["containers"][0]) == ["gpu"]
     assert "resources" not in out["spec"]["containers"][1]
-    assert len(d.templates) == 2  # count 1 shared by fetch and proxy, count 2 for main
+    counts = {t["metadata"]["name"]: t["spec"]["spec"]["devices"]["requests"][0]["exactly"]["count"]
+              for t in d.templates}
+    assert counts[claims["gpu"]] == 2 and counts[claims["gpu-proxy"]] == 1  # max(1, 2), not 1 + 2
+
+
+@pytest.mark.parametrize(("inits", "apps", "pooled"), [
+    ([1], [1], 1), ([4], [1, 1], 4), ([1, 3], [2], 3), ([2], [1, 2, 1], 4), ([1], [], 1),
+])
+def test_pod_claim_is_max_of_largest_init_and_sum_of_app(inits: list[int], apps: list[int], pooled: int) -> None:
+    obj = pod(*[container(f"app{i}", n) for i, n in enumerate(apps)] or [container("web")],
+              init=[container(f"init{i}", n) for i, n in enumerate(inits)])
+    d, _, out = run(obj)
+    (tmpl,) = d.templates
+    assert tmpl["spec"]["spec"]["devices"]["requests"][0]["exactly"]["count"] == pooled
+    assert [rc["name"] for rc in out["spec"]["resourceClaims"]] == ["gpu"]
 
 
 def test_requests_without_limits_are_counted_and_removed() -> None:
@@ -101,7 +117,8 @@ def test_long_container_name_yields_valid_claim_name() -> None:
 @pytest.mark.parametrize("mode", ["dra", "mps-dra", "time-slicing", "mps"])
 def test_rewrite_is_idempotent_on_its_own_output(mode: str) -> None:
     s = dataclasses.replace(DRA, default_mode=mode)
-    _, _, once = run(pod(container("main", 2, where="both"), init=[container("i", 1, where="requests")]), s)
+    main = 1 if mode == "mps" else 2  # an MPS share is one GPU (denial tested below)
+    _, _, once = run(pod(container("main", main, where="both"), init=[container("i", 1, where="requests")]), s)
     d, resp, twice = run(once, s)
     assert twice == once and "patch" not in resp["response"] and d.outcome == "skipped"
 
@@ -162,6 +179,23 @@ def test_mps_uses_configured_resource_name() -> None:
     assert out["spec"]["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu.mps": "1"}
 
 
+def test_time_slicing_and_mps_default_to_different_resource_names() -> None:
+    _, _, ts = run(pod(container("a", 1)), GpuSettings(default_mode="time-slicing"))
+    _, _, mps = run(pod(container("a", 1)), GpuSettings(default_mode="mps"))
+    assert ts["spec"]["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu.shared": "1"}
+    assert mps["spec"]["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu.mps": "1"}
+    with pytest.raises(ValueError, match="scheduler can tell them apart"):
+        GpuSettings(mps_resource="nvidia.com/gpu.shared").validate()
+
+
+def test_mps_count_above_one_is_denied_with_what_to_do() -> None:
+    d, _, _ = run(pod(container("a", 2)), GpuSettings(default_mode="mps"))
+    assert not d.allowed and d.code == 422
+    assert d.message == ("pod team-a/trainer: container a asks for nvidia.com/gpu=2 in gpu-mode mps, but an MPS "
+                         "share is one GPU (the device plugin refuses more): ask for 1, or use gpu-mode dra or mps-dra "
+                         "for 2 GPUs")
+
+
 def test_mps_dra_template_carries_nvidia_gpuconfig() -> None:
     d, _, _out = run(pod(container("a", 1)), GpuSettings(default_mode="mps-dra"))
     (cfg,) = d.templates[0]["spec"]["spec"]["devices"]["config"]
@@ -175,13 +209,24 @@ def test_mps_dra_template_carries_nvidia_gpuconfig() -> None:
     ("A100-40GB", "8gb", "1g.10gb"),
     ("A100-40GB", "10", "1g.10gb"),
     ("A100-40GB", "15G", "3g.20gb"),
-    ("A100-40GB", "40Gi", "7g.40gb"),
-    ("A100-80GB", "20Gi", "1g.20gb"),
+    ("A100-40GB", "40G", "7g.40gb"),
+    # 20Gi is 21.5 GB: more than a 1g.20gb holds (it was read as 20 GB before, ~7% short)
+    ("A100-80GB", "20Gi", "3g.40gb"),
+    ("A100-80GB", "20G", "1g.20gb"),
+    ("A100-80GB", "20gb", "1g.20gb"),
+    ("A100-80GB", "20", "1g.20gb"),
+    ("A100-80GB", "19073Mi", "1g.20gb"),  # 19073 MiB < 20e9 bytes < 19074 MiB
+    ("A100-80GB", "19074Mi", "3g.40gb"),
+    ("A100-80GB", "20e9", "1g.20gb"),
+    ("A100-80GB", "2000000001e1", "3g.40gb"),
     ("H100-80GB", "30Gi", "3g.40gb"),
-    ("H100-94GB", "47Gi", "3g.47gb"),
-    ("H100-96GB", "48Gi", "3g.48gb"),
+    ("H100-94GB", "47Gi", "7g.94gb"),
+    ("H100-94GB", "47G", "3g.47gb"),
+    ("H100-96GB", "48Gi", "7g.96gb"),
     ("H200-141GB", "512Mi", "1g.18gb"),
     ("H200-141GB", "100Gi", "7g.141gb"),
+    ("A30-24GB", "7Gi", "2g.12gb"),
+    ("B200-180GB", "30Gi", "1g.45gb"),
 ])
 def test_mig_picks_smallest_profile_that_fits(model: str, memory: str, profile: str) -> None:
     s = GpuSettings(default_mode="mig", mig_gpu_model=model)
@@ -193,6 +238,10 @@ def test_mig_denies_when_nothing_fits_or_memory_missing() -> None:
     s = GpuSettings(default_mode="mig", mig_gpu_model="A100-40GB")
     d, _, _ = run(pod(container("m", 1), annotations={"gatekeeper.dev/gpu-memory": "60Gi"}), s)
     assert not d.allowed and "7g.40gb" in d.message and "A100-40GB" in d.message
+    d, _, _ = run(pod(container("m", 1), annotations={"gatekeeper.dev/gpu-memory": "40Gi"}), s)
+    assert not d.allowed  # 42.9 GB: never rounded down into the 40 GB profile
+    d, _, _ = run(pod(container("m", 1), annotations={"gatekeeper.dev/gpu-memory": "lots"}), s)
+    assert not d.allowed and "like '20Gi'" in d.message
     d, _, _ = run(pod(container("m", 1)), s)
     assert not d.allowed and "gatekeeper.dev/gpu-memory" in d.message
     d, _, _ = run(pod(container("m", 1)), dataclasses.replace(s, mig_default_profile="2g.10gb"))
@@ -201,7 +250,8 @@ def test_mig_denies_when_nothing_fits_or_memory_missing() -> None:
 
 def test_catalog_profile_names_match_their_memory() -> None:
     for model, profiles in gpu.MIG_CATALOG.items():
-        assert profiles[-1].slices == 7 and str(profiles[-1].memory_gb) in model
+        assert profiles[-1].slices == (4 if model.startswith("A30") else 7)
+        assert str(profiles[-1].memory_gb) in model
         for p in profiles:
             assert p.name == f"{p.slices}g.{p.memory_gb}gb"
 
@@ -245,6 +295,10 @@ FIXTURE_PODS = {
 def test_every_mode_on_every_fixture_is_a_fixed_point(mode: str, settings: GpuSettings, fixture: str) -> None:
     obj = FIXTURE_PODS[fixture]()
     obj["metadata"].setdefault("annotations", {})[gpu.MEMORY_ANNOTATION] = "9Gi"
+    if mode == "mps" and any(c.count > 1 for c in gpu.gpu_containers(obj["spec"], "pod")):
+        d, _, _ = run(obj, settings)
+        assert not d.allowed and "an MPS share is one GPU" in d.message
+        return
     d, _, once = run(obj, settings)
     assert d.outcome == "mutated", d
     containers = once["spec"]["containers"] + once["spec"].get("initContainers", [])
@@ -299,5 +353,7 @@ def test_mig_catalog_is_nvidias_published_profile_table() -> None:
         "H100-94GB": "1g.12gb 1g.24gb 2g.24gb 3g.47gb 4g.47gb 7g.94gb",
         "H100-96GB": "1g.12gb 1g.24gb 2g.24gb 3g.48gb 4g.48gb 7g.96gb",
         "H200-141GB": "1g.18gb 1g.35gb 2g.35gb 3g.71gb 4g.71gb 7g.141gb",
+        "A30-24GB": "1g.6gb 2g.12gb 4g.24gb",
+        "B200-180GB": "1g.23gb 1g.45gb 2g.45gb 3g.90gb 4g.90gb 7g.180gb",
     }
     assert {m: " ".join(p.name for p in ps) for m, ps in gpu.MIG_CATALOG.items()} == published

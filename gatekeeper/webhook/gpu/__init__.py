@@ -1,4 +1,4 @@
-"""GPU pod rewrite policy (mutating, pure).
+"""GPU pod rewrite policy (mutating, pure); modes.py decides the mode, claims.py builds claims, sizing.py reads sizes.
 
 Why: whole-GPU pods idle at 12-30% utilization, and DRA replaces device-plugin
 counting plus custom NUMA/topology schedulers (the seeds' last lesson). At Pod
@@ -7,8 +7,15 @@ CREATE, every container (init and sidecar containers included) that asks for
 
 * ``dra``: a pod ``resourceClaims`` entry per container, pointing at a shared
   ResourceClaimTemplate (``resource.k8s.io/v1``) requesting ``count: N`` devices
-  of the device class; N > 1 adds a ``matchAttribute`` constraint (default
-  ``resource.kubernetes.io/pcieRoot``) so the scheduler itself aligns topology.
+  of the device class; 1 < N <= ``alignUpTo`` adds a ``matchAttribute``
+  constraint (default ``resource.kubernetes.io/pcieRoot``) so the scheduler
+  itself aligns topology.
+* ``shared``: the same claim, but each device request also asks for
+  ``capacity.requests.memory`` (from ``gatekeeper.dev/gpu-memory``, else the
+  namespace's or the configured default). On GPUs published with
+  ``allowMultipleAllocations`` (the NVIDIA DRA driver's consumable-shares mode)
+  the scheduler packs many such claims onto one GPU until its memory is used:
+  this is the mode that raises utilization.
 * ``mps-dra``: the same, plus NVIDIA's opaque ``GpuConfig`` with MPS sharing.
 * ``time-slicing`` / ``mps``: rename to the device plugin's shared resource.
 * ``mig``: rename to ``nvidia.com/mig-<profile>``, the smallest profile of the
@@ -27,9 +34,6 @@ class, constraint), so all pods of a shape share one template per namespace.
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,65 +50,66 @@ from gatekeeper.kube.admission import (
     op_remove,
     short,
 )
+from gatekeeper.webhook.gpu.claims import (
+    DRA_API,
+    DRA_MODES,
+    MANAGED_BY,
+    REQUEST_NAME,
+    aligned,
+    claim_name,
+    claim_template,
+    template_name,
+    template_spec,
+)
+from gatekeeper.webhook.gpu.modes import PolicyError, PolicyForbidden, decide_mode, resolve_mode
+from gatekeeper.webhook.gpu.sizing import (
+    MIG_CATALOG,
+    MigProfile,
+    mib_quantity,
+    mig_need_bytes,
+    parse_quantity_bytes,
+    smallest_mig_profile,
+)
 from gatekeeper.webhook.settings import (
+    DECISION_ANNOTATION,
     MEMORY_ANNOTATION,
-    MODE_ANNOTATION,
-    MODES,
     REWRITTEN_ANNOTATION,
     GpuSettings,
 )
 
+__all__ = [
+    "DRA_API",
+    "DRA_MODES",
+    "GPU",
+    "MANAGED_BY",
+    "MIG_CATALOG",
+    "MIG_PREFIX",
+    "POD_CLAIM",
+    "REQUEST_NAME",
+    "GpuContainer",
+    "MigProfile",
+    "PolicyError",
+    "PolicyForbidden",
+    "aligned",
+    "claim_groups",
+    "claim_name",
+    "claim_template",
+    "decide_mode",
+    "gpu_containers",
+    "handles",
+    "mig_need_bytes",
+    "parse_quantity_bytes",
+    "resolve_mode",
+    "review",
+    "served_by_extended_resource",
+    "shared_memory",
+    "smallest_mig_profile",
+    "template_name",
+    "template_spec",
+]
+
 GPU = "nvidia.com/gpu"
 MIG_PREFIX = "nvidia.com/mig-"
-DRA_API = "resource.k8s.io/v1"
-REQUEST_NAME = "gpu"
-MANAGED_BY = {"app.kubernetes.io/managed-by": "gatekeeper"}
-
-
-@dataclass(frozen=True)
-class MigProfile:
-    """One MIG GPU-instance profile: compute slices (of 7) and memory in GB, as in its name."""
-
-    name: str
-    slices: int
-    memory_gb: int
-
-
-def _profiles(*specs: str) -> tuple[MigProfile, ...]:
-    out = []
-    for s in specs:
-        g, mem = s.split(".")
-        out.append(MigProfile(s, int(g.removesuffix("g")), int(mem.removesuffix("gb"))))
-    return tuple(out)
-
-
-_A100_80 = _profiles("1g.10gb", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb")
-MIG_CATALOG: dict[str, tuple[MigProfile, ...]] = {
-    # NVIDIA MIG User Guide, "Supported MIG Profiles" (the +me media-extension variants are left
-    # out: one per GPU, meant for video decode, never the right answer to "how much memory").
-    "A100-40GB": _profiles("1g.5gb", "1g.10gb", "2g.10gb", "3g.20gb", "4g.20gb", "7g.40gb"),
-    "A100-80GB": _A100_80,
-    "H100-80GB": _A100_80,
-    "H100-94GB": _profiles("1g.12gb", "1g.24gb", "2g.24gb", "3g.47gb", "4g.47gb", "7g.94gb"),
-    "H100-96GB": _profiles("1g.12gb", "1g.24gb", "2g.24gb", "3g.48gb", "4g.48gb", "7g.96gb"),
-    "H200-141GB": _profiles("1g.18gb", "1g.35gb", "2g.35gb", "3g.71gb", "4g.71gb", "7g.141gb"),
-}
-
-_MEM = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(gib|gb|gi|g|mib|mb|mi|m)?\s*$", re.IGNORECASE)
-
-
-def parse_gpu_memory(text: str) -> float:
-    """GB as MIG profile names count them: '20', '20gb', '20G' and '20Gi' all mean 20; '512Mi' is 0.5."""
-    m = _MEM.match(text)
-    if not m:
-        raise ValueError(f"{MEMORY_ANNOTATION} must be a size like '20Gi' or '10gb', got {text!r}")
-    value, unit = float(m.group(1)), (m.group(2) or "g").lower()
-    return value / 1024 if unit.startswith("m") else value
-
-
-def smallest_mig_profile(model: str, need_gb: float) -> MigProfile | None:
-    fits = [p for p in MIG_CATALOG[model] if p.memory_gb >= need_gb]
-    return min(fits, key=lambda p: (p.memory_gb, p.slices)) if fits else None
 
 
 @dataclass(frozen=True)
@@ -116,10 +121,6 @@ class GpuContainer:
     name: str
     count: int
     container: dict[str, Any]
-
-
-class PolicyError(ValueError):
-    """The pod cannot be admitted as written; the message goes to the user."""
 
 
 def _count(value: Any, where: str) -> int:
@@ -175,74 +176,33 @@ def _already_shared_or_dra(spec: dict[str, Any], settings: GpuSettings) -> bool:
     return False
 
 
-def resolve_mode(annotations: dict[str, Any], namespace: str, settings: GpuSettings) -> str:
-    value = annotations.get(MODE_ANNOTATION)
-    if value is not None:
-        if value not in MODES:
-            raise PolicyError(
-                f"annotation {MODE_ANNOTATION} must be one of {', '.join(MODES)}, got {value!r}")
-        return str(value)
-    return settings.namespace_modes.get(namespace, settings.default_mode)
+POD_CLAIM = "gpu"
+"""The claim app and regular init containers share (never clashes: per-container claims are ``gpu-<name>``)."""
 
 
-def claim_name(container: str) -> str:
-    """Pod-level claim name from the container name (unique per pod), kept a DNS label."""
-    name = f"gpu-{container}"
-    if len(name) <= 63:
-        return name
-    digest = hashlib.sha256(container.encode()).hexdigest()[:8]
-    return f"gpu-{container[:50].rstrip('-')}-{digest}"
+def _regular_init(c: GpuContainer) -> bool:
+    return c.path.startswith("/spec/initContainers/") and c.container.get("restartPolicy") != "Always"
 
 
-def template_spec(settings: GpuSettings, mode: str, count: int) -> dict[str, Any]:
-    """ResourceClaimTemplate ``spec`` (which itself holds the claim's ``spec``)."""
-    devices: dict[str, Any] = {
-        "requests": [{
-            "name": REQUEST_NAME,
-            "exactly": {"deviceClassName": settings.device_class, "allocationMode": "ExactCount",
-                        "count": count},
-        }]
-    }
-    if count > 1 and settings.match_attribute:
-        devices["constraints"] = [{"requests": [REQUEST_NAME], "matchAttribute": settings.match_attribute}]
-    if mode == "mps-dra":
-        devices["config"] = [{
-            "requests": [REQUEST_NAME],
-            "opaque": {
-                "driver": settings.mps_driver,
-                "parameters": {
-                    "apiVersion": "resource.nvidia.com/v1beta1",
-                    "kind": "GpuConfig",
-                    "sharing": {"strategy": "MPS"},
-                },
-            },
-        }]
-    return {"spec": {"devices": devices}}
+def claim_groups(found: list[GpuContainer]) -> list[tuple[str, int, list[GpuContainer]]]:
+    """(claim name, GPU count, containers using it), as device-plugin semantics allocate.
 
-
-def template_name(settings: GpuSettings, mode: str, count: int) -> str:
-    """Deterministic from what the template contains, so equal shapes share one template."""
-    return _template_name(settings.template_prefix, mode, count, settings.device_class,
-                          settings.match_attribute if count > 1 else "",
-                          settings.mps_driver if mode == "mps-dra" else "")
-
-
-@functools.lru_cache(maxsize=256)
-def _template_name(prefix: str, mode: str, count: int, device_class: str, match_attribute: str,
-                   mps_driver: str) -> str:
-    key = "|".join([mode, str(count), device_class, match_attribute, mps_driver])
-    digest = hashlib.sha256(key.encode()).hexdigest()[:8]
-    return f"{prefix}-{mode}-{count}-{digest}"
-
-
-def claim_template(settings: GpuSettings, mode: str, count: int, namespace: str) -> dict[str, Any]:
-    return {
-        "apiVersion": DRA_API,
-        "kind": "ResourceClaimTemplate",
-        "metadata": {"name": template_name(settings, mode, count), "namespace": namespace,
-                     "labels": dict(MANAGED_BY)},
-        "spec": template_spec(settings, mode, count),
-    }
+    A regular init container runs to completion before the app containers start, so the kubelet
+    hands its GPUs on to them: the pod needs max(largest init, sum of app), not the sum of all.
+    A claim is reserved for the pod's whole life, so a claim per init container would hold GPUs that
+    nobody uses after start-up. With regular init containers asking for GPUs, they and the app
+    containers therefore share one claim of that size. Sidecars (``restartPolicy: Always``) run
+    beside the app containers and keep a claim of their own, as they keep their own devices with the
+    device plugin. Without regular GPU init containers every container keeps its own claim, so
+    containers do not see each other's GPUs.
+    """
+    inits = [c for c in found if _regular_init(c)]
+    if not inits:
+        return [(claim_name(c.name), c.count, [c]) for c in found]
+    app = [c for c in found if c.path.startswith("/spec/containers/")]
+    sidecars = [c for c in found if c not in inits and c not in app]
+    count = max(max(c.count for c in inits), sum(c.count for c in app))
+    return [(POD_CLAIM, count, inits + app)] + [(claim_name(c.name), c.count, [c]) for c in sidecars]
 
 
 def _drop_gpu(c: GpuContainer) -> list[PatchOp]:
@@ -282,7 +242,7 @@ def _mig_profile(annotations: dict[str, Any], settings: GpuSettings, label: str)
         raise PolicyError(f"{label} uses gpu-mode mig but has no {MEMORY_ANNOTATION} annotation "
                           f"(e.g. '20Gi'): set it so a {settings.mig_gpu_model} MIG profile can be chosen")
     try:
-        need = parse_gpu_memory(str(raw))
+        need = mig_need_bytes(str(raw))
     except ValueError as exc:
         raise PolicyError(f"{label}: {exc}") from None
     profile = smallest_mig_profile(settings.mig_gpu_model, need)
@@ -295,13 +255,45 @@ def _mig_profile(annotations: dict[str, Any], settings: GpuSettings, label: str)
     return profile.name
 
 
+def shared_memory(annotations: dict[str, Any], namespace: str, settings: GpuSettings, label: str) -> str:
+    """The capacity request (whole MiB, rounded up) of a shared pod's GPUs; where it came from is in the error."""
+    raw = annotations.get(MEMORY_ANNOTATION)
+    source = f"annotation {MEMORY_ANNOTATION}"
+    if raw is None:
+        raw = settings.namespace_gpu_memory.get(namespace) or settings.shared_default_memory
+        source = f"the default for namespace {namespace}"
+    if not raw:
+        raise PolicyError(f"{label} uses gpu-mode shared but says no GPU memory: set the annotation "
+                          f"{MEMORY_ANNOTATION} (e.g. '16Gi') to what one GPU container needs")
+    try:
+        return mib_quantity(parse_quantity_bytes(str(raw)))
+    except ValueError as exc:
+        raise PolicyError(f"{label}: {source}: {exc}") from None
+
+
 def handles(req: AdmissionRequest, settings: GpuSettings) -> bool:
     return (settings.enabled and req.kind == "Pod" and req.group == "" and not req.sub_resource
             and req.operation == "CREATE")
 
 
-def review(req: AdmissionRequest, settings: GpuSettings) -> Decision:
-    """Decide one Pod CREATE (callers check :func:`handles` first)."""
+def served_by_extended_resource(found: list[GpuContainer], settings: GpuSettings) -> bool:
+    """Whether KEP-5004 alone gives these containers what ``dra`` mode would.
+
+    With a DeviceClass mapping ``nvidia.com/gpu`` the scheduler turns each container's count into a
+    DRA request itself; what it cannot add is a topology constraint, so only claims that
+    :func:`aligned` would constrain still need our rewrite.
+    """
+    return not any(aligned(settings, count) for _, count, _ in claim_groups(found))
+
+
+def review(req: AdmissionRequest, settings: GpuSettings, extended_resource_mapped: bool = False,
+           namespace_label_mode: str | None = None) -> Decision:
+    """Decide one Pod CREATE (callers check :func:`handles` first).
+
+    ``extended_resource_mapped``: a DeviceClass has ``extendedResourceName: nvidia.com/gpu`` (KEP-5004),
+    so plain ``dra`` pods that need nothing more are left for the scheduler to serve.
+    ``namespace_label_mode``: the pod's namespace's ``gatekeeper.dev/gpu-mode`` label, if any.
+    """
     pod = req.object or {}
     meta, spec = as_dict(pod.get("metadata")), as_dict(pod.get("spec"))
     annotations = as_dict(meta.get("annotations"))
@@ -310,15 +302,30 @@ def review(req: AdmissionRequest, settings: GpuSettings) -> Decision:
         found = gpu_containers(spec, label)
         if not found:
             return Decision(outcome="skipped")
-        mode = resolve_mode(annotations, req.namespace, settings)
+        groups = as_dict(req.raw.get("userInfo")).get("groups") or []
+        mode, source = decide_mode(annotations, req.namespace, settings, groups, namespace_label_mode)
         if mode == "off":
-            return Decision(outcome="skipped", audit={"gpu-mode": "off"})
+            return Decision(outcome="skipped", audit={"gpu-mode": "off", "gpu-mode-source": source})
         # A pod we rewrote before (reinvocation after a later webhook injected another GPU container)
         # has our own claims and shared names; only a pod that came with its own is left alone.
         if REWRITTEN_ANNOTATION not in annotations and _already_shared_or_dra(spec, settings):
             return Decision(outcome="skipped", warnings=[
                 f"{label} already uses DRA claims or shared GPUs; its {GPU} requests were left as they are"])
-        return _rewrite(req, settings, mode, found, spec, meta, annotations, label)
+        if mode == "dra" and extended_resource_mapped and served_by_extended_resource(found, settings):
+            return Decision(outcome="skipped", audit={"gpu-mode": "dra", "gpu-mode-source": source,
+                                                      "gpu-kep5004": "served"}, warnings=[short(
+                f"gatekeeper (dra): {label} left as it is: a DeviceClass maps {GPU} (KEP-5004), so the "
+                "scheduler allocates its GPUs through DRA itself")])
+        decision = _rewrite(req, settings, mode, found, spec, meta, annotations, label)
+        decision.audit["gpu-mode-source"] = source
+        if DECISION_ANNOTATION not in annotations:
+            # After the rewritten annotation, whose add created the map if the pod had none.
+            decision.patch.append(op_add(f"/metadata/annotations/{escape(DECISION_ANNOTATION)}",
+                                         f"mode={mode} source={source}"))
+        return decision
+    except PolicyForbidden as exc:
+        return Decision(allowed=False, outcome="denied", message=str(exc), code=403, reason="Forbidden",
+                        audit={"gpu-denied": str(exc), "gpu-mode-source": "enforced"})
     except PolicyError as exc:
         return Decision(allowed=False, outcome="denied", message=str(exc), code=422, reason="Invalid",
                         audit={"gpu-denied": str(exc)})
@@ -333,30 +340,37 @@ def _rewrite(req: AdmissionRequest, settings: GpuSettings, mode: str, found: lis
     claims: list[dict[str, str]] = []
     existing = spec.get("resourceClaims")
     taken = {rc.get("name") for rc in existing if isinstance(rc, dict)} if isinstance(existing, list) else set()
-    for c in found:
-        if mode in ("dra", "mps-dra"):
-            tmpl = claim_template(settings, mode, c.count, req.namespace)
+    memory = shared_memory(annotations, req.namespace, settings, label) if mode == "shared" else ""
+    if mode in DRA_MODES:
+        for cname, count, members in claim_groups(found):
+            tmpl = claim_template(settings, mode, count, req.namespace, memory)
             tname = tmpl["metadata"]["name"]
             templates[tname] = tmpl
-            cname = claim_name(c.name)
             if cname in taken:
-                raise PolicyError(f"{label}: container {c.name} would get DRA claim {cname}, but the pod "
+                raise PolicyError(f"{label}: container {members[0].name} would get DRA claim {cname}, but the pod "
                                   "already has a resourceClaims entry of that name: rename one of them")
             claims.append({"name": cname, "resourceClaimTemplateName": tname})
-            ops += _drop_gpu(c)
-            res, _, _ = _resource_maps(c.container)
-            ops += append_list_items(res.get("claims"), f"{c.path}/resources/claims", [{"name": cname}])
-            target = f"DRA claim {cname} ({tname})"
-            notes.append(f"{c.name}:{c.count}->{cname}")
-        else:
+            for c in members:
+                ops += _drop_gpu(c)
+                res, _, _ = _resource_maps(c.container)
+                ops += append_list_items(res.get("claims"), f"{c.path}/resources/claims", [{"name": cname}])
+                notes.append(f"{c.name}:{c.count}->{cname}" + (f"@{memory}" if memory else ""))
+                warnings.append(short(f"gatekeeper ({mode}): container {c.name}: {GPU}={c.count} -> "
+                                      f"DRA claim {cname} ({tname})"))
+    else:
+        for c in found:
+            if mode == "mps" and c.count > 1:
+                raise PolicyError(
+                    f"{label}: container {c.name} asks for {GPU}={c.count} in gpu-mode mps, but an MPS share is "
+                    f"one GPU (the device plugin refuses more): ask for 1, or use gpu-mode dra or mps-dra "
+                    f"for {c.count} GPUs")
             if mode == "mig":
                 new = MIG_PREFIX + _mig_profile(annotations, settings, label)
             else:
                 new = settings.time_slicing_resource if mode == "time-slicing" else settings.mps_resource
             ops += _rename(c, new)
-            target = f"{new}={c.count}"
             notes.append(f"{c.name}:{c.count}->{new}")
-        warnings.append(short(f"gatekeeper ({mode}): container {c.name}: {GPU}={c.count} -> {target}"))
+            warnings.append(short(f"gatekeeper ({mode}): container {c.name}: {GPU}={c.count} -> {new}={c.count}"))
     if claims:
         ops += append_list_items(spec.get("resourceClaims"), "/spec/resourceClaims", claims)
     summary = f"{mode} " + " ".join(notes)

@@ -1,0 +1,109 @@
+"""GPU memory sizes: Kubernetes quantities and the MIG profile catalog (pure).
+
+Why a real quantity parser: ``gatekeeper.dev/gpu-memory`` is written by people
+who also write ``resources.limits``, so it follows the same grammar. ``20Gi``
+is 20 x 2^30 bytes, ``20G`` is 20 x 10^9, and ``500m`` is half a byte (milli),
+not 500 MiB. The shared mode hands the amount to the scheduler as a DRA
+capacity request in whole MiB (the NVIDIA driver's ``requestPolicy`` step),
+always rounded up: a pod that gets less memory than it asked for fails at
+runtime, one that gets a little more does not.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+
+MIB = 1024**2
+GIB = 1024**3
+
+_SUFFIX: dict[str, Decimal | int] = {
+    "": 1, "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"),
+    "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
+    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
+}
+_QUANTITY = re.compile(r"^([+-]?(?:\d+\.?\d*|\.\d+))(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]|[eE][+-]?\d+)?$")
+
+
+def parse_quantity_bytes(text: str) -> int:
+    """Bytes (rounded up) from a Kubernetes quantity such as ``20Gi``, ``16G``, ``512Mi`` or ``1e9``."""
+    m = _QUANTITY.match(text.strip())
+    if not m:
+        raise ValueError(f"expected a Kubernetes quantity like '20Gi', '16G' or '512Mi', got {text!r}")
+    try:
+        number = Decimal(m.group(1))
+    except InvalidOperation:
+        raise ValueError(f"expected a Kubernetes quantity, got {text!r}") from None
+    suffix = m.group(2) or ""
+    if suffix[:1] in ("e", "E"):
+        value = number * Decimal(10) ** int(suffix[1:])
+    else:
+        value = number * _SUFFIX[suffix]
+    if value <= 0:
+        raise ValueError(f"GPU memory must be positive, got {text!r}")
+    return math.ceil(value)
+
+
+def mib_quantity(nbytes: int) -> str:
+    """``nbytes`` rounded up to whole MiB, as a quantity (``20480Mi``): never less than asked."""
+    return f"{math.ceil(nbytes / MIB)}Mi"
+
+
+@dataclass(frozen=True)
+class MigProfile:
+    """One MIG GPU-instance profile: compute slices (of 7) and memory in GB, as in its name."""
+
+    name: str
+    slices: int
+    memory_gb: int
+
+
+def _profiles(*specs: str) -> tuple[MigProfile, ...]:
+    out = []
+    for s in specs:
+        g, mem = s.split(".")
+        out.append(MigProfile(s, int(g.removesuffix("g")), int(mem.removesuffix("gb"))))
+    return tuple(out)
+
+
+_A100_80 = _profiles("1g.10gb", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb")
+MIG_CATALOG: dict[str, tuple[MigProfile, ...]] = {
+    # NVIDIA MIG User Guide, "Supported MIG Profiles" (the +me media-extension variants are left
+    # out: one per GPU, meant for video decode, never the right answer to "how much memory").
+    "A30-24GB": _profiles("1g.6gb", "2g.12gb", "4g.24gb"),  # 4 slices, not 7
+    "A100-40GB": _profiles("1g.5gb", "1g.10gb", "2g.10gb", "3g.20gb", "4g.20gb", "7g.40gb"),
+    "A100-80GB": _A100_80,
+    "H100-80GB": _A100_80,
+    "H100-94GB": _profiles("1g.12gb", "1g.24gb", "2g.24gb", "3g.47gb", "4g.47gb", "7g.94gb"),
+    "H100-96GB": _profiles("1g.12gb", "1g.24gb", "2g.24gb", "3g.48gb", "4g.48gb", "7g.96gb"),
+    "H200-141GB": _profiles("1g.18gb", "1g.35gb", "2g.35gb", "3g.71gb", "4g.71gb", "7g.141gb"),
+    "B200-180GB": _profiles("1g.23gb", "1g.45gb", "2g.45gb", "3g.90gb", "4g.90gb", "7g.180gb"),
+}
+
+_LEGACY_UNIT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(gib|gb|gi|g|mib|mb|mi|m)?\s*$", re.IGNORECASE)
+_LEGACY_SUFFIX = {"gib": "Gi", "gi": "Gi", "gb": "G", "g": "G", "mib": "Mi", "mi": "Mi", "mb": "M", "m": "M"}
+
+
+def mig_need_bytes(text: str) -> int:
+    """Bytes (rounded up) a mig pod's ``gatekeeper.dev/gpu-memory`` asks for.
+
+    Exact Kubernetes units, so ``20Gi`` is 21.5 GB, not 20 GB (reading it as 20 would pick a
+    profile ~7% too small). The forms the mig mode always accepted keep their meaning: a bare
+    number is GB (as profile names count), and ``gb``/``mb``/``g``/``m`` in any case are GB/MB.
+    """
+    m = _LEGACY_UNIT.match(text)
+    if m:
+        unit = (m.group(2) or "g").lower()
+        text = m.group(1) + _LEGACY_SUFFIX[unit]
+    try:
+        return parse_quantity_bytes(text)
+    except ValueError:
+        raise ValueError(f"gatekeeper.dev/gpu-memory must be a size like '20Gi' or '10G', got {text!r}") from None
+
+
+def smallest_mig_profile(model: str, need_bytes: int) -> MigProfile | None:
+    """Profile names count GB (10^9 bytes), a lower bound of what each profile really has."""
+    fits = [p for p in MIG_CATALOG[model] if p.memory_gb * 10**9 >= need_bytes]
+    return min(fits, key=lambda p: (p.memory_gb, p.slices)) if fits else None
