@@ -227,4 +227,4 @@ def _listening(port: int) -> bool:
 def proxy(state: SandboxState, work: Path, flow_control: dict[str, Any] | None,
           protocol: dict[str, Any] | None = None) -> contextlib.AbstractContextManager[kit.ProxyProcess]:
     """A private gatekeeper proxy (storm_kit's); ``protocol`` adds e.g. ``goawayChance``."""
-    return kit.run_proxy(state, work, flow_control, {"protocol": protocol} if protocol else None)
+    return kit.run_proxy(state, work, flow_control, extra={"protocol": protocol} if protocol else None)

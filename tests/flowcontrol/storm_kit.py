@@ -206,7 +206,7 @@ class ProxyProcess:
 
 @contextlib.contextmanager
 def run_proxy(
-    state: SandboxState, directory: Path, flow_control: dict[str, Any] | None, workers: int | None = None,
+    state: SandboxState, directory: Path, flow_control: dict[str, Any] | None, *, workers: int | None = None,
     extra: dict[str, Any] | None = None,
 ) -> Iterator[ProxyProcess]:
     """``extra``: more top-level proxy config sections (e.g. ``{"protocol": {"goawayChance": 0.01}}``)."""
