@@ -73,6 +73,12 @@ def up_or_fail(state_dir: Path, *extra: str) -> SandboxState:
         pytest.fail(str(exc), pytrace=False)
 
 
+@pytest.fixture(scope="session")
+def own_sandbox() -> Any:
+    """:func:`up_or_fail` for module fixtures that need a sandbox of their own (other flags)."""
+    return up_or_fail
+
+
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 

@@ -84,7 +84,9 @@ def check_samples(out: Path, arms: list[str]) -> list[dict[str, str]]:
     for arm in arms:
         rss = [float(r["rss_bytes"]) for r in rows
                if r["arm"] == arm and r["component"].startswith("kube-apiserver") and r["rss_bytes"]]
-        assert len(rss) >= 3 and min(rss) > 50 * MIB, (arm, rss[:5])
+        # the median, not the minimum: the gogc scenario restarts the apiservers, and a sample taken just
+        # after a restart is legitimately small
+        assert len(rss) >= 3 and sorted(rss)[len(rss) // 2] > 50 * MIB, (arm, rss[:5])
         heap = [float(r["heap_bytes"]) for r in rows if r["arm"] == arm and r["heap_bytes"]]
         assert heap and max(heap) > 10 * MIB, arm
     return rows

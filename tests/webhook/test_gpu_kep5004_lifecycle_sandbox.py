@@ -24,9 +24,7 @@ pytestmark = pytest.mark.sandbox
 
 
 @pytest.fixture(scope="module")
-def mapped_sandbox(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SandboxState]:
-    from conftest import up_or_fail
-
+def mapped_sandbox(tmp_path_factory: pytest.TempPathFactory, own_sandbox: Any) -> Iterator[SandboxState]:
     from gatekeeper.sandbox.testing import run_down
 
     state_dir = tmp_path_factory.mktemp("gpu-kep5004")
@@ -34,7 +32,7 @@ def mapped_sandbox(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sandbox
     config.write_text("webhook:\n  gpu:\n    deviceClassCheckSeconds: 1\n    templateReconcileSeconds: 1\n"
                       "    templateGcGraceSeconds: 4\n")
     try:
-        yield up_or_fail(state_dir, "--apiservers", "1", "--gpu-nodes", "1", "--gpus-per-node", "4",
+        yield own_sandbox(state_dir, "--apiservers", "1", "--gpu-nodes", "1", "--gpus-per-node", "4",
                          "--with-scheduler", "--with-webhook", "--gpu-extended-resource-mapping",
                          "--webhook-config", str(config))
     finally:

@@ -43,9 +43,7 @@ packing = _load_packing()
 
 
 @pytest.fixture(scope="module")
-def sharing_sandbox(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SandboxState]:
-    from conftest import up_or_fail
-
+def sharing_sandbox(tmp_path_factory: pytest.TempPathFactory, own_sandbox: Any) -> Iterator[SandboxState]:
     from gatekeeper.sandbox.testing import run_down
 
     state_dir = tmp_path_factory.mktemp("gpu-sharing")
@@ -53,7 +51,7 @@ def sharing_sandbox(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sandbo
     config.write_text("webhook:\n  gpu:\n    namespaceGpuMemory: {shared-default: 6Gi, enforced: 4Gi}\n"
                       "    namespaceModes: {enforced: shared}\n    enforcedNamespaces: [enforced]\n")
     try:
-        yield up_or_fail(state_dir, "--apiservers", "1", "--gpu-nodes", "2", "--gpus-per-node", "8",
+        yield own_sandbox(state_dir, "--apiservers", "1", "--gpu-nodes", "2", "--gpus-per-node", "8",
                          "--with-scheduler", "--with-webhook", "--gpu-sharing", "memory",
                          "--webhook-config", str(config))
     finally:
