@@ -215,8 +215,11 @@ class SeatLedger:
         v = self._ints
         b = slot * self._row
         c = b + _HEAD + me * _PER_WORKER
-        v[c] = max(0, v[c] - seats)
+        # Holders first, then seats: a taker reading this column mid-way sees (seats, holders - 1),
+        # never (seats - 1, holders), so the peak-holders statistic it records is never over-counted,
+        # while the seat total it checks stays conservative (an old, higher value only refuses).
         v[c + 1] = max(0, v[c + 1] - 1)
+        v[c] = max(0, v[c] - seats)
         if list_bytes:
             v[self._list_off + 2 * me] = max(0, v[self._list_off + 2 * me] - list_bytes)
             v[self._list_off + 2 * me + 1] = max(0, v[self._list_off + 2 * me + 1] - 1)
