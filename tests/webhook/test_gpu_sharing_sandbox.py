@@ -13,13 +13,13 @@ import importlib.util
 import json
 import math
 import sys
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from test_webhook_sandbox import wait_for as webhook_wait_for
 
 from gatekeeper.sandbox.state import SandboxState
 from gatekeeper.webhook.gpu.sizing import parse_quantity_bytes
@@ -75,14 +75,8 @@ def ns(cluster: Any) -> Iterator[str]:
 
 
 def wait_for(what: str, fn: Callable[[], Any], timeout: float = 120) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = fn()
-        if last:
-            return last
-        time.sleep(0.5)
-    pytest.fail(f"{what}: not reached after {timeout}s (last: {last!r})", pytrace=False)
+    """test_webhook_sandbox's poll, with the longer default scheduling and claim allocation need here."""
+    return webhook_wait_for(what, fn, timeout)
 
 
 def gpu_pod(name: str, ns: str, gpus: int, *, mode: str = "dra", memory: str = "", node: str = "") -> str:
