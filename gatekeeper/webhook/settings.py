@@ -150,6 +150,48 @@ class SecretSettings:
 
 
 @dataclass(frozen=True)
+class MigPool:
+    """A node pool running one GPU model in one MIG layout (device plugin, mixed strategy)."""
+
+    name: str = ""
+    """Shown in decisions and denials."""
+    label_value: str = ""
+    """Value of ``migPoolLabel`` on the pool's nodes, e.g. ``NVIDIA-A100-SXM4-40GB`` (GPU feature discovery)."""
+    gpu_model: str = ""
+    """Catalog model (see gpu.MIG_CATALOG), e.g. ``A100-40GB``."""
+    layout: str = ""
+    """MIG config the pool's nodes run (``all-balanced`` or ``all-<profile>``, NVIDIA mig-parted's names)."""
+    profiles: list[str] = field(default_factory=list)
+    """Profiles the pool's layout creates, when ``layout`` is not one of the known names."""
+
+    def allowed(self) -> tuple[str, ...]:
+        from gatekeeper.webhook.gpu.sizing import layout_profiles
+
+        return tuple(self.profiles) if self.profiles else layout_profiles(self.gpu_model, self.layout)
+
+    def validate(self) -> None:
+        from gatekeeper.webhook.gpu.sizing import MIG_CATALOG
+
+        where = f"migPools[{self.name or '?'}]"
+        if not self.name or not self.label_value:
+            raise ValueError(f"{where}: name and labelValue are required (labelValue: the pool's node label value)")
+        if self.gpu_model not in MIG_CATALOG:
+            raise ValueError(f"{where}: gpuModel {self.gpu_model!r} is unknown; expected one of "
+                             + ", ".join(MIG_CATALOG))
+        if bool(self.layout) == bool(self.profiles):
+            raise ValueError(f"{where}: set exactly one of layout (e.g. all-balanced) and profiles")
+        try:
+            allowed = self.allowed()
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+        names = {p.name for p in MIG_CATALOG[self.gpu_model]}
+        bad = [p for p in allowed if p not in names]
+        if bad:
+            raise ValueError(f"{where}: {', '.join(bad)} is not a {self.gpu_model} profile; expected some of "
+                             + ", ".join(sorted(names)))
+
+
+@dataclass(frozen=True)
 class GpuSettings:
     """GPU pod rewrite policy, served on /mutate."""
 
@@ -187,6 +229,11 @@ class GpuSettings:
     """GPU model whose MIG profiles the mig mode chooses from (see gpu.MIG_CATALOG)."""
     mig_default_profile: str = ""
     """Profile used when a mig pod has no gpu-memory annotation (empty = deny such pods)."""
+    mig_pool_label: str = "nvidia.com/gpu.product"
+    """Node label that tells the MIG pools apart (GPU feature discovery sets the product name)."""
+    mig_pools: list[MigPool] = field(default_factory=list)
+    """Node pools with their model and MIG layout; set, mig sizing picks only from their profiles and
+    pins the pod to the pools that offer the chosen one. Empty: ``migGpuModel`` for every node, no pinning."""
     template_prefix: str = "gatekeeper-gpu"
     """Name prefix of the ResourceClaimTemplates the webhook keeps present."""
     template_cache_seconds: float = 300.0
@@ -220,10 +267,17 @@ class GpuSettings:
         if self.mig_gpu_model not in MIG_CATALOG:
             raise ValueError(f"migGpuModel {self.mig_gpu_model!r} is unknown; expected one of "
                              + ", ".join(MIG_CATALOG))
-        names = {p.name for p in MIG_CATALOG[self.mig_gpu_model]}
+        for pool in self.mig_pools:
+            pool.validate()
+        values = [p.label_value for p in self.mig_pools]
+        if len(set(values)) != len(values) or len({p.name for p in self.mig_pools}) != len(values):
+            raise ValueError("migPools: every pool needs its own name and labelValue")
+        names = ({n for p in self.mig_pools for n in p.allowed()} if self.mig_pools
+                 else {p.name for p in MIG_CATALOG[self.mig_gpu_model]})
         if self.mig_default_profile and self.mig_default_profile not in names:
-            raise ValueError(f"migDefaultProfile {self.mig_default_profile!r} is not a {self.mig_gpu_model} "
-                             f"profile; expected one of {', '.join(sorted(names))}")
+            where = "any migPools layout" if self.mig_pools else f"a {self.mig_gpu_model} profile"
+            raise ValueError(f"migDefaultProfile {self.mig_default_profile!r} is not {where}; "
+                             f"expected one of {', '.join(sorted(names))}")
 
 
 @dataclass(frozen=True)

@@ -355,5 +355,8 @@ def test_mig_catalog_is_nvidias_published_profile_table() -> None:
         "H200-141GB": "1g.18gb 1g.35gb 2g.35gb 3g.71gb 4g.71gb 7g.141gb",
         "A30-24GB": "1g.6gb 2g.12gb 4g.24gb",
         "B200-180GB": "1g.23gb 1g.45gb 2g.45gb 3g.90gb 4g.90gb 7g.180gb",
+        # NVIDIA/mig-parted deployments/systemd/config-default.yaml, "GB200 HGX" (the guide's page in the
+        # search index stops before its GB200 table).
+        "GB200-186GB": "1g.23gb 1g.47gb 2g.47gb 3g.93gb 4g.93gb 7g.186gb",
     }
     assert {m: " ".join(p.name for p in ps) for m, ps in gpu.MIG_CATALOG.items()} == published

@@ -50,6 +50,7 @@ from gatekeeper.kube.admission import (
     op_remove,
     short,
 )
+from gatekeeper.webhook.gpu import migpools
 from gatekeeper.webhook.gpu.claims import (
     DRA_API,
     DRA_MODES,
@@ -61,6 +62,7 @@ from gatekeeper.webhook.gpu.claims import (
     template_name,
     template_spec,
 )
+from gatekeeper.webhook.gpu.migpools import MigChoice
 from gatekeeper.webhook.gpu.modes import PolicyError, PolicyForbidden, decide_mode, resolve_mode
 from gatekeeper.webhook.gpu.sizing import (
     MIG_CATALOG,
@@ -234,25 +236,22 @@ def _rename(c: GpuContainer, new: str) -> list[PatchOp]:
     return ops
 
 
-def _mig_profile(annotations: dict[str, Any], settings: GpuSettings, label: str) -> str:
+def _mig_choice(annotations: dict[str, Any], spec: dict[str, Any], settings: GpuSettings, label: str) -> MigChoice:
     raw = annotations.get(MEMORY_ANNOTATION)
+    selector = spec.get("nodeSelector")
+    pinned = selector.get(settings.mig_pool_label) if isinstance(selector, dict) else None
+    pinned = str(pinned) if pinned is not None else None
     if raw is None:
         if settings.mig_default_profile:
-            return settings.mig_default_profile
+            return migpools.choose(settings, None, "", pinned, label)
+        what = "a MIG profile of its pool" if settings.mig_pools else f"a {settings.mig_gpu_model} MIG profile"
         raise PolicyError(f"{label} uses gpu-mode mig but has no {MEMORY_ANNOTATION} annotation "
-                          f"(e.g. '20Gi'): set it so a {settings.mig_gpu_model} MIG profile can be chosen")
+                          f"(e.g. '20Gi'): set it so {what} can be chosen")
     try:
         need = mig_need_bytes(str(raw))
     except ValueError as exc:
         raise PolicyError(f"{label}: {exc}") from None
-    profile = smallest_mig_profile(settings.mig_gpu_model, need)
-    if profile is None:
-        largest = max(MIG_CATALOG[settings.mig_gpu_model], key=lambda p: p.memory_gb)
-        raise PolicyError(
-            f"{label} needs {raw} of GPU memory ({MEMORY_ANNOTATION}), more than the largest "
-            f"{settings.mig_gpu_model} MIG profile {largest.name}: use gpu-mode dra for whole GPUs"
-        )
-    return profile.name
+    return migpools.choose(settings, need, str(raw), pinned, label)
 
 
 def shared_memory(annotations: dict[str, Any], namespace: str, settings: GpuSettings, label: str) -> str:
@@ -358,14 +357,18 @@ def _rewrite(req: AdmissionRequest, settings: GpuSettings, mode: str, found: lis
                 warnings.append(short(f"gatekeeper ({mode}): container {c.name}: {GPU}={c.count} -> "
                                       f"DRA claim {cname} ({tname})"))
     else:
+        mig = _mig_choice(annotations, spec, settings, label) if mode == "mig" else None
+        if mig is not None and mig.pools:
+            ops += migpools.placement_ops(spec, settings.mig_pool_label, mig.pools)
+            notes.append("pools=" + ",".join(p.name for p in mig.pools))
         for c in found:
             if mode == "mps" and c.count > 1:
                 raise PolicyError(
                     f"{label}: container {c.name} asks for {GPU}={c.count} in gpu-mode mps, but an MPS share is "
                     f"one GPU (the device plugin refuses more): ask for 1, or use gpu-mode dra or mps-dra "
                     f"for {c.count} GPUs")
-            if mode == "mig":
-                new = MIG_PREFIX + _mig_profile(annotations, settings, label)
+            if mig is not None:
+                new = MIG_PREFIX + mig.profile
             else:
                 new = settings.time_slicing_resource if mode == "time-slicing" else settings.mps_resource
             ops += _rename(c, new)

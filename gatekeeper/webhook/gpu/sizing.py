@@ -80,7 +80,40 @@ MIG_CATALOG: dict[str, tuple[MigProfile, ...]] = {
     "H100-96GB": _profiles("1g.12gb", "1g.24gb", "2g.24gb", "3g.48gb", "4g.48gb", "7g.96gb"),
     "H200-141GB": _profiles("1g.18gb", "1g.35gb", "2g.35gb", "3g.71gb", "4g.71gb", "7g.141gb"),
     "B200-180GB": _profiles("1g.23gb", "1g.45gb", "2g.45gb", "3g.90gb", "4g.90gb", "7g.180gb"),
+    # GB200 HGX (186 GB): NVIDIA/mig-parted's shipped config (deployments/systemd/config-default.yaml,
+    # "GB200 HGX", device 0x294110DE) lists exactly these; 1g.23gb is shared with B200.
+    "GB200-186GB": _profiles("1g.23gb", "1g.47gb", "2g.47gb", "3g.93gb", "4g.93gb", "7g.186gb"),
 }
+
+MIG_LAYOUTS: dict[str, dict[str, tuple[str, ...]]] = {
+    # The ``all-balanced`` MIG config of NVIDIA/mig-parted (the GPU operator's default
+    # ``nvidia.com/mig.config``), per model: which profiles a node labelled with it really has.
+    "all-balanced": {
+        "A30-24GB": ("1g.6gb", "2g.12gb"),
+        "A100-40GB": ("1g.5gb", "2g.10gb", "3g.20gb"),
+        "A100-80GB": ("1g.10gb", "2g.20gb", "3g.40gb"),
+        "H100-80GB": ("1g.10gb", "2g.20gb", "3g.40gb"),
+        "H100-94GB": ("1g.12gb", "2g.24gb", "3g.47gb"),
+        "H100-96GB": ("1g.12gb", "2g.24gb", "3g.48gb"),
+        "H200-141GB": ("1g.18gb", "2g.35gb", "3g.71gb"),
+        "B200-180GB": ("1g.23gb", "2g.45gb", "3g.90gb"),
+        "GB200-186GB": ("1g.23gb", "2g.47gb", "3g.93gb"),
+    },
+}
+
+
+def layout_profiles(model: str, layout: str) -> tuple[str, ...]:
+    """Profiles a MIG config (``all-balanced``, or ``all-<profile>`` of one profile) creates on ``model``."""
+    if layout in MIG_LAYOUTS:
+        by_model = MIG_LAYOUTS[layout]
+        if model not in by_model:
+            raise ValueError(f"layout {layout!r} is not known for {model}; list its profiles instead")
+        return by_model[model]
+    one = layout.removeprefix("all-")
+    if layout.startswith("all-") and any(p.name == one for p in MIG_CATALOG.get(model, ())):
+        return (one,)
+    raise ValueError(f"layout {layout!r} is not known for {model}; expected all-balanced or all-<profile> "
+                     f"({', '.join('all-' + p.name for p in MIG_CATALOG.get(model, ()))}), or list the profiles")
 
 _LEGACY_UNIT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(gib|gb|gi|g|mib|mb|mi|m)?\s*$", re.IGNORECASE)
 _LEGACY_SUFFIX = {"gib": "Gi", "gi": "Gi", "gb": "G", "g": "G", "mib": "Mi", "mi": "Mi", "mb": "M", "m": "M"}
@@ -103,7 +136,11 @@ def mig_need_bytes(text: str) -> int:
         raise ValueError(f"gatekeeper.dev/gpu-memory must be a size like '20Gi' or '10G', got {text!r}") from None
 
 
-def smallest_mig_profile(model: str, need_bytes: int) -> MigProfile | None:
-    """Profile names count GB (10^9 bytes), a lower bound of what each profile really has."""
-    fits = [p for p in MIG_CATALOG[model] if p.memory_gb * 10**9 >= need_bytes]
+def smallest_mig_profile(model: str, need_bytes: int, allowed: tuple[str, ...] | None = None) -> MigProfile | None:
+    """Profile names count GB (10^9 bytes), a lower bound of what each profile really has.
+
+    ``allowed``: only these profile names (the MIG layout a node pool runs); None = all of the model's.
+    """
+    fits = [p for p in MIG_CATALOG[model] if p.memory_gb * 10**9 >= need_bytes
+            and (allowed is None or p.name in allowed)]
     return min(fits, key=lambda p: (p.memory_gb, p.slices)) if fits else None
