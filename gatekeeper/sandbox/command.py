@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from gatekeeper.errors import non_negative_int, positive_int
+from gatekeeper.sandbox import mig
 
 
 def register(sub: Any) -> None:
@@ -49,6 +50,13 @@ def register(sub: Any) -> None:
     u.add_argument("--gpu-extended-resource-mapping", action="store_true",
                    help="the GPU DeviceClass maps nvidia.com/gpu (KEP-5004 extendedResourceName) and the "
                         "nodes do not advertise it, so the scheduler serves unchanged GPU pods through DRA")
+    u.add_argument("--mig-node", action="append", default=[], metavar="MODEL", choices=sorted(mig.PRODUCTS),
+                   help="a KWOK node of MODEL GPUs (e.g. A100-40GB) in MIG all-balanced, as the device plugin's "
+                        "mixed strategy advertises it (nvidia.com/mig-* capacity, nvidia.com/gpu.product label); "
+                        "repeatable")
+    u.add_argument("--mig-dra-nodes", type=non_negative_int, default=0,
+                   help="KWOK nodes whose GPUs are DRA partitionable devices like the NVIDIA driver's dynamic MIG "
+                        "(shared counters per GPU, one device per MIG profile placement)")
     u.add_argument("--with-scheduler", action="store_true",
                    help="also run kube-scheduler and kube-controller-manager")
     u.add_argument("--apiserver-arg", action="append", default=[], metavar="ARG",
@@ -104,6 +112,7 @@ def _up(args: argparse.Namespace) -> int:
         gpus_per_node=args.gpus_per_node, with_scheduler=args.with_scheduler, gogc=args.gogc,
         timeout=args.timeout, addons=addons, apiserver_args=tuple(args.apiserver_arg), gpu_sharing=args.gpu_sharing,
         gpu_extended_resource_mapping=args.gpu_extended_resource_mapping,
+        mig_nodes=tuple(args.mig_node), mig_dra_nodes=args.mig_dra_nodes,
     )
     try:
         up(opts, args)

@@ -54,7 +54,10 @@ def node_names(count: int) -> list[str]:
 
 def device_class(extended_resource_mapping: bool = False) -> Manifest:
     """The GPUs' DeviceClass; ``extended_resource_mapping`` adds KEP-5004's ``extendedResourceName``."""
-    spec: dict[str, Any] = {"selectors": [{"cel": {"expression": f'device.driver == "{DRIVER}"'}}]}
+    # Whole GPUs only: with --mig-dra-nodes the driver also publishes MIG partitions (type "mig"), as the
+    # NVIDIA driver's gpu.nvidia.com class leaves those to mig.nvidia.com.
+    expression = f'device.driver == "{DRIVER}" && device.attributes["{DRIVER}"].type == "gpu"'
+    spec: dict[str, Any] = {"selectors": [{"cel": {"expression": expression}}]}
     if extended_resource_mapping:
         spec["extendedResourceName"] = EXTENDED_RESOURCE
     return {

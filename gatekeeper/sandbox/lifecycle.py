@@ -24,7 +24,7 @@ import yaml
 
 from gatekeeper.errors import UsageError
 from gatekeeper.sandbox import components as comp
-from gatekeeper.sandbox import gpu, kubectl, pki, processes, webhook_client, with_proxy, with_webhook
+from gatekeeper.sandbox import gpu, kubectl, mig, pki, processes, webhook_client, with_proxy, with_webhook
 from gatekeeper.sandbox.build import Binaries, installed
 from gatekeeper.sandbox.state import STATE_FILE, ProcessRecord, SandboxState
 from gatekeeper.sandbox.waiting import ComponentFailed, wait_until
@@ -62,6 +62,10 @@ class UpOptions:
     """How the fake GPUs are published: ``none`` (exclusive) or ``memory`` (consumable shares)."""
     gpu_extended_resource_mapping: bool = False
     """DeviceClass maps ``nvidia.com/gpu`` (KEP-5004) and nodes do not advertise it (DRA serves it)."""
+    mig_nodes: tuple[str, ...] = ()
+    """One device-plugin MIG node (all-balanced, ``nvidia.com/mig-*`` capacity) per GPU model listed."""
+    mig_dra_nodes: int = 0
+    """Nodes whose GPUs are DRA partitionable devices (dynamic MIG: shared counters + partitions)."""
     addons: tuple[str, ...] = ()
     """Add-ons (keys of :data:`ADDONS`) to start after the control plane."""
     apiserver_args: tuple[str, ...] = ()
@@ -187,14 +191,24 @@ def _publish_gpus(s: _Starter, bins: Binaries, opts: UpOptions) -> None:
                           "device_class": gpu.DEVICE_CLASS, "dra_driver": gpu.DRIVER,
                           "gpu_sharing": opts.gpu_sharing,
                           "gpu_extended_resource_mapping": opts.gpu_extended_resource_mapping})
+    mig_names = [mig.mig_node_name(m, i) for i, m in enumerate(opts.mig_nodes)]
+    dra_names = [f"mig-dra-{i}" for i in range(opts.mig_dra_nodes)]
+    s.state.extra.update({"mig_nodes": mig_names, "mig_dra_nodes": dra_names})
+    if dra_names:
+        kubectl.run(kc, "create", "-f", "-", input=json.dumps(mig.mig_device_class()), binary=kb, check=True)
     s.state.save()
-    if not names:
-        return
     nodes = [gpu.node(n, opts.gpus_per_node, not opts.gpu_extended_resource_mapping) for n in names]
+    nodes += [mig.mig_node(n, m, opts.gpus_per_node) for n, m in zip(mig_names, opts.mig_nodes, strict=True)]
+    nodes += [mig.mig_dra_node(n) for n in dra_names]
+    if not nodes:
+        return
+    names = names + mig_names + dra_names
     kubectl.run(kc, "create", "-f", "-", input=json.dumps(gpu.as_list(nodes)), binary=kb, check=True)
     created = kubectl.get_json(kc, "nodes", "-l", comp.KWOK_NODE_SELECTOR, binary=kb)
     uids = {i["metadata"]["name"]: i["metadata"]["uid"] for i in created["items"]}
-    slices = [gpu.resource_slice(n, opts.gpus_per_node, uids.get(n, ""), opts.gpu_sharing) for n in names]
+    slices = [gpu.resource_slice(n, opts.gpus_per_node, uids.get(n, ""), opts.gpu_sharing)
+              for n in s.state.extra["gpu_nodes"]]
+    slices += [sl for n in dra_names for sl in mig.mig_dra_slices(n, uids.get(n, ""))]
     kubectl.run(kc, "create", "-f", "-", input=json.dumps(gpu.as_list(slices)), binary=kb, check=True)
     kwok_rec = s.state.process("kwok")
 
@@ -263,7 +277,7 @@ def up(opts: UpOptions, args: argparse.Namespace | None = None, say: Say = print
         say(f"  {opts.apiservers} apiserver(s) ready after {time.monotonic() - t0:.1f}s")
         if opts.with_scheduler:
             _start_scheduler_and_kcm(s, bins, opts)
-        if opts.gpu_nodes:
+        if opts.gpu_nodes or opts.mig_nodes or opts.mig_dra_nodes:
             _start_kwok(s, bins, opts)
         _publish_gpus(s, bins, opts)
         state.extra["control_plane_seconds"] = round(time.monotonic() - t0, 2)

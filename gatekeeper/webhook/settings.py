@@ -27,7 +27,7 @@ from typing import ClassVar, Literal, get_args
 from gatekeeper.config import dataclass_section, register_section
 from gatekeeper.listener import TLSListenerSettings
 
-Mode = Literal["dra", "shared", "time-slicing", "mps", "mps-dra", "mig", "off"]
+Mode = Literal["dra", "shared", "time-slicing", "mps", "mps-dra", "mig", "mig-dra", "off"]
 MODES: tuple[str, ...] = get_args(Mode)
 
 ANNOTATION_PREFIX = "gatekeeper.dev/"
@@ -229,6 +229,10 @@ class GpuSettings:
     """GPU model whose MIG profiles the mig mode chooses from (see gpu.MIG_CATALOG)."""
     mig_default_profile: str = ""
     """Profile used when a mig pod has no gpu-memory annotation (empty = deny such pods)."""
+    mig_device_class: str = "mig.nvidia.com"
+    """DeviceClass of MIG partitions (mig-dra): the NVIDIA DRA driver's, for dynamic MIG."""
+    mig_profile_attribute: str = "gpu.nvidia.com/profile"
+    """Device attribute (domain/name) holding a partition's MIG profile; mig-dra selects on it with CEL."""
     mig_pool_label: str = "nvidia.com/gpu.product"
     """Node label that tells the MIG pools apart (GPU feature discovery sets the product name)."""
     mig_pools: list[MigPool] = field(default_factory=list)
@@ -267,6 +271,9 @@ class GpuSettings:
         if self.mig_gpu_model not in MIG_CATALOG:
             raise ValueError(f"migGpuModel {self.mig_gpu_model!r} is unknown; expected one of "
                              + ", ".join(MIG_CATALOG))
+        if "/" not in self.mig_profile_attribute:
+            raise ValueError(f"migProfileAttribute must be qualified (domain/name, e.g. gpu.nvidia.com/profile), "
+                             f"got {self.mig_profile_attribute!r}")
         for pool in self.mig_pools:
             pool.validate()
         values = [p.label_value for p in self.mig_pools]

@@ -114,10 +114,11 @@ def test_resource_slice_has_one_device_per_gpu_split_over_two_pcie_roots() -> No
     assert rs["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
 
 
-def test_device_class_selects_the_driver_by_cel() -> None:
+def test_device_class_selects_the_drivers_whole_gpus_by_cel() -> None:
     dc = gpu.device_class()
     assert dc["apiVersion"] == "resource.k8s.io/v1"
-    assert dc["spec"]["selectors"] == [{"cel": {"expression": 'device.driver == "gpu.nvidia.com"'}}]
+    assert dc["spec"]["selectors"] == [{"cel": {"expression":
+        'device.driver == "gpu.nvidia.com" && device.attributes["gpu.nvidia.com"].type == "gpu"'}}]
 
 
 def test_node_readiness_waits_for_the_not_ready_taint_to_go_when_node_lifecycle_runs() -> None:

@@ -159,3 +159,31 @@ def test_pool_config_loads_from_yaml(tmp_path: Path) -> None:
     s = load_config(f, need="webhook").webhook.gpu
     assert s.mig_pool_label == "example.com/gpu"
     assert s.mig_pools[0].allowed() == ("1g.23gb", "2g.47gb", "3g.93gb")
+
+
+MIG_DRA = GpuSettings(default_mode="mig-dra", mig_gpu_model="H100-80GB")
+
+
+@pytest.mark.parametrize(("memory", "profile"), [("15Gi", "1g.20gb"), ("10G", "1g.10gb"), ("25Gi", "3g.40gb")])
+def test_mig_dra_claims_a_partition_of_the_smallest_fitting_profile_by_cel(memory: str, profile: str) -> None:
+    d, out = run(mig_pod(memory, count=2), MIG_DRA)
+    assert d.allowed, d.message
+    c = out["spec"]["containers"][0]
+    assert "limits" not in c["resources"] and c["resources"]["claims"] == [{"name": "gpu-m"}]
+    (tmpl,) = d.templates
+    exactly = tmpl["spec"]["spec"]["devices"]["requests"][0]["exactly"]
+    cel = f'device.attributes["gpu.nvidia.com"].profile == "{profile}"'
+    assert exactly == {"deviceClassName": "mig.nvidia.com", "allocationMode": "ExactCount", "count": 2,
+                       "selectors": [{"cel": {"expression": cel}}]}
+    assert "constraints" not in tmpl["spec"]["spec"]["devices"]
+    assert "nodeSelector" not in out["spec"]  # the scheduler finds partitions by attribute, on any node
+
+
+def test_mig_dra_templates_differ_by_profile_and_deny_what_no_profile_holds() -> None:
+    a, _ = run(mig_pod("15Gi"), MIG_DRA)
+    b, _ = run(mig_pod("25Gi"), MIG_DRA)
+    assert a.templates[0]["metadata"]["name"] != b.templates[0]["metadata"]["name"]
+    d, _ = run(mig_pod("81G"), MIG_DRA)
+    assert not d.allowed and "7g.80gb" in d.message
+    d, _ = run(mig_pod(None), MIG_DRA)
+    assert not d.allowed and "H100-80GB MIG profile" in d.message

@@ -236,21 +236,28 @@ def _rename(c: GpuContainer, new: str) -> list[PatchOp]:
     return ops
 
 
-def _mig_choice(annotations: dict[str, Any], spec: dict[str, Any], settings: GpuSettings, label: str) -> MigChoice:
+def _mig_choice(annotations: dict[str, Any], spec: dict[str, Any], settings: GpuSettings, label: str,
+                dynamic: bool = False) -> MigChoice:
+    """``dynamic`` (mig-dra): any profile of ``migGpuModel``, no pools (partitions are found by attribute)."""
     raw = annotations.get(MEMORY_ANNOTATION)
     selector = spec.get("nodeSelector")
     pinned = selector.get(settings.mig_pool_label) if isinstance(selector, dict) else None
     pinned = str(pinned) if pinned is not None else None
     if raw is None:
+        if settings.mig_default_profile and dynamic:
+            return MigChoice(settings.mig_default_profile)
         if settings.mig_default_profile:
             return migpools.choose(settings, None, "", pinned, label)
-        what = "a MIG profile of its pool" if settings.mig_pools else f"a {settings.mig_gpu_model} MIG profile"
+        what = ("a MIG profile of its pool" if settings.mig_pools and not dynamic
+                else f"a {settings.mig_gpu_model} MIG profile")
         raise PolicyError(f"{label} uses gpu-mode mig but has no {MEMORY_ANNOTATION} annotation "
                           f"(e.g. '20Gi'): set it so {what} can be chosen")
     try:
         need = mig_need_bytes(str(raw))
     except ValueError as exc:
         raise PolicyError(f"{label}: {exc}") from None
+    if dynamic:
+        return MigChoice(migpools.catalog_profile(settings, need, str(raw), label))
     return migpools.choose(settings, need, str(raw), pinned, label)
 
 
@@ -340,9 +347,10 @@ def _rewrite(req: AdmissionRequest, settings: GpuSettings, mode: str, found: lis
     existing = spec.get("resourceClaims")
     taken = {rc.get("name") for rc in existing if isinstance(rc, dict)} if isinstance(existing, list) else set()
     memory = shared_memory(annotations, req.namespace, settings, label) if mode == "shared" else ""
+    profile = _mig_choice(annotations, spec, settings, label, dynamic=True).profile if mode == "mig-dra" else ""
     if mode in DRA_MODES:
         for cname, count, members in claim_groups(found):
-            tmpl = claim_template(settings, mode, count, req.namespace, memory)
+            tmpl = claim_template(settings, mode, count, req.namespace, memory, profile)
             tname = tmpl["metadata"]["name"]
             templates[tname] = tmpl
             if cname in taken:
@@ -353,7 +361,7 @@ def _rewrite(req: AdmissionRequest, settings: GpuSettings, mode: str, found: lis
                 ops += _drop_gpu(c)
                 res, _, _ = _resource_maps(c.container)
                 ops += append_list_items(res.get("claims"), f"{c.path}/resources/claims", [{"name": cname}])
-                notes.append(f"{c.name}:{c.count}->{cname}" + (f"@{memory}" if memory else ""))
+                notes.append(f"{c.name}:{c.count}->{cname}" + (f"@{memory or profile}" if memory or profile else ""))
                 warnings.append(short(f"gatekeeper ({mode}): container {c.name}: {GPU}={c.count} -> "
                                       f"DRA claim {cname} ({tname})"))
     else:

@@ -23,7 +23,7 @@ from gatekeeper.webhook.settings import GpuSettings
 DRA_API = "resource.k8s.io/v1"
 REQUEST_NAME = "gpu"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "gatekeeper"}
-DRA_MODES = ("dra", "mps-dra", "shared")
+DRA_MODES = ("dra", "mps-dra", "shared", "mig-dra")
 
 
 def claim_name(container: str) -> str:
@@ -42,19 +42,30 @@ def aligned(settings: GpuSettings, count: int) -> str:
     return ""
 
 
-def template_spec(settings: GpuSettings, mode: str, count: int, memory: str = "") -> dict[str, Any]:
+def profile_selector(settings: GpuSettings, profile: str) -> str:
+    """CEL choosing MIG partitions of one profile, by the driver's attribute (``gpu.nvidia.com/profile``)."""
+    domain, _, name = settings.mig_profile_attribute.rpartition("/")
+    return f'device.attributes["{domain}"].{name} == "{profile}"'
+
+
+def template_spec(settings: GpuSettings, mode: str, count: int, memory: str = "", profile: str = "") -> dict[str, Any]:
     """ResourceClaimTemplate ``spec`` (which itself holds the claim's ``spec``).
 
     ``memory`` (shared mode) becomes ``capacity.requests.memory``: each allocated
     device must have that much memory left, and the allocation consumes it, so
     other claims can share the rest of the same GPU (DRAConsumableCapacity).
+    ``profile`` (mig-dra) selects partitions of that MIG profile; the scheduler
+    allocates one only while its GPU's shared counters (memory and compute
+    slices) have room (DRAPartitionableDevices).
     """
-    exactly: dict[str, Any] = {"deviceClassName": settings.device_class, "allocationMode": "ExactCount",
-                               "count": count}
+    exactly: dict[str, Any] = {"deviceClassName": settings.mig_device_class if profile else settings.device_class,
+                               "allocationMode": "ExactCount", "count": count}
     if memory:
         exactly["capacity"] = {"requests": {"memory": memory}}
+    if profile:
+        exactly["selectors"] = [{"cel": {"expression": profile_selector(settings, profile)}}]
     devices: dict[str, Any] = {"requests": [{"name": REQUEST_NAME, "exactly": exactly}]}
-    attribute = aligned(settings, count)
+    attribute = "" if profile else aligned(settings, count)
     if attribute:
         devices["constraints"] = [{"requests": [REQUEST_NAME], "matchAttribute": attribute}]
     if mode == "mps-dra":
@@ -72,8 +83,11 @@ def template_spec(settings: GpuSettings, mode: str, count: int, memory: str = ""
     return {"spec": {"devices": devices}}
 
 
-def template_name(settings: GpuSettings, mode: str, count: int, memory: str = "") -> str:
+def template_name(settings: GpuSettings, mode: str, count: int, memory: str = "", profile: str = "") -> str:
     """Deterministic from what the template contains, so equal shapes share one template."""
+    if profile:  # mig-dra: the class and the selector are what differ
+        return _template_name(settings.template_prefix, mode, count, settings.mig_device_class, "",
+                              settings.mig_profile_attribute, profile)
     return _template_name(settings.template_prefix, mode, count, settings.device_class,
                           aligned(settings, count), settings.mps_driver if mode == "mps-dra" else "", memory)
 
@@ -97,12 +111,12 @@ def spec_hash(spec: dict[str, Any]) -> str:
 
 
 def claim_template(settings: GpuSettings, mode: str, count: int, namespace: str,
-                   memory: str = "") -> dict[str, Any]:
-    spec = template_spec(settings, mode, count, memory)
+                   memory: str = "", profile: str = "") -> dict[str, Any]:
+    spec = template_spec(settings, mode, count, memory, profile)
     return {
         "apiVersion": DRA_API,
         "kind": "ResourceClaimTemplate",
-        "metadata": {"name": template_name(settings, mode, count, memory), "namespace": namespace,
+        "metadata": {"name": template_name(settings, mode, count, memory, profile), "namespace": namespace,
                      "labels": dict(MANAGED_BY), "annotations": {SPEC_HASH_ANNOTATION: spec_hash(spec)}},
         "spec": spec,
     }

@@ -52,7 +52,7 @@ def choose(settings: GpuSettings, need_bytes: int | None, raw: str, pinned: str 
     ``pinned``: the pod's own ``nodeSelector`` value for ``migPoolLabel``, if any.
     """
     if not settings.mig_pools:
-        return MigChoice(_legacy(settings, need_bytes, raw, label))
+        return MigChoice(catalog_profile(settings, need_bytes, raw, label))
     key = settings.mig_pool_label
     pools = list(settings.mig_pools)
     if pinned is not None:
@@ -80,8 +80,9 @@ def choose(settings: GpuSettings, need_bytes: int | None, raw: str, pinned: str 
     return MigChoice(best_profile.name, tuple(p for p in pools if best_profile.name in p.allowed()))
 
 
-def _legacy(settings: GpuSettings, need_bytes: int | None, raw: str, label: str) -> str:
-    """One model for every node (``migGpuModel``), as before pools existed."""
+def catalog_profile(settings: GpuSettings, need_bytes: int | None, raw: str, label: str) -> str:
+    """Any profile of ``migGpuModel``: one model for every node, as before pools existed, and mig-dra,
+    where the driver creates whichever profile a claim asks for (dynamic MIG), so no layout limits it."""
     if need_bytes is None:
         return settings.mig_default_profile
     profile = smallest_mig_profile(settings.mig_gpu_model, need_bytes)
