@@ -56,7 +56,8 @@ def register(sub: Any) -> None:
                         "repeatable")
     u.add_argument("--mig-dra-nodes", type=non_negative_int, default=0,
                    help="KWOK nodes whose GPUs are DRA partitionable devices like the NVIDIA driver's dynamic MIG "
-                        "(shared counters per GPU, one device per MIG profile placement)")
+                        "(shared counters per GPU, one device per MIG profile placement; "
+                        "--gpus-per-node GPUs, at most 3)")
     u.add_argument("--with-scheduler", action="store_true",
                    help="also run kube-scheduler and kube-controller-manager")
     u.add_argument("--apiserver-arg", action="append", default=[], metavar="ARG",

@@ -199,7 +199,8 @@ def _publish_gpus(s: _Starter, bins: Binaries, opts: UpOptions) -> None:
     s.state.save()
     nodes = [gpu.node(n, opts.gpus_per_node, not opts.gpu_extended_resource_mapping) for n in names]
     nodes += [mig.mig_node(n, m, opts.gpus_per_node) for n, m in zip(mig_names, opts.mig_nodes, strict=True)]
-    nodes += [mig.mig_dra_node(n) for n in dra_names]
+    dra_gpus = mig.mig_dra_gpus(opts.gpus_per_node)
+    nodes += [mig.mig_dra_node(n, dra_gpus) for n in dra_names]
     if not nodes:
         return
     names = names + mig_names + dra_names
@@ -208,7 +209,7 @@ def _publish_gpus(s: _Starter, bins: Binaries, opts: UpOptions) -> None:
     uids = {i["metadata"]["name"]: i["metadata"]["uid"] for i in created["items"]}
     slices = [gpu.resource_slice(n, opts.gpus_per_node, uids.get(n, ""), opts.gpu_sharing)
               for n in s.state.extra["gpu_nodes"]]
-    slices += [sl for n in dra_names for sl in mig.mig_dra_slices(n, uids.get(n, ""))]
+    slices += [sl for n in dra_names for sl in mig.mig_dra_slices(n, dra_gpus, uids.get(n, ""))]
     kubectl.run(kc, "create", "-f", "-", input=json.dumps(gpu.as_list(slices)), binary=kb, check=True)
     kwok_rec = s.state.process("kwok")
 

@@ -16,7 +16,7 @@
   ``sharedCounters`` or ``devices`` ("Only one of Devices and SharedCounters can
   be set in a ResourceSlice", ``kubectl explain resourceslice.spec``), so each
   node's pool has two slices. A slice whose devices consume counters holds at
-  most 64 devices: 19 per H100, so :data:`MIG_DRA_GPUS` GPUs per node.
+  most 64 devices: 19 per H100, so at most :data:`MAX_MIG_DRA_GPUS` GPUs per node.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ LAYOUT = "all-balanced"
 BALANCED_COUNTS = (2, 1, 1)
 """Per GPU in ``all-balanced``: instances of its 1g, 2g and 3g profile (A30: 1g and 2g only)."""
 MIG_DEVICE_CLASS = "mig.nvidia.com"
-MIG_DRA_GPUS = 2
+MAX_MIG_DRA_GPUS = 3
 MIG_DRA_MODEL = "H100-80GB"
 MEMORY_SLICES = 8
 COMPUTE_SLICES = 7
@@ -80,8 +80,12 @@ def mig_node(name: str, model: str, gpus: int) -> Manifest:
     return node
 
 
-def mig_dra_node(name: str) -> Manifest:
-    node = gpu.node(name, MIG_DRA_GPUS, advertise_extended_resource=False)
+def mig_dra_gpus(gpus_per_node: int) -> int:
+    return min(gpus_per_node, MAX_MIG_DRA_GPUS)
+
+
+def mig_dra_node(name: str, gpus: int) -> Manifest:
+    node = gpu.node(name, gpus, advertise_extended_resource=False)
     node["metadata"].setdefault("labels", {})[PRODUCT_LABEL] = PRODUCTS[MIG_DRA_MODEL]
     return node
 
@@ -96,13 +100,13 @@ def counter_set(index: int) -> str:
     return f"gpu-{index}-counter-set"
 
 
-def partitions(node_name: str, index: int) -> list[dict[str, Any]]:
+def partitions(node_name: str, index: int, gpus: int) -> list[dict[str, Any]]:
     """The full GPU and every (profile, placement) MIG device of GPU ``index``, as dynamic MIG publishes them."""
     from gatekeeper.webhook.gpu.sizing import MIG_CATALOG
 
     uuid = gpu.gpu_uuid(node_name, index)
     base = {"productName": {"string": gpu.PRODUCT}, "parentUUID": {"string": uuid},
-            "resource.kubernetes.io/pcieRoot": {"string": gpu.pcie_root(index, MIG_DRA_GPUS)}}
+            "resource.kubernetes.io/pcieRoot": {"string": gpu.pcie_root(index, gpus)}}
     full: dict[str, Any] = {
         "name": f"gpu-{index}",
         "attributes": {**base, "type": {"string": "gpu"}, "uuid": {"string": uuid}, "index": {"int": index}},
@@ -126,7 +130,7 @@ def partitions(node_name: str, index: int) -> list[dict[str, Any]]:
     return out
 
 
-def mig_dra_slices(node_name: str, node_uid: str = "") -> list[Manifest]:
+def mig_dra_slices(node_name: str, gpus: int, node_uid: str = "") -> list[Manifest]:
     """The node's pool: one slice of counter sets, one of devices (v1.37 allows only one kind per slice)."""
     meta_owner: ObjectMeta = {}
     if node_uid:
@@ -138,13 +142,13 @@ def mig_dra_slices(node_name: str, node_uid: str = "") -> list[Manifest]:
         "metadata": {"name": f"{node_name}-counters", **meta_owner},
         "spec": {"driver": gpu.DRIVER, "nodeName": node_name, "pool": dict(pool), "sharedCounters": [
             {"name": counter_set(i), "counters": _counters(range(MEMORY_SLICES), COMPUTE_SLICES)}
-            for i in range(MIG_DRA_GPUS)]},
+            for i in range(gpus)]},
     }
     devices: Manifest = {
         "apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
         "metadata": {"name": f"{node_name}-devices", **meta_owner},
         "spec": {"driver": gpu.DRIVER, "nodeName": node_name, "pool": dict(pool),
-                 "devices": [d for i in range(MIG_DRA_GPUS) for d in partitions(node_name, i)]},
+                 "devices": [d for i in range(gpus) for d in partitions(node_name, i, gpus)]},
     }
     return [counters, devices]
 
