@@ -67,11 +67,11 @@ RBAC_RULES: list[dict[str, Any]] = [
     {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaimtemplates"],
      "verbs": ["create", "list", "delete"]},
     {"apiGroups": ["resource.k8s.io"], "resources": ["deviceclasses"], "verbs": ["list"]},
-    {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]},
     {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"]},
 ]
 """All the webhook does against the API: POST templates (409 means present), LIST and DELETE them
-(lifecycle), LIST pods (which templates are referenced) and DeviceClasses (KEP-5004 mapping), LIST+WATCH
+(lifecycle), LIST+WATCH pods (which templates are referenced) and DeviceClasses (KEP-5004 mapping), LIST+WATCH
 namespaces (their gatekeeper.dev/gpu-mode label)."""
 
 

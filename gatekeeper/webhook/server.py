@@ -111,14 +111,17 @@ async def serve(settings: WebhookSettings, stop: asyncio.Event | None = None) ->
         ns_task = asyncio.create_task(ns_modes.run())
         with contextlib.suppress(TimeoutError):  # the first pods already see existing labels
             await asyncio.wait_for(ns_modes.synced.wait(), 10)
-    lifecycle_task = None
+    lifecycle_task = refs_task = None
     if keeper is not None and settings.gpu.template_reconcile_seconds > 0:
+        from gatekeeper.webhook.pod_refs import PodTemplateRefs, kube_pod_source
         from gatekeeper.webhook.template_lifecycle import TemplateLifecycle, kube_ops
 
+        pod_refs = PodTemplateRefs(*kube_pod_source(api_client))
+        refs_task = asyncio.create_task(pod_refs.run())
         counter = metrics().templates
         lifecycle = TemplateLifecycle(kube_ops(api_client), settings.gpu.template_reconcile_seconds,
-                                      settings.gpu.template_gc_grace_seconds, forget=keeper.forget,
-                                      on_result=lambda r: counter.labels(r).inc())
+                                      settings.gpu.template_gc_grace_seconds, pod_refs.referenced,
+                                      forget=keeper.forget, on_result=lambda r: counter.labels(r).inc())
         keeper.on_ensured = lifecycle.ensured
         lifecycle_task = asyncio.create_task(lifecycle.run())
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
@@ -151,7 +154,7 @@ async def serve(settings: WebhookSettings, stop: asyncio.Event | None = None) ->
         app[READY_KEY].update(ready=False, reason="shutting down")
         if srv.shutdown_delay_seconds:
             await asyncio.sleep(srv.shutdown_delay_seconds)
-        for task in (mapping_task, ns_task, lifecycle_task):
+        for task in (mapping_task, ns_task, lifecycle_task, refs_task):
             if task is not None:
                 task.cancel()
         await runner.cleanup()

@@ -14,8 +14,9 @@ in the same process, handles the rest of a template's life every
   within the grace period -- a pod about to be created may need it.
 
 The decisions are a pure function (:func:`plan`); the kubernetes-asyncio calls are
-in :func:`kube_ops`. Pods are LISTed with ``resourceVersion=0`` (served from the
-apiserver's watch cache). Known limit: a template deleted while no webhook was
+in :func:`kube_ops`. Which templates pods reference comes from a pod LIST+WATCH
+index (pod_refs.py), not a LIST of every pod per pass; until that index has its
+first LIST no pass runs, so nothing is collected on an empty view. Known limit: a template deleted while no webhook was
 running, and never seen by one, cannot be re-created (its spec is unknown);
 a new pod of the same shape re-creates it at admission.
 """
@@ -30,22 +31,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gatekeeper.webhook.gpu.claims import MANAGED_BY
+from gatekeeper.webhook.pod_refs import Key
 
 log = logging.getLogger(__name__)
-
-Key = tuple[str, str]
-"""(namespace, name) of a template."""
-
-
-def referenced(pods: list[dict[str, Any]]) -> set[Key]:
-    """Templates named in pods' ``spec.resourceClaims`` (finished pods included: they hold claims until deleted)."""
-    out: set[Key] = set()
-    for p in pods:
-        ns = str((p.get("metadata") or {}).get("namespace", ""))
-        for rc in (p.get("spec") or {}).get("resourceClaims") or []:
-            if isinstance(rc, dict) and rc.get("resourceClaimTemplateName"):
-                out.add((ns, str(rc["resourceClaimTemplateName"])))
-    return out
 
 
 def ours(template: dict[str, Any]) -> bool:
@@ -77,10 +65,8 @@ def _clean(obj: dict[str, Any]) -> dict[str, Any]:
             "metadata": keep, "spec": obj.get("spec")}
 
 
-def plan(state: LifecycleState, templates: list[dict[str, Any]], pods: list[dict[str, Any]],
-         now: float, grace: float) -> Plan:
-    """Decide one pass and update ``state`` (pure apart from ``state``)."""
-    refs = referenced(pods)
+def plan(state: LifecycleState, templates: list[dict[str, Any]], refs: set[Key], now: float, grace: float) -> Plan:
+    """Decide one pass and update ``state`` (pure apart from ``state``); ``refs``: templates pods name."""
     present: dict[Key, dict[str, Any]] = {}
     for t in templates:
         if not ours(t):
@@ -113,19 +99,22 @@ def plan(state: LifecycleState, templates: list[dict[str, Any]], pods: list[dict
 @dataclass
 class KubeOps:
     list_templates: Callable[[], Awaitable[list[dict[str, Any]]]]
-    list_pods: Callable[[], Awaitable[list[dict[str, Any]]]]
     create: Callable[[dict[str, Any]], Awaitable[None]]
     delete: Callable[[Key, str], Awaitable[None]]
 
 
 class TemplateLifecycle:
-    """The loop: one :func:`plan` per interval; ``forget`` drops a key from the admission cache."""
+    """The loop: one :func:`plan` per interval; ``forget`` drops a key from the admission cache.
+
+    ``references``: the templates pods name, or None while that is not known yet (no pass then).
+    """
 
     def __init__(self, ops: KubeOps, interval: float, grace: float,
+                 references: Callable[[], set[Key] | None],
                  forget: Callable[[str, str], None] = lambda ns, name: None,
                  clock: Callable[[], float] = time.monotonic,
                  on_result: Callable[[str], None] = lambda result: None) -> None:
-        self.ops, self.interval, self.grace = ops, interval, grace
+        self.ops, self.interval, self.grace, self._references = ops, interval, grace, references
         self.state = LifecycleState()
         self._forget, self._clock, self._on_result = forget, clock, on_result
 
@@ -138,8 +127,14 @@ class TemplateLifecycle:
             self.state.ensured_at[key] = now
 
     async def once(self) -> Plan:
-        templates, pods = await asyncio.gather(self.ops.list_templates(), self.ops.list_pods())
-        p = plan(self.state, templates, pods, self._clock(), self.grace)
+        if self._references() is None:
+            log.info("template reconciliation waits for the pod index's first LIST")
+            return Plan()
+        templates = await self.ops.list_templates()
+        refs = self._references()  # after the LIST: a pod created meanwhile is in it
+        if refs is None:
+            return Plan()
+        p = plan(self.state, templates, refs, self._clock(), self.grace)
         for obj in p.recreate:
             meta = obj["metadata"]
             self._forget(meta["namespace"], meta["name"])
@@ -174,23 +169,16 @@ class TemplateLifecycle:
 
 def kube_ops(api_client: Any, request_timeout: float = 10.0) -> KubeOps:
     """The reconciler's API calls through kubernetes-asyncio."""
-    from kubernetes_asyncio.client import CoreV1Api, CustomObjectsApi, V1DeleteOptions, V1Preconditions
+    from kubernetes_asyncio.client import CustomObjectsApi, V1DeleteOptions, V1Preconditions
     from kubernetes_asyncio.client.exceptions import ApiException
 
-    custom, core = CustomObjectsApi(api_client), CoreV1Api(api_client)
+    custom = CustomObjectsApi(api_client)
     selector = ",".join(f"{k}={v}" for k, v in MANAGED_BY.items())
 
     async def list_templates() -> list[dict[str, Any]]:
         doc = await custom.list_cluster_custom_object("resource.k8s.io", "v1", "resourceclaimtemplates",
                                                       label_selector=selector, _request_timeout=request_timeout)
         return list(doc.get("items") or [])
-
-    async def list_pods() -> list[dict[str, Any]]:
-        import orjson
-
-        resp: Any = await core.list_pod_for_all_namespaces(resource_version="0", _preload_content=False,
-                                                           _request_timeout=request_timeout)
-        return list(orjson.loads(await resp.read()).get("items") or [])
 
     async def create(obj: dict[str, Any]) -> None:
         try:
@@ -210,4 +198,4 @@ def kube_ops(api_client: Any, request_timeout: float = 10.0) -> KubeOps:
             if exc.status not in (404, 409):
                 raise
 
-    return KubeOps(list_templates, list_pods, create, delete)
+    return KubeOps(list_templates, create, delete)

@@ -18,8 +18,13 @@ CREATE, every container (init and sidecar containers included) that asks for
   this is the mode that raises utilization.
 * ``mps-dra``: the same, plus NVIDIA's opaque ``GpuConfig`` with MPS sharing.
 * ``time-slicing`` / ``mps``: rename to the device plugin's shared resource.
-* ``mig``: rename to ``nvidia.com/mig-<profile>``, the smallest profile of the
-  configured GPU model that fits the ``gatekeeper.dev/gpu-memory`` annotation.
+* ``mig``: rename to ``nvidia.com/mig-<profile>``, the smallest profile that fits
+  the ``gatekeeper.dev/gpu-memory`` annotation among those the ``migPools``
+  really run, and keep the pod on those pools (migpools.py); without pools, any
+  profile of the configured GPU model.
+* ``mig-dra``: a claim of MIG partitions (DRA partitionable devices) selected
+  by their profile attribute, which the scheduler allocates while the GPU's
+  shared counters have room.
 * ``off``: untouched.
 
 Mode: pod annotation ``gatekeeper.dev/gpu-mode``, else ``namespaceModes``, else

@@ -1,0 +1,109 @@
+"""An in-memory view kept by LIST then WATCH (kubernetes-asyncio), the shape client-go's reflector has.
+
+Reviews are answered synchronously and loops must not LIST the cluster every few
+seconds, so the state lives in memory: one LIST, then a WATCH from its
+resourceVersion. A watch that ends normally (its ``timeoutSeconds``) is resumed
+from the last resourceVersion seen (bookmarks keep it fresh), so a quiet cluster
+costs no LIST; an ERROR event (410 Gone: the version is too old) or a broken
+stream LISTs again. Subclasses say what an event or a LIST does to their view.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+ListFn = Callable[[], Awaitable[tuple[list[dict[str, Any]], str]]]
+"""Items and the list's resourceVersion."""
+WatchFn = Callable[[str], AsyncIterator[tuple[str, dict[str, Any]]]]
+"""(event type, raw object) from a resourceVersion."""
+
+
+def resource_version(obj: dict[str, Any]) -> str:
+    return str((obj.get("metadata") or {}).get("resourceVersion") or "")
+
+
+class ListWatch:
+    """Subclasses implement :meth:`replace` (a LIST's items) and :meth:`apply` (one ADDED/MODIFIED/DELETED)."""
+
+    what = "objects"
+    """For log lines."""
+
+    def __init__(self, list_fn: ListFn, watch_fn: WatchFn, retry_seconds: float = 1.0) -> None:
+        self._list, self._watch, self._retry = list_fn, watch_fn, retry_seconds
+        self.synced = asyncio.Event()
+        self.lists = 0
+        """LISTs done so far (a test and a metric of how often the view had to start over)."""
+
+    def replace(self, items: list[dict[str, Any]]) -> None:
+        raise NotImplementedError
+
+    def apply(self, event: str, obj: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    async def relist(self) -> str:
+        items, rv = await self._list()
+        self.replace(items)
+        self.lists += 1
+        self.synced.set()
+        return rv
+
+    async def _follow(self, rv: str) -> str | None:
+        """Watch from ``rv``; the last version seen when the watch ended normally, None to LIST again."""
+        async for event, obj in self._watch(rv):
+            if event == "ERROR":  # 410 Gone and friends: start over from a fresh LIST
+                return None
+            rv = resource_version(obj) or rv
+            if event != "BOOKMARK":
+                self.apply(event, obj)
+        return rv
+
+    async def run(self) -> None:
+        rv: str | None = None
+        while True:
+            try:
+                if rv is None:
+                    rv = await self.relist()
+                rv = await self._follow(rv)
+                if rv is not None:
+                    continue  # ended at its timeout: resume where it stopped, no LIST
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("%s watch failed (%s: %s); listing again", self.what, type(exc).__name__, exc)
+                rv = None
+            await asyncio.sleep(self._retry)
+
+
+def kube_source(list_call: Callable[..., Any], watch_seconds: int = 300, **selectors: Any) -> tuple[ListFn, WatchFn]:
+    """LIST and WATCH through a kubernetes-asyncio list function, as raw dicts (no model objects)."""
+    import orjson
+    from kubernetes_asyncio import watch
+
+    class RawWatch(watch.Watch):
+        """Events as the apiserver sent them: building model objects per event costs CPU for nothing."""
+
+        def unmarshal_event(self, data: str | bytes, response_type: str | None) -> Any:
+            return super().unmarshal_event(data, None)
+
+    async def list_fn() -> tuple[list[dict[str, Any]], str]:
+        resp: Any = await list_call(_preload_content=False, _request_timeout=30, **selectors)
+        doc = orjson.loads(await resp.read())
+        return list(doc.get("items") or []), str((doc.get("metadata") or {}).get("resourceVersion") or "")
+
+    async def watch_fn(rv: str) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+        w = RawWatch()
+        try:
+            async for ev in w.stream(list_call, resource_version=rv, timeout_seconds=watch_seconds,
+                                     allow_watch_bookmarks=True, **selectors):
+                obj = ev.get("raw_object") or {}
+                yield str(ev.get("type", "")), obj if isinstance(obj, dict) else {}
+        finally:
+            w.stop()
+            await w.close()
+
+    return list_fn, watch_fn
