@@ -226,7 +226,8 @@ class GpuSettings:
     mps_driver: str = "gpu.nvidia.com"
     """DRA driver that receives the opaque GpuConfig (mps-dra)."""
     mig_gpu_model: str = "A100-40GB"
-    """GPU model whose MIG profiles the mig mode chooses from (see gpu.MIG_CATALOG)."""
+    """GPU model whose MIG profiles the mig mode chooses from when no ``migPools`` are set, and the mig-dra
+    mode always (dynamic MIG creates any of them; see gpu.MIG_CATALOG)."""
     mig_default_profile: str = ""
     """Profile used when a mig pod has no gpu-memory annotation (empty = deny such pods)."""
     mig_device_class: str = "mig.nvidia.com"

@@ -80,6 +80,16 @@ def test_pools_offering_the_same_profile_share_one_node_affinity_term() -> None:
         {"key": LABEL, "operator": "In", "values": sorted([H100_80.label_value, A100_80_SMALL.label_value])}]}]}
 
 
+def test_reinvocation_does_not_repeat_the_affinity_expression() -> None:
+    s = dataclasses.replace(POOLS, mig_pools=[H100_80, A100_80_SMALL])
+    _, out = run(mig_pod("8Gi"), s)
+    out["spec"]["containers"].append(container("injected", 1))  # a later webhook adds a GPU container
+    d, again = run(out, s)
+    assert d.outcome == "mutated"
+    assert again["spec"]["containers"][1]["resources"]["limits"] == {"nvidia.com/mig-1g.10gb": "1"}
+    assert again["spec"]["affinity"] == out["spec"]["affinity"]
+
+
 def test_existing_required_affinity_terms_are_narrowed_not_widened() -> None:
     s = dataclasses.replace(POOLS, mig_pools=[H100_80, A100_80_SMALL])
     zone = {"key": "topology.kubernetes.io/zone", "operator": "In", "values": ["a"]}

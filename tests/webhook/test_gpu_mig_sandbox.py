@@ -1,8 +1,8 @@
 """MIG per node pool and mig-dra, against the real kube-scheduler.
 
 A module sandbox of its own (1 apiserver, scheduler + controller manager, the
-webhook with two MIG pools): one device-plugin MIG node per pool (A100-40GB and
-H100-80GB, both all-balanced, one GPU each: ``nvidia.com/mig-*`` capacity and GPU
+webhook with three MIG pools): one device-plugin MIG node per pool (A100-40GB,
+H100-80GB and A100-80GB, all-balanced, one GPU each: ``nvidia.com/mig-*`` capacity and GPU
 feature discovery's product label) and one node whose single H100 is published as
 dynamic-MIG partitionable devices (shared counters + one device per profile
 placement). Kept apart from the sharing sandbox because the partitioned node's
@@ -24,6 +24,7 @@ from gatekeeper.sandbox.state import SandboxState
 pytestmark = pytest.mark.sandbox
 
 A100_40 = "NVIDIA-A100-SXM4-40GB"
+A100_80 = "NVIDIA-A100-SXM4-80GB"
 H100_80 = "NVIDIA-H100-80GB-HBM3"
 CONFIG = f"""webhook:
   gpu:
@@ -31,6 +32,7 @@ CONFIG = f"""webhook:
     migPools:
     - {{name: a100-40, labelValue: {A100_40}, gpuModel: A100-40GB, layout: all-balanced}}
     - {{name: h100-80, labelValue: {H100_80}, gpuModel: H100-80GB, layout: all-balanced}}
+    - {{name: a100-80, labelValue: {A100_80}, gpuModel: A100-80GB, layout: all-balanced}}
 """
 
 
@@ -43,7 +45,8 @@ def mig_sandbox(tmp_path_factory: pytest.TempPathFactory, own_sandbox: Any) -> I
     config.write_text(CONFIG)
     try:
         yield own_sandbox(state_dir, "--apiservers", "1", "--gpus-per-node", "1",
-                          "--mig-node", "A100-40GB", "--mig-node", "H100-80GB", "--mig-dra-nodes", "1",
+                          "--mig-node", "A100-40GB", "--mig-node", "H100-80GB", "--mig-node", "A100-80GB",
+                          "--mig-dra-nodes", "1",
                           "--with-scheduler", "--with-webhook", "--webhook-config", str(config))
     finally:
         run_down(state_dir)
@@ -79,20 +82,34 @@ def bound_node(cluster: Any, ns: str, pod: str) -> str:
     return str(wait_for(f"{pod} bound", lambda: cluster.get("pod", pod, "-n", ns)["spec"].get("nodeName")))
 
 
-def test_mig_pod_is_sized_from_the_pools_and_lands_on_the_pool_that_offers_its_profile(
+def test_mig_pod_is_sized_from_the_pools_and_lands_on_a_pool_that_offers_its_profile(
         cluster, ns, mig_sandbox) -> None:
-    a100_node, h100_node = mig_sandbox.extra["mig_nodes"]
-    # 15Gi = 16.1 GB: all-balanced H100 offers 2g.20gb, A100-40 3g.20gb; same memory, fewer slices wins.
+    a100_40_node, h100_node, a100_80_node = mig_sandbox.extra["mig_nodes"]
+    # 15Gi = 16.1 GB: all-balanced H100 and A100-80 offer 2g.20gb, A100-40 3g.20gb; same memory, fewer
+    # slices wins, and both pools offering 2g.20gb stay open to the scheduler (one nodeAffinity term).
     cluster.run("create", "-f", "-", input=mig_pod("free", ns, "15Gi"))
     pod = cluster.get("pod", "free", "-n", ns)
     assert pod["spec"]["containers"][0]["resources"]["limits"] == {"nvidia.com/mig-2g.20gb": "1"}
-    assert pod["spec"]["nodeSelector"] == {"nvidia.com/gpu.product": H100_80}
-    assert bound_node(cluster, ns, "free") == h100_node
-    # The same ask pinned to the A100 pool is sized for that pool only, and the scheduler puts it there.
+    (term,) = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"]
+    assert term["matchExpressions"] == [
+        {"key": "nvidia.com/gpu.product", "operator": "In", "values": sorted([A100_80, H100_80])}]
+    first = bound_node(cluster, ns, "free")
+    assert first in (h100_node, a100_80_node)
+    # Each node has one 2g.20gb: a second such pod must go to the other pool's node, never the A100-40.
+    cluster.run("create", "-f", "-", input=mig_pod("second", ns, "15Gi"))
+    assert {first, bound_node(cluster, ns, "second")} == {h100_node, a100_80_node}
+    # The same ask pinned to the A100-40 pool is sized for that pool only, and the scheduler puts it there.
     cluster.run("create", "-f", "-", input=mig_pod("pinned", ns, "15Gi", product=A100_40))
     pod = cluster.get("pod", "pinned", "-n", ns)
     assert pod["spec"]["containers"][0]["resources"]["limits"] == {"nvidia.com/mig-3g.20gb": "1"}
-    assert bound_node(cluster, ns, "pinned") == a100_node
+    assert pod["spec"]["nodeSelector"] == {"nvidia.com/gpu.product": A100_40}
+    assert bound_node(cluster, ns, "pinned") == a100_40_node
+    # A 4Gi pod fits only A100-40's 1g.5gb: a plain nodeSelector for that one pool.
+    cluster.run("create", "-f", "-", input=mig_pod("small", ns, "4Gi"))
+    pod = cluster.get("pod", "small", "-n", ns)
+    assert pod["spec"]["nodeSelector"] == {"nvidia.com/gpu.product": A100_40} and "affinity" not in pod["spec"]
+    assert bound_node(cluster, ns, "small") == a100_40_node
 
 
 def test_mig_pod_no_pool_fits_is_denied_with_what_the_pools_offer(cluster, ns) -> None:

@@ -124,6 +124,8 @@ def placement_ops(spec: dict[str, Any], key: str, pools: tuple[MigPool, ...]) ->
     ops: list[PatchOp] = []
     for i, t in enumerate(terms):
         exprs = t.get("matchExpressions") if isinstance(t, dict) else None
+        if isinstance(exprs, list) and expr in exprs:
+            continue  # reinvocation: this term already keeps the pod on the pools
         if isinstance(exprs, list):
             ops.append(op_add(f"{base}/nodeSelectorTerms/{i}/matchExpressions/-", expr))
         else:
