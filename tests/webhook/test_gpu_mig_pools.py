@@ -196,4 +196,4 @@ def test_mig_dra_templates_differ_by_profile_and_deny_what_no_profile_holds() ->
     d, _ = run(mig_pod("81G"), MIG_DRA)
     assert not d.allowed and "7g.80gb" in d.message
     d, _ = run(mig_pod(None), MIG_DRA)
-    assert not d.allowed and "H100-80GB MIG profile" in d.message
+    assert not d.allowed and "gpu-mode mig-dra" in d.message and "H100-80GB MIG profile" in d.message

@@ -255,7 +255,8 @@ def _mig_choice(annotations: dict[str, Any], spec: dict[str, Any], settings: Gpu
             return migpools.choose(settings, None, "", pinned, label)
         what = ("a MIG profile of its pool" if settings.mig_pools and not dynamic
                 else f"a {settings.mig_gpu_model} MIG profile")
-        raise PolicyError(f"{label} uses gpu-mode mig but has no {MEMORY_ANNOTATION} annotation "
+        raise PolicyError(f"{label} uses gpu-mode {'mig-dra' if dynamic else 'mig'} but has no {MEMORY_ANNOTATION} "
+                          "annotation "
                           f"(e.g. '20Gi'): set it so {what} can be chosen")
     try:
         need = mig_need_bytes(str(raw))
