@@ -193,7 +193,7 @@ def _publish_gpus(s: _Starter, bins: Binaries, opts: UpOptions) -> None:
                           "gpu_extended_resource_mapping": opts.gpu_extended_resource_mapping})
     mig_names = [mig.mig_node_name(m, i) for i, m in enumerate(opts.mig_nodes)]
     dra_names = [f"mig-dra-{i}" for i in range(opts.mig_dra_nodes)]
-    s.state.extra.update({"mig_nodes": mig_names, "mig_dra_nodes": dra_names})
+    s.state.extra.update({"mig_nodes": mig_names, "mig_models": list(opts.mig_nodes), "mig_dra_nodes": dra_names})
     if dra_names:
         kubectl.run(kc, "create", "-f", "-", input=json.dumps(mig.mig_device_class()), binary=kb, check=True)
     s.state.save()

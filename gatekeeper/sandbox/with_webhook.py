@@ -34,13 +34,26 @@ from typing import Any
 import yaml
 
 from gatekeeper.certs import PKI
-from gatekeeper.sandbox import kubectl, pki, processes, webhook_client
+from gatekeeper.sandbox import kubectl, mig, pki, processes, webhook_client
 from gatekeeper.sandbox.state import SandboxState
 from gatekeeper.sandbox.waiting import wait_until
 from gatekeeper.webhook import registration
 
 USER = "gatekeeper-webhook"
 PROBE_NAMESPACE = "default"
+
+
+def gpu_config(state: SandboxState) -> dict[str, Any]:
+    """The webhook's gpu section for the sandbox's nodes: its device class, and for ``--mig-node`` /
+    ``--mig-dra-nodes`` the MIG pools and model they were made with, so mig and mig-dra work out of the box."""
+    out: dict[str, Any] = {"defaultMode": "dra", "deviceClass": state.extra.get("device_class", "gpu.nvidia.com")}
+    models = list(dict.fromkeys(state.extra.get("mig_models") or []))
+    if models:
+        out["migPools"] = [{"name": m.lower(), "labelValue": mig.PRODUCTS[m], "gpuModel": m, "layout": mig.LAYOUT}
+                           for m in models]
+    if state.extra.get("mig_dra_nodes"):
+        out["migGpuModel"] = mig.MIG_DRA_MODEL
+    return out
 
 
 def webhook_config(state: SandboxState, serving: Any, kubeconfig: Path, port_file: Path) -> dict[str, Any]:
@@ -50,7 +63,7 @@ def webhook_config(state: SandboxState, serving: Any, kubeconfig: Path, port_fil
                    "portFile": str(port_file), "certCheckIntervalSeconds": 1.0},
         "secrets": {"configMaps": True, "overrides": [
             {"types": ["helm.sh/release.v1"], "hardLimit": "1536Ki", "softLimit": "1Mi"}]},
-        "gpu": {"defaultMode": "dra", "deviceClass": state.extra.get("device_class", "gpu.nvidia.com")},
+        "gpu": gpu_config(state),
         "kubeconfig": str(kubeconfig),
     }}
 
