@@ -432,7 +432,13 @@ class H2Protocol:
             window = await self._wait_window(stream)
             n = min(len(view), window, self._conn.max_outbound_frame_size)
             view, piece = view[n:], bytes(view[:n])
-            self._conn.send_data(stream.id, piece, end_stream=end_stream and not view)
+            if end_stream and not view:
+                # The stream's last frame: it joins this loop iteration's one write (with the other
+                # streams' frames), and nothing more of this stream waits on the socket.
+                self._conn.send_data(stream.id, piece, end_stream=True)
+                self._flush_soon()
+                return
+            self._conn.send_data(stream.id, piece)
             self._flush()
             await self._drain()
 

@@ -1,6 +1,6 @@
 """The ``h2`` state machine as the proxy configures it: cheaper header handling, gentler stream limit.
 
-Five departures from a stock ``H2Connection``, each because of a measured
+Six departures from a stock ``H2Connection``, each because of a measured
 cost or a needlessly harsh default:
 
 * **Huffman memo.** Every Kubernetes request carries a ~1 KB bearer token, and
@@ -24,6 +24,10 @@ cost or a needlessly harsh default:
   parser (valid field syntax, no CR/LF) or from our own code, and
   ``h2_headers.response_block`` lower-cases names, trims values and drops
   connection-specific headers in one pass.
+* **A cheaper HPACK encoder** for the response headers, which repeat from
+  response to response (``h2_hpack.ResponseEncoder``: same wire format and table
+  semantics, dict lookups and memoized literals instead of a table scan and a
+  Huffman pass per field).
 * **REFUSED_STREAM over the limit.** h2 treats a HEADERS frame beyond our
   advertised ``MAX_CONCURRENT_STREAMS`` as a connection error, which would
   break every other stream of that client. RFC 9113 5.1.2 allows a stream
@@ -57,6 +61,7 @@ from h2.events import Event, RequestReceived
 from h2.exceptions import InvalidBodyLengthError
 from hyperframe.frame import DataFrame, Frame, HeadersFrame
 
+from gatekeeper.proxy.listen.h2_hpack import ResponseEncoder
 from gatekeeper.proxy.listen.h2_limits import FloodGuard, frame_kinds
 
 MEMO_MIN_BYTES = 64
@@ -128,6 +133,7 @@ class ProxyH2Connection(H2Connection):
         on_bad_length: Callable[[int], None] | None = None,
     ) -> None:
         super().__init__(config())
+        self.encoder = ResponseEncoder()  # type: ignore[assignment]  # duck-typed: encode() + header_table_size
         self._on_refused = on_refused
         self._on_bad_length = on_bad_length
         self._guard = guard
