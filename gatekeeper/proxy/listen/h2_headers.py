@@ -38,6 +38,18 @@ CONNECTION_SPECIFIC = frozenset({b"connection", b"keep-alive", b"proxy-connectio
                                  b"upgrade"})
 
 
+FIELD_MEMO_ENTRIES = 512
+FIELD_MEMO_MAX_BYTES = 4096
+_checked_fields: dict[tuple[bytes, bytes], tuple[str, str]] = {}
+"""Regular fields (not pseudo, ``host`` or ``cookie``) that passed every per-field check, as text.
+
+A client repeats the same fields on every request (``authorization``, ``accept``,
+``user-agent``), and checking and decoding a kilobyte bearer token each time was most of
+this module's cost. Keyed by the exact bytes, so a hit is a field that would pass again;
+bounded (fields up to ``FIELD_MEMO_MAX_BYTES``, at most ``FIELD_MEMO_ENTRIES``, cleared
+when full); the order rules (pseudo-headers first) are still checked on every request."""
+
+
 class MalformedRequest(ValueError):
     """The header block breaks an RFC 9113 rule; the message says which."""
 
@@ -54,8 +66,13 @@ def parse_request(block: Iterable[tuple[bytes, bytes]]) -> tuple[str, str, Heade
     cookies: list[str] = []
     has_host = False
     host = b""
-    for name, value in block:
-        name, value = bytes(name), bytes(value)
+    fields = _checked_fields
+    for field in block:
+        known = fields.get(field)
+        if known is not None:  # the same bytes passed every check below before (see _checked_fields)
+            headers.append(known)
+            continue
+        name, value = bytes(field[0]), bytes(field[1])
         if value and _BAD_VALUE.search(value):
             raise MalformedRequest(f"header {_text(name)!r} has a value with NUL, CR, LF or surrounding whitespace")
         if name[:1] == b":":
@@ -78,7 +95,14 @@ def parse_request(block: Iterable[tuple[bytes, bytes]]) -> tuple[str, str, Heade
             continue
         if name == b"host":
             has_host, host = True, value
-        headers.append((_text(name), _text(value)))
+            headers.append((_text(name), _text(value)))
+            continue
+        text = (_text(name), _text(value))
+        if len(name) + len(value) <= FIELD_MEMO_MAX_BYTES:
+            if len(fields) >= FIELD_MEMO_ENTRIES:
+                fields.clear()
+            fields[(name, value)] = text
+        headers.append(text)
     for required in (b":method", b":scheme", b":path"):
         if not pseudo.get(required):
             raise MalformedRequest(f"missing or empty {_text(required)} pseudo-header")
