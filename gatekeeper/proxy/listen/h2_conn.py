@@ -96,15 +96,36 @@ class _QuietLog:
         return getattr(self.real, name)
 
 
+def _raw_passthrough(convert: Callable[[Any, bool], Any]) -> Callable[[Any, bool], Any]:
+    """``hpack``'s per-field post-processing, minus the copy when there is nothing to convert.
+
+    With ``raw=True`` (our ``header_encoding=None``) hpack rebuilds every decoded field as a
+    new ``HeaderTuple`` of ``bytes(name), bytes(value)``; a field already made of bytes is
+    returned as it is (same class, same values: tuples are immutable).
+    """
+    @functools.wraps(convert)
+    def unicode_if_needed(header: Any, raw: bool) -> Any:
+        if raw and type(header[0]) is bytes and type(header[1]) is bytes:
+            return header
+        return convert(header, raw)
+
+    unicode_if_needed.original = convert  # type: ignore[attr-defined]
+    return unicode_if_needed
+
+
 def install_huffman_memo() -> None:
     """Wrap ``hpack``'s Huffman decoder with the memo (idempotent; process-wide, decoding is pure).
 
-    Also silences hpack's per-header debug logging, unless DEBUG is already on for it when
-    the first connection starts (then it stays, for whoever is debugging).
+    Also skips hpack's copy of already-raw fields (:func:`_raw_passthrough`), and silences
+    hpack's per-header debug logging, unless DEBUG is already on for it when the first
+    connection starts (then it stays, for whoever is debugging).
     """
     current = hpack.hpack.decode_huffman
     if getattr(current, "memo", None) is None:
         hpack.hpack.decode_huffman = _memoizing(current)  # type: ignore[assignment]
+    convert = hpack.hpack._unicode_if_needed
+    if getattr(convert, "original", None) is None:
+        hpack.hpack._unicode_if_needed = _raw_passthrough(convert)  # type: ignore[assignment]
     log = hpack.hpack.log
     if isinstance(log, logging.Logger) and not log.isEnabledFor(logging.DEBUG):
         hpack.hpack.log = _QuietLog(log)  # type: ignore[assignment]
