@@ -111,21 +111,9 @@ def drop_connection_named(headers: Headers) -> Headers:
     return out
 
 
-TOKEN_NAME_MEMO_ENTRIES = 1024
-_token_names: dict[str, str] = {}
-"""credential -> its name: a client sends the same kilobyte token on every request, hashed once.
-Bounded (cleared when full); it holds nothing the process does not already see on every request."""
-
-
 def token_user(credential: str) -> str:
     """A stable, non-reversible name for a credential the proxy cannot read."""
-    name = _token_names.get(credential)
-    if name is None:
-        name = "token:" + hashlib.sha256(credential.encode()).hexdigest()[:16]
-        if len(_token_names) >= TOKEN_NAME_MEMO_ENTRIES:
-            _token_names.clear()
-        _token_names[credential] = name
-    return name
+    return "token:" + hashlib.sha256(credential.encode()).hexdigest()[:16]
 
 
 def identify(peer_cert: Mapping[str, Any] | None, headers: Headers) -> UserInfo:
