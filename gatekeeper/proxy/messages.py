@@ -113,6 +113,9 @@ class ProxyRequest:
     """Filled by the RequestInfo stage."""
     annotations: dict[str, Any] = field(default_factory=dict)
     """Free-form per-request notes between stages (e.g. chosen backend, flow schema)."""
+    connection_memo: dict[str, Any] | None = None
+    """One dict per client connection, shared by its requests (what the identity stage learned
+    from the connection's certificate and last credential; ``auth.identify``). None: no memo."""
 
     def header(self, name: str) -> str | None:
         name = name.lower()

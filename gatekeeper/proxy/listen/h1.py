@@ -87,6 +87,8 @@ class H1Connection:
         self._writer = writer
         self._peer = peer
         self._peer_cert = peer_cert
+        self._memo: dict[str, Any] = {}
+        """ProxyRequest.connection_memo of every request on this connection."""
         self.connection_id = connection_id
         self._decider = GoawayDecider(settings.goaway_chance, rng)
         self._conn = h11.Connection(h11.SERVER, max_incomplete_event_size=settings.max_header_list_bytes)
@@ -229,6 +231,7 @@ class H1Connection:
             peer=self._peer,
             peer_cert=self._peer_cert,
             connection_id=self.connection_id,
+            connection_memo=self._memo,
         )
         if has_body:
             request.body = self._request_body()

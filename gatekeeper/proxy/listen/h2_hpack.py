@@ -62,7 +62,13 @@ _huffman = HuffmanEncoder(REQUEST_CODES, REQUEST_CODES_LENGTH)
 _memo: dict[tuple[bytes, bytes], bytes] = {}
 
 
+_BYTES = [bytes([i]) for i in range(256)]
+
+
 def _int(value: int, prefix_bits: int, flags: int) -> bytes:
+    """An HPACK integer (RFC 7541 5.1) with ``flags`` in the first byte's high bits."""
+    if value < (1 << prefix_bits) - 1:
+        return _BYTES[flags | value]
     out = encode_integer(value, prefix_bits)
     out[0] |= flags
     return bytes(out)

@@ -71,12 +71,12 @@ def _refuse_target(request: ProxyRequest) -> ProxyResponse | None:
 def _establish_identity(request: ProxyRequest) -> ProxyResponse | None:
     """Drop Connection-named and client-sent X-Remote-* headers and set ``request.user``; or refuse an
     unclean certificate name (auth.py)."""
-    bad = auth.bad_certificate_names(request.peer_cert)
+    bad = auth.bad_certificate_names(request.peer_cert, request.connection_memo)
     if bad:
         rejections.reject("bad_identity", f"{request.peer}: {bad}")
         return error_response(401, "Unauthorized", f"gatekeeper proxy: {bad}")
     request.headers = auth.strip_remote(auth.drop_connection_named(request.headers))
-    request.user = auth.identify(request.peer_cert, request.headers)
+    request.user = auth.identify(request.peer_cert, request.headers, request.connection_memo)
     return None
 
 
