@@ -88,6 +88,12 @@ class Env:
         subprocess.run([self.kubectl, "--kubeconfig", kc, "create", "clusterrolebinding", "gk-bench",
                         "--clusterrole=cluster-admin", "--serviceaccount=default:gk-bench"], capture_output=True)
         self.token = sh(self.kubectl, "--kubeconfig", kc, "create", "token", "gk-bench", "--duration=2h").stdout.strip()
+        # The proxy identity's RBAC, as `sandbox up --with-proxy` applies it: without it the proxy cannot
+        # fetch the issuer's keys and classifies every token on its cold path (not the deployed cost).
+        from gatekeeper.sandbox.with_proxy import IDENTITY_RBAC
+
+        subprocess.run([self.kubectl, "--kubeconfig", kc, "apply", "-f", "-"], input=IDENTITY_RBAC.read_text(),
+                       capture_output=True, text=True)
 
     def start_gatekeeper(self, name: str = "bench-proxy", workers: int | None = None,
                          deployed_flow_control: bool = False) -> tuple[str, int]:

@@ -52,15 +52,20 @@ class KnowsLastChunk(Protocol):
 
 
 def is_exhausted(body: object) -> bool:
-    """True once a :class:`KnowsLastChunk` body has returned its last chunk (always False for others)."""
-    return isinstance(body, KnowsLastChunk) and body.exhausted is True
+    """True once a :class:`KnowsLastChunk` body has returned its last chunk (always False for others).
+
+    An attribute lookup, not ``isinstance`` on the runtime-checkable protocol: that walks the
+    protocol's members in Python on every call, and this runs once per response chunk.
+    """
+    return getattr(body, "exhausted", None) is True
 
 
 async def close_body(body: object) -> None:
     """Close a body iterator we stopped pulling, so its producer releases the upstream connection."""
-    if isinstance(body, Closable):
+    aclose = getattr(body, "aclose", None)  # a Closable (see is_exhausted for why not isinstance)
+    if aclose is not None:
         try:
-            await body.aclose()
+            await aclose()
         except Exception:  # a producer failing at close must not mask the real outcome
             log.debug("closing a body failed", exc_info=True)
 
@@ -108,6 +113,9 @@ class ProxyRequest:
     """Filled by the RequestInfo stage."""
     annotations: dict[str, Any] = field(default_factory=dict)
     """Free-form per-request notes between stages (e.g. chosen backend, flow schema)."""
+    connection_memo: dict[str, Any] | None = None
+    """One dict per client connection, shared by its requests (what the identity stage learned
+    from the connection's certificate and last credential; ``auth.identify``). None: no memo."""
 
     def header(self, name: str) -> str | None:
         name = name.lower()

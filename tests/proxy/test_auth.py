@@ -108,3 +108,31 @@ def test_stamped_values_cannot_inject_headers() -> None:
     user = UserInfo(name="bob\r\nx-remote-group: system:masters", source="x509")
     (name, value), = upstream_identity_headers([], user)
     assert name == "x-remote-user" and "\n" not in value and "\r" not in value
+
+
+def test_connection_memo_gives_the_same_identities_as_fresh_reads() -> None:
+    memo: dict = {}
+    token_headers = [("authorization", "Bearer one")]
+    for _ in range(2):
+        assert identify(None, token_headers, memo) == identify(None, token_headers)
+    # Another credential on the same connection is named for itself, not as the last one.
+    assert identify(None, [("authorization", "Bearer two")], memo) == identify(None, [("authorization", "Bearer two")])
+    assert identify(None, token_headers, memo).name == token_user("Bearer one")
+    assert identify(None, [], memo).source == "anonymous"
+    cert_memo: dict = {}
+    first = identify(ADMIN_CERT, [], cert_memo)
+    first.groups.append("mutated-by-a-later-stage")
+    second = identify(ADMIN_CERT, [("authorization", "Bearer x")], cert_memo)
+    assert second == identify(ADMIN_CERT, []) and second is not first  # fresh object every call
+    assert "mutated-by-a-later-stage" not in second.groups
+
+
+def test_a_refused_certificate_name_is_refused_on_every_request_of_the_connection() -> None:
+    from gatekeeper.proxy.pipeline.auth import bad_certificate_names
+
+    bad_cert = {"subject": ((("commonName", "system:mas\nters"),),)}
+    memo: dict = {}
+    for _ in range(3):
+        assert "non-printable" in bad_certificate_names(bad_cert, memo)
+    good_memo: dict = {}
+    assert bad_certificate_names(ADMIN_CERT, good_memo) == bad_certificate_names(ADMIN_CERT, good_memo) == ""

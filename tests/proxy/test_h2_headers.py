@@ -10,7 +10,7 @@ from hpack import HPACKDecodingError
 from hpack.huffman import HuffmanEncoder
 from hpack.huffman_constants import REQUEST_CODES, REQUEST_CODES_LENGTH
 
-from gatekeeper.proxy.listen import h2_conn
+from gatekeeper.proxy.listen import h2_conn, h2_headers
 from gatekeeper.proxy.listen.h2_headers import MalformedRequest, parse_request
 
 PSEUDO = [(b":method", b"GET"), (b":scheme", b"https"), (b":path", b"/api/v1/pods?watch=1"),
@@ -101,3 +101,46 @@ def test_huffman_memo_is_bounded():
     memo(_huffman(b"short"))  # too small to bother
     after = cache.cache_info()
     assert (after.hits, after.misses) == (before.hits, before.misses)
+
+
+def test_a_field_that_passed_once_is_memoized_and_order_rules_still_hold(monkeypatch):
+    monkeypatch.setattr(h2_headers, "_checked_fields", {})
+    token = (b"authorization", b"Bearer " + b"t" * 1000)
+    for _ in range(2):
+        _, _, headers = parse_request([*PSEUDO, token, (b"accept", b"*/*")])
+        assert headers == [("host", "proxy.test"), ("authorization", "Bearer " + "t" * 1000), ("accept", "*/*")]
+    assert set(h2_headers._checked_fields) == {(b"accept", b"*/*")}  # never a credential
+    # A memoized field is still a regular header: a pseudo-header after it is refused.
+    with pytest.raises(MalformedRequest, match="after a regular header"):
+        parse_request([*PSEUDO[:2], (b"accept", b"*/*"), PSEUDO[2]])
+    # Refused fields, pseudo-headers, host and cookie never enter the memo.
+    for bad in [(b"x-bad", b"a\r\nb"), (b"Upper", b"x"), (b"connection", b"close"), (b"te", b"gzip")]:
+        with pytest.raises(MalformedRequest):
+            parse_request([*PSEUDO, bad])
+        with pytest.raises(MalformedRequest):  # and again: refused every time
+            parse_request([*PSEUDO, bad])
+    parse_request([*PSEUDO, (b"host", b"proxy.test"), (b"cookie", b"a=1")])
+    assert set(h2_headers._checked_fields) == {(b"accept", b"*/*")}
+
+
+def test_field_memo_is_bounded(monkeypatch):
+    monkeypatch.setattr(h2_headers, "_checked_fields", {})
+    for i in range(h2_headers.FIELD_MEMO_ENTRIES + 10):
+        parse_request([*PSEUDO, (b"x-n", b"%d" % i)])
+        assert len(h2_headers._checked_fields) <= h2_headers.FIELD_MEMO_ENTRIES
+    parse_request([*PSEUDO, (b"x-long", b"v" * h2_headers.FIELD_MEMO_MAX_BYTES)])
+    assert (b"x-long", b"v" * h2_headers.FIELD_MEMO_MAX_BYTES) not in h2_headers._checked_fields
+
+
+def test_raw_decoded_fields_are_passed_through_unchanged():
+    h2_conn.install_huffman_memo()
+    h2_conn.install_huffman_memo()  # idempotent
+    convert = hpack.hpack._unicode_if_needed
+    assert getattr(convert.original, "original", None) is None  # type: ignore[attr-defined]
+    field = hpack.NeverIndexedHeaderTuple(b"authorization", b"Bearer x")
+    assert convert(field, True) is field
+    copied = convert(hpack.HeaderTuple(memoryview(b"a"), bytearray(b"b")), True)
+    assert type(copied) is hpack.HeaderTuple and tuple(copied) == (b"a", b"b") and type(copied[1]) is bytes
+    assert tuple(convert(hpack.HeaderTuple(b"a", b"b"), False)) == ("a", "b")
+    decoded = hpack.Decoder().decode(hpack.Encoder().encode([(b"x-a", b"1"), (b"x-b", b"2")]), raw=True)
+    assert [tuple(f) for f in decoded] == [(b"x-a", b"1"), (b"x-b", b"2")]

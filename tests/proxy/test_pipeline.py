@@ -194,3 +194,32 @@ def test_sandbox_proxy_config_merges_user_file_but_owns_ports_certs_and_backends
     assert settings.upstream.max_connections_per_backend == 7
     assert settings.protocol.drain_timeout_seconds == 5
     assert settings.protocol.goaway_chance == 0.5 and settings.protocol.allow_unsafe_goaway_chance
+
+
+@pytest.mark.parametrize(("method", "target", "kw"), [
+    ("GET", "/api/v1/namespaces/a/pods", {"headers": [("authorization", "Bearer t"), ("x-remote-user", "root"),
+                                                      ("connection", "x-remote-group")]}),
+    ("GET", "/healthz/../api/v1/secrets", {}),  # refused target, before identity
+    ("OPTIONS", "*", {}),
+    ("GET", "/api", {"peer_cert": _cert("sys\ntem:masters")}),  # refused certificate name
+    ("GET", "/metrics", {"peer_cert": _cert("admin", "system:masters")}),
+    ("GET", "/metrics?x=1", {"headers": [("authorization", "Bearer t")]}),  # 403
+    ("POST", "/metrics", {"peer_cert": _cert("alice")}),  # forwarded: only GET/HEAD are local
+])
+async def test_the_fused_front_stage_answers_exactly_like_the_four_stages(
+        method: str, target: str, kw: dict[str, Any]) -> None:
+    async def final(request: ProxyRequest) -> ProxyResponse:
+        return ProxyResponse(status=299, headers=[("x-seen", repr((request.user, request.info, request.headers)))])
+
+    async def outcome(handler: Handler) -> tuple[int, Any, Any, Any]:
+        request = req(method, target, list(kw.get("headers", [])), peer_cert=kw.get("peer_cert"))
+        resp = await handler(request)
+        body = b"".join([c async for c in resp.body]) if resp.status != 200 else b"(metrics page)"
+        return resp.status, [h for h in resp.headers if h[0] != "content-length"], body, (request.user, request.info)
+
+    from gatekeeper.proxy.pipeline.stages import front_for, request_target
+
+    fused = await outcome(chain([front_for(["system:masters"])], final))
+    separate = await outcome(chain([request_target, identity, request_info,
+                                    local_endpoints_for(["system:masters"])], final))
+    assert fused == separate

@@ -54,7 +54,7 @@ from gatekeeper.proxy.adapter import (
 )
 from gatekeeper.proxy.listen import conn_metrics
 from gatekeeper.proxy.listen.goaway import GoawayDecider
-from gatekeeper.proxy.messages import Handler, Headers, ProxyRequest, ProxyResponse, Upgraded
+from gatekeeper.proxy.messages import Handler, Headers, ProxyRequest, ProxyResponse, Upgraded, is_exhausted
 from gatekeeper.proxy.settings import ProtocolSettings
 
 log = logging.getLogger("gatekeeper.proxy.listen.h1")
@@ -87,6 +87,8 @@ class H1Connection:
         self._writer = writer
         self._peer = peer
         self._peer_cert = peer_cert
+        self._memo: dict[str, Any] = {}
+        """ProxyRequest.connection_memo of every request on this connection."""
         self.connection_id = connection_id
         self._decider = GoawayDecider(settings.goaway_chance, rng)
         self._conn = h11.Connection(h11.SERVER, max_incomplete_event_size=settings.max_header_list_bytes)
@@ -229,6 +231,7 @@ class H1Connection:
             peer=self._peer,
             peer_cert=self._peer_cert,
             connection_id=self.connection_id,
+            connection_memo=self._memo,
         )
         if has_body:
             request.body = self._request_body()
@@ -324,16 +327,26 @@ class H1Connection:
             headers.append((b"connection", b"close"))
         self._write(h11.Response(status_code=response.status, headers=headers))
         if response_has_body(request.method, response.status):
-            async for chunk in response.body:
-                if chunk:
-                    self._write(h11.Data(data=chunk))
+            body = response.body
+            async for chunk in body:
+                if not chunk:
+                    continue
+                if is_exhausted(body):
+                    # The last chunk (upstream knows it): chunk and end of message in one write.
+                    self._write_all(h11.Data(data=chunk), h11.EndOfMessage())
                     await self._drain()
+                    return not close
+                self._write(h11.Data(data=chunk))
+                await self._drain()
         self._write(h11.EndOfMessage())
         await self._drain()
         return not close
 
     async def _drain(self) -> None:
         """Wait for the client to take the response; abort the connection if it stalls too long."""
+        if self._writer.transport.get_write_buffer_size() <= self._settings.write_buffer_low_bytes:
+            await self._writer.drain()  # not paused: returns at once, no timer to arm (the common case)
+            return
         try:
             async with asyncio.timeout(self._settings.h1_write_stall_timeout_seconds):
                 await self._writer.drain()
@@ -380,6 +393,12 @@ class H1Connection:
 
     def _write(self, event: h11.Event) -> None:
         data = self._conn.send(event)
+        if data:
+            self._writer.write(data)
+
+    def _write_all(self, *events: h11.Event) -> None:
+        """Several events as one transport write (one TLS record, one send)."""
+        data = b"".join(self._conn.send(e) or b"" for e in events)
         if data:
             self._writer.write(data)
 

@@ -134,6 +134,8 @@ class H2Protocol:
             on_bad_length=self._on_bad_length,
         )
         self._streams: dict[int, _Stream] = {}
+        self._memo: dict[str, Any] = {}
+        """ProxyRequest.connection_memo of every request on this connection."""
         self._streams_changed = asyncio.Event()
         self._loop = asyncio.get_running_loop()
         self._idle_handle: asyncio.TimerHandle | None = None
@@ -277,6 +279,7 @@ class H2Protocol:
             peer_cert=self._peer_cert,
             connection_id=self.connection_id,
             stream_id=sid,
+            connection_memo=self._memo,
         )
         stream = _Stream(sid, request, ended=event.stream_ended is not None)
         if not stream.ended:
@@ -432,7 +435,13 @@ class H2Protocol:
             window = await self._wait_window(stream)
             n = min(len(view), window, self._conn.max_outbound_frame_size)
             view, piece = view[n:], bytes(view[:n])
-            self._conn.send_data(stream.id, piece, end_stream=end_stream and not view)
+            if end_stream and not view:
+                # The stream's last frame: it joins this loop iteration's one write (with the other
+                # streams' frames), and nothing more of this stream waits on the socket.
+                self._conn.send_data(stream.id, piece, end_stream=True)
+                self._flush_soon()
+                return
+            self._conn.send_data(stream.id, piece)
             self._flush()
             await self._drain()
 

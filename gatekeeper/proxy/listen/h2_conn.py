@@ -1,6 +1,6 @@
 """The ``h2`` state machine as the proxy configures it: cheaper header handling, gentler stream limit.
 
-Five departures from a stock ``H2Connection``, each because of a measured
+Six departures from a stock ``H2Connection``, each because of a measured
 cost or a needlessly harsh default:
 
 * **Huffman memo.** Every Kubernetes request carries a ~1 KB bearer token, and
@@ -24,6 +24,10 @@ cost or a needlessly harsh default:
   parser (valid field syntax, no CR/LF) or from our own code, and
   ``h2_headers.response_block`` lower-cases names, trims values and drops
   connection-specific headers in one pass.
+* **A cheaper HPACK encoder** for the response headers, which repeat from
+  response to response (``h2_hpack.ResponseEncoder``: same wire format and table
+  semantics, dict lookups and memoized literals instead of a table scan and a
+  Huffman pass per field).
 * **REFUSED_STREAM over the limit.** h2 treats a HEADERS frame beyond our
   advertised ``MAX_CONCURRENT_STREAMS`` as a connection error, which would
   break every other stream of that client. RFC 9113 5.1.2 allows a stream
@@ -57,6 +61,7 @@ from h2.events import Event, RequestReceived
 from h2.exceptions import InvalidBodyLengthError
 from hyperframe.frame import DataFrame, Frame, HeadersFrame
 
+from gatekeeper.proxy.listen.h2_hpack import ResponseEncoder
 from gatekeeper.proxy.listen.h2_limits import FloodGuard, frame_kinds
 
 MEMO_MIN_BYTES = 64
@@ -91,15 +96,36 @@ class _QuietLog:
         return getattr(self.real, name)
 
 
+def _raw_passthrough(convert: Callable[[Any, bool], Any]) -> Callable[[Any, bool], Any]:
+    """``hpack``'s per-field post-processing, minus the copy when there is nothing to convert.
+
+    With ``raw=True`` (our ``header_encoding=None``) hpack rebuilds every decoded field as a
+    new ``HeaderTuple`` of ``bytes(name), bytes(value)``; a field already made of bytes is
+    returned as it is (same class, same values: tuples are immutable).
+    """
+    @functools.wraps(convert)
+    def unicode_if_needed(header: Any, raw: bool) -> Any:
+        if raw and type(header[0]) is bytes and type(header[1]) is bytes:
+            return header
+        return convert(header, raw)
+
+    unicode_if_needed.original = convert  # type: ignore[attr-defined]
+    return unicode_if_needed
+
+
 def install_huffman_memo() -> None:
     """Wrap ``hpack``'s Huffman decoder with the memo (idempotent; process-wide, decoding is pure).
 
-    Also silences hpack's per-header debug logging, unless DEBUG is already on for it when
-    the first connection starts (then it stays, for whoever is debugging).
+    Also skips hpack's copy of already-raw fields (:func:`_raw_passthrough`), and silences
+    hpack's per-header debug logging, unless DEBUG is already on for it when the first
+    connection starts (then it stays, for whoever is debugging).
     """
     current = hpack.hpack.decode_huffman
     if getattr(current, "memo", None) is None:
         hpack.hpack.decode_huffman = _memoizing(current)  # type: ignore[assignment]
+    convert = hpack.hpack._unicode_if_needed
+    if getattr(convert, "original", None) is None:
+        hpack.hpack._unicode_if_needed = _raw_passthrough(convert)  # type: ignore[assignment]
     log = hpack.hpack.log
     if isinstance(log, logging.Logger) and not log.isEnabledFor(logging.DEBUG):
         hpack.hpack.log = _QuietLog(log)  # type: ignore[assignment]
@@ -128,6 +154,7 @@ class ProxyH2Connection(H2Connection):
         on_bad_length: Callable[[int], None] | None = None,
     ) -> None:
         super().__init__(config())
+        self.encoder = ResponseEncoder()  # type: ignore[assignment]  # duck-typed: encode() + header_table_size
         self._on_refused = on_refused
         self._on_bad_length = on_bad_length
         self._guard = guard

@@ -76,10 +76,19 @@ def _bad_name(value: str) -> str:
     return ""
 
 
-def bad_certificate_names(peer_cert: Mapping[str, Any] | None) -> str:
-    """A message if the verified certificate's CN or any O is not a clean name, else ''."""
+def bad_certificate_names(peer_cert: Mapping[str, Any] | None, memo: dict[str, Any] | None = None) -> str:
+    """A message if the verified certificate's CN or any O is not a clean name, else ''.
+
+    ``memo`` is the connection's (``ProxyRequest.connection_memo``): its certificate never
+    changes, so the verdict is worked out once per connection.
+    """
     if not peer_cert:
         return ""
+    if memo is not None:
+        verdict = memo.get("cert_names")
+        if verdict is None:
+            verdict = memo["cert_names"] = bad_certificate_names(peer_cert)
+        return str(verdict)
     for attr, label in (("commonName", "CN"), ("organizationName", "O")):
         for value in _subject_attrs(peer_cert, attr):
             why = _bad_name(value)
@@ -116,20 +125,45 @@ def token_user(credential: str) -> str:
     return "token:" + hashlib.sha256(credential.encode()).hexdigest()[:16]
 
 
-def identify(peer_cert: Mapping[str, Any] | None, headers: Headers) -> UserInfo:
+def _certificate_user(peer_cert: Mapping[str, Any]) -> UserInfo | None:
+    cns = _subject_attrs(peer_cert, "commonName")
+    if cns and cns[-1]:
+        return UserInfo(name=cns[-1], groups=_subject_attrs(peer_cert, "organizationName"), source="x509")
+    return None
+
+
+def identify(peer_cert: Mapping[str, Any] | None, headers: Headers, memo: dict[str, Any] | None = None) -> UserInfo:
     """UserInfo from a verified client certificate, else the Authorization header, else anonymous.
 
     Certificate first, as kube-apiserver's authenticator chain does (x509 is
     tried before tokens). ``peer_cert`` must only be a certificate the TLS
     layer verified; an unverified one would be a free identity.
+
+    ``memo`` is the connection's (``ProxyRequest.connection_memo``): the certificate's user is
+    read once per connection, and the name of the connection's last credential is kept
+    with it, so a client repeating its token is not hashed again (the memo lives and dies
+    with the connection; no process-wide cache holds a credential). Every call returns a
+    fresh UserInfo.
     """
     if peer_cert:
-        cns = _subject_attrs(peer_cert, "commonName")
-        if cns and cns[-1]:
-            return UserInfo(name=cns[-1], groups=_subject_attrs(peer_cert, "organizationName"), source="x509")
+        if memo is None:
+            cert_user = _certificate_user(peer_cert)
+        elif "cert_user" in memo:
+            cert_user = memo["cert_user"]
+        else:
+            cert_user = memo["cert_user"] = _certificate_user(peer_cert)
+        if cert_user is not None:
+            return UserInfo(name=cert_user.name, groups=list(cert_user.groups), source="x509")
     for name, value in headers:
         if name == "authorization" and value.strip():
-            return UserInfo(name=token_user(value.strip()), source="token")
+            credential = value.strip()
+            last = memo.get("token") if memo is not None else None
+            if last is not None and last[0] == credential:
+                return UserInfo(name=last[1], source="token")
+            user = token_user(credential)
+            if memo is not None:
+                memo["token"] = (credential, user)
+            return UserInfo(name=user, source="token")
     return UserInfo(name=ANONYMOUS_USER, groups=[ANONYMOUS_GROUP], source="anonymous")
 
 

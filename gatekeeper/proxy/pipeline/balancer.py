@@ -191,13 +191,14 @@ class Balancer:
                         rate=RateWindow(self.policy.rate_window_seconds, clock))
             )
         self.by_name = {b.name: b for b in self.backends}
+        self._equal_weights = len({b.weight for b in self.backends}) == 1
 
     # --- choice -----------------------------------------------------------------------------
 
     def candidates(self, exclude: frozenset[str] | set[str] = frozenset()) -> list[Backend]:
         now = self.clock()
-        pool = [b for b in self.backends if b.name not in exclude]
-        eligible = [b for b in pool if b.eligible(now)]
+        pool = [b for b in self.backends if b.name not in exclude] if exclude else self.backends
+        eligible = [b for b in pool if b.ready and now >= b.ejected_until]  # Backend.eligible, inlined
         if eligible:
             return eligible
         ready = [b for b in pool if b.ready]  # panic: ignore passive ejection
@@ -217,10 +218,17 @@ class Balancer:
         pool = self.candidates(exclude)
         if not pool:
             return None
-        if len(pool) == 1:
+        n = len(pool)
+        if n == 1:
             return pool[0]
-        a = self._weighted_pick(pool)
-        b = self._weighted_pick([x for x in pool if x is not a])
+        if self._equal_weights:
+            # The weighted picks below, for equal weights: one uniform pick, then one among the rest.
+            i = min(int(self.rng.random() * n), n - 1)
+            j = min(int(self.rng.random() * (n - 1)), n - 2)
+            a, b = pool[i], pool[j + 1 if j >= i else j]
+        else:
+            a = self._weighted_pick(pool)
+            b = self._weighted_pick([x for x in pool if x is not a])
         return a if a.load <= b.load else b
 
     def acquire(self, backend: Backend, *, long_running: bool = False) -> Lease:

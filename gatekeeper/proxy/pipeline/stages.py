@@ -56,8 +56,8 @@ async def _once(data: bytes) -> AsyncIterator[bytes]:
 # --- middlewares --------------------------------------------------------------------------------
 
 
-async def request_target(request: ProxyRequest, next_handler: Handler) -> ProxyResponse:
-    """Refuse targets that could steer or mis-classify the request (target.py); answer ``OPTIONS *``."""
+def _refuse_target(request: ProxyRequest) -> ProxyResponse | None:
+    """The answer to a target that could steer or mis-classify the request (target.py), or to ``OPTIONS *``."""
     bad = target.check(request.method, request.target)
     if bad is not None:
         rejections.reject(bad.reason, f"{request.peer} {request.method}: {bad.message}")
@@ -65,19 +65,30 @@ async def request_target(request: ProxyRequest, next_handler: Handler) -> ProxyR
     if request.target == "*":
         # What Go's net/http (and so kube-apiserver) answers to OPTIONS *: 200, no body.
         return ProxyResponse(status=200, headers=[("content-length", "0")])
-    return await next_handler(request)
+    return None
+
+
+def _establish_identity(request: ProxyRequest) -> ProxyResponse | None:
+    """Drop Connection-named and client-sent X-Remote-* headers and set ``request.user``; or refuse an
+    unclean certificate name (auth.py)."""
+    bad = auth.bad_certificate_names(request.peer_cert, request.connection_memo)
+    if bad:
+        rejections.reject("bad_identity", f"{request.peer}: {bad}")
+        return error_response(401, "Unauthorized", f"gatekeeper proxy: {bad}")
+    request.headers = auth.strip_remote(auth.drop_connection_named(request.headers))
+    request.user = auth.identify(request.peer_cert, request.headers, request.connection_memo)
+    return None
+
+
+async def request_target(request: ProxyRequest, next_handler: Handler) -> ProxyResponse:
+    """Refuse targets that could steer or mis-classify the request (target.py); answer ``OPTIONS *``."""
+    return _refuse_target(request) or await next_handler(request)
 
 
 async def identity(request: ProxyRequest, next_handler: Handler) -> ProxyResponse:
     """Drop Connection-named and client-sent X-Remote-* headers, refuse unclean certificate names,
     then decide who the caller is (auth.py)."""
-    bad = auth.bad_certificate_names(request.peer_cert)
-    if bad:
-        rejections.reject("bad_identity", f"{request.peer}: {bad}")
-        return error_response(401, "Unauthorized", f"gatekeeper proxy: {bad}")
-    request.headers = auth.strip_remote(auth.drop_connection_named(request.headers))
-    request.user = auth.identify(request.peer_cert, request.headers)
-    return await next_handler(request)
+    return _establish_identity(request) or await next_handler(request)
 
 
 async def request_info(request: ProxyRequest, next_handler: Handler) -> ProxyResponse:
@@ -94,12 +105,20 @@ def local_endpoints_for(metrics_groups: Collection[str]) -> Middleware:
     Status. Token callers cannot be checked here (only the apiserver can read a token);
     Prometheus scrapes the plain ``listener.metricsPort`` listener, bound to loopback.
     """
+    own_page = _metrics_page_for(metrics_groups)
+
+    async def local_endpoints(request: ProxyRequest, next_handler: Handler) -> ProxyResponse:
+        return own_page(request) if _is_local(request) else await next_handler(request)
+
+    return local_endpoints
+
+
+def _metrics_page_for(metrics_groups: Collection[str]) -> Callable[[ProxyRequest], ProxyResponse]:
+    """The answer to a ``/metrics`` request on the main port (see :func:`local_endpoints_for`)."""
     allowed = frozenset(metrics_groups)
     needs = ", ".join(sorted(allowed)) or "(none: proxy.listener.metricsGroups is empty)"
 
-    async def local_endpoints(request: ProxyRequest, next_handler: Handler) -> ProxyResponse:
-        if request.method not in SAFE_METHODS or request.target.split("?", 1)[0] != "/metrics":
-            return await next_handler(request)
+    def own_page(request: ProxyRequest) -> ProxyResponse:
         user = request.user or auth.identify(request.peer_cert, request.headers)
         if user.source != "x509" or allowed.isdisjoint(user.groups):
             return error_response(
@@ -113,11 +132,36 @@ def local_endpoints_for(metrics_groups: Collection[str]) -> Middleware:
                                                   ("content-length", str(len(body)))],
                              body=_once(b"" if request.method == "HEAD" else body))
 
-    return local_endpoints
+    return own_page
+
+
+def _is_local(request: ProxyRequest) -> bool:
+    return request.method in SAFE_METHODS and request.target.split("?", 1)[0] == "/metrics"
 
 
 local_endpoints = local_endpoints_for(["system:masters"])
 """The /metrics middleware with the default group list."""
+
+
+def front_for(metrics_groups: Collection[str]) -> Middleware:
+    """request_target -> identity -> request_info -> local /metrics as one stage.
+
+    The same checks in the same order as the four middlewares, in one coroutine per
+    request instead of four (each stage of the chain costs a coroutine and an await on
+    every request).
+    """
+    own_page = _metrics_page_for(metrics_groups)
+
+    async def front(request: ProxyRequest, next_handler: Handler) -> ProxyResponse:
+        refused = _refuse_target(request) or _establish_identity(request)
+        if refused is not None:
+            return refused
+        request.info = requestinfo.parse(request.method, request.target)
+        if _is_local(request):
+            return own_page(request)
+        return await next_handler(request)
+
+    return front
 
 
 def chain(middlewares: Sequence[Middleware], final: Handler) -> Handler:
@@ -128,10 +172,9 @@ def chain(middlewares: Sequence[Middleware], final: Handler) -> Handler:
 
 
 def _bind(mw: Middleware, next_handler: Handler) -> Handler:
-    async def handler(request: ProxyRequest) -> ProxyResponse:
-        return await mw(request, next_handler)
-
-    return handler
+    """``request -> mw(request, next_handler)``, returning the middleware's own awaitable (no extra
+    coroutine per stage and request)."""
+    return lambda request: mw(request, next_handler)
 
 
 # --- the final handler --------------------------------------------------------------------------
@@ -313,11 +356,11 @@ def build(
     policy: EjectionPolicy | None = None,
     balancer: Balancer | None = None,
 ) -> Pipeline:
-    """target -> identity -> RequestInfo -> local /metrics -> flow control (optional) -> dispatcher."""
+    """target -> identity -> RequestInfo -> local /metrics (one stage, front_for) -> flow control (optional)
+    -> dispatcher."""
     balancer = balancer or Balancer(settings.backends, policy=policy)
     clients = {b.name: BackendClient(b.name, b.url, settings.upstream) for b in balancer.backends}
-    middlewares: list[Middleware] = [request_target, identity, request_info,
-                                     local_endpoints_for(settings.listener.metrics_groups)]
+    middlewares: list[Middleware] = [front_for(settings.listener.metrics_groups)]
     if flow_control is not None:
         middlewares.append(flow_control)
     handler = chain(middlewares, Dispatcher(balancer, clients))

@@ -1,0 +1,201 @@
+"""HPACK encoder for the proxy's response headers: the same compression as ``hpack``'s, a fraction of the CPU.
+
+An apiserver answers small GETs with nearly the same header list every time
+(``content-type``, ``cache-control``, the ``X-Kubernetes-PF-*`` uids, our
+``x-gatekeeper-pf-*`` names), plus a few values that change on every response
+(``audit-id``, ``date``). ``hpack.Encoder`` searches its dynamic table
+linearly, Huffman-codes every literal and logs every field, on every response:
+about half of the proxy's cost of sending a HEADERS frame.
+
+:class:`ResponseEncoder` keeps the wire format and the dynamic table semantics
+(RFC 7541) but makes the repeated work a dict lookup:
+
+* a field already in the dynamic table is found through a dict that maps it to
+  its insertion number (its index is arithmetic on that number), not a scan;
+* the literal encoding of a field (Huffman-coded, with incremental indexing)
+  is a pure function of the field, so it is memoized in a bounded dict
+  (at most ``MEMO_ENTRIES`` fields of at most ``MEMO_MAX_BYTES`` each; when
+  full, the memo is cleared and refills from the next responses);
+* fields too long to memoize, and never-indexed fields (``NeverIndexedHeaderTuple``:
+  the volatile ``audit-id`` and ``date``, see ``h2_headers.response_block``) go out as raw literals, with no
+  Huffman pass (a few bytes more on the wire for much less CPU); never-indexed
+  ones never enter the table or the memo.
+
+The dynamic table follows the peer's ``SETTINGS_HEADER_TABLE_SIZE`` capped at
+``MAX_TABLE_SIZE`` (the encoder may use less than the peer allows, RFC 7541
+4.2); a change is signalled at the start of the next header block, smallest
+size first when it shrank and grew again in between (RFC 7541 4.2). Only
+``encode()`` and the ``header_table_size`` setter are used by ``h2``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from typing import Any
+
+from hpack.hpack import encode_integer
+from hpack.huffman import HuffmanEncoder
+from hpack.huffman_constants import REQUEST_CODES, REQUEST_CODES_LENGTH
+from hpack.struct import HeaderTuple
+from hpack.table import HeaderTable
+
+DEFAULT_TABLE_SIZE = 4096
+"""The table size both ends start with (RFC 7541 6.5.2 / RFC 9113 6.5.2)."""
+MAX_TABLE_SIZE = 4096
+"""Largest dynamic table we keep per connection, whatever the peer allows (bounds memory)."""
+MEMO_ENTRIES = 1024
+"""Fields whose literal encoding is memoized per process."""
+MEMO_MAX_BYTES = 512
+"""Longest field (name + value) that is memoized; longer ones are encoded each time."""
+ENTRY_OVERHEAD = 32
+"""RFC 7541 4.1: a table entry's size is name + value + 32."""
+
+_STATIC_FULL: dict[tuple[bytes, bytes], int] = {}
+_STATIC_NAME: dict[bytes, int] = {}
+for _i, (_n, _v) in enumerate(HeaderTable.STATIC_TABLE, start=1):
+    _STATIC_FULL.setdefault((_n, _v), _i)
+    _STATIC_NAME.setdefault(_n, _i)
+_STATIC_LEN = len(HeaderTable.STATIC_TABLE)
+
+_huffman = HuffmanEncoder(REQUEST_CODES, REQUEST_CODES_LENGTH)
+_memo: dict[tuple[bytes, bytes], bytes] = {}
+
+
+_BYTES = [bytes([i]) for i in range(256)]
+
+
+def _int(value: int, prefix_bits: int, flags: int) -> bytes:
+    """An HPACK integer (RFC 7541 5.1) with ``flags`` in the first byte's high bits."""
+    if value < (1 << prefix_bits) - 1:
+        return _BYTES[flags | value]
+    out = encode_integer(value, prefix_bits)
+    out[0] |= flags
+    return bytes(out)
+
+
+_SMALL_INDEXED = [bytes([0x80 | i]) for i in range(127)]
+
+
+def _indexed(index: int) -> bytes:
+    """An indexed field (RFC 7541 6.1); one byte for the first 126 indices."""
+    return _SMALL_INDEXED[index] if index < 127 else _int(index, 7, 0x80)
+
+
+def _string(data: bytes, huffman: bool) -> bytes:
+    if huffman:
+        coded = _huffman.encode(data)
+        if len(coded) < len(data):
+            return _int(len(coded), 7, 0x80) + coded
+    return _int(len(data), 7, 0) + data
+
+
+INCREMENTAL, WITHOUT, NEVER = (0x40, 6), (0x00, 4), (0x10, 4)
+"""Literal representations (RFC 7541 6.2): first-byte flags and the name index's prefix bits."""
+
+
+def _literal(name: bytes, value: bytes, kind: tuple[int, int], *, huffman: bool) -> bytes:
+    """A literal field, its name indexed from the static table when it is there."""
+    flags, bits = kind
+    index = _STATIC_NAME.get(name)
+    if index is not None:
+        return _int(index, bits, flags) + _string(value, huffman)
+    return _int(0, bits, flags) + _string(name, huffman) + _string(value, huffman)
+
+
+def indexed_literal(name: bytes, value: bytes) -> bytes:
+    """The memoized encoding of ``name: value`` as a Huffman-coded literal with incremental indexing."""
+    key = (name, value)
+    hit = _memo.get(key)
+    if hit is not None:
+        return hit
+    if len(name) + len(value) > MEMO_MAX_BYTES:
+        return _literal(name, value, INCREMENTAL, huffman=False)  # paid on every use: no Huffman pass
+    encoded = _literal(name, value, INCREMENTAL, huffman=True)
+    if len(_memo) >= MEMO_ENTRIES:
+        _memo.clear()
+    _memo[key] = encoded
+    return encoded
+
+
+def memo_size() -> int:
+    return len(_memo)
+
+
+class ResponseEncoder:
+    """Drop-in for ``hpack.Encoder`` on a server connection (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._max = DEFAULT_TABLE_SIZE
+        self._size = 0
+        self._inserted = 0
+        self._entries: deque[tuple[tuple[bytes, bytes], int, int]] = deque()
+        """(field, insertion number, entry size), oldest first."""
+        self._where: dict[tuple[bytes, bytes], int] = {}
+        """field -> insertion number of its newest copy in the table."""
+        self._pending: list[int] = []
+        """Table sizes to signal at the start of the next block."""
+
+    @property
+    def header_table_size(self) -> int:
+        return self._max
+
+    @header_table_size.setter
+    def header_table_size(self, value: int) -> None:
+        size = min(value, MAX_TABLE_SIZE)
+        if size == self._max:
+            return
+        self._max = size
+        self._evict(0)
+        self._pending.append(size)
+
+    @property
+    def table_entries(self) -> int:
+        return len(self._entries)
+
+    def _evict(self, room: int) -> None:
+        while self._entries and self._size + room > self._max:
+            field, number, size = self._entries.popleft()
+            self._size -= size
+            if self._where.get(field) == number:
+                del self._where[field]
+
+    def _size_updates(self) -> bytes:
+        pending, self._pending = self._pending, []
+        smallest, final = min(pending), pending[-1]
+        sizes = [smallest] if smallest == final else [smallest, final]
+        return b"".join(_int(s, 5, 0x20) for s in sizes)
+
+    def encode(self, headers: Iterable[Any], huffman: bool = True) -> bytes:
+        """One header block; ``headers`` are ``(name, value)`` bytes pairs (HeaderTuple subclasses allowed)."""
+        out: list[bytes] = []
+        if self._pending:
+            out.append(self._size_updates())
+        for header in headers:
+            name, value = header[0], header[1]
+            if type(name) is not bytes or type(value) is not bytes:
+                name, value = bytes(name), bytes(value)
+            field = (name, value)
+            static = _STATIC_FULL.get(field)
+            if static is not None:
+                out.append(_indexed(static))
+                continue
+            if isinstance(header, HeaderTuple) and not header.indexable:
+                out.append(_literal(name, value, NEVER, huffman=False))
+                continue
+            number = self._where.get(field)
+            if number is not None:
+                out.append(_indexed(_STATIC_LEN + 1 + self._inserted - number))
+                continue
+            size = ENTRY_OVERHEAD + len(name) + len(value)
+            if size > self._max:
+                # Would empty the table and still not fit (RFC 7541 4.4): send it without indexing.
+                out.append(_literal(name, value, WITHOUT, huffman=False))
+                continue
+            out.append(indexed_literal(name, value))
+            self._evict(size)
+            self._inserted += 1
+            self._entries.append((field, self._inserted, size))
+            self._where[field] = self._inserted
+            self._size += size
+        return b"".join(out)
