@@ -66,6 +66,7 @@ HOP_BY_HOP = frozenset({
 # The adapter handles 100-continue with the client; Host is the backend's.
 REQUEST_DROP = frozenset({"host", "expect"})
 MAX_HEAD_BYTES = 256 * 1024
+_REQUEST_REMOVED = HOP_BY_HOP | REQUEST_DROP
 
 
 def connection_tokens(headers: Headers) -> set[str]:
@@ -370,11 +371,11 @@ class BackendClient:
     ) -> ProxyResponse:
         ssl_ctx = self._ssl(identity)
         head, declared = exchange.encode_request_head(
-            request.method, request.target, self.authority, headers,
-            removed_headers(headers, drop=REQUEST_DROP), has_body=request.body is not None)
+            request.method, request.target, self.authority, headers, _REQUEST_REMOVED,
+            has_body=request.body is not None)
         settings = self.settings
         status, raw, body = await exchange.exchange(
-            self._pools[long_running], self.name, ssl_ctx, (self.ssl_identity, self.ssl_plain), head,
+            self._pools[long_running], self.name, ssl_ctx, self._live_contexts, head,
             method=request.method, body=exchange.ClientBody(request.body) if request.body is not None else None,
             declared=declared, header_timeout=None if long_running else settings.response_header_timeout_seconds,
             acquire_timeout=settings.pool_acquire_timeout_seconds,
@@ -382,6 +383,9 @@ class BackendClient:
             swallow_body_errors=swallow_body_errors, on_done=on_done,
         )
         return ProxyResponse(status=status, headers=response_headers(raw), body=body)
+
+    def _live_contexts(self) -> tuple[ssl.SSLContext | None, ssl.SSLContext]:
+        return self.ssl_identity, self.ssl_plain
 
     async def probe(self, path: str = "/readyz", deadline: float = 3.0) -> bool:
         """Active health: /readyz answers 200; 401/403 count as up (reachable, the probe lacks rights)."""
@@ -436,8 +440,23 @@ class BackendClient:
 
 
 def response_headers(raw: Sequence[tuple[bytes, bytes]]) -> Headers:
-    """aiohttp's raw response headers as lower-case text pairs, hop-by-hop ones removed."""
-    return strip_hop_by_hop([(k.decode("latin-1").lower(), v.decode("utf-8", "surrogateescape")) for k, v in raw])
+    """Raw response headers as lower-case text pairs, hop-by-hop ones and those ``Connection`` names removed.
+
+    One pass; the rare response with a ``Connection`` header takes a second one.
+    """
+    out: Headers = []
+    named: list[str] | None = None
+    for k, v in raw:
+        name = k.decode("latin-1").lower()
+        if name in HOP_BY_HOP:
+            if name == "connection":
+                named = [*(named or []), v.decode("latin-1")]
+            continue
+        out.append((name, v.decode("utf-8", "surrogateescape")))
+    if named:
+        tokens = {t.strip().lower() for v in named for t in v.split(",")}
+        out = [(k, v) for k, v in out if k not in tokens]
+    return out
 
 
 def encode_head(method: str, target: str, host: str, headers: Headers) -> bytes:

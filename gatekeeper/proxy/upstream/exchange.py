@@ -59,9 +59,11 @@ def encode_request_head(method: str, target: str, authority: str, headers: Heade
                         *, has_body: bool) -> tuple[bytes, int | None]:
     """The request head as one ``bytes`` and the body's declared length (None: chunked or no body).
 
-    ``headers`` are filtered by ``removed`` (lower-case names) in the same pass. A
-    method that is not a token, a target that is not origin-form visible ASCII, or
-    a CR, LF or NUL anywhere in a header raises ValueError: nothing is sent.
+    ``headers`` are filtered in the same pass by ``removed`` (lower-case names) and
+    by the names a ``Connection`` header lists (RFC 9110 7.6.1; only then is there a
+    second pass). A method that is not a token, a target that is not origin-form
+    visible ASCII, or a CR, LF or NUL anywhere in a header raises ValueError:
+    nothing is sent.
     """
     if not _TOKEN.fullmatch(method) or not _TARGET.fullmatch(target):
         raise ValueError(f"refusing to send {method[:16]!r} {target[:64]!r} upstream")
@@ -71,6 +73,11 @@ def encode_request_head(method: str, target: str, authority: str, headers: Heade
     for name, value in headers:
         lower = name.lower()
         if lower in removed or lower[:1] == ":":
+            if lower == "connection":
+                named = {t.strip().lower() for k, v in headers if k.lower() == "connection" for t in v.split(",")}
+                if not named <= set(removed):
+                    return encode_request_head(method, target, authority, headers, {*removed, *named},
+                                               has_body=has_body)
             continue
         if lower == "content-length":
             length = value
@@ -199,7 +206,7 @@ class LeanBody:
 
 
 async def exchange(
-    pool: Pool, name: str, ctx: ssl.SSLContext, live: tuple[object, ...], head: bytes, *,
+    pool: Pool, name: str, ctx: ssl.SSLContext, live: Callable[[], tuple[object, ...]], head: bytes, *,
     method: str, body: ClientBody | None, declared: int | None, header_timeout: float | None,
     acquire_timeout: float, pool_name: str, swallow_body_errors: bool,
     on_done: Callable[[BaseException | None], None],
@@ -211,25 +218,28 @@ async def exchange(
     :class:`ClientBodyFailed` when the client's body broke off, and
     :class:`BackendFailed` when the backend failed after it may have seen the request.
     """
-    try:
-        async with asyncio.timeout(acquire_timeout):
-            await pool.slots.acquire()
-    except TimeoutError:
-        raise PoolTimeout(f"no free {pool_name} connection to {name} within {acquire_timeout:g}s") from None
+    slots = pool.slots
+    if slots.locked():  # only a full pool pays for a timeout scope
+        try:
+            async with asyncio.timeout(acquire_timeout):
+                await slots.acquire()
+        except TimeoutError:
+            raise PoolTimeout(f"no free {pool_name} connection to {name} within {acquire_timeout:g}s") from None
+    else:
+        await slots.acquire()  # returns at once: a free slot
     conn: Conn | None = None
     try:
-        async with asyncio.timeout(header_timeout):
-            conn = pool.take_idle(ctx, live)
-            if conn is None:
-                try:
-                    conn = await pool.connect(ctx)
-                except (TimeoutError, OSError, ssl.SSLError) as exc:
-                    raise ConnectFailed(connect_cause(exc)) from exc
-            conn.begin(head, head_only=method == "HEAD")
-            conn.request_sent = body is None
-            if body is not None:
-                conn.body_task = asyncio.create_task(_send_body(conn, body, declared))
-            await conn.wait_headers()
+        conn = pool.take_idle(ctx, live)
+        if conn is None:
+            try:
+                conn = await pool.connect(ctx)
+            except (TimeoutError, OSError, ssl.SSLError) as exc:
+                raise ConnectFailed(connect_cause(exc)) from exc
+        conn.begin(head, head_only=method == "HEAD", header_timeout=header_timeout)
+        conn.request_sent = body is None
+        if body is not None:
+            conn.body_task = asyncio.create_task(_send_body(conn, body, declared))
+        await conn.wait_headers()
     except BaseException as exc:
         if conn is not None:
             conn.abort()

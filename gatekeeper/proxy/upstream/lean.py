@@ -55,6 +55,8 @@ class Conn(asyncio.Protocol):
         self.ctx = ctx
         self.on_lost = on_lost
         self.transport: asyncio.Transport | None = None
+        self.loop = asyncio.get_running_loop()
+        self.timer: asyncio.TimerHandle | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.closed = False
         self.idle_since = 0.0
@@ -75,18 +77,28 @@ class Conn(asyncio.Protocol):
         self.headers_done = False
         self.complete = False
         self.keep_alive = False
-        self.until_close = False
         self.error: BaseException | None = None
         self.chunks: collections.deque[bytes] = collections.deque()
         self.buffered = 0
         self.reading_paused = False
 
-    def begin(self, head: bytes, *, head_only: bool) -> None:
-        """Start an exchange: reset the response state and write the request head (one write)."""
+    def begin(self, head: bytes, *, head_only: bool, header_timeout: float | None) -> None:
+        """Start an exchange: reset the response state and write the request head (one write).
+
+        ``header_timeout`` arms one timer (cheaper than an ``asyncio.timeout`` scope per
+        request) that fails the exchange with TimeoutError if the head has not come by then.
+        """
         self._response(head_only=head_only)
         self.active = True
+        if header_timeout is not None:
+            self.timer = self.loop.call_later(header_timeout, self._header_timeout)
         assert self.transport is not None
         self.transport.write(head)
+
+    def _header_timeout(self) -> None:
+        self.timer = None
+        if not self.headers_done:
+            self._fail(TimeoutError("no response head in time"))
 
     # --- asyncio.Protocol ---------------------------------------------------------------------
 
@@ -98,12 +110,18 @@ class Conn(asyncio.Protocol):
             # A backend talking while no request is out: nothing sane can follow on this connection.
             self._fail(BackendProtocolError("bytes from the backend on an idle connection"))
             return
+        if not self.headers_done:
+            self.head_bytes += len(data)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self._fail(BackendProtocolError("unexpected protocol switch"))
         except httptools.HttpParserError as exc:
             self._fail(BackendProtocolError(f"malformed response: {exc}"))
+        else:
+            # Counted per read, not per header (see on_headers_complete for the exact check).
+            if not self.headers_done and self.head_bytes > MAX_HEAD_BYTES:
+                self._fail(BackendProtocolError(f"response head over {MAX_HEAD_BYTES} bytes"))
 
     def eof_received(self) -> bool | None:
         return None  # close the transport; connection_lost decides what the EOF means
@@ -111,7 +129,7 @@ class Conn(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         if self.active and not self.complete and self.error is None:
-            if self.headers_done and self.until_close and exc is None:
+            if self.headers_done and exc is None and self._framed_by_close():
                 self.complete = True  # the body was framed by the end of the connection
             else:
                 self.error = exc or ConnectionResetError("the backend closed the connection")
@@ -138,9 +156,6 @@ class Conn(asyncio.Protocol):
             raise BackendProtocolError("more than one response to a request")
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.head_bytes += len(name) + len(value) + 4
-        if self.head_bytes > MAX_HEAD_BYTES:
-            raise BackendProtocolError(f"response head over {MAX_HEAD_BYTES} bytes")
         self.raw_headers.append((name, value))
 
     def on_headers_complete(self) -> None:
@@ -151,20 +166,28 @@ class Conn(asyncio.Protocol):
             self.raw_headers = []
             self.head_bytes = 0
             return
+        if self.head_bytes > MAX_HEAD_BYTES and (
+                sum(len(k) + len(v) + 4 for k, v in self.raw_headers) > MAX_HEAD_BYTES):
+            # The reads so far were over the limit; only then are the head's own bytes counted.
+            raise BackendProtocolError(f"response head over {MAX_HEAD_BYTES} bytes")
         self.status = status
         self.headers_done = True
+        timer, self.timer = self.timer, None
+        if timer is not None:
+            timer.cancel()
         if self.head_only:
             # llhttp cannot be told the request was HEAD; the connection is closed after it.
             self.complete = True
-        elif status not in (204, 304):
-            framed = False
-            for name, _ in self.raw_headers:
-                lower = name.lower()
-                if lower == b"content-length" or lower == b"transfer-encoding":
-                    framed = True
-                    break
-            self.until_close = not framed
         self._wake()
+
+    def _framed_by_close(self) -> bool:
+        """The body ends with the connection (no Content-Length, not chunked, not a bodiless status).
+
+        Only asked when a connection ends mid-response, so the hot path never scans headers for it.
+        """
+        if self.status in (204, 304):
+            return False
+        return not any(name.lower() in (b"content-length", b"transfer-encoding") for name, _ in self.raw_headers)
 
     def on_body(self, data: bytes) -> None:
         if self.head_only:
@@ -201,7 +224,7 @@ class Conn(asyncio.Protocol):
 
     async def wait(self) -> None:
         """Until something changes: headers, a body chunk, the end, or an error."""
-        waiter = self.waiter = asyncio.get_running_loop().create_future()
+        waiter = self.waiter = self.loop.create_future()
         try:
             await waiter
         finally:
@@ -231,7 +254,7 @@ class Conn(asyncio.Protocol):
         if self.closed:
             raise ConnectionResetError("the backend closed the connection")
         if self.write_paused:
-            self.drain_waiter = asyncio.get_running_loop().create_future()
+            self.drain_waiter = self.loop.create_future()
             await self.drain_waiter
 
     def reusable(self) -> bool:
@@ -239,6 +262,9 @@ class Conn(asyncio.Protocol):
                 and not self.head_only and self.error is None)
 
     def abort(self) -> None:
+        timer, self.timer = self.timer, None
+        if timer is not None:
+            timer.cancel()
         if self.transport is not None and not self.closed:
             self.transport.abort()
         self.closed = True
@@ -262,12 +288,13 @@ class Pool:
     def _lost(self, conn: Conn) -> None:
         self.open -= 1
 
-    def take_idle(self, ctx: ssl.SSLContext, live: tuple[Any, ...]) -> Conn | None:
+    def take_idle(self, ctx: ssl.SSLContext, live: Callable[[], tuple[Any, ...]]) -> Conn | None:
         """The most recently used idle connection made with ``ctx`` (LIFO keeps the pool warm and small)."""
         idle = self.idle.get(ctx)
         if idle is None:
             # A context seen for the first time: contexts replaced by a reload are dropped with their sockets.
-            for stale in [c for c in self.idle if c not in live]:
+            current = live()
+            for stale in [c for c in self.idle if c not in current]:
                 for conn in self.idle.pop(stale):
                     conn.abort()
             self.idle[ctx] = []
