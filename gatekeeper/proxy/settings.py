@@ -126,7 +126,7 @@ class UpstreamSettings:
     client_key_file: str = ""
     """Key of the front-proxy client certificate."""
     max_connections_per_backend: int = 256
-    """aiohttp connection pool size per backend."""
+    """Short-request connection pool size per backend (connections in use; idle ones are reused LIFO)."""
     connect_timeout_seconds: float = 5.0
     """TCP+TLS connect timeout; a connect failure on a safe request is retried on another backend."""
     health_interval_seconds: float = 2.0
