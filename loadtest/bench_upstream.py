@@ -11,15 +11,22 @@ and the ratios::
     gatekeeper sandbox up --state-dir /tmp/bench --apiservers 3
     python loadtest/bench_upstream.py --state-dir /tmp/bench [--rounds 5] [--requests 4000]
     gatekeeper sandbox down --state-dir /tmp/bench
+
+``--client-only`` measures the upstream client alone instead: in this process, no
+listener, no pipeline, ``BackendClient.send`` of a small GET to apiserver 1 with 8
+concurrent callers, CPU (``time.process_time``) per request, lean and aiohttp
+interleaved.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_proxy import Env, h2load, load_average, tree_pids
 
+from gatekeeper.proxy.messages import ProxyRequest
+from gatekeeper.proxy.settings import UpstreamSettings
+from gatekeeper.proxy.upstream.client import BackendClient
+from gatekeeper.sandbox.state import SandboxState
 from gatekeeper.sandbox.testing import ProxyProcess
 from gatekeeper.sandbox.with_proxy import default_flow_control
 
@@ -58,6 +69,51 @@ def start_gatekeeper(env: Env, client: str) -> tuple[str, int]:
     return gk.url, gk.proc.pid
 
 
+async def client_round(state: SandboxState, client: str, n: int, concurrency: int) -> float:
+    """CPU milliseconds per small GET through ``BackendClient.send`` alone."""
+    certs = Path(state.certs_dir)
+    settings = UpstreamSettings(ca_file=str(certs / "ca.crt"), client_cert_file=str(certs / "front-proxy-client.crt"),
+                                client_key_file=str(certs / "front-proxy-client.key"), client=client)
+    backend = BackendClient("apiserver-1", state.apiserver_urls[0], settings)
+    headers = [("x-remote-user", "admin"), ("x-remote-group", "system:masters"), ("accept", "application/json"),
+               ("user-agent", "bench"), ("x-forwarded-for", "127.0.0.1")]
+
+    async def caller(count: int) -> None:
+        for _ in range(count):
+            request = ProxyRequest(method="GET", target="/api/v1/namespaces/default", headers=headers, body=None,
+                                   protocol="h2")
+            resp = await backend.send(request, headers, identity=True, swallow_body_errors=False,
+                                      on_done=lambda _e: None)
+            async for _ in resp.body:
+                pass
+            assert resp.status == 200, resp.status
+
+    try:
+        await asyncio.gather(*(caller(20) for _ in range(concurrency)))  # warm the pool
+        started = time.process_time()
+        await asyncio.gather(*(caller(n // concurrency) for _ in range(concurrency)))
+        return (time.process_time() - started) * 1000 / n
+    finally:
+        await backend.close()
+
+
+def client_only(state_dir: str, rounds: int, n: int) -> None:
+    import uvloop
+
+    state = SandboxState.load(state_dir)
+    print(f"load average before: {load_average()}")
+    cpu: dict[str, list[float]] = {"lean": [], "aiohttp": []}
+    for _ in range(rounds):
+        for client in cpu:
+            cpu[client].append(uvloop.run(client_round(state, client, n, 8)))
+    print(f"load average after: {load_average()}")
+    med = {k: statistics.median(v) for k, v in cpu.items()}
+    for client, values in cpu.items():
+        print(f"{client:8s} upstream client CPU {med[client]:.3f} ms/req   rounds: "
+              + " ".join(f"{v:.3f}" for v in values))
+    print(f"lean / aiohttp x{med['lean'] / med['aiohttp']:.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--state-dir", required=True)
@@ -65,7 +121,11 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=4000)
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--streams", type=int, default=8)
+    ap.add_argument("--client-only", action="store_true", help="the upstream client alone, in this process")
     args = ap.parse_args()
+    if args.client_only:
+        client_only(args.state_dir, args.rounds, args.requests)
+        return
     env = Env(args.state_dir, Path(tempfile.mkdtemp(prefix="gk-bench-upstream-")))
     env.make_token()
     try:

@@ -41,7 +41,8 @@ MAX_HEAD_BYTES = 256 * 1024
 READ_HIGH = 256 * 1024
 """Stop reading a backend while this much of its body waits for the consumer."""
 IDLE_SECONDS = 15.0
-"""An idle pooled connection older than this is closed, not reused (kube-apiserver's idle timeout is 90 s)."""
+"""An idle pooled connection older than this is closed, not reused (aiohttp's keep-alive default; a
+backend that closes idle connections sooner costs a 502 on the request that raced the close, never a re-send)."""
 
 
 class BackendProtocolError(ConnectionError):
