@@ -369,3 +369,25 @@ def test_an_unknown_upstream_client_is_refused(tmp_path: Path) -> None:
                     "  listener: {certFile: a, keyFile: b}\n  upstream: {caFile: ca, client: curl}\n")
     with pytest.raises(ConfigError, match="client must be 'lean' or 'aiohttp'"):
         load_config(path, need="proxy")
+
+
+@pytest.mark.parametrize("head", [
+    b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\ncontent-length: 6\r\n\r\nhello!",
+    b"HTTP/1.1 200 OK\r\ncontent-length: 5x\r\n\r\nhello",
+    b"HTTP/1.1 200 OK\r\nx-a: 1\r\n\tfolded\r\ncontent-length: 0\r\n\r\n",
+], ids=["length-and-chunked", "two-lengths", "bad-length", "obs-fold"])
+async def test_ambiguous_response_framing_fails_the_request(backend, head: bytes) -> None:
+    """A response whose length two parsers could read differently is an error, never a guess."""
+    be, client = backend
+
+    async def reply(writer: asyncio.StreamWriter, _head: bytes, body: bytes) -> bool:
+        writer.write(head)
+        return True
+
+    be.reply = reply
+    with pytest.raises(BackendFailed):
+        async with asyncio.timeout(5):
+            resp = await send(client, req("GET", "/ambiguous"))
+            await read_all(resp)
+    await until(lambda: client.connections() == 0)  # and the connection is never reused
