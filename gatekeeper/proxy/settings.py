@@ -126,7 +126,7 @@ class UpstreamSettings:
     client_key_file: str = ""
     """Key of the front-proxy client certificate."""
     max_connections_per_backend: int = 256
-    """aiohttp connection pool size per backend."""
+    """Short-request connection pool size per backend (connections in use; idle ones are reused LIFO)."""
     connect_timeout_seconds: float = 5.0
     """TCP+TLS connect timeout; a connect failure on a safe request is retried on another backend."""
     health_interval_seconds: float = 2.0
@@ -140,8 +140,12 @@ class UpstreamSettings:
     """How often caFile and the front-proxy certificate are checked for changes (new connections use them)."""
     response_header_timeout_seconds: float = 60.0
     """Longest wait for a backend's response headers on a non-long-running request (apiserver's --request-timeout)."""
+    client: str = "lean"
+    """Request-path HTTP/1.1 client: ``lean`` (asyncio Protocol + httptools) or ``aiohttp`` (the older one)."""
 
     def validate(self) -> None:
+        if self.client not in ("lean", "aiohttp"):
+            raise ValueError(f"client must be 'lean' or 'aiohttp', got {self.client!r}")
         if not self.ca_file:
             raise ValueError(
                 "caFile is required: the CA that signed the apiservers' serving certificates "

@@ -40,7 +40,22 @@ from yarl import URL
 from gatekeeper.proxy import target
 from gatekeeper.proxy.messages import Headers, ProxyRequest, ProxyResponse, Upgraded
 from gatekeeper.proxy.settings import UpstreamSettings
+from gatekeeper.proxy.upstream import exchange, lean
+from gatekeeper.proxy.upstream.errors import (
+    BackendFailed,
+    ClientBodyFailed,
+    ConnectFailed,
+    NoFrontProxyCert,
+    PoolTimeout,
+    UpstreamTimeout,
+    connect_cause,
+)
 from gatekeeper.tls import ReloadingTLS
+
+__all__ = [
+    "BackendClient", "BackendFailed", "ClientBodyFailed", "ConnectFailed", "NoFrontProxyCert", "PoolTimeout",
+    "UpstreamTimeout", "is_upgrade", "make_ssl_context", "parse_head", "strip_hop_by_hop",
+]
 
 log = logging.getLogger("gatekeeper.proxy.upstream.client")
 
@@ -51,37 +66,7 @@ HOP_BY_HOP = frozenset({
 # The adapter handles 100-continue with the client; Host is the backend's.
 REQUEST_DROP = frozenset({"host", "expect"})
 MAX_HEAD_BYTES = 256 * 1024
-
-
-class ConnectFailed(ConnectionError):
-    """No byte of the request reached the backend (TCP/TLS connect failed or timed out).
-
-    ``str()`` is a short cause safe to show a client (``connection refused``,
-    ``TLS handshake failed``...); the exception chain keeps the details for the log.
-    """
-
-
-class PoolTimeout(ConnectionError):
-    """No pooled connection to the backend freed up in time: nothing was sent, the backend is not at fault."""
-
-
-class UpstreamTimeout(ConnectionError):
-    """The backend sent no response headers within the response-header timeout."""
-
-
-class ClientBodyFailed(ConnectionError):
-    """The client's request body failed while it was being forwarded (client gone, body idle).
-
-    The backend did nothing wrong: no ejection, no 5xx count against it.
-    """
-
-
-class NoFrontProxyCert(RuntimeError):
-    """A verified client-certificate user arrived but no front-proxy certificate is configured."""
-
-
-class BackendFailed(ConnectionError):
-    """The backend failed after the request may have reached it: never retried."""
+_REQUEST_REMOVED = HOP_BY_HOP | REQUEST_DROP
 
 
 def connection_tokens(headers: Headers) -> set[str]:
@@ -92,11 +77,11 @@ def connection_tokens(headers: Headers) -> set[str]:
 _KEEP_UPGRADE = frozenset({"upgrade", "connection"})
 
 
-def strip_hop_by_hop(headers: Headers, *, keep_upgrade: bool = False, drop: frozenset[str] = frozenset()) -> Headers:
-    """Drop hop-by-hop headers, those the Connection header names (RFC 9110 7.6.1), and ``drop``.
+def removed_headers(headers: Headers, *, keep_upgrade: bool = False,
+                    drop: frozenset[str] = frozenset()) -> frozenset[str]:
+    """Lower-case names to drop: hop-by-hop ones, those the Connection header names (RFC 9110 7.6.1), ``drop``.
 
-    Hot path (every request and response): one pass, one ``lower()`` per name,
-    and the Connection header's tokens are only parsed when there is one.
+    The Connection header's tokens are only parsed when there is one.
     """
     removed = HOP_BY_HOP | drop
     for k, _ in headers:
@@ -105,6 +90,12 @@ def strip_hop_by_hop(headers: Headers, *, keep_upgrade: bool = False, drop: froz
             break
     if keep_upgrade:
         removed = removed - _KEEP_UPGRADE
+    return removed
+
+
+def strip_hop_by_hop(headers: Headers, *, keep_upgrade: bool = False, drop: frozenset[str] = frozenset()) -> Headers:
+    """``headers`` without :func:`removed_headers` and pseudo-headers; one pass, one ``lower()`` per name."""
+    removed = removed_headers(headers, keep_upgrade=keep_upgrade, drop=drop)
     return [(k, v) for k, v in headers if k.lower() not in removed and k[:1] != ":"]
 
 
@@ -115,19 +106,6 @@ def is_upgrade(request: ProxyRequest) -> bool:
         and request.header("upgrade") is not None
         and "upgrade" in connection_tokens(request.headers)
     )
-
-
-def connect_cause(exc: BaseException) -> str:
-    """A short, client-safe cause of a failed connect (never an exception repr: no addresses, no objects)."""
-    if isinstance(exc, (TimeoutError, aiohttp.ConnectionTimeoutError)):
-        return "connect timed out"
-    if isinstance(exc, (aiohttp.ClientConnectorCertificateError, aiohttp.ClientConnectorSSLError,
-                        ssl.SSLError)):
-        return "TLS handshake failed"
-    os_error = getattr(exc, "os_error", exc)
-    if isinstance(os_error, ConnectionRefusedError):
-        return "connection refused"
-    return "connect failed"
 
 
 def make_ssl_context(settings: UpstreamSettings, *, client_cert: bool) -> ssl.SSLContext:
@@ -142,26 +120,6 @@ def make_ssl_context(settings: UpstreamSettings, *, client_cert: bool) -> ssl.SS
             raise ValueError("upstream.clientCertFile and clientKeyFile are required to assert identities")
         ctx.load_cert_chain(settings.client_cert_file, settings.client_key_file)
     return ctx
-
-
-class _ClientBody:
-    """The client's request body as forwarded upstream, remembering whether *the client* failed it."""
-
-    def __init__(self, body: AsyncIterator[bytes]) -> None:
-        self.body = body
-        self.error: BaseException | None = None
-
-    def __aiter__(self) -> _ClientBody:
-        return self
-
-    async def __anext__(self) -> bytes:
-        try:
-            return await self.body.__anext__()
-        except StopAsyncIteration:
-            raise
-        except BaseException as exc:
-            self.error = exc
-            raise
 
 
 class _ResponseBody:
@@ -261,6 +219,14 @@ class BackendClient:
         self._slots = asyncio.Semaphore(settings.max_connections_per_backend)
         self._long_slots = asyncio.Semaphore(settings.max_long_running_connections_per_backend)
         self._sessions: dict[bool, aiohttp.ClientSession] = {}
+        self.lean = settings.client == "lean"
+        self.authority = split.netloc
+        self._pools = {
+            long_running: lean.Pool(self.host, self.port, connect_timeout=settings.connect_timeout_seconds,
+                                    limit=(settings.max_long_running_connections_per_backend if long_running
+                                           else settings.max_connections_per_backend))
+            for long_running in (False, True)
+        }
 
     @property
     def ssl_identity(self) -> ssl.SSLContext | None:
@@ -317,13 +283,15 @@ class BackendClient:
                          query_string=query, encoded=True)
 
     async def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
         sessions, self._sessions = list(self._sessions.values()), {}
         for session in sessions:
             await session.close()
 
     def connections(self) -> int:
         """Open upstream connections (busy + idle) in both pools; reads aiohttp internals, 0 if they change."""
-        total = 0
+        total = sum(max(0, pool.open) for pool in self._pools.values())
         for session in self._sessions.values():
             conn: Any = session.connector
             try:
@@ -356,10 +324,13 @@ class BackendClient:
         :class:`ClientBodyFailed` when the client's body broke off, and
         :class:`BackendFailed` when the backend failed after it may have seen the request.
         """
+        if self.lean:
+            return await self._send_lean(request, headers, identity=identity, on_done=on_done,
+                                         swallow_body_errors=swallow_body_errors, long_running=long_running)
         out = CIMultiDict(strip_hop_by_hop(headers, drop=REQUEST_DROP))
         ssl_ctx = self._ssl(identity)
         url = self.upstream_url(request.target)
-        body = _ClientBody(request.body) if request.body is not None else None
+        body = exchange.ClientBody(request.body) if request.body is not None else None
         slots = await self._acquire_slot(long_running)
         released = False
 
@@ -394,6 +365,28 @@ class BackendClient:
         response_body = _ResponseBody(resp, swallow_errors=swallow_body_errors, on_done=release_slot)
         return ProxyResponse(status=resp.status, headers=resp_headers, body=response_body)
 
+    async def _send_lean(
+        self, request: ProxyRequest, headers: Headers, *, identity: bool, swallow_body_errors: bool,
+        on_done: Callable[[BaseException | None], None], long_running: bool,
+    ) -> ProxyResponse:
+        ssl_ctx = self._ssl(identity)
+        head, declared = exchange.encode_request_head(
+            request.method, request.target, self.authority, headers, _REQUEST_REMOVED,
+            has_body=request.body is not None)
+        settings = self.settings
+        status, raw, body = await exchange.exchange(
+            self._pools[long_running], self.name, ssl_ctx, self._live_contexts, head,
+            method=request.method, body=exchange.ClientBody(request.body) if request.body is not None else None,
+            declared=declared, header_timeout=None if long_running else settings.response_header_timeout_seconds,
+            acquire_timeout=settings.pool_acquire_timeout_seconds,
+            pool_name="long-running" if long_running else "short-request",
+            swallow_body_errors=swallow_body_errors, on_done=on_done,
+        )
+        return ProxyResponse(status=status, headers=response_headers(raw), body=body)
+
+    def _live_contexts(self) -> tuple[ssl.SSLContext | None, ssl.SSLContext]:
+        return self.ssl_identity, self.ssl_plain
+
     async def probe(self, path: str = "/readyz", deadline: float = 3.0) -> bool:
         """Active health: /readyz answers 200; 401/403 count as up (reachable, the probe lacks rights)."""
         headers = {"X-Remote-User": "system:gatekeeper-proxy-probe", "Accept": "text/plain"}
@@ -422,7 +415,7 @@ class BackendClient:
             )
         except (TimeoutError, OSError, ssl.SSLError) as exc:
             raise ConnectFailed(connect_cause(exc)) from exc
-        body = _ClientBody(request.body) if request.body is not None else None
+        body = exchange.ClientBody(request.body) if request.body is not None else None
         try:
             writer.write(head)
             if body is not None:
@@ -447,8 +440,23 @@ class BackendClient:
 
 
 def response_headers(raw: Sequence[tuple[bytes, bytes]]) -> Headers:
-    """aiohttp's raw response headers as lower-case text pairs, hop-by-hop ones removed."""
-    return strip_hop_by_hop([(k.decode("latin-1").lower(), v.decode("utf-8", "surrogateescape")) for k, v in raw])
+    """Raw response headers as lower-case text pairs, hop-by-hop ones and those ``Connection`` names removed.
+
+    One pass; the rare response with a ``Connection`` header takes a second one.
+    """
+    out: Headers = []
+    named: list[str] | None = None
+    for k, v in raw:
+        name = k.decode("latin-1").lower()
+        if name in HOP_BY_HOP:
+            if name == "connection":
+                named = [*(named or []), v.decode("latin-1")]
+            continue
+        out.append((name, v.decode("utf-8", "surrogateescape")))
+    if named:
+        tokens = {t.strip().lower() for v in named for t in v.split(",")}
+        out = [(k, v) for k, v in out if k not in tokens]
+    return out
 
 
 def encode_head(method: str, target: str, host: str, headers: Headers) -> bytes:

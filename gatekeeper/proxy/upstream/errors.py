@@ -1,0 +1,55 @@
+"""What can go wrong upstream, sorted by whether bytes may have reached the backend.
+
+Only :class:`ConnectFailed` lets the caller try another backend; the others
+decide the client's status and whether the backend is blamed (ejection).
+"""
+
+from __future__ import annotations
+
+import ssl
+
+import aiohttp
+
+
+class ConnectFailed(ConnectionError):
+    """No byte of the request reached the backend (TCP/TLS connect failed or timed out).
+
+    ``str()`` is a short cause safe to show a client (``connection refused``,
+    ``TLS handshake failed``...); the exception chain keeps the details for the log.
+    """
+
+
+class PoolTimeout(ConnectionError):
+    """No pooled connection to the backend freed up in time: nothing was sent, the backend is not at fault."""
+
+
+class UpstreamTimeout(ConnectionError):
+    """The backend sent no response headers within the response-header timeout."""
+
+
+class ClientBodyFailed(ConnectionError):
+    """The client's request body failed while it was being forwarded (client gone, body idle).
+
+    The backend did nothing wrong: no ejection, no 5xx count against it.
+    """
+
+
+class NoFrontProxyCert(RuntimeError):
+    """A verified client-certificate user arrived but no front-proxy certificate is configured."""
+
+
+class BackendFailed(ConnectionError):
+    """The backend failed after the request may have reached it: never retried."""
+
+
+def connect_cause(exc: BaseException) -> str:
+    """A short, client-safe cause of a failed connect (never an exception repr: no addresses, no objects)."""
+    if isinstance(exc, (TimeoutError, aiohttp.ConnectionTimeoutError)):
+        return "connect timed out"
+    if isinstance(exc, (aiohttp.ClientConnectorCertificateError, aiohttp.ClientConnectorSSLError,
+                        ssl.SSLError)):
+        return "TLS handshake failed"
+    os_error = getattr(exc, "os_error", exc)
+    if isinstance(os_error, ConnectionRefusedError):
+        return "connection refused"
+    return "connect failed"

@@ -1,0 +1,257 @@
+"""One request/response exchange on the lean client (``upstream.client: lean``, the default).
+
+The request head is built here in one pass over the headers and written with
+one ``transport.write``; a small GET is then one write up and, usually, one
+read back. The target goes out byte for byte as the adapters received and the
+pipeline classified it: it is checked (origin-form, visible ASCII only), never
+re-parsed or normalised.
+
+Request bodies stream as they are pulled from the client: raw when the
+client declared a Content-Length (the byte count is enforced: a body that runs
+over or stops short fails the request and the connection, so no byte of a
+second request can ride in it), chunked otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import ssl
+from collections.abc import AsyncIterator, Callable, Collection
+
+from gatekeeper.proxy.messages import Headers
+from gatekeeper.proxy.upstream.errors import (
+    BackendFailed,
+    ClientBodyFailed,
+    ConnectFailed,
+    PoolTimeout,
+    UpstreamTimeout,
+    connect_cause,
+)
+from gatekeeper.proxy.upstream.lean import Conn, Pool
+
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_TARGET = re.compile(r"/[\x21-\x7e]*")
+_BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+
+
+class ClientBody:
+    """The client's request body as forwarded upstream, remembering whether *the client* failed it."""
+
+    def __init__(self, body: AsyncIterator[bytes]) -> None:
+        self.body = body
+        self.error: BaseException | None = None
+
+    def __aiter__(self) -> ClientBody:
+        return self
+
+    async def __anext__(self) -> bytes:
+        try:
+            return await self.body.__anext__()
+        except StopAsyncIteration:
+            raise
+        except BaseException as exc:
+            self.error = exc
+            raise
+
+
+def encode_request_head(method: str, target: str, authority: str, headers: Headers, removed: Collection[str],
+                        *, has_body: bool) -> tuple[bytes, int | None]:
+    """The request head as one ``bytes`` and the body's declared length (None: chunked or no body).
+
+    ``headers`` are filtered in the same pass by ``removed`` (lower-case names) and
+    by the names a ``Connection`` header lists (RFC 9110 7.6.1; only then is there a
+    second pass). A method that is not a token, a target that is not origin-form
+    visible ASCII, or a CR, LF or NUL anywhere in a header raises ValueError:
+    nothing is sent.
+    """
+    if not _TOKEN.fullmatch(method) or not _TARGET.fullmatch(target):
+        raise ValueError(f"refusing to send {method[:16]!r} {target[:64]!r} upstream")
+    parts = [method, " ", target, " HTTP/1.1\r\nhost: ", authority, "\r\n"]
+    lines = 3  # request line, host, the empty line
+    length: str | None = None
+    for name, value in headers:
+        lower = name.lower()
+        if lower in removed or lower[:1] == ":":
+            if lower == "connection":
+                named = {t.strip().lower() for k, v in headers if k.lower() == "connection" for t in v.split(",")}
+                if not named <= set(removed):
+                    return encode_request_head(method, target, authority, headers, {*removed, *named},
+                                               has_body=has_body)
+            continue
+        if lower == "content-length":
+            length = value
+        parts += (lower, ": ", value, "\r\n")
+        lines += 1
+    declared: int | None = None
+    if has_body:
+        if length is None:
+            parts.append("transfer-encoding: chunked\r\n")
+            lines += 1
+        else:
+            if not length.isdigit():
+                raise ValueError(f"bad content-length {length[:32]!r}")
+            declared = int(length)
+    elif length is None and method in _BODY_METHODS:
+        parts.append("content-length: 0\r\n")
+        lines += 1
+    parts.append("\r\n")
+    text = "".join(parts)
+    if text.count("\n") != lines or text.count("\r") != lines or "\x00" in text:
+        raise ValueError("CR, LF or NUL in a request header")
+    return text.encode("utf-8", "surrogateescape"), declared
+
+
+async def _send_body(conn: Conn, body: ClientBody, declared: int | None) -> None:
+    """Stream the client's body to the backend; any failure aborts the connection (the response side sees it)."""
+    transport = conn.transport
+    assert transport is not None
+    sent = 0
+    try:
+        async for chunk in body:
+            if not chunk:
+                continue
+            sent += len(chunk)
+            if declared is None:
+                transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+            elif sent > declared:
+                raise ValueError(f"request body longer than its content-length {declared}")
+            else:
+                transport.write(chunk)
+            await conn.drain()
+        if declared is None:
+            transport.write(b"0\r\n\r\n")
+        elif sent != declared:
+            raise ValueError(f"request body of {sent} bytes, content-length {declared}")
+        conn.request_sent = True
+    except asyncio.CancelledError:
+        conn.abort()
+        raise
+    except BaseException as exc:  # reported through the connection, never lost
+        if body.error is None and isinstance(exc, ValueError):
+            body.error = exc  # the client's body broke its own framing
+        conn._fail(exc)
+
+
+class LeanBody:
+    """The response body: chunks as they arrive, the connection released exactly once.
+
+    ``aclose`` works even if iteration never started, so a response dropped by
+    the adapter or by flow control still frees its connection and its lease.
+    """
+
+    def __init__(self, conn: Conn, pool: Pool, name: str, *, swallow_errors: bool,
+                 on_done: Callable[[BaseException | None], None]) -> None:
+        self.conn = conn
+        self.pool = pool
+        self.name = name
+        self.swallow = swallow_errors
+        self.on_done = on_done
+        self.done = False
+        self.exhausted = False
+        """The chunk last returned was the final one (the next ``__anext__`` stops)."""
+
+    def __aiter__(self) -> LeanBody:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self.done:
+            raise StopAsyncIteration
+        conn = self.conn
+        try:
+            while not conn.chunks:
+                if conn.complete:
+                    self._finish(None)
+                    raise StopAsyncIteration
+                if conn.error is not None:
+                    raise conn.error
+                await conn.wait()
+        except StopAsyncIteration:
+            raise
+        except (OSError, ValueError) as exc:
+            # The backend died mid-stream. For a watch, a clean end is what client-go treats as
+            # "watch closed" and re-watches from its last resourceVersion; for anything else a
+            # clean end would pass a truncated body off as complete, so the adapter resets the stream.
+            self._finish(exc)
+            if self.swallow:
+                raise StopAsyncIteration from None
+            raise BackendFailed(f"{self.name} closed the response mid-stream: {type(exc).__name__}") from exc
+        except BaseException as exc:
+            self._finish(exc)
+            raise
+        chunk = conn.take()
+        if conn.complete and not conn.chunks:
+            # That was all of it: give the connection back now, and let the adapter end the
+            # stream with this chunk (one HTTP/2 DATA frame with END_STREAM instead of two).
+            self.exhausted = True
+            self._finish(None)
+        return chunk
+
+    def _finish(self, error: BaseException | None) -> None:
+        if self.done:
+            return
+        self.done = True
+        if error is None:
+            self.pool.put_back(self.conn)
+        else:
+            self.conn.abort()
+        self.pool.slots.release()
+        self.on_done(error)
+
+    async def aclose(self) -> None:
+        if not self.done:
+            # Stopped early (client went away): the connection is mid-body, close it.
+            self.conn.abort()
+            self._finish(asyncio.CancelledError("response body closed before its end"))
+
+
+async def exchange(
+    pool: Pool, name: str, ctx: ssl.SSLContext, live: Callable[[], tuple[object, ...]], head: bytes, *,
+    method: str, body: ClientBody | None, declared: int | None, header_timeout: float | None,
+    acquire_timeout: float, pool_name: str, swallow_body_errors: bool,
+    on_done: Callable[[BaseException | None], None],
+) -> tuple[int, list[tuple[bytes, bytes]], LeanBody]:
+    """Send one request and wait for its response head; the body streams as it is pulled.
+
+    Raises :class:`PoolTimeout` or :class:`ConnectFailed` when nothing was sent,
+    :class:`UpstreamTimeout` when no response head came in time,
+    :class:`ClientBodyFailed` when the client's body broke off, and
+    :class:`BackendFailed` when the backend failed after it may have seen the request.
+    """
+    slots = pool.slots
+    if slots.locked():  # only a full pool pays for a timeout scope
+        try:
+            async with asyncio.timeout(acquire_timeout):
+                await slots.acquire()
+        except TimeoutError:
+            raise PoolTimeout(f"no free {pool_name} connection to {name} within {acquire_timeout:g}s") from None
+    else:
+        await slots.acquire()  # returns at once: a free slot
+    conn: Conn | None = None
+    try:
+        conn = pool.take_idle(ctx, live)
+        if conn is None:
+            try:
+                conn = await pool.connect(ctx)
+            except (TimeoutError, OSError, ssl.SSLError) as exc:
+                raise ConnectFailed(connect_cause(exc)) from exc
+        conn.begin(head, head_only=method == "HEAD", header_timeout=header_timeout)
+        conn.request_sent = body is None
+        if body is not None:
+            conn.body_task = asyncio.create_task(_send_body(conn, body, declared))
+        await conn.wait_headers()
+    except BaseException as exc:
+        if conn is not None:
+            conn.abort()
+        pool.slots.release()
+        if body is not None and body.error is not None:
+            raise ClientBodyFailed(f"request body failed: {body.error}") from body.error
+        if isinstance(exc, ConnectFailed):
+            raise
+        if isinstance(exc, TimeoutError):
+            raise UpstreamTimeout(f"no response headers from {name} within {header_timeout:g}s") from exc
+        if isinstance(exc, OSError):
+            raise BackendFailed(f"{name}: {type(exc).__name__}") from exc
+        raise
+    return conn.status, conn.raw_headers, LeanBody(conn, pool, name, swallow_errors=swallow_body_errors,
+                                                   on_done=on_done)

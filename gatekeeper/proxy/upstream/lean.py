@@ -1,0 +1,336 @@
+"""The request path's HTTP/1.1 client: one asyncio Protocol per pooled connection, llhttp parsing.
+
+Why not aiohttp here: a py-spy profile of the proxy under closed-loop small
+GETs put aiohttp's client path at about a third of the proxy's CPU (request
+building through multidicts and yarl, a StreamReader per response, a writer
+task per body, timers per connection). This module does only what a proxy
+needs: the caller hands it a finished request head (one ``bytes``, one write),
+``httptools`` (llhttp, the parser Node.js uses) parses the response in C, and
+body chunks go straight from ``data_received`` to the consumer with reading
+paused while more than :data:`READ_HIGH` bytes wait, so a slow client still
+slows the backend read instead of growing a buffer.
+
+What it keeps from the aiohttp path, on purpose:
+
+* A connection goes back to its pool only when its response was read to the
+  end, the request body was sent whole, and the backend kept it alive; anything
+  else (client gone mid-body, backend cut, HEAD, header timeout) closes it.
+* A response cut before its framing says it is complete is an error to the
+  consumer (never a silent, truncated success). Only a body framed by the end
+  of the connection (no Content-Length, not chunked) ends cleanly at EOF.
+* Idle connections are keyed by the TLS context they were opened with, so a
+  connection made with the front-proxy certificate never carries a token
+  request, and a reloaded context is used by every new connection.
+* Nothing is re-sent: a reused connection the backend closed under us fails
+  the request like any other backend fault.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import ssl
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httptools
+
+MAX_HEAD_BYTES = 256 * 1024
+"""Largest response head accepted from a backend (status line plus headers)."""
+READ_HIGH = 256 * 1024
+"""Stop reading a backend while this much of its body waits for the consumer."""
+IDLE_SECONDS = 15.0
+"""An idle pooled connection older than this is closed, not reused (aiohttp's keep-alive default; a
+backend that closes idle connections sooner costs a 502 on the request that raced the close, never a re-send)."""
+
+
+class BackendProtocolError(ConnectionError):
+    """The backend broke HTTP/1.1 (unparsable head, oversized head, bytes while idle)."""
+
+
+class Conn(asyncio.Protocol):
+    """One backend connection and the response being read on it."""
+
+    def __init__(self, ctx: ssl.SSLContext, on_lost: Callable[[Conn], None]) -> None:
+        self.ctx = ctx
+        self.on_lost = on_lost
+        self.transport: asyncio.Transport | None = None
+        self.loop = asyncio.get_running_loop()
+        self.timer: asyncio.TimerHandle | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.closed = False
+        self.idle_since = 0.0
+        self.active = False
+        self.waiter: asyncio.Future[None] | None = None
+        self.drain_waiter: asyncio.Future[None] | None = None
+        self.write_paused = False
+        self.body_task: asyncio.Task[None] | None = None
+        self.request_sent = True
+        self._response(head_only=False)
+
+    def _response(self, *, head_only: bool) -> None:
+        self.head_only = head_only
+        self.status = 0
+        self.raw_headers: list[tuple[bytes, bytes]] = []
+        self.head_bytes = 0
+        self.interim = False
+        self.headers_done = False
+        self.complete = False
+        self.keep_alive = False
+        self.error: BaseException | None = None
+        self.chunks: collections.deque[bytes] = collections.deque()
+        self.buffered = 0
+        self.reading_paused = False
+
+    def begin(self, head: bytes, *, head_only: bool, header_timeout: float | None) -> None:
+        """Start an exchange: reset the response state and write the request head (one write).
+
+        ``header_timeout`` arms one timer (cheaper than an ``asyncio.timeout`` scope per
+        request) that fails the exchange with TimeoutError if the head has not come by then.
+        """
+        self._response(head_only=head_only)
+        self.active = True
+        if header_timeout is not None:
+            self.timer = self.loop.call_later(header_timeout, self._header_timeout)
+        assert self.transport is not None
+        self.transport.write(head)
+
+    def _header_timeout(self) -> None:
+        self.timer = None
+        if not self.headers_done:
+            self._fail(TimeoutError("no response head in time"))
+
+    # --- asyncio.Protocol ---------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        if not self.active:
+            # A backend talking while no request is out: nothing sane can follow on this connection.
+            self._fail(BackendProtocolError("bytes from the backend on an idle connection"))
+            return
+        if not self.headers_done:
+            self.head_bytes += len(data)
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._fail(BackendProtocolError("unexpected protocol switch"))
+        except httptools.HttpParserError as exc:
+            self._fail(BackendProtocolError(f"malformed response: {exc}"))
+        else:
+            # Counted per read, not per header (see on_headers_complete for the exact check).
+            if not self.headers_done and self.head_bytes > MAX_HEAD_BYTES:
+                self._fail(BackendProtocolError(f"response head over {MAX_HEAD_BYTES} bytes"))
+
+    def eof_received(self) -> bool | None:
+        return None  # close the transport; connection_lost decides what the EOF means
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self.active and not self.complete and self.error is None:
+            if self.headers_done and exc is None and self._framed_by_close():
+                self.complete = True  # the body was framed by the end of the connection
+            else:
+                self.error = exc or ConnectionResetError("the backend closed the connection")
+        self._wake()
+        drain, self.drain_waiter = self.drain_waiter, None
+        if drain is not None and not drain.done():
+            drain.set_exception(ConnectionResetError("the backend closed the connection"))
+        self.on_lost(self)
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        drain, self.drain_waiter = self.drain_waiter, None
+        if drain is not None and not drain.done():
+            drain.set_result(None)
+
+    # --- httptools callbacks ------------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        if self.complete:
+            # A second response to one request: answering it to the next request would desync.
+            raise BackendProtocolError("more than one response to a request")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.raw_headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        status = self.parser.get_status_code()
+        if 100 <= status < 200:
+            # An interim response (we never send Expect, but a backend may): skip it whole.
+            self.interim = True
+            self.raw_headers = []
+            self.head_bytes = 0
+            return
+        if self.head_bytes > MAX_HEAD_BYTES and (
+                sum(len(k) + len(v) + 4 for k, v in self.raw_headers) > MAX_HEAD_BYTES):
+            # The reads so far were over the limit; only then are the head's own bytes counted.
+            raise BackendProtocolError(f"response head over {MAX_HEAD_BYTES} bytes")
+        self.status = status
+        self.headers_done = True
+        timer, self.timer = self.timer, None
+        if timer is not None:
+            timer.cancel()
+        if self.head_only:
+            # llhttp cannot be told the request was HEAD; the connection is closed after it.
+            self.complete = True
+        self._wake()
+
+    def _framed_by_close(self) -> bool:
+        """The body ends with the connection (no Content-Length, not chunked, not a bodiless status).
+
+        Only asked when a connection ends mid-response, so the hot path never scans headers for it.
+        """
+        if self.status in (204, 304):
+            return False
+        return not any(name.lower() in (b"content-length", b"transfer-encoding") for name, _ in self.raw_headers)
+
+    def on_body(self, data: bytes) -> None:
+        if self.head_only:
+            return
+        self.chunks.append(data)
+        self.buffered += len(data)
+        if self.buffered > READ_HIGH and not self.reading_paused and self.transport is not None:
+            self.reading_paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        if self.interim:
+            self.interim = False
+            return
+        if self.head_only:
+            return
+        self.complete = True
+        self.keep_alive = self.parser.should_keep_alive()
+        self._wake()
+
+    # --- for the consumer ---------------------------------------------------------------------
+
+    def _fail(self, error: BaseException) -> None:
+        if self.error is None and not self.complete:
+            self.error = error
+        self.abort()
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter, self.waiter = self.waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def wait(self) -> None:
+        """Until something changes: headers, a body chunk, the end, or an error."""
+        waiter = self.waiter = self.loop.create_future()
+        try:
+            await waiter
+        finally:
+            if self.waiter is waiter:
+                self.waiter = None
+
+    async def wait_headers(self) -> None:
+        while not self.headers_done:
+            if self.error is not None:
+                raise self.error
+            if self.closed:
+                raise ConnectionResetError("the backend closed the connection")
+            await self.wait()
+
+    def take(self) -> bytes:
+        """Everything buffered, as one chunk (one write to the client instead of several)."""
+        chunks = self.chunks
+        chunk = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        self.buffered = 0
+        if self.reading_paused and self.transport is not None and not self.closed:
+            self.reading_paused = False
+            self.transport.resume_reading()
+        return chunk
+
+    async def drain(self) -> None:
+        if self.closed:
+            raise ConnectionResetError("the backend closed the connection")
+        if self.write_paused:
+            self.drain_waiter = self.loop.create_future()
+            await self.drain_waiter
+
+    def reusable(self) -> bool:
+        return (self.complete and self.keep_alive and self.request_sent and not self.closed
+                and not self.head_only and self.error is None)
+
+    def abort(self) -> None:
+        timer, self.timer = self.timer, None
+        if timer is not None:
+            timer.cancel()
+        if self.transport is not None and not self.closed:
+            self.transport.abort()
+        self.closed = True
+        task, self.body_task = self.body_task, None
+        if task is not None and not task.done() and task is not asyncio.current_task():
+            task.cancel()
+
+
+class Pool:
+    """Connections to one backend for one kind of request (short or long-running)."""
+
+    def __init__(self, host: str, port: int, *, limit: int, connect_timeout: float) -> None:
+        self.host = host
+        self.port = port
+        self.limit = limit
+        self.connect_timeout = connect_timeout
+        self.slots = asyncio.Semaphore(limit)
+        self.idle: dict[ssl.SSLContext, list[Conn]] = {}
+        self.open = 0
+
+    def _lost(self, conn: Conn) -> None:
+        self.open -= 1
+
+    def take_idle(self, ctx: ssl.SSLContext, live: Callable[[], tuple[Any, ...]]) -> Conn | None:
+        """The most recently used idle connection made with ``ctx`` (LIFO keeps the pool warm and small)."""
+        idle = self.idle.get(ctx)
+        if idle is None:
+            # A context seen for the first time: contexts replaced by a reload are dropped with their sockets.
+            current = live()
+            for stale in [c for c in self.idle if c not in current]:
+                for conn in self.idle.pop(stale):
+                    conn.abort()
+            self.idle[ctx] = []
+            return None
+        now = time.monotonic()
+        while idle and (idle[0].closed or now - idle[0].idle_since > IDLE_SECONDS):
+            idle.pop(0).abort()
+        while idle:
+            conn = idle.pop()
+            if not conn.closed:
+                return conn
+        return None
+
+    async def connect(self, ctx: ssl.SSLContext) -> Conn:
+        """A new connection; TimeoutError, OSError or ssl.SSLError when it cannot be made."""
+        loop = asyncio.get_running_loop()
+        conn = Conn(ctx, self._lost)
+        async with asyncio.timeout(self.connect_timeout):
+            await loop.create_connection(lambda: conn, self.host, self.port, ssl=ctx,
+                                         server_hostname=self.host)
+        self.open += 1
+        return conn
+
+    def put_back(self, conn: Conn) -> None:
+        """Keep a connection for reuse if its exchange ended cleanly; close it otherwise."""
+        conn.active = False
+        idle = self.idle.get(conn.ctx)
+        if not conn.reusable() or idle is None or len(idle) >= self.limit:
+            conn.abort()
+            return
+        conn.idle_since = time.monotonic()
+        idle.append(conn)
+
+    def close(self) -> None:
+        for idle in self.idle.values():
+            for conn in idle:
+                conn.abort()
+        self.idle.clear()
