@@ -32,8 +32,9 @@ SCENARIOS = {
 """In the issue's priority order; ``all`` runs them in this order."""
 
 ALL_SCALES = {"list-storm": 1.0, "skew": 0.5, "admission": 0.5, "gogc": 0.5, "dra-scale": 0.5}
-"""``all`` multiplies ``--scale`` by these, so that ``all`` at ``--scale 1`` takes about 30 minutes on a
-loaded 2-core machine (every scenario at 1.0 took about 47 minutes without dra-scale): the timed
+"""``all`` multiplies ``--scale`` by these, so that ``all`` at ``--scale 1`` takes at most about 30 minutes on
+a 2-core machine (measured 24 minutes, load rising from 0.4 to 15; every scenario at 1.0 took about 47
+minutes without dra-scale at load 15-60): the timed
 scenarios (skew, gogc, admission: 240/240/120 s per arm at 1.0) run half as long, dra-scale creates 500
 pods per arm instead of 1,000, list-storm (counts, not durations) stays whole. A scenario run on its own
 uses ``--scale`` as given."""
