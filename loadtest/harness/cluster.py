@@ -40,10 +40,12 @@ class ScenarioError(Exception):
 
 def bring_up(directory: Path, log: Any, *, apiservers: int = 3, apiserver_args: Sequence[str] = (),
              gogc: int | None = None, with_scheduler: bool = False, gpu_nodes: int = 0,
-             addons: tuple[str, ...] = ()) -> SandboxState:
+             addons: tuple[str, ...] = (), gpus_per_node: int = 8,
+             gpu_extended_resource_mapping: bool = False) -> SandboxState:
     """A new sandbox in ``directory`` (in-process ``sandbox up``), its progress lines in ``log``."""
     opts = UpOptions(state_dir=directory, apiservers=apiservers, gpu_nodes=gpu_nodes, gogc=gogc,
-                     with_scheduler=with_scheduler, addons=addons, apiserver_args=tuple(apiserver_args))
+                     with_scheduler=with_scheduler, addons=addons, apiserver_args=tuple(apiserver_args),
+                     gpus_per_node=gpus_per_node, gpu_extended_resource_mapping=gpu_extended_resource_mapping)
     return up(opts, argparse.Namespace(timeout=300.0), say=lambda s: print(s, file=log, flush=True))
 
 

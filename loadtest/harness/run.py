@@ -22,7 +22,7 @@ class RunContext:
     out: Path
     """Where report.md, the CSVs and PNGs go."""
     scale: float = 1.0
-    """1.0: the default (``all`` in about 30 minutes on 2 cores); tests use ~0.05."""
+    """1.0: a scenario's full size (``all`` scales each by ``loadtest.cli.ALL_SCALES``); tests use ~0.05."""
     adopt: Path | None = None
     """``--state-dir``: a running sandbox to use instead of making one (left running)."""
     work: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="gk-loadtest-")))

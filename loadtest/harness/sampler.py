@@ -70,6 +70,8 @@ class Sampler:
 
     metrics_interval: float = 1.0
     """/metrics is scraped on its own thread: a busy apiserver answers it slowly, and /proc must not wait."""
+    heap_urls: dict[str, str] = field(default_factory=dict)
+    """More components whose /metrics give ``go_memstats_heap_alloc_bytes`` (e.g. kube-scheduler's URL)."""
 
     def __post_init__(self) -> None:
         self._stop = threading.Event()
@@ -115,6 +117,7 @@ class Sampler:
 
     def _metrics_loop(self) -> None:
         clients = [admin(self.state, u, timeout=10) for u in self.state.apiserver_urls]
+        others = {name: admin(self.state, u, timeout=10) for name, u in self.heap_urls.items()}
         try:
             while not self._stop.is_set():
                 t = self._now()
@@ -124,9 +127,15 @@ class Sampler:
                         self._add(t=t, component=f"kube-apiserver-{i}",
                                   heap_bytes=kit.metric_sum(text, "go_memstats_heap_alloc_bytes"),
                                   requests=kit.metric_sum(text, "apiserver_request_total", **self.count))
+                for name, c in others.items():
+                    with contextlib.suppress(httpx.HTTPError):
+                        r = c.get("/metrics")
+                        if r.status_code == 200:
+                            self._add(t=t, component=name,
+                                      heap_bytes=kit.metric_sum(r.text, "go_memstats_heap_alloc_bytes"))
                 self._stop.wait(self.metrics_interval)
         finally:
-            for c in clients:
+            for c in [*clients, *others.values()]:
                 c.close()
 
     def series(self, component_prefix: str, column: str) -> dict[str, list[tuple[float, float]]]:

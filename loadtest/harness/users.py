@@ -187,7 +187,44 @@ class CreateUser(K8sUser):
             self.call("DELETE", "DELETE secret", f"/api/v1/namespaces/{self.ns}/secrets/{name}")
 
 
+class AdmissionUser(CreateUser):
+    """CreateUser plus GPU pods: plain pods never reach gatekeeper's mutating webhook (its
+    matchConditions send only pods asking for ``nvidia.com/gpu``), GPU pods do and get rewritten."""
+
+    @task
+    def create_gpu_pod(self) -> None:
+        name = f"adm-gpu-{uuid.uuid4().hex[:10]}"
+        if self.call("POST", "CREATE gpu pod", f"/api/v1/namespaces/{self.ns}/pods", json=gpu_pod(name)):
+            self.call("DELETE", "DELETE pod", f"/api/v1/namespaces/{self.ns}/pods/{name}",
+                      params={"gracePeriodSeconds": "0"})
+
+
 def pod(name: str) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": {"app": "loadtest"}},
             "spec": {"containers": [{"name": "c", "image": "registry.k8s.io/pause:3.10",
                                      "resources": {"requests": {"cpu": "10m"}}}]}}
+
+
+_created = itertools.count()
+
+
+class GpuPodUser(K8sUser):
+    """dra-scale: together the users create ``spec["total"]`` one-GPU pods (``nvidia.com/gpu: 1``), each
+    user one at a time, so ``users`` bounds the concurrency; a user leaves when the total is reached.
+
+    The pods are the same in every arm; what serves them (device plugin capacity, the webhook's DRA
+    rewrite, KEP-5004's DeviceClass mapping) is the sandbox's business.
+    """
+
+    @task
+    def create(self) -> None:
+        i = next(_created)
+        if i >= int(self.spec["total"]):
+            raise StopUser()
+        self.call("POST", "CREATE gpu pod", f"/api/v1/namespaces/{self.ns}/pods", json=gpu_pod(f"gpu-{i:06d}"))
+
+
+def gpu_pod(name: str) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": {"app": "dra-scale"}},
+            "spec": {"containers": [{"name": "c", "image": "registry.k8s.io/pause:3.10",
+                                     "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -10,6 +11,7 @@ from pathlib import Path
 from gatekeeper.sandbox.state import SandboxState
 from loadtest.harness.cluster import with_flags
 from loadtest.harness.sampler import Sampler, proc_figures
+from loadtest.scenarios.dra_scale import histogram_quantile, quantile
 from loadtest.scenarios.gogc import slope_mib_per_min
 from loadtest.scenarios.skew import shares, time_to_balance
 
@@ -75,3 +77,21 @@ def test_gatekeeper_loadtest_hands_every_argument_to_the_loadtest_parser() -> No
     bad = subprocess.run([sys.executable, "-m", "loadtest", "list-storm", "--out", "/tmp/x", "--scale", "0"],
                          capture_output=True, text=True, cwd=REPO, timeout=60)
     assert bad.returncode == 2 and "--scale" in bad.stderr
+
+
+def test_latency_quantiles_are_nearest_rank_and_histogram_quantiles_are_bucket_upper_bounds() -> None:
+    values = [float(v) for v in range(1, 101)]
+    assert (quantile(values, 0.5), quantile(values, 0.99), quantile(values, 1.0)) == (50.0, 99.0, 100.0)
+    assert quantile([7.0], 0.99) == 7.0 and math.isnan(quantile([], 0.5))
+    cumulative = {0.001: 1.0, 0.01: 50.0, 0.1: 99.0, math.inf: 100.0}
+    assert histogram_quantile(cumulative, 0.5) == 0.01
+    assert histogram_quantile(cumulative, 0.99) == 0.1
+    assert histogram_quantile(cumulative, 1.0) == math.inf
+    assert math.isnan(histogram_quantile({}, 0.5))
+
+
+def test_all_gives_every_scenario_a_scale_share() -> None:
+    from loadtest.cli import ALL_SCALES, SCENARIOS
+
+    assert set(ALL_SCALES) == set(SCENARIOS)
+    assert all(0 < v <= 1 for v in ALL_SCALES.values())

@@ -150,3 +150,29 @@ def test_gogc_reports_rss_freed_by_a_restart_for_both_gogc_values(tmp_path: Path
     check_samples(out, ["GOGC=100", "GOGC=50"])
     freed = re.findall(r"\| GOGC=\d+ \|.*\| (-?\d+)% \|", text)
     assert len(freed) == 2, text
+
+
+def test_dra_scale_binds_every_pod_in_every_arm_and_reports_latency_and_peaks(tmp_path: Path) -> None:
+    out = tmp_path / "dra-scale"
+    text = check_report(run_scenario("dra-scale", out, scale=0.02))  # 20 pods, 3 nodes, per arm
+    arms = ["device-plugin", "dra-webhook", "dra-kep5004"]
+    rows = check_samples(out, arms)
+    with (out / "pods.csv").open() as fh:
+        pods = list(csv.DictReader(fh))
+    for arm in arms:
+        mine = [p for p in pods if p["arm"] == arm]
+        assert len(mine) == 20 and len({p["pod"] for p in mine}) == 20, (arm, len(mine))
+        assert all(p["node"].startswith("gpu-node-") for p in mine), arm
+        assert all(float(p["latency_s"]) >= 0 and float(p["bound_s"]) >= float(p["created_s"]) for p in mine)
+        assert all(float(p["condition_latency_s"]) >= 0 for p in mine), arm
+        sched = [float(r["rss_bytes"]) for r in rows
+                 if r["arm"] == arm and r["component"] == "kube-scheduler" and r["rss_bytes"]]
+        assert sched and min(sched) > 10 * MIB, arm
+        create = locust_stats(out, arm)["CREATE gpu pod"]
+        assert int(create["Request Count"]) == 20 and int(create["Failure Count"]) == 0, (arm, create)
+    results = dict(re.findall(r"^\| (device-plugin|dra-webhook|dra-kep5004) \| 20/20 \| (\d+) \|", text, re.M))
+    # the device plugin allocates no claims; both DRA paths allocate exactly one per pod
+    assert results == {"device-plugin": "0", "dra-webhook": "20", "dra-kep5004": "20"}, results
+    assert "Ratios against the device-plugin arm" in text
+    peaks = re.findall(r"peak RSS vs device plugin \((\d+) vs (\d+) MiB\)", text)
+    assert len(peaks) == 2 and all(int(a) > 0 and int(b) > 0 for a, b in peaks), peaks
