@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -92,8 +93,23 @@ def _run(args: argparse.Namespace) -> int:
         uvloop.install()
     except ImportError:  # pragma: no cover - uvloop is a dependency, but plain asyncio works too
         pass
+    tune_gc(settings)
     asyncio.run(run(settings))
     return 0
+
+
+def tune_gc(settings: ProxySettings) -> None:
+    """Before serving: freeze what startup built and collect the young generation less often.
+
+    Modules, settings and tables live as long as the process; frozen, they are no
+    longer traversed by every full collection. Only process entry points call this
+    (never ``run``, which tests also call in-process).
+    """
+    gc.collect()
+    gc.freeze()
+    if settings.gc_young_threshold:
+        _, older, oldest = gc.get_threshold()
+        gc.set_threshold(settings.gc_young_threshold, older, oldest)
 
 
 def flow_control_middleware(settings: ProxySettings) -> FlowControl | None:

@@ -166,12 +166,18 @@ class ProxySettings:
     """Worker processes sharing the TLS port (0 = one per usable core, at most maxWorkers; 1 = no supervisor)."""
     max_workers: int = 8
     """Cap on the automatic worker count (an explicit ``workers``/``--workers`` may exceed it)."""
+    gc_young_threshold: int = 20000
+    """Allocations between young-generation garbage collections in a serving process (0 = Python's default,
+    700): each request allocates hundreds of short-lived objects, and a collection every 700 of them cost ~2%
+    of CPU for a few KiB of memory saved."""
 
     def validate(self) -> None:
         if not self.backends:
             raise ValueError("backends: at least one apiserver URL is required")
         if self.workers < 0 or self.max_workers < 1:
             raise ValueError("workers must be >= 0 (0 = one per usable core) and maxWorkers >= 1")
+        if self.gc_young_threshold < 0:
+            raise ValueError("gcYoungThreshold must be >= 0 (0 = Python's default)")
 
 
 def load_section(data: Any, source: str, key: str) -> ProxySettings:

@@ -96,7 +96,7 @@ def _die_with_parent() -> None:
 
 def run_worker(settings: ProxySettings, index: int, runtime: Path, port: int) -> None:
     """One worker: the ordinary proxy, plus the ledger and a ``worker-N.json`` once it serves."""
-    from gatekeeper.proxy.command import run
+    from gatekeeper.proxy.command import run, tune_gc
 
     _die_with_parent()
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # flow control installs its reload handler; never die of it
@@ -127,6 +127,7 @@ def run_worker(settings: ProxySettings, index: int, runtime: Path, port: int) ->
         uvloop.install()
     except ImportError:  # pragma: no cover
         pass
+    tune_gc(settings)
     asyncio.run(run(settings, on_ready=on_ready, setup=setup))
 
 

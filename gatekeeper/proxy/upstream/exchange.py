@@ -219,14 +219,12 @@ async def exchange(
     :class:`BackendFailed` when the backend failed after it may have seen the request.
     """
     slots = pool.slots
-    if slots.locked():  # only a full pool pays for a timeout scope
+    if not slots.try_take():  # only a full pool pays for a future and a timeout scope
         try:
             async with asyncio.timeout(acquire_timeout):
-                await slots.acquire()
+                await slots.take()
         except TimeoutError:
             raise PoolTimeout(f"no free {pool_name} connection to {name} within {acquire_timeout:g}s") from None
-    else:
-        await slots.acquire()  # returns at once: a free slot
     conn: Conn | None = None
     try:
         conn = pool.take_idle(ctx, live)
