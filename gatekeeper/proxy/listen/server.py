@@ -59,7 +59,6 @@ from gatekeeper.tls import ReloadingTLS
 
 log = logging.getLogger("gatekeeper.proxy.listen.server")
 
-READ_SIZE = 65536
 H2_CIPHERS = "ECDHE+AESGCM:ECDHE+CHACHA20"
 """TLS 1.2 suites RFC 9113 9.2.2 allows (AEAD, ephemeral key exchange); every TLS 1.3 suite is fine."""
 
@@ -82,6 +81,126 @@ def reloading_ssl_context(listener: ListenerSettings) -> ssl.SSLContext:
     files = [listener.cert_file, listener.key_file, listener.client_ca_file]
     return ReloadingTLS(lambda: make_ssl_context(listener), files, what="proxy serving certificate and client CA",
                         check_interval=listener.cert_check_interval_seconds).server_base()
+
+
+class _ClientProtocol(asyncio.StreamReaderProtocol):
+    """A StreamReaderProtocol whose bytes go straight to the h2 protocol once ALPN picked h2.
+
+    Why: through a StreamReader every read costs a buffer copy, a future and a task
+    wake-up (one more loop iteration) before h2 sees the bytes; on the hot path a
+    direct callback saves that per read. HTTP/1.1 keeps the StreamReader (h1.py
+    reads lines and sized bodies from it). Bytes that arrive between the TLS
+    handshake and the ALPN decision (a client preface in the same read as the
+    Finished message) are held and replayed to whichever side is attached, in order,
+    and so is an EOF or a lost connection seen in that window.
+
+    Input backpressure in h2 mode: while the transport says our output to the client
+    is over the high-water mark (``pause_writing``), reading is paused; a client that
+    leaves it there for ``stall`` seconds is cut (``write_stall``), as the StreamReader
+    loop did with ``drain()`` before each read.
+    """
+
+    def __init__(self, reader: asyncio.StreamReader) -> None:
+        super().__init__(reader)
+        self._early: list[bytes] | None = []
+        self._early_end: tuple[bool, Exception | None] | None = None
+        """(eof, error) seen before a side was attached."""
+        self._sink: Callable[[bytes], None] | None = None
+        self._on_end: Callable[[], None] | None = None
+        self._on_stall: Callable[[], None] | None = None
+        self._stall = 0.0
+        self._stall_handle: asyncio.TimerHandle | None = None
+        self._raw: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._raw = transport  # type: ignore[assignment]
+        super().connection_made(transport)
+
+    def attach_reader(self) -> None:
+        """HTTP/1.1 (or shutting down): bytes go to the StreamReader from now on."""
+        early, self._early = self._early, None
+        for chunk in early or ():
+            super().data_received(chunk)
+        end, self._early_end = self._early_end, None
+        if end is not None:
+            eof, exc = end
+            if eof:
+                super().eof_received()
+            else:
+                super().connection_lost(exc)
+
+    def attach_sink(self, sink: Callable[[bytes], None], on_end: Callable[[], None],
+                    on_stall: Callable[[], None], stall: float) -> None:
+        """h2: every read goes to ``sink``; ``on_end`` runs once, at EOF, loss or a stall."""
+        self._sink, self._on_end, self._on_stall, self._stall = sink, on_end, on_stall, stall
+        early, self._early = self._early, None
+        for chunk in early or ():
+            self.data_received(chunk)
+        end, self._early_end = self._early_end, None
+        if end is not None:
+            self._end()
+            if not end[0]:
+                super().connection_lost(end[1])
+
+    def _end(self) -> None:
+        self._cancel_stall()
+        on_end, self._on_end = self._on_end, None
+        if on_end is not None:
+            on_end()
+
+    def data_received(self, data: bytes) -> None:
+        sink = self._sink
+        if sink is not None:
+            if self._on_end is not None:  # nothing is fed after the end
+                try:
+                    sink(data)
+                except (ConnectionError, OSError):  # ClientGone included: the connection is over
+                    self._end()
+        elif self._early is not None:
+            self._early.append(data)
+        else:
+            super().data_received(data)
+
+    def eof_received(self) -> bool:
+        if self._sink is not None:
+            self._end()
+        elif self._early is not None:
+            self._early_end = (True, None)
+            return False
+        return bool(super().eof_received())
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._sink is not None:
+            self._end()
+        elif self._early is not None:
+            self._early_end = (False, exc)  # replayed by attach_*: the reader must not see EOF before the data
+            return
+        super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._sink is not None and self._raw is not None and self._on_end is not None:
+            self._raw.pause_reading()
+            if self._stall_handle is None:
+                self._stall_handle = asyncio.get_running_loop().call_later(self._stall, self._stalled)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._sink is not None and self._raw is not None and self._on_end is not None:
+            self._cancel_stall()
+            if not self._raw.is_closing():
+                self._raw.resume_reading()
+
+    def _stalled(self) -> None:
+        self._stall_handle = None
+        if self._on_stall is not None:
+            self._on_stall()
+        self._end()
+
+    def _cancel_stall(self) -> None:
+        if self._stall_handle is not None:
+            self._stall_handle.cancel()
+            self._stall_handle = None
 
 
 @dataclass(eq=False)
@@ -198,7 +317,7 @@ class ProxyServer:
         loop = asyncio.get_running_loop()
         lst, p = self._settings.listener, self._settings.protocol
         reader = asyncio.StreamReader()
-        protocol = asyncio.StreamReaderProtocol(reader)
+        protocol = _ClientProtocol(reader)
         try:
             try:
                 transport, _ = await loop.connect_accepted_socket(
@@ -214,7 +333,7 @@ class ProxyServer:
             writer = asyncio.StreamWriter(transport, protocol, reader, loop)
             try:
                 transport.set_write_buffer_limits(high=p.write_buffer_high_bytes, low=p.write_buffer_low_bytes)
-                await self._serve_client(reader, writer)
+                await self._serve_client(reader, writer, protocol)
             finally:
                 await self._close_writer(writer)
         finally:
@@ -231,7 +350,9 @@ class ProxyServer:
         finally:
             writer.transport.abort()  # no-op once closed; frees a non-reading client's buffers otherwise
 
-    async def _serve_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _serve_client(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, stream: _ClientProtocol,
+    ) -> None:
         ssl_obj = writer.get_extra_info("ssl_object")
         alpn = ssl_obj.selected_alpn_protocol() if ssl_obj is not None else None
         protocol = "h2" if alpn == "h2" else "http/1.1"
@@ -241,6 +362,8 @@ class ProxyServer:
         if ssl_obj is not None and self._settings.listener.client_ca_file:
             peer_cert = ssl_obj.getpeercert() or None  # only a verified certificate is returned
         client = _Client(next(self._ids), protocol, task=asyncio.current_task())
+        if protocol != "h2" or self._stopping:
+            stream.attach_reader()
         if self._stopping:
             writer.close()
             return
@@ -249,7 +372,7 @@ class ProxyServer:
         conn_metrics.CLIENT_CONNECTIONS_ACCEPTED.labels(protocol=protocol).inc()
         try:
             if protocol == "h2":
-                await self._run_h2(client, reader, writer, peer, peer_cert)
+                await self._run_h2(client, stream, writer, peer, peer_cert)
             else:
                 client.h1 = H1Connection(
                     self._handler, self._settings.protocol, reader, writer, peer=peer, peer_cert=peer_cert,
@@ -263,7 +386,7 @@ class ProxyServer:
             self._clients.pop(client.id, None)
 
     async def _run_h2(
-        self, client: _Client, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+        self, client: _Client, stream: _ClientProtocol, writer: asyncio.StreamWriter,
         peer: str, peer_cert: dict[str, Any] | None,
     ) -> None:
         def write(data: bytes) -> None:
@@ -274,7 +397,13 @@ class ProxyServer:
         low = self._settings.protocol.write_buffer_low_bytes
         transport = writer.transport
 
+        def stalled() -> None:
+            rejections.reject("write_stall", "h2 connection %d from %s: output not read for %.0fs",
+                                client.id, peer, stall)
+            transport.abort()
+
         async def drain() -> None:
+            """Senders wait here while our output to the client is over the high-water mark."""
             try:
                 if transport.get_write_buffer_size() <= low:
                     await writer.drain()  # not paused: returns at once (the common, cheap case)
@@ -282,9 +411,8 @@ class ProxyServer:
                     async with asyncio.timeout(stall):
                         await writer.drain()
             except TimeoutError:
-                rejections.reject("write_stall", "h2 connection %d from %s: output not read for %.0fs",
-                                    client.id, peer, stall)
-                writer.transport.abort()
+                if not transport.is_closing():
+                    stalled()
                 raise ClientGone(f"client did not read for {stall:.0f}s") from None
             except (ConnectionError, OSError) as exc:
                 raise ClientGone(f"client socket failed: {exc}") from exc
@@ -298,19 +426,19 @@ class ProxyServer:
         proto.start()
         if self._stopping:
             proto.goaway("shutdown", drain_timeout=0)
+        ended = asyncio.get_running_loop().create_future()
+
+        def on_end() -> None:
+            if not ended.done():
+                ended.set_result(None)
+
+        # From here input flows by callback (_ClientProtocol); backpressure pauses reading.
+        stream.attach_sink(proto.data_received, on_end, stalled, stall)
+        closed = asyncio.ensure_future(proto.closed.wait())
         try:
-            while not proto.closed.is_set():
-                # Backpressure on input: while our output to this client is over the high-water
-                # mark (it floods PINGs or SETTINGS and never reads the answers), read nothing more
-                # until it drops under the low-water mark; cut it if that takes too long.
-                await drain()
-                data = await reader.read(READ_SIZE)
-                if not data:
-                    break
-                proto.data_received(data)
-        except (ConnectionError, OSError):  # ClientGone included
-            pass
+            await asyncio.wait([ended, closed], return_when=asyncio.FIRST_COMPLETED)
         finally:
+            closed.cancel()
             proto.connection_lost()
 
 
