@@ -26,6 +26,13 @@ Needs Debian's ``haproxy`` and ``nghttp2-client`` (h2load). Three parts:
    count (``--workers-table 1,2,3``). Gatekeeper runs with the flow-control policy
    ``sandbox up --with-proxy`` deploys; HAProxy in HTTP mode with TLS on both sides.
 
+5. **Scaling with workers, the proxy as the bottleneck** (``--static-scaling``): on a small
+   machine the apiservers and h2load take most of the cores, so throughput cannot grow
+   with workers there. This mode puts three static backends (one HAProxy answering every
+   request with a fixed Namespace-sized JSON, TLS, no apiserver work) behind gatekeeper
+   and HAProxy HTTP, and runs the closed loop with ``--workers 1..N`` beside ``nbthread
+   1..N``, printing the machine's busy share during each run.
+
 Restarting apiserver 3 updates sandbox.json, so ``sandbox down`` still stops it.
 """
 
@@ -96,7 +103,8 @@ class Env:
                        capture_output=True, text=True)
 
     def start_gatekeeper(self, name: str = "bench-proxy", workers: int | None = None,
-                         deployed_flow_control: bool = False) -> tuple[str, int]:
+                         deployed_flow_control: bool = False,
+                         backends: list[str] | None = None) -> tuple[str, int]:
         """A gatekeeper proxy; ``deployed_flow_control`` gives it the policy ``sandbox up --with-proxy`` deploys."""
         flow: dict[str, Any] = {"enabled": False}
         if deployed_flow_control:
@@ -106,7 +114,7 @@ class Env:
         work = self.work / name
         work.mkdir(exist_ok=True)
         gk = ProxyProcess(self.state, work, name=name, health_interval=0.5, user_config={"flowControl": flow},
-                          workers=workers if workers is not None else 1)
+                          workers=workers if workers is not None else 1, backends=backends)
         try:
             gk.start(timeout=120)
         finally:
@@ -117,7 +125,8 @@ class Env:
             self.gk_pid, self.gk_url = gk.proc.pid, gk.url
         return gk.url, gk.proc.pid
 
-    def start_haproxy(self, nbthread: int = 1, name: str = "haproxy") -> tuple[str, int]:
+    def start_haproxy(self, nbthread: int = 1, name: str = "haproxy",
+                      backends: list[str] | None = None) -> tuple[str, int]:
         """HAProxy with ``nbthread`` threads; returns (HTTP-mode URL, pid)."""
         pki = PKI(self.certs)
         serving = pki.issue_serving(f"bench-{name}", dns=["localhost"], ips=["127.0.0.1"])
@@ -128,7 +137,7 @@ class Env:
                        + (self.certs / "front-proxy-client.key").read_bytes())
         tcp, http = processes.free_port(), processes.free_port()
         ca = self.certs / "ca.crt"
-        servers = [re.sub(r"^https://", "", u) for u in self.backends]
+        servers = [re.sub(r"^https://", "", u) for u in backends or self.backends]
         cfg = [
             "global", "  maxconn 4000", f"  nbthread {nbthread}", "defaults", "  timeout connect 5s",
             "  timeout client 1h", "  timeout server 1h", "  timeout tunnel 1h",
@@ -158,6 +167,37 @@ class Env:
         if proc.poll() is not None:
             sys.exit(f"haproxy failed: {(self.work / f'{name}.log').read_text()[-2000:]}")
         return f"https://127.0.0.1:{http}", proc.pid
+
+    def start_static_backends(self, count: int = 3, nbthread: int = 1) -> list[str]:
+        """One HAProxy answering every request on ``count`` TLS ports with a fixed JSON body.
+
+        A stand-in for apiservers that costs next to no CPU, so that the proxy in front is
+        what limits throughput (the scaling table); the body is the size of a Namespace GET.
+        """
+        pki = PKI(self.certs)
+        serving = pki.issue_serving("bench-static", dns=["localhost"], ips=["127.0.0.1"])
+        pem = self.work / "static-serving.pem"
+        pem.write_bytes(serving.cert.read_bytes() + serving.key.read_bytes())
+        ports = [processes.free_port() for _ in range(count)]
+        body = ('{"kind":"Namespace","apiVersion":"v1","metadata":{"name":"default","uid":'
+                '"8d0c8f2e-0000-4000-8000-000000000000","resourceVersion":"42","creationTimestamp":'
+                '"2026-12-01T00:00:00Z","labels":{"kubernetes.io/metadata.name":"default"}},'
+                '"spec":{"finalizers":["kubernetes"]},"status":{"phase":"Active"}}')
+        cfg = ["global", "  maxconn 4000", f"  nbthread {nbthread}", "defaults", "  mode http",
+               "  timeout connect 5s", "  timeout client 1h", "  timeout server 1h"]
+        for i, port in enumerate(ports):
+            cfg += [f"frontend static{i}", f"  bind 127.0.0.1:{port} ssl crt {pem} alpn http/1.1",
+                    f"  http-request return status 200 content-type application/json string '{body}'"]
+        path = self.work / "static.cfg"
+        path.write_text("\n".join(cfg) + "\n")
+        log = (self.work / "static.log").open("ab")
+        proc = subprocess.Popen(["haproxy", "-db", "-f", str(path)], stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        self.procs.append(proc)
+        time.sleep(1.0)
+        if proc.poll() is not None:
+            sys.exit(f"static haproxy failed: {(self.work / 'static.log').read_text()[-2000:]}")
+        return [f"https://127.0.0.1:{p}" for p in ports]
 
     def stop(self) -> None:
         for p in self.procs:
@@ -413,6 +453,43 @@ def modes(env: Env, args: argparse.Namespace) -> None:
     print(f"load average after: {load_average()}")
 
 
+def cpu_ticks() -> tuple[int, int]:
+    """(all ticks, idle + iowait ticks) since boot, from the first line of /proc/stat."""
+    with open("/proc/stat") as f:
+        values = [int(v) for v in f.readline().split()[1:]]
+    return sum(values), values[3] + values[4]
+
+
+def static_scaling(env: Env, args: argparse.Namespace) -> None:
+    """Closed loop by worker count with the proxy as the bottleneck (static backends)."""
+    counts = sorted({1, 2, *args.workers_table})
+    static = env.start_static_backends(3)
+    gk = {w: env.start_gatekeeper(f"gk-static-w{w}", workers=w, deployed_flow_control=True, backends=static)
+          for w in counts}
+    hap = {t: env.start_haproxy(nbthread=t, name=f"hap-static-t{t}", backends=static) for t in counts}
+    for url, _ in [*gk.values(), *hap.values()]:
+        h2load(env, url, 400, 4, 4)
+    n, c, m = args.requests, args.clients, args.streams
+    print(f"\n== scaling, static backends: h2load -n {n} -c {c} -m {m}; load average {load_average()} ==")
+    res: dict[str, dict[str, float]] = {}
+    for key, (url, pid) in [*((f"gk{w}", gk[w]) for w in counts), *((f"hap{t}", hap[t]) for t in counts)]:
+        t0, i0 = cpu_ticks()
+        r = closed_loop(env, url, pid, n, c, m)
+        t1, i1 = cpu_ticks()
+        r["busy"] = 1 - (i1 - i0) / max(1, t1 - t0)
+        res[key] = r
+        label = f"gatekeeper --workers {key[2:]}" if key.startswith("gk") else f"haproxy nbthread {key[3:]}"
+        print(f"{label:24s} {r['rps']:7.0f} req/s  p50 {r['p50']:6.2f} ms  CPU {r['cpu_ms']:.3f} ms/req  "
+              f"machine busy {r['busy']:.0%}  failed {r['failed']:.0f}")
+    for w in counts:
+        g, h = res[f"gk{w}"], res[f"hap{w}"]
+        print(f"workers {w} / nbthread {w}: throughput x{g['rps'] / h['rps']:.2f}, "
+              f"CPU per request x{g['cpu_ms'] / max(h['cpu_ms'], 1e-6):.1f}")
+    print("throughput by workers: " + ", ".join(f"{w}: x{res[f'gk{w}']['rps'] / res['gk1']['rps']:.2f}"
+                                                for w in counts))
+    print(f"load average after: {load_average()}")
+
+
 # --- main ---------------------------------------------------------------------------------------
 
 def main() -> None:
@@ -434,11 +511,16 @@ def main() -> None:
     ap.add_argument("--rate-seconds", type=float, default=10.0, help="seconds per open-loop rate")
     ap.add_argument("--workers-table", type=lambda v: [int(x) for x in v.split(",")], default=[1, 2],
                     help="gatekeeper worker counts for the closed-loop table (1 and 2 always run)")
+    ap.add_argument("--static-scaling", action="store_true",
+                    help="run only the scaling table with static backends (the proxy as the bottleneck)")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="gk-bench-"))
     env = Env(args.state_dir, work)
     env.make_token()
     try:
+        if args.static_scaling:
+            static_scaling(env, args)
+            return
         if args.only_modes:
             modes(env, args)
             return

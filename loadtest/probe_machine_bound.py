@@ -18,16 +18,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_proxy import Env, h2load
+from bench_proxy import Env, cpu_ticks, h2load
 
 LEVELS = ((1, 1), (8, 1), (8, 8), (32, 8))
-
-
-def cpu_ticks() -> tuple[int, int]:
-    """(all ticks, idle + iowait ticks) since boot, from the first line of /proc/stat."""
-    with open("/proc/stat") as f:
-        values = [int(v) for v in f.readline().split()[1:]]
-    return sum(values), values[3] + values[4]
 
 
 def main() -> None:
