@@ -81,7 +81,7 @@ def main() -> None:
     best: dict[str, float] = {}
     for _ in range(args.rounds):
         for engine in ("h2", "lean"):
-            us, size = run(engine, args.requests)
+            us, _ = run(engine, args.requests)
             best[engine] = min(best.get(engine, us), us)
     with open("/proc/loadavg") as f:
         load = " ".join(f.read().split()[:3])

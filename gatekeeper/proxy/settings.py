@@ -93,7 +93,7 @@ class ProtocolSettings:
     """HTTP/1.1: a request body that sends nothing for this long is cut (the request fails, the connection closes)."""
     h1_write_stall_timeout_seconds: float = 60.0
     """HTTP/1.1: a client that takes no response bytes for this long is cut, releasing its backend connection."""
-    http2_engine: str = "h2"
+    http2_engine: str = "lean"
     """Client-facing HTTP/2 codec: ``lean`` (the proxy's own, ``listen/h2_codec.py``) or ``h2`` (the h2 library)."""
 
     def validate(self) -> None:
