@@ -384,3 +384,15 @@ def test_close_connection_sends_goaway_with_the_last_stream_and_stops_parsing():
     c.take()
     assert c.goaway_code() == 0 and struct.unpack(">I", c.of_type(f.GOAWAY)[0][3][:4])[0] == 1
     assert c.send(f.frame(f.PING, 0, 0, b"12345678")) == []
+
+
+def test_headers_on_a_reset_stream_are_answered_and_counted_as_closed_stream_frames():
+    guard = FloodGuard({"rst_stream": 100, "ping": 10, "settings": 10, "empty_frame": 10, "closed_stream": 2}, 10.0)
+    c = Client(guard=guard)
+    c.open()
+    c.headers(1, end_stream=False)
+    c.send(f.rst_stream(1, ErrorCodes.CANCEL))
+    assert c.headers(1) == [] and c.resets() == {1: ErrorCodes.STREAM_CLOSED}
+    c.headers(1)
+    with pytest.raises(FloodError, match="closed_stream"):
+        c.headers(1)

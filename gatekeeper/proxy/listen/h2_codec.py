@@ -6,8 +6,8 @@ state machine per stream driven by enum lookups, client-side and push
 paths). This codec is only the server half the proxy needs: frame headers are
 unpacked with one ``struct`` call straight from the received bytes, streams
 are a slots record, and the adapter gets plain tuples (``EV_*`` below).
-HPACK decoding stays with ``hpack.Decoder`` (plus ``h2_conn``'s Huffman memo),
-encoding with ``h2_hpack.ResponseEncoder``.
+HPACK decoding is ``h2_hdecode.BlockDecoder`` (Huffman strings via ``hpack`` and
+``h2_conn``'s memo), encoding ``h2_hpack.ResponseEncoder``.
 
 It keeps every behaviour of ``h2_conn.ProxyH2Connection``: REFUSED_STREAM
 (a stream error) over MAX_CONCURRENT_STREAMS, counting a stream until the
@@ -33,10 +33,9 @@ from typing import Any, Protocol
 
 from h2.errors import ErrorCodes
 from h2.exceptions import FlowControlError, ProtocolError, StreamClosedError
-from hpack import Decoder
-from hpack.exceptions import HPACKError, OversizedHeaderListError
 
 from gatekeeper.proxy.listen import h2_frames as f
+from gatekeeper.proxy.listen.h2_hdecode import BlockDecoder, HeaderBlockError, HeaderListTooLarge
 from gatekeeper.proxy.listen.h2_hpack import ResponseEncoder
 from gatekeeper.proxy.listen.h2_limits import CLOSED_STREAM, EMPTY_FRAME, PING, RST_STREAM, SETTINGS, FloodGuard
 
@@ -114,8 +113,7 @@ class LeanH2Connection:
         self.max_concurrent_streams = max_concurrent_streams
         self._stream_window = stream_window
         self._conn_window_size = max(connection_window, f.DEFAULT_WINDOW)
-        self.decoder = Decoder()
-        self.decoder.max_header_list_size = max_header_list
+        self.decoder = BlockDecoder(max_header_list)
         self._max_header_list = max_header_list
         self.encoder = ResponseEncoder()
         self.streams: dict[int, _Stream] = {}
@@ -437,10 +435,10 @@ class LeanH2Connection:
                       events: list[Event]) -> None:
         # Decoded first, whatever becomes of the stream: the HPACK table must stay in step.
         try:
-            headers = self.decoder.decode(block, raw=True)
-        except OversizedHeaderListError as exc:
+            headers = self.decoder.decode(block)
+        except HeaderListTooLarge as exc:
             self._fail(ErrorCodes.ENHANCE_YOUR_CALM, f"oversized header block: {exc}")
-        except (HPACKError, IndexError, TypeError, UnicodeDecodeError, ValueError) as exc:
+        except HeaderBlockError as exc:
             self._fail(ErrorCodes.COMPRESSION_ERROR, f"undecodable header block: {exc}")
         stream = self.streams.get(sid)
         if sid > self.highest_inbound_stream_id:
