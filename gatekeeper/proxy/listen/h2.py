@@ -447,6 +447,20 @@ class H2Protocol:
         self._flush_soon()
 
     async def _send_data(self, stream: _Stream, chunk: bytes, *, end_stream: bool = False) -> None:
+        if not chunk:
+            if end_stream:  # an exhausted body whose last chunk is empty still ends the stream
+                self._conn.end_stream(stream.id)
+                self._flush_soon()
+            return
+        if len(chunk) <= self._conn.max_outbound_frame_size and len(chunk) <= await self._wait_window(stream):
+            # The common small response: one frame, no slicing or copy.
+            self._conn.send_data(stream.id, chunk, end_stream=end_stream)
+            if end_stream:
+                self._flush_soon()
+            else:
+                self._flush()
+                await self._drain()
+            return
         view = memoryview(chunk)
         while view:
             window = await self._wait_window(stream)
