@@ -1,4 +1,10 @@
-"""HTTP/2 server connection on the ``h2`` state machine, with graceful GOAWAY.
+"""HTTP/2 server connection with graceful GOAWAY, on one of two codecs (``protocol.http2Engine``).
+
+``lean`` (default) is the proxy's own sans-IO codec (``h2_codec.LeanH2Connection``,
+about a sixth of h2's CPU per request); ``h2`` is the h2 library
+(``h2_conn.ProxyH2Connection``), kept as a fallback. Both hand this adapter the same
+event tuples (``h2_codec.EV_*``) and take the same calls, so everything below holds
+for either; the in-memory tests and h2spec run on both.
 
 Sans-IO in the sense that matters for testing: :class:`H2Protocol` never
 touches a socket. The edge feeds it bytes (:meth:`H2Protocol.data_received`)
