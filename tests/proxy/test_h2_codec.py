@@ -408,3 +408,17 @@ def test_an_unknown_http2_engine_is_refused_naming_the_key(tmp_path):
         load_config(path, need="proxy")
     path.write_text(path.read_text().replace("nghttp2", "h2"))
     assert load_config(path, need="proxy").proxy.protocol.http2_engine == "h2"  # type: ignore[attr-defined]
+
+
+def test_frames_on_a_stream_we_reset_are_ignored_but_counted_and_their_window_returned():
+    guard = FloodGuard({"rst_stream": 100, "ping": 10, "settings": 10, "empty_frame": 10, "closed_stream": 2}, 10.0)
+    c = Client(max_concurrent_streams=1, guard=guard)
+    c.open()
+    c.headers(1, end_stream=False)
+    c.headers(3, end_stream=False)  # refused: the client's body for it is already on the way
+    assert c.resets() == {3: ErrorCodes.REFUSED_STREAM}
+    c.send(f.frame(f.DATA, 0, 3, b"x" * 1000) + f.frame(f.DATA, f.END_STREAM, 3, b"x" * 10))
+    assert c.resets() == {3: ErrorCodes.REFUSED_STREAM} and c.goaway_code() is None  # no RST_STREAM back
+    assert c.server._recv_window + c.server._recv_unacked == 65535
+    with pytest.raises(FloodError, match="closed_stream"):
+        c.send(f.frame(f.DATA, 0, 3, b"x"))

@@ -22,11 +22,13 @@ decoded headers per block (over it: GOAWAY ENHANCE_YOUR_CALM, as ``h2``).
 Error classes follow ``h2`` where h2spec checks them, and RFC 9113 section 5.4
 otherwise: a connection error raises ``h2.exceptions.ProtocolError`` (with the
 code of the GOAWAY already queued), a stream error queues RST_STREAM and, if
-the adapter knows the stream, reports ``EV_RESET``. A frame on a stream closed
-by RST_STREAM is answered with RST_STREAM STREAM_CLOSED; on a stream closed by
-END_STREAM it is a connection error STREAM_CLOSED; on a stream id never used
-below the highest one, PROTOCOL_ERROR (RFC 9113 5.1.1). Closed streams are
-remembered in a bounded table (``CLOSED_MEMORY``), like h2.
+the adapter knows the stream, reports ``EV_RESET``. A frame on a stream the
+client reset is answered with RST_STREAM STREAM_CLOSED; on one we reset it is
+ignored (RFC 9113 5.1: it may have left before our RST_STREAM arrived; h2
+answers those too); on a stream closed by END_STREAM it is a connection error
+STREAM_CLOSED; on a stream id never used below the highest one, PROTOCOL_ERROR
+(RFC 9113 5.1.1). Closed streams are remembered in a bounded table
+(``CLOSED_MEMORY``), like h2. Every such frame still counts for ``FloodGuard``.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from gatekeeper.proxy.listen.h2_hpack import ResponseEncoder
 from gatekeeper.proxy.listen.h2_inbound import InboundFrames
 from gatekeeper.proxy.listen.h2_limits import PING, FloodGuard
 from gatekeeper.proxy.listen.h2_state import (
+    CLOSED_BY_END,
     CLOSED_MEMORY,
     EV_BAD_LENGTH,
     EV_DATA,
@@ -51,6 +54,7 @@ from gatekeeper.proxy.listen.h2_state import (
     EV_REQUEST,
     EV_RESET,
     EV_WINDOW,
+    RESET_BY_US,
     Event,
     ServerConnection,
     Stream,
@@ -85,8 +89,8 @@ class LeanH2Connection(InboundFrames):
         self.encoder = ResponseEncoder()
         self.streams: dict[int, Stream] = {}
         self._held: set[int] = set()
-        self._closed: dict[int, bool] = {}
-        """Recently closed stream id -> closed by RST_STREAM (True) or END_STREAM (False)."""
+        self._closed: dict[int, int] = {}
+        """Recently closed stream id -> how it closed (``h2_state.CLOSED_BY_END``, ...)."""
         self.highest_inbound_stream_id = 0
         self._send_window = f.DEFAULT_WINDOW
         self._peer_initial_window = f.DEFAULT_WINDOW
@@ -179,7 +183,7 @@ class LeanH2Connection(InboundFrames):
         sid = stream_id
         if self.streams.pop(sid, None) is None:
             raise StreamClosedError(sid)
-        self._remember(sid, True)
+        self._remember(sid, RESET_BY_US)
         self._out.append(f.rst_stream(sid, error_code))
 
     def local_flow_control_window(self, stream_id: int) -> int:
@@ -226,11 +230,11 @@ class LeanH2Connection(InboundFrames):
         stream.local_closed = True
         if stream.remote_closed:
             del self.streams[sid]
-            self._remember(sid, False)
+            self._remember(sid, CLOSED_BY_END)
 
-    def _remember(self, sid: int, by_reset: bool) -> None:
+    def _remember(self, sid: int, how: int) -> None:
         closed = self._closed
-        closed[sid] = by_reset
+        closed[sid] = how
         if len(closed) > CLOSED_MEMORY:
             del closed[next(iter(closed))]
 

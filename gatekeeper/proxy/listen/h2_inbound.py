@@ -18,12 +18,15 @@ from gatekeeper.proxy.listen.h2_hdecode import BlockDecoder, HeaderBlockError, H
 from gatekeeper.proxy.listen.h2_hpack import ResponseEncoder
 from gatekeeper.proxy.listen.h2_limits import CLOSED_STREAM, EMPTY_FRAME, RST_STREAM, SETTINGS, FloodGuard
 from gatekeeper.proxy.listen.h2_state import (
+    CLOSED_BY_END,
     EV_BAD_LENGTH,
     EV_DATA,
     EV_ENDED,
     EV_REQUEST,
     EV_RESET,
     EV_WINDOW,
+    RESET_BY_PEER,
+    RESET_BY_US,
     ConnectionError_,
     Event,
     Stream,
@@ -37,7 +40,7 @@ class InboundFrames:
 
     streams: dict[int, Stream]
     _held: set[int]
-    _closed: dict[int, bool]
+    _closed: dict[int, int]
     highest_inbound_stream_id: int
     decoder: BlockDecoder
     encoder: ResponseEncoder
@@ -62,7 +65,7 @@ class InboundFrames:
                          last_stream_id: int | None = None) -> None:
         raise NotImplementedError
 
-    def _remember(self, sid: int, by_reset: bool) -> None:
+    def _remember(self, sid: int, how: int) -> None:
         raise NotImplementedError
 
     def _fail(self, code: ErrorCodes, message: str) -> None:
@@ -80,18 +83,19 @@ class InboundFrames:
         """RST_STREAM ``code``; the adapter hears of it if it knew the stream."""
         if self.streams.pop(sid, None) is not None and sid in self._held:
             events.append((EV_RESET, sid, code))
-        self._remember(sid, True)
+        self._remember(sid, RESET_BY_US)
         self._out.append(f.rst_stream(sid, code))
 
     def _closed_stream_frame(self, sid: int, what: str) -> None:
         """A frame that needs an open stream arrived for ``sid``, which is not open (RFC 9113 5.1)."""
-        by_reset = self._closed.get(sid)
-        if by_reset:
+        how = self._closed.get(sid)
+        if how == RESET_BY_PEER:
             self._out.append(f.rst_stream(sid, ErrorCodes.STREAM_CLOSED))
-        elif by_reset is None:
+        elif how is None:
             self._fail(ErrorCodes.PROTOCOL_ERROR, f"{what} on stream {sid}, which was never opened")
-        else:
+        elif how == CLOSED_BY_END:
             self._fail(ErrorCodes.STREAM_CLOSED, f"{what} on stream {sid} after END_STREAM")
+        # RESET_BY_US: ignored (sent before our RST_STREAM arrived)
 
     def _unpad(self, flags: int, buf: bytes, start: int, length: int, fixed: int = 0) -> tuple[int, int]:
         """(start, length) of the payload past the pad length byte and ``fixed`` bytes, minus padding."""
@@ -184,7 +188,7 @@ class InboundFrames:
                 events.append((EV_REQUEST, sid, headers, bool(end_stream)))
             return
         if stream is None:  # closed by RST_STREAM (the other cases failed in _on_headers)
-            self._out.append(f.rst_stream(sid, ErrorCodes.STREAM_CLOSED))
+            self._closed_stream_frame(sid, "HEADERS")
         elif stream.remote_closed:
             self._stream_error(sid, ErrorCodes.STREAM_CLOSED, events)
         elif bad_priority or not end_stream or any(name[:1] == b":" for name, _ in headers):
@@ -240,12 +244,12 @@ class InboundFrames:
         events.append((EV_ENDED, sid))
         if stream.local_closed:
             del self.streams[sid]
-            self._remember(sid, False)
+            self._remember(sid, CLOSED_BY_END)
 
     def _bad_length(self, sid: int, events: list[Event]) -> None:
         """Body and content-length disagree: reset only this stream (RFC 9113 8.1.1), tell the adapter."""
         self.streams.pop(sid, None)
-        self._remember(sid, True)
+        self._remember(sid, RESET_BY_US)
         self._out.append(f.rst_stream(sid, ErrorCodes.PROTOCOL_ERROR))
         events.append((EV_BAD_LENGTH, sid))
 
@@ -282,7 +286,7 @@ class InboundFrames:
             self._fail(ErrorCodes.PROTOCOL_ERROR, "RST_STREAM on stream 0")
         self._count(RST_STREAM)
         if self.streams.pop(sid, None) is not None:
-            self._remember(sid, True)
+            self._remember(sid, RESET_BY_PEER)
             events.append((EV_RESET, sid, _U32(buf, start)[0]))
         elif sid > self.highest_inbound_stream_id:
             self._fail(ErrorCodes.PROTOCOL_ERROR, f"RST_STREAM on idle stream {sid}")

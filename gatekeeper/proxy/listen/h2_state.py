@@ -19,6 +19,10 @@ events, so a request and its bad DATA read together reach the adapter as request
 Event = tuple[Any, ...]
 CLOSED_MEMORY = 4096
 """Closed stream ids remembered (how each closed decides the error for a late frame on it)."""
+CLOSED_BY_END, RESET_BY_PEER, RESET_BY_US = range(3)
+"""How a remembered stream closed. A late frame on it is a connection error STREAM_CLOSED after END_STREAM,
+answered with RST_STREAM STREAM_CLOSED after the client's reset, and ignored after ours (RFC 9113 5.1: the
+client may have sent it before our RST_STREAM reached it)."""
 
 
 class ServerConnection(Protocol):
