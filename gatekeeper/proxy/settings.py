@@ -93,8 +93,12 @@ class ProtocolSettings:
     """HTTP/1.1: a request body that sends nothing for this long is cut (the request fails, the connection closes)."""
     h1_write_stall_timeout_seconds: float = 60.0
     """HTTP/1.1: a client that takes no response bytes for this long is cut, releasing its backend connection."""
+    http2_engine: str = "lean"
+    """Client-facing HTTP/2 codec: ``lean`` (the proxy's own, ``listen/h2_codec.py``) or ``h2`` (the h2 library)."""
 
     def validate(self) -> None:
+        if self.http2_engine not in ("lean", "h2"):
+            raise ValueError(f"http2Engine must be 'lean' or 'h2', got {self.http2_engine!r}")
         limit = 1.0 if self.allow_unsafe_goaway_chance else MAX_GOAWAY_CHANCE
         if not 0.0 <= self.goaway_chance <= limit:
             raise ValueError(

@@ -12,6 +12,7 @@ HTTP/2 implementation.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -145,6 +146,12 @@ class H2Pair:
         self.pump()
 
 
-@pytest.fixture
-def h2pair() -> Callable[..., H2Pair]:
-    return H2Pair
+@pytest.fixture(params=["h2", "lean"])
+def h2pair(request: pytest.FixtureRequest) -> Callable[..., H2Pair]:
+    """An ``H2Pair`` factory; every test using it runs on both ``http2Engine`` values."""
+    engine = request.param
+
+    def make(handler: Handler, settings: ProtocolSettings | None = None, **kwargs: Any) -> H2Pair:
+        return H2Pair(handler, dataclasses.replace(settings or ProtocolSettings(), http2_engine=engine), **kwargs)
+
+    return make

@@ -418,3 +418,31 @@ async def test_body_that_knows_its_last_chunk_ends_the_stream_on_that_data_frame
     frames = [e for e in pair.events if isinstance(e, DataReceived) and e.stream_id == sid]
     assert [f.data for f in frames] == [b"a" * 10, b"b" * 10]
     assert frames[-1].stream_ended is not None and frames[0].stream_ended is None
+
+
+class _EndsWithEmptyChunk:
+    """A body that knows its last chunk (like upstream's) and whose last chunk is empty."""
+
+    def __init__(self, *parts: bytes) -> None:
+        self.parts = list(parts)
+        self.exhausted = False
+
+    def __aiter__(self) -> _EndsWithEmptyChunk:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if not self.parts:
+            raise StopAsyncIteration
+        part = self.parts.pop(0)
+        self.exhausted = not self.parts
+        return part
+
+
+async def test_exhausted_body_ending_in_an_empty_chunk_still_ends_the_stream(h2pair):
+    async def handler(req: ProxyRequest) -> ProxyResponse:
+        return ProxyResponse(200, [], _EndsWithEmptyChunk(b"abc", b""))  # type: ignore[arg-type]
+
+    pair = h2pair(handler)
+    sid = pair.request()
+    await pair.until(lambda: pair.ended(sid))
+    assert pair.body(sid) == b"abc"

@@ -1,4 +1,10 @@
-"""HTTP/2 server connection on the ``h2`` state machine, with graceful GOAWAY.
+"""HTTP/2 server connection with graceful GOAWAY, on one of two codecs (``protocol.http2Engine``).
+
+``lean`` (default) is the proxy's own sans-IO codec (``h2_codec.LeanH2Connection``,
+about a sixth of h2's CPU per request); ``h2`` is the h2 library
+(``h2_conn.ProxyH2Connection``), kept as a fallback. Both hand this adapter the same
+event tuples (``h2_codec.EV_*``) and take the same calls, so everything below holds
+for either; the in-memory tests and h2spec run on both.
 
 Sans-IO in the sense that matters for testing: :class:`H2Protocol` never
 touches a socket. The edge feeds it bytes (:meth:`H2Protocol.data_received`)
@@ -51,15 +57,6 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from h2.errors import ErrorCodes
-from h2.events import (
-    ConnectionTerminated,
-    DataReceived,
-    RemoteSettingsChanged,
-    RequestReceived,
-    StreamEnded,
-    StreamReset,
-    WindowUpdated,
-)
 from h2.exceptions import ProtocolError, StreamClosedError
 from h2.settings import SettingCodes, Settings
 from hyperframe.frame import GoAwayFrame
@@ -73,6 +70,18 @@ from gatekeeper.proxy.adapter import (
 )
 from gatekeeper.proxy.listen import conn_metrics
 from gatekeeper.proxy.listen.goaway import GoawayDecider, Reason
+from gatekeeper.proxy.listen.h2_codec import (
+    EV_BAD_LENGTH,
+    EV_DATA,
+    EV_ENDED,
+    EV_GOAWAY,
+    EV_REQUEST,
+    EV_RESET,
+    EV_WINDOW,
+    Event,
+    LeanH2Connection,
+    ServerConnection,
+)
 from gatekeeper.proxy.listen.h2_conn import ProxyH2Connection, install_huffman_memo
 from gatekeeper.proxy.listen.h2_headers import MalformedRequest, parse_request, response_block
 from gatekeeper.proxy.listen.h2_limits import FloodError, FloodGuard, limits_of
@@ -128,11 +137,21 @@ class H2Protocol:
         self._decider = GoawayDecider(settings.goaway_chance, rng)
         self._close_delay = close_delay
         install_huffman_memo()
-        self._conn = ProxyH2Connection(
-            on_refused=self._on_refused,
-            guard=FloodGuard(limits_of(settings), settings.h2_abuse_interval_seconds),
-            on_bad_length=self._on_bad_length,
-        )
+        guard = FloodGuard(limits_of(settings), settings.h2_abuse_interval_seconds)
+        self._conn: ServerConnection
+        self._receive: Callable[[bytes], list[Event]]
+        if settings.http2_engine == "lean":
+            lean = LeanH2Connection(
+                on_refused=self._on_refused, guard=guard,
+                max_concurrent_streams=settings.max_concurrent_streams,
+                stream_window=settings.stream_window_bytes,
+                max_header_list=settings.max_header_list_bytes,
+                connection_window=settings.stream_window_bytes * CONNECTION_WINDOW_FACTOR,
+            )
+            self._conn, self._receive = lean, lean.receive_data
+        else:
+            h2conn = ProxyH2Connection(on_refused=self._on_refused, guard=guard, on_bad_length=self._on_bad_length)
+            self._conn, self._receive = h2conn, h2conn.receive_events
         self._streams: dict[int, _Stream] = {}
         self._memo: dict[str, Any] = {}
         """ProxyRequest.connection_memo of every request on this connection."""
@@ -154,21 +173,25 @@ class H2Protocol:
     def start(self) -> None:
         """Send our preface (SETTINGS, connection WINDOW_UPDATE) and arm the idle timer."""
         s = self._settings
-        self._conn.local_settings = Settings(
-            client=False,
-            initial_values={
-                SettingCodes.MAX_CONCURRENT_STREAMS: s.max_concurrent_streams,
-                SettingCodes.INITIAL_WINDOW_SIZE: s.stream_window_bytes,
-                SettingCodes.MAX_HEADER_LIST_SIZE: s.max_header_list_bytes,
-            },
-        )
-        # h2 applies MAX_HEADER_LIST_SIZE to its decoder only when the client ACKs our
-        # SETTINGS; a client may send large headers before that, so apply it now.
-        self._conn.decoder.max_header_list_size = s.max_header_list_bytes
-        self._conn.initiate_connection()
-        extra = s.stream_window_bytes * CONNECTION_WINDOW_FACTOR - self._conn.inbound_flow_control_window
-        if extra > 0:
-            self._conn.increment_flow_control_window(extra)
+        conn = self._conn
+        if isinstance(conn, ProxyH2Connection):
+            conn.local_settings = Settings(
+                client=False,
+                initial_values={
+                    SettingCodes.MAX_CONCURRENT_STREAMS: s.max_concurrent_streams,
+                    SettingCodes.INITIAL_WINDOW_SIZE: s.stream_window_bytes,
+                    SettingCodes.MAX_HEADER_LIST_SIZE: s.max_header_list_bytes,
+                },
+            )
+            # h2 applies MAX_HEADER_LIST_SIZE to its decoder only when the client ACKs our
+            # SETTINGS; a client may send large headers before that, so apply it now.
+            conn.decoder.max_header_list_size = s.max_header_list_bytes
+            conn.initiate_connection()
+            extra = s.stream_window_bytes * CONNECTION_WINDOW_FACTOR - conn.inbound_flow_control_window
+            if extra > 0:
+                conn.increment_flow_control_window(extra)
+        else:
+            conn.initiate_connection()  # the lean codec was built with the settings
         self._flush()
         self._arm_idle()
 
@@ -177,7 +200,7 @@ class H2Protocol:
         if self._h2_closed:
             return
         try:
-            events = self._conn.receive_data(data)
+            events = self._receive(data)
         except ProtocolError as exc:
             if isinstance(exc, FloodError):
                 rejections.reject(cast(rejections.RejectReason, f"h2_flood_{exc.kind}"),  # h2_limits kinds
@@ -196,24 +219,25 @@ class H2Protocol:
                 log.exception("h2 connection %d: handling %r failed", self.connection_id, event)
         self._flush()
 
-    def _dispatch(self, event: object) -> None:
-        if isinstance(event, RequestReceived):
-            self._on_request(event)
-        elif isinstance(event, DataReceived):
-            self._on_data(event)
-        elif isinstance(event, StreamEnded):
-            stream = self._streams.get(event.stream_id)
+    def _dispatch(self, event: Event) -> None:
+        kind, sid = event[0], event[1]
+        if kind == EV_REQUEST:
+            self._on_request(sid, event[2], event[3])
+        elif kind == EV_DATA:
+            self._on_data(sid, event[2], event[3])
+        elif kind == EV_ENDED:
+            stream = self._streams.get(sid)
             if stream is not None:
                 stream.ended = True
                 stream.inbox_changed.set()
-        elif isinstance(event, StreamReset):
-            self._on_reset(event)
-        elif isinstance(event, WindowUpdated):
-            self._wake_senders(event.stream_id)
-        elif isinstance(event, RemoteSettingsChanged):
-            self._wake_senders(0)  # INITIAL_WINDOW_SIZE may have opened every stream
-        elif isinstance(event, ConnectionTerminated):
-            self._on_peer_goaway(event)
+        elif kind == EV_RESET:
+            self._on_reset(sid, event[2])
+        elif kind == EV_WINDOW:
+            self._wake_senders(sid)  # 0: SETTINGS (INITIAL_WINDOW_SIZE) or the connection window
+        elif kind == EV_GOAWAY:
+            self._on_peer_goaway(event[2])
+        elif kind == EV_BAD_LENGTH:
+            self._on_bad_length(sid)
 
     def connection_lost(self) -> None:
         """The socket is gone: cut every stream (their responses get finish(ClientGone))."""
@@ -250,8 +274,7 @@ class H2Protocol:
 
     # ------------------------------------------------------------------ inbound events
 
-    def _on_request(self, event: RequestReceived) -> None:
-        sid = event.stream_id
+    def _on_request(self, sid: int, block: list[tuple[bytes, bytes]], ended: bool) -> None:
         if self.goaway_last_stream_id is not None and sid > self.goaway_last_stream_id:
             # The client may already have reset it (Go cancels streams above a GOAWAY's last id);
             # then h2 has closed it and there is nothing to refuse.
@@ -260,7 +283,7 @@ class H2Protocol:
                 conn_metrics.REFUSED_STREAMS.inc()
             return
         try:
-            method, target, headers = parse_request(event.headers or ())
+            method, target, headers = parse_request(block)
         except MalformedRequest as exc:
             # RFC 9113 8.1.1: a malformed request is a stream error of type PROTOCOL_ERROR
             # (Go's server and nginx reset; h2spec 8.1.2 checks it). Nothing reaches the pipeline.
@@ -281,7 +304,7 @@ class H2Protocol:
             stream_id=sid,
             connection_memo=self._memo,
         )
-        stream = _Stream(sid, request, ended=event.stream_ended is not None)
+        stream = _Stream(sid, request, ended=ended)
         if not stream.ended:
             request.body = self._request_body(stream)
         self._streams[sid] = stream
@@ -307,31 +330,31 @@ class H2Protocol:
         else:
             self._conn.release_stream(stream_id)
 
-    def _on_data(self, event: DataReceived) -> None:
-        sid = event.stream_id
-        assert sid is not None
+    def _on_data(self, sid: int, data: bytes, flow: int) -> None:
         stream = self._streams.get(sid)
-        flow = event.flow_controlled_length or 0
-        if stream is None or stream.error is not None or not event.data:
+        if stream is None or stream.error is not None or not data:
             # Nobody will read it, or there is nothing to read (a zero-length or padding-only
             # frame must not take a place in the inbox): give the window back at once.
             self._ack(sid, flow)
             return
-        stream.inbox.append((event.data or b"", flow))
+        stream.inbox.append((data, flow))
         stream.inbox_changed.set()
 
-    def _on_reset(self, event: StreamReset) -> None:
-        stream = self._streams.get(event.stream_id or 0)
+    def _on_reset(self, sid: int, error_code: int) -> None:
+        stream = self._streams.get(sid)
         if stream is None:
             return
-        code = getattr(event.error_code, "name", event.error_code)
+        try:
+            code: object = ErrorCodes(error_code).name
+        except ValueError:
+            code = error_code
         self._cut(stream, ClientGone(f"client reset HTTP/2 stream {stream.id} ({code})"))
 
-    def _on_peer_goaway(self, event: ConnectionTerminated) -> None:
+    def _on_peer_goaway(self, error_code: int) -> None:
         """The client is closing: no new streams will come; finish ours, then close."""
         self._peer_goaway = True
-        if event.error_code not in (0, ErrorCodes.NO_ERROR):
-            self._abort(ClientGone(f"client sent GOAWAY with {event.error_code}"))
+        if error_code != 0:
+            self._abort(ClientGone(f"client sent GOAWAY with {error_code}"))
         elif not self._streams:
             self._h2_closed = True
             self._close_transport()
@@ -430,6 +453,20 @@ class H2Protocol:
         self._flush_soon()
 
     async def _send_data(self, stream: _Stream, chunk: bytes, *, end_stream: bool = False) -> None:
+        if not chunk:
+            if end_stream:  # an exhausted body whose last chunk is empty still ends the stream
+                self._conn.end_stream(stream.id)
+                self._flush_soon()
+            return
+        if len(chunk) <= self._conn.max_outbound_frame_size and len(chunk) <= await self._wait_window(stream):
+            # The common small response: one frame, no slicing or copy.
+            self._conn.send_data(stream.id, chunk, end_stream=end_stream)
+            if end_stream:
+                self._flush_soon()
+            else:
+                self._flush()
+                await self._drain()
+            return
         view = memoryview(chunk)
         while view:
             window = await self._wait_window(stream)

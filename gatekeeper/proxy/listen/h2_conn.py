@@ -57,10 +57,20 @@ import hpack.hpack
 from h2.config import H2Configuration
 from h2.connection import H2Connection
 from h2.errors import ErrorCodes
-from h2.events import Event, RequestReceived
+from h2.events import (
+    ConnectionTerminated,
+    DataReceived,
+    Event,
+    RemoteSettingsChanged,
+    RequestReceived,
+    StreamEnded,
+    StreamReset,
+    WindowUpdated,
+)
 from h2.exceptions import InvalidBodyLengthError
 from hyperframe.frame import DataFrame, Frame, HeadersFrame
 
+from gatekeeper.proxy.listen import h2_codec
 from gatekeeper.proxy.listen.h2_hpack import ResponseEncoder
 from gatekeeper.proxy.listen.h2_limits import FloodGuard, frame_kinds
 
@@ -179,6 +189,26 @@ class ProxyH2Connection(H2Connection):
         stream keeps its slot, so HEADERS+RST_STREAM pairs cannot run unbounded handlers.
         """
         self._held.discard(stream_id)
+
+    def receive_events(self, data: bytes) -> list[h2_codec.Event]:
+        """:meth:`receive_data` as the lean codec's event tuples (``h2_codec.EV_*``), for ``H2Protocol``."""
+        out: list[h2_codec.Event] = []
+        for e in self.receive_data(data):
+            if isinstance(e, RequestReceived):
+                out.append((h2_codec.EV_REQUEST, e.stream_id, e.headers or [], e.stream_ended is not None))
+            elif isinstance(e, DataReceived):
+                out.append((h2_codec.EV_DATA, e.stream_id, e.data or b"", e.flow_controlled_length or 0))
+            elif isinstance(e, StreamEnded):
+                out.append((h2_codec.EV_ENDED, e.stream_id))
+            elif isinstance(e, StreamReset):
+                out.append((h2_codec.EV_RESET, e.stream_id, e.error_code))
+            elif isinstance(e, WindowUpdated):
+                out.append((h2_codec.EV_WINDOW, e.stream_id or 0))
+            elif isinstance(e, RemoteSettingsChanged):
+                out.append((h2_codec.EV_WINDOW, 0))  # INITIAL_WINDOW_SIZE may have opened every stream
+            elif isinstance(e, ConnectionTerminated):
+                out.append((h2_codec.EV_GOAWAY, 0, e.error_code or 0))
+        return out
 
     def _receive_frame(self, frame: Frame) -> list[Event]:
         if self._guard is not None:

@@ -1,0 +1,68 @@
+"""Shared pieces of the lean HTTP/2 codec: its event tuples, stream record, errors, and the engine interface.
+
+Apart from :mod:`h2_codec` so :mod:`h2_inbound` (the receive side) can use them without an import cycle.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from h2.errors import ErrorCodes
+from h2.exceptions import ProtocolError
+
+EV_REQUEST, EV_DATA, EV_ENDED, EV_RESET, EV_WINDOW, EV_GOAWAY, EV_BAD_LENGTH = range(7)
+"""Event tuples: (EV_REQUEST, sid, headers, ended), (EV_DATA, sid, data, flow_length), (EV_ENDED, sid),
+(EV_RESET, sid, code), (EV_WINDOW, sid) (0: every stream), (EV_GOAWAY, 0, code), (EV_BAD_LENGTH, sid)
+(the stream's body disagreed with its content-length and it was reset: in order with the other
+events, so a request and its bad DATA read together reach the adapter as request, then cut)."""
+
+Event = tuple[Any, ...]
+CLOSED_MEMORY = 4096
+"""Closed stream ids remembered (how each closed decides the error for a late frame on it)."""
+CLOSED_BY_END, RESET_BY_PEER, RESET_BY_US = range(3)
+"""How a remembered stream closed. A late frame on it is a connection error STREAM_CLOSED after END_STREAM,
+answered with RST_STREAM STREAM_CLOSED after the client's reset, and ignored after ours (RFC 9113 5.1: the
+client may have sent it before our RST_STREAM reached it)."""
+
+
+class ServerConnection(Protocol):
+    """What ``h2.H2Protocol`` needs of a server connection: met by :class:`LeanH2Connection` and
+    ``h2_conn.ProxyH2Connection`` (the ``h2`` engine)."""
+
+    highest_inbound_stream_id: Any
+    max_outbound_frame_size: Any
+
+    def initiate_connection(self) -> None: ...
+    def release_stream(self, stream_id: int) -> None: ...
+    def data_to_send(self) -> bytes: ...
+    def send_headers(self, stream_id: int, headers: Any, end_stream: bool = False) -> None: ...
+    def send_data(self, stream_id: int, data: bytes, end_stream: bool = False) -> None: ...
+    def end_stream(self, stream_id: int) -> None: ...
+    def reset_stream(self, stream_id: int, error_code: Any = 0) -> None: ...
+    def local_flow_control_window(self, stream_id: int) -> int: ...
+    def acknowledge_received_data(self, acknowledged_size: int, stream_id: int) -> None: ...
+
+    def close_connection(self, error_code: Any = 0, additional_data: Any = None,
+                         last_stream_id: Any = None) -> None: ...
+
+
+class ConnectionError_(ProtocolError):
+    """A connection error: the GOAWAY with ``error_code`` is already queued."""
+
+    def __init__(self, code: ErrorCodes, message: str) -> None:
+        super().__init__(message)
+        self.error_code = code
+
+
+class Stream:
+    __slots__ = ("length", "local_closed", "received", "recv_window", "remote_closed", "send_window", "unacked")
+
+    def __init__(self, send_window: int, recv_window: int) -> None:
+        self.send_window = send_window
+        self.recv_window = recv_window
+        self.unacked = 0
+        self.remote_closed = False
+        self.local_closed = False
+        self.length: int | None = None
+        """content-length of the request, when given; checked against the DATA received."""
+        self.received = 0
