@@ -1,0 +1,304 @@
+"""Adversarial input for the lean HTTP/2 codec, with the ``h2`` engine as the reference where useful.
+
+Every byte from a client is hostile. Each test sends raw frames (or raw HPACK
+blocks) built to break one rule: hold memory, make us decode a block
+differently from ``hpack``, slip a request past a check, or make the server do
+work the flood accounting never sees. A passing test documents a defence that
+holds; the ones written for a bug failed before its fix.
+"""
+
+from __future__ import annotations
+
+import random
+import struct
+
+import pytest
+from h2.errors import ErrorCodes
+from h2.exceptions import ProtocolError
+from h2.settings import SettingCodes, Settings
+from hpack import Decoder, Encoder
+from hpack.exceptions import HPACKError
+from test_h2_codec import GET, Client
+
+from gatekeeper.proxy.listen import h2_frames as f
+from gatekeeper.proxy.listen.h2_codec import EV_BAD_LENGTH, EV_DATA, EV_REQUEST
+from gatekeeper.proxy.listen.h2_conn import ProxyH2Connection
+from gatekeeper.proxy.listen.h2_hdecode import BlockDecoder, HeaderBlockError, HeaderListTooLarge
+from gatekeeper.proxy.listen.h2_hpack import MAX_TABLE_SIZE
+from gatekeeper.proxy.listen.h2_limits import FloodGuard
+
+POST = [(b":method", b"POST"), (b":scheme", b"https"), (b":authority", b"a.test"), (b":path", b"/api")]
+LIMITS = {"rst_stream": 50, "ping": 50, "settings": 50, "empty_frame": 50, "closed_stream": 50}
+
+
+def _h2_engine(max_header_list: int = 1 << 16) -> ProxyH2Connection:
+    """The ``h2`` engine set up as ``H2Protocol.start`` does, its own preface taken."""
+    conn = ProxyH2Connection(guard=FloodGuard(dict(LIMITS), 10.0))
+    conn.local_settings = Settings(client=False, initial_values={SettingCodes.MAX_HEADER_LIST_SIZE: max_header_list})
+    conn.decoder.max_header_list_size = max_header_list
+    conn.initiate_connection()
+    conn.data_to_send()
+    return conn
+
+
+def _goaway_code(data: bytes) -> int | None:
+    """The error code of the last GOAWAY in ``data`` (frames as the server wrote them)."""
+    code, pos = None, 0
+    while pos + 9 <= len(data):
+        lt, _, _ = f.FRAME_HEADER.unpack_from(data, pos)
+        if lt & 0xFF == f.GOAWAY:
+            code = struct.unpack_from(">I", data, pos + 13)[0]
+        pos += 9 + (lt >> 8)
+    return code
+
+
+def _h2_goaway(conn: ProxyH2Connection, data: bytes) -> int | None:
+    """Feed ``data`` to the h2 engine; the GOAWAY code it answered with (None: no connection error)."""
+    try:
+        conn.receive_events(data)
+    except ProtocolError:
+        pass
+    return _goaway_code(conn.data_to_send())
+
+
+def _huffman_literal(name: bytes, huffman_value: bytes) -> bytes:
+    """A literal field without indexing, new name, with a raw (possibly invalid) Huffman value."""
+    assert len(name) < 127 and len(huffman_value) < 127
+    return b"\x00" + bytes([len(name)]) + name + bytes([0x80 | len(huffman_value)]) + huffman_value
+
+
+# ---------------------------------------------------------------------------- HPACK bombs and limits
+
+
+def test_hpack_bomb_of_indexed_references_is_cut_by_header_list_limit():
+    # One ~4 KB entry in the dynamic table, then 1-byte references to it: 4 KB of headers per wire byte.
+    entry = Encoder().encode([(b"x", b"b" * 4000)], huffman=False)  # literal with indexing: dynamic index 62
+    assert entry[0] == 0x40
+    bomb = entry + b"\xbe" * 12000  # index 62 (the entry), 12000 times: 48 MB if nothing stopped it
+    assert len(bomb) <= f.MIN_FRAME_SIZE
+    c = Client(max_header_list=1 << 16)
+    c.open()
+    assert c.connection_error(f.frame(f.HEADERS, f.END_HEADERS | f.END_STREAM, 1, bomb)) == ErrorCodes.ENHANCE_YOUR_CALM
+    assert _h2_goaway(_h2_engine(1 << 16), f.PREFACE + f.settings_frame({})
+                      + f.frame(f.HEADERS, f.END_HEADERS | f.END_STREAM, 1, bomb)) == ErrorCodes.ENHANCE_YOUR_CALM
+
+
+def test_header_list_limit_counts_decoded_bytes_not_wire_bytes():
+    # 'a' Huffman-codes to 5 bits: 1000 wire bytes are 1600 decoded bytes.
+    block = Encoder().encode([(b"x-h", b"a" * 1600)], huffman=True)
+    assert len(block) < 1100
+    with pytest.raises(HeaderListTooLarge):
+        BlockDecoder(1500).decode(block)
+    assert BlockDecoder(1600 + 3 + 32).decode(block) == [(b"x-h", b"a" * 1600)]
+
+
+def test_hpack_integer_with_too_many_continuation_bytes_is_rejected():
+    # index 127 + 2^35-ish: an integer longer than any sane index, length or table size
+    for block in (b"\xff" + b"\xff" * 6 + b"\x01", b"\x3f" + b"\xff" * 6 + b"\x01",
+                  b"\x00\x7f" + b"\xff" * 6 + b"\x01"):
+        with pytest.raises(HeaderBlockError):
+            BlockDecoder(1 << 20).decode(block)
+
+
+def test_string_length_far_past_the_block_is_rejected_before_any_copy():
+    block = b"\x00\x7f" + b"\xff\xff\xff\xff\x0f" + b"x"  # name length ~2^35
+    with pytest.raises(HeaderBlockError, match="past the block"):
+        BlockDecoder(1 << 20).decode(block)
+
+
+@pytest.mark.parametrize("value", [
+    b"\xff\xff\xff\xff",  # 32 one bits: contains EOS (30 ones), RFC 7541 5.2 decoding error
+    b"\x1f\xff",  # 'a' (00011) then 11 bits of padding: more than 7 bits of padding
+    b"\x18",  # 'a' then padding 000: padding that is not the EOS prefix
+])
+def test_invalid_huffman_padding_or_eos_is_a_compression_error_on_both_engines(value):
+    block = _huffman_literal(b"x-h", value)
+    with pytest.raises(HPACKError):
+        Decoder().decode(block)
+    with pytest.raises(HeaderBlockError):
+        BlockDecoder(1 << 20).decode(block)
+    c = Client()
+    c.open()
+    assert c.connection_error(f.frame(f.HEADERS, f.END_HEADERS | f.END_STREAM, 1, block)) == \
+        ErrorCodes.COMPRESSION_ERROR
+
+
+@pytest.mark.parametrize("block", [
+    b"\x82\x20",  # size update after a field
+    b"\x3f\xe2\x1f",  # size update to 4097: above the HEADER_TABLE_SIZE we allow (4096)
+    b"\x3f\xff\xff\xff\xff\x0f",  # size update to ~2^35
+])
+def test_misplaced_or_oversized_table_size_update_is_a_compression_error(block):
+    c = Client()
+    c.open()
+    assert c.connection_error(f.frame(f.HEADERS, f.END_HEADERS | f.END_STREAM, 1, block)) == \
+        ErrorCodes.COMPRESSION_ERROR
+    # h2 answers PROTOCOL_ERROR for every undecodable block; RFC 7541 and the lean codec COMPRESSION_ERROR
+    assert _h2_goaway(_h2_engine(), f.PREFACE + f.settings_frame({})
+                      + f.frame(f.HEADERS, f.END_HEADERS | f.END_STREAM, 1, block)) == ErrorCodes.PROTOCOL_ERROR
+
+
+def test_table_size_update_to_zero_evicts_everything_and_later_references_fail():
+    d = BlockDecoder(1 << 20)
+    d.decode(b"\x40\x01x\x01y")  # x: y into the table
+    assert d.decode(b"\xbe") == [(b"x", b"y")]
+    d.decode(b"\x20")  # size 0
+    assert d._used == 0 and not d._table
+    with pytest.raises(HeaderBlockError):
+        d.decode(b"\xbe")
+
+
+# ---------------------------------------------------------------------------- differential HPACK fuzz
+
+
+def _mutated(rng: random.Random, encoder: Encoder) -> bytes:
+    fields = [(rng.choice([b":path", b"x-a", b"x-b", b"authorization", b"accept"]),
+               bytes(rng.randrange(256) for _ in range(rng.choice([0, 1, 5, 40, 300]))))
+              for _ in range(rng.randint(0, 6))]
+    block = bytearray(encoder.encode(fields, huffman=rng.random() < 0.5))
+    kind = rng.random()
+    if kind < 0.3:  # random bytes, biased to the representations' prefixes
+        return bytes(rng.choice([0x00, 0x10, 0x20, 0x3f, 0x40, 0x7f, 0x80, 0xbe, 0xff, rng.randrange(256)])
+                     for _ in range(rng.randint(1, 24)))
+    if kind < 0.6 and block:
+        for _ in range(rng.randint(1, 3)):
+            block[rng.randrange(len(block))] = rng.randrange(256)
+    elif kind < 0.8:
+        block[:0] = rng.choice([b"\x20", b"\x3f\xe1\x1f", b"\x3f\xe2\x1f", b"\x3f\x81\x0f", b"\x20\x3f\xe1\x1f"])
+    return bytes(block)
+
+
+def test_random_and_mutated_blocks_decode_exactly_as_hpack_decoder_does():
+    """Blocks in sequence on one table (so eviction and size updates carry over), 3000 seeded cases."""
+    rng = random.Random(20261201)
+    cases = rejected = 0
+    while cases < 3000:
+        encoder, theirs, ours = Encoder(), Decoder(), BlockDecoder(1 << 12)
+        theirs.max_header_list_size = 1 << 12
+        for _ in range(rng.randint(1, 12)):
+            cases += 1
+            block = _mutated(rng, encoder)
+            try:
+                expected = [(bytes(n), bytes(v)) for n, v in theirs.decode(block, raw=True)]
+            except (HPACKError, IndexError, TypeError, ValueError) as exc:
+                rejected += 1
+                with pytest.raises(HeaderBlockError) as ours_exc:
+                    ours.decode(block)
+                # the same kind of error: an oversized list is ENHANCE_YOUR_CALM on both engines
+                assert (type(exc).__name__ == "OversizedHeaderListError") == \
+                    isinstance(ours_exc.value, HeaderListTooLarge), block
+                break  # a connection error ends the connection: its table is gone
+            assert ours.decode(block) == expected, block
+            assert list(ours._table) == [(bytes(n), bytes(v)) for n, v in theirs.header_table.dynamic_entries]
+            assert ours.table_size == theirs.header_table.maxsize
+    assert rejected > 300
+
+
+# ---------------------------------------------------------------------------- header blocks and streams
+
+
+def test_continuation_for_another_stream_is_a_connection_error():
+    c = Client()
+    c.open()
+    block = c.block()
+    c.send(f.frame(f.HEADERS, f.END_STREAM, 1, block[:3]))
+    assert c.connection_error(f.frame(f.CONTINUATION, f.END_HEADERS, 3, block[3:])) == ErrorCodes.PROTOCOL_ERROR
+    assert not [e for e in c.events if e[0] == EV_REQUEST]
+
+
+def test_headers_of_another_stream_inside_a_header_block_is_a_connection_error():
+    c = Client()
+    c.open()
+    block = c.block()
+    c.send(f.frame(f.HEADERS, f.END_STREAM, 1, block[:3]))
+    assert c.connection_error(f.frame(f.HEADERS, f.END_HEADERS | f.END_STREAM, 3, block)) == \
+        ErrorCodes.PROTOCOL_ERROR
+
+
+def test_continuation_after_end_headers_is_a_connection_error():
+    c = Client()
+    c.open()
+    c.headers(1)
+    assert c.connection_error(f.frame(f.CONTINUATION, f.END_HEADERS, 1, b"\x82")) == ErrorCodes.PROTOCOL_ERROR
+
+
+def test_header_block_buffer_is_bounded_by_continuation_count_and_frame_size():
+    c = Client(max_header_list=1 << 30)
+    c.open()
+    c.send(f.frame(f.HEADERS, 0, 1, b"\x00" * f.MIN_FRAME_SIZE))
+    held = 0
+    with pytest.raises(ProtocolError):
+        for _ in range(1000):
+            c.send(f.frame(f.CONTINUATION, 0, 1, b"\x00" * f.MIN_FRAME_SIZE))
+            held = max(held, sum(map(len, c.server._cont_parts)))
+    c.take()
+    assert held <= (f.MAX_CONTINUATIONS + 1) * f.MIN_FRAME_SIZE
+    assert c.goaway_code() == ErrorCodes.ENHANCE_YOUR_CALM
+
+
+def test_partial_frame_buffer_never_holds_more_than_one_max_size_frame():
+    c = Client()
+    c.open()
+    c.send(f.header(f.DATA, 0, 1, f.MIN_FRAME_SIZE))
+    for _ in range(f.MIN_FRAME_SIZE - 1):
+        c.send(b"\x00")
+    assert len(c.server._buf) == 9 + f.MIN_FRAME_SIZE - 1
+    # a header announcing more than MAX_FRAME_SIZE is refused at once, before any payload is buffered
+    d = Client()
+    d.open()
+    assert d.connection_error(f.header(f.DATA, 0, 1, f.MAX_FRAME_SIZE_LIMIT)) == ErrorCodes.FRAME_SIZE_ERROR
+    assert d.server._buf == b""
+
+
+def test_data_after_end_stream_never_reaches_the_request_body():
+    c = Client()
+    c.open()
+    c.headers(1, POST, end_stream=True)
+    events = c.send(f.frame(f.DATA, f.END_STREAM, 1, b"smuggled"))
+    assert not [e for e in events if e[0] == EV_DATA]
+    assert c.resets() == {1: ErrorCodes.STREAM_CLOSED}
+
+
+def test_conflicting_content_lengths_are_malformed():
+    c = Client()
+    c.open()
+    events = c.headers(1, [*POST, (b"content-length", b"1"), (b"content-length", b"2")], end_stream=False)
+    assert [e[:2] for e in events] == [(EV_BAD_LENGTH, 1)]
+
+
+def test_trailers_with_a_pseudo_header_reset_the_stream_and_reach_nobody():
+    c = Client()
+    c.open()
+    c.headers(1, POST, end_stream=False)
+    events = c.headers(1, [(b":path", b"/other")], end_stream=True)
+    assert not [e for e in events if e[0] == EV_REQUEST]
+    assert c.resets() == {1: ErrorCodes.PROTOCOL_ERROR}
+
+
+# ---------------------------------------------------------------------------- control frames
+
+
+def test_huge_header_table_size_setting_does_not_grow_our_encoder_table():
+    c = Client()
+    c.open({f.HEADER_TABLE_SIZE: 2**32 - 1})
+    assert c.server.encoder.header_table_size == MAX_TABLE_SIZE
+
+
+def test_window_overflow_through_initial_window_size_is_a_flow_control_error():
+    c = Client()
+    c.open()
+    c.headers(1, POST, end_stream=False)
+    c.send(f.window_update(1, f.MAX_WINDOW - f.DEFAULT_WINDOW))
+    assert c.connection_error(f.settings_frame({f.INITIAL_WINDOW_SIZE: f.DEFAULT_WINDOW + 1})) == \
+        ErrorCodes.FLOW_CONTROL_ERROR
+
+
+def test_request_after_refusal_decodes_with_the_table_the_refused_block_built():
+    c = Client(max_concurrent_streams=1)
+    c.open()
+    c.headers(1, POST, end_stream=False)
+    c.headers(3, [*GET, (b"x-indexed", b"1")])  # refused, but its literal entered both tables
+    c.server.reset_stream(1, ErrorCodes.NO_ERROR)
+    c.server.release_stream(1)
+    events = c.headers(5, [*GET, (b"x-indexed", b"1")])
+    assert events[0][2][-1] == (b"x-indexed", b"1")
