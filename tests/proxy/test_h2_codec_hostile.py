@@ -266,6 +266,16 @@ def test_conflicting_content_lengths_are_malformed():
     assert [e[:2] for e in events] == [(EV_BAD_LENGTH, 1)]
 
 
+def test_content_length_of_thousands_of_digits_is_a_stream_error_not_a_crash():
+    # int() refuses more than 4300 digits with ValueError: it must not escape receive_data.
+    c = Client(max_header_list=1 << 16)
+    c.open()
+    events = c.headers(1, [*POST, (b"content-length", b"9" * 5000)], end_stream=False)
+    assert [e[:2] for e in events] == [(EV_BAD_LENGTH, 1)]
+    assert c.resets() == {1: ErrorCodes.PROTOCOL_ERROR}
+    assert c.goaway_code() is None
+
+
 def test_trailers_with_a_pseudo_header_reset_the_stream_and_reach_nobody():
     c = Client()
     c.open()

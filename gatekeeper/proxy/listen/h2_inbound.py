@@ -175,7 +175,8 @@ class InboundFrames:
                 else:
                     for name, value in headers:
                         if name == b"content-length":
-                            length = int(value) if value.isdigit() else -1
+                            # at most 19 significant digits (Go's uint63): int() raises past 4300
+                            length = int(value) if value.isdigit() and len(value.lstrip(b"0")) < 20 else -1
                             stream.length = length if stream.length in (None, length) else -1
                     if stream.length == -1:  # invalid or conflicting: malformed (RFC 9113 8.1.1)
                         self._bad_length(sid, events)
