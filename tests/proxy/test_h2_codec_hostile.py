@@ -266,6 +266,33 @@ def test_conflicting_content_lengths_are_malformed():
     assert [e[:2] for e in events] == [(EV_BAD_LENGTH, 1)]
 
 
+def test_content_length_on_a_request_ended_by_its_headers_is_malformed():
+    """HEADERS+END_STREAM with content-length: 5 would go upstream as a 5-byte body that never comes:
+    the HTTP/1.1 backend then reads the next request's first bytes as that body (RFC 9113 8.1.1)."""
+    c = Client()
+    c.open()
+    events = c.headers(1, [*POST, (b"content-length", b"5")], end_stream=True)
+    assert not [e for e in events if e[0] == EV_REQUEST]
+    assert c.resets() == {1: ErrorCodes.PROTOCOL_ERROR}
+    assert [e[:2] for e in events] == [(EV_BAD_LENGTH, 1)]
+    assert c.goaway_code() is None  # only that stream
+    # zero is what an ended request has: fine; and the HPACK table stayed in step
+    assert [e[:2] for e in c.headers(3, [*POST, (b"content-length", b"0")])] == [(EV_REQUEST, 3)]
+
+
+def test_content_length_on_a_request_ended_by_its_headers_is_malformed_on_the_h2_engine_too():
+    block = Encoder().encode([*POST, (b"content-length", b"5")])
+    conn = _h2_engine()
+    events = conn.receive_events(f.PREFACE + f.settings_frame({}) + f.frame(f.HEADERS, f.END_HEADERS | f.END_STREAM, 1,
+                                                                            block))
+    assert not [e for e in events if e[0] == EV_REQUEST]
+    out = conn.data_to_send()
+    assert f.rst_stream(1, ErrorCodes.PROTOCOL_ERROR) in out and _goaway_code(out) is None
+    block = Encoder().encode([*POST, (b"content-length", b"00")])
+    events = conn.receive_events(f.frame(f.HEADERS, f.END_HEADERS | f.END_STREAM, 3, block))
+    assert [e[:2] for e in events if e[0] == EV_REQUEST] == [(EV_REQUEST, 3)]
+
+
 def test_content_length_of_thousands_of_digits_is_a_stream_error_not_a_crash():
     # int() refuses more than 4300 digits with ValueError: it must not escape receive_data.
     c = Client(max_header_list=1 << 16)

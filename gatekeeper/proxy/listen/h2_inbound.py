@@ -170,17 +170,18 @@ class InboundFrames:
                     self._on_refused(sid)
             else:
                 stream = self.streams[sid] = Stream(self._peer_initial_window, self._stream_window)
+                for name, value in headers:
+                    if name == b"content-length":
+                        # at most 19 significant digits (Go's uint63): int() raises past 4300
+                        length = int(value) if value.isdigit() and len(value.lstrip(b"0")) < 20 else -1
+                        stream.length = length if stream.length in (None, length) else -1
+                # Invalid, conflicting, or a body announced on a request its HEADERS ended: malformed
+                # (RFC 9113 8.1.1). Forwarded, the HTTP/1.1 backend would read the next request as that body.
+                if stream.length == -1 or (end_stream and stream.length):
+                    self._bad_length(sid, events)
+                    return
                 if end_stream:
                     stream.remote_closed = True
-                else:
-                    for name, value in headers:
-                        if name == b"content-length":
-                            # at most 19 significant digits (Go's uint63): int() raises past 4300
-                            length = int(value) if value.isdigit() and len(value.lstrip(b"0")) < 20 else -1
-                            stream.length = length if stream.length in (None, length) else -1
-                    if stream.length == -1:  # invalid or conflicting: malformed (RFC 9113 8.1.1)
-                        self._bad_length(sid, events)
-                        return
                 self._held.add(sid)
                 events.append((EV_REQUEST, sid, headers, bool(end_stream)))
             return
