@@ -310,6 +310,7 @@ class InboundFrames:
         if length % 6:
             self._fail(ErrorCodes.FRAME_SIZE_ERROR, "SETTINGS payload not a multiple of 6")
         self._count(SETTINGS)
+        initial = self._peer_initial_window
         for pos in range(start, start + length, 6):
             key, value = f.SETTING.unpack_from(buf, pos)
             if key == f.HEADER_TABLE_SIZE:
@@ -317,17 +318,19 @@ class InboundFrames:
             elif key == f.INITIAL_WINDOW_SIZE:
                 if value > f.MAX_WINDOW:
                     self._fail(ErrorCodes.FLOW_CONTROL_ERROR, "INITIAL_WINDOW_SIZE above 2^31-1")
-                delta = value - self._peer_initial_window
-                self._peer_initial_window = value
-                for stream in self.streams.values():
-                    stream.send_window += delta
-                    if stream.send_window > f.MAX_WINDOW:
-                        self._fail(ErrorCodes.FLOW_CONTROL_ERROR, "a stream window went above 2^31-1")
+                initial = value  # applied once below: a frame of 2730 of these must not walk the streams 2730 times
             elif key == f.MAX_FRAME_SIZE:
                 if not f.MIN_FRAME_SIZE <= value <= f.MAX_FRAME_SIZE_LIMIT:
                     self._fail(ErrorCodes.PROTOCOL_ERROR, f"MAX_FRAME_SIZE {value} out of range")
                 self.max_outbound_frame_size = value
             elif key in (f.ENABLE_PUSH, f.ENABLE_CONNECT_PROTOCOL) and value > 1:
                 self._fail(ErrorCodes.PROTOCOL_ERROR, f"setting {key} must be 0 or 1")
+        if initial != self._peer_initial_window:
+            delta = initial - self._peer_initial_window
+            self._peer_initial_window = initial
+            for stream in self.streams.values():
+                stream.send_window += delta
+                if stream.send_window > f.MAX_WINDOW:
+                    self._fail(ErrorCodes.FLOW_CONTROL_ERROR, "a stream window went above 2^31-1")
         self._out.append(f.frame(f.SETTINGS, f.ACK, 0))
         events.append((EV_WINDOW, 0))
