@@ -25,7 +25,7 @@ from gatekeeper.proxy.listen.h2_codec import EV_BAD_LENGTH, EV_DATA, EV_REQUEST
 from gatekeeper.proxy.listen.h2_conn import ProxyH2Connection
 from gatekeeper.proxy.listen.h2_hdecode import BlockDecoder, HeaderBlockError, HeaderListTooLarge
 from gatekeeper.proxy.listen.h2_hpack import MAX_TABLE_SIZE
-from gatekeeper.proxy.listen.h2_limits import FloodGuard
+from gatekeeper.proxy.listen.h2_limits import FloodError, FloodGuard
 
 POST = [(b":method", b"POST"), (b":scheme", b"https"), (b":authority", b"a.test"), (b":path", b"/api")]
 LIMITS = {"rst_stream": 50, "ping": 50, "settings": 50, "empty_frame": 50, "closed_stream": 50}
@@ -353,6 +353,23 @@ def test_window_overflow_through_initial_window_size_is_a_flow_control_error():
     c.send(f.window_update(1, f.MAX_WINDOW - f.DEFAULT_WINDOW))
     assert c.connection_error(f.settings_frame({f.INITIAL_WINDOW_SIZE: f.DEFAULT_WINDOW + 1})) == \
         ErrorCodes.FLOW_CONTROL_ERROR
+
+
+@pytest.mark.parametrize("payload", [
+    lambda sid: b"\x00" * 6,  # length 6, not 5: stream error FRAME_SIZE_ERROR
+    lambda sid: struct.pack(">IB", sid, 16),  # depends on itself: stream error PROTOCOL_ERROR
+], ids=["bad-length", "self-dependency"])
+def test_priority_frames_that_force_a_reset_are_counted_as_a_flood(payload):
+    """A PRIORITY frame the server must answer with RST_STREAM costs the client 14 bytes: in volume it
+    is a reset flood (CVE-2019-9514) unless counted. The h2 engine fails the connection at once."""
+    c = Client(guard=FloodGuard(dict(LIMITS), 10.0))
+    c.open()
+    with pytest.raises(FloodError):
+        for sid in range(3, 20_001, 2):
+            c.send(f.frame(f.PRIORITY, 0, sid, payload(sid)))
+    c.take()
+    assert c.goaway_code() == ErrorCodes.ENHANCE_YOUR_CALM
+    assert len(c.of_type(f.RST_STREAM)) <= LIMITS["rst_stream"]
 
 
 def test_request_after_refusal_decodes_with_the_table_the_refused_block_built():

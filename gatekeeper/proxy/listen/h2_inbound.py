@@ -295,8 +295,10 @@ class InboundFrames:
         if not sid:
             self._fail(ErrorCodes.PROTOCOL_ERROR, "PRIORITY on stream 0")
         if length != 5:
+            self._count(RST_STREAM)  # each costs us a RST_STREAM: a reset flood unless counted (h2 fails at once)
             self._stream_error(sid, ErrorCodes.FRAME_SIZE_ERROR, events)
         elif _U32(buf, start)[0] & 0x7FFFFFFF == sid:
+            self._count(RST_STREAM)
             self._stream_error(sid, ErrorCodes.PROTOCOL_ERROR, events)
         # otherwise ignored: the proxy does not prioritize (RFC 9113 5.3.2)
 
