@@ -9,6 +9,7 @@ holds; the ones written for a bug failed before its fix.
 
 from __future__ import annotations
 
+import asyncio
 import random
 import struct
 
@@ -26,6 +27,8 @@ from gatekeeper.proxy.listen.h2_conn import ProxyH2Connection
 from gatekeeper.proxy.listen.h2_hdecode import BlockDecoder, HeaderBlockError, HeaderListTooLarge
 from gatekeeper.proxy.listen.h2_hpack import MAX_TABLE_SIZE
 from gatekeeper.proxy.listen.h2_limits import FloodError, FloodGuard
+from gatekeeper.proxy.messages import ProxyRequest, ProxyResponse
+from gatekeeper.proxy.settings import ProtocolSettings
 
 POST = [(b":method", b"POST"), (b":scheme", b"https"), (b":authority", b"a.test"), (b":path", b"/api")]
 LIMITS = {"rst_stream": 50, "ping": 50, "settings": 50, "empty_frame": 50, "closed_stream": 50}
@@ -381,3 +384,31 @@ def test_request_after_refusal_decodes_with_the_table_the_refused_block_built():
     c.server.release_stream(1)
     events = c.headers(5, [*GET, (b"x-indexed", b"1")])
     assert events[0][2][-1] == (b"x-indexed", b"1")
+
+
+# ---------------------------------------------------------------------------- through H2Protocol (both engines)
+
+
+async def test_request_data_queued_when_the_stream_is_cut_goes_back_to_the_connection_window(h2pair):
+    """DATA waiting for a handler that is then cut (client reset) was never acknowledged: each cancelled
+    upload shrank the connection window for good, until no stream on that connection could send a byte."""
+    started: list[int] = []
+
+    async def handler(req: ProxyRequest) -> ProxyResponse:
+        started.append(req.stream_id)
+        await asyncio.Event().wait()  # never reads the body; cancelled when the stream is cut
+        raise AssertionError("not reached")
+
+    pair = h2pair(handler, ProtocolSettings(stream_window_bytes=16384))  # connection window 65535
+    client = pair.client
+    for _ in range(6):  # 6 x 16000 bytes left unread: more than the whole connection window
+        await pair.until(lambda: client.outbound_flow_control_window >= 16000, limit=2.0)
+        sid = client.get_next_available_stream_id()
+        client.send_headers(sid, [(":method", "POST"), (":path", "/api"), (":scheme", "https"),
+                                  (":authority", "proxy.test")])
+        client.send_data(sid, b"x" * 16000)
+        pair.pump()
+        await pair.until(lambda s=sid: s in started)
+        client.reset_stream(sid, ErrorCodes.CANCEL)
+        pair.pump()
+        await pair.until(lambda: pair.server.open_streams == 0)
