@@ -315,6 +315,27 @@ def test_trailers_with_a_pseudo_header_reset_the_stream_and_reach_nobody():
     assert c.resets() == {1: ErrorCodes.PROTOCOL_ERROR}
 
 
+def test_end_stream_flag_on_continuation_does_not_end_the_request():
+    """CONTINUATION has no END_STREAM flag (0x1 is undefined there): a client setting it must not get a
+    request classified as bodiless while its DATA follows. Both engines agree."""
+    block = Encoder().encode(POST)
+    frames = f.frame(f.HEADERS, 0, 1, block[:2]) + f.frame(f.CONTINUATION, f.END_HEADERS | 0x1, 1, block[2:])
+    c = Client()
+    c.open()
+    assert [(e[0], e[3]) for e in c.send(frames)] == [(EV_REQUEST, False)]
+    events = _h2_engine().receive_events(f.PREFACE + f.settings_frame({}) + frames)
+    assert [(e[0], e[3]) for e in events if e[0] == EV_REQUEST] == [(EV_REQUEST, False)]
+
+
+def test_padding_longer_than_the_frame_is_a_protocol_error_on_both_engines():
+    block = Encoder().encode(GET)
+    frame = f.frame(f.HEADERS, f.END_HEADERS | f.END_STREAM | f.PADDED, 1, bytes([255]) + block)
+    c = Client()
+    c.open()
+    assert c.connection_error(frame) == ErrorCodes.PROTOCOL_ERROR
+    assert _h2_goaway(_h2_engine(), f.PREFACE + f.settings_frame({}) + frame) == ErrorCodes.PROTOCOL_ERROR
+
+
 # ---------------------------------------------------------------------------- control frames
 
 
@@ -356,6 +377,17 @@ def test_window_overflow_through_initial_window_size_is_a_flow_control_error():
     c.send(f.window_update(1, f.MAX_WINDOW - f.DEFAULT_WINDOW))
     assert c.connection_error(f.settings_frame({f.INITIAL_WINDOW_SIZE: f.DEFAULT_WINDOW + 1})) == \
         ErrorCodes.FLOW_CONTROL_ERROR
+
+
+def test_window_updates_on_a_closed_stream_cost_no_output_and_no_memory():
+    c = Client(guard=FloodGuard(dict(LIMITS), 10.0))
+    c.open()
+    c.headers(1)
+    c.server.send_headers(1, [(b":status", b"200")], end_stream=True)  # stream 1 closed on both sides
+    c.take()
+    closed = dict(c.server._closed)
+    c.send(f.window_update(1, 1) * 10_000)
+    assert c.take() == [] and c.server._closed == closed and c.server.streams == {}
 
 
 @pytest.mark.parametrize("payload", [
