@@ -22,7 +22,7 @@ from hpack.exceptions import HPACKError
 from test_h2_codec import GET, Client
 
 from gatekeeper.proxy.listen import h2_frames as f
-from gatekeeper.proxy.listen.h2_codec import EV_BAD_LENGTH, EV_DATA, EV_REQUEST
+from gatekeeper.proxy.listen.h2_codec import EV_BAD_LENGTH, EV_DATA, EV_REQUEST, EV_RESET
 from gatekeeper.proxy.listen.h2_conn import ProxyH2Connection
 from gatekeeper.proxy.listen.h2_hdecode import BlockDecoder, HeaderBlockError, HeaderListTooLarge
 from gatekeeper.proxy.listen.h2_hpack import MAX_TABLE_SIZE
@@ -405,6 +405,25 @@ def test_priority_frames_that_force_a_reset_are_counted_as_a_flood(payload):
     c.take()
     assert c.goaway_code() == ErrorCodes.ENHANCE_YOUR_CALM
     assert len(c.of_type(f.RST_STREAM)) <= LIMITS["rst_stream"]
+
+
+@pytest.mark.parametrize("provoke", [
+    lambda sid: f.window_update(sid, f.MAX_WINDOW),  # stream window overflow: FLOW_CONTROL_ERROR
+    lambda sid: f.frame(f.PRIORITY, 0, sid, b"\x00" * 6),  # bad PRIORITY length: FRAME_SIZE_ERROR
+    lambda sid: f.frame(f.DATA, 0, sid, b"x" * 200),  # beyond the 100-byte stream window: FLOW_CONTROL_ERROR
+], ids=["window-overflow", "priority-length", "data-over-window"])
+def test_streams_the_client_makes_us_reset_keep_their_slot_until_the_handler_is_done(provoke):
+    """MadeYouReset (CVE-2025-8671): a stream error the client provokes closes the stream at once; if that
+    freed its MAX_CONCURRENT_STREAMS slot while the handler (and its upstream request) still ran, a client
+    could run unbounded backend work. The adapter is told (EV_RESET) and the slot stays held."""
+    c = Client(max_concurrent_streams=1, stream_window=100)
+    c.open()
+    c.headers(1, POST, end_stream=False)
+    events = c.send(provoke(1))
+    assert [e[:2] for e in events if e[0] == EV_RESET] == [(EV_RESET, 1)]
+    assert c.headers(3) == [] and c.resets()[3] == ErrorCodes.REFUSED_STREAM  # slot still held
+    c.server.release_stream(1)  # the handler finished
+    assert [e[:2] for e in c.headers(5)] == [(EV_REQUEST, 5)]
 
 
 def test_request_after_refusal_decodes_with_the_table_the_refused_block_built():
