@@ -544,6 +544,8 @@ class H2Protocol:
     def _cut(self, stream: _Stream, error: BaseException) -> None:
         if stream.error is None:
             stream.error = error
+        while stream.inbox:  # nobody will read it: give its window back, or the connection's stays shut
+            self._ack(stream.id, stream.inbox.popleft()[1])
         stream.inbox_changed.set()
         stream.window_open.set()
         if stream.task is not None:

@@ -240,7 +240,17 @@ class ProxyH2Connection(H2Connection):
         over = new and max(super().open_inbound_streams, len(self._held)) >= self.local_settings.max_concurrent_streams
         if not over:
             frames, events = super()._receive_headers_frame(frame)
-            if new and any(isinstance(e, RequestReceived) and e.stream_id == sid for e in events):
+            request = next((e for e in events if isinstance(e, RequestReceived) and e.stream_id == sid), None)
+            if new and request is not None:
+                if request.stream_ended is not None and any(
+                        n == b"content-length" and v.lstrip(b"0") for n, v in request.headers or ()):
+                    # A body announced on a request its HEADERS ended: malformed (RFC 9113 8.1.1), and
+                    # forwarded, the HTTP/1.1 backend would read the next request as that body.
+                    self._prepare_for_sending(frames)
+                    self.reset_stream(sid, ErrorCodes.PROTOCOL_ERROR)
+                    if self._on_bad_length is not None:
+                        self._on_bad_length(sid)
+                    return [], [e for e in events if getattr(e, "stream_id", None) != sid]
                 self._held.add(sid)
             return frames, events
         self._lift_limit = True

@@ -174,16 +174,18 @@ class InboundFrames:
                     self._on_refused(sid)
             else:
                 stream = self.streams[sid] = Stream(self._peer_initial_window, self._stream_window)
+                for name, value in headers:
+                    if name == b"content-length":
+                        # at most 19 significant digits (Go's uint63): int() raises past 4300
+                        length = int(value) if value.isdigit() and len(value.lstrip(b"0")) < 20 else -1
+                        stream.length = length if stream.length in (None, length) else -1
+                # Invalid, conflicting, or a body announced on a request its HEADERS ended: malformed
+                # (RFC 9113 8.1.1). Forwarded, the HTTP/1.1 backend would read the next request as that body.
+                if stream.length == -1 or (end_stream and stream.length):
+                    self._bad_length(sid, events)
+                    return
                 if end_stream:
                     stream.remote_closed = True
-                else:
-                    for name, value in headers:
-                        if name == b"content-length":
-                            length = int(value) if value.isdigit() else -1
-                            stream.length = length if stream.length in (None, length) else -1
-                    if stream.length == -1:  # invalid or conflicting: malformed (RFC 9113 8.1.1)
-                        self._bad_length(sid, events)
-                        return
                 self._held.add(sid)
                 events.append((EV_REQUEST, sid, headers, bool(end_stream)))
             return
@@ -297,8 +299,10 @@ class InboundFrames:
         if not sid:
             self._fail(ErrorCodes.PROTOCOL_ERROR, "PRIORITY on stream 0")
         if length != 5:
+            self._count(RST_STREAM)  # each costs us a RST_STREAM: a reset flood unless counted (h2 fails at once)
             self._stream_error(sid, ErrorCodes.FRAME_SIZE_ERROR, events)
         elif _U32(buf, start)[0] & 0x7FFFFFFF == sid:
+            self._count(RST_STREAM)
             self._stream_error(sid, ErrorCodes.PROTOCOL_ERROR, events)
         # otherwise ignored: the proxy does not prioritize (RFC 9113 5.3.2)
 
@@ -312,6 +316,7 @@ class InboundFrames:
         if length % 6:
             self._fail(ErrorCodes.FRAME_SIZE_ERROR, "SETTINGS payload not a multiple of 6")
         self._count(SETTINGS)
+        initial = self._peer_initial_window
         for pos in range(start, start + length, 6):
             key, value = f.SETTING.unpack_from(buf, pos)
             if key == f.HEADER_TABLE_SIZE:
@@ -319,17 +324,19 @@ class InboundFrames:
             elif key == f.INITIAL_WINDOW_SIZE:
                 if value > f.MAX_WINDOW:
                     self._fail(ErrorCodes.FLOW_CONTROL_ERROR, "INITIAL_WINDOW_SIZE above 2^31-1")
-                delta = value - self._peer_initial_window
-                self._peer_initial_window = value
-                for stream in self.streams.values():
-                    stream.send_window += delta
-                    if stream.send_window > f.MAX_WINDOW:
-                        self._fail(ErrorCodes.FLOW_CONTROL_ERROR, "a stream window went above 2^31-1")
+                initial = value  # applied once below: a frame of 2730 of these must not walk the streams 2730 times
             elif key == f.MAX_FRAME_SIZE:
                 if not f.MIN_FRAME_SIZE <= value <= f.MAX_FRAME_SIZE_LIMIT:
                     self._fail(ErrorCodes.PROTOCOL_ERROR, f"MAX_FRAME_SIZE {value} out of range")
                 self.max_outbound_frame_size = value
             elif key in (f.ENABLE_PUSH, f.ENABLE_CONNECT_PROTOCOL) and value > 1:
                 self._fail(ErrorCodes.PROTOCOL_ERROR, f"setting {key} must be 0 or 1")
+        if initial != self._peer_initial_window:
+            delta = initial - self._peer_initial_window
+            self._peer_initial_window = initial
+            for stream in self.streams.values():
+                stream.send_window += delta
+                if stream.send_window > f.MAX_WINDOW:
+                    self._fail(ErrorCodes.FLOW_CONTROL_ERROR, "a stream window went above 2^31-1")
         self._out.append(f.frame(f.SETTINGS, f.ACK, 0))
         events.append((EV_WINDOW, 0))
