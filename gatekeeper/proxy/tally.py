@@ -40,24 +40,28 @@ FLUSH_SECONDS = 1.0
 """Longest time an update waits in a tally before it reaches prometheus-client."""
 
 _dirty: list[CounterTally | HistogramTally] = []
-_timer: asyncio.TimerHandle | None = None
+_timer_loop: asyncio.AbstractEventLoop | None = None
+"""The loop a timed flush is pending on, if any."""
 
 
 def _mark(tally: CounterTally | HistogramTally) -> None:
     """First update since the last flush: remember the tally and make sure a flush comes."""
-    global _timer
+    global _timer_loop
     tally.dirty = True
     _dirty.append(tally)
-    if _timer is None:
-        try:
-            _timer = asyncio.get_running_loop().call_later(FLUSH_SECONDS, _timed_flush)
-        except RuntimeError:  # no running loop (a synchronous caller): the next scrape flushes
-            pass
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:  # no running loop (a synchronous caller): the next scrape or exit flushes
+        return
+    if _timer_loop is not loop:  # none pending, or pending on a loop that is gone (tests run one per test)
+        _timer_loop = loop
+        loop.call_later(FLUSH_SECONDS, _timed_flush, loop)
 
 
-def _timed_flush() -> None:
-    global _timer
-    _timer = None
+def _timed_flush(loop: asyncio.AbstractEventLoop) -> None:
+    global _timer_loop
+    if _timer_loop is loop:
+        _timer_loop = None
     flush()
 
 

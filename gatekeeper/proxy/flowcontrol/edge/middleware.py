@@ -34,8 +34,7 @@ import signal
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from gatekeeper.kube import requestinfo
 from gatekeeper.kube.requestinfo import RequestInfo
@@ -83,7 +82,7 @@ def too_many_requests(fs: FlowSchema, pl: PriorityLevel, reason: str, retry_afte
     return response
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Waiter:
     """Per-request state the async layer hangs on a ticket."""
 
@@ -103,7 +102,6 @@ class _Waiter:
     """State at wake-up (executing, joined, rejected): the ticket may move on before this task resumes."""
     """Counted in executing_by_schema (the current_executing_requests gauge)."""
     finished: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
     shape: ListShape | None = None
     """A LIST's options (limit, selectors, resourceVersion): its cost, and what its response teaches."""
     content_type: str = ""
