@@ -433,6 +433,12 @@ class BackendClient:
                              body=_raw_body(reader, writer, resp_headers, on_close))
 
 
+_NAMES: dict[bytes, str] = {}
+"""Response header names as received -> lower-case text: an apiserver sends the same dozen names all day."""
+MAX_NAMES = 512
+"""Names past this many are decoded every time (a backend cannot grow the table without bound)."""
+
+
 def response_headers(raw: Sequence[tuple[bytes, bytes]]) -> Headers:
     """Raw response headers as lower-case text pairs, hop-by-hop ones and those ``Connection`` names removed.
 
@@ -440,8 +446,13 @@ def response_headers(raw: Sequence[tuple[bytes, bytes]]) -> Headers:
     """
     out: Headers = []
     named: list[str] | None = None
+    names = _NAMES
     for k, v in raw:
-        name = k.decode("latin-1").lower()
+        name = names.get(k)
+        if name is None:
+            name = k.decode("latin-1").lower()
+            if len(names) < MAX_NAMES:
+                names[k] = name
         if name in HOP_BY_HOP:
             if name == "connection":
                 named = [*(named or []), v.decode("latin-1")]

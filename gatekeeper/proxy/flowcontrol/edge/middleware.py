@@ -254,7 +254,7 @@ class FlowControl:
             # Classification only: request.user and the Authorization header are left as they are,
             # so the token goes upstream untouched and the apiserver authenticates it.
             auth = request.header("authorization") or ""
-            who = self.identities.cached(auth) or await self.identities.resolve(auth)
+            who = self.identities.cached(auth, request.connection_memo) or await self.identities.resolve(auth)
             facts, verified = who, who.verified
             if not verified:
                 user_key = unverified_flow(request.peer)

@@ -112,9 +112,10 @@ class TokenIdentities:
             await self.refresh(force=True)
 
     # -- resolution ---------------------------------------------------------------------------
-    def cached(self, authorization: str) -> Identity | None:
-        """The warm path, synchronous: a cached verdict or None (then await :meth:`resolve`)."""
-        hit = self.classifier.cached(authorization, self.clock())
+    def cached(self, authorization: str, memo: dict[str, Any] | None = None) -> Identity | None:
+        """The warm path, synchronous: a cached verdict or None (then await :meth:`resolve`).
+        ``memo``: the client connection's, see :meth:`TokenClassifier.cached`."""
+        hit = self.classifier.cached(authorization, self.clock(), memo)
         if hit is not None:
             self._counts["cached" if hit.verified else "failed-cached"].inc()
         return hit
