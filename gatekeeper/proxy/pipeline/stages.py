@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
@@ -56,9 +57,17 @@ async def _once(data: bytes) -> AsyncIterator[bytes]:
 # --- middlewares --------------------------------------------------------------------------------
 
 
+_checked_target = functools.lru_cache(maxsize=4096)(target.check)
+"""``target.check`` is pure and clients repeat their targets; long targets are checked every time."""
+MEMO_TARGET_CHARS = 512
+
+
 def _refuse_target(request: ProxyRequest) -> ProxyResponse | None:
     """The answer to a target that could steer or mis-classify the request (target.py), or to ``OPTIONS *``."""
-    bad = target.check(request.method, request.target)
+    if len(request.target) <= MEMO_TARGET_CHARS:
+        bad = _checked_target(request.method, request.target)
+    else:
+        bad = target.check(request.method, request.target)
     if bad is not None:
         rejections.reject(bad.reason, f"{request.peer} {request.method}: {bad.message}")
         return error_response(400, "BadRequest", f"gatekeeper proxy: {bad.message}")

@@ -90,7 +90,8 @@ class _Waiter:
     pl: PriorityLevel
     info: RequestInfo
     enqueued: float
-    future: asyncio.Future[None]
+    future: asyncio.Future[None] | None
+    """Only a request that has to queue waits on one (created when it is queued)."""
     m: metrics.PairMetrics
     abandoned: bool = False
     shared: asyncio.Future[ProxyResponse] | None = None
@@ -265,12 +266,14 @@ class FlowControl:
         )
         assert t.level is not None
         pl = t.level.spec
-        w = _Waiter(fs, pl, info, now, asyncio.get_running_loop().create_future(), metrics.for_pair(fs.name, pl.name))
+        w = _Waiter(fs, pl, info, now, None, metrics.for_pair(fs.name, pl.name))
         w.shape = shape
         t.payload = w
         request.annotations["flow_schema"], request.annotations["priority_level"] = fs.name, pl.name
-        self._wake(dispatched)
         if t.state == "queued":
+            w.future = asyncio.get_running_loop().create_future()
+        self._wake(dispatched)
+        if w.future is not None:
             timer = asyncio.get_running_loop().call_later(max(0.0, t.deadline - now), self._timeout, t)
             try:
                 await w.future
@@ -314,13 +317,15 @@ class FlowControl:
                 w.m.coalesced.inc()
                 w.shared = asyncio.get_running_loop().create_future()
             w.outcome = w.outcome or d.state
-            if not w.future.done():
+            if w.future is not None and not w.future.done():
                 w.future.set_result(None)
 
     def _timeout(self, t: Ticket) -> None:
-        if self.controller.timeout(t, self.clock()) and isinstance(t.payload, _Waiter) and not t.payload.future.done():
-            t.payload.outcome = "rejected"
-            t.payload.future.set_result(None)
+        w = t.payload
+        if (self.controller.timeout(t, self.clock()) and isinstance(w, _Waiter) and w.future is not None
+                and not w.future.done()):
+            w.outcome = "rejected"
+            w.future.set_result(None)
 
     def _abandon(self, t: Ticket) -> None:
         """The client went away (task cancelled) before its request ran."""
