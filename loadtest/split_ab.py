@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -52,20 +53,34 @@ def main() -> None:
             targets.append(("gk-base", url, pid))
         url, pid = env.start_gatekeeper("gk-new", workers=1, deployed_flow_control=True)
         targets.append(("gk-new", url, pid))
+        per: dict[str, list[float]] = {name: [] for name, _, _ in targets}
+        ratios: dict[str, list[float]] = {name: [] for name, _, _ in targets[1:]}
         for r in range(args.rounds):
             order = targets[1:] if r % 2 == 0 else targets[:0:-1]
-            ref = 0.0
+            got: dict[str, float] = {}
             for name, url, pid in [targets[0], *order]:
                 h2load(env, url, 2000, 4, 4)
                 pids = tree_pids(pid)
                 u0, s0 = cpu_seconds(pids)
                 res = h2load(env, url, args.n, 8, 8)
                 u1, s1 = cpu_seconds(pids)
-                total = 1e3 * ((u1 - u0) + (s1 - s0)) / args.n
-                ref = ref or total
+                total = got[name] = 1e3 * ((u1 - u0) + (s1 - s0)) / args.n
+                per[name].append(total)
                 print(f"round {r} {name:8s} user {1e3 * (u1 - u0) / args.n:.3f} sys {1e3 * (s1 - s0) / args.n:.3f} "
-                      f"total {total:.3f} ms/req  x{total / ref:.2f}  {res['rps']:.0f} req/s "
+                      f"total {total:.3f} ms/req  x{total / got['haproxy']:.2f}  {res['rps']:.0f} req/s "
                       f"fail {res['failed']:.0f}  load {os.getloadavg()[0]:.2f}", flush=True)
+            for name in ratios:
+                ratios[name].append(got[name] / got["haproxy"])
+            if "gk-base" in got:
+                print(f"round {r} gk-new/gk-base {got['gk-new'] / got['gk-base']:.3f}", flush=True)
+        for name, values in per.items():
+            line = f"{name:8s} median {statistics.median(values):.3f} ms/req"
+            if name in ratios:
+                line += f"  x{statistics.median(ratios[name]):.2f} of HAProxy (median of per-round ratios)"
+            print(line)
+        if "gk-base" in per:
+            paired = [n / b for n, b in zip(per["gk-new"], per["gk-base"], strict=True)]
+            print(f"gk-new/gk-base: median {statistics.median(paired):.3f} over {len(paired)} rounds")
     finally:
         env.stop()
 
