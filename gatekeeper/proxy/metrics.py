@@ -58,8 +58,8 @@ from prometheus_client import REGISTRY, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from gatekeeper.metrics import child
 from gatekeeper.metrics import render as render  # the one renderer (multiprocess-aware); pipeline.py's /metrics
+from gatekeeper.proxy.tally import CounterTally, HistogramTally  # before the metrics: its flush collects first
 
 if TYPE_CHECKING:
     from gatekeeper.proxy.pipeline.balancer import Balancer
@@ -193,9 +193,31 @@ def resource_label(resource_key: str, code: int) -> str:
     return "<unknown>"
 
 
+_ResponseTallies = tuple[HistogramTally, CounterTally]
+_response_tallies: dict[tuple[str, str, str, int], _ResponseTallies] = {}
+_duration_tallies: dict[str, HistogramTally] = {}
+MAX_RESPONSE_TALLIES = 4096
+"""Bound on the memo of label sets; past it the memo starts over (pending counts are kept, see tally.py)."""
+
+
+def _tallies_for(backend: str, verb: str, resource_key: str, code: int) -> _ResponseTallies:
+    label = verb_label(verb)
+    duration = _duration_tallies.get(label)
+    if duration is None:
+        duration = _duration_tallies[label] = HistogramTally(REQUEST_DURATION.labels(label))
+    resource = resource_label(resource_key, code)
+    tallies = duration, CounterTally(REQUESTS.labels(backend, label, resource, str(code)))
+    if resource != "<unknown>":  # every other answer is final (learned names are never forgotten)
+        if len(_response_tallies) >= MAX_RESPONSE_TALLIES:
+            _response_tallies.clear()
+        _response_tallies[(backend, verb, resource_key, code)] = tallies
+    return tallies
+
+
 def observe_response(backend: str, verb: str, resource_key: str, code: int, seconds: float) -> None:
-    """Count one backend answer (label children looked up once, see :func:`gatekeeper.metrics.child`)."""
-    verb = verb_label(verb)
-    child(REQUEST_DURATION, verb).observe(seconds)
-    child(REQUESTS, backend, verb, resource_label(resource_key, code), str(code)).inc()
+    """Count one backend answer: one memo lookup and two tallies (``tally.py``) per request."""
+    tallies = _response_tallies.get((backend, verb, resource_key, code)) or _tallies_for(
+        backend, verb, resource_key, code)
+    tallies[0].observe(seconds)
+    tallies[1].inc()
 

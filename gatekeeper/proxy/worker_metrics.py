@@ -4,7 +4,10 @@ Two kinds of samples, two sources:
 
 * counters, histograms and ``Gauge`` objects are written by every worker to
   prometheus-client's multiprocess files (``PROMETHEUS_MULTIPROC_DIR``) and read
-  with its ``MultiProcessCollector``: a dead worker's counts stay in the sums;
+  with its ``MultiProcessCollector``: a dead worker's counts stay in the sums
+  (per-request counts reach the files through ``tally.py``: on each scrape of the
+  worker's page, which :func:`render` fetches before it reads the files, within a
+  second, and at exit);
 * the gauges computed from live state at scrape time (per-backend in-flight,
   watches, pooled connections, flow control's queues and seats) exist only
   inside each worker, so the parent fetches each live worker's private page and

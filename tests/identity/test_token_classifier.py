@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import token_kit as kit
 
 from gatekeeper.proxy.pipeline.tokens.classify import UNVERIFIED, TokenClassifier, bearer_token, unverified_flow
@@ -42,6 +43,30 @@ def test_verified_token_is_cached_until_it_expires() -> None:
     hit = c.cached(auth, NOW + 1)
     assert hit is not None and hit.verified
     assert c.cached(auth, NOW + 600 + 61) is None  # gone with the token (plus leeway)
+
+
+def test_a_connection_memo_skips_rehashing_its_token_but_never_answers_for_another(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from gatekeeper.proxy.pipeline.tokens import classify
+
+    hashed: list[str] = []
+    real = classify.digest
+    monkeypatch.setattr(classify, "digest", lambda token: hashed.append(token) or real(token))
+    c = classifier()
+    good = "Bearer " + kit.sign(kit.sa_claims(now=NOW, ttl=600), RSA)
+    other = "Bearer " + kit.sign(kit.sa_claims("team-b", "x", now=NOW, ttl=600), RSA)
+    c.decide(good, NOW)
+    memo: dict[str, object] = {}
+    hashed.clear()
+    for _ in range(3):
+        hit = c.cached(good, NOW + 1, memo)
+        assert hit is not None and hit.name == "system:serviceaccount:team-a:builder"
+    assert len(hashed) == 1  # hashed once for the connection, not per request
+    assert c.cached(other, NOW + 1, memo) is None  # another token on the same connection: its own (no) verdict
+    hit = c.cached(good, NOW + 1, memo)
+    assert hit is not None and hit.name == "system:serviceaccount:team-a:builder"
+    assert c.cached(good, NOW + 600 + 61, memo) is None  # the memo never outlives the verdict
 
 
 def test_failed_tokens_are_cached_apart_so_a_flood_cannot_evict_good_ones() -> None:

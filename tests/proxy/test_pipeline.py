@@ -7,7 +7,8 @@ from typing import Any
 import orjson
 import pytest
 
-from gatekeeper.proxy.messages import Handler, ProxyRequest, ProxyResponse
+from gatekeeper.proxy.messages import Handler, ProxyRequest, ProxyResponse, UserInfo
+from gatekeeper.proxy.pipeline.auth import upstream_identity_headers
 from gatekeeper.proxy.pipeline.stages import (
     _forwarded_for,
     build,
@@ -16,6 +17,7 @@ from gatekeeper.proxy.pipeline.stages import (
     local_endpoints,
     local_endpoints_for,
     request_info,
+    upstream_headers,
 )
 from gatekeeper.proxy.settings import BackendSettings, ProxySettings, UpstreamSettings
 
@@ -150,6 +152,21 @@ def test_forwarded_for_appends_client_address() -> None:
     assert _forwarded_for([("x-forwarded-for", "10.0.0.1")], "[::1]:4000") == [
         ("x-forwarded-for", "10.0.0.1, ::1")]
     assert _forwarded_for([], "") == []
+
+
+@pytest.mark.parametrize("peer", ["127.0.0.1:4000", "[::1]:4000", "", "unix"])
+@pytest.mark.parametrize("user", [
+    UserInfo(name="alice", groups=["dev", "system:masters"], extra={"Scopes": ["a b"]}, source="x509"),
+    UserInfo(name="token:abc", source="token"),
+    UserInfo(name="system:anonymous", groups=["system:unauthenticated"], source="anonymous"),
+], ids=["x509", "token", "anonymous"])
+def test_upstream_headers_in_one_pass_equal_the_identity_then_forwarded_for_passes(peer: str, user: UserInfo) -> None:
+    headers = [("accept", "application/json"), ("X-Remote-User", "mallory"), ("x-forwarded-for", "10.0.0.1"),
+               ("x-remote-group", "system:masters"), ("X-Forwarded-For", "10.0.0.2"), ("authorization", "Bearer t"),
+               ("x-forwarded-for", "10.0.0.3"), ("x-remote-extra-scopes", "all")]
+    expected = _forwarded_for(upstream_identity_headers(headers, user), peer)
+    assert upstream_headers(headers, user, peer) == expected
+    assert not any(k.lower().startswith("x-remote-") for k, _ in expected) or user.source == "x509"
 
 
 def test_deploy_example_config_is_valid() -> None:

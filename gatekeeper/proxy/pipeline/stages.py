@@ -19,15 +19,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Collection, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 from gatekeeper.kube import requestinfo
 from gatekeeper.proxy import metrics, rejections, target
 from gatekeeper.proxy.adapter import error_response
-from gatekeeper.proxy.messages import Handler, Headers, Middleware, ProxyRequest, ProxyResponse
+from gatekeeper.proxy.messages import Handler, Headers, Middleware, ProxyRequest, ProxyResponse, UserInfo
 from gatekeeper.proxy.pipeline import auth
 from gatekeeper.proxy.pipeline.balancer import Backend, Balancer, EjectionPolicy, Lease
 from gatekeeper.proxy.settings import ProxySettings
@@ -56,9 +57,17 @@ async def _once(data: bytes) -> AsyncIterator[bytes]:
 # --- middlewares --------------------------------------------------------------------------------
 
 
+_checked_target = functools.lru_cache(maxsize=4096)(target.check)
+"""``target.check`` is pure and clients repeat their targets; long targets are checked every time."""
+MEMO_TARGET_CHARS = 512
+
+
 def _refuse_target(request: ProxyRequest) -> ProxyResponse | None:
     """The answer to a target that could steer or mis-classify the request (target.py), or to ``OPTIONS *``."""
-    bad = target.check(request.method, request.target)
+    if len(request.target) <= MEMO_TARGET_CHARS:
+        bad = _checked_target(request.method, request.target)
+    else:
+        bad = target.check(request.method, request.target)
     if bad is not None:
         rejections.reject(bad.reason, f"{request.peer} {request.method}: {bad.message}")
         return error_response(400, "BadRequest", f"gatekeeper proxy: {bad.message}")
@@ -184,15 +193,42 @@ def _forwarded_for(headers: Headers, peer: str) -> Headers:
     """Append the client address to X-Forwarded-For (the apiserver logs it as a source IP in audit)."""
     if not peer:
         return headers
-    if peer.startswith("[") and "]" in peer:
-        host = peer[1:peer.index("]")]
-    elif peer.count(":") == 1:
-        host = peer.split(":", 1)[0]
-    else:
-        host = peer
+    host = _client_host(peer)
     prior = [v for k, v in headers if k == "x-forwarded-for"]
     rest = [(k, v) for k, v in headers if k != "x-forwarded-for"]
     return [*rest, ("x-forwarded-for", ", ".join([*prior, host]))]
+
+
+def _client_host(peer: str) -> str:
+    if peer.startswith("[") and "]" in peer:
+        return peer[1:peer.index("]")]
+    if peer.count(":") == 1:
+        return peer.split(":", 1)[0]
+    return peer
+
+
+def upstream_headers(headers: Headers, user: UserInfo, peer: str) -> Headers:
+    """``_forwarded_for(auth.upstream_identity_headers(headers, user), peer)`` in one pass over ``headers``.
+
+    Client-sent ``X-Remote-*`` go, the proxy's identity assertion is added, and the client
+    address is appended to X-Forwarded-For (the only copy, last).
+    """
+    out: Headers = []
+    prior: list[str] = []
+    for k, v in headers:
+        if k == "x-forwarded-for":
+            if peer:
+                prior.append(v)
+                continue
+        elif k.lower().startswith(auth.REMOTE_PREFIX):
+            continue
+        out.append((k, v))
+    if user.source == "x509":
+        out += auth.identity_headers(user)
+    if peer:
+        prior.append(_client_host(peer))
+        out.append(("x-forwarded-for", ", ".join(prior)))
+    return out
 
 
 class Dispatcher:
@@ -205,7 +241,7 @@ class Dispatcher:
     async def __call__(self, request: ProxyRequest) -> ProxyResponse:
         info = request.info or requestinfo.parse(request.method, request.target)
         user = request.user or auth.identify(request.peer_cert, request.headers)
-        headers = _forwarded_for(auth.upstream_identity_headers(request.headers, user), request.peer)
+        headers = upstream_headers(request.headers, user, request.peer)
         asserts_identity = auth.wants_front_proxy_cert(user)
         upgrade = is_upgrade(request)
         safe = request.method in SAFE_METHODS and request.body is None and not upgrade
@@ -223,23 +259,15 @@ class Dispatcher:
             started = time.monotonic()
             watch_like = info.verb == "watch"
 
-            def done(error: BaseException | None, _b: Backend = backend, _lease: Lease = lease) -> None:
-                _lease.release()
-                if error is not None and not isinstance(error, (asyncio.CancelledError, GeneratorExit)):
-                    metrics.UPSTREAM_ERRORS.labels(_b.name, "mid_stream").inc()
-
-            async def on_close(_lease: Lease = lease) -> None:
-                _lease.release()
-
             # Error bodies name the backend by its configured name and a short cause; exception
             # details (addresses, SSLContext reprs) go to the log only.
             try:
                 if upgrade:
                     response = await client.upgrade(request, headers, identity=asserts_identity,
-                                                    on_close=on_close)
+                                                    on_close=_closer(lease))
                 else:
                     response = await client.send(request, headers, identity=asserts_identity,
-                                                 swallow_body_errors=watch_like, on_done=done,
+                                                 swallow_body_errors=watch_like, on_done=_Done(backend, lease),
                                                  long_running=info.long_running)
             except ConnectFailed as exc:
                 lease.release()
@@ -291,6 +319,28 @@ class Dispatcher:
                                      time.monotonic() - started)
             response.on_complete.append(_releaser(lease))
             return response
+
+
+class _Done:
+    """The upstream body ended: free the lease, count a body cut off by the backend (``on_done``)."""
+
+    __slots__ = ("backend", "lease")
+
+    def __init__(self, backend: Backend, lease: Lease) -> None:
+        self.backend = backend
+        self.lease = lease
+
+    def __call__(self, error: BaseException | None) -> None:
+        self.lease.release()
+        if error is not None and not isinstance(error, (asyncio.CancelledError, GeneratorExit)):
+            metrics.UPSTREAM_ERRORS.labels(self.backend.name, "mid_stream").inc()
+
+
+def _closer(lease: Lease) -> Callable[[], Awaitable[None]]:
+    async def on_close() -> None:
+        lease.release()
+
+    return on_close
 
 
 def _releaser(lease: Lease) -> Callable[[BaseException | None], None]:

@@ -324,9 +324,22 @@ class BackendClient:
         :class:`ClientBodyFailed` when the client's body broke off, and
         :class:`BackendFailed` when the backend failed after it may have seen the request.
         """
-        if self.lean:
-            return await self._send_lean(request, headers, identity=identity, on_done=on_done,
-                                         swallow_body_errors=swallow_body_errors, long_running=long_running)
+        if self.lean:  # the default: inline, so a request pays for one coroutine here, not two
+            ssl_ctx = self._ssl(identity)
+            head, declared = exchange.encode_request_head(
+                request.method, request.target, self.authority, headers, _REQUEST_REMOVED,
+                has_body=request.body is not None)
+            settings = self.settings
+            status, raw, lean_body = await exchange.exchange(
+                self._pools[long_running], self.name, ssl_ctx, self._live_contexts, head,
+                method=request.method,
+                body=exchange.ClientBody(request.body) if request.body is not None else None,
+                declared=declared, header_timeout=None if long_running else settings.response_header_timeout_seconds,
+                acquire_timeout=settings.pool_acquire_timeout_seconds,
+                pool_name="long-running" if long_running else "short-request",
+                swallow_body_errors=swallow_body_errors, on_done=on_done,
+            )
+            return ProxyResponse(status=status, headers=response_headers(raw), body=lean_body)
         out = CIMultiDict(strip_hop_by_hop(headers, drop=REQUEST_DROP))
         ssl_ctx = self._ssl(identity)
         url = self.upstream_url(request.target)
@@ -364,25 +377,6 @@ class BackendClient:
         resp_headers = response_headers(resp.raw_headers)
         response_body = _ResponseBody(resp, swallow_errors=swallow_body_errors, on_done=release_slot)
         return ProxyResponse(status=resp.status, headers=resp_headers, body=response_body)
-
-    async def _send_lean(
-        self, request: ProxyRequest, headers: Headers, *, identity: bool, swallow_body_errors: bool,
-        on_done: Callable[[BaseException | None], None], long_running: bool,
-    ) -> ProxyResponse:
-        ssl_ctx = self._ssl(identity)
-        head, declared = exchange.encode_request_head(
-            request.method, request.target, self.authority, headers, _REQUEST_REMOVED,
-            has_body=request.body is not None)
-        settings = self.settings
-        status, raw, body = await exchange.exchange(
-            self._pools[long_running], self.name, ssl_ctx, self._live_contexts, head,
-            method=request.method, body=exchange.ClientBody(request.body) if request.body is not None else None,
-            declared=declared, header_timeout=None if long_running else settings.response_header_timeout_seconds,
-            acquire_timeout=settings.pool_acquire_timeout_seconds,
-            pool_name="long-running" if long_running else "short-request",
-            swallow_body_errors=swallow_body_errors, on_done=on_done,
-        )
-        return ProxyResponse(status=status, headers=response_headers(raw), body=body)
 
     def _live_contexts(self) -> tuple[ssl.SSLContext | None, ssl.SSLContext]:
         return self.ssl_identity, self.ssl_plain
@@ -439,6 +433,12 @@ class BackendClient:
                              body=_raw_body(reader, writer, resp_headers, on_close))
 
 
+_NAMES: dict[bytes, str] = {}
+"""Response header names as received -> lower-case text: an apiserver sends the same dozen names all day."""
+MAX_NAMES = 512
+"""Names past this many are decoded every time (a backend cannot grow the table without bound)."""
+
+
 def response_headers(raw: Sequence[tuple[bytes, bytes]]) -> Headers:
     """Raw response headers as lower-case text pairs, hop-by-hop ones and those ``Connection`` names removed.
 
@@ -446,8 +446,13 @@ def response_headers(raw: Sequence[tuple[bytes, bytes]]) -> Headers:
     """
     out: Headers = []
     named: list[str] | None = None
+    names = _NAMES
     for k, v in raw:
-        name = k.decode("latin-1").lower()
+        name = names.get(k)
+        if name is None:
+            name = k.decode("latin-1").lower()
+            if len(names) < MAX_NAMES:
+                names[k] = name
         if name in HOP_BY_HOP:
             if name == "connection":
                 named = [*(named or []), v.decode("latin-1")]

@@ -233,12 +233,18 @@ class Conn(asyncio.Protocol):
                 self.waiter = None
 
     async def wait_headers(self) -> None:
+        """Until the response head is in (``wait`` inlined: one coroutine less on every request)."""
         while not self.headers_done:
             if self.error is not None:
                 raise self.error
             if self.closed:
                 raise ConnectionResetError("the backend closed the connection")
-            await self.wait()
+            waiter = self.waiter = self.loop.create_future()
+            try:
+                await waiter
+            finally:
+                if self.waiter is waiter:
+                    self.waiter = None
 
     def take(self) -> bytes:
         """Everything buffered, as one chunk (one write to the client instead of several)."""

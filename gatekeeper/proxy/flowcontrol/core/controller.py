@@ -195,7 +195,8 @@ class FlowController:
                 if other is not level and (more := other.dispatch()):
                     dispatched.extend(more)
                     other.note_demand(self.now)  # coalesced followers left the queues
-        self.draining = [lv for lv in self.draining if not lv.idle]
+        if self.draining:  # only after a reload: no new list per request otherwise
+            self.draining = [lv for lv in self.draining if not lv.idle]
         return dispatched
 
     def release_seats(self, t: Ticket, now: float | None = None) -> list[Ticket]:

@@ -186,10 +186,12 @@ class LevelState:
             self._reject(t, "concurrency-limit")
             return []
         queues = self.queues
-        qi = min(
-            deal(t.flow, len(queues), self.spec.hand_size),
-            key=lambda i: queues[i].waiting_seats + queues[i].executing_seats,
-        )
+        qi, least = -1, 0
+        for i in deal(t.flow, len(queues), self.spec.hand_size):  # the least loaded; first dealt wins ties
+            dealt = queues[i]
+            load = dealt.waiting_seats + dealt.executing_seats
+            if qi < 0 or load < least:
+                qi, least = i, load
         q = queues[qi]
         if len(q.items) >= self.spec.queue_length_limit:
             self._reject(t, "queue-full")

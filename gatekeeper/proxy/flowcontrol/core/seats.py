@@ -49,13 +49,17 @@ from gatekeeper.proxy.flowcontrol.core.listcost import list_bytes as shaped_byte
 DECAY = 0.8
 
 
-@dataclass
+@dataclass(frozen=True)
 class Estimate:
     """What a request is expected to cost."""
 
     seats: int
     list_bytes: int = 0
     """Estimated response bytes for a LIST (0 for other verbs); counts against the LIST bytes cap."""
+
+
+ONE_SEAT = Estimate(seats=1)
+"""Every request but a LIST (shared: an Estimate is never changed)."""
 
 
 @dataclass
@@ -82,7 +86,7 @@ class SizeEstimator:
     ) -> Estimate:
         """Seats for one request; a LIST's bytes follow its shape (``listcost.py``) when one is given."""
         if verb != "list":
-            return Estimate(seats=1)
+            return ONE_SEAT
         b = self.list_bytes(resource, namespace)
         if shape is not None and (shape is not FULL or single):
             storage = from_storage(shape, resource in self.storage_only)

@@ -45,6 +45,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from gatekeeper.proxy.flowcontrol.core.controller import FlowController
+from gatekeeper.proxy.tally import CounterTally, HistogramTally  # before the metrics: its flush collects first
 
 _FS_PL = ["flow_schema", "priority_level"]
 DISPATCHED = Counter("gatekeeper_flowcontrol_dispatched_requests", "Requests released to run upstream.", _FS_PL)
@@ -86,18 +87,19 @@ LIST_BYTES = Histogram(
 
 class PairMetrics:
     """The labelled children one (FlowSchema, priority level) pair records into, looked up once:
-    ``labels()`` costs more than the observation itself on the per-request path."""
+    ``labels()`` costs more than the observation itself on the per-request path. What every request
+    records goes through tallies (``gatekeeper.proxy.tally``); rejections and coalescing do not."""
 
     __slots__ = ("coalesced", "dispatched", "exec_regular", "exec_watch", "seats", "wait_executed", "wait_rejected")
 
     def __init__(self, fs: str, pl: str) -> None:
-        self.dispatched = DISPATCHED.labels(fs, pl)
+        self.dispatched = CounterTally(DISPATCHED.labels(fs, pl))
         self.coalesced = COALESCED.labels(fs, pl)
-        self.wait_executed = WAIT.labels(fs, pl, "true")
+        self.wait_executed = HistogramTally(WAIT.labels(fs, pl, "true"))
         self.wait_rejected = WAIT.labels(fs, pl, "false")
-        self.seats = SEATS.labels(fs, pl)
-        self.exec_regular = EXECUTION.labels(fs, pl, "regular")
-        self.exec_watch = EXECUTION.labels(fs, pl, "watch")
+        self.seats = HistogramTally(SEATS.labels(fs, pl))
+        self.exec_regular = HistogramTally(EXECUTION.labels(fs, pl, "regular"))
+        self.exec_watch = HistogramTally(EXECUTION.labels(fs, pl, "watch"))
 
 
 _pairs: dict[tuple[str, str], PairMetrics] = {}

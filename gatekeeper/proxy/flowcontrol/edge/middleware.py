@@ -34,8 +34,7 @@ import signal
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from gatekeeper.kube import requestinfo
 from gatekeeper.kube.requestinfo import RequestInfo
@@ -83,7 +82,7 @@ def too_many_requests(fs: FlowSchema, pl: PriorityLevel, reason: str, retry_afte
     return response
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Waiter:
     """Per-request state the async layer hangs on a ticket."""
 
@@ -91,7 +90,8 @@ class _Waiter:
     pl: PriorityLevel
     info: RequestInfo
     enqueued: float
-    future: asyncio.Future[None]
+    future: asyncio.Future[None] | None
+    """Only a request that has to queue waits on one (created when it is queued)."""
     m: metrics.PairMetrics
     abandoned: bool = False
     shared: asyncio.Future[ProxyResponse] | None = None
@@ -103,7 +103,6 @@ class _Waiter:
     """State at wake-up (executing, joined, rejected): the ticket may move on before this task resumes."""
     """Counted in executing_by_schema (the current_executing_requests gauge)."""
     finished: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
     shape: ListShape | None = None
     """A LIST's options (limit, selectors, resourceVersion): its cost, and what its response teaches."""
     content_type: str = ""
@@ -256,7 +255,7 @@ class FlowControl:
             # Classification only: request.user and the Authorization header are left as they are,
             # so the token goes upstream untouched and the apiserver authenticates it.
             auth = request.header("authorization") or ""
-            who = self.identities.cached(auth) or await self.identities.resolve(auth)
+            who = self.identities.cached(auth, request.connection_memo) or await self.identities.resolve(auth)
             facts, verified = who, who.verified
             if not verified:
                 user_key = unverified_flow(request.peer)
@@ -267,12 +266,14 @@ class FlowControl:
         )
         assert t.level is not None
         pl = t.level.spec
-        w = _Waiter(fs, pl, info, now, asyncio.get_running_loop().create_future(), metrics.for_pair(fs.name, pl.name))
+        w = _Waiter(fs, pl, info, now, None, metrics.for_pair(fs.name, pl.name))
         w.shape = shape
         t.payload = w
         request.annotations["flow_schema"], request.annotations["priority_level"] = fs.name, pl.name
-        self._wake(dispatched)
         if t.state == "queued":
+            w.future = asyncio.get_running_loop().create_future()
+        self._wake(dispatched)
+        if w.future is not None:
             timer = asyncio.get_running_loop().call_later(max(0.0, t.deadline - now), self._timeout, t)
             try:
                 await w.future
@@ -316,13 +317,15 @@ class FlowControl:
                 w.m.coalesced.inc()
                 w.shared = asyncio.get_running_loop().create_future()
             w.outcome = w.outcome or d.state
-            if not w.future.done():
+            if w.future is not None and not w.future.done():
                 w.future.set_result(None)
 
     def _timeout(self, t: Ticket) -> None:
-        if self.controller.timeout(t, self.clock()) and isinstance(t.payload, _Waiter) and not t.payload.future.done():
-            t.payload.outcome = "rejected"
-            t.payload.future.set_result(None)
+        w = t.payload
+        if (self.controller.timeout(t, self.clock()) and isinstance(w, _Waiter) and w.future is not None
+                and not w.future.done()):
+            w.outcome = "rejected"
+            w.future.set_result(None)
 
     def _abandon(self, t: Ticket) -> None:
         """The client went away (task cancelled) before its request ran."""

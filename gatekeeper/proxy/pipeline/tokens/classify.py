@@ -20,7 +20,7 @@ buys no extra queues. It is never exempt (see ``controller.admit``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from gatekeeper.proxy.pipeline.tokens.cache import ExpiringCache, digest
 from gatekeeper.proxy.pipeline.tokens.jwt import (
@@ -92,12 +92,22 @@ class TokenClassifier:
         self.failed_seconds = failed_seconds
         self.review = review
 
-    def cached(self, authorization: str, now: float) -> Identity | None:
-        """The warm path: the identity if this token's verdict is cached, else None."""
+    def cached(self, authorization: str, now: float, memo: dict[str, Any] | None = None) -> Identity | None:
+        """The warm path: the identity if this token's verdict is cached, else None.
+
+        ``memo`` is the client connection's (``ProxyRequest.connection_memo``): a client repeating
+        its token is not hashed again (the memo dies with the connection, as ``auth.identify``'s does).
+        """
         token = bearer_token(authorization)
         if token is None:
             return UNVERIFIED
-        key = digest(token)
+        last = memo.get("token_digest") if memo is not None else None
+        if last is not None and last[0] == token:
+            key = last[1]
+        else:
+            key = digest(token)
+            if memo is not None:
+                memo["token_digest"] = (token, key)
         hit = self.verified.get(key, now)
         if hit is not None:
             return hit

@@ -36,6 +36,7 @@ from gatekeeper.proxy.pipeline.tokens.classify import UNVERIFIED, Decision, Toke
 from gatekeeper.proxy.pipeline.tokens.jwt import Identity, ServiceAccountVerifier
 from gatekeeper.proxy.pipeline.tokens.review import TOKEN_REVIEW_PATH, Budget, parse_review, review_request
 from gatekeeper.proxy.pipeline.tokens.settings import TokenSettings
+from gatekeeper.proxy.tally import CounterTally
 
 log = logging.getLogger("gatekeeper.proxy.pipeline.tokens")
 
@@ -85,7 +86,8 @@ class TokenIdentities:
         self._last_refresh = float("-inf")
         self._loop_task: asyncio.Task[None] | None = None
         self._reviews: dict[bytes, asyncio.Future[Identity]] = {}
-        self._counts = {k: metrics.TOKENS.labels(k) for k in ("cached", "failed-cached", "not-bearer")}
+        self._counts = {k: CounterTally(metrics.TOKENS.labels(k)) for k in ("cached", "failed-cached", "not-bearer")}
+        """Counted on every token request, so through tallies (``gatekeeper.proxy.tally``)."""
 
     # -- wiring -------------------------------------------------------------------------------
     def use_upstream(self, upstreams: Sequence[Upstream]) -> None:
@@ -110,9 +112,10 @@ class TokenIdentities:
             await self.refresh(force=True)
 
     # -- resolution ---------------------------------------------------------------------------
-    def cached(self, authorization: str) -> Identity | None:
-        """The warm path, synchronous: a cached verdict or None (then await :meth:`resolve`)."""
-        hit = self.classifier.cached(authorization, self.clock())
+    def cached(self, authorization: str, memo: dict[str, Any] | None = None) -> Identity | None:
+        """The warm path, synchronous: a cached verdict or None (then await :meth:`resolve`).
+        ``memo``: the client connection's, see :meth:`TokenClassifier.cached`."""
+        hit = self.classifier.cached(authorization, self.clock(), memo)
         if hit is not None:
             self._counts["cached" if hit.verified else "failed-cached"].inc()
         return hit

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Histogram
 
+from gatekeeper.proxy import tally  # noqa: F401  (before the metrics: its flush collects first)
+
 TOKENS = Counter("gatekeeper_identity_tokens", "Bearer-token classifications by outcome.", ["outcome"])
 JWKS_REFRESH = Counter("gatekeeper_identity_jwks_refresh", "Issuer discovery and JWKS fetches.", ["result"])
 REVIEWS = Counter("gatekeeper_identity_token_reviews", "TokenReviews sent to the apiservers.", ["result"])
