@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import ClientSession, ClientTimeout, web
 
+from gatekeeper.metrics import multiprocess_registry
+
 if TYPE_CHECKING:
     from gatekeeper.proxy.flowcontrol.edge.ledger import SeatLedger
     from gatekeeper.proxy.workers import Supervisor
@@ -128,10 +130,9 @@ def merge_pages(pages: list[str], skip: set[str], peaks: dict[str, int]) -> str:
 
 
 def multiprocess_page() -> tuple[bytes, set[str]]:
-    from prometheus_client import CollectorRegistry, generate_latest, multiprocess
+    from prometheus_client import generate_latest
 
-    registry = CollectorRegistry()
-    multiprocess.MultiProcessCollector(registry)
+    registry = multiprocess_registry()
     names = {m.name for m in registry.collect()}
     return generate_latest(registry), names
 

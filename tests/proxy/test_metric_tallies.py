@@ -127,3 +127,15 @@ def test_tallies_of_two_worker_processes_add_up_in_the_multiprocess_page(tmp_pat
     assert float(lines[key]) == 1000
     assert float(lines['gatekeeper_proxy_request_duration_seconds_count{verb="get"}']) == 1000
     assert float(lines['gatekeeper_proxy_request_duration_seconds_bucket{le="0.005",verb="get"}']) == 1000
+
+
+def test_a_metric_file_being_created_does_not_fail_the_scrape(tmp_path: Path) -> None:
+    """A worker between creating its file and sizing it leaves an empty .db: the page still renders, whole."""
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    python(WORKER.format(n=5, scrape=False), env)
+    (tmp_path / "counter_999999.db").touch()  # the moment between open() and truncate() in another worker
+    page = python("from gatekeeper.proxy import metrics; print(metrics.render()[0].decode())", env)
+    lines = dict(x.rsplit(" ", 1) for x in page.splitlines() if x and not x.startswith("#"))
+    assert float(lines['gatekeeper_proxy_requests_total{backend="b1",code="200",resource="pods",verb="get"}']) == 5
+    merged = python("from gatekeeper.proxy import worker_metrics as w; print(sorted(w.multiprocess_page()[1]))", env)
+    assert "gatekeeper_proxy_requests" in merged

@@ -92,6 +92,10 @@ def encode_request_head(method: str, target: str, authority: str, headers: Heade
             if not length.isdigit():
                 raise ValueError(f"bad content-length {length[:32]!r}")
             declared = int(length)
+    elif length is not None and length.strip("0"):
+        # A body announced on a request that has none: the backend would wait for it, or read the next
+        # request on this connection as that body. The HTTP/2 codecs already refuse it (RFC 9113 8.1.1).
+        raise ValueError(f"content-length {length[:32]!r} on a request without a body")
     elif length is None and method in _BODY_METHODS:
         parts.append("content-length: 0\r\n")
         lines += 1

@@ -1,0 +1,23 @@
+"""The upstream request head (pure): what it refuses to put on a pooled HTTP/1.1 connection."""
+
+from __future__ import annotations
+
+import pytest
+
+from gatekeeper.proxy.upstream.exchange import encode_request_head
+
+
+def test_content_length_without_a_body_is_refused_before_anything_is_sent() -> None:
+    with pytest.raises(ValueError, match="without a body"):
+        encode_request_head("POST", "/api/v1/namespaces", "a:6443", [("content-length", "5")], set(), has_body=False)
+
+
+@pytest.mark.parametrize("value", ["0", "00"])
+def test_a_zero_content_length_without_a_body_passes(value: str) -> None:
+    head, declared = encode_request_head("GET", "/api", "a:6443", [("content-length", value)], set(), has_body=False)
+    assert f"content-length: {value}\r\n".encode() in head and declared is None
+
+
+def test_a_declared_body_keeps_its_length() -> None:
+    head, declared = encode_request_head("POST", "/api", "a:6443", [("content-length", "5")], set(), has_body=True)
+    assert declared == 5 and b"transfer-encoding" not in head
