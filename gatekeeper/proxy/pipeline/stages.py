@@ -31,6 +31,7 @@ from gatekeeper.proxy.adapter import error_response
 from gatekeeper.proxy.messages import Handler, Headers, Middleware, ProxyRequest, ProxyResponse, UserInfo
 from gatekeeper.proxy.pipeline import auth
 from gatekeeper.proxy.pipeline.balancer import Backend, Balancer, EjectionPolicy, Lease
+from gatekeeper.proxy.pipeline.tokens.classify import source_host
 from gatekeeper.proxy.settings import ProxySettings
 from gatekeeper.proxy.upstream.client import (
     BackendClient,
@@ -193,18 +194,10 @@ def _forwarded_for(headers: Headers, peer: str) -> Headers:
     """Append the client address to X-Forwarded-For (the apiserver logs it as a source IP in audit)."""
     if not peer:
         return headers
-    host = _client_host(peer)
+    host = source_host(peer)
     prior = [v for k, v in headers if k == "x-forwarded-for"]
     rest = [(k, v) for k, v in headers if k != "x-forwarded-for"]
     return [*rest, ("x-forwarded-for", ", ".join([*prior, host]))]
-
-
-def _client_host(peer: str) -> str:
-    if peer.startswith("[") and "]" in peer:
-        return peer[1:peer.index("]")]
-    if peer.count(":") == 1:
-        return peer.split(":", 1)[0]
-    return peer
 
 
 def upstream_headers(headers: Headers, user: UserInfo, peer: str) -> Headers:
@@ -226,7 +219,7 @@ def upstream_headers(headers: Headers, user: UserInfo, peer: str) -> Headers:
     if user.source == "x509":
         out += auth.identity_headers(user)
     if peer:
-        prior.append(_client_host(peer))
+        prior.append(source_host(peer))
         out.append(("x-forwarded-for", ", ".join(prior)))
     return out
 
