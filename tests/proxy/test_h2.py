@@ -394,23 +394,8 @@ async def test_per_response_audit_id_and_date_are_not_hpack_indexed(h2pair):
 
 
 async def test_body_that_knows_its_last_chunk_ends_the_stream_on_that_data_frame(h2pair):
-    class KnowsEnd:
-        def __init__(self) -> None:
-            self.parts = [b"a" * 10, b"b" * 10]
-            self.exhausted = False
-
-        def __aiter__(self) -> KnowsEnd:
-            return self
-
-        async def __anext__(self) -> bytes:
-            if not self.parts:
-                raise StopAsyncIteration
-            part = self.parts.pop(0)
-            self.exhausted = not self.parts
-            return part
-
     async def handler(req: ProxyRequest) -> ProxyResponse:
-        return ProxyResponse(200, [], KnowsEnd())
+        return ProxyResponse(200, [], _KnowsLastChunk(b"a" * 10, b"b" * 10))
 
     pair = h2pair(handler)
     sid = pair.request()
@@ -420,14 +405,14 @@ async def test_body_that_knows_its_last_chunk_ends_the_stream_on_that_data_frame
     assert frames[-1].stream_ended is not None and frames[0].stream_ended is None
 
 
-class _EndsWithEmptyChunk:
-    """A body that knows its last chunk (like upstream's) and whose last chunk is empty."""
+class _KnowsLastChunk:
+    """A body that knows its last chunk, like upstream's (``exhausted`` turns True as it hands it out)."""
 
     def __init__(self, *parts: bytes) -> None:
         self.parts = list(parts)
         self.exhausted = False
 
-    def __aiter__(self) -> _EndsWithEmptyChunk:
+    def __aiter__(self) -> _KnowsLastChunk:
         return self
 
     async def __anext__(self) -> bytes:
@@ -440,7 +425,7 @@ class _EndsWithEmptyChunk:
 
 async def test_exhausted_body_ending_in_an_empty_chunk_still_ends_the_stream(h2pair):
     async def handler(req: ProxyRequest) -> ProxyResponse:
-        return ProxyResponse(200, [], _EndsWithEmptyChunk(b"abc", b""))  # type: ignore[arg-type]
+        return ProxyResponse(200, [], _KnowsLastChunk(b"abc", b""))  # type: ignore[arg-type]
 
     pair = h2pair(handler)
     sid = pair.request()
