@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from test_gpu_sharing_sandbox import allocated_claim, gpu_pod, packing, wait_for
+from test_gpu_sharing_sandbox import allocated_claim, gpu_pod, packing, scratch_namespace, wait_for
 
 from gatekeeper.sandbox.state import SandboxState
 
@@ -46,13 +45,7 @@ def cluster(mapped_sandbox: SandboxState) -> Any:
 
 @pytest.fixture
 def ns(cluster: Any) -> Iterator[str]:
-    name = f"k-{uuid.uuid4().hex[:8]}"
-    cluster.run("create", "namespace", name)
-    wait_for("default ServiceAccount",
-             lambda: cluster.run("get", "serviceaccount", "default", "-n", name, check=False).returncode == 0)
-    yield name
-    cluster.run("delete", "namespace", name, "--wait=false", check=False)
-    packing.wait_claims_gone(cluster, name)
+    yield from scratch_namespace(cluster, "k")
 
 
 def rewritten_on_dry_run(cluster: Any, ns: str) -> bool:

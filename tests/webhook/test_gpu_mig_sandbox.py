@@ -12,12 +12,11 @@ full GPU is a ``type: gpu`` device too, and would change that module's packing.
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from test_gpu_sharing_sandbox import allocated_claim, packing, scheduling_failure, wait_for
+from test_gpu_sharing_sandbox import allocated_claim, packing, scheduling_failure, scratch_namespace, wait_for
 
 from gatekeeper.sandbox.state import SandboxState
 
@@ -59,13 +58,7 @@ def cluster(mig_sandbox: SandboxState) -> Any:
 
 @pytest.fixture
 def ns(cluster: Any) -> Iterator[str]:
-    name = f"m-{uuid.uuid4().hex[:8]}"
-    cluster.run("create", "namespace", name)
-    wait_for("default ServiceAccount",
-             lambda: cluster.run("get", "serviceaccount", "default", "-n", name, check=False).returncode == 0)
-    yield name
-    cluster.run("delete", "namespace", name, "--wait=false", check=False)
-    packing.wait_claims_gone(cluster, name)
+    yield from scratch_namespace(cluster, "m")
 
 
 def mig_pod(name: str, ns: str, memory: str, mode: str = "mig", product: str = "") -> str:

@@ -63,15 +63,20 @@ def cluster(sharing_sandbox: SandboxState) -> Any:
     return packing.Cluster(sharing_sandbox)
 
 
-@pytest.fixture
-def ns(cluster: Any) -> Iterator[str]:
-    name = f"g-{uuid.uuid4().hex[:8]}"
+def scratch_namespace(cluster: Any, prefix: str) -> Iterator[str]:
+    """A fresh namespace (its default ServiceAccount ready) for one test; gone, claims included, after it."""
+    name = f"{prefix}-{uuid.uuid4().hex[:8]}"
     cluster.run("create", "namespace", name)
     wait_for("default ServiceAccount",
              lambda: cluster.run("get", "serviceaccount", "default", "-n", name, check=False).returncode == 0)
     yield name
     cluster.run("delete", "namespace", name, "--wait=false", check=False)
     packing.wait_claims_gone(cluster, name)
+
+
+@pytest.fixture
+def ns(cluster: Any) -> Iterator[str]:
+    yield from scratch_namespace(cluster, "g")
 
 
 def wait_for(what: str, fn: Callable[[], Any], timeout: float = 120) -> Any:
