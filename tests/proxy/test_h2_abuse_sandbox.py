@@ -3,7 +3,7 @@
 Each attack involves the backend (a stalled response pins an upstream
 connection, a reset stream would start an upstream request), so each runs
 against the real thing: window-0 client, never-reading PING flooder, rapid
-reset (CVE-2023-44487).
+reset (CVE-2023-44487), H2.CL smuggling.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 from h2.errors import ErrorCodes
-from h2.events import ResponseReceived, StreamReset
+from h2.events import ResponseReceived, StreamEnded, StreamReset
 from h2_raw import RawH2, tls_context
 from hyperframe.frame import PingFrame
 
@@ -162,3 +162,28 @@ def test_rapid_reset_gets_goaway_and_far_fewer_upstream_requests(proxy: ProxyPro
     print(f"{sent} HEADERS+RST pairs sent, {upstream:.0f} upstream requests, GOAWAY ENHANCE_YOUR_CALM")
     assert upstream < pairs / 5, f"{upstream:.0f} upstream requests for {sent} reset streams"
     assert _version(proxy) == 200
+
+
+def test_ended_request_announcing_a_body_is_reset_and_the_connection_keeps_serving(proxy: ProxyProcess) -> None:
+    """H2.CL smuggling: HEADERS that end the stream but announce ``content-length: 5``.
+
+    Forwarded, the HTTP/1.1 backend connection waits for 5 bytes that never come (the
+    upstream connection and the client's seat stay pinned), and a backend that answers
+    first would read the next request's first bytes as that body. RFC 9113 8.1.1: reset
+    that stream, keep serving the connection.
+    """
+    malformed0 = proxy.metric("gatekeeper_proxy_rejected_total", reason="h2_malformed")
+    client = RawH2(proxy.port, ca=proxy.ca, cert=proxy.admin_cert)
+    try:
+        bad = client.request("/api/v1/namespaces", headers=[("content-length", "5")])
+        assert client.read_until(lambda ev: any(isinstance(e, StreamReset) and e.stream_id == bad for e in ev), 10)
+        reset = next(e for e in client.events if isinstance(e, StreamReset) and e.stream_id == bad)
+        assert reset.error_code == ErrorCodes.PROTOCOL_ERROR
+        assert not any(isinstance(e, ResponseReceived) and e.stream_id == bad for e in client.events)
+        good = client.request("/version")
+        assert client.read_until(lambda ev: any(isinstance(e, StreamEnded) and e.stream_id == good for e in ev), 10)
+        status = next(e for e in client.events if isinstance(e, ResponseReceived) and e.stream_id == good)
+        assert dict(status.headers)[b":status"] == b"200"
+    finally:
+        client.close()
+    assert proxy.metric("gatekeeper_proxy_rejected_total", reason="h2_malformed") >= malformed0 + 1
