@@ -87,3 +87,19 @@ async def test_a_client_gone_error_while_feeding_ends_the_connection() -> None:
     proto.attach_sink(sink, lambda: ends.append("end"), lambda: None, 1.0)
     proto.data_received(b"x")
     assert ends == ["end"]
+
+
+async def test_bytes_held_before_the_alpn_decision_are_bounded_by_pausing_the_reads() -> None:
+    from gatekeeper.proxy.listen.server import EARLY_PAUSE_BYTES
+
+    proto, _, transport = _proto()
+    chunk = b"x" * 16384
+    for _ in range(EARLY_PAUSE_BYTES // len(chunk)):
+        proto.data_received(chunk)
+    assert not transport.paused  # up to the bound: read on, as a StreamReader would
+    proto.data_received(chunk)
+    assert transport.paused  # past it: the client waits for the ALPN decision
+    got: list[bytes] = []
+    proto.attach_sink(got.append, lambda: None, lambda: None, 1.0)
+    assert not transport.paused
+    assert sum(map(len, got)) == EARLY_PAUSE_BYTES + len(chunk)  # nothing held was lost

@@ -59,6 +59,8 @@ from gatekeeper.tls import ReloadingTLS
 
 log = logging.getLogger("gatekeeper.proxy.listen.server")
 
+EARLY_PAUSE_BYTES = 128 * 1024
+"""Bytes held between the TLS handshake and the ALPN decision before reading pauses (a StreamReader's 2 x 64 KiB)."""
 H2_CIPHERS = "ECDHE+AESGCM:ECDHE+CHACHA20"
 """TLS 1.2 suites RFC 9113 9.2.2 allows (AEAD, ephemeral key exchange); every TLS 1.3 suite is fine."""
 
@@ -111,6 +113,8 @@ class _ClientProtocol(asyncio.StreamReaderProtocol):
         self._stall = 0.0
         self._stall_handle: asyncio.TimerHandle | None = None
         self._raw: asyncio.Transport | None = None
+        self._early_bytes = 0
+        self._early_paused = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._raw = transport  # type: ignore[assignment]
@@ -118,8 +122,8 @@ class _ClientProtocol(asyncio.StreamReaderProtocol):
 
     def attach_reader(self) -> None:
         """HTTP/1.1 (or shutting down): bytes go to the StreamReader from now on."""
-        early, self._early = self._early, None
-        for chunk in early or ():
+        early = self._take_early()
+        for chunk in early:
             super().data_received(chunk)
         end, self._early_end = self._early_end, None
         if end is not None:
@@ -133,14 +137,22 @@ class _ClientProtocol(asyncio.StreamReaderProtocol):
                     on_stall: Callable[[], None], stall: float) -> None:
         """h2: every read goes to ``sink``; ``on_end`` runs once, at EOF, loss or a stall."""
         self._sink, self._on_end, self._on_stall, self._stall = sink, on_end, on_stall, stall
-        early, self._early = self._early, None
-        for chunk in early or ():
+        early = self._take_early()
+        for chunk in early:
             self.data_received(chunk)
         end, self._early_end = self._early_end, None
         if end is not None:
             self._end()
             if not end[0]:
                 super().connection_lost(end[1])
+
+    def _take_early(self) -> list[bytes]:
+        """The bytes held before the ALPN decision; reading resumes if holding them had paused it."""
+        early, self._early = self._early or [], None
+        if self._early_paused and self._raw is not None and not self._raw.is_closing():
+            self._early_paused = False
+            self._raw.resume_reading()
+        return early
 
     def _end(self) -> None:
         self._cancel_stall()
@@ -158,6 +170,10 @@ class _ClientProtocol(asyncio.StreamReaderProtocol):
                     self._end()
         elif self._early is not None:
             self._early.append(data)
+            self._early_bytes += len(data)
+            if self._early_bytes > EARLY_PAUSE_BYTES and self._raw is not None and not self._early_paused:
+                self._early_paused = True  # as a StreamReader pauses past twice its limit
+                self._raw.pause_reading()
         else:
             super().data_received(data)
 
