@@ -4,8 +4,10 @@ Why not ``hpack.Decoder``: it was ~8 us of a request's ~17 us in the lean codec,
 spread over a method call, a log call and a table lookup per field. A
 Kubernetes request block is a handful of indexed fields plus the never-indexed
 bearer token, so a flat loop with inlined integer decoding does the same work in
-a fraction of the time. Huffman strings still go through ``hpack``'s decoder
-(looked up at call time, so ``h2_conn.install_huffman_memo`` applies).
+a fraction of the time. Huffman strings go through ``h2_huffman``'s decoder and
+its memo: the short-string memo (``:path`` on every nghttp2 request) only for
+fields that are neither never-indexed nor credentials (``SECRET_NAMES``), so no
+short secret is kept as a cache key.
 
 Same semantics and the same limits as ``hpack.Decoder`` as the proxy used it:
 a dynamic table bounded by our SETTINGS_HEADER_TABLE_SIZE (``max_table_size``,
@@ -19,9 +21,12 @@ field, RFC 9113 6.5.2). Any malformed block raises :class:`HeaderBlockError`
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
-import hpack.hpack
 from hpack.table import HeaderTable
+
+from gatekeeper.proxy.listen.h2_headers import CREDENTIALS
+from gatekeeper.proxy.listen.h2_huffman import HuffmanDecodingError, decode_memo, decode_memo_short
 
 STATIC = HeaderTable.STATIC_TABLE
 """RFC 7541 Appendix A: index 1 is STATIC[0]."""
@@ -29,6 +34,8 @@ STATIC_LEN = len(STATIC)
 ENTRY_OVERHEAD = 32
 MAX_INT_BYTES = 5
 """Continuation bytes accepted in one integer: 2^35, far above any sane length or index."""
+SECRET_NAMES = CREDENTIALS | {b"cookie"}
+"""Fields whose short values stay out of the short Huffman memo (long ones are memoized as before: tokens)."""
 
 
 class HeaderBlockError(ValueError):
@@ -95,8 +102,10 @@ class BlockDecoder:
                     else:
                         raise HeaderBlockError(f"name index {index} outside the tables")
                 else:
-                    name, pos = self._string(data, pos, end)
-                value, pos = self._string(data, pos, end)
+                    name, pos = self._string(data, pos, end, decode_memo_short)
+                # 0001xxxx: the client marked the field sensitive (RFC 7541 7.1.3)
+                secret = (not indexing and b & 0x10) or name in SECRET_NAMES
+                value, pos = self._string(data, pos, end, decode_memo if secret else decode_memo_short)
                 field = (name, value)
                 if indexing:
                     self._add(field)
@@ -119,7 +128,7 @@ class BlockDecoder:
             shift += 7
         raise HeaderBlockError("truncated or oversized integer")
 
-    def _string(self, data: bytes, pos: int, end: int) -> tuple[bytes, int]:
+    def _string(self, data: bytes, pos: int, end: int, huffman: Callable[[bytes], bytes]) -> tuple[bytes, int]:
         if pos >= end:
             raise HeaderBlockError("truncated string")
         b = data[pos]
@@ -133,8 +142,8 @@ class BlockDecoder:
         raw = data[pos:stop]
         if b & 0x80:
             try:
-                return hpack.hpack.decode_huffman(raw), stop
-            except Exception as exc:  # hpack raises HPACKDecodingError; anything else is as bad
+                return huffman(raw), stop
+            except HuffmanDecodingError as exc:
                 raise HeaderBlockError(f"bad Huffman string: {exc}") from None
         return raw, stop
 
