@@ -111,7 +111,7 @@ def install_huffman_memo() -> None:
     hpack's per-header debug logging, unless DEBUG is already on for it when the first
     connection starts (then it stays, for whoever is debugging).
     """
-    hpack.hpack.decode_huffman = decode_memo
+    hpack.hpack.decode_huffman = decode_memo  # type: ignore[assignment]  # hpack calls it positionally
     convert = hpack.hpack._unicode_if_needed
     if getattr(convert, "original", None) is None:
         hpack.hpack._unicode_if_needed = _raw_passthrough(convert)  # type: ignore[assignment]
