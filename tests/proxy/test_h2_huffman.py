@@ -99,6 +99,7 @@ def test_code_followed_by_padding_is_valid_only_for_at_most_7_one_bits():
     b"\xff\xff\xff\xfc",  # EOS (30 one bits) then 2 zero bits
     b"\xff\xff\xff\xff",  # EOS then 2 one bits: still EOS inside the string
     encode(b"ab") + b"\xff\xff\xff\xfc",  # symbols, then EOS
+    _bits(((1 << 30) - 1) << 10 | 0b00000_11111, 40),  # EOS, then '0' and valid padding
     encode(b"a")[:1] + b"\xff",  # 'a' (5 bits), then 11 one bits of padding
     encode(b"/api") + b"\xff",  # a whole octet of one bits more than the padding
     b"\x18",  # 'a' then padding 000: not the most significant bits of EOS
