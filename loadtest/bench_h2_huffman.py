@@ -8,6 +8,9 @@ Not a test: it prints figures. Three costs:
   bytes, as nghttp2 sends it on every request): ``hpack``, ours, and ours
   through the short memo (a hit: a fresh ``bytes`` object each time, as a
   header block slice is);
+* by coded length, the short memo against decoding: a hit, and a miss (distinct
+  strings, so every call decodes, inserts and evicts), which is how
+  ``SHORT_MEMO_MIN_BYTES`` was chosen;
 * the one-off table build (ms, rebuilt each round) and the memory the tables hold (tracemalloc).
 
 Each figure is the best of the rounds (``time.perf_counter``), less sensitive to a busy machine.
@@ -73,6 +76,22 @@ def main() -> None:
     for name, fn in decoders:
         figures[name] = best(args.rounds, each(fn, paths)) / len(paths) * 1e6
 
+    lengths: list[tuple[int, list[float]]] = []
+    five_bit = b"012aceiost"  # RFC 7541 Appendix B: 5-bit codes, so m of them code to ceil(5m/8) bytes
+    for target in (4, 8, 16, 32, 63):
+        m = target * 8 // 5
+        # More distinct strings than the memo holds, cycled in order: with LRU eviction every lookup misses.
+        distinct = [encode(bytes(five_bit[int(d)] for d in f"{k:0{m}d}"))
+                    for k in range(2 * h2_huffman.SHORT_MEMO_ENTRIES)]
+        distinct *= max(1, args.paths // len(distinct))
+        same = distinct[0]
+        fresh = [same[:1] + same[1:] for _ in range(args.paths)]
+        h2_huffman.decode_memo_short(same)
+        row = [best(args.rounds, each(fn, items)) / len(items) * 1e6
+               for fn, items in ((h2_huffman.decode, fresh), (h2_huffman._short_memo, fresh),
+                                 (h2_huffman._short_memo, distinct))]
+        lengths.append((len(same), row))
+
     with open("/proc/loadavg") as f:
         load = " ".join(f.read().split()[:3])
     print(f"load average {load}; best of {args.rounds} rounds")
@@ -82,6 +101,9 @@ def main() -> None:
     print(f":path {PATH.decode()} ({len(path)} coded bytes), us per string:")
     for name, us in figures.items():
         print(f"  {name:15} {us:6.3f} us  (x{figures['hpack'] / us:.1f} vs hpack)")
+    print("short memo by coded length, us per string: decode / memo hit / memo miss (distinct strings)")
+    for size, (dec, hit, miss) in lengths:
+        print(f"  {size:3} bytes: {dec:.3f} / {hit:.3f} / {miss:.3f}")
 
 
 if __name__ == "__main__":
