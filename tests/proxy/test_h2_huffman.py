@@ -184,6 +184,7 @@ def test_short_paths_hit_the_short_memo_but_short_secrets_never_enter_it():
         encoder.encode([(b"authorization", secret)], huffman=True),  # with indexing, by name
         encoder.encode([NeverIndexedHeaderTuple(b"x-secret", secret)], huffman=True),  # marked sensitive
         encoder.encode([(b"proxy-authorization", secret + b"2"), (b"cookie", b"session=abc")], huffman=True),
+        _huffman_literal(b"Authorization", encode(secret + b"3")),  # malformed name, refused later: still a secret
     ]
     decoder = BlockDecoder(1 << 20)
     for _ in range(3):
@@ -193,7 +194,7 @@ def test_short_paths_hit_the_short_memo_but_short_secrets_never_enter_it():
     info = h2_huffman._short_memo.cache_info()
     assert info.hits >= 2  # the path: decoded once, then from the memo
     # Probe the memo's keys through its statistics: a secret lookup would be a hit if it were kept.
-    for value in (secret, secret + b"2", b"session=abc"):
+    for value in (secret, secret + b"2", secret + b"3", b"session=abc"):
         before = h2_huffman._short_memo.cache_info()
         h2_huffman._short_memo(encode(value))
         after = h2_huffman._short_memo.cache_info()

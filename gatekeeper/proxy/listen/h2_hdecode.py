@@ -103,8 +103,9 @@ class BlockDecoder:
                         raise HeaderBlockError(f"name index {index} outside the tables")
                 else:
                     name, pos = self._string(data, pos, end, decode_memo_short)
-                # 0001xxxx: the client marked the field sensitive (RFC 7541 7.1.3)
-                secret = (not indexing and b & 0x10) or name in SECRET_NAMES
+                # 0001xxxx: the client marked the field sensitive (RFC 7541 7.1.3). Lower-cased: an
+                # upper-case name is refused later, but its value would already be in the memo.
+                secret = (not indexing and b & 0x10) or name.lower() in SECRET_NAMES
                 value, pos = self._string(data, pos, end, decode_memo if secret else decode_memo_short)
                 field = (name, value)
                 if indexing:
