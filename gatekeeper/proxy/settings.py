@@ -91,6 +91,9 @@ class ProtocolSettings:
     """HTTP/1.1: a request's head must be complete this long after its first byte (kube-apiserver: 32 s)."""
     h1_body_idle_timeout_seconds: float = 60.0
     """HTTP/1.1: a request body that sends nothing for this long is cut (the request fails, the connection closes)."""
+    h2_body_idle_timeout_seconds: float = 60.0
+    """HTTP/2: a request body that sends nothing for this long while the client may send (its windows are
+    open) is cut with RST_STREAM CANCEL, releasing its seat and upstream connection."""
     h1_write_stall_timeout_seconds: float = 60.0
     """HTTP/1.1: a client that takes no response bytes for this long is cut, releasing its backend connection."""
     http2_engine: str = "lean"

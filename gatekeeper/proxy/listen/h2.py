@@ -136,6 +136,8 @@ class H2Protocol:
         self.connection_id = connection_id
         self._decider = GoawayDecider(settings.goaway_chance, rng)
         self._close_delay = close_delay
+        self._window_reopened_at = -math.inf
+        """When an acknowledgement last reopened a shut connection receive window (request-body idle clock)."""
         install_huffman_memo()
         guard = FloodGuard(limits_of(settings), settings.h2_abuse_interval_seconds)
         self._conn: ServerConnection
@@ -369,7 +371,14 @@ class H2Protocol:
     # ------------------------------------------------------------------ request bodies
 
     async def _request_body(self, stream: _Stream) -> AsyncIterator[bytes]:
-        """Yield request DATA, reopening the client's window only for what the pipeline took."""
+        """Yield request DATA, reopening the client's window only for what the pipeline took.
+
+        A body that goes quiet while the client may send (``h2BodyIdleTimeoutSeconds``) is cut: it
+        would otherwise hold a seat and an upstream connection for as long as the client likes.
+        Time while the connection window is shut (other streams' unread DATA fills it) is the
+        proxy's doing, not the client's, so it does not count.
+        """
+        idle = self._settings.h2_body_idle_timeout_seconds
         while True:
             if stream.inbox:
                 data, flow = stream.inbox.popleft()
@@ -382,11 +391,30 @@ class H2Protocol:
             if stream.ended:
                 return
             stream.inbox_changed.clear()
-            await stream.inbox_changed.wait()
+            since = self._loop.time()
+            try:
+                async with asyncio.timeout(idle):
+                    await stream.inbox_changed.wait()
+            except TimeoutError:
+                if stream.inbox or stream.ended or stream.error is not None or self._h2_closed:
+                    continue
+                if self._conn.inbound_flow_control_window <= 0 or self._window_reopened_at >= since:
+                    continue  # the client could not send for some of that time: a new full period
+                self._body_idle(stream, idle)
+
+    def _body_idle(self, stream: _Stream, idle: float) -> None:
+        self._reset(stream.id, ErrorCodes.CANCEL)
+        rejections.reject("body_timeout", "h2 connection %d from %s, stream %d: request body idle for %gs",
+                          self.connection_id, self._peer, stream.id, idle)
+        error = ClientGone(f"HTTP/2 stream {stream.id}: request body idle for {idle:g}s")
+        self._cut(stream, error)
+        raise error
 
     def _ack(self, stream_id: int, flow: int) -> None:
         if flow <= 0 or self._h2_closed:
             return
+        if self._conn.inbound_flow_control_window <= 0:
+            self._window_reopened_at = self._loop.time()  # see _request_body's idle clock
         try:
             self._conn.acknowledge_received_data(flow, stream_id)
         except (ProtocolError, StreamClosedError):
