@@ -91,11 +91,12 @@ class ProtocolSettings:
     # --- harden-edge: HTTP/1.1 client timeouts ---------------------------------------------
     h1_header_timeout_seconds: float = 32.0
     """HTTP/1.1: a request's head must be complete this long after its first byte (kube-apiserver: 32 s)."""
-    h1_body_idle_timeout_seconds: float = 60.0
-    """HTTP/1.1: a request body that sends nothing for this long is cut (the request fails, the connection closes)."""
-    h2_body_idle_timeout_seconds: float = 60.0
+    h1_body_idle_timeout_seconds: float = 30.0
+    """HTTP/1.1: a request body that sends nothing for this long is cut (the request fails, the connection closes).
+    Under kube-apiserver's 60 s request timeout, so the proxy frees the seat and connection first."""
+    h2_body_idle_timeout_seconds: float = 30.0
     """HTTP/2: a request body that sends nothing for this long while the client may send (its windows are
-    open) is cut with RST_STREAM CANCEL, releasing its seat and upstream connection."""
+    open) is cut with RST_STREAM CANCEL, releasing its seat and upstream connection (as for HTTP/1.1)."""
     h1_write_stall_timeout_seconds: float = 60.0
     """HTTP/1.1: a client that takes no response bytes for this long is cut, releasing its backend connection."""
     http2_engine: str = "lean"
