@@ -10,15 +10,17 @@ YAML keys onto these snake_case fields and rejects unknown keys.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from gatekeeper.config import ConfigError, from_mapping, register_section
+from gatekeeper.config import ConfigError, camel, from_mapping, register_section
 from gatekeeper.listener import TLSListenerSettings
 from gatekeeper.proxy.flowcontrol.edge.loading import load_policy
 from gatekeeper.proxy.flowcontrol.settings import FlowControlSettings
 
 MAX_GOAWAY_CHANCE = 0.02
+MAX_WINDOW = 2**31 - 1
 """kube-apiserver refuses --goaway-chance above 0.02; so do we, outside tests."""
 
 
@@ -89,14 +91,33 @@ class ProtocolSettings:
     # --- harden-edge: HTTP/1.1 client timeouts ---------------------------------------------
     h1_header_timeout_seconds: float = 32.0
     """HTTP/1.1: a request's head must be complete this long after its first byte (kube-apiserver: 32 s)."""
-    h1_body_idle_timeout_seconds: float = 60.0
-    """HTTP/1.1: a request body that sends nothing for this long is cut (the request fails, the connection closes)."""
+    h1_body_idle_timeout_seconds: float = 30.0
+    """HTTP/1.1: a request body that sends nothing for this long is cut (the request fails, the connection closes).
+    Under kube-apiserver's 60 s request timeout, so the proxy frees the seat and connection first."""
+    h2_body_idle_timeout_seconds: float = 30.0
+    """HTTP/2: a request body that sends nothing for this long while the client may send (its windows are
+    open) is cut with RST_STREAM CANCEL, releasing its seat and upstream connection (as for HTTP/1.1)."""
     h1_write_stall_timeout_seconds: float = 60.0
     """HTTP/1.1: a client that takes no response bytes for this long is cut, releasing its backend connection."""
     http2_engine: str = "lean"
     """Client-facing HTTP/2 codec: ``lean`` (the proxy's own, ``listen/h2_codec.py``) or ``h2`` (the h2 library)."""
 
     def validate(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            key = camel(f.name)
+            if f.name.endswith("_seconds"):
+                # Zero or less would cut every client at once (or, for the drains, never wait).
+                if not value > 0:
+                    raise ValueError(f"{key} must be a positive number of seconds, got {value}")
+            elif f.type in ("int", int) and not value >= 1:
+                raise ValueError(f"{key} must be at least 1, got {value}")
+        if self.stream_window_bytes > MAX_WINDOW:
+            raise ValueError(f"streamWindowBytes must be at most {MAX_WINDOW} (RFC 9113 6.9.1), got "
+                             f"{self.stream_window_bytes}")
+        if self.write_buffer_low_bytes > self.write_buffer_high_bytes:
+            raise ValueError(f"writeBufferLowBytes ({self.write_buffer_low_bytes}) must not exceed "
+                             f"writeBufferHighBytes ({self.write_buffer_high_bytes})")
         if self.http2_engine not in ("lean", "h2"):
             raise ValueError(f"http2Engine must be 'lean' or 'h2', got {self.http2_engine!r}")
         limit = 1.0 if self.allow_unsafe_goaway_chance else MAX_GOAWAY_CHANCE

@@ -133,3 +133,22 @@ def test_the_loader_knows_only_the_sections_components_registered(
     with pytest.raises(ConfigError) as err:
         load_config(p)
     assert err.value.key == "extra.inner.sizeLimit"
+
+
+@pytest.mark.parametrize(("protocol", "message"), [
+    ("{h2BodyIdleTimeoutSeconds: 0}", "h2BodyIdleTimeoutSeconds must be a positive number of seconds, got 0"),
+    ("{idleTimeoutSeconds: -1}", "idleTimeoutSeconds must be a positive number of seconds, got -1"),
+    ("{maxConcurrentStreams: 0}", "maxConcurrentStreams must be at least 1, got 0"),
+    ("{h2MaxPingsPerInterval: -5}", "h2MaxPingsPerInterval must be at least 1, got -5"),
+    ("{streamWindowBytes: 2147483648}", r"streamWindowBytes must be at most 2147483647"),
+    ("{writeBufferLowBytes: 70000}", r"writeBufferLowBytes \(70000\) must not exceed writeBufferHighBytes"),
+])
+def test_proxy_protocol_limits_that_would_cut_every_client_are_rejected(tmp_path: Path, protocol: str,
+                                                                         message: str) -> None:
+    p = tmp_path / "c.yaml"
+    p.write_text(
+        f"proxy:\n  listener: {{certFile: a, keyFile: b}}\n  protocol: {protocol}\n"
+        "  backends: [{url: 'https://127.0.0.1:1'}]\n"
+    )
+    with pytest.raises(ConfigError, match=f"proxy.protocol: {message}"):
+        load_config(p)

@@ -3,7 +3,7 @@
 Each attack involves the backend (a stalled response pins an upstream
 connection, a reset stream would start an upstream request), so each runs
 against the real thing: window-0 client, never-reading PING flooder, rapid
-reset (CVE-2023-44487), H2.CL smuggling.
+reset (CVE-2023-44487), H2.CL smuggling, a request body that goes quiet.
 """
 
 from __future__ import annotations
@@ -30,12 +30,15 @@ pytestmark = pytest.mark.sandbox
 
 STALL = 2.0
 """responseStallTimeoutSeconds of the proxy under attack."""
+BODY_IDLE = 2.0
+"""h2BodyIdleTimeoutSeconds of the proxy under attack."""
 
 
 @pytest.fixture(scope="module")
 def proxy(sandbox: SandboxState, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProxyProcess]:
     p = ProxyProcess(sandbox, tmp_path_factory.mktemp("h2-abuse-proxy"), name="h2-abuse-proxy",
-                     user_config={"protocol": {"responseStallTimeoutSeconds": STALL}})
+                     user_config={"protocol": {"responseStallTimeoutSeconds": STALL,
+                                               "h2BodyIdleTimeoutSeconds": BODY_IDLE}})
     try:
         p.start()
         yield p
@@ -187,3 +190,36 @@ def test_ended_request_announcing_a_body_is_reset_and_the_connection_keeps_servi
     finally:
         client.close()
     assert proxy.metric("gatekeeper_proxy_rejected_total", reason="h2_malformed") >= malformed0 + 1
+
+
+def test_request_body_gone_quiet_is_reset_and_nothing_is_created(proxy: ProxyProcess) -> None:
+    """A POST that sends part of its body and then nothing would hold an upstream connection (and a
+    flow-control seat) for as long as the client likes; after h2BodyIdleTimeoutSeconds it is cut."""
+    idle0 = proxy.metric("gatekeeper_proxy_rejected_total", reason="body_timeout")
+    name = f"quiet-body-{int(time.time() * 1000)}"
+    body = (b'{"apiVersion":"v1","kind":"ConfigMap","metadata":{"name":"%s"},"data":{"k":"v"}}'
+            % name.encode())
+    client = RawH2(proxy.port, ca=proxy.ca, cert=proxy.admin_cert)
+    try:
+        sid = client.conn.get_next_available_stream_id()
+        client.conn.send_headers(sid, [(":method", "POST"), (":scheme", "https"), (":authority", "localhost"),
+                                       (":path", "/api/v1/namespaces/default/configmaps"),
+                                       ("content-type", "application/json"),
+                                       ("content-length", str(len(body)))], end_stream=False)
+        client.conn.send_data(sid, body[:20])
+        client.flush()
+        start = time.monotonic()
+        assert client.read_until(lambda ev: any(isinstance(e, StreamReset) and e.stream_id == sid for e in ev),
+                                 BODY_IDLE + 10)
+        took = time.monotonic() - start
+        reset = next(e for e in client.events if isinstance(e, StreamReset) and e.stream_id == sid)
+        assert reset.error_code == ErrorCodes.CANCEL
+        assert BODY_IDLE - 0.5 <= took <= BODY_IDLE + 5, f"cut after {took:.1f}s, idle timeout is {BODY_IDLE}s"
+        good = client.request("/version")  # the connection keeps serving
+        assert client.read_until(lambda ev: any(isinstance(e, StreamEnded) and e.stream_id == good for e in ev), 10)
+    finally:
+        client.close()
+    assert proxy.metric("gatekeeper_proxy_rejected_total", reason="body_timeout") >= idle0 + 1
+    with httpx.Client(http2=True, verify=proxy.tls(cert=True), timeout=10) as api:
+        r = api.get(f"{proxy.url}/api/v1/namespaces/default/configmaps/{name}")
+    assert r.status_code == 404, "a half-sent body must never become an object"

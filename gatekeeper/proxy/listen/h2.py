@@ -53,7 +53,6 @@ import math
 import random
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any, cast
 
 from h2.errors import ErrorCodes
@@ -94,19 +93,52 @@ CONNECTION_WINDOW_FACTOR = 4
 """Connection receive window = this many stream windows: bounds request-body memory per connection."""
 
 
-@dataclass(eq=False)
 class _Stream:
-    id: int
-    request: ProxyRequest
-    task: asyncio.Task[bool] | None = None
-    inbox: deque[tuple[bytes, int]] = field(default_factory=deque)
-    """Received request DATA not yet taken by the pipeline: (data, flow-controlled length)."""
-    inbox_changed: asyncio.Event = field(default_factory=asyncio.Event)
-    window_open: asyncio.Event = field(default_factory=asyncio.Event)
-    ended: bool = False
-    """The client sent END_STREAM."""
-    error: BaseException | None = None
-    """Why the stream was cut (client reset, connection lost, drain deadline)."""
+    """One client stream.
+
+    Its two events are made on first wait: nearly every request (a GET that fits the client's
+    window) never waits on either, and two ``asyncio.Event`` per request were measurable. Waking
+    an event nobody made is a no-op, which is safe because every waiter checks the state first.
+    """
+
+    __slots__ = ("_inbox_changed", "_window_open", "ended", "error", "id", "inbox", "request", "task")
+
+    def __init__(self, sid: int, request: ProxyRequest, *, ended: bool = False) -> None:
+        self.id = sid
+        self.request = request
+        self.task: asyncio.Task[bool] | None = None
+        self.inbox: deque[tuple[bytes, int]] = deque()
+        """Received request DATA not yet taken by the pipeline: (data, flow-controlled length)."""
+        self.ended = ended
+        """The client sent END_STREAM."""
+        self.error: BaseException | None = None
+        """Why the stream was cut (client reset, connection lost, drain deadline)."""
+        self._inbox_changed: asyncio.Event | None = None
+        self._window_open: asyncio.Event | None = None
+
+    def inbox_changed(self) -> asyncio.Event:
+        """The event a body reader waits on (cleared, ready to wait)."""
+        if self._inbox_changed is None:
+            self._inbox_changed = asyncio.Event()
+        else:
+            self._inbox_changed.clear()
+        return self._inbox_changed
+
+    def window_open(self) -> asyncio.Event:
+        """The event a response sender waits on (cleared, ready to wait)."""
+        if self._window_open is None:
+            self._window_open = asyncio.Event()
+        else:
+            self._window_open.clear()
+        return self._window_open
+
+    def wake_reader(self) -> None:
+        if self._inbox_changed is not None:
+            self._inbox_changed.set()
+
+    def wake_sender(self) -> None:
+        if self._window_open is not None:
+            self._window_open.set()
 
 
 class H2Protocol:
@@ -136,6 +168,8 @@ class H2Protocol:
         self.connection_id = connection_id
         self._decider = GoawayDecider(settings.goaway_chance, rng)
         self._close_delay = close_delay
+        self._window_reopened_at = -math.inf
+        """When an acknowledgement last reopened a shut connection receive window (request-body idle clock)."""
         install_huffman_memo()
         guard = FloodGuard(limits_of(settings), settings.h2_abuse_interval_seconds)
         self._conn: ServerConnection
@@ -229,7 +263,7 @@ class H2Protocol:
             stream = self._streams.get(sid)
             if stream is not None:
                 stream.ended = True
-                stream.inbox_changed.set()
+                stream.wake_reader()
         elif kind == EV_RESET:
             self._on_reset(sid, event[2])
         elif kind == EV_WINDOW:
@@ -338,7 +372,7 @@ class H2Protocol:
             self._ack(sid, flow)
             return
         stream.inbox.append((data, flow))
-        stream.inbox_changed.set()
+        stream.wake_reader()
 
     def _on_reset(self, sid: int, error_code: int) -> None:
         stream = self._streams.get(sid)
@@ -362,14 +396,21 @@ class H2Protocol:
     def _wake_senders(self, stream_id: int | None) -> None:
         if not stream_id:
             for stream in self._streams.values():
-                stream.window_open.set()
+                stream.wake_sender()
         elif (one := self._streams.get(stream_id)) is not None:
-            one.window_open.set()
+            one.wake_sender()
 
     # ------------------------------------------------------------------ request bodies
 
     async def _request_body(self, stream: _Stream) -> AsyncIterator[bytes]:
-        """Yield request DATA, reopening the client's window only for what the pipeline took."""
+        """Yield request DATA, reopening the client's window only for what the pipeline took.
+
+        A body that goes quiet while the client may send (``h2BodyIdleTimeoutSeconds``) is cut: it
+        would otherwise hold a seat and an upstream connection for as long as the client likes.
+        Time while the connection window is shut (other streams' unread DATA fills it) is the
+        proxy's doing, not the client's, so it does not count.
+        """
+        idle = self._settings.h2_body_idle_timeout_seconds
         while True:
             if stream.inbox:
                 data, flow = stream.inbox.popleft()
@@ -381,12 +422,31 @@ class H2Protocol:
                 raise stream.error
             if stream.ended:
                 return
-            stream.inbox_changed.clear()
-            await stream.inbox_changed.wait()
+            changed = stream.inbox_changed()
+            since = self._loop.time()
+            try:
+                async with asyncio.timeout(idle):
+                    await changed.wait()
+            except TimeoutError:
+                if stream.inbox or stream.ended or stream.error is not None or self._h2_closed:
+                    continue
+                if self._conn.inbound_flow_control_window <= 0 or self._window_reopened_at >= since:
+                    continue  # the client could not send for some of that time: a new full period
+                self._body_idle(stream, idle)
+
+    def _body_idle(self, stream: _Stream, idle: float) -> None:
+        self._reset(stream.id, ErrorCodes.CANCEL)
+        rejections.reject("body_timeout", "h2 connection %d from %s, stream %d: request body idle for %gs",
+                          self.connection_id, self._peer, stream.id, idle)
+        error = ClientGone(f"HTTP/2 stream {stream.id}: request body idle for {idle:g}s")
+        self._cut(stream, error)
+        raise error
 
     def _ack(self, stream_id: int, flow: int) -> None:
         if flow <= 0 or self._h2_closed:
             return
+        if self._conn.inbound_flow_control_window <= 0:
+            self._window_reopened_at = self._loop.time()  # see _request_body's idle clock
         try:
             self._conn.acknowledge_received_data(flow, stream_id)
         except (ProtocolError, StreamClosedError):
@@ -511,10 +571,10 @@ class H2Protocol:
                                     self._settings.response_stall_timeout_seconds)
                 stream.error = ClientGone(f"HTTP/2 stream {stream.id}: client window stayed at 0")
                 raise stream.error
-            stream.window_open.clear()
+            opened = stream.window_open()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(deadline - now):
-                    await stream.window_open.wait()
+                    await opened.wait()
 
     def _reset(self, stream_id: int, code: ErrorCodes) -> bool:
         """RST_STREAM unless the stream is already closed; True if a reset went out."""
@@ -546,8 +606,8 @@ class H2Protocol:
             stream.error = error
         while stream.inbox:  # nobody will read it: give its window back, or the connection's stays shut
             self._ack(stream.id, stream.inbox.popleft()[1])
-        stream.inbox_changed.set()
-        stream.window_open.set()
+        stream.wake_reader()
+        stream.wake_sender()
         if stream.task is not None:
             stream.task.cancel()
 

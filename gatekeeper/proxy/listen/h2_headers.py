@@ -135,6 +135,28 @@ VOLATILE_RESPONSE_HEADERS = frozenset({"audit-id", "date"})
 lengthens hpack's linear table search, so they go out as literals that are not indexed."""
 
 
+RESPONSE_MEMO_ENTRIES = 512
+RESPONSE_MEMO_MAX_CHARS = 1024
+_response_fields: dict[tuple[str, str], tuple[bytes, bytes] | tuple[()]] = {}
+"""Response fields as HEADERS entries (``()``: dropped, hop-by-hop).
+
+An apiserver repeats the same few fields on every answer (content-type, cache-control, the
+priority-level uids); lower-casing, trimming and encoding them each time was a tenth of the
+response side's cost. Keyed by the exact text, so a hit is what the conversion would give
+again. Bounded (fields up to ``RESPONSE_MEMO_MAX_CHARS``, at most ``RESPONSE_MEMO_ENTRIES``,
+cleared when full); the volatile fields are never kept."""
+_STATUS_LINES: dict[int, bytes] = {}
+
+
+def _response_field(name: str, value: str) -> tuple[bytes, bytes] | tuple[()]:
+    name = name.lower()
+    if name in HOP_BY_HOP:
+        return ()
+    if name in VOLATILE_RESPONSE_HEADERS:
+        return NeverIndexedHeaderTuple(encode_header(name), encode_header(value.strip()))
+    return (encode_header(name), encode_header(value.strip()))
+
+
 def response_block(status: int, headers: Headers) -> list[tuple[bytes, bytes]]:
     """The HEADERS block for a response: what h2's outbound normalization did, done once, here.
 
@@ -142,13 +164,23 @@ def response_block(status: int, headers: Headers) -> list[tuple[bytes, bytes]]:
     connection-specific headers dropped, values trimmed. h2_conn.config() turns
     h2's own normalization and validation off, so this is the only pass.
     """
-    block: list[tuple[bytes, bytes]] = [(b":status", str(status).encode())]
+    code = _STATUS_LINES.get(status)
+    if code is None:
+        code = str(status).encode()
+        if 100 <= status <= 999:
+            _STATUS_LINES[status] = code
+    block: list[tuple[bytes, bytes]] = [(b":status", code)]
+    memo = _response_fields
     for name, value in headers:
-        name = name.lower()
-        if name in HOP_BY_HOP:
-            continue
-        if name in VOLATILE_RESPONSE_HEADERS:
-            block.append(NeverIndexedHeaderTuple(encode_header(name), encode_header(value.strip())))
-        else:
-            block.append((encode_header(name), encode_header(value.strip())))
+        key = (name, value)
+        entry = memo.get(key)
+        if entry is None:
+            entry = _response_field(name, value)
+            if (len(name) + len(value) <= RESPONSE_MEMO_MAX_CHARS
+                    and name.lower() not in VOLATILE_RESPONSE_HEADERS):
+                if len(memo) >= RESPONSE_MEMO_ENTRIES:
+                    memo.clear()
+                memo[key] = entry
+        if entry:
+            block.append(entry)
     return block
