@@ -125,3 +125,31 @@ async def test_a_body_the_connection_window_holds_back_is_not_cut(h2pair):
     await pair.until(lambda: pair.ended(waiting) and all(pair.ended(s) for s in held))
     assert pair.status(waiting) == 200 and reader.bodies[waiting] == b"late but allowed"
     assert all(reader.bodies[s] == b"h" * window for s in held)
+
+
+async def test_bodies_left_unread_by_an_early_answer_give_the_connection_window_back(h2pair):
+    """A 429 (or any answer) before the body was read: the DATA already queued must be acknowledged,
+    or every such upload shrinks the connection window for good and the connection stalls."""
+    reader = _Reader()
+
+    async def handler(req: ProxyRequest) -> ProxyResponse:
+        if req.target.startswith("/busy"):
+            await asyncio.sleep(0.05)  # the body arrives meanwhile; it is never read
+            return ProxyResponse(429, [("retry-after", "1")], _chunks(b"busy"))
+        return await reader(req)
+
+    window = 16384  # connection window = 4 stream windows
+    pair = h2pair(handler, ProtocolSettings(stream_window_bytes=window))
+    await pair.settle()
+    for i in range(6):  # together more than the connection window
+        sid = _post(pair, f"/busy/{i}")
+        pair.client.send_data(sid, b"b" * window)
+        pair.pump()
+        await pair.until(lambda sid=sid: pair.ended(sid) or pair.reset(sid) is not None)
+        assert pair.status(sid) == 429
+    last = _post(pair)
+    await pair.until(lambda: pair.client.local_flow_control_window(last) == window, limit=3)
+    pair.client.send_data(last, b"z" * window, end_stream=True)
+    pair.pump()
+    await pair.until(lambda: pair.ended(last))
+    assert pair.status(last) == 200 and reader.bodies[last] == b"z" * window

@@ -589,6 +589,7 @@ class H2Protocol:
 
     def _stream_done(self, stream: _Stream, *, completed: bool) -> None:
         self._streams.pop(stream.id, None)
+        self._drop_inbox(stream)  # answered before its body was read (a 429): that DATA is never taken
         self._conn.release_stream(stream.id)
         self._streams_changed.set()
         if self._h2_closed:
@@ -601,11 +602,15 @@ class H2Protocol:
         elif not self._streams:
             self._arm_idle()
 
+    def _drop_inbox(self, stream: _Stream) -> None:
+        """Nobody will read it: give its window back, or the connection's stays shut for good."""
+        while stream.inbox:
+            self._ack(stream.id, stream.inbox.popleft()[1])
+
     def _cut(self, stream: _Stream, error: BaseException) -> None:
         if stream.error is None:
             stream.error = error
-        while stream.inbox:  # nobody will read it: give its window back, or the connection's stays shut
-            self._ack(stream.id, stream.inbox.popleft()[1])
+        self._drop_inbox(stream)
         stream.wake_reader()
         stream.wake_sender()
         if stream.task is not None:
