@@ -37,6 +37,7 @@ RejectReason = Literal[
     "h2_flood_settings",  # more SETTINGS than h2MaxSettingsPerInterval
     "h2_flood_empty_frame",  # more zero-length DATA/CONTINUATION frames than h2MaxEmptyFramesPerInterval
     "h2_flood_closed_stream",  # more frames on closed streams than h2MaxClosedStreamFramesPerInterval
+    "body_budget",  # request DATA over maxBufferedRequestBytes (process-wide): RST_STREAM ENHANCE_YOUR_CALM
     # both protocols: a response that cannot move (h2 window held at 0, h1 client not reading)
     "response_stall",
     # HTTP/1.1 (h1.py)

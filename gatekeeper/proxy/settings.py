@@ -66,6 +66,10 @@ class ProtocolSettings:
     """Initial HTTP/2 stream flow-control window advertised to clients."""
     max_header_list_bytes: int = 1 << 20
     """Largest header block accepted from a client."""
+    max_buffered_request_bytes: int = 128 << 20
+    """HTTP/2 request DATA received but not yet taken by the pipeline, all connections of one process
+    together (the windows bound each connection, not the process); a stream whose DATA would pass it is
+    reset ENHANCE_YOUR_CALM, reason ``body_budget`` (see ``listen/body_budget.py``)."""
     idle_timeout_seconds: float = 300.0
     """Close client connections idle (no open stream) for this long."""
     response_stall_timeout_seconds: float = 60.0

@@ -23,6 +23,7 @@ from h2.events import DataReceived, Event, ResponseReceived, StreamEnded, Stream
 from h2.settings import SettingCodes, Settings
 from hyperframe.frame import Frame, GoAwayFrame
 
+from gatekeeper.proxy.listen.body_budget import BodyBudget
 from gatekeeper.proxy.listen.h2 import H2Protocol
 from gatekeeper.proxy.messages import Handler
 from gatekeeper.proxy.settings import ProtocolSettings
@@ -39,6 +40,7 @@ class H2Pair:
         rng: Callable[[], float] | None = None,
         client_window: int | None = None,
         close_delay: float = 0.05,
+        body_budget: BodyBudget | None = None,
     ) -> None:
         self.client = H2Connection(H2Configuration(client_side=True, header_encoding=None))
         self.events: list[Event] = []
@@ -49,6 +51,8 @@ class H2Pair:
         kwargs: dict[str, Any] = {}
         if rng is not None:
             kwargs["rng"] = rng
+        if body_budget is not None:
+            kwargs["body_budget"] = body_budget
         self.server = H2Protocol(
             handler, settings or ProtocolSettings(), write=self._from_server, drain=self._drain,
             close=self._close, peer="127.0.0.1:1", close_delay=close_delay, **kwargs,

@@ -68,6 +68,7 @@ from gatekeeper.proxy.adapter import (
     response_has_body,
 )
 from gatekeeper.proxy.listen import conn_metrics
+from gatekeeper.proxy.listen.body_budget import BodyBudget
 from gatekeeper.proxy.listen.goaway import GoawayDecider, Reason
 from gatekeeper.proxy.listen.h2_codec import (
     EV_BAD_LENGTH,
@@ -157,6 +158,7 @@ class H2Protocol:
         connection_id: int = 0,
         rng: Callable[[], float] = random.random,
         close_delay: float = 1.0,
+        body_budget: BodyBudget | None = None,
     ) -> None:
         self._handler = handler
         self._settings = settings
@@ -168,6 +170,7 @@ class H2Protocol:
         self.connection_id = connection_id
         self._decider = GoawayDecider(settings.goaway_chance, rng)
         self._close_delay = close_delay
+        self._budget = body_budget or BodyBudget(settings.max_buffered_request_bytes, gauge=None)
         self._window_reopened_at = -math.inf
         """When an acknowledgement last reopened a shut connection receive window (request-body idle clock)."""
         install_huffman_memo()
@@ -371,6 +374,10 @@ class H2Protocol:
             # frame must not take a place in the inbox): give the window back at once.
             self._ack(sid, flow)
             return
+        if not self._budget.take(len(data)):
+            self._ack(sid, flow)
+            self._over_budget(stream)
+            return
         stream.inbox.append((data, flow))
         stream.wake_reader()
 
@@ -414,6 +421,7 @@ class H2Protocol:
         while True:
             if stream.inbox:
                 data, flow = stream.inbox.popleft()
+                self._budget.give(len(data))
                 self._ack(stream.id, flow)
                 if data:
                     yield data
@@ -605,7 +613,16 @@ class H2Protocol:
     def _drop_inbox(self, stream: _Stream) -> None:
         """Nobody will read it: give its window back, or the connection's stays shut for good."""
         while stream.inbox:
-            self._ack(stream.id, stream.inbox.popleft()[1])
+            data, flow = stream.inbox.popleft()
+            self._budget.give(len(data))
+            self._ack(stream.id, flow)
+
+    def _over_budget(self, stream: _Stream) -> None:
+        self._reset(stream.id, ErrorCodes.ENHANCE_YOUR_CALM)
+        rejections.reject("body_budget", "h2 connection %d from %s, stream %d: request bodies held by the "
+                          "proxy would pass maxBufferedRequestBytes (%d)", self.connection_id, self._peer,
+                          stream.id, self._budget.limit)
+        self._cut(stream, ClientGone(f"HTTP/2 stream {stream.id}: request bodies over the proxy's buffer"))
 
     def _cut(self, stream: _Stream, error: BaseException) -> None:
         if stream.error is None:

@@ -50,6 +50,7 @@ from typing import Any
 from gatekeeper.proxy import rejections
 from gatekeeper.proxy.adapter import ClientGone
 from gatekeeper.proxy.listen import conn_metrics
+from gatekeeper.proxy.listen.body_budget import BodyBudget
 from gatekeeper.proxy.listen.h1 import H1Connection
 from gatekeeper.proxy.listen.h2 import H2Protocol
 from gatekeeper.proxy.listen.h2_limits import check_limits
@@ -246,6 +247,8 @@ class ProxyServer:
         self._handler = handler
         self._rng = rng
         self._close_delay = close_delay
+        self._body_budget = BodyBudget(settings.protocol.max_buffered_request_bytes)
+        """Shared by every HTTP/2 connection of this process (see ``body_budget``)."""
         self._ssl = reloading_ssl_context(settings.listener)
         self._sockets: list[socket.socket] = []
         self._accepters: list[asyncio.Task[None]] = []
@@ -433,10 +436,11 @@ class ProxyServer:
             except (ConnectionError, OSError) as exc:
                 raise ClientGone(f"client socket failed: {exc}") from exc
 
+        self._body_budget.limit = self._settings.protocol.max_buffered_request_bytes  # after a reload too
         proto = H2Protocol(
             self._handler, self._settings.protocol, write=write, drain=drain, close=writer.close,
             peer=peer, peer_cert=peer_cert, connection_id=client.id, rng=self._rng,
-            close_delay=self._close_delay,
+            close_delay=self._close_delay, body_budget=self._body_budget,
         )
         client.h2 = proto
         proto.start()

@@ -1,0 +1,112 @@
+"""Request DATA the proxy holds is bounded for the whole process (``maxBufferedRequestBytes``), not per connection.
+
+In memory, on both HTTP/2 engines: two client connections share one
+``BodyBudget`` as every connection of a proxy process does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from h2.errors import ErrorCodes
+from prometheus_client import REGISTRY
+
+from gatekeeper.proxy.listen.body_budget import BodyBudget
+from gatekeeper.proxy.messages import ProxyRequest, ProxyResponse
+from gatekeeper.proxy.settings import ProtocolSettings
+
+WINDOW = 16384
+
+
+async def _chunks(*parts: bytes) -> AsyncIterator[bytes]:
+    for p in parts:
+        yield p
+
+
+def _rejected(reason: str) -> float:
+    return REGISTRY.get_sample_value("gatekeeper_proxy_rejected_total", {"reason": reason}) or 0.0
+
+
+def _post(pair, path: str) -> int:
+    sid = pair.client.get_next_available_stream_id()
+    pair.client.send_headers(sid, [(":method", "POST"), (":path", path), (":scheme", "https"),
+                                   (":authority", "proxy.test")], end_stream=False)
+    pair.pump()
+    return sid
+
+
+class _Gate:
+    """Handlers that read their body only once released (a request queued for a flow-control seat)."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.bodies: dict[str, bytes] = {}
+
+    async def __call__(self, req: ProxyRequest) -> ProxyResponse:
+        await self.release.wait()
+        got = b""
+        assert req.body is not None
+        async for chunk in req.body:
+            got += chunk
+        self.bodies[req.target] = got
+        return ProxyResponse(200, [], _chunks(b"ok"))
+
+
+async def test_data_past_the_process_budget_resets_only_the_stream_that_would_pass_it(h2pair):
+    budget = BodyBudget(40_000)
+    gate = _Gate()
+    settings = ProtocolSettings(stream_window_bytes=WINDOW)
+    a = h2pair(gate, settings, body_budget=budget)
+    b = h2pair(gate, settings, body_budget=budget)
+    await a.settle()
+    await b.settle()
+    before = _rejected("body_budget")
+    held = [_post(a, f"/a/{i}") for i in range(2)]
+    for sid in held:
+        a.client.send_data(sid, b"a" * 15_000, end_stream=True)
+        a.pump()
+    await a.until(lambda: budget.held == 30_000)
+    over = _post(b, "/b/over")
+    b.client.send_data(over, b"b" * WINDOW)  # 30000 + 16384 > 40000
+    b.pump()
+    await b.until(lambda: b.reset(over) is not None)
+    assert b.reset(over).error_code == ErrorCodes.ENHANCE_YOUR_CALM
+    assert budget.held == 30_000, "the refused DATA is not held, the other connection's is untouched"
+    assert _rejected("body_budget") == before + 1
+    # The refused bytes' connection window came back: the same connection can still upload what fits.
+    small = _post(b, "/b/small")
+    await b.until(lambda: b.client.local_flow_control_window(small) == WINDOW)
+    b.client.send_data(small, b"s" * 5_000, end_stream=True)
+    b.pump()
+    await b.until(lambda: budget.held == 35_000)
+    gate.release.set()
+    await a.until(lambda: all(a.ended(s) for s in held) and b.ended(small))
+    assert gate.bodies == {"/a/0": b"a" * 15_000, "/a/1": b"a" * 15_000, "/b/small": b"s" * 5_000}
+    assert budget.held == 0, "every byte taken was given back"
+
+
+async def test_cut_and_unread_bodies_give_their_bytes_back_and_the_gauge_follows(h2pair):
+    budget = BodyBudget(1 << 20)  # the process gauge, as a proxy process has it
+
+    async def early(req: ProxyRequest) -> ProxyResponse:
+        await asyncio.sleep(0.05)  # the body arrives meanwhile and is never read
+        return ProxyResponse(429, [("retry-after", "1")], _chunks(b"busy"))
+
+    pair = h2pair(early, ProtocolSettings(stream_window_bytes=WINDOW), body_budget=budget)
+    await pair.settle()
+    answered = _post(pair, "/busy")
+    pair.client.send_data(answered, b"x" * 10_000)
+    pair.pump()
+    await pair.until(lambda: budget.held == 10_000)
+    assert REGISTRY.get_sample_value("gatekeeper_proxy_buffered_request_bytes") == 10_000
+    cut = _post(pair, "/cut")
+    pair.client.send_data(cut, b"y" * 7_000)
+    pair.pump()
+    await pair.until(lambda: budget.held == 17_000)
+    pair.client.reset_stream(cut, ErrorCodes.CANCEL)
+    pair.pump()
+    await pair.until(lambda: pair.server.open_streams == 0)
+    assert pair.status(answered) == 429
+    assert budget.held == 0
+    assert REGISTRY.get_sample_value("gatekeeper_proxy_buffered_request_bytes") == 0
