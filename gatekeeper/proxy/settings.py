@@ -114,14 +114,14 @@ class ProtocolSettings:
                 # Zero or less would cut every client at once (or, for the drains, never wait).
                 if not value > 0:
                     raise ValueError(f"{key} must be a positive number of seconds, got {value}")
-            elif f.type in ("int", int) and not value >= 1:
+            elif f.type in ("int", int) and f.name != "write_buffer_low_bytes" and not value >= 1:
                 raise ValueError(f"{key} must be at least 1, got {value}")
         if self.stream_window_bytes > MAX_WINDOW:
             raise ValueError(f"streamWindowBytes must be at most {MAX_WINDOW} (RFC 9113 6.9.1), got "
                              f"{self.stream_window_bytes}")
-        if self.write_buffer_low_bytes > self.write_buffer_high_bytes:
-            raise ValueError(f"writeBufferLowBytes ({self.write_buffer_low_bytes}) must not exceed "
-                             f"writeBufferHighBytes ({self.write_buffer_high_bytes})")
+        if not 0 <= self.write_buffer_low_bytes <= self.write_buffer_high_bytes:
+            raise ValueError(f"writeBufferLowBytes must be within [0, writeBufferHighBytes "
+                             f"({self.write_buffer_high_bytes})], got {self.write_buffer_low_bytes}")
         if self.http2_engine not in ("lean", "h2"):
             raise ValueError(f"http2Engine must be 'lean' or 'h2', got {self.http2_engine!r}")
         limit = 1.0 if self.allow_unsafe_goaway_chance else MAX_GOAWAY_CHANCE

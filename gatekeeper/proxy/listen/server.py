@@ -241,8 +241,7 @@ class ProxyServer:
         close_delay: float = 1.0,
     ) -> None:
         settings.listener.validate()
-        settings.protocol.validate()
-        check_limits(settings.listener, settings.protocol)
+        check_limits(settings.listener, settings.protocol)  # the protocol's validate() included
         self._settings = settings
         self._handler = handler
         self._rng = rng
