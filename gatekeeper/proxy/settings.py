@@ -20,8 +20,11 @@ from gatekeeper.proxy.flowcontrol.edge.loading import load_policy
 from gatekeeper.proxy.flowcontrol.settings import FlowControlSettings
 
 MAX_GOAWAY_CHANCE = 0.02
-MAX_WINDOW = 2**31 - 1
 """kube-apiserver refuses --goaway-chance above 0.02; so do we, outside tests."""
+MAX_WINDOW = 2**31 - 1
+"""The largest HTTP/2 flow-control window (RFC 9113 6.9.1)."""
+MAX_SETTING = 2**32 - 1
+"""The largest value of an HTTP/2 SETTINGS parameter (RFC 9113 6.5.1): a larger one cannot be sent."""
 
 
 @dataclass(frozen=True)
@@ -119,6 +122,9 @@ class ProtocolSettings:
         if self.stream_window_bytes > MAX_WINDOW:
             raise ValueError(f"streamWindowBytes must be at most {MAX_WINDOW} (RFC 9113 6.9.1), got "
                              f"{self.stream_window_bytes}")
+        for name in ("max_concurrent_streams", "max_header_list_bytes"):  # SETTINGS values are 32-bit
+            if (value := getattr(self, name)) > MAX_SETTING:
+                raise ValueError(f"{camel(name)} must be at most {MAX_SETTING} (RFC 9113 6.5.1), got {value}")
         if not 0 <= self.write_buffer_low_bytes <= self.write_buffer_high_bytes:
             raise ValueError(f"writeBufferLowBytes must be within [0, writeBufferHighBytes "
                              f"({self.write_buffer_high_bytes})], got {self.write_buffer_low_bytes}")

@@ -141,6 +141,8 @@ def test_the_loader_knows_only_the_sections_components_registered(
     ("{maxConcurrentStreams: 0}", "maxConcurrentStreams must be at least 1, got 0"),
     ("{h2MaxPingsPerInterval: -5}", "h2MaxPingsPerInterval must be at least 1, got -5"),
     ("{streamWindowBytes: 2147483648}", r"streamWindowBytes must be at most 2147483647"),
+    ("{maxConcurrentStreams: 4294967296}", r"maxConcurrentStreams must be at most 4294967295"),
+    ("{maxHeaderListBytes: 4294967296}", r"maxHeaderListBytes must be at most 4294967295"),
     ("{writeBufferLowBytes: 70000}", r"writeBufferLowBytes must be within \[0, writeBufferHighBytes \(65536\)\]"),
 ])
 def test_proxy_protocol_limits_that_would_cut_every_client_are_rejected(tmp_path: Path, protocol: str,

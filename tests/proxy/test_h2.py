@@ -431,3 +431,21 @@ async def test_exhausted_body_ending_in_an_empty_chunk_still_ends_the_stream(h2p
     sid = pair.request()
     await pair.until(lambda: pair.ended(sid))
     assert pair.body(sid) == b"abc"
+
+
+async def test_largest_valid_stream_window_keeps_connection_window_within_rfc_limit(h2pair):
+    """streamWindowBytes passes validate() up to 2^31-1, but the connection window is 4x that:
+    it must be capped at 2^31-1 (RFC 9113 6.9.1), not sent as an invalid WINDOW_UPDATE (lean)
+    or raised from start() (h2), which broke every connection."""
+
+    async def handler(req: ProxyRequest) -> ProxyResponse:
+        return ProxyResponse(200, [], _chunks(b"ok"))
+
+    settings = ProtocolSettings(stream_window_bytes=2**30)
+    settings.validate()
+    pair = h2pair(handler, settings)
+    sid = pair.request("GET", "/api/v1/pods")
+    await pair.until(lambda: pair.ended(sid))
+    assert pair.status(sid) == 200
+    assert pair.client.remote_flow_control_window(sid) <= 2**31 - 1
+    assert pair.server._conn.inbound_flow_control_window == 2**31 - 1

@@ -86,12 +86,18 @@ from gatekeeper.proxy.listen.h2_conn import ProxyH2Connection, install_huffman_m
 from gatekeeper.proxy.listen.h2_headers import MalformedRequest, parse_request, response_block
 from gatekeeper.proxy.listen.h2_limits import FloodError, FloodGuard, limits_of
 from gatekeeper.proxy.messages import Handler, ProxyRequest, ProxyResponse, is_exhausted
-from gatekeeper.proxy.settings import ProtocolSettings
+from gatekeeper.proxy.settings import MAX_WINDOW, ProtocolSettings
 
 log = logging.getLogger("gatekeeper.proxy.listen.h2")
 
 CONNECTION_WINDOW_FACTOR = 4
 """Connection receive window = this many stream windows: bounds request-body memory per connection."""
+
+
+def connection_window(settings: ProtocolSettings) -> int:
+    """CONNECTION_WINDOW_FACTOR stream windows, at most 2^31-1 (RFC 9113 6.9.1): a larger increment is
+    an invalid WINDOW_UPDATE, and ``streamWindowBytes`` itself may be up to 2^31-1."""
+    return min(settings.stream_window_bytes * CONNECTION_WINDOW_FACTOR, MAX_WINDOW)
 
 
 class _Stream:
@@ -183,7 +189,7 @@ class H2Protocol:
                 max_concurrent_streams=settings.max_concurrent_streams,
                 stream_window=settings.stream_window_bytes,
                 max_header_list=settings.max_header_list_bytes,
-                connection_window=settings.stream_window_bytes * CONNECTION_WINDOW_FACTOR,
+                connection_window=connection_window(settings),
             )
             self._conn, self._receive = lean, lean.receive_data
         else:
@@ -224,7 +230,7 @@ class H2Protocol:
             # SETTINGS; a client may send large headers before that, so apply it now.
             conn.decoder.max_header_list_size = s.max_header_list_bytes
             conn.initiate_connection()
-            extra = s.stream_window_bytes * CONNECTION_WINDOW_FACTOR - conn.inbound_flow_control_window
+            extra = connection_window(s) - conn.inbound_flow_control_window
             if extra > 0:
                 conn.increment_flow_control_window(extra)
         else:
