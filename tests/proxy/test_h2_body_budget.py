@@ -53,12 +53,12 @@ class _Gate:
         return ProxyResponse(200, [], _chunks(b"ok"))
 
 
-async def test_data_past_the_process_budget_resets_only_the_stream_that_would_pass_it(h2pair):
+async def test_past_the_limit_the_connection_over_its_fair_share_is_refused_not_a_small_uploader(h2pair):
     budget = BodyBudget(40_000)
     gate = _Gate()
     settings = ProtocolSettings(stream_window_bytes=WINDOW)
-    a = h2pair(gate, settings, body_budget=budget)
-    b = h2pair(gate, settings, body_budget=budget)
+    a = h2pair(gate, settings, body_budget=budget)  # parks bodies (queued requests)
+    b = h2pair(gate, settings, body_budget=budget)  # one ordinary upload
     await a.settle()
     await b.settle()
     before = _rejected("body_budget")
@@ -67,23 +67,37 @@ async def test_data_past_the_process_budget_resets_only_the_stream_that_would_pa
         a.client.send_data(sid, b"a" * 15_000, end_stream=True)
         a.pump()
     await a.until(lambda: budget.held == 30_000)
-    over = _post(b, "/b/over")
-    b.client.send_data(over, b"b" * WINDOW)  # 30000 + 16384 > 40000
-    b.pump()
-    await b.until(lambda: b.reset(over) is not None)
-    assert b.reset(over).error_code == ErrorCodes.ENHANCE_YOUR_CALM
-    assert budget.held == 30_000, "the refused DATA is not held, the other connection's is untouched"
-    assert _rejected("body_budget") == before + 1
-    # The refused bytes' connection window came back: the same connection can still upload what fits.
     small = _post(b, "/b/small")
-    await b.until(lambda: b.client.local_flow_control_window(small) == WINDOW)
-    b.client.send_data(small, b"s" * 5_000, end_stream=True)
+    b.client.send_data(small, b"b" * WINDOW, end_stream=True)  # past the limit, but b is under its share
     b.pump()
-    await b.until(lambda: budget.held == 35_000)
+    await b.until(lambda: budget.held == 30_000 + WINDOW)
+    assert b.reset(small) is None and _rejected("body_budget") == before
+    more = _post(a, "/a/more")
+    a.client.send_data(more, b"m" * 15_000)  # a holds 30000, over its share of 40000 / 2
+    a.pump()
+    await a.until(lambda: a.reset(more) is not None)
+    assert a.reset(more).error_code == ErrorCodes.ENHANCE_YOUR_CALM
+    assert budget.held == 30_000 + WINDOW, "the refused DATA is not held, the rest is untouched"
+    assert _rejected("body_budget") == before + 1
     gate.release.set()
     await a.until(lambda: all(a.ended(s) for s in held) and b.ended(small))
-    assert gate.bodies == {"/a/0": b"a" * 15_000, "/a/1": b"a" * 15_000, "/b/small": b"s" * 5_000}
-    assert budget.held == 0, "every byte taken was given back"
+    assert gate.bodies == {"/a/0": b"a" * 15_000, "/a/1": b"a" * 15_000, "/b/small": b"b" * WINDOW}
+    assert budget.held == 0 and budget.holders == 0, "every byte taken was given back"
+
+
+def test_the_budget_never_holds_more_than_twice_its_limit_and_refuses_the_biggest_holder():
+    budget = BodyBudget(100_000, gauge=None)
+    shares = []
+    for _ in range(20):  # each newcomer takes all its share allows: limit, limit/2, limit/3, ...
+        share = budget.share()
+        shares.append(share)
+        while share.take(1_000):
+            assert budget.held <= 2 * budget.limit
+    assert budget.held == sum(s.held for s in shares) == 2 * budget.limit
+    assert shares[0].held == budget.limit and not shares[0].take(1), "the biggest holder is refused"
+    for share in shares:
+        share.give(share.held)
+    assert budget.held == 0 and budget.holders == 0
 
 
 async def test_cut_and_unread_bodies_give_their_bytes_back_and_the_gauge_follows(h2pair):

@@ -176,7 +176,7 @@ class H2Protocol:
         self.connection_id = connection_id
         self._decider = GoawayDecider(settings.goaway_chance, rng)
         self._close_delay = close_delay
-        self._budget = body_budget or BodyBudget(settings.max_buffered_request_bytes, gauge=None)
+        self._budget = (body_budget or BodyBudget(settings.max_buffered_request_bytes, gauge=None)).share()
         self._window_reopened_at = -math.inf
         """When an acknowledgement last reopened a shut connection receive window (request-body idle clock)."""
         install_huffman_memo()
@@ -627,7 +627,7 @@ class H2Protocol:
         self._reset(stream.id, ErrorCodes.ENHANCE_YOUR_CALM)
         rejections.reject("body_budget", "h2 connection %d from %s, stream %d: request bodies held by the "
                           "proxy would pass maxBufferedRequestBytes (%d)", self.connection_id, self._peer,
-                          stream.id, self._budget.limit)
+                          stream.id, self._budget.budget.limit)
         self._cut(stream, ClientGone(f"HTTP/2 stream {stream.id}: request bodies over the proxy's buffer"))
 
     def _cut(self, stream: _Stream, error: BaseException) -> None:
