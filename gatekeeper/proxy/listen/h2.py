@@ -85,6 +85,7 @@ from gatekeeper.proxy.listen.h2_codec import (
 from gatekeeper.proxy.listen.h2_conn import ProxyH2Connection, install_huffman_memo
 from gatekeeper.proxy.listen.h2_headers import MalformedRequest, parse_request, response_block
 from gatekeeper.proxy.listen.h2_limits import FloodError, FloodGuard, limits_of
+from gatekeeper.proxy.listen.h2_state import HeaderBudgetExceeded
 from gatekeeper.proxy.messages import Handler, ProxyRequest, ProxyResponse, is_exhausted
 from gatekeeper.proxy.settings import MAX_WINDOW, ProtocolSettings
 
@@ -190,6 +191,7 @@ class H2Protocol:
                 stream_window=settings.stream_window_bytes,
                 max_header_list=settings.max_header_list_bytes,
                 connection_window=connection_window(settings),
+                header_budget=self._budget,
             )
             self._conn, self._receive = lean, lean.receive_data
         else:
@@ -245,7 +247,10 @@ class H2Protocol:
         try:
             events = self._receive(data)
         except ProtocolError as exc:
-            if isinstance(exc, FloodError):
+            if isinstance(exc, HeaderBudgetExceeded):
+                rejections.reject("body_budget", "h2 connection %d from %s: %s, GOAWAY ENHANCE_YOUR_CALM",
+                                  self.connection_id, self._peer, exc)
+            elif isinstance(exc, FloodError):
                 rejections.reject(cast(rejections.RejectReason, f"h2_flood_{exc.kind}"),  # h2_limits kinds
                                   "h2 connection %d from %s: %s, GOAWAY ENHANCE_YOUR_CALM",
                                   self.connection_id, self._peer, exc)
@@ -674,11 +679,13 @@ class H2Protocol:
         self._h2_closed = True
         for stream in list(self._streams.values()):
             self._cut(stream, error)
+        self._conn.release_pending()  # a header block cut short gives its budget back
         if self._drain_task is not None and self._drain_task is not asyncio.current_task():
             self._drain_task.cancel()
         self._close_transport()
 
     def _close_transport(self) -> None:
+        self._conn.release_pending()
         self._cancel_idle()
         if not self.closed.is_set():
             self.closed.set()

@@ -40,6 +40,7 @@ from h2.errors import ErrorCodes
 from h2.exceptions import FlowControlError, ProtocolError, StreamClosedError
 
 from gatekeeper.proxy.listen import h2_frames as f
+from gatekeeper.proxy.listen.body_budget import Share
 from gatekeeper.proxy.listen.h2_hdecode import BlockDecoder
 from gatekeeper.proxy.listen.h2_hpack import ResponseEncoder
 from gatekeeper.proxy.listen.h2_inbound import InboundFrames
@@ -78,8 +79,12 @@ class LeanH2Connection(InboundFrames):
         stream_window: int = f.DEFAULT_WINDOW,
         max_header_list: int = 1 << 16,
         connection_window: int = f.DEFAULT_WINDOW,
+        header_budget: Share | None = None,
     ) -> None:
         self._on_refused = on_refused
+        self.header_budget = header_budget
+        """Where a header block in progress is counted (the connection's share of the process budget)."""
+        self._cont_bytes = 0
         self._guard = guard
         self.max_concurrent_streams = max_concurrent_streams
         self._stream_window = stream_window

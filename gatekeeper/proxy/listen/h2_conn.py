@@ -189,6 +189,11 @@ class ProxyH2Connection(H2Connection):
                 out.append((h2_codec.EV_GOAWAY, 0, e.error_code or 0))
         return out
 
+    def release_pending(self) -> None:
+        """Nothing to give back: this engine's header blocks in progress are not counted in the request
+        buffer budget (h2 holds them inside its frame buffer); each is bounded per connection by the
+        CONTINUATION cap and maxHeaderListBytes."""
+
     def _receive_frame(self, frame: Frame) -> list[Event]:
         if self._guard is not None:
             sid = frame.stream_id

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from h2.errors import ErrorCodes
 
 from gatekeeper.proxy.listen import h2_frames as f
+from gatekeeper.proxy.listen.body_budget import Share
 from gatekeeper.proxy.listen.h2_hdecode import BlockDecoder, HeaderBlockError, HeaderListTooLarge
 from gatekeeper.proxy.listen.h2_hpack import ResponseEncoder
 from gatekeeper.proxy.listen.h2_limits import CLOSED_STREAM, EMPTY_FRAME, RST_STREAM, SETTINGS, FloodGuard
@@ -29,6 +30,7 @@ from gatekeeper.proxy.listen.h2_state import (
     RESET_BY_US,
     ConnectionError_,
     Event,
+    HeaderBudgetExceeded,
     Stream,
 )
 
@@ -57,6 +59,8 @@ class InboundFrames:
     _cont_parts: list[bytes]
     _cont_end_stream: bool
     _cont_bad_priority: bool
+    _cont_bytes: int
+    header_budget: Share | None
 
     def acknowledge_received_data(self, acknowledged_size: int, stream_id: int) -> None:
         raise NotImplementedError
@@ -132,6 +136,7 @@ class InboundFrames:
         if flags & f.END_HEADERS:
             self._header_block(sid, fragment, flags & f.END_STREAM, bad_priority, events)
         else:
+            self._hold_header_bytes(length)
             self._cont_sid = sid
             self._cont_parts = [fragment]
             self._cont_end_stream = bool(flags & f.END_STREAM)
@@ -146,13 +151,37 @@ class InboundFrames:
         if self._is_closed(sid):
             self._count(CLOSED_STREAM)
         parts = self._cont_parts
+        self._hold_header_bytes(length)
         parts.append(buf[start:start + length])
         if len(parts) > f.MAX_CONTINUATIONS:
             self._fail(ErrorCodes.ENHANCE_YOUR_CALM, "too many CONTINUATION frames")
         if flags & f.END_HEADERS:
+            self.release_pending()
             self._cont_sid = 0
             self._cont_parts = []
             self._header_block(sid, b"".join(parts), self._cont_end_stream, self._cont_bad_priority, events)
+
+    def _hold_header_bytes(self, size: int) -> None:
+        """Count a header block in progress against the process's request buffer budget.
+
+        A client that sends HEADERS without END_HEADERS and trickles CONTINUATION holds up to a
+        header list of our memory until the block ends; with many connections that adds up as
+        request bodies do (``body_budget``), so it is counted in the same budget.
+        """
+        budget = self.header_budget
+        if budget is None or not size:
+            return
+        if not budget.take(size):
+            self.close_connection(ErrorCodes.ENHANCE_YOUR_CALM)
+            raise HeaderBudgetExceeded(ErrorCodes.ENHANCE_YOUR_CALM,
+                                       "a header block in progress would pass the proxy's request buffer budget")
+        self._cont_bytes += size
+
+    def release_pending(self) -> None:
+        """Give back what the header block in progress holds (it ended, or the connection did)."""
+        if self._cont_bytes and self.header_budget is not None:
+            self.header_budget.give(self._cont_bytes)
+        self._cont_bytes = 0
 
     def _header_block(self, sid: int, block: bytes, end_stream: int, bad_priority: bool,
                       events: list[Event]) -> None:
