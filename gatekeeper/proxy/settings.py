@@ -24,6 +24,8 @@ MAX_GOAWAY_CHANCE = 0.02
 MAX_WINDOW = 2**31 - 1
 """The largest HTTP/2 flow-control window (RFC 9113 6.9.1)."""
 MAX_SETTING = 2**32 - 1
+MIN_FRAME = 16384
+"""The largest frame payload a client may send us (we never raise SETTINGS_MAX_FRAME_SIZE)."""
 """The largest value of an HTTP/2 SETTINGS parameter (RFC 9113 6.5.1): a larger one cannot be sent."""
 
 
@@ -125,6 +127,10 @@ class ProtocolSettings:
         for name in ("max_concurrent_streams", "max_header_list_bytes"):  # SETTINGS values are 32-bit
             if (value := getattr(self, name)) > MAX_SETTING:
                 raise ValueError(f"{camel(name)} must be at most {MAX_SETTING} (RFC 9113 6.5.1), got {value}")
+        if self.max_buffered_request_bytes < MIN_FRAME:
+            # One full-size DATA frame or header fragment must fit, or an idle proxy refuses every upload.
+            raise ValueError(f"maxBufferedRequestBytes must be at least {MIN_FRAME} (one HTTP/2 frame), got "
+                             f"{self.max_buffered_request_bytes}")
         if not 0 <= self.write_buffer_low_bytes <= self.write_buffer_high_bytes:
             raise ValueError(f"writeBufferLowBytes must be within [0, writeBufferHighBytes "
                              f"({self.write_buffer_high_bytes})], got {self.write_buffer_low_bytes}")

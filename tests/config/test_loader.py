@@ -139,6 +139,7 @@ def test_the_loader_knows_only_the_sections_components_registered(
     ("{h2BodyIdleTimeoutSeconds: 0}", "h2BodyIdleTimeoutSeconds must be a positive number of seconds, got 0"),
     ("{idleTimeoutSeconds: -1}", "idleTimeoutSeconds must be a positive number of seconds, got -1"),
     ("{maxConcurrentStreams: 0}", "maxConcurrentStreams must be at least 1, got 0"),
+    ("{maxBufferedRequestBytes: 1000}", "maxBufferedRequestBytes must be at least 16384"),
     ("{h2MaxPingsPerInterval: -5}", "h2MaxPingsPerInterval must be at least 1, got -5"),
     ("{streamWindowBytes: 2147483648}", r"streamWindowBytes must be at most 2147483647"),
     ("{maxConcurrentStreams: 4294967296}", r"maxConcurrentStreams must be at most 4294967295"),

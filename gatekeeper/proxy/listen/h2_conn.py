@@ -10,8 +10,8 @@ cost or a needlessly harsh default:
   :func:`install_huffman_memo` replaces ``hpack``'s decoder with
   ``h2_huffman.decode_memo``: our own decoder (~3x faster per byte, same
   results, same errors) behind a small LRU keyed by the coded bytes, bounded
-  in entries and in string size (see ``h2_huffman`` for the bounds and why a
-  hit reveals nothing). Here the memo sees no field names, so it keeps only
+  in entries and in string size (see ``h2_huffman`` for the bounds and for
+  what a hit can tell). Here the memo sees no field names, so it keeps only
   strings of at least ``h2_huffman.MEMO_MIN_BYTES``, as before; the lean
   engine also memoizes shorter non-secret values.
 * **Header checks moved to us.** h2's inbound checks walk every byte of

@@ -34,9 +34,10 @@ coded bytes returns exactly what decoding would; errors are never cached.
   ``MEMO_MIN_BYTES``..``MEMO_MAX_BYTES``, at most ``MEMO_ENTRIES``: the ~1 KB
   bearer token that HPACK encoders never index is decoded once, not on every
   request. Huge strings are not kept (the cache would become a memory sink).
-  A hit reveals nothing a caller does not already hold: to hit, it must send
-  the identical coded token, and dict lookups compare a randomized hash before
-  any bytes.
+  A hit returns nothing a caller does not already hold: to hit, it must send
+  the identical coded token. Its only signal is timing (a hit is under a
+  microsecond faster than a decode, far below network jitter), and dict
+  lookups compare a randomized hash before any bytes.
 * ``decode_memo_short`` (the lean engine's for every other field) also keeps
   shorter strings, from ``SHORT_MEMO_MIN_BYTES``, in a separate LRU of
   ``SHORT_MEMO_ENTRIES`` (so a client's many distinct paths cannot evict the
