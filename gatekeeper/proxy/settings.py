@@ -18,15 +18,10 @@ from gatekeeper.config import ConfigError, camel, from_mapping, register_section
 from gatekeeper.listener import TLSListenerSettings
 from gatekeeper.proxy.flowcontrol.edge.loading import load_policy
 from gatekeeper.proxy.flowcontrol.settings import FlowControlSettings
+from gatekeeper.proxy.listen import h2_frames as frames
 
 MAX_GOAWAY_CHANCE = 0.02
 """kube-apiserver refuses --goaway-chance above 0.02; so do we, outside tests."""
-MAX_WINDOW = 2**31 - 1
-"""The largest HTTP/2 flow-control window (RFC 9113 6.9.1)."""
-MAX_SETTING = 2**32 - 1
-MIN_FRAME = 16384
-"""The largest frame payload a client may send us (we never raise SETTINGS_MAX_FRAME_SIZE)."""
-"""The largest value of an HTTP/2 SETTINGS parameter (RFC 9113 6.5.1): a larger one cannot be sent."""
 
 
 @dataclass(frozen=True)
@@ -121,15 +116,17 @@ class ProtocolSettings:
                     raise ValueError(f"{key} must be a positive number of seconds, got {value}")
             elif f.type in ("int", int) and f.name != "write_buffer_low_bytes" and not value >= 1:
                 raise ValueError(f"{key} must be at least 1, got {value}")
-        if self.stream_window_bytes > MAX_WINDOW:
-            raise ValueError(f"streamWindowBytes must be at most {MAX_WINDOW} (RFC 9113 6.9.1), got "
+        if self.stream_window_bytes > frames.MAX_WINDOW:
+            raise ValueError(f"streamWindowBytes must be at most {frames.MAX_WINDOW} (RFC 9113 6.9.1), got "
                              f"{self.stream_window_bytes}")
         for name in ("max_concurrent_streams", "max_header_list_bytes"):  # SETTINGS values are 32-bit
-            if (value := getattr(self, name)) > MAX_SETTING:
-                raise ValueError(f"{camel(name)} must be at most {MAX_SETTING} (RFC 9113 6.5.1), got {value}")
-        if self.max_buffered_request_bytes < MIN_FRAME:
-            # One full-size DATA frame or header fragment must fit, or an idle proxy refuses every upload.
-            raise ValueError(f"maxBufferedRequestBytes must be at least {MIN_FRAME} (one HTTP/2 frame), got "
+            if (value := getattr(self, name)) > frames.MAX_SETTING:
+                raise ValueError(f"{camel(name)} must be at most {frames.MAX_SETTING} (RFC 9113 6.5.1), got {value}")
+        if self.max_buffered_request_bytes < frames.MIN_FRAME_SIZE:
+            # One full-size DATA frame or header fragment must fit (we never raise SETTINGS_MAX_FRAME_SIZE),
+            # or an idle proxy refuses every upload.
+            raise ValueError(f"maxBufferedRequestBytes must be at least {frames.MIN_FRAME_SIZE} (one HTTP/2 frame), "
+                             "got "
                              f"{self.max_buffered_request_bytes}")
         if not 0 <= self.write_buffer_low_bytes <= self.write_buffer_high_bytes:
             raise ValueError(f"writeBufferLowBytes must be within [0, writeBufferHighBytes "

@@ -83,11 +83,12 @@ from gatekeeper.proxy.listen.h2_codec import (
     ServerConnection,
 )
 from gatekeeper.proxy.listen.h2_conn import ProxyH2Connection, install_huffman_memo
+from gatekeeper.proxy.listen.h2_frames import MAX_WINDOW
 from gatekeeper.proxy.listen.h2_headers import MalformedRequest, parse_request, response_block
 from gatekeeper.proxy.listen.h2_limits import FloodError, FloodGuard, limits_of
 from gatekeeper.proxy.listen.h2_state import HeaderBudgetExceeded
 from gatekeeper.proxy.messages import Handler, ProxyRequest, ProxyResponse, is_exhausted
-from gatekeeper.proxy.settings import MAX_WINDOW, ProtocolSettings
+from gatekeeper.proxy.settings import ProtocolSettings
 
 log = logging.getLogger("gatekeeper.proxy.listen.h2")
 
@@ -99,6 +100,14 @@ def connection_window(settings: ProtocolSettings) -> int:
     """CONNECTION_WINDOW_FACTOR stream windows, at most 2^31-1 (RFC 9113 6.9.1): a larger increment is
     an invalid WINDOW_UPDATE, and ``streamWindowBytes`` itself may be up to 2^31-1."""
     return min(settings.stream_window_bytes * CONNECTION_WINDOW_FACTOR, MAX_WINDOW)
+
+
+def _cleared(event: asyncio.Event | None) -> asyncio.Event:
+    """``event`` cleared, or a new one the first time a stream waits."""
+    if event is None:
+        return asyncio.Event()
+    event.clear()
+    return event
 
 
 class _Stream:
@@ -126,18 +135,12 @@ class _Stream:
 
     def inbox_changed(self) -> asyncio.Event:
         """The event a body reader waits on (cleared, ready to wait)."""
-        if self._inbox_changed is None:
-            self._inbox_changed = asyncio.Event()
-        else:
-            self._inbox_changed.clear()
+        self._inbox_changed = _cleared(self._inbox_changed)
         return self._inbox_changed
 
     def window_open(self) -> asyncio.Event:
         """The event a response sender waits on (cleared, ready to wait)."""
-        if self._window_open is None:
-            self._window_open = asyncio.Event()
-        else:
-            self._window_open.clear()
+        self._window_open = _cleared(self._window_open)
         return self._window_open
 
     def wake_reader(self) -> None:
@@ -679,13 +682,12 @@ class H2Protocol:
         self._h2_closed = True
         for stream in list(self._streams.values()):
             self._cut(stream, error)
-        self._conn.release_pending()  # a header block cut short gives its budget back
         if self._drain_task is not None and self._drain_task is not asyncio.current_task():
             self._drain_task.cancel()
         self._close_transport()
 
     def _close_transport(self) -> None:
-        self._conn.release_pending()
+        self._conn.release_pending()  # a header block cut short gives its budget back
         self._cancel_idle()
         if not self.closed.is_set():
             self.closed.set()
