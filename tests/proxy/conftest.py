@@ -97,11 +97,12 @@ class H2Pair:
     # ---------------------------------------------------------------- client helpers
 
     def request(self, method: str = "GET", path: str = "/api/v1/pods", *, body: bytes | None = None,
-                headers: list[tuple[str, str]] | None = None) -> int:
+                headers: list[tuple[str, str]] | None = None, open_body: bool = False) -> int:
+        """``open_body``: HEADERS only, the body to follow with ``client.send_data`` (an upload in progress)."""
         sid = self.client.get_next_available_stream_id()
         hdrs = [(":method", method), (":path", path), (":scheme", "https"), (":authority", "proxy.test")]
         hdrs += headers or []
-        self.client.send_headers(sid, hdrs, end_stream=body is None)
+        self.client.send_headers(sid, hdrs, end_stream=body is None and not open_body)
         if body is not None:
             self.client.send_data(sid, body, end_stream=True)
         self.pump()

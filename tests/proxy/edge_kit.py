@@ -19,6 +19,7 @@ from typing import Any
 
 import h11
 import orjson
+from prometheus_client import REGISTRY
 
 from gatekeeper.certs import FRONT_PROXY_CA, PKI
 from gatekeeper.proxy.listen.server import ProxyServer
@@ -30,6 +31,17 @@ from gatekeeper.proxy.settings import (
     ProxySettings,
     UpstreamSettings,
 )
+
+
+def rejected(reason: str) -> float:
+    """``gatekeeper_proxy_rejected_total{reason}`` in this process (0 before the first)."""
+    return REGISTRY.get_sample_value("gatekeeper_proxy_rejected_total", {"reason": reason}) or 0.0
+
+
+async def chunks(*parts: bytes) -> AsyncIterator[bytes]:
+    """A response or request body of ``parts``."""
+    for p in parts:
+        yield p
 
 
 def make_pki(directory: Path) -> PKI:

@@ -7,7 +7,7 @@ import socket
 import time
 
 import pytest
-from edge_kit import bench, make_pki, status_of
+from edge_kit import bench, make_pki, rejected, status_of
 
 from gatekeeper.certs import PKI
 
@@ -15,12 +15,6 @@ from gatekeeper.certs import PKI
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> PKI:
     return make_pki(tmp_path_factory.mktemp("pki"))
-
-
-def rejected(reason: str) -> float:
-    from prometheus_client import REGISTRY
-
-    return REGISTRY.get_sample_value("gatekeeper_proxy_rejected_total", {"reason": reason}) or 0.0
 
 
 async def until(predicate, limit: float = 10.0) -> None:  # type: ignore[no-untyped-def]

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from edge_kit import bench, body_json, make_pki, status_of
+from edge_kit import bench, body_json, make_pki, rejected, status_of
 
 from gatekeeper.certs import PKI
 from gatekeeper.kube import requestinfo
@@ -23,12 +23,6 @@ from gatekeeper.proxy import target
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> PKI:
     return make_pki(tmp_path_factory.mktemp("pki"))
-
-
-def rejected(reason: str) -> float:
-    from prometheus_client import REGISTRY
-
-    return REGISTRY.get_sample_value("gatekeeper_proxy_rejected_total", {"reason": reason}) or 0.0
 
 
 @pytest.mark.parametrize(("method", "tgt", "reason"), [

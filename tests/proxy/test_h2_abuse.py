@@ -8,11 +8,10 @@ defaults (far higher) are what a real cluster runs with.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
+from edge_kit import chunks, rejected
 from h2.errors import ErrorCodes
 from hyperframe.frame import ContinuationFrame, DataFrame, HeadersFrame, PingFrame, RstStreamFrame, SettingsFrame
-from prometheus_client import REGISTRY
 
 from gatekeeper.proxy.messages import ProxyRequest, ProxyResponse
 from gatekeeper.proxy.settings import ProtocolSettings
@@ -20,17 +19,8 @@ from gatekeeper.proxy.settings import ProtocolSettings
 REQ = [(":method", "GET"), (":scheme", "https"), (":path", "/api/v1/pods"), (":authority", "proxy.test")]
 
 
-async def _chunks(*parts: bytes) -> AsyncIterator[bytes]:
-    for p in parts:
-        yield p
-
-
 async def _ok(req: ProxyRequest) -> ProxyResponse:
-    return ProxyResponse(200, [], _chunks(b"ok"))
-
-
-def _rejected(reason: str) -> float:
-    return REGISTRY.get_sample_value("gatekeeper_proxy_rejected_total", {"reason": reason}) or 0.0
+    return ProxyResponse(200, [], chunks(b"ok"))
 
 
 def _calm(pair) -> bool:
@@ -38,14 +28,14 @@ def _calm(pair) -> bool:
 
 
 async def test_ping_flood_gets_goaway_enhance_your_calm_and_close(h2pair):
-    before = _rejected("h2_flood_ping")
+    before = rejected("h2_flood_ping")
     pair = h2pair(_ok, ProtocolSettings(h2_max_pings_per_interval=20))
     await pair.settle()
     flood = b"".join(PingFrame(0, opaque_data=i.to_bytes(8, "big")).serialize() for i in range(200))
     pair.server.data_received(flood)
     await pair.until(lambda: pair.transport_closed.is_set())
     assert _calm(pair)
-    assert _rejected("h2_flood_ping") == before + 1
+    assert rejected("h2_flood_ping") == before + 1
 
 
 async def test_settings_flood_gets_goaway_enhance_your_calm(h2pair):
@@ -75,7 +65,7 @@ async def test_rapid_reset_is_cut_and_starts_few_handlers(h2pair):
         nonlocal started
         started += 1
         await asyncio.sleep(0.01)
-        return ProxyResponse(200, [], _chunks(b"ok"))
+        return ProxyResponse(200, [], chunks(b"ok"))
 
     pairs = 5000
     pair = h2pair(handler, ProtocolSettings(h2_max_resets_per_interval=500, max_concurrent_streams=100))
@@ -106,7 +96,7 @@ async def test_reset_stream_keeps_its_slot_until_its_handler_finished(h2pair):
         nonlocal unwinding
         started.append(req.stream_id)
         if len(started) > 2:
-            return ProxyResponse(200, [], _chunks(b"ok"))
+            return ProxyResponse(200, [], chunks(b"ok"))
         try:
             await asyncio.Event().wait()
         finally:
@@ -137,7 +127,7 @@ async def test_zero_length_data_frames_do_not_pile_up_in_the_inbox(h2pair):
 
     async def handler(req: ProxyRequest) -> ProxyResponse:
         await gate.wait()  # the pipeline is busy and does not read the body yet
-        return ProxyResponse(200, [], _chunks(b"ok"))
+        return ProxyResponse(200, [], chunks(b"ok"))
 
     pair = h2pair(handler, ProtocolSettings(h2_max_empty_frames_per_interval=10_000))
     await pair.settle()
@@ -163,7 +153,7 @@ async def test_empty_data_flood_gets_goaway(h2pair):
 
 
 async def test_frames_on_closed_streams_flood_gets_goaway(h2pair):
-    before = _rejected("h2_flood_closed_stream")
+    before = rejected("h2_flood_closed_stream")
     pair = h2pair(_ok, ProtocolSettings(h2_max_closed_stream_frames_per_interval=50,
                                         h2_max_resets_per_interval=10_000))
     await pair.settle()
@@ -173,7 +163,7 @@ async def test_frames_on_closed_streams_flood_gets_goaway(h2pair):
     pair.server.data_received(RstStreamFrame(sid, error_code=0).serialize() * 500)
     await pair.until(lambda: pair.transport_closed.is_set())
     assert _calm(pair)
-    assert _rejected("h2_flood_closed_stream") == before + 1
+    assert rejected("h2_flood_closed_stream") == before + 1
 
 
 async def test_continuation_flood_is_bounded(h2pair):
@@ -192,11 +182,11 @@ async def test_window_zero_client_gets_stream_reset_after_stall_timeout(h2pair):
     finished: list[BaseException | None] = []
 
     async def handler(req: ProxyRequest) -> ProxyResponse:
-        resp = ProxyResponse(200, [], _chunks(b"x" * 1000))
+        resp = ProxyResponse(200, [], chunks(b"x" * 1000))
         resp.on_complete.append(finished.append)
         return resp
 
-    before = _rejected("response_stall")
+    before = rejected("response_stall")
     pair = h2pair(handler, ProtocolSettings(response_stall_timeout_seconds=0.3), client_window=0)
     await pair.settle()
     loop = asyncio.get_running_loop()
@@ -208,4 +198,4 @@ async def test_window_zero_client_gets_stream_reset_after_stall_timeout(h2pair):
     await pair.until(lambda: len(finished) == 1)
     assert finished[0] is not None, "the pipeline must learn the response was cut (seat, upstream released)"
     await pair.until(lambda: pair.server.open_streams == 0)
-    assert _rejected("response_stall") == before + 1
+    assert rejected("response_stall") == before + 1

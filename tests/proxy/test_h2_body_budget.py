@@ -7,8 +7,8 @@ In memory, on both HTTP/2 engines: two client connections share one
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
+from edge_kit import chunks, rejected
 from h2.errors import ErrorCodes
 from prometheus_client import REGISTRY
 
@@ -17,23 +17,6 @@ from gatekeeper.proxy.messages import ProxyRequest, ProxyResponse
 from gatekeeper.proxy.settings import ProtocolSettings
 
 WINDOW = 16384
-
-
-async def _chunks(*parts: bytes) -> AsyncIterator[bytes]:
-    for p in parts:
-        yield p
-
-
-def _rejected(reason: str) -> float:
-    return REGISTRY.get_sample_value("gatekeeper_proxy_rejected_total", {"reason": reason}) or 0.0
-
-
-def _post(pair, path: str) -> int:
-    sid = pair.client.get_next_available_stream_id()
-    pair.client.send_headers(sid, [(":method", "POST"), (":path", path), (":scheme", "https"),
-                                   (":authority", "proxy.test")], end_stream=False)
-    pair.pump()
-    return sid
 
 
 class _Gate:
@@ -50,7 +33,7 @@ class _Gate:
         async for chunk in req.body:
             got += chunk
         self.bodies[req.target] = got
-        return ProxyResponse(200, [], _chunks(b"ok"))
+        return ProxyResponse(200, [], chunks(b"ok"))
 
 
 async def test_past_the_limit_the_connection_over_its_fair_share_is_refused_not_a_small_uploader(h2pair):
@@ -61,24 +44,24 @@ async def test_past_the_limit_the_connection_over_its_fair_share_is_refused_not_
     b = h2pair(gate, settings, body_budget=budget)  # one ordinary upload
     await a.settle()
     await b.settle()
-    before = _rejected("body_budget")
-    held = [_post(a, f"/a/{i}") for i in range(2)]
+    before = rejected("body_budget")
+    held = [a.request("POST", f"/a/{i}", open_body=True) for i in range(2)]
     for sid in held:
         a.client.send_data(sid, b"a" * 15_000, end_stream=True)
         a.pump()
     await a.until(lambda: budget.held == 30_000)
-    small = _post(b, "/b/small")
+    small = b.request("POST", "/b/small", open_body=True)
     b.client.send_data(small, b"b" * WINDOW, end_stream=True)  # past the limit, but b is under its share
     b.pump()
     await b.until(lambda: budget.held == 30_000 + WINDOW)
-    assert b.reset(small) is None and _rejected("body_budget") == before
-    more = _post(a, "/a/more")
+    assert b.reset(small) is None and rejected("body_budget") == before
+    more = a.request("POST", "/a/more", open_body=True)
     a.client.send_data(more, b"m" * 15_000)  # a holds 30000, over its share of 40000 / 2
     a.pump()
     await a.until(lambda: a.reset(more) is not None)
     assert a.reset(more).error_code == ErrorCodes.ENHANCE_YOUR_CALM
     assert budget.held == 30_000 + WINDOW, "the refused DATA is not held, the rest is untouched"
-    assert _rejected("body_budget") == before + 1
+    assert rejected("body_budget") == before + 1
     gate.release.set()
     await a.until(lambda: all(a.ended(s) for s in held) and b.ended(small))
     assert gate.bodies == {"/a/0": b"a" * 15_000, "/a/1": b"a" * 15_000, "/b/small": b"b" * WINDOW}
@@ -105,16 +88,16 @@ async def test_cut_and_unread_bodies_give_their_bytes_back_and_the_gauge_follows
 
     async def early(req: ProxyRequest) -> ProxyResponse:
         await asyncio.sleep(0.05)  # the body arrives meanwhile and is never read
-        return ProxyResponse(429, [("retry-after", "1")], _chunks(b"busy"))
+        return ProxyResponse(429, [("retry-after", "1")], chunks(b"busy"))
 
     pair = h2pair(early, ProtocolSettings(stream_window_bytes=WINDOW), body_budget=budget)
     await pair.settle()
-    answered = _post(pair, "/busy")
+    answered = pair.request("POST", "/busy", open_body=True)
     pair.client.send_data(answered, b"x" * 10_000)
     pair.pump()
     await pair.until(lambda: budget.held == 10_000)
     assert REGISTRY.get_sample_value("gatekeeper_proxy_buffered_request_bytes") == 10_000
-    cut = _post(pair, "/cut")
+    cut = pair.request("POST", "/cut", open_body=True)
     pair.client.send_data(cut, b"y" * 7_000)
     pair.pump()
     await pair.until(lambda: budget.held == 17_000)

@@ -7,32 +7,15 @@ In memory, on both HTTP/2 engines (the ``h2pair`` fixture). The sandbox test in
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
+from edge_kit import chunks, rejected
 from h2.errors import ErrorCodes
-from prometheus_client import REGISTRY
 
 from gatekeeper.proxy.messages import ProxyRequest, ProxyResponse
 from gatekeeper.proxy.settings import ProtocolSettings
 
 IDLE = 0.3
-
-
-async def _chunks(*parts: bytes) -> AsyncIterator[bytes]:
-    for p in parts:
-        yield p
-
-
-def _rejected(reason: str) -> float:
-    return REGISTRY.get_sample_value("gatekeeper_proxy_rejected_total", {"reason": reason}) or 0.0
-
-
-def _post(pair, path: str = "/api/v1/namespaces/default/configmaps") -> int:
-    sid = pair.client.get_next_available_stream_id()
-    pair.client.send_headers(sid, [(":method", "POST"), (":path", path), (":scheme", "https"),
-                                   (":authority", "proxy.test")], end_stream=False)
-    pair.pump()
-    return sid
+CONFIGMAPS = "/api/v1/namespaces/default/configmaps"
 
 
 class _Reader:
@@ -52,16 +35,16 @@ class _Reader:
             self.failures[req.stream_id] = exc
             raise
         self.bodies[req.stream_id] = got
-        return ProxyResponse(200, [], _chunks(b"ok"))
+        return ProxyResponse(200, [], chunks(b"ok"))
 
 
 async def test_a_request_body_idle_past_the_timeout_is_reset_and_counted(h2pair):
     reader = _Reader()
     pair = h2pair(reader, ProtocolSettings(h2_body_idle_timeout_seconds=IDLE))
     await pair.settle()
-    before = _rejected("body_timeout")
+    before = rejected("body_timeout")
     loop = asyncio.get_running_loop()
-    sid = _post(pair)
+    sid = pair.request("POST", CONFIGMAPS, open_body=True)
     pair.client.send_data(sid, b'{"kind":')  # a start, then nothing
     pair.pump()
     start = loop.time()
@@ -71,7 +54,7 @@ async def test_a_request_body_idle_past_the_timeout_is_reset_and_counted(h2pair)
     await pair.until(lambda: sid in reader.failures)
     assert isinstance(reader.failures[sid], ConnectionError), "the upstream side must see the body fail"
     await pair.until(lambda: pair.server.open_streams == 0)
-    assert _rejected("body_timeout") == before + 1
+    assert rejected("body_timeout") == before + 1
     # The connection itself stays usable.
     other = pair.request()
     await pair.until(lambda: pair.ended(other))
@@ -82,7 +65,7 @@ async def test_a_slow_but_steady_body_is_not_cut(h2pair):
     reader = _Reader()
     pair = h2pair(reader, ProtocolSettings(h2_body_idle_timeout_seconds=IDLE))
     await pair.settle()
-    sid = _post(pair)
+    sid = pair.request("POST", CONFIGMAPS, open_body=True)
     parts = [b"x" * 10 for _ in range(8)]
     for part in parts:  # 8 gaps of IDLE/2: four idle timeouts in all, none between two chunks
         pair.client.send_data(sid, part)
@@ -108,16 +91,16 @@ async def test_a_body_the_connection_window_holds_back_is_not_cut(h2pair):
     window = 16384  # connection window = 4 stream windows = 65536
     pair = h2pair(handler, ProtocolSettings(h2_body_idle_timeout_seconds=IDLE, stream_window_bytes=window))
     await pair.settle()
-    held = [_post(pair, f"/hold/{i}") for i in range(4)]
+    held = [pair.request("POST", f"/hold/{i}", open_body=True) for i in range(4)]
     for sid in held:
         pair.client.send_data(sid, b"h" * window, end_stream=True)
         pair.pump()
-    waiting = _post(pair)
+    waiting = pair.request("POST", CONFIGMAPS, open_body=True)
     await pair.until(lambda: pair.client.local_flow_control_window(waiting) == 0)
-    before = _rejected("body_timeout")
+    before = rejected("body_timeout")
     await asyncio.sleep(IDLE * 3)
     assert pair.reset(waiting) is None, "cut for an idleness the proxy caused"
-    assert _rejected("body_timeout") == before
+    assert rejected("body_timeout") == before
     release.set()  # the held handlers read: their DATA is acknowledged and the window reopens
     await pair.until(lambda: pair.client.local_flow_control_window(waiting) > 0)
     pair.client.send_data(waiting, b"late but allowed", end_stream=True)
@@ -135,19 +118,19 @@ async def test_bodies_left_unread_by_an_early_answer_give_the_connection_window_
     async def handler(req: ProxyRequest) -> ProxyResponse:
         if req.target.startswith("/busy"):
             await asyncio.sleep(0.05)  # the body arrives meanwhile; it is never read
-            return ProxyResponse(429, [("retry-after", "1")], _chunks(b"busy"))
+            return ProxyResponse(429, [("retry-after", "1")], chunks(b"busy"))
         return await reader(req)
 
     window = 16384  # connection window = 4 stream windows
     pair = h2pair(handler, ProtocolSettings(stream_window_bytes=window))
     await pair.settle()
     for i in range(6):  # together more than the connection window
-        sid = _post(pair, f"/busy/{i}")
+        sid = pair.request("POST", f"/busy/{i}", open_body=True)
         pair.client.send_data(sid, b"b" * window)
         pair.pump()
         await pair.until(lambda sid=sid: pair.ended(sid) or pair.reset(sid) is not None)
         assert pair.status(sid) == 429
-    last = _post(pair)
+    last = pair.request("POST", CONFIGMAPS, open_body=True)
     await pair.until(lambda: pair.client.local_flow_control_window(last) == window, limit=3)
     pair.client.send_data(last, b"z" * window, end_stream=True)
     pair.pump()

@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import hpack
+from edge_kit import rejected
 from h2.errors import ErrorCodes
 from hyperframe.frame import ContinuationFrame, HeadersFrame, SettingsFrame
-from prometheus_client import REGISTRY
 
 from gatekeeper.proxy.listen.body_budget import BodyBudget
 from gatekeeper.proxy.listen.h2_codec import EV_REQUEST, LeanH2Connection
@@ -22,10 +22,6 @@ from gatekeeper.proxy.messages import ProxyRequest, ProxyResponse
 from gatekeeper.proxy.settings import ProtocolSettings
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + SettingsFrame(0).serialize()
-
-
-def _rejected(reason: str) -> float:
-    return REGISTRY.get_sample_value("gatekeeper_proxy_rejected_total", {"reason": reason}) or 0.0
 
 
 async def _ok(req: ProxyRequest) -> ProxyResponse:
@@ -65,7 +61,7 @@ async def test_a_connection_trickling_header_blocks_past_its_share_is_ended_and_
     await a.settle()
     await b.settle()
     lean = a.server._settings.http2_engine == "lean"
-    before = _rejected("body_budget")
+    before = rejected("body_budget")
     a.server.data_received(_partial(1, 16_000) + _more(1, 14_000))
     b.server.data_received(_partial(1, 16_000))  # past the limit, but b is under its share (40000 / 2)
     await a.settle()
@@ -76,7 +72,7 @@ async def test_a_connection_trickling_header_blocks_past_its_share_is_ended_and_
     a.server.data_received(_more(1, 5_000))  # a holds 30000, over its share
     await a.until(lambda: a.transport_closed.is_set())
     assert a.goaways and a.goaways[-1].error_code == ErrorCodes.ENHANCE_YOUR_CALM
-    assert _rejected("body_budget") == before + 1
+    assert rejected("body_budget") == before + 1
     assert budget.held == 16_000, "the ended connection's block is given back, the other's stays"
     assert not b.transport_closed.is_set()
     b.server.connection_lost()

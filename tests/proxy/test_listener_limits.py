@@ -14,10 +14,10 @@ import time
 from collections.abc import AsyncIterator
 
 import pytest
+from edge_kit import rejected
 from h2.events import StreamEnded
 from h2_raw import RawH2, tls_context
 from hyperframe.frame import PingFrame
-from prometheus_client import REGISTRY
 
 from gatekeeper.certs import PKI
 from gatekeeper.proxy.listen.server import ProxyServer
@@ -31,10 +31,6 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> PKI:
     pki.init()
     pki.issue_serving("proxy", dns=["localhost"], ips=["127.0.0.1"])
     return pki
-
-
-def _rejected(reason: str) -> float:
-    return REGISTRY.get_sample_value("gatekeeper_proxy_rejected_total", {"reason": reason}) or 0.0
 
 
 async def _ok(req: ProxyRequest) -> ProxyResponse:
@@ -75,13 +71,13 @@ async def test_connections_over_the_cap_are_closed_and_counted(pki: PKI) -> None
     server = _server(pki, {"max_client_connections": 2})
     port = await server.start()
     ca = str(pki.cert_path("ca"))
-    before = _rejected("connection_cap")
+    before = rejected("connection_cap")
     try:
         held = [await asyncio.to_thread(RawH2, port, ca=ca) for _ in range(2)]
         raw = await asyncio.to_thread(socket.create_connection, ("127.0.0.1", port), 5)
         assert await asyncio.to_thread(_is_cut, raw, 5), "a connection over the cap must be closed at accept"
         raw.close()
-        assert _rejected("connection_cap") == before + 1
+        assert rejected("connection_cap") == before + 1
         for c in held:
             c.close()
         # Seats come back once clients leave.
@@ -96,7 +92,7 @@ async def test_connections_over_the_cap_are_closed_and_counted(pki: PKI) -> None
 async def test_silent_client_is_cut_at_the_tls_handshake_timeout(pki: PKI) -> None:
     server = _server(pki, {"tls_handshake_timeout_seconds": 0.5})
     port = await server.start()
-    before = _rejected("handshake_timeout")
+    before = rejected("handshake_timeout")
     try:
         raw = await asyncio.to_thread(socket.create_connection, ("127.0.0.1", port), 5)
         start = time.monotonic()
@@ -104,7 +100,7 @@ async def test_silent_client_is_cut_at_the_tls_handshake_timeout(pki: PKI) -> No
         assert time.monotonic() - start < 3
         raw.close()
         async with asyncio.timeout(5):
-            while _rejected("handshake_timeout") < before + 1:  # noqa: ASYNC110 - a counter, no event
+            while rejected("handshake_timeout") < before + 1:  # noqa: ASYNC110 - a counter, no event
                 await asyncio.sleep(0.01)
     finally:
         await server.shutdown(1)
@@ -139,12 +135,12 @@ async def test_never_reading_flooder_is_paused_then_cut_with_bounded_output(pki:
     server = _server(pki, h2_max_pings_per_interval=10**9, response_stall_timeout_seconds=1.0,
                      write_buffer_high_bytes=65536, write_buffer_low_bytes=16384)
     port = await server.start()
-    before = _rejected("write_stall")
+    before = rejected("write_stall")
 
     try:
         cut, sent = await asyncio.to_thread(_flood_pings_without_reading, port, 20)
         assert cut, "a client that never reads must be cut after responseStallTimeoutSeconds"
-        assert _rejected("write_stall") >= before + 1
+        assert rejected("write_stall") >= before + 1
         # Every 17-byte PING we read costs a 17-byte ACK we cannot send: what we read is bounded
         # by the high-water mark (plus one read), so the client could not push much either.
         print(f"flooder pushed {sent} bytes before the cut")
