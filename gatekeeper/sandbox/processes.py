@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import random
 import signal
 import socket
 import ssl
@@ -24,10 +25,41 @@ from pathlib import Path
 
 from gatekeeper.sandbox.state import ProcessRecord
 
+_PORT_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_handed_out: set[int] = set()
+
+
+def _below_ephemeral() -> tuple[int, int]:
+    """The ports under the kernel's ephemeral range: never a local port of an outgoing connection."""
+    try:
+        low = int(_PORT_RANGE_FILE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    return (10000, low - 1) if low > 12000 else (1024, max(1025, low - 1))
+
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port the kernel just handed out; the small window before the process binds it is accepted."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A port that binds right now, chosen below the kernel's ephemeral range.
+
+    Why not ``bind(0)``: the kernel hands that a port from the ephemeral range, the range every
+    outgoing connection takes its local port from. Under a load test making thousands of
+    connections one of them took the port between this check and the server's own bind
+    (EADDRINUSE in CI). Below the range only another explicit bind can race, and this process
+    never hands the same port out twice.
+    """
+    low, high = _below_ephemeral()
+    for _ in range(500):
+        port = random.randint(low, high)
+        if port in _handed_out:
+            continue
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
 

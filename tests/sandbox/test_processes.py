@@ -79,6 +79,14 @@ def test_stopping_twice_reports_not_running(tmp_path: Path) -> None:
     assert processes.stop([rec], grace=5)[0].outcome == "not running"
 
 
+def test_free_ports_come_from_below_the_ephemeral_range_and_never_twice() -> None:
+    """An outgoing connection's local port can never take a port we handed out (the CI EADDRINUSE)."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = [processes.free_port() for _ in range(200)]
+    assert all(p < low for p in ports), [p for p in ports if p >= low]
+    assert len(set(ports)) == len(ports)
+
+
 def test_probe_reports_refused_connections_as_unhealthy() -> None:
     port = processes.free_port()
     ok, detail = processes.probe(f"http://127.0.0.1:{port}/healthz", timeout=1)
