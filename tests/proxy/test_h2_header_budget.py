@@ -1,10 +1,9 @@
 """Header blocks in progress (HEADERS without END_HEADERS, CONTINUATION trickled) count in the request buffer budget.
 
-The lean engine (the default) counts them in the same per-process budget as unread
-request DATA (``maxBufferedRequestBytes``): a connection over its share is ended with
-GOAWAY ENHANCE_YOUR_CALM, reason ``body_budget``. The ``h2`` engine keeps them in the
-h2 library's frame buffer and does not count them (bounded per connection only); the
-tests pin that difference down too.
+Both engines count them in the same per-process budget as unread request DATA
+(``maxBufferedRequestBytes``): a connection over its share is ended with GOAWAY
+ENHANCE_YOUR_CALM, reason ``body_budget``. The lean engine counts as frames arrive, the
+``h2`` engine settles what the h2 library's frame buffer holds after each read.
 """
 
 from __future__ import annotations
@@ -60,14 +59,10 @@ async def test_a_connection_trickling_header_blocks_past_its_share_is_ended_and_
     b = h2pair(_ok, ProtocolSettings(), body_budget=budget)
     await a.settle()
     await b.settle()
-    lean = a.server._settings.http2_engine == "lean"
     before = rejected("body_budget")
     a.server.data_received(_partial(1, 16_000) + _more(1, 14_000))
     b.server.data_received(_partial(1, 16_000))  # past the limit, but b is under its share (40000 / 2)
     await a.settle()
-    if not lean:  # the h2 engine does not count header blocks: nothing held, nobody ended
-        assert budget.held == 0 and not a.transport_closed.is_set() and not b.transport_closed.is_set()
-        return
     assert budget.held == 46_000 and not b.transport_closed.is_set()
     a.server.data_received(_more(1, 5_000))  # a holds 30000, over its share
     await a.until(lambda: a.transport_closed.is_set())
@@ -77,3 +72,18 @@ async def test_a_connection_trickling_header_blocks_past_its_share_is_ended_and_
     assert not b.transport_closed.is_set()
     b.server.connection_lost()
     assert budget.held == 0 and budget.holders == 0
+
+
+async def test_a_finished_header_block_gives_its_bytes_back_in_either_engine(h2pair):
+    budget = BodyBudget(1 << 20)
+    pair = h2pair(_ok, ProtocolSettings(), body_budget=budget)
+    await pair.settle()
+    block = hpack.Encoder().encode([(":method", "GET"), (":scheme", "https"), (":path", "/api/v1/pods"),
+                                    (":authority", "proxy.test"), ("x-pad", "p" * 300)])
+    first, rest = block[:200], block[200:]
+    pair.server.data_received(HeadersFrame(1, data=first, flags={"END_STREAM"}).serialize())
+    assert budget.held == len(first)
+    pair.server.data_received(ContinuationFrame(1, data=rest, flags={"END_HEADERS"}).serialize())
+    assert budget.held == 0 and budget.holders == 0
+    await pair.settle()
+    assert not pair.transport_closed.is_set()

@@ -198,7 +198,8 @@ class H2Protocol:
             )
             self._conn, self._receive = lean, lean.receive_data
         else:
-            h2conn = ProxyH2Connection(on_refused=self._on_refused, guard=guard, on_bad_length=self._on_bad_length)
+            h2conn = ProxyH2Connection(on_refused=self._on_refused, guard=guard, on_bad_length=self._on_bad_length,
+                                       header_budget=self._budget)
             self._conn, self._receive = h2conn, h2conn.receive_events
         self._streams: dict[int, _Stream] = {}
         self._memo: dict[str, Any] = {}

@@ -42,6 +42,12 @@ cost or a needlessly harsh default:
 * **Content-length mismatch is a stream error.** h2 fails the whole
   connection; RFC 9113 8.1.1 and Go's server reset only that stream with
   PROTOCOL_ERROR (reported through ``on_bad_length``).
+* **Header blocks in progress are counted** in the process's request buffer
+  budget, as the lean engine counts them: h2 keeps HEADERS and CONTINUATION
+  frames without END_HEADERS in its frame buffer (up to 64 frames of up to
+  16 KiB per connection), so 20,000 connections trickling them could hold
+  20 GiB. After each read the held bytes are settled against the budget;
+  over its share the connection ends with GOAWAY ENHANCE_YOUR_CALM.
 """
 
 from __future__ import annotations
@@ -69,9 +75,11 @@ from h2.exceptions import InvalidBodyLengthError
 from hyperframe.frame import DataFrame, Frame, HeadersFrame
 
 from gatekeeper.proxy.listen import h2_codec
+from gatekeeper.proxy.listen.body_budget import Share
 from gatekeeper.proxy.listen.h2_hpack import ResponseEncoder
 from gatekeeper.proxy.listen.h2_huffman import decode_memo
 from gatekeeper.proxy.listen.h2_limits import FloodGuard, frame_kinds
+from gatekeeper.proxy.listen.h2_state import HeaderBudgetExceeded
 
 
 class _QuietLog:
@@ -141,8 +149,12 @@ class ProxyH2Connection(H2Connection):
         *,
         guard: FloodGuard | None = None,
         on_bad_length: Callable[[int], None] | None = None,
+        header_budget: Share | None = None,
     ) -> None:
         super().__init__(config())
+        self._header_budget = header_budget
+        self._header_bytes = 0
+        """Bytes of header blocks in progress counted in ``header_budget`` at the last settle."""
         self.encoder = ResponseEncoder()  # type: ignore[assignment]  # duck-typed: encode() + header_table_size
         self._on_refused = on_refused
         self._on_bad_length = on_bad_length
@@ -172,7 +184,10 @@ class ProxyH2Connection(H2Connection):
     def receive_events(self, data: bytes) -> list[h2_codec.Event]:
         """:meth:`receive_data` as the lean codec's event tuples (``h2_codec.EV_*``), for ``H2Protocol``."""
         out: list[h2_codec.Event] = []
-        for e in self.receive_data(data):
+        received = self.receive_data(data)
+        if self._header_budget is not None:
+            self._settle_header_bytes(self._header_budget)
+        for e in received:
             if isinstance(e, RequestReceived):
                 out.append((h2_codec.EV_REQUEST, e.stream_id, e.headers or [], e.stream_ended is not None))
             elif isinstance(e, DataReceived):
@@ -189,10 +204,24 @@ class ProxyH2Connection(H2Connection):
                 out.append((h2_codec.EV_GOAWAY, 0, e.error_code or 0))
         return out
 
+    def _settle_header_bytes(self, budget: Share) -> None:
+        """Count what h2's frame buffer holds of unfinished header blocks, as the lean engine counts its own."""
+        pending = self.incoming_buffer._headers_buffer
+        held = sum(len(f.data) for f in pending) if pending else 0
+        more = held - self._header_bytes
+        if more > 0 and not budget.take(more):
+            self.close_connection(ErrorCodes.ENHANCE_YOUR_CALM)
+            raise HeaderBudgetExceeded(ErrorCodes.ENHANCE_YOUR_CALM,
+                                       "a header block in progress would pass the proxy's request buffer budget")
+        if more < 0:
+            budget.give(-more)
+        self._header_bytes = held
+
     def release_pending(self) -> None:
-        """Nothing to give back: this engine's header blocks in progress are not counted in the request
-        buffer budget (h2 holds them inside its frame buffer); each is bounded per connection by the
-        CONTINUATION cap and maxHeaderListBytes."""
+        """Give back what header blocks in progress hold (the connection ended)."""
+        if self._header_bytes and self._header_budget is not None:
+            self._header_budget.give(self._header_bytes)
+        self._header_bytes = 0
 
     def _receive_frame(self, frame: Frame) -> list[Event]:
         if self._guard is not None:
