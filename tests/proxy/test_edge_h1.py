@@ -6,8 +6,9 @@ import asyncio
 import socket
 import time
 
+import h11
 import pytest
-from edge_kit import bench, make_pki, rejected, status_of
+from edge_kit import Bench, bench, make_pki, rejected, status_of
 
 from gatekeeper.certs import PKI
 
@@ -101,3 +102,56 @@ async def test_default_header_timeout_is_the_apiservers() -> None:
     from gatekeeper.proxy.settings import ProtocolSettings
 
     assert ProtocolSettings().h1_header_timeout_seconds == 32.0
+
+
+SMUGGLED = b"GET /smuggled HTTP/1.1\r\nhost: x\r\nx-remote-user: system:admin\r\n\r\n"
+
+
+async def one_response(b: Bench, data: bytes) -> bytes:
+    """Send ``data`` on a fresh connection; the bytes of the first complete response (keep-alive or not)."""
+    reader, writer = await b.open()
+    writer.write(data)
+    client = h11.Connection(h11.CLIENT)
+    client.send(h11.Request(method="GET", target="/", headers=[("host", "x")]))  # only to expect a response
+    client.send(h11.EndOfMessage())
+    out = b""
+    try:
+        async with asyncio.timeout(10):
+            while True:
+                event = client.next_event()
+                if isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
+                    return out
+                if event is h11.NEED_DATA:
+                    chunk = await reader.read(65536)
+                    out += chunk
+                    client.receive_data(chunk)
+    finally:
+        writer.close()
+
+
+async def test_chunked_body_of_an_upgrade_request_reaches_the_backend_as_one_chunked_body(pki: PKI) -> None:
+    """An upgrade request's chunked body is forwarded chunked: its bytes cannot become a second request.
+
+    Before, the splice path dropped ``Transfer-Encoding`` (hop-by-hop) and wrote the decoded body raw,
+    so a backend that refused the upgrade read the body as the next request, on the connection that
+    carries the front-proxy certificate: any tenant could assert any identity (x-remote-user) and skip
+    the target check and flow control.
+    """
+    async with bench(pki) as b:
+        raw = await one_response(b, b"POST /api/v1/namespaces/a/pods HTTP/1.1\r\nhost: x\r\nupgrade: websocket\r\n"
+                          b"connection: upgrade\r\ntransfer-encoding: chunked\r\n\r\n"
+                          b"%x\r\n%b\r\n0\r\n\r\n" % (len(SMUGGLED), SMUGGLED))
+        assert status_of(raw) == 200, raw[:200]
+        assert b.backend.paths() == [b"/api/v1/namespaces/a/pods"]
+        seen = b.backend.seen[-1]
+        assert seen.body == SMUGGLED
+        assert (b"transfer-encoding", b"chunked") in seen.headers
+
+
+async def test_content_length_body_of_an_upgrade_request_keeps_its_length(pki: PKI) -> None:
+    async with bench(pki) as b:
+        raw = await one_response(b, b"POST /api/v1/namespaces/a/pods HTTP/1.1\r\nhost: x\r\nupgrade: websocket\r\n"
+                          b"connection: upgrade\r\ncontent-length: %d\r\n\r\n%b" % (len(SMUGGLED), SMUGGLED))
+        assert status_of(raw) == 200, raw[:200]
+        assert b.backend.paths() == [b"/api/v1/namespaces/a/pods"]
+        assert b.backend.seen[-1].body == SMUGGLED

@@ -231,3 +231,35 @@ def test_readyz_turns_503_the_moment_sigterm_arrives(sbx: SandboxState, tmp_path
         if watch.poll() is None:
             watch.kill()
         p.stop()
+
+
+def test_chunked_upgrade_body_cannot_smuggle_a_request_with_another_identity(
+    sbx: SandboxState, proxy: ProxyProcess,
+) -> None:
+    """A tenant's upgrade request with a chunked body whose bytes are a second request as system:masters.
+
+    The apiserver refuses the upgrade (403 for the tenant), then, before the fix, read the body as the
+    next request on the front-proxy-certificate connection and created the namespace as ``admin``.
+    """
+    issued = PKI(sbx.certs_dir).issue_client(f"edge-tenant-{uuid.uuid4().hex[:8]}", user="edge-tenant")
+    ctx = ssl.create_default_context(cafile=proxy.ca)
+    ctx.load_cert_chain(str(issued.cert), str(issued.key))
+    ctx.set_alpn_protocols(["http/1.1"])
+    name = f"smuggled-{uuid.uuid4().hex[:8]}"
+    obj = json.dumps({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}).encode()
+    inner = (b"POST /api/v1/namespaces HTTP/1.1\r\nHost: x\r\nX-Remote-User: admin\r\n"
+             b"X-Remote-Group: system:masters\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%b"
+             % (len(obj), obj))
+    outer = (b"POST /api/v1/namespaces/default/pods HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
+             b"Connection: Upgrade\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+             b"%x\r\n%b\r\n0\r\n\r\n" % (len(inner), inner))
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as s, \
+            ctx.wrap_socket(s, server_hostname="127.0.0.1") as tls:
+        tls.sendall(outer)
+        data = b""
+        while b"\r\n\r\n" not in data and (chunk := tls.recv(65536)):
+            data += chunk
+    assert data.startswith(b"HTTP/1.1 4"), data[:200]  # the tenant may not create pods; the body was one
+    time.sleep(1.0)  # the apiserver reads a smuggled request right after the first one; give it time
+    with httpx.Client(verify=proxy.tls(cert=True), timeout=20) as client:
+        assert client.get(f"{proxy.url}/api/v1/namespaces/{name}").status_code == 404, "the smuggled create ran"

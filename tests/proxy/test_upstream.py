@@ -393,3 +393,46 @@ async def test_small_response_is_marked_exhausted_and_frees_its_connection_for_r
             await body.__anext__()
         resp.finish(None)
     assert pipeline.upstream_connections(pipeline.balancer.backends[0].name) == 1, "keep-alive reuse"
+
+
+async def test_upgrade_request_body_stops_being_read_while_the_backend_does_not_read_it(pki: PKI) -> None:
+    """Backpressure on an upgrade's request body: a backend that reads nothing stops the client's upload.
+
+    Before, every chunk was written without waiting, so the whole body (any Content-Length) sat in
+    the proxy's memory.
+    """
+    held: list[asyncio.StreamWriter] = []
+
+    async def never_reads(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        held.append(writer)  # the connection stays open, nothing more is read
+
+    srv = await asyncio.start_server(never_reads, "127.0.0.1", 0, ssl=server_ssl(pki))
+    port = srv.sockets[0].getsockname()[1]
+    pipeline = build(settings_for(pki, [f"https://127.0.0.1:{port}"]))
+    total, chunk = 64 << 20, b"x" * (64 << 10)
+    pulled = 0
+
+    async def upload() -> AsyncIterator[bytes]:
+        nonlocal pulled
+        while pulled < total:
+            pulled += len(chunk)
+            yield chunk
+
+    headers = [("connection", "Upgrade"), ("upgrade", "websocket"), ("content-length", str(total))]
+    task = asyncio.create_task(pipeline.handler(req("POST", "/api/v1/namespaces/a/pods/p/exec", headers,
+                                                    body=upload(), cert=ADMIN_CERT, protocol="http/1.1")))
+    try:
+        async with asyncio.timeout(20):
+            last = -1
+            while pulled != last and not task.done():  # until the pulls stop (or everything was taken)
+                last = pulled
+                await asyncio.sleep(0.5)
+        assert pulled < total // 2, f"{pulled} of {total} body bytes taken from the client"
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        for w in held:
+            w.close()
+        await pipeline.close()
+        srv.close()

@@ -397,10 +397,18 @@ class BackendClient:
         self, request: ProxyRequest, headers: Headers, *, identity: bool,
         on_close: Callable[[], Awaitable[None]],
     ) -> ProxyResponse:
-        """Open a raw TLS connection, send the upgrade request, hand the 101 connection to the adapter."""
+        """Open a raw TLS connection, send the upgrade request, hand the 101 connection to the adapter.
+
+        The head is built and checked as on the pooled path (``exchange.encode_request_head``), and a
+        request body is framed as there (:class:`exchange.BodyFramer`): chunked when the client sent it
+        chunked. Before, the decoded body went out raw with ``Transfer-Encoding`` dropped, so a backend
+        that refused the upgrade read it as a second request. The body is written with backpressure:
+        a backend that does not read it stops the client's upload instead of growing our buffer.
+        """
         ssl_ctx = self._ssl(identity)
-        head = encode_head(request.method, str(self.upstream_url(request.target).raw_path_qs),
-                           f"{self.host}:{self.port}", strip_hop_by_hop(headers, keep_upgrade=True))
+        head, declared = exchange.encode_request_head(
+            request.method, request.target, self.authority, strip_hop_by_hop(headers, keep_upgrade=True),
+            REQUEST_DROP, has_body=request.body is not None)
         try:
             reader, writer = await asyncio.wait_for(
                 asyncio.open_connection(self.host, self.port, ssl=ssl_ctx, server_hostname=self.host,
@@ -413,8 +421,16 @@ class BackendClient:
         try:
             writer.write(head)
             if body is not None:
-                async for chunk in body:
-                    writer.write(chunk)
+                framer = exchange.BodyFramer(declared)
+                try:
+                    async for chunk in body:
+                        if chunk:
+                            writer.write(framer.frame(chunk))
+                            await writer.drain()
+                    writer.write(framer.end())
+                except ValueError as exc:
+                    body.error = body.error or exc  # the client's body broke its own framing
+                    raise
             await writer.drain()
             status, resp_headers = parse_head(await reader.readuntil(b"\r\n\r\n"))
         except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:
@@ -462,12 +478,6 @@ def response_headers(raw: Sequence[tuple[bytes, bytes]]) -> Headers:
         tokens = {t.strip().lower() for v in named for t in v.split(",")}
         out = [(k, v) for k, v in out if k not in tokens]
     return out
-
-
-def encode_head(method: str, target: str, host: str, headers: Headers) -> bytes:
-    lines = [f"{method} {target} HTTP/1.1", f"host: {host}"]
-    lines += [f"{k}: {v}" for k, v in headers if k.lower() not in REQUEST_DROP]
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("utf-8", "surrogateescape")
 
 
 def parse_head(data: bytes) -> tuple[int, Headers]:

@@ -106,27 +106,53 @@ def encode_request_head(method: str, target: str, authority: str, headers: Heade
     return text.encode("utf-8", "surrogateescape"), declared
 
 
+class BodyFramer:
+    """A request body's bytes as they go upstream: raw within the declared Content-Length, else chunked.
+
+    Shared by the pooled exchange and the upgrade splice, so no path writes a client's body
+    without framing it: unframed body bytes are read by the backend as the next request on
+    the connection (request smuggling, with the front-proxy certificate's trust). A body
+    that runs over or stops short of its declared length raises ValueError (nothing more
+    may be sent on that connection).
+    """
+
+    __slots__ = ("declared", "sent")
+
+    def __init__(self, declared: int | None) -> None:
+        self.declared = declared
+        self.sent = 0
+
+    def frame(self, chunk: bytes) -> bytes:
+        """The wire bytes for one non-empty chunk."""
+        self.sent += len(chunk)
+        declared = self.declared
+        if declared is None:
+            return b"%x\r\n%b\r\n" % (len(chunk), chunk)
+        if self.sent > declared:
+            raise ValueError(f"request body longer than its content-length {declared}")
+        return chunk
+
+    def end(self) -> bytes:
+        """The bytes that end the body (the last chunk, or nothing); ValueError if it came up short."""
+        if self.declared is None:
+            return b"0\r\n\r\n"
+        if self.sent != self.declared:
+            raise ValueError(f"request body of {self.sent} bytes, content-length {self.declared}")
+        return b""
+
+
 async def _send_body(conn: Conn, body: ClientBody, declared: int | None) -> None:
     """Stream the client's body to the backend; any failure aborts the connection (the response side sees it)."""
     transport = conn.transport
     assert transport is not None
-    sent = 0
+    framer = BodyFramer(declared)
     try:
         async for chunk in body:
-            if not chunk:
-                continue
-            sent += len(chunk)
-            if declared is None:
-                transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
-            elif sent > declared:
-                raise ValueError(f"request body longer than its content-length {declared}")
-            else:
-                transport.write(chunk)
-            await conn.drain()
-        if declared is None:
-            transport.write(b"0\r\n\r\n")
-        elif sent != declared:
-            raise ValueError(f"request body of {sent} bytes, content-length {declared}")
+            if chunk:
+                transport.write(framer.frame(chunk))
+                await conn.drain()
+        if end := framer.end():
+            transport.write(end)
         conn.request_sent = True
     except asyncio.CancelledError:
         conn.abort()
