@@ -43,6 +43,7 @@ RejectReason = Literal[
     # HTTP/1.1 (h1.py)
     "length_and_chunked",  # Content-Length with Transfer-Encoding
     "header_timeout", "body_timeout",  # slow request head / idle request body
+    "upgrade_idle",  # an upgraded tunnel (exec, port-forward, proxy) moved no byte for h1UpgradeIdleTimeoutSeconds
     # pipeline: request target (target.py) and identity (auth.py)
     "target_form", "dot_segment", "nul", "bad_byte", "fragment",
     "bad_identity",  # client certificate name with control characters or edge whitespace

@@ -102,7 +102,11 @@ class ProtocolSettings:
     """HTTP/2: a request body that sends nothing for this long while the client may send (its windows are
     open) is cut with RST_STREAM CANCEL, releasing its seat and upstream connection (as for HTTP/1.1)."""
     h1_write_stall_timeout_seconds: float = 60.0
-    """HTTP/1.1: a client that takes no response bytes for this long is cut, releasing its backend connection."""
+    """HTTP/1.1: a client that takes no response bytes for this long is cut, releasing its backend connection.
+    Upgraded tunnels (exec, attach, port-forward) too."""
+    h1_upgrade_idle_timeout_seconds: float = 14400.0
+    """HTTP/1.1: an upgraded tunnel that moves no byte either way for this long is closed (kubelet's own
+    streamingConnectionIdleTimeout default, 4 h; pods/proxy and services/proxy tunnels had no bound)."""
     http2_engine: str = "lean"
     """Client-facing HTTP/2 codec: ``lean`` (the proxy's own, ``listen/h2_codec.py``) or ``h2`` (the h2 library)."""
 

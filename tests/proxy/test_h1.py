@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import socket
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
 import h11
 import orjson
 import pytest
+from edge_kit import rejected
 
 from gatekeeper.proxy.adapter import ClientGone
 from gatekeeper.proxy.listen.h1 import H1Connection
@@ -430,3 +432,101 @@ async def test_shutdown_closes_idle_connection_and_marks_busy_one(serve):
     reply = await busy.reply()
     assert reply.body == b"ok" and reply.headers.get("connection") == "close"
     assert await busy.closed_by_server()
+
+
+UPGRADE_HEAD = (b"GET /api/v1/namespaces/a/pods/p/portforward HTTP/1.1\r\nHost: p\r\nConnection: Upgrade\r\n"
+                b"Upgrade: websocket\r\n\r\n")
+
+
+async def tunnel_backend(behaviour):  # type: ignore[no-untyped-def]
+    """A backend the handler splices to; ``behaviour(reader, writer)`` runs per connection, then it closes.
+
+    Returns (handler, backend_closed, closed_calls): the event is set once the backend saw its end.
+    """
+    backend_closed = asyncio.Event()
+    closed_calls: list[str] = []
+
+    async def backend(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        try:
+            await behaviour(r, w)
+            while await r.read(65536):  # until the proxy closes its side
+                pass
+        except ConnectionError:
+            pass
+        finally:
+            w.close()
+            backend_closed.set()
+
+    bsrv = await asyncio.start_server(backend, "127.0.0.1", 0)
+    bport = bsrv.sockets[0].getsockname()[1]
+
+    async def handler(req: ProxyRequest) -> ProxyResponse:
+        r, w = await asyncio.open_connection("127.0.0.1", bport)
+
+        async def on_close() -> None:
+            closed_calls.append("closed")
+
+        return ProxyResponse(101, [("connection", "Upgrade"), ("upgrade", "websocket")],
+                             upgraded=Upgraded(r, w, on_close))
+
+    return handler, backend_closed, closed_calls
+
+
+async def test_idle_upgraded_tunnel_is_closed_after_its_idle_timeout(serve):
+    """No byte either way for h1UpgradeIdleTimeoutSeconds: both sides are closed, counted upgrade_idle.
+
+    Before, an idle tunnel (a pods/proxy websocket to a silent pod) held its client connection, its
+    backend connection and its lease for ever.
+    """
+    async def greet_then_silence(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        w.write(b"hello")
+        await w.drain()
+
+    handler, backend_closed, closed_calls = await tunnel_backend(greet_then_silence)
+    before = rejected("upgrade_idle")
+    client = await (await serve(handler, ProtocolSettings(h1_upgrade_idle_timeout_seconds=0.3))).client()
+    client.writer.write(UPGRADE_HEAD)
+    await client.writer.drain()
+    async with asyncio.timeout(5):
+        assert (await client.reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 101 ")
+        assert await client.reader.readexactly(5) == b"hello"
+        client.writer.write(b"ping")  # traffic re-arms the deadline
+        await client.writer.drain()
+        assert await client.reader.read() == b""  # then silence: the proxy closes the tunnel
+        await backend_closed.wait()
+    assert closed_calls == ["closed"]
+    assert rejected("upgrade_idle") == before + 1
+
+
+async def test_upgraded_tunnel_whose_client_stops_reading_is_aborted(serve):
+    """A client that takes no tunnel bytes for h1WriteStallTimeoutSeconds is aborted (response_stall).
+
+    Before, the splice waited on the client's socket for ever, holding the backend connection and lease.
+    """
+    async def flood(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        chunk = b"x" * 65536
+        for _ in range(1024):  # 64 MiB at most: far more than the socket buffers hold
+            w.write(chunk)
+            await w.drain()
+
+    handler, backend_closed, closed_calls = await tunnel_backend(flood)
+    before = rejected("response_stall")
+    server = await serve(handler, ProtocolSettings(h1_write_stall_timeout_seconds=0.3))
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", server.port))
+    reader, writer = await asyncio.open_connection(sock=sock)
+    try:
+        writer.write(UPGRADE_HEAD)
+        await writer.drain()
+        async with asyncio.timeout(5):
+            assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 101 ")
+        writer.transport.pause_reading()  # never read again
+        async with asyncio.timeout(20):
+            await backend_closed.wait()
+            await server.connections[0].closed.wait()
+        assert closed_calls == ["closed"]
+        assert rejected("response_stall") == before + 1
+    finally:
+        writer.close()

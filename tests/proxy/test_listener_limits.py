@@ -159,8 +159,15 @@ def test_limit_settings_that_disable_a_defence_are_refused(pki: PKI, bad: dict[s
 
 @pytest.mark.parametrize("bad", [
     {"response_stall_timeout_seconds": 0}, {"h2_max_resets_per_interval": 0},
-    {"write_buffer_low_bytes": 1 << 20},
+    {"write_buffer_low_bytes": 1 << 20}, {"h1_upgrade_idle_timeout_seconds": 0},
 ])
 def test_protocol_limits_that_disable_a_defence_are_refused(pki: PKI, bad: dict[str, object]) -> None:
     with pytest.raises(ValueError, match="must be"):
         _server(pki, **bad)
+
+
+def test_a_zero_upgrade_idle_timeout_is_refused_naming_the_key() -> None:
+    from gatekeeper.proxy.settings import ProtocolSettings
+
+    with pytest.raises(ValueError, match="h1UpgradeIdleTimeoutSeconds must be a positive number of seconds"):
+        ProtocolSettings(h1_upgrade_idle_timeout_seconds=0).validate()

@@ -12,7 +12,10 @@ that moves bytes between it, the socket and the pipeline handler.
   encoding. Hop-by-hop headers from the pipeline are dropped.
 * A response with ``upgraded`` (WebSocket for kubectl >= 1.30 exec/attach/
   port-forward, SPDY/3.1 for older clients) gets its 101 head written, then
-  bytes are spliced both ways unchanged until either side closes.
+  bytes are spliced both ways unchanged until either side closes, the client
+  stops taking bytes for ``h1WriteStallTimeoutSeconds`` (aborted, reason
+  ``response_stall``), or no byte moves either way for
+  ``h1UpgradeIdleTimeoutSeconds`` (closed, reason ``upgrade_idle``).
 * goawayChance: ``Connection: close`` must be in the response head, so for
   HTTP/1.1 the coin is tossed when the head is written (not after the body as
   on h2) and the connection closes after that body. The effect on
@@ -96,6 +99,8 @@ class H1Connection:
         self._idle = True
         self._eof = False
         self._request_done = asyncio.Event()
+        self._tunnel_moved_at = 0.0
+        """Loop time of the last byte an upgraded tunnel moved (either way)."""
         self.closed = asyncio.Event()
 
     # ------------------------------------------------------------------ public
@@ -370,14 +375,15 @@ class H1Connection:
             if early:
                 up.writer.write(early)
                 await up.writer.drain()
-            to_backend = asyncio.create_task(_pump(self._reader, up.writer))
-            to_client = asyncio.create_task(_pump(up.reader, self._writer))
+            self._tunnel_moved_at = asyncio.get_running_loop().time()
+            tasks = {asyncio.create_task(self._to_backend(up.writer)), asyncio.create_task(self._to_client(up.reader)),
+                     asyncio.create_task(self._tunnel_idle())}
             try:
-                await asyncio.wait({to_backend, to_client}, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             finally:
-                for t in (to_backend, to_client):
+                for t in tasks:
                     t.cancel()
-                await asyncio.gather(to_backend, to_client, return_exceptions=True)
+                await asyncio.gather(*tasks, return_exceptions=True)
         except asyncio.CancelledError:
             error = ClientGone("connection closed during an upgraded session")
             raise
@@ -390,6 +396,35 @@ class H1Connection:
             if up.on_close is not None:
                 await up.on_close()
         return False
+
+    async def _to_backend(self, dst: asyncio.StreamWriter) -> None:
+        """Client bytes to the backend; a backend that stops reading stops us reading the client (the idle
+        timeout ends it if nothing moves)."""
+        loop = asyncio.get_running_loop()
+        while data := await self._reader.read(READ_SIZE):
+            self._tunnel_moved_at = loop.time()
+            dst.write(data)
+            await dst.drain()
+
+    async def _to_client(self, src: asyncio.StreamReader) -> None:
+        """Backend bytes to the client; a client that takes none for h1WriteStallTimeoutSeconds is aborted
+        (as for any response), so a never-reading client cannot hold the tunnel and its backend."""
+        loop = asyncio.get_running_loop()
+        while data := await src.read(READ_SIZE):
+            self._tunnel_moved_at = loop.time()
+            self._writer.write(data)
+            await self._drain()
+
+    async def _tunnel_idle(self) -> None:
+        """Return (ending the tunnel) once no byte has moved either way for h1UpgradeIdleTimeoutSeconds.
+
+        One timer per tunnel, re-armed from the last move, not one per read.
+        """
+        loop = asyncio.get_running_loop()
+        limit = self._settings.h1_upgrade_idle_timeout_seconds
+        while (left := self._tunnel_moved_at + limit - loop.time()) > 0:  # noqa: ASYNC110 - a re-armed deadline
+            await asyncio.sleep(left)
+        rejections.reject("upgrade_idle", f"{self._peer}: upgraded connection idle for {limit:g}s")
 
     def _write(self, event: h11.Event) -> None:
         data = self._conn.send(event)
@@ -420,12 +455,3 @@ class H1Connection:
         except (TimeoutError, h11.RemoteProtocolError):
             return False
         return False
-
-
-async def _pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
-    while True:
-        data = await src.read(READ_SIZE)
-        if not data:
-            return
-        dst.write(data)
-        await dst.drain()
