@@ -42,6 +42,8 @@ RejectReason = Literal[
     "response_stall",
     # HTTP/1.1 (h1.py)
     "length_and_chunked",  # Content-Length with Transfer-Encoding
+    "h1_malformed",  # a request head h11 refuses (syntax, unsupported Transfer-Encoding, ...): 400/501, closed
+    "h1_head_too_large",  # request head over maxHeaderListBytes or h1MaxHeaderFields: 431, closed
     "header_timeout", "body_timeout",  # slow request head / idle request body
     "upgrade_idle",  # an upgraded tunnel (exec, port-forward, proxy) moved no byte for h1UpgradeIdleTimeoutSeconds
     # pipeline: request target (target.py) and identity (auth.py)

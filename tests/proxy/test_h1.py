@@ -226,15 +226,20 @@ async def test_request_rejected_before_body_gets_no_100_continue(serve):
 
 
 @pytest.mark.parametrize(
-    ("raw", "code"),
+    ("raw", "code", "reason"),
     [
-        (b"GARBAGE\r\n\r\n", 400),
-        (b"GET /x HTTP/1.1\r\nHost: p\r\nBad Header Name: v\r\n\r\n", 400),
-        (b"GET /x HTTP/1.1\r\nHost: p\r\nX-Big: " + b"a" * 40000 + b"\r\n\r\n", 431),
+        (b"GARBAGE\r\n\r\n", 400, "h1_malformed"),
+        (b"GET /x HTTP/1.1\r\nHost: p\r\nBad Header Name: v\r\n\r\n", 400, "h1_malformed"),
+        (b"GET /x HTTP/1.1\r\nHost: p\r\nX-Big: " + b"a" * 40000 + b"\r\n\r\n", 431, "h1_head_too_large"),
+        (b"GET /x HTTP/1.1\r\nHost: p\r\n" + b"a: 1\r\n" * 100 + b"\r\n", 431, "h1_head_too_large"),
+        (b"GET /x HTTP/1.1\r\nHost: p\r\n" + b"a: 1\r\n" * 100, 431, "h1_head_too_large"),
     ],
-    ids=["request-line", "header-name", "header-too-large"],
+    ids=["request-line", "header-name", "header-too-large", "too-many-fields", "too-many-fields-unfinished"],
 )
-async def test_malformed_request_gets_clear_4xx_status(serve, raw, code):
+async def test_malformed_request_gets_clear_4xx_status(serve, raw, code, reason):
+    """Refused, counted under its reason, closed. An unfinished head with too many fields is refused
+    as soon as its line count passes the limit, before h11 parses any of it (it parses a head whole)."""
+    before = rejected(reason)
     called = False
 
     async def handler(req: ProxyRequest) -> ProxyResponse:
@@ -242,7 +247,8 @@ async def test_malformed_request_gets_clear_4xx_status(serve, raw, code):
         called = True
         return ProxyResponse(200, [], _chunks(b""))
 
-    client = await (await serve(handler, ProtocolSettings(max_header_list_bytes=32768))).client()
+    settings = ProtocolSettings(max_header_list_bytes=32768, h1_max_header_fields=50)
+    client = await (await serve(handler, settings)).client()
     client.writer.write(raw)
     await client.writer.drain()
     r = await client.reply()
@@ -251,6 +257,43 @@ async def test_malformed_request_gets_clear_4xx_status(serve, raw, code):
     assert status["kind"] == "Status" and status["code"] == code and "malformed" in status["message"]
     assert not called
     assert await client.closed_by_server()
+    assert rejected(reason) == before + 1
+
+
+async def test_too_many_header_fields_read_ahead_behind_a_request_are_refused(serve):
+    """A head parsed whole from pipelined bytes (read while the previous response ran) is counted after
+    parsing: 200 for the first request, 431 for the second."""
+    before = rejected("h1_head_too_large")
+    release = asyncio.Event()
+
+    async def handler(req: ProxyRequest) -> ProxyResponse:
+        await release.wait()
+        return ProxyResponse(200, [("content-length", "2")], _chunks(b"ok"))
+
+    client = await (await serve(handler, ProtocolSettings(h1_max_header_fields=50))).client()
+    client.writer.write(b"GET /a HTTP/1.1\r\nHost: p\r\n\r\n"
+                        b"GET /b HTTP/1.1\r\nHost: p\r\n" + b"a: 1\r\n" * 100 + b"\r\n")
+    await client.writer.drain()
+    await asyncio.sleep(0.1)  # the second head is read ahead while the first response waits
+    release.set()
+    for target, status in (("/a", 200), ("/b", 431)):  # the client's h11 only tracks what was sent raw
+        client.conn.send(h11.Request(method="GET", target=target, headers=[("host", "p")]))
+        client.conn.send(h11.EndOfMessage())
+        assert (await client.reply()).status == status
+        if status == 200:
+            client.conn.start_next_cycle()
+    assert rejected("h1_head_too_large") == before + 1
+
+
+async def test_broken_chunked_framing_fails_the_request_and_is_counted(serve):
+    before = rejected("h1_malformed")
+    client = await (await serve(echo_handler)).client()
+    client.writer.write(b"POST /x HTTP/1.1\r\nHost: p\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabcXX")
+    await client.writer.drain()
+    async with asyncio.timeout(5):
+        rest = await client.reader.read()  # the handler's failure answer, then the close
+    assert rest.startswith(b"HTTP/1.1 502 ")
+    assert rejected("h1_malformed") == before + 1
 
 
 async def test_head_204_304_have_no_body_and_keep_alive(serve):

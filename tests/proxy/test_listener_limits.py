@@ -159,7 +159,7 @@ def test_limit_settings_that_disable_a_defence_are_refused(pki: PKI, bad: dict[s
 
 @pytest.mark.parametrize("bad", [
     {"response_stall_timeout_seconds": 0}, {"h2_max_resets_per_interval": 0},
-    {"write_buffer_low_bytes": 1 << 20}, {"h1_upgrade_idle_timeout_seconds": 0},
+    {"write_buffer_low_bytes": 1 << 20}, {"h1_upgrade_idle_timeout_seconds": 0}, {"h1_max_header_fields": 0},
 ])
 def test_protocol_limits_that_disable_a_defence_are_refused(pki: PKI, bad: dict[str, object]) -> None:
     with pytest.raises(ValueError, match="must be"):
