@@ -134,3 +134,25 @@ def test_exec_stderr_is_a_separate_stream_through_the_proxy(
     assert out.returncode == 0, out.stderr
     assert out.stdout == "to-out\n"
     assert out.stderr == "to-err\n"
+
+
+def test_idle_exec_session_is_closed_at_the_upgrade_idle_timeout(
+    sandbox: SandboxState, exec_pod: tuple[str, str], tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """``protocol.h1UpgradeIdleTimeoutSeconds`` from the YAML config: a silent exec is cut, counted upgrade_idle."""
+    namespace, name = exec_pod
+    p = ProxyProcess(sandbox, tmp_path_factory.mktemp("proxy-exec-idle"),
+                     user_config={"protocol": {"h1UpgradeIdleTimeoutSeconds": 1.0}})
+    p.start()
+    try:
+        out = kubectl(built_kubectl(sandbox), p.kubeconfig, "exec", "-n", namespace, name, "--",
+                      "sh", "-c", "echo started; sleep 8; echo finished", timeout=60)
+        assert out.returncode != 0 and "started" in out.stdout and "finished" not in out.stdout, out
+        assert p.metric("gatekeeper_proxy_rejected_total", reason="upgrade_idle") == 1
+        # Traffic keeps a session alive past the timeout: a line every 0.3 s for about 2 s.
+        out = kubectl(built_kubectl(sandbox), p.kubeconfig, "exec", "-n", namespace, name, "--",
+                      "sh", "-c", "for i in 1 2 3 4 5 6; do echo $i; sleep 0.3; done", timeout=60)
+        assert (out.returncode, out.stdout.split()) == (0, ["1", "2", "3", "4", "5", "6"]), out.stderr
+    finally:
+        rc = p.stop()
+    assert rc == 0, f"proxy exit code {rc} after SIGTERM: {processes.tail(p.log)}"

@@ -573,3 +573,23 @@ async def test_upgraded_tunnel_whose_client_stops_reading_is_aborted(serve):
         assert rejected("response_stall") == before + 1
     finally:
         writer.close()
+
+
+async def test_upgraded_tunnel_ends_when_the_backend_closes(serve):
+    """The backend's close reaches the client as EOF and frees the tunnel (on_close runs once)."""
+
+    async def say_bye(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        w.write(b"bye")
+        await w.drain()
+        w.close()
+
+    handler, _backend_closed, closed_calls = await tunnel_backend(say_bye)
+    server = await serve(handler)
+    client = await server.client()
+    client.writer.write(UPGRADE_HEAD)
+    await client.writer.drain()
+    async with asyncio.timeout(5):
+        assert (await client.reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 101 ")
+        assert await client.reader.read() == b"bye"  # then EOF
+        await server.connections[0].closed.wait()
+    assert closed_calls == ["closed"]
