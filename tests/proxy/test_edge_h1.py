@@ -155,3 +155,45 @@ async def test_content_length_body_of_an_upgrade_request_keeps_its_length(pki: P
         assert status_of(raw) == 200, raw[:200]
         assert b.backend.paths() == [b"/api/v1/namespaces/a/pods"]
         assert b.backend.seen[-1].body == SMUGGLED
+
+
+@pytest.mark.parametrize(("head", "code"), [
+    (b"POST /a HTTP/1.1\r\nhost: x\r\ncontent-length: 3\r\ncontent-length: 4\r\n\r\nabcd", 400),
+    (b"POST /a HTTP/1.1\r\nhost: x\r\ncontent-length: +3\r\n\r\nabc", 400),
+    (b"POST /a HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked, identity\r\n\r\n0\r\n\r\n", 501),
+    (b"POST /a HTTP/1.1\r\nhost: x\r\ntransfer-encoding: xchunked\r\n\r\n0\r\n\r\n", 501),
+    (b"POST /a HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\ntransfer-encoding: chunked\r\n\r\n0\r\n\r\n", 501),
+    (b"GET /a HTTP/1.1\r\nhost: x\r\ntransfer-encoding : chunked\r\n\r\n", 400),
+    (b"GET /a HTTP/1.1\r\nhost: x\rx-remote-user: admin\r\n\r\n", 400),
+    (b"GET /a HTTP/1.1\r\nhost: x\r\nhost: y\r\n\r\n", 400),
+    (b"GET /a HTTP/1.1\r\n\r\n", 400),
+    (b"GET /a\r\n\r\n", 400),
+], ids=["two-lengths", "signed-length", "chunked-identity", "xchunked", "two-encodings", "space-before-colon",
+        "bare-cr", "two-hosts", "no-host", "http-0.9"])
+async def test_ambiguous_framing_is_refused_before_any_backend_call(pki: PKI, head: bytes, code: int) -> None:
+    """Heads two parsers could frame differently never reach a backend (h11's rules, locked in here)."""
+    async with bench(pki) as b:
+        before = rejected("h1_malformed")
+        raw = await b.raw(head + b"GET /smuggled HTTP/1.1\r\nhost: x\r\n\r\n")
+        assert status_of(raw) == code, raw[:200]
+        assert b.backend.paths() == []
+        assert rejected("h1_malformed") == before + 1
+
+
+@pytest.mark.parametrize(("head", "body"), [
+    (b"content-length: 3\r\ncontent-length: 3\r\n", b"abc"),
+    (b"content-length: 003\r\n", b"abc"),
+    (b"transfer-encoding: CHUNKED\r\n", b"3\r\nabc\r\n0\r\n\r\n"),
+    (b"transfer-encoding:\r\n chunked\r\n", b"3\r\nabc\r\n0\r\n\r\n"),
+    (b"transfer-encoding: chunked\r\n", b"3;ext=\"x\"\r\nabc\r\n0\r\n\r\n"),
+    (b"transfer-encoding: chunked\r\n", b"3\r\nabc\r\n0\r\ntrailer: x\r\n\r\n"),
+], ids=["same-length-twice", "leading-zeros", "upper-case", "obs-fold", "chunk-extension", "trailer"])
+async def test_tolerated_framing_is_forwarded_reframed_as_one_request(pki: PKI, head: bytes, body: bytes) -> None:
+    """What h11 tolerates is forwarded in the proxy's own framing: one request, the decoded body, and the
+    bytes after it read as the client's next request (answered by the proxy, classified as any other)."""
+    async with bench(pki) as b:
+        raw = await b.raw(b"POST /api/v1/namespaces/a/configmaps HTTP/1.1\r\nhost: x\r\n" + head + b"\r\n" + body +
+                          b"GET /api/v1/namespaces/b/pods HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        assert raw.count(b"HTTP/1.1 200 ") == 2, raw[:300]
+        assert b.backend.paths() == [b"/api/v1/namespaces/a/configmaps", b"/api/v1/namespaces/b/pods"]
+        assert b.backend.seen[0].body == b"abc"

@@ -263,3 +263,43 @@ def test_chunked_upgrade_body_cannot_smuggle_a_request_with_another_identity(
     time.sleep(1.0)  # the apiserver reads a smuggled request right after the first one; give it time
     with httpx.Client(verify=proxy.tls(cert=True), timeout=20) as client:
         assert client.get(f"{proxy.url}/api/v1/namespaces/{name}").status_code == 404, "the smuggled create ran"
+
+
+def test_identity_header_variants_from_an_http1_tenant_do_not_reach_the_apiserver_as_identity(
+    sbx: SandboxState, proxy: ProxyProcess,
+) -> None:
+    """Case, underscore and obs-fold variants of X-Remote-*: the apiserver still sees the tenant.
+
+    Client X-Remote-* are stripped case-insensitively; ``X_Remote_User`` passes but Go canonicalises it
+    to ``X_remote_user``, which the requestheader authenticator never reads (checked directly against
+    the apiserver too: 401 with the front-proxy certificate); a folded line becomes part of the previous
+    value; a name with whitespace before the colon is a 400 (counted h1_malformed).
+    """
+    issued = PKI(sbx.certs_dir).issue_client(f"edge-tenant-{uuid.uuid4().hex[:8]}", user="edge-tenant")
+    ctx = ssl.create_default_context(cafile=proxy.ca)
+    ctx.load_cert_chain(str(issued.cert), str(issued.key))
+    ctx.set_alpn_protocols(["http/1.1"])
+    review = json.dumps({"apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview"}).encode()
+
+    def post(extra: bytes) -> bytes:
+        raw = (b"POST /apis/authentication.k8s.io/v1/selfsubjectreviews HTTP/1.1\r\nHost: x\r\n" + extra +
+               b"Content-Type: application/json\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%b"
+               % (len(review), review))
+        with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as s, \
+                ctx.wrap_socket(s, server_hostname="127.0.0.1") as tls:
+            tls.sendall(raw)
+            data = b""
+            while chunk := tls.recv(65536):
+                data += chunk
+        return data
+
+    for extra in (b"X-REMOTE-USER: admin\r\nx-remote-group: system:masters\r\n",
+                  b"X_Remote_User: admin\r\nX_Remote_Group: system:masters\r\nX-Remote_Extra-scopes: all\r\n",
+                  b"X-Foo: a\r\n X-Remote-User: admin\r\n"):
+        data = post(extra)
+        assert data.startswith(b"HTTP/1.1 201"), data[:300]
+        info = json.loads(data.split(b"\r\n\r\n", 1)[1])["status"]["userInfo"]
+        assert info["username"] == "edge-tenant" and "system:masters" not in info.get("groups", []), (extra, info)
+    before = rejected(proxy, "h1_malformed")
+    assert post(b"X-Remote-User : admin\r\n").startswith(b"HTTP/1.1 400"), "whitespace before the colon"
+    assert rejected(proxy, "h1_malformed") == before + 1
