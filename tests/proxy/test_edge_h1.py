@@ -197,3 +197,17 @@ async def test_tolerated_framing_is_forwarded_reframed_as_one_request(pki: PKI, 
         assert raw.count(b"HTTP/1.1 200 ") == 2, raw[:300]
         assert b.backend.paths() == [b"/api/v1/namespaces/a/configmaps", b"/api/v1/namespaces/b/pods"]
         assert b.backend.seen[0].body == b"abc"
+
+
+async def test_client_that_leaves_before_the_101_frees_the_backend_and_its_slot(pki: PKI) -> None:
+    """An upgrade to a backend that does not answer, then the client leaves: nothing stays held."""
+    async with bench(pki) as b:
+        b.backend.slow_seconds = 3600
+        _reader, writer = await b.open()
+        writer.write(b"GET /slow/api/v1/namespaces/a/pods/p/portforward HTTP/1.1\r\nhost: x\r\n"
+                     b"upgrade: websocket\r\nconnection: upgrade\r\n\r\n")
+        await writer.drain()
+        be = b.pipeline.balancer.backends[0]
+        await until(lambda: be.in_flight == 1)
+        writer.close()
+        await until(lambda: be.in_flight == 0 and b.server.connections == 0)  # lease and client slot freed

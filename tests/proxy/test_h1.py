@@ -593,3 +593,62 @@ async def test_upgraded_tunnel_ends_when_the_backend_closes(serve):
         assert await client.reader.read() == b"bye"  # then EOF
         await server.connections[0].closed.wait()
     assert closed_calls == ["closed"]
+
+
+async def test_client_hangup_while_an_upgrade_waits_for_its_backend_ends_the_request(serve):
+    """An upgrade request whose backend has not answered yet: the client's hang-up cancels the handler.
+
+    Before, EOF was not watched on an upgrade request (the bytes after it belong to the new
+    protocol), so a client could send the request to a silent backend and leave: the proxy kept the
+    client slot, the backend connection and the lease for ever, with nobody paying for them.
+    """
+    started, cancelled = asyncio.Event(), asyncio.Event()
+
+    async def silent_backend(req: ProxyRequest) -> ProxyResponse:
+        started.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        raise AssertionError("unreachable")
+
+    server = await serve(silent_backend)
+    client = await server.client()
+    client.writer.write(UPGRADE_HEAD)
+    await client.writer.drain()
+    async with asyncio.timeout(5):
+        await started.wait()
+        client.writer.close()
+        await cancelled.wait()
+        await server.connections[0].closed.wait()
+
+
+async def test_bytes_sent_before_the_101_reach_the_tunnel_in_order(serve):
+    """The client may talk the new protocol before the 101 arrives; those bytes are held, then sent first."""
+    got = bytearray()
+    backend_done = asyncio.Event()
+    answer = asyncio.Event()
+
+    async def record(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        while len(got) < 8:
+            got.extend(await r.read(65536))
+        backend_done.set()
+
+    handler, _closed, _calls = await tunnel_backend(record)
+
+    async def slow_handler(req: ProxyRequest) -> ProxyResponse:
+        await answer.wait()
+        return await handler(req)
+
+    client = await (await serve(slow_handler)).client()
+    client.writer.write(UPGRADE_HEAD + b"early")
+    await client.writer.drain()
+    await asyncio.sleep(0.1)  # read by the proxy while the backend has not answered
+    answer.set()
+    async with asyncio.timeout(5):
+        assert (await client.reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 101 ")
+        client.writer.write(b"+late")
+        await client.writer.drain()
+        await backend_done.wait()
+    assert bytes(got) == b"early+late"

@@ -21,7 +21,9 @@ that moves bytes between it, the socket and the pipeline handler.
   on h2) and the connection closes after that body. The effect on
   rebalancing is the same: the client's next request opens a new connection.
 * While a response is being produced the socket is watched for EOF, so a
-  client that hangs up on an idle watch ends the upstream watch at once.
+  client that hangs up on an idle watch ends the upstream watch at once, and
+  one that leaves an upgrade request waiting for its backend frees it too
+  (bytes read meanwhile stay in h11: the next request's, or the tunnel's).
 * Slow clients are cut, each by a setting: a request head must be complete
   ``h1HeaderTimeoutSeconds`` after its first byte (no 408: the connection just
   closes, as Go's ReadHeaderTimeout does); a request body that is idle for
@@ -103,6 +105,8 @@ class H1Connection:
         self._idle = True
         self._eof = False
         self._request_done = asyncio.Event()
+        self._watcher: asyncio.Task[None] | None = None
+        """The current exchange's EOF watcher (it reads the client while a response is produced)."""
         self._tunnel_moved_at = 0.0
         """Loop time of the last byte an upgraded tunnel moved (either way)."""
         self.closed = asyncio.Event()
@@ -301,7 +305,7 @@ class H1Connection:
                 return False
             self._request_done.set()
         task = asyncio.create_task(self._respond(request))
-        watcher = asyncio.create_task(self._watch_eof(task))
+        watcher = self._watcher = asyncio.create_task(self._watch_eof(task))
         try:
             return await task
         except asyncio.CancelledError:
@@ -315,10 +319,13 @@ class H1Connection:
                 await watcher
 
     async def _watch_eof(self, task: asyncio.Task[bool]) -> None:
-        """After the request is fully read, notice the client hanging up (idle watches)."""
+        """After the request is fully read, notice the client hanging up (idle watches, and upgrade
+        requests whose backend has not answered: nothing else would end those).
+
+        Bytes read meanwhile go to h11, which keeps them: the next request's, or, after an upgrade
+        request, the new protocol's (``_upgrade`` stops this watcher, then sends them first).
+        """
         await self._request_done.wait()
-        if self._conn.their_state is h11.MIGHT_SWITCH_PROTOCOL:
-            return  # bytes after an upgrade request belong to the new protocol
         buffered = 0
         while buffered < PIPELINE_BUFFER_LIMIT:
             data = await self._reader.read(READ_SIZE)
@@ -404,6 +411,11 @@ class H1Connection:
             headers = [(encode_header(k), encode_header(v)) for k, v in response.headers]
             self._write(h11.InformationalResponse(status_code=101, headers=headers))
             await self._writer.drain()
+            watcher, self._watcher = self._watcher, None
+            if watcher is not None:  # from here the tunnel reads the client; stop reading it there
+                watcher.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await watcher
             early, _ = self._conn.trailing_data
             if early:
                 up.writer.write(early)
