@@ -109,7 +109,8 @@ class ProtocolSettings:
     Upgraded tunnels (exec, attach, port-forward) too."""
     h1_upgrade_idle_timeout_seconds: float = 14400.0
     """HTTP/1.1: an upgraded tunnel that moves no byte either way for this long is closed (kubelet's own
-    streamingConnectionIdleTimeout default, 4 h; pods/proxy and services/proxy tunnels had no bound)."""
+    streamingConnectionIdleTimeout default, 4 h; pods/proxy and services/proxy tunnels had no bound), and so
+    is an upgrade request whose backend has not answered in that time."""
     http2_engine: str = "lean"
     """Client-facing HTTP/2 codec: ``lean`` (the proxy's own, ``listen/h2_codec.py``) or ``h2`` (the h2 library)."""
 

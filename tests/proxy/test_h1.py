@@ -652,3 +652,26 @@ async def test_bytes_sent_before_the_101_reach_the_tunnel_in_order(serve):
         await client.writer.drain()
         await backend_done.wait()
     assert bytes(got) == b"early+late"
+
+
+async def test_upgrade_request_left_unanswered_is_cut_at_the_upgrade_idle_timeout(serve):
+    """A backend that sits on an upgrade request (nothing moves either way) is given up on, counted
+    upgrade_idle, while the client stays connected; the handler is cancelled (its backend freed)."""
+    cancelled = asyncio.Event()
+
+    async def silent_backend(req: ProxyRequest) -> ProxyResponse:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        raise AssertionError("unreachable")
+
+    before = rejected("upgrade_idle")
+    client = await (await serve(silent_backend, ProtocolSettings(h1_upgrade_idle_timeout_seconds=0.3))).client()
+    client.writer.write(UPGRADE_HEAD)
+    await client.writer.drain()
+    assert await client.closed_by_server()
+    async with asyncio.timeout(5):
+        await cancelled.wait()
+    assert rejected("upgrade_idle") == before + 1

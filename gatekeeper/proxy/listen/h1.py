@@ -15,7 +15,8 @@ that moves bytes between it, the socket and the pipeline handler.
   bytes are spliced both ways unchanged until either side closes, the client
   stops taking bytes for ``h1WriteStallTimeoutSeconds`` (aborted, reason
   ``response_stall``), or no byte moves either way for
-  ``h1UpgradeIdleTimeoutSeconds`` (closed, reason ``upgrade_idle``).
+  ``h1UpgradeIdleTimeoutSeconds`` (closed, reason ``upgrade_idle``; the same
+  bound applies to the wait for the backend's answer to an upgrade request).
 * goawayChance: ``Connection: close`` must be in the response head, so for
   HTTP/1.1 the coin is tossed when the head is written (not after the body as
   on h2) and the connection closes after that body. The effect on
@@ -340,7 +341,12 @@ class H1Connection:
         response: ProxyResponse | None = None
         error: BaseException | None = None
         try:
-            response = await call_handler(self._handler, request)
+            if request.header("upgrade") is None:
+                response = await call_handler(self._handler, request)
+            else:
+                response = await self._upgrade_answer(request)
+                if response is None:
+                    return False
             if response.upgraded is not None:
                 return await self._upgrade(request, response, response.upgraded)
             return await self._send(request, response)
@@ -358,6 +364,20 @@ class H1Connection:
             if response is not None and response.upgraded is None:
                 await close_body(response.body)
                 response.finish(error)
+
+    async def _upgrade_answer(self, request: ProxyRequest) -> ProxyResponse | None:
+        """The handler's answer to an upgrade request, or None if none came in h1UpgradeIdleTimeoutSeconds.
+
+        Nothing moves while a backend (a pods/proxy target) sits on an upgrade request, so the tunnel's
+        idle bound applies from the request on; without it such a request was held for ever.
+        """
+        limit = self._settings.h1_upgrade_idle_timeout_seconds
+        try:
+            async with asyncio.timeout(limit):
+                return await call_handler(self._handler, request)
+        except TimeoutError:
+            rejections.reject("upgrade_idle", f"{self._peer}: no answer to an upgrade request in {limit:g}s")
+            return None
 
     async def _send(self, request: ProxyRequest, response: ProxyResponse) -> bool:
         headers = [(encode_header(k), encode_header(v)) for k, v in response.headers if k not in HOP_BY_HOP]
