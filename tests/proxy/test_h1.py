@@ -595,16 +595,10 @@ async def test_upgraded_tunnel_ends_when_the_backend_closes(serve):
     assert closed_calls == ["closed"]
 
 
-async def test_client_hangup_while_an_upgrade_waits_for_its_backend_ends_the_request(serve):
-    """An upgrade request whose backend has not answered yet: the client's hang-up cancels the handler.
+def silent_backend(started: asyncio.Event, cancelled: asyncio.Event) -> Handler:
+    """A handler that never answers (a backend sitting on the request); it sets ``cancelled`` when given up."""
 
-    Before, EOF was not watched on an upgrade request (the bytes after it belong to the new
-    protocol), so a client could send the request to a silent backend and leave: the proxy kept the
-    client slot, the backend connection and the lease for ever, with nobody paying for them.
-    """
-    started, cancelled = asyncio.Event(), asyncio.Event()
-
-    async def silent_backend(req: ProxyRequest) -> ProxyResponse:
+    async def handler(req: ProxyRequest) -> ProxyResponse:
         started.set()
         try:
             await asyncio.Event().wait()
@@ -613,7 +607,18 @@ async def test_client_hangup_while_an_upgrade_waits_for_its_backend_ends_the_req
             raise
         raise AssertionError("unreachable")
 
-    server = await serve(silent_backend)
+    return handler
+
+
+async def test_client_hangup_while_an_upgrade_waits_for_its_backend_ends_the_request(serve):
+    """An upgrade request whose backend has not answered yet: the client's hang-up cancels the handler.
+
+    Before, EOF was not watched on an upgrade request (the bytes after it belong to the new
+    protocol), so a client could send the request to a silent backend and leave: the proxy kept the
+    client slot, the backend connection and the lease for ever, with nobody paying for them.
+    """
+    started, cancelled = asyncio.Event(), asyncio.Event()
+    server = await serve(silent_backend(started, cancelled))
     client = await server.client()
     client.writer.write(UPGRADE_HEAD)
     await client.writer.drain()
@@ -658,17 +663,9 @@ async def test_upgrade_request_left_unanswered_is_cut_at_the_upgrade_idle_timeou
     """A backend that sits on an upgrade request (nothing moves either way) is given up on, counted
     upgrade_idle, while the client stays connected; the handler is cancelled (its backend freed)."""
     cancelled = asyncio.Event()
-
-    async def silent_backend(req: ProxyRequest) -> ProxyResponse:
-        try:
-            await asyncio.Event().wait()
-        except asyncio.CancelledError:
-            cancelled.set()
-            raise
-        raise AssertionError("unreachable")
-
     before = rejected("upgrade_idle")
-    client = await (await serve(silent_backend, ProtocolSettings(h1_upgrade_idle_timeout_seconds=0.3))).client()
+    settings = ProtocolSettings(h1_upgrade_idle_timeout_seconds=0.3)
+    client = await (await serve(silent_backend(asyncio.Event(), cancelled), settings)).client()
     client.writer.write(UPGRADE_HEAD)
     await client.writer.drain()
     assert await client.closed_by_server()
