@@ -63,6 +63,17 @@ def curl(proxy: ProxyProcess, *args: str, cert: bool = True) -> tuple[int, str]:
     return int(code or 0), body
 
 
+def h1_exchange(proxy: ProxyProcess, ctx: ssl.SSLContext, raw: bytes) -> bytes:
+    """Send ``raw`` on a fresh TLS connection; everything the proxy sends back until it closes."""
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as s, \
+            ctx.wrap_socket(s, server_hostname="127.0.0.1") as tls:
+        tls.sendall(raw)
+        data = b""
+        while chunk := tls.recv(65536):
+            data += chunk
+    return data
+
+
 def rejected(proxy: ProxyProcess, reason: str) -> float:
     return proxy.metric("gatekeeper_proxy_rejected_total", reason=reason)
 
@@ -137,12 +148,7 @@ def test_content_length_with_transfer_encoding_is_refused(proxy: ProxyProcess) -
            b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n")
     ctx = proxy.tls(cert=True)
     ctx.set_alpn_protocols(["http/1.1"])
-    with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as s, \
-            ctx.wrap_socket(s, server_hostname="127.0.0.1") as tls:
-        tls.sendall(raw)
-        data = b""
-        while chunk := tls.recv(65536):
-            data += chunk
+    data = h1_exchange(proxy, ctx, raw)
     assert data.startswith(b"HTTP/1.1 400"), data[:200]
 
 
@@ -285,13 +291,7 @@ def test_identity_header_variants_from_an_http1_tenant_do_not_reach_the_apiserve
         raw = (b"POST /apis/authentication.k8s.io/v1/selfsubjectreviews HTTP/1.1\r\nHost: x\r\n" + extra +
                b"Content-Type: application/json\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%b"
                % (len(review), review))
-        with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as s, \
-                ctx.wrap_socket(s, server_hostname="127.0.0.1") as tls:
-            tls.sendall(raw)
-            data = b""
-            while chunk := tls.recv(65536):
-                data += chunk
-        return data
+        return h1_exchange(proxy, ctx, raw)
 
     for extra in (b"X-REMOTE-USER: admin\r\nx-remote-group: system:masters\r\n",
                   b"X_Remote_User: admin\r\nX_Remote_Group: system:masters\r\nX-Remote_Extra-scopes: all\r\n",
