@@ -191,3 +191,29 @@ def test_token_review_identifies_tokens_the_proxy_does_not_verify_itself(
     assert kit.metric_sum(text, "gatekeeper_identity_jwks_refresh_total") == 0
     # later requests reuse the review (403s while RBAC propagated may each have cost one more)
     assert kit.metric_sum(text, "gatekeeper_identity_tokens_total", outcome="cached") >= 5
+
+
+def test_a_bearer_value_the_apiserver_reads_as_no_token_is_not_classified_as_the_token(
+    sandbox: SandboxState, tmp_path: Path, token_world: tuple[str, Path]
+) -> None:
+    """``Bearer  <token>`` (two spaces): upstream's bearer authenticator takes the empty second part, so the
+    apiserver sees no token and answers as ``system:anonymous``. The proxy must not give that request the
+    token's ServiceAccount schema; ``Bearer <token> extra`` is the token upstream, and here too."""
+    ns, policy_file = token_world
+    builder = _token(sandbox, ns, "builder")
+    path = f"/api/v1/namespaces/{ns}/configmaps"
+
+    async def scenario(url: str) -> tuple[httpx.Response, httpx.Response, httpx.Response]:
+        async with _client(sandbox, url) as c:
+            good = await _until_allowed(c, path, builder)
+            spaced = await c.get(path, headers={"authorization": f"Bearer  {builder}"})
+            trailing = await c.get(path, headers={"authorization": f"Bearer {builder} extra"})
+        return good, spaced, trailing
+
+    with kit.run_proxy(sandbox, tmp_path / "proxy", _fc(policy_file)) as proxy:
+        good, spaced, trailing = asyncio.run(scenario(proxy.url))
+    assert good.status_code == 200 and good.headers["x-gatekeeper-pf-flowschema"] == f"{ns}-builder"
+    # the apiserver: anonymous, who may not list configmaps there
+    assert spaced.status_code == 403 and "system:anonymous" in spaced.text, spaced.text
+    assert spaced.headers["x-gatekeeper-pf-flowschema"] == "catch-all"
+    assert trailing.status_code == 200 and trailing.headers["x-gatekeeper-pf-flowschema"] == f"{ns}-builder"
