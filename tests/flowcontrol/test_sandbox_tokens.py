@@ -217,3 +217,45 @@ def test_a_bearer_value_the_apiserver_reads_as_no_token_is_not_classified_as_the
     assert spaced.status_code == 403 and "system:anonymous" in spaced.text, spaced.text
     assert spaced.headers["x-gatekeeper-pf-flowschema"] == "catch-all"
     assert trailing.status_code == 200 and trailing.headers["x-gatekeeper-pf-flowschema"] == f"{ns}-builder"
+
+
+def test_a_token_the_apiserver_refuses_loses_its_serviceaccount_classification(
+    sandbox: SandboxState, tmp_path: Path, token_world: tuple[str, Path]
+) -> None:
+    """A token bound to a Secret still verifies locally (signature, expiry) after the Secret is deleted,
+    but the apiserver refuses it (401). It must not keep its ServiceAccount's schema and flow."""
+    ns, policy_file = token_world
+    made = kit.kubectl(sandbox, "create", "secret", "generic", "binding", "-n", ns, "--from-literal=k=v")
+    assert made.returncode == 0, made.stderr
+    out = kit.kubectl(sandbox, "create", "token", "builder", "-n", ns, "--duration=1h",
+                      "--bound-object-kind=Secret", "--bound-object-name=binding")
+    assert out.returncode == 0, out.stderr
+    bound = out.stdout.strip()
+    path = f"/api/v1/namespaces/{ns}/configmaps"
+
+    async def scenario(url: str) -> tuple[httpx.Response, httpx.Response, httpx.Response]:
+        async with _client(sandbox, url) as c:
+            good = await _until_allowed(c, path, bound)
+            gone = kit.kubectl(sandbox, "delete", "secret", "binding", "-n", ns)
+            assert gone.returncode == 0, gone.stderr
+            # Each apiserver caches a token it authenticated for 10 s before it sees the deletion, and the
+            # proxy balances over all of them: wait until three answers in a row are 401s.
+            answers: list[httpx.Response] = []
+            for _ in range(300):
+                answers.append(await c.get(path, headers={"authorization": f"Bearer {bound}"}))
+                if [a.status_code for a in answers[-3:]] == [401] * 3:
+                    break
+                await asyncio.sleep(0.1)
+            refused = next(a for a in answers if a.status_code == 401)
+            after = answers[-1]
+        return good, refused, after
+
+    with kit.run_proxy(sandbox, tmp_path / "proxy", _fc(policy_file)) as proxy:
+        good, refused, after = asyncio.run(scenario(proxy.url))
+        text = proxy.metrics()
+    assert good.status_code == 200 and good.headers["x-gatekeeper-pf-flowschema"] == f"{ns}-builder"
+    # the first refusal still ran as the ServiceAccount (nothing here could know) ...
+    assert refused.status_code == 401 and refused.headers["x-gatekeeper-pf-flowschema"] == f"{ns}-builder"
+    # ... the later ones are an unverified caller's
+    assert after.status_code == 401 and after.headers["x-gatekeeper-pf-flowschema"] == "catch-all"
+    assert kit.metric_sum(text, "gatekeeper_identity_tokens_total", outcome="refused-upstream") >= 1

@@ -255,6 +255,7 @@ class FlowControl:
         facts: UserInfo | Identity = user
         user_key: str | None = None
         verified = True
+        auth = ""
         if user.source == "token":
             # Classification only: request.user and the Authorization header are left as they are,
             # so the token goes upstream untouched and the apiserver authenticates it.
@@ -300,6 +301,10 @@ class FlowControl:
         except BaseException as exc:
             self._end(t, 0, False, exc, status=0)
             raise
+        if response.status == 401 and auth and facts is not user and verified:
+            # The token verified here (signature, expiry) but the apiserver refused it: revoked, or the
+            # pod/secret it is bound to is gone. Its later requests are classified as unverified.
+            self.identities.refused_upstream(auth)
         return self._respond(t, w, response)
 
     # -- queue events -------------------------------------------------------------------------
