@@ -259,3 +259,38 @@ def test_a_token_the_apiserver_refuses_loses_its_serviceaccount_classification(
     # ... the later ones are an unverified caller's
     assert after.status_code == 401 and after.headers["x-gatekeeper-pf-flowschema"] == "catch-all"
     assert kit.metric_sum(text, "gatekeeper_identity_tokens_total", outcome="refused-upstream") >= 1
+
+
+def test_a_websocket_callers_protocol_token_is_classified_like_the_apiserver_authenticates_it(
+    sandbox: SandboxState, tmp_path: Path, token_world: tuple[str, Path]
+) -> None:
+    """A WebSocket request (a browser cannot set Authorization) carries its token in Sec-WebSocket-Protocol;
+    kube-apiserver authenticates it from there and answers a LIST as that ServiceAccount. The proxy
+    took it for anonymous: wrong schema, and one shared anonymous flow for every such caller."""
+    import base64
+    import http.client
+
+    ns, policy_file = token_world
+    builder = _token(sandbox, ns, "builder")
+    path = f"/api/v1/namespaces/{ns}/configmaps"
+    proto = base64.urlsafe_b64encode(builder.encode()).decode().rstrip("=")
+    websocket = {"accept": "application/json", "connection": "Upgrade", "upgrade": "websocket",
+                 "sec-websocket-version": "13", "sec-websocket-key": "dGhlIHNhbXBsZSBub25jZQ==",
+                 "sec-websocket-protocol": f"base64url.bearer.authorization.k8s.io.{proto}, v4.channel.k8s.io"}
+
+    async def ready(url: str) -> httpx.Response:
+        async with _client(sandbox, url) as c:
+            return await _until_allowed(c, path, builder)
+
+    with kit.run_proxy(sandbox, tmp_path / "proxy", _fc(policy_file)) as proxy:
+        assert asyncio.run(ready(proxy.url)).status_code == 200
+        ctx = ssl.create_default_context(cafile=str(SandboxPKI(Path(sandbox.certs_dir)).ca))
+        conn = http.client.HTTPSConnection("127.0.0.1", int(proxy.url.rsplit(":", 1)[1]), context=ctx, timeout=30)
+        try:
+            conn.request("GET", path, headers=websocket)
+            r = conn.getresponse()
+            status, schema, body = r.status, r.getheader("x-gatekeeper-pf-flowschema"), r.read()
+        finally:
+            conn.close()
+    assert status == 200 and b"ConfigMapList" in body, body[:300]  # the apiserver: it is builder
+    assert schema == f"{ns}-builder"

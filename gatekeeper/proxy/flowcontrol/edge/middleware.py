@@ -52,6 +52,7 @@ from gatekeeper.proxy.flowcontrol.edge.fanout import FanOut, Subscriber
 from gatekeeper.proxy.flowcontrol.edge.loading import Reloader, limits_of, load_policy
 from gatekeeper.proxy.flowcontrol.settings import FlowControlSettings
 from gatekeeper.proxy.messages import Handler, ProxyRequest, ProxyResponse, UserInfo, close_body, is_exhausted
+from gatekeeper.proxy.pipeline.auth import bearer_credential
 from gatekeeper.proxy.pipeline.tokens.classify import unverified_flow
 from gatekeeper.proxy.pipeline.tokens.fetch import TokenIdentities, Upstream
 from gatekeeper.proxy.pipeline.tokens.jwt import Identity
@@ -259,7 +260,7 @@ class FlowControl:
         if user.source == "token":
             # Classification only: request.user and the Authorization header are left as they are,
             # so the token goes upstream untouched and the apiserver authenticates it.
-            auth = request.header("authorization") or ""
+            auth = bearer_credential(request.headers)
             who = self.identities.cached(auth, request.connection_memo) or await self.identities.resolve(auth)
             facts, verified = who, who.verified
             if not verified:
