@@ -201,6 +201,7 @@ class TokenIdentities:
     async def _review(self, d: Decision) -> Identity:
         pending = self._reviews.get(d.key)
         if pending is not None:
+            metrics.TOKENS.labels("review-joined").inc()  # every classification path is counted
             return await asyncio.shield(pending)
         if not self.budget.take(time.monotonic()):
             metrics.TOKENS.labels("budget").inc()
