@@ -21,6 +21,16 @@ metrics speak the apiserver's vocabulary. The rules follow
   a list/watch to name ``X`` (what informers for one object send). DELETE
   without a name is ``deletecollection``.
 
+The query is read the way the apiserver's Go code reads it (:func:`query_values`,
+:func:`_exact_name`), not the way Python's ``parse_qs`` does: Go's
+``url.ParseQuery`` silently drops every ``&``-separated pair that holds a ``;``
+or a malformed ``%`` escape, and ``strings.EqualFold`` takes ``fal\u017fe`` (U+017F, long s)
+for ``false``. With ``parse_qs``, ``?watch=1;`` was a watch here (seats freed
+at the first bytes, no LIST byte budget) while the apiserver served a full
+LIST; ``?fieldSelector=metadata.name%3Dx;`` was a one-object LIST here and the
+whole collection there. The path is split without ``urlsplit``, whose
+``//authority`` rule Go does not apply to a request target.
+
 Long-running requests (their duration is not a cost signal, and flow control
 must not hold seats for them) are watches, ``proxy``, and the ``attach``,
 ``exec``, ``portforward`` subresources, plus ``log`` when ``follow`` is set.
@@ -33,7 +43,7 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import dataclass, field
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import unquote
 
 API_PREFIXES = frozenset({"api", "apis"})
 GROUPLESS_PREFIXES = frozenset({"api"})
@@ -97,29 +107,126 @@ def _split_path(path: str) -> list[str]:
     return path.split("/") if path else []
 
 
+_HEX = frozenset("0123456789abcdefABCDEF")
+_FOLD = ({"f", "F"}, {"a", "A"}, {"l", "L"}, {"s", "S", "\u017f"}, {"e", "E"})
+"""Every rune Go's ``strings.EqualFold`` matches to each letter of ``false`` (U+017F long s folds to s)."""
+
+
+def _go_unescape(text: str) -> str | None:
+    """Go's ``url.QueryUnescape``: ``+`` is a space, ``%XX`` a byte; None where Go returns an error."""
+    if "%" not in text:
+        return text.replace("+", " ")
+    raw = text.encode("utf-8", "surrogateescape")
+    out = bytearray()
+    i = 0
+    while i < len(raw):
+        b = raw[i]
+        if b == 0x25:  # %
+            hexa = raw[i + 1 : i + 3].decode("latin-1")
+            if len(hexa) != 2 or not set(hexa) <= _HEX:
+                return None
+            out.append(int(hexa, 16))
+            i += 3
+            continue
+        out.append(0x20 if b == 0x2B else b)
+        i += 1
+    return out.decode("utf-8", "surrogateescape")
+
+
+def query_values(query: str) -> dict[str, list[str]]:
+    """A raw query string as Go's ``url.ParseQuery`` reads it (what every apiserver handler sees).
+
+    Pairs are split on ``&`` only; a pair holding ``;`` anywhere, or a malformed ``%``
+    escape in its key or value, is dropped (Go records an error and carries on,
+    and ``req.URL.Query()`` ignores the error). Order and duplicates are kept.
+    """
+    values: dict[str, list[str]] = {}
+    for pair in query.split("&"):
+        if not pair or ";" in pair:
+            continue
+        raw_key, _, raw_value = pair.partition("=")
+        key, value = _go_unescape(raw_key), _go_unescape(raw_value)
+        if key is None or value is None:
+            continue
+        values.setdefault(key, []).append(value)
+    return values
+
+
 def _truthy(values: list[str] | None) -> bool:
-    """apimachinery's Convert_Slice_string_To_bool: anything but false/0 is true."""
+    """apimachinery's Convert_Slice_string_To_bool: anything but ``0`` or (EqualFold) ``false`` is true."""
     if not values:
         return False
-    return values[0].lower() not in ("false", "0")
+    v = values[0]
+    if v == "0":
+        return False
+    return not (len(v) == 5 and all(c in fold for c, fold in zip(v, _FOLD, strict=True)))
+
+
+def _selector_terms(selector: str) -> list[str]:
+    """fields.ParseSelector's ``splitTerms``: split on commas not escaped by a backslash."""
+    terms: list[str] = []
+    start, escaped = 0, False
+    for i, c in enumerate(selector):
+        if escaped:
+            escaped = False
+        elif c == "\\":
+            escaped = True
+        elif c == ",":
+            terms.append(selector[start:i])
+            start = i + 1
+    terms.append(selector[start:])
+    return terms
+
+
+def _selector_value(raw: str) -> str | None:
+    """fields.UnescapeValue: a backslash escapes only a backslash, comma or equals sign; a bare comma or
+    equals sign, or a trailing backslash, is an error."""
+    out: list[str] = []
+    escaped = False
+    for c in raw:
+        if escaped:
+            if c not in "\\,=":
+                return None
+            out.append(c)
+            escaped = False
+        elif c == "\\":
+            escaped = True
+        elif c in ",=":
+            return None
+        else:
+            out.append(c)
+    return None if escaped else "".join(out)
 
 
 def _exact_name(selectors: list[str] | None) -> str:
-    """The name an exact ``metadata.name=`` / ``==`` term in a fieldSelector requires, or ''."""
+    """The name an exact ``metadata.name=`` / ``==`` term in a fieldSelector requires, or ''.
+
+    Mirrors ``fields.ParseSelector`` + ``RequiresExactMatch``: terms split on unescaped
+    commas and sorted; each term splits at the leftmost ``!=``, ``==`` or ``=``; no
+    whitespace is trimmed. A selector the apiserver cannot parse narrows nothing (it
+    answers 400). Upstream then keeps the name only if it is a valid path segment.
+    """
     if not selectors:
         return ""
-    for term in selectors[0].split(","):
-        term = term.strip()
-        for op in ("==", "="):
-            key, sep, value = term.partition(op)
-            if sep and not key.endswith("!"):
-                if key.strip() == "metadata.name":
-                    value = value.strip()
-                    if value and value not in (".", "..") and not _BAD_SEGMENT.search(value):
-                        return value
-                    return ""
+    name: str | None = None
+    for term in sorted(_selector_terms(selectors[0])):
+        if not term:
+            continue
+        for i in range(len(term)):
+            rest = term[i:]
+            op = next((o for o in ("!=", "==", "=") if rest.startswith(o)), "")
+            if op:
                 break
-    return ""
+        else:
+            return ""  # not a term: the whole selector is refused
+        value = _selector_value(term[i + len(op):])
+        if value is None:
+            return ""
+        if name is None and op != "!=" and term[:i] == "metadata.name":
+            name = value
+    if not name or name in (".", "..") or _BAD_SEGMENT.search(name):
+        return ""
+    return name
 
 
 CACHE_ENTRIES = 4096
@@ -141,9 +248,10 @@ def parse(method: str, target: str) -> RequestInfo:
 
 
 def _parse(method: str, target: str) -> RequestInfo:
-    split = urlsplit(target if target.startswith("/") else "/" + target)
-    path = unquote(split.path) if "%" in split.path else split.path
-    query = parse_qs(split.query, keep_blank_values=True)
+    raw_path, _, raw_query = target.partition("?")
+    raw_path = raw_path.partition("#")[0]
+    path = unquote(raw_path) if "%" in raw_path else raw_path
+    query = query_values(raw_query) if raw_query else {}
     method = method.upper()
     non_resource = RequestInfo(is_resource_request=False, path=path, verb=method.lower())
 

@@ -106,3 +106,13 @@ async def test_middleware_learns_per_object_size_from_a_paginated_response() -> 
     resp.finish(None)
     assert fc.controller.estimator.per_object["secrets"] == pytest.approx(len(page) / 4)
     assert fc.controller.estimator.list_bytes("secrets", "") == 0  # a page is not the collection
+
+
+def test_list_options_the_apiserver_drops_are_not_counted_on() -> None:
+    """``limit=1;`` is dropped by Go's query parser: the apiserver lists everything, so no limit here."""
+    from gatekeeper.proxy.flowcontrol.core.listcost import FULL, list_shape
+
+    assert list_shape("/api/v1/secrets?limit=1;") == FULL
+    assert list_shape("/api/v1/secrets?limit=1%zz&labelSelector=a%zz") == FULL
+    assert list_shape("/api/v1/secrets?limit=1;&limit=7").limit == 7
+    assert list_shape("/api/v1/secrets?limit=5").limit == 5

@@ -13,6 +13,7 @@ import logging
 import pytest
 import yaml
 from fc_helpers import flow_schema, group, queued_level, rr, secrets_list_schema
+from prometheus_client import REGISTRY
 
 from gatekeeper.kube import requestinfo
 from gatekeeper.proxy.flowcontrol.edge.loading import load_policy
@@ -420,3 +421,28 @@ def test_reload_reclassifies_requests_the_old_policy_remembered():
     assert fc.controller.classify(alice, info)[0].name == "secrets-list"  # from the memo
     fc.apply(load_policy(seeds_settings(flow_schemas=[])))
     assert fc.controller.classify(alice, info)[0].name == "catch-all"
+
+
+async def test_a_client_taking_its_response_slowly_holds_its_seats_at_most_seat_timeout_seconds():
+    """An HTTP/2 client can open its window a byte at a time (never stalled long enough to be cut): its LIST
+    held its seats for as long as it liked. After seatTimeoutSeconds they go back; the body still flows."""
+    fc = FlowControl(seeds_settings(coalesce=False, seat_timeout_seconds=0.2))
+    up = Upstream(body=b"s" * 4000, chunks=4)
+    slow = await fc(req(), up)
+    level = fc.controller.levels["secrets-list"]
+    assert level.executing_seats >= 1
+    first = await slow.body.__anext__()  # reads a little, then nothing for a while
+    await until(lambda: level.executing_seats == 0, "the slow reader's seats to be given back")
+    assert REGISTRY.get_sample_value("gatekeeper_flowcontrol_seat_timeouts_total",
+                                     {"flow_schema": "secrets-list", "priority_level": "secrets-list"}) >= 1
+    # others run meanwhile, and the slow client still gets all of its response
+    assert (await asyncio.wait_for(call(fc, req(user="bob"), up), 5))[0] == 200
+    rest = await read(slow)
+    slow.finish(None)
+    assert first + rest == up.body
+    assert level.executing_seats == 0 and fc.executing_by_schema[("secrets-list", "secrets-list")] == 0
+
+
+def test_seat_timeout_must_be_positive():
+    with pytest.raises(ValueError, match="seatTimeoutSeconds"):
+        FlowControlSettings(seat_timeout_seconds=0).validate()

@@ -191,3 +191,106 @@ def test_token_review_identifies_tokens_the_proxy_does_not_verify_itself(
     assert kit.metric_sum(text, "gatekeeper_identity_jwks_refresh_total") == 0
     # later requests reuse the review (403s while RBAC propagated may each have cost one more)
     assert kit.metric_sum(text, "gatekeeper_identity_tokens_total", outcome="cached") >= 5
+
+
+def test_a_bearer_value_the_apiserver_reads_as_no_token_is_not_classified_as_the_token(
+    sandbox: SandboxState, tmp_path: Path, token_world: tuple[str, Path]
+) -> None:
+    """``Bearer  <token>`` (two spaces): upstream's bearer authenticator takes the empty second part, so the
+    apiserver sees no token and answers as ``system:anonymous``. The proxy must not give that request the
+    token's ServiceAccount schema; ``Bearer <token> extra`` is the token upstream, and here too."""
+    ns, policy_file = token_world
+    builder = _token(sandbox, ns, "builder")
+    path = f"/api/v1/namespaces/{ns}/configmaps"
+
+    async def scenario(url: str) -> tuple[httpx.Response, httpx.Response, httpx.Response]:
+        async with _client(sandbox, url) as c:
+            good = await _until_allowed(c, path, builder)
+            spaced = await c.get(path, headers={"authorization": f"Bearer  {builder}"})
+            trailing = await c.get(path, headers={"authorization": f"Bearer {builder} extra"})
+        return good, spaced, trailing
+
+    with kit.run_proxy(sandbox, tmp_path / "proxy", _fc(policy_file)) as proxy:
+        good, spaced, trailing = asyncio.run(scenario(proxy.url))
+    assert good.status_code == 200 and good.headers["x-gatekeeper-pf-flowschema"] == f"{ns}-builder"
+    # the apiserver: anonymous, who may not list configmaps there
+    assert spaced.status_code == 403 and "system:anonymous" in spaced.text, spaced.text
+    assert spaced.headers["x-gatekeeper-pf-flowschema"] == "catch-all"
+    assert trailing.status_code == 200 and trailing.headers["x-gatekeeper-pf-flowschema"] == f"{ns}-builder"
+
+
+def test_a_token_the_apiserver_refuses_loses_its_serviceaccount_classification(
+    sandbox: SandboxState, tmp_path: Path, token_world: tuple[str, Path]
+) -> None:
+    """A token bound to a Secret still verifies locally (signature, expiry) after the Secret is deleted,
+    but the apiserver refuses it (401). It must not keep its ServiceAccount's schema and flow."""
+    ns, policy_file = token_world
+    made = kit.kubectl(sandbox, "create", "secret", "generic", "binding", "-n", ns, "--from-literal=k=v")
+    assert made.returncode == 0, made.stderr
+    out = kit.kubectl(sandbox, "create", "token", "builder", "-n", ns, "--duration=1h",
+                      "--bound-object-kind=Secret", "--bound-object-name=binding")
+    assert out.returncode == 0, out.stderr
+    bound = out.stdout.strip()
+    path = f"/api/v1/namespaces/{ns}/configmaps"
+
+    async def scenario(url: str) -> tuple[httpx.Response, httpx.Response, httpx.Response]:
+        async with _client(sandbox, url) as c:
+            good = await _until_allowed(c, path, bound)
+            gone = kit.kubectl(sandbox, "delete", "secret", "binding", "-n", ns)
+            assert gone.returncode == 0, gone.stderr
+            # Each apiserver caches a token it authenticated for 10 s before it sees the deletion, and the
+            # proxy balances over all of them: wait until three answers in a row are 401s.
+            answers: list[httpx.Response] = []
+            for _ in range(300):
+                answers.append(await c.get(path, headers={"authorization": f"Bearer {bound}"}))
+                if [a.status_code for a in answers[-3:]] == [401] * 3:
+                    break
+                await asyncio.sleep(0.1)
+            refused = next(a for a in answers if a.status_code == 401)
+            after = answers[-1]
+        return good, refused, after
+
+    with kit.run_proxy(sandbox, tmp_path / "proxy", _fc(policy_file)) as proxy:
+        good, refused, after = asyncio.run(scenario(proxy.url))
+        text = proxy.metrics()
+    assert good.status_code == 200 and good.headers["x-gatekeeper-pf-flowschema"] == f"{ns}-builder"
+    # the first refusal still ran as the ServiceAccount (nothing here could know) ...
+    assert refused.status_code == 401 and refused.headers["x-gatekeeper-pf-flowschema"] == f"{ns}-builder"
+    # ... the later ones are an unverified caller's
+    assert after.status_code == 401 and after.headers["x-gatekeeper-pf-flowschema"] == "catch-all"
+    assert kit.metric_sum(text, "gatekeeper_identity_tokens_total", outcome="refused-upstream") >= 1
+
+
+def test_a_websocket_callers_protocol_token_is_classified_like_the_apiserver_authenticates_it(
+    sandbox: SandboxState, tmp_path: Path, token_world: tuple[str, Path]
+) -> None:
+    """A WebSocket request (a browser cannot set Authorization) carries its token in Sec-WebSocket-Protocol;
+    kube-apiserver authenticates it from there and answers a LIST as that ServiceAccount. The proxy
+    took it for anonymous: wrong schema, and one shared anonymous flow for every such caller."""
+    import base64
+    import http.client
+
+    ns, policy_file = token_world
+    builder = _token(sandbox, ns, "builder")
+    path = f"/api/v1/namespaces/{ns}/configmaps"
+    proto = base64.urlsafe_b64encode(builder.encode()).decode().rstrip("=")
+    websocket = {"accept": "application/json", "connection": "Upgrade", "upgrade": "websocket",
+                 "sec-websocket-version": "13", "sec-websocket-key": "dGhlIHNhbXBsZSBub25jZQ==",
+                 "sec-websocket-protocol": f"base64url.bearer.authorization.k8s.io.{proto}, v4.channel.k8s.io"}
+
+    async def ready(url: str) -> httpx.Response:
+        async with _client(sandbox, url) as c:
+            return await _until_allowed(c, path, builder)
+
+    with kit.run_proxy(sandbox, tmp_path / "proxy", _fc(policy_file)) as proxy:
+        assert asyncio.run(ready(proxy.url)).status_code == 200
+        ctx = ssl.create_default_context(cafile=str(SandboxPKI(Path(sandbox.certs_dir)).ca))
+        conn = http.client.HTTPSConnection("127.0.0.1", int(proxy.url.rsplit(":", 1)[1]), context=ctx, timeout=30)
+        try:
+            conn.request("GET", path, headers=websocket)
+            r = conn.getresponse()
+            status, schema, body = r.status, r.getheader("x-gatekeeper-pf-flowschema"), r.read()
+        finally:
+            conn.close()
+    assert status == 200 and b"ConfigMapList" in body, body[:300]  # the apiserver: it is builder
+    assert schema == f"{ns}-builder"

@@ -16,6 +16,7 @@ import aiohttp
 import pytest
 import token_kit as kit
 from aiohttp import web
+from prometheus_client import REGISTRY
 
 from gatekeeper.proxy.pipeline.tokens.fetch import TokenIdentities
 from gatekeeper.proxy.pipeline.tokens.settings import TokenSettings
@@ -121,8 +122,11 @@ async def test_a_flood_of_unknown_key_ids_costs_one_fetch_per_period(world) -> N
 async def test_token_review_is_cached_single_flight_and_budgeted(world) -> None:  # type: ignore[no-untyped-def]
     fake, identities = world
     ti = identities(service_accounts=False, token_review=True, reviews_per_second=2)
+    joined = REGISTRY.get_sample_value("gatekeeper_identity_tokens_total", {"outcome": "review-joined"}) or 0
     who = await asyncio.gather(*(ti.resolve("Bearer oidc-alice") for _ in range(10)))
     assert {w.name for w in who} == {"https://dex.example#oidc-alice"} and fake.hits["review"] == 1
+    # the nine that waited for the one review are counted too
+    assert REGISTRY.get_sample_value("gatekeeper_identity_tokens_total", {"outcome": "review-joined"}) == joined + 9
     cached = ti.cached("Bearer oidc-alice")
     assert cached is not None and cached.groups == ["oidc:dev", "system:authenticated"]
     # one review left in this second's budget: a burst of new tokens gets one review, the rest wait as unverified

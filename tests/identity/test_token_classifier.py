@@ -22,11 +22,22 @@ def classifier(**kw: object) -> TokenClassifier:
 
 
 def test_bearer_parsing_follows_the_apiserver() -> None:
+    """What kube-apiserver v1.37.2 authenticated for each spelling (SelfSubjectReview, checked on the sandbox;
+    tests/flowcontrol/test_sandbox_tokens.py repeats the double-space case end to end)."""
     assert bearer_token("Bearer abc") == "abc"
-    assert bearer_token("bearer   abc ") == "abc"
+    assert bearer_token("  bearer abc \t") == "abc"
     assert bearer_token("Basic abc") is None
     assert bearer_token("Bearer") is None
-    assert bearer_token("Bearer a b") is None
+    assert bearer_token("Bearer ") is None
+    # the token is the second space-separated part: an empty one (two spaces) is no token at all ...
+    assert bearer_token("bearer   abc ") is None
+    assert bearer_token("Bearer  abc") is None
+    # ... and anything after the token is ignored upstream
+    assert bearer_token("Bearer a b") == "a"
+    # a tab is not the separator, and only ASCII white space is trimmed (Go's TrimSpace)
+    assert bearer_token("Bearer\tabc") is None
+    assert bearer_token("Bearer abc\x1f") == "abc\x1f"
+    assert bearer_token("Bearer abc\xa0") == "abc\xa0"
 
 
 def test_unverified_flows_key_on_the_source_address_not_the_port() -> None:

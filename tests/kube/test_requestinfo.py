@@ -164,3 +164,56 @@ def test_parse_is_memoized_for_repeated_targets_but_not_for_huge_ones():
     huge = "/api/v1/namespaces/memo/pods?labelSelector=" + "x" * requestinfo.CACHE_MAX_TARGET
     first, second = parse("GET", huge), parse("GET", huge)
     assert first == second and first is not second and first.verb == "list"
+
+
+# The query as the apiserver's Go code reads it (url.ParseQuery, strings.EqualFold, fields.ParseSelector).
+# Each row was checked against the sandbox's kube-apiserver v1.37.2 (tests/flowcontrol/test_sandbox_query_semantics.py
+# proves the LIST rows end to end): what it executed is the verb and name expected here.
+GO_QUERY_CASES = [
+    # a pair holding ';' is dropped whole: the apiserver serves a LIST, not a watch
+    ("/api/v1/namespaces/x/secrets?watch=1;", "list", ""),
+    ("/api/v1/namespaces/x/secrets?watch=1;&watch=0", "list", ""),
+    # a malformed escape drops the pair
+    ("/api/v1/namespaces/x/secrets?watch=1%zz", "list", ""),
+    ("/api/v1/namespaces/x/secrets?watch=1%", "list", ""),
+    # EqualFold: U+017F (long s) folds to s, so this is watch=false
+    ("/api/v1/namespaces/x/secrets?watch=fal%C5%BFe", "list", ""),
+    ("/api/v1/namespaces/x/secrets?watch=FaLsE", "list", ""),
+    ("/api/v1/namespaces/x/secrets?watch=", "watch", ""),
+    ("/api/v1/namespaces/x/secrets?watch", "watch", ""),
+    ("/api/v1/namespaces/x/secrets?%77atch=1", "watch", ""),
+    ("/api/v1/namespaces/x/secrets?watch=0&watch=1", "list", ""),
+    ("/api/v1/namespaces/x/secrets?watch=+1", "watch", ""),
+    # fieldSelector dropped (';', bad escape): the whole collection, no name
+    ("/api/v1/namespaces/x/secrets?fieldSelector=metadata.name%3Ds1;", "list", ""),
+    ("/api/v1/namespaces/x/secrets?fieldSelector=metadata.name%3Ds1%zz", "list", ""),
+    # selector escapes: the name is the unescaped value; a bad escape or bare '=' in a value narrows nothing
+    ("/api/v1/namespaces/x/secrets?fieldSelector=metadata.name%3Da%5C%2Cb", "list", "a,b"),
+    ("/api/v1/namespaces/x/secrets?fieldSelector=type%3Da%5C%2Cmetadata.name%3Ds1", "list", ""),
+    ("/api/v1/namespaces/x/secrets?fieldSelector=metadata.name%3Ds1%5C", "list", ""),
+    ("/api/v1/namespaces/x/secrets?fieldSelector=metadata.name%3Ds1%3D%3Dx", "list", ""),
+    # no whitespace trimming: ' metadata.name' is another field (the apiserver 400s it)
+    ("/api/v1/namespaces/x/secrets?fieldSelector=%20metadata.name%3Ds1", "list", ""),
+    # terms are sorted before the first metadata.name term is taken
+    ("/api/v1/namespaces/x/secrets?fieldSelector=metadata.name%3Db,metadata.name%3Da", "list", "a"),
+    ("/api/v1/namespaces/x/secrets?fieldSelector=metadata.name%3D.", "list", ""),
+]
+
+
+@pytest.mark.parametrize(("target", "verb", "name"), GO_QUERY_CASES)
+def test_query_is_read_the_way_the_apiserver_reads_it(target: str, verb: str, name: str) -> None:
+    info = parse("GET", target)
+    assert (info.verb, info.name, info.resource, info.namespace) == (verb, name, "secrets", "x")
+    assert info.long_running is (verb == "watch")
+
+
+def test_a_double_slash_target_is_a_path_not_an_authority() -> None:
+    """Go never reads ``//host`` in a request target as an authority; urlsplit did (netloc 'api')."""
+    info = parse("GET", "//api/v1/namespaces/x/secrets")
+    assert (info.verb, info.resource, info.namespace) == ("list", "secrets", "x")
+
+
+def test_follow_uses_the_same_bool_rules() -> None:
+    assert parse("GET", "/api/v1/namespaces/x/pods/p/log?follow=1").long_running
+    assert not parse("GET", "/api/v1/namespaces/x/pods/p/log?follow=1;").long_running
+    assert not parse("GET", "/api/v1/namespaces/x/pods/p/log?follow=fal%C5%BFe").long_running

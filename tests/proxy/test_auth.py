@@ -136,3 +136,45 @@ def test_a_refused_certificate_name_is_refused_on_every_request_of_the_connectio
         assert "non-printable" in bad_certificate_names(bad_cert, memo)
     good_memo: dict = {}
     assert bad_certificate_names(ADMIN_CERT, good_memo) == bad_certificate_names(ADMIN_CERT, good_memo) == ""
+
+
+def _ws(*protocols: str, upgrade: str = "websocket", connection: str = "Upgrade") -> list[tuple[str, str]]:
+    return [("connection", connection), ("upgrade", upgrade), *(("sec-websocket-protocol", p) for p in protocols)]
+
+
+def _b64(token: str) -> str:
+    import base64
+
+    return base64.urlsafe_b64encode(token.encode()).decode().rstrip("=")
+
+
+def test_a_websocket_request_is_a_token_caller_when_the_apiserver_would_read_its_protocol_token() -> None:
+    """kube-apiserver authenticates a WebSocket request by ``base64url.bearer.authorization.k8s.io.<token>``
+    (v1.37.2 answers a LIST sent that way as the token's ServiceAccount): it is not anonymous."""
+    from gatekeeper.proxy.pipeline.auth import bearer_credential, websocket_token
+
+    good = _ws(f"base64url.bearer.authorization.k8s.io.{_b64('tok.en-1')}, v4.channel.k8s.io")
+    assert websocket_token(good) == "tok.en-1"
+    assert bearer_credential(good) == "Bearer tok.en-1"
+    user = identify(None, good)
+    assert user.source == "token" and user.name == token_user("Bearer tok.en-1")
+    # split over two header lines, any case of Upgrade, Connection listing more tokens
+    assert websocket_token(_ws(f"base64url.bearer.authorization.k8s.io.{_b64('t')}", "v4.channel.k8s.io",
+                               upgrade="WebSocket", connection="keep-alive, Upgrade")) == "t"
+    # an Authorization header is read first (upstream's bearer authenticator comes first)
+    assert bearer_credential([("authorization", "Bearer a"), *good]) == "Bearer a"
+
+
+def test_protocol_tokens_the_apiserver_refuses_are_not_tokens() -> None:
+    from gatekeeper.proxy.pipeline.auth import websocket_token
+
+    tok = f"base64url.bearer.authorization.k8s.io.{_b64('tok')}"
+    assert websocket_token(_ws(tok)) is None  # no other subprotocol: "missing additional subprotocol"
+    assert websocket_token(_ws(tok, tok, "v4.channel.k8s.io")) is None  # two tokens
+    assert websocket_token(_ws(tok + "=", "v4.channel.k8s.io")) is None  # padded: not RawURLEncoding
+    assert websocket_token(_ws("base64url.bearer.authorization.k8s.io.a+b/", "v4.channel.k8s.io")) is None
+    assert websocket_token(_ws("base64url.bearer.authorization.k8s.io._w", "v4.channel.k8s.io")) is None  # not UTF-8
+    assert websocket_token(_ws(tok, "v4.channel.k8s.io", upgrade="h2c")) is None  # not a WebSocket request
+    assert websocket_token(_ws(tok, "v4.channel.k8s.io", connection="keep-alive")) is None
+    assert websocket_token([("sec-websocket-protocol", f"{tok}, v4.channel.k8s.io")]) is None
+    assert identify(None, _ws(tok)).source == "anonymous"

@@ -43,6 +43,10 @@ class FlowControlSettings:
     read etcd, so a selector LIST of them costs the whole collection (see ``listcost.py``)."""
     watch_init_seconds: float = 2.0
     """A watch holds its seat until its first body bytes, or at most this long after its response head."""
+    seat_timeout_seconds: float = 60.0
+    """A request that is not long-running gives its seats back at most this long after it was dispatched,
+    even if its client is still taking the response (kube-apiserver ends such a request at its
+    --request-timeout, 60 s). A client trickling its flow-control window kept them for ever."""
     coalesce: bool = True
     """Serve identical queued LISTs of one identity with one upstream call."""
     fanout_buffer_bytes: int = 8 << 20
@@ -77,6 +81,8 @@ class FlowControlSettings:
                 raise ValueError(f"{name}: must be at least 1")
         if self.watch_init_seconds <= 0:
             raise ValueError("watchInitSeconds: must be positive")
+        if self.seat_timeout_seconds <= 0:
+            raise ValueError("seatTimeoutSeconds: must be positive")
         if self.fanout_stall_seconds <= 0:
             raise ValueError("fanoutStallSeconds: must be positive")
         if self.borrowing_adjustment_seconds <= 0:

@@ -15,6 +15,10 @@ aggregator and kcp's front proxy use):
   the caller ``token:<sha256 prefix>`` only so flow control can tell callers
   apart. Such requests go upstream *without* the front-proxy certificate (see
   :func:`wants_front_proxy_cert`).
+* A WebSocket upgrade request without one may carry its bearer token in
+  ``Sec-WebSocket-Protocol`` (``base64url.bearer.authorization.k8s.io.<token>``,
+  what browsers must use); kube-apiserver authenticates it from there
+  (:func:`websocket_token`), so here it is a token caller too, not anonymous.
 * Anything else is anonymous and passes through as such.
 
 Certificate names are refused, not cleaned: a CN or O with a control
@@ -34,7 +38,10 @@ authorizes impersonation against the real (stamped or token) identity.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -120,6 +127,46 @@ def drop_connection_named(headers: Headers) -> Headers:
     return out
 
 
+WEBSOCKET_BEARER_PREFIX = "base64url.bearer.authorization.k8s.io."
+_RAW_URL_B64 = re.compile(r"[A-Za-z0-9_-]*")
+
+
+def websocket_token(headers: Headers) -> str | None:
+    """The bearer token kube-apiserver's WebSocket protocol authenticator would read, or None.
+
+    Its rules (``request/websocket/protocol.go``): only for a WebSocket request (the first
+    ``Upgrade`` is ``websocket`` in any case and ``Connection`` lists ``upgrade``); every
+    comma-separated ``Sec-WebSocket-Protocol`` entry, trimmed, that starts with the prefix is a
+    token in unpadded base64url; two such entries, bad base64, a token that is not UTF-8, or
+    no other subprotocol beside it is an error (no token, the request is refused upstream).
+    """
+    upgrade = next((v for k, v in headers if k == "upgrade"), None)
+    if upgrade is None or upgrade.strip(" \t").lower() != "websocket":
+        return None
+    if "upgrade" not in {t.strip(" \t").lower() for k, v in headers if k == "connection" for t in v.split(",")}:
+        return None
+    token: str | None = None
+    others = 0
+    for k, v in headers:
+        if k != "sec-websocket-protocol":
+            continue
+        for entry in v.split(","):
+            entry = entry.strip(" \t")
+            if not entry.startswith(WEBSOCKET_BEARER_PREFIX):
+                others += 1
+                continue
+            encoded = entry[len(WEBSOCKET_BEARER_PREFIX):]
+            if token is not None or not _RAW_URL_B64.fullmatch(encoded) or len(encoded) % 4 == 1:
+                return None
+            try:
+                token = base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4)).decode("utf-8")
+            except (binascii.Error, UnicodeDecodeError):
+                return None
+    if not token or not others:
+        return None
+    return token
+
+
 def token_user(credential: str) -> str:
     """A stable, non-reversible name for a credential the proxy cannot read."""
     return "token:" + hashlib.sha256(credential.encode()).hexdigest()[:16]
@@ -164,7 +211,20 @@ def identify(peer_cert: Mapping[str, Any] | None, headers: Headers, memo: dict[s
             if memo is not None:
                 memo["token"] = (credential, user)
             return UserInfo(name=user, source="token")
+    ws = websocket_token(headers)
+    if ws is not None:
+        return UserInfo(name=token_user("Bearer " + ws), source="token")
     return UserInfo(name=ANONYMOUS_USER, groups=[ANONYMOUS_GROUP], source="anonymous")
+
+
+def bearer_credential(headers: Headers) -> str:
+    """What a token caller's identity is classified from: the first ``Authorization`` value, or for a
+    WebSocket request without one, its ``Sec-WebSocket-Protocol`` token as ``Bearer <token>``."""
+    for name, value in headers:
+        if name == "authorization":
+            return value
+    ws = websocket_token(headers)
+    return f"Bearer {ws}" if ws is not None else ""
 
 
 def escape_extra_key(key: str) -> str:

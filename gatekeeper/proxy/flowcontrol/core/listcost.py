@@ -33,7 +33,8 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import dataclass
-from urllib.parse import parse_qs, urlsplit
+
+from gatekeeper.kube.requestinfo import query_values
 
 
 @dataclass(frozen=True)
@@ -53,11 +54,15 @@ FULL = ListShape()
 
 @functools.lru_cache(maxsize=4096)
 def list_shape(target: str) -> ListShape:
-    """The LIST options that decide its cost, from the raw request target (memoized: targets repeat)."""
-    query = urlsplit(target).query
+    """The LIST options that decide its cost, from the raw request target (memoized: targets repeat).
+
+    The query is read as the apiserver reads it (``requestinfo.query_values``, Go's rules), so an
+    option the apiserver drops (``limit=1;``) is not one this estimate counts on.
+    """
+    query = target.partition("?")[2].partition("#")[0]
     if not query:
         return FULL
-    q = parse_qs(query, keep_blank_values=True)
+    q = query_values(query)
 
     def one(name: str) -> str:
         values = q.get(name)

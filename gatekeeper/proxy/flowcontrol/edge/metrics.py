@@ -7,6 +7,9 @@ collector), so they can never drift from the queues' real state.
 ``gatekeeper_flowcontrol_dispatched_requests_total{flow_schema,priority_level}``
 ``gatekeeper_flowcontrol_rejected_requests_total{flow_schema,priority_level,reason}``
     reason: queue-full, time-out, concurrency-limit, cancelled (client left while queued).
+``gatekeeper_flowcontrol_seat_timeouts_total{flow_schema,priority_level}``
+    Requests that still held their seats ``seatTimeoutSeconds`` after dispatch (a client taking its
+    response that slowly): the seats were given back, the response goes on outside the limit.
 ``gatekeeper_flowcontrol_coalesced_requests_total{flow_schema,priority_level}``
     Requests served by another identical request's upstream call.
 ``gatekeeper_flowcontrol_request_wait_duration_seconds{flow_schema,priority_level,execute}``
@@ -53,6 +56,11 @@ REJECTED = Counter(
     "gatekeeper_flowcontrol_rejected_requests",
     "Requests answered 429 (or dropped) by flow control.",
     [*_FS_PL, "reason"],
+)
+SEAT_TIMEOUTS = Counter(
+    "gatekeeper_flowcontrol_seat_timeouts",
+    "Requests whose seats were given back at seatTimeoutSeconds while their response was still being sent.",
+    _FS_PL,
 )
 COALESCED = Counter(
     "gatekeeper_flowcontrol_coalesced_requests",

@@ -6,7 +6,9 @@ arms the queue-wait timers, and watches the response to tell the controller
 when a request stops costing seats:
 
 * ordinary requests hold their seats until the response has been written out
-  (the adapter's ``finish()``: complete, failed, or client gone); only LIST
+  (the adapter's ``finish()``: complete, failed, or client gone), or at most
+  ``seatTimeoutSeconds`` after dispatch (a client that takes its response a
+  byte at a time keeps receiving it, outside the limit); only LIST
   bodies are wrapped, to count their bytes into the size estimate for their
   (resource, namespace) when they end (other bodies pass through untouched, so
   the hot path of small GETs pays nothing per chunk);
@@ -50,6 +52,7 @@ from gatekeeper.proxy.flowcontrol.edge.fanout import FanOut, Subscriber
 from gatekeeper.proxy.flowcontrol.edge.loading import Reloader, limits_of, load_policy
 from gatekeeper.proxy.flowcontrol.settings import FlowControlSettings
 from gatekeeper.proxy.messages import Handler, ProxyRequest, ProxyResponse, UserInfo, close_body, is_exhausted
+from gatekeeper.proxy.pipeline.auth import bearer_credential
 from gatekeeper.proxy.pipeline.tokens.classify import unverified_flow
 from gatekeeper.proxy.pipeline.tokens.fetch import TokenIdentities, Upstream
 from gatekeeper.proxy.pipeline.tokens.jwt import Identity
@@ -107,6 +110,8 @@ class _Waiter:
     """A LIST's options (limit, selectors, resourceVersion): its cost, and what its response teaches."""
     content_type: str = ""
     """A LIST response's Content-Type (a continue token can only be seen in JSON)."""
+    seat_timer: asyncio.TimerHandle | None = None
+    """Gives the seats back at ``seatTimeoutSeconds`` after dispatch (cancelled when the request ends)."""
 
 
 class _Metered:
@@ -251,10 +256,11 @@ class FlowControl:
         facts: UserInfo | Identity = user
         user_key: str | None = None
         verified = True
+        auth = ""
         if user.source == "token":
             # Classification only: request.user and the Authorization header are left as they are,
             # so the token goes upstream untouched and the apiserver authenticates it.
-            auth = request.header("authorization") or ""
+            auth = bearer_credential(request.headers)
             who = self.identities.cached(auth, request.connection_memo) or await self.identities.resolve(auth)
             facts, verified = who, who.verified
             if not verified:
@@ -296,6 +302,10 @@ class FlowControl:
         except BaseException as exc:
             self._end(t, 0, False, exc, status=0)
             raise
+        if response.status == 401 and auth and facts is not user and verified:
+            # The token verified here (signature, expiry) but the apiserver refused it: revoked, or the
+            # pod/secret it is bound to is gone. Its later requests are classified as unverified.
+            self.identities.refused_upstream(auth)
         return self._respond(t, w, response)
 
     # -- queue events -------------------------------------------------------------------------
@@ -361,6 +371,12 @@ class FlowControl:
 
             upgraded.on_close = on_close
             return response
+        if not w.info.long_running and not w.pl.exempt:
+            # A slow reader (an HTTP/2 window opened a byte at a time) would hold the seats as long as it
+            # likes: the apiserver would have ended the request at its request timeout.
+            w.seat_timer = asyncio.get_running_loop().call_later(
+                max(0.0, w.started + self.settings.seat_timeout_seconds - self.clock()), self._seat_timeout, t
+            )
         status = response.status
         live = [f for f in t.followers if isinstance(f.payload, _Waiter) and not f.payload.abandoned]
         if not t.followers:
@@ -424,6 +440,16 @@ class FlowControl:
             w.m.exec_watch.observe(self.clock() - w.started)
             self._wake(self.controller.release_seats(t, self.clock()))
 
+    def _seat_timeout(self, t: Ticket) -> None:
+        """``seatTimeoutSeconds`` after dispatch: the request stops counting; its response is not cut."""
+        w = t.payload
+        if isinstance(w, _Waiter) and not w.finished and not w.seats_released:
+            w.seats_released = True
+            self._uncount(w)
+            w.m.exec_regular.observe(self.clock() - w.started)
+            metrics.SEAT_TIMEOUTS.labels(w.fs.name, w.pl.name).inc()
+            self._wake(self.controller.release_seats(t, self.clock()))
+
     def _end(
         self, t: Ticket, nbytes: int, complete: bool, error: BaseException | None, status: int, head: bytes = b""
     ) -> None:
@@ -432,6 +458,8 @@ class FlowControl:
         if not isinstance(w, _Waiter) or w.finished:
             return
         w.finished = True
+        if w.seat_timer is not None:
+            w.seat_timer.cancel()
         self._uncount(w)
         if not w.seats_released:
             w.m.exec_regular.observe(self.clock() - w.started)

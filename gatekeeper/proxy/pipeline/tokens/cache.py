@@ -47,5 +47,9 @@ class ExpiringCache(Generic[V]):
             self.evictions += 1
         items[key] = (value, expires)
 
+    def discard(self, key: bytes) -> bool:
+        """Forget ``key``; whether it was there."""
+        return self._items.pop(key, None) is not None
+
     def clear(self) -> None:
         self._items.clear()

@@ -37,13 +37,24 @@ UNVERIFIED = Identity(name="system:anonymous", groups=["system:unauthenticated"]
 Step = Literal["done", "refresh", "review"]
 
 
+_GO_SPACE = " \t\n\v\f\r"
+"""ASCII white space, which Go's ``strings.TrimSpace`` trims (Python's ``strip()`` also trims \\x1c-\\x1f, NBSP...)."""
+
+
 def bearer_token(authorization: str) -> str | None:
-    """The token of ``Bearer <token>`` (scheme case-insensitive), as upstream's bearer authenticator reads it."""
-    scheme, _, rest = authorization.strip().partition(" ")
-    if scheme.lower() != "bearer":
+    """The token the apiserver's bearer authenticator reads from ``authorization``, or None.
+
+    Upstream (``request/bearertoken``): trim ASCII space, split on single spaces into at most
+    three parts, the scheme must be ``bearer`` in any case and the token is the *second* part:
+    ``Bearer  <token>`` (two spaces) carries an empty token, so the apiserver treats the request
+    as having none (anonymous, or 401); ``Bearer <token> extra`` authenticates ``<token>``.
+    Reading ``Bearer  <token>`` as the token here classified an anonymous request as the
+    token's ServiceAccount.
+    """
+    parts = authorization.strip(_GO_SPACE).split(" ", 2)
+    if len(parts) < 2 or parts[0].lower() != "bearer":
         return None
-    token = rest.strip()
-    return token if token and " " not in token else None
+    return parts[1] or None
 
 
 def source_host(peer: str) -> str:

@@ -32,7 +32,8 @@ from typing import Any, Protocol
 import aiohttp
 
 from gatekeeper.proxy.pipeline.tokens import metrics
-from gatekeeper.proxy.pipeline.tokens.classify import UNVERIFIED, Decision, TokenClassifier
+from gatekeeper.proxy.pipeline.tokens.cache import digest
+from gatekeeper.proxy.pipeline.tokens.classify import UNVERIFIED, Decision, TokenClassifier, bearer_token
 from gatekeeper.proxy.pipeline.tokens.jwt import Identity, ServiceAccountVerifier
 from gatekeeper.proxy.pipeline.tokens.review import TOKEN_REVIEW_PATH, Budget, parse_review, review_request
 from gatekeeper.proxy.pipeline.tokens.settings import TokenSettings
@@ -120,6 +121,24 @@ class TokenIdentities:
             self._counts["cached" if hit.verified else "failed-cached"].inc()
         return hit
 
+    def refused_upstream(self, authorization: str) -> None:
+        """The apiserver answered 401 to a token this proxy verified: remember it as failed.
+
+        Local verification cannot see that a token was revoked or that the Pod, Secret or Node
+        it is bound to was deleted (upstream checks that with informers). Without this, such a
+        token kept its ServiceAccount's FlowSchema, priority level and flow until it expired
+        (bound tokens of a Pod can be valid for a year with extended expiration), while the
+        apiserver refused every request it made.
+        """
+        token = bearer_token(authorization)
+        if token is None:
+            return
+        key = digest(token)
+        now = self.clock()
+        self.classifier.verified.discard(key)
+        self.classifier.fail(key, "refused-upstream", now)
+        metrics.TOKENS.labels("refused-upstream").inc()
+
     async def resolve(self, authorization: str) -> Identity:
         """The cold path: verify, refresh keys, or review. Never raises (a failure means unverified)."""
         try:
@@ -182,6 +201,7 @@ class TokenIdentities:
     async def _review(self, d: Decision) -> Identity:
         pending = self._reviews.get(d.key)
         if pending is not None:
+            metrics.TOKENS.labels("review-joined").inc()  # every classification path is counted
             return await asyncio.shield(pending)
         if not self.budget.take(time.monotonic()):
             metrics.TOKENS.labels("budget").inc()
