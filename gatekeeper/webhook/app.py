@@ -27,7 +27,11 @@ Metrics (Prometheus):
     ``server.maxBodyBytes``) or ``unauthenticated`` (403, no verified
     apiserver client certificate while ``server.clientCaFile`` is set), and
     reviews whose object creation was refused for an unverified caller
-    (``unauthenticated-create``).
+    (``unauthenticated-create``), ``body-timeout`` (408, body not received within
+    ``server.bodyTimeoutSeconds``) and ``content-encoding`` (415, a compressed body).
+``gatekeeper_webhook_refused_connections_total{reason}``
+    ``connection-cap``: a connection closed after its handshake because
+    ``server.maxConnections`` were open (listen.py).
 
 Trust: with ``server.clientCaFile`` only the apiserver (a client certificate
 from that CA whose CN or DNS SAN is in ``allowedClientNames``) gets reviews
@@ -39,6 +43,7 @@ AdmissionReview cannot make the webhook create ResourceClaimTemplates.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -80,6 +85,8 @@ class Metrics:
                                  "ResourceClaimTemplate create-if-missing results", ["result"])
         self.refused = Counter("gatekeeper_webhook_refused_requests_total",
                                "Requests refused before or instead of acting on them", ["route", "reason"])
+        self.refused_connections = Counter("gatekeeper_webhook_refused_connections_total",
+                                           "Connections closed before any request was read", ["reason"])
 
 
 _METRICS: Metrics | None = None
@@ -116,6 +123,12 @@ def verified_caller(request: web.Request, settings: WebhookSettings) -> str:
     return next((n for n in names if n in srv.allowed_client_names), "")
 
 
+def _closing(resp: web.Response) -> web.Response:
+    """The body was not read to its end: close the connection rather than linger reading the rest."""
+    resp.force_close()
+    return resp
+
+
 def _json(doc: Any, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(doc), status=status, content_type="application/json")
 
@@ -130,12 +143,28 @@ async def _review(request: web.Request, route: str) -> web.Response:
         return web.Response(status=403, text="gatekeeper webhook: only the kube-apiserver may call this "
                                              "(client certificate from webhook.server.clientCaFile with a "
                                              "name in allowedClientNames)\n")
+    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+    if encoding != "identity":
+        # The apiserver never compresses reviews; inflating one is work (up to maxBodyBytes per request)
+        # and a failure mode (corrupt data) nobody legitimate needs.
+        m.refused.labels(route, "content-encoding").inc()
+        return _closing(web.Response(status=415, text=f"Content-Encoding {encoding!r} is not accepted: send the "
+                                                      "AdmissionReview as plain JSON\n"))
     try:
-        body = await request.read()
+        async with asyncio.timeout(settings.server.body_timeout_seconds):
+            body = await request.read()
     except web.HTTPRequestEntityTooLarge:
         m.refused.labels(route, "too-large").inc()
-        return web.Response(status=413, text=f"AdmissionReview larger than webhook.server.maxBodyBytes "
-                                             f"({settings.server.max_body_bytes} bytes)\n")
+        return _closing(web.Response(status=413, text=f"AdmissionReview larger than webhook.server.maxBodyBytes "
+                                                      f"({settings.server.max_body_bytes} bytes)\n"))
+    except TimeoutError:
+        m.refused.labels(route, "body-timeout").inc()
+        return _closing(web.Response(status=408, text=f"AdmissionReview body not received within "
+                                                      f"webhook.server.bodyTimeoutSeconds "
+                                                      f"({settings.server.body_timeout_seconds:g} s)\n"))
+    except web.RequestPayloadError as exc:  # a malformed chunked body
+        m.bad_requests.labels(route).inc()
+        return _closing(web.Response(status=400, text=f"bad AdmissionReview body: {exc}\n"))
     try:
         req = parse_review(body)
     except ReviewError as exc:

@@ -86,6 +86,18 @@ class ServerSettings(TLSListenerSettings):
     from it, or with a name not in ``allowedClientNames``, get 403 on /validate and /mutate."""
     allowed_client_names: list[str] = field(default_factory=list)
     """Client certificate CN or DNS SANs accepted as the apiserver (required with clientCaFile)."""
+    max_connections: int = 1000
+    """Open connections per worker process; a new one over it is closed after its TLS handshake, before any
+    request is read (any pod can connect, and each open connection can hold up to ``maxBodyBytes``)."""
+    tls_handshake_timeout_seconds: float = 10.0
+    """A connection that has not finished its TLS handshake this long after accept is dropped."""
+    idle_timeout_seconds: float = 120.0
+    """A connection without a complete request head this long is closed: idle keep-alive connections and
+    slowloris heads alike. Above the 90 s after which the apiserver's Go client closes its idle connections
+    itself, so the apiserver, not the webhook, ends an idle connection and no request races the close."""
+    body_timeout_seconds: float = 30.0
+    """Time to receive a review's body once its head arrived (408 and close above). The apiserver waits at
+    most 30 s for a webhook (``timeoutSeconds``); a body slower than that has no one waiting for it."""
     shutdown_delay_seconds: float = 0.0
     """After SIGTERM, keep answering with /readyz false this long before closing the listener (outside
     Kubernetes; in a pod the preStop sleep plays this part)."""
@@ -96,6 +108,13 @@ class ServerSettings(TLSListenerSettings):
             raise ValueError(f"workers must be >= 1, got {self.workers}")
         if self.shutdown_delay_seconds < 0:
             raise ValueError(f"shutdownDelaySeconds must be >= 0, got {self.shutdown_delay_seconds}")
+        if self.max_connections < 1:
+            raise ValueError(f"maxConnections must be >= 1, got {self.max_connections}")
+        for key, value in (("tlsHandshakeTimeoutSeconds", self.tls_handshake_timeout_seconds),
+                           ("idleTimeoutSeconds", self.idle_timeout_seconds),
+                           ("bodyTimeoutSeconds", self.body_timeout_seconds)):
+            if not value > 0:
+                raise ValueError(f"{key} must be > 0 (seconds), got {value}")
         if self.max_body_bytes < 64 * 1024:
             raise ValueError(f"maxBodyBytes must be >= 65536 (a review envelope), got {self.max_body_bytes}")
         if self.client_ca_file and not self.allowed_client_names:
