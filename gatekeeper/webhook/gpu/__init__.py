@@ -321,6 +321,14 @@ def review(req: AdmissionRequest, settings: GpuSettings, extended_resource_mappe
         # A pod we rewrote before (reinvocation after a later webhook injected another GPU container)
         # has our own claims and shared names; only a pod that came with its own is left alone.
         if REWRITTEN_ANNOTATION not in annotations and _already_shared_or_dra(spec, settings):
+            if source == "enforced":
+                # Skipping would leave nvidia.com/gpu in place: whole GPUs through the device plugin, in the
+                # very namespace whose mode is meant to hold. One claim or shared GPU of the pod's own was
+                # enough to get them.
+                raise PolicyForbidden(
+                    f"namespace {req.namespace} enforces gpu-mode {mode}, but {label} asks for {GPU} beside DRA "
+                    f"claims or shared GPUs of its own, which gatekeeper does not rewrite: remove {GPU} (gatekeeper "
+                    f"then leaves the pod as it is) or the pod's own claims and shared GPU resources")
             return Decision(outcome="skipped", warnings=[
                 f"{label} already uses DRA claims or shared GPUs; its {GPU} requests were left as they are"])
         if mode == "dra" and extended_resource_mapped and served_by_extended_resource(found, settings):
