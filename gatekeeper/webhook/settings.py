@@ -152,7 +152,8 @@ class SecretSettings:
     enabled: bool = True
     """Apply the policy to Secrets."""
     hard_limit: int | str = "128Ki"
-    """Deny CREATE/UPDATE above this many bytes (decoded data + stringData [+ annotations])."""
+    """Deny CREATE/UPDATE above this many bytes (decoded data + stringData + labels, finalizers and
+    ownerReferences [+ annotations])."""
     soft_limit: int | str = "32Ki"
     """Allow with a warning above this many bytes."""
     count_annotations: bool = True

@@ -247,3 +247,17 @@ def test_sandbox_state_records_webhook_url_and_pid(webhook, sandbox) -> None:
     assert webhook["url"].startswith("https://127.0.0.1:") and rec.health == webhook["url"] + "/readyz"
     ok, detail = processes.probe(rec.health, processes.TLSFiles(ca=Path(sandbox.certs_dir) / "ca.crt"))
     assert ok, detail
+
+
+def test_secret_padded_with_labels_is_denied_like_one_padded_with_data(webhook, kubectl, namespace) -> None:
+    """Labels are stored and LISTed like data; 2,000 labels of 63-character values (~160 KiB) with a 1 KiB
+    payload went through a 128 KiB limit that counted only data and annotations."""
+    labels = {f"pad-{i:05d}": "v" * 63 for i in range(2000)}
+    doc = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "padded", "namespace": namespace,
+                                                               "labels": labels},
+           "type": "Opaque", "stringData": {"token": "t" * 1024}}
+    p = kubectl("create", "-f", "-", input=json.dumps(doc))
+    assert p.returncode != 0, "a Secret of ~160 KiB of labels was admitted"
+    assert f"secret {namespace}/padded is 1" in p.stderr and "of labels" in p.stderr
+    assert "over the 128 KiB limit" in p.stderr
+    assert kubectl("get", "secret", "padded", "-n", namespace).returncode != 0
