@@ -7,8 +7,9 @@ that from being built in the first place.
 
 Size is what the object costs in etcd and in a LIST: decoded ``data`` (from the
 base64 length, without decoding) + ``stringData`` UTF-8 bytes, plus annotation
-keys and values when ``countAnnotations`` is on, plus labels, finalizers and
-ownerReferences always (nothing limits how many a client sets). Rules:
+keys and values when ``countAnnotations`` is on, plus labels, finalizers,
+ownerReferences and a ``type`` longer than 253 characters always (the apiserver limits
+none of them). Rules:
 
 * CREATE/UPDATE above the hard limit -> denied with the name, size, limit, fix.
 * Above the soft limit -> allowed with a warning.
@@ -29,6 +30,9 @@ from gatekeeper.kube.admission import AdmissionRequest, Decision, as_dict, objec
 from gatekeeper.webhook.settings import SecretSettings, parse_size
 
 FIX = "keep large payloads in a volume or an external secret store"
+MAX_PLAIN_TYPE = 253
+"""A Secret ``type`` up to a DNS subdomain's length is not counted (every real type is far shorter, and the
+limits stay exact for them); a longer one counts in full with labels and other metadata."""
 
 
 def b64_decoded_len(value: str) -> int:
@@ -82,6 +86,9 @@ def object_size(kind: str, obj: dict[str, Any], count_annotations: bool) -> Size
         for k, v in as_dict(meta.get("annotations")).items():
             ann += _utf8_len(k) + _utf8_len(v)
     labels = sum(_utf8_len(k) + _utf8_len(v) for k, v in as_dict(meta.get("labels")).items())
+    secret_type = obj.get("type")
+    if kind == "Secret" and isinstance(secret_type, str) and len(secret_type) > MAX_PLAIN_TYPE:
+        labels += _utf8_len(secret_type)  # the apiserver takes a type of any length (5,000 characters were stored)
     for key in ("finalizers", "ownerReferences"):
         if meta.get(key):
             labels += len(orjson.dumps(meta[key]))

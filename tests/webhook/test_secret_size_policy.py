@@ -193,6 +193,11 @@ def test_metadata_padding_counts_like_data(pad: str, count: int) -> None:
     assert d.allowed and d.outcome == "warned"  # an oversized object that does not grow stays editable
 
 
+def test_a_type_padded_to_150_kib_counts_like_data() -> None:
+    d = decide(review(secret(data={"token": b64(KIB)}, type_="example.com/" + "t" * (150 * KIB))))
+    assert not d.allowed and "of labels and other metadata" in d.message
+
+
 def test_ordinary_labels_change_nothing() -> None:
     obj = secret(data={"tls.crt": b64(4 * KIB)})
     obj["metadata"]["labels"] = {"app.kubernetes.io/name": "web", "app.kubernetes.io/instance": "web-1"}

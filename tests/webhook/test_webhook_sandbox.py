@@ -249,7 +249,8 @@ def test_sandbox_state_records_webhook_url_and_pid(webhook, sandbox) -> None:
     assert ok, detail
 
 
-def test_secret_padded_with_labels_is_denied_like_one_padded_with_data(webhook, kubectl, namespace) -> None:
+def test_secret_padded_with_labels_or_a_long_type_is_denied_as_if_padded_with_data(
+        webhook, kubectl, namespace) -> None:
     """Labels are stored and LISTed like data; 2,000 labels of 63-character values (~160 KiB) with a 1 KiB
     payload went through a 128 KiB limit that counted only data and annotations."""
     labels = {f"pad-{i:05d}": "v" * 63 for i in range(2000)}
@@ -261,3 +262,8 @@ def test_secret_padded_with_labels_is_denied_like_one_padded_with_data(webhook, 
     assert f"secret {namespace}/padded is 1" in p.stderr and "of labels" in p.stderr
     assert "over the 128 KiB limit" in p.stderr
     assert kubectl("get", "secret", "padded", "-n", namespace).returncode != 0
+    # The apiserver stores a Secret type of any length; padding there is counted too.
+    doc = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "typed", "namespace": namespace},
+           "type": "example.com/" + "t" * (150 * KIB), "stringData": {"token": "t" * 1024}}
+    p = kubectl("create", "-f", "-", input=json.dumps(doc))
+    assert p.returncode != 0 and "over the 128 KiB limit" in p.stderr, p.stderr or "the Secret was admitted"
