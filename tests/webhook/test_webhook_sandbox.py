@@ -132,6 +132,21 @@ def test_server_dry_run_gpu_pod_is_rewritten_but_creates_no_template(webhook, ku
     assert names == [claim["resourceClaimTemplateName"]]
 
 
+def test_gpu_counts_in_exponent_form_are_read_as_the_apiserver_keeps_them(webhook, kubectl, namespace) -> None:
+    """The apiserver passes ``2e0`` and ``1e3`` on as written; int() called them fractions and denied the pods."""
+    doc = json.loads(pod_manifest("expo", namespace, 1))
+    doc["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] = "2e0"
+    p = kubectl("create", "--dry-run=server", "-o", "json", "-f", "-", input=json.dumps(doc))
+    assert p.returncode == 0, p.stderr
+    (claim,) = json.loads(p.stdout)["spec"]["resourceClaims"]
+    assert claim["resourceClaimTemplateName"].startswith("gatekeeper-gpu-dra-2-")
+    doc["metadata"]["annotations"] = {"gatekeeper.dev/gpu-mode": "off"}
+    doc["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] = "1e3"
+    p = kubectl("create", "--dry-run=server", "-o", "json", "-f", "-", input=json.dumps(doc))
+    assert p.returncode == 0, p.stderr  # mode off: the webhook has no business refusing it
+    assert json.loads(p.stdout)["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1e3"
+
+
 def test_gpu_mode_off_pod_keeps_whole_gpu(webhook, kubectl, namespace) -> None:
     p = kubectl("create", "-f", "-", input=pod_manifest("legacy", namespace, 1,
                                                         annotations={"gatekeeper.dev/gpu-mode": "off"}))
