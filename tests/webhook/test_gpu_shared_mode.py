@@ -183,3 +183,11 @@ def test_enforced_namespace_denies_whole_gpus_beside_the_pods_own_claims_or_shar
     d, _ = _as(pod(gpus, other, resource_claims=claims, annotations={"gatekeeper.dev/gpu-mode": "dra"}),
                ["gpu-admins"])
     assert d.allowed and d.outcome == "skipped"
+
+
+@pytest.mark.parametrize("memory", ["1e999", "1e19", "1e9999999", "99999999999999999999999999999999999999Ei"])
+def test_absurd_gpu_memory_is_denied_with_a_message_not_an_error(memory: str) -> None:
+    """An annotation is any string the user likes; 1e999 overflowed the MiB rounding and became a 500."""
+    req = request(review(pod(container("m", 1), annotations={"gatekeeper.dev/gpu-memory": memory}), kind="Pod"))
+    d = gpu.review(req, GpuSettings(default_mode="shared"))
+    assert not d.allowed and d.code == 422 and "gpu-memory" in d.message

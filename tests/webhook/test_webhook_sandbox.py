@@ -147,6 +147,15 @@ def test_gpu_counts_in_exponent_form_are_read_as_the_apiserver_keeps_them(webhoo
     assert json.loads(p.stdout)["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1e3"
 
 
+def test_absurd_gpu_memory_annotation_is_denied_with_a_message(webhook, kubectl, namespace) -> None:
+    """1e999 overflowed the MiB rounding: the user saw 'internal error' and the log a traceback."""
+    annotations = {"gatekeeper.dev/gpu-mode": "shared", "gatekeeper.dev/gpu-memory": "1e999"}
+    p = kubectl("create", "--dry-run=server", "-f", "-", input=pod_manifest("huge", namespace, 1,
+                                                                          annotations=annotations))
+    assert p.returncode != 0 and "internal error" not in p.stderr
+    assert "gatekeeper.dev/gpu-memory" in p.stderr and "at most" in p.stderr, p.stderr
+
+
 def test_gpu_mode_off_pod_keeps_whole_gpu(webhook, kubectl, namespace) -> None:
     p = kubectl("create", "-f", "-", input=pod_manifest("legacy", namespace, 1,
                                                         annotations={"gatekeeper.dev/gpu-mode": "off"}))

@@ -18,6 +18,8 @@ from decimal import Decimal, InvalidOperation
 
 MIB = 1024**2
 GIB = 1024**3
+MAX_BYTES = 2**63 - 1
+"""The largest quantity Kubernetes represents as an integer (int64)."""
 
 _SUFFIX: dict[str, Decimal | int] = {
     "": 1, "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"),
@@ -47,6 +49,8 @@ def parse_quantity(text: str) -> Decimal:
 def parse_quantity_bytes(text: str) -> int:
     """Bytes (rounded up) from a Kubernetes quantity such as ``20Gi``, ``16G``, ``512Mi`` or ``1e9``."""
     value = parse_quantity(text)
+    if value > MAX_BYTES:  # 1e999 bytes overflowed the MiB rounding: a 500 with a traceback, not a denial
+        raise ValueError(f"GPU memory must be at most {MAX_BYTES} bytes (8Ei), got {text!r}")
     if value <= 0:
         raise ValueError(f"GPU memory must be positive, got {text!r}")
     return math.ceil(value)
