@@ -28,7 +28,8 @@ Metrics (Prometheus):
     apiserver client certificate while ``server.clientCaFile`` is set), and
     reviews whose object creation was refused for an unverified caller
     (``unauthenticated-create``), ``body-timeout`` (408, body not received within
-    ``server.bodyTimeoutSeconds``) and ``content-encoding`` (415, a compressed body).
+    ``server.bodyTimeoutSeconds``), ``content-encoding`` (415, a compressed body) and
+    ``body-budget`` (503, bodies being read already hold ``server.maxBufferedBodyBytes``).
 ``gatekeeper_webhook_refused_connections_total{reason}``
     ``connection-cap``: a connection closed after its handshake because
     ``server.maxConnections`` were open (listen.py).
@@ -123,6 +124,30 @@ def verified_caller(request: web.Request, settings: WebhookSettings) -> str:
     return next((n for n in names if n in srv.allowed_client_names), "")
 
 
+class BodyBudget:
+    """Bytes of review bodies this process is reading or parsing at once (``maxBufferedBodyBytes``).
+
+    Each connection may hold up to ``maxBodyBytes``; without a process-wide bound, ``maxConnections`` slow
+    senders hold gigabytes. Over the budget a review gets 503 at once, before its body is read.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+
+    def take(self, n: int) -> bool:
+        if self.used + n > self.limit:
+            return False
+        self.used += n
+        return True
+
+    def give(self, n: int) -> None:
+        self.used -= n
+
+
+BUDGET_KEY = web.AppKey("body_budget", BodyBudget)
+
+
 def _closing(resp: web.Response) -> web.Response:
     """The body was not read to its end: close the connection rather than linger reading the rest."""
     resp.force_close()
@@ -150,6 +175,25 @@ async def _review(request: web.Request, route: str) -> web.Response:
         m.refused.labels(route, "content-encoding").inc()
         return _closing(web.Response(status=415, text=f"Content-Encoding {encoding!r} is not accepted: send the "
                                                       "AdmissionReview as plain JSON\n"))
+    # Reserve the body's size before reading it: bodies held at once (slow senders, a burst) stay within
+    # maxBufferedBodyBytes, not maxConnections x maxBodyBytes. Without a Content-Length, assume the largest.
+    size = request.content_length
+    need = settings.server.max_body_bytes if size is None else min(size, settings.server.max_body_bytes)
+    budget = request.app[BUDGET_KEY]
+    if not budget.take(need):
+        m.refused.labels(route, "body-budget").inc()
+        return _closing(web.Response(status=503, headers={"Retry-After": "1"},
+                                     text=f"gatekeeper webhook busy: review bodies being read already hold "
+                                          f"webhook.server.maxBufferedBodyBytes ({budget.limit} bytes)\n"))
+    try:
+        return await _read_and_decide(request, route, settings, caller, started)
+    finally:
+        budget.give(need)
+
+
+async def _read_and_decide(request: web.Request, route: str, settings: WebhookSettings, caller: str,
+                           started: float) -> web.Response:
+    m = metrics()
     try:
         async with asyncio.timeout(settings.server.body_timeout_seconds):
             body = await request.read()
@@ -238,6 +282,7 @@ def build_app(settings: WebhookSettings, keeper: TemplateKeeper | None = None,
     if keeper is not None:
         app[KEEPER_KEY] = keeper
     app[READY_KEY] = {"ready": ready, "reason": "starting"}
+    app[BUDGET_KEY] = BodyBudget(settings.server.max_buffered_body_bytes)
     metrics()
     app.router.add_post("/validate", validate)
     app.router.add_post("/mutate", mutate)

@@ -81,6 +81,10 @@ class ServerSettings(TLSListenerSettings):
     max_body_bytes: int = 6 * 1024 * 1024 + 64 * 1024
     """Largest review accepted (413 above): an UPDATE carries object and oldObject, each at most the
     apiserver's 3 MiB request limit (etcd's own default is 1.5 MiB), plus the review envelope."""
+    max_buffered_body_bytes: int = 64 * 1024 * 1024
+    """Review bodies this worker reads and parses at once (declared Content-Length, else maxBodyBytes each);
+    a review that would pass it gets 503 before its body is read. Ten of the largest reviews, thousands of
+    usual ones; without it, maxConnections slow senders could hold maxConnections x maxBodyBytes."""
     client_ca_file: str = ""
     """CA (PEM) of the apiserver's webhook client certificate. Set: callers without a certificate
     from it, or with a name not in ``allowedClientNames``, get 403 on /validate and /mutate."""
@@ -117,6 +121,9 @@ class ServerSettings(TLSListenerSettings):
                 raise ValueError(f"{key} must be > 0 (seconds), got {value}")
         if self.max_body_bytes < 64 * 1024:
             raise ValueError(f"maxBodyBytes must be >= 65536 (a review envelope), got {self.max_body_bytes}")
+        if self.max_buffered_body_bytes < self.max_body_bytes:
+            raise ValueError(f"maxBufferedBodyBytes ({self.max_buffered_body_bytes}) must be >= maxBodyBytes "
+                             f"({self.max_body_bytes}), or the largest review could never be read")
         if self.client_ca_file and not self.allowed_client_names:
             raise ValueError("clientCaFile is set but allowedClientNames is empty: name the apiserver's client "
                              "certificate (CN or DNS SAN), or any pod holding a certificate from that CA could "

@@ -159,3 +159,43 @@ def test_limits_must_be_positive(field: str, value: float, needle: str) -> None:
     settings = replace(ServerSettings(cert_file="c", key_file="k"), **{field: value})
     with pytest.raises(ValueError, match=needle):
         settings.validate()
+
+
+async def _post(served: Listening, body: bytes) -> bytes:
+    reader, writer = await served.tls()
+    writer.write(b"POST /validate HTTP/1.1\r\nHost: webhook\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+    answer = await _closed_by_server(reader)
+    writer.close()
+    return answer
+
+
+async def test_bodies_held_at_once_are_bounded_by_the_budget_not_by_connections(tmp_path: Path) -> None:
+    """Two slow senders declaring 64 KiB each fill a 128 KiB budget: the next review gets 503 before its body
+    is read, and is answered again once they are gone. Before, each connection could hold maxBodyBytes."""
+    async for served in _serving(tmp_path, max_body_bytes=64 * 1024, max_buffered_body_bytes=128 * 1024):
+        before = _refused("validate", "body-budget")
+        review_body = orjson.dumps(review(secret(data={"a": b64(1024)})))
+        slow = [await served.tls() for _ in range(2)]
+        for _, w in slow:
+            w.write(b"POST /validate HTTP/1.1\r\nHost: webhook\r\nContent-Length: 65536\r\n\r\n{\"apiVersion\":")
+            await w.drain()
+        deadline = time.monotonic() + GIVE_UP
+        while not (answer := await _post(served, review_body)).startswith(b"HTTP/1.1 503"):
+            assert answer.startswith(b"HTTP/1.1 200")
+            assert time.monotonic() < deadline, "two held 64 KiB bodies never filled the 128 KiB budget"
+            await asyncio.sleep(0.05)
+        assert b"maxBufferedBodyBytes" in answer and b"Retry-After: 1" in answer
+        assert _refused("validate", "body-budget") >= before + 1
+        for _, w in slow:
+            w.close()
+        deadline = time.monotonic() + GIVE_UP
+        while not (answer := await _post(served, review_body)).startswith(b"HTTP/1.1 200"):
+            assert time.monotonic() < deadline, "the budget was not given back when the slow senders left"
+            await asyncio.sleep(0.05)
+
+
+def test_budget_must_hold_the_largest_review() -> None:
+    settings = ServerSettings(cert_file="c", key_file="k", max_body_bytes=1 << 20, max_buffered_body_bytes=1 << 19)
+    with pytest.raises(ValueError, match="maxBufferedBodyBytes"):
+        settings.validate()
