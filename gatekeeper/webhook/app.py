@@ -29,7 +29,9 @@ Metrics (Prometheus):
     reviews whose object creation was refused for an unverified caller
     (``unauthenticated-create``), ``body-timeout`` (408, body not received within
     ``server.bodyTimeoutSeconds``), ``content-encoding`` (415, a compressed body) and
-    ``body-budget`` (503, bodies being read already hold ``server.maxBufferedBodyBytes``).
+    ``body-budget`` (503, bodies being read already hold ``server.maxBufferedBodyBytes``) and
+    ``write-timeout`` (a response not taken within ``server.writeTimeoutSeconds``: connection aborted;
+    route ``other`` for the ops endpoints).
 ``gatekeeper_webhook_refused_connections_total{reason}``
     ``connection-cap``: a connection closed after its handshake because
     ``server.maxConnections`` were open (listen.py).
@@ -270,13 +272,41 @@ def _not_ready(app: web.Application) -> str | None:
     return None if state.get("ready") else f"not ready: {state.get('reason', 'starting')}\n"
 
 
+def _write_bounded(settings: WebhookSettings) -> Any:
+    """Middleware: every response, errors included, is written within ``writeTimeoutSeconds`` or the connection
+    is aborted. aiohttp waits for a socket to drain with no limit, and a handler waiting there is not idle, so a
+    client that pipelines requests and never reads held its connection (and kernel buffers) forever."""
+    timeout = settings.server.write_timeout_seconds
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+        try:
+            resp = await handler(request)
+        except web.HTTPException as exc:  # 404/405 and the like are responses too
+            resp = exc
+        if resp.prepared:
+            return resp
+        try:
+            async with asyncio.timeout(timeout):
+                await resp.prepare(request)
+                await resp.write_eof()
+        except TimeoutError:
+            route = request.path.strip("/") if request.path in ("/validate", "/mutate") else "other"
+            metrics().refused.labels(route, "write-timeout").inc()
+            if request.transport is not None:
+                request.transport.abort()  # aiohttp's own write of resp then meets a closed connection: no log
+        return resp
+
+    return middleware
+
+
 def build_app(settings: WebhookSettings, keeper: TemplateKeeper | None = None,
               *, ready: bool = True, authenticate: Authenticate | None = None) -> web.Application:
     """``ready=False``: /readyz answers 503 until the server sets ``app[READY_KEY]["ready"]``.
 
     ``authenticate`` names the verified caller (``""``: none); in-process tests without TLS pass one.
     """
-    app = web.Application(client_max_size=settings.server.max_body_bytes)
+    app = web.Application(client_max_size=settings.server.max_body_bytes, middlewares=[_write_bounded(settings)])
     app[SETTINGS_KEY] = settings
     app[AUTH_KEY] = authenticate or verified_caller
     if keeper is not None:

@@ -102,6 +102,9 @@ class ServerSettings(TLSListenerSettings):
     body_timeout_seconds: float = 30.0
     """Time to receive a review's body once its head arrived (408 and close above). The apiserver waits at
     most 30 s for a webhook (``timeoutSeconds``); a body slower than that has no one waiting for it."""
+    write_timeout_seconds: float = 30.0
+    """Time a response may take to be written (the client reading it); past it the connection is aborted. The
+    apiserver reads at once; a client that never reads would otherwise hold the connection forever."""
     shutdown_delay_seconds: float = 0.0
     """After SIGTERM, keep answering with /readyz false this long before closing the listener (outside
     Kubernetes; in a pod the preStop sleep plays this part)."""
@@ -116,7 +119,8 @@ class ServerSettings(TLSListenerSettings):
             raise ValueError(f"maxConnections must be >= 1, got {self.max_connections}")
         for key, value in (("tlsHandshakeTimeoutSeconds", self.tls_handshake_timeout_seconds),
                            ("idleTimeoutSeconds", self.idle_timeout_seconds),
-                           ("bodyTimeoutSeconds", self.body_timeout_seconds)):
+                           ("bodyTimeoutSeconds", self.body_timeout_seconds),
+                           ("writeTimeoutSeconds", self.write_timeout_seconds)):
             if not value > 0:
                 raise ValueError(f"{key} must be > 0 (seconds), got {value}")
         if self.max_body_bytes < 64 * 1024:

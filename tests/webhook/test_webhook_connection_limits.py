@@ -8,6 +8,8 @@ nothing here asserts how fast anything is.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 import ssl
 import time
 from collections.abc import AsyncIterator
@@ -154,6 +156,7 @@ async def test_a_review_still_gets_its_answer_under_short_limits(short_limits: L
     ("idle_timeout_seconds", 0, "idleTimeoutSeconds"),
     ("body_timeout_seconds", -1, "bodyTimeoutSeconds"),
     ("tls_handshake_timeout_seconds", 0, "tlsHandshakeTimeoutSeconds"),
+    ("write_timeout_seconds", 0, "writeTimeoutSeconds"),
 ])
 def test_limits_must_be_positive(field: str, value: float, needle: str) -> None:
     settings = replace(ServerSettings(cert_file="c", key_file="k"), **{field: value})
@@ -199,3 +202,30 @@ def test_budget_must_hold_the_largest_review() -> None:
     settings = ServerSettings(cert_file="c", key_file="k", max_body_bytes=1 << 20, max_buffered_body_bytes=1 << 19)
     with pytest.raises(ValueError, match="maxBufferedBodyBytes"):
         settings.validate()
+
+
+def _pipeline_without_reading(served: Listening, requests: int = 20000) -> ssl.SSLSocket:
+    """A blocking client with a tiny receive window that sends requests back to back and reads nothing."""
+    raw = socket.create_connection(("127.0.0.1", served.port))
+    raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    tls = served.ctx.wrap_socket(raw, server_hostname="127.0.0.1")
+    tls.settimeout(3)
+    with contextlib.suppress(OSError):  # the server stops reading (or cuts us): enough sent
+        for _ in range(requests):
+            tls.sendall(b"GET /metrics HTTP/1.1\r\nHost: webhook\r\n\r\n")
+    return tls
+
+
+async def test_client_that_never_reads_its_responses_is_cut_after_the_write_timeout(tmp_path: Path) -> None:
+    """Pipelined requests whose answers are never read: the handler waited for the socket to drain forever
+    (measured: still established after 60 s with 3.8 MB queued), and a waiting handler is not idle."""
+    async for served in _serving(tmp_path, write_timeout_seconds=1.0, idle_timeout_seconds=1.0):
+        before = _refused("other", "write-timeout")
+        tls = await asyncio.to_thread(_pipeline_without_reading, served)
+        try:
+            deadline = time.monotonic() + GIVE_UP
+            while _refused("other", "write-timeout") == before:
+                assert time.monotonic() < deadline, f"a never-reading client was still served after {GIVE_UP:g} s"
+                await asyncio.sleep(0.1)
+        finally:
+            tls.close()
