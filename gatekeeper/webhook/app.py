@@ -14,7 +14,8 @@ Metrics (Prometheus):
 ``gatekeeper_webhook_review_duration_seconds{route}``
     Time from body received to response built (template creation included).
 ``gatekeeper_webhook_bad_requests_total{route}``
-    Bodies rejected with 400.
+    Bodies rejected with 400; route ``http`` for malformed HTTP that aiohttp refused before any route
+    (logged at debug level only, listen.py).
 ``gatekeeper_webhook_gpu_rewrites_total{mode}``
     Pods rewritten, by GPU mode.
 ``gatekeeper_webhook_gpu_mode_decisions_total{mode,source}``

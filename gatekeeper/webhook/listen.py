@@ -18,11 +18,38 @@ handler's ``bodyTimeoutSeconds`` (app.py).
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import ssl
+import sys
 from collections.abc import Callable
+from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+
+
+class QuietClientErrors(logging.Logger):
+    """aiohttp's per-connection logger, minus the ERROR and traceback for every malformed request.
+
+    Any pod can send a bad chunk size or a broken request line, and aiohttp logs each one with
+    ``logger.exception``: a log flood for the price of a connection. Malformed HTTP is the client's
+    fault, so it is counted (``on_bad_request``) and logged at debug level; any other exception (a bug
+    of ours) keeps its ERROR and traceback.
+    """
+
+    def __init__(self, on_bad_request: Callable[[], None]) -> None:
+        super().__init__("aiohttp.server")
+        self.parent = logging.getLogger("aiohttp.server")
+        self.on_bad_request = on_bad_request
+
+    def exception(self, msg: object, *args: object, exc_info: Any = True, **kwargs: Any) -> None:
+        exc = exc_info if isinstance(exc_info, BaseException) else sys.exc_info()[1]
+        if isinstance(exc, HttpProcessingError):
+            self.on_bad_request()
+            self.debug("%s: %s", str(msg) % args if args else msg, exc)
+            return
+        super().exception(msg, *args, exc_info=exc_info, **kwargs)
 
 
 class _Refuse(asyncio.Protocol):

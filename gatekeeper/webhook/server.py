@@ -124,11 +124,12 @@ async def serve(settings: WebhookSettings, stop: asyncio.Event | None = None) ->
                                       forget=keeper.forget, on_result=lambda r: counter.labels(r).inc())
         keeper.on_ensured = lifecycle.ensured
         lifecycle_task = asyncio.create_task(lifecycle.run())
-    from gatekeeper.webhook.listen import LimitedSite
+    from gatekeeper.webhook.listen import LimitedSite, QuietClientErrors
 
     # keepalive_timeout: aiohttp closes a connection without a complete request head this long (idle or
     # slowloris); its own default is 3630 s.
-    runner = web.AppRunner(app, access_log=None, handle_signals=False, keepalive_timeout=srv.idle_timeout_seconds)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, keepalive_timeout=srv.idle_timeout_seconds,
+                           logger=QuietClientErrors(metrics().bad_requests.labels("http").inc))
     await runner.setup()
     refused = metrics().refused_connections.labels("connection-cap")
     site = LimitedSite(runner, srv.address, srv.port, ssl_context=tls.base, max_connections=srv.max_connections,

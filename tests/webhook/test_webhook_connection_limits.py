@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 import ssl
 import time
@@ -229,3 +230,19 @@ async def test_client_that_never_reads_its_responses_is_cut_after_the_write_time
                 await asyncio.sleep(0.1)
         finally:
             tls.close()
+
+
+async def test_malformed_http_is_counted_and_not_logged_as_an_error(short_limits: Listening,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """Any pod can send a bad chunk size; aiohttp logged each one as an ERROR with a traceback."""
+    bad = metrics().bad_requests.labels("http")
+    before = bad._value.get()
+    with caplog.at_level(logging.DEBUG, logger="aiohttp.server"):
+        for _ in range(3):
+            reader, writer = await short_limits.tls()
+            writer.write(b"POST /validate HTTP/1.1\r\nHost: webhook\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n")
+            answer = await _closed_by_server(reader)
+            assert answer.startswith(b"HTTP/1.0 400") or answer.startswith(b"HTTP/1.1 400")
+            writer.close()
+    assert bad._value.get() == before + 3
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
