@@ -14,7 +14,8 @@ Metrics (Prometheus):
 ``gatekeeper_webhook_review_duration_seconds{route}``
     Time from body received to response built (template creation included).
 ``gatekeeper_webhook_bad_requests_total{route}``
-    Bodies rejected with 400.
+    Bodies rejected with 400; route ``http`` for malformed HTTP that aiohttp refused before any route
+    (logged at debug level only, listen.py).
 ``gatekeeper_webhook_gpu_rewrites_total{mode}``
     Pods rewritten, by GPU mode.
 ``gatekeeper_webhook_gpu_mode_decisions_total{mode,source}``
@@ -27,7 +28,14 @@ Metrics (Prometheus):
     ``server.maxBodyBytes``) or ``unauthenticated`` (403, no verified
     apiserver client certificate while ``server.clientCaFile`` is set), and
     reviews whose object creation was refused for an unverified caller
-    (``unauthenticated-create``).
+    (``unauthenticated-create``), ``body-timeout`` (408, body not received within
+    ``server.bodyTimeoutSeconds``), ``content-encoding`` (415, a compressed body) and
+    ``body-budget`` (503, bodies being read already hold ``server.maxBufferedBodyBytes``) and
+    ``write-timeout`` (a response not taken within ``server.writeTimeoutSeconds``: connection aborted;
+    route ``other`` for the ops endpoints).
+``gatekeeper_webhook_refused_connections_total{reason}``
+    ``connection-cap``: a connection closed after its handshake because
+    ``server.maxConnections`` were open (listen.py).
 
 Trust: with ``server.clientCaFile`` only the apiserver (a client certificate
 from that CA whose CN or DNS SAN is in ``allowedClientNames``) gets reviews
@@ -39,6 +47,7 @@ AdmissionReview cannot make the webhook create ResourceClaimTemplates.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -80,6 +89,8 @@ class Metrics:
                                  "ResourceClaimTemplate create-if-missing results", ["result"])
         self.refused = Counter("gatekeeper_webhook_refused_requests_total",
                                "Requests refused before or instead of acting on them", ["route", "reason"])
+        self.refused_connections = Counter("gatekeeper_webhook_refused_connections_total",
+                                           "Connections closed before any request was read", ["reason"])
 
 
 _METRICS: Metrics | None = None
@@ -116,6 +127,36 @@ def verified_caller(request: web.Request, settings: WebhookSettings) -> str:
     return next((n for n in names if n in srv.allowed_client_names), "")
 
 
+class BodyBudget:
+    """Bytes of review bodies this process is reading or parsing at once (``maxBufferedBodyBytes``).
+
+    Each connection may hold up to ``maxBodyBytes``; without a process-wide bound, ``maxConnections`` slow
+    senders hold gigabytes. Over the budget a review gets 503 at once, before its body is read.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+
+    def take(self, n: int) -> bool:
+        if self.used + n > self.limit:
+            return False
+        self.used += n
+        return True
+
+    def give(self, n: int) -> None:
+        self.used -= n
+
+
+BUDGET_KEY = web.AppKey("body_budget", BodyBudget)
+
+
+def _closing(resp: web.Response) -> web.Response:
+    """The body was not read to its end: close the connection rather than linger reading the rest."""
+    resp.force_close()
+    return resp
+
+
 def _json(doc: Any, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(doc), status=status, content_type="application/json")
 
@@ -130,12 +171,47 @@ async def _review(request: web.Request, route: str) -> web.Response:
         return web.Response(status=403, text="gatekeeper webhook: only the kube-apiserver may call this "
                                              "(client certificate from webhook.server.clientCaFile with a "
                                              "name in allowedClientNames)\n")
+    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+    if encoding != "identity":
+        # The apiserver never compresses reviews; inflating one is work (up to maxBodyBytes per request)
+        # and a failure mode (corrupt data) nobody legitimate needs.
+        m.refused.labels(route, "content-encoding").inc()
+        return _closing(web.Response(status=415, text=f"Content-Encoding {encoding!r} is not accepted: send the "
+                                                      "AdmissionReview as plain JSON\n"))
+    # Reserve the body's size before reading it: bodies held at once (slow senders, a burst) stay within
+    # maxBufferedBodyBytes, not maxConnections x maxBodyBytes. Without a Content-Length, assume the largest.
+    size = request.content_length
+    need = settings.server.max_body_bytes if size is None else min(size, settings.server.max_body_bytes)
+    budget = request.app[BUDGET_KEY]
+    if not budget.take(need):
+        m.refused.labels(route, "body-budget").inc()
+        return _closing(web.Response(status=503, headers={"Retry-After": "1"},
+                                     text=f"gatekeeper webhook busy: review bodies being read already hold "
+                                          f"webhook.server.maxBufferedBodyBytes ({budget.limit} bytes)\n"))
     try:
-        body = await request.read()
+        return await _read_and_decide(request, route, settings, caller, started)
+    finally:
+        budget.give(need)
+
+
+async def _read_and_decide(request: web.Request, route: str, settings: WebhookSettings, caller: str,
+                           started: float) -> web.Response:
+    m = metrics()
+    try:
+        async with asyncio.timeout(settings.server.body_timeout_seconds):
+            body = await request.read()
     except web.HTTPRequestEntityTooLarge:
         m.refused.labels(route, "too-large").inc()
-        return web.Response(status=413, text=f"AdmissionReview larger than webhook.server.maxBodyBytes "
-                                             f"({settings.server.max_body_bytes} bytes)\n")
+        return _closing(web.Response(status=413, text=f"AdmissionReview larger than webhook.server.maxBodyBytes "
+                                                      f"({settings.server.max_body_bytes} bytes)\n"))
+    except TimeoutError:
+        m.refused.labels(route, "body-timeout").inc()
+        return _closing(web.Response(status=408, text=f"AdmissionReview body not received within "
+                                                      f"webhook.server.bodyTimeoutSeconds "
+                                                      f"({settings.server.body_timeout_seconds:g} s)\n"))
+    except web.RequestPayloadError as exc:  # a malformed chunked body
+        m.bad_requests.labels(route).inc()
+        return _closing(web.Response(status=400, text=f"bad AdmissionReview body: {exc}\n"))
     try:
         req = parse_review(body)
     except ReviewError as exc:
@@ -197,18 +273,47 @@ def _not_ready(app: web.Application) -> str | None:
     return None if state.get("ready") else f"not ready: {state.get('reason', 'starting')}\n"
 
 
+def _write_bounded(settings: WebhookSettings) -> Any:
+    """Middleware: every response, errors included, is written within ``writeTimeoutSeconds`` or the connection
+    is aborted. aiohttp waits for a socket to drain with no limit, and a handler waiting there is not idle, so a
+    client that pipelines requests and never reads held its connection (and kernel buffers) forever."""
+    timeout = settings.server.write_timeout_seconds
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+        try:
+            resp = await handler(request)
+        except web.HTTPException as exc:  # 404/405 and the like are responses too
+            resp = exc
+        if resp.prepared:
+            return resp
+        try:
+            async with asyncio.timeout(timeout):
+                await resp.prepare(request)
+                await resp.write_eof()
+        except TimeoutError:
+            route = request.path.strip("/") if request.path in ("/validate", "/mutate") else "other"
+            metrics().refused.labels(route, "write-timeout").inc()
+            if request.transport is not None:
+                request.transport.abort()  # aiohttp's own write of resp then meets a closed connection: no log
+        return resp
+
+    return middleware
+
+
 def build_app(settings: WebhookSettings, keeper: TemplateKeeper | None = None,
               *, ready: bool = True, authenticate: Authenticate | None = None) -> web.Application:
     """``ready=False``: /readyz answers 503 until the server sets ``app[READY_KEY]["ready"]``.
 
     ``authenticate`` names the verified caller (``""``: none); in-process tests without TLS pass one.
     """
-    app = web.Application(client_max_size=settings.server.max_body_bytes)
+    app = web.Application(client_max_size=settings.server.max_body_bytes, middlewares=[_write_bounded(settings)])
     app[SETTINGS_KEY] = settings
     app[AUTH_KEY] = authenticate or verified_caller
     if keeper is not None:
         app[KEEPER_KEY] = keeper
     app[READY_KEY] = {"ready": ready, "reason": "starting"}
+    app[BUDGET_KEY] = BodyBudget(settings.server.max_buffered_body_bytes)
     metrics()
     app.router.add_post("/validate", validate)
     app.router.add_post("/mutate", mutate)

@@ -7,7 +7,9 @@ that from being built in the first place.
 
 Size is what the object costs in etcd and in a LIST: decoded ``data`` (from the
 base64 length, without decoding) + ``stringData`` UTF-8 bytes, plus annotation
-keys and values when ``countAnnotations`` is on. Rules:
+keys and values when ``countAnnotations`` is on, plus labels, finalizers,
+ownerReferences and a ``type`` longer than 253 characters always (the apiserver limits
+none of them). Rules:
 
 * CREATE/UPDATE above the hard limit -> denied with the name, size, limit, fix.
 * Above the soft limit -> allowed with a warning.
@@ -22,10 +24,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from gatekeeper.kube.admission import AdmissionRequest, Decision, as_dict, object_label
 from gatekeeper.webhook.settings import SecretSettings, parse_size
 
 FIX = "keep large payloads in a volume or an external secret store"
+MAX_PLAIN_TYPE = 253
+"""A Secret ``type`` up to a DNS subdomain's length is not counted (every real type is far shorter, and the
+limits stay exact for them); a longer one counts in full with labels and other metadata."""
 
 
 def b64_decoded_len(value: str) -> int:
@@ -49,10 +56,13 @@ class Size:
 
     data: int
     annotations: int
+    labels: int = 0
+    """Labels, finalizers and ownerReferences: stored and LISTed like data, and not limited in number by the
+    apiserver, so a Secret padded with them must cost what one padded with data costs."""
 
     @property
     def total(self) -> int:
-        return self.data + self.annotations
+        return self.data + self.annotations + self.labels
 
 
 def object_size(kind: str, obj: dict[str, Any], count_annotations: bool) -> Size:
@@ -70,11 +80,19 @@ def object_size(kind: str, obj: dict[str, Any], count_annotations: bool) -> Size
             total += _utf8_len(value)
         for value in as_dict(obj.get("binaryData")).values():
             total += b64_decoded_len(value) if isinstance(value, str) else 0
+    meta = as_dict(obj.get("metadata"))
     ann = 0
     if count_annotations:
-        for k, v in as_dict(as_dict(obj.get("metadata")).get("annotations")).items():
+        for k, v in as_dict(meta.get("annotations")).items():
             ann += _utf8_len(k) + _utf8_len(v)
-    return Size(total, ann)
+    labels = sum(_utf8_len(k) + _utf8_len(v) for k, v in as_dict(meta.get("labels")).items())
+    secret_type = obj.get("type")
+    if kind == "Secret" and isinstance(secret_type, str) and len(secret_type) > MAX_PLAIN_TYPE:
+        labels += _utf8_len(secret_type)  # the apiserver takes a type of any length (5,000 characters were stored)
+    for key in ("finalizers", "ownerReferences"):
+        if meta.get(key):
+            labels += len(orjson.dumps(meta[key]))
+    return Size(total, ann, labels)
 
 
 def human(n: int) -> str:
@@ -134,7 +152,9 @@ def review(req: AdmissionRequest, settings: SecretSettings) -> Decision:
     limits = limits_for(settings, req.kind, req.namespace, str(secret_type))
     size = object_size(req.kind, obj, settings.count_annotations)
     label = object_label(req.kind, req.namespace, meta)
-    where = f" (incl. {human(size.annotations)} of annotations)" if size.annotations > 1024 else ""
+    parts = [f"{human(n)} of {what}" for n, what in ((size.annotations, "annotations"),
+                                                     (size.labels, "labels and other metadata")) if n > 1024]
+    where = f" (incl. {', '.join(parts)})" if parts else ""
     audit = {"size-bytes": str(size.total)}
     if size.total > limits.hard:
         if req.operation == "UPDATE" and req.old_object is not None:

@@ -124,9 +124,16 @@ async def serve(settings: WebhookSettings, stop: asyncio.Event | None = None) ->
                                       forget=keeper.forget, on_result=lambda r: counter.labels(r).inc())
         keeper.on_ensured = lifecycle.ensured
         lifecycle_task = asyncio.create_task(lifecycle.run())
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    from gatekeeper.webhook.listen import LimitedSite, QuietClientErrors
+
+    # keepalive_timeout: aiohttp closes a connection without a complete request head this long (idle or
+    # slowloris); its own default is 3630 s.
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, keepalive_timeout=srv.idle_timeout_seconds,
+                           logger=QuietClientErrors(metrics().bad_requests.labels("http").inc))
     await runner.setup()
-    site = web.TCPSite(runner, srv.address, srv.port, ssl_context=tls.base, reuse_port=True, backlog=2048)
+    refused = metrics().refused_connections.labels("connection-cap")
+    site = LimitedSite(runner, srv.address, srv.port, ssl_context=tls.base, max_connections=srv.max_connections,
+                       handshake_timeout=srv.tls_handshake_timeout_seconds, on_refused=refused.inc)
     try:
         await site.start()
     except OSError as exc:
@@ -135,8 +142,8 @@ async def serve(settings: WebhookSettings, stop: asyncio.Event | None = None) ->
             await api_client.close()
         raise StartupError(f"webhook.server: cannot listen on {srv.address}:{srv.port}: "
                            f"{exc.strerror or exc}") from None
-    server = getattr(site, "_server", None)
-    port = server.sockets[0].getsockname()[1] if server and server.sockets else srv.port
+    sockets = site.sockets
+    port = sockets[0].getsockname()[1] if sockets else srv.port
     # Certificates are loaded (ReloadingContext) and the socket listens: only now is /readyz true.
     app[READY_KEY].update(ready=True, reason="")
     _write_port_file(srv.port_file, port)

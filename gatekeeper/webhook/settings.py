@@ -81,11 +81,30 @@ class ServerSettings(TLSListenerSettings):
     max_body_bytes: int = 6 * 1024 * 1024 + 64 * 1024
     """Largest review accepted (413 above): an UPDATE carries object and oldObject, each at most the
     apiserver's 3 MiB request limit (etcd's own default is 1.5 MiB), plus the review envelope."""
+    max_buffered_body_bytes: int = 64 * 1024 * 1024
+    """Review bodies this worker reads and parses at once (declared Content-Length, else maxBodyBytes each);
+    a review that would pass it gets 503 before its body is read. Ten of the largest reviews, thousands of
+    usual ones; without it, maxConnections slow senders could hold maxConnections x maxBodyBytes."""
     client_ca_file: str = ""
     """CA (PEM) of the apiserver's webhook client certificate. Set: callers without a certificate
     from it, or with a name not in ``allowedClientNames``, get 403 on /validate and /mutate."""
     allowed_client_names: list[str] = field(default_factory=list)
     """Client certificate CN or DNS SANs accepted as the apiserver (required with clientCaFile)."""
+    max_connections: int = 1000
+    """Open connections per worker process; a new one over it is closed after its TLS handshake, before any
+    request is read (any pod can connect, and each open connection can hold up to ``maxBodyBytes``)."""
+    tls_handshake_timeout_seconds: float = 10.0
+    """A connection that has not finished its TLS handshake this long after accept is dropped."""
+    idle_timeout_seconds: float = 120.0
+    """A connection without a complete request head this long is closed: idle keep-alive connections and
+    slowloris heads alike. Above the 90 s after which the apiserver's Go client closes its idle connections
+    itself, so the apiserver, not the webhook, ends an idle connection and no request races the close."""
+    body_timeout_seconds: float = 30.0
+    """Time to receive a review's body once its head arrived (408 and close above). The apiserver waits at
+    most 30 s for a webhook (``timeoutSeconds``); a body slower than that has no one waiting for it."""
+    write_timeout_seconds: float = 30.0
+    """Time a response may take to be written (the client reading it); past it the connection is aborted. The
+    apiserver reads at once; a client that never reads would otherwise hold the connection forever."""
     shutdown_delay_seconds: float = 0.0
     """After SIGTERM, keep answering with /readyz false this long before closing the listener (outside
     Kubernetes; in a pod the preStop sleep plays this part)."""
@@ -96,8 +115,19 @@ class ServerSettings(TLSListenerSettings):
             raise ValueError(f"workers must be >= 1, got {self.workers}")
         if self.shutdown_delay_seconds < 0:
             raise ValueError(f"shutdownDelaySeconds must be >= 0, got {self.shutdown_delay_seconds}")
+        if self.max_connections < 1:
+            raise ValueError(f"maxConnections must be >= 1, got {self.max_connections}")
+        for key, value in (("tlsHandshakeTimeoutSeconds", self.tls_handshake_timeout_seconds),
+                           ("idleTimeoutSeconds", self.idle_timeout_seconds),
+                           ("bodyTimeoutSeconds", self.body_timeout_seconds),
+                           ("writeTimeoutSeconds", self.write_timeout_seconds)):
+            if not value > 0:
+                raise ValueError(f"{key} must be > 0 (seconds), got {value}")
         if self.max_body_bytes < 64 * 1024:
             raise ValueError(f"maxBodyBytes must be >= 65536 (a review envelope), got {self.max_body_bytes}")
+        if self.max_buffered_body_bytes < self.max_body_bytes:
+            raise ValueError(f"maxBufferedBodyBytes ({self.max_buffered_body_bytes}) must be >= maxBodyBytes "
+                             f"({self.max_body_bytes}), or the largest review could never be read")
         if self.client_ca_file and not self.allowed_client_names:
             raise ValueError("clientCaFile is set but allowedClientNames is empty: name the apiserver's client "
                              "certificate (CN or DNS SAN), or any pod holding a certificate from that CA could "
@@ -133,7 +163,8 @@ class SecretSettings:
     enabled: bool = True
     """Apply the policy to Secrets."""
     hard_limit: int | str = "128Ki"
-    """Deny CREATE/UPDATE above this many bytes (decoded data + stringData [+ annotations])."""
+    """Deny CREATE/UPDATE above this many bytes (decoded data + stringData + labels, finalizers and
+    ownerReferences [+ annotations])."""
     soft_limit: int | str = "32Ki"
     """Allow with a warning above this many bytes."""
     count_annotations: bool = True

@@ -360,3 +360,25 @@ def test_mig_catalog_is_nvidias_published_profile_table() -> None:
         "GB200-186GB": "1g.23gb 1g.47gb 2g.47gb 3g.93gb 4g.93gb 7g.186gb",
     }
     assert {m: " ".join(p.name for p in ps) for m, ps in gpu.MIG_CATALOG.items()} == published
+
+
+@pytest.mark.parametrize(("quantity", "count"), [("1000m", 1), ("2e0", 2), ("+1", 1), ("01", 1), ("3", 3), (2, 2)])
+def test_gpu_counts_are_read_as_the_apiserver_reads_quantities(quantity: str | int, count: int) -> None:
+    d, _, out = run(pod(container("main", quantity)))
+    counts = [t["spec"]["spec"]["devices"]["requests"][0]["exactly"]["count"] for t in d.templates]
+    assert d.allowed and counts == [count]
+    assert "nvidia.com/gpu" not in str(out["spec"]["containers"][0].get("resources", {}))
+
+
+@pytest.mark.parametrize("quantity", ["1e3", "1k", "1Ki"])
+def test_a_large_valid_count_is_not_called_a_fraction_and_mode_off_leaves_it_alone(quantity: str) -> None:
+    off = dataclasses.replace(DRA, default_mode="off")
+    d, _, _ = run(pod(container("main", quantity)), off)
+    assert d.allowed and d.outcome == "skipped"
+
+
+@pytest.mark.parametrize("quantity", ["1_0", "\u0661", "1.5", "500m", "-1", "1e999999999", "", True, 1.0])
+def test_gpu_counts_the_apiserver_would_refuse_are_denied(quantity: object) -> None:
+    req = request(review(pod(container("main", quantity)), kind="Pod"))  # type: ignore[arg-type]
+    d = gpu.review(req, DRA)
+    assert not d.allowed and d.code == 422 and "nvidia.com/gpu must" in d.message

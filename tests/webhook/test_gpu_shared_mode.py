@@ -156,3 +156,38 @@ def test_without_enforcement_the_annotation_still_wins_and_says_so() -> None:
     req = request(review(pod(container("m", 1), annotations={"gatekeeper.dev/gpu-mode": "dra"}), kind="Pod"))
     d = gpu.review(req, s)
     assert d.allowed and d.audit["gpu-mode-source"] == "annotation"
+
+
+@pytest.mark.parametrize("own", ["claim", "container claim", "shared resource"])
+def test_enforced_namespace_denies_whole_gpus_beside_the_pods_own_claims_or_shares(own: str) -> None:
+    """One claim or shared GPU of the pod's own made the webhook skip it and keep nvidia.com/gpu: 8 whole GPUs."""
+    gpus = container("m", 8)
+    other = container("side")
+    claims = None
+    if own == "claim":
+        claims = [{"name": "nic", "resourceClaimTemplateName": "rdma-nic"}]
+    elif own == "container claim":
+        other["resources"] = {"claims": [{"name": "nic"}]}
+        claims = [{"name": "nic", "resourceClaimTemplateName": "rdma-nic"}]
+    else:
+        other["resources"] = {"limits": {"nvidia.com/gpu.shared": "1"}}
+    d, _ = _as(pod(gpus, other, resource_claims=claims), ["dev"])
+    assert not d.allowed and d.code == 403 and d.audit["gpu-mode-source"] == "enforced"
+    assert "enforces gpu-mode shared" in d.message and "nvidia.com/gpu" in d.message
+    # Outside enforcement such a pod is still left as it is, with a warning (the pod chose its own way).
+    s = dataclasses.replace(ENFORCED, enforced_namespaces=[])
+    req = request(review(pod(gpus, other, resource_claims=claims), kind="Pod"))
+    d = gpu.review(req, s)
+    assert d.allowed and d.outcome == "skipped" and d.warnings
+    # An opt-out member may still bring their own.
+    d, _ = _as(pod(gpus, other, resource_claims=claims, annotations={"gatekeeper.dev/gpu-mode": "dra"}),
+               ["gpu-admins"])
+    assert d.allowed and d.outcome == "skipped"
+
+
+@pytest.mark.parametrize("memory", ["1e999", "1e19", "1e9999999", "99999999999999999999999999999999999999Ei"])
+def test_absurd_gpu_memory_is_denied_with_a_message_not_an_error(memory: str) -> None:
+    """An annotation is any string the user likes; 1e999 overflowed the MiB rounding and became a 500."""
+    req = request(review(pod(container("m", 1), annotations={"gatekeeper.dev/gpu-memory": memory}), kind="Pod"))
+    d = gpu.review(req, GpuSettings(default_mode="shared"))
+    assert not d.allowed and d.code == 422 and "gpu-memory" in d.message

@@ -167,3 +167,40 @@ def test_subresources_and_other_groups_are_not_handled() -> None:
     doc = review(secret(data={"a": b64(900 * KIB)}))
     doc["request"]["kind"]["group"] = "example.com"
     assert not secrets.handles(request(doc), SETTINGS)
+
+
+def _padded(labels: int = 0, finalizers: int = 0, owners: int = 0) -> dict:  # type: ignore[type-arg]
+    obj = secret(data={"token": b64(KIB)})
+    meta = obj["metadata"]
+    if labels:
+        meta["labels"] = {f"pad-{i:05d}": "v" * 63 for i in range(labels)}
+    if finalizers:
+        meta["finalizers"] = [f"example.com/hold-{i:05d}-" + "f" * 40 for i in range(finalizers)]
+    if owners:
+        meta["ownerReferences"] = [{"apiVersion": "v1", "kind": "ConfigMap", "name": f"owner-{i:05d}" + "o" * 100,
+                                    "uid": f"{i:08d}-0000-0000-0000-000000000000"} for i in range(owners)]
+    return obj
+
+
+@pytest.mark.parametrize(("pad", "count"), [("labels", 2000), ("finalizers", 2500), ("owners", 1200)])
+def test_metadata_padding_counts_like_data(pad: str, count: int) -> None:
+    """Nothing limits how many labels, finalizers or ownerReferences a Secret carries; they were not counted,
+    so ~150 KiB of them passed a 128 KiB limit."""
+    d = decide(review(_padded(**{pad: count})))
+    assert not d.allowed and "over the 128 KiB limit" in d.message
+    assert "of labels and other metadata" in d.message
+    d = decide(review(_padded(**{pad: count}), operation="UPDATE", old=_padded(**{pad: count})))
+    assert d.allowed and d.outcome == "warned"  # an oversized object that does not grow stays editable
+
+
+def test_a_type_padded_to_150_kib_counts_like_data() -> None:
+    d = decide(review(secret(data={"token": b64(KIB)}, type_="example.com/" + "t" * (150 * KIB))))
+    assert not d.allowed and "of labels and other metadata" in d.message
+
+
+def test_ordinary_labels_change_nothing() -> None:
+    obj = secret(data={"tls.crt": b64(4 * KIB)})
+    obj["metadata"]["labels"] = {"app.kubernetes.io/name": "web", "app.kubernetes.io/instance": "web-1"}
+    obj["metadata"]["finalizers"] = ["example.com/keep"]
+    d = decide(review(obj))
+    assert d.allowed and not d.warnings and d.outcome == "allowed"

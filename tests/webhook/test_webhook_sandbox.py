@@ -132,6 +132,30 @@ def test_server_dry_run_gpu_pod_is_rewritten_but_creates_no_template(webhook, ku
     assert names == [claim["resourceClaimTemplateName"]]
 
 
+def test_gpu_counts_in_exponent_form_are_read_as_the_apiserver_keeps_them(webhook, kubectl, namespace) -> None:
+    """The apiserver passes ``2e0`` and ``1e3`` on as written; int() called them fractions and denied the pods."""
+    doc = json.loads(pod_manifest("expo", namespace, 1))
+    doc["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] = "2e0"
+    p = kubectl("create", "--dry-run=server", "-o", "json", "-f", "-", input=json.dumps(doc))
+    assert p.returncode == 0, p.stderr
+    (claim,) = json.loads(p.stdout)["spec"]["resourceClaims"]
+    assert claim["resourceClaimTemplateName"].startswith("gatekeeper-gpu-dra-2-")
+    doc["metadata"]["annotations"] = {"gatekeeper.dev/gpu-mode": "off"}
+    doc["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] = "1e3"
+    p = kubectl("create", "--dry-run=server", "-o", "json", "-f", "-", input=json.dumps(doc))
+    assert p.returncode == 0, p.stderr  # mode off: the webhook has no business refusing it
+    assert json.loads(p.stdout)["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1e3"
+
+
+def test_absurd_gpu_memory_annotation_is_denied_with_a_message(webhook, kubectl, namespace) -> None:
+    """1e999 overflowed the MiB rounding: the user saw 'internal error' and the log a traceback."""
+    annotations = {"gatekeeper.dev/gpu-mode": "shared", "gatekeeper.dev/gpu-memory": "1e999"}
+    p = kubectl("create", "--dry-run=server", "-f", "-", input=pod_manifest("huge", namespace, 1,
+                                                                          annotations=annotations))
+    assert p.returncode != 0 and "internal error" not in p.stderr
+    assert "gatekeeper.dev/gpu-memory" in p.stderr and "at most" in p.stderr, p.stderr
+
+
 def test_gpu_mode_off_pod_keeps_whole_gpu(webhook, kubectl, namespace) -> None:
     p = kubectl("create", "-f", "-", input=pod_manifest("legacy", namespace, 1,
                                                         annotations={"gatekeeper.dev/gpu-mode": "off"}))
@@ -247,3 +271,23 @@ def test_sandbox_state_records_webhook_url_and_pid(webhook, sandbox) -> None:
     assert webhook["url"].startswith("https://127.0.0.1:") and rec.health == webhook["url"] + "/readyz"
     ok, detail = processes.probe(rec.health, processes.TLSFiles(ca=Path(sandbox.certs_dir) / "ca.crt"))
     assert ok, detail
+
+
+def test_secret_padded_with_labels_or_a_long_type_is_denied_as_if_padded_with_data(
+        webhook, kubectl, namespace) -> None:
+    """Labels are stored and LISTed like data; 2,000 labels of 63-character values (~160 KiB) with a 1 KiB
+    payload went through a 128 KiB limit that counted only data and annotations."""
+    labels = {f"pad-{i:05d}": "v" * 63 for i in range(2000)}
+    doc = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "padded", "namespace": namespace,
+                                                               "labels": labels},
+           "type": "Opaque", "stringData": {"token": "t" * 1024}}
+    p = kubectl("create", "-f", "-", input=json.dumps(doc))
+    assert p.returncode != 0, "a Secret of ~160 KiB of labels was admitted"
+    assert f"secret {namespace}/padded is 1" in p.stderr and "of labels" in p.stderr
+    assert "over the 128 KiB limit" in p.stderr
+    assert kubectl("get", "secret", "padded", "-n", namespace).returncode != 0
+    # The apiserver stores a Secret type of any length; padding there is counted too.
+    doc = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "typed", "namespace": namespace},
+           "type": "example.com/" + "t" * (150 * KIB), "stringData": {"token": "t" * 1024}}
+    p = kubectl("create", "-f", "-", input=json.dumps(doc))
+    assert p.returncode != 0 and "over the 128 KiB limit" in p.stderr, p.stderr or "the Secret was admitted"

@@ -65,6 +65,17 @@ async def test_malformed_review_gets_400_with_message(  # type: ignore[no-untype
         assert resp.status == 400 and needle in text and "Traceback" not in text
 
 
+@pytest.mark.parametrize("encoding", ["gzip", "deflate", "br", "x-unknown"])
+async def test_compressed_body_gets_415_not_500(client_and_fake, encoding: str) -> None:  # type: ignore[no-untyped-def]
+    """The apiserver never compresses reviews; corrupt deflate data used to surface as a 500 with a traceback."""
+    client, _ = client_and_fake
+    body = orjson.dumps(review(secret(data={"a": b64(1024)})))
+    for route in ("/validate", "/mutate"):
+        resp = await client.post(route, data=body, headers={"Content-Encoding": encoding})
+        text = await resp.text()
+        assert resp.status == 415 and "Content-Encoding" in text and "Traceback" not in text
+
+
 async def test_unknown_kind_is_allowed_untouched(client_and_fake) -> None:  # type: ignore[no-untyped-def]
     client, _ = client_and_fake
     doc = review({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "d"}}, group="apps")

@@ -74,6 +74,7 @@ from gatekeeper.webhook.gpu.sizing import (
     MigProfile,
     mib_quantity,
     mig_need_bytes,
+    parse_quantity,
     parse_quantity_bytes,
     smallest_mig_profile,
 )
@@ -130,14 +131,24 @@ class GpuContainer:
     container: dict[str, Any]
 
 
+MAX_GPUS = 1 << 20
+"""More GPUs than any pod could be given; a larger count is refused instead of becoming a template name."""
+
+
 def _count(value: Any, where: str) -> int:
+    """GPUs asked for, read as the apiserver reads a quantity: ``1000m`` is 1 and ``1e3`` or ``1k`` is 1000
+    (``int()`` refused those, so valid pods were denied even in mode off, and took ``1_0`` for 10)."""
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise PolicyError(f"{where}: {GPU} must be a whole number of GPUs, got {value!r}")
     try:
-        n = int(str(value).strip())
+        q = parse_quantity(str(value))
     except ValueError:
         raise PolicyError(f"{where}: {GPU} must be a whole number of GPUs, got {value!r}") from None
-    if n < 0:
+    if q < 0:
         raise PolicyError(f"{where}: {GPU} must not be negative, got {value!r}")
-    return n
+    if q != q.to_integral_value() or q > MAX_GPUS:
+        raise PolicyError(f"{where}: {GPU} must be a whole number of GPUs (at most {MAX_GPUS}), got {value!r}")
+    return int(q)
 
 
 def _resource_maps(c: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any] | None]:
@@ -321,6 +332,14 @@ def review(req: AdmissionRequest, settings: GpuSettings, extended_resource_mappe
         # A pod we rewrote before (reinvocation after a later webhook injected another GPU container)
         # has our own claims and shared names; only a pod that came with its own is left alone.
         if REWRITTEN_ANNOTATION not in annotations and _already_shared_or_dra(spec, settings):
+            if source == "enforced":
+                # Skipping would leave nvidia.com/gpu in place: whole GPUs through the device plugin, in the
+                # very namespace whose mode is meant to hold. One claim or shared GPU of the pod's own was
+                # enough to get them.
+                raise PolicyForbidden(
+                    f"namespace {req.namespace} enforces gpu-mode {mode}, but {label} asks for {GPU} beside DRA "
+                    f"claims or shared GPUs of its own, which gatekeeper does not rewrite: remove {GPU} (gatekeeper "
+                    f"then leaves the pod as it is) or the pod's own claims and shared GPU resources")
             return Decision(outcome="skipped", warnings=[
                 f"{label} already uses DRA claims or shared GPUs; its {GPU} requests were left as they are"])
         if mode == "dra" and extended_resource_mapped and served_by_extended_resource(found, settings):

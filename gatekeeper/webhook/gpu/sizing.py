@@ -18,17 +18,21 @@ from decimal import Decimal, InvalidOperation
 
 MIB = 1024**2
 GIB = 1024**3
+MAX_BYTES = 2**63 - 1
+"""The largest quantity Kubernetes represents as an integer (int64)."""
 
 _SUFFIX: dict[str, Decimal | int] = {
     "": 1, "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"),
     "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
     "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
 }
-_QUANTITY = re.compile(r"^([+-]?(?:\d+\.?\d*|\.\d+))(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]|[eE][+-]?\d+)?$")
+_QUANTITY = re.compile(r"^([+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+))(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]|[eE][+-]?[0-9]{1,3})?$")
+"""ASCII digits only (``\\d`` also matches other scripts' digits, which the apiserver refuses), and exponents of
+at most three digits, so ``1e999999999`` cannot make Decimal build a huge number."""
 
 
-def parse_quantity_bytes(text: str) -> int:
-    """Bytes (rounded up) from a Kubernetes quantity such as ``20Gi``, ``16G``, ``512Mi`` or ``1e9``."""
+def parse_quantity(text: str) -> Decimal:
+    """The exact value of a Kubernetes quantity (``2``, ``1000m``, ``1e3``, ``1k``, ``20Gi``); ValueError if not one."""
     m = _QUANTITY.match(text.strip())
     if not m:
         raise ValueError(f"expected a Kubernetes quantity like '20Gi', '16G' or '512Mi', got {text!r}")
@@ -38,9 +42,15 @@ def parse_quantity_bytes(text: str) -> int:
         raise ValueError(f"expected a Kubernetes quantity, got {text!r}") from None
     suffix = m.group(2) or ""
     if suffix[:1] in ("e", "E"):
-        value = number * Decimal(10) ** int(suffix[1:])
-    else:
-        value = number * _SUFFIX[suffix]
+        return number * Decimal(10) ** int(suffix[1:])
+    return number * _SUFFIX[suffix]
+
+
+def parse_quantity_bytes(text: str) -> int:
+    """Bytes (rounded up) from a Kubernetes quantity such as ``20Gi``, ``16G``, ``512Mi`` or ``1e9``."""
+    value = parse_quantity(text)
+    if value > MAX_BYTES:  # 1e999 bytes overflowed the MiB rounding: a 500 with a traceback, not a denial
+        raise ValueError(f"GPU memory must be at most {MAX_BYTES} bytes (8Ei), got {text!r}")
     if value <= 0:
         raise ValueError(f"GPU memory must be positive, got {text!r}")
     return math.ceil(value)

@@ -1,0 +1,248 @@
+"""What a caller that is not the apiserver can hold: connections, handshakes, heads, bodies (real TLS server).
+
+Any pod can reach the webhook's Service, so each of these is bounded by a setting and the refusals are
+counted. Waits are generous upper bounds (a defence that is missing holds for an hour, not seconds);
+nothing here asserts how fast anything is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import ssl
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import orjson
+import pytest
+from review_fixtures import b64, review, secret
+
+from gatekeeper.certs import PKI
+from gatekeeper.webhook.app import metrics
+from gatekeeper.webhook.server import serve
+from gatekeeper.webhook.settings import GpuSettings, ServerSettings, WebhookSettings
+
+GIVE_UP = 20.0
+"""How long a test waits for the server to close a connection before calling the defence missing."""
+
+
+@dataclass
+class Listening:
+    port: int
+    ctx: ssl.SSLContext
+
+    async def tls(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        return await asyncio.open_connection("127.0.0.1", self.port, ssl=self.ctx)
+
+    async def tcp(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        return await asyncio.open_connection("127.0.0.1", self.port)
+
+
+async def _serving(tmp_path: Path, **limits: float | int) -> AsyncIterator[Listening]:
+    pki = PKI(tmp_path / "pki")
+    pki.init()
+    issued = pki.issue_serving("webhook", ips=["127.0.0.1"])
+    port_file = tmp_path / "port"
+    server = replace(ServerSettings(port=0, cert_file=str(issued.cert), key_file=str(issued.key),
+                                    port_file=str(port_file)), **limits)
+    stop = asyncio.Event()
+    task = asyncio.create_task(serve(WebhookSettings(server=server, gpu=GpuSettings(enabled=False)), stop))
+    try:
+        deadline = time.monotonic() + 30
+        while not (port_file.exists() and port_file.read_text().strip()):
+            assert not task.done() and time.monotonic() < deadline
+            await asyncio.sleep(0.02)
+        yield Listening(int(port_file.read_text()), ssl.create_default_context(cafile=str(pki.cert_path("ca"))))
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+
+
+@pytest.fixture
+async def short_limits(tmp_path: Path) -> AsyncIterator[Listening]:
+    async for s in _serving(tmp_path, idle_timeout_seconds=1.0, body_timeout_seconds=1.0,
+                            tls_handshake_timeout_seconds=1.0):
+        yield s
+
+
+async def _closed_by_server(reader: asyncio.StreamReader) -> bytes:
+    """Everything the server sends until it closes; fails if it is still open after GIVE_UP seconds."""
+    try:
+        return await asyncio.wait_for(reader.read(), GIVE_UP)
+    except TimeoutError:
+        pytest.fail(f"the server kept the connection open for {GIVE_UP:g} s", pytrace=False)
+    except (ConnectionError, ssl.SSLError):
+        return b""
+
+
+def _refused(route: str, reason: str) -> float:
+    return metrics().refused.labels(route, reason)._value.get()
+
+
+async def test_idle_connection_is_closed_after_the_idle_timeout(short_limits: Listening) -> None:
+    reader, writer = await short_limits.tls()
+    assert await _closed_by_server(reader) == b""
+    writer.close()
+
+
+async def test_request_head_that_never_ends_is_closed_after_the_idle_timeout(short_limits: Listening) -> None:
+    reader, writer = await short_limits.tls()
+    writer.write(b"POST /validate HTTP/1.1\r\nHost: webhook\r\nContent-Type: application/json\r\n")
+    await writer.drain()
+    assert await _closed_by_server(reader) == b""
+    writer.close()
+
+
+async def test_body_that_stops_arriving_gets_408_and_the_connection_closed(short_limits: Listening) -> None:
+    before = _refused("validate", "body-timeout")
+    reader, writer = await short_limits.tls()
+    writer.write(b"POST /validate HTTP/1.1\r\nHost: webhook\r\nContent-Length: 100000\r\n\r\n{\"apiVersion\":")
+    await writer.drain()
+    answer = await _closed_by_server(reader)
+    assert answer.startswith(b"HTTP/1.1 408") and b"bodyTimeoutSeconds" in answer
+    assert _refused("validate", "body-timeout") == before + 1
+    writer.close()
+
+
+async def test_connection_that_never_starts_tls_is_dropped(short_limits: Listening) -> None:
+    reader, writer = await short_limits.tcp()
+    assert await _closed_by_server(reader) == b""
+    writer.close()
+
+
+async def test_connection_over_the_cap_is_closed_before_any_request(tmp_path: Path) -> None:
+    async for served in _serving(tmp_path, max_connections=2):
+        refused = metrics().refused_connections.labels("connection-cap")
+        before = refused._value.get()
+        held = [await served.tls() for _ in range(2)]
+        for _, w in held:  # a request each, so both are established connections on the server's side
+            w.write(b"GET /healthz HTTP/1.1\r\nHost: webhook\r\n\r\n")
+        for r, _ in held:
+            assert (await r.readuntil(b"ok")).startswith(b"HTTP/1.1 200")
+        reader, writer = await served.tls()
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost: webhook\r\n\r\n")
+        assert await _closed_by_server(reader) == b""
+        assert refused._value.get() == before + 1
+        writer.close()
+        held[0][1].close()
+        await held[0][1].wait_closed()
+        deadline = time.monotonic() + GIVE_UP  # the server sees the close a moment later
+        while True:
+            reader, writer = await served.tls()
+            writer.write(b"GET /healthz HTTP/1.1\r\nHost: webhook\r\nConnection: close\r\n\r\n")
+            if (await _closed_by_server(reader)).startswith(b"HTTP/1.1 200"):
+                break
+            assert time.monotonic() < deadline, "a freed slot was never reused"
+            await asyncio.sleep(0.1)
+        writer.close()
+        held[1][1].close()
+
+
+async def test_a_review_still_gets_its_answer_under_short_limits(short_limits: Listening) -> None:
+    body = orjson.dumps(review(secret(data={"a": b64(1024)})))
+    reader, writer = await short_limits.tls()
+    writer.write(b"POST /validate HTTP/1.1\r\nHost: webhook\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+    answer = await _closed_by_server(reader)
+    assert answer.startswith(b"HTTP/1.1 200") and b'"allowed":true' in answer
+    writer.close()
+
+
+@pytest.mark.parametrize(("field", "value", "needle"), [
+    ("max_connections", 0, "maxConnections"),
+    ("idle_timeout_seconds", 0, "idleTimeoutSeconds"),
+    ("body_timeout_seconds", -1, "bodyTimeoutSeconds"),
+    ("tls_handshake_timeout_seconds", 0, "tlsHandshakeTimeoutSeconds"),
+    ("write_timeout_seconds", 0, "writeTimeoutSeconds"),
+])
+def test_limits_must_be_positive(field: str, value: float, needle: str) -> None:
+    settings = replace(ServerSettings(cert_file="c", key_file="k"), **{field: value})
+    with pytest.raises(ValueError, match=needle):
+        settings.validate()
+
+
+async def _post(served: Listening, body: bytes) -> bytes:
+    reader, writer = await served.tls()
+    writer.write(b"POST /validate HTTP/1.1\r\nHost: webhook\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+    answer = await _closed_by_server(reader)
+    writer.close()
+    return answer
+
+
+async def test_bodies_held_at_once_are_bounded_by_the_budget_not_by_connections(tmp_path: Path) -> None:
+    """Two slow senders declaring 64 KiB each fill a 128 KiB budget: the next review gets 503 before its body
+    is read, and is answered again once they are gone. Before, each connection could hold maxBodyBytes."""
+    async for served in _serving(tmp_path, max_body_bytes=64 * 1024, max_buffered_body_bytes=128 * 1024):
+        before = _refused("validate", "body-budget")
+        review_body = orjson.dumps(review(secret(data={"a": b64(1024)})))
+        slow = [await served.tls() for _ in range(2)]
+        for _, w in slow:
+            w.write(b"POST /validate HTTP/1.1\r\nHost: webhook\r\nContent-Length: 65536\r\n\r\n{\"apiVersion\":")
+            await w.drain()
+        deadline = time.monotonic() + GIVE_UP
+        while not (answer := await _post(served, review_body)).startswith(b"HTTP/1.1 503"):
+            assert answer.startswith(b"HTTP/1.1 200")
+            assert time.monotonic() < deadline, "two held 64 KiB bodies never filled the 128 KiB budget"
+            await asyncio.sleep(0.05)
+        assert b"maxBufferedBodyBytes" in answer and b"Retry-After: 1" in answer
+        assert _refused("validate", "body-budget") >= before + 1
+        for _, w in slow:
+            w.close()
+        deadline = time.monotonic() + GIVE_UP
+        while not (answer := await _post(served, review_body)).startswith(b"HTTP/1.1 200"):
+            assert time.monotonic() < deadline, "the budget was not given back when the slow senders left"
+            await asyncio.sleep(0.05)
+
+
+def test_budget_must_hold_the_largest_review() -> None:
+    settings = ServerSettings(cert_file="c", key_file="k", max_body_bytes=1 << 20, max_buffered_body_bytes=1 << 19)
+    with pytest.raises(ValueError, match="maxBufferedBodyBytes"):
+        settings.validate()
+
+
+def _pipeline_without_reading(served: Listening, requests: int = 20000) -> ssl.SSLSocket:
+    """A blocking client with a tiny receive window that sends requests back to back and reads nothing."""
+    raw = socket.create_connection(("127.0.0.1", served.port))
+    raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    tls = served.ctx.wrap_socket(raw, server_hostname="127.0.0.1")
+    tls.settimeout(3)
+    with contextlib.suppress(OSError):  # the server stops reading (or cuts us): enough sent
+        for _ in range(requests):
+            tls.sendall(b"GET /metrics HTTP/1.1\r\nHost: webhook\r\n\r\n")
+    return tls
+
+
+async def test_client_that_never_reads_its_responses_is_cut_after_the_write_timeout(tmp_path: Path) -> None:
+    """Pipelined requests whose answers are never read: the handler waited for the socket to drain forever
+    (measured: still established after 60 s with 3.8 MB queued), and a waiting handler is not idle."""
+    async for served in _serving(tmp_path, write_timeout_seconds=1.0, idle_timeout_seconds=1.0):
+        before = _refused("other", "write-timeout")
+        tls = await asyncio.to_thread(_pipeline_without_reading, served)
+        try:
+            deadline = time.monotonic() + GIVE_UP
+            while _refused("other", "write-timeout") == before:
+                assert time.monotonic() < deadline, f"a never-reading client was still served after {GIVE_UP:g} s"
+                await asyncio.sleep(0.1)
+        finally:
+            tls.close()
+
+
+async def test_malformed_http_is_counted_and_not_logged_as_an_error(short_limits: Listening,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """Any pod can send a bad chunk size; aiohttp logged each one as an ERROR with a traceback."""
+    bad = metrics().bad_requests.labels("http")
+    before = bad._value.get()
+    with caplog.at_level(logging.DEBUG, logger="aiohttp.server"):
+        for _ in range(3):
+            reader, writer = await short_limits.tls()
+            writer.write(b"POST /validate HTTP/1.1\r\nHost: webhook\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n")
+            answer = await _closed_by_server(reader)
+            assert answer.startswith(b"HTTP/1.0 400") or answer.startswith(b"HTTP/1.1 400")
+            writer.close()
+    assert bad._value.get() == before + 3
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
