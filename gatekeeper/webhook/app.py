@@ -198,8 +198,11 @@ async def _read_and_decide(request: web.Request, route: str, settings: WebhookSe
                            started: float) -> web.Response:
     m = metrics()
     try:
-        async with asyncio.timeout(settings.server.body_timeout_seconds):
+        if request.content.is_eof():  # already received whole (the usual small review): nothing to wait for
             body = await request.read()
+        else:
+            async with asyncio.timeout(settings.server.body_timeout_seconds):
+                body = await request.read()
     except web.HTTPRequestEntityTooLarge:
         m.refused.labels(route, "too-large").inc()
         return _closing(web.Response(status=413, text=f"AdmissionReview larger than webhook.server.maxBodyBytes "
@@ -273,6 +276,10 @@ def _not_ready(app: web.Application) -> str | None:
     return None if state.get("ready") else f"not ready: {state.get('reason', 'starting')}\n"
 
 
+_UNBLOCKED_BYTES = 16 * 1024
+"""A response this small, written into an empty transport buffer, stays under its high-water mark (64 KiB)."""
+
+
 def _write_bounded(settings: WebhookSettings) -> Any:
     """Middleware: every response, errors included, is written within ``writeTimeoutSeconds`` or the connection
     is aborted. aiohttp waits for a socket to drain with no limit, and a handler waiting there is not idle, so a
@@ -286,6 +293,13 @@ def _write_bounded(settings: WebhookSettings) -> Any:
         except web.HTTPException as exc:  # 404/405 and the like are responses too
             resp = exc
         if resp.prepared:
+            return resp
+        transport = request.transport
+        if (transport is not None and not transport.get_write_buffer_size() and isinstance(resp, web.Response)
+                and isinstance(resp.body, bytes) and len(resp.body) <= _UNBLOCKED_BYTES):
+            # Nothing queued and a small answer: aiohttp's own write cannot wait for a drain, so no timer
+            # (a timeout scope costs about 3-6 us, a few % of a review). A client that stops reading fills
+            # the kernel's buffer, then ours, and from then on every response gets the timeout.
             return resp
         try:
             async with asyncio.timeout(timeout):
