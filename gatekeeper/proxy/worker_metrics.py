@@ -190,6 +190,11 @@ def supervisor_page(sup: Supervisor, serving: int, view: dict[str, dict[str, int
         "# TYPE gatekeeper_proxy_worker_restarts counter",
         *(_fmt("gatekeeper_proxy_worker_restarts_total", (("worker", str(s.index)),), float(s.restarts))
           for s in sup.slots),
+        "# HELP gatekeeper_proxy_worker_hung_kills Workers killed because their /healthz stopped answering "
+        "(proxy.workerHangSeconds).",
+        "# TYPE gatekeeper_proxy_worker_hung_kills counter",
+        *(_fmt("gatekeeper_proxy_worker_hung_kills_total", (("worker", str(s.index)),), float(s.hung_kills))
+          for s in sup.slots),
         "# HELP gatekeeper_flowcontrol_ledger_seats Seats in use and requests queued per level, all workers.",
         "# TYPE gatekeeper_flowcontrol_ledger_seats gauge",
     ]
