@@ -116,7 +116,7 @@ def run_worker(settings: ProxySettings, index: int, runtime: Path, port: int) ->
 
         ledger = SeatLedger(runtime / "ledger", index)
         register_recent_requests(pipeline)
-        metrics.render = functools.partial(render_in_worker, runtime, ledger)  # /metrics shows the whole proxy
+        metrics.render = functools.partial(render_in_worker, runtime, ledger, index)  # the whole proxy's page
         if flow is not None and getattr(flow, "controller", None) is not None:
             attach(flow, ledger)
 
@@ -216,7 +216,8 @@ class Supervisor:
             absorb_dead_process(pid)
         except Exception:  # never let bookkeeping stop the restart
             log.exception("folding worker %d's (pid %d) metric files into the archive failed", index, pid)
-        (self.runtime / f"worker-{index}.json").unlink(missing_ok=True)
+        for name in (f"worker-{index}.json", f"page-{index}.prom"):
+            (self.runtime / name).unlink(missing_ok=True)
 
     def worker_urls(self) -> list[str]:
         """Private metrics URLs of the live, serving workers."""

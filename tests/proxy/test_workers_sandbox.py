@@ -243,3 +243,36 @@ def test_a_hung_worker_is_killed_and_replaced(churn_proxy: ProxyProcess) -> None
     assert p.metric("gatekeeper_proxy_worker_hung_kills_total", worker="1") == 1
     assert "has not answered /healthz" in p.log.read_text()
     assert httpx.get(f"{p.url}/api/v1/namespaces/default", verify=p.tls(cert=True)).status_code == 200
+
+
+def test_concurrent_scrapes_of_two_workers_each_see_the_whole_proxy(proxy: ProxyProcess) -> None:
+    """Each worker's /metrics fetches the other workers' live pages while its own event loop waits; two
+    scrapes landing on two workers at once used to wait for each other until the fetch timed out (both
+    stalled, serving nothing, for 2 s), and each page then lacked the other worker's live gauges."""
+    import threading
+
+    conns = connect_to_every_worker(proxy)
+    try:
+        for c in conns:
+            sid = c.request("/api/v1/namespaces/default/configmaps?watch=1")
+            assert c.read_until(lambda c=c, sid=sid: sid in c.status)
+        urls = [w["metricsUrl"] for w in workers_of(proxy)]
+        assert len(urls) == WORKERS
+        for _ in range(6):
+            barrier = threading.Barrier(len(urls))
+            pages: dict[str, str] = {}
+
+            def scrape(url: str, barrier: threading.Barrier = barrier, pages: dict[str, str] = pages) -> None:
+                barrier.wait()
+                pages[url] = get(f"{url}/metrics")
+
+            threads = [threading.Thread(target=scrape, args=(u,)) for u in urls]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(30)
+            seen = {u: sample_sum(page, "gatekeeper_proxy_backend_watches") for u, page in pages.items()}
+            assert seen == {u: float(len(conns)) for u in urls}, seen
+    finally:
+        for c in conns:
+            c.close()
