@@ -222,7 +222,12 @@ def test_replaced_workers_run_the_started_config_keep_counters_and_leave_bounded
             last = now
             if round_ == 0:  # the dead worker's open connections are no longer counted
                 assert p.metric("gatekeeper_proxy_client_connections", protocol="h2") == others
+            if round_ == 0:
+                assert p.proc is not None
+                fds = len(os.listdir(f"/proc/{p.proc.pid}/fd"))
         assert workers_of(p)[0]["restarts"] == 4
+        # the parent holds no more descriptors after four more restarts than after the first
+        assert len(os.listdir(f"/proc/{p.proc.pid}/fd")) <= fds
         files = sorted(f.name for f in (tmp_path / "metrics").glob("*.db"))
         # per live worker at most a counter, a histogram and live-gauge files; plus the two archives
         assert len([f for f in files if f.startswith(("counter_", "histogram_"))]) <= 2 * WORKERS + 2, files
@@ -276,3 +281,19 @@ def test_concurrent_scrapes_of_two_workers_each_see_the_whole_proxy(proxy: Proxy
     finally:
         for c in conns:
             c.close()
+
+
+def test_workers_follow_a_sigkilled_parent(churn_proxy: ProxyProcess) -> None:
+    """PR_SET_PDEATHSIG: no worker is left holding the port (and seats) after the parent is SIGKILLed."""
+    pids = [w["pid"] for w in workers_of(churn_proxy)]
+    assert churn_proxy.proc is not None
+    churn_proxy.proc.kill()
+    churn_proxy.proc.wait(10)
+
+    def gone(pid: int) -> bool:
+        try:
+            return "zombie" in Path(f"/proc/{pid}/status").read_text() or "(Z)" in Path(f"/proc/{pid}/stat").read_text()
+        except FileNotFoundError:
+            return True
+
+    wait_for(lambda: all(gone(pid) for pid in pids), timeout=40, what="the orphaned workers to exit")
