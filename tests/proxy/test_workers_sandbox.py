@@ -198,6 +198,9 @@ def test_a_bad_policy_reload_keeps_every_worker_on_the_old_policy_and_a_good_one
     assert len(set(levels.values())) == 1 and set(levels.values()) != {2.0}, levels
 
 
+ROUNDS = 6
+
+
 def test_replaced_workers_run_the_started_config_keep_counters_and_leave_bounded_files(
         churn_proxy: ProxyProcess, tmp_path: Path) -> None:
     """The config file is broken after start; each SIGKILLed worker must come back serving (it used to
@@ -210,7 +213,7 @@ def test_replaced_workers_run_the_started_config_keep_counters_and_leave_bounded
         p.config_path.write_text("proxy: [\n")
         last = p.metric(name, **labels)
         assert last >= len(conns)
-        for round_ in range(4):
+        for round_ in range(ROUNDS):
             victim = workers_serving(p)[0]
             others = sum(v for i, v in per_worker(p, "gatekeeper_proxy_client_connections", protocol="h2").items()
                          if i != 0)
@@ -225,9 +228,10 @@ def test_replaced_workers_run_the_started_config_keep_counters_and_leave_bounded
             if round_ == 0:
                 assert p.proc is not None
                 fds = len(os.listdir(f"/proc/{p.proc.pid}/fd"))
-        assert workers_of(p)[0]["restarts"] == 4
-        # the parent holds no more descriptors after four more restarts than after the first
-        assert len(os.listdir(f"/proc/{p.proc.pid}/fd")) <= fds
+        assert workers_of(p)[0]["restarts"] == ROUNDS
+        # the parent's descriptors do not grow with restarts (slack for a scrape or heartbeat socket in flight)
+        held = [os.readlink(f"/proc/{p.proc.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{p.proc.pid}/fd")]
+        assert len(held) <= fds + 2, held
         files = sorted(f.name for f in (tmp_path / "metrics").glob("*.db"))
         # per live worker at most a counter, a histogram and live-gauge files; plus the two archives
         assert len([f for f in files if f.startswith(("counter_", "histogram_"))]) <= 2 * WORKERS + 2, files
