@@ -11,7 +11,8 @@ upstream client for every request, so one proxy process tops out at one core.
   the seats it held in the flow-control ledger are released at once
   (``flowcontrol/ledger.py``: the levels' limits are proxy-wide).
 * SIGTERM/SIGINT: every worker drains (GOAWAY, streams finish, exit 0); the
-  parent exits with the worst worker exit code. SIGHUP is forwarded to every
+  parent exits with the worst worker exit code (a worker still running
+  ``shutdownTimeoutSeconds`` + 10 s later is SIGKILLed: its exit code is 9). SIGHUP is forwarded to every
   worker (flow-control policy reload).
 * The parent serves ``/metrics``, ``/healthz`` and ``/readyz`` on
   ``listener.metricsPort`` for the whole proxy (``worker_metrics.py``): counters
@@ -55,6 +56,8 @@ MAX_BACKOFF = 10.0
 STABLE_SECONDS = 10.0
 """A worker that ran this long before dying is restarted without backoff."""
 PARENT_ENV = "GATEKEEPER_PROXY_PARENT"
+KILL_GRACE = 10.0
+"""After SIGTERM, a worker still running this long past ``protocol.shutdownTimeoutSeconds`` is SIGKILLed."""
 
 
 def usable_cores() -> int:
@@ -280,6 +283,22 @@ class Supervisor:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self.stopping.wait(), every)
 
+    async def _reap_after_drain(self, watchers: list[asyncio.Task[None]]) -> None:
+        """Wait for the workers' drains; SIGKILL any still running ``shutdownTimeoutSeconds`` + KILL_GRACE later.
+
+        A worker drains for at most ``protocol.shutdownTimeoutSeconds`` and exits, unless its event loop
+        is stuck or it was stopped: then the parent used to wait for it forever, holding the port."""
+        grace = self.settings.protocol.shutdown_timeout_seconds + KILL_GRACE
+        _, late = await asyncio.wait(watchers, timeout=grace)
+        if late:
+            for slot in self.slots:
+                if slot.proc is not None and slot.proc.returncode is None:
+                    log.error("worker %d (pid %d) still running %.0fs after SIGTERM: killing it",
+                              slot.index, slot.proc.pid, grace)
+                    with contextlib.suppress(ProcessLookupError):
+                        slot.proc.kill()
+        await asyncio.gather(*watchers, return_exceptions=True)
+
     def _serving(self) -> list[tuple[_Slot, str, int]]:
         """(slot, private metrics URL, pid) of each live worker that has announced it serves."""
         out = []
@@ -324,7 +343,7 @@ class Supervisor:
         log.info("gatekeeper proxy: %d workers on https://%s:%d", len(self.slots), lst.address, self.port)
         try:
             await self.stopping.wait()
-            await asyncio.gather(*watchers, return_exceptions=True)
+            await self._reap_after_drain(watchers)
             codes = [s.proc.returncode for s in self.slots if s.proc is not None]
         finally:
             heartbeat.cancel()

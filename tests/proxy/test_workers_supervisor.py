@@ -89,3 +89,37 @@ def test_workers_start_from_a_private_copy_of_the_validated_config(tmp_path: Pat
     other.mkdir()
     with pytest.raises(UsageError, match="changed while the proxy was starting"):
         workers.snapshot_config(settings, config, other)
+
+
+async def test_a_worker_that_ignores_sigterm_is_killed_after_the_drain_time(tmp_path: Path, monkeypatch) -> None:
+    """The parent used to wait forever for a worker that never finished draining (stuck or stopped)."""
+    from dataclasses import replace
+
+    from gatekeeper.proxy.settings import ListenerSettings, ProtocolSettings
+
+    settings = replace(SETTINGS, listener=ListenerSettings(metrics_port=-1), worker_hang_seconds=0,
+                       protocol=ProtocolSettings(shutdown_timeout_seconds=0.5))
+    sup = supervisor(tmp_path, settings)
+    real = asyncio.create_subprocess_exec
+    deaf = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                                  "print('ready', flush=True); time.sleep(60)"]
+    started = asyncio.Event()
+
+    async def deaf_worker(*argv: Any, **kw: Any) -> asyncio.subprocess.Process:
+        proc = await real(*deaf, **{**kw, "stdout": asyncio.subprocess.PIPE})
+        assert proc.stdout is not None
+        await proc.stdout.readline()  # SIGTERM is ignored from here on
+        started.set()
+        return proc
+
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", deaf_worker)
+    monkeypatch.setattr(workers, "KILL_GRACE", 0.5, raising=False)
+    run = asyncio.get_running_loop().create_task(sup.run())
+    try:
+        await asyncio.wait_for(started.wait(), 20)
+        sup.stop()
+        assert await asyncio.wait_for(run, 20) == signal.SIGKILL
+    finally:
+        for slot in sup.slots:
+            if slot.proc is not None and slot.proc.returncode is None:
+                slot.proc.kill()
