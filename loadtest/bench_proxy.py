@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import re
 import signal
@@ -48,6 +49,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +82,8 @@ class Env:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.gk_url = self.hap_tcp_url = self.hap_http_url = ""
         self.gk_pid = self.hap_pid = 0
+        self.gk_metrics: dict[str, str] = {}
+        """Each gatekeeper's metrics listener (``GET /workers``), by its URL."""
         self.token = ""
 
     def admin_tls(self) -> ssl.SSLContext:
@@ -126,6 +131,7 @@ class Env:
         assert gk.proc is not None
         if name == "bench-proxy":
             self.gk_pid, self.gk_url = gk.proc.pid, gk.url
+        self.gk_metrics[gk.url] = gk.metrics_url
         return gk.url, gk.proc.pid
 
     def start_haproxy(self, nbthread: int = 1, name: str = "haproxy",
@@ -408,12 +414,40 @@ def open_loop(env: Env, base: str, rate: int, seconds: float, clients: int = 4) 
     return h2load(env, base, int(rate * seconds), clients, 8, rps=max(1, rate // clients))
 
 
+def worker_requests(metrics_url: str) -> list[float]:
+    """Requests each worker of a gatekeeper has served so far (its private page), in worker order; empty for
+    a single process (``--workers 1`` has no supervisor and no ``/workers``)."""
+    try:
+        with urllib.request.urlopen(f"{metrics_url}/workers", timeout=5) as resp:
+            workers = json.load(resp)
+    except urllib.error.HTTPError as exc:
+        if exc.code == 404:
+            return []
+        raise
+    out = []
+    for w in workers:
+        page = ""
+        if w.get("metricsUrl"):
+            with urllib.request.urlopen(f"{w['metricsUrl']}/metrics/worker", timeout=5) as resp:
+                page = resp.read().decode()
+        out.append(sum(float(m.group(1)) for m in re.finditer(
+            r"^gatekeeper_proxy_requests_total\{[^}]*\} (\S+)$", page, re.M)))
+    return out
+
+
 def closed_loop(env: Env, base: str, pid: int, n: int, clients: int, streams: int) -> dict[str, float]:
-    """Closed loop plus the proxy's CPU (all its processes) per request."""
+    """Closed loop plus the proxy's CPU (all its processes) per request, and for gatekeeper with several
+    workers how the requests split over them (SO_REUSEPORT hashes each connection to a worker; a closed
+    loop runs at the speed of the busiest)."""
     pids = tree_pids(pid)
+    metrics = env.gk_metrics.get(base)
+    split0 = worker_requests(metrics) if metrics else []
     cpu0 = cpu_seconds(pids)
     r = h2load(env, base, n, clients, streams)
     r["cpu_ms"] = (cpu_seconds(pids) - cpu0) * 1000 / max(1.0, r["ok2xx"])
+    if len(split0) > 1 and metrics:
+        split = [b - a for a, b in zip(split0, worker_requests(metrics), strict=True)]
+        r["busiest_share"] = max(split) / max(1.0, sum(split))
     return r
 
 
@@ -445,8 +479,9 @@ def modes(env: Env, args: argparse.Namespace) -> None:
             res[f"hap{t}"] = closed_loop(env, hap[t][0], hap[t][1], n, c, m)
         for key, r in res.items():
             label = f"gatekeeper --workers {key[2:]}" if key.startswith("gk") else f"haproxy nbthread {key[3:]}"
+            share = f"  busiest worker {r['busiest_share']:.0%} of requests" if "busiest_share" in r else ""
             print(f"{label:24s} {r['rps']:7.0f} req/s  p50 {r['p50']:6.2f} p99 {r['p99']:6.2f} ms  "
-                  f"CPU {r['cpu_ms']:.3f} ms/req  failed {r['failed']:.0f}")
+                  f"CPU {r['cpu_ms']:.3f} ms/req  failed {r['failed']:.0f}{share}")
         for w, t in ((1, 1), (2, 2)):
             g, h = res[f"gk{w}"], res[f"hap{t}"]
             print(f"workers {w} / nbthread {t}: throughput x{g['rps'] / h['rps']:.2f}, CPU per request "

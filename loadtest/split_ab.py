@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -47,9 +48,15 @@ def main() -> None:
         url, pid = env.start_haproxy(1)
         targets.append(("haproxy", url, pid))
         if args.base:
-            os.environ["PYTHONPATH"] = args.base
+            # PYTHONSAFEPATH: `python -m gatekeeper` puts its working directory first on sys.path, so run
+            # from the repository root the "base" proxy loaded this tree's gatekeeper, not --base's.
+            os.environ["PYTHONPATH"], os.environ["PYTHONSAFEPATH"] = args.base, "1"
+            loaded = subprocess.run([sys.executable, "-c", "import gatekeeper; print(gatekeeper.__file__)"],
+                                    capture_output=True, text=True, check=True).stdout.strip()
+            if not Path(loaded).resolve().is_relative_to(Path(args.base).resolve()):
+                sys.exit(f"--base {args.base}: the proxy would load {loaded} instead")
             url, pid = env.start_gatekeeper("gk-base", workers=1, deployed_flow_control=True)
-            del os.environ["PYTHONPATH"]
+            del os.environ["PYTHONPATH"], os.environ["PYTHONSAFEPATH"]
             targets.append(("gk-base", url, pid))
         url, pid = env.start_gatekeeper("gk-new", workers=1, deployed_flow_control=True)
         targets.append(("gk-new", url, pid))

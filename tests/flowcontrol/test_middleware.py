@@ -446,3 +446,16 @@ async def test_a_client_taking_its_response_slowly_holds_its_seats_at_most_seat_
 def test_seat_timeout_must_be_positive():
     with pytest.raises(ValueError, match="seatTimeoutSeconds"):
         FlowControlSettings(seat_timeout_seconds=0).validate()
+
+
+async def test_requests_that_end_leave_no_seat_deadline_behind_and_one_timer_serves_them_all():
+    """The seat deadline is a dict entry swept by one timer, not a timer per request (hot path)."""
+    fc = FlowControl(seeds_settings(coalesce=False, seat_timeout_seconds=30))
+    up = Upstream(body=b"s" * 100, chunks=1)
+    for user in ("alice", "bob", "carol"):
+        assert (await call(fc, req(user=user), up))[0] == 200
+    assert fc._timed == {}
+    sweeper = fc._sweeper
+    assert sweeper is not None  # armed by the first timed request
+    await fc.close()
+    assert fc._sweeper is None and sweeper.cancelled()
