@@ -197,6 +197,8 @@ def load_yaml(path: Path | str) -> Any:
         text = p.read_text()
     except OSError as exc:
         raise ConfigError(str(p), "", f"cannot read config file: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(str(p), "", f"not UTF-8 text (byte {exc.start}); a config file is UTF-8 YAML") from None
     try:
         return yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass: no arbitrary objects
     except yaml.YAMLError as exc:

@@ -212,6 +212,9 @@ class ProxySettings:
     """Worker processes sharing the TLS port (0 = one per usable core, at most maxWorkers; 1 = no supervisor)."""
     max_workers: int = 8
     """Cap on the automatic worker count (an explicit ``workers``/``--workers`` may exceed it)."""
+    worker_hang_seconds: float = 30.0
+    """With several workers: a serving worker whose private ``/healthz`` has not answered for this long (its
+    event loop is stuck, or it was stopped) is killed and restarted, and its seats are released (0 = never)."""
     gc_young_threshold: int = 20000
     """Allocations between young-generation garbage collections in a serving process (0 = Python's default,
     700): each request allocates hundreds of short-lived objects, and a collection every 700 of them cost ~2%
@@ -222,6 +225,8 @@ class ProxySettings:
             raise ValueError("backends: at least one apiserver URL is required")
         if self.workers < 0 or self.max_workers < 1:
             raise ValueError("workers must be >= 0 (0 = one per usable core) and maxWorkers >= 1")
+        if not (self.worker_hang_seconds == 0 or self.worker_hang_seconds >= 1):
+            raise ValueError(f"workerHangSeconds must be 0 (never) or at least 1, got {self.worker_hang_seconds}")
         if self.gc_young_threshold < 0:
             raise ValueError("gcYoungThreshold must be >= 0 (0 = Python's default)")
 

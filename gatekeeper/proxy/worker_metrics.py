@@ -155,28 +155,70 @@ async def render(sup: Supervisor) -> bytes:
     return mpc + merge_pages(pages, names, peaks).encode() + supervisor_page(sup, len(urls), view).encode()
 
 
-def render_in_worker(runtime: Path, ledger: SeatLedger) -> tuple[bytes, str]:
+def render_in_worker(runtime: Path, ledger: SeatLedger, index: int) -> tuple[bytes, str]:
     """A worker's ``/metrics`` (TLS port for admins, and its private listener): the whole proxy's page.
 
     Synchronous, as ``gatekeeper.proxy.metrics.render`` is: this worker's live page comes from its own
-    registry, the other workers' from their private ``/metrics/worker`` (a short blocking fetch on an
-    admin-only path; never this worker's own listener, which could not answer while it waits)."""
+    registry, the other workers' from their private ``/metrics/worker`` (a short blocking fetch; never
+    this worker's own listener, which could not answer while it waits).
+
+    Two workers rendering at once must not fetch from each other: each would wait, its event loop
+    blocked, for the other's blocked loop until the fetch timed out (measured: both pages lacked the
+    other's live gauges and both workers stalled 2 s; any local user can reach the private listeners).
+    So a rendering worker first leaves its own live page in ``page-N.prom``, then holds ``render-N.lock``
+    while it fetches; a worker whose lock is held is read from its page file instead of over HTTP. A
+    worker only ever fetches from one that took its lock after it looked, so no cycle of waits can form.
+    """
+    import fcntl
     import json
     import os
     import urllib.request
 
     from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
-    pages = [generate_latest(REGISTRY).decode()]
-    for path in sorted(runtime.glob("worker-*.json")):
-        with contextlib.suppress(OSError, ValueError):
-            info = json.loads(path.read_text())
-            if info.get("pid") != os.getpid():
+    own = generate_latest(REGISTRY).decode()
+    page = runtime / f"page-{index}.prom"
+    tmp = page.with_suffix(".tmp")
+    tmp.write_text(own)
+    tmp.replace(page)
+    pages = [own]
+    mine = os.open(runtime / f"render-{index}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(mine, fcntl.LOCK_EX)
+        for path in sorted(runtime.glob("worker-*.json")):
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                other = int(path.stem.rpartition("-")[2])
+                info = json.loads(path.read_text())
+                if other == index or info.get("pid") == os.getpid():
+                    continue
+                if _rendering(runtime, other):
+                    pages.append((runtime / f"page-{other}.prom").read_text())
+                    continue
                 with urllib.request.urlopen(f"{info['metricsUrl']}/metrics/worker", timeout=2) as resp:
                     pages.append(resp.read().decode())
+    finally:
+        os.close(mine)  # drops the lock
     mpc, names = multiprocess_page()
     peaks = {name: v["peak"] for name, v in ledger.view().items()}
     return mpc + merge_pages(pages, names, peaks).encode(), CONTENT_TYPE_LATEST
+
+
+def _rendering(runtime: Path, index: int) -> bool:
+    """True while worker ``index`` holds its render lock (its event loop waits on fetches of its own)."""
+    import fcntl
+    import os
+
+    try:
+        fd = os.open(runtime / f"render-{index}.lock", os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
 
 
 def supervisor_page(sup: Supervisor, serving: int, view: dict[str, dict[str, int]]) -> str:
@@ -189,6 +231,11 @@ def supervisor_page(sup: Supervisor, serving: int, view: dict[str, dict[str, int
         "# HELP gatekeeper_proxy_worker_restarts Workers restarted after they died.",
         "# TYPE gatekeeper_proxy_worker_restarts counter",
         *(_fmt("gatekeeper_proxy_worker_restarts_total", (("worker", str(s.index)),), float(s.restarts))
+          for s in sup.slots),
+        "# HELP gatekeeper_proxy_worker_hung_kills Workers killed because their /healthz stopped answering "
+        "(proxy.workerHangSeconds).",
+        "# TYPE gatekeeper_proxy_worker_hung_kills counter",
+        *(_fmt("gatekeeper_proxy_worker_hung_kills_total", (("worker", str(s.index)),), float(s.hung_kills))
           for s in sup.slots),
         "# HELP gatekeeper_flowcontrol_ledger_seats Seats in use and requests queued per level, all workers.",
         "# TYPE gatekeeper_flowcontrol_ledger_seats gauge",

@@ -11,7 +11,8 @@ upstream client for every request, so one proxy process tops out at one core.
   the seats it held in the flow-control ledger are released at once
   (``flowcontrol/ledger.py``: the levels' limits are proxy-wide).
 * SIGTERM/SIGINT: every worker drains (GOAWAY, streams finish, exit 0); the
-  parent exits with the worst worker exit code. SIGHUP is forwarded to every
+  parent exits with the worst worker exit code (a worker still running
+  ``shutdownTimeoutSeconds`` + 10 s later is SIGKILLed: its exit code is 9). SIGHUP is forwarded to every
   worker (flow-control policy reload).
 * The parent serves ``/metrics``, ``/healthz`` and ``/readyz`` on
   ``listener.metricsPort`` for the whole proxy (``worker_metrics.py``): counters
@@ -19,9 +20,14 @@ upstream client for every request, so one proxy process tops out at one core.
   summed from the workers' private pages, skew recomputed from the sums.
 * ``GET /workers`` on that port lists each worker (pid, restarts, private metrics URL).
 * A worker whose parent dies gets SIGTERM (``PR_SET_PDEATHSIG``).
+* A serving worker that stops answering its private ``/healthz`` for
+  ``proxy.workerHangSeconds`` is killed (then restarted as above): a stuck
+  worker still holds its share of the port and its seats.
 
 The runtime directory (ledger, wake sockets, per-worker ``worker-N.json``
-with its private metrics URL) is a fresh temporary directory removed at exit.
+with its private metrics URL, and the copy of the config file every worker
+starts from, :func:`snapshot_config`) is a fresh private temporary directory
+(``mkdtemp``: 0700, unpredictable name) removed at exit.
 """
 
 from __future__ import annotations
@@ -50,6 +56,8 @@ MAX_BACKOFF = 10.0
 STABLE_SECONDS = 10.0
 """A worker that ran this long before dying is restarted without backoff."""
 PARENT_ENV = "GATEKEEPER_PROXY_PARENT"
+KILL_GRACE = 10.0
+"""After SIGTERM, a worker still running this long past ``protocol.shutdownTimeoutSeconds`` is SIGKILLed."""
 
 
 def usable_cores() -> int:
@@ -111,7 +119,7 @@ def run_worker(settings: ProxySettings, index: int, runtime: Path, port: int) ->
 
         ledger = SeatLedger(runtime / "ledger", index)
         register_recent_requests(pipeline)
-        metrics.render = functools.partial(render_in_worker, runtime, ledger)  # /metrics shows the whole proxy
+        metrics.render = functools.partial(render_in_worker, runtime, ledger, index)  # the whole proxy's page
         if flow is not None and getattr(flow, "controller", None) is not None:
             attach(flow, ledger)
 
@@ -141,6 +149,9 @@ class _Slot:
     restarts: int = 0
     quick_deaths: int = 0
     ready_once: bool = False
+    answered: float = 0.0
+    """When the current worker last answered a heartbeat (or was first seen serving)."""
+    hung_kills: int = 0
 
 
 class Supervisor:
@@ -165,7 +176,13 @@ class Supervisor:
         (self.runtime / f"worker-{slot.index}.json").unlink(missing_ok=True)
         slot.proc = await asyncio.create_subprocess_exec(*argv, env=env, stdin=asyncio.subprocess.DEVNULL)
         slot.started = time.monotonic()
+        slot.answered = 0.0
         log.info("worker %d started (pid %d)", slot.index, slot.proc.pid)
+        if self.stopping.is_set():
+            # SIGTERM arrived while this worker was being started: stop() could not reach it, and
+            # the parent would wait for it forever.
+            with contextlib.suppress(ProcessLookupError):
+                slot.proc.send_signal(signal.SIGTERM)
 
     async def _watch(self, slot: _Slot) -> None:
         while True:
@@ -196,22 +213,21 @@ class Supervisor:
     def _forget(self, index: int, pid: int) -> None:
         """A worker is gone: release its seats, drop its live-gauge files and its metrics address."""
         self.ledger.clear_worker(index)
-        with contextlib.suppress(Exception):
-            from prometheus_client import multiprocess
+        try:
+            from gatekeeper.metrics import absorb_dead_process
 
-            multiprocess.mark_process_dead(pid)
-        (self.runtime / f"worker-{index}.json").unlink(missing_ok=True)
+            absorb_dead_process(pid)
+        except Exception:  # never let bookkeeping stop the restart
+            log.exception("folding worker %d's (pid %d) metric files into the archive failed", index, pid)
+        for name in (f"worker-{index}.json", f"page-{index}.prom"):
+            (self.runtime / name).unlink(missing_ok=True)
 
     def worker_urls(self) -> list[str]:
         """Private metrics URLs of the live, serving workers."""
         out = []
-        for slot in self.slots:
-            path = self.runtime / f"worker-{slot.index}.json"
-            with contextlib.suppress(OSError, ValueError):
-                info = json.loads(path.read_text())
-                if slot.proc is not None and info.get("pid") == slot.proc.pid and slot.proc.returncode is None:
-                    slot.ready_once = True
-                    out.append(str(info["metricsUrl"]))
+        for slot, url, _ in self._serving():
+            slot.ready_once = True
+            out.append(url)
         return out
 
     def describe(self) -> list[dict[str, Any]]:
@@ -226,6 +242,71 @@ class Supervisor:
             serving = alive and info.get("pid") == pid
             out.append({"index": slot.index, "pid": pid, "alive": alive, "restarts": slot.restarts,
                         "metricsUrl": info.get("metricsUrl") if serving else None})
+        return out
+
+    async def _heartbeat(self) -> None:
+        """Kill a serving worker whose private ``/healthz`` has not answered for ``workerHangSeconds``.
+
+        A worker whose event loop is stuck (a blocking call, a livelock) or that was SIGSTOPped still
+        holds its SO_REUSEPORT socket: the kernel keeps handing it new connections, which hang, and
+        the seats it holds in the ledger stay taken for the whole proxy. Its process is alive, so
+        ``_watch`` alone never notices. Killed, it is reaped and restarted like any dead worker."""
+        from aiohttp import ClientSession, ClientTimeout
+
+        hang = self.settings.worker_hang_seconds
+        if hang <= 0:
+            return
+        every = min(2.0, hang / 3)
+        async with ClientSession(timeout=ClientTimeout(total=every)) as session:
+
+            async def probe(slot: _Slot, url: str, pid: int) -> None:
+                with contextlib.suppress(Exception):
+                    async with session.get(f"{url}/healthz") as resp:
+                        await resp.read()
+                        if slot.proc is not None and slot.proc.pid == pid:
+                            slot.answered = time.monotonic()
+
+            while not self.stopping.is_set():
+                serving = self._serving()
+                now = time.monotonic()
+                for slot, _, pid in serving:
+                    if slot.answered == 0.0:
+                        slot.answered = now  # first seen serving: the clock starts now
+                    elif now - slot.answered > hang and slot.proc is not None:
+                        log.error("worker %d (pid %d) has not answered /healthz for %.0fs: killing it",
+                                  slot.index, pid, now - slot.answered)
+                        slot.hung_kills += 1
+                        slot.answered = now  # one kill per hang; _watch reaps and restarts it
+                        with contextlib.suppress(ProcessLookupError):
+                            slot.proc.kill()
+                await asyncio.gather(*(probe(slot, url, pid) for slot, url, pid in serving))
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.stopping.wait(), every)
+
+    async def _reap_after_drain(self, watchers: list[asyncio.Task[None]]) -> None:
+        """Wait for the workers' drains; SIGKILL any still running ``shutdownTimeoutSeconds`` + KILL_GRACE later.
+
+        A worker drains for at most ``protocol.shutdownTimeoutSeconds`` and exits, unless its event loop
+        is stuck or it was stopped: then the parent used to wait for it forever, holding the port."""
+        grace = self.settings.protocol.shutdown_timeout_seconds + KILL_GRACE
+        _, late = await asyncio.wait(watchers, timeout=grace)
+        if late:
+            for slot in self.slots:
+                if slot.proc is not None and slot.proc.returncode is None:
+                    log.error("worker %d (pid %d) still running %.0fs after SIGTERM: killing it",
+                              slot.index, slot.proc.pid, grace)
+                    with contextlib.suppress(ProcessLookupError):
+                        slot.proc.kill()
+        await asyncio.gather(*watchers, return_exceptions=True)
+
+    def _serving(self) -> list[tuple[_Slot, str, int]]:
+        """(slot, private metrics URL, pid) of each live worker that has announced it serves."""
+        out = []
+        for slot in self.slots:
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                info = json.loads((self.runtime / f"worker-{slot.index}.json").read_text())
+                if slot.proc is not None and info.get("pid") == slot.proc.pid and slot.proc.returncode is None:
+                    out.append((slot, str(info["metricsUrl"]), slot.proc.pid))
         return out
 
     def stop(self) -> None:
@@ -253,6 +334,7 @@ class Supervisor:
         for slot in self.slots:
             await self._spawn(slot)
         watchers = [loop.create_task(self._watch(s)) for s in self.slots]
+        heartbeat = loop.create_task(self._heartbeat(), name="gatekeeper-worker-heartbeat")
         runner = None
         lst = self.settings.listener
         if lst.metrics_port >= 0:
@@ -261,15 +343,47 @@ class Supervisor:
         log.info("gatekeeper proxy: %d workers on https://%s:%d", len(self.slots), lst.address, self.port)
         try:
             await self.stopping.wait()
-            await asyncio.gather(*watchers, return_exceptions=True)
+            await self._reap_after_drain(watchers)
             codes = [s.proc.returncode for s in self.slots if s.proc is not None]
         finally:
+            heartbeat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await heartbeat
             if runner is not None:
                 await runner.cleanup()
         if self.fatal is not None:
             return self.fatal
         bad = [c for c in codes if c]
         return max((abs(c) for c in bad), default=0)
+
+
+def snapshot_config(settings: ProxySettings, config: Path, runtime: Path) -> Path:
+    """A private copy of the config file the parent validated, for every worker it ever starts.
+
+    Workers used to re-read ``--config`` at each (re)start: after the file was edited, a replaced
+    worker ran other settings than its siblings (backends, limits, inline flow-control objects; SIGHUP
+    reloads only the policy *files*), and after a bad edit it exited 2 at every restart, a crash loop
+    that left its slot empty for good. Settings outside the policy files change with a restart of the
+    proxy, as with one process. Raises UsageError if the file changed between the check and the copy.
+    """
+    from gatekeeper.config import ConfigError, load_config
+    from gatekeeper.errors import UsageError
+
+    copy = runtime / "config.yaml"
+    try:
+        data = config.read_bytes()
+    except OSError as exc:
+        raise UsageError(f"{config}: cannot read config file: {exc.strerror}") from None
+    fd = os.open(copy, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    try:
+        same = load_config(copy, need="proxy").proxy == settings
+    except ConfigError:
+        same = False
+    if not same:
+        raise UsageError(f"{config}: changed while the proxy was starting; start it again")
+    return copy
 
 
 def supervise(settings: ProxySettings, config: Path, workers: int) -> int:
@@ -289,7 +403,8 @@ def supervise(settings: ProxySettings, config: Path, workers: int) -> int:
         raise UsageError(f"proxy.listener: cannot listen on {lst.address}:{lst.port}: {exc.strerror or exc}") from None
     port = int(reserved.getsockname()[1])
     try:
-        return asyncio.run(Supervisor(settings, config, workers, runtime, port).run())
+        snapshot = snapshot_config(settings, config, runtime)
+        return asyncio.run(Supervisor(settings, snapshot, workers, runtime, port).run())
     finally:
         reserved.close()
         shutil.rmtree(runtime, ignore_errors=True)

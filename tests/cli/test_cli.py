@@ -70,3 +70,22 @@ def test_building_the_parser_does_not_import_prometheus_client() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_proxy_workers_refuse_a_metrics_dir_another_user_owns(tmp_path: Path) -> None:
+    """Another local user's PROMETHEUS_MULTIPROC_DIR: one line naming it, exit 2, nothing started."""
+    import os
+
+    theirs = tmp_path / "metrics"
+    theirs.mkdir()
+    os.chown(theirs, 4242, 4242)  # the tests run as root
+    config = tmp_path / "proxy.yaml"
+    config.write_text("proxy:\n  backends: [{url: 'https://127.0.0.1:1'}]\n  upstream: {caFile: /etc/hostname}\n"
+                      "  listener: {address: 127.0.0.1, port: 0, metricsPort: -1,\n"
+                      "             certFile: /etc/hostname, keyFile: /etc/hostname}\n")
+    out = subprocess.run([sys.executable, "-m", "gatekeeper", "proxy", "--config", str(config), "--workers", "2"],
+                         capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(theirs)})
+    assert out.returncode == 2, out.stderr
+    assert f"PROMETHEUS_MULTIPROC_DIR={theirs}: is owned by uid 4242" in out.stderr
+    assert "Traceback" not in out.stderr

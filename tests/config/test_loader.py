@@ -155,3 +155,10 @@ def test_proxy_protocol_limits_that_would_cut_every_client_are_rejected(tmp_path
     )
     with pytest.raises(ConfigError, match=f"proxy.protocol: {message}"):
         load_config(p)
+
+
+def test_a_config_file_that_is_not_utf8_is_a_config_error_naming_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_bytes(b"proxy:\n  workers: \xff\xfe\n")
+    with pytest.raises(ConfigError, match=rf"^{path}: not UTF-8 text \(byte 18\)"):
+        load_config(path)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import signal
 import time
@@ -138,3 +140,164 @@ def test_sighup_reaches_every_worker_and_none_dies(proxy: ProxyProcess) -> None:
              what="every worker to reload its flow-control policy")
     after = workers_of(proxy)
     assert [w["pid"] for w in after] == [w["pid"] for w in before] and all(w["restarts"] == 0 for w in after)
+
+
+# ------------------------------------------------------------------ bad configuration, churn and hangs
+
+def workers_serving(p: ProxyProcess) -> dict[int, dict]:
+    return {w["index"]: w for w in workers_of(p) if w["metricsUrl"]}
+
+
+def replaced(p: ProxyProcess, index: int, old_pid: int) -> bool:
+    w = workers_serving(p).get(index)
+    return w is not None and w["pid"] != old_pid
+
+
+@pytest.fixture
+def churn_proxy(sandbox: SandboxState, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[ProxyProcess]:
+    """Two workers, the seeds' policy in a file of its own (reloaded on SIGHUP only), a metrics directory
+    the test can look into, and a short hang timeout."""
+    from gatekeeper.proxy.flowcontrol.edge.defaults import SEEDS_POLICY
+
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(Path(str(SEEDS_POLICY)).read_text())
+    metrics_dir = tmp_path / "metrics"
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(metrics_dir))
+    p = ProxyProcess(sandbox, tmp_path, name="proxy-churn", workers=WORKERS, user_config={
+        "flowControl": {"files": [str(policy)], "reloadIntervalSeconds": 0}, "workerHangSeconds": 3})
+    p.start()
+    try:
+        yield p
+    finally:
+        p.stop()
+
+
+def test_a_bad_policy_reload_keeps_every_worker_on_the_old_policy_and_a_good_one_reaches_all(
+        churn_proxy: ProxyProcess, tmp_path: Path) -> None:
+    p, policy = churn_proxy, tmp_path / "policy.yaml"
+    good = policy.read_text()
+    assert p.proc is not None
+    for broken in ("kind: [\n", good.replace("nominalConcurrencyShares: 1\n", "nominalConcurrencyShares: -1\n")):
+        failed = p.metric("gatekeeper_flowcontrol_policy_reloads_total", result="failed")
+        policy.write_text(broken)
+        p.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda failed=failed: p.metric("gatekeeper_flowcontrol_policy_reloads_total", result="failed")
+                 == failed + WORKERS, what="every worker to count its failed reload")
+        assert p.metric("gatekeeper_flowcontrol_policy_reload_failing") == WORKERS
+        assert p.metric("gatekeeper_flowcontrol_nominal_limit_seats", priority_level="secrets-list") == 2
+        # still serving, on the old policy, in every worker
+        assert httpx.get(f"{p.url}/api/v1/namespaces/default", verify=p.tls(cert=True)).status_code == 200
+        assert all(w["restarts"] == 0 for w in workers_of(p))
+    assert p.log.read_text().count("keeping the running policy") == 2 * WORKERS
+    policy.write_text(good.replace("nominalConcurrencyShares: 1\n", "nominalConcurrencyShares: 3\n"))
+    p.proc.send_signal(signal.SIGHUP)
+    wait_for(lambda: p.metric("gatekeeper_flowcontrol_policy_reloads_total", result="applied") == WORKERS,
+             what="every worker to apply the fixed policy")
+    assert p.metric("gatekeeper_flowcontrol_policy_reload_failing") == 0
+    levels = per_worker(p, "gatekeeper_flowcontrol_nominal_limit_seats", priority_level="secrets-list")
+    assert len(set(levels.values())) == 1 and set(levels.values()) != {2.0}, levels
+
+
+ROUNDS = 6
+
+
+def test_replaced_workers_run_the_started_config_keep_counters_and_leave_bounded_files(
+        churn_proxy: ProxyProcess, tmp_path: Path) -> None:
+    """The config file is broken after start; each SIGKILLed worker must come back serving (it used to
+    re-read the file: exit 2 at every restart), counters never go down, the dead worker's live gauges
+    go, and the metrics directory does not grow by two files per restart."""
+    p = churn_proxy
+    name, labels = "gatekeeper_proxy_requests_total", {"verb": "get", "resource": "namespaces"}
+    conns = connect_to_every_worker(p)
+    try:
+        p.config_path.write_text("proxy: [\n")
+        last = p.metric(name, **labels)
+        assert last >= len(conns)
+        for round_ in range(ROUNDS):
+            victim = workers_serving(p)[0]
+            others = sum(v for i, v in per_worker(p, "gatekeeper_proxy_client_connections", protocol="h2").items()
+                         if i != 0)
+            os.kill(victim["pid"], signal.SIGKILL)
+            wait_for(lambda victim=victim: replaced(p, 0, victim["pid"]), timeout=30,
+                     what=f"worker 0 to serve again after SIGKILL {round_ + 1} (config broken on disk)")
+            now = p.metric(name, **labels)
+            assert now >= last, f"{name} went back from {last} to {now} after worker 0 was replaced"
+            last = now
+            if round_ == 0:  # the dead worker's open connections are no longer counted
+                assert p.metric("gatekeeper_proxy_client_connections", protocol="h2") == others
+            if round_ == 0:
+                assert p.proc is not None
+                fds = len(os.listdir(f"/proc/{p.proc.pid}/fd"))
+        assert workers_of(p)[0]["restarts"] == ROUNDS
+        # the parent's descriptors do not grow with restarts (slack for a scrape or heartbeat socket in flight)
+        held = [os.readlink(f"/proc/{p.proc.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{p.proc.pid}/fd")]
+        assert len(held) <= fds + 2, held
+        files = sorted(f.name for f in (tmp_path / "metrics").glob("*.db"))
+        # per live worker at most a counter, a histogram and live-gauge files; plus the two archives
+        assert len([f for f in files if f.startswith(("counter_", "histogram_"))]) <= 2 * WORKERS + 2, files
+    finally:
+        for c in conns:
+            c.close()
+
+
+def test_a_hung_worker_is_killed_and_replaced(churn_proxy: ProxyProcess) -> None:
+    p = churn_proxy
+    victim = workers_serving(p)[1]
+    os.kill(victim["pid"], signal.SIGSTOP)  # alive to waitpid, answers nothing
+    try:
+        wait_for(lambda: replaced(p, 1, victim["pid"]), timeout=40, what="the stopped worker to be replaced")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim["pid"], signal.SIGCONT)
+    assert p.metric("gatekeeper_proxy_worker_hung_kills_total", worker="1") == 1
+    assert "has not answered /healthz" in p.log.read_text()
+    assert httpx.get(f"{p.url}/api/v1/namespaces/default", verify=p.tls(cert=True)).status_code == 200
+
+
+def test_concurrent_scrapes_of_two_workers_each_see_the_whole_proxy(proxy: ProxyProcess) -> None:
+    """Each worker's /metrics fetches the other workers' live pages while its own event loop waits; two
+    scrapes landing on two workers at once used to wait for each other until the fetch timed out (both
+    stalled, serving nothing, for 2 s), and each page then lacked the other worker's live gauges."""
+    import threading
+
+    conns = connect_to_every_worker(proxy)
+    try:
+        for c in conns:
+            sid = c.request("/api/v1/namespaces/default/configmaps?watch=1")
+            assert c.read_until(lambda c=c, sid=sid: sid in c.status)
+        urls = [w["metricsUrl"] for w in workers_of(proxy)]
+        assert len(urls) == WORKERS
+        for _ in range(6):
+            barrier = threading.Barrier(len(urls))
+            pages: dict[str, str] = {}
+
+            def scrape(url: str, barrier: threading.Barrier = barrier, pages: dict[str, str] = pages) -> None:
+                barrier.wait()
+                pages[url] = get(f"{url}/metrics")
+
+            threads = [threading.Thread(target=scrape, args=(u,)) for u in urls]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(30)
+            seen = {u: sample_sum(page, "gatekeeper_proxy_backend_watches") for u, page in pages.items()}
+            assert seen == {u: float(len(conns)) for u in urls}, seen
+    finally:
+        for c in conns:
+            c.close()
+
+
+def test_workers_follow_a_sigkilled_parent(churn_proxy: ProxyProcess) -> None:
+    """PR_SET_PDEATHSIG: no worker is left holding the port (and seats) after the parent is SIGKILLed."""
+    pids = [w["pid"] for w in workers_of(churn_proxy)]
+    assert churn_proxy.proc is not None
+    churn_proxy.proc.kill()
+    churn_proxy.proc.wait(10)
+
+    def gone(pid: int) -> bool:
+        try:
+            return "zombie" in Path(f"/proc/{pid}/status").read_text() or "(Z)" in Path(f"/proc/{pid}/stat").read_text()
+        except FileNotFoundError:
+            return True
+
+    wait_for(lambda: all(gone(pid) for pid in pids), timeout=40, what="the orphaned workers to exit")

@@ -40,6 +40,8 @@ def read_objects(path: str) -> list[tuple[str, Any]]:
         text = Path(path).read_text()
     except OSError as exc:
         raise ValueError(f"flowControl.files: cannot read {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text (byte {exc.start})") from None
     try:
         docs = list(yaml.safe_load_all(text))
     except yaml.YAMLError as exc:
@@ -93,15 +95,24 @@ class Reloader:
         self.last_error = ""
 
     def reload(self, why: str = "SIGHUP") -> bool:
+        """Counted in ``gatekeeper_flowcontrol_policy_reloads_total{result}``; a failure also sets
+        ``..._policy_reload_failing`` until a reload applies (metrics imported here: this module is
+        imported before a supervisor sets ``PROMETHEUS_MULTIPROC_DIR``)."""
+        from gatekeeper.proxy.flowcontrol.edge import metrics
+
         self.stamp = _stamp(self.settings.files)
         try:
             policy = load_policy(self.settings)
         except ValueError as exc:
             self.last_error = str(exc)
+            metrics.POLICY_RELOADS.labels("failed").inc()
+            metrics.POLICY_STALE.set(1)
             log.error("flow-control reload (%s) failed; keeping the running policy: %s", why, exc)
             return False
         self.last_error = ""
         self.apply(policy)
+        metrics.POLICY_RELOADS.labels("applied").inc()
+        metrics.POLICY_STALE.set(0)
         log.info(
             "flow-control policy reloaded (%s): %d FlowSchemas, %d priority levels",
             why,

@@ -7,6 +7,8 @@ collector), so they can never drift from the queues' real state.
 ``gatekeeper_flowcontrol_dispatched_requests_total{flow_schema,priority_level}``
 ``gatekeeper_flowcontrol_rejected_requests_total{flow_schema,priority_level,reason}``
     reason: queue-full, time-out, concurrency-limit, cancelled (client left while queued).
+``gatekeeper_flowcontrol_policy_reloads_total{result}`` / ``gatekeeper_flowcontrol_policy_reload_failing``
+    Policy reloads, applied or failed (the running policy stays), and whether the last one failed.
 ``gatekeeper_flowcontrol_seat_timeouts_total{flow_schema,priority_level}``
     Requests that still held their seats ``seatTimeoutSeconds`` after dispatch (a client taking its
     response that slowly): the seats were given back, the response goes on outside the limit.
@@ -43,7 +45,7 @@ import weakref
 from collections.abc import Iterator
 from typing import Protocol
 
-from prometheus_client import REGISTRY, Counter, Histogram
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -56,6 +58,18 @@ REJECTED = Counter(
     "gatekeeper_flowcontrol_rejected_requests",
     "Requests answered 429 (or dropped) by flow control.",
     [*_FS_PL, "reason"],
+)
+POLICY_RELOADS = Counter(
+    "gatekeeper_flowcontrol_policy_reloads",
+    "Flow-control policy reloads (SIGHUP or a policy file changed), by result: applied, or failed (the "
+    "running policy stays; the log says why).",
+    ["result"],
+)
+POLICY_STALE = Gauge(
+    "gatekeeper_flowcontrol_policy_reload_failing",
+    "1 while this process's last policy reload failed and it runs an older policy than its files say "
+    "(with --workers: how many workers do).",
+    multiprocess_mode="livesum",
 )
 SEAT_TIMEOUTS = Counter(
     "gatekeeper_flowcontrol_seat_timeouts",

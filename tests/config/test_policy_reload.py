@@ -1,0 +1,64 @@
+"""A flow-control policy reload that fails keeps the running policy, says why, and is counted."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import yaml
+from prometheus_client import REGISTRY
+
+from gatekeeper.proxy.flowcontrol.core.policy import Policy
+from gatekeeper.proxy.flowcontrol.edge.loading import Reloader, load_policy
+from gatekeeper.proxy.flowcontrol.settings import FlowControlSettings
+
+
+def level(name: str, shares: int) -> dict:
+    return {"apiVersion": "flowcontrol.apiserver.k8s.io/v1", "kind": "PriorityLevelConfiguration",
+            "metadata": {"name": name},
+            "spec": {"type": "Limited", "limited": {"nominalConcurrencyShares": shares,
+                                                    "limitResponse": {"type": "Reject"}}}}
+
+
+def reloads(result: str) -> float:
+    return REGISTRY.get_sample_value("gatekeeper_flowcontrol_policy_reloads_total", {"result": result}) or 0.0
+
+
+def failing() -> float:
+    return REGISTRY.get_sample_value("gatekeeper_flowcontrol_policy_reload_failing") or 0.0
+
+
+@pytest.mark.parametrize("breakage", [
+    pytest.param(lambda p: p.write_text("kind: [\n"), id="not-yaml"),
+    pytest.param(lambda p: p.write_bytes(b"\xff\xfe\x00kind"), id="not-utf8"),
+    pytest.param(lambda p: p.write_text(yaml.safe_dump(level("x", -3))), id="invalid-value"),
+    pytest.param(lambda p: p.unlink(), id="deleted"),
+])
+def test_a_failed_reload_keeps_the_policy_is_logged_and_counted_and_a_later_good_one_applies(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, breakage) -> None:
+    path = tmp_path / "flows.yaml"
+    path.write_text(yaml.safe_dump(level("tenants", 10)))
+    settings = FlowControlSettings(files=[str(path)])
+    applied: list[Policy] = []
+    reloader = Reloader(settings, applied.append)
+    failed0, applied0 = reloads("failed"), reloads("applied")
+
+    breakage(path)
+    with caplog.at_level(logging.ERROR):
+        assert not reloader.reload()
+    assert not applied, "a broken policy was applied"
+    assert "keeping the running policy" in caplog.text and str(path) in caplog.text
+    assert reloads("failed") == failed0 + 1 and failing() == 1
+
+    path.write_text(yaml.safe_dump(level("tenants", 20)))
+    assert reloader.reload()
+    assert len(applied) == 1 and "tenants" in applied[0].levels
+    assert reloads("applied") == applied0 + 1 and failing() == 0
+
+
+def test_a_policy_file_that_is_not_utf8_is_named_at_start(tmp_path: Path) -> None:
+    path = tmp_path / "flows.yaml"
+    path.write_bytes(b"kind: \xff\n")
+    with pytest.raises(ValueError, match=rf"{path}: not UTF-8 text \(byte 6\)"):
+        load_policy(FlowControlSettings(files=[str(path)]))

@@ -1,0 +1,125 @@
+"""The supervising parent on its own (no sandbox): stopping while a worker starts, the config it hands out,
+and a worker that stops answering."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from gatekeeper.errors import UsageError
+from gatekeeper.proxy import workers
+from gatekeeper.proxy.settings import BackendSettings, ProxySettings, UpstreamSettings
+
+SETTINGS = ProxySettings(backends=[BackendSettings(url="https://127.0.0.1:1")],
+                         upstream=UpstreamSettings(ca_file="/etc/hostname"))
+SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
+
+
+def supervisor(tmp_path: Path, settings: ProxySettings = SETTINGS, n: int = 1) -> workers.Supervisor:
+    return workers.Supervisor(settings, tmp_path / "proxy.yaml", n, tmp_path, 0)
+
+
+async def test_sigterm_while_a_worker_is_being_started_still_reaches_it(tmp_path: Path, monkeypatch) -> None:
+    """stop() signals the workers it knows; one whose start was under way when SIGTERM came was missed,
+    and the parent then waited for it forever."""
+    sup = supervisor(tmp_path)
+    real = asyncio.create_subprocess_exec
+
+    async def start_during_sigterm(*argv: Any, **kw: Any) -> asyncio.subprocess.Process:
+        sup.stop()  # the signal handler runs while the parent awaits the fork
+        return await real(*SLEEPER, **kw)
+
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", start_during_sigterm)
+    slot = sup.slots[0]
+    await sup._spawn(slot)
+    assert slot.proc is not None
+    try:
+        assert await asyncio.wait_for(slot.proc.wait(), 10) == -signal.SIGTERM
+    finally:
+        if slot.proc.returncode is None:
+            slot.proc.kill()
+
+
+async def test_a_worker_that_stops_answering_is_killed(tmp_path: Path, monkeypatch) -> None:
+    """A stuck worker is alive to waitpid; only the heartbeat on its private /healthz notices it."""
+    from dataclasses import replace
+
+    sup = supervisor(tmp_path, replace(SETTINGS, worker_hang_seconds=1.0))
+    proc = await asyncio.create_subprocess_exec(*SLEEPER)
+    slot = sup.slots[0]
+    slot.proc = proc
+    # "serving" on a port that accepts and never answers: a listening socket nobody reads
+    server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    (tmp_path / "worker-0.json").write_text(f'{{"pid": {proc.pid}, "metricsUrl": "http://127.0.0.1:{port}"}}')
+    beat = asyncio.get_running_loop().create_task(sup._heartbeat())
+    try:
+        assert await asyncio.wait_for(proc.wait(), 20) == -signal.SIGKILL
+        assert slot.hung_kills == 1
+    finally:
+        sup.stopping.set()
+        await beat
+        server.close()
+        if proc.returncode is None:
+            proc.kill()
+
+
+def test_workers_start_from_a_private_copy_of_the_validated_config(tmp_path: Path) -> None:
+    import gatekeeper.proxy.settings  # noqa: F401 - registers the proxy: section
+    from gatekeeper.config import load_config
+
+    config = tmp_path / "proxy.yaml"
+    config.write_text(yaml.safe_dump({"proxy": {"backends": [{"url": "https://127.0.0.1:1"}],
+                                                "upstream": {"caFile": "/etc/hostname"}}}))
+    settings = load_config(config, need="proxy").proxy
+    runtime = tmp_path / "run"
+    runtime.mkdir(mode=0o700)
+    copy = workers.snapshot_config(settings, config, runtime)
+    assert copy.parent == runtime and copy.stat().st_mode & 0o777 == 0o600
+    config.write_text("proxy: [\n")  # an edit after start no longer reaches a restarted worker
+    assert load_config(copy, need="proxy").proxy == settings
+
+    other = tmp_path / "run2"
+    other.mkdir()
+    with pytest.raises(UsageError, match="changed while the proxy was starting"):
+        workers.snapshot_config(settings, config, other)
+
+
+async def test_a_worker_that_ignores_sigterm_is_killed_after_the_drain_time(tmp_path: Path, monkeypatch) -> None:
+    """The parent used to wait forever for a worker that never finished draining (stuck or stopped)."""
+    from dataclasses import replace
+
+    from gatekeeper.proxy.settings import ListenerSettings, ProtocolSettings
+
+    settings = replace(SETTINGS, listener=ListenerSettings(metrics_port=-1), worker_hang_seconds=0,
+                       protocol=ProtocolSettings(shutdown_timeout_seconds=0.5))
+    sup = supervisor(tmp_path, settings)
+    real = asyncio.create_subprocess_exec
+    deaf = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                                  "print('ready', flush=True); time.sleep(60)"]
+    started = asyncio.Event()
+
+    async def deaf_worker(*argv: Any, **kw: Any) -> asyncio.subprocess.Process:
+        proc = await real(*deaf, **{**kw, "stdout": asyncio.subprocess.PIPE})
+        assert proc.stdout is not None
+        await proc.stdout.readline()  # SIGTERM is ignored from here on
+        started.set()
+        return proc
+
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", deaf_worker)
+    monkeypatch.setattr(workers, "KILL_GRACE", 0.5, raising=False)
+    run = asyncio.get_running_loop().create_task(sup.run())
+    try:
+        await asyncio.wait_for(started.wait(), 20)
+        sup.stop()
+        assert await asyncio.wait_for(run, 20) == signal.SIGKILL
+    finally:
+        for slot in sup.slots:
+            if slot.proc is not None and slot.proc.returncode is None:
+                slot.proc.kill()
