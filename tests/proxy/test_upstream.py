@@ -10,6 +10,7 @@ The same behaviours are proven against real kube-apiservers in
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ssl
 import tracemalloc
 from collections.abc import AsyncIterator
@@ -20,7 +21,7 @@ import pytest
 from aiohttp import web
 
 from gatekeeper.certs import FRONT_PROXY_CA, PKI
-from gatekeeper.proxy.messages import ProxyRequest, ProxyResponse
+from gatekeeper.proxy.messages import ProxyRequest, ProxyResponse, close_body
 from gatekeeper.proxy.pipeline.balancer import Balancer
 from gatekeeper.proxy.pipeline.stages import Pipeline, build
 from gatekeeper.proxy.settings import BackendSettings, ProxySettings, UpstreamSettings
@@ -434,5 +435,41 @@ async def test_upgrade_request_body_stops_being_read_while_the_backend_does_not_
         await asyncio.gather(task, return_exceptions=True)
         for w in held:
             w.close()
+        await pipeline.close()
+        srv.close()
+
+
+async def test_a_refused_upgrade_body_closed_unread_closes_its_backend_connection(pki: PKI) -> None:
+    """HEAD, 204/304, or a client gone before the body: the body is closed before its first chunk. An async
+    generator's finally does not run then: the lease was never given back (in_flight and watches stayed 1
+    unless the adapter's finish() did it) and the connection, kept alive by the backend as Go's server does
+    after a refused upgrade, was left to StreamWriter's finalizer."""
+    hung_up = asyncio.Event()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        body = b'{"kind":"Status","code":403}'
+        writer.write(b"HTTP/1.1 403 Forbidden\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+        await writer.drain()
+        with contextlib.suppress(OSError):
+            while await reader.read(1024):
+                pass
+        hung_up.set()  # the proxy closed its side
+        writer.close()
+
+    srv = await asyncio.start_server(handle, "127.0.0.1", 0, ssl=server_ssl(pki))
+    pipeline = build(settings_for(pki, [f"https://127.0.0.1:{srv.sockets[0].getsockname()[1]}"]))
+    keep: list[ProxyResponse] = []  # held, so the garbage collector cannot close it for us
+    try:
+        headers = [("connection", "Upgrade"), ("upgrade", "websocket"), ("sec-websocket-key", "k")]
+        resp = await pipeline.handler(req("GET", "/forbidden", headers, cert=ADMIN_CERT, protocol="http/1.1"))
+        keep.append(resp)
+        assert resp.status == 403
+        await asyncio.sleep(0.2)
+        assert not hung_up.is_set()
+        await close_body(resp.body)
+        await asyncio.wait_for(hung_up.wait(), 5)
+        assert pipeline.balancer.backends[0].in_flight == 0 and pipeline.balancer.backends[0].watches == 0
+    finally:
         await pipeline.close()
         srv.close()

@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -446,7 +446,7 @@ class BackendClient:
                                  upgraded=Upgraded(reader, writer, on_close))
         # Refused upgrade (e.g. 403, 400): an ordinary response on a connection we then close.
         return ProxyResponse(status=status, headers=strip_hop_by_hop(resp_headers),
-                             body=_raw_body(reader, writer, resp_headers, on_close))
+                             body=_RefusedUpgradeBody(reader, writer, resp_headers, on_close))
 
 
 _NAMES: dict[bytes, str] = {}
@@ -498,11 +498,42 @@ def parse_head(data: bytes) -> tuple[int, Headers]:
     return int(parts[1]), headers
 
 
-async def _raw_body(
-    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, headers: Headers,
-    on_close: Callable[[], Awaitable[None]],
-) -> AsyncIterator[bytes]:
-    """Body of a refused upgrade: Content-Length, chunked, or until close; then close the socket."""
+class _RefusedUpgradeBody:
+    """Body of a refused upgrade; its connection is closed once, whether the body was read or not.
+
+    An async generator's ``finally`` does not run when ``aclose`` comes before the first
+    ``__anext__`` (a HEAD, a 204/304, a client gone before the body): ``on_close`` (the balancer
+    lease) was never called, and the socket was closed only by StreamWriter's finalizer, with a
+    ResourceWarning. ``aclose`` here does both in every case.
+    """
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, headers: Headers,
+                 on_close: Callable[[], Awaitable[None]]) -> None:
+        self._chunks = _raw_body(reader, headers)
+        self._writer = writer
+        self._on_close: Callable[[], Awaitable[None]] | None = on_close
+
+    def __aiter__(self) -> _RefusedUpgradeBody:
+        return self
+
+    async def __anext__(self) -> bytes:
+        try:
+            return await self._chunks.__anext__()
+        except BaseException:
+            await self.aclose()
+            raise
+
+    async def aclose(self) -> None:
+        on_close, self._on_close = self._on_close, None
+        if on_close is None:
+            return
+        await self._chunks.aclose()
+        self._writer.close()
+        await on_close()
+
+
+async def _raw_body(reader: asyncio.StreamReader, headers: Headers) -> AsyncGenerator[bytes, None]:
+    """Content-Length, chunked, or until close; a broken body just ends (the caller closes the socket)."""
     values = dict(headers)
     try:
         if "chunked" in values.get("transfer-encoding", "").lower():
@@ -525,6 +556,3 @@ async def _raw_body(
                 yield chunk
     except (OSError, asyncio.IncompleteReadError, ValueError):
         pass
-    finally:
-        writer.close()
-        await on_close()
