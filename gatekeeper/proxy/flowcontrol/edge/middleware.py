@@ -56,6 +56,7 @@ from gatekeeper.proxy.pipeline.auth import bearer_credential
 from gatekeeper.proxy.pipeline.tokens.classify import unverified_flow
 from gatekeeper.proxy.pipeline.tokens.fetch import TokenIdentities, Upstream
 from gatekeeper.proxy.pipeline.tokens.jwt import Identity
+from gatekeeper.proxy.tally import HistogramTally
 
 log = logging.getLogger("gatekeeper.proxy.flowcontrol")
 
@@ -439,10 +440,15 @@ class FlowControl:
     def _release_seats(self, t: Ticket) -> None:
         w = t.payload
         if isinstance(w, _Waiter) and not w.seats_released:
-            w.seats_released = True
-            self._uncount(w)
-            w.m.exec_watch.observe(self.clock() - w.started)
-            self._wake(self.controller.release_seats(t, self.clock()))
+            self._give_seats_back(t, w, w.m.exec_watch)
+
+    def _give_seats_back(self, t: Ticket, w: _Waiter, executed: HistogramTally) -> None:
+        """The request stops holding its seats while its response goes on (a watch got going, or a regular
+        request reached ``seatTimeoutSeconds``); ``executed`` records how long it held them."""
+        w.seats_released = True
+        self._uncount(w)
+        executed.observe(self.clock() - w.started)
+        self._wake(self.controller.release_seats(t, self.clock()))
 
     def _arm_sweeper(self) -> None:
         """One timer for every timed request, not one per request: a TimerHandle made and cancelled on each
@@ -464,11 +470,8 @@ class FlowControl:
         """``seatTimeoutSeconds`` after dispatch: the request stops counting; its response is not cut."""
         w = t.payload
         if isinstance(w, _Waiter) and not w.finished and not w.seats_released:
-            w.seats_released = True
-            self._uncount(w)
-            w.m.exec_regular.observe(self.clock() - w.started)
+            self._give_seats_back(t, w, w.m.exec_regular)
             metrics.SEAT_TIMEOUTS.labels(w.fs.name, w.pl.name).inc()
-            self._wake(self.controller.release_seats(t, self.clock()))
 
     def _end(
         self, t: Ticket, nbytes: int, complete: bool, error: BaseException | None, status: int, head: bytes = b""
