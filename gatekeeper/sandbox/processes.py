@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
 import random
 import signal
@@ -29,6 +30,7 @@ _PORT_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 _handed_out: set[int] = set()
 
 
+@functools.cache
 def _below_ephemeral() -> tuple[int, int]:
     """The ports under the kernel's ephemeral range: never a local port of an outgoing connection."""
     try:
@@ -48,18 +50,19 @@ def free_port(host: str = "127.0.0.1") -> int:
     never hands the same port out twice.
     """
     low, high = _below_ephemeral()
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     for _ in range(500):
         port = random.randint(low, high)
         if port in _handed_out:
             continue
-        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
             try:
                 s.bind((host, port))
             except OSError:
                 continue
         _handed_out.add(port)
         return port
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+    with socket.socket(family, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
 
