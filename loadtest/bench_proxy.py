@@ -56,6 +56,9 @@ from typing import Any
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "flowcontrol"))
+import storm_kit as kit
+
 from gatekeeper.certs import PKI
 from gatekeeper.sandbox import processes
 from gatekeeper.sandbox.state import SandboxState
@@ -430,8 +433,7 @@ def worker_requests(metrics_url: str) -> list[float]:
         if w.get("metricsUrl"):
             with urllib.request.urlopen(f"{w['metricsUrl']}/metrics/worker", timeout=5) as resp:
                 page = resp.read().decode()
-        out.append(sum(float(m.group(1)) for m in re.finditer(
-            r"^gatekeeper_proxy_requests_total\{[^}]*\} (\S+)$", page, re.M)))
+        out.append(kit.metric_sum(page, "gatekeeper_proxy_requests_total"))
     return out
 
 
