@@ -34,6 +34,8 @@ CHANCE = 0.3
 """Far above kube-apiserver's 0.02 cap (test override) so a few dozen requests see several GOAWAYs."""
 DRAIN = 5.0
 """drainTimeoutSeconds: how long a long-running stream may outlive its connection's GOAWAY."""
+GO_RUNS = 4
+"""Bound on the Go client runs that wait for a GOAWAY to overtake a stream in flight."""
 
 
 @pytest.fixture(scope="module")
@@ -165,20 +167,26 @@ def test_go_http2_client_gets_every_answer_across_goaways(
     refused0 = goaway_proxy.metric("gatekeeper_proxy_refused_streams_total")
     conns0 = goaway_proxy.metric("gatekeeper_proxy_client_connections_accepted_total", protocol="h2")
     base = f"{goaway_proxy.url}/api/v1/namespaces/{namespace}/configmaps"
-    done = subprocess.run(
-        [str(binary), "-ca", str(certs.ca), "-cert", str(certs.crt("admin")), "-key", str(certs.key("admin")),
-         "-n", "400", "-p", "40", f"{base}/present", f"{base}/absent"],
-        capture_output=True, text=True, timeout=300,
-    )
-    assert done.returncode == 0, done.stderr
-    summary = json.loads(done.stdout)
-    goaways = goaway_proxy.metric("gatekeeper_proxy_goaway_sent_total", reason="chance") - goaways0
-    refused = goaway_proxy.metric("gatekeeper_proxy_refused_streams_total") - refused0
-    conns = goaway_proxy.metric("gatekeeper_proxy_client_connections_accepted_total", protocol="h2") - conns0
-    print(f"Go client, 400 requests / 40 in flight: {goaways:.0f} GOAWAYs, {refused:.0f} refused streams, "
-          f"{conns:.0f} connections; {summary}")
-    assert summary["errors"] == {}
-    assert summary["codes"] == {"200 HTTP/2.0": 200, "404 HTTP/2.0": 200}
+    # Whether a GOAWAY overtakes a stream the client already sent is a race: most runs refuse
+    # several, a few refuse none. Runs repeat (bounded) until one was refused; every run must
+    # answer every request.
+    for run in range(1, GO_RUNS + 1):
+        done = subprocess.run(
+            [str(binary), "-ca", str(certs.ca), "-cert", str(certs.crt("admin")), "-key", str(certs.key("admin")),
+             "-n", "400", "-p", "40", f"{base}/present", f"{base}/absent"],
+            capture_output=True, text=True, timeout=300,
+        )
+        assert done.returncode == 0, done.stderr
+        summary = json.loads(done.stdout)
+        goaways = goaway_proxy.metric("gatekeeper_proxy_goaway_sent_total", reason="chance") - goaways0
+        refused = goaway_proxy.metric("gatekeeper_proxy_refused_streams_total") - refused0
+        conns = goaway_proxy.metric("gatekeeper_proxy_client_connections_accepted_total", protocol="h2") - conns0
+        print(f"Go client run {run}, 400 requests / 40 in flight: {goaways:.0f} GOAWAYs, {refused:.0f} refused "
+              f"streams, {conns:.0f} connections so far; {summary}")
+        assert summary["errors"] == {}
+        assert summary["codes"] == {"200 HTTP/2.0": 200, "404 HTTP/2.0": 200}
+        if refused >= 1:
+            break
     assert goaways >= 3 and refused >= 1 and conns > 1
 
 
