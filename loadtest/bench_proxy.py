@@ -45,6 +45,7 @@ import os
 import re
 import signal
 import ssl
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -112,7 +113,7 @@ class Env:
 
     def start_gatekeeper(self, name: str = "bench-proxy", workers: int | None = None,
                          deployed_flow_control: bool = False, http2_engine: str | None = None,
-                         backends: list[str] | None = None) -> tuple[str, int]:
+                         backends: list[str] | None = None, balancing: str | None = None) -> tuple[str, int]:
         """A gatekeeper proxy; ``deployed_flow_control`` gives it the policy ``sandbox up --with-proxy`` deploys."""
         flow: dict[str, Any] = {"enabled": False}
         if deployed_flow_control:
@@ -124,6 +125,8 @@ class Env:
         user: dict[str, Any] = {"flowControl": flow}
         if http2_engine is not None:
             user["protocol"] = {"http2Engine": http2_engine}
+        if balancing is not None:
+            user["connectionBalancing"] = balancing
         gk = ProxyProcess(self.state, work, name=name, health_interval=0.5, user_config=user,
                           workers=workers if workers is not None else 1, backends=backends)
         try:
@@ -493,6 +496,41 @@ def modes(env: Env, args: argparse.Namespace) -> None:
     print(f"load average after: {load_average()}")
 
 
+def balancing(env: Env, args: argparse.Namespace) -> None:
+    """``--workers 2`` with ``connectionBalancing: kernel`` (SO_REUSEPORT) and ``least-connections`` (the
+    supervisor hands connections over) beside HAProxy ``nbthread 2``: interleaved closed-loop rounds, because
+    the kernel's split of h2load's connections changes from round to round."""
+    gk = {mode: env.start_gatekeeper(f"gk-w2-{mode}", workers=2, deployed_flow_control=True, balancing=mode)
+          for mode in ("kernel", "least-connections")}
+    hap = env.start_haproxy(nbthread=2, name="hap-bal-t2")
+    for url, _ in [*gk.values(), hap]:
+        h2load(env, url, 400, 4, 4)
+    n, c, m = args.requests, args.clients, args.streams
+    print(f"\n== connection balancing, --workers 2: {args.balancing_rounds} interleaved rounds of "
+          f"h2load -n {n} -c {c} -m {m} ==")
+    print(f"load average before: {load_average()}")
+    ratios: dict[str, list[float]] = {mode: [] for mode in gk}
+    shares: dict[str, list[float]] = {mode: [] for mode in gk}
+    cpu: dict[str, list[float]] = {mode: [] for mode in gk}
+    for i in range(args.balancing_rounds):
+        h = closed_loop(env, hap[0], hap[1], n, c, m)
+        line = [f"round {i + 1}: haproxy {h['rps']:6.0f} req/s"]
+        for mode, (url, pid) in gk.items():
+            g = closed_loop(env, url, pid, n, c, m)
+            ratios[mode].append(g["rps"] / h["rps"])
+            shares[mode].append(g.get("busiest_share", 0.0))
+            cpu[mode].append(g["cpu_ms"] / max(h["cpu_ms"], 1e-6))
+            line.append(f"{mode} {g['rps']:6.0f} req/s (x{ratios[mode][-1]:.2f}, busiest "
+                        f"{shares[mode][-1]:.0%})")
+        print("  ".join(line))
+    for mode in gk:
+        print(f"{mode:18s} throughput / haproxy nbthread 2: median x{statistics.median(ratios[mode]):.2f} "
+              f"(rounds {min(ratios[mode]):.2f}-{max(ratios[mode]):.2f}); busiest worker median "
+              f"{statistics.median(shares[mode]):.0%}, worst {max(shares[mode]):.0%}; CPU per request median "
+              f"x{statistics.median(cpu[mode]):.1f}")
+    print(f"load average after: {load_average()}")
+
+
 def cpu_ticks() -> tuple[int, int]:
     """(all ticks, idle + iowait ticks) since boot, from the first line of /proc/stat."""
     with open("/proc/stat") as f:
@@ -582,6 +620,8 @@ def main() -> None:
     ap.add_argument("--rate-seconds", type=float, default=10.0, help="seconds per open-loop rate")
     ap.add_argument("--workers-table", type=lambda v: [int(x) for x in v.split(",")], default=[1, 2],
                     help="gatekeeper worker counts for the closed-loop table (1 and 2 always run)")
+    ap.add_argument("--balancing-rounds", type=int, default=0, metavar="R",
+                    help="only compare connectionBalancing kernel / least-connections with 2 workers, R rounds")
     ap.add_argument("--static-scaling", action="store_true",
                     help="run only the scaling table with static backends (the proxy as the bottleneck)")
     args = ap.parse_args()
@@ -594,6 +634,9 @@ def main() -> None:
             return
         if args.engines:
             engines_ab(env, args)
+            return
+        if args.balancing_rounds:
+            balancing(env, args)
             return
         if args.only_modes:
             modes(env, args)

@@ -44,7 +44,7 @@ def register(sub: Any) -> None:
     p.add_argument("--config", required=True, type=Path, help="YAML config file with a proxy: section")
     p.add_argument("--workers", type=int, default=None, metavar="N",
                    help="worker processes sharing the port (default proxy.workers; 0 = one per usable core)")
-    for hidden in ("--worker-index", "--worker-port"):  # set by the supervisor (proxy/workers.py)
+    for hidden in ("--worker-index", "--worker-port", "--handoff-fd"):  # set by the supervisor (proxy/workers.py)
         p.add_argument(hidden, type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--runtime-dir", type=Path, default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=_run)
@@ -80,7 +80,7 @@ def _run(args: argparse.Namespace) -> int:
     settings: ProxySettings = load_config(args.config, need="proxy").proxy
     _check_files(settings)
     if args.worker_index is not None and args.runtime_dir is not None and args.worker_port is not None:
-        workers.run_worker(settings, args.worker_index, args.runtime_dir, args.worker_port)
+        workers.run_worker(settings, args.worker_index, args.runtime_dir, args.worker_port, args.handoff_fd)
         return 0
     if args.workers is not None and args.workers < 0:
         raise UsageError("--workers: must be >= 0 (0 = one per usable core)")

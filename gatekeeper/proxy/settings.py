@@ -199,6 +199,9 @@ class UpstreamSettings:
             )
 
 
+CONNECTION_BALANCING = ("least-connections", "kernel")
+
+
 @dataclass(frozen=True)
 class ProxySettings:
     """Root of the ``proxy:`` section."""
@@ -212,6 +215,10 @@ class ProxySettings:
     """Worker processes sharing the TLS port (0 = one per usable core, at most maxWorkers; 1 = no supervisor)."""
     max_workers: int = 8
     """Cap on the automatic worker count (an explicit ``workers``/``--workers`` may exceed it)."""
+    connection_balancing: str = "least-connections"
+    """With several workers: ``least-connections`` (the supervisor accepts and hands each connection to the worker
+    with the fewest open ones, see ``proxy/handoff.py``) or ``kernel`` (every worker listens with SO_REUSEPORT and
+    the kernel hashes connections to workers, blind to their load)."""
     worker_hang_seconds: float = 30.0
     """With several workers: a serving worker whose private ``/healthz`` has not answered for this long (its
     event loop is stuck, or it was stopped) is killed and restarted, and its seats are released (0 = never)."""
@@ -225,6 +232,9 @@ class ProxySettings:
             raise ValueError("backends: at least one apiserver URL is required")
         if self.workers < 0 or self.max_workers < 1:
             raise ValueError("workers must be >= 0 (0 = one per usable core) and maxWorkers >= 1")
+        if self.connection_balancing not in CONNECTION_BALANCING:
+            raise ValueError(f"connectionBalancing must be one of {', '.join(CONNECTION_BALANCING)}, "
+                             f"got {self.connection_balancing!r}")
         if not (self.worker_hang_seconds == 0 or self.worker_hang_seconds >= 1):
             raise ValueError(f"workerHangSeconds must be 0 (never) or at least 1, got {self.worker_hang_seconds}")
         if self.gc_young_threshold < 0:

@@ -3,10 +3,14 @@
 Why processes: one Python event loop does TLS, HTTP/2, flow control and the
 upstream client for every request, so one proxy process tops out at one core.
 
-* The parent reserves the TLS port (bound, never listening, so ``port: 0``
-  resolves once) and starts N workers (``python -m gatekeeper proxy`` with
-  hidden ``--worker-index``/``--runtime-dir``), each listening on that port
-  with SO_REUSEPORT: the kernel spreads new connections over them.
+* ``proxy.connectionBalancing: least-connections`` (default): the parent
+  listens on the TLS port and hands each connection to the worker with the
+  fewest open ones (``handoff.py``); each worker (``python -m gatekeeper
+  proxy`` with hidden ``--worker-index``/``--runtime-dir``/``--handoff-fd``)
+  gets its own hand-off socket at each start.
+* ``kernel``: the parent reserves the TLS port (bound, never listening, so
+  ``port: 0`` resolves once) and every worker listens on that port with
+  SO_REUSEPORT: the kernel spreads new connections over them, blind to load.
 * A worker that dies is restarted in the same slot (backoff up to 10 s), and
   the seats it held in the flow-control ledger are released at once
   (``flowcontrol/ledger.py``: the levels' limits are proxy-wide).
@@ -48,6 +52,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from gatekeeper.proxy.handoff import ClosedCounts, Dispatcher
 from gatekeeper.proxy.settings import ProxySettings
 
 log = logging.getLogger("gatekeeper.proxy.workers")
@@ -102,17 +107,21 @@ def _die_with_parent() -> None:
         sys.exit(0)  # the parent died before we could ask to follow it
 
 
-def run_worker(settings: ProxySettings, index: int, runtime: Path, port: int) -> None:
-    """One worker: the ordinary proxy, plus the ledger and a ``worker-N.json`` once it serves."""
+def run_worker(settings: ProxySettings, index: int, runtime: Path, port: int, handoff_fd: int | None = None) -> None:
+    """One worker: the ordinary proxy, plus the ledger and a ``worker-N.json`` once it serves.
+
+    With ``handoff_fd`` it binds nothing: its connections come from the parent over that socket."""
+    import functools
+
     from gatekeeper.proxy.command import run, tune_gc
+    from gatekeeper.proxy.handoff import ClosedCounts, Inbox
+    from gatekeeper.proxy.listen.server import serve
 
     _die_with_parent()
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # flow control installs its reload handler; never die of it
     settings = worker_settings(settings, port)
 
     def setup(flow: Any, pipeline: Any) -> None:
-        import functools
-
         from gatekeeper.proxy import metrics
         from gatekeeper.proxy.flowcontrol.edge.ledger import SeatLedger, attach
         from gatekeeper.proxy.worker_metrics import register_recent_requests, render_in_worker
@@ -129,6 +138,10 @@ def run_worker(settings: ProxySettings, index: int, runtime: Path, port: int) ->
         tmp.write_text(json.dumps({"pid": os.getpid(), **info}))
         tmp.replace(path)
 
+    serve_fn = serve
+    if handoff_fd is not None:
+        inbox = Inbox(handoff_fd, ClosedCounts(runtime / "closed"), index)
+        serve_fn = functools.partial(serve, handoff=inbox)
     try:
         import uvloop
 
@@ -136,7 +149,7 @@ def run_worker(settings: ProxySettings, index: int, runtime: Path, port: int) ->
     except ImportError:  # pragma: no cover
         pass
     tune_gc(settings)
-    asyncio.run(run(settings, on_ready=on_ready, setup=setup))
+    asyncio.run(run(settings, on_ready=on_ready, setup=setup, serve=serve_fn))
 
 
 # ---------------------------------------------------------------------------------------- parent side
@@ -157,7 +170,9 @@ class _Slot:
 class Supervisor:
     """Starts, watches and stops the workers; serves the proxy-wide metrics."""
 
-    def __init__(self, settings: ProxySettings, config: Path, workers: int, runtime: Path, port: int) -> None:
+    def __init__(self, settings: ProxySettings, config: Path, workers: int, runtime: Path, port: int,
+                 listeners: list[socket.socket] | None = None) -> None:
+        """``listeners``: the TLS port's listening sockets when the parent hands connections over."""
         self.settings = settings
         self.config = config
         self.runtime = runtime
@@ -168,13 +183,27 @@ class Supervisor:
         from gatekeeper.proxy.flowcontrol.edge.ledger import SeatLedger
 
         self.ledger = SeatLedger.create(runtime / "ledger", workers)
+        self.dispatcher: Dispatcher | None = None
+        if listeners is not None:
+            self.dispatcher = Dispatcher(listeners, ClosedCounts.create(runtime / "closed", workers), workers,
+                                         on_handoff=_count_handoff, on_wait=_count_wait)
 
     async def _spawn(self, slot: _Slot) -> None:
         argv = [sys.executable, "-m", "gatekeeper", "proxy", "--config", str(self.config), "--workers", "1",
                 "--worker-index", str(slot.index), "--runtime-dir", str(self.runtime), "--worker-port", str(self.port)]
         env = {**os.environ, PARENT_ENV: str(os.getpid())}
         (self.runtime / f"worker-{slot.index}.json").unlink(missing_ok=True)
-        slot.proc = await asyncio.create_subprocess_exec(*argv, env=env, stdin=asyncio.subprocess.DEVNULL)
+        theirs = None
+        if self.dispatcher is not None:
+            theirs = self.dispatcher.channel(slot.index)
+            argv += ["--handoff-fd", str(theirs.fileno())]
+        try:
+            slot.proc = await asyncio.create_subprocess_exec(
+                *argv, env=env, stdin=asyncio.subprocess.DEVNULL,
+                pass_fds=() if theirs is None else (theirs.fileno(),))
+        finally:
+            if theirs is not None:
+                theirs.close()  # the worker has it; ours must go or its end never reads EOF
         slot.started = time.monotonic()
         slot.answered = 0.0
         log.info("worker %d started (pid %d)", slot.index, slot.proc.pid)
@@ -240,8 +269,11 @@ class Supervisor:
             pid = slot.proc.pid if slot.proc is not None else None
             alive = slot.proc is not None and slot.proc.returncode is None
             serving = alive and info.get("pid") == pid
-            out.append({"index": slot.index, "pid": pid, "alive": alive, "restarts": slot.restarts,
-                        "metricsUrl": info.get("metricsUrl") if serving else None})
+            row = {"index": slot.index, "pid": pid, "alive": alive, "restarts": slot.restarts,
+                   "metricsUrl": info.get("metricsUrl") if serving else None}
+            if self.dispatcher is not None:
+                row["connections"] = self.dispatcher.loads()[slot.index]  # None: not taking connections
+            out.append(row)
         return out
 
     async def _heartbeat(self) -> None:
@@ -313,6 +345,8 @@ class Supervisor:
         if self.stopping.is_set():
             return
         self.stopping.set()
+        if self.dispatcher is not None:
+            self.dispatcher.stop()  # the port closes first: new connections are refused, not queued
         for slot in self.slots:
             if slot.proc is not None and slot.proc.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
@@ -331,6 +365,8 @@ class Supervisor:
         loop.add_signal_handler(signal.SIGTERM, self.stop)
         loop.add_signal_handler(signal.SIGINT, self.stop)
         loop.add_signal_handler(signal.SIGHUP, self.reload)
+        if self.dispatcher is not None:
+            self.dispatcher.start()
         for slot in self.slots:
             await self._spawn(slot)
         watchers = [loop.create_task(self._watch(s)) for s in self.slots]
@@ -346,6 +382,8 @@ class Supervisor:
             await self._reap_after_drain(watchers)
             codes = [s.proc.returncode for s in self.slots if s.proc is not None]
         finally:
+            if self.dispatcher is not None:
+                self.dispatcher.stop()
             heartbeat.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await heartbeat
@@ -355,6 +393,18 @@ class Supervisor:
             return self.fatal
         bad = [c for c in codes if c]
         return max((abs(c) for c in bad), default=0)
+
+
+def _count_handoff(worker: int) -> None:
+    from gatekeeper.proxy.listen.conn_metrics import HANDED_OFF
+
+    HANDED_OFF.labels(worker=str(worker)).inc()
+
+
+def _count_wait() -> None:
+    from gatekeeper.proxy.listen.conn_metrics import HANDOFF_WAITS
+
+    HANDOFF_WAITS.inc()
 
 
 def snapshot_config(settings: ProxySettings, config: Path, runtime: Path) -> Path:
@@ -394,19 +444,26 @@ def supervise(settings: ProxySettings, config: Path, workers: int) -> int:
     metrics_dir = enable_multiprocess("gatekeeper-proxy-metrics-")
     runtime = Path(tempfile.mkdtemp(prefix="gatekeeper-proxy-"))
     lst = settings.listener
+    listeners: list[socket.socket] | None = None
     try:
-        reserved = reserve_port(lst.address, lst.port)
+        if settings.connection_balancing == "kernel":
+            reserved = [reserve_port(lst.address, lst.port)]
+        else:
+            from gatekeeper.proxy.listen.server import bind_listeners
+
+            reserved = listeners = bind_listeners(lst.address, lst.port)
     except OSError as exc:
         from gatekeeper.errors import UsageError
 
         shutil.rmtree(runtime, ignore_errors=True)
         raise UsageError(f"proxy.listener: cannot listen on {lst.address}:{lst.port}: {exc.strerror or exc}") from None
-    port = int(reserved.getsockname()[1])
+    port = int(reserved[0].getsockname()[1])
     try:
         snapshot = snapshot_config(settings, config, runtime)
-        return asyncio.run(Supervisor(settings, snapshot, workers, runtime, port).run())
+        return asyncio.run(Supervisor(settings, snapshot, workers, runtime, port, listeners).run())
     finally:
-        reserved.close()
+        for sock in reserved:
+            sock.close()
         shutil.rmtree(runtime, ignore_errors=True)
         if not inherited:
             shutil.rmtree(metrics_dir, ignore_errors=True)

@@ -113,6 +113,67 @@ def test_metrics_add_up_across_workers(proxy: ProxyProcess) -> None:
             c.close()
 
 
+def open_h2(p: ProxyProcess, n: int) -> list[WireH2]:
+    conns = []
+    for _ in range(n):
+        c = WireH2(p.url, p.tls(cert=True))
+        sid = c.request("/api/v1/namespaces/default")
+        assert c.read_until(lambda c=c, sid=sid: sid in c.ended), "no answer"
+        conns.append(c)
+    return conns
+
+
+def test_connections_go_to_the_least_loaded_worker(proxy: ProxyProcess) -> None:
+    """connectionBalancing: least-connections (the default). SO_REUSEPORT hashed h2load's 8 connections
+    6/2 in one round of 5; here each connection goes to the worker with fewer, read from the workers' own
+    gauges, and a worker whose clients left gets the next connections."""
+    gauge = "gatekeeper_proxy_client_connections"
+    by_worker: dict[int, list[WireH2]] = {0: [], 1: []}
+
+    def connect(n: int) -> list[int]:
+        """Open ``n`` connections one by one; which worker took each (the one whose gauge rose)."""
+        took = []
+        for _ in range(n):
+            before = per_worker(proxy, gauge, protocol="h2")
+            c = open_h2(proxy, 1)[0]  # answered, so the worker counted it
+            after = per_worker(proxy, gauge, protocol="h2")
+            rose = [i for i in after if after[i] > before.get(i, 0)]
+            assert len(rose) == 1, (before, after)
+            by_worker[rose[0]].append(c)
+            took.append(rose[0])
+        return took
+
+    try:
+        took = connect(12)
+        assert sorted(took) == [0] * 6 + [1] * 6, took
+        assert sample_sum(proxy.metrics(), "gatekeeper_proxy_connections_handed_off_total") >= 12
+        for c in by_worker[0]:
+            c.close()
+        by_worker[0] = []
+        wait_for(lambda: [w.get("connections") for w in workers_of(proxy)] == [0, 6], timeout=10,
+                 what="the supervisor to see worker 0's connections closed")
+        assert connect(4) == [0, 0, 0, 0]
+    finally:
+        for conns in by_worker.values():
+            for c in conns:
+                c.close()
+
+
+def test_kernel_balancing_serves_from_every_worker(sandbox: SandboxState, tmp_path: Path) -> None:
+    """connectionBalancing: kernel keeps every worker listening on the port with SO_REUSEPORT."""
+    p = ProxyProcess(sandbox, tmp_path, name="proxy-kernel", workers=WORKERS,
+                     user_config={"connectionBalancing": "kernel"})
+    p.start()
+    try:
+        conns = connect_to_every_worker(p)
+        for c in conns:
+            c.close()
+        assert sample_sum(p.metrics(), "gatekeeper_proxy_connections_handed_off_total") == 0
+        assert all("connections" not in w for w in workers_of(p))
+    finally:
+        assert p.stop() == 0
+
+
 def test_sigterm_drains_every_worker_with_goaway_and_exits_0(proxy: ProxyProcess) -> None:
     conns = connect_to_every_worker(proxy)
     pids = [w["pid"] for w in workers_of(proxy)]
@@ -233,8 +294,9 @@ def test_replaced_workers_run_the_started_config_keep_counters_and_leave_bounded
         held = [os.readlink(f"/proc/{p.proc.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{p.proc.pid}/fd")]
         assert len(held) <= fds + 2, held
         files = sorted(f.name for f in (tmp_path / "metrics").glob("*.db"))
-        # per live worker at most a counter, a histogram and live-gauge files; plus the two archives
-        assert len([f for f in files if f.startswith(("counter_", "histogram_"))]) <= 2 * WORKERS + 2, files
+        # per live worker at most a counter, a histogram and live-gauge files; the two archives; the
+        # parent's own counter file (connections it handed over)
+        assert len([f for f in files if f.startswith(("counter_", "histogram_"))]) <= 2 * WORKERS + 2 + 1, files
     finally:
         for c in conns:
             c.close()

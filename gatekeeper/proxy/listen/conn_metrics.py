@@ -32,3 +32,14 @@ REFUSED_STREAMS = Counter(
     "gatekeeper_proxy_refused_streams",
     "HTTP/2 streams refused with REFUSED_STREAM: after our GOAWAY, or over MAX_CONCURRENT_STREAMS.",
 )
+HANDED_OFF = Counter(
+    "gatekeeper_proxy_connections_handed_off",
+    "Client connections the supervisor accepted and handed to each worker (connectionBalancing: "
+    "least-connections): the split shows how even the workers' load is.",
+    ["worker"],
+)
+HANDOFF_WAITS = Counter(
+    "gatekeeper_proxy_handoff_waits",
+    "Times the supervisor held a connection because no worker could take it (every hand-off socket full, "
+    "or none serving): accepting paused until one could. Rising steadily: the workers are saturated or stuck.",
+)

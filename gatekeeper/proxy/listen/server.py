@@ -49,6 +49,7 @@ from typing import Any
 
 from gatekeeper.proxy import rejections
 from gatekeeper.proxy.adapter import ClientGone
+from gatekeeper.proxy.handoff import Inbox
 from gatekeeper.proxy.listen import conn_metrics
 from gatekeeper.proxy.listen.body_budget import BodyBudget
 from gatekeeper.proxy.listen.h1 import H1Connection
@@ -239,6 +240,7 @@ class ProxyServer:
         *,
         rng: Callable[[], float] = random.random,
         close_delay: float = 1.0,
+        handoff: Inbox | None = None,
     ) -> None:
         settings.listener.validate()
         check_limits(settings.listener, settings.protocol)  # the protocol's validate() included
@@ -258,6 +260,8 @@ class ProxyServer:
         """Accepted TCP connections not yet closed, TLS handshakes included (listener.maxClientConnections)."""
         self._ids = itertools.count(1)
         self._stopping = False
+        self._handoff = handoff
+        """Connections come from the supervisor (``proxy/handoff.py``) instead of a listening socket of ours."""
         self.port = 0
 
     @property
@@ -265,19 +269,28 @@ class ProxyServer:
         return len(self._clients)
 
     async def start(self) -> int:
-        """Bind every address ``listener.address`` resolves to (one port) and start accepting."""
+        """Bind every address ``listener.address`` resolves to (one port) and start accepting.
+
+        With a hand-off inbox nothing is bound: the supervisor listens on ``listener.port`` and
+        passes connections over; this worker says it serves once it reads them."""
         lst = self._settings.listener
         loop = asyncio.get_running_loop()
-        infos = await loop.getaddrinfo(lst.address, lst.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-        port = lst.port
-        for family, *_, addr in dict.fromkeys((i[0], i[4][0]) for i in infos):
-            sock = socket.create_server((addr, port), family=family, backlog=1024, reuse_port=lst.reuse_port)
-            sock.setblocking(False)
-            port = int(sock.getsockname()[1])  # port 0: every address shares the first one's port
-            self._sockets.append(sock)
-        self.port = port
+        if self._handoff is not None:
+            loop.add_reader(self._handoff.sock.fileno(), self._take_handoffs)
+            self._handoff.announce()
+            self.port = lst.port
+            return self.port
+        self._sockets = await loop.run_in_executor(None, bind_listeners, lst.address, lst.port, lst.reuse_port)
+        self.port = int(self._sockets[0].getsockname()[1])
         self._accepters = [loop.create_task(self._accept(sock)) for sock in self._sockets]
         return self.port
+
+    def _take_handoffs(self) -> None:
+        assert self._handoff is not None
+        for conn in self._handoff.receive():
+            self._admit(conn)
+        if self._handoff.ended:  # the supervisor is gone or exiting: nothing more will come
+            asyncio.get_running_loop().remove_reader(self._handoff.sock.fileno())
 
     async def shutdown(self, drain_seconds: float | None = None) -> None:
         """Stop accepting, GOAWAY everyone, wait up to ``drain_seconds`` for streams to finish, then cut."""
@@ -287,6 +300,8 @@ class ProxyServer:
             task.cancel()
         for sock in self._sockets:
             sock.close()
+        if self._handoff is not None and not self._handoff.ended:
+            asyncio.get_running_loop().remove_reader(self._handoff.sock.fileno())
         clients = list(self._clients.values())
         log.info("shutting down: %d client connections to drain (up to %.0fs)", len(clients), timeout)
         for client in clients:
@@ -313,7 +328,6 @@ class ProxyServer:
         is still the event loop's own (``connect_accepted_socket``), so no byte is read before it.
         """
         loop = asyncio.get_running_loop()
-        cap = self._settings.listener.max_client_connections
         while not self._stopping:
             try:
                 conn, _ = await loop.sock_accept(sock)
@@ -321,15 +335,25 @@ class ProxyServer:
                 log.warning("accept failed: %s", exc)
                 await asyncio.sleep(0.1)
                 continue
-            if self._open >= cap:
+            self._admit(conn)
+
+    def _admit(self, conn: socket.socket) -> None:
+        """An accepted connection (ours or handed over): closed over the cap, else its TLS handshake starts."""
+        if self._stopping or self._open >= self._settings.listener.max_client_connections:
+            if not self._stopping:
                 rejections.reject("connection_cap", "%d client connections open (maxClientConnections)",
-                                    self._open)
-                conn.close()
-                continue
-            self._open += 1
-            task = loop.create_task(self._handshake(conn))
-            self._handshakes.add(task)
-            task.add_done_callback(self._handshakes.discard)
+                                  self._open)
+            conn.close()
+            self._closed()
+            return
+        self._open += 1
+        task = asyncio.get_running_loop().create_task(self._handshake(conn))
+        self._handshakes.add(task)
+        task.add_done_callback(self._handshakes.discard)
+
+    def _closed(self) -> None:
+        if self._handoff is not None:
+            self._handoff.closed()  # the supervisor's count of this worker's connections
 
     async def _handshake(self, conn: socket.socket) -> None:
         loop = asyncio.get_running_loop()
@@ -357,6 +381,7 @@ class ProxyServer:
         finally:
             conn.close()  # no-op when the transport already closed it
             self._open -= 1
+            self._closed()
 
     async def _close_writer(self, writer: asyncio.StreamWriter) -> None:
         """Close gracefully (TLS close_notify after pending output), but abort a client that is not reading."""
@@ -461,18 +486,38 @@ class ProxyServer:
             proto.connection_lost()
 
 
+def bind_listeners(address: str, port: int, reuse_port: bool = False) -> list[socket.socket]:
+    """Non-blocking listening sockets on every address ``address`` resolves to, all on one port.
+
+    Port 0 resolves once: every address shares the first one's port."""
+    infos = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    out: list[socket.socket] = []
+    try:
+        for family, *_, addr in dict.fromkeys((i[0], i[4][0]) for i in infos):
+            sock = socket.create_server((addr, port), family=family, backlog=1024, reuse_port=reuse_port)
+            sock.setblocking(False)
+            out.append(sock)
+            port = int(sock.getsockname()[1])
+    except OSError:
+        for sock in out:
+            sock.close()
+        raise
+    return out
+
+
 async def serve(
     settings: ProxySettings,
     handler: Handler,
     *,
     ready: Callable[[int], None] | None = None,
     stopping: Callable[[], None] | None = None,
+    handoff: Inbox | None = None,
 ) -> None:
     """Serve until SIGTERM/SIGINT, then drain gracefully and return (see the module docstring).
 
     ``stopping`` runs the moment the signal arrives, before the drain (``/readyz`` turns 503).
     """
-    server = ProxyServer(settings, handler)
+    server = ProxyServer(settings, handler, handoff=handoff)
     port = await server.start()
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()

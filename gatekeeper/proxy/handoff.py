@@ -1,0 +1,339 @@
+"""Load-aware connection hand-off: the supervisor accepts, the least-loaded worker serves.
+
+Why: with SO_REUSEPORT the kernel hashes each new connection's addresses to a
+worker, blind to load. An HTTP/2 client puts all its requests on one or a few
+long-lived connections, so an uneven split stays uneven for the connections'
+whole lives: h2load's 8 connections split 6/2 in one of 5 rounds, and a closed
+loop then runs at the pace of the busier worker (the busiest of 2 served 62%).
+HAProxy's threads share one listener and pick the least-loaded thread.
+
+``proxy.connectionBalancing: least-connections`` (the default with several
+workers) does the same across processes:
+
+* The supervisor listens on the TLS port; a thread of its own (the parent's
+  event loop also renders ``/metrics``, which must not delay an accept)
+  accepts each connection and passes the socket to a worker over a
+  ``SOCK_SEQPACKET`` Unix socket (``SCM_RIGHTS``): no byte of it is read
+  before the worker's TLS handshake.
+* A worker's load is the connections handed to it minus the ones it reports
+  closed. It counts those in its own slot of a shared-memory table
+  (:class:`ClosedCounts`: one int64 per worker, one writer each, no lock), so
+  a worker pays nothing per request and one store per closed connection. A
+  connection handed over but not yet picked up counts as open, so a burst of
+  connections spreads at once.
+* The least-loaded serving worker gets the connection; ties rotate. A worker
+  serves once it says so on its socket (``R``), and stops when that socket
+  ends (it died; the supervisor restarts it with a fresh socket and count).
+* A worker that stops reading (stuck, stopped) fills its socket
+  (:data:`QUEUE_SNDBUF`: about 40 connections queue per worker): the send fails
+  with EAGAIN and the next worker gets the connection. If every worker's socket
+  is full, or none serves, the connection is held and accepting pauses until
+  one can take it (counted in ``gatekeeper_proxy_handoff_waits_total``): later
+  clients wait in the kernel's backlog, as they would for a busy worker
+  accepting for itself. Nothing is dropped.
+
+``kernel`` keeps the previous behaviour (every worker listens with
+SO_REUSEPORT), for kernels or sandboxes where passing descriptors is not allowed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import queue
+import selectors
+import socket
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+log = logging.getLogger("gatekeeper.proxy.handoff")
+
+READY = b"R"
+"""What a worker sends on its hand-off socket once it serves."""
+_CONN = b"C"
+QUEUE_SNDBUF = 16 * 1024
+"""Send buffer of the supervisor's end of a hand-off socket: about 40 queued connections (the default, 208 KiB,
+queued 555 on a worker that had stopped reading before the next worker got one)."""
+
+
+def least_loaded(loads: Sequence[int | None], after: int) -> int | None:
+    """The index with the smallest load (``None``: not serving); ties go to the first one after ``after``."""
+    n = len(loads)
+    best: int | None = None
+    best_load = 0
+    for k in range(1, n + 1):
+        i = (after + k) % n
+        load = loads[i]
+        if load is not None and (best is None or load < best_load):
+            best, best_load = i, load
+    return best
+
+
+class ClosedCounts:
+    """Per worker: connections it closed since it started (shared memory; the worker writes, the parent reads)."""
+
+    def __init__(self, path: Path) -> None:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            self._mm = mmap.mmap(fd, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+        self._slots = memoryview(self._mm).cast("q")
+
+    @classmethod
+    def create(cls, path: Path, workers: int) -> ClosedCounts:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            os.ftruncate(fd, 8 * workers)
+        finally:
+            os.close(fd)
+        return cls(path)
+
+    def add(self, worker: int) -> None:
+        self._slots[worker] += 1  # one writer per slot
+
+    def read(self, worker: int) -> int:
+        return int(self._slots[worker])
+
+    def reset(self, worker: int) -> None:
+        self._slots[worker] = 0
+
+
+class Inbox:
+    """A worker's end: connections arrive here, closes are counted, ``R`` announces it serves."""
+
+    def __init__(self, fd: int, counts: ClosedCounts, index: int) -> None:
+        self.sock = socket.socket(fileno=fd)
+        self.sock.setblocking(False)
+        self._counts = counts
+        self._index = index
+        self.ended = False
+        """The supervisor's end closed (it is exiting): nothing more will arrive."""
+
+    def announce(self) -> None:
+        self.sock.send(READY)
+
+    def receive(self) -> list[socket.socket]:
+        """Every connection waiting now (never blocks)."""
+        out: list[socket.socket] = []
+        while True:
+            try:
+                msg, fds, _, _ = socket.recv_fds(self.sock, 1, 8)
+            except (BlockingIOError, InterruptedError):
+                return out
+            except OSError:
+                msg, fds = b"", []
+            for fd in fds:
+                conn = socket.socket(fileno=fd)
+                conn.setblocking(False)
+                out.append(conn)
+            if not msg and not fds:
+                self.ended = True
+                return out
+
+    def closed(self) -> None:
+        self._counts.add(self._index)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class Dispatcher:
+    """The supervisor's accepting thread (see the module docstring)."""
+
+    def __init__(self, listeners: list[socket.socket], counts: ClosedCounts, workers: int,
+                 on_handoff: Callable[[int], None] = lambda worker: None,
+                 on_wait: Callable[[], None] = lambda: None) -> None:
+        self._listeners = listeners
+        self._counts = counts
+        self._on_handoff = on_handoff
+        self._on_wait = on_wait
+        self._pending: socket.socket | None = None
+        """A connection no worker could take yet (every socket full, or none serving)."""
+        self._channels: list[socket.socket | None] = [None] * workers
+        self._serving = [False] * workers
+        self._sent = [0] * workers
+        self._last = workers - 1
+        self._commands: queue.SimpleQueue[tuple[int, socket.socket | None]] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="gatekeeper-handoff", daemon=True)
+        self._sel = selectors.DefaultSelector()
+        self._accepting = False
+
+    # --------------------------------------------------------------- called from the event loop
+
+    def channel(self, worker: int) -> socket.socket:
+        """A fresh socket pair for ``worker`` (about to be started); returns the end it inherits."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, QUEUE_SNDBUF)
+        ours.setblocking(False)
+        self._command(worker, ours)
+        return theirs
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Close the listeners (queued connections are reset) and the workers' sockets."""
+        self._stop = True
+        self._wake()
+        if self._thread.is_alive():
+            self._thread.join(5)
+
+    def loads(self) -> list[int | None]:
+        return [self._load(i) if self._serving[i] else None for i in range(len(self._serving))]
+
+    def _command(self, worker: int, sock: socket.socket | None) -> None:
+        self._commands.put((worker, sock))
+        self._wake()
+
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"w")
+
+    # --------------------------------------------------------------- the thread
+
+    def _load(self, worker: int) -> int:
+        return self._sent[worker] - self._counts.read(worker)
+
+    def _run(self) -> None:
+        self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        try:
+            while not self._stop:
+                for key, mask in self._sel.select():
+                    if key.data == "wake":
+                        with contextlib.suppress(OSError):
+                            self._wake_r.recv(4096)
+                        self._apply_commands()
+                    elif key.data == "listener":
+                        self._accept(key.fileobj)  # type: ignore[arg-type]
+                    elif mask & selectors.EVENT_READ:
+                        self._from_worker(int(key.data))
+                if self._pending is not None:
+                    self._retry_pending()
+                self._set_accepting(self._pending is None and any(self._serving))
+        except Exception:  # pragma: no cover - a bug here must not leave the port silently unserved
+            log.exception("connection hand-off thread failed; closing the listeners")
+        finally:
+            self._sel.close()
+            if self._pending is not None:
+                self._pending.close()
+            for s in self._listeners:
+                s.close()
+            for ch in self._channels:
+                if ch is not None:
+                    ch.close()
+            self._wake_r.close()
+            self._wake_w.close()
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                worker, sock = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            self._drop(worker)
+            if sock is not None:
+                self._channels[worker] = sock
+                self._sel.register(sock, self._channel_events(worker), str(worker))
+
+    def _channel_events(self, worker: int) -> int:
+        """A serving worker's writability matters only while a connection waits for a socket to drain."""
+        wait = self._pending is not None and self._serving[worker]
+        return selectors.EVENT_READ | (selectors.EVENT_WRITE if wait else 0)
+
+    def _watch_channels(self) -> None:
+        for i, ch in enumerate(self._channels):
+            if ch is not None:
+                self._sel.modify(ch, self._channel_events(i), str(i))
+
+    def _retry_pending(self) -> None:
+        conn, self._pending = self._pending, None
+        assert conn is not None
+        if self._hand_over(conn):
+            conn.close()
+            self._watch_channels()
+        else:
+            self._pending = conn
+
+    def _drop(self, worker: int) -> None:
+        old = self._channels[worker]
+        if old is not None:
+            self._sel.unregister(old)
+            old.close()
+        self._channels[worker] = None
+        self._serving[worker] = False
+        self._sent[worker] = 0
+        self._counts.reset(worker)
+
+    def _from_worker(self, worker: int) -> None:
+        ch = self._channels[worker]
+        if ch is None:
+            return
+        try:
+            msg = ch.recv(16)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            msg = b""
+        if msg == READY:
+            self._serving[worker] = True
+            log.debug("worker %d takes connections", worker)
+            if self._pending is not None:
+                self._watch_channels()
+        elif not msg:  # the worker exited; its successor gets a new socket
+            self._drop(worker)
+
+    def _set_accepting(self, on: bool) -> None:
+        """Listen only while a worker serves: before that, connections wait in the kernel's backlog."""
+        if on == self._accepting:
+            return
+        self._accepting = on
+        for s in self._listeners:
+            if on:
+                self._sel.register(s, selectors.EVENT_READ, "listener")
+            else:
+                self._sel.unregister(s)
+
+    def _accept(self, listener: socket.socket) -> None:
+        for _ in range(64):  # then let the workers' messages in
+            try:
+                conn, _ = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # EMFILE and friends: the next select retries
+                log.warning("accept failed: %s", exc)
+                return
+            if not self._hand_over(conn):
+                self._pending = conn  # accepting pauses (see _run) until a worker can take it
+                self._on_wait()
+                self._watch_channels()
+                return
+            conn.close()  # the worker has its own descriptor now
+
+    def _hand_over(self, conn: socket.socket) -> bool:
+        """Pass ``conn`` to the least-loaded worker whose socket takes it; False if none could."""
+        loads: list[int | None] = self.loads()
+        while True:
+            worker = least_loaded(loads, self._last)
+            if worker is None:
+                return False
+            ch = self._channels[worker]
+            assert ch is not None
+            try:
+                socket.send_fds(ch, [_CONN], [conn.fileno()], socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                loads[worker] = None  # its socket is full: it is not reading
+                continue
+            except OSError:  # it just died; its end closed
+                loads[worker] = None
+                continue
+            self._sent[worker] += 1
+            self._last = worker
+            self._on_handoff(worker)
+            return True

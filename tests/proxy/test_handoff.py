@@ -1,0 +1,217 @@
+"""The supervisor's connection hand-off (``proxy/handoff.py``): least-loaded choice, real sockets, no workers."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from gatekeeper.proxy.handoff import ClosedCounts, Dispatcher, Inbox, least_loaded
+
+
+def test_least_loaded_picks_the_smallest_load_and_skips_workers_not_serving() -> None:
+    assert least_loaded([3, 1, 2], after=0) == 1
+    assert least_loaded([None, 5, None], after=1) == 1
+    assert least_loaded([None, None], after=0) is None
+    assert least_loaded([], after=0) is None
+
+
+def test_least_loaded_rotates_among_equal_loads() -> None:
+    picks = []
+    last = 2
+    for _ in range(6):
+        last = least_loaded([0, 0, 0], after=last)  # type: ignore[assignment]
+        picks.append(last)
+    assert picks == [0, 1, 2, 0, 1, 2]
+
+
+def wait_for(cond: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
+
+
+class Rig:
+    """A dispatcher on a real loopback listener, with in-test 'workers' reading their inboxes."""
+
+    def __init__(self, tmp_path: Path, workers: int) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener.setblocking(False)
+        self.port = self.listener.getsockname()[1]
+        self.handed: list[int] = []
+        self.waits = 0
+        self.dispatcher = Dispatcher([self.listener], ClosedCounts.create(tmp_path / "closed", workers), workers,
+                                     on_handoff=self.handed.append, on_wait=self._wait)
+        self.counts = ClosedCounts(tmp_path / "closed")
+        self.inboxes: list[Inbox | None] = [None] * workers
+        self.held: list[list[socket.socket]] = [[] for _ in range(workers)]
+        self.clients: list[socket.socket] = []
+        self.dispatcher.start()
+
+    def _wait(self) -> None:
+        self.waits += 1
+
+    def start_worker(self, index: int, announce: bool = True) -> Inbox:
+        inbox = Inbox(self.dispatcher.channel(index).detach(), self.counts, index)
+        self.inboxes[index] = inbox
+        self.held[index] = []
+        if announce:
+            inbox.announce()
+        return inbox
+
+    def connect(self, n: int = 1) -> None:
+        for _ in range(n):
+            before = len(self.handed) + self.waits
+            self.clients.append(socket.create_connection(("127.0.0.1", self.port)))
+            wait_for(lambda before=before: len(self.handed) + self.waits > before,  # type: ignore[misc]
+                     "the dispatcher to hand the connection over or hold it")
+
+    def collect(self, index: int) -> int:
+        inbox = self.inboxes[index]
+        assert inbox is not None
+        got = inbox.receive()
+        self.held[index] += got
+        return len(got)
+
+    def close_on_worker(self, index: int, k: int) -> None:
+        inbox = self.inboxes[index]
+        assert inbox is not None
+        for _ in range(k):
+            self.held[index].pop().close()
+            inbox.closed()
+
+    def stop(self) -> None:
+        self.dispatcher.stop()
+        for conns in self.held:
+            for c in conns:
+                c.close()
+        for c in self.clients:
+            c.close()
+
+
+@pytest.fixture
+def rig(tmp_path: Path) -> Iterator[Callable[[int], Rig]]:
+    made: list[Rig] = []
+
+    def make(workers: int) -> Rig:
+        made.append(Rig(tmp_path, workers))
+        return made[-1]
+
+    yield make
+    for r in made:
+        r.stop()
+
+
+def test_connections_split_evenly_over_serving_workers(rig: Callable[[int], Rig]) -> None:
+    r = rig(2)
+    r.start_worker(0)
+    r.start_worker(1)
+    wait_for(lambda: r.dispatcher.loads() == [0, 0], "both workers to serve")
+    r.connect(8)
+    assert sorted(r.handed.count(w) for w in (0, 1)) == [4, 4]
+    wait_for(lambda: r.collect(0) >= 0 and r.collect(1) >= 0 and len(r.held[0]) + len(r.held[1]) == 8,
+             "the workers to receive 8 sockets")
+    assert len(r.held[0]) == len(r.held[1]) == 4
+    # what a worker receives is the client's own connection
+    r.clients[0].sendall(b"hello")
+    got = {c.recv(5, socket.MSG_DONTWAIT) if _readable(c) else b"" for c in r.held[0] + r.held[1]}
+    assert b"hello" in got
+
+
+def _readable(c: socket.socket) -> bool:
+    c.settimeout(1.0)
+    try:
+        return bool(c.recv(5, socket.MSG_PEEK))
+    except TimeoutError:
+        return False
+
+
+def test_a_worker_whose_connections_closed_gets_the_next_ones(rig: Callable[[int], Rig]) -> None:
+    r = rig(2)
+    r.start_worker(0)
+    r.start_worker(1)
+    wait_for(lambda: r.dispatcher.loads() == [0, 0], "both workers to serve")
+    r.connect(6)
+    wait_for(lambda: (r.collect(0), r.collect(1)) and len(r.held[0]) + len(r.held[1]) == 6, "6 sockets")
+    r.close_on_worker(0, 3)  # worker 0's clients left; worker 1 still holds 3
+    assert r.dispatcher.loads() == [0, 3]
+    r.handed.clear()
+    r.connect(3)
+    assert r.handed == [0, 0, 0]
+
+
+def test_connections_wait_in_the_backlog_until_a_worker_serves(rig: Callable[[int], Rig]) -> None:
+    r = rig(2)
+    r.start_worker(0, announce=False)
+    client = socket.create_connection(("127.0.0.1", r.port))  # accepted by the kernel, not by us
+    r.clients.append(client)
+    time.sleep(0.2)
+    assert r.handed == []
+    inbox = r.inboxes[0]
+    assert inbox is not None
+    inbox.announce()
+    wait_for(lambda: r.handed == [0], "the waiting connection to go to worker 0")
+
+
+def test_a_worker_that_stops_reading_is_passed_over(rig: Callable[[int], Rig]) -> None:
+    r = rig(2)
+    r.start_worker(1)
+    wait_for(lambda: r.dispatcher.loads() == [None, 0], "worker 1 to serve")
+    for _ in range(50):
+        r.connect()
+        r.collect(1)
+    r.start_worker(0)  # the least loaded, but it never reads: its socket fills
+    wait_for(lambda: r.dispatcher.loads() == [0, 50], "worker 0 to serve")
+    r.handed.clear()
+    for _ in range(80):
+        r.connect()
+        r.collect(1)
+    assert r.waits == 0
+    stuck_share = r.handed.count(0)
+    assert 0 < stuck_share < 50, r.handed  # without the pass-over it would take all 50 first (or hold)
+    assert len(r.held[1]) == 50 + r.handed.count(1) == 50 + 80 - stuck_share
+
+
+def test_when_every_worker_is_full_the_connection_waits_and_nothing_is_dropped(rig: Callable[[int], Rig]) -> None:
+    r = rig(1)
+    slow = r.start_worker(0)
+    wait_for(lambda: r.dispatcher.loads() == [0], "the worker to serve")
+    for _ in range(100):
+        r.connect()  # the worker reads nothing yet
+        if r.waits:
+            break
+    assert r.waits == 1, "the worker's socket never filled"
+    queued = len(r.handed)
+    more = [socket.create_connection(("127.0.0.1", r.port)) for _ in range(5)]  # wait in the backlog
+    r.clients += more
+    time.sleep(0.2)
+    assert len(r.handed) == queued and r.waits == 1  # accepting paused
+    received = 0
+    deadline = time.monotonic() + 5
+    while received < queued + 6 and time.monotonic() < deadline:
+        received += r.collect(0)
+        time.sleep(0.01)
+    assert received == queued + 6  # the held one and the backlog's five, once the worker read
+    assert slow.ended is False
+
+
+def test_a_dead_worker_gets_nothing_and_its_successor_starts_from_zero(rig: Callable[[int], Rig]) -> None:
+    r = rig(2)
+    first = r.start_worker(0)
+    r.start_worker(1)
+    wait_for(lambda: r.dispatcher.loads() == [0, 0], "both workers to serve")
+    r.connect(4)
+    first.close()  # worker 0 died holding 2 connections
+    wait_for(lambda: r.dispatcher.loads()[0] is None, "worker 0 to be dropped")
+    r.handed.clear()
+    r.connect(2)
+    assert r.handed == [1, 1]
+    r.start_worker(0)  # restarted: a fresh socket and count; it is the least loaded now
+    wait_for(lambda: r.dispatcher.loads()[0] == 0, "worker 0's successor to serve")
+    r.handed.clear()
+    r.connect(4)
+    assert r.handed == [0, 0, 0, 0]
