@@ -46,6 +46,7 @@ import queue
 import selectors
 import socket
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -54,6 +55,8 @@ log = logging.getLogger("gatekeeper.proxy.handoff")
 READY = b"R"
 """What a worker sends on its hand-off socket once it serves."""
 _CONN = b"C"
+ACCEPT_BACKOFF = 0.1
+"""Seconds without accepting after an accept failed (out of descriptors): the workers' accept loops did the same."""
 QUEUE_SNDBUF = 16 * 1024
 """Send buffer of the supervisor's end of a hand-off socket: about 40 queued connections (the default, 208 KiB,
 queued 555 on a worker that had stopped reading before the next worker got one)."""
@@ -164,6 +167,8 @@ class Dispatcher:
         self._thread = threading.Thread(target=self._run, name="gatekeeper-handoff", daemon=True)
         self._sel = selectors.DefaultSelector()
         self._accepting = False
+        self._resume_at = 0.0
+        """After a failed accept (EMFILE): not before this ``time.monotonic()``."""
 
     # --------------------------------------------------------------- called from the event loop
 
@@ -205,7 +210,8 @@ class Dispatcher:
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         try:
             while not self._stop:
-                for key, mask in self._sel.select():
+                pause = self._resume_at - time.monotonic()
+                for key, mask in self._sel.select(pause if pause > 0 else None):
                     if key.data == "wake":
                         with contextlib.suppress(OSError):
                             self._wake_r.recv(4096)
@@ -216,7 +222,8 @@ class Dispatcher:
                         self._from_worker(int(key.data))
                 if self._pending is not None:
                     self._retry_pending()
-                self._set_accepting(self._pending is None and any(self._serving))
+                self._set_accepting(self._pending is None and any(self._serving)
+                                    and time.monotonic() >= self._resume_at)
         except Exception:  # pragma: no cover - a bug here must not leave the port silently unserved
             log.exception("connection hand-off thread failed; closing the listeners")
         finally:
@@ -306,8 +313,9 @@ class Dispatcher:
                 conn, _ = listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as exc:  # EMFILE and friends: the next select retries
-                log.warning("accept failed: %s", exc)
+            except OSError as exc:  # EMFILE and friends: the listener stays readable, so back off
+                log.warning("accept failed: %s; accepting again in %.1fs", exc, ACCEPT_BACKOFF)
+                self._resume_at = time.monotonic() + ACCEPT_BACKOFF
                 return
             if not self._hand_over(conn):
                 self._pending = conn  # accepting pauses (see _run) until a worker can take it

@@ -215,3 +215,37 @@ def test_a_dead_worker_gets_nothing_and_its_successor_starts_from_zero(rig: Call
     r.handed.clear()
     r.connect(4)
     assert r.handed == [0, 0, 0, 0]
+
+
+class _FailingListener(socket.socket):
+    """A real listening socket whose accept() fails as when the process is out of descriptors."""
+
+    calls = 0
+
+    def accept(self):  # type: ignore[no-untyped-def]
+        type(self).calls += 1
+        raise OSError(24, "Too many open files")
+
+
+def test_a_failing_accept_backs_off_instead_of_spinning(tmp_path: Path) -> None:
+    listener = _FailingListener(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    listener.setblocking(False)
+    dispatcher = Dispatcher([listener], ClosedCounts.create(tmp_path / "closed", 1), 1)
+    counts = ClosedCounts(tmp_path / "closed")
+    dispatcher.start()
+    inbox = Inbox(dispatcher.channel(0).detach(), counts, 0)
+    client = None
+    try:
+        inbox.announce()
+        wait_for(lambda: dispatcher.loads() == [0], "the worker to serve")
+        client = socket.create_connection(listener.getsockname())  # stays in the backlog: readable forever
+        time.sleep(1.0)
+        # one try per ACCEPT_BACKOFF (0.1 s), not thousands a second
+        assert 3 <= _FailingListener.calls <= 15, _FailingListener.calls
+    finally:
+        dispatcher.stop()
+        inbox.close()
+        if client is not None:
+            client.close()
