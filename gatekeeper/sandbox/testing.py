@@ -162,12 +162,27 @@ class ProxyProcess:
 
     def metric(self, name: str, **labels: str) -> float:
         """Sum of the samples of ``name`` whose labels include ``labels``."""
-        total = 0.0
-        for m in re.finditer(rf"^{re.escape(name)}(?:\{{([^}}]*)\}})? ([0-9.e+-]+)$", self.metrics(), re.M):
-            got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
-            if all(got.get(k) == v for k, v in labels.items()):
-                total += float(m.group(2))
-        return total
+        return metric_sum(self.metrics(), name, **labels)
+
+
+_LABEL_VALUE = r'"(?:[^"\\]|\\.)*"'
+_SAMPLE = re.compile(
+    rf"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{{(?P<labels>(?:[^\"}}]|{_LABEL_VALUE})*)\}})?\s+(?P<value>\S+)", re.M)
+"""One sample line; a quoted label value may hold ``}``, ``,`` and escaped quotes."""
+
+
+def metric_sum(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels`` (Prometheus text format).
+
+    The one parser of metric pages for tests and bench scripts (a label value may hold escaped quotes)."""
+    total = 0.0
+    for m in _SAMPLE.finditer(text):
+        if m.group("name") != name:
+            continue
+        have = {k: v[1:-1] for k, v in re.findall(rf"(\w+)=({_LABEL_VALUE})", m.group("labels") or "")}
+        if all(have.get(k) == v for k, v in labels.items()):
+            total += float(m.group("value"))
+    return total
 
 
 class WireH2:

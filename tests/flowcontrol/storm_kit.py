@@ -21,7 +21,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import re
 import signal
 import ssl
 import subprocess
@@ -40,7 +39,7 @@ from gatekeeper.config import _key_of
 from gatekeeper.sandbox.pki import FRONT_PROXY_CLIENT, SandboxPKI, kubeconfig
 from gatekeeper.sandbox.processes import free_port
 from gatekeeper.sandbox.state import SandboxState
-from gatekeeper.sandbox.testing import kubectl_binary
+from gatekeeper.sandbox.testing import kubectl_binary, metric_sum
 
 STORM_GROUP = "gatekeeper:storm"
 OBSERVE = "fc-storm-observe"
@@ -265,21 +264,6 @@ def run_proxy(
         yield pp
     finally:
         pp.stop()
-
-
-_SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)", re.M)
-
-
-def metric_sum(text: str, name: str, **labels: str) -> float:
-    """Sum of samples of ``name`` whose labels include ``labels`` (Prometheus text format)."""
-    total = 0.0
-    for m in _SAMPLE.finditer(text):
-        if m.group("name") != name:
-            continue
-        have = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', m.group("labels") or ""))
-        if all(have.get(k) == v for k, v in labels.items()):
-            total += float(m.group("value"))
-    return total
 
 
 async def apiserver_metrics(state: SandboxState) -> list[str]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import signal
 import time
 import urllib.request
@@ -17,19 +16,11 @@ import pytest
 
 from gatekeeper.sandbox.state import SandboxState
 from gatekeeper.sandbox.testing import ProxyProcess, WireH2
+from gatekeeper.sandbox.testing import metric_sum as sample_sum
 
 pytestmark = pytest.mark.sandbox
 
 WORKERS = 2
-
-
-def sample_sum(text: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for m in re.finditer(rf"^{re.escape(name)}(?:\{{([^}}]*)\}})? ([0-9.e+-]+)$", text, re.M):
-        got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
-        if all(got.get(k) == v for k, v in labels.items()):
-            total += float(m.group(2))
-    return total
 
 
 def get(url: str) -> str:
