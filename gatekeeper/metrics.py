@@ -17,7 +17,6 @@ import functools
 import glob
 import os
 import stat
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -43,10 +42,11 @@ def enable_multiprocess(prefix: str = "gatekeeper-metrics-") -> str:
     page or point a ``counter_<pid>.db`` symlink at one of our files for prometheus-client to resize.
     Call it once, in the parent, before any worker starts.
     """
+    from gatekeeper import tempdirs
     from gatekeeper.errors import UsageError
 
     inherited = os.environ.get(MULTIPROC_ENV)
-    path = inherited or tempfile.mkdtemp(prefix=prefix)
+    path = inherited or str(tempdirs.make(prefix))  # stamped: a later start removes it if we are SIGKILLed
     if inherited:
         with contextlib.suppress(FileExistsError):
             os.makedirs(path, mode=0o700)

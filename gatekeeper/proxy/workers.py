@@ -31,7 +31,8 @@ upstream client for every request, so one proxy process tops out at one core.
 The runtime directory (ledger, wake sockets, per-worker ``worker-N.json``
 with its private metrics URL, and the copy of the config file every worker
 starts from, :func:`snapshot_config`) is a fresh private temporary directory
-(``mkdtemp``: 0700, unpredictable name) removed at exit.
+(``mkdtemp``: 0700, unpredictable name) removed at exit; after a SIGKILL of the
+parent, by the next start of any proxy supervisor (``gatekeeper/tempdirs.py``).
 """
 
 from __future__ import annotations
@@ -46,7 +47,6 @@ import shutil
 import signal
 import socket
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -442,7 +442,9 @@ def supervise(settings: ProxySettings, config: Path, workers: int) -> int:
 
     inherited = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
     metrics_dir = enable_multiprocess("gatekeeper-proxy-metrics-")
-    runtime = Path(tempfile.mkdtemp(prefix="gatekeeper-proxy-"))
+    from gatekeeper import tempdirs
+
+    runtime = tempdirs.make("gatekeeper-proxy-")  # stamped: a later start removes it if we are SIGKILLed
     lst = settings.listener
     listeners: list[socket.socket] | None = None
     try:

@@ -340,9 +340,15 @@ def test_concurrent_scrapes_of_two_workers_each_see_the_whole_proxy(proxy: Proxy
             c.close()
 
 
-def test_workers_follow_a_sigkilled_parent(churn_proxy: ProxyProcess) -> None:
-    """PR_SET_PDEATHSIG: no worker is left holding the port (and seats) after the parent is SIGKILLed."""
+def test_workers_follow_a_sigkilled_parent_and_the_next_start_removes_its_directories(
+    sandbox: SandboxState, churn_proxy: ProxyProcess, tmp_path: Path,
+) -> None:
+    """PR_SET_PDEATHSIG: no worker is left holding the port (and seats) after the parent is SIGKILLed. The
+    runtime directory the parent could not remove goes at the next supervisor's start (gatekeeper/tempdirs.py)."""
     pids = [w["pid"] for w in workers_of(churn_proxy)]
+    argv = Path(f"/proc/{pids[0]}/cmdline").read_text().split("\0")
+    runtime = Path(argv[argv.index("--runtime-dir") + 1])
+    assert runtime.is_dir()
     assert churn_proxy.proc is not None
     churn_proxy.proc.kill()
     churn_proxy.proc.wait(10)
@@ -354,3 +360,11 @@ def test_workers_follow_a_sigkilled_parent(churn_proxy: ProxyProcess) -> None:
             return True
 
     wait_for(lambda: all(gone(pid) for pid in pids), timeout=40, what="the orphaned workers to exit")
+    assert runtime.is_dir()  # nobody could remove it
+    (tmp_path / "next").mkdir()
+    successor = ProxyProcess(sandbox, tmp_path / "next", name="proxy-successor", workers=WORKERS)
+    successor.start()
+    try:
+        assert not runtime.exists(), f"{runtime} left behind by the SIGKILLed supervisor"
+    finally:
+        assert successor.stop() == 0
