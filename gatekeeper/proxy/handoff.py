@@ -149,8 +149,12 @@ class Dispatcher:
 
     def __init__(self, listeners: list[socket.socket], counts: ClosedCounts, workers: int,
                  on_handoff: Callable[[int], None] = lambda worker: None,
-                 on_wait: Callable[[], None] = lambda: None) -> None:
+                 on_wait: Callable[[], None] = lambda: None,
+                 on_crash: Callable[[], None] = lambda: None) -> None:
+        """``on_crash`` runs in the thread if it fails: the port then serves nobody, so the supervisor must
+        exit (non-zero, for the kubelet or systemd to restart it) rather than stay up deaf."""
         self._listeners = listeners
+        self._on_crash = on_crash
         self._counts = counts
         self._on_handoff = on_handoff
         self._on_wait = on_wait
@@ -224,8 +228,9 @@ class Dispatcher:
                     self._retry_pending()
                 self._set_accepting(self._pending is None and any(self._serving)
                                     and time.monotonic() >= self._resume_at)
-        except Exception:  # pragma: no cover - a bug here must not leave the port silently unserved
-            log.exception("connection hand-off thread failed; closing the listeners")
+        except Exception:  # a bug here must not leave the port silently unserved
+            log.exception("connection hand-off thread failed; closing the listeners and stopping the proxy")
+            self._on_crash()
         finally:
             self._sel.close()
             if self._pending is not None:

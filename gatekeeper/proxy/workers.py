@@ -186,7 +186,9 @@ class Supervisor:
         self.dispatcher: Dispatcher | None = None
         if listeners is not None:
             self.dispatcher = Dispatcher(listeners, ClosedCounts.create(runtime / "closed", workers), workers,
-                                         on_handoff=_count_handoff, on_wait=_count_wait)
+                                         on_handoff=_count_handoff, on_wait=_count_wait,
+                                         on_crash=self._dispatcher_crashed)
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def _spawn(self, slot: _Slot) -> None:
         argv = [sys.executable, "-m", "gatekeeper", "proxy", "--config", str(self.config), "--workers", "1",
@@ -341,6 +343,15 @@ class Supervisor:
                     out.append((slot, str(info["metricsUrl"]), slot.proc.pid))
         return out
 
+    def _dispatcher_crashed(self) -> None:
+        """From the hand-off thread: nobody accepts on the port any more; drain the workers and exit 1."""
+        def fail() -> None:
+            self.fatal = self.fatal or 1
+            self.stop()
+
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(fail)
+
     def stop(self) -> None:
         if self.stopping.is_set():
             return
@@ -361,7 +372,7 @@ class Supervisor:
     async def run(self) -> int:
         from gatekeeper.proxy.worker_metrics import start_parent_listener
 
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self.stop)
         loop.add_signal_handler(signal.SIGINT, self.stop)
         loop.add_signal_handler(signal.SIGHUP, self.reload)

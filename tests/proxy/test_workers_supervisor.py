@@ -123,3 +123,26 @@ async def test_a_worker_that_ignores_sigterm_is_killed_after_the_drain_time(tmp_
         for slot in sup.slots:
             if slot.proc is not None and slot.proc.returncode is None:
                 slot.proc.kill()
+
+
+async def test_a_failed_hand_off_thread_stops_the_proxy_with_exit_1(tmp_path: Path, monkeypatch) -> None:
+    """With connectionBalancing: least-connections only the parent's thread accepts: if it dies, the proxy
+    must exit (for the kubelet to restart it), not stay up with a port that serves nobody."""
+    from gatekeeper.proxy.handoff import Dispatcher
+    from gatekeeper.proxy.listen.server import bind_listeners
+
+    real = asyncio.create_subprocess_exec
+
+    async def sleeper(*argv: Any, **kw: Any) -> asyncio.subprocess.Process:
+        return await real(*SLEEPER, **kw)
+
+    def broken(self: Dispatcher) -> None:
+        raise RuntimeError("a bug in the hand-off thread")
+
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", sleeper)
+    monkeypatch.setattr(Dispatcher, "_apply_commands", broken)
+    listeners = bind_listeners("127.0.0.1", 0)
+    sup = workers.Supervisor(SETTINGS, tmp_path / "proxy.yaml", 1, tmp_path, listeners[0].getsockname()[1],
+                             listeners)
+    assert await asyncio.wait_for(sup.run(), 30) == 1
+    assert all(s.proc is not None and s.proc.returncode is not None for s in sup.slots)
