@@ -45,7 +45,7 @@ def wait_for(cond, timeout: float = 20.0, what: str = "") -> None:
 
 
 def connect_to_every_worker(p: ProxyProcess, limit: int = 40) -> list[WireH2]:
-    """Open h2 connections (one GET each) until every worker holds at least one (the kernel picks)."""
+    """Open h2 connections (one GET each) until every worker holds at least one (the parent or the kernel picks)."""
     conns: list[WireH2] = []
     while len(conns) < limit:
         c = WireH2(p.url, p.tls(cert=True))
@@ -89,7 +89,7 @@ def test_metrics_add_up_across_workers(proxy: ProxyProcess) -> None:
         assert sample_sum(page, "gatekeeper_proxy_client_connections", protocol="h2") == len(conns)
         assert sample_sum(page, "gatekeeper_proxy_workers", state="serving") == WORKERS
         # the admin-only /metrics on the TLS port, answered by whichever worker, shows the whole proxy too
-        for _ in range(3):  # new connections: the kernel picks the worker
+        for _ in range(3):  # new connections: each may land on either worker
             tls_page = httpx.get(f"{proxy.url}/metrics", verify=proxy.tls(cert=True)).text
             assert sample_sum(tls_page, name, **labels) - before == counted
         # the skew over the summed per-backend watches: 6 watches over 3 backends, whatever the split
