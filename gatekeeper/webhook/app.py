@@ -30,7 +30,9 @@ Metrics (Prometheus):
     reviews whose object creation was refused for an unverified caller
     (``unauthenticated-create``), ``body-timeout`` (408, body not received within
     ``server.bodyTimeoutSeconds``), ``content-encoding`` (415, a compressed body) and
-    ``body-budget`` (503, bodies being read already hold ``server.maxBufferedBodyBytes``) and
+    ``body-budget`` (503, bodies being read already hold ``server.maxBufferedBodyBytes``),
+    ``body-budget-caller`` (503, an unverified caller's bodies already hold its
+    ``server.maxBufferedBodyCallerShare`` of that budget) and
     ``write-timeout`` (a response not taken within ``server.writeTimeoutSeconds``: connection aborted;
     route ``other`` for the ops endpoints).
 ``gatekeeper_webhook_refused_connections_total{reason}``
@@ -132,20 +134,44 @@ class BodyBudget:
 
     Each connection may hold up to ``maxBodyBytes``; without a process-wide bound, ``maxConnections`` slow
     senders hold gigabytes. Over the budget a review gets 503 at once, before its body is read.
+
+    The budget is shared by every caller, so a caller that is not a verified apiserver is also held to
+    ``per_caller`` bytes (``maxBufferedBodyCallerShare``, keyed by peer IP: in open mode any pod can call, and
+    one pod's slow bodies took the whole budget, refusing the apiserver's reviews).
     """
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, per_caller: int | None = None) -> None:
         self.limit = limit
+        self.per_caller = limit if per_caller is None else per_caller
         self.used = 0
+        self.by_caller: dict[str, int] = {}
+        """Bytes held per caller key; a key is dropped when it holds nothing (at most one per open request)."""
 
-    def take(self, n: int) -> bool:
+    def refusal(self, n: int, key: str | None = None) -> str:
+        """Why ``n`` more bytes for caller ``key`` (None: not held to a share) cannot be taken, as the refusal
+        reason: ``body-budget`` (the whole budget is held), ``body-budget-caller`` (that caller's share is),
+        or ``""``: they can."""
         if self.used + n > self.limit:
+            return "body-budget"
+        if key is not None and self.by_caller.get(key, 0) + n > self.per_caller:
+            return "body-budget-caller"
+        return ""
+
+    def take(self, n: int, key: str | None = None) -> bool:
+        """Reserve ``n`` bytes for caller ``key``; False (nothing reserved) if :meth:`refusal` says no."""
+        if self.refusal(n, key):
             return False
         self.used += n
+        if key is not None:
+            self.by_caller[key] = self.by_caller.get(key, 0) + n
         return True
 
-    def give(self, n: int) -> None:
+    def give(self, n: int, key: str | None = None) -> None:
         self.used -= n
+        if key is not None:
+            left = self.by_caller.pop(key) - n
+            if left:
+                self.by_caller[key] = left
 
 
 BUDGET_KEY = web.AppKey("body_budget", BodyBudget)
@@ -183,15 +209,20 @@ async def _review(request: web.Request, route: str) -> web.Response:
     size = request.content_length
     need = settings.server.max_body_bytes if size is None else min(size, settings.server.max_body_bytes)
     budget = request.app[BUDGET_KEY]
-    if not budget.take(need):
-        m.refused.labels(route, "body-budget").inc()
+    key = None if caller else (request.remote or "")  # a verified apiserver is not held to a share
+    if not budget.take(need, key):
+        reason = budget.refusal(need, key)
+        m.refused.labels(route, reason).inc()
+        held = (f"review bodies being read already hold webhook.server.maxBufferedBodyBytes ({budget.limit} bytes)"
+                if reason == "body-budget" else
+                f"review bodies being read from {key} already hold its share of the body budget, "
+                f"webhook.server.maxBufferedBodyCallerShare ({budget.per_caller} bytes)")
         return _closing(web.Response(status=503, headers={"Retry-After": "1"},
-                                     text=f"gatekeeper webhook busy: review bodies being read already hold "
-                                          f"webhook.server.maxBufferedBodyBytes ({budget.limit} bytes)\n"))
+                                     text=f"gatekeeper webhook busy: {held}\n"))
     try:
         return await _read_and_decide(request, route, settings, caller, started)
     finally:
-        budget.give(need)
+        budget.give(need, key)
 
 
 async def _read_and_decide(request: web.Request, route: str, settings: WebhookSettings, caller: str,
@@ -327,7 +358,8 @@ def build_app(settings: WebhookSettings, keeper: TemplateKeeper | None = None,
     if keeper is not None:
         app[KEEPER_KEY] = keeper
     app[READY_KEY] = {"ready": ready, "reason": "starting"}
-    app[BUDGET_KEY] = BodyBudget(settings.server.max_buffered_body_bytes)
+    app[BUDGET_KEY] = BodyBudget(settings.server.max_buffered_body_bytes,
+                                 settings.server.max_buffered_body_bytes_per_caller)
     metrics()
     app.router.add_post("/validate", validate)
     app.router.add_post("/mutate", mutate)

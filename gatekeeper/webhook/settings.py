@@ -85,6 +85,10 @@ class ServerSettings(TLSListenerSettings):
     """Review bodies this worker reads and parses at once (declared Content-Length, else maxBodyBytes each);
     a review that would pass it gets 503 before its body is read. Ten of the largest reviews, thousands of
     usual ones; without it, maxConnections slow senders could hold maxConnections x maxBodyBytes."""
+    max_buffered_body_caller_share: float = 0.25
+    """Fraction of maxBufferedBodyBytes one unverified caller (one peer IP) may hold at once (never less than
+    maxBodyBytes); over it that caller gets 503, so one pod's slow bodies cannot take the budget the
+    apiserver's reviews need. Verified apiservers (clientCaFile) are not limited by it; 1 turns it off."""
     client_ca_file: str = ""
     """CA (PEM) of the apiserver's webhook client certificate. Set: callers without a certificate
     from it, or with a name not in ``allowedClientNames``, get 403 on /validate and /mutate."""
@@ -109,6 +113,11 @@ class ServerSettings(TLSListenerSettings):
     """After SIGTERM, keep answering with /readyz false this long before closing the listener (outside
     Kubernetes; in a pod the preStop sleep plays this part)."""
 
+    @property
+    def max_buffered_body_bytes_per_caller(self) -> int:
+        """maxBufferedBodyCallerShare in bytes; at least maxBodyBytes, so any caller can send the largest review."""
+        return max(self.max_body_bytes, int(self.max_buffered_body_bytes * self.max_buffered_body_caller_share))
+
     def validate(self) -> None:
         super().validate()
         if self.workers < 1:
@@ -128,6 +137,9 @@ class ServerSettings(TLSListenerSettings):
         if self.max_buffered_body_bytes < self.max_body_bytes:
             raise ValueError(f"maxBufferedBodyBytes ({self.max_buffered_body_bytes}) must be >= maxBodyBytes "
                              f"({self.max_body_bytes}), or the largest review could never be read")
+        if not 0 < self.max_buffered_body_caller_share <= 1:
+            raise ValueError(f"maxBufferedBodyCallerShare must be > 0 and <= 1 (a fraction of maxBufferedBodyBytes), "
+                             f"got {self.max_buffered_body_caller_share}")
         if self.client_ca_file and not self.allowed_client_names:
             raise ValueError("clientCaFile is set but allowedClientNames is empty: name the apiserver's client "
                              "certificate (CN or DNS SAN), or any pod holding a certificate from that CA could "

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
+import struct
 import time
 
 import h11
@@ -11,6 +13,7 @@ import pytest
 from edge_kit import Bench, bench, make_pki, rejected, status_of
 
 from gatekeeper.certs import PKI
+from gatekeeper.proxy.listen import h1
 
 
 @pytest.fixture(scope="module")
@@ -211,3 +214,37 @@ async def test_client_that_leaves_before_the_101_frees_the_backend_and_its_slot(
         await until(lambda: be.in_flight == 1)
         writer.close()
         await until(lambda: be.in_flight == 0 and b.server.connections == 0)  # lease and client slot freed
+
+
+@pytest.mark.parametrize("leave", ["fin", "rst"])
+async def test_client_that_pipelines_past_the_read_ahead_then_leaves_frees_the_backend_and_its_slot(
+        pki: PKI, monkeypatch: pytest.MonkeyPatch, leave: str) -> None:
+    """An idle watch, 256 KiB of pipelined requests behind it, then the client goes (FIN, or RST as a killed
+    client with unread bytes): the watch, its backend connection and the client slot are freed.
+
+    Before, past the 64 KiB read-ahead nothing read the client any more, so neither was seen until the
+    watch's next event (an RST was missed even without pipelining: the watcher's read raised).
+    """
+    monkeypatch.setattr(h1, "HANGUP_CHECK_SECONDS", 0.05)
+    async with bench(pki) as b:
+        reader, writer = await b.open()
+        writer.write(b"GET /api/v1/pods?watch=1 HTTP/1.1\r\nhost: x\r\n\r\n")
+        await writer.drain()
+        async with asyncio.timeout(5):
+            await reader.readuntil(b"ADDED")
+        one = b"GET /api/v1/namespaces/a/pods HTTP/1.1\r\nhost: x\r\n\r\n"
+        writer.write(one * (256 * 1024 // len(one)))
+        be = b.pipeline.balancer.backends[0]
+        async with asyncio.timeout(5):
+            await writer.drain()
+        await asyncio.sleep(0.3)  # the proxy read its 64 KiB ahead and stopped
+        assert be.in_flight == 1
+        sock = writer.transport.get_extra_info("socket")
+        if leave == "rst":
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        else:
+            with socket.socket(fileno=os.dup(sock.fileno())) as dup:
+                dup.shutdown(socket.SHUT_WR)
+        writer.transport.abort()
+        await until(lambda: be.in_flight == 0 and b.server.connections == 0)
+        assert b.backend.paths() == [b"/api/v1/pods?watch=1"]  # nothing pipelined was sent on

@@ -14,6 +14,7 @@ import re
 import signal
 import socket
 import ssl
+import struct
 import subprocess
 import time
 import uuid
@@ -303,3 +304,29 @@ def test_identity_header_variants_from_an_http1_tenant_do_not_reach_the_apiserve
     before = rejected(proxy, "h1_malformed")
     assert post(b"X-Remote-User : admin\r\n").startswith(b"HTTP/1.1 400"), "whitespace before the colon"
     assert rejected(proxy, "h1_malformed") == before + 1
+
+
+def test_http1_client_that_pipelines_then_resets_ends_its_watch(proxy: ProxyProcess) -> None:
+    """A watch, 256 KiB of pipelined requests behind it (past the proxy's 64 KiB read-ahead), then an RST (a
+    killed client with bytes unread): the apiserver watch ends. Before, the proxy had stopped reading the
+    client and held the watch open until its next event."""
+    before = proxy.metric("gatekeeper_proxy_backend_watches")
+    raw = socket.create_connection(("127.0.0.1", proxy.port), timeout=10)
+    tls = proxy.tls(cert=True).wrap_socket(raw, server_hostname="127.0.0.1")
+    try:
+        tls.sendall(b"GET /api/v1/namespaces/default/configmaps?watch=1 HTTP/1.1\r\nhost: x\r\n\r\n")
+        assert tls.recv(65536).startswith(b"HTTP/1.1 200")
+        one = b"GET /version HTTP/1.1\r\nhost: x\r\n\r\n"
+        tls.sendall(one * (256 * 1024 // len(one)))
+        deadline = time.monotonic() + 10
+        while proxy.metric("gatekeeper_proxy_backend_watches") != before + 1:
+            assert time.monotonic() < deadline, "the watch never started"
+            time.sleep(0.1)
+        time.sleep(1.0)  # the proxy read its 64 KiB ahead and stopped reading
+        tls.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    finally:
+        tls.close()
+    deadline = time.monotonic() + 20
+    while proxy.metric("gatekeeper_proxy_backend_watches") != before:
+        assert time.monotonic() < deadline, "the watch of a client that reset was still open after 20 s"
+        time.sleep(0.2)

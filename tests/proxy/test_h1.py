@@ -6,6 +6,7 @@ import asyncio
 import os
 import random
 import socket
+import struct
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
@@ -15,6 +16,7 @@ import pytest
 from edge_kit import rejected
 
 from gatekeeper.proxy.adapter import ClientGone
+from gatekeeper.proxy.listen import h1
 from gatekeeper.proxy.listen.h1 import H1Connection
 from gatekeeper.proxy.messages import Handler, ProxyRequest, ProxyResponse, Upgraded
 from gatekeeper.proxy.settings import ProtocolSettings
@@ -379,6 +381,78 @@ async def test_client_hangup_ends_idle_watch(serve):
     async with asyncio.timeout(5):
         await closed.wait()
         await finished.wait()
+    assert len(finishes) == 1 and isinstance(finishes[0], ClientGone)
+
+
+def quiet_watch_handler(finished: asyncio.Event, finishes: list[BaseException | None]) -> Handler:
+    """A watch that sends one event and then nothing for an hour; ``finished`` is set when it is given up."""
+
+    async def quiet_watch() -> AsyncIterator[bytes]:
+        yield b'{"type":"ADDED"}\n'
+        await asyncio.sleep(3600)
+
+    async def handler(req: ProxyRequest) -> ProxyResponse:
+        resp = ProxyResponse(200, [], quiet_watch())
+        resp.on_complete += [finishes.append, lambda _e: finished.set()]
+        return resp
+
+    return handler
+
+
+def reset(writer: asyncio.StreamWriter) -> None:
+    """Leave as a killed client with bytes unread does: an RST, not a FIN."""
+    sock = writer.transport.get_extra_info("socket")
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.transport.abort()
+
+
+async def test_client_reset_ends_idle_watch(serve):
+    """A reset, unlike an EOF, made the EOF watcher's read raise; the watcher died and the watch stayed up."""
+    finishes: list[BaseException | None] = []
+    finished = asyncio.Event()
+    server = await serve(quiet_watch_handler(finished, finishes))
+    client = await server.client()
+    client.writer.write(b"GET /api/v1/pods?watch=true HTTP/1.1\r\nHost: p\r\n\r\n")
+    await client.writer.drain()
+    async with asyncio.timeout(5):
+        await client.reader.readuntil(b"ADDED")
+    reset(client.writer)
+    async with asyncio.timeout(5):
+        await finished.wait()
+        await server.connections[0].closed.wait()
+    assert len(finishes) == 1 and isinstance(finishes[0], ClientGone)
+
+
+@pytest.mark.parametrize("leave", ["fin", "rst"])
+async def test_client_that_pipelines_past_the_read_ahead_then_leaves_ends_idle_watch(serve, monkeypatch, leave):
+    """Past PIPELINE_BUFFER_LIMIT the proxy stops reading, so the transport no longer sees EOF or a reset;
+    the kernel's hang-up state is checked instead, and the read-ahead stays bounded meanwhile."""
+    monkeypatch.setattr(h1, "HANGUP_CHECK_SECONDS", 0.05)
+    finishes: list[BaseException | None] = []
+    finished = asyncio.Event()
+    server = await serve(quiet_watch_handler(finished, finishes))
+    client = await server.client()
+    client.writer.write(b"GET /api/v1/pods?watch=true HTTP/1.1\r\nHost: p\r\n\r\n")
+    await client.writer.drain()
+    async with asyncio.timeout(5):
+        await client.reader.readuntil(b"ADDED")
+    one = b"GET /api/v1/namespaces/a/pods HTTP/1.1\r\nHost: p\r\n\r\n"
+    client.writer.write(one * (256 * 1024 // len(one)))  # fits the kernel buffers: its FIN can follow
+    async with asyncio.timeout(5):
+        await client.writer.drain()
+        conn = server.connections[0]
+        while len(conn._conn.trailing_data[0]) < h1.PIPELINE_BUFFER_LIMIT:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+    await asyncio.sleep(0.2)  # reading has stopped: the read-ahead does not grow any more
+    assert len(conn._conn.trailing_data[0]) < h1.PIPELINE_BUFFER_LIMIT + h1.READ_SIZE
+    assert not finished.is_set()
+    if leave == "rst":
+        reset(client.writer)
+    else:
+        client.writer.close()
+    async with asyncio.timeout(5):
+        await finished.wait()
+        await conn.closed.wait()
     assert len(finishes) == 1 and isinstance(finishes[0], ClientGone)
 
 

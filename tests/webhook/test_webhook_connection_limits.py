@@ -177,7 +177,8 @@ async def _post(served: Listening, body: bytes) -> bytes:
 async def test_bodies_held_at_once_are_bounded_by_the_budget_not_by_connections(tmp_path: Path) -> None:
     """Two slow senders declaring 64 KiB each fill a 128 KiB budget: the next review gets 503 before its body
     is read, and is answered again once they are gone. Before, each connection could hold maxBodyBytes."""
-    async for served in _serving(tmp_path, max_body_bytes=64 * 1024, max_buffered_body_bytes=128 * 1024):
+    async for served in _serving(tmp_path, max_body_bytes=64 * 1024, max_buffered_body_bytes=128 * 1024,
+                                 max_buffered_body_caller_share=1.0):  # one caller here: the budget alone
         before = _refused("validate", "body-budget")
         review_body = orjson.dumps(review(secret(data={"a": b64(1024)})))
         slow = [await served.tls() for _ in range(2)]
@@ -197,6 +198,85 @@ async def test_bodies_held_at_once_are_bounded_by_the_budget_not_by_connections(
         while not (answer := await _post(served, review_body)).startswith(b"HTTP/1.1 200"):
             assert time.monotonic() < deadline, "the budget was not given back when the slow senders left"
             await asyncio.sleep(0.05)
+
+
+SLOW_HEAD = b"POST /validate HTTP/1.1\r\nHost: webhook\r\nContent-Length: 65536\r\n%s\r\n{\"apiVersion\":"
+
+
+async def test_one_caller_is_held_to_its_share_of_the_budget(tmp_path: Path) -> None:
+    """A caller (peer IP) whose slow bodies hold its share gets 503 for more, while the budget has room left."""
+    async for served in _serving(tmp_path, max_body_bytes=64 * 1024, max_buffered_body_bytes=256 * 1024,
+                                 max_buffered_body_caller_share=0.25):
+        before = _refused("validate", "body-budget-caller")
+        review_body = orjson.dumps(review(secret(data={"a": b64(1024)})))
+        assert (await _post(served, review_body)).startswith(b"HTTP/1.1 200")
+        _, w = await served.tls()
+        w.write(SLOW_HEAD % b"")
+        await w.drain()
+        deadline = time.monotonic() + GIVE_UP
+        while not (answer := await _post(served, review_body)).startswith(b"HTTP/1.1 503"):
+            assert answer.startswith(b"HTTP/1.1 200")
+            assert time.monotonic() < deadline, "a 64 KiB body held by 127.0.0.1 never filled its 64 KiB share"
+            await asyncio.sleep(0.05)
+        assert b"maxBufferedBodyCallerShare" in answer and b"127.0.0.1" in answer and b"Retry-After: 1" in answer
+        assert _refused("validate", "body-budget-caller") >= before + 1
+        w.close()
+        deadline = time.monotonic() + GIVE_UP
+        while not (answer := await _post(served, review_body)).startswith(b"HTTP/1.1 200"):
+            assert time.monotonic() < deadline, "the share was not given back when the slow sender left"
+            await asyncio.sleep(0.05)
+
+
+async def test_caller_at_its_share_does_not_block_another_callers_review() -> None:
+    """One pod's slow bodies took the whole budget and the apiserver's reviews got 503 (open mode: any pod can
+    call). Two peers on one loopback address: the peer IP is taken from a test header here."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    from gatekeeper.webhook.app import BUDGET_KEY, build_app
+
+    server = replace(ServerSettings(cert_file="c", key_file="k"), max_body_bytes=64 * 1024,
+                     max_buffered_body_bytes=128 * 1024, max_buffered_body_caller_share=0.5)
+    app = build_app(WebhookSettings(server=server, gpu=GpuSettings(enabled=False)))
+
+    @web.middleware
+    async def peer_from_header(request: web.Request, handler):  # type: ignore[no-untyped-def]
+        return await handler(request.clone(remote=request.headers["x-test-peer"]))
+
+    app.middlewares.insert(0, peer_from_header)
+    review_body = orjson.dumps(review(secret(data={"a": b64(1024)})))
+
+    async def post(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: bytes) -> bytes:
+        writer.write(b"POST /validate HTTP/1.1\r\nHost: webhook\r\nx-test-peer: %s\r\nContent-Length: %d\r\n"
+                     b"Connection: close\r\n\r\n%s" % (peer, len(review_body), review_body))
+        return await _closed_by_server(reader)
+
+    async with TestServer(app, host="127.0.0.1") as ts:
+        before = _refused("validate", "body-budget-caller")
+        slow = [await asyncio.open_connection("127.0.0.1", ts.port) for _ in range(2)]
+        for _, w in slow:  # the attacker: two slow 64 KiB bodies, each its whole share alone
+            w.write(SLOW_HEAD % b"x-test-peer: 10.0.0.66\r\n")
+            await w.drain()
+        budget = app[BUDGET_KEY]
+        deadline = time.monotonic() + GIVE_UP
+        # both slow bodies were seen: the second refused at the caller's share (or, without it, the budget full)
+        while _refused("validate", "body-budget-caller") == before and budget.used < budget.limit:
+            assert time.monotonic() < deadline, "the slow bodies never reached the webhook"
+            await asyncio.sleep(0.05)
+        answer = await post(*await asyncio.open_connection("127.0.0.1", ts.port), b"10.0.0.1")
+        assert answer.startswith(b"HTTP/1.1 200") and b'"allowed":true' in answer, answer[:300]
+        assert _refused("validate", "body-budget-caller") == before + 1
+        for _, w in slow:
+            w.close()
+
+
+def test_caller_share_is_a_fraction_and_never_below_the_largest_review() -> None:
+    base = ServerSettings(cert_file="c", key_file="k")
+    assert base.max_buffered_body_bytes_per_caller == 16 * 1024 * 1024
+    assert replace(base, max_buffered_body_caller_share=0.01).max_buffered_body_bytes_per_caller == base.max_body_bytes
+    for bad in (0, -0.5, 1.5):
+        with pytest.raises(ValueError, match="maxBufferedBodyCallerShare"):
+            replace(base, max_buffered_body_caller_share=bad).validate()
 
 
 def test_budget_must_hold_the_largest_review() -> None:

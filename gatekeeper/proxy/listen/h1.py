@@ -21,10 +21,13 @@ that moves bytes between it, the socket and the pipeline handler.
   HTTP/1.1 the coin is tossed when the head is written (not after the body as
   on h2) and the connection closes after that body. The effect on
   rebalancing is the same: the client's next request opens a new connection.
-* While a response is being produced the socket is watched for EOF, so a
-  client that hangs up on an idle watch ends the upstream watch at once, and
-  one that leaves an upgrade request waiting for its backend frees it too
-  (bytes read meanwhile stay in h11: the next request's, or the tunnel's).
+* While a response is being produced the socket is watched for EOF or a
+  reset, so a client that hangs up on an idle watch ends the upstream watch
+  at once, and one that leaves an upgrade request waiting for its backend
+  frees it too (bytes read meanwhile stay in h11: the next request's, or the
+  tunnel's). Past ``PIPELINE_BUFFER_LIMIT`` bytes read ahead nothing more is
+  read, and the kernel is asked every ``HANGUP_CHECK_SECONDS`` whether the
+  client sent its FIN or reset (a paused transport sees neither).
 * Slow clients are cut, each by a setting: a request head must be complete
   ``h1HeaderTimeoutSeconds`` after its first byte (no 408: the connection just
   closes, as Go's ReadHeaderTimeout does); a request body that is idle for
@@ -46,6 +49,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import select
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -72,8 +76,21 @@ log = logging.getLogger("gatekeeper.proxy.listen.h1")
 READ_SIZE = 65536
 PIPELINE_BUFFER_LIMIT = 65536
 """Pipelined bytes read ahead while a response is running; beyond this we stop reading."""
+HANGUP_CHECK_SECONDS = 1.0
+"""How often a connection whose read-ahead is full is checked for a client hang-up (a poll, nothing read)."""
+_HANGUP_EVENTS = select.POLLHUP | select.POLLERR | select.POLLNVAL | getattr(select, "POLLRDHUP", 0)
 UNREAD_BODY_DRAIN_BYTES = 256 * 1024
 """A request body the pipeline never read is drained up to this size to keep the connection; else close."""
+
+
+def peer_hung_up(fd: int) -> bool:
+    """Whether the peer of socket ``fd`` sent its FIN (POLLRDHUP, Linux) or reset, without reading a byte.
+
+    The kernel records a FIN once every byte before it is in our receive buffer, unread or not.
+    """
+    poller = select.poll()
+    poller.register(fd, _HANGUP_EVENTS)
+    return any(events & _HANGUP_EVENTS for _, events in poller.poll(0))
 
 
 class H1Connection:
@@ -328,14 +345,38 @@ class H1Connection:
         """
         await self._request_done.wait()
         buffered = 0
-        while buffered < PIPELINE_BUFFER_LIMIT:
-            data = await self._reader.read(READ_SIZE)
-            if not data:
-                self._eof = True
-                task.cancel()
-                return
-            buffered += len(data)
-            self._conn.receive_data(data)  # a pipelined next request: h11 keeps it for later
+        try:
+            while buffered < PIPELINE_BUFFER_LIMIT:
+                data = await self._reader.read(READ_SIZE)
+                if not data:
+                    break
+                buffered += len(data)
+                self._conn.receive_data(data)  # a pipelined next request: h11 keeps it for later
+            else:
+                await self._hangup_unread()
+        except (ConnectionError, OSError):
+            pass  # a reset (a client killed with bytes unread, SO_LINGER 0): as gone as at EOF
+        self._eof = True
+        task.cancel()
+
+    async def _hangup_unread(self) -> None:
+        """Return once the client has gone, reading nothing more from it (the read-ahead is full).
+
+        Reading stops here, so the transport pauses and no longer sees an EOF or a reset: without
+        this a client that pipelined past the read-ahead and left kept its request running upstream
+        (seats, a backend connection) until the response's next write failed, for ever on an idle
+        watch. The kernel knows without a read: its FIN or RST is checked every
+        ``HANGUP_CHECK_SECONDS`` (poll, no bytes taken). A FIN still queued behind pipelined bytes
+        the client's kernel could not send (our window is shut) is invisible to anyone; the next
+        write of the response then meets its reset.
+        """
+        transport = self._writer.transport
+        sock = transport.get_extra_info("socket")
+        fd = sock.fileno() if sock is not None else -1
+        # is_closing first: once the transport closed, the fd number may already be another connection's.
+        while not (transport.is_closing() or self._reader.exception() is not None  # noqa: ASYNC110
+                   or (fd >= 0 and peer_hung_up(fd))):  # the kernel's state has no event for us to await
+            await asyncio.sleep(HANGUP_CHECK_SECONDS)
 
     async def _respond(self, request: ProxyRequest) -> bool:
         response: ProxyResponse | None = None
