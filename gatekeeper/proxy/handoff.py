@@ -115,13 +115,18 @@ class Inbox:
         self._index = index
         self.ended = False
         """The supervisor's end closed (it is exiting): nothing more will arrive."""
+        self.lost = 0
+        """Connections whose descriptor never arrived (this process was out of descriptors: the kernel closed
+        them), since the last :meth:`receive`; each is counted closed, else the supervisor's count of this
+        worker's connections would keep them for its whole life."""
 
     def announce(self) -> None:
         self.sock.send(READY)
 
     def receive(self) -> list[socket.socket]:
-        """Every connection waiting now (never blocks)."""
+        """Every connection waiting now (never blocks); stops at one whose descriptor was lost (see ``lost``)."""
         out: list[socket.socket] = []
+        self.lost = 0
         while True:
             try:
                 msg, fds, _, _ = socket.recv_fds(self.sock, 1, 8)
@@ -133,6 +138,10 @@ class Inbox:
                 conn = socket.socket(fileno=fd)
                 conn.setblocking(False)
                 out.append(conn)
+            if msg == _CONN and not fds:  # EMFILE on receipt: the kernel dropped it (MSG_CTRUNC)
+                self.lost += 1
+                self.closed()
+                return out  # the next ones would be lost too: the caller backs off
             if not msg and not fds:
                 self.ended = True
                 return out
