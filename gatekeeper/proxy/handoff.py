@@ -317,6 +317,10 @@ class Dispatcher:
                 self._sel.unregister(s)
 
     def _accept(self, listener: socket.socket) -> None:
+        if self._pending is not None:
+            # Another listener (listener.address resolving to several addresses), readable in the same round,
+            # already left a connection no worker could take: one more would replace it, and close it.
+            return
         for _ in range(64):  # then let the workers' messages in
             try:
                 conn, _ = listener.accept()

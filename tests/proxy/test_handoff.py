@@ -9,7 +9,7 @@ import os
 import resource
 import socket
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -49,13 +49,14 @@ def wait_for(cond: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
 class Rig:
     """A dispatcher on a real loopback listener, with in-test 'workers' reading their inboxes."""
 
-    def __init__(self, tmp_path: Path, workers: int) -> None:
+    def __init__(self, tmp_path: Path, workers: int, extra_listeners: Sequence[socket.socket] = ()) -> None:
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.listener.setblocking(False)
         self.port = self.listener.getsockname()[1]
         self.handed: list[int] = []
         self.waits = 0
-        self.dispatcher = Dispatcher([self.listener], ClosedCounts.create(tmp_path / "closed", workers), workers,
+        self.dispatcher = Dispatcher([self.listener, *extra_listeners],
+                                     ClosedCounts.create(tmp_path / "closed", workers), workers,
                                      on_handoff=self.handed.append, on_wait=self._wait)
         self.counts = ClosedCounts(tmp_path / "closed")
         self.inboxes: list[Inbox | None] = [None] * workers
@@ -362,3 +363,29 @@ async def test_a_worker_out_of_descriptors_counts_the_lost_connection_and_backs_
         assert 0 < r.handed.count(0) < 60 and r.waits == 0, r.handed
     finally:
         await server.shutdown(1)
+
+
+def test_with_two_listeners_a_held_connection_is_not_replaced_by_the_next(tmp_path: Path) -> None:
+    """listener.address resolving to two addresses (localhost, a dual-stack name) gives the dispatcher two
+    listeners, readable in the same round. When the first one's accepts filled every worker's socket, the
+    second one's accept replaced the connection held for later, which was then closed: a client cut right
+    after its connect, against "nothing is dropped"."""
+    second = socket.create_server(("127.0.0.1", 0))
+    second.setblocking(False)
+    r = Rig(tmp_path, 1, extra_listeners=[second])
+    try:
+        # no worker serves yet: these wait in the backlogs, more on the first listener than a socket takes
+        r.clients += [socket.create_connection(("127.0.0.1", r.port)) for _ in range(60)]
+        r.clients.append(socket.create_connection(second.getsockname()))
+        r.start_worker(0)  # serves, reads nothing yet: both listeners are readable in the next round
+        wait_for(lambda: r.waits >= 1, "the worker's socket to fill and a connection to be held")
+        time.sleep(0.2)
+        assert r.waits == 1, "the held connection was replaced by another"
+        deadline = time.monotonic() + 10
+        while len(r.held[0]) < len(r.clients) and time.monotonic() < deadline:
+            r.collect(0)
+            time.sleep(0.01)
+        assert len(r.held[0]) == len(r.clients), "a connection was dropped"
+    finally:
+        r.stop()
+        second.close()
