@@ -178,6 +178,7 @@ class Dispatcher:
         self._accepting = False
         self._resume_at = 0.0
         """After a failed accept (EMFILE): not before this ``time.monotonic()``."""
+        self._on_failure: Callable[[], object] = lambda: None
 
     # --------------------------------------------------------------- called from the event loop
 
@@ -189,7 +190,10 @@ class Dispatcher:
         self._command(worker, ours)
         return theirs
 
-    def start(self) -> None:
+    def start(self, on_failure: Callable[[], object] = lambda: None) -> None:
+        """``on_failure`` runs on the thread if it dies of a bug: the port is closed then, so the caller must
+        not go on as if it served (it stops the proxy, to be restarted)."""
+        self._on_failure = on_failure
         self._thread.start()
 
     def stop(self) -> None:
@@ -235,6 +239,7 @@ class Dispatcher:
                                     and time.monotonic() >= self._resume_at)
         except Exception:  # pragma: no cover - a bug here must not leave the port silently unserved
             log.exception("connection hand-off thread failed; closing the listeners")
+            self._on_failure()
         finally:
             self._sel.close()
             if self._pending is not None:

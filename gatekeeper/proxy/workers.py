@@ -352,6 +352,13 @@ class Supervisor:
                 with contextlib.suppress(ProcessLookupError):
                     slot.proc.send_signal(signal.SIGTERM)
 
+    def _handoff_failed(self) -> None:
+        """The hand-off thread died and closed the TLS port: exit 1 (to be restarted) rather than run on
+        port-less with every worker ready, which kept an orchestrator sending clients here."""
+        log.error("the TLS port is closed (connection hand-off failed): stopping the proxy")
+        self.fatal = 1
+        self.stop()
+
     def reload(self) -> None:
         for slot in self.slots:
             if slot.proc is not None and slot.proc.returncode is None:
@@ -366,7 +373,7 @@ class Supervisor:
         loop.add_signal_handler(signal.SIGINT, self.stop)
         loop.add_signal_handler(signal.SIGHUP, self.reload)
         if self.dispatcher is not None:
-            self.dispatcher.start()
+            self.dispatcher.start(on_failure=lambda: loop.call_soon_threadsafe(self._handoff_failed))
         for slot in self.slots:
             await self._spawn(slot)
         watchers = [loop.create_task(self._watch(s)) for s in self.slots]
