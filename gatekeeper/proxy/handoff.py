@@ -239,7 +239,8 @@ class Dispatcher:
                                     and time.monotonic() >= self._resume_at)
         except Exception:  # pragma: no cover - a bug here must not leave the port silently unserved
             log.exception("connection hand-off thread failed; closing the listeners")
-            self._on_failure()
+            with contextlib.suppress(Exception):  # e.g. the parent's loop already closed: the listeners still go
+                self._on_failure()
         finally:
             self._sel.close()
             if self._pending is not None:
