@@ -9,11 +9,11 @@ import os
 import resource
 import socket
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
-from edge_kit import rejected
+from edge_kit import chunks, make_pki, rejected
 
 from gatekeeper.certs import PKI
 from gatekeeper.proxy.handoff import ClosedCounts, Dispatcher, Inbox, least_loaded
@@ -268,16 +268,11 @@ def test_a_failing_accept_backs_off_instead_of_spinning(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> PKI:
-    pki = PKI(tmp_path_factory.mktemp("pki"))
-    pki.init()
-    pki.issue_serving("proxy", dns=["localhost"], ips=["127.0.0.1"])
-    return pki
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 async def _ok(req: ProxyRequest) -> ProxyResponse:
-    async def body() -> AsyncIterator[bytes]:
-        yield b"ok"
-    return ProxyResponse(200, [], body())
+    return ProxyResponse(200, [], chunks(b"ok"))
 
 
 def _worker(pki: PKI, inbox: Inbox) -> ProxyServer:
