@@ -115,13 +115,18 @@ class Inbox:
         self._index = index
         self.ended = False
         """The supervisor's end closed (it is exiting): nothing more will arrive."""
+        self.lost = 0
+        """Connections whose descriptor never arrived (this process was out of descriptors: the kernel closed
+        them), since the last :meth:`receive`; each is counted closed, else the supervisor's count of this
+        worker's connections would keep them for its whole life."""
 
     def announce(self) -> None:
         self.sock.send(READY)
 
     def receive(self) -> list[socket.socket]:
-        """Every connection waiting now (never blocks)."""
+        """Every connection waiting now (never blocks); stops at one whose descriptor was lost (see ``lost``)."""
         out: list[socket.socket] = []
+        self.lost = 0
         while True:
             try:
                 msg, fds, _, _ = socket.recv_fds(self.sock, 1, 8)
@@ -133,6 +138,10 @@ class Inbox:
                 conn = socket.socket(fileno=fd)
                 conn.setblocking(False)
                 out.append(conn)
+            if msg == _CONN and not fds:  # EMFILE on receipt: the kernel dropped it (MSG_CTRUNC)
+                self.lost += 1
+                self.closed()
+                return out  # the next ones would be lost too: the caller backs off
             if not msg and not fds:
                 self.ended = True
                 return out
@@ -149,12 +158,8 @@ class Dispatcher:
 
     def __init__(self, listeners: list[socket.socket], counts: ClosedCounts, workers: int,
                  on_handoff: Callable[[int], None] = lambda worker: None,
-                 on_wait: Callable[[], None] = lambda: None,
-                 on_crash: Callable[[], None] = lambda: None) -> None:
-        """``on_crash`` runs in the thread if it fails: the port then serves nobody, so the supervisor must
-        exit (non-zero, for the kubelet or systemd to restart it) rather than stay up deaf."""
+                 on_wait: Callable[[], None] = lambda: None) -> None:
         self._listeners = listeners
-        self._on_crash = on_crash
         self._counts = counts
         self._on_handoff = on_handoff
         self._on_wait = on_wait
@@ -173,6 +178,7 @@ class Dispatcher:
         self._accepting = False
         self._resume_at = 0.0
         """After a failed accept (EMFILE): not before this ``time.monotonic()``."""
+        self._on_failure: Callable[[], object] = lambda: None
 
     # --------------------------------------------------------------- called from the event loop
 
@@ -184,7 +190,10 @@ class Dispatcher:
         self._command(worker, ours)
         return theirs
 
-    def start(self) -> None:
+    def start(self, on_failure: Callable[[], object] = lambda: None) -> None:
+        """``on_failure`` runs on the thread if it dies of a bug: the port is closed then, so the caller must
+        not go on as if it served (it stops the proxy, to be restarted)."""
+        self._on_failure = on_failure
         self._thread.start()
 
     def stop(self) -> None:
@@ -228,9 +237,10 @@ class Dispatcher:
                     self._retry_pending()
                 self._set_accepting(self._pending is None and any(self._serving)
                                     and time.monotonic() >= self._resume_at)
-        except Exception:  # a bug here must not leave the port silently unserved
-            log.exception("connection hand-off thread failed; closing the listeners and stopping the proxy")
-            self._on_crash()
+        except Exception:  # a bug here must not leave the port silently unserved (the supervisor exits 1)
+            log.exception("connection hand-off thread failed; closing the listeners")
+            with contextlib.suppress(Exception):  # e.g. the parent's loop already closed: the listeners still go
+                self._on_failure()
         finally:
             self._sel.close()
             if self._pending is not None:
@@ -313,6 +323,10 @@ class Dispatcher:
                 self._sel.unregister(s)
 
     def _accept(self, listener: socket.socket) -> None:
+        if self._pending is not None:
+            # Another listener (listener.address resolving to several addresses), readable in the same round,
+            # already left a connection no worker could take: one more would replace it, and close it.
+            return
         for _ in range(64):  # then let the workers' messages in
             try:
                 conn, _ = listener.accept()

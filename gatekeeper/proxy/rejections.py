@@ -29,6 +29,7 @@ RejectReason = Literal[
     "handshake_timeout",  # TLS handshake not done within listener.tlsHandshakeTimeoutSeconds
     "handshake_failed",  # TLS handshake error (untrusted certificate, not TLS, ...)
     "write_stall",  # client stopped reading: outbound buffer stayed full for responseStallTimeout
+    "no_descriptors",  # a worker out of file descriptors: a connection handed to it was closed by the kernel
     # HTTP/2 (h2.py, h2_limits.py)
     "h2_malformed",  # RFC 9113 8.1.1 malformed request: RST_STREAM PROTOCOL_ERROR
     "h2_protocol_error",  # connection error (GOAWAY with h2's error code)

@@ -186,9 +186,7 @@ class Supervisor:
         self.dispatcher: Dispatcher | None = None
         if listeners is not None:
             self.dispatcher = Dispatcher(listeners, ClosedCounts.create(runtime / "closed", workers), workers,
-                                         on_handoff=_count_handoff, on_wait=_count_wait,
-                                         on_crash=self._dispatcher_crashed)
-        self._loop: asyncio.AbstractEventLoop | None = None
+                                         on_handoff=_count_handoff, on_wait=_count_wait)
 
     async def _spawn(self, slot: _Slot) -> None:
         argv = [sys.executable, "-m", "gatekeeper", "proxy", "--config", str(self.config), "--workers", "1",
@@ -343,15 +341,6 @@ class Supervisor:
                     out.append((slot, str(info["metricsUrl"]), slot.proc.pid))
         return out
 
-    def _dispatcher_crashed(self) -> None:
-        """From the hand-off thread: nobody accepts on the port any more; drain the workers and exit 1."""
-        def fail() -> None:
-            self.fatal = self.fatal or 1
-            self.stop()
-
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(fail)
-
     def stop(self) -> None:
         if self.stopping.is_set():
             return
@@ -363,6 +352,13 @@ class Supervisor:
                 with contextlib.suppress(ProcessLookupError):
                     slot.proc.send_signal(signal.SIGTERM)
 
+    def _handoff_failed(self) -> None:
+        """The hand-off thread died and closed the TLS port: exit 1 (to be restarted) rather than run on
+        port-less with every worker ready, which kept an orchestrator sending clients here."""
+        log.error("the TLS port is closed (connection hand-off failed): stopping the proxy")
+        self.fatal = 1
+        self.stop()
+
     def reload(self) -> None:
         for slot in self.slots:
             if slot.proc is not None and slot.proc.returncode is None:
@@ -372,12 +368,12 @@ class Supervisor:
     async def run(self) -> int:
         from gatekeeper.proxy.worker_metrics import start_parent_listener
 
-        loop = self._loop = asyncio.get_running_loop()
+        loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self.stop)
         loop.add_signal_handler(signal.SIGINT, self.stop)
         loop.add_signal_handler(signal.SIGHUP, self.reload)
         if self.dispatcher is not None:
-            self.dispatcher.start()
+            self.dispatcher.start(on_failure=lambda: loop.call_soon_threadsafe(self._handoff_failed))
         for slot in self.slots:
             await self._spawn(slot)
         watchers = [loop.create_task(self._watch(s)) for s in self.slots]

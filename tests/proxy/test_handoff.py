@@ -1,15 +1,26 @@
-"""The supervisor's connection hand-off (``proxy/handoff.py``): least-loaded choice, real sockets, no workers."""
+"""The supervisor's connection hand-off (``proxy/handoff.py``): least-loaded choice, real sockets; in-test workers,
+then a real ``ProxyServer`` as the receiving worker."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import os
+import resource
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
+from edge_kit import chunks, make_pki, rejected
 
+from gatekeeper.certs import PKI
 from gatekeeper.proxy.handoff import ClosedCounts, Dispatcher, Inbox, least_loaded
+from gatekeeper.proxy.listen import server as server_module
+from gatekeeper.proxy.listen.server import ProxyServer
+from gatekeeper.proxy.messages import ProxyRequest, ProxyResponse
+from gatekeeper.proxy.settings import ListenerSettings, ProxySettings
 
 
 def test_least_loaded_picks_the_smallest_load_and_skips_workers_not_serving() -> None:
@@ -38,13 +49,14 @@ def wait_for(cond: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
 class Rig:
     """A dispatcher on a real loopback listener, with in-test 'workers' reading their inboxes."""
 
-    def __init__(self, tmp_path: Path, workers: int) -> None:
+    def __init__(self, tmp_path: Path, workers: int, extra_listeners: Sequence[socket.socket] = ()) -> None:
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.listener.setblocking(False)
         self.port = self.listener.getsockname()[1]
         self.handed: list[int] = []
         self.waits = 0
-        self.dispatcher = Dispatcher([self.listener], ClosedCounts.create(tmp_path / "closed", workers), workers,
+        self.dispatcher = Dispatcher([self.listener, *extra_listeners],
+                                     ClosedCounts.create(tmp_path / "closed", workers), workers,
                                      on_handoff=self.handed.append, on_wait=self._wait)
         self.counts = ClosedCounts(tmp_path / "closed")
         self.inboxes: list[Inbox | None] = [None] * workers
@@ -249,3 +261,126 @@ def test_a_failing_accept_backs_off_instead_of_spinning(tmp_path: Path) -> None:
         inbox.close()
         if client is not None:
             client.close()
+
+
+# ------------------------------------------------------------------ a real worker (ProxyServer) on the receiving end
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> PKI:
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+async def _ok(req: ProxyRequest) -> ProxyResponse:
+    return ProxyResponse(200, [], chunks(b"ok"))
+
+
+def _worker(pki: PKI, inbox: Inbox) -> ProxyServer:
+    lst = ListenerSettings(address="127.0.0.1", port=0, cert_file=str(pki.cert_path("proxy")),
+                           key_file=str(pki.key_path("proxy")))
+    return ProxyServer(ProxySettings(listener=lst), _ok, close_delay=0.1, handoff=inbox)
+
+
+async def _until(cond: Callable[[], bool], what: str) -> None:
+    try:
+        async with asyncio.timeout(5):
+            while not cond():  # noqa: ASYNC110 - the dispatcher's thread, no event to wait on
+                await asyncio.sleep(0.01)
+    except TimeoutError:
+        raise AssertionError(f"timed out waiting for {what}") from None
+
+
+async def test_a_draining_worker_is_handed_nothing_more(rig: Callable[[int], Rig], pki: PKI) -> None:
+    """A worker SIGTERMed on its own (an operator, the OOM-killer's sibling, a test) drains for up to
+    shutdownTimeoutSeconds. Its inbox stayed open and unread: the supervisor still counted it serving, and
+    as its clients left it became the least loaded, so new connections queued in it until it exited."""
+    r = rig(2)
+    server = _worker(pki, r.start_worker(0, announce=False))
+    await server.start()
+    r.start_worker(1)
+    await _until(lambda: r.dispatcher.loads() == [0, 0], "both workers to serve")
+    await server.shutdown(1)
+    await _until(lambda: r.dispatcher.loads()[0] is None, "the supervisor to stop handing worker 0 connections")
+    r.handed.clear()
+    await asyncio.to_thread(r.connect, 4)
+    assert r.handed == [1, 1, 1, 1]
+
+
+@contextlib.contextmanager
+def _no_free_descriptors() -> Iterator[None]:
+    """This process at its RLIMIT_NOFILE: every new descriptor fails with EMFILE until the block ends."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    top = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (top + 16, hard))
+    fillers = []
+    try:
+        while True:
+            try:
+                fillers.append(os.open("/dev/null", os.O_RDONLY))
+            except OSError:
+                break
+        yield
+    finally:
+        for fd in fillers:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+async def test_a_worker_out_of_descriptors_counts_the_lost_connection_and_backs_off(
+        rig: Callable[[int], Rig], pki: PKI, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel closes a passed descriptor the receiver cannot install (MSG_CTRUNC). That connection was
+    never counted closed: the supervisor saw the worker one connection busier for the rest of its life (15
+    lost at a prlimit of 60 kept ``GET /workers`` at 15 with no client). And a worker that read on would stay
+    the least loaded and lose every connection handed to it; it backs off so its socket fills and the other
+    workers get them."""
+    monkeypatch.setattr(server_module, "ACCEPT_BACKOFF", 60.0)  # no timing in the test: paused throughout
+    r = rig(2)
+    server = _worker(pki, r.start_worker(0, announce=False))
+    await server.start()
+    r.start_worker(1)
+    await _until(lambda: r.dispatcher.loads() == [0, 0], "both workers to serve")
+    before = rejected("no_descriptors")
+    try:
+        r.connect(2)  # blocks this loop, so the worker has not read its connection yet
+        assert sorted(r.handed) == [0, 1]
+        with _no_free_descriptors():
+            server._take_handoffs()  # what the loop's reader callback does
+        assert r.dispatcher.loads()[0] == 0, "the lost connection still counts as open on worker 0"
+        assert rejected("no_descriptors") == before + 1
+
+        def flood() -> None:
+            for _ in range(60):
+                r.connect()
+                r.collect(1)
+
+        await asyncio.to_thread(flood)
+        assert server._open == 0, "worker 0 kept reading while out of descriptors"
+        assert 0 < r.handed.count(0) < 60 and r.waits == 0, r.handed
+    finally:
+        await server.shutdown(1)
+
+
+def test_with_two_listeners_a_held_connection_is_not_replaced_by_the_next(tmp_path: Path) -> None:
+    """listener.address resolving to two addresses (localhost, a dual-stack name) gives the dispatcher two
+    listeners, readable in the same round. When the first one's accepts filled every worker's socket, the
+    second one's accept replaced the connection held for later, which was then closed: a client cut right
+    after its connect, against "nothing is dropped"."""
+    second = socket.create_server(("127.0.0.1", 0))
+    second.setblocking(False)
+    r = Rig(tmp_path, 1, extra_listeners=[second])
+    try:
+        # no worker serves yet: these wait in the backlogs, more on the first listener than a socket takes
+        r.clients += [socket.create_connection(("127.0.0.1", r.port)) for _ in range(60)]
+        r.clients.append(socket.create_connection(second.getsockname()))
+        r.start_worker(0)  # serves, reads nothing yet: both listeners are readable in the next round
+        wait_for(lambda: r.waits >= 1, "the worker's socket to fill and a connection to be held")
+        time.sleep(0.2)
+        assert r.waits == 1, "the held connection was replaced by another"
+        deadline = time.monotonic() + 10
+        while len(r.held[0]) < len(r.clients) and time.monotonic() < deadline:
+            r.collect(0)
+            time.sleep(0.01)
+        assert len(r.held[0]) == len(r.clients), "a connection was dropped"
+    finally:
+        r.stop()
+        second.close()

@@ -165,6 +165,29 @@ def test_kernel_balancing_serves_from_every_worker(sandbox: SandboxState, tmp_pa
         assert p.stop() == 0
 
 
+def test_a_worker_draining_on_its_own_is_handed_no_new_connections(proxy: ProxyProcess) -> None:
+    """A worker SIGTERMed by itself (not through the parent) drains for up to shutdownTimeoutSeconds. The
+    parent used to count it serving all that time: as the least loaded it was handed new connections that
+    nobody read, and their clients hung until it exited."""
+    conns = connect_to_every_worker(proxy)
+    try:
+        for c in conns:  # a watch on every connection keeps a drain going
+            sid = c.request("/api/v1/namespaces/default/configmaps?watch=1")
+            assert c.read_until(lambda c=c, sid=sid: sid in c.status)
+        victim = workers_of(proxy)[0]
+        os.kill(victim["pid"], signal.SIGTERM)
+        wait_for(lambda: workers_of(proxy)[0]["connections"] is None, timeout=10,
+                 what="the parent to stop handing the draining worker connections")
+        assert workers_of(proxy)[0]["pid"] == victim["pid"], "drained and replaced already: no drain to test"
+        before = per_worker(proxy, "gatekeeper_proxy_client_connections", protocol="h2")
+        conns += open_h2(proxy, 4)  # each one answered
+        after = per_worker(proxy, "gatekeeper_proxy_client_connections", protocol="h2")
+        assert after[1] == before[1] + 4, (before, after)
+    finally:
+        for c in conns:
+            c.close()
+
+
 def test_sigterm_drains_every_worker_with_goaway_and_exits_0(proxy: ProxyProcess) -> None:
     conns = connect_to_every_worker(proxy)
     pids = [w["pid"] for w in workers_of(proxy)]

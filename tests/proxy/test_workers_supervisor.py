@@ -125,24 +125,34 @@ async def test_a_worker_that_ignores_sigterm_is_killed_after_the_drain_time(tmp_
                 slot.proc.kill()
 
 
-async def test_a_failed_hand_off_thread_stops_the_proxy_with_exit_1(tmp_path: Path, monkeypatch) -> None:
-    """With connectionBalancing: least-connections only the parent's thread accepts: if it dies, the proxy
-    must exit (for the kubelet to restart it), not stay up with a port that serves nobody."""
-    from gatekeeper.proxy.handoff import Dispatcher
-    from gatekeeper.proxy.listen.server import bind_listeners
+async def test_the_proxy_exits_when_its_connection_hand_off_thread_fails(tmp_path: Path, monkeypatch) -> None:
+    """The hand-off thread closes the TLS port when it fails (a bug, a full disk under its metrics). The
+    parent ran on without a port: workers alive, ``/readyz`` still ready, so an orchestrator kept sending
+    clients to a node that refused them. It now stops and exits 1, to be restarted."""
+    import socket
+    from dataclasses import replace
 
+    from gatekeeper.proxy.handoff import Dispatcher
+    from gatekeeper.proxy.settings import ListenerSettings
+
+    settings = replace(SETTINGS, listener=ListenerSettings(metrics_port=-1), worker_hang_seconds=0)
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.setblocking(False)
+    sup = workers.Supervisor(settings, tmp_path / "proxy.yaml", 1, tmp_path, listener.getsockname()[1], [listener])
     real = asyncio.create_subprocess_exec
 
     async def sleeper(*argv: Any, **kw: Any) -> asyncio.subprocess.Process:
         return await real(*SLEEPER, **kw)
 
-    def broken(self: Dispatcher) -> None:
+    def bug(self: Dispatcher) -> None:
         raise RuntimeError("a bug in the hand-off thread")
 
     monkeypatch.setattr(asyncio, "create_subprocess_exec", sleeper)
-    monkeypatch.setattr(Dispatcher, "_apply_commands", broken)
-    listeners = bind_listeners("127.0.0.1", 0)
-    sup = workers.Supervisor(SETTINGS, tmp_path / "proxy.yaml", 1, tmp_path, listeners[0].getsockname()[1],
-                             listeners)
-    assert await asyncio.wait_for(sup.run(), 30) == 1
-    assert all(s.proc is not None and s.proc.returncode is not None for s in sup.slots)
+    monkeypatch.setattr(Dispatcher, "_apply_commands", bug)  # runs at the first worker's start
+    try:
+        assert await asyncio.wait_for(sup.run(), 20) == 1
+    finally:
+        listener.close()
+        for slot in sup.slots:
+            if slot.proc is not None and slot.proc.returncode is None:
+                slot.proc.kill()

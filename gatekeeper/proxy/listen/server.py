@@ -49,7 +49,7 @@ from typing import Any
 
 from gatekeeper.proxy import rejections
 from gatekeeper.proxy.adapter import ClientGone
-from gatekeeper.proxy.handoff import Inbox
+from gatekeeper.proxy.handoff import ACCEPT_BACKOFF, Inbox
 from gatekeeper.proxy.listen import conn_metrics
 from gatekeeper.proxy.listen.body_budget import BodyBudget
 from gatekeeper.proxy.listen.h1 import H1Connection
@@ -287,10 +287,23 @@ class ProxyServer:
 
     def _take_handoffs(self) -> None:
         assert self._handoff is not None
+        loop = asyncio.get_running_loop()
         for conn in self._handoff.receive():
             self._admit(conn)
         if self._handoff.ended:  # the supervisor is gone or exiting: nothing more will come
-            asyncio.get_running_loop().remove_reader(self._handoff.sock.fileno())
+            loop.remove_reader(self._handoff.sock.fileno())
+        elif self._handoff.lost:
+            # Out of descriptors: the kernel closed that connection instead of giving it to us. Stop reading
+            # for a while, as an accept loop backs off on EMFILE: our socket fills and the supervisor passes
+            # us over. Reading on, we would stay the least loaded and lose every connection handed to us.
+            rejections.reject("no_descriptors", "a handed-over connection was lost: out of file descriptors; "
+                              "not taking connections for %.1fs", ACCEPT_BACKOFF)
+            loop.remove_reader(self._handoff.sock.fileno())
+            loop.call_later(ACCEPT_BACKOFF, self._resume_handoffs)
+
+    def _resume_handoffs(self) -> None:
+        if self._handoff is not None and not self._stopping:
+            asyncio.get_running_loop().add_reader(self._handoff.sock.fileno(), self._take_handoffs)
 
     async def shutdown(self, drain_seconds: float | None = None) -> None:
         """Stop accepting, GOAWAY everyone, wait up to ``drain_seconds`` for streams to finish, then cut."""
@@ -300,8 +313,13 @@ class ProxyServer:
             task.cancel()
         for sock in self._sockets:
             sock.close()
-        if self._handoff is not None and not self._handoff.ended:
-            asyncio.get_running_loop().remove_reader(self._handoff.sock.fileno())
+        if self._handoff is not None and self._handoff.sock.fileno() >= 0:
+            if not self._handoff.ended:
+                asyncio.get_running_loop().remove_reader(self._handoff.sock.fileno())
+            # Closed, not just unread: the supervisor sees the end at once and hands us nothing more while we
+            # drain (a worker SIGTERMed on its own stayed the least loaded and took connections that hung
+            # until it exited), and connections still queued in it are closed now, not after the drain.
+            self._handoff.close()
         clients = list(self._clients.values())
         log.info("shutting down: %d client connections to drain (up to %.0fs)", len(clients), timeout)
         for client in clients:
