@@ -55,6 +55,8 @@ log = logging.getLogger("gatekeeper.proxy.handoff")
 READY = b"R"
 """What a worker sends on its hand-off socket once it serves."""
 _CONN = b"C"
+BACKLOG = 1024
+"""Pending connections the kernel queues on the TLS port once it listens (as ``listen.server.BACKLOG``)."""
 ACCEPT_BACKOFF = 0.1
 """Seconds without accepting after an accept failed (out of descriptors): the workers' accept loops did the same."""
 QUEUE_SNDBUF = 16 * 1024
@@ -176,6 +178,7 @@ class Dispatcher:
         self._thread = threading.Thread(target=self._run, name="gatekeeper-handoff", daemon=True)
         self._sel = selectors.DefaultSelector()
         self._accepting = False
+        self._listening = False
         self._resume_at = 0.0
         """After a failed accept (EMFILE): not before this ``time.monotonic()``."""
         self._on_failure: Callable[[], object] = lambda: None
@@ -312,15 +315,21 @@ class Dispatcher:
             self._drop(worker)
 
     def _set_accepting(self, on: bool) -> None:
-        """Listen only while a worker serves: before that, connections wait in the kernel's backlog."""
+        """Accept only while a worker serves: meanwhile connections wait in the kernel's backlog.
+
+        The listeners start listening when a worker first serves: until then the port refuses
+        connections, as with ``kernel`` balancing, so a TCP health check does not pass early."""
         if on == self._accepting:
             return
         self._accepting = on
         for s in self._listeners:
             if on:
+                if not self._listening:
+                    s.listen(BACKLOG)
                 self._sel.register(s, selectors.EVENT_READ, "listener")
             else:
                 self._sel.unregister(s)
+        self._listening = self._listening or on
 
     def _accept(self, listener: socket.socket) -> None:
         if self._pending is not None:

@@ -460,7 +460,7 @@ def supervise(settings: ProxySettings, config: Path, workers: int) -> int:
         else:
             from gatekeeper.proxy.listen.server import bind_listeners
 
-            reserved = listeners = bind_listeners(lst.address, lst.port)
+            reserved = listeners = bind_listeners(lst.address, lst.port, listen=False)  # see handoff._set_accepting
     except OSError as exc:
         from gatekeeper.errors import UsageError
 

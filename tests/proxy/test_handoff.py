@@ -384,3 +384,30 @@ def test_with_two_listeners_a_held_connection_is_not_replaced_by_the_next(tmp_pa
     finally:
         r.stop()
         second.close()
+
+
+def test_the_port_refuses_connections_until_a_worker_first_serves(tmp_path: Path) -> None:
+    """The supervisor binds without listening: before any worker serves, a connect is refused (as with
+    kernel balancing), so a TCP health check does not pass while nothing can answer."""
+    from gatekeeper.proxy.listen.server import bind_listeners
+
+    [listener] = bind_listeners("127.0.0.1", 0, listen=False)
+    port = listener.getsockname()[1]
+    dispatcher = Dispatcher([listener], ClosedCounts.create(tmp_path / "closed", 1), 1)
+    counts = ClosedCounts(tmp_path / "closed")
+    dispatcher.start()
+    inbox = Inbox(dispatcher.channel(0).detach(), counts, 0)
+    client = None
+    try:
+        time.sleep(0.2)
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=2).close()
+        inbox.announce()
+        wait_for(lambda: dispatcher.loads() == [0], "the worker to serve")
+        client = socket.create_connection(("127.0.0.1", port), timeout=2)
+        wait_for(lambda: dispatcher.loads() == [1], "the connection to be handed over")
+    finally:
+        dispatcher.stop()
+        inbox.close()
+        if client is not None:
+            client.close()

@@ -504,17 +504,31 @@ class ProxyServer:
             proto.connection_lost()
 
 
-def bind_listeners(address: str, port: int, reuse_port: bool = False) -> list[socket.socket]:
-    """Non-blocking listening sockets on every address ``address`` resolves to, all on one port.
+BACKLOG = 1024
+"""Pending connections the kernel queues on the TLS port (``listen``)."""
 
-    Port 0 resolves once: every address shares the first one's port."""
+
+def bind_listeners(address: str, port: int, reuse_port: bool = False, listen: bool = True) -> list[socket.socket]:
+    """Non-blocking sockets bound on every address ``address`` resolves to, all on one port.
+
+    Port 0 resolves once: every address shares the first one's port. ``listen=False`` binds only (the
+    port is taken, but connections are refused until someone calls ``listen``): the supervisor's
+    hand-off listens once a worker serves, so a TCP health check does not see the port open early."""
     infos = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     out: list[socket.socket] = []
     try:
         for family, *_, addr in dict.fromkeys((i[0], i[4][0]) for i in infos):
-            sock = socket.create_server((addr, port), family=family, backlog=1024, reuse_port=reuse_port)
-            sock.setblocking(False)
+            sock = socket.socket(family, socket.SOCK_STREAM)
             out.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if reuse_port:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # "::" is IPv6 only, as before
+            sock.bind((addr, port))
+            if listen:
+                sock.listen(BACKLOG)
+            sock.setblocking(False)
             port = int(sock.getsockname()[1])
     except OSError:
         for sock in out:
