@@ -56,7 +56,7 @@ READY = b"R"
 """What a worker sends on its hand-off socket once it serves."""
 _CONN = b"C"
 BACKLOG = 1024
-"""Pending connections the kernel queues on the TLS port once it listens (as ``listen.server.BACKLOG``)."""
+"""Pending connections the kernel queues on the TLS port once it listens (the workers' own listeners too)."""
 ACCEPT_BACKOFF = 0.1
 """Seconds without accepting after an accept failed (out of descriptors): the workers' accept loops did the same."""
 QUEUE_SNDBUF = 16 * 1024
@@ -363,10 +363,7 @@ class Dispatcher:
             assert ch is not None
             try:
                 socket.send_fds(ch, [_CONN], [conn.fileno()], socket.MSG_DONTWAIT)
-            except (BlockingIOError, InterruptedError):
-                loads[worker] = None  # its socket is full: it is not reading
-                continue
-            except OSError:  # it just died; its end closed
+            except OSError:  # BlockingIOError: its socket is full, it is not reading; else it just died
                 loads[worker] = None
                 continue
             self._sent[worker] += 1

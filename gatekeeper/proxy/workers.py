@@ -52,7 +52,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from gatekeeper.proxy.handoff import ClosedCounts, Dispatcher
+from gatekeeper.proxy.handoff import ClosedCounts, Dispatcher, Inbox
 from gatekeeper.proxy.settings import ProxySettings
 
 log = logging.getLogger("gatekeeper.proxy.workers")
@@ -78,19 +78,6 @@ def worker_count(settings: ProxySettings, flag: int | None) -> int:
     return n if n > 0 else min(usable_cores(), settings.max_workers)
 
 
-def reserve_port(address: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    s = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        s.bind((address, port))
-    except OSError:
-        s.close()
-        raise
-    return s
-
-
 # ---------------------------------------------------------------------------------------- worker side
 
 def worker_settings(settings: ProxySettings, port: int) -> ProxySettings:
@@ -114,7 +101,6 @@ def run_worker(settings: ProxySettings, index: int, runtime: Path, port: int, ha
     import functools
 
     from gatekeeper.proxy.command import run, tune_gc
-    from gatekeeper.proxy.handoff import ClosedCounts, Inbox
     from gatekeeper.proxy.listen.server import serve
 
     _die_with_parent()
@@ -453,14 +439,13 @@ def supervise(settings: ProxySettings, config: Path, workers: int) -> int:
 
     runtime = tempdirs.make("gatekeeper-proxy-")  # stamped: a later start removes it if we are SIGKILLed
     lst = settings.listener
-    listeners: list[socket.socket] | None = None
+    kernel = settings.connection_balancing == "kernel"
     try:
-        if settings.connection_balancing == "kernel":
-            reserved = [reserve_port(lst.address, lst.port)]
-        else:
-            from gatekeeper.proxy.listen.server import bind_listeners
+        from gatekeeper.proxy.listen.server import bind_listeners
 
-            reserved = listeners = bind_listeners(lst.address, lst.port, listen=False)  # see handoff._set_accepting
+        # Bound, not listening: with kernel balancing the workers listen on the port with SO_REUSEPORT (the
+        # reservation makes port 0 resolve once); with the hand-off the dispatcher listens once a worker serves.
+        reserved = bind_listeners(lst.address, lst.port, reuse_port=kernel, listen=False)
     except OSError as exc:
         from gatekeeper.errors import UsageError
 
@@ -469,7 +454,7 @@ def supervise(settings: ProxySettings, config: Path, workers: int) -> int:
     port = int(reserved[0].getsockname()[1])
     try:
         snapshot = snapshot_config(settings, config, runtime)
-        return asyncio.run(Supervisor(settings, snapshot, workers, runtime, port, listeners).run())
+        return asyncio.run(Supervisor(settings, snapshot, workers, runtime, port, None if kernel else reserved).run())
     finally:
         for sock in reserved:
             sock.close()

@@ -49,7 +49,7 @@ from typing import Any
 
 from gatekeeper.proxy import rejections
 from gatekeeper.proxy.adapter import ClientGone
-from gatekeeper.proxy.handoff import ACCEPT_BACKOFF, Inbox
+from gatekeeper.proxy.handoff import ACCEPT_BACKOFF, BACKLOG, Inbox
 from gatekeeper.proxy.listen import conn_metrics
 from gatekeeper.proxy.listen.body_budget import BodyBudget
 from gatekeeper.proxy.listen.h1 import H1Connection
@@ -351,7 +351,7 @@ class ProxyServer:
                 conn, _ = await loop.sock_accept(sock)
             except OSError as exc:  # EMFILE and friends: back off instead of spinning
                 log.warning("accept failed: %s", exc)
-                await asyncio.sleep(0.1)
+                await asyncio.sleep(ACCEPT_BACKOFF)
                 continue
             self._admit(conn)
 
@@ -502,10 +502,6 @@ class ProxyServer:
         finally:
             closed.cancel()
             proto.connection_lost()
-
-
-BACKLOG = 1024
-"""Pending connections the kernel queues on the TLS port (``listen``)."""
 
 
 def bind_listeners(address: str, port: int, reuse_port: bool = False, listen: bool = True) -> list[socket.socket]:
