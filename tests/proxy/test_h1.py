@@ -9,6 +9,7 @@ import socket
 import struct
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import h11
 import orjson
@@ -399,6 +400,19 @@ def quiet_watch_handler(finished: asyncio.Event, finishes: list[BaseException | 
     return handler
 
 
+async def open_quiet_watch(serve: Any) -> tuple[Any, Any, asyncio.Event, list[BaseException | None]]:
+    """A client whose watch (``quiet_watch_handler``) got its one event: (server, client, finished, finishes)."""
+    finishes: list[BaseException | None] = []
+    finished = asyncio.Event()
+    server = await serve(quiet_watch_handler(finished, finishes))
+    client = await server.client()
+    client.writer.write(b"GET /api/v1/pods?watch=true HTTP/1.1\r\nHost: p\r\n\r\n")
+    await client.writer.drain()
+    async with asyncio.timeout(5):
+        await client.reader.readuntil(b"ADDED")
+    return server, client, finished, finishes
+
+
 def reset(writer: asyncio.StreamWriter) -> None:
     """Leave as a killed client with bytes unread does: an RST, not a FIN."""
     sock = writer.transport.get_extra_info("socket")
@@ -408,14 +422,7 @@ def reset(writer: asyncio.StreamWriter) -> None:
 
 async def test_client_reset_ends_idle_watch(serve):
     """A reset, unlike an EOF, made the EOF watcher's read raise; the watcher died and the watch stayed up."""
-    finishes: list[BaseException | None] = []
-    finished = asyncio.Event()
-    server = await serve(quiet_watch_handler(finished, finishes))
-    client = await server.client()
-    client.writer.write(b"GET /api/v1/pods?watch=true HTTP/1.1\r\nHost: p\r\n\r\n")
-    await client.writer.drain()
-    async with asyncio.timeout(5):
-        await client.reader.readuntil(b"ADDED")
+    server, client, finished, finishes = await open_quiet_watch(serve)
     reset(client.writer)
     async with asyncio.timeout(5):
         await finished.wait()
@@ -428,14 +435,7 @@ async def test_client_that_pipelines_past_the_read_ahead_then_leaves_ends_idle_w
     """Past PIPELINE_BUFFER_LIMIT the proxy stops reading, so the transport no longer sees EOF or a reset;
     the kernel's hang-up state is checked instead, and the read-ahead stays bounded meanwhile."""
     monkeypatch.setattr(h1, "HANGUP_CHECK_SECONDS", 0.05)
-    finishes: list[BaseException | None] = []
-    finished = asyncio.Event()
-    server = await serve(quiet_watch_handler(finished, finishes))
-    client = await server.client()
-    client.writer.write(b"GET /api/v1/pods?watch=true HTTP/1.1\r\nHost: p\r\n\r\n")
-    await client.writer.drain()
-    async with asyncio.timeout(5):
-        await client.reader.readuntil(b"ADDED")
+    server, client, finished, finishes = await open_quiet_watch(serve)
     one = b"GET /api/v1/namespaces/a/pods HTTP/1.1\r\nHost: p\r\n\r\n"
     client.writer.write(one * (256 * 1024 // len(one)))  # fits the kernel buffers: its FIN can follow
     async with asyncio.timeout(5):

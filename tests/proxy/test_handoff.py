@@ -75,6 +75,21 @@ class Rig:
             inbox.announce()
         return inbox
 
+    def start_all(self) -> list[Inbox]:
+        """Every worker started and seen serving by the dispatcher, none holding a connection yet."""
+        inboxes = [self.start_worker(i) for i in range(len(self.inboxes))]
+        wait_for(lambda: self.dispatcher.loads() == [0] * len(inboxes), "every worker to serve")
+        return inboxes
+
+    def collect_all(self, total: int) -> None:
+        """Read every worker's inbox until the workers hold ``total`` connections between them."""
+        def done() -> bool:
+            for i in range(len(self.inboxes)):
+                self.collect(i)
+            return sum(len(h) for h in self.held) == total
+
+        wait_for(done, f"the workers to receive {total} sockets")
+
     def connect(self, n: int = 1) -> None:
         for _ in range(n):
             before = len(self.handed) + self.waits
@@ -120,13 +135,10 @@ def rig(tmp_path: Path) -> Iterator[Callable[[int], Rig]]:
 
 def test_connections_split_evenly_over_serving_workers(rig: Callable[[int], Rig]) -> None:
     r = rig(2)
-    r.start_worker(0)
-    r.start_worker(1)
-    wait_for(lambda: r.dispatcher.loads() == [0, 0], "both workers to serve")
+    r.start_all()
     r.connect(8)
     assert sorted(r.handed.count(w) for w in (0, 1)) == [4, 4]
-    wait_for(lambda: r.collect(0) >= 0 and r.collect(1) >= 0 and len(r.held[0]) + len(r.held[1]) == 8,
-             "the workers to receive 8 sockets")
+    r.collect_all(8)
     assert len(r.held[0]) == len(r.held[1]) == 4
     # what a worker receives is the client's own connection
     r.clients[0].sendall(b"hello")
@@ -144,11 +156,9 @@ def _readable(c: socket.socket) -> bool:
 
 def test_a_worker_whose_connections_closed_gets_the_next_ones(rig: Callable[[int], Rig]) -> None:
     r = rig(2)
-    r.start_worker(0)
-    r.start_worker(1)
-    wait_for(lambda: r.dispatcher.loads() == [0, 0], "both workers to serve")
+    r.start_all()
     r.connect(6)
-    wait_for(lambda: (r.collect(0), r.collect(1)) and len(r.held[0]) + len(r.held[1]) == 6, "6 sockets")
+    r.collect_all(6)
     r.close_on_worker(0, 3)  # worker 0's clients left; worker 1 still holds 3
     assert r.dispatcher.loads() == [0, 3]
     r.handed.clear()
@@ -213,9 +223,7 @@ def test_when_every_worker_is_full_the_connection_waits_and_nothing_is_dropped(r
 
 def test_a_dead_worker_gets_nothing_and_its_successor_starts_from_zero(rig: Callable[[int], Rig]) -> None:
     r = rig(2)
-    first = r.start_worker(0)
-    r.start_worker(1)
-    wait_for(lambda: r.dispatcher.loads() == [0, 0], "both workers to serve")
+    first, _ = r.start_all()
     r.connect(4)
     first.close()  # worker 0 died holding 2 connections
     wait_for(lambda: r.dispatcher.loads()[0] is None, "worker 0 to be dropped")
