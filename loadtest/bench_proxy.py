@@ -53,7 +53,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
@@ -456,14 +456,35 @@ def closed_loop(env: Env, base: str, pid: int, n: int, clients: int, streams: in
     return r
 
 
+Target = tuple[str, int]
+"""A proxy under test: its URL and the pid of its process (the supervisor's with several workers)."""
+G = TypeVar("G")
+H = TypeVar("H")
+
+
+def start_warm(env: Env, gatekeepers: dict[G, dict[str, Any]], haproxies: dict[H, dict[str, Any]],
+               backends: list[str] | None = None) -> tuple[dict[G, Target], dict[H, Target]]:
+    """Start the proxies a comparison needs, then warm each up, so that no measured round pays for
+    connections, pools and caches.
+
+    One gatekeeper per entry of ``gatekeepers`` (its keyword arguments for :meth:`Env.start_gatekeeper`),
+    with the flow-control policy ``sandbox up --with-proxy`` deploys, and one HAProxy per entry of
+    ``haproxies`` (for :meth:`Env.start_haproxy`), all in front of ``backends`` (default: the sandbox's
+    apiservers); the results are keyed as the arguments are."""
+    gk = {key: env.start_gatekeeper(deployed_flow_control=True, backends=backends, **kw)
+          for key, kw in gatekeepers.items()}
+    hap = {key: env.start_haproxy(backends=backends, **kw) for key, kw in haproxies.items()}
+    for url, _ in [*gk.values(), *hap.values()]:
+        h2load(env, url, 400, 4, 4)
+    return gk, hap
+
+
 def modes(env: Env, args: argparse.Namespace) -> None:
     """Open loop at fixed rates, closed loop with CPU per request, and throughput by worker count,
     each beside HAProxy HTTP mode (same TLS on both sides) in the same run, flow control as deployed."""
     counts = sorted({1, 2, *args.workers_table})
-    gk = {w: env.start_gatekeeper(f"gk-w{w}", workers=w, deployed_flow_control=True) for w in counts}
-    hap = {t: env.start_haproxy(nbthread=t, name=f"hap-t{t}") for t in (1, 2)}
-    for url, _ in [*gk.values(), *hap.values()]:
-        h2load(env, url, 400, 4, 4)  # warm-up: connections, pools, caches
+    gk, hap = start_warm(env, {w: {"name": f"gk-w{w}", "workers": w} for w in counts},
+                         {t: {"nbthread": t, "name": f"hap-t{t}"} for t in (1, 2)})
     print(f"\nload average before: {load_average()}")
     if "rates" not in args.skip:
         print(f"\n== open loop: fixed rates, {args.rate_seconds:.0f} s each (h2load --rps, 4 connections) ==")
@@ -500,11 +521,10 @@ def balancing(env: Env, args: argparse.Namespace) -> None:
     """``--workers 2`` with ``connectionBalancing: kernel`` (SO_REUSEPORT) and ``least-connections`` (the
     supervisor hands connections over) beside HAProxy ``nbthread 2``: interleaved closed-loop rounds, because
     the kernel's split of h2load's connections changes from round to round."""
-    gk = {mode: env.start_gatekeeper(f"gk-w2-{mode}", workers=2, deployed_flow_control=True, balancing=mode)
-          for mode in ("kernel", "least-connections")}
-    hap = env.start_haproxy(nbthread=2, name="hap-bal-t2")
-    for url, _ in [*gk.values(), hap]:
-        h2load(env, url, 400, 4, 4)
+    gk, haps = start_warm(env, {mode: {"name": f"gk-w2-{mode}", "workers": 2, "balancing": mode}
+                                for mode in ("kernel", "least-connections")},
+                          {"haproxy": {"nbthread": 2, "name": "hap-bal-t2"}})
+    hap = haps["haproxy"]
     n, c, m = args.requests, args.clients, args.streams
     print(f"\n== connection balancing, --workers 2: {args.balancing_rounds} interleaved rounds of "
           f"h2load -n {n} -c {c} -m {m} ==")
@@ -542,11 +562,8 @@ def static_scaling(env: Env, args: argparse.Namespace) -> None:
     """Closed loop by worker count with the proxy as the bottleneck (static backends)."""
     counts = sorted({1, 2, *args.workers_table})
     static = env.start_static_backends(3)
-    gk = {w: env.start_gatekeeper(f"gk-static-w{w}", workers=w, deployed_flow_control=True, backends=static)
-          for w in counts}
-    hap = {t: env.start_haproxy(nbthread=t, name=f"hap-static-t{t}", backends=static) for t in counts}
-    for url, _ in [*gk.values(), *hap.values()]:
-        h2load(env, url, 400, 4, 4)
+    gk, hap = start_warm(env, {w: {"name": f"gk-static-w{w}", "workers": w} for w in counts},
+                         {t: {"nbthread": t, "name": f"hap-static-t{t}"} for t in counts}, backends=static)
     n, c, m = args.requests, args.clients, args.streams
     print(f"\n== scaling, static backends: h2load -n {n} -c {c} -m {m}; load average {load_average()} ==")
     res: dict[str, dict[str, float]] = {}
@@ -571,11 +588,9 @@ def static_scaling(env: Env, args: argparse.Namespace) -> None:
 def engines_ab(env: Env, args: argparse.Namespace) -> None:
     """Closed loop, CPU per request: one single-worker gatekeeper per ``http2Engine`` beside HAProxy
     ``nbthread 1``, rounds interleaved (gk engines, then HAProxy) so drift in machine load hits all alike."""
-    gk = {e: env.start_gatekeeper(f"gk-{e}", workers=1, deployed_flow_control=True, http2_engine=e)
-          for e in args.engines}
-    hap = env.start_haproxy(nbthread=1, name="hap-ab")
-    for url, _ in [*gk.values(), hap]:
-        h2load(env, url, 400, 4, 4)
+    gk, haps = start_warm(env, {e: {"name": f"gk-{e}", "workers": 1, "http2_engine": e} for e in args.engines},
+                          {"haproxy": {"nbthread": 1, "name": "hap-ab"}})
+    hap = haps["haproxy"]
     n, c, m = args.requests, args.clients, args.streams
     print(f"\n== http2Engine A/B: closed loop h2load -n {n} -c {c} -m {m}, {args.ab_rounds} rounds; "
           f"load average before: {load_average()} ==")

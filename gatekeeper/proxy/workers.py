@@ -441,11 +441,11 @@ def supervise(settings: ProxySettings, config: Path, workers: int) -> int:
     lst = settings.listener
     kernel = settings.connection_balancing == "kernel"
     try:
-        from gatekeeper.proxy.listen.server import bind_listeners
+        from gatekeeper.netbind import bind_listeners
 
         # Bound, not listening: with kernel balancing the workers listen on the port with SO_REUSEPORT (the
         # reservation makes port 0 resolve once); with the hand-off the dispatcher listens once a worker serves.
-        reserved = bind_listeners(lst.address, lst.port, reuse_port=kernel, listen=False)
+        reserved = bind_listeners(lst.address, lst.port, reuse_port=kernel)
     except OSError as exc:
         from gatekeeper.errors import UsageError
 

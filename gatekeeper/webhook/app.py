@@ -53,7 +53,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 from aiohttp import web
@@ -129,6 +129,10 @@ def verified_caller(request: web.Request, settings: WebhookSettings) -> str:
     return next((n for n in names if n in srv.allowed_client_names), "")
 
 
+BudgetRefusal = Literal["body-budget", "body-budget-caller"]
+"""Why :meth:`BodyBudget.take` refused: the ``reason`` label of ``gatekeeper_webhook_refused_requests_total``."""
+
+
 class BodyBudget:
     """Bytes of review bodies this process is reading or parsing at once (``maxBufferedBodyBytes``).
 
@@ -147,24 +151,20 @@ class BodyBudget:
         self.by_caller: dict[str, int] = {}
         """Bytes held per caller key; a key is dropped when it holds nothing (at most one per open request)."""
 
-    def refusal(self, n: int, key: str | None = None) -> str:
-        """Why ``n`` more bytes for caller ``key`` (None: not held to a share) cannot be taken, as the refusal
-        reason: ``body-budget`` (the whole budget is held), ``body-budget-caller`` (that caller's share is),
-        or ``""``: they can."""
+    def take(self, n: int, key: str | None = None) -> BudgetRefusal | None:
+        """Reserve ``n`` bytes for caller ``key`` (None: a verified apiserver, not held to a share).
+
+        Returns None when they are reserved, else the refusal reason, and nothing is reserved:
+        ``body-budget`` (the whole budget is held) or ``body-budget-caller`` (that caller's share is).
+        The reason is the metric's label; deciding it here, once, keeps the check and the label from drifting."""
         if self.used + n > self.limit:
             return "body-budget"
         if key is not None and self.by_caller.get(key, 0) + n > self.per_caller:
             return "body-budget-caller"
-        return ""
-
-    def take(self, n: int, key: str | None = None) -> bool:
-        """Reserve ``n`` bytes for caller ``key``; False (nothing reserved) if :meth:`refusal` says no."""
-        if self.refusal(n, key):
-            return False
         self.used += n
         if key is not None:
             self.by_caller[key] = self.by_caller.get(key, 0) + n
-        return True
+        return None
 
     def give(self, n: int, key: str | None = None) -> None:
         self.used -= n
@@ -210,8 +210,8 @@ async def _review(request: web.Request, route: str) -> web.Response:
     need = settings.server.max_body_bytes if size is None else min(size, settings.server.max_body_bytes)
     budget = request.app[BUDGET_KEY]
     key = None if caller else (request.remote or "")  # a verified apiserver is not held to a share
-    if not budget.take(need, key):
-        reason = budget.refusal(need, key)
+    reason = budget.take(need, key)
+    if reason is not None:
         m.refused.labels(route, reason).inc()
         held = (f"review bodies being read already hold webhook.server.maxBufferedBodyBytes ({budget.limit} bytes)"
                 if reason == "body-budget" else

@@ -15,20 +15,25 @@ import multiprocessing
 import os
 import shutil
 import signal
-import socket
 import ssl
 import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from gatekeeper.webhook.settings import WebhookSettings
+from gatekeeper.netbind import bind_listeners
+from gatekeeper.webhook.settings import ServerSettings, WebhookSettings
 
 log = logging.getLogger(__name__)
 
 
 class StartupError(Exception):
     """The server cannot start as configured; the message names the setting (shown without a traceback)."""
+
+
+def _cannot_listen(srv: ServerSettings, exc: OSError) -> StartupError:
+    """The one-line error for a port the parent's reservation or a worker's listener cannot bind."""
+    return StartupError(f"webhook.server: cannot listen on {srv.address}:{srv.port}: {exc.strerror or exc}")
 
 
 def preflight(settings: WebhookSettings) -> None:
@@ -140,8 +145,7 @@ async def serve(settings: WebhookSettings, stop: asyncio.Event | None = None) ->
         await runner.cleanup()
         if api_client is not None:
             await api_client.close()
-        raise StartupError(f"webhook.server: cannot listen on {srv.address}:{srv.port}: "
-                           f"{exc.strerror or exc}") from None
+        raise _cannot_listen(srv, exc) from None
     sockets = site.sockets
     port = sockets[0].getsockname()[1] if sockets else srv.port
     # Certificates are loaded (ReloadingContext) and the socket listens: only now is /readyz true.
@@ -184,21 +188,6 @@ def _run_worker(settings: WebhookSettings) -> None:
         sys.exit(2)
 
 
-def _reserve_port(address: str, port: int = 0) -> socket.socket:
-    """Bind (not listen) a SO_REUSEPORT socket: port 0 resolves to one port all workers share, and a
-    port that cannot be bound is reported once, by the parent, instead of by every worker."""
-    family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    s = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        s.bind((address, port))
-    except OSError as exc:
-        s.close()
-        raise StartupError(f"webhook.server: cannot listen on {address}:{port}: {exc.strerror or exc}") from None
-    return s
-
-
 def run(settings: WebhookSettings, workers: int = 1) -> int:
     if workers <= 1:
         _run_one(settings)
@@ -208,13 +197,16 @@ def run(settings: WebhookSettings, workers: int = 1) -> int:
     inherited = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
     path = enable_multiprocess()
     owned_dir = None if inherited else path
+    srv = settings.server
     try:
-        reserved = _reserve_port(settings.server.address, settings.server.port)
-    except StartupError:
+        # Bound (SO_REUSEPORT), not listening: port 0 resolves to one port all workers share, and a port that
+        # cannot be bound is reported once, by the parent, instead of by every worker.
+        reserved = bind_listeners(srv.address, srv.port, reuse_port=True)
+    except OSError as exc:
         if owned_dir:
             shutil.rmtree(owned_dir, ignore_errors=True)
-        raise
-    settings = replace(settings, server=replace(settings.server, port=reserved.getsockname()[1]))
+        raise _cannot_listen(srv, exc) from None
+    settings = replace(settings, server=replace(srv, port=reserved[0].getsockname()[1]))
     ctx = multiprocessing.get_context("fork")
     procs = [ctx.Process(target=_run_worker, args=(settings,), name=f"webhook-worker-{i}")
              for i in range(workers)]
@@ -233,7 +225,8 @@ def run(settings: WebhookSettings, workers: int = 1) -> int:
         for p in procs:
             p.join()
     finally:
-        reserved.close()
+        for sock in reserved:
+            sock.close()
         if owned_dir:
             shutil.rmtree(owned_dir, ignore_errors=True)
     return max((p.exitcode or 0) for p in procs)

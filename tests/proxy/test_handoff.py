@@ -397,9 +397,9 @@ def test_with_two_listeners_a_held_connection_is_not_replaced_by_the_next(tmp_pa
 def test_the_port_refuses_connections_until_a_worker_first_serves(tmp_path: Path) -> None:
     """The supervisor binds without listening: before any worker serves, a connect is refused (as with
     kernel balancing), so a TCP health check does not pass while nothing can answer."""
-    from gatekeeper.proxy.listen.server import bind_listeners
+    from gatekeeper.netbind import bind_listeners
 
-    [listener] = bind_listeners("127.0.0.1", 0, listen=False)
+    [listener] = bind_listeners("127.0.0.1", 0)
     port = listener.getsockname()[1]
     dispatcher = Dispatcher([listener], ClosedCounts.create(tmp_path / "closed", 1), 1)
     counts = ClosedCounts(tmp_path / "closed")

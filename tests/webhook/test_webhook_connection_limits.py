@@ -279,6 +279,21 @@ def test_caller_share_is_a_fraction_and_never_below_the_largest_review() -> None
             replace(base, max_buffered_body_caller_share=bad).validate()
 
 
+def test_budget_take_reserves_or_names_the_refusal_and_reserves_nothing() -> None:
+    """``take`` alone decides: None when reserved, else the metric's reason; a refusal changes nothing."""
+    from gatekeeper.webhook.app import BodyBudget
+
+    budget = BodyBudget(100, per_caller=60)
+    assert budget.take(50, "10.0.0.66") is None
+    assert budget.take(20, "10.0.0.66") == "body-budget-caller"
+    assert budget.take(40, None) is None  # a verified apiserver is held to the budget alone
+    assert budget.take(20, "10.0.0.1") == "body-budget"  # the budget before the share: 110 > 100
+    assert (budget.used, budget.by_caller) == (90, {"10.0.0.66": 50})
+    budget.give(50, "10.0.0.66")
+    budget.give(40, None)
+    assert (budget.used, budget.by_caller) == (0, {})
+
+
 def test_budget_must_hold_the_largest_review() -> None:
     settings = ServerSettings(cert_file="c", key_file="k", max_body_bytes=1 << 20, max_buffered_body_bytes=1 << 19)
     with pytest.raises(ValueError, match="maxBufferedBodyBytes"):

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import random
@@ -47,6 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from gatekeeper.netbind import bind_listeners
 from gatekeeper.proxy import rejections
 from gatekeeper.proxy.adapter import ClientGone
 from gatekeeper.proxy.handoff import ACCEPT_BACKOFF, BACKLOG, Inbox
@@ -280,7 +282,8 @@ class ProxyServer:
             self._handoff.announce()
             self.port = lst.port
             return self.port
-        self._sockets = await loop.run_in_executor(None, bind_listeners, lst.address, lst.port, lst.reuse_port)
+        bind = functools.partial(bind_listeners, lst.address, lst.port, reuse_port=lst.reuse_port, backlog=BACKLOG)
+        self._sockets = await loop.run_in_executor(None, bind)
         self.port = int(self._sockets[0].getsockname()[1])
         self._accepters = [loop.create_task(self._accept(sock)) for sock in self._sockets]
         return self.port
@@ -502,35 +505,6 @@ class ProxyServer:
         finally:
             closed.cancel()
             proto.connection_lost()
-
-
-def bind_listeners(address: str, port: int, reuse_port: bool = False, listen: bool = True) -> list[socket.socket]:
-    """Non-blocking sockets bound on every address ``address`` resolves to, all on one port.
-
-    Port 0 resolves once: every address shares the first one's port. ``listen=False`` binds only (the
-    port is taken, but connections are refused until someone calls ``listen``): the supervisor's
-    hand-off listens once a worker serves, so a TCP health check does not see the port open early."""
-    infos = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    out: list[socket.socket] = []
-    try:
-        for family, *_, addr in dict.fromkeys((i[0], i[4][0]) for i in infos):
-            sock = socket.socket(family, socket.SOCK_STREAM)
-            out.append(sock)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if reuse_port:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            if family == socket.AF_INET6:
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # "::" is IPv6 only, as before
-            sock.bind((addr, port))
-            if listen:
-                sock.listen(BACKLOG)
-            sock.setblocking(False)
-            port = int(sock.getsockname()[1])
-    except OSError:
-        for sock in out:
-            sock.close()
-        raise
-    return out
 
 
 async def serve(
