@@ -33,17 +33,18 @@ from gatekeeper.proxy.messages import Headers
 
 _BAD_NAME = re.compile(rb"[^!#$%&'*+\-.^_`|~0-9a-z]")
 """Anything but a lower-case token character (RFC 9110 5.6.2; HTTP/2 forbids upper case)."""
-_EDGE_WHITESPACE = (b" ", b"\t")
+_EDGE_WHITESPACE = (0x20, 0x09)
 
 
 def _bad_value(value: bytes) -> bool:
-    """NUL, CR or LF anywhere, or SP/HTAB at either end (RFC 9113 8.2.1).
+    """NUL, CR or LF anywhere, or SP/HTAB at either end (RFC 9113 8.2.1). ``value`` is not empty.
 
-    ``in`` on bytes is a C scan: about 1 us for a kilobyte bearer token, where the one regex
-    with anchored alternatives took over 20 us.
+    An ``int in bytes`` is one memchr: 0.19 us per call for a kilobyte bearer token or for ``GET``,
+    where ``b"\\n" in value`` (a buffer export per test) took 0.9 us, and the one regex with anchored
+    alternatives over 20 us.
     """
-    return (b"\x00" in value or b"\r" in value or b"\n" in value
-            or value[:1] in _EDGE_WHITESPACE or value[-1:] in _EDGE_WHITESPACE)
+    return (0x00 in value or 0x0D in value or 0x0A in value
+            or value[0] in _EDGE_WHITESPACE or value[-1] in _EDGE_WHITESPACE)
 REQUEST_PSEUDO = frozenset({b":method", b":scheme", b":authority", b":path"})
 CONNECTION_SPECIFIC = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding",
                                  b"upgrade"})
