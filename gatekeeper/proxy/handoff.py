@@ -24,6 +24,9 @@ workers) does the same across processes:
 * The least-loaded serving worker gets the connection; ties rotate. A worker
   serves once it says so on its socket (``R``), and stops when that socket
   ends (it died; the supervisor restarts it with a fresh socket and count).
+  A worker whose socket the supervisor closes drains and exits, to be
+  restarted the same way; a read that fails with ENOBUFS/ENOMEM is retried
+  after a back-off (``gatekeeper_proxy_handoff_receive_errors_total``).
 * A worker that stops reading (stuck, stopped) fills its socket
   (:data:`QUEUE_SNDBUF`: about 40 connections queue per worker): the send fails
   with EAGAIN and the next worker gets the connection. If every worker's socket
@@ -39,6 +42,7 @@ SO_REUSEPORT), for kernels or sandboxes where passing descriptors is not allowed
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import mmap
 import os
@@ -59,6 +63,12 @@ BACKLOG = 1024
 """Pending connections the kernel queues on the TLS port once it listens (the workers' own listeners too)."""
 ACCEPT_BACKOFF = 0.1
 """Seconds without accepting after an accept failed (out of descriptors): the workers' accept loops did the same."""
+RECEIVE_RETRY = frozenset({errno.ENOBUFS, errno.ENOMEM})
+"""Errors of a worker's receive that pass (the kernel short of memory): it tries again after a back-off. Any
+other error (ECONNRESET: the supervisor closed its end with messages unread; EBADF, ...) ends the hand-off."""
+RECEIVE_BACKOFF_MAX = 1.0
+"""Seconds: a worker's pause after failed receives doubles from ``ACCEPT_BACKOFF`` up to this, never spinning
+on a socket that stays readable, never pausing longer than about 40 queued connections should wait."""
 QUEUE_SNDBUF = 16 * 1024
 """Send buffer of the supervisor's end of a hand-off socket: about 40 queued connections (the default, 208 KiB,
 queued 555 on a worker that had stopped reading before the next worker got one)."""
@@ -116,7 +126,10 @@ class Inbox:
         self._counts = counts
         self._index = index
         self.ended = False
-        """The supervisor's end closed (it is exiting): nothing more will arrive."""
+        """The supervisor's end closed (it is exiting, or dropped this worker): nothing more will arrive."""
+        self.error: OSError | None = None
+        """The error that stopped the last :meth:`receive`: with ``ended``, the one that ended the hand-off;
+        without, one of :data:`RECEIVE_RETRY` (the caller backs off and reads again)."""
         self.lost = 0
         """Connections whose descriptor never arrived (this process was out of descriptors: the kernel closed
         them), since the last :meth:`receive`; each is counted closed, else the supervisor's count of this
@@ -129,13 +142,18 @@ class Inbox:
         """Every connection waiting now (never blocks); stops at one whose descriptor was lost (see ``lost``)."""
         out: list[socket.socket] = []
         self.lost = 0
+        self.error = None
         while True:
             try:
                 msg, fds, _, _ = socket.recv_fds(self.sock, 1, 8)
             except (BlockingIOError, InterruptedError):
                 return out
-            except OSError:
-                msg, fds = b"", []
+            except OSError as exc:
+                # Not all ends: ENOBUFS/ENOMEM pass, and taken for the end they left a worker serving what it
+                # had, answering /readyz, never restarted, and handed nothing more: a silent loss of capacity.
+                self.error = exc
+                self.ended = exc.errno not in RECEIVE_RETRY
+                return out
             for fd in fds:
                 conn = socket.socket(fileno=fd)
                 conn.setblocking(False)
@@ -304,7 +322,11 @@ class Dispatcher:
             msg = ch.recv(16)
         except (BlockingIOError, InterruptedError):
             return
-        except OSError:
+        except OSError as exc:
+            # ECONNRESET: the worker closed its end with connections unread (it exited, or drains). Anything
+            # else drops a live worker's socket: the worker reads the end, drains and exits, to be restarted.
+            if not isinstance(exc, ConnectionResetError):
+                log.warning("worker %d's hand-off socket failed (%s): dropping it", worker, exc)
             msg = b""
         if msg == READY:
             self._serving[worker] = True

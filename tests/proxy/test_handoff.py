@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import resource
 import socket
@@ -14,11 +15,12 @@ from pathlib import Path
 
 import pytest
 from edge_kit import chunks, make_pki, rejected
+from prometheus_client import REGISTRY
 
 from gatekeeper.certs import PKI
 from gatekeeper.proxy.handoff import ClosedCounts, Dispatcher, Inbox, least_loaded
 from gatekeeper.proxy.listen import server as server_module
-from gatekeeper.proxy.listen.server import ProxyServer
+from gatekeeper.proxy.listen.server import ProxyServer, serve
 from gatekeeper.proxy.messages import ProxyRequest, ProxyResponse
 from gatekeeper.proxy.settings import ListenerSettings, ProxySettings
 
@@ -419,3 +421,102 @@ def test_the_port_refuses_connections_until_a_worker_first_serves(tmp_path: Path
         inbox.close()
         if client is not None:
             client.close()
+
+
+class _FailingReceive:
+    """``socket.recv_fds`` failing with ``error`` while ``failing``, counting its calls; then the real one."""
+
+    def __init__(self, error: int) -> None:
+        self.real = socket.recv_fds
+        self.error = error
+        self.failing = True
+        self.calls = 0
+
+    def __call__(self, sock: socket.socket, bufsize: int, maxfds: int,
+                 flags: int = 0) -> tuple[bytes, list[int], int, object]:
+        if not self.failing:
+            return self.real(sock, bufsize, maxfds, flags)
+        self.calls += 1
+        raise OSError(self.error, os.strerror(self.error))
+
+
+def _receive_errors(name: str) -> float:
+    return REGISTRY.get_sample_value("gatekeeper_proxy_handoff_receive_errors_total", {"error": name}) or 0.0
+
+
+@pytest.mark.parametrize("code", [errno.ENOBUFS, errno.ENOMEM])
+def test_a_receive_error_that_passes_is_not_taken_for_the_end(
+        rig: Callable[[int], Rig], monkeypatch: pytest.MonkeyPatch, code: int) -> None:
+    """Every error of the worker's receive used to read as the supervisor's end: the worker took no
+    connection again, yet served on, answered /readyz and was never replaced (a silent loss of capacity)."""
+    r = rig(1)
+    [inbox] = r.start_all()
+    r.connect()
+    failing = _FailingReceive(code)
+    monkeypatch.setattr(socket, "recv_fds", failing)
+    assert inbox.receive() == []
+    assert inbox.error is not None and inbox.error.errno == code
+    assert inbox.ended is False
+    failing.failing = False
+    r.collect_all(1)
+    assert inbox.error is None and inbox.ended is False
+
+
+async def test_a_worker_whose_receives_fail_backs_off_counts_them_and_reads_on(
+        rig: Callable[[int], Rig], pki: PKI, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A socket that stays readable while its reads fail must not spin the worker's event loop: it pauses
+    (0.1 s, doubling up to 1 s), counts each failure, and serves the waiting connection once reads work."""
+    r = rig(1)
+    server = _worker(pki, r.start_worker(0, announce=False))
+    await server.start()
+    await _until(lambda: r.dispatcher.loads() == [0], "the worker to serve")
+    before = _receive_errors("ENOBUFS")
+    failing = _FailingReceive(errno.ENOBUFS)
+    monkeypatch.setattr(socket, "recv_fds", failing)
+    try:
+        await asyncio.to_thread(r.connect)  # queued in the worker's socket: readable from now on
+        await _until(lambda: failing.calls >= 2, "a second read after the first pause")
+        await asyncio.sleep(0.5)
+        # a loop reading on would have failed thousands of times by now
+        assert failing.calls <= 8, failing.calls
+        assert _receive_errors("ENOBUFS") == before + failing.calls
+        assert not server.handoff_ended.is_set()
+        failing.failing = False
+        await _until(lambda: server._open == 1, "the waiting connection to be served once reads work")
+    finally:
+        await server.shutdown(1)
+
+
+@pytest.mark.parametrize("unread", [False, True], ids=["end-of-stream", "connection-reset"])
+async def test_a_worker_whose_hand_off_socket_closes_drains_and_exits(
+        tmp_path: Path, pki: PKI, unread: bool) -> None:
+    """The supervisor closed its end while the worker lives: it will hand that worker nothing more. The worker
+    used to stop reading and serve on, ready and never replaced; it now drains and exits (its /readyz turns 503
+    first), so the supervisor starts a successor with a fresh socket. ``connection-reset``: closed with the
+    worker's message unread, the worker's read fails with ECONNRESET instead of reading the end."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    inbox = Inbox(theirs.detach(), ClosedCounts.create(tmp_path / "closed", 1), 0)
+    server = _worker(pki, inbox)
+    drained: list[bool] = []
+    task = asyncio.get_running_loop().create_task(
+        serve(server._settings, _ok, handoff=inbox, stopping=lambda: drained.append(True)))
+    try:
+        await _until(lambda: _pending(ours), "the worker to announce it serves")
+        if not unread:
+            assert ours.recv(16) == b"R"
+        ours.close()
+        await asyncio.wait_for(task, 10)  # before: serve() never returned
+        assert drained == [True]
+    finally:
+        ours.close()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+def _pending(sock: socket.socket) -> bool:
+    try:
+        return bool(sock.recv(16, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+    except BlockingIOError:
+        return False

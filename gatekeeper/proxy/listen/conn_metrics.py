@@ -43,3 +43,10 @@ HANDOFF_WAITS = Counter(
     "Times the supervisor held a connection because no worker could take it (every hand-off socket full, "
     "or none serving): accepting paused until one could. Rising steadily: the workers are saturated or stuck.",
 )
+HANDOFF_RECEIVE_ERRORS = Counter(
+    "gatekeeper_proxy_handoff_receive_errors",
+    "Failed reads of a worker's hand-off socket (connectionBalancing: least-connections), by errno name. "
+    "ENOBUFS and ENOMEM are retried after a back-off (0.1 s doubling to 1 s); any other ends the hand-off: "
+    "the worker drains and exits, and the supervisor starts a successor.",
+    ["error"],
+)

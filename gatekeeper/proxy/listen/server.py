@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import functools
 import itertools
 import logging
@@ -51,7 +52,7 @@ from typing import Any
 from gatekeeper.netbind import bind_listeners
 from gatekeeper.proxy import rejections
 from gatekeeper.proxy.adapter import ClientGone
-from gatekeeper.proxy.handoff import ACCEPT_BACKOFF, BACKLOG, Inbox
+from gatekeeper.proxy.handoff import ACCEPT_BACKOFF, BACKLOG, RECEIVE_BACKOFF_MAX, Inbox
 from gatekeeper.proxy.listen import conn_metrics
 from gatekeeper.proxy.listen.body_budget import BodyBudget
 from gatekeeper.proxy.listen.h1 import H1Connection
@@ -62,6 +63,8 @@ from gatekeeper.proxy.settings import ListenerSettings, ProxySettings
 from gatekeeper.tls import ReloadingTLS
 
 log = logging.getLogger("gatekeeper.proxy.listen.server")
+_receive_log = rejections.RateLimitedLog(log, rejections.LOG_INTERVAL)
+"""A hand-off receive that keeps failing logs once per interval (and is counted every time)."""
 
 EARLY_PAUSE_BYTES = 128 * 1024
 """Bytes held between the TLS handshake and the ALPN decision before reading pauses (a StreamReader's 2 x 64 KiB)."""
@@ -264,6 +267,13 @@ class ProxyServer:
         self._stopping = False
         self._handoff = handoff
         """Connections come from the supervisor (``proxy/handoff.py``) instead of a listening socket of ours."""
+        self.handoff_ended = asyncio.Event()
+        """The supervisor closed our hand-off socket while we served: nothing more will come, so :func:`serve`
+        drains and returns and the worker exits; the supervisor, unless it is exiting too, starts a successor
+        with a fresh socket. Serving on, the worker answered ``/readyz`` and was never replaced, but took no
+        connection again."""
+        self._receive_backoff = ACCEPT_BACKOFF
+        """The next pause after a receive that failed and may pass (``handoff.RECEIVE_RETRY``)."""
         self.port = 0
 
     @property
@@ -293,8 +303,27 @@ class ProxyServer:
         loop = asyncio.get_running_loop()
         for conn in self._handoff.receive():
             self._admit(conn)
-        if self._handoff.ended:  # the supervisor is gone or exiting: nothing more will come
+        error = self._handoff.error
+        if error is not None:
+            code = error.errno or 0
+            conn_metrics.HANDOFF_RECEIVE_ERRORS.labels(errno.errorcode.get(code, str(code))).inc()
+        if self._handoff.ended:  # the supervisor is exiting, or dropped us: nothing more will come
             loop.remove_reader(self._handoff.sock.fileno())
+            if not self._stopping:
+                # info: every worker reads this end first when the supervisor stops (then SIGTERM comes); the
+                # supervisor warns when it drops a live worker's socket (Dispatcher._from_worker)
+                log.info("the supervisor closed this worker's hand-off socket (%s): draining and exiting; "
+                         "it starts a successor unless it is exiting", error or "end of stream")
+                self.handoff_ended.set()
+        elif error is not None:
+            # The kernel short of memory: read again later, never in a loop on a socket that stays readable.
+            # Meanwhile our socket fills and the supervisor passes us over, as for a worker out of descriptors.
+            delay, self._receive_backoff = self._receive_backoff, min(2 * self._receive_backoff,
+                                                                      RECEIVE_BACKOFF_MAX)
+            _receive_log.warning("handoff_receive", "receiving a handed-over connection failed: %s; "
+                                 "reading again in %.1fs", error, delay)
+            loop.remove_reader(self._handoff.sock.fileno())
+            loop.call_later(delay, self._resume_handoffs)
         elif self._handoff.lost:
             # Out of descriptors: the kernel closed that connection instead of giving it to us. Stop reading
             # for a while, as an accept loop backs off on EMFILE: our socket fills and the supervisor passes
@@ -303,6 +332,8 @@ class ProxyServer:
                               "not taking connections for %.1fs", ACCEPT_BACKOFF)
             loop.remove_reader(self._handoff.sock.fileno())
             loop.call_later(ACCEPT_BACKOFF, self._resume_handoffs)
+        else:
+            self._receive_backoff = ACCEPT_BACKOFF
 
     def _resume_handoffs(self) -> None:
         if self._handoff is not None and not self._stopping:
@@ -515,7 +546,8 @@ async def serve(
     stopping: Callable[[], None] | None = None,
     handoff: Inbox | None = None,
 ) -> None:
-    """Serve until SIGTERM/SIGINT, then drain gracefully and return (see the module docstring).
+    """Serve until SIGTERM/SIGINT (or until the supervisor closes ``handoff``: see ``ProxyServer.handoff_ended``),
+    then drain gracefully and return (see the module docstring).
 
     ``stopping`` runs the moment the signal arrives, before the drain (``/readyz`` turns 503).
     """
@@ -531,12 +563,16 @@ async def serve(
     log.info("listening on %s:%d (h2, http/1.1)", settings.listener.address, port)
     if ready is not None:
         ready(port)
+    signalled = loop.create_task(stop.wait())
+    ended = loop.create_task(server.handoff_ended.wait())
     try:
-        await stop.wait()
-        log.info("signal received: draining")
+        await asyncio.wait([signalled, ended], return_when=asyncio.FIRST_COMPLETED)
+        log.info("%s: draining", "signal received" if stop.is_set() else "the hand-off socket closed")
         if stopping is not None:
             stopping()
     finally:
+        signalled.cancel()
+        ended.cancel()
         for sig in installed:
             loop.remove_signal_handler(sig)
         await server.shutdown()
