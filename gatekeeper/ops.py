@@ -8,13 +8,15 @@ multiprocess mode.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import inspect
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
 from gatekeeper import metrics
 
-Render = Callable[[], tuple[bytes, str]]
+Render = Callable[[], tuple[bytes, str] | Awaitable[tuple[bytes, str]]]
+"""A page and its content type, or a coroutine giving them (a proxy worker waits for its siblings' pages)."""
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -26,12 +28,13 @@ def add_ops_routes(app: web.Application, not_ready: Callable[[], str | None],
                    render: Render | None = None) -> None:
     """Route the four endpoints; ``not_ready()`` is None when ready, else the 503 body saying why.
 
-    ``render`` is looked up per request when not given, so a proxy worker that replaces
-    ``gatekeeper.proxy.metrics.render`` with the whole-proxy page passes a lambda reading it.
+    ``render`` defaults to :func:`gatekeeper.metrics.render`; the proxy passes a lambda reading
+    ``gatekeeper.proxy.metrics.render_page``, which a worker replaces with the whole-proxy page.
     """
 
     async def metrics_handler(request: web.Request) -> web.Response:
-        body, content_type = (render or metrics.render)()
+        page = (render or metrics.render)()
+        body, content_type = await page if inspect.isawaitable(page) else page
         return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def readyz(request: web.Request) -> web.Response:

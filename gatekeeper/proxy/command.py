@@ -128,14 +128,14 @@ def metrics_app(ready: Callable[[], bool]) -> web.Application:
     from gatekeeper.proxy import metrics
 
     async def worker_page(request: web.Request) -> web.Response:
-        """This process's own samples, whatever ``metrics.render`` became (the supervisor merges them)."""
+        """This process's own samples, whatever ``metrics.render_page`` became (the supervisor merges them)."""
         from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
         return web.Response(body=generate_latest(REGISTRY), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     app = web.Application()
     add_ops_routes(app, lambda: None if ready() else "no healthy backend, the listener is not serving yet, or it is "
-                                                     "shutting down", render=lambda: metrics.render())
+                                                     "shutting down", render=lambda: metrics.render_page())
     app.router.add_get("/metrics/worker", worker_page)
     return app
 

@@ -51,7 +51,7 @@ by talking to that apiserver directly.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import REGISTRY, Counter, Histogram
@@ -60,6 +60,16 @@ from prometheus_client.registry import Collector
 
 from gatekeeper.metrics import render as render  # the one renderer (multiprocess-aware); pipeline.py's /metrics
 from gatekeeper.proxy.tally import CounterTally, HistogramTally  # before the metrics: its flush collects first
+
+
+async def _this_process_page() -> tuple[bytes, str]:
+    return render()
+
+
+render_page: Callable[[], Awaitable[tuple[bytes, str]]] = _this_process_page
+"""What the proxy's ``/metrics`` answers (the TLS port for admins, ``listener.metricsPort``). A worker of
+``--workers N`` puts the whole proxy's page here (``worker_metrics.render_in_worker``): a coroutine, because it
+waits for the other workers' pages, and the worker's event loop must serve its clients meanwhile."""
 
 if TYPE_CHECKING:
     from gatekeeper.proxy.pipeline.balancer import Balancer

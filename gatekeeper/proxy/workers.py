@@ -114,7 +114,7 @@ def run_worker(settings: ProxySettings, index: int, runtime: Path, port: int, ha
 
         ledger = SeatLedger(runtime / "ledger", index)
         register_recent_requests(pipeline)
-        metrics.render = functools.partial(render_in_worker, runtime, ledger, index)  # the whole proxy's page
+        metrics.render_page = functools.partial(render_in_worker, runtime, ledger, index)  # the whole proxy's page
         if flow is not None and getattr(flow, "controller", None) is not None:
             attach(flow, ledger)
 
@@ -234,15 +234,14 @@ class Supervisor:
             absorb_dead_process(pid)
         except Exception:  # never let bookkeeping stop the restart
             log.exception("folding worker %d's (pid %d) metric files into the archive failed", index, pid)
-        for name in (f"worker-{index}.json", f"page-{index}.prom"):
-            (self.runtime / name).unlink(missing_ok=True)
+        (self.runtime / f"worker-{index}.json").unlink(missing_ok=True)
 
-    def worker_urls(self) -> list[str]:
-        """Private metrics URLs of the live, serving workers."""
-        out = []
+    def worker_urls(self) -> dict[int, str]:
+        """Private metrics URLs of the live, serving workers, by worker index."""
+        out = {}
         for slot, url, _ in self._serving():
             slot.ready_once = True
-            out.append(url)
+            out[slot.index] = url
         return out
 
     def describe(self) -> list[dict[str, Any]]:

@@ -1,14 +1,21 @@
-"""Merging the workers' live metric pages into one, and how many workers a config asks for."""
+"""Merging the workers' live metric pages into one, rendering it in a worker, and how many workers a config asks
+for."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import socket
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
+from aiohttp import web
 
 from gatekeeper.proxy import workers
+from gatekeeper.proxy.flowcontrol.edge.ledger import SeatLedger
 from gatekeeper.proxy.settings import BackendSettings, ProxySettings
-from gatekeeper.proxy.worker_metrics import SKEW_INPUT, merge_pages
+from gatekeeper.proxy.worker_metrics import MISSING, SKEW_INPUT, merge_pages, render_in_worker
 
 
 def page(in_flight: dict[str, float], rate: dict[str, float], up: float, peak: float, limit: float) -> str:
@@ -79,3 +86,49 @@ def test_worker_settings_share_the_port_and_keep_metrics_private():
     w = workers.worker_settings(settings, 4443)
     assert (w.listener.port, w.listener.reuse_port, w.listener.metrics_port) == (4443, True, 0)
     assert w.listener.metrics_address == "127.0.0.1"
+
+
+async def test_a_worker_rendering_the_whole_page_serves_on_while_a_sibling_does_not_answer(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker's /metrics fetched its siblings' pages with a blocking call, one after the other, 2 s each: a
+    stopped sibling froze every client of the scraped worker for 2 s (a /healthz sent 0.2 s into a scrape took
+    1.86 s, 3 workers, one SIGSTOPped), and that sibling's gauges were left out of the sums unsaid."""
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path / "mp"))
+    (tmp_path / "mp").mkdir()
+    stopped = socket.create_server(("127.0.0.1", 0))  # the kernel accepts, nobody answers: a SIGSTOPped worker
+
+    async def worker_page(request: web.Request) -> web.Response:
+        return web.Response(text="# HELP gatekeeper_proxy_backend_watches x\n"
+                                 "# TYPE gatekeeper_proxy_backend_watches gauge\n"
+                                 'gatekeeper_proxy_backend_watches{backend="a"} 3.0\n')
+
+    app = web.Application()
+    app.router.add_get("/metrics/worker", worker_page)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    answering = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    for i, port in ((1, stopped.getsockname()[1]), (2, answering)):
+        (tmp_path / f"worker-{i}.json").write_text(json.dumps({"pid": 10_000 + i,
+                                                               "metricsUrl": f"http://127.0.0.1:{port}"}))
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.01)
+            ticks += 1
+
+    ticking = asyncio.get_running_loop().create_task(ticker())
+    try:
+        body, _ = await render_in_worker(tmp_path, SeatLedger.create(tmp_path / "ledger", 3), 0)
+        assert ticks > 0, "the event loop stood still while the page waited for the stopped sibling"
+    finally:
+        ticking.cancel()
+        stopped.close()
+        await runner.cleanup()
+    page = body.decode()
+    assert value(page, 'gatekeeper_proxy_backend_watches{backend="a"}') == 3.0  # the answering sibling's
+    assert value(page, f'{MISSING}{{worker="1"}}') == 1.0
+    assert value(page, f'{MISSING}{{worker="0"}}') == value(page, f'{MISSING}{{worker="2"}}') == 0.0

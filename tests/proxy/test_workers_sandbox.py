@@ -363,6 +363,40 @@ def test_concurrent_scrapes_of_two_workers_each_see_the_whole_proxy(proxy: Proxy
             c.close()
 
 
+def test_a_stopped_worker_stalls_no_other_worker_and_its_gauges_show_as_missing(proxy: ProxyProcess) -> None:
+    """A worker's /metrics waits for the other workers' live pages. With a sibling SIGSTOPped (or hung, until
+    workerHangSeconds kills it) that wait blocked the scraped worker's event loop for the 2 s fetch timeout,
+    every client of it stalled; both pages then summed the live gauges without the stopped worker's, unsaid."""
+    import threading
+
+    workers = workers_of(proxy)
+    scraped, victim = workers[0], workers[1]
+    os.kill(victim["pid"], signal.SIGSTOP)
+    try:
+        order: list[str] = []
+        pages: dict[str, str] = {}
+
+        def scrape() -> None:
+            pages["worker"] = get(f"{scraped['metricsUrl']}/metrics")
+            order.append("scrape")
+
+        thread = threading.Thread(target=scrape)
+        thread.start()
+        time.sleep(1.0)  # the scrape now waits for the stopped worker's page (up to 2 s)
+        assert get(f"{scraped['metricsUrl']}/healthz") == "ok"
+        order.append("healthz")
+        thread.join(30)
+        assert order == ["healthz", "scrape"], "the scraped worker's event loop stood still during the scrape"
+        pages["parent"] = get(f"{proxy.metrics_url}/metrics")
+        for where, page in pages.items():
+            assert sample_sum(page, "gatekeeper_proxy_worker_page_missing", worker="1") == 1, where
+            assert sample_sum(page, "gatekeeper_proxy_worker_page_missing", worker="0") == 0, where
+    finally:
+        os.kill(victim["pid"], signal.SIGCONT)
+    wait_for(lambda: sample_sum(proxy.metrics(), "gatekeeper_proxy_worker_page_missing") == 0,
+             what="the resumed worker's page back in the sums")
+
+
 def test_workers_follow_a_sigkilled_parent_and_the_next_start_removes_its_directories(
     sandbox: SandboxState, churn_proxy: ProxyProcess, tmp_path: Path,
 ) -> None:

@@ -118,17 +118,17 @@ def local_endpoints_for(metrics_groups: Collection[str]) -> Middleware:
     own_page = _metrics_page_for(metrics_groups)
 
     async def local_endpoints(request: ProxyRequest, next_handler: Handler) -> ProxyResponse:
-        return own_page(request) if _is_local(request) else await next_handler(request)
+        return await own_page(request) if _is_local(request) else await next_handler(request)
 
     return local_endpoints
 
 
-def _metrics_page_for(metrics_groups: Collection[str]) -> Callable[[ProxyRequest], ProxyResponse]:
+def _metrics_page_for(metrics_groups: Collection[str]) -> Callable[[ProxyRequest], Awaitable[ProxyResponse]]:
     """The answer to a ``/metrics`` request on the main port (see :func:`local_endpoints_for`)."""
     allowed = frozenset(metrics_groups)
     needs = ", ".join(sorted(allowed)) or "(none: proxy.listener.metricsGroups is empty)"
 
-    def own_page(request: ProxyRequest) -> ProxyResponse:
+    async def own_page(request: ProxyRequest) -> ProxyResponse:
         user = request.user or auth.identify(request.peer_cert, request.headers)
         if user.source != "x509" or allowed.isdisjoint(user.groups):
             return error_response(
@@ -137,7 +137,7 @@ def _metrics_page_for(metrics_groups: Collection[str]) -> Callable[[ProxyRequest
                 f"client certificate in one of the groups {needs} (proxy.listener.metricsGroups), "
                 "or read the proxy's metricsPort listener",
             )
-        body, content_type = metrics.render()
+        body, content_type = await metrics.render_page()
         return ProxyResponse(status=200, headers=[("content-type", content_type),
                                                   ("content-length", str(len(body)))],
                              body=_once(b"" if request.method == "HEAD" else body))
@@ -168,7 +168,7 @@ def front_for(metrics_groups: Collection[str]) -> Middleware:
             return refused
         request.info = requestinfo.parse(request.method, request.target)
         if _is_local(request):
-            return own_page(request)
+            return await own_page(request)
         return await next_handler(request)
 
     return front
