@@ -8,6 +8,7 @@ import contextlib
 import errno
 import os
 import resource
+import signal
 import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -489,7 +490,7 @@ async def test_a_worker_whose_receives_fail_backs_off_counts_them_and_reads_on(
 
 @pytest.mark.parametrize("unread", [False, True], ids=["end-of-stream", "connection-reset"])
 async def test_a_worker_whose_hand_off_socket_closes_drains_and_exits(
-        tmp_path: Path, pki: PKI, unread: bool) -> None:
+        tmp_path: Path, pki: PKI, unread: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """The supervisor closed its end while the worker lives: it will hand that worker nothing more. The worker
     used to stop reading and serve on, ready and never replaced; it now drains and exits (its /readyz turns 503
     first), so the supervisor starts a successor with a fresh socket. ``connection-reset``: closed with the
@@ -498,6 +499,15 @@ async def test_a_worker_whose_hand_off_socket_closes_drains_and_exits(
     inbox = Inbox(theirs.detach(), ClosedCounts.create(tmp_path / "closed", 1), 0)
     server = _worker(pki, inbox)
     drained: list[bool] = []
+    on_sigterm: list[object] = []
+    real_shutdown = ProxyServer.shutdown
+
+    async def shutdown(self: ProxyServer, drain_seconds: float | None = None) -> None:
+        on_sigterm.append(signal.getsignal(signal.SIGTERM))
+        await real_shutdown(self, drain_seconds)
+
+    monkeypatch.setattr(ProxyServer, "shutdown", shutdown)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     task = asyncio.get_running_loop().create_task(
         serve(server._settings, _ok, handoff=inbox, stopping=lambda: drained.append(True)))
     try:
@@ -507,7 +517,13 @@ async def test_a_worker_whose_hand_off_socket_closes_drains_and_exits(
         ours.close()
         await asyncio.wait_for(task, 10)  # before: serve() never returned
         assert drained == [True]
+        # the supervisor's SIGTERM, when it is the one exiting, comes next: it must not kill the drain, nor the
+        # clean-up after it (exit code -15)
+        assert len(on_sigterm) == 1 and on_sigterm[0] != signal.SIG_DFL, on_sigterm
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
     finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
         ours.close()
         if not task.done():
             task.cancel()

@@ -573,6 +573,17 @@ async def serve(
     finally:
         signalled.cancel()
         ended.cancel()
-        for sig in installed:
-            loop.remove_signal_handler(sig)
-        await server.shutdown()
+        # A drain begun because the supervisor closed our hand-off socket keeps the handlers, then ignores the
+        # signals: when the supervisor is exiting, its SIGTERM comes right after and may land during the drain
+        # or the process's last clean-up, where the default action killed it (the worker's exit code was -15,
+        # the proxy's 15). There is nothing left for it to stop; a worker that hangs is SIGKILLed as ever.
+        keep = server.handoff_ended.is_set() and not stop.is_set()
+        if not keep:
+            for sig in installed:
+                loop.remove_signal_handler(sig)
+        try:
+            await server.shutdown()
+        finally:
+            for sig in installed if keep else ():
+                loop.remove_signal_handler(sig)
+                signal.signal(sig, signal.SIG_IGN)
