@@ -27,9 +27,17 @@ workers) does the same across processes:
   A worker whose socket the supervisor closes drains and exits, to be
   restarted the same way; a read that fails with ENOBUFS/ENOMEM is retried
   after a back-off (``gatekeeper_proxy_handoff_receive_errors_total``).
-* A worker that stops reading (stuck, stopped) fills its socket
-  (:data:`QUEUE_SNDBUF`: about 40 connections queue per worker): the send fails
-  with EAGAIN and the next worker gets the connection. If every worker's socket
+* A worker that stops reading (stopped, its event loop blocked) is passed over:
+  one that has left a connection unread (``SIOCOUTQ`` on its socket) for
+  :data:`LAG_SECONDS` gets a new one only if no other serving worker keeps up
+  with its socket. A stall of :data:`STALL_SECONDS` is logged and counted once
+  (``gatekeeper_proxy_handoff_stalls_total{worker}``). Before, least-connections
+  took a stopped worker for the least loaded and sent it every other connection
+  until its socket filled; each of those hung until the worker was killed as
+  hung (``workerHangSeconds``). A worker that reads again is chosen by load
+  again. A burst (connections within milliseconds) is still split by load.
+* A worker's socket holds about 40 connections (:data:`QUEUE_SNDBUF`): when it
+  is full the send fails with EAGAIN and the next worker gets the connection. If every worker's socket
   is full, or none serves, the connection is held and accepting pauses until
   one can take it (counted in ``gatekeeper_proxy_handoff_waits_total``): later
   clients wait in the kernel's backlog, as they would for a busy worker
@@ -43,12 +51,15 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import logging
 import mmap
 import os
 import queue
 import selectors
 import socket
+import struct
+import termios
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -72,6 +83,20 @@ on a socket that stays readable, never pausing longer than about 40 queued conne
 QUEUE_SNDBUF = 16 * 1024
 """Send buffer of the supervisor's end of a hand-off socket: about 40 queued connections (the default, 208 KiB,
 queued 555 on a worker that had stopped reading before the next worker got one)."""
+LAG_SECONDS = 0.05
+"""A worker that has left a handed-over connection unread this long is behind: a healthy worker reads its
+socket within one turn of its event loop (milliseconds), so it is stopped, blocked or overloaded."""
+STALL_SECONDS = 0.5
+"""Behind this long: logged and counted as a stall (``gatekeeper_proxy_handoff_stalls_total``)."""
+
+
+def unread_bytes(sock: socket.socket) -> int:
+    """Bytes of hand-off messages on ``sock`` that the worker has not read yet (``SIOCOUTQ``: the kernel
+    charges a message to the sender until the receiver takes it); 0 if the socket cannot say."""
+    try:
+        return int(struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0])
+    except OSError:
+        return 0
 
 
 def least_loaded(loads: Sequence[int | None], after: int) -> int | None:
@@ -178,16 +203,21 @@ class Dispatcher:
 
     def __init__(self, listeners: list[socket.socket], counts: ClosedCounts, workers: int,
                  on_handoff: Callable[[int], None] = lambda worker: None,
-                 on_wait: Callable[[], None] = lambda: None) -> None:
+                 on_wait: Callable[[], None] = lambda: None,
+                 on_stall: Callable[[int], None] = lambda worker: None) -> None:
         self._listeners = listeners
         self._counts = counts
         self._on_handoff = on_handoff
         self._on_wait = on_wait
+        self._on_stall = on_stall
         self._pending: socket.socket | None = None
         """A connection no worker could take yet (every socket full, or none serving)."""
         self._channels: list[socket.socket | None] = [None] * workers
         self._serving = [False] * workers
         self._sent = [0] * workers
+        self._unread_since = [0.0] * workers
+        """When the oldest connection a worker has not read yet was handed to it (0: it has read them all)."""
+        self._stalled = [False] * workers
         self._last = workers - 1
         self._commands: queue.SimpleQueue[tuple[int, socket.socket | None]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = socket.socketpair()
@@ -312,6 +342,8 @@ class Dispatcher:
         self._channels[worker] = None
         self._serving[worker] = False
         self._sent[worker] = 0
+        self._unread_since[worker] = 0.0
+        self._stalled[worker] = False
         self._counts.reset(worker)
 
     def _from_worker(self, worker: int) -> None:
@@ -375,8 +407,30 @@ class Dispatcher:
             conn.close()  # the worker has its own descriptor now
 
     def _hand_over(self, conn: socket.socket) -> bool:
-        """Pass ``conn`` to the least-loaded worker whose socket takes it; False if none could."""
-        loads: list[int | None] = self.loads()
+        """Pass ``conn`` to the least-loaded worker whose socket takes it, preferring workers that keep up
+        with their socket (see the module docstring); False if none could take it."""
+        now = time.monotonic()
+        loads = self.loads()
+        behind: list[int | None] = [None] * len(loads)
+        for i, load in enumerate(loads):
+            ch = self._channels[i]
+            if load is None or ch is None:
+                continue
+            if unread_bytes(ch) == 0:
+                self._unread_since[i] = 0.0
+                self._stalled[i] = False
+                continue
+            lag = now - self._unread_since[i] if self._unread_since[i] else 0.0
+            if lag < LAG_SECONDS:
+                continue
+            behind[i], loads[i] = load, None
+            if lag >= STALL_SECONDS and not self._stalled[i]:
+                self._stalled[i] = True
+                log.info("worker %d has left a connection unread for %.1fs: passing it over", i, lag)
+                self._on_stall(i)
+        return self._send_least_loaded(conn, loads, now) or self._send_least_loaded(conn, behind, now)
+
+    def _send_least_loaded(self, conn: socket.socket, loads: list[int | None], now: float) -> bool:
         while True:
             worker = least_loaded(loads, self._last)
             if worker is None:
@@ -389,6 +443,8 @@ class Dispatcher:
                 loads[worker] = None
                 continue
             self._sent[worker] += 1
+            if not self._unread_since[worker]:
+                self._unread_since[worker] = now
             self._last = worker
             self._on_handoff(worker)
             return True

@@ -172,7 +172,7 @@ class Supervisor:
         self.dispatcher: Dispatcher | None = None
         if listeners is not None:
             self.dispatcher = Dispatcher(listeners, ClosedCounts.create(runtime / "closed", workers), workers,
-                                         on_handoff=_count_handoff, on_wait=_count_wait)
+                                         on_handoff=_count_handoff, on_wait=_count_wait, on_stall=_count_stall)
 
     async def _spawn(self, slot: _Slot) -> None:
         argv = [sys.executable, "-m", "gatekeeper", "proxy", "--config", str(self.config), "--workers", "1",
@@ -391,6 +391,12 @@ def _count_handoff(worker: int) -> None:
     from gatekeeper.proxy.listen.conn_metrics import HANDED_OFF
 
     HANDED_OFF.labels(worker=str(worker)).inc()
+
+
+def _count_stall(worker: int) -> None:
+    from gatekeeper.proxy.listen.conn_metrics import HANDOFF_STALLS
+
+    HANDOFF_STALLS.labels(worker=str(worker)).inc()
 
 
 def _count_wait() -> None:

@@ -58,9 +58,10 @@ class Rig:
         self.port = self.listener.getsockname()[1]
         self.handed: list[int] = []
         self.waits = 0
+        self.stalls: list[int] = []
         self.dispatcher = Dispatcher([self.listener, *extra_listeners],
                                      ClosedCounts.create(tmp_path / "closed", workers), workers,
-                                     on_handoff=self.handed.append, on_wait=self._wait)
+                                     on_handoff=self.handed.append, on_wait=self._wait, on_stall=self.stalls.append)
         self.counts = ClosedCounts(tmp_path / "closed")
         self.inboxes: list[Inbox | None] = [None] * workers
         self.held: list[list[socket.socket]] = [[] for _ in range(workers)]
@@ -165,7 +166,9 @@ def test_a_worker_whose_connections_closed_gets_the_next_ones(rig: Callable[[int
     r.close_on_worker(0, 3)  # worker 0's clients left; worker 1 still holds 3
     assert r.dispatcher.loads() == [0, 3]
     r.handed.clear()
-    r.connect(3)
+    for _ in range(3):
+        r.connect()
+        r.collect(0)  # as a serving worker does: it reads its socket at once
     assert r.handed == [0, 0, 0]
 
 
@@ -199,6 +202,53 @@ def test_a_worker_that_stops_reading_is_passed_over(rig: Callable[[int], Rig]) -
     stuck_share = r.handed.count(0)
     assert 0 < stuck_share < 50, r.handed  # without the pass-over it would take all 50 first (or hold)
     assert len(r.held[1]) == 50 + r.handed.count(1) == 50 + 80 - stuck_share
+
+
+def test_a_stopped_worker_gets_one_connection_while_another_keeps_up(rig: Callable[[int], Rig]) -> None:
+    """A worker that does not read its socket (SIGSTOP, a blocked loop) is not the least loaded: before, its
+    unread connections counted as its load and it got every other one (15 of 30 here), each hanging."""
+    r = rig(2)
+    r.start_all()
+    for _ in range(30):
+        r.connect()
+        r.collect(1)  # worker 1 keeps up; worker 0 reads nothing
+        time.sleep(0.06)  # connections a little apart (past LAG_SECONDS), as clients arrive
+    assert r.waits == 0
+    assert r.handed.count(0) == 1, r.handed
+    assert len(r.held[1]) == 29
+
+
+def test_a_worker_that_reads_again_is_chosen_again(rig: Callable[[int], Rig]) -> None:
+    r = rig(2)
+    r.start_all()
+    for _ in range(10):
+        r.connect()
+        r.collect(1)
+        time.sleep(0.06)
+    assert r.handed.count(0) == 1
+    r.collect(0)  # worker 0 reads again: the least loaded (1 against 9), it gets the next ones
+    r.handed.clear()
+    for _ in range(4):
+        r.connect()
+        r.collect(0)
+        r.collect(1)
+    assert r.handed == [0, 0, 0, 0], r.handed
+
+
+def test_a_stall_is_counted_once_and_a_stalled_worker_still_serves_alone(rig: Callable[[int], Rig]) -> None:
+    """Every worker stalled: connections still go out by load (the stall is a preference, never a refusal)."""
+    r = rig(1)
+    r.start_all()
+    r.connect()
+    time.sleep(0.6)  # past STALL_SECONDS with the connection unread
+    r.connect(3)
+    assert r.handed == [0, 0, 0, 0] and r.waits == 0
+    assert r.stalls == [0]  # once per stall, not once per connection
+    r.collect_all(4)
+    r.connect()
+    time.sleep(0.6)
+    r.connect()
+    assert r.stalls == [0, 0]  # it read in between: a new stall
 
 
 def test_when_every_worker_is_full_the_connection_waits_and_nothing_is_dropped(rig: Callable[[int], Rig]) -> None:

@@ -399,6 +399,33 @@ def test_a_stopped_worker_stalls_no_other_worker_and_its_gauges_show_as_missing(
              what="the resumed worker's page back in the sums")
 
 
+def test_new_connections_pass_over_a_stopped_worker(proxy: ProxyProcess) -> None:
+    """least-connections took a SIGSTOPped worker for a peer (its unread connections counted as its load) and
+    handed it every other new connection, each hanging until workerHangSeconds killed the worker."""
+    victim = workers_of(proxy)[1]
+    os.kill(victim["pid"], signal.SIGSTOP)
+    outcomes: list[object] = []
+    clients: list[httpx.Client] = []
+    try:
+        for _ in range(8):
+            # A new client, so a new connection, kept open as a controller's is: the running worker's load
+            # grows, and before, the stopped worker became the least loaded every other time.
+            clients.append(httpx.Client(verify=proxy.tls(cert=True), timeout=3))
+            try:
+                outcomes.append(clients[-1].get(f"{proxy.url}/api/v1/namespaces/default").status_code)
+            except httpx.TimeoutException:
+                outcomes.append("timeout")
+            time.sleep(0.1)
+        stalls = proxy.metric("gatekeeper_proxy_handoff_stalls_total", worker="1")
+    finally:
+        os.kill(victim["pid"], signal.SIGCONT)
+        for c in clients:
+            c.close()
+    assert outcomes.count("timeout") <= 1, outcomes  # at most the one handed over before it was seen unread
+    assert outcomes.count(200) == 8 - outcomes.count("timeout"), outcomes
+    assert stalls == outcomes.count("timeout"), (stalls, outcomes)
+
+
 def test_workers_follow_a_sigkilled_parent_and_the_next_start_removes_its_directories(
     sandbox: SandboxState, churn_proxy: ProxyProcess, tmp_path: Path,
 ) -> None:

@@ -38,6 +38,13 @@ HANDED_OFF = Counter(
     "least-connections): the split shows how even the workers' load is.",
     ["worker"],
 )
+HANDOFF_STALLS = Counter(
+    "gatekeeper_proxy_handoff_stalls",
+    "Times a worker left a connection handed to it unread for over 0.5 s (stopped, or its event loop "
+    "blocked; connectionBalancing: least-connections): it gets new connections only if every other worker "
+    "is stalled too, until it reads again.",
+    ["worker"],
+)
 HANDOFF_WAITS = Counter(
     "gatekeeper_proxy_handoff_waits",
     "Times the supervisor held a connection because no worker could take it (every hand-off socket full, "
