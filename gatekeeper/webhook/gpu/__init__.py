@@ -218,7 +218,10 @@ def claim_groups(found: list[GpuContainer]) -> list[tuple[str, int, list[GpuCont
     if not inits:
         return [(claim_name(c.name), c.count, [c]) for c in found]
     app = [c for c in found if c.path.startswith("/spec/containers/")]
-    sidecars = [c for c in found if c not in inits and c not in app]
+    # By path (unique per container), not ``c not in inits + app``: that compared whole containers pairwise, and
+    # a pod of 100,000 GPU containers (a 6 MiB review) kept the worker's event loop busy for many minutes.
+    shared = {c.path for c in inits} | {c.path for c in app}
+    sidecars = [c for c in found if c.path not in shared]
     count = max(max(c.count for c in inits), sum(c.count for c in app))
     return [(POD_CLAIM, count, inits + app)] + [(claim_name(c.name), c.count, [c]) for c in sidecars]
 

@@ -26,14 +26,19 @@ _SUFFIX: dict[str, Decimal | int] = {
     "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
     "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
 }
-_QUANTITY = re.compile(r"^([+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+))(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]|[eE][+-]?[0-9]{1,3})?$")
+_QUANTITY = re.compile(r"([+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]|[eE][+-]?[0-9]{1,3})?")
 """ASCII digits only (``\\d`` also matches other scripts' digits, which the apiserver refuses), and exponents of
-at most three digits, so ``1e999999999`` cannot make Decimal build a huge number."""
+at most three digits, so ``1e999999999`` cannot make Decimal build a huge number. Used with ``fullmatch``.
+
+Every input has at most one way to match, so a failing match costs time linear in its length: with
+``[0-9]+\\.?[0-9]*`` a run of digits could be split between the two digit groups in as many ways as it had
+digits, and an annotation of 200,000 digits and an ``x`` kept a worker's event loop busy for minutes (every
+review on that worker then timed out)."""
 
 
 def parse_quantity(text: str) -> Decimal:
     """The exact value of a Kubernetes quantity (``2``, ``1000m``, ``1e3``, ``1k``, ``20Gi``); ValueError if not one."""
-    m = _QUANTITY.match(text.strip())
+    m = _QUANTITY.fullmatch(text.strip())
     if not m:
         raise ValueError(f"expected a Kubernetes quantity like '20Gi', '16G' or '512Mi', got {text!r}")
     try:
@@ -125,7 +130,10 @@ def layout_profiles(model: str, layout: str) -> tuple[str, ...]:
     raise ValueError(f"layout {layout!r} is not known for {model}; expected all-balanced or all-<profile> "
                      f"({', '.join('all-' + p.name for p in MIG_CATALOG.get(model, ()))}), or list the profiles")
 
-_LEGACY_UNIT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(gib|gb|gi|g|mib|mb|mi|m)?\s*$", re.IGNORECASE)
+_LEGACY_UNIT = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(?:(gib|gb|gi|g|mib|mb|mi|m)\s*)?", re.IGNORECASE)
+"""Used with ``fullmatch``. The spaces after the number and after the unit are one ``\\s*`` when there is no unit
+(not ``\\s*(unit)?\\s*``, which could split a run of spaces in as many ways as it had: quadratic backtracking on
+``'1' + ' ' * n + 'x'``)."""
 _LEGACY_SUFFIX = {"gib": "Gi", "gi": "Gi", "gb": "G", "g": "G", "mib": "Mi", "mi": "Mi", "mb": "M", "m": "M"}
 
 
@@ -136,7 +144,7 @@ def mig_need_bytes(text: str) -> int:
     profile ~7% too small). The forms the mig mode always accepted keep their meaning: a bare
     number is GB (as profile names count), and ``gb``/``mb``/``g``/``m`` in any case are GB/MB.
     """
-    m = _LEGACY_UNIT.match(text)
+    m = _LEGACY_UNIT.fullmatch(text)
     if m:
         unit = (m.group(2) or "g").lower()
         text = m.group(1) + _LEGACY_SUFFIX[unit]
