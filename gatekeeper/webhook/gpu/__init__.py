@@ -352,10 +352,12 @@ def review(req: AdmissionRequest, settings: GpuSettings, extended_resource_mappe
                 "scheduler allocates its GPUs through DRA itself")])
         decision = _rewrite(req, settings, mode, found, spec, meta, annotations, label)
         decision.audit["gpu-mode-source"] = source
-        if DECISION_ANNOTATION not in annotations:
-            # After the rewritten annotation, whose add created the map if the pod had none.
-            decision.patch.append(op_add(f"/metadata/annotations/{escape(DECISION_ANNOTATION)}",
-                                         f"mode={mode} source={source}"))
+        recorded = f"mode={mode} source={source}"
+        if annotations.get(DECISION_ANNOTATION) != recorded:
+            # After the rewritten annotation, whose add created the map if the pod had none. Written whenever it
+            # differs, not only when absent: a pod created with its own "mode=shared source=enforced" kept it
+            # while being rewritten by opt-out to dra. On reinvocation the value is ours and equal: no op.
+            decision.patch.append(op_add(f"/metadata/annotations/{escape(DECISION_ANNOTATION)}", recorded))
         return decision
     except PolicyForbidden as exc:
         return Decision(allowed=False, outcome="denied", message=str(exc), code=403, reason="Forbidden",
