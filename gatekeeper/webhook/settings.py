@@ -135,7 +135,8 @@ class ServerSettings(TLSListenerSettings):
         if self.max_connections < 1:
             raise ValueError(f"maxConnections must be >= 1, got {self.max_connections}")
         if self.max_header_fields < 8:
-            raise ValueError(f"maxHeaderFields must be >= 8 (the apiserver sends about ten), got {self.max_header_fields}")
+            raise ValueError(f"maxHeaderFields must be >= 8 (the apiserver sends about ten), "
+                             f"got {self.max_header_fields}")
         if self.max_header_field_bytes < 1024:
             raise ValueError(f"maxHeaderFieldBytes must be >= 1024, got {self.max_header_field_bytes}")
         for key, value in (("tlsHandshakeTimeoutSeconds", self.tls_handshake_timeout_seconds),
