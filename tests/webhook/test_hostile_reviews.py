@@ -46,6 +46,18 @@ def test_a_hostile_gpu_memory_annotation_is_denied_not_a_stalled_worker(mode: st
     req = request(review(pod(container("m", 1), annotations=annotations), kind="Pod"))
     d = gpu.review(req, GpuSettings())
     assert not d.allowed and d.code == 422 and "gpu-memory" in d.message
+    # The message (and the auditAnnotation the apiserver logs) quotes the value trimmed, not 200 KB of it.
+    assert len(d.message) < 500 and len(d.audit["gpu-denied"]) < 500
+
+
+@pytest.mark.parametrize(("field", "value"), [("count", "1" * DIGITS + "x"), ("mode", "x" * DIGITS)])
+def test_a_denial_quotes_a_huge_value_trimmed(field: str, value: str) -> None:
+    if field == "count":
+        obj = pod(container("m", value))
+    else:
+        obj = pod(container("m", 1), annotations={"gatekeeper.dev/gpu-mode": value})
+    d = gpu.review(request(review(obj, kind="Pod")), GpuSettings(default_mode="dra"))
+    assert not d.allowed and d.code == 422 and len(d.message) < 500
 
 
 @pytest.mark.timeout(120)

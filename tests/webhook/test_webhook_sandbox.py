@@ -422,3 +422,16 @@ def test_secret_padded_with_managed_fields_is_denied_as_if_padded_with_data(webh
     assert p.returncode != 0, "a Secret with 540 KB of managedFields was admitted"
     assert "of labels and other metadata" in p.stderr and "over the 128 KiB limit" in p.stderr, p.stderr
     assert kubectl("get", "secret", "managed", "-n", namespace).returncode != 0
+
+
+def test_a_gpu_memory_annotation_over_the_annotation_size_limit_reaches_the_webhook_and_is_denied_briefly(
+        webhook, kubectl, namespace) -> None:
+    """Annotation size (256 KiB) is validated after mutating admission: the real apiserver hands the webhook a
+    300 KB gpu-memory annotation. Its quadratic parse held the webhook's worker (the apiserver gave up at
+    timeoutSeconds); now it is denied at once, and the denial quotes the value trimmed."""
+    annotations = {"gatekeeper.dev/gpu-mode": "shared", "gatekeeper.dev/gpu-memory": "1" * 300_000 + "x"}
+    p = kubectl("create", "--dry-run=server", "-f", "-",
+                input=pod_manifest("long", namespace, 1, annotations=annotations))
+    assert p.returncode != 0
+    assert 'admission webhook "gpu.gatekeeper.dev" denied the request' in p.stderr, p.stderr[:500]
+    assert "expected a Kubernetes quantity" in p.stderr and len(p.stderr) < 2000, p.stderr[:500]

@@ -53,6 +53,7 @@ from gatekeeper.kube.admission import (
     object_label,
     op_add,
     op_remove,
+    quoted,
     short,
 )
 from gatekeeper.webhook.gpu import migpools
@@ -139,15 +140,15 @@ def _count(value: Any, where: str) -> int:
     """GPUs asked for, read as the apiserver reads a quantity: ``1000m`` is 1 and ``1e3`` or ``1k`` is 1000
     (``int()`` refused those, so valid pods were denied even in mode off, and took ``1_0`` for 10)."""
     if isinstance(value, bool) or not isinstance(value, int | str):
-        raise PolicyError(f"{where}: {GPU} must be a whole number of GPUs, got {value!r}")
+        raise PolicyError(f"{where}: {GPU} must be a whole number of GPUs, got {quoted(value)}")
     try:
         q = parse_quantity(str(value))
     except ValueError:
-        raise PolicyError(f"{where}: {GPU} must be a whole number of GPUs, got {value!r}") from None
+        raise PolicyError(f"{where}: {GPU} must be a whole number of GPUs, got {quoted(value)}") from None
     if q < 0:
-        raise PolicyError(f"{where}: {GPU} must not be negative, got {value!r}")
+        raise PolicyError(f"{where}: {GPU} must not be negative, got {quoted(value)}")
     if q != q.to_integral_value() or q > MAX_GPUS:
-        raise PolicyError(f"{where}: {GPU} must be a whole number of GPUs (at most {MAX_GPUS}), got {value!r}")
+        raise PolicyError(f"{where}: {GPU} must be a whole number of GPUs (at most {MAX_GPUS}), got {quoted(value)}")
     return int(q)
 
 

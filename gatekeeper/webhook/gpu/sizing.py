@@ -16,6 +16,8 @@ import re
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 
+from gatekeeper.kube.admission import quoted
+
 MIB = 1024**2
 GIB = 1024**3
 MAX_BYTES = 2**63 - 1
@@ -40,11 +42,11 @@ def parse_quantity(text: str) -> Decimal:
     """The exact value of a Kubernetes quantity (``2``, ``1000m``, ``1e3``, ``1k``, ``20Gi``); ValueError if not one."""
     m = _QUANTITY.fullmatch(text.strip())
     if not m:
-        raise ValueError(f"expected a Kubernetes quantity like '20Gi', '16G' or '512Mi', got {text!r}")
+        raise ValueError(f"expected a Kubernetes quantity like '20Gi', '16G' or '512Mi', got {quoted(text)}")
     try:
         number = Decimal(m.group(1))
     except InvalidOperation:
-        raise ValueError(f"expected a Kubernetes quantity, got {text!r}") from None
+        raise ValueError(f"expected a Kubernetes quantity, got {quoted(text)}") from None
     suffix = m.group(2) or ""
     if suffix[:1] in ("e", "E"):
         return number * Decimal(10) ** int(suffix[1:])
@@ -55,9 +57,9 @@ def parse_quantity_bytes(text: str) -> int:
     """Bytes (rounded up) from a Kubernetes quantity such as ``20Gi``, ``16G``, ``512Mi`` or ``1e9``."""
     value = parse_quantity(text)
     if value > MAX_BYTES:  # 1e999 bytes overflowed the MiB rounding: a 500 with a traceback, not a denial
-        raise ValueError(f"GPU memory must be at most {MAX_BYTES} bytes (8Ei), got {text!r}")
+        raise ValueError(f"GPU memory must be at most {MAX_BYTES} bytes (8Ei), got {quoted(text)}")
     if value <= 0:
-        raise ValueError(f"GPU memory must be positive, got {text!r}")
+        raise ValueError(f"GPU memory must be positive, got {quoted(text)}")
     return math.ceil(value)
 
 
@@ -151,7 +153,7 @@ def mig_need_bytes(text: str) -> int:
     try:
         return parse_quantity_bytes(text)
     except ValueError:
-        raise ValueError(f"gatekeeper.dev/gpu-memory must be a size like '20Gi' or '10G', got {text!r}") from None
+        raise ValueError(f"gatekeeper.dev/gpu-memory must be a size like '20Gi' or '10G', got {quoted(text)}") from None
 
 
 def smallest_mig_profile(model: str, need_bytes: int, allowed: tuple[str, ...] | None = None) -> MigProfile | None:
