@@ -222,6 +222,12 @@ def short(text: str, limit: int = MAX_WARNING_CHARS) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def quoted(value: Any, limit: int = 60) -> str:
+    """``repr(value)`` trimmed: a denial echoes what the user wrote, and an annotation can be megabytes long
+    (its size is validated after mutating admission), which the message and auditAnnotations would carry whole."""
+    return short(repr(value), limit)
+
+
 def response(uid: str, decision: Decision) -> AdmissionReviewDict:
     resp: AdmissionResponseDict = {"uid": uid, "allowed": decision.allowed}
     if not decision.allowed:

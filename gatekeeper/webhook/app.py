@@ -10,7 +10,10 @@ Metrics (Prometheus):
 
 ``gatekeeper_webhook_reviews_total{policy,operation,decision}``
     ``policy`` is ``secret-size``, ``gpu`` or ``none`` (no policy for that
-    kind); ``decision`` is allowed, warned, denied, mutated, skipped or error.
+    kind); ``decision`` is allowed, warned, denied, mutated, skipped or error. An error that is
+    the webhook's own (a bug: 500; a ResourceClaimTemplate it cannot create: 503) is answered as an
+    HTTP error with a ``Status`` body, so the configuration's ``failurePolicy`` decides (Fail refuses
+    the write, Ignore admits it unchanged); only a refusal of the caller (403) is a denial.
 ``gatekeeper_webhook_review_duration_seconds{route}``
     Time from body received to response built (template creation included).
 ``gatekeeper_webhook_bad_requests_total{route}``
@@ -59,6 +62,7 @@ import orjson
 from aiohttp import web
 
 from gatekeeper.kube.admission import Decision, ReviewError, parse_review, response
+from gatekeeper.kube.status import failure_json
 from gatekeeper.metrics import child
 from gatekeeper.ops import add_ops_routes
 from gatekeeper.webhook import policies
@@ -289,9 +293,24 @@ async def _read_and_decide(request: web.Request, route: str, settings: WebhookSe
         m.mode_decisions.labels(decision.audit.get("gpu-mode", "denied"),
                                 decision.audit["gpu-mode-source"]).inc()
     child(m.reviews, policy, req.operation, decision.outcome).inc()
-    out = _json(response(req.uid, decision))
+    out = _call_failed(decision) if decision.outcome == "error" and decision.code >= 500 else \
+        _json(response(req.uid, decision))
     child(m.duration, route).observe(time.perf_counter() - started)
     return out
+
+
+def _call_failed(decision: Decision) -> web.Response:
+    """The webhook could not do its job (a bug of ours, a template it cannot create): an HTTP error with a
+    Kubernetes ``Status`` body, not a denial.
+
+    ``allowed: false`` is obeyed whatever the webhook configuration's ``failurePolicy`` says; a failed call is
+    settled by it: ``Fail`` refuses the write (kubectl shows this message after "failed calling webhook"),
+    ``Ignore`` admits it unchanged. Answered as a denial, a broken template RBAC kept refusing GPU pods even
+    after the README's way out of the write path, ``failurePolicy=Ignore``. No ``Retry-After``: client-go would
+    retry the call inside the apiserver's one ``timeoutSeconds``.
+    """
+    return web.Response(body=failure_json(decision.code, decision.reason, decision.message), status=decision.code,
+                        content_type="application/json")
 
 
 async def validate(request: web.Request) -> web.Response:

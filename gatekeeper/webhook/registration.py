@@ -19,11 +19,16 @@ Choices:
   that annotation must be denied, so the apiserver may not skip them.
 * ``namespaceSelector`` excludes kube-system and the webhook's own namespace,
   so a broken webhook can never block its own recovery.
-* Emergency exemption: a namespace or an object labelled
-  ``gatekeeper.dev/exempt: "true"`` is never sent to either webhook
-  (namespaceSelector and objectSelector), so an operator can take a namespace
-  out of the webhook's path while it is broken, without deleting the
-  configurations. ``kube-root-ca.crt`` (which kube-controller-manager writes
+* Emergency exemption: a namespace labelled ``gatekeeper.dev/exempt: "true"``
+  is never sent to either webhook (namespaceSelector), so an operator can take
+  a namespace out of the webhook's path while it is broken, without deleting
+  the configurations. Labelling a namespace needs namespace patch rights.
+  Single objects carrying the label are exempt only with ``object_label=True``
+  (objectSelector; the chart's ``exemptions.objectLabel``, off by default):
+  anyone who may create a Secret or a Pod sets any label on it, so with the
+  objectSelector one label took an oversized Secret past the size policy and
+  a whole-GPU pod past an enforced namespace's mode, unseen by the webhook.
+  ``kube-root-ca.crt`` (which kube-controller-manager writes
   into every new namespace) is excluded by a matchCondition, so new namespaces
   never depend on the webhook.
 * ``failurePolicy: Fail``: an oversized Secret or a whole-GPU pod slipping
@@ -83,8 +88,11 @@ def namespace_selector(own_namespace: str = WEBHOOK_NAMESPACE) -> dict[str, Any]
     ]}
 
 
-def object_selector() -> dict[str, Any]:
-    return {"matchExpressions": [{"key": EXEMPT_LABEL, "operator": "NotIn", "values": ["true"]}]}
+def object_selector(object_label: bool) -> dict[str, Any]:
+    """``{"objectSelector": ...}`` when single objects may exempt themselves by label, else nothing."""
+    if not object_label:
+        return {}
+    return {"objectSelector": {"matchExpressions": [{"key": EXEMPT_LABEL, "operator": "NotIn", "values": ["true"]}]}}
 
 
 def _client_config(base: dict[str, Any], path: str, ca_bundle: str) -> dict[str, Any]:
@@ -100,8 +108,11 @@ def _client_config(base: dict[str, Any], path: str, ca_bundle: str) -> dict[str,
 
 def validating_configuration(client: dict[str, Any], ca_bundle: str, *, config_maps: bool = True,
                              own_namespace: str = WEBHOOK_NAMESPACE,
-                             timeout_seconds: int = 5) -> dict[str, Any]:
-    """``client`` is ``{"url": "https://127.0.0.1:PORT"}`` or ``{"service": {name, namespace, port}}``."""
+                             timeout_seconds: int = 5, object_label: bool = False) -> dict[str, Any]:
+    """``client`` is ``{"url": "https://127.0.0.1:PORT"}`` or ``{"service": {name, namespace, port}}``.
+
+    ``object_label``: objects labelled ``gatekeeper.dev/exempt: "true"`` are not sent (any creator can set it).
+    """
     resources = ["secrets", "configmaps"] if config_maps else ["secrets"]
     return {
         "apiVersion": "admissionregistration.k8s.io/v1",
@@ -118,14 +129,14 @@ def validating_configuration(client: dict[str, Any], ca_bundle: str, *, config_m
             "matchPolicy": "Equivalent",
             "timeoutSeconds": timeout_seconds,
             "namespaceSelector": namespace_selector(own_namespace),
-            "objectSelector": object_selector(),
+            **object_selector(object_label),
             **({"matchConditions": [NOT_ROOT_CA]} if config_maps else {}),
         }],
     }
 
 
 def mutating_configuration(client: dict[str, Any], ca_bundle: str, *, own_namespace: str = WEBHOOK_NAMESPACE,
-                           timeout_seconds: int = 10) -> dict[str, Any]:
+                           timeout_seconds: int = 10, object_label: bool = False) -> dict[str, Any]:
     return {
         "apiVersion": "admissionregistration.k8s.io/v1",
         "kind": "MutatingWebhookConfiguration",
@@ -142,7 +153,7 @@ def mutating_configuration(client: dict[str, Any], ca_bundle: str, *, own_namesp
             "reinvocationPolicy": "IfNeeded",
             "timeoutSeconds": timeout_seconds,
             "namespaceSelector": namespace_selector(own_namespace),
-            "objectSelector": object_selector(),
+            **object_selector(object_label),
             "matchConditions": MATCH_CONDITIONS,
         }],
     }

@@ -5,17 +5,21 @@ response; 5,000 Secrets of 0.2 MB made each LIST cost ~1 GB and OOMed the
 apiservers (the seeds' first incident). Rejecting big objects at admission keeps
 that from being built in the first place.
 
-Size is what the object costs in etcd and in a LIST: decoded ``data`` (from the
-base64 length, without decoding) + ``stringData`` UTF-8 bytes, plus annotation
+Size is what the object costs in etcd and in a LIST: the keys of ``data`` and
+``stringData`` plus decoded ``data`` values (from the base64 length, without
+decoding) and ``stringData`` UTF-8 bytes, plus annotation
 keys and values when ``countAnnotations`` is on, plus labels, finalizers,
-ownerReferences and a ``type`` longer than 253 characters always (the apiserver limits
-none of them). Rules:
+ownerReferences, managedFields and a ``type`` longer than 253 characters always (the
+apiserver limits none of them, and keeps the managedFields a client writes). Rules:
 
 * CREATE/UPDATE above the hard limit -> denied with the name, size, limit, fix.
 * Above the soft limit -> allowed with a warning.
 * UPDATE of an object already over the hard limit that does not grow -> allowed
   with a warning, so teams can shrink what exists and controllers can still
-  remove finalizers or change labels on it.
+  remove finalizers or change labels on it. That rule, not a blanket pass for
+  objects being deleted, is what keeps finishing a deletion possible: an object
+  with a finalizer nobody removes stays stored (and LISTed) after its DELETE,
+  and it must not then grow past the limit.
 * DELETE and CONNECT -> always allowed. dryRun -> same answer as a real request.
 """
 
@@ -57,8 +61,8 @@ class Size:
     data: int
     annotations: int
     labels: int = 0
-    """Labels, finalizers and ownerReferences: stored and LISTed like data, and not limited in number by the
-    apiserver, so a Secret padded with them must cost what one padded with data costs."""
+    """Labels, finalizers, ownerReferences and managedFields: stored and LISTed like data, and not limited in number
+    by the apiserver, so a Secret padded with them must cost what one padded with data costs."""
 
     @property
     def total(self) -> int:
@@ -68,18 +72,20 @@ class Size:
 def object_size(kind: str, obj: dict[str, Any], count_annotations: bool) -> Size:
     data = as_dict(obj.get("data"))
     total = 0
+    # Keys count like values: the apiserver limits a key's length (253) but not how many there are, and 6,000
+    # keys of 250 characters with empty values (1.4 MiB stored and LISTed) counted as 0 bytes.
     if kind == "Secret":
         string_data = as_dict(obj.get("stringData"))
-        for value in string_data.values():
-            total += _utf8_len(value)
+        for key, value in string_data.items():
+            total += _utf8_len(key) + _utf8_len(value)
         for key, value in data.items():
             if key not in string_data:
-                total += b64_decoded_len(value) if isinstance(value, str) else 0
+                total += _utf8_len(key) + (b64_decoded_len(value) if isinstance(value, str) else 0)
     else:  # ConfigMap: data is plain text, binaryData is base64
-        for value in data.values():
-            total += _utf8_len(value)
-        for value in as_dict(obj.get("binaryData")).values():
-            total += b64_decoded_len(value) if isinstance(value, str) else 0
+        for key, value in data.items():
+            total += _utf8_len(key) + _utf8_len(value)
+        for key, value in as_dict(obj.get("binaryData")).items():
+            total += _utf8_len(key) + (b64_decoded_len(value) if isinstance(value, str) else 0)
     meta = as_dict(obj.get("metadata"))
     ann = 0
     if count_annotations:
@@ -89,7 +95,9 @@ def object_size(kind: str, obj: dict[str, Any], count_annotations: bool) -> Size
     secret_type = obj.get("type")
     if kind == "Secret" and isinstance(secret_type, str) and len(secret_type) > MAX_PLAIN_TYPE:
         labels += _utf8_len(secret_type)  # the apiserver takes a type of any length (5,000 characters were stored)
-    for key in ("finalizers", "ownerReferences"):
+    # managedFields: the apiserver keeps what a client writes there (any valid field set, of any size): 540 KB of
+    # it on a 1-byte Secret was stored and passed the 128 KiB limit. Its own entries add ~100-200 bytes.
+    for key in ("finalizers", "ownerReferences", "managedFields"):
         if meta.get(key):
             labels += len(orjson.dumps(meta[key]))
     return Size(total, ann, labels)
@@ -146,8 +154,7 @@ def review(req: AdmissionRequest, settings: SecretSettings) -> Decision:
         return Decision(outcome="allowed")
     obj = req.object
     meta = as_dict(obj.get("metadata"))
-    if req.operation == "UPDATE" and meta.get("deletionTimestamp"):
-        return Decision(outcome="allowed")  # finishing a deletion must never be blocked
+    deleting = req.operation == "UPDATE" and bool(meta.get("deletionTimestamp"))
     secret_type = (obj.get("type") or "Opaque") if req.kind == "Secret" else ""
     limits = limits_for(settings, req.kind, req.namespace, str(secret_type))
     size = object_size(req.kind, obj, settings.count_annotations)
@@ -156,6 +163,8 @@ def review(req: AdmissionRequest, settings: SecretSettings) -> Decision:
                                                      (size.labels, "labels and other metadata")) if n > 1024]
     where = f" (incl. {', '.join(parts)})" if parts else ""
     audit = {"size-bytes": str(size.total)}
+    if deleting and size.total <= limits.hard:
+        return Decision(outcome="allowed")  # finishing a deletion: no soft-limit warnings for the controllers doing it
     if size.total > limits.hard:
         if req.operation == "UPDATE" and req.old_object is not None:
             old = object_size(req.kind, req.old_object, settings.count_annotations)

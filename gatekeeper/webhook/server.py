@@ -133,8 +133,12 @@ async def serve(settings: WebhookSettings, stop: asyncio.Event | None = None) ->
 
     # keepalive_timeout: aiohttp closes a connection without a complete request head this long (idle or
     # slowloris); its own default is 3630 s.
+    # max_headers/max_field_size/max_line_size: what one unfinished request head can hold (aiohttp's 128 fields of
+    # 8 KiB were ~2.5 MiB of memory per connection); refusals are malformed HTTP, counted by QuietClientErrors.
     runner = web.AppRunner(app, access_log=None, handle_signals=False, keepalive_timeout=srv.idle_timeout_seconds,
-                           logger=QuietClientErrors(metrics().bad_requests.labels("http").inc))
+                           logger=QuietClientErrors(metrics().bad_requests.labels("http").inc),
+                           max_headers=srv.max_header_fields, max_field_size=srv.max_header_field_bytes,
+                           max_line_size=srv.max_header_field_bytes)
     await runner.setup()
     refused = metrics().refused_connections.labels("connection-cap")
     site = LimitedSite(runner, srv.address, srv.port, ssl_context=tls.base, max_connections=srv.max_connections,

@@ -94,6 +94,14 @@ class ServerSettings(TLSListenerSettings):
     from it, or with a name not in ``allowedClientNames``, get 403 on /validate and /mutate."""
     allowed_client_names: list[str] = field(default_factory=list)
     """Client certificate CN or DNS SANs accepted as the apiserver (required with clientCaFile)."""
+    max_header_fields: int = 32
+    """Header fields in one request head; more get 400 (aiohttp's own limit was 128). The apiserver sends about
+    ten. A head that never ends is held until ``idleTimeoutSeconds``, at about 2.5x its bytes: measured, 200
+    connections of 127 fields of 8 KB took a worker from 53 to 559 MiB, so one pod could OOM the 512 MiB pod."""
+    max_header_field_bytes: int = 8190
+    """Bytes of one header field (name and value) and of the request line; more get 400. aiohttp's default, room
+    for a bearer token or a mesh's client-certificate header. A connection's unfinished head holds at most about
+    2.5 x maxHeaderFields x maxHeaderFieldBytes (~640 KiB at the defaults)."""
     max_connections: int = 1000
     """Open connections per worker process; a new one over it is closed after its TLS handshake, before any
     request is read (any pod can connect, and each open connection can hold up to ``maxBodyBytes``)."""
@@ -126,6 +134,11 @@ class ServerSettings(TLSListenerSettings):
             raise ValueError(f"shutdownDelaySeconds must be >= 0, got {self.shutdown_delay_seconds}")
         if self.max_connections < 1:
             raise ValueError(f"maxConnections must be >= 1, got {self.max_connections}")
+        if self.max_header_fields < 8:
+            raise ValueError(f"maxHeaderFields must be >= 8 (the apiserver sends about ten), "
+                             f"got {self.max_header_fields}")
+        if self.max_header_field_bytes < 1024:
+            raise ValueError(f"maxHeaderFieldBytes must be >= 1024, got {self.max_header_field_bytes}")
         for key, value in (("tlsHandshakeTimeoutSeconds", self.tls_handshake_timeout_seconds),
                            ("idleTimeoutSeconds", self.idle_timeout_seconds),
                            ("bodyTimeoutSeconds", self.body_timeout_seconds),
@@ -153,7 +166,8 @@ class SizeOverride:
     namespaces: list[str] = field(default_factory=list)
     """Namespaces this override applies to (empty = any)."""
     types: list[str] = field(default_factory=list)
-    """Secret ``type`` values this override applies to, e.g. ``helm.sh/release.v1`` (empty = any)."""
+    """Secret ``type`` values this override applies to, e.g. ``helm.sh/release.v1`` (empty = any). The creator
+    writes the type, so anyone who may create Secrets where the override applies gets its limits."""
     hard_limit: int | str | None = None
     """Deny above this size (null = keep the global hard limit)."""
     soft_limit: int | str | None = None
@@ -175,8 +189,8 @@ class SecretSettings:
     enabled: bool = True
     """Apply the policy to Secrets."""
     hard_limit: int | str = "128Ki"
-    """Deny CREATE/UPDATE above this many bytes (decoded data + stringData + labels, finalizers and
-    ownerReferences [+ annotations])."""
+    """Deny CREATE/UPDATE above this many bytes (data/stringData keys, decoded data + stringData values, labels,
+    finalizers and ownerReferences [+ annotations])."""
     soft_limit: int | str = "32Ki"
     """Allow with a warning above this many bytes."""
     count_annotations: bool = True

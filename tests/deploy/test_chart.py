@@ -89,16 +89,18 @@ def test_config_maps_are_registered_only_when_their_policy_is_on() -> None:
     assert webhook_settings(docs).secrets.config_maps is True
 
 
-def test_emergency_label_exempts_namespaces_and_objects_from_both_webhooks() -> None:
+def test_emergency_label_exempts_namespaces_from_both_webhooks_and_objects_only_when_asked() -> None:
+    """Any creator can label its own object: by default an object's label exempts nothing."""
     docs = render("exemptions.namespaces={legacy}")
     for kind in ("ValidatingWebhookConfiguration", "MutatingWebhookConfiguration"):
         (w,) = by_kind(docs, kind)[0]["webhooks"]
         exprs = w["namespaceSelector"]["matchExpressions"]
         assert {"key": "gatekeeper.dev/exempt", "operator": "NotIn", "values": ["true"]} in exprs
         assert set(exprs[0]["values"]) == {"gatekeeper-system", "kube-system", "legacy"}
+        assert "objectSelector" not in w
+    for kind in ("ValidatingWebhookConfiguration", "MutatingWebhookConfiguration"):
+        (w,) = by_kind(render("exemptions.objectLabel=true"), kind)[0]["webhooks"]
         assert w["objectSelector"]["matchExpressions"][0]["key"] == "gatekeeper.dev/exempt"
-    (w,) = by_kind(render("exemptions.objectLabel=false"), "MutatingWebhookConfiguration")[0]["webhooks"]
-    assert "objectSelector" not in w
 
 
 def test_failure_policy_and_timeouts_are_per_webhook_values() -> None:

@@ -143,6 +143,15 @@ def test_enforced_namespace_applies_its_mode_and_records_the_decision() -> None:
         assert d.audit["gpu-mode-source"] == "enforced"
 
 
+def test_a_decision_annotation_the_pod_brought_is_replaced_by_the_real_decision() -> None:
+    """The pod's creator writes its annotations: one that came with "mode=shared source=enforced" kept it while
+    the pod was rewritten by opt-out to dra, so the record said the opposite of what happened."""
+    forged = {"gatekeeper.dev/gpu-mode": "dra", "gatekeeper.dev/gpu-decision": "mode=shared source=enforced"}
+    d, out = _as(pod(container("m", 1), annotations=forged), ["gpu-admins"])
+    assert d.allowed and out is not None
+    assert out["metadata"]["annotations"]["gatekeeper.dev/gpu-decision"] == "mode=dra source=opt-out"
+
+
 def test_opt_out_group_may_choose_another_mode_and_it_is_recorded() -> None:
     d, out = _as(pod(container("m", 1), annotations={"gatekeeper.dev/gpu-mode": "dra"}), ["gpu-admins"])
     assert d.allowed and out is not None

@@ -58,16 +58,17 @@ def test_binary_data_is_counted_decoded() -> None:
 
 
 def test_exactly_at_hard_limit_is_allowed_one_byte_over_is_denied() -> None:
-    at = decide(review(secret(data={"a": b64(128 * KIB)}, annotations={})))
-    over = decide(review(secret(data={"a": b64(128 * KIB + 1)}, annotations={})))
+    # The key "a" is the 128 Ki-th byte.
+    at = decide(review(secret(data={"a": b64(128 * KIB - 1)}, annotations={})))
+    over = decide(review(secret(data={"a": b64(128 * KIB)}, annotations={})))
     assert at.allowed and at.outcome == "warned"
     assert not over.allowed and "128 KiB, over the 128 KiB" not in over.message
     assert "is 128 KiB" not in over.message  # 128.0 KiB + 1 byte must not print as the limit itself
 
 
 def test_exactly_at_soft_limit_has_no_warning() -> None:
-    assert not decide(review(secret(data={"a": b64(32 * KIB)}))).warnings
-    assert decide(review(secret(data={"a": b64(32 * KIB + 1)}))).warnings
+    assert not decide(review(secret(data={"a": b64(32 * KIB - 1)}))).warnings  # the key is the last byte
+    assert decide(review(secret(data={"a": b64(32 * KIB)}))).warnings
 
 
 def test_last_applied_annotation_counts_toward_size() -> None:
@@ -110,13 +111,6 @@ def test_update_that_crosses_the_limit_is_denied() -> None:
     d = decide(review(secret(data={"a": b64(150 * KIB)}), operation="UPDATE",
                       old=secret(data={"a": b64(10 * KIB)})))
     assert not d.allowed
-
-
-def test_update_of_object_being_deleted_is_allowed() -> None:
-    new = secret(data={"a": b64(300 * KIB)})
-    new["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
-    d = decide(review(new, operation="UPDATE", old=secret(data={"a": b64(10 * KIB)})))
-    assert d.allowed
 
 
 def test_delete_is_never_blocked() -> None:
@@ -169,20 +163,26 @@ def test_subresources_and_other_groups_are_not_handled() -> None:
     assert not secrets.handles(request(doc), SETTINGS)
 
 
-def _padded(labels: int = 0, finalizers: int = 0, owners: int = 0) -> dict:  # type: ignore[type-arg]
+def _padded(labels: int = 0, finalizers: int = 0, owners: int = 0,  # type: ignore[type-arg]
+            managed: int = 0) -> dict:
     obj = secret(data={"token": b64(KIB)})
     meta = obj["metadata"]
     if labels:
         meta["labels"] = {f"pad-{i:05d}": "v" * 63 for i in range(labels)}
     if finalizers:
         meta["finalizers"] = [f"example.com/hold-{i:05d}-" + "f" * 40 for i in range(finalizers)]
+    if managed:  # the apiserver stores the managedFields a client writes (any valid field set)
+        meta["managedFields"] = [{"manager": "pad", "operation": "Update", "apiVersion": "v1",
+                                  "time": "2026-01-01T00:00:00Z", "fieldsType": "FieldsV1",
+                                  "fieldsV1": {"f:data": {f"f:k{i:05d}" + "x" * 60: {} for i in range(managed)}}}]
     if owners:
         meta["ownerReferences"] = [{"apiVersion": "v1", "kind": "ConfigMap", "name": f"owner-{i:05d}" + "o" * 100,
                                     "uid": f"{i:08d}-0000-0000-0000-000000000000"} for i in range(owners)]
     return obj
 
 
-@pytest.mark.parametrize(("pad", "count"), [("labels", 2000), ("finalizers", 2500), ("owners", 1200)])
+@pytest.mark.parametrize(("pad", "count"), [("labels", 2000), ("finalizers", 2500), ("owners", 1200),
+                                            ("managed", 2000)])
 def test_metadata_padding_counts_like_data(pad: str, count: int) -> None:
     """Nothing limits how many labels, finalizers or ownerReferences a Secret carries; they were not counted,
     so ~150 KiB of them passed a 128 KiB limit."""
@@ -204,3 +204,50 @@ def test_ordinary_labels_change_nothing() -> None:
     obj["metadata"]["finalizers"] = ["example.com/keep"]
     d = decide(review(obj))
     assert d.allowed and not d.warnings and d.outcome == "allowed"
+
+
+@pytest.mark.parametrize("where", ["data", "stringData", "configmap data", "binaryData"])
+def test_keys_count_like_values(where: str) -> None:
+    """The apiserver limits a key to 253 characters but not how many keys there are; keys were not counted, so
+    2,500 keys of 240 characters with empty values (600 KB stored and LISTed) were a Secret of 0 bytes."""
+    keys = {f"k{i:05d}-" + "k" * 233: "" for i in range(2500)}
+    if where in ("data", "stringData"):
+        obj = secret(data=keys) if where == "data" else secret(string_data=keys)
+        d = decide(review(obj))
+    else:
+        cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "keys", "namespace": "team-a"},
+              "data" if where == "configmap data" else "binaryData": keys}
+        d = secrets.review(request(review(cm)), SecretSettings(config_maps=True))
+    assert not d.allowed and "is 585.9 KiB, over the 128 KiB limit" in d.message
+
+
+def test_a_key_in_data_and_stringdata_counts_once() -> None:
+    assert secrets.object_size("Secret", secret(data={"k" * 200: b64(10)}, string_data={"k" * 200: "x"}),
+                               True).data == 201
+
+
+def _terminating(obj: dict) -> dict:  # type: ignore[type-arg]
+    obj["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    obj["metadata"]["finalizers"] = ["example.com/hold"]
+    return obj
+
+
+def test_an_object_being_deleted_cannot_grow_past_the_limit() -> None:
+    """A finalizer nobody removes keeps a deleted Secret stored and LISTed; every UPDATE of one was allowed, so
+    create small, add a finalizer, delete, then write 900 KiB into it."""
+    old = _terminating(secret(data={"a": b64(KIB)}))
+    d = decide(review(_terminating(secret(data={"a": b64(900 * KIB)})), operation="UPDATE", old=old))
+    assert not d.allowed and "is 900 KiB, over the 128 KiB limit" in d.message
+
+
+def test_finishing_a_deletion_is_never_blocked() -> None:
+    """Removing the finalizer of an oversized object being deleted (it shrinks) is allowed; so is any update of
+    one under the limit, without soft-limit warnings."""
+    old = _terminating(secret(data={"a": b64(900 * KIB)}))
+    new = _terminating(secret(data={"a": b64(900 * KIB)}))
+    new["metadata"]["finalizers"] = []
+    d = decide(review(new, operation="UPDATE", old=old))
+    assert d.allowed and d.outcome == "warned"
+    old = _terminating(secret(data={"a": b64(40 * KIB)}))
+    d = decide(review(_terminating(secret(data={"a": b64(100 * KIB)})), operation="UPDATE", old=old))
+    assert d.allowed and d.outcome == "allowed" and not d.warnings

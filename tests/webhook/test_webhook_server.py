@@ -107,13 +107,37 @@ async def test_mutate_creates_template_once_and_never_on_dry_run(client_and_fake
     assert dry["response"]["patch"] == r["response"]["patch"]  # dryRun gets the same answer
 
 
-async def test_template_failure_refuses_pod_with_message(aiohttp_client) -> None:  # type: ignore[no-untyped-def]
+async def test_template_failure_is_a_failed_call_with_message_for_the_failure_policy(  # type: ignore[no-untyped-def]
+        aiohttp_client) -> None:
+    """Answered as allowed: false, a template the webhook could not create refused the pod even under
+    failurePolicy Ignore (the README's way to take the webhook out of the write path); a failed call lets the
+    apiserver apply the configured failurePolicy, and under Fail the user still reads the message."""
     app = build_app(SETTINGS, TemplateKeeper(FakeCreate(TemplateError("HTTP 403 Forbidden")), 60),
                     authenticate=as_apiserver)
     client = await aiohttp_client(app)
-    r = await (await client.post("/mutate", data=orjson.dumps(review(pod(container("m", 1)))))).json()
-    assert r["response"]["allowed"] is False and r["response"]["status"]["code"] == 503
-    assert "403 Forbidden" in r["response"]["status"]["message"]
+    resp = await client.post("/mutate", data=orjson.dumps(review(pod(container("m", 1)))))
+    assert resp.status == 503 and resp.content_type == "application/json"
+    status = await resp.json()
+    assert (status["kind"], status["code"], status["reason"]) == ("Status", 503, "ServiceUnavailable")
+    assert "403 Forbidden" in status["message"]
+    metrics = await (await client.get("/metrics")).text()
+    assert 'gatekeeper_webhook_reviews_total{decision="error",operation="CREATE",policy="gpu"}' in metrics
+
+
+async def test_a_bug_in_a_policy_is_a_failed_call_without_a_traceback(  # type: ignore[no-untyped-def]
+        aiohttp_client, monkeypatch) -> None:
+    from gatekeeper.webhook import policies
+
+    def broken(*args: Any) -> Any:
+        raise RuntimeError("secret detail of the bug")
+
+    monkeypatch.setattr(policies, "validate", broken)
+    client = await aiohttp_client(build_app(SETTINGS, authenticate=as_apiserver))
+    resp = await client.post("/validate", data=orjson.dumps(review(secret(data={"a": b64(10)}))))
+    assert resp.status == 500
+    status = await resp.json()
+    assert status["reason"] == "InternalError" and "see the webhook's log" in status["message"]
+    assert "secret detail" not in await resp.text() and "Traceback" not in await resp.text()
 
 
 async def test_health_ready_and_metrics(client_and_fake) -> None:  # type: ignore[no-untyped-def]

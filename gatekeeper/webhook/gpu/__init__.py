@@ -53,6 +53,7 @@ from gatekeeper.kube.admission import (
     object_label,
     op_add,
     op_remove,
+    quoted,
     short,
 )
 from gatekeeper.webhook.gpu import migpools
@@ -139,15 +140,15 @@ def _count(value: Any, where: str) -> int:
     """GPUs asked for, read as the apiserver reads a quantity: ``1000m`` is 1 and ``1e3`` or ``1k`` is 1000
     (``int()`` refused those, so valid pods were denied even in mode off, and took ``1_0`` for 10)."""
     if isinstance(value, bool) or not isinstance(value, int | str):
-        raise PolicyError(f"{where}: {GPU} must be a whole number of GPUs, got {value!r}")
+        raise PolicyError(f"{where}: {GPU} must be a whole number of GPUs, got {quoted(value)}")
     try:
         q = parse_quantity(str(value))
     except ValueError:
-        raise PolicyError(f"{where}: {GPU} must be a whole number of GPUs, got {value!r}") from None
+        raise PolicyError(f"{where}: {GPU} must be a whole number of GPUs, got {quoted(value)}") from None
     if q < 0:
-        raise PolicyError(f"{where}: {GPU} must not be negative, got {value!r}")
+        raise PolicyError(f"{where}: {GPU} must not be negative, got {quoted(value)}")
     if q != q.to_integral_value() or q > MAX_GPUS:
-        raise PolicyError(f"{where}: {GPU} must be a whole number of GPUs (at most {MAX_GPUS}), got {value!r}")
+        raise PolicyError(f"{where}: {GPU} must be a whole number of GPUs (at most {MAX_GPUS}), got {quoted(value)}")
     return int(q)
 
 
@@ -218,7 +219,10 @@ def claim_groups(found: list[GpuContainer]) -> list[tuple[str, int, list[GpuCont
     if not inits:
         return [(claim_name(c.name), c.count, [c]) for c in found]
     app = [c for c in found if c.path.startswith("/spec/containers/")]
-    sidecars = [c for c in found if c not in inits and c not in app]
+    # By path (unique per container), not ``c not in inits + app``: that compared whole containers pairwise, and
+    # a pod of 100,000 GPU containers (a 6 MiB review) kept the worker's event loop busy for many minutes.
+    shared = {c.path for c in inits} | {c.path for c in app}
+    sidecars = [c for c in found if c.path not in shared]
     count = max(max(c.count for c in inits), sum(c.count for c in app))
     return [(POD_CLAIM, count, inits + app)] + [(claim_name(c.name), c.count, [c]) for c in sidecars]
 
@@ -349,10 +353,12 @@ def review(req: AdmissionRequest, settings: GpuSettings, extended_resource_mappe
                 "scheduler allocates its GPUs through DRA itself")])
         decision = _rewrite(req, settings, mode, found, spec, meta, annotations, label)
         decision.audit["gpu-mode-source"] = source
-        if DECISION_ANNOTATION not in annotations:
-            # After the rewritten annotation, whose add created the map if the pod had none.
-            decision.patch.append(op_add(f"/metadata/annotations/{escape(DECISION_ANNOTATION)}",
-                                         f"mode={mode} source={source}"))
+        recorded = f"mode={mode} source={source}"
+        if annotations.get(DECISION_ANNOTATION) != recorded:
+            # After the rewritten annotation, whose add created the map if the pod had none. Written whenever it
+            # differs, not only when absent: a pod created with its own "mode=shared source=enforced" kept it
+            # while being rewritten by opt-out to dra. On reinvocation the value is ours and equal: no op.
+            decision.patch.append(op_add(f"/metadata/annotations/{escape(DECISION_ANNOTATION)}", recorded))
         return decision
     except PolicyForbidden as exc:
         return Decision(allowed=False, outcome="denied", message=str(exc), code=403, reason="Forbidden",

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from gatekeeper.kube.admission import PatchOp, add_map_entry, escape, op_add
+from gatekeeper.kube.admission import PatchOp, add_map_entry, escape, op_add, short
 from gatekeeper.webhook.gpu.modes import PolicyError
 from gatekeeper.webhook.gpu.sizing import MIG_CATALOG, smallest_mig_profile
 from gatekeeper.webhook.settings import GpuSettings, MigPool
@@ -73,7 +73,8 @@ def choose(settings: GpuSettings, need_bytes: int | None, raw: str, pinned: str 
     if not fits:
         where = f"pool {pools[0].name}" if pinned is not None else "any MIG pool"
         raise PolicyError(
-            f"{label} needs {raw} ({_gb(need_bytes)}) of GPU memory per GPU (gatekeeper.dev/gpu-memory), more than "
+            f"{label} needs {short(raw, 40)} ({_gb(need_bytes)}) of GPU memory per GPU (gatekeeper.dev/gpu-memory), "
+            "more than "
             f"the largest MIG profile of {where} ({_describe(pools)}): ask for less, or use gpu-mode dra or "
             "shared for a whole or shared GPU")
     best_profile = min(fits, key=lambda p: (p.memory_gb, p.slices))
@@ -89,7 +90,7 @@ def catalog_profile(settings: GpuSettings, need_bytes: int | None, raw: str, lab
     if profile is None:
         largest = max(MIG_CATALOG[settings.mig_gpu_model], key=lambda p: p.memory_gb)
         raise PolicyError(
-            f"{label} needs {raw} of GPU memory (gatekeeper.dev/gpu-memory), more than the largest "
+            f"{label} needs {short(raw, 40)} of GPU memory (gatekeeper.dev/gpu-memory), more than the largest "
             f"{settings.mig_gpu_model} MIG profile {largest.name}: use gpu-mode dra for whole GPUs")
     return profile.name
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from gatekeeper.kube.admission import quoted
 from gatekeeper.webhook.settings import MODE_ANNOTATION, MODES, GpuSettings
 
 
@@ -52,7 +53,7 @@ def decide_mode(annotations: dict[str, Any], namespace: str, settings: GpuSettin
     """
     value = annotations.get(MODE_ANNOTATION)
     if value is not None and value not in MODES:
-        raise PolicyError(f"annotation {MODE_ANNOTATION} must be one of {', '.join(MODES)}, got {value!r}")
+        raise PolicyError(f"annotation {MODE_ANNOTATION} must be one of {', '.join(MODES)}, got {quoted(value)}")
     base, base_source = _namespace_mode(namespace, settings, label_mode) or (settings.default_mode, "default")
     if namespace in settings.enforced_namespaces:
         if value is None or value == base:

@@ -16,6 +16,8 @@ import re
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 
+from gatekeeper.kube.admission import quoted
+
 MIB = 1024**2
 GIB = 1024**3
 MAX_BYTES = 2**63 - 1
@@ -26,20 +28,25 @@ _SUFFIX: dict[str, Decimal | int] = {
     "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
     "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
 }
-_QUANTITY = re.compile(r"^([+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+))(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]|[eE][+-]?[0-9]{1,3})?$")
+_QUANTITY = re.compile(r"([+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]|[eE][+-]?[0-9]{1,3})?")
 """ASCII digits only (``\\d`` also matches other scripts' digits, which the apiserver refuses), and exponents of
-at most three digits, so ``1e999999999`` cannot make Decimal build a huge number."""
+at most three digits, so ``1e999999999`` cannot make Decimal build a huge number. Used with ``fullmatch``.
+
+Every input has at most one way to match, so a failing match costs time linear in its length: with
+``[0-9]+\\.?[0-9]*`` a run of digits could be split between the two digit groups in as many ways as it had
+digits, and an annotation of 200,000 digits and an ``x`` kept a worker's event loop busy for minutes (every
+review on that worker then timed out)."""
 
 
 def parse_quantity(text: str) -> Decimal:
     """The exact value of a Kubernetes quantity (``2``, ``1000m``, ``1e3``, ``1k``, ``20Gi``); ValueError if not one."""
-    m = _QUANTITY.match(text.strip())
+    m = _QUANTITY.fullmatch(text.strip())
     if not m:
-        raise ValueError(f"expected a Kubernetes quantity like '20Gi', '16G' or '512Mi', got {text!r}")
+        raise ValueError(f"expected a Kubernetes quantity like '20Gi', '16G' or '512Mi', got {quoted(text)}")
     try:
         number = Decimal(m.group(1))
     except InvalidOperation:
-        raise ValueError(f"expected a Kubernetes quantity, got {text!r}") from None
+        raise ValueError(f"expected a Kubernetes quantity, got {quoted(text)}") from None
     suffix = m.group(2) or ""
     if suffix[:1] in ("e", "E"):
         return number * Decimal(10) ** int(suffix[1:])
@@ -50,9 +57,9 @@ def parse_quantity_bytes(text: str) -> int:
     """Bytes (rounded up) from a Kubernetes quantity such as ``20Gi``, ``16G``, ``512Mi`` or ``1e9``."""
     value = parse_quantity(text)
     if value > MAX_BYTES:  # 1e999 bytes overflowed the MiB rounding: a 500 with a traceback, not a denial
-        raise ValueError(f"GPU memory must be at most {MAX_BYTES} bytes (8Ei), got {text!r}")
+        raise ValueError(f"GPU memory must be at most {MAX_BYTES} bytes (8Ei), got {quoted(text)}")
     if value <= 0:
-        raise ValueError(f"GPU memory must be positive, got {text!r}")
+        raise ValueError(f"GPU memory must be positive, got {quoted(text)}")
     return math.ceil(value)
 
 
@@ -125,7 +132,10 @@ def layout_profiles(model: str, layout: str) -> tuple[str, ...]:
     raise ValueError(f"layout {layout!r} is not known for {model}; expected all-balanced or all-<profile> "
                      f"({', '.join('all-' + p.name for p in MIG_CATALOG.get(model, ()))}), or list the profiles")
 
-_LEGACY_UNIT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(gib|gb|gi|g|mib|mb|mi|m)?\s*$", re.IGNORECASE)
+_LEGACY_UNIT = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(?:(gib|gb|gi|g|mib|mb|mi|m)\s*)?", re.IGNORECASE)
+"""Used with ``fullmatch``. The spaces after the number and after the unit are one ``\\s*`` when there is no unit
+(not ``\\s*(unit)?\\s*``, which could split a run of spaces in as many ways as it had: quadratic backtracking on
+``'1' + ' ' * n + 'x'``)."""
 _LEGACY_SUFFIX = {"gib": "Gi", "gi": "Gi", "gb": "G", "g": "G", "mib": "Mi", "mi": "Mi", "mb": "M", "m": "M"}
 
 
@@ -136,14 +146,14 @@ def mig_need_bytes(text: str) -> int:
     profile ~7% too small). The forms the mig mode always accepted keep their meaning: a bare
     number is GB (as profile names count), and ``gb``/``mb``/``g``/``m`` in any case are GB/MB.
     """
-    m = _LEGACY_UNIT.match(text)
+    m = _LEGACY_UNIT.fullmatch(text)
     if m:
         unit = (m.group(2) or "g").lower()
         text = m.group(1) + _LEGACY_SUFFIX[unit]
     try:
         return parse_quantity_bytes(text)
     except ValueError:
-        raise ValueError(f"gatekeeper.dev/gpu-memory must be a size like '20Gi' or '10G', got {text!r}") from None
+        raise ValueError(f"gatekeeper.dev/gpu-memory must be a size like '20Gi' or '10G', got {quoted(text)}") from None
 
 
 def smallest_mig_profile(model: str, need_bytes: int, allowed: tuple[str, ...] | None = None) -> MigProfile | None:
