@@ -247,12 +247,14 @@ class Dispatcher:
         self._on_failure = on_failure
         self._thread.start()
 
-    def stop(self) -> None:
-        """Close the listeners (queued connections are reset) and the workers' sockets."""
+    def stop(self) -> bool:
+        """Close the listeners (queued connections are reset) and the workers' sockets; True once they are
+        closed (False: the thread did not end within 5 s, so the workers' sockets may still be open)."""
         self._stop = True
         self._wake()
         if self._thread.is_alive():
             self._thread.join(5)
+        return not self._thread.is_alive()
 
     def loads(self) -> list[int | None]:
         return [self._load(i) if self._serving[i] else None for i in range(len(self._serving))]

@@ -14,7 +14,9 @@ upstream client for every request, so one proxy process tops out at one core.
 * A worker that dies is restarted in the same slot (backoff up to 10 s), and
   the seats it held in the flow-control ledger are released at once
   (``flowcontrol/ledger.py``: the levels' limits are proxy-wide).
-* SIGTERM/SIGINT: every worker drains (GOAWAY, streams finish, exit 0); the
+* SIGTERM/SIGINT: every worker drains (GOAWAY, streams finish, exit 0): with
+  ``least-connections`` the parent closes the workers' hand-off sockets, which
+  is their signal to drain; with ``kernel`` it sends them SIGTERM. The
   parent exits with the worst worker exit code (a worker still running
   ``shutdownTimeoutSeconds`` + 10 s later is SIGKILLed: its exit code is 9). SIGHUP is forwarded to every
   worker (flow-control policy reload).
@@ -330,8 +332,12 @@ class Supervisor:
         if self.stopping.is_set():
             return
         self.stopping.set()
-        if self.dispatcher is not None:
-            self.dispatcher.stop()  # the port closes first: new connections are refused, not queued
+        # The port closes first: new connections are refused, not queued. With the hand-off, closing a worker's
+        # socket is its signal to drain (proxy/listen/server.py): a SIGTERM as well raced that drain, and one
+        # landing as the worker swapped its handlers killed it (exit -15, the proxy 15). Only a worker whose
+        # socket may still be open (the thread did not end) gets SIGTERM.
+        if self.dispatcher is not None and self.dispatcher.stop():
+            return
         for slot in self.slots:
             if slot.proc is not None and slot.proc.returncode is None:
                 with contextlib.suppress(ProcessLookupError):

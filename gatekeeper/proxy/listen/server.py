@@ -585,5 +585,9 @@ async def serve(
             await server.shutdown()
         finally:
             for sig in installed if keep else ():
+                # Blocked while the loop's handler gives way to SIG_IGN: remove_signal_handler restores SIG_DFL,
+                # and a signal landing in between would kill the process.
+                signal.pthread_sigmask(signal.SIG_BLOCK, {sig})
                 loop.remove_signal_handler(sig)
                 signal.signal(sig, signal.SIG_IGN)
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {sig})
