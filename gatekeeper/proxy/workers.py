@@ -269,14 +269,20 @@ class Supervisor:
         A worker whose event loop is stuck (a blocking call, a livelock) or that was SIGSTOPped still
         holds its SO_REUSEPORT socket: the kernel keeps handing it new connections, which hang, and
         the seats it holds in the ledger stay taken for the whole proxy. Its process is alive, so
-        ``_watch`` alone never notices. Killed, it is reaped and restarted like any dead worker."""
+        ``_watch`` alone never notices. Killed, it is reaped and restarted like any dead worker.
+
+        A late answer is an answer: each worker has one probe in flight, which waits up to
+        ``workerHangSeconds``. Before, a probe gave up after 2 s, so a worker whose loop lagged over 2 s
+        for ``workerHangSeconds`` (CPU-starved in a LIST storm on a small node, busy, not hung) was
+        SIGKILLed with every connection and seat it held: a cascade exactly when the cluster is loaded."""
         from aiohttp import ClientSession, ClientTimeout
 
         hang = self.settings.worker_hang_seconds
         if hang <= 0:
             return
         every = min(2.0, hang / 3)
-        async with ClientSession(timeout=ClientTimeout(total=every)) as session:
+        in_flight: dict[int, asyncio.Task[None]] = {}
+        async with ClientSession(timeout=ClientTimeout(total=hang)) as session:
 
             async def probe(slot: _Slot, url: str, pid: int) -> None:
                 with contextlib.suppress(Exception):
@@ -285,22 +291,28 @@ class Supervisor:
                         if slot.proc is not None and slot.proc.pid == pid:
                             slot.answered = time.monotonic()
 
-            while not self.stopping.is_set():
-                serving = self._serving()
-                now = time.monotonic()
-                for slot, _, pid in serving:
-                    if slot.answered == 0.0:
-                        slot.answered = now  # first seen serving: the clock starts now
-                    elif now - slot.answered > hang and slot.proc is not None:
-                        log.error("worker %d (pid %d) has not answered /healthz for %.0fs: killing it",
-                                  slot.index, pid, now - slot.answered)
-                        slot.hung_kills += 1
-                        slot.answered = now  # one kill per hang; _watch reaps and restarts it
-                        with contextlib.suppress(ProcessLookupError):
-                            slot.proc.kill()
-                await asyncio.gather(*(probe(slot, url, pid) for slot, url, pid in serving))
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self.stopping.wait(), every)
+            try:
+                while not self.stopping.is_set():
+                    now = time.monotonic()
+                    for slot, url, pid in self._serving():
+                        if slot.answered == 0.0:
+                            slot.answered = now  # first seen serving: the clock starts now
+                        elif now - slot.answered > hang and slot.proc is not None:
+                            log.error("worker %d (pid %d) has not answered /healthz for %.0fs: killing it",
+                                      slot.index, pid, now - slot.answered)
+                            slot.hung_kills += 1
+                            slot.answered = now  # one kill per hang; _watch reaps and restarts it
+                            with contextlib.suppress(ProcessLookupError):
+                                slot.proc.kill()
+                        task = in_flight.get(slot.index)
+                        if task is None or task.done():
+                            in_flight[slot.index] = asyncio.create_task(probe(slot, url, pid))
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self.stopping.wait(), every)
+            finally:
+                for task in in_flight.values():
+                    task.cancel()
+                await asyncio.gather(*in_flight.values(), return_exceptions=True)
 
     async def _reap_after_drain(self, watchers: list[asyncio.Task[None]]) -> None:
         """Wait for the workers' drains; SIGKILL any still running ``shutdownTimeoutSeconds`` + KILL_GRACE later.

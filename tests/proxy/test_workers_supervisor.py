@@ -70,6 +70,42 @@ async def test_a_worker_that_stops_answering_is_killed(tmp_path: Path, monkeypat
             proc.kill()
 
 
+async def test_a_worker_that_answers_late_is_not_killed(tmp_path: Path) -> None:
+    """A CPU-starved worker answers its /healthz late but answers: each probe gave up after 2 s (here 1 s), so
+    a loop lagging over that for workerHangSeconds got the worker SIGKILLed with all its connections."""
+    from dataclasses import replace
+
+    sup = supervisor(tmp_path, replace(SETTINGS, worker_hang_seconds=3.0))  # a probe used to give up after 1 s
+    proc = await asyncio.create_subprocess_exec(*SLEEPER)
+    slot = sup.slots[0]
+    slot.proc = proc
+    answers = 0
+
+    async def slow_healthz(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal answers
+        await reader.readuntil(b"\r\n\r\n")
+        await asyncio.sleep(1.5)  # over the old per-probe timeout, well within workerHangSeconds
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok")
+        await writer.drain()
+        writer.close()
+        answers += 1
+
+    server = await asyncio.start_server(slow_healthz, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    (tmp_path / "worker-0.json").write_text(f'{{"pid": {proc.pid}, "metricsUrl": "http://127.0.0.1:{port}"}}')
+    beat = asyncio.get_running_loop().create_task(sup._heartbeat())
+    try:
+        await asyncio.sleep(8)
+        assert proc.returncode is None and slot.hung_kills == 0, "a slow but answering worker was killed"
+        assert answers >= 3
+    finally:
+        sup.stopping.set()
+        await beat
+        server.close()
+        if proc.returncode is None:
+            proc.kill()
+
+
 def test_workers_start_from_a_private_copy_of_the_validated_config(tmp_path: Path) -> None:
     import gatekeeper.proxy.settings  # noqa: F401 - registers the proxy: section
     from gatekeeper.config import load_config
