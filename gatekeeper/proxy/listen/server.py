@@ -310,8 +310,8 @@ class ProxyServer:
         if self._handoff.ended:  # the supervisor is exiting, or dropped us: nothing more will come
             loop.remove_reader(self._handoff.sock.fileno())
             if not self._stopping:
-                # info: every worker reads this end first when the supervisor stops (then SIGTERM comes); the
-                # supervisor warns when it drops a live worker's socket (Dispatcher._from_worker)
+                # info: closing this end is how the supervisor stops its workers (Supervisor.stop); it warns
+                # when it drops a live worker's socket (Dispatcher._from_worker)
                 log.info("the supervisor closed this worker's hand-off socket (%s): draining and exiting; "
                          "it starts a successor unless it is exiting", error or "end of stream")
                 self.handoff_ended.set()
@@ -322,18 +322,23 @@ class ProxyServer:
                                                                       RECEIVE_BACKOFF_MAX)
             _receive_log.warning("handoff_receive", "receiving a handed-over connection failed: %s; "
                                  "reading again in %.1fs", error, delay)
-            loop.remove_reader(self._handoff.sock.fileno())
-            loop.call_later(delay, self._resume_handoffs)
+            self._pause_handoffs(delay)
         elif self._handoff.lost:
             # Out of descriptors: the kernel closed that connection instead of giving it to us. Stop reading
             # for a while, as an accept loop backs off on EMFILE: our socket fills and the supervisor passes
             # us over. Reading on, we would stay the least loaded and lose every connection handed to us.
             rejections.reject("no_descriptors", "a handed-over connection was lost: out of file descriptors; "
                               "not taking connections for %.1fs", ACCEPT_BACKOFF)
-            loop.remove_reader(self._handoff.sock.fileno())
-            loop.call_later(ACCEPT_BACKOFF, self._resume_handoffs)
+            self._pause_handoffs(ACCEPT_BACKOFF)
         else:
             self._receive_backoff = ACCEPT_BACKOFF
+
+    def _pause_handoffs(self, delay: float) -> None:
+        """Read no hand-off for ``delay`` seconds: our socket fills and the supervisor passes us over."""
+        assert self._handoff is not None
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(self._handoff.sock.fileno())
+        loop.call_later(delay, self._resume_handoffs)
 
     def _resume_handoffs(self) -> None:
         if self._handoff is not None and not self._stopping:
@@ -574,9 +579,10 @@ async def serve(
         signalled.cancel()
         ended.cancel()
         # A drain begun because the supervisor closed our hand-off socket keeps the handlers, then ignores the
-        # signals: when the supervisor is exiting, its SIGTERM comes right after and may land during the drain
-        # or the process's last clean-up, where the default action killed it (the worker's exit code was -15,
-        # the proxy's 15). There is nothing left for it to stop; a worker that hangs is SIGKILLed as ever.
+        # signals: a SIGTERM sent to the whole process group (systemd's default KillMode, or a supervisor that
+        # also signals its workers, as ours once did) may land during the drain or the process's last clean-up,
+        # where the default action killed it (the worker's exit code was -15, the proxy's 15). There is nothing
+        # left for it to stop; a worker that hangs is SIGKILLed as ever.
         keep = server.handoff_ended.is_set() and not stop.is_set()
         if not keep:
             for sig in installed:
