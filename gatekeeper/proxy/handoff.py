@@ -218,6 +218,8 @@ class Dispatcher:
         self._unread_since = [0.0] * workers
         """When the oldest connection a worker has not read yet was handed to it (0: it has read them all)."""
         self._stalled = [False] * workers
+        self._closed: set[int] = set()
+        """Workers whose socket the thread closed as it ended (see :meth:`stop`)."""
         self._last = workers - 1
         self._commands: queue.SimpleQueue[tuple[int, socket.socket | None]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = socket.socketpair()
@@ -247,14 +249,24 @@ class Dispatcher:
         self._on_failure = on_failure
         self._thread.start()
 
-    def stop(self) -> bool:
-        """Close the listeners (queued connections are reset) and the workers' sockets; True once they are
-        closed (False: the thread did not end within 5 s, so the workers' sockets may still be open)."""
+    def stop(self) -> set[int]:
+        """Close the listeners (queued connections are reset) and the workers' sockets; returns the workers
+        whose socket the thread closed (each reads the end and drains). A worker missing from it may still
+        hold an open socket: the thread did not end within 5 s, or it had died before it took the socket in
+        (those left in the queue are closed here, but the worker may not have reached its read yet)."""
         self._stop = True
         self._wake()
         if self._thread.is_alive():
             self._thread.join(5)
-        return not self._thread.is_alive()
+        if self._thread.is_alive():
+            return set()
+        while True:
+            try:
+                _, sock = self._commands.get_nowait()
+            except queue.Empty:
+                return set(self._closed)
+            if sock is not None:
+                sock.close()
 
     def loads(self) -> list[int | None]:
         return [self._load(i) if self._serving[i] else None for i in range(len(self._serving))]
@@ -300,9 +312,10 @@ class Dispatcher:
                 self._pending.close()
             for s in self._listeners:
                 s.close()
-            for ch in self._channels:
+            for i, ch in enumerate(self._channels):
                 if ch is not None:
                     ch.close()
+                    self._closed.add(i)
             self._wake_r.close()
             self._wake_w.close()
 

@@ -346,11 +346,12 @@ class Supervisor:
         self.stopping.set()
         # The port closes first: new connections are refused, not queued. With the hand-off, closing a worker's
         # socket is its signal to drain (proxy/listen/server.py): a SIGTERM as well raced that drain, and one
-        # landing as the worker swapped its handlers killed it (exit -15, the proxy 15). Only a worker whose
-        # socket may still be open (the thread did not end) gets SIGTERM.
-        if self.dispatcher is not None and self.dispatcher.stop():
-            return
+        # landing as the worker swapped its handlers killed it (exit -15, the proxy 15). A worker whose socket
+        # the thread did not close (it did not end, or had died before taking the socket in) gets SIGTERM.
+        closed = self.dispatcher.stop() if self.dispatcher is not None else set()
         for slot in self.slots:
+            if slot.index in closed:
+                continue
             if slot.proc is not None and slot.proc.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
                     slot.proc.send_signal(signal.SIGTERM)
