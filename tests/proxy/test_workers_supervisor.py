@@ -4,8 +4,10 @@ and a worker that stops answering."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,22 +48,23 @@ async def test_sigterm_while_a_worker_is_being_started_still_reaches_it(tmp_path
             slot.proc.kill()
 
 
-async def test_a_worker_that_stops_answering_is_killed(tmp_path: Path, monkeypatch) -> None:
-    """A stuck worker is alive to waitpid; only the heartbeat on its private /healthz notices it."""
+@contextlib.asynccontextmanager
+async def heartbeat_on(tmp_path: Path, hang: float, healthz: Callable[..., Awaitable[None] | None],
+                       ) -> AsyncIterator[tuple[workers._Slot, asyncio.subprocess.Process]]:
+    """A supervisor's heartbeat (``workerHangSeconds=hang``) watching one live worker process whose private
+    ``/healthz`` is served by ``healthz`` (an ``asyncio.start_server`` callback); stopped and cleaned up after."""
     from dataclasses import replace
 
-    sup = supervisor(tmp_path, replace(SETTINGS, worker_hang_seconds=1.0))
+    sup = supervisor(tmp_path, replace(SETTINGS, worker_hang_seconds=hang))
     proc = await asyncio.create_subprocess_exec(*SLEEPER)
     slot = sup.slots[0]
     slot.proc = proc
-    # "serving" on a port that accepts and never answers: a listening socket nobody reads
-    server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+    server = await asyncio.start_server(healthz, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     (tmp_path / "worker-0.json").write_text(f'{{"pid": {proc.pid}, "metricsUrl": "http://127.0.0.1:{port}"}}')
     beat = asyncio.get_running_loop().create_task(sup._heartbeat())
     try:
-        assert await asyncio.wait_for(proc.wait(), 20) == -signal.SIGKILL
-        assert slot.hung_kills == 1
+        yield slot, proc
     finally:
         sup.stopping.set()
         await beat
@@ -70,15 +73,17 @@ async def test_a_worker_that_stops_answering_is_killed(tmp_path: Path, monkeypat
             proc.kill()
 
 
+async def test_a_worker_that_stops_answering_is_killed(tmp_path: Path) -> None:
+    """A stuck worker is alive to waitpid; only the heartbeat on its private /healthz notices it."""
+    # "serving" on a port that accepts and never answers: a listening socket nobody reads
+    async with heartbeat_on(tmp_path, 1.0, lambda r, w: None) as (slot, proc):
+        assert await asyncio.wait_for(proc.wait(), 20) == -signal.SIGKILL
+        assert slot.hung_kills == 1
+
+
 async def test_a_worker_that_answers_late_is_not_killed(tmp_path: Path) -> None:
     """A CPU-starved worker answers its /healthz late but answers: each probe gave up after 2 s (here 1 s), so
     a loop lagging over that for workerHangSeconds got the worker SIGKILLed with all its connections."""
-    from dataclasses import replace
-
-    sup = supervisor(tmp_path, replace(SETTINGS, worker_hang_seconds=3.0))  # a probe used to give up after 1 s
-    proc = await asyncio.create_subprocess_exec(*SLEEPER)
-    slot = sup.slots[0]
-    slot.proc = proc
     answers = 0
 
     async def slow_healthz(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -90,20 +95,10 @@ async def test_a_worker_that_answers_late_is_not_killed(tmp_path: Path) -> None:
         writer.close()
         answers += 1
 
-    server = await asyncio.start_server(slow_healthz, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    (tmp_path / "worker-0.json").write_text(f'{{"pid": {proc.pid}, "metricsUrl": "http://127.0.0.1:{port}"}}')
-    beat = asyncio.get_running_loop().create_task(sup._heartbeat())
-    try:
+    async with heartbeat_on(tmp_path, 3.0, slow_healthz) as (slot, proc):  # a probe used to give up after 1 s
         await asyncio.sleep(8)
         assert proc.returncode is None and slot.hung_kills == 0, "a slow but answering worker was killed"
         assert answers >= 3
-    finally:
-        sup.stopping.set()
-        await beat
-        server.close()
-        if proc.returncode is None:
-            proc.kill()
 
 
 def test_workers_start_from_a_private_copy_of_the_validated_config(tmp_path: Path) -> None:
