@@ -52,12 +52,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gatekeeper.sandbox.lifecycle import down
 from gatekeeper.sandbox.state import SandboxState
-from loadtest.bench_list_storm import NS, Result, client_context, lister
+from loadtest.bench_list_storm import NS, Result, client_context, lister, pct
 from loadtest.harness import cluster
 from loadtest.harness.cluster import kit
+from loadtest.scenarios.list_storm import STORAGE_READS
 
 ARMS = ("direct", "haproxy", "gk-kernel", "gk-least")
-STORAGE_READS = ("--watch-cache-sizes=secrets#0",)
 PROBE_PAUSE = 0.05
 
 
@@ -67,13 +67,6 @@ class Arm:
     storm: Result
     probes: list[float] = field(default_factory=list)
     probe_errors: int = 0
-
-
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))]
 
 
 async def probe(url: str, ctx: ssl.SSLContext, stop: asyncio.Event, arm: Arm) -> None:
