@@ -217,8 +217,8 @@ class YamlLimits:
     """Largest file. PyYAML's pure-Python parser needs about 2.4 s per MiB (measured on the 2-core CI
     machine), all of it on the event loop during a policy reload; real files are a few KiB."""
     max_alias_nodes: int = 100_000
-    """Nodes that aliases may add to one document, each use of ``*name`` counting the whole subtree it names
-    again. PyYAML shares one object per anchor, so loading stays cheap, but whatever walks the result
+    """Nodes that aliases may add to one file (all its documents), each use of ``*name`` counting the whole
+    subtree it names again. PyYAML shares one object per anchor, so loading stays cheap, but whatever walks the result
     (validation, an error message's ``repr``, equality, a dump) pays the expanded size: nine levels of ten
     aliases ("billion laughs", 400 bytes) are 10**9 nodes. Reusing a subject list in a few FlowSchemas
     adds hundreds."""
@@ -243,8 +243,9 @@ def _read_text(p: Path, what: str, limits: YamlLimits) -> str:
         raise ConfigError(str(p), "", f"not UTF-8 text (byte {exc.start}); a {what} is UTF-8 YAML") from None
 
 
-def _check_aliases(node: yaml.Node, source: str, limits: YamlLimits) -> None:
-    """Refuse a document whose aliases expand past ``limits.max_alias_nodes``, or that contains itself.
+def _check_aliases(node: yaml.Node, source: str, limits: YamlLimits, before: int = 0) -> int:
+    """Refuse a document whose aliases, with the ``before`` nodes the file's earlier documents' aliases added,
+    expand past ``limits.max_alias_nodes``, or that contains itself; returns the new total.
 
     Sizes are computed over the composed node graph (an alias is the very node it names), each node once,
     so the check is linear in the file however large the expansion. Iterative: a deep document must not
@@ -274,11 +275,12 @@ def _check_aliases(node: yaml.Node, source: str, limits: YamlLimits) -> None:
                                               "a node that contains it (a loop: the value would be infinite)")
             if id(c) not in size:
                 stack.append((c, False))
-    added = size[id(node)] - len(size)
+    added = before + size[id(node)] - len(size)
     if added > limits.max_alias_nodes:
-        raise ConfigError(source, "", f"invalid YAML in the document at line {node.start_mark.line + 1}: its aliases "
-                                      f"expand it by {added} nodes, over the limit of {limits.max_alias_nodes} "
+        raise ConfigError(source, "", f"invalid YAML in the document at line {node.start_mark.line + 1}: aliases "
+                                      f"expand the file by {added} nodes, over the limit of {limits.max_alias_nodes} "
                                       "(nested anchors and aliases, an alias bomb?); write the values out instead")
+    return added
 
 
 def _documents(text: str, source: str, limits: YamlLimits, single: bool) -> list[Any]:
@@ -291,9 +293,9 @@ def _documents(text: str, source: str, limits: YamlLimits, single: bool) -> list
             nodes = []
             while loader.check_node():
                 nodes += [n for n in (loader.get_node(),) if n is not None]
-        out = []
-        for node in nodes:
-            _check_aliases(node, source, limits)
+        out, added = [], 0
+        for node in nodes:  # the limit is per file: a thousand documents just under it would not be bounded
+            added = _check_aliases(node, source, limits, added)
             out.append(loader.construct_document(node))
         return out
     except yaml.YAMLError as exc:
