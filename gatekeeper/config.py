@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import reprlib
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -78,6 +79,16 @@ def _typename(value: Any) -> str:
             float: "a number"}.get(type(value), type(value).__name__)
 
 
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel, _SHOWN.maxlist, _SHOWN.maxdict, _SHOWN.maxstring, _SHOWN.maxother = 2, 4, 4, 60, 60
+
+
+def _shown(value: Any) -> str:
+    """A wrong value as an error message quotes it: bounded, however large the value (a list given for a
+    string may be a whole subtree)."""
+    return _SHOWN.repr(value)
+
+
 def _convert(value: Any, tp: Any, source: str, key: str) -> Any:
     origin = get_origin(tp)
     if tp is Any:
@@ -100,7 +111,7 @@ def _convert(value: Any, tp: Any, source: str, key: str) -> Any:
     if origin is Literal:
         if value in get_args(tp):
             return value
-        raise ConfigError(source, key, f"expected {_describe(tp)}, got {value!r}")
+        raise ConfigError(source, key, f"expected {_describe(tp)}, got {_shown(value)}")
     if origin in (list, tuple):
         if not isinstance(value, list):
             raise ConfigError(source, key, f"expected {_describe(tp)}, got {_typename(value)}")
@@ -134,7 +145,7 @@ def _convert(value: Any, tp: Any, source: str, key: str) -> Any:
             return Path(value)
     else:
         raise TypeError(f"config loader cannot handle type {tp!r} at {key}")
-    raise ConfigError(source, key, f"expected {_describe(tp)}, got {_typename(value)} {value!r}")
+    raise ConfigError(source, key, f"expected {_describe(tp)}, got {_typename(value)} {_shown(value)}")
 
 
 def from_mapping(cls: type[T], data: Any, source: str = "<config>", prefix: str = "") -> T:
@@ -180,6 +191,8 @@ class _StrictLoader(yaml.SafeLoader):
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: dict[Any, Any] = {}
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # ``<<: *base``: SafeLoader merges it below, and an
+                continue  # explicit key may override a merged one (constructing ``<<`` itself failed)
             key = self.construct_object(key_node, deep=True)
             if isinstance(key, str | int | float | bool) and key in seen:
                 first = seen[key]
@@ -190,22 +203,126 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def load_yaml(path: Path | str) -> Any:
-    """Read one YAML document, turning I/O and syntax errors into ConfigError."""
-    p = Path(path)
+@dataclasses.dataclass(frozen=True)
+class YamlLimits:
+    """What one YAML file gatekeeper reads may cost: operators' files are trusted, not infallible.
+
+    The config file and the flow-control policy files are read on the serving event loop (at start, and
+    the policy files again at every SIGHUP or change), so a wrong file (a huge dump, ``/dev/zero``, a
+    generated file with an anchor loop) must fail with a message naming the file, not freeze or kill the
+    proxy. Fixed numbers rather than settings: the config file cannot set the limits for reading itself.
+    """
+
+    max_bytes: int = 1 << 20
+    """Largest file. PyYAML's pure-Python parser needs about 2.4 s per MiB (measured on the 2-core CI
+    machine), all of it on the event loop during a policy reload; real files are a few KiB."""
+    max_alias_nodes: int = 100_000
+    """Nodes that aliases may add to one file (all its documents), each use of ``*name`` counting the whole
+    subtree it names again. PyYAML shares one object per anchor, so loading stays cheap, but whatever walks the result
+    (validation, an error message's ``repr``, equality, a dump) pays the expanded size: nine levels of ten
+    aliases ("billion laughs", 400 bytes) are 10**9 nodes. Reusing a subject list in a few FlowSchemas
+    adds hundreds."""
+
+
+YAML_LIMITS = YamlLimits()
+
+
+def _read_text(p: Path, what: str, limits: YamlLimits) -> str:
+    """The file as UTF-8 text, reading at most one byte past the limit (a FIFO or device never ends)."""
     try:
-        text = p.read_text()
+        with p.open("rb") as f:
+            data = f.read(limits.max_bytes + 1)
     except OSError as exc:
-        raise ConfigError(str(p), "", f"cannot read config file: {exc.strerror}") from None
-    except UnicodeDecodeError as exc:
-        raise ConfigError(str(p), "", f"not UTF-8 text (byte {exc.start}); a config file is UTF-8 YAML") from None
+        raise ConfigError(str(p), "", f"cannot read {what}: {exc.strerror}") from None
+    if len(data) > limits.max_bytes:
+        raise ConfigError(str(p), "", f"{what} is larger than {limits.max_bytes} bytes, the limit for a YAML file "
+                                      "gatekeeper reads; is it the right file?")
     try:
-        return yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass: no arbitrary objects
+        return data.decode()
+    except UnicodeDecodeError as exc:
+        raise ConfigError(str(p), "", f"not UTF-8 text (byte {exc.start}); a {what} is UTF-8 YAML") from None
+
+
+def _check_aliases(node: yaml.Node, source: str, limits: YamlLimits, before: int = 0) -> int:
+    """Refuse a document whose aliases, with the ``before`` nodes the file's earlier documents' aliases added,
+    expand past ``limits.max_alias_nodes``, or that contains itself; returns the new total.
+
+    Sizes are computed over the composed node graph (an alias is the very node it names), each node once,
+    so the check is linear in the file however large the expansion. Iterative: a deep document must not
+    hit Python's recursion limit here either.
+    """
+    size: dict[int, int] = {}  # node id -> nodes in its subtree, aliases expanded
+    on_path: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(node, False)]
+    while stack:
+        n, done = stack.pop()
+        children: list[yaml.Node] = []
+        if isinstance(n, yaml.SequenceNode):
+            children = list(n.value)
+        elif isinstance(n, yaml.MappingNode):
+            children = [c for pair in n.value for c in pair]
+        if done:
+            on_path.discard(id(n))
+            size[id(n)] = 1 + sum(size[id(c)] for c in children)
+            continue
+        if id(n) in size:
+            continue
+        on_path.add(id(n))
+        stack.append((n, True))
+        for c in children:
+            if id(c) in on_path:
+                raise ConfigError(source, "", f"invalid YAML at line {c.start_mark.line + 1}: an alias refers to "
+                                              "a node that contains it (a loop: the value would be infinite)")
+            if id(c) not in size:
+                stack.append((c, False))
+    added = before + size[id(node)] - len(size)
+    if added > limits.max_alias_nodes:
+        raise ConfigError(source, "", f"invalid YAML in the document at line {node.start_mark.line + 1}: aliases "
+                                      f"expand the file by {added} nodes, over the limit of {limits.max_alias_nodes} "
+                                      "(nested anchors and aliases, an alias bomb?); write the values out instead")
+    return added
+
+
+def _documents(text: str, source: str, limits: YamlLimits, single: bool) -> list[Any]:
+    loader = _StrictLoader(text)  # a SafeLoader subclass: no arbitrary objects
+    try:
+        if single:
+            node = loader.get_single_node()
+            nodes = [] if node is None else [node]
+        else:
+            nodes = []
+            while loader.check_node():
+                nodes += [n for n in (loader.get_node(),) if n is not None]
+        out, added = [], 0
+        for node in nodes:  # the limit is per file: a thousand documents just under it would not be bounded
+            added = _check_aliases(node, source, limits, added)
+            out.append(loader.construct_document(node))
+        return out
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc)
-        raise ConfigError(str(p), "", f"invalid YAML{line}: {problem}") from None
+        raise ConfigError(source, "", f"invalid YAML{line}: {problem}") from None
+    except RecursionError:  # PyYAML composes and constructs recursively: ``[[[[...`` a few thousand deep
+        raise ConfigError(source, "", "invalid YAML: nested too deeply") from None
+    finally:
+        loader.dispose()
+
+
+def load_yaml(path: Path | str, *, what: str = "config file", limits: YamlLimits = YAML_LIMITS) -> Any:
+    """Read one YAML document (None if empty) within ``limits``; every problem is a ConfigError naming the file.
+
+    The one reader for YAML files (the config, flow-control policy files, the sandbox's ``--webhook-config``):
+    see :class:`YamlLimits` for why a file operators write is bounded all the same."""
+    p = Path(path)
+    docs = _documents(_read_text(p, what, limits), str(p), limits, single=True)
+    return docs[0] if docs else None
+
+
+def load_yaml_all(path: Path | str, *, what: str, limits: YamlLimits = YAML_LIMITS) -> list[Any]:
+    """Every document of a multi-document YAML file (``---``), as :func:`load_yaml` reads one."""
+    p = Path(path)
+    return _documents(_read_text(p, what, limits), str(p), limits, single=False)
 
 
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h)$")

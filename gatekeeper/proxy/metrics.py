@@ -59,14 +59,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from gatekeeper.metrics import render as render  # the one renderer (multiprocess-aware); pipeline.py's /metrics
+from gatekeeper.ops import this_process_page
 from gatekeeper.proxy.tally import CounterTally, HistogramTally  # before the metrics: its flush collects first
 
-
-async def _this_process_page() -> tuple[bytes, str]:
-    return render()
-
-
-render_page: Callable[[], Awaitable[tuple[bytes, str]]] = _this_process_page
+render_page: Callable[[], Awaitable[tuple[bytes, str]]] = this_process_page
 """What the proxy's ``/metrics`` answers (the TLS port for admins, ``listener.metricsPort``). A worker of
 ``--workers N`` puts the whole proxy's page here (``worker_metrics.render_in_worker``): a coroutine, because it
 waits for the other workers' pages, and the worker's event loop must serve its clients meanwhile."""

@@ -23,12 +23,18 @@ scrape that lands on any worker still sees the whole proxy. Both wait for
 the workers' pages without blocking their event loop, for a bounded time; a
 page that did not come is left out of the sums and shown as missing
 (``gatekeeper_proxy_worker_page_missing{worker}``), not summed as zeros.
+
+The multiprocess files are read, and the pages merged, on the metrics thread
+(:func:`gatekeeper.ops.off_loop`), and concurrent scrapes share one render
+(:class:`gatekeeper.ops.SharedRender`): on the loop, a scrape held every client
+of the worker (or the parent's probes) for the whole merge.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import ClientSession, ClientTimeout, web
 
 from gatekeeper.metrics import multiprocess_registry
+from gatekeeper.ops import SharedRender, off_loop
 
 if TYPE_CHECKING:
     from gatekeeper.proxy.flowcontrol.edge.ledger import SeatLedger
@@ -137,11 +144,32 @@ def merge_pages(pages: list[str], skip: set[str], peaks: dict[str, int]) -> str:
 
 
 def multiprocess_page() -> tuple[bytes, set[str]]:
-    from prometheus_client import generate_latest
+    """The multiprocess files' page and its family names. Blocking (reads every worker's files): call it
+    through :func:`files_and_live_page` off the loop. The files are read once (it read them twice: once for
+    the names, once for the page)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.core import Metric
+    from prometheus_client.registry import Collector
 
-    registry = multiprocess_registry()
-    names = {m.name for m in registry.collect()}
-    return generate_latest(registry), names
+    families = list(multiprocess_registry().collect())
+
+    class Collected(Collector):
+        def collect(self) -> Iterator[Metric]:
+            return iter(families)
+
+    registry = CollectorRegistry()
+    registry.register(Collected())
+    return generate_latest(registry), {m.name for m in families}
+
+
+def files_and_live_page(pages: list[str], peaks: dict[str, int]) -> bytes:
+    """The multiprocess files' page, then the workers' live ``pages`` merged (see :func:`merge_pages`).
+
+    Blocking and loop-free (file reads, parsing every worker's page), so it runs on the metrics thread
+    (:func:`gatekeeper.ops.off_loop`): on the loop it held a worker's clients, or the parent's probes and
+    hand-off, for the whole scrape."""
+    mpc, names = multiprocess_page()
+    return mpc + merge_pages(pages, names, peaks).encode()
 
 
 async def _fetch(session: ClientSession, url: str) -> str:
@@ -179,11 +207,10 @@ async def render(sup: Supervisor) -> bytes:
     A worker whose page does not come within ``FETCH_TIMEOUT`` is left out and shown in ``MISSING``."""
     urls = sup.worker_urls()
     pages, missing = await _live_pages(urls, FETCH_TIMEOUT)
-    mpc, names = multiprocess_page()
     view = sup.ledger.view()
     peaks = {name: v["peak"] for name, v in view.items()}
-    return (mpc + merge_pages(pages, names, peaks).encode() + supervisor_page(sup, len(urls), view).encode()
-            + missing_page(list(urls), missing).encode())
+    merged = await off_loop(files_and_live_page, pages, peaks)
+    return merged + supervisor_page(sup, len(urls), view).encode() + missing_page(list(urls), missing).encode()
 
 
 async def render_in_worker(runtime: Path, ledger: SeatLedger, index: int) -> tuple[bytes, str]:
@@ -203,10 +230,15 @@ async def render_in_worker(runtime: Path, ledger: SeatLedger, index: int) -> tup
     urls = _siblings(runtime, index)
     fetched, missing = await _live_pages(urls, SIBLING_TIMEOUT)
     pages += fetched
-    mpc, names = multiprocess_page()
     peaks = {name: v["peak"] for name, v in ledger.view().items()}
-    page = mpc + merge_pages(pages, names, peaks).encode() + missing_page([index, *urls], missing).encode()
+    page = await off_loop(files_and_live_page, pages, peaks) + missing_page([index, *urls], missing).encode()
     return page, CONTENT_TYPE_LATEST
+
+
+def whole_proxy_page(runtime: Path, ledger: SeatLedger, index: int) -> SharedRender[tuple[bytes, str]]:
+    """What a worker's ``/metrics`` answers (``proxy.metrics.render_page``): :func:`render_in_worker`, one
+    render shared by the scrapes that arrive while it runs."""
+    return SharedRender(functools.partial(render_in_worker, runtime, ledger, index))
 
 
 def _siblings(runtime: Path, index: int) -> dict[int, str]:
@@ -265,8 +297,10 @@ async def ready(sup: Supervisor) -> tuple[bool, str]:
 async def start_parent_listener(sup: Supervisor, address: str, port: int) -> tuple[web.AppRunner, int]:
     from prometheus_client import CONTENT_TYPE_LATEST
 
+    page = SharedRender(functools.partial(render, sup))  # concurrent scrapes share one render
+
     async def metrics(request: web.Request) -> web.Response:
-        return web.Response(body=await render(sup), headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return web.Response(body=await page(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def healthz(request: web.Request) -> web.Response:
         return web.Response(text="ok")

@@ -112,11 +112,11 @@ def run_worker(settings: ProxySettings, index: int, runtime: Path, port: int, ha
     def setup(flow: Any, pipeline: Any) -> None:
         from gatekeeper.proxy import metrics
         from gatekeeper.proxy.flowcontrol.edge.ledger import SeatLedger, attach
-        from gatekeeper.proxy.worker_metrics import register_recent_requests, render_in_worker
+        from gatekeeper.proxy.worker_metrics import register_recent_requests, whole_proxy_page
 
         ledger = SeatLedger(runtime / "ledger", index)
         register_recent_requests(pipeline)
-        metrics.render_page = functools.partial(render_in_worker, runtime, ledger, index)  # the whole proxy's page
+        metrics.render_page = whole_proxy_page(runtime, ledger, index)
         if flow is not None and getattr(flow, "controller", None) is not None:
             attach(flow, ledger)
 

@@ -34,6 +34,7 @@ from typing import Any
 import yaml
 
 from gatekeeper.certs import PKI
+from gatekeeper.config import load_yaml
 from gatekeeper.sandbox import kubectl, mig, pki, processes, webhook_client
 from gatekeeper.sandbox.state import SandboxState
 from gatekeeper.sandbox.waiting import wait_until
@@ -152,7 +153,7 @@ def start(state: SandboxState, args: argparse.Namespace) -> None:
     config = authenticated(webhook_config(state, serving, kubeconfig, port_file), Path(ca.cert_path("ca")))
     user_file = getattr(args, "webhook_config", None)
     if user_file:  # the user's policy sections; server (and so authentication) stays the sandbox's
-        config = merge_user_config(config, yaml.safe_load(Path(user_file).read_text()), str(user_file))
+        config = merge_user_config(config, load_yaml(user_file), str(user_file))
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
     log = directory / "logs" / "webhook.log"
     argv = [sys.executable, "-m", "gatekeeper", "webhook", "--config", str(config_path)]

@@ -29,8 +29,24 @@ def failing() -> float:
     return REGISTRY.get_sample_value("gatekeeper_flowcontrol_policy_reload_failing") or 0.0
 
 
+def level_noting(value: str) -> str:
+    """A valid level whose ignored ``metadata.annotations.note`` is ``value`` (YAML lines, indented 6)."""
+    return ("apiVersion: flowcontrol.apiserver.k8s.io/v1\nkind: PriorityLevelConfiguration\n"
+            "metadata:\n  name: tenants\n  annotations:\n    note:\n" + value
+            + "spec: {type: Limited, limited: {nominalConcurrencyShares: 10, limitResponse: {type: Reject}}}\n")
+
+
+ALIAS_BOMB = "".join(["      - &l0 [lol, lol, lol, lol, lol, lol, lol, lol, lol, lol]\n"]
+                     + [f"      - &l{i} [{', '.join([f'*l{i - 1}'] * 10)}]\n" for i in range(1, 6)])
+"""10**5 leaves under an ignored key: loaded and applied without the alias limit (nine levels: 10**9)."""
+
+
 @pytest.mark.parametrize("breakage", [
     pytest.param(lambda p: p.write_text("kind: [\n"), id="not-yaml"),
+    pytest.param(lambda p: p.write_text(level_noting(ALIAS_BOMB)), id="alias-bomb"),
+    pytest.param(lambda p: p.write_text(level_noting("      &loop [*loop]\n")), id="alias-loop"),
+    pytest.param(lambda p: p.write_text(yaml.safe_dump(level("x", 10)) + "# " + "x" * (1 << 20)), id="oversized"),
+    pytest.param(lambda p: p.write_text("[" * 20000 + "]" * 20000), id="nested-too-deeply"),
     pytest.param(lambda p: p.write_bytes(b"\xff\xfe\x00kind"), id="not-utf8"),
     pytest.param(lambda p: p.write_text(yaml.safe_dump(level("x", -3))), id="invalid-value"),
     pytest.param(lambda p: p.unlink(), id="deleted"),

@@ -113,6 +113,15 @@ def test_garbage_is_malformed_not_a_crash(token: str) -> None:
     assert reason(verifier(), token) in {"malformed", "issuer"}
 
 
+@pytest.mark.parametrize("part", [0, 1])
+def test_json_nested_too_deeply_is_malformed_not_a_crash(part: int) -> None:
+    """3000 levels fit in 8 KB of token (the cap is 16 KiB); json raised RecursionError, which escaped
+    classification: the stream was reset INTERNAL_ERROR and logged at WARNING, at every request."""
+    parts = [kit.b64(b"{}"), kit.b64(b"{}"), kit.b64(b"sig")]
+    parts[part] = kit.b64(b"[" * 3000 + b"]" * 3000)
+    assert reason(verifier(), ".".join(parts)) == "malformed"
+
+
 def test_jwks_skips_unusable_keys_and_keeps_the_rest() -> None:
     doc = {"keys": [{"kty": "oct", "k": "x"}, {"kty": "RSA", "n": 5}, {**kit.jwk(RSA), "use": "enc"}, kit.jwk(EC)]}
     assert list(parse_jwks(doc)) == [kit.jwk(EC)["kid"]]

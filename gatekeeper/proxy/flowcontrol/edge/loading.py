@@ -10,11 +10,9 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-import yaml
-
+from gatekeeper.config import load_yaml_all
 from gatekeeper.proxy.flowcontrol.core.controller import Limits
 from gatekeeper.proxy.flowcontrol.core.objects import ObjectError
 from gatekeeper.proxy.flowcontrol.core.policy import Policy, build_policy, split_objects
@@ -35,20 +33,12 @@ def limits_of(settings: FlowControlSettings) -> Limits:
 
 
 def read_objects(path: str) -> list[tuple[str, Any]]:
-    """All objects of a multi-document YAML file, labelled ``path[doc]``; errors name the file."""
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise ValueError(f"flowControl.files: cannot read {path}: {exc.strerror}") from None
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{path}: not UTF-8 text (byte {exc.start})") from None
-    try:
-        docs = list(yaml.safe_load_all(text))
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise ValueError(f"{path}: invalid YAML{where}: {getattr(exc, 'problem', exc)}") from None
-    return split_objects(docs, path)
+    """All objects of a multi-document YAML file, labelled ``path[doc]``; errors name the file.
+
+    Read with the shared bounded reader (:func:`gatekeeper.config.load_yaml_all`): a reload runs on the
+    serving event loop, so an oversized file or an alias bomb must fail (keeping the running policy),
+    not freeze the worker or exhaust its memory."""
+    return split_objects(load_yaml_all(path, what="flow-control policy file"), path)
 
 
 def load_policy(settings: FlowControlSettings) -> Policy:

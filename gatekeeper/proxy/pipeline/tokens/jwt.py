@@ -255,6 +255,8 @@ class ServiceAccountVerifier:
             claims = json.loads(b64url_decode(parts[1]))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise TokenError("malformed", "header or payload is not JSON") from exc
+        except RecursionError:  # ``[[[[...`` 1000 deep fits in a token: json raises this, not JSONDecodeError
+            raise TokenError("malformed", "header or payload is nested too deeply") from None
         if not isinstance(header, dict) or not isinstance(claims, dict):
             raise TokenError("malformed", "header or payload is not an object")
         iss = claims.get("iss")
