@@ -1,0 +1,150 @@
+"""A per-worker ceiling on request bytes the HTTP layer holds before a review reads them (maxBufferedRequestBytes).
+
+Why: aiohttp keeps a request head whole, as parsed Python objects (~3x its bytes), from its first byte until the
+request is answered, and keeps up to 32 parsed requests per connection queued behind the one being answered
+(pipelining), each with its body. The per-head limits (``maxHeaderFields`` x ``maxHeaderFieldBytes``) bound one
+head, not a connection or the worker. Measured on one worker (``loadtest/bench_webhook_heads.py``): 200
+connections of unfinished 254 KiB heads took it from 54 to 204 MiB (``maxConnections`` 1000 of them: ~750 MiB), and
+10 connections that pipeline 40 requests with such heads and never read their answers took it to 207 MiB; the
+chart's pod limit is 512 MiB for two workers.
+
+What a connection is counted for, in bytes as received:
+
+* the head it is in the middle of (:class:`UnfinishedHead`, an upper bound the parser's own progress keeps exact
+  at every completed head);
+* the head of every request parsed and not answered yet: queued behind a pipelined one, or being answered
+  (:func:`head_size`);
+* the body bytes of requests parsed and not yet handed to a handler (pipelined, queued).
+
+A body a handler is reading is not counted here: a review reserves it in the ``BodyBudget``
+(``maxBufferedBodyBytes``) before reading, and counting it twice would let a crowd of small holders make a large
+review the biggest holder (see :class:`RequestBudget`).
+
+Sans-IO: no asyncio, no sockets; ``listen.MeteredRequestHandler`` feeds it what aiohttp's parser did.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Generic, TypeVar
+
+H = TypeVar("H")
+
+TERMINATOR = b"\r\n\r\n"
+"""Ends every request head: aiohttp's request parser (llhttp, strict) requires CRLF line ends, and a blank line ends
+the head. (Only its response parser is lenient.)"""
+
+
+class RequestBudget(Generic[H]):
+    """Bytes held by the connections (holders) of one worker, against ``limit``.
+
+    Over the limit, the connection holding the most is closed, repeatedly, until the total is back under it; that
+    may be the connection whose bytes just arrived. Why the largest and not the newcomer: refusing the newcomer lets
+    whoever filled the budget first keep it, so a pod holding unfinished heads would have every later apiserver
+    request refused until ``idleTimeoutSeconds``. The largest holder is the one costing the most memory, and it is
+    never an apiserver connection while ``limit / maxConnections`` exceeds an apiserver's request head (~1 KiB; 8 KiB
+    at the defaults): with the total over the limit, some connection holds more than that average. Ties go to the
+    connection that started holding first.
+    """
+
+    __slots__ = ("held", "limit", "used")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self.held: dict[H, int] = {}
+        """Bytes per holder that holds any (insertion order: first holder first)."""
+
+    def hold(self, holder: H, size: int) -> list[H]:
+        """``holder`` now holds ``size`` bytes; returns the holders to close, their bytes already released."""
+        old = self.held.get(holder, 0)
+        self.used += size - old
+        if size:
+            self.held[holder] = size
+        elif old:
+            del self.held[holder]
+        victims: list[H] = []
+        while self.used > self.limit:
+            victim = max(self.held, key=self.held.__getitem__)
+            self.used -= self.held.pop(victim)
+            victims.append(victim)
+        return victims
+
+    def drop(self, holder: H) -> None:
+        """``holder`` is gone: release what it held."""
+        self.used -= self.held.pop(holder, 0)
+
+
+def head_size(method: str, path: str, raw_headers: Iterable[tuple[bytes, bytes]]) -> int:
+    """At most the bytes a parsed head took on the wire: request line, fields, CRLFs (not the whitespace around
+    values, which the parser drops, nor leading blank lines). A lower bound is what :class:`UnfinishedHead` needs to
+    never count less than the parser holds; it is also about what the parsed head keeps."""
+    return len(method) + len(path) + 14 + sum(len(name) + len(value) + 3 for name, value in raw_headers)
+
+
+def _terminator_ends(carry: bytes, data: bytes) -> Iterator[int]:
+    """Offsets into ``data`` where a CRLFCRLF of the stream ends, in order, overlapping ones included; ``carry`` is
+    the end of the previous chunk (one may straddle)."""
+    window = carry + data[:3]
+    i = window.find(TERMINATOR)
+    while i >= 0:
+        yield i + 4 - len(carry)
+        i = window.find(TERMINATOR, i + 1)
+    i = data.find(TERMINATOR)
+    while i >= 0:
+        yield i + 4
+        i = data.find(TERMINATOR, i + 1)
+
+
+class UnfinishedHead:
+    """An upper bound of the bytes of the head a connection's parser holds unfinished, chunk after chunk.
+
+    The parser does not say where in a chunk a head ended, so three bounds are kept and the least is taken; each
+    one is never below the truth (a count below it would let a client hold memory uncounted):
+
+    * conservation: what was held before, plus the chunk, minus what left as completed heads (:func:`head_size`, a
+      lower bound of their bytes) and as body bytes. Always valid, but it drifts up by the whitespace and chunked
+      framing of every request, so alone it would make a long-lived apiserver connection look bigger and bigger;
+    * after the last CRLFCRLF of the chunk: an unfinished head contains none (a blank line would have ended it),
+      so it lies after that point. Exact after a chunked body (which ends with one) or a request without a body;
+    * after the n-th CRLFCRLF, n the heads completed in this chunk, minus the last request's body: the last head
+      ended at or after its n-th terminator, and its body came next. Exact for the apiserver's Content-Length
+      reviews.
+
+    The last two need every earlier byte parsed: not so after aiohttp paused the parser (32 requests queued, a full
+    body buffer) or took the rest of a chunk aside (an upgrade); the caller says so with ``whole_next``.
+    While the parser is inside a body it holds no head: 0, exactly.
+    """
+
+    __slots__ = ("_carry", "_whole", "held")
+
+    def __init__(self) -> None:
+        self.held = 0
+        self._carry = b""
+        self._whole = True
+
+    def fed(self, data: bytes, heads: Sequence[int], body: int, last_body: int, *,
+            in_body: bool, whole_next: bool) -> int:
+        """The parser took ``data`` and completed ``heads`` (their :func:`head_size`), moved ``body`` raw body bytes
+        (``last_body`` of them into the last completed request), and is ``in_body`` now; returns the new bound."""
+        if in_body:
+            held = 0
+        else:
+            held = self.held + len(data) - sum(heads) - body
+            if heads and self._whole and data:
+                n = len(heads)
+                for end in _terminator_ends(self._carry, data):
+                    n -= 1
+                    if not n:
+                        held = min(held, len(data) - end - last_body)
+                        break
+                if held > 0:
+                    i = data.rfind(TERMINATOR)
+                    last = i + 4 if i >= 0 else max(_terminator_ends(self._carry, data[:3]), default=None)
+                    if last is not None:
+                        held = min(held, len(data) - last)
+            held = max(held, 0)
+        self.held = held
+        self._carry = data[-3:] if len(data) >= 3 else (self._carry + data)[-3:]
+        self._whole = whole_next
+        return held
