@@ -116,6 +116,11 @@ class MeteredRequestHandler(RequestHandler):
         self._current_raw = 0
         self._evicted = False
 
+    @property
+    def unfinished_head_bytes(self) -> int:
+        """The bound this connection holds for the head its parser is in the middle of (0 inside a body)."""
+        return self._unfinished.held
+
     def data_received(self, data: bytes) -> None:
         if self._force_close or self._close or self._evicted or self._payload_parser is not None:
             super().data_received(data)  # dropped by aiohttp, or a WebSocket (none here): nothing held for us
@@ -123,36 +128,33 @@ class MeteredRequestHandler(RequestHandler):
         queued = len(self._messages)
         current = self._current
         super().data_received(data)
-        body = 0
+        body_before = 0
         if current is not None:
             raw = _raw_bytes(current[0])
-            body = raw - self._current_raw
+            body_before = raw - self._current_raw
             self._current_raw = raw
             if not current[1].started:
-                current[1].body += body
-                self._bodies += body
-        heads: list[int] = []
-        last_body = 0
+                current[1].body += body_before
+                self._bodies += body_before
+        heads: list[tuple[int, int]] = []
         broken = False
         for message, payload in islice(self._messages, queued, None):
             if not isinstance(message, RawRequestMessage):  # aiohttp's 400 for malformed HTTP: the parser is done
                 broken = True
                 continue
-            raw_headers = message.raw_headers
-            last_body = _raw_bytes(payload)
-            entry = _Parsed(message, head_size(message.method, message.path, raw_headers), last_body)
+            body = _raw_bytes(payload)
+            entry = _Parsed(message, head_size(message.method, message.path, message.raw_headers), body)
             self._parsed[id(message)] = entry
-            heads.append(entry.head)
-            body += last_body
+            heads.append((entry.head, body))
             self._heads += entry.head
-            self._bodies += last_body
+            self._bodies += body
             current = (payload, entry)
-            self._current_raw = last_body
+            self._current_raw = body
         self._current = current
         in_body = broken or (current is not None and not current[0].is_eof())
         paused = (getattr(self, "_reading_paused", False) or getattr(self, "_buffer_paused", False)
                   or self._upgraded)
-        self._unfinished.fed(data, heads, body, last_body, in_body=in_body, whole_next=not (paused or broken))
+        self._unfinished.fed(data, body_before, heads, in_body=in_body, whole_next=not (paused or broken))
         self._account()
 
     def _account(self) -> None:

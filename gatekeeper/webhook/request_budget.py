@@ -25,7 +25,7 @@ Sans-IO: no asyncio, no sockets; ``listen.MeteredRequestHandler`` feeds it what 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Generic, TypeVar
 
 H = TypeVar("H")
@@ -82,18 +82,15 @@ def head_size(method: str, path: str, raw_headers: Iterable[tuple[bytes, bytes]]
     return len(method) + len(path) + 14 + sum(len(name) + len(value) + 3 for name, value in raw_headers)
 
 
-def _terminator_ends(carry: bytes, data: bytes) -> Iterator[int]:
-    """Offsets into ``data`` where a CRLFCRLF of the stream ends, in order, overlapping ones included; ``carry`` is
-    the end of the previous chunk (one may straddle)."""
-    window = carry + data[:3]
-    i = window.find(TERMINATOR)
-    while i >= 0:
-        yield i + 4 - len(carry)
-        i = window.find(TERMINATOR, i + 1)
-    i = data.find(TERMINATOR)
-    while i >= 0:
-        yield i + 4
-        i = data.find(TERMINATOR, i + 1)
+def _first_end(carry: bytes, data: bytes, start: int) -> int | None:
+    """Offset into ``data`` where the first CRLFCRLF starting at or after ``start`` ends; from 0 one may straddle
+    ``carry``, the end of the previous chunk."""
+    if start == 0:
+        i = (carry + data[:3]).find(TERMINATOR)
+        if i >= 0:
+            return i + 4 - len(carry)
+    i = data.find(TERMINATOR, start)
+    return None if i < 0 else i + 4
 
 
 class UnfinishedHead:
@@ -105,14 +102,16 @@ class UnfinishedHead:
     * conservation: what was held before, plus the chunk, minus what left as completed heads (:func:`head_size`, a
       lower bound of their bytes) and as body bytes. Always valid, but it drifts up by the whitespace and chunked
       framing of every request, so alone it would make a long-lived apiserver connection look bigger and bigger;
+    * walking the chunk: the first new head ends at or after the first CRLFCRLF past the previous request's body
+      bytes, its body follows, the next head ends at or after the next CRLFCRLF past that, and so on; the bytes
+      after the last body are the most the unfinished head can be. Exact for any mix of Content-Length and bodiless
+      requests, whatever their bodies contain (the apiserver's reviews). Needs every byte before the chunk parsed;
     * after the last CRLFCRLF of the chunk: an unfinished head contains none (a blank line would have ended it),
-      so it lies after that point. Exact after a chunked body (which ends with one) or a request without a body;
-    * after the n-th CRLFCRLF, n the heads completed in this chunk, minus the last request's body: the last head
-      ended at or after its n-th terminator, and its body came next. Exact for the apiserver's Content-Length
-      reviews.
+      so it lies after that point. Exact after a chunked body (which ends with one) or a request without a body.
+      Needs every byte before and in the chunk parsed.
 
-    The last two need every earlier byte parsed: not so after aiohttp paused the parser (32 requests queued, a full
-    body buffer) or took the rest of a chunk aside (an upgrade); the caller says so with ``whole_next``.
+    Not every byte is parsed after aiohttp paused the parser (32 requests queued, a full body buffer: the rest of
+    the chunk waits in it) or took the rest of a chunk aside (an upgrade); the caller says so with ``whole_next``.
     While the parser is inside a body it holds no head: 0, exactly.
     """
 
@@ -123,24 +122,27 @@ class UnfinishedHead:
         self._carry = b""
         self._whole = True
 
-    def fed(self, data: bytes, heads: Sequence[int], body: int, last_body: int, *,
+    def fed(self, data: bytes, body_before: int, heads: Sequence[tuple[int, int]], *,
             in_body: bool, whole_next: bool) -> int:
-        """The parser took ``data`` and completed ``heads`` (their :func:`head_size`), moved ``body`` raw body bytes
-        (``last_body`` of them into the last completed request), and is ``in_body`` now; returns the new bound."""
+        """The parser took ``data``: ``body_before`` raw body bytes of the request it was in, then ``heads``, each as
+        (:func:`head_size`, raw body bytes that followed it here); it is ``in_body`` now. Returns the new bound."""
         if in_body:
             held = 0
         else:
-            held = self.held + len(data) - sum(heads) - body
-            if heads and self._whole and data:
-                n = len(heads)
-                for end in _terminator_ends(self._carry, data):
-                    n -= 1
-                    if not n:
-                        held = min(held, len(data) - end - last_body)
+            held = self.held + len(data) - body_before - sum(head + body for head, body in heads)
+            if self._whole and data:
+                pos: int | None = body_before
+                for _, body in heads:
+                    end = _first_end(self._carry, data, pos)  # type: ignore[arg-type]
+                    if end is None:
+                        pos = None
                         break
-                if held > 0:
+                    pos = end + body
+                if heads and pos is not None:
+                    held = min(held, len(data) - pos)
+                if held > 0 and whole_next:
                     i = data.rfind(TERMINATOR)
-                    last = i + 4 if i >= 0 else max(_terminator_ends(self._carry, data[:3]), default=None)
+                    last = i + 4 if i >= 0 else _first_end(self._carry, data[:3], 0)
                     if last is not None:
                         held = min(held, len(data) - last)
             held = max(held, 0)
