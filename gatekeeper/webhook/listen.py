@@ -175,7 +175,8 @@ class MeteredRequestHandler(RequestHandler):
     async def _handle_request(self, request: web.BaseRequest, start_time: float | None,
                               request_handler: Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
                               ) -> tuple[web.StreamResponse, bool]:
-        entry = self._parsed.get(id(request.message))
+        key = id(getattr(request, "_message", None))  # Request.message is deprecated (aiohttp 3.14), same object
+        entry = self._parsed.get(key)
         if entry is not None:
             entry.started = True
             self._bodies -= entry.body
@@ -184,7 +185,7 @@ class MeteredRequestHandler(RequestHandler):
         try:
             return await super()._handle_request(request, start_time, request_handler)
         finally:
-            if entry is not None and self._parsed.pop(id(request.message), None) is entry:
+            if entry is not None and self._parsed.pop(key, None) is entry:
                 self._heads -= entry.head
                 self._account()
 
