@@ -9,7 +9,9 @@ and one client process opens TLS connections on 127.0.0.1 that
 * ``slow-heads``: send a head of 31 fields of 8 KB (within maxHeaderFields 32 / maxHeaderFieldBytes 8190) and never
   end it (400 connections);
 * ``pipelined-heads``: pipeline 40 GET /metrics with such heads and never read an answer (10 connections);
-* ``pipelined-bodies``: pipeline 40 GET /metrics with a 120 KB body each and never read (30 connections).
+* ``pipelined-bodies``: pipeline 40 GET /metrics with a 120 KB body each and never read (30 connections);
+* ``pipelined-small``: pipeline 20000 plain GET /metrics with a 4 KiB receive buffer and never read: the parser,
+  paused at 32 queued requests, keeps the rest of each read (200 connections).
 
 Reported: the worker's VmHWM (peak RSS) growth over its RSS before the flood, 3 s after the last byte was sent, and
 this tree's growth as a ratio of the baseline's in the same run. Connections are bounded in count and time; the
@@ -22,6 +24,7 @@ import argparse
 import asyncio
 import os
 import shutil
+import socket
 import ssl
 import subprocess
 import sys
@@ -34,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from gatekeeper.certs import PKI  # noqa: E402
 
-SCENARIOS = {"slow-heads": 400, "pipelined-heads": 10, "pipelined-bodies": 30}
+SCENARIOS = {"slow-heads": 400, "pipelined-heads": 10, "pipelined-bodies": 30, "pipelined-small": 200}
 
 # Imports gatekeeper from SRC, not from the editable install (whose finder would win over PYTHONPATH).
 BOOT = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f).lower()]; "
@@ -61,9 +64,12 @@ async def _client(port: int, ca: str, scenario: str, n: int) -> None:
         elif scenario == "pipelined-heads":
             for _ in range(40):
                 writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\n" + fields + b"\r\n")
-        else:
+        elif scenario == "pipelined-bodies":
             for _ in range(40):
                 writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 120000\r\n\r\n" + b"b" * 120000)
+        else:
+            writer.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n" * 20000)
         await writer.drain()
         held.append(writer)
 

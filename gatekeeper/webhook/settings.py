@@ -101,7 +101,8 @@ class ServerSettings(TLSListenerSettings):
     max_header_field_bytes: int = 8190
     """Bytes of one header field (name and value) and of the request line; more get 400. aiohttp's default, room
     for a bearer token or a mesh's client-certificate header. A connection's unfinished head holds at most about
-    2.5 x maxHeaderFields x maxHeaderFieldBytes (~640 KiB at the defaults)."""
+    3 x maxHeaderFields x maxHeaderFieldBytes (~750 KiB at the defaults); all of them together are held to
+    ``maxBufferedRequestBytes``."""
     max_buffered_request_bytes: int = 8 * 1024 * 1024
     """Request bytes this worker's HTTP layer holds before any review reads them, all connections together:
     unfinished heads, the heads of requests not answered yet (queued behind a pipelined request or being answered)
