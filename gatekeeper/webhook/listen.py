@@ -122,10 +122,14 @@ class MeteredRequestHandler(RequestHandler):
         return self._unfinished.held
 
     def data_received(self, data: bytes) -> None:
-        if self._force_close or self._close or self._evicted or self._payload_parser is not None:
-            super().data_received(data)  # dropped by aiohttp, or a WebSocket (none here): nothing held for us
+        if ((not data and self._current is None and self._unfinished.whole) or self._force_close or self._close
+                or self._evicted or self._payload_parser is not None):
+            # aiohttp's re-parse (b"", after every body read) with nothing left to parse, data aiohttp drops, or a
+            # WebSocket (none here): nothing held changes.
+            super().data_received(data)
             return
-        queued = len(self._messages)
+        messages = self._messages
+        queued = len(messages)
         current = self._current
         super().data_received(data)
         body_before = 0
@@ -136,25 +140,30 @@ class MeteredRequestHandler(RequestHandler):
             if not current[1].started:
                 current[1].body += body_before
                 self._bodies += body_before
+        if not data and not body_before and len(messages) == queued:
+            return  # aiohttp re-parsing what it held (after a pause) and finding nothing new: nothing changed
         heads: list[tuple[int, int]] = []
         broken = False
-        for message, payload in islice(self._messages, queued, None):
+        end = self._unfinished.head_end(data) if len(messages) == queued + 1 else None  # the usual: one request
+        for message, payload in islice(messages, queued, None):
             if not isinstance(message, RawRequestMessage):  # aiohttp's 400 for malformed HTTP: the parser is done
                 broken = True
                 continue
             body = _raw_bytes(payload)
-            entry = _Parsed(message, head_size(message.method, message.path, message.raw_headers), body)
+            head = end if end is not None else head_size(message.method, message.path, message.raw_headers)
+            entry = _Parsed(message, head, body)
             self._parsed[id(message)] = entry
             heads.append((entry.head, body))
             self._heads += entry.head
             self._bodies += body
             current = (payload, entry)
             self._current_raw = body
-        self._current = current
         in_body = broken or (current is not None and not current[0].is_eof())
+        self._current = current if in_body else None  # a finished body gets no more bytes
         paused = (getattr(self, "_reading_paused", False) or getattr(self, "_buffer_paused", False)
                   or self._upgraded)
-        self._unfinished.fed(data, body_before, heads, in_body=in_body, whole_next=not (paused or broken))
+        self._unfinished.fed(data, body_before, heads, in_body=in_body, whole_next=not (paused or broken),
+                             exact=end is not None)
         self._account()
 
     def _account(self) -> None:
@@ -177,11 +186,10 @@ class MeteredRequestHandler(RequestHandler):
                               ) -> tuple[web.StreamResponse, bool]:
         key = id(getattr(request, "_message", None))  # Request.message is deprecated (aiohttp 3.14), same object
         entry = self._parsed.get(key)
-        if entry is not None:
+        if entry is not None:  # its body is the handler's now; released in the budget at the next count
             entry.started = True
             self._bodies -= entry.body
             entry.body = 0
-            self._account()
         try:
             return await super()._handle_request(request, start_time, request_handler)
         finally:

@@ -26,6 +26,7 @@ Sans-IO: no asyncio, no sockets; ``listen.MeteredRequestHandler`` feeds it what 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from itertools import chain
 from typing import Generic, TypeVar
 
 H = TypeVar("H")
@@ -79,7 +80,8 @@ def head_size(method: str, path: str, raw_headers: Iterable[tuple[bytes, bytes]]
     """At most the bytes a parsed head took on the wire: request line, fields, CRLFs (not the whitespace around
     values, which the parser drops, nor leading blank lines). A lower bound is what :class:`UnfinishedHead` needs to
     never count less than the parser holds; it is also about what the parsed head keeps."""
-    return len(method) + len(path) + 14 + sum(len(name) + len(value) + 3 for name, value in raw_headers)
+    fields = tuple(raw_headers)
+    return len(method) + len(path) + 14 + 3 * len(fields) + sum(map(len, chain.from_iterable(fields)))
 
 
 def _first_end(carry: bytes, data: bytes, start: int) -> int | None:
@@ -97,7 +99,8 @@ class UnfinishedHead:
     """An upper bound of the bytes of the head a connection's parser holds unfinished, chunk after chunk.
 
     The parser does not say where in a chunk a head ended, so three bounds are kept and the least is taken; each
-    one is never below the truth (a count below it would let a client hold memory uncounted):
+    one is never below the truth (a count below it would let a client hold memory uncounted). The usual chunk, one
+    whole request starting it, is measured exactly and cheaply instead (:meth:`head_end`).
 
     * conservation: what was held before, plus the chunk, minus what left as completed heads (:func:`head_size`, a
       lower bound of their bytes) and as body bytes. Always valid, but it drifts up by the whitespace and chunked
@@ -115,38 +118,61 @@ class UnfinishedHead:
     While the parser is inside a body it holds no head: 0, exactly.
     """
 
-    __slots__ = ("_carry", "_whole", "held")
+    __slots__ = ("_carry", "_in_body", "_whole", "held")
 
     def __init__(self) -> None:
         self.held = 0
         self._carry = b""
         self._whole = True
+        self._in_body = False
+
+    @property
+    def whole(self) -> bool:
+        """Every byte fed so far was parsed (aiohttp holds none aside)."""
+        return self._whole
+
+    def head_end(self, data: bytes) -> int | None:
+        """Where in ``data`` a head ends when the chunk starts one: nothing held, no body under way, every byte
+        before parsed, and a request line (not a blank line) first. Then the bytes up to the first CRLFCRLF are
+        that head, exactly, whitespace and all; a cheaper and exact :func:`head_size` for the usual chunk."""
+        if self.held or self._in_body or not self._whole or not data or data[0] in b"\r\n":
+            return None
+        i = data.find(TERMINATOR)
+        return None if i < 0 else i + 4
 
     def fed(self, data: bytes, body_before: int, heads: Sequence[tuple[int, int]], *,
-            in_body: bool, whole_next: bool) -> int:
+            in_body: bool, whole_next: bool, exact: bool = False) -> int:
         """The parser took ``data``: ``body_before`` raw body bytes of the request it was in, then ``heads``, each as
-        (:func:`head_size`, raw body bytes that followed it here); it is ``in_body`` now. Returns the new bound."""
+        (:func:`head_size`, raw body bytes that followed it here); it is ``in_body`` now. Returns the new bound.
+        ``exact``: the head sizes are the heads' bytes (:meth:`head_end`), so conservation alone is exact."""
+        self._in_body = in_body
         if in_body:
             held = 0
+        elif exact:  # the usual chunk: one whole request, its head measured by head_end (nothing held before)
+            held = max(len(data) - body_before - sum(head + body for head, body in heads), 0)
+            if held and whole_next:
+                held = self._after_last_terminator(data, held)
         else:
             held = self.held + len(data) - body_before - sum(head + body for head, body in heads)
             if self._whole and data:
-                pos: int | None = body_before
-                for _, body in heads:
-                    end = _first_end(self._carry, data, pos)  # type: ignore[arg-type]
-                    if end is None:
-                        pos = None
-                        break
-                    pos = end + body
-                if heads and pos is not None:
-                    held = min(held, len(data) - pos)
+                if heads:
+                    pos = body_before
+                    for _, body in heads:
+                        end = _first_end(self._carry, data, pos)
+                        if end is None:
+                            break
+                        pos = end + body
+                    else:
+                        held = min(held, len(data) - pos)
                 if held > 0 and whole_next:
-                    i = data.rfind(TERMINATOR)
-                    last = i + 4 if i >= 0 else _first_end(self._carry, data[:3], 0)
-                    if last is not None:
-                        held = min(held, len(data) - last)
+                    held = self._after_last_terminator(data, held)
             held = max(held, 0)
         self.held = held
         self._carry = data[-3:] if len(data) >= 3 else (self._carry + data)[-3:]
         self._whole = whole_next
         return held
+
+    def _after_last_terminator(self, data: bytes, held: int) -> int:
+        i = data.rfind(TERMINATOR)
+        last = i + 4 if i >= 0 else _first_end(self._carry, data[:3], 0)
+        return held if last is None else min(held, len(data) - last)
