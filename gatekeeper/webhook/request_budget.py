@@ -3,10 +3,10 @@
 Why: aiohttp keeps a request head whole, as parsed Python objects (~3x its bytes), from its first byte until the
 request is answered, and keeps up to 32 parsed requests per connection queued behind the one being answered
 (pipelining), each with its body. The per-head limits (``maxHeaderFields`` x ``maxHeaderFieldBytes``) bound one
-head, not a connection or the worker. Measured on one worker (``loadtest/bench_webhook_heads.py``): 200
-connections of unfinished 254 KiB heads took it from 54 to 204 MiB (``maxConnections`` 1000 of them: ~750 MiB), and
-10 connections that pipeline 40 requests with such heads and never read their answers took it to 207 MiB; the
-chart's pod limit is 512 MiB for two workers.
+head, not a connection or the worker. Measured on one worker (``loadtest/bench_webhook_heads.py``, peak RSS):
+1000 connections of unfinished 254 KiB heads took it from 53 to 794 MiB (111 MiB with this budget), and 25 that
+pipeline 40 requests with such heads and never read their answers to 412 MiB (146); the chart's pod limit is
+512 MiB for two workers.
 
 What a connection is counted for, in bytes as received:
 
