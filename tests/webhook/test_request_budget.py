@@ -171,3 +171,31 @@ async def test_the_bound_is_zero_between_requests_so_a_long_lived_connection_doe
 
 async def test_the_bound_is_zero_after_a_chunked_request() -> None:
     await _feed_random_cuts(("chunked",), most=1, exact=True)
+
+
+async def test_a_closed_connections_queued_requests_are_freed_at_once() -> None:
+    """aiohttp keeps the requests queued behind the one being answered until that one ends (up to
+    writeTimeoutSeconds for a client that stopped reading): 18 closed connections still held 565 parsed requests,
+    heads and bodies. They will never be answered; they go with the connection."""
+    stuck = asyncio.Event()
+
+    async def answer(request: web.BaseRequest) -> web.Response:
+        await stuck.wait()  # a response the client never takes
+        return web.Response(text="ok")
+
+    server = web.Server(answer)
+    budget: RequestBudget[MeteredRequestHandler] = RequestBudget(1 << 30)
+    handler = MeteredRequestHandler(server, budget=budget, on_evicted=lambda: None, loop=asyncio.get_running_loop())
+    handler.connection_made(_Transport())
+    await asyncio.sleep(0)
+    request = b"GET /healthz HTTP/1.1\r\nHost: w\r\nContent-Length: 5000\r\n\r\n" + b"b" * 5000
+    handler.data_received(request)
+    for _ in range(3):
+        await asyncio.sleep(0)  # the first request is taken and its answer is stuck
+    handler.data_received(request * 3)
+    assert len(handler._messages) == 3 and budget.used > 15000
+    handler.connection_lost(None)
+    assert len(handler._messages) == 0 and budget.used == 0
+    stuck.set()
+    await asyncio.sleep(0)
+    await server.shutdown()
