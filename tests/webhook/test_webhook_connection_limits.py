@@ -20,6 +20,7 @@ from typing import Any
 
 import orjson
 import pytest
+from aiohttp import web
 from review_fixtures import b64, review, secret
 
 from gatekeeper.certs import PKI
@@ -448,3 +449,32 @@ async def test_malformed_http_is_counted_and_not_logged_as_an_error(short_limits
             writer.close()
     assert bad._value.get() == before + 3
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+
+
+async def test_a_response_whose_connection_was_reset_while_waiting_is_dropped_without_an_error() -> None:
+    """The listener aborts the connection holding the most of maxBufferedRequestBytes, possibly while its answer
+    waits for the socket to drain; aiohttp then logged an ERROR with a traceback for each, a line any client
+    could have for the price of a connection."""
+    from aiohttp.client_exceptions import ClientConnectionResetError
+    from aiohttp.test_utils import make_mocked_request
+
+    from gatekeeper.webhook.app import _write_bounded
+
+    class Reset(web.Response):
+        async def prepare(self, request: web.BaseRequest) -> Any:
+            raise ClientConnectionResetError("Cannot write to closing transport")
+
+    class Busy:
+        def get_write_buffer_size(self) -> int:
+            return 1  # something queued already: the answer waits for a drain
+
+        def get_extra_info(self, name: str, default: Any = None) -> Any:
+            return default
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return Reset(text="ok")
+
+    request = make_mocked_request("GET", "/metrics", transport=Busy())
+    middleware = _write_bounded(WebhookSettings())
+    resp = await middleware(request, handler)
+    assert isinstance(resp, Reset)
