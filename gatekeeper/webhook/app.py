@@ -40,7 +40,9 @@ Metrics (Prometheus):
     route ``other`` for the ops endpoints).
 ``gatekeeper_webhook_refused_connections_total{reason}``
     ``connection-cap``: a connection closed after its handshake because
-    ``server.maxConnections`` were open (listen.py).
+    ``server.maxConnections`` were open; ``request-budget``: a connection aborted because
+    the worker's connections held more than ``server.maxBufferedRequestBytes`` of request heads
+    and queued requests and it held the most (listen.py, request_budget.py).
 
 Trust: with ``server.clientCaFile`` only the apiserver (a client certificate
 from that CA whose CN or DNS SAN is in ``allowedClientNames``) gets reviews
@@ -96,7 +98,8 @@ class Metrics:
         self.refused = Counter("gatekeeper_webhook_refused_requests_total",
                                "Requests refused before or instead of acting on them", ["route", "reason"])
         self.refused_connections = Counter("gatekeeper_webhook_refused_connections_total",
-                                           "Connections closed before any request was read", ["reason"])
+                                           "Connections closed by the listener's bounds "
+                                           "(maxConnections, maxBufferedRequestBytes)", ["reason"])
 
 
 _METRICS: Metrics | None = None
@@ -360,6 +363,11 @@ def _write_bounded(settings: WebhookSettings) -> Any:
             metrics().refused.labels(route, "write-timeout").inc()
             if request.transport is not None:
                 request.transport.abort()  # aiohttp's own write of resp then meets a closed connection: no log
+        except ConnectionResetError:
+            # The connection went away while the response waited to be written: the client left, or the listener
+            # closed it (maxBufferedRequestBytes). Nothing to answer; aiohttp would log an ERROR with a traceback,
+            # a log line any client could have for the price of a connection.
+            pass
         return resp
 
     return middleware

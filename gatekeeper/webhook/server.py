@@ -135,14 +135,17 @@ async def serve(settings: WebhookSettings, stop: asyncio.Event | None = None) ->
     # slowloris); its own default is 3630 s.
     # max_headers/max_field_size/max_line_size: what one unfinished request head can hold (aiohttp's 128 fields of
     # 8 KiB were ~2.5 MiB of memory per connection); refusals are malformed HTTP, counted by QuietClientErrors.
+    # What all connections hold together is maxBufferedRequestBytes (LimitedSite).
     runner = web.AppRunner(app, access_log=None, handle_signals=False, keepalive_timeout=srv.idle_timeout_seconds,
                            logger=QuietClientErrors(metrics().bad_requests.labels("http").inc),
                            max_headers=srv.max_header_fields, max_field_size=srv.max_header_field_bytes,
                            max_line_size=srv.max_header_field_bytes)
     await runner.setup()
     refused = metrics().refused_connections.labels("connection-cap")
+    evicted = metrics().refused_connections.labels("request-budget")
     site = LimitedSite(runner, srv.address, srv.port, ssl_context=tls.base, max_connections=srv.max_connections,
-                       handshake_timeout=srv.tls_handshake_timeout_seconds, on_refused=refused.inc)
+                       handshake_timeout=srv.tls_handshake_timeout_seconds, on_refused=refused.inc,
+                       max_buffered_request_bytes=srv.max_buffered_request_bytes, on_evicted=evicted.inc)
     try:
         await site.start()
     except OSError as exc:

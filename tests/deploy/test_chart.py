@@ -152,14 +152,17 @@ def test_listener_bounds_reach_the_webhook_config_and_default_to_the_webhooks_ow
     """Any pod can connect to the webhook: the chart must carry every listener bound, defaults unchanged."""
     defaults = WebhookSettings().server
     s = webhook_settings(render()).server
-    for name in ("max_buffered_body_bytes", "max_buffered_body_caller_share", "max_connections",
+    for name in ("max_buffered_body_bytes", "max_buffered_body_caller_share", "max_buffered_request_bytes",
+                 "max_connections",
                  "tls_handshake_timeout_seconds",
                  "idle_timeout_seconds", "body_timeout_seconds", "write_timeout_seconds"):
         assert getattr(s, name) == getattr(defaults, name), name
     s = webhook_settings(render("config.server.maxConnections=50", "config.server.idleTimeoutSeconds=95",
                                 "config.server.maxBufferedBodyBytes=12582912",
-                                "config.server.maxBufferedBodyCallerShare=0.5")).server
+                                "config.server.maxBufferedBodyCallerShare=0.5",
+                                "config.server.maxBufferedRequestBytes=4194304")).server
     assert (s.max_connections, s.idle_timeout_seconds, s.max_buffered_body_bytes) == (50, 95, 12582912)
+    assert s.max_buffered_request_bytes == 4194304
     assert s.max_buffered_body_caller_share == 0.5
 
 

@@ -210,3 +210,41 @@ def test_bad_size_names_the_key(tmp_path: Path, pki: PKI) -> None:
     cfg = write_config(tmp_path, pki, "  secrets:\n    softLimit: lots\n")
     p = run_webhook(cfg)
     assert p.returncode == 2 and "webhook.secrets: softLimit: expected a size" in p.stderr, p.stderr
+
+
+def _metric(port: int, ca: Path, line_prefix: str) -> float:
+    _, text = post(port, ca, "/metrics", b"")
+    return next((float(x.split()[-1]) for x in text.decode().splitlines() if x.startswith(line_prefix)), 0.0)
+
+
+def test_the_process_closes_unfinished_heads_past_its_request_budget_and_keeps_answering(
+        tmp_path: Path, pki: PKI, start) -> None:
+    """The real process (uvloop, the CLI's config): unfinished heads, each within maxHeaderFields and
+    maxHeaderFieldBytes, past maxBufferedRequestBytes are closed and counted, and a review is still answered.
+    Bounded: 8 connections of 96 KB on 127.0.0.1."""
+    cfg = write_config(tmp_path, pki).read_text().replace(
+        "    certCheckIntervalSeconds: 0\n", "    certCheckIntervalSeconds: 0\n    maxBufferedRequestBytes: 300000\n")
+    (tmp_path / "config.yaml").write_text(cfg)
+    _, port = start(tmp_path / "config.yaml")
+    ca = pki.cert_path("ca")
+    counter = 'gatekeeper_webhook_refused_connections_total{reason="request-budget"}'
+    ctx = ssl.create_default_context(cafile=str(ca))
+    head = b"GET /healthz HTTP/1.1\r\nHost: webhook\r\n" + b"".join(
+        b"X-Pad-%02d: %s\r\n" % (i, b"p" * 8000) for i in range(12))
+    held = []
+    try:
+        for _ in range(8):
+            raw = socket.create_connection(("127.0.0.1", port), timeout=10)
+            tls = ctx.wrap_socket(raw, server_hostname="127.0.0.1")
+            with contextlib.suppress(OSError):  # an earlier one may be cut while this one is sent
+                tls.sendall(head)
+            held.append(tls)
+        deadline = time.monotonic() + 20
+        while _metric(port, ca, counter) < 5:  # 8 x 96 KB against 300 KB: at most 3 may stay
+            assert time.monotonic() < deadline, "unfinished heads past maxBufferedRequestBytes were not closed"
+            time.sleep(0.1)
+        status, body = post(port, ca, "/mutate", orjson.dumps(review(pod(container("m", 1)), kind="Pod")))
+        assert status == 200 and orjson.loads(body)["response"]["allowed"]
+    finally:
+        for tls in held:
+            tls.close()

@@ -16,9 +16,11 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
+from aiohttp import web
 from review_fixtures import b64, review, secret
 
 from gatekeeper.certs import PKI
@@ -180,8 +182,84 @@ async def test_a_request_head_over_the_header_field_limits_gets_400_and_is_count
         writer.close()
 
 
+def _unfinished_head(fields: int = 12) -> bytes:
+    """A request head of ``fields`` 8 KB fields (within maxHeaderFields and maxHeaderFieldBytes), never ended."""
+    return b"GET /healthz HTTP/1.1\r\nHost: webhook\r\n" + b"".join(
+        b"X-Pad-%02d: %s\r\n" % (i, b"p" * 8000) for i in range(fields))
+
+
+async def _wait_for(counter: Any, above: float) -> None:
+    deadline = time.monotonic() + GIVE_UP
+    while counter._value.get() <= above:
+        assert time.monotonic() < deadline, f"nothing was counted within {GIVE_UP:g} s"
+        await asyncio.sleep(0.05)
+
+
+async def test_unfinished_heads_past_the_request_budget_close_the_largest_holder(tmp_path: Path) -> None:
+    """Each unfinished head is within the per-head limits, but nothing bounded them all together: maxConnections of
+    them took a worker to ~750 MiB (the pod limit is 512 MiB). Past maxBufferedRequestBytes the connection holding
+    the most is closed and counted, while a review on a connection holding little is still answered."""
+    async for served in _serving(tmp_path, max_buffered_request_bytes=300_000):
+        evicted = metrics().refused_connections.labels("request-budget")
+        before = evicted._value.get()
+        apiserver_reader, apiserver = await served.tls()
+        body = orjson.dumps(review(secret(data={"a": b64(64)})))
+        apiserver.write(b"POST /validate HTTP/1.1\r\nHost: webhook\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: %d\r\n\r\n%s" % (len(body), body[:10]))  # its review is under way
+        await apiserver.drain()
+        big_reader, big = await served.tls()
+        big.write(_unfinished_head(20))  # 160 KB
+        await big.drain()
+        others = []
+        for _ in range(2):  # 96 KB each: the third head takes the total past 300 KB
+            reader, writer = await served.tls()
+            writer.write(_unfinished_head(12))
+            await writer.drain()
+            others.append((reader, writer))
+        assert await _closed_by_server(big_reader) == b""
+        await _wait_for(evicted, before)
+        assert evicted._value.get() == before + 1
+        apiserver.write(body[10:])
+        await apiserver.drain()
+        answer = await asyncio.wait_for(apiserver_reader.readuntil(b"}}"), GIVE_UP)
+        assert answer.startswith(b"HTTP/1.1 200") and b'"allowed":true' in answer
+        for _, writer in [(big_reader, big), (apiserver_reader, apiserver), *others]:
+            writer.close()
+
+
+def _pipeline_fat_heads_without_reading(served: Listening, requests: int = 40) -> ssl.SSLSocket:
+    """Requests with 96 KB heads sent back to back; no answer is read, so they queue behind the first."""
+    raw = socket.create_connection(("127.0.0.1", served.port))
+    raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    tls = served.ctx.wrap_socket(raw, server_hostname="127.0.0.1")
+    tls.settimeout(3)
+    with contextlib.suppress(OSError):  # the server stops reading (or cuts us): enough sent
+        for _ in range(requests):
+            tls.sendall(_unfinished_head(12).replace(b"/healthz", b"/metrics") + b"\r\n")
+    return tls
+
+
+async def test_requests_queued_behind_a_pipelined_one_count_in_the_request_budget(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """aiohttp queues up to 32 parsed requests per connection while it answers one: 10 clients that pipeline fat
+    heads and never read took a worker from 54 to 207 MiB. The queued heads count, so the client is cut long
+    before writeTimeoutSeconds (which alone would hold them for 30 s); nothing is logged at ERROR for it."""
+    async for served in _serving(tmp_path, max_buffered_request_bytes=1_000_000):
+        evicted = metrics().refused_connections.labels("request-budget")
+        before = evicted._value.get()
+        with caplog.at_level(logging.WARNING):
+            tls = await asyncio.to_thread(_pipeline_fat_heads_without_reading, served)
+            try:
+                await _wait_for(evicted, before)
+                await asyncio.sleep(0.5)  # the handler stuck writing meets the closed connection
+            finally:
+                tls.close()
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
 @pytest.mark.parametrize(("field", "value", "needle"), [
     ("max_connections", 0, "maxConnections"),
+    ("max_buffered_request_bytes", 200_000, "maxBufferedRequestBytes"),
     ("max_header_fields", 4, "maxHeaderFields"),
     ("max_header_field_bytes", 100, "maxHeaderFieldBytes"),
     ("idle_timeout_seconds", 0, "idleTimeoutSeconds"),
@@ -371,3 +449,32 @@ async def test_malformed_http_is_counted_and_not_logged_as_an_error(short_limits
             writer.close()
     assert bad._value.get() == before + 3
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+
+
+async def test_a_response_whose_connection_was_reset_while_waiting_is_dropped_without_an_error() -> None:
+    """The listener aborts the connection holding the most of maxBufferedRequestBytes, possibly while its answer
+    waits for the socket to drain; aiohttp then logged an ERROR with a traceback for each, a line any client
+    could have for the price of a connection."""
+    from aiohttp.client_exceptions import ClientConnectionResetError
+    from aiohttp.test_utils import make_mocked_request
+
+    from gatekeeper.webhook.app import _write_bounded
+
+    class Reset(web.Response):
+        async def prepare(self, request: web.BaseRequest) -> Any:
+            raise ClientConnectionResetError("Cannot write to closing transport")
+
+    class Busy:
+        def get_write_buffer_size(self) -> int:
+            return 1  # something queued already: the answer waits for a drain
+
+        def get_extra_info(self, name: str, default: Any = None) -> Any:
+            return default
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return Reset(text="ok")
+
+    request = make_mocked_request("GET", "/metrics", transport=Busy())
+    middleware = _write_bounded(WebhookSettings())
+    resp = await middleware(request, handler)
+    assert isinstance(resp, Reset)
