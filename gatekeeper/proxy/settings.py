@@ -41,7 +41,15 @@ class ListenerSettings(TLSListenerSettings):
     metrics_groups: list[str] = field(default_factory=lambda: ["system:masters"])
     """Groups whose verified client-certificate users may read ``/metrics`` on the TLS port (others get 403)."""
     tls_handshake_timeout_seconds: float = 10.0
-    """A client must finish the TLS handshake within this many seconds or is cut (counted)."""
+    """A client must finish the TLS handshake within this many seconds or is cut (counted), unless its bytes
+    wait unread in our socket buffer then (the proxy was behind): see ``tls_handshake_max_seconds``."""
+    tls_handshake_max_seconds: float = 0.0
+    """Hard cap on a handshake that ``tls_handshake_timeout_seconds`` extended because the proxy, not the client,
+    was behind (``listen/handshake.py``); 0 means four times ``tls_handshake_timeout_seconds``."""
+
+    @property
+    def tls_handshake_cap_seconds(self) -> float:
+        return self.tls_handshake_max_seconds or 4 * self.tls_handshake_timeout_seconds
     max_client_connections: int = 20000
     """Client connections open at once (handshaking included); more are closed at accept (counted)."""
     reuse_port: bool = False

@@ -157,6 +157,12 @@ def test_limit_settings_that_disable_a_defence_are_refused(pki: PKI, bad: dict[s
         _server(pki, bad)
 
 
+@pytest.mark.parametrize("cap", [0.2, -1.0])
+def test_a_handshake_cap_under_the_handshake_timeout_is_refused_naming_the_key(pki: PKI, cap: float) -> None:
+    with pytest.raises(ValueError, match="tlsHandshakeMaxSeconds must be 0"):
+        _server(pki, {"tls_handshake_timeout_seconds": 0.5, "tls_handshake_max_seconds": cap})
+
+
 @pytest.mark.parametrize("bad", [
     {"response_stall_timeout_seconds": 0}, {"h2_max_resets_per_interval": 0},
     {"write_buffer_low_bytes": 1 << 20}, {"h1_upgrade_idle_timeout_seconds": 0}, {"h1_max_header_fields": 0},

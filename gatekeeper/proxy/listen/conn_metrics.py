@@ -28,6 +28,11 @@ GOAWAY_SENT = Counter(
     ["reason"],
 )
 """reason: chance (goawayChance), shutdown (SIGTERM), idle (idle timeout)."""
+TLS_HANDSHAKES_LATE = Counter(
+    "gatekeeper_proxy_tls_handshakes_late",
+    "Client TLS handshakes given more time at tlsHandshakeTimeoutSeconds because the client's bytes waited "
+    "unread in the proxy's socket buffer (the proxy, not the client, was behind: short of CPU).",
+)
 REFUSED_STREAMS = Counter(
     "gatekeeper_proxy_refused_streams",
     "HTTP/2 streams refused with REFUSED_STREAM: after our GOAWAY, or over MAX_CONCURRENT_STREAMS.",

@@ -122,4 +122,9 @@ def check_limits(listener: ListenerSettings, protocol: ProtocolSettings) -> None
         value = getattr(listener, name)
         if not value > 0:
             raise ValueError(f"{camel(name)} must be > 0, got {value}")
+    if listener.tls_handshake_max_seconds and not (
+            listener.tls_handshake_max_seconds >= listener.tls_handshake_timeout_seconds):
+        raise ValueError(f"tlsHandshakeMaxSeconds must be 0 (4 x tlsHandshakeTimeoutSeconds) or >= "
+                         f"tlsHandshakeTimeoutSeconds ({listener.tls_handshake_timeout_seconds:g}), "
+                         f"got {listener.tls_handshake_max_seconds:g}")
     protocol.validate()

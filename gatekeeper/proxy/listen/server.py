@@ -22,7 +22,8 @@ against that CA; a verified certificate reaches the pipeline as
 ``ProxyRequest.peer_cert``. An untrusted certificate fails the handshake.
 
 Limits (``listener.*``/``protocol.*``, counted in ``gatekeeper_proxy_rejected_total``):
-the TLS handshake must finish within ``tlsHandshakeTimeoutSeconds``; past
+the TLS handshake must finish within ``tlsHandshakeTimeoutSeconds`` (more, up to
+``tlsHandshakeMaxSeconds``, only while the client's bytes wait unread: ``handshake.py``); past
 ``maxClientConnections`` open connections (handshakes included) a new one is
 closed at accept, before any TLS work; an h2 client's input is not read while our output to it is over
 ``writeBufferHighBytes`` (resumed under ``writeBufferLowBytes``), and a client
@@ -58,6 +59,7 @@ from gatekeeper.proxy.listen.body_budget import BodyBudget
 from gatekeeper.proxy.listen.h1 import H1Connection
 from gatekeeper.proxy.listen.h2 import H2Protocol
 from gatekeeper.proxy.listen.h2_limits import check_limits
+from gatekeeper.proxy.listen.handshake import handshake_within
 from gatekeeper.proxy.messages import Handler
 from gatekeeper.proxy.settings import ListenerSettings, ProxySettings
 from gatekeeper.tls import ReloadingTLS
@@ -419,9 +421,9 @@ class ProxyServer:
         protocol = _ClientProtocol(reader)
         try:
             try:
-                transport, _ = await loop.connect_accepted_socket(
-                    lambda: protocol, conn, ssl=self._ssl, ssl_handshake_timeout=lst.tls_handshake_timeout_seconds)
-            except (ConnectionAbortedError, TimeoutError) as exc:  # asyncio/uvloop abort a handshake past its timeout
+                transport = await handshake_within(loop, conn, lambda: protocol, self._ssl,
+                                                   lst.tls_handshake_timeout_seconds, lst.tls_handshake_cap_seconds)
+            except (ConnectionAbortedError, TimeoutError) as exc:  # ours, or the loop's own at the hard cap
                 rejections.reject("handshake_timeout", "TLS handshake not done in %gs: %s",
                                     lst.tls_handshake_timeout_seconds, exc)
                 return
