@@ -45,7 +45,7 @@ class ListenerSettings(TLSListenerSettings):
     wait unread in our socket buffer then (the proxy was behind): see ``tls_handshake_max_seconds``."""
     tls_handshake_max_seconds: float = 0.0
     """Hard cap on a handshake that ``tls_handshake_timeout_seconds`` extended because the proxy, not the client,
-    was behind (``listen/handshake.py``); 0 means four times ``tls_handshake_timeout_seconds``."""
+    was behind (``gatekeeper/tlshandshake.py``); 0 means four times ``tls_handshake_timeout_seconds``."""
 
     @property
     def tls_handshake_cap_seconds(self) -> float:

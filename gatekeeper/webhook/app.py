@@ -42,7 +42,8 @@ Metrics (Prometheus):
     ``connection-cap``: a connection closed after its handshake because
     ``server.maxConnections`` were open; ``request-budget``: a connection aborted because
     the worker's connections held more than ``server.maxBufferedRequestBytes`` of request heads
-    and queued requests and it held the most (listen.py, request_budget.py).
+    and queued requests and it held the most (listen.py, request_budget.py); ``handshake-timeout``:
+    a connection that did not finish TLS within ``server.tlsHandshakeTimeoutSeconds`` (accept.py).
 
 Trust: with ``server.clientCaFile`` only the apiserver (a client certificate
 from that CA whose CN or DNS SAN is in ``allowedClientNames``) gets reviews
@@ -99,7 +100,12 @@ class Metrics:
                                "Requests refused before or instead of acting on them", ["route", "reason"])
         self.refused_connections = Counter("gatekeeper_webhook_refused_connections_total",
                                            "Connections closed by the listener's bounds "
-                                           "(maxConnections, maxBufferedRequestBytes)", ["reason"])
+                                           "(maxConnections, maxBufferedRequestBytes, tlsHandshakeTimeoutSeconds)",
+                                           ["reason"])
+        self.handshakes_late = Counter("gatekeeper_webhook_tls_handshakes_late_total",
+                                       "TLS handshakes given another tlsHandshakeTimeoutSeconds because the delay was "
+                                       "the worker's (its loop stalled, or the client's bytes waited unread): the "
+                                       "webhook is short of CPU")
 
 
 _METRICS: Metrics | None = None

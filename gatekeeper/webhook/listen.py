@@ -4,7 +4,10 @@ Any pod that reaches the Service can connect, not only the apiserver, so the
 listener must not let a caller hold connections for free:
 
 * ``tlsHandshakeTimeoutSeconds``: a TCP connection that never finishes its TLS
-  handshake is dropped (asyncio's default is 60 s; TCPSite cannot set it);
+  handshake is dropped (asyncio's default is 60 s; TCPSite cannot set it) and
+  counted (``reason="handshake-timeout"``); not while the delay is the worker's own
+  (its loop stalled, or the client's bytes wait unread), up to 4 x the timeout
+  (accept.py, ``gatekeeper/tlshandshake.py``);
 * ``maxConnections``: past that many open connections (per worker process), a
   new one is closed right after its handshake, before any request is read, and
   counted in ``gatekeeper_webhook_refused_connections_total{reason="connection-cap"}``.
@@ -37,7 +40,12 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.http_parser import RawRequestMessage
 from aiohttp.web_protocol import RequestHandler
 
+from gatekeeper.netbind import bind_listeners
+from gatekeeper.webhook.accept import AcceptServer
 from gatekeeper.webhook.request_budget import RequestBudget, UnfinishedHead, head_size
+
+HANDSHAKE_CAP_PERIODS = 4
+"""A handshake the worker itself held up may take this many ``tlsHandshakeTimeoutSeconds``, never more."""
 
 
 class QuietClientErrors(logging.Logger):
@@ -249,13 +257,14 @@ class ConnectionCap:
 class LimitedSite(web.BaseSite):
     """A TCP site with a TLS handshake timeout, a connection cap and a request budget (see the module docstring)."""
 
-    __slots__ = ("_address", "_budget", "_handshake_timeout", "_max_connections", "_on_evicted", "_on_refused",
-                 "_port")
+    __slots__ = ("_address", "_budget", "_handshake_timeout", "_max_connections", "_on_evicted",
+                 "_on_handshake_late", "_on_handshake_timeout", "_on_refused", "_port")
 
     def __init__(self, runner: web.BaseRunner, address: str, port: int, *, ssl_context: ssl.SSLContext,
                  max_connections: int, handshake_timeout: float, on_refused: Callable[[], None],
                  max_buffered_request_bytes: int | None = None, on_evicted: Callable[[], None] = lambda: None,
-                 backlog: int = 2048) -> None:
+                 on_handshake_timeout: Callable[[], None] = lambda: None,
+                 on_handshake_late: Callable[[], None] = lambda: None, backlog: int = 2048) -> None:
         super().__init__(runner, ssl_context=ssl_context, backlog=backlog)
         self._address, self._port = address, port
         self._max_connections = max_connections
@@ -264,6 +273,8 @@ class LimitedSite(web.BaseSite):
         self._budget: RequestBudget[MeteredRequestHandler] | None = (
             None if max_buffered_request_bytes is None else RequestBudget(max_buffered_request_bytes))
         self._on_evicted = on_evicted
+        self._on_handshake_timeout = on_handshake_timeout
+        self._on_handshake_late = on_handshake_late
 
     @property
     def name(self) -> str:
@@ -278,8 +289,12 @@ class LimitedSite(web.BaseSite):
         await super().start()
         server = self._runner.server
         assert isinstance(server, web.Server)
-        self._server = await asyncio.get_running_loop().create_server(
-            ConnectionCap(server, self._max_connections, self._on_refused, self._budget, self._on_evicted),
-            self._address, self._port,
-            ssl=self._ssl_context, ssl_handshake_timeout=self._handshake_timeout, backlog=self._backlog,
-            reuse_port=True)
+        assert self._ssl_context is not None
+        # Our own accept loop (accept.py), not create_server(ssl=...): the loop's handshake timer cut clients whose
+        # TLS bytes waited unread while this worker was stalled.
+        sockets = bind_listeners(self._address, self._port, reuse_port=True, backlog=self._backlog)
+        self._server = AcceptServer(
+            sockets, ConnectionCap(server, self._max_connections, self._on_refused, self._budget, self._on_evicted),
+            self._ssl_context, period=self._handshake_timeout,
+            max_seconds=HANDSHAKE_CAP_PERIODS * self._handshake_timeout, on_timeout=self._on_handshake_timeout,
+            on_late=self._on_handshake_late)

@@ -23,7 +23,7 @@ against that CA; a verified certificate reaches the pipeline as
 
 Limits (``listener.*``/``protocol.*``, counted in ``gatekeeper_proxy_rejected_total``):
 the TLS handshake must finish within ``tlsHandshakeTimeoutSeconds`` (more, up to
-``tlsHandshakeMaxSeconds``, only while the client's bytes wait unread: ``handshake.py``); past
+``tlsHandshakeMaxSeconds``, only while the delay is ours: ``gatekeeper/tlshandshake.py``); past
 ``maxClientConnections`` open connections (handshakes included) a new one is
 closed at accept, before any TLS work; an h2 client's input is not read while our output to it is over
 ``writeBufferHighBytes`` (resumed under ``writeBufferLowBytes``), and a client
@@ -59,10 +59,10 @@ from gatekeeper.proxy.listen.body_budget import BodyBudget
 from gatekeeper.proxy.listen.h1 import H1Connection
 from gatekeeper.proxy.listen.h2 import H2Protocol
 from gatekeeper.proxy.listen.h2_limits import check_limits
-from gatekeeper.proxy.listen.handshake import handshake_within
 from gatekeeper.proxy.messages import Handler
 from gatekeeper.proxy.settings import ListenerSettings, ProxySettings
 from gatekeeper.tls import ReloadingTLS
+from gatekeeper.tlshandshake import handshake_within
 
 log = logging.getLogger("gatekeeper.proxy.listen.server")
 _receive_log = rejections.RateLimitedLog(log, rejections.LOG_INTERVAL)
@@ -422,7 +422,8 @@ class ProxyServer:
         try:
             try:
                 transport = await handshake_within(loop, conn, lambda: protocol, self._ssl,
-                                                   lst.tls_handshake_timeout_seconds, lst.tls_handshake_cap_seconds)
+                                                   lst.tls_handshake_timeout_seconds, lst.tls_handshake_cap_seconds,
+                                                   conn_metrics.TLS_HANDSHAKES_LATE.inc)
             except (ConnectionAbortedError, TimeoutError) as exc:  # ours, or the loop's own at the hard cap
                 rejections.reject("handshake_timeout", "TLS handshake not done in %gs: %s",
                                     lst.tls_handshake_timeout_seconds, exc)

@@ -1,10 +1,13 @@
-"""The client TLS handshake under a deadline that counts the client's delay, not the proxy's.
+"""A server-side TLS handshake under a deadline that counts the client's delay, not the server's.
+
+Shared by the proxy's listener and the webhook's (base layer: neither imports the other).
 
 ``tlsHandshakeTimeoutSeconds`` exists so that a client cannot hold a connection
-slot by connecting and never finishing TLS. The event loop's own handshake
+slot by connecting and never finishing TLS (the webhook's is
+``server.tlsHandshakeTimeoutSeconds``). The event loop's own handshake
 timer (``ssl_handshake_timeout``) cannot tell that client from one whose bytes
 came in time while the proxy itself was behind: uvloop runs expired timers
-before it reads sockets, so after a stall of the loop (a worker starved of CPU
+before it reads sockets, so after a stall of the loop (a process starved of CPU
 on a busy node, the seeds' LIST storm) the timer aborts handshakes whose
 ClientHello or Finished waits, unread, in our own socket buffer. The storm
 test saw exactly that: a probe's new HTTP/2 connection was cut 10 s into a
@@ -21,8 +24,9 @@ then the handshake gets a fresh period, up to ``tlsHandshakeMaxSeconds`` in all
   did not read.
 
 A client that sent nothing while we kept up is cut at the first deadline, as
-before. Each extension is counted in ``gatekeeper_proxy_tls_handshakes_late_total``:
-a sign of a proxy short of CPU.
+before. Each extension is counted by the caller (``on_late``;
+``gatekeeper_proxy_tls_handshakes_late_total``, ``gatekeeper_webhook_tls_handshakes_late_total``): a sign of a
+server short of CPU.
 """
 
 from __future__ import annotations
@@ -35,8 +39,6 @@ import socket
 import ssl
 import termios
 from collections.abc import Callable
-
-from gatekeeper.proxy.listen import conn_metrics
 
 MIN_LATENESS = 0.05
 """A deadline timer that ran this late (or a quarter period, if more) was held up by the loop, not the client."""
@@ -62,6 +64,7 @@ async def handshake_within(
     ssl_context: ssl.SSLContext,
     period: float,
     max_seconds: float,
+    on_late: Callable[[], None],
 ) -> asyncio.Transport:
     """``loop.connect_accepted_socket(..., ssl=...)``, cut at ``period`` unless the client's bytes wait unread.
 
@@ -83,7 +86,7 @@ async def handshake_within(
                 ours = now - deadline > max(MIN_LATENESS, period / 4) or unread_bytes(conn) > 0
                 if now >= cap or not ours:
                     raise TimeoutError(f"TLS handshake not done in {period:g}s")
-                conn_metrics.TLS_HANDSHAKES_LATE.inc()
+                on_late()
                 deadline = min(cap, now + period)
     except BaseException:
         if not handshake.done():
