@@ -10,9 +10,11 @@ import contextlib
 import os
 import re
 import signal
+import socket
 import ssl
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 import uuid
@@ -183,6 +185,54 @@ def metric_sum(text: str, name: str, **labels: str) -> float:
         if all(have.get(k) == v for k, v in labels.items()):
             total += float(m.group("value"))
     return total
+
+
+def is_cut(sock: socket.socket, timeout: float) -> bool:
+    """True when the peer closes or resets ``sock`` within ``timeout`` (False if it stays open)."""
+    sock.settimeout(timeout)
+    try:
+        return sock.recv(1) == b""
+    except (ConnectionError, ssl.SSLError):
+        return True
+    except TimeoutError:
+        return False
+
+
+def handshake_held_up(pid: int, port: int, ca: str, *, server_hostname: str, request: bytes,
+                      stall: float) -> str:
+    """The status line a TLS server answers ``request`` with after it was stopped in the middle of the handshake.
+
+    Stands in for a server starved of CPU: connect, give the server 0.3 s to accept and arm its handshake
+    deadline, SIGSTOP it, let the ClientHello go out (it waits unread in the server's buffer) and SIGCONT it
+    ``stall`` seconds later. Raises the client's error (OSError, ssl.SSLError) if the server cut the connection.
+    """
+    raw = socket.create_connection(("127.0.0.1", port), timeout=5)
+    time.sleep(0.3)
+    status: list[str] = []
+    errors: list[BaseException] = []
+
+    def client() -> None:
+        ctx = ssl.create_default_context(cafile=ca)
+        ctx.set_alpn_protocols(["http/1.1"])
+        try:
+            raw.settimeout(20)
+            with ctx.wrap_socket(raw, server_hostname=server_hostname) as tls:
+                tls.sendall(request)
+                status.append(tls.recv(64).split(b"\r\n", 1)[0].decode())
+        except (OSError, ssl.SSLError) as exc:
+            errors.append(exc)
+
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        thread = threading.Thread(target=client)
+        thread.start()
+        time.sleep(stall)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    thread.join(30)
+    if errors:
+        raise errors[0]
+    return status[0] if status else ""
 
 
 class WireH2:

@@ -11,11 +11,8 @@ gives them a fresh period instead. A client that sends nothing is still cut.
 
 from __future__ import annotations
 
-import os
-import signal
 import socket
 import ssl
-import threading
 import time
 from collections.abc import Iterator
 
@@ -23,7 +20,7 @@ import pytest
 
 from gatekeeper.sandbox import processes
 from gatekeeper.sandbox.state import SandboxState
-from gatekeeper.sandbox.testing import ProxyProcess
+from gatekeeper.sandbox.testing import ProxyProcess, handshake_held_up, is_cut, metric_sum
 
 pytestmark = pytest.mark.sandbox
 
@@ -42,56 +39,21 @@ def proxy(sandbox: SandboxState, tmp_path_factory: pytest.TempPathFactory) -> It
     assert rc == 0, f"proxy exit code {rc}: {processes.tail(proc.log)}"
 
 
-def metric(proxy: ProxyProcess, name: str) -> float:
-    return sum(float(line.split()[-1]) for line in proxy.metrics().splitlines()
-               if line.startswith(name) and not line.startswith("#"))
-
-
-def handshake_then_get(raw: socket.socket, ca: str, out: dict[str, object]) -> None:
-    """TLS (http/1.1) on an already connected socket, then one request; the status line, or the error."""
-    ctx = ssl.create_default_context(cafile=ca)
-    ctx.set_alpn_protocols(["http/1.1"])
-    try:
-        raw.settimeout(20)
-        tls = ctx.wrap_socket(raw, server_hostname="localhost")
-        tls.sendall(b"GET /version HTTP/1.1\r\nHost: localhost\r\n\r\n")
-        out["status"] = tls.recv(64).split(b"\r\n", 1)[0].decode()
-        tls.close()
-    except (OSError, ssl.SSLError) as exc:
-        out["error"] = repr(exc)
-
-
 def test_a_handshake_the_stalled_proxy_held_up_completes(proxy: ProxyProcess) -> None:
     assert proxy.proc is not None
-    pid = proxy.proc.pid
-    late_before = metric(proxy, "gatekeeper_proxy_tls_handshakes_late_total")
-    raw = socket.create_connection(("127.0.0.1", proxy.port), timeout=5)
-    time.sleep(0.3)  # accepted, handshake deadline armed, waiting for the ClientHello
-    os.kill(pid, signal.SIGSTOP)
-    out: dict[str, object] = {}
+    late = "gatekeeper_proxy_tls_handshakes_late_total"
+    late_before = metric_sum(proxy.metrics(), late)
     try:
-        client = threading.Thread(target=handshake_then_get, args=(raw, proxy.ca, out))
-        client.start()  # the ClientHello goes out now and waits, unread, in the stopped proxy's buffer
-        time.sleep(3 * PERIOD)  # past the deadline, under the 4 x PERIOD cap
-    finally:
-        os.kill(pid, signal.SIGCONT)
-    client.join(30)
-    assert "error" not in out, f"the proxy cut a client it had held up itself: {out['error']}"
-    assert str(out.get("status", "")).startswith("HTTP/1.1 "), out
-    assert metric(proxy, "gatekeeper_proxy_tls_handshakes_late_total") >= late_before + 1
+        status = handshake_held_up(proxy.proc.pid, proxy.port, proxy.ca, server_hostname="localhost",
+                                   request=b"GET /version HTTP/1.1\r\nHost: localhost\r\n\r\n", stall=3 * PERIOD)
+    except (OSError, ssl.SSLError) as exc:
+        pytest.fail(f"the proxy cut a client it had held up itself: {exc!r}")
+    assert status.startswith("HTTP/1.1 "), status
+    assert metric_sum(proxy.metrics(), late) >= late_before + 1
 
 
 def test_a_silent_client_is_still_cut_at_the_handshake_timeout(proxy: ProxyProcess) -> None:
-    raw = socket.create_connection(("127.0.0.1", proxy.port), timeout=5)
-    raw.settimeout(4 * PERIOD + 3)
     start = time.monotonic()
-    try:
-        cut = raw.recv(1) == b""
-    except ConnectionError:
-        cut = True
-    except TimeoutError:
-        cut = False
-    finally:
-        raw.close()
-    assert cut, "a client that never sends its ClientHello must be cut"
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as raw:
+        assert is_cut(raw, 4 * PERIOD + 3), "a client that never sends its ClientHello must be cut"
     assert time.monotonic() - start < 4 * PERIOD + 2

@@ -23,6 +23,7 @@ from gatekeeper.certs import PKI
 from gatekeeper.proxy.listen.server import ProxyServer
 from gatekeeper.proxy.messages import ProxyRequest, ProxyResponse
 from gatekeeper.proxy.settings import ListenerSettings, ProtocolSettings, ProxySettings
+from gatekeeper.sandbox.testing import is_cut
 
 
 @pytest.fixture(scope="module")
@@ -56,17 +57,6 @@ def _get(port: int, ca: str) -> int | None:
         client.close()
 
 
-def _is_cut(sock: socket.socket, timeout: float) -> bool:
-    """True when the peer closes or resets the connection within ``timeout``."""
-    sock.settimeout(timeout)
-    try:
-        return sock.recv(1) == b""
-    except (ConnectionError, ssl.SSLError):
-        return True
-    except TimeoutError:
-        return False
-
-
 async def test_connections_over_the_cap_are_closed_and_counted(pki: PKI) -> None:
     server = _server(pki, {"max_client_connections": 2})
     port = await server.start()
@@ -75,7 +65,7 @@ async def test_connections_over_the_cap_are_closed_and_counted(pki: PKI) -> None
     try:
         held = [await asyncio.to_thread(RawH2, port, ca=ca) for _ in range(2)]
         raw = await asyncio.to_thread(socket.create_connection, ("127.0.0.1", port), 5)
-        assert await asyncio.to_thread(_is_cut, raw, 5), "a connection over the cap must be closed at accept"
+        assert await asyncio.to_thread(is_cut, raw, 5), "a connection over the cap must be closed at accept"
         raw.close()
         assert rejected("connection_cap") == before + 1
         for c in held:
@@ -96,7 +86,7 @@ async def test_silent_client_is_cut_at_the_tls_handshake_timeout(pki: PKI) -> No
     try:
         raw = await asyncio.to_thread(socket.create_connection, ("127.0.0.1", port), 5)
         start = time.monotonic()
-        assert await asyncio.to_thread(_is_cut, raw, 5)
+        assert await asyncio.to_thread(is_cut, raw, 5)
         assert time.monotonic() - start < 3
         raw.close()
         async with asyncio.timeout(5):

@@ -19,6 +19,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from review_fixtures import container, pod, review
 
 from gatekeeper.certs import PKI, load_cert
+from gatekeeper.sandbox.testing import handshake_held_up, is_cut
 
 
 def listening_sockets(port: int) -> int:
@@ -250,26 +251,12 @@ def test_the_process_closes_unfinished_heads_past_its_request_budget_and_keeps_a
             tls.close()
 
 
-def _handshake_then_healthz(raw: socket.socket, ca: Path, out: dict[str, object]) -> None:
-    ctx = ssl.create_default_context(cafile=str(ca))
-    try:
-        raw.settimeout(20)
-        tls = ctx.wrap_socket(raw, server_hostname="127.0.0.1")
-        tls.sendall(b"GET /healthz HTTP/1.1\r\nHost: webhook\r\n\r\n")
-        out["status"] = tls.recv(64).split(b"\r\n", 1)[0].decode()
-        tls.close()
-    except (OSError, ssl.SSLError) as exc:
-        out["error"] = repr(exc)
-
-
 def test_a_handshake_the_stalled_worker_held_up_completes_and_a_silent_one_is_cut(
         tmp_path: Path, pki: PKI, start) -> None:
     """SIGSTOP stands in for a worker starved of CPU: the client's ClientHello waits, unread, past
     tlsHandshakeTimeoutSeconds. The loop's own handshake timer (it runs before sockets are read) cut such a
     client, an apiserver connection among them; accept.py gives it another period. A client that sends
     nothing is still cut and counted."""
-    import threading
-
     period = 0.5
     cfg = write_config(tmp_path, pki).read_text().replace(
         "    certCheckIntervalSeconds: 0\n",
@@ -277,32 +264,16 @@ def test_a_handshake_the_stalled_worker_held_up_completes_and_a_silent_one_is_cu
     (tmp_path / "config.yaml").write_text(cfg)
     proc, port = start(tmp_path / "config.yaml")
     ca = pki.cert_path("ca")
-    raw = socket.create_connection(("127.0.0.1", port), timeout=5)
-    time.sleep(0.3)  # accepted, handshake deadline armed, waiting for the ClientHello
-    os.kill(proc.pid, signal.SIGSTOP)
-    out: dict[str, object] = {}
     try:
-        client = threading.Thread(target=_handshake_then_healthz, args=(raw, ca, out))
-        client.start()
-        time.sleep(3 * period)
-    finally:
-        os.kill(proc.pid, signal.SIGCONT)
-    client.join(30)
-    assert "error" not in out, f"the webhook cut a client it had held up itself: {out['error']}"
-    assert str(out.get("status", "")).startswith("HTTP/1.1 200"), out
+        status = handshake_held_up(proc.pid, port, str(ca), server_hostname="127.0.0.1",
+                                   request=b"GET /healthz HTTP/1.1\r\nHost: webhook\r\n\r\n", stall=3 * period)
+    except (OSError, ssl.SSLError) as exc:
+        pytest.fail(f"the webhook cut a client it had held up itself: {exc!r}")
+    assert status.startswith("HTTP/1.1 200"), status
     assert _metric(port, ca, "gatekeeper_webhook_tls_handshakes_late_total") >= 1
 
-    silent = socket.create_connection(("127.0.0.1", port), timeout=5)
-    silent.settimeout(4 * period + 3)
-    try:
-        cut = silent.recv(1) == b""
-    except ConnectionError:
-        cut = True
-    except TimeoutError:
-        cut = False
-    finally:
-        silent.close()
-    assert cut, "a client that never sends its ClientHello must be cut"
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as silent:
+        assert is_cut(silent, 4 * period + 3), "a client that never sends its ClientHello must be cut"
     counter = 'gatekeeper_webhook_refused_connections_total{reason="handshake-timeout"}'
     deadline = time.monotonic() + 5
     while _metric(port, ca, counter) < 1:
