@@ -229,14 +229,8 @@ async def test_unfinished_heads_past_the_request_budget_close_the_largest_holder
 
 def _pipeline_fat_heads_without_reading(served: Listening, requests: int = 40) -> ssl.SSLSocket:
     """Requests with 96 KB heads sent back to back; no answer is read, so they queue behind the first."""
-    raw = socket.create_connection(("127.0.0.1", served.port))
-    raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    tls = served.ctx.wrap_socket(raw, server_hostname="127.0.0.1")
-    tls.settimeout(3)
-    with contextlib.suppress(OSError):  # the server stops reading (or cuts us): enough sent
-        for _ in range(requests):
-            tls.sendall(_unfinished_head(12).replace(b"/healthz", b"/metrics") + b"\r\n")
-    return tls
+    return _pipeline_without_reading(served, requests,
+                                     _unfinished_head(12).replace(b"/healthz", b"/metrics") + b"\r\n")
 
 
 async def test_requests_queued_behind_a_pipelined_one_count_in_the_request_budget(
@@ -408,15 +402,16 @@ def test_budget_must_hold_the_largest_review() -> None:
         settings.validate()
 
 
-def _pipeline_without_reading(served: Listening, requests: int = 20000) -> ssl.SSLSocket:
-    """A blocking client with a tiny receive window that sends requests back to back and reads nothing."""
+def _pipeline_without_reading(served: Listening, requests: int = 20000,
+                              request: bytes = b"GET /metrics HTTP/1.1\r\nHost: webhook\r\n\r\n") -> ssl.SSLSocket:
+    """A blocking client with a tiny receive window that sends ``request`` back to back and reads nothing."""
     raw = socket.create_connection(("127.0.0.1", served.port))
     raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     tls = served.ctx.wrap_socket(raw, server_hostname="127.0.0.1")
     tls.settimeout(3)
     with contextlib.suppress(OSError):  # the server stops reading (or cuts us): enough sent
         for _ in range(requests):
-            tls.sendall(b"GET /metrics HTTP/1.1\r\nHost: webhook\r\n\r\n")
+            tls.sendall(request)
     return tls
 
 
