@@ -23,7 +23,7 @@ import pytest
 from gatekeeper.proxy.settings import UpstreamSettings
 from gatekeeper.proxy.upstream import mux_pool
 from gatekeeper.proxy.upstream.client import H2_ALPN, make_ssl_context, response_headers
-from gatekeeper.proxy.upstream.mux_wire import request_fields
+from gatekeeper.proxy.upstream.mux_wire import authority_field, request_block
 from gatekeeper.sandbox.pki import SandboxPKI
 from gatekeeper.sandbox.state import SandboxState
 from gatekeeper.sandbox.testing import ProxyProcess, metric_sum
@@ -139,13 +139,13 @@ async def test_streams_in_flight_when_the_apiserver_sends_goaway_all_get_their_a
     goaways: list[int] = []
     pool = mux_pool.MuxPool(url.hostname or "", url.port or 443, limit=256, max_streams=100, connect_timeout=5,
                             on_goaway=lambda: goaways.append(1))
-    authority = url.netloc
-    tenant_fields = request_fields("GET", f"/api/v1/namespaces/{ns}/configmaps", authority,
+    authority = authority_field(url.netloc)
+    tenant_fields = request_block("GET", f"/api/v1/namespaces/{ns}/configmaps", authority,
                                    [("authorization", f"Bearer {token}"), ("accept", "application/json")],
                                    frozenset())
-    anonymous_fields = request_fields("GET", "/version", authority, [], frozenset())
+    anonymous_fields = request_block("GET", "/version", authority, [], frozenset())
 
-    async def call(fields: list[tuple[bytes, bytes]]) -> tuple[int, bytes]:
+    async def call(fields: bytes) -> tuple[int, bytes]:
         status, raw, body = await mux_pool.exchange(pool, "apiserver-1", ctx, lambda: (ctx,), fields,
                                                     head_only=False, header_timeout=30, acquire_timeout=10,
                                                     on_done=lambda e: None)

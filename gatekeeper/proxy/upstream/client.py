@@ -234,6 +234,7 @@ class BackendClient:
                                              files, what="upstream CA (HTTP/2)", check_interval=interval)
             goaways = metrics.UPSTREAM_GOAWAYS.labels(name)
             self._h2_streams = metrics.UPSTREAM_H2_STREAMS.labels(name)
+            self._h2_authority = mux_wire.authority_field(split.netloc)
             self.mux = mux_pool.MuxPool(self.host, self.port, limit=settings.max_connections_per_backend,
                                         max_streams=settings.http2_max_streams,
                                         connect_timeout=settings.connect_timeout_seconds, on_goaway=goaways.inc)
@@ -430,10 +431,11 @@ class BackendClient:
         else:
             assert self.tls_h2_plain is not None
             ctx = self.tls_h2_plain.get()
-        fields = mux_wire.request_fields(request.method, request.target, self.authority, headers, _REQUEST_REMOVED)
+        block = mux_wire.request_block(request.method, request.target, self._h2_authority, headers,
+                                       _REQUEST_REMOVED)
         self._h2_streams.inc()
         status, raw, body = await mux_pool.exchange(
-            mux, self.name, ctx, self._live_h2_contexts, fields, head_only=request.method == "HEAD",
+            mux, self.name, ctx, self._live_h2_contexts, block, head_only=request.method == "HEAD",
             header_timeout=self.settings.response_header_timeout_seconds,
             acquire_timeout=self.settings.pool_acquire_timeout_seconds, on_done=on_done)
         return ProxyResponse(status=status, headers=response_headers(raw), body=body)

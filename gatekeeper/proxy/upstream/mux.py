@@ -46,7 +46,6 @@ from typing import cast
 
 from gatekeeper.proxy.listen import h2_frames as f
 from gatekeeper.proxy.listen.h2_hdecode import BlockDecoder, HeaderBlockError
-from gatekeeper.proxy.listen.h2_hpack import ResponseEncoder
 from gatekeeper.proxy.upstream.lean import MAX_HEAD_BYTES, BackendProtocolError
 from gatekeeper.proxy.upstream.mux_wire import headers_frames
 
@@ -157,7 +156,6 @@ class MuxConn(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.buf = b""
         self.decoder = BlockDecoder(MAX_HEAD_BYTES)
-        self.encoder = ResponseEncoder()
         self.streams: dict[int, MuxStream] = {}
         self.next_sid = 1
         self.peer_max_streams = max_streams
@@ -183,12 +181,12 @@ class MuxConn(asyncio.Protocol):
         return (not self.closed and self.goaway is None and self.next_sid < MAX_STREAM_ID
                 and len(self.streams) < min(self.cap, self.peer_max_streams))
 
-    def start(self, fields: list[tuple[bytes, bytes]], *, head_only: bool,
-              header_timeout: float | None) -> MuxStream:
+    def start(self, block: bytes, *, head_only: bool, header_timeout: float | None) -> MuxStream:
+        """Open a stream for a bodiless request whose header block is ``block`` (:func:`mux_wire.request_block`)."""
         sid = self.next_sid
         self.next_sid += 2
         stream = self.streams[sid] = MuxStream(sid, self, head_only)
-        self.queue(headers_frames(sid, self.encoder.encode(fields), self.peer_max_frame))
+        self.queue(headers_frames(sid, block, self.peer_max_frame))
         if header_timeout is not None:
             stream.timer = self.loop.call_later(header_timeout, self._header_timeout, stream)
         return stream
@@ -365,8 +363,6 @@ class MuxConn(asyncio.Protocol):
                             if not f.MIN_FRAME_SIZE <= value <= f.MAX_FRAME_SIZE_LIMIT:
                                 return self._broken("bad SETTINGS_MAX_FRAME_SIZE")
                             self.peer_max_frame = value
-                        elif key == f.HEADER_TABLE_SIZE:
-                            self.encoder.header_table_size = value
                         elif key == f.INITIAL_WINDOW_SIZE and value > f.MAX_WINDOW:
                             return self._broken("bad SETTINGS_INITIAL_WINDOW_SIZE", 0x3)
                     self.queue(f.frame(f.SETTINGS, f.ACK, 0))

@@ -175,7 +175,7 @@ class MuxBody:
 
 async def exchange(
     pool: MuxPool, name: str, ctx: ssl.SSLContext, live: Callable[[], tuple[object, ...]],
-    fields: list[tuple[bytes, bytes]], *, head_only: bool, header_timeout: float | None,
+    block: bytes, *, head_only: bool, header_timeout: float | None,
     acquire_timeout: float, on_done: Callable[[BaseException | None], None],
 ) -> tuple[int, list[tuple[bytes, bytes]], MuxBody]:
     """Send one bodiless request as a stream and wait for its head; the errors are :func:`exchange.exchange`'s.
@@ -193,7 +193,7 @@ async def exchange(
     try:
         for attempt in range(SENDS):
             conn = await pool.conn(ctx, live)
-            stream = conn.start(fields, head_only=head_only, header_timeout=header_timeout)
+            stream = conn.start(block, head_only=head_only, header_timeout=header_timeout)
             try:
                 while not stream.headers_done:
                     if stream.error is not None:
