@@ -20,7 +20,7 @@ import hpack
 import pytest
 from hpack import NeverIndexedHeaderTuple
 
-from gatekeeper.certs import PKI
+from gatekeeper.certs import FRONT_PROXY_CA, PKI
 from gatekeeper.proxy.listen import h2_frames as f
 from gatekeeper.proxy.messages import ProxyRequest, ProxyResponse
 from gatekeeper.proxy.settings import UpstreamSettings
@@ -38,6 +38,7 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> PKI:
     pki = PKI(tmp_path_factory.mktemp("pki"))
     pki.init()
     pki.issue_serving("backend", ips=["127.0.0.1"])
+    pki.issue_client("front-proxy-client", user="front-proxy-client", ca=FRONT_PROXY_CA)
     return pki
 
 
@@ -87,6 +88,7 @@ class Backend:
         self.resets: list[tuple[int, int]] = []
         self.server: asyncio.Server | None = None
         self.peers: list[Peer] = []
+        self.peer_certs: list[object] = []
 
     @staticmethod
     async def ok(backend: Backend, peer: Peer, sid: int, headers: dict[str, str]) -> None:
@@ -96,11 +98,14 @@ class Backend:
         ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         ctx.load_cert_chain(self.pki.cert_path("backend"), self.pki.key_path("backend"))
         ctx.set_alpn_protocols([self.alpn])
+        ctx.load_verify_locations(self.pki.cert_path(FRONT_PROXY_CA))
+        ctx.verify_mode = ssl.CERT_OPTIONAL
         self.server = await asyncio.start_server(self.handle, "127.0.0.1", 0, ssl=ctx)
         return f"https://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
+        self.peer_certs.append(writer.get_extra_info("peercert"))
         peer = Peer(writer)
         self.peers.append(peer)
         peer.conn.initiate_connection()
@@ -144,8 +149,10 @@ class Backend:
 async def backend(pki: PKI):
     b = Backend(pki)
     url = await b.start()
-    client = BackendClient("b", url, UpstreamSettings(ca_file=str(pki.cert_path("ca")), http2=True,
-                                                      response_header_timeout_seconds=5))
+    client = BackendClient("b", url, UpstreamSettings(
+        ca_file=str(pki.cert_path("ca")), http2=True, response_header_timeout_seconds=5,
+        client_cert_file=str(pki.cert_path("front-proxy-client")),
+        client_key_file=str(pki.key_path("front-proxy-client"))))
     yield b, client
     await client.close()
     await b.stop()
@@ -156,9 +163,9 @@ def get(target: str, headers: list[tuple[str, str]] | None = None, method: str =
                         protocol="h2")
 
 
-async def send(client: BackendClient, request: ProxyRequest, *, multiplex: bool = True,
+async def send(client: BackendClient, request: ProxyRequest, *, multiplex: bool = True, identity: bool = False,
                done: list[BaseException | None] | None = None) -> ProxyResponse:
-    return await client.send(request, request.headers, identity=False, swallow_body_errors=False,
+    return await client.send(request, request.headers, identity=identity, swallow_body_errors=False,
                              on_done=(done.append if done is not None else lambda e: None), multiplex=multiplex)
 
 
@@ -395,3 +402,18 @@ def test_a_header_the_connection_header_names_is_dropped_even_after_it_was_memoi
     assert decoded(named) == decoded(plain)[:4]
     again = request_block("GET", "/a", authority_field("a:1"), [("x-token-hint", "1")], removed)
     assert again == plain  # the one-off removal did not disturb the memo
+
+
+async def test_asserted_identities_and_token_requests_never_share_a_connection(backend) -> None:
+    b, client = backend
+    for identity in (True, False, True, False):
+        await read_all(await send(client, get("/who"), identity=identity))
+    assert b.connections == 2
+    assert b.peer_certs[0] and not b.peer_certs[1]  # the front-proxy certificate only on the identity one
+
+
+async def test_a_header_block_larger_than_a_frame_goes_out_in_continuation_frames(backend) -> None:
+    b, client = backend
+    token = "Bearer " + "t" * 40000
+    await read_all(await send(client, get("/big-head", [("authorization", token)])))
+    assert b.requests[0]["authorization"] == token
