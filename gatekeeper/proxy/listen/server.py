@@ -357,10 +357,11 @@ class ProxyServer:
         if self._handoff is not None and self._handoff.sock.fileno() >= 0:
             if not self._handoff.ended:
                 asyncio.get_running_loop().remove_reader(self._handoff.sock.fileno())
-            # Closed, not just unread: the supervisor sees the end at once and hands us nothing more while we
-            # drain (a worker SIGTERMed on its own stayed the least loaded and took connections that hung
-            # until it exited), and connections still queued in it are closed now, not after the drain.
-            self._handoff.close()
+            # Said and closed, not just unread: the supervisor hands us nothing more while we drain (a worker
+            # SIGTERMed on its own stayed the least loaded and took connections that hung until it exited), and
+            # takes back the connections still queued for us, for another worker to serve (before, they were
+            # reset when we closed our end).
+            self._handoff.leave()
         clients = list(self._clients.values())
         log.info("shutting down: %d client connections to drain (up to %.0fs)", len(clients), timeout)
         for client in clients:
