@@ -595,9 +595,10 @@ async def serve(
             await server.shutdown()
         finally:
             for sig in installed if keep else ():
-                # Blocked while the loop's handler gives way to SIG_IGN: remove_signal_handler restores SIG_DFL,
-                # and a signal landing in between would kill the process.
-                signal.pthread_sigmask(signal.SIG_BLOCK, {sig})
-                loop.remove_signal_handler(sig)
+                # Ignored at the process level over the loop's handler, which is left registered: removing it
+                # restores the default action (death) until SIG_IGN follows, and a SIGTERM landing in between
+                # killed the worker. Blocking the signal in this thread across the swap did not close that window:
+                # a signal sent to the process goes to any thread that does not block it (uvloop's libuv-worker
+                # threads, which never do), and the default action then ends the whole process. uvloop's loop,
+                # closed once it stopped running, leaves the disposition alone (asyncio's restores the default).
                 signal.signal(sig, signal.SIG_IGN)
-                signal.pthread_sigmask(signal.SIG_UNBLOCK, {sig})
