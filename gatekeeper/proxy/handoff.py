@@ -77,6 +77,8 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from gatekeeper.acceptloop import ACCEPT_BACKOFF
+
 log = logging.getLogger("gatekeeper.proxy.handoff")
 
 READY = b"R"
@@ -87,8 +89,6 @@ has not read (its own close no longer ends the socket: the supervisor holds a du
 _CONN = b"C"
 BACKLOG = 1024
 """Pending connections the kernel queues on the TLS port once it listens (the workers' own listeners too)."""
-ACCEPT_BACKOFF = 0.1
-"""Seconds without accepting after an accept failed (out of descriptors): the workers' accept loops did the same."""
 RECEIVE_RETRY = frozenset({errno.ENOBUFS, errno.ENOMEM})
 """Errors of a worker's receive that pass (the kernel short of memory): it tries again after a back-off. Any
 other error (ECONNRESET: the supervisor closed its end with messages unread; EBADF, ...) ends the hand-off."""
