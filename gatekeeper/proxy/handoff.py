@@ -22,8 +22,10 @@ workers) does the same across processes:
   connection handed over but not yet picked up counts as open, so a burst of
   connections spreads at once.
 * The least-loaded serving worker gets the connection; ties rotate. A worker
-  serves once it says so on its socket (``R``), and stops when that socket
-  ends (it died; the supervisor restarts it with a fresh socket and count).
+  serves once it says so on its socket (``R``), and stops when it says it
+  drains (``D``) or its process exits (:meth:`Dispatcher.retire`: our
+  duplicate of its end, below, keeps the socket open past its death); the
+  supervisor restarts it with a fresh socket and count.
   A worker whose socket the supervisor closes drains and exits, to be
   restarted the same way; a read that fails with ENOBUFS/ENOMEM is retried
   after a back-off (``gatekeeper_proxy_handoff_receive_errors_total``).
