@@ -497,8 +497,9 @@ class Dispatcher:
         except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:
-            # ECONNRESET: the worker closed its end with connections unread (it exited, or drains). Anything
-            # else drops a live worker's socket: the worker reads the end, drains and exits, to be restarted.
+            # ECONNRESET: the worker's end closed with connections unread (no longer while we hold its duplicate:
+            # kept for safety). Anything else drops a live worker's socket: the worker reads the end, drains and
+            # exits, to be restarted.
             if not isinstance(exc, ConnectionResetError):
                 log.warning("worker %d's hand-off socket failed (%s): dropping it", worker, exc)
             msg = b""
@@ -511,7 +512,7 @@ class Dispatcher:
             self._serving[worker] = False
             log.debug("worker %d drains", worker)
             self._take_back(worker)
-        elif not msg:  # the worker exited; its successor gets a new socket
+        elif not msg:  # its end closed (not while we hold its duplicate: see retire); a successor gets a new one
             self._drop(worker)
 
     def _set_accepting(self, on: bool) -> None:
