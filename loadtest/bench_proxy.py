@@ -113,8 +113,10 @@ class Env:
 
     def start_gatekeeper(self, name: str = "bench-proxy", workers: int | None = None,
                          deployed_flow_control: bool = False, http2_engine: str | None = None,
-                         backends: list[str] | None = None, balancing: str | None = None) -> tuple[str, int]:
-        """A gatekeeper proxy; ``deployed_flow_control`` gives it the policy ``sandbox up --with-proxy`` deploys."""
+                         backends: list[str] | None = None, balancing: str | None = None,
+                         upstream_http2: bool = False) -> tuple[str, int]:
+        """A gatekeeper proxy; ``deployed_flow_control`` gives it the policy ``sandbox up --with-proxy`` deploys;
+        ``upstream_http2`` turns on ``upstream.http2`` (multiplexed HTTP/2 to the apiservers)."""
         flow: dict[str, Any] = {"enabled": False}
         if deployed_flow_control:
             from gatekeeper.sandbox.with_proxy import default_flow_control
@@ -127,6 +129,8 @@ class Env:
             user["protocol"] = {"http2Engine": http2_engine}
         if balancing is not None:
             user["connectionBalancing"] = balancing
+        if upstream_http2:
+            user["upstream"] = {"http2": True}
         gk = ProxyProcess(self.state, work, name=name, health_interval=0.5, user_config=user,
                           workers=workers if workers is not None else 1, backends=backends)
         try:

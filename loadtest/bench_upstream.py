@@ -1,21 +1,24 @@
-"""Benchmark: the upstream client alone, lean vs aiohttp, beside HAProxy HTTP mode, in one run.
+"""Benchmark: the upstream clients, beside HAProxy HTTP mode, in one run.
 
-Not a test. Three proxies in front of the same sandbox, each given the same
-closed-loop h2load rounds in turn (interleaved, so machine noise hits all
-three alike): gatekeeper with ``upstream.client: lean``, gatekeeper with
-``upstream.client: aiohttp`` (both one worker, the flow-control policy
-``sandbox up --with-proxy`` deploys) and HAProxy ``nbthread 1``. Prints the
-median CPU per request (utime and stime from /proc, so kernel time counts)
-and the ratios::
+Not a test. One proxy per upstream client arm in front of the same sandbox, each
+given the same closed-loop h2load rounds in turn (interleaved, so machine noise
+hits all alike): gatekeeper with ``upstream.client: lean`` (HTTP/1.1, one
+connection per request in flight), with ``upstream.http2: true`` (lean, plus
+multiplexed HTTP/2 for short GETs of verified callers), with
+``upstream.client: aiohttp`` (all one worker, the flow-control policy
+``sandbox up --with-proxy`` deploys, which verifies the bench's token), and
+HAProxy ``nbthread 1``. Prints the median CPU per request (utime and stime from
+/proc, so kernel time counts), the ratios, and the median of the per-round
+ratios to ``lean`` (the steadier figure on a noisy machine)::
 
     gatekeeper sandbox up --state-dir /tmp/bench --apiservers 3
-    python loadtest/bench_upstream.py --state-dir /tmp/bench [--rounds 5] [--requests 4000]
+    python loadtest/bench_upstream.py --state-dir /tmp/bench [--rounds 5] [--requests 4000] [--arms lean,http2]
     gatekeeper sandbox down --state-dir /tmp/bench
 
 ``--client-only`` measures the upstream client alone instead: in this process, no
 listener, no pipeline, ``BackendClient.send`` of a small GET to apiserver 1 with 8
-concurrent callers, CPU (``time.process_time``) per request, lean and aiohttp
-interleaved.
+concurrent callers (an asserted identity, so ``http2`` multiplexes them), CPU
+(``time.process_time``) per request, the arms interleaved.
 """
 
 from __future__ import annotations
@@ -55,11 +58,19 @@ def cpu_split(pids: list[int]) -> tuple[float, float]:
     return user / tick, system / tick
 
 
-def start_gatekeeper(env: Env, client: str) -> tuple[str, int]:
-    work = env.work / f"gk-{client}"
+ARMS: dict[str, dict[str, Any]] = {
+    "lean": {"client": "lean"},
+    "http2": {"client": "lean", "http2": True},
+    "aiohttp": {"client": "aiohttp"},
+}
+"""Upstream settings of each arm (camelCase, as in the config file)."""
+
+
+def start_gatekeeper(env: Env, arm: str) -> tuple[str, int]:
+    work = env.work / f"gk-{arm}"
     work.mkdir(exist_ok=True)
-    config: dict[str, Any] = {"flowControl": default_flow_control() or {}, "upstream": {"client": client}}
-    gk = ProxyProcess(env.state, work, name=f"gk-{client}", health_interval=0.5, user_config=config, workers=1)
+    config: dict[str, Any] = {"flowControl": default_flow_control() or {}, "upstream": dict(ARMS[arm])}
+    gk = ProxyProcess(env.state, work, name=f"gk-{arm}", health_interval=0.5, user_config=config, workers=1)
     try:
         gk.start(timeout=120)
     finally:
@@ -69,11 +80,12 @@ def start_gatekeeper(env: Env, client: str) -> tuple[str, int]:
     return gk.url, gk.proc.pid
 
 
-async def client_round(state: SandboxState, client: str, n: int, concurrency: int) -> float:
+async def client_round(state: SandboxState, arm: str, n: int, concurrency: int) -> float:
     """CPU milliseconds per small GET through ``BackendClient.send`` alone."""
     certs = Path(state.certs_dir)
     settings = UpstreamSettings(ca_file=str(certs / "ca.crt"), client_cert_file=str(certs / "front-proxy-client.crt"),
-                                client_key_file=str(certs / "front-proxy-client.key"), client=client)
+                                client_key_file=str(certs / "front-proxy-client.key"), client=ARMS[arm]["client"],
+                                http2=bool(ARMS[arm].get("http2")))
     backend = BackendClient("apiserver-1", state.apiserver_urls[0], settings)
     headers = [("x-remote-user", "admin"), ("x-remote-group", "system:masters"), ("accept", "application/json"),
                ("user-agent", "bench"), ("x-forwarded-for", "127.0.0.1")]
@@ -83,7 +95,7 @@ async def client_round(state: SandboxState, client: str, n: int, concurrency: in
             request = ProxyRequest(method="GET", target="/api/v1/namespaces/default", headers=headers, body=None,
                                    protocol="h2")
             resp = await backend.send(request, headers, identity=True, swallow_body_errors=False,
-                                      on_done=lambda _e: None)
+                                      on_done=lambda _e: None, multiplex=True)
             async for _ in resp.body:
                 pass
             assert resp.status == 200, resp.status
@@ -97,21 +109,29 @@ async def client_round(state: SandboxState, client: str, n: int, concurrency: in
         await backend.close()
 
 
-def client_only(state_dir: str, rounds: int, n: int) -> None:
+def to_lean(cpu: dict[str, list[float]]) -> str:
+    """Each arm against ``lean``: the median of the per-round ratios (a slow round hits both alike)."""
+    if "lean" not in cpu:
+        return ""
+    parts = [f"{name} x{statistics.median(a / b for a, b in zip(values, cpu['lean'], strict=True)):.2f}"
+             for name, values in cpu.items() if name != "lean"]
+    return "per-round ratio to lean (median): " + ", ".join(parts)
+
+
+def client_only(state_dir: str, rounds: int, n: int, arms: list[str]) -> None:
     import uvloop
 
     state = SandboxState.load(state_dir)
     print(f"load average before: {load_average()}")
-    cpu: dict[str, list[float]] = {"lean": [], "aiohttp": []}
+    cpu: dict[str, list[float]] = {arm: [] for arm in arms}
     for _ in range(rounds):
-        for client in cpu:
-            cpu[client].append(uvloop.run(client_round(state, client, n, 8)))
+        for arm in cpu:
+            cpu[arm].append(uvloop.run(client_round(state, arm, n, 8)))
     print(f"load average after: {load_average()}")
     med = {k: statistics.median(v) for k, v in cpu.items()}
-    for client, values in cpu.items():
-        print(f"{client:8s} upstream client CPU {med[client]:.3f} ms/req   rounds: "
-              + " ".join(f"{v:.3f}" for v in values))
-    print(f"lean / aiohttp x{med['lean'] / med['aiohttp']:.2f}")
+    for arm, values in cpu.items():
+        print(f"{arm:8s} upstream client CPU {med[arm]:.3f} ms/req   rounds: " + " ".join(f"{v:.3f}" for v in values))
+    print(to_lean(cpu))
 
 
 def main() -> None:
@@ -122,15 +142,19 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--client-only", action="store_true", help="the upstream client alone, in this process")
+    ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
     args = ap.parse_args()
+    arms = [a for a in args.arms.split(",") if a]
+    if unknown := set(arms) - set(ARMS):
+        sys.exit(f"unknown arms: {', '.join(sorted(unknown))}")
     if args.client_only:
-        client_only(args.state_dir, args.rounds, args.requests)
+        client_only(args.state_dir, args.rounds, args.requests, arms)
         return
     env = Env(args.state_dir, Path(tempfile.mkdtemp(prefix="gk-bench-upstream-")))
     env.make_token()
     try:
-        targets = {"lean": start_gatekeeper(env, "lean"), "aiohttp": start_gatekeeper(env, "aiohttp"),
-                   "haproxy": env.start_haproxy(nbthread=1, name="hap-t1")}
+        targets = {arm: start_gatekeeper(env, arm) for arm in arms}
+        targets["haproxy"] = env.start_haproxy(nbthread=1, name="hap-t1")
         for url, _ in targets.values():
             h2load(env, url, 400, 4, 4)  # warm-up
         print(f"load average before: {load_average()}")
@@ -155,11 +179,10 @@ def main() -> None:
             print(f"{name:8s} CPU {med[name]:.3f} ms/req (kernel {statistics.median(sys_share[name]):.0%})  "
                   f"{statistics.median(rps[name]):6.0f} req/s   rounds: "
                   + " ".join(f"{c:.3f}" for c in cpu[name]))
-        hap = med["haproxy"]
-        print(f"CPU per request vs HAProxy: lean x{med['lean'] / hap:.1f}, aiohttp x{med['aiohttp'] / hap:.1f}; "
-              f"lean / aiohttp x{med['lean'] / med['aiohttp']:.2f}")
-        print(f"req/s vs HAProxy: lean x{statistics.median(rps['lean']) / statistics.median(rps['haproxy']):.2f}, "
-              f"aiohttp x{statistics.median(rps['aiohttp']) / statistics.median(rps['haproxy']):.2f}")
+        hap, hap_rps = med["haproxy"], statistics.median(rps["haproxy"])
+        print("CPU per request vs HAProxy: " + ", ".join(f"{arm} x{med[arm] / hap:.2f}" for arm in arms))
+        print("req/s vs HAProxy: " + ", ".join(f"{arm} x{statistics.median(rps[arm]) / hap_rps:.2f}" for arm in arms))
+        print(to_lean({arm: cpu[arm] for arm in arms}))
     finally:
         env.stop()
 

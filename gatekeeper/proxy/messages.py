@@ -116,6 +116,8 @@ class ProxyRequest:
     connection_memo: dict[str, Any] | None = None
     """One dict per client connection, shared by its requests (what the identity stage learned
     from the connection's certificate and last credential; ``auth.identify``). None: no memo."""
+    token_verified: bool = False
+    """Flow control verified the bearer token's signature and claims (the apiserver will authenticate it)."""
 
     def header(self, name: str) -> str | None:
         name = name.lower()

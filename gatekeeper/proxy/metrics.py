@@ -92,6 +92,18 @@ UPSTREAM_RETRIES = Counter(
     "gatekeeper_proxy_upstream_retries",
     "Safe requests (GET/HEAD without body) sent to another backend after a connect failure.",
 )
+UPSTREAM_GOAWAYS = Counter(
+    "gatekeeper_proxy_upstream_goaways",
+    "GOAWAY frames received on multiplexed HTTP/2 upstream connections (upstream.http2), by backend: each one "
+    "costs a reconnect; many mean the apiserver's --goaway-chance is high or unauthenticated requests reach it.",
+    ["backend"],
+)
+UPSTREAM_H2_STREAMS = Counter(
+    "gatekeeper_proxy_upstream_http2_streams",
+    "Requests sent as streams on multiplexed HTTP/2 upstream connections (upstream.http2), by backend; the "
+    "rest of gatekeeper_proxy_requests_total went over HTTP/1.1 (watches, bodies, unverified callers).",
+    ["backend"],
+)
 
 
 class PoolSource(Protocol):

@@ -52,10 +52,10 @@ ENTRY_OVERHEAD = 32
 """RFC 7541 4.1: a table entry's size is name + value + 32."""
 
 _STATIC_FULL: dict[tuple[bytes, bytes], int] = {}
-_STATIC_NAME: dict[bytes, int] = {}
+STATIC_NAME: dict[bytes, int] = {}
 for _i, (_n, _v) in enumerate(HeaderTable.STATIC_TABLE, start=1):
     _STATIC_FULL.setdefault((_n, _v), _i)
-    _STATIC_NAME.setdefault(_n, _i)
+    STATIC_NAME.setdefault(_n, _i)
 _STATIC_LEN = len(HeaderTable.STATIC_TABLE)
 
 _huffman = HuffmanEncoder(REQUEST_CODES, REQUEST_CODES_LENGTH)
@@ -97,7 +97,7 @@ INCREMENTAL, WITHOUT, NEVER = (0x40, 6), (0x00, 4), (0x10, 4)
 def _literal(name: bytes, value: bytes, kind: tuple[int, int], *, huffman: bool) -> bytes:
     """A literal field, its name indexed from the static table when it is there."""
     flags, bits = kind
-    index = _STATIC_NAME.get(name)
+    index = STATIC_NAME.get(name)
     if index is not None:
         return _int(index, bits, flags) + _string(value, huffman)
     return _int(0, bits, flags) + _string(name, huffman) + _string(value, huffman)

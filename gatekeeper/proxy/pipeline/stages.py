@@ -261,7 +261,8 @@ class Dispatcher:
                 else:
                     response = await client.send(request, headers, identity=asserts_identity,
                                                  swallow_body_errors=watch_like, on_done=_Done(backend, lease),
-                                                 long_running=info.long_running)
+                                                 long_running=info.long_running,
+                                                 multiplex=asserts_identity or request.token_verified)
             except ConnectFailed as exc:
                 lease.release()
                 self.balancer.report_connect_failure(backend)

@@ -37,10 +37,10 @@ import aiohttp
 from multidict import CIMultiDict
 from yarl import URL
 
-from gatekeeper.proxy import target
+from gatekeeper.proxy import metrics, target
 from gatekeeper.proxy.messages import Headers, ProxyRequest, ProxyResponse, Upgraded
 from gatekeeper.proxy.settings import UpstreamSettings
-from gatekeeper.proxy.upstream import exchange, lean
+from gatekeeper.proxy.upstream import exchange, lean, mux_pool, mux_wire
 from gatekeeper.proxy.upstream.errors import (
     BackendFailed,
     ClientBodyFailed,
@@ -67,6 +67,8 @@ HOP_BY_HOP = frozenset({
 REQUEST_DROP = frozenset({"host", "expect"})
 MAX_HEAD_BYTES = 256 * 1024
 _REQUEST_REMOVED = HOP_BY_HOP | REQUEST_DROP
+_MUX_METHODS = frozenset({"GET", "HEAD"})
+H2_ALPN = ("h2", "http/1.1")
 
 
 def connection_tokens(headers: Headers) -> set[str]:
@@ -108,13 +110,14 @@ def is_upgrade(request: ProxyRequest) -> bool:
     )
 
 
-def make_ssl_context(settings: UpstreamSettings, *, client_cert: bool) -> ssl.SSLContext:
+def make_ssl_context(settings: UpstreamSettings, *, client_cert: bool,
+                     alpn: Sequence[str] = ("http/1.1",)) -> ssl.SSLContext:
     """Trust exactly ``upstream.caFile``: with no CA nothing verifies, the system roots are never loaded."""
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     if settings.ca_file:
         ctx.load_verify_locations(cafile=settings.ca_file)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    ctx.set_alpn_protocols(["http/1.1"])
+    ctx.set_alpn_protocols(list(alpn))
     if client_cert:
         if not settings.client_cert_file or not settings.client_key_file:
             raise ValueError("upstream.clientCertFile and clientKeyFile are required to assert identities")
@@ -214,6 +217,27 @@ class BackendClient:
             )
         self.tls_plain = ReloadingTLS(lambda: make_ssl_context(settings, client_cert=False), files,
                                       what="upstream CA", check_interval=interval)
+        # upstream.http2: contexts offering h2 first and http/1.1 too (a backend that picks http/1.1, or no
+        # protocol, is used over the HTTP/1.1 pool from then on; offering h2 alone would make a strict
+        # HTTP/1.1 server fail the handshake, a connect failure that ejects a healthy backend).
+        self.mux: mux_pool.MuxPool | None = None
+        self.tls_h2_identity: ReloadingTLS | None = None
+        self.tls_h2_plain: ReloadingTLS | None = None
+        if settings.http2:
+            if self.tls_identity is not None:
+                self.tls_h2_identity = ReloadingTLS(
+                    lambda: make_ssl_context(settings, client_cert=True, alpn=H2_ALPN),
+                    [*files, settings.client_cert_file, settings.client_key_file],
+                    what="upstream CA and front-proxy client certificate (HTTP/2)", check_interval=interval,
+                )
+            self.tls_h2_plain = ReloadingTLS(lambda: make_ssl_context(settings, client_cert=False, alpn=H2_ALPN),
+                                             files, what="upstream CA (HTTP/2)", check_interval=interval)
+            goaways = metrics.UPSTREAM_GOAWAYS.labels(name)
+            self._h2_streams = metrics.UPSTREAM_H2_STREAMS.labels(name)
+            self._h2_authority = mux_wire.authority_field(split.netloc)
+            self.mux = mux_pool.MuxPool(self.host, self.port, limit=settings.max_connections_per_backend,
+                                        max_streams=settings.http2_max_streams,
+                                        connect_timeout=settings.connect_timeout_seconds, on_goaway=goaways.inc)
         # Short requests and long-running ones (watches, exec, logs -f) have separate pools, so
         # thousands of open watches never starve GETs of a connection (and vice versa).
         self._slots = asyncio.Semaphore(settings.max_connections_per_backend)
@@ -283,6 +307,8 @@ class BackendClient:
                          query_string=query, encoded=True)
 
     async def close(self) -> None:
+        if self.mux is not None:
+            self.mux.close()
         for pool in self._pools.values():
             pool.close()
         sessions, self._sessions = list(self._sessions.values()), {}
@@ -292,6 +318,8 @@ class BackendClient:
     def connections(self) -> int:
         """Open upstream connections (busy + idle) in both pools; reads aiohttp internals, 0 if they change."""
         total = sum(max(0, pool.open) for pool in self._pools.values())
+        if self.mux is not None:
+            total += self.mux.open_connections()
         for session in self._sessions.values():
             conn: Any = session.connector
             try:
@@ -315,15 +343,25 @@ class BackendClient:
 
     async def send(
         self, request: ProxyRequest, headers: Headers, *, identity: bool, swallow_body_errors: bool,
-        on_done: Callable[[BaseException | None], None], long_running: bool = False,
+        on_done: Callable[[BaseException | None], None], long_running: bool = False, multiplex: bool = False,
     ) -> ProxyResponse:
         """Forward one request; the response body streams from the backend as it is pulled.
+
+        ``multiplex``: the caller is one the apiserver will authenticate (see :mod:`upstream.mux`), so a short
+        bodiless GET or HEAD may share an HTTP/2 connection when ``upstream.http2`` is on.
 
         Raises :class:`PoolTimeout` or :class:`ConnectFailed` when nothing was sent,
         :class:`UpstreamTimeout` when no response headers came in time,
         :class:`ClientBodyFailed` when the client's body broke off, and
         :class:`BackendFailed` when the backend failed after it may have seen the request.
         """
+        mux = self.mux
+        if (multiplex and mux is not None and mux.h2 and not long_running and request.body is None
+                and request.method in _MUX_METHODS):
+            try:
+                return await self._send_mux(mux, request, headers, identity, on_done)
+            except mux_pool.NotH2:
+                log.warning("%s does not negotiate HTTP/2: upstream.http2 is off for it", self.name)
         if self.lean:  # the default: inline, so a request pays for one coroutine here, not two
             ssl_ctx = self._ssl(identity)
             head, declared = exchange.encode_request_head(
@@ -380,6 +418,27 @@ class BackendClient:
 
     def _live_contexts(self) -> tuple[ssl.SSLContext | None, ssl.SSLContext]:
         return self.ssl_identity, self.ssl_plain
+
+    def _live_h2_contexts(self) -> tuple[ssl.SSLContext | None, ...]:
+        return tuple(t.get() if t is not None else None for t in (self.tls_h2_identity, self.tls_h2_plain))
+
+    async def _send_mux(self, mux: mux_pool.MuxPool, request: ProxyRequest, headers: Headers, identity: bool,
+                        on_done: Callable[[BaseException | None], None]) -> ProxyResponse:
+        if identity:
+            self._ssl(True)  # NoFrontProxyCert, as on the HTTP/1.1 path
+            assert self.tls_h2_identity is not None
+            ctx = self.tls_h2_identity.get()
+        else:
+            assert self.tls_h2_plain is not None
+            ctx = self.tls_h2_plain.get()
+        block = mux_wire.request_block(request.method, request.target, self._h2_authority, headers,
+                                       _REQUEST_REMOVED)
+        self._h2_streams.inc()
+        status, raw, body = await mux_pool.exchange(
+            mux, self.name, ctx, self._live_h2_contexts, block, head_only=request.method == "HEAD",
+            header_timeout=self.settings.response_header_timeout_seconds,
+            acquire_timeout=self.settings.pool_acquire_timeout_seconds, on_done=on_done)
+        return ProxyResponse(status=status, headers=response_headers(raw), body=body)
 
     async def probe(self, path: str = "/readyz", deadline: float = 3.0) -> bool:
         """Active health: /readyz answers 200; 401/403 count as up (reachable, the probe lacks rights)."""

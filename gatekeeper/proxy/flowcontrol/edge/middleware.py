@@ -270,6 +270,8 @@ class FlowControl:
             facts, verified = who, who.verified
             if not verified:
                 user_key = unverified_flow(request.peer)
+            else:
+                request.token_verified = True
         shape = list_shape(request.target) if info.verb == "list" else None
         now = self.clock()
         t, fs, dispatched = self.controller.admit(

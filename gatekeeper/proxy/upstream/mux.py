@@ -1,0 +1,444 @@
+"""Multiplexed HTTP/2 upstream for short, bodiless requests from verified callers (``upstream.http2``).
+
+Why: on the HTTP/1.1 pool every small GET is its own TLS record up, its own
+socket read back, its own parser callbacks and its own loop wake-up. Over one
+HTTP/2 connection per backend the requests of a loop iteration leave in one
+write, and the backend's answers to them arrive in one read
+(``loadtest/bench_upstream.py`` measures the upstream leg alone both ways).
+
+Which requests (decided by the caller, :meth:`BackendClient.send`): GET and
+HEAD without a body, not long-running (watches and ``logs -f`` keep their own
+HTTP/1.1 connection each), from callers the proxy knows the apiserver will
+authenticate: a verified client certificate (asserted with the front-proxy
+certificate) or a bearer token whose signature flow control verified. The
+reason is kube-apiserver's HTTP/2 DoS mitigation: it answers an anonymous or
+unauthenticated request on HTTP/2 with GOAWAY, so one bad token on a shared
+connection would cost every caller on it a reconnect. Those requests take
+the HTTP/1.1 pool, where a 401 costs nothing more than the 401.
+
+What a shared connection must not let one caller do to another:
+
+* **Hold memory.** Each stream's window is :data:`STREAM_WINDOW`, re-opened only
+  as its consumer (the client) takes the bytes, so a client that never reads
+  holds at most that much; the connection window is acknowledged as bytes
+  arrive (bounded by the streams' windows), so a stalled stream never stops
+  the others.
+* **Hold a seat.** Streams per connection are capped (``upstream.http2MaxStreams``
+  and the backend's SETTINGS_MAX_CONCURRENT_STREAMS); past the cap a new
+  connection opens; the pool's slot gate still bounds requests per backend.
+* **Cause a re-send.** Only a stream the backend provably never processed is sent
+  again (above a GOAWAY's last stream id, or refused with REFUSED_STREAM,
+  RFC 9113 8.7), once, on a fresh connection. A connection that dies under a
+  stream fails that stream, as on HTTP/1.1.
+
+A backend that breaks HTTP/2 (bad frame, oversized head, push) loses the
+connection: every stream on it fails with :class:`BackendProtocolError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import ssl
+import time
+from collections.abc import Callable
+from typing import cast
+
+from gatekeeper.proxy.listen import h2_frames as f
+from gatekeeper.proxy.listen.h2_hdecode import BlockDecoder, HeaderBlockError
+from gatekeeper.proxy.upstream.lean import MAX_HEAD_BYTES, BackendProtocolError
+from gatekeeper.proxy.upstream.mux_wire import headers_frames
+
+STREAM_WINDOW = 256 * 1024
+"""Per-stream receive window (as ``lean.READ_HIGH``: what a client that stops reading can make us hold)."""
+MAX_FRAME = f.MIN_FRAME_SIZE
+"""Largest frame we accept (the default; we never advertise more)."""
+NO_ERROR, PROTOCOL_ERROR, REFUSED_STREAM, CANCEL = 0x0, 0x1, 0x7, 0x8
+MAX_STREAM_ID = 2**31 - 1
+IDLE_SECONDS = 60.0
+"""A connection with no stream for this long is closed at the next pick (the backend may have dropped it)."""
+
+
+class StreamRefused(ConnectionError):
+    """The backend did not process the stream (GOAWAY above it, or REFUSED_STREAM): safe to send again."""
+
+
+class NotH2(ConnectionError):
+    """The backend did not negotiate HTTP/2 (ALPN): use the HTTP/1.1 pool for it."""
+
+
+class MuxStream:
+    """One request's response as it arrives on a shared connection."""
+
+    __slots__ = (
+        "buffered",
+        "chunks",
+        "complete",
+        "conn",
+        "error",
+        "head_only",
+        "headers_done",
+        "raw_headers",
+        "sid",
+        "status",
+        "timer",
+        "unacked",
+        "waiter",
+    )
+
+    def __init__(self, sid: int, conn: MuxConn, head_only: bool) -> None:
+        self.sid = sid
+        self.conn = conn
+        self.status = 0
+        self.raw_headers: list[tuple[bytes, bytes]] = []
+        self.headers_done = False
+        self.chunks: collections.deque[bytes] = collections.deque()
+        self.buffered = 0
+        """Bytes received and not yet taken by the consumer (bounded by the stream window)."""
+        self.unacked = 0
+        """Bytes taken and not yet given back to the backend as window."""
+        self.complete = False
+        self.error: BaseException | None = None
+        self.waiter: asyncio.Future[None] | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.head_only = head_only
+
+    def wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None:
+            self.waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def fail(self, error: BaseException) -> None:
+        if self.error is None and not self.complete:
+            self.error = error
+        self.stop_timer()
+        self.wake()
+
+    def stop_timer(self) -> None:
+        timer, self.timer = self.timer, None
+        if timer is not None:
+            timer.cancel()
+
+    async def wait(self) -> None:
+        waiter = self.waiter = self.conn.loop.create_future()
+        try:
+            await waiter
+        finally:
+            if self.waiter is waiter:
+                self.waiter = None
+
+    def take(self) -> bytes:
+        """Everything buffered, as one chunk; its bytes go back to the backend as stream window."""
+        chunks = self.chunks
+        chunk = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        self.buffered = 0
+        if not self.complete:
+            self.unacked += len(chunk)
+            if self.unacked >= STREAM_WINDOW // 2:
+                self.conn.queue(f.window_update(self.sid, self.unacked))
+                self.unacked = 0
+        return chunk
+
+
+class MuxConn(asyncio.Protocol):
+    """One HTTP/2 connection to a backend, client side; frames parsed in place (no event objects)."""
+
+    def __init__(self, ctx: ssl.SSLContext, max_streams: int, on_lost: Callable[[MuxConn], None],
+                 on_goaway: Callable[[], None]) -> None:
+        self.ctx = ctx
+        self.cap = max_streams
+        self.on_lost = on_lost
+        self.on_goaway = on_goaway
+        self.loop = asyncio.get_running_loop()
+        self.transport: asyncio.Transport | None = None
+        self.buf = b""
+        self.decoder = BlockDecoder(MAX_HEAD_BYTES)
+        self.streams: dict[int, MuxStream] = {}
+        self.next_sid = 1
+        self.peer_max_streams = max_streams
+        self.peer_max_frame = f.MIN_FRAME_SIZE
+        self.goaway: int | None = None
+        self.closed = False
+        self.out: list[bytes] = []
+        self.flush_pending = False
+        self.conn_unacked = 0
+        self.block: list[bytes] | None = None
+        """A header block waiting for its CONTINUATION frames: its parts; ``block_sid``/``block_flags`` say whose."""
+        self.block_sid = 0
+        self.block_flags = 0
+        self.block_size = 0
+        self.block_frames = 0
+        self.idle_since = time.monotonic()
+        self.window = STREAM_WINDOW * max_streams
+        """The connection receive window we open: room for every stream's window at once."""
+
+    # --- for the pool -------------------------------------------------------------------------
+
+    def available(self) -> bool:
+        return (not self.closed and self.goaway is None and self.next_sid < MAX_STREAM_ID
+                and len(self.streams) < min(self.cap, self.peer_max_streams))
+
+    def start(self, block: bytes, *, head_only: bool, header_timeout: float | None) -> MuxStream:
+        """Open a stream for a bodiless request whose header block is ``block`` (:func:`mux_wire.request_block`)."""
+        sid = self.next_sid
+        self.next_sid += 2
+        stream = self.streams[sid] = MuxStream(sid, self, head_only)
+        self.queue(headers_frames(sid, block, self.peer_max_frame))
+        if header_timeout is not None:
+            stream.timer = self.loop.call_later(header_timeout, self._header_timeout, stream)
+        return stream
+
+    def cancel(self, stream: MuxStream) -> None:
+        """The consumer gave up on ``stream``: reset it if the backend may still send on it."""
+        stream.stop_timer()
+        if self.streams.pop(stream.sid, None) is not None and not self.closed:
+            self.queue(f.rst_stream(stream.sid, CANCEL))
+        self._maybe_close()
+
+    def queue(self, data: bytes) -> None:
+        """Written at the end of this loop iteration, with everything else queued in it (one TLS write)."""
+        self.out.append(data)
+        if not self.flush_pending:
+            self.flush_pending = True
+            self.loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self.flush_pending = False
+        out, self.out = self.out, []
+        if self.transport is not None and not self.closed and out:
+            self.transport.write(b"".join(out))
+
+    def _header_timeout(self, stream: MuxStream) -> None:
+        stream.timer = None
+        if not stream.headers_done:
+            stream.fail(TimeoutError("no response head in time"))
+            self.cancel(stream)
+
+    def _maybe_close(self) -> None:
+        if not self.streams:
+            self.idle_since = time.monotonic()
+            if self.goaway is not None or self.next_sid >= MAX_STREAM_ID:
+                self.close()
+
+    def close(self, code: int | None = None) -> None:
+        if self.closed:
+            return
+        if code is not None and self.transport is not None:
+            self._flush()
+            self.transport.write(f.goaway(0, code))
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close() if code is None else self.transport.abort()
+
+    # --- asyncio.Protocol ---------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = tr = cast(asyncio.Transport, transport)
+        ssl_object = transport.get_extra_info("ssl_object")
+        if ssl_object is None or ssl_object.selected_alpn_protocol() != "h2":
+            return  # the pool sees it and closes the connection: nothing HTTP/2 is written to it
+        tr.write(f.PREFACE + f.settings_frame({
+            f.ENABLE_PUSH: 0, f.INITIAL_WINDOW_SIZE: STREAM_WINDOW, f.MAX_HEADER_LIST_SIZE: MAX_HEAD_BYTES,
+        }) + f.window_update(0, self.window - f.DEFAULT_WINDOW))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        error = exc or ConnectionResetError("the backend closed the connection")
+        for stream in self.streams.values():
+            stream.fail(error)
+        self.streams.clear()
+        self.on_lost(self)
+
+    def eof_received(self) -> bool | None:
+        return None
+
+    def _broken(self, why: str, code: int = PROTOCOL_ERROR) -> None:
+        error = BackendProtocolError(f"HTTP/2 from the backend: {why}")
+        for stream in self.streams.values():
+            stream.fail(error)
+        self.streams.clear()
+        self.close(code)
+
+    def data_received(self, data: bytes) -> None:
+        buf = self.buf + data if self.buf else data
+        end = len(buf)
+        pos = 0
+        unpack = f.FRAME_HEADER.unpack_from
+        streams = self.streams
+        while end - pos >= 9 and not self.closed:
+            lt, flags, sid = unpack(buf, pos)
+            length = lt >> 8
+            if length > MAX_FRAME:
+                return self._broken(f"frame of {length} bytes", 0x6)  # FRAME_SIZE_ERROR
+            if end - pos - 9 < length:
+                break
+            ftype = lt & 0xFF
+            start = pos + 9
+            pos = start + length
+            sid &= MAX_STREAM_ID
+            if self.block is not None and ftype != f.CONTINUATION:
+                return self._broken("a frame inside a header block")
+            if ftype == f.DATA:
+                self.conn_unacked += length
+                if sid == 0:
+                    return self._broken("DATA on stream 0")
+                if flags & f.PADDED:
+                    if not length or buf[start] >= length:
+                        return self._broken("bad padding")
+                    start, stop = start + 1, pos - buf[start]
+                else:
+                    stop = pos
+                stream = streams.get(sid)
+                if stream is None:
+                    if sid >= self.next_sid:
+                        return self._broken(f"DATA on stream {sid}, never opened")
+                    continue  # a stream we reset: its bytes still count for the connection window
+                if not stream.headers_done:
+                    return self._broken(f"DATA before the head on stream {sid}")
+                if stop > start:
+                    if stream.buffered + stop - start > STREAM_WINDOW:
+                        return self._broken(f"stream {sid} over its window", 0x3)  # FLOW_CONTROL_ERROR
+                    if not stream.head_only:
+                        stream.chunks.append(buf[start:stop])
+                        stream.buffered += stop - start
+                if flags & f.END_STREAM:
+                    stream.complete = True
+                    del streams[sid]
+                    self._maybe_close()
+                stream.wake()
+            elif ftype == f.HEADERS:
+                if sid == 0 or sid % 2 == 0:
+                    return self._broken(f"HEADERS on stream {sid}")
+                if flags & f.PADDED:
+                    if not length or buf[start] >= length - (5 if flags & f.PRIORITY_FLAG else 0):
+                        return self._broken("bad padding")
+                    start, stop = start + 1, pos - buf[start]
+                else:
+                    stop = pos
+                if flags & f.PRIORITY_FLAG:
+                    start += 5
+                    if start > stop:
+                        return self._broken("HEADERS too short")
+                if flags & f.END_HEADERS:
+                    if self._head(sid, flags, buf[start:stop]) is False:
+                        return None
+                else:
+                    self.block, self.block_sid, self.block_flags = [buf[start:stop]], sid, flags
+                    self.block_size, self.block_frames = stop - start, 1
+            elif ftype == f.CONTINUATION:
+                if self.block is None or sid != self.block_sid:
+                    return self._broken("CONTINUATION out of place")
+                self.block.append(buf[start:pos])
+                self.block_size += length
+                self.block_frames += 1
+                if self.block_size > MAX_HEAD_BYTES or self.block_frames > f.MAX_CONTINUATIONS:
+                    return self._broken("header block too large", 0xB)  # ENHANCE_YOUR_CALM
+                if flags & f.END_HEADERS:
+                    parts, self.block = self.block, None
+                    if self._head(sid, self.block_flags, b"".join(parts)) is False:
+                        return None
+            elif ftype == f.RST_STREAM:
+                if length != 4 or sid == 0:
+                    return self._broken("bad RST_STREAM")
+                stream = streams.pop(sid, None)
+                if stream is not None:
+                    code = f.U32.unpack_from(buf, start)[0]
+                    if code == REFUSED_STREAM and not stream.headers_done:
+                        stream.fail(StreamRefused(f"stream refused by the backend (stream {sid})"))
+                    else:
+                        stream.fail(ConnectionResetError(f"the backend reset the stream (code {code})"))
+                    self._maybe_close()
+            elif ftype == f.SETTINGS:
+                if sid != 0 or length % 6 or (flags & f.ACK and length):
+                    return self._broken("bad SETTINGS")
+                if not flags & f.ACK:
+                    for at in range(start, pos, 6):
+                        key, value = f.SETTING.unpack_from(buf, at)
+                        if key == f.MAX_CONCURRENT_STREAMS:
+                            self.peer_max_streams = value
+                        elif key == f.MAX_FRAME_SIZE:
+                            if not f.MIN_FRAME_SIZE <= value <= f.MAX_FRAME_SIZE_LIMIT:
+                                return self._broken("bad SETTINGS_MAX_FRAME_SIZE")
+                            self.peer_max_frame = value
+                        elif key == f.INITIAL_WINDOW_SIZE and value > f.MAX_WINDOW:
+                            return self._broken("bad SETTINGS_INITIAL_WINDOW_SIZE", 0x3)
+                    self.queue(f.frame(f.SETTINGS, f.ACK, 0))
+            elif ftype == f.PING:
+                if length != 8 or sid != 0:
+                    return self._broken("bad PING")
+                if not flags & f.ACK:
+                    self.queue(f.frame(f.PING, f.ACK, 0, buf[start:pos]))
+            elif ftype == f.GOAWAY:
+                if length < 8 or sid != 0:
+                    return self._broken("bad GOAWAY")
+                self._goaway(f.U32.unpack_from(buf, start)[0] & MAX_STREAM_ID)
+            elif ftype == f.PUSH_PROMISE:
+                return self._broken("PUSH_PROMISE (push is disabled)")
+            elif ftype == f.WINDOW_UPDATE:
+                if length != 4:
+                    return self._broken("bad WINDOW_UPDATE")
+            # PRIORITY and unknown frame types are ignored (RFC 9113 5.5).
+        self.buf = buf[pos:] if pos < end else b""
+        if self.conn_unacked >= self.window // 4 and not self.closed:
+            self.queue(f.window_update(0, self.conn_unacked))
+            self.conn_unacked = 0
+        return None
+
+    def _head(self, sid: int, flags: int, block: bytes) -> bool:
+        """A complete header block: decoded whatever the stream's state (the HPACK table must follow)."""
+        try:
+            fields = self.decoder.decode(block)
+        except HeaderBlockError as exc:
+            self._broken(f"header block: {exc}", 0x9)  # COMPRESSION_ERROR
+            return False
+        stream = self.streams.get(sid)
+        if stream is None:
+            if sid >= self.next_sid:
+                self._broken(f"HEADERS on stream {sid}, never opened")
+                return False
+            return True
+        if stream.headers_done:  # trailers: must end the stream; their fields are dropped
+            if not flags & f.END_STREAM:
+                self._broken(f"a second head without END_STREAM on stream {sid}")
+                return False
+        else:
+            status = b""
+            raw: list[tuple[bytes, bytes]] = []
+            for name, value in fields:
+                if name[:1] == b":":
+                    if name != b":status" or status or raw:
+                        self._broken(f"pseudo-header {name[:16]!r} in a response")
+                        return False
+                    status = value
+                else:
+                    raw.append((name, value))
+            if len(status) != 3 or not status.isdigit() or status[:1] == b"0":
+                self._broken("response without a valid :status")
+                return False
+            code = int(status)
+            if code < 200:
+                if flags & f.END_STREAM:
+                    self._broken("an interim response ended the stream")
+                    return False
+                return True  # interim (1xx): wait for the final head
+            stream.status = code
+            stream.raw_headers = raw
+            stream.headers_done = True
+            stream.stop_timer()
+        if flags & f.END_STREAM:
+            stream.complete = True
+            del self.streams[sid]
+            self._maybe_close()
+        stream.wake()
+        return True
+
+    def _goaway(self, last: int) -> None:
+        """Streams above ``last`` were never processed: they fail with StreamRefused (the caller re-sends)."""
+        self.goaway = last if self.goaway is None else min(last, self.goaway)
+        self.on_goaway()
+        for sid in [s for s in self.streams if s > last]:
+            self.streams.pop(sid).fail(StreamRefused(f"stream {sid} above the backend's GOAWAY ({last})"))
+        self._maybe_close()

@@ -1,0 +1,219 @@
+"""Shared HTTP/2 connections to one backend, and one exchange on them (see :mod:`mux` for why and when).
+
+The pool keeps its connections per TLS context (identity certificate or none,
+as the HTTP/1.1 pool does) and fills the oldest connection with room first, so
+a backend normally sees one connection per context from each worker. A new
+connection is opened only when every connection is at its stream cap; callers
+that arrive while one is being opened wait for it instead of opening their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import time
+from collections.abc import Callable
+
+from gatekeeper.proxy.upstream.errors import BackendFailed, ConnectFailed, PoolTimeout, UpstreamTimeout, connect_cause
+from gatekeeper.proxy.upstream.lean import Slots
+from gatekeeper.proxy.upstream.mux import IDLE_SECONDS, MuxConn, MuxStream, NotH2, StreamRefused
+
+SENDS = 2
+"""Times a request may go out: once, and once more if the backend provably did not process it."""
+
+
+class MuxPool:
+    """HTTP/2 connections to one backend; ``slots`` bounds its concurrent streams, as the HTTP/1.1 pool's."""
+
+    def __init__(self, host: str, port: int, *, limit: int, max_streams: int, connect_timeout: float,
+                 on_goaway: Callable[[], None] = lambda: None) -> None:
+        self.host = host
+        self.port = port
+        self.max_streams = max_streams
+        self.connect_timeout = connect_timeout
+        self.slots = Slots(limit)
+        self.conns: dict[ssl.SSLContext, list[MuxConn]] = {}
+        self.opening: dict[ssl.SSLContext, asyncio.Future[MuxConn]] = {}
+        self.on_goaway = on_goaway
+        self.h2 = True
+        """False once the backend refused HTTP/2 in ALPN: the caller uses the HTTP/1.1 pool instead."""
+
+    def _lost(self, conn: MuxConn) -> None:
+        conns = self.conns.get(conn.ctx)
+        if conns is not None and conn in conns:
+            conns.remove(conn)
+
+    def open_connections(self) -> int:
+        return sum(len(c) for c in self.conns.values())
+
+    def _pick(self, ctx: ssl.SSLContext, live: Callable[[], tuple[object, ...]]) -> MuxConn | None:
+        conns = self.conns.get(ctx)
+        if conns is None:
+            current = live()
+            for stale in [c for c in self.conns if c not in current]:
+                for conn in self.conns.pop(stale):
+                    conn.close()  # contexts replaced by a reload: their connections finish and go
+            self.conns[ctx] = []
+            return None
+        now = time.monotonic()
+        for conn in list(conns):
+            if conn.closed:
+                conns.remove(conn)
+            elif not conn.streams and now - conn.idle_since > IDLE_SECONDS:
+                conns.remove(conn)
+                conn.close()
+            elif conn.available():
+                return conn
+        return None
+
+    async def conn(self, ctx: ssl.SSLContext, live: Callable[[], tuple[object, ...]]) -> MuxConn:
+        """A connection with room for one more stream; ConnectFailed or NotH2 when none can be had."""
+        while True:
+            conn = self._pick(ctx, live)
+            if conn is not None:
+                return conn
+            opening = self.opening.get(ctx)
+            if opening is not None:
+                conn = await asyncio.shield(opening)
+                if conn.available():
+                    return conn
+                continue
+            fut: asyncio.Future[MuxConn] = asyncio.get_running_loop().create_future()
+            self.opening[ctx] = fut
+            try:
+                conn = await self._connect(ctx)
+            except BaseException as exc:
+                fut.set_exception(exc)
+                fut.exception()  # retrieved: waiters re-raise it, nobody else needs to
+                raise
+            else:
+                fut.set_result(conn)
+            finally:
+                del self.opening[ctx]
+            self.conns.setdefault(ctx, []).append(conn)
+            return conn
+
+    async def _connect(self, ctx: ssl.SSLContext) -> MuxConn:
+        loop = asyncio.get_running_loop()
+        conn = MuxConn(ctx, self.max_streams, self._lost, self.on_goaway)
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                transport, _ = await loop.create_connection(lambda: conn, self.host, self.port, ssl=ctx,
+                                                            server_hostname=self.host)
+        except (TimeoutError, OSError, ssl.SSLError) as exc:
+            raise ConnectFailed(connect_cause(exc)) from exc
+        ssl_object = transport.get_extra_info("ssl_object")
+        if ssl_object is None or ssl_object.selected_alpn_protocol() != "h2":
+            conn.closed = True
+            transport.close()
+            self.h2 = False
+            raise NotH2(f"{self.host}:{self.port} did not negotiate HTTP/2")
+        return conn
+
+    def close(self) -> None:
+        for conns in self.conns.values():
+            for conn in conns:
+                conn.close()
+        self.conns.clear()
+
+
+class MuxBody:
+    """The response body of one stream: chunks as they arrive, the stream and slot released exactly once."""
+
+    def __init__(self, stream: MuxStream, pool: MuxPool, name: str,
+                 on_done: Callable[[BaseException | None], None]) -> None:
+        self.stream = stream
+        self.pool = pool
+        self.name = name
+        self.on_done = on_done
+        self.done = False
+        self.exhausted = False
+        """The chunk last returned was the final one (the next ``__anext__`` stops)."""
+
+    def __aiter__(self) -> MuxBody:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self.done:
+            raise StopAsyncIteration
+        stream = self.stream
+        try:
+            while not stream.chunks:
+                if stream.complete:
+                    self._finish(None)
+                    raise StopAsyncIteration
+                if stream.error is not None:
+                    raise stream.error
+                await stream.wait()
+        except StopAsyncIteration:
+            raise
+        except (OSError, ValueError) as exc:
+            self._finish(exc)
+            raise BackendFailed(f"{self.name} closed the response mid-stream: {type(exc).__name__}") from exc
+        except BaseException as exc:
+            self._finish(exc)
+            raise
+        chunk = stream.take()
+        if stream.complete and not stream.chunks:
+            self.exhausted = True
+            self._finish(None)
+        return chunk
+
+    def _finish(self, error: BaseException | None) -> None:
+        if self.done:
+            return
+        self.done = True
+        if error is not None or not self.stream.complete:
+            self.stream.conn.cancel(self.stream)
+        self.pool.slots.release()
+        self.on_done(error)
+
+    async def aclose(self) -> None:
+        if not self.done:
+            self._finish(asyncio.CancelledError("response body closed before its end"))
+
+
+async def exchange(
+    pool: MuxPool, name: str, ctx: ssl.SSLContext, live: Callable[[], tuple[object, ...]],
+    block: bytes, *, head_only: bool, header_timeout: float | None,
+    acquire_timeout: float, on_done: Callable[[BaseException | None], None],
+) -> tuple[int, list[tuple[bytes, bytes]], MuxBody]:
+    """Send one bodiless request as a stream and wait for its head; the errors are :func:`exchange.exchange`'s.
+
+    Raises :class:`NotH2` (nothing sent) when the backend turned out not to speak HTTP/2.
+    """
+    slots = pool.slots
+    if not slots.try_take():
+        try:
+            async with asyncio.timeout(acquire_timeout):
+                await slots.take()
+        except TimeoutError:
+            raise PoolTimeout(f"no free HTTP/2 stream to {name} within {acquire_timeout:g}s") from None
+    stream: MuxStream | None = None
+    try:
+        for attempt in range(SENDS):
+            conn = await pool.conn(ctx, live)
+            stream = conn.start(block, head_only=head_only, header_timeout=header_timeout)
+            try:
+                while not stream.headers_done:
+                    if stream.error is not None:
+                        raise stream.error
+                    await stream.wait()
+            except StreamRefused:
+                if attempt + 1 == SENDS:
+                    raise
+                continue
+            break
+    except BaseException as exc:
+        if stream is not None:
+            stream.conn.cancel(stream)
+        slots.release()
+        if isinstance(exc, (ConnectFailed, NotH2)):
+            raise
+        if isinstance(exc, TimeoutError):
+            raise UpstreamTimeout(f"no response headers from {name} within {header_timeout:g}s") from exc
+        if isinstance(exc, (OSError, ValueError)):
+            raise BackendFailed(f"{name}: {type(exc).__name__}") from exc
+        raise
+    assert stream is not None
+    return stream.status, stream.raw_headers, MuxBody(stream, pool, name, on_done)

@@ -1,0 +1,140 @@
+"""The multiplexed upstream's request side on the wire: header fields and HEADERS frames (pure).
+
+The same rules as the HTTP/1.1 head (:func:`exchange.encode_request_head`) hold,
+so a request cannot be classified as one thing and sent as another whichever
+client carries it: the method must be a token, the target origin-form visible
+ASCII, byte for byte as classified; a CR, LF or NUL in any header, a
+pseudo-header from the client, a hop-by-hop header (and any the ``Connection``
+header names) never goes out. HTTP/2 adds its own: names are sent lower-case
+(RFC 9113 8.2.1) and only ``Host``'s value survives, as ``:authority`` of the
+*backend* (the client's Host is dropped as on the HTTP/1.1 path).
+
+Credentials (``authorization``, ``proxy-authorization``, ``cookie``) are
+HPACK never-indexed literals (RFC 7541 7.1.3) and are never memoized.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Collection
+
+from gatekeeper.proxy.listen import h2_frames as f
+from gatekeeper.proxy.listen.h2_hpack import STATIC_NAME
+from gatekeeper.proxy.messages import Headers
+
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_TARGET = re.compile(r"/[\x21-\x7e]*")
+_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9a-z]+")
+SECRET = frozenset({"authorization", "proxy-authorization", "cookie"})
+_WITHOUT, _NEVER = 0x00, 0x10
+"""First-byte flags of a literal field without indexing / never indexed (RFC 7541 6.2.2, 6.2.3; 4-bit name index)."""
+_METHOD = {"GET": b"\x82", "POST": b"\x83"}
+_SCHEME_HTTPS = b"\x87"
+MEMO_ENTRIES = 4096
+MEMO_MAX_BYTES = 512
+_memo: dict[tuple[str, str], bytes] = {}
+"""(name, value) -> its encoded field, for fields that are neither credentials nor long (checked once, then reused)."""
+_memo_removed: Collection[str] | None = None
+"""The ``removed`` set the memo's fields passed."""
+
+
+def _int(value: int, bits: int, flags: int) -> bytes:
+    """An HPACK integer (RFC 7541 5.1) with ``flags`` in the first byte."""
+    limit = (1 << bits) - 1
+    if value < limit:
+        return bytes((flags | value,))
+    out = bytearray((flags | limit,))
+    value -= limit
+    while value >= 128:
+        out.append((value & 127) | 128)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def literal(name: bytes, value: bytes, flags: int = _WITHOUT) -> bytes:
+    """A literal field that never enters the peer's dynamic table; the name from the static table when there."""
+    index = STATIC_NAME.get(name)
+    head = _int(index, 4, flags) if index is not None else _int(0, 4, flags) + _int(len(name), 7, 0) + name
+    return head + _int(len(value), 7, 0) + value
+
+
+def authority_field(authority: str) -> bytes:
+    """The backend's ``:authority``, encoded once per pool."""
+    return literal(b":authority", authority.encode("ascii"))
+
+
+def request_block(method: str, target: str, authority: bytes, headers: Headers, removed: Collection[str],
+                  *, memo: bool = True) -> bytes:
+    """The request's HPACK header block, pseudo-headers first; ValueError when anything may not go out.
+
+    No field is ever indexed, so the block is a pure function of the request: there is no dynamic
+    table to keep in step with the backend, and an ordinary field's encoding (checked once) is
+    memoized for the next request; credentials and long values are encoded every time and never
+    kept. The memo holds fields that passed ``removed``; a call with another set starts it afresh.
+    Only bodiless requests take this path, so a non-zero ``content-length`` is refused (the backend
+    would wait for a body that never comes).
+    """
+    global _memo_removed
+    fields = _memo
+    if memo and removed is not _memo_removed:
+        fields.clear()
+        _memo_removed = removed
+    method_field = _METHOD.get(method)
+    path_field = fields.get((":path", target)) if memo else None  # a target seen before was checked then
+    if method_field is None or path_field is None:
+        if not _TOKEN.fullmatch(method) or not _TARGET.fullmatch(target):
+            raise ValueError(f"refusing to send {method[:16]!r} {target[:64]!r} upstream")
+        method_field = method_field or literal(b":method", method.encode("ascii"))
+        if path_field is None:
+            path_field = literal(b":path", target.encode("ascii"))
+            if memo and len(target) <= MEMO_MAX_BYTES:
+                if len(fields) >= MEMO_ENTRIES:
+                    fields.clear()
+                fields[(":path", target)] = path_field
+    out = [method_field, _SCHEME_HTTPS, authority, path_field]
+    connection = False
+    for name, value in headers:
+        if memo:
+            hit = fields.get((name, value))
+            if hit is not None:
+                out.append(hit)
+                continue
+        lower = name.lower()
+        if lower in removed or lower[:1] == ":":
+            connection = connection or lower == "connection"
+            continue
+        if lower == "content-length":
+            if value.strip("0"):
+                raise ValueError(f"content-length {value[:32]!r} on a request without a body")
+            continue
+        if not _NAME.fullmatch(lower):
+            raise ValueError(f"refusing header name {lower[:32]!r}")
+        if "\r" in value or "\n" in value or "\x00" in value:
+            raise ValueError("CR, LF or NUL in a request header")
+        secret = lower in SECRET
+        encoded = literal(lower.encode("ascii"), value.encode("utf-8", "surrogateescape"),
+                          _NEVER if secret else _WITHOUT)
+        if memo and not secret and len(name) + len(value) <= MEMO_MAX_BYTES:
+            if len(fields) >= MEMO_ENTRIES:
+                fields.clear()
+            fields[(name, value)] = encoded
+        out.append(encoded)
+    if connection:
+        # Rare: the client's Connection header names more headers to drop (RFC 9110 7.6.1). Encoded
+        # again without the memo, which may hold a named field as an ordinary one.
+        named = {t.strip().lower() for k, v in headers if k.lower() == "connection" for t in v.split(",")}
+        if memo or not named <= set(removed):
+            return request_block(method, target, authority, headers, frozenset({*removed, *named}), memo=False)
+    return b"".join(out)
+
+
+def headers_frames(sid: int, block: bytes, max_frame: int) -> bytes:
+    """A bodiless request's HEADERS (END_STREAM), with CONTINUATION frames when the block is larger than one frame."""
+    if len(block) <= max_frame:
+        return f.header(f.HEADERS, f.END_STREAM | f.END_HEADERS, sid, len(block)) + block
+    parts = [block[i:i + max_frame] for i in range(0, len(block), max_frame)]
+    out = [f.header(f.HEADERS, f.END_STREAM, sid, len(parts[0])), parts[0]]
+    for i, part in enumerate(parts[1:], start=2):
+        out += (f.header(f.CONTINUATION, f.END_HEADERS if i == len(parts) else 0, sid, len(part)), part)
+    return b"".join(out)

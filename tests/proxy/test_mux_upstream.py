@@ -1,0 +1,419 @@
+"""The multiplexed HTTP/2 upstream (``upstream.http2``) against an in-process TLS backend.
+
+The backend is the ``h2`` library's server state machine (an implementation
+independent of ours) with a script per test, plus raw frames where a test needs
+a backend that breaks the protocol. The same client is proven against real
+kube-apiservers in ``test_mux_sandbox.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+
+import h2.config
+import h2.connection
+import h2.events
+import hpack
+import pytest
+from hpack import NeverIndexedHeaderTuple
+
+from gatekeeper.certs import FRONT_PROXY_CA, PKI
+from gatekeeper.proxy.listen import h2_frames as f
+from gatekeeper.proxy.messages import ProxyRequest, ProxyResponse
+from gatekeeper.proxy.settings import UpstreamSettings
+from gatekeeper.proxy.upstream import mux
+from gatekeeper.proxy.upstream.client import BackendClient, BackendFailed, UpstreamTimeout
+from gatekeeper.proxy.upstream.mux_pool import MuxBody
+from gatekeeper.proxy.upstream.mux_wire import authority_field, request_block
+
+Script = Callable[["Backend", "Peer", int, dict[str, str]], Awaitable[None]]
+"""What the backend does with one request (stream id, its headers)."""
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> PKI:
+    pki = PKI(tmp_path_factory.mktemp("pki"))
+    pki.init()
+    pki.issue_serving("backend", ips=["127.0.0.1"])
+    pki.issue_client("front-proxy-client", user="front-proxy-client", ca=FRONT_PROXY_CA)
+    return pki
+
+
+class Peer:
+    """One client connection on the backend: the h2 state machine and its socket."""
+
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self.conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False, header_encoding=None))
+        self.writer = writer
+        self.window_opened = asyncio.Event()
+
+    def flush(self) -> None:
+        self.writer.write(self.conn.data_to_send())
+
+    def respond(self, sid: int, status: int = 200, body: bytes = b"", *, end: bool = True) -> None:
+        self.conn.send_headers(sid, [(":status", str(status)), ("content-type", "text/plain"),
+                                     ("audit-id", f"id-{sid}")], end_stream=not body and end)
+        if body:
+            self.conn.send_data(sid, body, end_stream=end)
+        self.flush()
+
+    async def send_all(self, sid: int, body: bytes) -> None:
+        """``body`` as flow control allows, waiting for WINDOW_UPDATEs (as a real server would)."""
+        while body:
+            room = min(self.conn.local_flow_control_window(sid), self.conn.max_outbound_frame_size, len(body))
+            if room <= 0:
+                self.window_opened.clear()
+                await self.window_opened.wait()
+                continue
+            self.conn.send_data(sid, body[:room], end_stream=len(body) == room)
+            body = body[room:]
+            self.flush()
+
+    def raw(self, data: bytes) -> None:
+        self.flush()
+        self.writer.write(data)
+
+
+class Backend:
+    def __init__(self, pki: PKI, *, alpn: str = "h2") -> None:
+        self.pki = pki
+        self.alpn = alpn
+        self.script: Script = self.ok
+        self.connections = 0
+        self.requests: list[dict[str, str]] = []
+        self.raw_requests: list[list[tuple[bytes, bytes]]] = []
+        self.resets: list[tuple[int, int]] = []
+        self.server: asyncio.Server | None = None
+        self.peers: list[Peer] = []
+        self.peer_certs: list[object] = []
+
+    @staticmethod
+    async def ok(backend: Backend, peer: Peer, sid: int, headers: dict[str, str]) -> None:
+        peer.respond(sid, 200, b"ok " + headers[":path"].encode())
+
+    async def start(self) -> str:
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ctx.load_cert_chain(self.pki.cert_path("backend"), self.pki.key_path("backend"))
+        ctx.set_alpn_protocols([self.alpn])
+        ctx.load_verify_locations(self.pki.cert_path(FRONT_PROXY_CA))
+        ctx.verify_mode = ssl.CERT_OPTIONAL
+        self.server = await asyncio.start_server(self.handle, "127.0.0.1", 0, ssl=ctx)
+        return f"https://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        self.peer_certs.append(writer.get_extra_info("peercert"))
+        peer = Peer(writer)
+        self.peers.append(peer)
+        peer.conn.initiate_connection()
+        peer.flush()
+        tasks: set[asyncio.Task[None]] = set()
+        try:
+            while data := await reader.read(65536):
+                try:
+                    events = peer.conn.receive_data(data)
+                except h2.exceptions.ProtocolError:
+                    break
+                for event in events:
+                    if isinstance(event, h2.events.RequestReceived):
+                        raw = list(event.headers)  # HeaderTuple / NeverIndexedHeaderTuple, as hpack decoded them
+                        headers = {bytes(k).decode(): bytes(v).decode() for k, v in raw}
+                        self.requests.append(headers)
+                        self.raw_requests.append(raw)
+                        task = asyncio.create_task(self.script(self, peer, event.stream_id, headers))
+                        tasks.add(task)
+                        task.add_done_callback(tasks.discard)
+                    elif isinstance(event, h2.events.StreamReset):
+                        self.resets.append((event.stream_id, event.error_code))
+                    elif isinstance(event, h2.events.WindowUpdated):
+                        peer.window_opened.set()
+                peer.flush()
+        except (ConnectionError, ssl.SSLError):
+            pass
+        finally:
+            for task in tasks:
+                task.cancel()
+            writer.close()
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            for peer in self.peers:
+                peer.writer.close()
+
+
+@pytest.fixture
+async def backend(pki: PKI):
+    b = Backend(pki)
+    url = await b.start()
+    client = BackendClient("b", url, UpstreamSettings(
+        ca_file=str(pki.cert_path("ca")), http2=True, response_header_timeout_seconds=5,
+        client_cert_file=str(pki.cert_path("front-proxy-client")),
+        client_key_file=str(pki.key_path("front-proxy-client"))))
+    yield b, client
+    await client.close()
+    await b.stop()
+
+
+def get(target: str, headers: list[tuple[str, str]] | None = None, method: str = "GET") -> ProxyRequest:
+    return ProxyRequest(method=method, target=target, headers=headers or [("accept", "*/*")], body=None,
+                        protocol="h2")
+
+
+async def send(client: BackendClient, request: ProxyRequest, *, multiplex: bool = True, identity: bool = False,
+               done: list[BaseException | None] | None = None) -> ProxyResponse:
+    return await client.send(request, request.headers, identity=identity, swallow_body_errors=False,
+                             on_done=(done.append if done is not None else lambda e: None), multiplex=multiplex)
+
+
+def free_slots(client: BackendClient) -> int:
+    assert client.mux is not None
+    return client.mux.slots.free
+
+
+async def read_all(response: ProxyResponse) -> bytes:
+    assert response.body is not None
+    return b"".join([chunk async for chunk in response.body])
+
+
+async def test_concurrent_gets_share_one_connection_and_arrive_whole(backend) -> None:
+    b, client = backend
+    responses = await asyncio.gather(*(send(client, get(f"/api/v1/namespaces/n{i}")) for i in range(40)))
+    bodies = [await read_all(r) for r in responses]
+    assert bodies == [f"ok /api/v1/namespaces/n{i}".encode() for i in range(40)]
+    assert {r.status for r in responses} == {200}
+    assert ("audit-id", "id-1") in responses[0].headers
+    assert b.connections == 1
+    assert free_slots(client) == client.settings.max_connections_per_backend
+
+
+async def test_requests_not_marked_multiplexable_take_the_http11_pool(backend) -> None:
+    b, client = backend
+    # The backend speaks only h2, so the HTTP/1.1 attempt fails at the protocol level: what matters is
+    # that it never became a stream on the shared connection.
+    with pytest.raises(BackendFailed):
+        await read_all(await send(client, get("/version"), multiplex=False))
+    assert b.requests == []
+
+
+async def test_streams_above_a_goaway_are_sent_again_and_those_below_finish(backend) -> None:
+    b, client = backend
+    release = asyncio.Event()
+
+    async def goaway_after_three(backend: Backend, peer: Peer, sid: int, headers: dict[str, str]) -> None:
+        if backend.connections == 1:
+            if len(backend.requests) == 10:
+                peer.raw(f.goaway(5, 0))  # streams 1, 3, 5 will be answered; 7.. were never processed
+                release.set()
+            await release.wait()
+            if sid <= 5:
+                peer.respond(sid, 200, b"first " + headers[":path"].encode())
+            return
+        peer.respond(sid, 200, b"second " + headers[":path"].encode())
+
+    b.script = goaway_after_three
+    responses = await asyncio.gather(*(send(client, get(f"/r{i}")) for i in range(10)))
+    bodies = sorted([(await read_all(r)).decode() for r in responses])
+    assert len([x for x in bodies if x.startswith("first")]) == 3
+    assert len([x for x in bodies if x.startswith("second")]) == 7
+    assert sorted(int(x.split("/r")[1]) for x in bodies) == list(range(10))
+    assert b.connections == 2
+
+
+async def test_a_refused_stream_is_sent_once_more_and_a_reset_one_never(backend) -> None:
+    b, client = backend
+    seen: list[str] = []
+
+    async def refuse_first(backend: Backend, peer: Peer, sid: int, headers: dict[str, str]) -> None:
+        seen.append(headers[":path"])
+        if headers[":path"] == "/refused" and seen.count("/refused") == 1:
+            peer.conn.reset_stream(sid, 7)  # REFUSED_STREAM: provably not processed
+            peer.flush()
+        elif headers[":path"] == "/reset":
+            peer.conn.reset_stream(sid, 2)  # INTERNAL_ERROR: may have been processed
+            peer.flush()
+        else:
+            peer.respond(sid, 200, b"ok")
+
+    b.script = refuse_first
+    assert await read_all(await send(client, get("/refused"))) == b"ok"
+    assert seen == ["/refused", "/refused"]
+    with pytest.raises(BackendFailed):
+        await send(client, get("/reset"))
+    assert seen.count("/reset") == 1
+
+
+async def test_a_client_that_stops_reading_holds_one_stream_window_and_the_others_go_on(backend) -> None:
+    b, client = backend
+    big = b"x" * (3 * mux.STREAM_WINDOW)
+
+    async def script(backend: Backend, peer: Peer, sid: int, headers: dict[str, str]) -> None:
+        if headers[":path"] == "/big":
+            peer.conn.send_headers(sid, [(":status", "200")])
+            await peer.send_all(sid, big)
+        else:
+            peer.respond(sid, 200, b"small")
+
+    b.script = script
+    stalled = await send(client, get("/big"))
+    for _ in range(20):  # the stalled stream's window fills while nobody reads it
+        await asyncio.sleep(0.02)
+    small = await asyncio.gather(*(send(client, get(f"/s{i}")) for i in range(5)))
+    assert [await read_all(r) for r in small] == [b"small"] * 5
+    assert isinstance(stalled.body, MuxBody)
+    stream = stalled.body.stream
+    assert 0 < stream.buffered <= mux.STREAM_WINDOW
+    assert await read_all(stalled) == big  # the window re-opens as the consumer reads
+    assert b.connections == 1
+
+
+@pytest.mark.parametrize("frame", [
+    pytest.param(f.frame(f.PUSH_PROMISE, f.END_HEADERS, 1, b"\x00\x00\x00\x02\x88"), id="push-promise"),
+    pytest.param(f.header(f.DATA, 0, 1, mux.MAX_FRAME + 1) + b"x" * (mux.MAX_FRAME + 1), id="oversized-frame"),
+    pytest.param(f.frame(f.DATA, 0, 99, b"x"), id="data-on-a-stream-never-opened"),
+    pytest.param(f.frame(f.HEADERS, f.END_HEADERS, 1, b"\xff\xff\xff\xff\x0f"), id="bad-header-block"),
+    pytest.param(f.frame(f.HEADERS, f.END_HEADERS, 1, b"\x88\x82"), id="request-pseudo-header-in-a-response"),
+    pytest.param(f.frame(f.DATA, 0, 1, b"early"), id="data-before-the-head"),
+])
+async def test_a_backend_breaking_http2_loses_the_connection_and_the_next_request_gets_a_new_one(
+        backend, frame: bytes) -> None:
+    b, client = backend
+
+    async def hostile(backend: Backend, peer: Peer, sid: int, headers: dict[str, str]) -> None:
+        if backend.connections == 1:
+            peer.raw(frame)
+        else:
+            peer.respond(sid, 200, b"ok")
+
+    b.script = hostile
+    with pytest.raises(BackendFailed):
+        await read_all(await send(client, get("/one")))
+    assert await read_all(await send(client, get("/two"))) == b"ok"
+    assert b.connections == 2
+    assert free_slots(client) == client.settings.max_connections_per_backend
+
+
+async def test_a_response_head_that_never_comes_times_out_and_the_stream_is_reset(backend) -> None:
+    b, client = backend
+    client.settings = replace(client.settings, response_header_timeout_seconds=0.3)
+
+    async def silent(backend: Backend, peer: Peer, sid: int, headers: dict[str, str]) -> None:
+        await asyncio.sleep(30)
+
+    b.script = silent
+    done: list[BaseException | None] = []
+    with pytest.raises(UpstreamTimeout):
+        await send(client, get("/slow"), done=done)
+    for _ in range(50):
+        if b.resets:
+            break
+        await asyncio.sleep(0.02)
+    assert b.resets == [(1, 8)]  # RST_STREAM CANCEL
+    assert free_slots(client) == client.settings.max_connections_per_backend
+
+
+async def test_a_client_gone_mid_body_resets_its_stream_and_frees_its_slot(backend) -> None:
+    b, client = backend
+
+    async def endless(backend: Backend, peer: Peer, sid: int, headers: dict[str, str]) -> None:
+        peer.respond(sid, 200, b"part", end=False)
+
+    b.script = endless
+    done: list[BaseException | None] = []
+    response = await send(client, get("/list"), done=done)
+    assert response.body is not None
+    assert await response.body.__anext__() == b"part"
+    await response.body.aclose()  # type: ignore[attr-defined]
+    for _ in range(50):
+        if b.resets:
+            break
+        await asyncio.sleep(0.02)
+    assert b.resets == [(1, 8)]
+    assert len(done) == 1 and done[0] is not None
+    assert free_slots(client) == client.settings.max_connections_per_backend
+
+
+async def test_a_backend_that_does_not_speak_http2_is_used_over_http11(pki: PKI) -> None:
+    from test_lean_upstream import RawBackend  # the scripted HTTP/1.1 backend
+
+    raw = RawBackend(pki)
+    url = await raw.start()
+    client = BackendClient("b", url, UpstreamSettings(ca_file=str(pki.cert_path("ca")), http2=True))
+    try:
+        assert await read_all(await send(client, get("/version"))) == b"ok"
+        assert client.mux is not None and client.mux.h2 is False
+        assert await read_all(await send(client, get("/version"))) == b"ok"
+        assert len(raw.requests) == 2
+    finally:
+        await client.close()
+        await raw.stop()
+
+
+async def test_the_token_goes_out_never_indexed_and_the_backend_sees_the_target_byte_for_byte(backend) -> None:
+    b, client = backend
+    target = "/api/v1/namespaces/a%2Fb/pods?labelSelector=x%3Dy&limit=5"
+    headers = [("authorization", "Bearer secret"), ("accept", "application/json"), ("host", "evil.example"),
+               ("connection", "x-drop"), ("x-drop", "1"), ("te", "trailers"), ("X-Upper", "v")]
+    await read_all(await send(client, get(target, headers)))
+    sent = b.requests[0]
+    assert sent[":path"] == target and sent[":authority"] == client.authority
+    assert sent["authorization"] == "Bearer secret" and sent["x-upper"] == "v"
+    assert "x-drop" not in sent and "te" not in sent and "host" not in sent and "connection" not in sent
+    raw = b.raw_requests[0]
+    assert [type(x) for x in raw if x[0] == b"authorization"] == [NeverIndexedHeaderTuple]
+    assert not any(type(x) is NeverIndexedHeaderTuple for x in raw if x[0] != b"authorization")
+
+
+@pytest.mark.parametrize("method,target,headers", [
+    ("GET", "/api\r\nx: y", []),
+    ("GET", "http://evil/api", []),
+    ("G ET", "/api", []),
+    ("GET", "/api", [("x-a", "v\r\nx-b: w")]),
+    ("GET", "/api", [("x-a", "v\x00")]),
+    ("GET", "/api", [("bad name", "v")]),
+    ("GET", "/api", [("content-length", "5")]),
+])
+def test_what_the_http11_head_refuses_is_refused_as_http2_fields(method: str, target: str,
+                                                                 headers: list[tuple[str, str]]) -> None:
+    with pytest.raises(ValueError):
+        request_block(method, target, authority_field("a:1"), headers, frozenset())
+
+
+def decoded(block: bytes) -> list[tuple[bytes, bytes]]:
+    return [(bytes(k), bytes(v)) for k, v in hpack.Decoder().decode(block, raw=True)]
+
+
+def test_client_pseudo_headers_never_reach_the_backend() -> None:
+    block = request_block("GET", "/api", authority_field("a:1"), [(":path", "/other"), (":authority", "evil")],
+                          frozenset())
+    assert decoded(block) == [(b":method", b"GET"), (b":scheme", b"https"), (b":authority", b"a:1"),
+                              (b":path", b"/api")]
+
+
+def test_a_header_the_connection_header_names_is_dropped_even_after_it_was_memoized() -> None:
+    removed = frozenset({"connection", "host"})
+    plain = request_block("GET", "/a", authority_field("a:1"), [("x-token-hint", "1")], removed)
+    assert (b"x-token-hint", b"1") in decoded(plain)
+    named = request_block("GET", "/a", authority_field("a:1"),
+                          [("x-token-hint", "1"), ("connection", "x-token-hint")], removed)
+    assert decoded(named) == decoded(plain)[:4]
+    again = request_block("GET", "/a", authority_field("a:1"), [("x-token-hint", "1")], removed)
+    assert again == plain  # the one-off removal did not disturb the memo
+
+
+async def test_asserted_identities_and_token_requests_never_share_a_connection(backend) -> None:
+    b, client = backend
+    for identity in (True, False, True, False):
+        await read_all(await send(client, get("/who"), identity=identity))
+    assert b.connections == 2
+    assert b.peer_certs[0] and not b.peer_certs[1]  # the front-proxy certificate only on the identity one
+
+
+async def test_a_header_block_larger_than_a_frame_goes_out_in_continuation_frames(backend) -> None:
+    b, client = backend
+    token = "Bearer " + "t" * 40000
+    await read_all(await send(client, get("/big-head", [("authorization", token)])))
+    assert b.requests[0]["authorization"] == token
