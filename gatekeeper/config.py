@@ -337,17 +337,19 @@ def _check_aliases(node: yaml.Node, source: str, limits: YamlLimits, before: int
 def _documents(text: str, source: str, limits: YamlLimits, single: bool) -> list[Any]:
     loader = YAML_LOADER(text)  # safe loading only: no arbitrary objects
     try:
+        out: list[Any] = []
+        added = 0  # the alias limit is per file: a thousand documents just under it would not be bounded
         if single:
             node = loader.get_single_node()
-            nodes = [] if node is None else [node]
-        else:
-            nodes = []
-            while loader.check_node():
-                nodes += [n for n in (loader.get_node(),) if n is not None]
-        out, added = [], 0
-        for node in nodes:  # the limit is per file: a thousand documents just under it would not be bounded
-            added = _check_aliases(node, source, limits, added)
-            out.append(loader.construct_document(node))
+            if node is not None:
+                _check_aliases(node, source, limits)
+                out.append(loader.construct_document(node))
+            return out
+        while loader.check_node():  # one document's nodes at a time: they are ~10x the objects of its value,
+            node = loader.get_node()  # and every object alive makes the reload thread's GC passes longer
+            if node is not None:
+                added = _check_aliases(node, source, limits, added)
+                out.append(loader.construct_document(node))
         return out
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)

@@ -142,7 +142,10 @@ class Reloader:
             except Exception:  # not a policy error (those are results): the thread itself failed
                 log.exception("flow-control reload (%s) failed; keeping the running policy", why)
                 result = ValueError("the reload failed unexpectedly (see the log)")
-            self._finish(why, result)
+            try:
+                self._finish(why, result)
+            except Exception:  # a bug in the swap: logged, and the next request still runs
+                log.exception("flow-control reload (%s): applying the policy failed", why)
 
     def _finish(self, why: str, result: Policy | ValueError) -> bool:
         """Apply a parsed policy, or count and log why not; on the event loop (``apply`` wakes requests)."""
