@@ -158,3 +158,35 @@ async def test_a_failed_reload_while_serving_keeps_the_policy_is_logged_and_coun
         await reloader.wait()
     assert not applied and reloads("failed") == failed0 + 1 and failing() == 1
     assert "keeping the running policy" in caplog.text and str(path) in caplog.text
+
+
+def test_a_worker_stopping_during_a_parse_exits_without_waiting_for_it(tmp_path: Path) -> None:
+    """The parse thread must not hold the process at exit: a stopping worker would wait for a parse of a
+    large file (seconds), or for ever on a policy path that became a FIFO. Here the parse never ends."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "flows.yaml"
+    path.write_text(yaml.safe_dump(level("tenants", 10)))
+    code = f"""
+import asyncio, threading
+from gatekeeper.proxy.flowcontrol.edge import loading
+from gatekeeper.proxy.flowcontrol.settings import FlowControlSettings
+started = threading.Event()
+def never_ends(settings):
+    started.set()
+    threading.Event().wait()
+loading.load_policy = never_ends
+async def main():
+    reloader = loading.Reloader(FlowControlSettings(files=[{str(path)!r}]), print)
+    reloader.request()
+    await asyncio.to_thread(started.wait)
+    reloader.cancel()
+asyncio.run(main())
+print("loop done", flush=True)
+"""
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the process did not exit: it waits for the parse thread")
+    assert out.returncode == 0 and out.stdout == "loop done\n", out.stderr

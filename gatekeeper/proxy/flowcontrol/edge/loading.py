@@ -10,11 +10,13 @@ serving loop keeps answering, and only the swap runs on it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import logging
 import os
+import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 from gatekeeper.config import load_yaml_all
 from gatekeeper.proxy.flowcontrol.core.controller import Limits
@@ -23,6 +25,7 @@ from gatekeeper.proxy.flowcontrol.core.policy import Policy, build_policy, split
 from gatekeeper.proxy.flowcontrol.settings import FlowControlSettings
 
 log = logging.getLogger("gatekeeper.proxy.flowcontrol")
+T = TypeVar("T")
 
 
 def limits_of(settings: FlowControlSettings) -> Limits:
@@ -79,13 +82,36 @@ def _stamp(paths: list[str]) -> tuple[tuple[str, float, int], ...]:
     return tuple(out)
 
 
-_RELOAD_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gatekeeper-policy-reload")
-"""The thread that reads and validates policy files during a reload (started on first use, not at import).
+def _on_a_thread(fn: Callable[[], T]) -> asyncio.Future[T]:
+    """``fn()`` on a daemon thread of its own; its result or exception, delivered on the calling loop.
 
-One thread, not the loop's default pool: reloads are serialized anyway (:meth:`Reloader.request`), and the
-default pool also binds sockets and resolves names. A parse of a file near the 1 MiB limit took 2.4 s per
-worker with the pure-Python parser, all of it on the serving loop before: no request, probe or connection
-hand-off was answered meanwhile."""
+    Not the loop's default pool (it also binds sockets and resolves names) nor a ThreadPoolExecutor: their
+    threads are joined at interpreter exit, so a worker stopping during a parse (2.4 s per MiB with the
+    pure-Python parser, or for ever on a policy path that became a FIFO) would not exit until it finished.
+    The caller serializes reloads, so a worker runs at most one such thread (plus, after ``cancel``, one
+    finishing unused). A parse of a file near the 1 MiB limit ran on the serving loop before: no request,
+    probe or connection hand-off was answered meanwhile."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[T] = loop.create_future()
+
+    def deliver(result: T | None, error: BaseException | None) -> None:
+        if fut.cancelled():
+            return
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)  # type: ignore[arg-type]
+
+    def run() -> None:
+        try:
+            result, error = fn(), None
+        except BaseException as exc:  # delivered to the awaiting task, which logs it
+            result, error = None, exc
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits any more
+            loop.call_soon_threadsafe(deliver, result, error)
+
+    threading.Thread(target=run, name="gatekeeper-policy-reload", daemon=True).start()
+    return fut
 
 
 class Reloader:
@@ -122,7 +148,7 @@ class Reloader:
             self._task = asyncio.get_running_loop().create_task(self._run(), name="gatekeeper-flowcontrol-reload")
 
     async def wait(self) -> None:
-        """Until no reload is running or asked for (tests, and ``close``)."""
+        """Until no reload is running or asked for (tests)."""
         while self._task is not None and not self._task.done():
             await asyncio.shield(self._task)
 
@@ -133,12 +159,11 @@ class Reloader:
             self._task.cancel()
 
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
         while self._pending is not None:
             why, self._pending = self._pending, None
             self.stamp = _stamp(self.settings.files)  # before reading: a change during the parse is seen again
             try:
-                result = await loop.run_in_executor(_RELOAD_THREAD, _parse, self.settings)
+                result = await _on_a_thread(functools.partial(_parse, self.settings))
             except Exception:  # not a policy error (those are results): the thread itself failed
                 log.exception("flow-control reload (%s) failed; keeping the running policy", why)
                 result = ValueError("the reload failed unexpectedly (see the log)")
