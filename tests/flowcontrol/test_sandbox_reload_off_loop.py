@@ -43,14 +43,15 @@ def level(name: str) -> str:
 
 
 def hold_mark() -> str:
-    import sys
+    """The marker ``held_parse/sitecustomize.py`` looks for (loaded by path: it is not this process's
+    sitecustomize)."""
+    import importlib.util
 
-    sys.path.insert(0, str(HELD))
-    try:
-        from sitecustomize import HOLD_MARK  # type: ignore[import-not-found]
-    finally:
-        sys.path.remove(str(HELD))
-    return str(HOLD_MARK)
+    spec = importlib.util.spec_from_file_location("held_parse_sitecustomize", HELD / "sitecustomize.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return str(module.HOLD_MARK)
 
 
 class Held:
