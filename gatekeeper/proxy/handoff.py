@@ -22,8 +22,10 @@ workers) does the same across processes:
   connection handed over but not yet picked up counts as open, so a burst of
   connections spreads at once.
 * The least-loaded serving worker gets the connection; ties rotate. A worker
-  serves once it says so on its socket (``R``), and stops when that socket
-  ends (it died; the supervisor restarts it with a fresh socket and count).
+  serves once it says so on its socket (``R``), and stops when it says it
+  drains (``D``) or its process exits (:meth:`Dispatcher.retire`: our
+  duplicate of its end, below, keeps the socket open past its death); the
+  supervisor restarts it with a fresh socket and count.
   A worker whose socket the supervisor closes drains and exits, to be
   restarted the same way; a read that fails with ENOBUFS/ENOMEM is retried
   after a back-off (``gatekeeper_proxy_handoff_receive_errors_total``).
@@ -36,6 +38,18 @@ workers) does the same across processes:
   until its socket filled; each of those hung until the worker was killed as
   hung (``workerHangSeconds``). A worker that reads again is chosen by load
   again. A burst (connections within milliseconds) is still split by load.
+* What a worker has not read is taken back: the supervisor keeps a duplicate
+  of each worker's end of its socket, so it can receive the worker's queued
+  messages itself (the kernel gives each message to exactly one reader, so a
+  connection is never served twice; no byte of it has been read yet). It does
+  so when a worker has left a connection unread for :data:`LAG_SECONDS` while
+  another keeps up (it is passed over for :data:`PASS_OVER_SECONDS` after),
+  when it says it drains (``D``), and when its process exits; each connection
+  taken back goes to another worker (``gatekeeper_proxy_handoff_taken_back_total
+  {worker}``). Before, a descriptor sent could not be taken back: the one
+  connection handed to a worker just before it stopped hung until the worker
+  was killed as hung (``workerHangSeconds``), and the ones queued in a worker
+  that drained or died were reset.
 * A worker's socket holds about 40 connections (:data:`QUEUE_SNDBUF`): when it
   is full the send fails with EAGAIN and the next worker gets the connection. If every worker's socket
   is full, or none serves, the connection is held and accepting pauses until
@@ -65,15 +79,18 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from gatekeeper.acceptloop import ACCEPT_BACKOFF
+
 log = logging.getLogger("gatekeeper.proxy.handoff")
 
 READY = b"R"
 """What a worker sends on its hand-off socket once it serves."""
+DRAINING = b"D"
+"""What a worker sends on its hand-off socket as it begins to drain: hand it nothing more, and take back what it
+has not read (its own close no longer ends the socket: the supervisor holds a duplicate of its end)."""
 _CONN = b"C"
 BACKLOG = 1024
 """Pending connections the kernel queues on the TLS port once it listens (the workers' own listeners too)."""
-ACCEPT_BACKOFF = 0.1
-"""Seconds without accepting after an accept failed (out of descriptors): the workers' accept loops did the same."""
 RECEIVE_RETRY = frozenset({errno.ENOBUFS, errno.ENOMEM})
 """Errors of a worker's receive that pass (the kernel short of memory): it tries again after a back-off. Any
 other error (ECONNRESET: the supervisor closed its end with messages unread; EBADF, ...) ends the hand-off."""
@@ -88,6 +105,10 @@ LAG_SECONDS = 0.05
 socket within one turn of its event loop (milliseconds), so it is stopped, blocked or overloaded."""
 STALL_SECONDS = 0.5
 """Behind this long: logged and counted as a stall (``gatekeeper_proxy_handoff_stalls_total``)."""
+PASS_OVER_SECONDS = 0.5
+"""After its unread connections were taken back, a worker is passed over this long (while another keeps up):
+it cannot show that it reads again with nothing queued, so it is tried again after this, at the cost of one
+connection delayed by about :data:`LAG_SECONDS` per period while it stays stopped."""
 
 
 def unread_bytes(sock: socket.socket) -> int:
@@ -194,6 +215,13 @@ class Inbox:
     def closed(self) -> None:
         self._counts.add(self._index)
 
+    def leave(self) -> None:
+        """We drain: say so (the supervisor takes back what we have not read and hands us nothing more), then
+        close our end. The supervisor may have closed its end already (it is exiting): nothing to say then."""
+        with contextlib.suppress(OSError):
+            self.sock.send(DRAINING)
+        self.close()
+
     def close(self) -> None:
         self.sock.close()
 
@@ -204,15 +232,21 @@ class Dispatcher:
     def __init__(self, listeners: list[socket.socket], counts: ClosedCounts, workers: int,
                  on_handoff: Callable[[int], None] = lambda worker: None,
                  on_wait: Callable[[], None] = lambda: None,
-                 on_stall: Callable[[int], None] = lambda worker: None) -> None:
+                 on_stall: Callable[[int], None] = lambda worker: None,
+                 on_take_back: Callable[[int], None] = lambda worker: None) -> None:
         self._listeners = listeners
         self._counts = counts
         self._on_handoff = on_handoff
         self._on_wait = on_wait
         self._on_stall = on_stall
+        self._on_take_back = on_take_back
         self._pending: socket.socket | None = None
         """A connection no worker could take yet (every socket full, or none serving)."""
         self._channels: list[socket.socket | None] = [None] * workers
+        self._inboxes: list[socket.socket | None] = [None] * workers
+        """Our duplicate of each worker's end: what the worker has not read yet, we can read instead."""
+        self._taken_back_at = [0.0] * workers
+        """When we last took a worker's unread connections back (it is passed over for PASS_OVER_SECONDS)."""
         self._serving = [False] * workers
         self._sent = [0] * workers
         self._unread_since = [0.0] * workers
@@ -221,7 +255,8 @@ class Dispatcher:
         self._closed: set[int] = set()
         """Workers whose socket the thread closed as it ended (see :meth:`stop`)."""
         self._last = workers - 1
-        self._commands: queue.SimpleQueue[tuple[int, socket.socket | None]] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[tuple[int, tuple[socket.socket, socket.socket] | None]] = \
+            queue.SimpleQueue()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._stop = False
@@ -240,8 +275,13 @@ class Dispatcher:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, QUEUE_SNDBUF)
         ours.setblocking(False)
-        self._command(worker, ours)
+        self._command(worker, (ours, theirs.dup()))  # not inherited by later workers (dup is non-inheritable)
         return theirs
+
+    def retire(self, worker: int) -> None:
+        """``worker``'s process exited: what it had not read goes to the others, and it gets nothing more.
+        (Its own close cannot say so: our duplicate of its end keeps the socket open.)"""
+        self._command(worker, None)
 
     def start(self, on_failure: Callable[[], object] = lambda: None) -> None:
         """``on_failure`` runs on the thread if it dies of a bug: the port is closed then, so the caller must
@@ -266,12 +306,13 @@ class Dispatcher:
             except queue.Empty:
                 return set(self._closed)
             if sock is not None:
-                sock.close()
+                for s in sock:
+                    s.close()
 
     def loads(self) -> list[int | None]:
         return [self._load(i) if self._serving[i] else None for i in range(len(self._serving))]
 
-    def _command(self, worker: int, sock: socket.socket | None) -> None:
+    def _command(self, worker: int, sock: tuple[socket.socket, socket.socket] | None) -> None:
         self._commands.put((worker, sock))
         self._wake()
 
@@ -288,8 +329,8 @@ class Dispatcher:
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         try:
             while not self._stop:
-                pause = self._resume_at - time.monotonic()
-                for key, mask in self._sel.select(pause if pause > 0 else None):
+                pause = self._timeout(time.monotonic())
+                for key, mask in self._sel.select(pause):
                     if key.data == "wake":
                         with contextlib.suppress(OSError):
                             self._wake_r.recv(4096)
@@ -298,6 +339,7 @@ class Dispatcher:
                         self._accept(key.fileobj)  # type: ignore[arg-type]
                     elif mask & selectors.EVENT_READ:
                         self._from_worker(int(key.data))
+                self._take_back_lagging(time.monotonic())
                 if self._pending is not None:
                     self._retry_pending()
                 self._set_accepting(self._pending is None and any(self._serving)
@@ -316,6 +358,9 @@ class Dispatcher:
                 if ch is not None:
                     ch.close()
                     self._closed.add(i)
+            for inbox in self._inboxes:
+                if inbox is not None:
+                    inbox.close()  # what the workers have not read goes when they close their ends
             self._wake_r.close()
             self._wake_w.close()
 
@@ -327,8 +372,8 @@ class Dispatcher:
                 return
             self._drop(worker)
             if sock is not None:
-                self._channels[worker] = sock
-                self._sel.register(sock, self._channel_events(worker), str(worker))
+                self._channels[worker], self._inboxes[worker] = sock
+                self._sel.register(sock[0], self._channel_events(worker), str(worker))
 
     def _channel_events(self, worker: int) -> int:
         """A serving worker's writability matters only while a connection waits for a socket to drain."""
@@ -350,16 +395,98 @@ class Dispatcher:
             self._pending = conn
 
     def _drop(self, worker: int) -> None:
+        self._serving[worker] = False
+        self._take_back(worker)  # before its socket goes: the others serve what it did not read
         old = self._channels[worker]
         if old is not None:
             self._sel.unregister(old)
             old.close()
-        self._channels[worker] = None
-        self._serving[worker] = False
+        inbox = self._inboxes[worker]
+        if inbox is not None:
+            inbox.close()
+        self._channels[worker] = self._inboxes[worker] = None
         self._sent[worker] = 0
         self._unread_since[worker] = 0.0
+        self._taken_back_at[worker] = 0.0
         self._stalled[worker] = False
         self._counts.reset(worker)
+
+    def _timeout(self, now: float) -> float | None:
+        """Until the accept back-off ends or a worker's oldest unread connection is LAG_SECONDS old."""
+        wake = [self._resume_at] if self._resume_at > now else []
+        # only deadlines ahead: a worker left behind with nobody else keeping up is looked at again at the next
+        # event (an accept, a worker's message), never in a loop that spins
+        wake += [t + LAG_SECONDS for i, t in enumerate(self._unread_since)
+                 if t and self._serving[i] and t + LAG_SECONDS > now]
+        return max(0.0, min(wake) - now) if wake else None
+
+    def _lag(self, worker: int, now: float) -> float:
+        """How long ``worker`` has left a connection handed to it unread (0: it read every one)."""
+        ch = self._channels[worker]
+        if not self._unread_since[worker]:
+            return 0.0
+        if ch is None or unread_bytes(ch) == 0:
+            self._unread_since[worker] = 0.0
+            self._stalled[worker] = False  # it read what we handed it: a stall is over
+            return 0.0
+        return now - self._unread_since[worker]
+
+    def _keeps_up(self, worker: int, now: float) -> bool:
+        return (self._serving[worker] and now - self._taken_back_at[worker] >= PASS_OVER_SECONDS
+                and self._lag(worker, now) < LAG_SECONDS)
+
+    def _stall(self, worker: int, lag: float, what: str) -> None:
+        """Logged and counted once per stall (until the worker is seen reading again)."""
+        if not self._stalled[worker]:
+            self._stalled[worker] = True
+            log.info("worker %d has left a connection unread for %.2fs: %s", worker, lag, what)
+            self._on_stall(worker)
+
+    def _take_back_lagging(self, now: float) -> None:
+        """A worker that left a connection unread for LAG_SECONDS loses its queue to one that keeps up."""
+        n = len(self._serving)
+        for i in range(n):
+            if not self._serving[i] or self._inboxes[i] is None:
+                continue
+            lag = self._lag(i, now)
+            if lag < LAG_SECONDS or not any(self._keeps_up(j, now) for j in range(n) if j != i):
+                continue  # keeps up, or nobody else does: it keeps its queue (a stall at STALL_SECONDS)
+            self._stall(i, lag, "handing its connections to another worker")
+            self._taken_back_at[i] = now
+            self._take_back(i)
+
+    def _take_back(self, worker: int) -> None:
+        """Receive ``worker``'s unread connections ourselves (on our duplicate of its end) and hand them on.
+
+        Race-free with the worker's own reads: the kernel gives each message to one reader only."""
+        inbox = self._inboxes[worker]
+        if inbox is None:
+            return
+        taken: list[socket.socket] = []
+        while True:
+            try:
+                msg, fds, _, _ = socket.recv_fds(inbox, 1, 8, socket.MSG_DONTWAIT)
+            except OSError:  # BlockingIOError: nothing left; ENOBUFS/ENOMEM: what is left stays with the worker
+                break
+            if not msg and not fds:
+                break
+            if msg == _CONN:
+                self._sent[worker] -= 1  # never reached it
+            taken += [socket.socket(fileno=fd) for fd in fds]  # none: we are out of descriptors, it is lost
+        self._unread_since[worker] = 0.0
+        if taken:
+            log.info("took %d unread connection(s) back from worker %d", len(taken), worker)
+        for conn in taken:
+            self._on_take_back(worker)
+            if self._hand_over(conn):
+                conn.close()
+            elif self._pending is None:
+                self._pending = conn  # as at accept: accepting pauses until a worker can take it
+                self._on_wait()
+                self._watch_channels()
+            else:
+                log.warning("no worker can take a connection taken back from worker %d: closing it", worker)
+                conn.close()
 
     def _from_worker(self, worker: int) -> None:
         ch = self._channels[worker]
@@ -370,8 +497,9 @@ class Dispatcher:
         except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:
-            # ECONNRESET: the worker closed its end with connections unread (it exited, or drains). Anything
-            # else drops a live worker's socket: the worker reads the end, drains and exits, to be restarted.
+            # ECONNRESET: the worker's end closed with connections unread (no longer while we hold its duplicate:
+            # kept for safety). Anything else drops a live worker's socket: the worker reads the end, drains and
+            # exits, to be restarted.
             if not isinstance(exc, ConnectionResetError):
                 log.warning("worker %d's hand-off socket failed (%s): dropping it", worker, exc)
             msg = b""
@@ -380,7 +508,11 @@ class Dispatcher:
             log.debug("worker %d takes connections", worker)
             if self._pending is not None:
                 self._watch_channels()
-        elif not msg:  # the worker exited; its successor gets a new socket
+        elif msg == DRAINING:
+            self._serving[worker] = False
+            log.debug("worker %d drains", worker)
+            self._take_back(worker)
+        elif not msg:  # its end closed (not while we hold its duplicate: see retire); a successor gets a new one
             self._drop(worker)
 
     def _set_accepting(self, on: bool) -> None:
@@ -428,21 +560,12 @@ class Dispatcher:
         loads = self.loads()
         behind: list[int | None] = [None] * len(loads)
         for i, load in enumerate(loads):
-            ch = self._channels[i]
-            if load is None or ch is None:
-                continue
-            if unread_bytes(ch) == 0:
-                self._unread_since[i] = 0.0
-                self._stalled[i] = False
-                continue
-            lag = now - self._unread_since[i] if self._unread_since[i] else 0.0
-            if lag < LAG_SECONDS:
+            if load is None or self._channels[i] is None or self._keeps_up(i, now):
                 continue
             behind[i], loads[i] = load, None
-            if lag >= STALL_SECONDS and not self._stalled[i]:
-                self._stalled[i] = True
-                log.info("worker %d has left a connection unread for %.1fs: passing it over", i, lag)
-                self._on_stall(i)
+            lag = self._lag(i, now)
+            if lag >= STALL_SECONDS:
+                self._stall(i, lag, "passing it over")
         return self._send_least_loaded(conn, loads, now) or self._send_least_loaded(conn, behind, now)
 
     def _send_least_loaded(self, conn: socket.socket, loads: list[int | None], now: float) -> bool:

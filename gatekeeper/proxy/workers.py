@@ -174,7 +174,8 @@ class Supervisor:
         self.dispatcher: Dispatcher | None = None
         if listeners is not None:
             self.dispatcher = Dispatcher(listeners, ClosedCounts.create(runtime / "closed", workers), workers,
-                                         on_handoff=_count_handoff, on_wait=_count_wait, on_stall=_count_stall)
+                                         on_handoff=_count_handoff, on_wait=_count_wait, on_stall=_count_stall,
+                                         on_take_back=_count_take_back)
 
     async def _spawn(self, slot: _Slot) -> None:
         argv = [sys.executable, "-m", "gatekeeper", "proxy", "--config", str(self.config), "--workers", "1",
@@ -206,6 +207,8 @@ class Supervisor:
             assert slot.proc is not None
             code = await slot.proc.wait()
             pid = slot.proc.pid
+            if self.dispatcher is not None:
+                self.dispatcher.retire(slot.index)  # what it had not read goes to the others
             slot.ready_once = slot.ready_once or (self.runtime / f"worker-{slot.index}.json").exists()
             self._forget(slot.index, pid)
             if self.stopping.is_set():
@@ -416,6 +419,12 @@ def _count_stall(worker: int) -> None:
     from gatekeeper.proxy.listen.conn_metrics import HANDOFF_STALLS
 
     HANDOFF_STALLS.labels(worker=str(worker)).inc()
+
+
+def _count_take_back(worker: int) -> None:
+    from gatekeeper.proxy.listen.conn_metrics import HANDOFF_TAKEN_BACK
+
+    HANDOFF_TAKEN_BACK.labels(worker=str(worker)).inc()
 
 
 def _count_wait() -> None:

@@ -21,12 +21,10 @@ import socket
 import ssl
 from collections.abc import Callable
 
+from gatekeeper.acceptloop import accept_forever
 from gatekeeper.tlshandshake import handshake_within
 
 log = logging.getLogger("gatekeeper.webhook.accept")
-
-ACCEPT_BACKOFF = 0.1
-"""Pause after a failed accept (EMFILE and friends), instead of spinning."""
 
 
 class AcceptServer(asyncio.AbstractServer):
@@ -41,7 +39,8 @@ class AcceptServer(asyncio.AbstractServer):
         self._period, self._max_seconds = period, max_seconds
         self._on_timeout, self._on_late = on_timeout, on_late
         self._loop = asyncio.get_running_loop()
-        self._accepters = [self._loop.create_task(self._accept(s)) for s in sockets]
+        self._accepters = [self._loop.create_task(accept_forever(s, self._start_handshake, log=log))
+                           for s in sockets]
         self._handshakes: set[asyncio.Task[None]] = set()
         self._closed = asyncio.Event()
 
@@ -49,17 +48,10 @@ class AcceptServer(asyncio.AbstractServer):
     def sockets(self) -> list[socket.socket]:
         return list(self._sockets)
 
-    async def _accept(self, sock: socket.socket) -> None:
-        while True:
-            try:
-                conn, _ = await self._loop.sock_accept(sock)
-            except OSError as exc:
-                log.warning("accept failed: %s", exc)
-                await asyncio.sleep(ACCEPT_BACKOFF)
-                continue
-            task = self._loop.create_task(self._handshake(conn))
-            self._handshakes.add(task)
-            task.add_done_callback(self._handshakes.discard)
+    def _start_handshake(self, conn: socket.socket) -> None:
+        task = self._loop.create_task(self._handshake(conn))
+        self._handshakes.add(task)
+        task.add_done_callback(self._handshakes.discard)
 
     async def _handshake(self, conn: socket.socket) -> None:
         try:

@@ -15,6 +15,8 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+from gatekeeper.webhook.kube_errors import describe
+
 log = logging.getLogger(__name__)
 
 ListFn = Callable[[], Awaitable[tuple[list[dict[str, Any]], str]]]
@@ -74,7 +76,7 @@ class ListWatch:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                log.warning("%s watch failed (%s: %s); listing again", self.what, type(exc).__name__, exc)
+                log.warning("%s watch failed (%s); listing again", self.what, describe(exc))
                 rv = None
             await asyncio.sleep(self._retry)
 

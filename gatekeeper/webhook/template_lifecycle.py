@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gatekeeper.webhook.gpu.claims import MANAGED_BY
+from gatekeeper.webhook.kube_errors import describe
 from gatekeeper.webhook.pod_refs import Key
 
 log = logging.getLogger(__name__)
@@ -144,7 +145,7 @@ class TemplateLifecycle:
                             meta["namespace"], meta["name"])
                 self._on_result("recreated")
             except Exception as exc:
-                log.warning("could not re-create %s/%s: %s", meta["namespace"], meta["name"], exc)
+                log.warning("could not re-create %s/%s: %s", meta["namespace"], meta["name"], describe(exc))
                 self._on_result("error")
         for key, uid in p.delete:
             self._forget(*key)
@@ -153,7 +154,7 @@ class TemplateLifecycle:
                 log.info("deleted ResourceClaimTemplate %s/%s: no pod referenced it for %ss", *key, self.grace)
                 self._on_result("collected")
             except Exception as exc:
-                log.warning("could not delete %s/%s: %s", *key, exc)
+                log.warning("could not delete %s/%s: %s", *key, describe(exc))
                 self._on_result("error")
         return p
 
@@ -162,7 +163,7 @@ class TemplateLifecycle:
             try:
                 await self.once()
             except Exception as exc:  # a failed LIST: try again next interval
-                log.warning("template reconciliation failed: %s: %s", type(exc).__name__, exc)
+                log.warning("template reconciliation failed: %s", describe(exc))
                 self._on_result("error")
             await asyncio.sleep(self.interval)
 

@@ -109,6 +109,8 @@ def kube_creator(api_client: Any, request_timeout: float = REQUEST_TIMEOUT) -> C
     from kubernetes_asyncio.client import CustomObjectsApi
     from kubernetes_asyncio.client.exceptions import ApiException
 
+    from gatekeeper.webhook.kube_errors import describe
+
     api = CustomObjectsApi(api_client)
 
     async def create(obj: dict[str, Any]) -> None:
@@ -123,12 +125,12 @@ def kube_creator(api_client: Any, request_timeout: float = REQUEST_TIMEOUT) -> C
                 raise AlreadyExists() from None
             raise TemplateError(
                 f"gatekeeper could not create ResourceClaimTemplate {meta['namespace']}/{meta['name']}: "
-                f"HTTP {exc.status} {exc.reason}; the pod would stay Pending, so it was not admitted"
+                f"{describe(exc)}; the pod would stay Pending, so it was not admitted"
             ) from None
         except (TimeoutError, OSError, aiohttp.ClientError) as exc:
             raise TemplateError(
                 f"gatekeeper could not reach the apiserver to create ResourceClaimTemplate "
-                f"{meta['namespace']}/{meta['name']}: {type(exc).__name__} {exc}"
+                f"{meta['namespace']}/{meta['name']}: {describe(exc)}"
             ) from None
 
     return create

@@ -5,7 +5,7 @@
 * Nothing imports ``gatekeeper.cli`` but ``gatekeeper.__main__``; command
   modules are imported only by the CLI; components import no command module.
 * ``kube/`` and the base (``config``, ``metrics``, ``certs``, ``errors``,
-  ``tls``, ``listener``, ``netbind``, ``ops``) import no component; ``kube/`` and
+  ``tls``, ``listener``, ``netbind``, ``acceptloop``, ``tlshandshake``, ``ops``) import no component; ``kube/`` and
   ``metrics`` do no network I/O (no asyncio, aiohttp, socket, ssl).
 * ``webhook`` and ``proxy`` never import each other, and neither imports
   ``sandbox`` (the sandbox runs them, not the other way round).

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import threading
 from pathlib import Path
 
 import pytest
@@ -78,3 +80,113 @@ def test_a_policy_file_that_is_not_utf8_is_named_at_start(tmp_path: Path) -> Non
     path.write_bytes(b"kind: \xff\n")
     with pytest.raises(ValueError, match=rf"{path}: not UTF-8 text \(byte 6\)"):
         load_policy(FlowControlSettings(files=[str(path)]))
+
+
+class HeldParse:
+    """``load_policy`` that, after reading the files, waits on the reload thread until released (the first
+    ``hold`` parses); records the order of events."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, hold: int = 1) -> None:
+        from gatekeeper.proxy.flowcontrol.edge import loading
+
+        self.events: list[str] = []
+        self.parsed = threading.Event()
+        self.release = threading.Event()
+        real = loading.load_policy
+
+        def held(settings: FlowControlSettings) -> Policy:
+            n = len([e for e in self.events if e.startswith("parsed")]) + 1
+            try:
+                return real(settings)
+            finally:
+                self.events.append(f"parsed {n}")
+                if n <= hold:
+                    self.parsed.set()
+                    assert self.release.wait(60), "the test never released the parse"
+
+        monkeypatch.setattr(loading, "load_policy", held)
+
+
+async def reload_held(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                      ) -> tuple[Path, list[Policy], Reloader, HeldParse]:
+    """A policy file, a reloader, and a reload requested whose parse has read the file and is held."""
+    path = tmp_path / "flows.yaml"
+    path.write_text(yaml.safe_dump(level("tenants", 10)))
+    applied: list[Policy] = []
+    reloader = Reloader(FlowControlSettings(files=[str(path)]), applied.append)
+    held = HeldParse(monkeypatch)
+    reloader.request()
+    assert await asyncio.to_thread(held.parsed.wait, 60)
+    return path, applied, reloader, held
+
+
+async def test_a_reload_while_serving_parses_off_the_event_loop(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loop keeps running while the files are parsed; only the swap happens on it."""
+    _, applied, reloader, held = await reload_held(tmp_path, monkeypatch)
+    held.events.append("loop ran")  # the loop is free while the parse is held on its thread
+    held.release.set()
+    await reloader.wait()
+    assert held.events == ["parsed 1", "loop ran"] and len(applied) == 1
+
+
+async def test_two_reloads_in_quick_succession_end_with_the_newest_file(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The second SIGHUP arrives while the first parse (of the old file) runs: that parse must not finish last
+    and win. Requests during a parse coalesce into one more parse, which reads the file as it is then."""
+    path, applied, reloader, held = await reload_held(tmp_path, monkeypatch)  # the old file read, not applied
+    path.write_text(yaml.safe_dump(level("newest", 20)))
+    reloader.request()
+    reloader.request()
+    for _ in range(20):  # a request must not start a parse of its own meanwhile
+        await asyncio.sleep(0.01)
+    held.release.set()
+    await reloader.wait()
+    assert ["newest" in p.levels for p in applied] == [False, True], "an older parse finished last and won"
+    assert held.events == ["parsed 1", "parsed 2"], "requests during a parse coalesce into one more parse"
+
+
+async def test_a_failed_reload_while_serving_keeps_the_policy_is_logged_and_counted(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "flows.yaml"
+    path.write_text("kind: [\n")
+    applied: list[Policy] = []
+    reloader = Reloader(FlowControlSettings(files=[str(path)]), applied.append)
+    failed0 = reloads("failed")
+    with caplog.at_level(logging.ERROR):
+        reloader.request()
+        await reloader.wait()
+    assert not applied and reloads("failed") == failed0 + 1 and failing() == 1
+    assert "keeping the running policy" in caplog.text and str(path) in caplog.text
+
+
+def test_a_worker_stopping_during_a_parse_exits_without_waiting_for_it(tmp_path: Path) -> None:
+    """The parse thread must not hold the process at exit: a stopping worker would wait for a parse of a
+    large file (seconds), or for ever on a policy path that became a FIFO. Here the parse never ends."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "flows.yaml"
+    path.write_text(yaml.safe_dump(level("tenants", 10)))
+    code = f"""
+import asyncio, threading
+from gatekeeper.proxy.flowcontrol.edge import loading
+from gatekeeper.proxy.flowcontrol.settings import FlowControlSettings
+started = threading.Event()
+def never_ends(settings):
+    started.set()
+    threading.Event().wait()
+loading.load_policy = never_ends
+async def main():
+    reloader = loading.Reloader(FlowControlSettings(files=[{str(path)!r}]), print)
+    reloader.request()
+    await asyncio.to_thread(started.wait)
+    reloader.cancel()
+asyncio.run(main())
+print("loop done", flush=True)
+"""
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the process did not exit: it waits for the parse thread")
+    assert out.returncode == 0 and out.stdout == "loop done\n", out.stderr

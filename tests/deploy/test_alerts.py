@@ -48,6 +48,17 @@ def test_rules_use_only_metric_names_the_components_export() -> None:
         assert f'"{base}' in exported or f'"{name}"' in exported, f"{name} is not exported by any component"
 
 
+def test_rules_match_only_label_values_the_components_use() -> None:
+    """An exact label match (``reason="request-budget"``) on a value no component ever sets would never
+    fire; the value must appear as a string in the code (regex matches are not checked)."""
+    exported = "".join(p.read_text() for p in (chart.REPO / "gatekeeper").rglob("*.py"))
+    selectors = re.findall(r"\b(gatekeeper_[a-z_]+)\{([^}]*)\}", RULES.read_text())
+    assert any(name == "gatekeeper_webhook_refused_connections_total" for name, _ in selectors)
+    for name, matchers in selectors:
+        for label, value in re.findall(r'(\w+)="([^"]*)"', matchers):
+            assert f'"{value}"' in exported, f'{name}{{{label}="{value}"}}: no component sets that value'
+
+
 def test_dashboard_queries_only_exported_metrics() -> None:
     import json
 

@@ -19,7 +19,7 @@ from edge_kit import chunks, make_pki, rejected
 from prometheus_client import REGISTRY
 
 from gatekeeper.certs import PKI
-from gatekeeper.proxy.handoff import ClosedCounts, Dispatcher, Inbox, least_loaded
+from gatekeeper.proxy.handoff import PASS_OVER_SECONDS, ClosedCounts, Dispatcher, Inbox, least_loaded
 from gatekeeper.proxy.listen import server as server_module
 from gatekeeper.proxy.listen.server import ProxyServer, serve
 from gatekeeper.proxy.messages import ProxyRequest, ProxyResponse
@@ -59,9 +59,11 @@ class Rig:
         self.handed: list[int] = []
         self.waits = 0
         self.stalls: list[int] = []
+        self.taken_back: list[int] = []
         self.dispatcher = Dispatcher([self.listener, *extra_listeners],
                                      ClosedCounts.create(tmp_path / "closed", workers), workers,
-                                     on_handoff=self.handed.append, on_wait=self._wait, on_stall=self.stalls.append)
+                                     on_handoff=self.handed.append, on_wait=self._wait, on_stall=self.stalls.append,
+                                     on_take_back=self.taken_back.append)
         self.counts = ClosedCounts(tmp_path / "closed")
         self.inboxes: list[Inbox | None] = [None] * workers
         self.held: list[list[socket.socket]] = [[] for _ in range(workers)]
@@ -201,7 +203,10 @@ def test_a_worker_that_stops_reading_is_passed_over(rig: Callable[[int], Rig]) -
     assert r.waits == 0
     stuck_share = r.handed.count(0)
     assert 0 < stuck_share < 50, r.handed  # without the pass-over it would take all 50 first (or hold)
-    assert len(r.held[1]) == 50 + r.handed.count(1) == 50 + 80 - stuck_share
+    # and what it was handed is taken back for the worker that reads: every client is served
+    wait_for(lambda: len(r.taken_back) == stuck_share, "worker 0's connections to be taken back")
+    r.collect_all(50 + 80)
+    assert len(r.held[1]) == 50 + 80 and r.handed.count(1) == 80
 
 
 def test_a_stopped_worker_gets_one_connection_while_another_keeps_up(rig: Callable[[int], Rig]) -> None:
@@ -209,30 +214,63 @@ def test_a_stopped_worker_gets_one_connection_while_another_keeps_up(rig: Callab
     unread connections counted as its load and it got every other one (15 of 30 here), each hanging."""
     r = rig(2)
     r.start_all()
+    started = time.monotonic()
     for _ in range(30):
         r.connect()
         r.collect(1)  # worker 1 keeps up; worker 0 reads nothing
         time.sleep(0.06)  # connections a little apart (past LAG_SECONDS), as clients arrive
+    tries = 1 + int((time.monotonic() - started) / PASS_OVER_SECONDS)
     assert r.waits == 0
-    assert r.handed.count(0) == 1, r.handed
-    assert len(r.held[1]) == 29
+    assert 1 <= r.handed.count(0) <= tries, r.handed  # one per pass-over period, never every other one
+    r.collect_all(30)
+    assert len(r.held[1]) == 30  # the ones handed to worker 0 were taken back
+    assert r.taken_back == [0] * r.handed.count(0) and r.stalls == [0]
+
+
+def test_the_connection_handed_to_a_worker_just_before_it_stopped_is_served_by_another(
+        rig: Callable[[int], Rig]) -> None:
+    """A descriptor that was sent could not be taken back: the first connection handed to a worker that had
+    just stopped (SIGSTOP, a blocked loop) waited unread in its socket until the worker was killed as hung
+    (workerHangSeconds, 30 s). The supervisor now reads it back from its own duplicate of the worker's end
+    after LAG_SECONDS and hands it to a worker that reads, unread: the client sees a short delay, not a hang."""
+    r = rig(2)
+    r.start_all()
+    r.connect()  # ties rotate: worker 0 gets it, and reads nothing
+    assert r.handed == [0]
+    started = time.monotonic()
+    wait_for(lambda: r.collect(1) == 1, "the connection to reach worker 1", timeout=3)
+    assert time.monotonic() - started < 3
+    assert r.taken_back == [0] and r.stalls == [0]
+    assert r.dispatcher.loads() == [0, 1]  # worker 0's count no longer holds it
+    [conn] = r.held[1]
+    r.clients[0].sendall(b"hello")  # the client's own connection, not one byte read before
+    conn.settimeout(2)
+    assert conn.recv(5) == b"hello"
+    inbox = r.inboxes[0]
+    assert inbox is not None and inbox.receive() == []  # never served twice
 
 
 def test_a_worker_that_reads_again_is_chosen_again(rig: Callable[[int], Rig]) -> None:
     r = rig(2)
     r.start_all()
-    for _ in range(10):
+    for _ in range(4):
         r.connect()
         r.collect(1)
         time.sleep(0.06)
     assert r.handed.count(0) == 1
-    r.collect(0)  # worker 0 reads again: the least loaded (1 against 9), it gets the next ones
+    wait_for(lambda: r.taken_back == [0], "worker 0's connection to be taken back")
+    time.sleep(PASS_OVER_SECONDS)  # then it is tried again
+    r.collect_all(4)
     r.handed.clear()
-    for _ in range(4):
+    r.connect()
+    assert r.handed == [0]
+    r.collect(0)  # worker 0 reads again: the least loaded (1 against 4), it gets the next ones
+    r.handed.clear()
+    for _ in range(3):
         r.connect()
         r.collect(0)
         r.collect(1)
-    assert r.handed == [0, 0, 0, 0], r.handed
+    assert r.handed == [0, 0, 0], r.handed
 
 
 def test_a_stall_is_counted_once_and_a_stalled_worker_still_serves_alone(rig: Callable[[int], Rig]) -> None:
@@ -278,8 +316,12 @@ def test_a_dead_worker_gets_nothing_and_its_successor_starts_from_zero(rig: Call
     r = rig(2)
     first, _ = r.start_all()
     r.connect(4)
-    first.close()  # worker 0 died holding 2 connections
+    first.close()  # worker 0 died with 2 connections unread
+    r.dispatcher.retire(0)  # as the supervisor does once it reaps the process
     wait_for(lambda: r.dispatcher.loads()[0] is None, "worker 0 to be dropped")
+    assert r.taken_back == [0, 0]  # and served by worker 1 (before: reset with the dead worker's socket)
+    r.collect_all(4)
+    assert len(r.held[1]) == 4
     r.handed.clear()
     r.connect(2)
     assert r.handed == [1, 1]
@@ -365,6 +407,27 @@ async def test_a_draining_worker_is_handed_nothing_more(rig: Callable[[int], Rig
     r.handed.clear()
     await asyncio.to_thread(r.connect, 4)
     assert r.handed == [1, 1, 1, 1]
+
+
+async def test_a_connection_handed_to_a_worker_as_it_begins_to_drain_is_served_by_another(
+        rig: Callable[[int], Rig], pki: PKI) -> None:
+    """Handed over in the same moment the worker began to drain (its loop had not read it yet): the worker's
+    close of its end reset it (the client's TLS handshake failed with a reset, a retry at best). The worker now
+    says it drains and the supervisor takes the connection back, unread, for another worker."""
+    r = rig(2)
+    server = _worker(pki, r.start_worker(0, announce=False))
+    await server.start()
+    r.start_worker(1)
+    await _until(lambda: r.dispatcher.loads() == [0, 0], "both workers to serve")
+    r.connect()  # blocks this loop: worker 0 has not read it when its drain begins
+    assert r.handed == [0]
+    await server.shutdown(1)
+    await asyncio.to_thread(wait_for, lambda: r.collect(1) == 1, "the connection to reach worker 1")
+    assert r.taken_back == [0]
+    [conn] = r.held[1]
+    r.clients[0].sendall(b"hello")  # alive, and not one byte read by worker 0
+    conn.settimeout(2)
+    assert conn.recv(5) == b"hello"
 
 
 @contextlib.contextmanager

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import socket
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -25,6 +26,20 @@ SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
 
 def supervisor(tmp_path: Path, settings: ProxySettings = SETTINGS, n: int = 1) -> workers.Supervisor:
     return workers.Supervisor(settings, tmp_path / "proxy.yaml", n, tmp_path, 0)
+
+
+def handoff_supervisor(tmp_path: Path, n: int) -> tuple[workers.Supervisor, socket.socket]:
+    """A supervisor that hands connections over (listening on a loopback port), with no metrics port and no
+    heartbeat; the caller closes the listener."""
+    from dataclasses import replace
+
+    from gatekeeper.proxy.settings import ListenerSettings
+
+    settings = replace(SETTINGS, listener=ListenerSettings(metrics_port=-1), worker_hang_seconds=0)
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.setblocking(False)
+    return workers.Supervisor(settings, tmp_path / "proxy.yaml", n, tmp_path, listener.getsockname()[1],
+                              [listener]), listener
 
 
 async def test_sigterm_while_a_worker_is_being_started_still_reaches_it(tmp_path: Path, monkeypatch) -> None:
@@ -160,16 +175,9 @@ async def test_the_proxy_exits_when_its_connection_hand_off_thread_fails(tmp_pat
     """The hand-off thread closes the TLS port when it fails (a bug, a full disk under its metrics). The
     parent ran on without a port: workers alive, ``/readyz`` still ready, so an orchestrator kept sending
     clients to a node that refused them. It now stops and exits 1, to be restarted."""
-    import socket
-    from dataclasses import replace
-
     from gatekeeper.proxy.handoff import Dispatcher
-    from gatekeeper.proxy.settings import ListenerSettings
 
-    settings = replace(SETTINGS, listener=ListenerSettings(metrics_port=-1), worker_hang_seconds=0)
-    listener = socket.create_server(("127.0.0.1", 0))
-    listener.setblocking(False)
-    sup = workers.Supervisor(settings, tmp_path / "proxy.yaml", 1, tmp_path, listener.getsockname()[1], [listener])
+    sup, listener = handoff_supervisor(tmp_path, 1)
     real = asyncio.create_subprocess_exec
 
     async def sleeper(*argv: Any, **kw: Any) -> asyncio.subprocess.Process:
@@ -182,6 +190,47 @@ async def test_the_proxy_exits_when_its_connection_hand_off_thread_fails(tmp_pat
     monkeypatch.setattr(Dispatcher, "_apply_commands", bug)  # runs at the first worker's start
     try:
         assert await asyncio.wait_for(sup.run(), 20) == 1
+    finally:
+        listener.close()
+        for slot in sup.slots:
+            if slot.proc is not None and slot.proc.returncode is None:
+                slot.proc.kill()
+
+
+# A worker that drains on the end of its hand-off socket (as ProxyServer does) for 0.5 s, and dies of a SIGTERM
+# at any time: the exit code says which it saw.
+_HANDOFF_WORKER = """
+import os, signal, socket, sys, time
+signal.signal(signal.SIGTERM, lambda *a: os._exit(15))
+sock = socket.socket(fileno=int(sys.argv[sys.argv.index("--handoff-fd") + 1]))
+sock.send(b"R")
+while sock.recv(16):
+    pass
+time.sleep(0.5)
+sys.exit(0)
+"""
+
+
+async def test_stopping_with_the_hand_off_closes_the_workers_sockets_and_sends_no_sigterm(
+        tmp_path: Path, monkeypatch) -> None:
+    """Closing a worker's hand-off socket is its signal to drain. The parent used to send SIGTERM as well,
+    which raced that drain: one landing as the worker swapped its handlers killed it (CI saw workers exit -15
+    and the proxy 15 in test_exec_sandbox's and test_h2spec's teardowns)."""
+    sup, listener = handoff_supervisor(tmp_path, 2)
+    real = asyncio.create_subprocess_exec
+
+    async def handoff_worker(*argv: Any, **kw: Any) -> asyncio.subprocess.Process:
+        return await real(sys.executable, "-c", _HANDOFF_WORKER, *argv[argv.index("--handoff-fd"):][:2], **kw)
+
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", handoff_worker)
+    run = asyncio.get_running_loop().create_task(sup.run())
+    try:
+        async with asyncio.timeout(20):
+            while sup.dispatcher is None or sup.dispatcher.loads() != [0, 0]:  # noqa: ASYNC110 - its thread
+                await asyncio.sleep(0.01)
+        sup.stop()
+        assert await asyncio.wait_for(run, 20) == 0  # before: 15, each worker killed by the SIGTERM
+        assert [s.proc.returncode for s in sup.slots if s.proc is not None] == [0, 0]
     finally:
         listener.close()
         for slot in sup.slots:

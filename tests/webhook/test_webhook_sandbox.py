@@ -407,6 +407,8 @@ def test_under_failure_policy_fail_a_template_the_webhook_cannot_create_refuses_
     assert p.returncode != 0, "a pod whose template could not be created was admitted under failurePolicy Fail"
     assert 'failed calling webhook "gpu.gatekeeper.dev"' in p.stderr, p.stderr
     assert "could not create ResourceClaimTemplate" in p.stderr and "HTTP 403" in p.stderr, p.stderr
+    # the apiserver's own reason, not just "Forbidden": which quota refused it
+    assert "HTTP 403 Forbidden: " in p.stderr and "exceeded quota: no-templates" in p.stderr, p.stderr
     assert kubectl("get", "pod", "refused", "-n", namespace).returncode != 0
 
 

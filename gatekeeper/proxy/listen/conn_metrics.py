@@ -45,9 +45,17 @@ HANDED_OFF = Counter(
 )
 HANDOFF_STALLS = Counter(
     "gatekeeper_proxy_handoff_stalls",
-    "Times a worker left a connection handed to it unread for over 0.5 s (stopped, or its event loop "
-    "blocked; connectionBalancing: least-connections): it gets new connections only if every other worker "
-    "is stalled too, until it reads again.",
+    "Times a worker left a connection handed to it unread (stopped, or its event loop blocked; "
+    "connectionBalancing: least-connections): for 50 ms while another worker kept up (its unread connections "
+    "are taken back and it is passed over for 0.5 s at a time), or for 0.5 s with no other worker keeping up. "
+    "Counted once until it reads again.",
+    ["worker"],
+)
+HANDOFF_TAKEN_BACK = Counter(
+    "gatekeeper_proxy_handoff_taken_back",
+    "Client connections the supervisor took back unread from a worker and handed to another "
+    "(connectionBalancing: least-connections): the worker had left one unread for 50 ms while another kept "
+    "up (stopped, its event loop blocked), began to drain, or exited.",
     ["worker"],
 )
 HANDOFF_WAITS = Counter(

@@ -50,10 +50,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from gatekeeper.acceptloop import ACCEPT_BACKOFF, accept_forever
 from gatekeeper.netbind import bind_listeners
 from gatekeeper.proxy import rejections
 from gatekeeper.proxy.adapter import ClientGone
-from gatekeeper.proxy.handoff import ACCEPT_BACKOFF, BACKLOG, RECEIVE_BACKOFF_MAX, Inbox
+from gatekeeper.proxy.handoff import BACKLOG, RECEIVE_BACKOFF_MAX, Inbox
 from gatekeeper.proxy.listen import conn_metrics
 from gatekeeper.proxy.listen.body_budget import BodyBudget
 from gatekeeper.proxy.listen.h1 import H1Connection
@@ -297,7 +298,12 @@ class ProxyServer:
         bind = functools.partial(bind_listeners, lst.address, lst.port, reuse_port=lst.reuse_port, backlog=BACKLOG)
         self._sockets = await loop.run_in_executor(None, bind)
         self.port = int(self._sockets[0].getsockname()[1])
-        self._accepters = [loop.create_task(self._accept(sock)) for sock in self._sockets]
+        # Our own loop (not ``asyncio.start_server(ssl=...)``) so that over-cap connections are closed at accept
+        # (``_admit``), before any TLS work, and handshake timeouts and failures can be counted; the TLS
+        # transport is still the event loop's own (``connect_accepted_socket``), so no byte is read before it.
+        self._accepters = [loop.create_task(accept_forever(sock, self._admit, log=log,
+                                                           stopping=lambda: self._stopping))
+                           for sock in self._sockets]
         return self.port
 
     def _take_handoffs(self) -> None:
@@ -357,10 +363,11 @@ class ProxyServer:
         if self._handoff is not None and self._handoff.sock.fileno() >= 0:
             if not self._handoff.ended:
                 asyncio.get_running_loop().remove_reader(self._handoff.sock.fileno())
-            # Closed, not just unread: the supervisor sees the end at once and hands us nothing more while we
-            # drain (a worker SIGTERMed on its own stayed the least loaded and took connections that hung
-            # until it exited), and connections still queued in it are closed now, not after the drain.
-            self._handoff.close()
+            # Said and closed, not just unread: the supervisor hands us nothing more while we drain (a worker
+            # SIGTERMed on its own stayed the least loaded and took connections that hung until it exited), and
+            # takes back the connections still queued for us, for another worker to serve (before, they were
+            # reset when we closed our end).
+            self._handoff.leave()
         clients = list(self._clients.values())
         log.info("shutting down: %d client connections to drain (up to %.0fs)", len(clients), timeout)
         for client in clients:
@@ -378,23 +385,6 @@ class ProxyServer:
                 await asyncio.wait(pending, timeout=2.0)
 
     # ------------------------------------------------------------------ per connection
-
-    async def _accept(self, sock: socket.socket) -> None:
-        """Accept loop: the connection cap acts here, before any TLS work is spent on a connection.
-
-        Our own loop (not ``asyncio.start_server(ssl=...)``) so that over-cap connections are
-        closed at accept and handshake timeouts and failures can be counted; the TLS transport
-        is still the event loop's own (``connect_accepted_socket``), so no byte is read before it.
-        """
-        loop = asyncio.get_running_loop()
-        while not self._stopping:
-            try:
-                conn, _ = await loop.sock_accept(sock)
-            except OSError as exc:  # EMFILE and friends: back off instead of spinning
-                log.warning("accept failed: %s", exc)
-                await asyncio.sleep(ACCEPT_BACKOFF)
-                continue
-            self._admit(conn)
 
     def _admit(self, conn: socket.socket) -> None:
         """An accepted connection (ours or handed over): closed over the cap, else its TLS handshake starts."""
@@ -594,9 +584,10 @@ async def serve(
             await server.shutdown()
         finally:
             for sig in installed if keep else ():
-                # Blocked while the loop's handler gives way to SIG_IGN: remove_signal_handler restores SIG_DFL,
-                # and a signal landing in between would kill the process.
-                signal.pthread_sigmask(signal.SIG_BLOCK, {sig})
-                loop.remove_signal_handler(sig)
+                # Ignored at the process level over the loop's handler, which is left registered: removing it
+                # restores the default action (death) until SIG_IGN follows, and a SIGTERM landing in between
+                # killed the worker. Blocking the signal in this thread across the swap did not close that window:
+                # a signal sent to the process goes to any thread that does not block it (uvloop's libuv-worker
+                # threads, which never do), and the default action then ends the whole process. uvloop's loop,
+                # closed once it stopped running, leaves the disposition alone (asyncio's restores the default).
                 signal.signal(sig, signal.SIG_IGN)
-                signal.pthread_sigmask(signal.SIG_UNBLOCK, {sig})

@@ -3,14 +3,20 @@
 Reloads happen on SIGHUP and when a policy file's modification time or size
 changes (polled). A reload that fails validation leaves the running policy in
 place and logs the reason, so a typo in production never drops protection.
+A reload while serving parses on a thread (:meth:`Reloader.request`): the
+serving loop keeps answering, and only the swap runs on it.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import functools
 import logging
 import os
+import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from gatekeeper.config import load_yaml_all
 from gatekeeper.proxy.flowcontrol.core.controller import Limits
@@ -19,6 +25,7 @@ from gatekeeper.proxy.flowcontrol.core.policy import Policy, build_policy, split
 from gatekeeper.proxy.flowcontrol.settings import FlowControlSettings
 
 log = logging.getLogger("gatekeeper.proxy.flowcontrol")
+T = TypeVar("T")
 
 
 def limits_of(settings: FlowControlSettings) -> Limits:
@@ -35,9 +42,9 @@ def limits_of(settings: FlowControlSettings) -> Limits:
 def read_objects(path: str) -> list[tuple[str, Any]]:
     """All objects of a multi-document YAML file, labelled ``path[doc]``; errors name the file.
 
-    Read with the shared bounded reader (:func:`gatekeeper.config.load_yaml_all`): a reload runs on the
-    serving event loop, so an oversized file or an alias bomb must fail (keeping the running policy),
-    not freeze the worker or exhaust its memory."""
+    Read with the shared bounded reader (:func:`gatekeeper.config.load_yaml_all`): a reload runs beside the
+    serving event loop (sharing its CPU and GIL), so an oversized file or an alias bomb must fail (keeping the
+    running policy), not stall the worker or exhaust its memory."""
     return split_objects(load_yaml_all(path, what="flow-control policy file"), path)
 
 
@@ -75,44 +82,133 @@ def _stamp(paths: list[str]) -> tuple[tuple[str, float, int], ...]:
     return tuple(out)
 
 
+def _on_a_thread(fn: Callable[[], T]) -> asyncio.Future[T]:
+    """``fn()`` on a daemon thread of its own; its result or exception, delivered on the calling loop.
+
+    Not the loop's default pool (it also binds sockets and resolves names) nor a ThreadPoolExecutor: their
+    threads are joined at interpreter exit, so a worker stopping during a parse (2.4 s per MiB with the
+    pure-Python parser, or for ever on a policy path that became a FIFO) would not exit until it finished.
+    The caller serializes reloads, so a worker runs at most one such thread (plus, after ``cancel``, one
+    finishing unused). A parse of a file near the 1 MiB limit ran on the serving loop before: no request,
+    probe or connection hand-off was answered meanwhile."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[T] = loop.create_future()
+
+    def deliver(result: T | None, error: BaseException | None) -> None:
+        if fut.cancelled():
+            return
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)  # type: ignore[arg-type]
+
+    def run() -> None:
+        try:
+            result, error = fn(), None
+        except BaseException as exc:  # delivered to the awaiting task, which logs it
+            result, error = None, exc
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits any more
+            loop.call_soon_threadsafe(deliver, result, error)
+
+    threading.Thread(target=run, name="gatekeeper-policy-reload", daemon=True).start()
+    return fut
+
+
 class Reloader:
-    """Re-reads the policy files when they change (``check``) or on demand (``reload``)."""
+    """Re-reads the policy files when they change (``check``) or on demand (``reload``, ``request``).
+
+    While serving, reloads go through :meth:`request`: the files are read and validated on a thread, and
+    only the swap (``apply``) and the bookkeeping run on the event loop. Reloads are serialized: a request
+    that arrives during a parse is remembered (several coalesce into one) and starts a fresh parse once the
+    running one is applied, so the last file written is the last one parsed and applied; an older parse can
+    never finish after it and win.
+    """
 
     def __init__(self, settings: FlowControlSettings, apply: Callable[[Policy], None]) -> None:
         self.settings = settings
         self.apply = apply
         self.stamp = _stamp(settings.files)
         self.last_error = ""
+        self._pending: str | None = None
+        """Why the next reload was asked for (None: none asked since the running one began)."""
+        self._task: asyncio.Task[None] | None = None
 
     def reload(self, why: str = "SIGHUP") -> bool:
-        """Counted in ``gatekeeper_flowcontrol_policy_reloads_total{result}``; a failure also sets
-        ``..._policy_reload_failing`` until a reload applies (metrics imported here: this module is
-        imported before a supervisor sets ``PROMETHEUS_MULTIPROC_DIR``)."""
-        from gatekeeper.proxy.flowcontrol.edge import metrics
+        """Parse, validate and apply here and now (tests and tools; serving code calls :meth:`request`).
 
+        Counted in ``gatekeeper_flowcontrol_policy_reloads_total{result}``; a failure also sets
+        ``..._policy_reload_failing`` until a reload applies."""
         self.stamp = _stamp(self.settings.files)
-        try:
-            policy = load_policy(self.settings)
-        except ValueError as exc:
-            self.last_error = str(exc)
+        return self._finish(why, _parse(self.settings))
+
+    def request(self, why: str = "SIGHUP") -> None:
+        """Reload off the event loop (the SIGHUP handler and the file poll call this on the loop)."""
+        self._pending = why
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="gatekeeper-flowcontrol-reload")
+
+    async def wait(self) -> None:
+        """Until no reload is running or asked for (tests)."""
+        while self._task is not None and not self._task.done():
+            await asyncio.shield(self._task)
+
+    def cancel(self) -> None:
+        """Stop reloading (the worker is closing); a parse already on the thread finishes there, unused."""
+        self._pending = None
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _run(self) -> None:
+        while self._pending is not None:
+            why, self._pending = self._pending, None
+            self.stamp = _stamp(self.settings.files)  # before reading: a change during the parse is seen again
+            try:
+                result = await _on_a_thread(functools.partial(_parse, self.settings))
+            except Exception:  # not a policy error (those are results): the thread itself failed
+                log.exception("flow-control reload (%s) failed; keeping the running policy", why)
+                result = ValueError("the reload failed unexpectedly (see the log)")
+            try:
+                self._finish(why, result)
+            except Exception:  # a bug in the swap: logged, and the next request still runs
+                log.exception("flow-control reload (%s): applying the policy failed", why)
+
+    def _finish(self, why: str, result: Policy | ValueError) -> bool:
+        """Apply a parsed policy, or count and log why not; on the event loop (``apply`` wakes requests)."""
+        from gatekeeper.proxy.flowcontrol.edge import metrics  # imported after PROMETHEUS_MULTIPROC_DIR is set
+
+        if isinstance(result, ValueError):
+            self.last_error = str(result)
             metrics.POLICY_RELOADS.labels("failed").inc()
             metrics.POLICY_STALE.set(1)
-            log.error("flow-control reload (%s) failed; keeping the running policy: %s", why, exc)
+            log.error("flow-control reload (%s) failed; keeping the running policy: %s", why, result)
             return False
         self.last_error = ""
-        self.apply(policy)
+        self.apply(result)
         metrics.POLICY_RELOADS.labels("applied").inc()
         metrics.POLICY_STALE.set(0)
         log.info(
             "flow-control policy reloaded (%s): %d FlowSchemas, %d priority levels",
             why,
-            len(policy.schemas),
-            len(policy.levels),
+            len(result.schemas),
+            len(result.levels),
         )
         return True
 
+    def changed(self) -> bool:
+        """Whether any file's mtime or size differs from when the last reload began reading."""
+        return _stamp(self.settings.files) != self.stamp
+
     def check(self) -> bool:
-        """Reload if any file's mtime or size changed; True if a reload happened and succeeded."""
-        if _stamp(self.settings.files) == self.stamp:
+        """Reload here if any file's mtime or size changed; True if a reload happened and succeeded."""
+        if not self.changed():
             return False
         return self.reload("file changed")
+
+
+def _parse(settings: FlowControlSettings) -> Policy | ValueError:
+    """The policy the files and inline objects make now, or why they make none (run on the reload thread:
+    it touches nothing but the files and the immutable settings)."""
+    try:
+        return load_policy(settings)
+    except ValueError as exc:
+        return exc

@@ -209,7 +209,7 @@ class FlowControl:
         loop = asyncio.get_running_loop()
         if threading.current_thread() is threading.main_thread():
             with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-                loop.add_signal_handler(signal.SIGHUP, self.reloader.reload)
+                loop.add_signal_handler(signal.SIGHUP, self.reloader.request)  # parses on a thread
                 self._sighup = True
         if self.settings.files and self.settings.reload_interval_seconds > 0:
             self._poll = loop.create_task(self._poll_files(), name="gatekeeper-flowcontrol-reload")
@@ -228,11 +228,13 @@ class FlowControl:
         while True:
             await asyncio.sleep(self.settings.reload_interval_seconds)
             try:
-                self.reloader.check()
+                if self.reloader.changed():
+                    self.reloader.request("file changed")
             except Exception:
                 log.exception("checking flow-control policy files failed")
 
     async def close(self) -> None:
+        self.reloader.cancel()
         await self.identities.close()
         if self._sighup:
             with contextlib.suppress(Exception):
