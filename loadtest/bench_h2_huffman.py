@@ -30,7 +30,7 @@ from hpack.huffman import HuffmanEncoder
 from hpack.huffman_constants import REQUEST_CODES, REQUEST_CODES_LENGTH
 from hpack.huffman_table import decode_huffman as hpack_decode
 
-from gatekeeper.proxy.listen import h2_huffman
+from gatekeeper.proxy.h2wire import huffman as h2_huffman
 
 PATH = b"/api/v1/namespaces/default"
 

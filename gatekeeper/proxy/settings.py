@@ -18,7 +18,7 @@ from gatekeeper.config import ConfigError, camel, from_mapping, register_section
 from gatekeeper.listener import TLSListenerSettings
 from gatekeeper.proxy.flowcontrol.edge.loading import load_policy
 from gatekeeper.proxy.flowcontrol.settings import FlowControlSettings
-from gatekeeper.proxy.listen import h2_frames as frames
+from gatekeeper.proxy.h2wire import frames as frames
 
 MAX_GOAWAY_CHANCE = 0.02
 """kube-apiserver refuses --goaway-chance above 0.02; so do we, outside tests."""

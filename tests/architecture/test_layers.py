@@ -17,7 +17,8 @@
 * Once the proxy is in subpackages (``proxy/listen/``): the listener imports
   none of pipeline/, upstream/, flowcontrol/; pipeline/ does not import
   listen/; upstream/ imports neither listen/ nor pipeline/ nor flowcontrol/;
-  flowcontrol/ imports neither listen/ nor upstream/.
+  flowcontrol/ imports neither listen/ nor upstream/; h2wire/ (the HTTP/2 wire
+  format the listener and the multiplexed upstream share) imports none of them.
 
 Every import counts, also one inside a function or under ``TYPE_CHECKING``: a
 function-level import is still a dependency, and hiding a cycle in one is
@@ -148,6 +149,8 @@ def subpackage_rules(root: Path) -> dict[str, tuple[str, ...]]:
         p + "pipeline": (p + "listen",),
         p + "upstream": (p + "listen", p + "pipeline", p + "flowcontrol"),
         p + "flowcontrol": (p + "listen", p + "upstream"),
+        # The HTTP/2 wire format both HTTP/2 sides share: it serves them, never the other way round.
+        p + "h2wire": (p + "listen", p + "pipeline", p + "upstream", p + "flowcontrol"),
     }
 
 

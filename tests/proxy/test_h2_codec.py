@@ -15,7 +15,7 @@ from h2.errors import ErrorCodes
 from h2.exceptions import ProtocolError
 from hpack import Decoder, Encoder, NeverIndexedHeaderTuple
 
-from gatekeeper.proxy.listen import h2_frames as f
+from gatekeeper.proxy.h2wire import frames as f
 from gatekeeper.proxy.listen.h2_codec import (
     CLOSED_MEMORY,
     EV_BAD_LENGTH,

@@ -22,11 +22,11 @@ from hpack import Decoder, Encoder
 from hpack.exceptions import HPACKError
 from test_h2_codec import GET, Client
 
-from gatekeeper.proxy.listen import h2_frames as f
+from gatekeeper.proxy.h2wire import frames as f
+from gatekeeper.proxy.h2wire.hpack_decode import BlockDecoder, HeaderBlockError, HeaderListTooLarge
+from gatekeeper.proxy.h2wire.hpack_encode import MAX_TABLE_SIZE
 from gatekeeper.proxy.listen.h2_codec import EV_BAD_LENGTH, EV_DATA, EV_ENDED, EV_REQUEST, EV_RESET, LeanH2Connection
 from gatekeeper.proxy.listen.h2_conn import ProxyH2Connection
-from gatekeeper.proxy.listen.h2_hdecode import BlockDecoder, HeaderBlockError, HeaderListTooLarge
-from gatekeeper.proxy.listen.h2_hpack import MAX_TABLE_SIZE
 from gatekeeper.proxy.listen.h2_limits import FloodError, FloodGuard
 from gatekeeper.proxy.messages import ProxyRequest, ProxyResponse
 from gatekeeper.proxy.settings import ProtocolSettings

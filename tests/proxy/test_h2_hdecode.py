@@ -8,7 +8,7 @@ import pytest
 from hpack import Decoder, Encoder, NeverIndexedHeaderTuple
 from hpack.exceptions import HPACKError
 
-from gatekeeper.proxy.listen.h2_hdecode import BlockDecoder, HeaderBlockError, HeaderListTooLarge
+from gatekeeper.proxy.h2wire.hpack_decode import BlockDecoder, HeaderBlockError, HeaderListTooLarge
 
 NAMES = [b":method", b":path", b"accept", b"authorization", b"user-agent", b"x-a", b"x-b", b"content-type",
          b"cookie", b"x-long-name-" + b"n" * 40]

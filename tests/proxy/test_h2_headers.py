@@ -11,7 +11,8 @@ from hpack import HPACKDecodingError
 from hpack.huffman import HuffmanEncoder
 from hpack.huffman_constants import REQUEST_CODES, REQUEST_CODES_LENGTH
 
-from gatekeeper.proxy.listen import h2_conn, h2_headers, h2_huffman
+from gatekeeper.proxy.h2wire import huffman as h2_huffman
+from gatekeeper.proxy.listen import h2_conn, h2_headers
 from gatekeeper.proxy.listen.h2_headers import MalformedRequest, parse_request
 
 PSEUDO = [(b":method", b"GET"), (b":scheme", b"https"), (b":path", b"/api/v1/pods?watch=1"),

@@ -10,9 +10,9 @@ from h2.config import H2Configuration
 from h2.events import ResponseReceived
 from hpack import Decoder, Encoder, NeverIndexedHeaderTuple
 
-from gatekeeper.proxy.listen import h2_hpack
+from gatekeeper.proxy.h2wire import hpack_encode as h2_hpack
+from gatekeeper.proxy.h2wire.hpack_encode import ResponseEncoder
 from gatekeeper.proxy.listen.h2_conn import ProxyH2Connection
-from gatekeeper.proxy.listen.h2_hpack import ResponseEncoder
 
 APISERVER_HEADERS = [
     (b":status", b"200"),

@@ -21,10 +21,11 @@ from hpack.huffman_table import decode_huffman as reference
 from test_h2_codec import Client
 from test_h2_codec_hostile import _h2_engine, _h2_goaway, _huffman_literal
 
-from gatekeeper.proxy.listen import h2_conn, h2_huffman
-from gatekeeper.proxy.listen import h2_frames as f
-from gatekeeper.proxy.listen.h2_hdecode import BlockDecoder, HeaderBlockError
-from gatekeeper.proxy.listen.h2_huffman import HuffmanDecodingError, decode
+from gatekeeper.proxy.h2wire import frames as f
+from gatekeeper.proxy.h2wire import huffman as h2_huffman
+from gatekeeper.proxy.h2wire.hpack_decode import BlockDecoder, HeaderBlockError
+from gatekeeper.proxy.h2wire.huffman import HuffmanDecodingError, decode
+from gatekeeper.proxy.listen import h2_conn
 
 encode = HuffmanEncoder(REQUEST_CODES, REQUEST_CODES_LENGTH).encode
 

@@ -21,7 +21,7 @@ import pytest
 from hpack import NeverIndexedHeaderTuple
 
 from gatekeeper.certs import FRONT_PROXY_CA, PKI
-from gatekeeper.proxy.listen import h2_frames as f
+from gatekeeper.proxy.h2wire import frames as f
 from gatekeeper.proxy.messages import ProxyRequest, ProxyResponse
 from gatekeeper.proxy.settings import UpstreamSettings
 from gatekeeper.proxy.upstream import mux

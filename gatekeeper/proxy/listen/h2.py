@@ -67,6 +67,7 @@ from gatekeeper.proxy.adapter import (
     close_body,
     response_has_body,
 )
+from gatekeeper.proxy.h2wire.frames import MAX_WINDOW
 from gatekeeper.proxy.listen import conn_metrics
 from gatekeeper.proxy.listen.body_budget import BodyBudget
 from gatekeeper.proxy.listen.goaway import GoawayDecider, Reason
@@ -83,7 +84,6 @@ from gatekeeper.proxy.listen.h2_codec import (
     ServerConnection,
 )
 from gatekeeper.proxy.listen.h2_conn import ProxyH2Connection, install_huffman_memo
-from gatekeeper.proxy.listen.h2_frames import MAX_WINDOW
 from gatekeeper.proxy.listen.h2_headers import MalformedRequest, parse_request, response_block
 from gatekeeper.proxy.listen.h2_limits import FloodError, FloodGuard, limits_of
 from gatekeeper.proxy.listen.h2_state import HeaderBudgetExceeded

@@ -39,10 +39,10 @@ from typing import Any
 from h2.errors import ErrorCodes
 from h2.exceptions import FlowControlError, ProtocolError, StreamClosedError
 
-from gatekeeper.proxy.listen import h2_frames as f
+from gatekeeper.proxy.h2wire import frames as f
+from gatekeeper.proxy.h2wire.hpack_decode import BlockDecoder
+from gatekeeper.proxy.h2wire.hpack_encode import ResponseEncoder
 from gatekeeper.proxy.listen.body_budget import Share
-from gatekeeper.proxy.listen.h2_hdecode import BlockDecoder
-from gatekeeper.proxy.listen.h2_hpack import ResponseEncoder
 from gatekeeper.proxy.listen.h2_inbound import InboundFrames
 from gatekeeper.proxy.listen.h2_limits import PING, FloodGuard
 from gatekeeper.proxy.listen.h2_state import (

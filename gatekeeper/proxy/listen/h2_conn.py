@@ -74,10 +74,10 @@ from h2.events import (
 from h2.exceptions import InvalidBodyLengthError
 from hyperframe.frame import DataFrame, Frame, HeadersFrame
 
+from gatekeeper.proxy.h2wire.hpack_encode import ResponseEncoder
+from gatekeeper.proxy.h2wire.huffman import decode_memo
 from gatekeeper.proxy.listen import h2_codec
 from gatekeeper.proxy.listen.body_budget import Share
-from gatekeeper.proxy.listen.h2_hpack import ResponseEncoder
-from gatekeeper.proxy.listen.h2_huffman import decode_memo
 from gatekeeper.proxy.listen.h2_limits import FloodGuard, frame_kinds
 from gatekeeper.proxy.listen.h2_state import HeaderBudgetExceeded
 

@@ -29,6 +29,7 @@ from collections.abc import Iterable
 from hpack import NeverIndexedHeaderTuple
 
 from gatekeeper.proxy.adapter import HOP_BY_HOP, encode_header
+from gatekeeper.proxy.h2wire.hpack_decode import CREDENTIALS
 from gatekeeper.proxy.messages import Headers
 
 _BAD_NAME = re.compile(rb"[^!#$%&'*+\-.^_`|~0-9a-z]")
@@ -52,7 +53,6 @@ CONNECTION_SPECIFIC = frozenset({b"connection", b"keep-alive", b"proxy-connectio
 
 FIELD_MEMO_ENTRIES = 512
 FIELD_MEMO_MAX_BYTES = 1024
-CREDENTIALS = frozenset({b"authorization", b"proxy-authorization"})
 """Never memoized: no credential is kept as a cache key (as in ``pipeline/tokens``)."""
 _checked_fields: dict[tuple[bytes, bytes], tuple[str, str]] = {}
 """Regular fields (not pseudo, ``host``, ``cookie`` or credentials) that passed every per-field

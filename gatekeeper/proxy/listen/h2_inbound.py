@@ -13,10 +13,10 @@ from collections.abc import Callable
 
 from h2.errors import ErrorCodes
 
-from gatekeeper.proxy.listen import h2_frames as f
+from gatekeeper.proxy.h2wire import frames as f
+from gatekeeper.proxy.h2wire.hpack_decode import BlockDecoder, HeaderBlockError, HeaderListTooLarge
+from gatekeeper.proxy.h2wire.hpack_encode import ResponseEncoder
 from gatekeeper.proxy.listen.body_budget import Share
-from gatekeeper.proxy.listen.h2_hdecode import BlockDecoder, HeaderBlockError, HeaderListTooLarge
-from gatekeeper.proxy.listen.h2_hpack import ResponseEncoder
 from gatekeeper.proxy.listen.h2_limits import CLOSED_STREAM, EMPTY_FRAME, RST_STREAM, SETTINGS, FloodGuard
 from gatekeeper.proxy.listen.h2_state import (
     CLOSED_BY_END,

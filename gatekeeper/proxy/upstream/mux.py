@@ -44,8 +44,8 @@ import time
 from collections.abc import Callable
 from typing import cast
 
-from gatekeeper.proxy.listen import h2_frames as f
-from gatekeeper.proxy.listen.h2_hdecode import BlockDecoder, HeaderBlockError
+from gatekeeper.proxy.h2wire import frames as f
+from gatekeeper.proxy.h2wire.hpack_decode import BlockDecoder, HeaderBlockError
 from gatekeeper.proxy.upstream.lean import MAX_HEAD_BYTES, BackendProtocolError
 from gatekeeper.proxy.upstream.mux_wire import headers_frames
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 import re
 from collections.abc import Collection
 
-from gatekeeper.proxy.listen import h2_frames as f
-from gatekeeper.proxy.listen.h2_hpack import STATIC_NAME
+from gatekeeper.proxy.h2wire import frames as f
+from gatekeeper.proxy.h2wire.hpack_encode import STATIC_NAME
 from gatekeeper.proxy.messages import Headers
 
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")

@@ -25,8 +25,7 @@ from collections.abc import Callable
 
 from hpack.table import HeaderTable
 
-from gatekeeper.proxy.listen.h2_headers import CREDENTIALS
-from gatekeeper.proxy.listen.h2_huffman import HuffmanDecodingError, decode_memo, decode_memo_short
+from gatekeeper.proxy.h2wire.huffman import HuffmanDecodingError, decode_memo, decode_memo_short
 
 STATIC = HeaderTable.STATIC_TABLE
 """RFC 7541 Appendix A: index 1 is STATIC[0]."""
@@ -34,6 +33,8 @@ STATIC_LEN = len(STATIC)
 ENTRY_OVERHEAD = 32
 MAX_INT_BYTES = 5
 """Continuation bytes accepted in one integer: 2^35, far above any sane length or index."""
+CREDENTIALS = frozenset({b"authorization", b"proxy-authorization"})
+"""Header names that carry a credential (never memoized as plain fields)."""
 SECRET_NAMES = CREDENTIALS | {b"cookie"}
 """Fields whose short values stay out of the short Huffman memo (long ones are memoized as before: tokens)."""
 
