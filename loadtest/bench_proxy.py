@@ -487,9 +487,10 @@ def modes(env: Env, args: argparse.Namespace) -> None:
     """Open loop at fixed rates, closed loop with CPU per request, and throughput by worker count,
     each beside HAProxy HTTP mode (same TLS on both sides) in the same run, flow control as deployed."""
     counts = sorted({1, 2, *args.workers_table})
-    gk, hap = start_warm(env, {w: {"name": f"gk-w{w}", "workers": w} for w in counts},
+    gk, hap = start_warm(env, {w: {"name": f"gk-w{w}", "workers": w, "upstream_http2": args.upstream_http2}
+                               for w in counts},
                          {t: {"nbthread": t, "name": f"hap-t{t}"} for t in (1, 2)})
-    print(f"\nload average before: {load_average()}")
+    print(f"\nload average before: {load_average()}; upstream.http2: {args.upstream_http2}")
     if "rates" not in args.skip:
         print(f"\n== open loop: fixed rates, {args.rate_seconds:.0f} s each (h2load --rps, 4 connections) ==")
         for rate in args.rates:
@@ -637,6 +638,8 @@ def main() -> None:
     ap.add_argument("--rates", type=lambda v: [int(x) for x in v.split(",")], default=[200, 600],
                     help="open-loop rates in req/s (comma-separated)")
     ap.add_argument("--rate-seconds", type=float, default=10.0, help="seconds per open-loop rate")
+    ap.add_argument("--upstream-http2", action="store_true",
+                    help="--only-modes: gatekeeper with upstream.http2 (multiplexed HTTP/2 to the apiservers)")
     ap.add_argument("--workers-table", type=lambda v: [int(x) for x in v.split(",")], default=[1, 2],
                     help="gatekeeper worker counts for the closed-loop table (1 and 2 always run)")
     ap.add_argument("--balancing-rounds", type=int, default=0, metavar="R",

@@ -196,16 +196,15 @@ class UpstreamSettings:
     """Longest wait for a backend's response headers on a non-long-running request (apiserver's --request-timeout)."""
     client: str = "lean"
     """Request-path HTTP/1.1 client: ``lean`` (asyncio Protocol + httptools) or ``aiohttp`` (the older one)."""
-    http2: bool = False
-    """Multiplex short bodiless GET/HEAD of verified callers over HTTP/2 connections (``upstream/mux.py``)."""
+    http2: bool = True
+    """Multiplex short bodiless GET/HEAD of verified callers over HTTP/2 connections (``upstream/mux.py``;
+    with ``client: lean``, the default; the ``aiohttp`` client is HTTP/1.1 only)."""
     http2_max_streams: int = 100
     """Streams per upstream HTTP/2 connection (fewer if the apiserver allows fewer); past it a new one opens."""
 
     def validate(self) -> None:
         if self.client not in ("lean", "aiohttp"):
             raise ValueError(f"client must be 'lean' or 'aiohttp', got {self.client!r}")
-        if self.http2 and self.client != "lean":
-            raise ValueError("http2 needs client: lean")
         if not 1 <= self.http2_max_streams <= 1000:
             raise ValueError(f"http2MaxStreams must be 1..1000, got {self.http2_max_streams}")
         if not self.ca_file:

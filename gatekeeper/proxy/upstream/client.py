@@ -223,7 +223,7 @@ class BackendClient:
         self.mux: mux_pool.MuxPool | None = None
         self.tls_h2_identity: ReloadingTLS | None = None
         self.tls_h2_plain: ReloadingTLS | None = None
-        if settings.http2:
+        if settings.http2 and settings.client == "lean":
             if self.tls_identity is not None:
                 self.tls_h2_identity = ReloadingTLS(
                     lambda: make_ssl_context(settings, client_cert=True, alpn=H2_ALPN),
