@@ -25,7 +25,7 @@ from gatekeeper.proxy.h2wire import frames as f
 from gatekeeper.proxy.messages import ProxyRequest, ProxyResponse
 from gatekeeper.proxy.settings import UpstreamSettings
 from gatekeeper.proxy.upstream import mux
-from gatekeeper.proxy.upstream.client import BackendClient, BackendFailed, UpstreamTimeout
+from gatekeeper.proxy.upstream.client import BackendClient, BackendFailed, ConnectFailed, UpstreamTimeout
 from gatekeeper.proxy.upstream.mux_pool import MuxBody
 from gatekeeper.proxy.upstream.mux_wire import authority_field, request_block
 
@@ -227,6 +227,11 @@ async def test_a_refused_stream_is_sent_once_more_and_a_reset_one_never(backend)
     b, client = backend
     seen: list[str] = []
 
+    async def refuse_always(backend: Backend, peer: Peer, sid: int, headers: dict[str, str]) -> None:
+        seen.append(headers[":path"])
+        peer.conn.reset_stream(sid, 7)
+        peer.flush()
+
     async def refuse_first(backend: Backend, peer: Peer, sid: int, headers: dict[str, str]) -> None:
         seen.append(headers[":path"])
         if headers[":path"] == "/refused" and seen.count("/refused") == 1:
@@ -244,6 +249,11 @@ async def test_a_refused_stream_is_sent_once_more_and_a_reset_one_never(backend)
     with pytest.raises(BackendFailed):
         await send(client, get("/reset"))
     assert seen.count("/reset") == 1
+    seen.clear()
+    b.script = refuse_always
+    with pytest.raises(ConnectFailed):  # never processed: the dispatcher may try another apiserver
+        await send(client, get("/refused"))
+    assert seen == ["/refused", "/refused"]
 
 
 async def test_a_client_that_stops_reading_holds_one_stream_window_and_the_others_go_on(backend) -> None:
@@ -417,3 +427,17 @@ async def test_a_header_block_larger_than_a_frame_goes_out_in_continuation_frame
     token = "Bearer " + "t" * 40000
     await read_all(await send(client, get("/big-head", [("authorization", token)])))
     assert b.requests[0]["authorization"] == token
+
+
+async def test_head_gets_the_status_and_headers_and_no_body(backend) -> None:
+    b, client = backend
+
+    async def head(backend: Backend, peer: Peer, sid: int, headers: dict[str, str]) -> None:
+        peer.conn.send_headers(sid, [(":status", "200"), ("content-length", "1234")], end_stream=True)
+        peer.flush()
+
+    b.script = head
+    response = await send(client, get("/api/v1/namespaces", method="HEAD"))
+    assert response.status == 200 and ("content-length", "1234") in response.headers
+    assert await read_all(response) == b""
+    assert b.requests[0][":method"] == "HEAD"

@@ -210,6 +210,10 @@ async def exchange(
         slots.release()
         if isinstance(exc, (ConnectFailed, NotH2)):
             raise
+        if isinstance(exc, StreamRefused):
+            # Refused again on a fresh connection (an apiserver going down): provably not processed,
+            # so the dispatcher may send it to another apiserver, as after a failed connect.
+            raise ConnectFailed("the apiserver refused the request (HTTP/2 GOAWAY or REFUSED_STREAM)") from exc
         if isinstance(exc, TimeoutError):
             raise UpstreamTimeout(f"no response headers from {name} within {header_timeout:g}s") from exc
         if isinstance(exc, (OSError, ValueError)):
