@@ -27,7 +27,7 @@ from gatekeeper.proxy.settings import UpstreamSettings
 from gatekeeper.proxy.upstream import mux
 from gatekeeper.proxy.upstream.client import BackendClient, BackendFailed, ConnectFailed, UpstreamTimeout
 from gatekeeper.proxy.upstream.mux_pool import MuxBody
-from gatekeeper.proxy.upstream.mux_wire import authority_field, request_block
+from gatekeeper.proxy.upstream.mux_wire import authority_field, request_block, response_head
 
 Script = Callable[["Backend", "Peer", int, dict[str, str]], Awaitable[None]]
 """What the backend does with one request (stream id, its headers)."""
@@ -441,3 +441,21 @@ async def test_head_gets_the_status_and_headers_and_no_body(backend) -> None:
     assert response.status == 200 and ("content-length", "1234") in response.headers
     assert await read_all(response) == b""
     assert b.requests[0][":method"] == "HEAD"
+
+
+@pytest.mark.parametrize("fields", [
+    [(b"content-type", b"x")],
+    [(b"content-type", b"x"), (b":status", b"200")],
+    [(b":status", b"200"), (b":status", b"200")],
+    [(b":status", b"200"), (b":path", b"/")],
+    [(b":status", b"20")],
+    [(b":status", b"099")],
+    [(b":status", b"2x0")],
+])
+def test_a_response_head_without_one_valid_leading_status_is_refused(fields: list[tuple[bytes, bytes]]) -> None:
+    with pytest.raises(ValueError):
+        response_head(fields)
+
+
+def test_a_response_head_gives_its_status_and_regular_fields() -> None:
+    assert response_head([(b":status", b"404"), (b"a", b"1")]) == (404, [(b"a", b"1")])

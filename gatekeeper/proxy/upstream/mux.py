@@ -47,7 +47,7 @@ from typing import cast
 from gatekeeper.proxy.h2wire import frames as f
 from gatekeeper.proxy.h2wire.hpack_decode import BlockDecoder, HeaderBlockError
 from gatekeeper.proxy.upstream.lean import MAX_HEAD_BYTES, BackendProtocolError
-from gatekeeper.proxy.upstream.mux_wire import headers_frames
+from gatekeeper.proxy.upstream.mux_wire import headers_frames, response_head
 
 STREAM_WINDOW = 256 * 1024
 """Per-stream receive window (as ``lean.READ_HIGH``: what a client that stops reading can make us hold)."""
@@ -405,20 +405,11 @@ class MuxConn(asyncio.Protocol):
                 self._broken(f"a second head without END_STREAM on stream {sid}")
                 return False
         else:
-            status = b""
-            raw: list[tuple[bytes, bytes]] = []
-            for name, value in fields:
-                if name[:1] == b":":
-                    if name != b":status" or status or raw:
-                        self._broken(f"pseudo-header {name[:16]!r} in a response")
-                        return False
-                    status = value
-                else:
-                    raw.append((name, value))
-            if len(status) != 3 or not status.isdigit() or status[:1] == b"0":
-                self._broken("response without a valid :status")
+            try:
+                code, raw = response_head(fields)
+            except ValueError as exc:
+                self._broken(str(exc))
                 return False
-            code = int(status)
             if code < 200:
                 if flags & f.END_STREAM:
                     self._broken("an interim response ended the stream")

@@ -138,3 +138,23 @@ def headers_frames(sid: int, block: bytes, max_frame: int) -> bytes:
     for i, part in enumerate(parts[1:], start=2):
         out += (f.header(f.CONTINUATION, f.END_HEADERS if i == len(parts) else 0, sid, len(part)), part)
     return b"".join(out)
+
+
+def response_head(fields: list[tuple[bytes, bytes]]) -> tuple[int, list[tuple[bytes, bytes]]]:
+    """The status and the regular fields of a decoded response head (RFC 9113 8.3.2).
+
+    ValueError when it is not one: a pseudo-header other than one ``:status`` first, or a
+    status that is not three digits from 100 up.
+    """
+    status = b""
+    raw: list[tuple[bytes, bytes]] = []
+    for name, value in fields:
+        if name[:1] == b":":
+            if name != b":status" or status or raw:
+                raise ValueError(f"pseudo-header {name[:16]!r} in a response")
+            status = value
+        else:
+            raw.append((name, value))
+    if len(status) != 3 or not status.isdigit() or status[:1] == b"0":
+        raise ValueError("response without a valid :status")
+    return int(status), raw
