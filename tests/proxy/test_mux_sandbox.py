@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
+from gatekeeper.certs import PKI
 from gatekeeper.proxy.settings import UpstreamSettings
 from gatekeeper.proxy.upstream import mux_pool
 from gatekeeper.proxy.upstream.client import H2_ALPN, make_ssl_context, response_headers
@@ -161,3 +162,29 @@ async def test_streams_in_flight_when_the_apiserver_sends_goaway_all_get_their_a
     assert [status for status, _ in results] == [200] * 31
     assert all(b'"kind":"ConfigMapList"' in body for _, body in results[:15] + results[16:])
     assert goaways, "the apiserver did not send GOAWAY for the anonymous HTTP/2 request"
+
+
+async def test_a_tenant_certificate_caller_is_asserted_over_the_shared_connection(
+        sbx: SandboxState, proxy: ProxyProcess, tenant: tuple[str, str]) -> None:
+    """The front-proxy certificate asserts the caller's identity per stream: RBAC grants this user alone the read."""
+    ns, _ = tenant
+    user = f"{ns}-cert-reader"
+    issued = PKI(sbx.certs_dir).issue_client(user, user=user)
+    kubectl(sbx, "-n", ns, "create", "rolebinding", "cert-reader", "--clusterrole=view", f"--user={user}")
+    ctx = ca_context(sbx)
+    ctx.load_cert_chain(str(issued.cert), str(issued.key))
+    path = f"{proxy.url}/api/v1/namespaces/{ns}/configmaps"
+    async with httpx.AsyncClient(verify=ctx, http2=True, timeout=30) as client:
+        for _ in range(100):  # the RoleBinding reaches the apiservers' RBAC caches within moments
+            if (await client.get(path)).status_code == 200:
+                break
+            await asyncio.sleep(0.1)
+        before = metric_sum((await client.get(f"{proxy.metrics_url}/metrics")).text,
+                            "gatekeeper_proxy_upstream_http2_streams_total")
+        statuses = [r.status_code for r in await asyncio.gather(*(client.get(path) for _ in range(20)))]
+        forbidden = await client.get(f"{proxy.url}/api/v1/namespaces/kube-system/secrets")
+        after = (await client.get(f"{proxy.metrics_url}/metrics")).text
+    assert statuses == [200] * 20
+    assert forbidden.status_code == 403 and user in forbidden.text  # the apiserver saw this user, not the proxy
+    assert metric_sum(after, "gatekeeper_proxy_upstream_http2_streams_total") - before == 21
+    assert metric_sum(after, "gatekeeper_proxy_upstream_goaways_total") == 0
