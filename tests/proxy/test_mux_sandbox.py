@@ -33,13 +33,6 @@ from gatekeeper.sandbox.with_proxy import IDENTITY_RBAC, default_flow_control
 pytestmark = pytest.mark.sandbox
 
 
-@pytest.fixture(scope="module")
-def sbx(request: pytest.FixtureRequest) -> SandboxState:
-    value = request.getfixturevalue("sandbox")
-    assert isinstance(value, SandboxState)
-    return value
-
-
 def kubectl(state: SandboxState, *args: str, stdin: str | None = None) -> str:
     import subprocess
 
@@ -51,23 +44,23 @@ def kubectl(state: SandboxState, *args: str, stdin: str | None = None) -> str:
 
 
 @pytest.fixture(scope="module")
-def tenant(sbx: SandboxState) -> Iterator[tuple[str, str]]:
+def tenant(sandbox: SandboxState) -> Iterator[tuple[str, str]]:
     """A namespace with a ServiceAccount that may read it, and that ServiceAccount's token."""
     ns = f"mux-{secrets.token_hex(3)}"
-    kubectl(sbx, "apply", "-f", "-", stdin=IDENTITY_RBAC.read_text())
-    kubectl(sbx, "create", "namespace", ns)
-    kubectl(sbx, "-n", ns, "create", "serviceaccount", "reader")
-    kubectl(sbx, "-n", ns, "create", "rolebinding", "reader", "--clusterrole=view", f"--serviceaccount={ns}:reader")
-    token = kubectl(sbx, "-n", ns, "create", "token", "reader", "--duration=1h").strip()
+    kubectl(sandbox, "apply", "-f", "-", stdin=IDENTITY_RBAC.read_text())
+    kubectl(sandbox, "create", "namespace", ns)
+    kubectl(sandbox, "-n", ns, "create", "serviceaccount", "reader")
+    kubectl(sandbox, "-n", ns, "create", "rolebinding", "reader", "--clusterrole=view", f"--serviceaccount={ns}:reader")
+    token = kubectl(sandbox, "-n", ns, "create", "token", "reader", "--duration=1h").strip()
     try:
         yield ns, token
     finally:
-        kubectl(sbx, "delete", "namespace", ns, "--wait=false")
+        kubectl(sandbox, "delete", "namespace", ns, "--wait=false")
 
 
 @pytest.fixture(scope="module")
-def proxy(sbx: SandboxState, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProxyProcess]:
-    p = ProxyProcess(sbx, tmp_path_factory.mktemp("mux-proxy"), name="mux-proxy", health_interval=0.5,
+def proxy(sandbox: SandboxState, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProxyProcess]:
+    p = ProxyProcess(sandbox, tmp_path_factory.mktemp("mux-proxy"), name="mux-proxy", health_interval=0.5,
                      user_config={"flowControl": default_flow_control(), "upstream": {"http2": True}})
     p.start()
     yield p
@@ -79,11 +72,11 @@ def ca_context(state: SandboxState) -> ssl.SSLContext:
 
 
 async def test_tenant_gets_are_multiplexed_and_bad_tokens_never_cost_a_goaway(
-        sbx: SandboxState, proxy: ProxyProcess, tenant: tuple[str, str]) -> None:
+        sandbox: SandboxState, proxy: ProxyProcess, tenant: tuple[str, str]) -> None:
     ns, token = tenant
     path = f"{proxy.url}/api/v1/namespaces/{ns}/configmaps"
     good = {"authorization": f"Bearer {token}"}
-    async with httpx.AsyncClient(verify=ca_context(sbx), http2=True, timeout=30) as client:
+    async with httpx.AsyncClient(verify=ca_context(sandbox), http2=True, timeout=30) as client:
         for _ in range(100):  # the RoleBinding reaches the apiservers' RBAC caches within moments
             if (await client.get(path, headers=good)).status_code == 200:
                 break
@@ -110,14 +103,14 @@ async def test_tenant_gets_are_multiplexed_and_bad_tokens_never_cost_a_goaway(
     assert metric_sum(after, "gatekeeper_proxy_upstream_errors_total") == 0
 
 
-def test_kubectl_reads_through_the_multiplexed_upstream(sbx: SandboxState, proxy: ProxyProcess,
+def test_kubectl_reads_through_the_multiplexed_upstream(sandbox: SandboxState, proxy: ProxyProcess,
                                                         tenant: tuple[str, str]) -> None:
     ns, token = tenant
-    kubectl(sbx, "-n", ns, "create", "configmap", "seen-through-h2", "--from-literal=k=v")
+    kubectl(sandbox, "-n", ns, "create", "configmap", "seen-through-h2", "--from-literal=k=v")
     before = metric_sum(httpx.get(f"{proxy.metrics_url}/metrics", timeout=10).text,
                         "gatekeeper_proxy_upstream_http2_streams_total")
-    out = kubectl(sbx, "--server", proxy.url, "--token", token, "--certificate-authority",
-                  str(SandboxPKI(Path(sbx.certs_dir)).ca), "--kubeconfig", "/dev/null",
+    out = kubectl(sandbox, "--server", proxy.url, "--token", token, "--certificate-authority",
+                  str(SandboxPKI(Path(sandbox.certs_dir)).ca), "--kubeconfig", "/dev/null",
                   "-n", ns, "get", "configmap", "seen-through-h2", "-o", "jsonpath={.data.k}")
     assert out == "v"
     after = metric_sum(httpx.get(f"{proxy.metrics_url}/metrics", timeout=10).text,
@@ -126,7 +119,7 @@ def test_kubectl_reads_through_the_multiplexed_upstream(sbx: SandboxState, proxy
 
 
 async def test_streams_in_flight_when_the_apiserver_sends_goaway_all_get_their_answer(
-        sbx: SandboxState, tenant: tuple[str, str]) -> None:
+        sandbox: SandboxState, tenant: tuple[str, str]) -> None:
     """An anonymous request forced onto the shared connection (the proxy itself never does this) makes the
     real apiserver send GOAWAY; every tenant stream in flight around it still gets its answer.
 
@@ -134,8 +127,8 @@ async def test_streams_in_flight_when_the_apiserver_sends_goaway_all_get_their_a
     before its GOAWAY; the re-send of streams above it is proven against the scripted backend
     (``test_mux_upstream.py::test_streams_above_a_goaway_are_sent_again_and_those_below_finish``)."""
     ns, token = tenant
-    url = urlsplit(sbx.apiserver_urls[0])
-    settings = UpstreamSettings(ca_file=str(SandboxPKI(Path(sbx.certs_dir)).ca), http2=True)
+    url = urlsplit(sandbox.apiserver_urls[0])
+    settings = UpstreamSettings(ca_file=str(SandboxPKI(Path(sandbox.certs_dir)).ca), http2=True)
     ctx = make_ssl_context(settings, client_cert=False, alpn=H2_ALPN)
     goaways: list[int] = []
     pool = mux_pool.MuxPool(url.hostname or "", url.port or 443, limit=256, max_streams=100, connect_timeout=5,
@@ -165,13 +158,13 @@ async def test_streams_in_flight_when_the_apiserver_sends_goaway_all_get_their_a
 
 
 async def test_a_tenant_certificate_caller_is_asserted_over_the_shared_connection(
-        sbx: SandboxState, proxy: ProxyProcess, tenant: tuple[str, str]) -> None:
+        sandbox: SandboxState, proxy: ProxyProcess, tenant: tuple[str, str]) -> None:
     """The front-proxy certificate asserts the caller's identity per stream: RBAC grants this user alone the read."""
     ns, _ = tenant
     user = f"{ns}-cert-reader"
-    issued = PKI(sbx.certs_dir).issue_client(user, user=user)
-    kubectl(sbx, "-n", ns, "create", "rolebinding", "cert-reader", "--clusterrole=view", f"--user={user}")
-    ctx = ca_context(sbx)
+    issued = PKI(sandbox.certs_dir).issue_client(user, user=user)
+    kubectl(sandbox, "-n", ns, "create", "rolebinding", "cert-reader", "--clusterrole=view", f"--user={user}")
+    ctx = ca_context(sandbox)
     ctx.load_cert_chain(str(issued.cert), str(issued.key))
     path = f"{proxy.url}/api/v1/namespaces/{ns}/configmaps"
     async with httpx.AsyncClient(verify=ctx, http2=True, timeout=30) as client:

@@ -18,9 +18,11 @@ import h2.connection
 import h2.events
 import hpack
 import pytest
+from edge_kit import make_pki
 from hpack import NeverIndexedHeaderTuple
+from test_upstream import server_ssl
 
-from gatekeeper.certs import FRONT_PROXY_CA, PKI
+from gatekeeper.certs import PKI
 from gatekeeper.proxy.h2wire import frames as f
 from gatekeeper.proxy.messages import ProxyRequest, ProxyResponse
 from gatekeeper.proxy.settings import UpstreamSettings
@@ -35,11 +37,7 @@ Script = Callable[["Backend", "Peer", int, dict[str, str]], Awaitable[None]]
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> PKI:
-    pki = PKI(tmp_path_factory.mktemp("pki"))
-    pki.init()
-    pki.issue_serving("backend", ips=["127.0.0.1"])
-    pki.issue_client("front-proxy-client", user="front-proxy-client", ca=FRONT_PROXY_CA)
-    return pki
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 class Peer:
@@ -95,11 +93,8 @@ class Backend:
         peer.respond(sid, 200, b"ok " + headers[":path"].encode())
 
     async def start(self) -> str:
-        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        ctx.load_cert_chain(self.pki.cert_path("backend"), self.pki.key_path("backend"))
+        ctx = server_ssl(self.pki)
         ctx.set_alpn_protocols([self.alpn])
-        ctx.load_verify_locations(self.pki.cert_path(FRONT_PROXY_CA))
-        ctx.verify_mode = ssl.CERT_OPTIONAL
         self.server = await asyncio.start_server(self.handle, "127.0.0.1", 0, ssl=ctx)
         return f"https://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
 
