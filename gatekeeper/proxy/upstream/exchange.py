@@ -15,9 +15,11 @@ second request can ride in it), chunked otherwise.
 from __future__ import annotations
 
 import asyncio
+import collections
 import re
 import ssl
 from collections.abc import AsyncIterator, Callable, Collection
+from typing import Protocol
 
 from gatekeeper.proxy.messages import Headers
 from gatekeeper.proxy.upstream.errors import (
@@ -163,17 +165,29 @@ async def _send_body(conn: Conn, body: ClientBody, declared: int | None) -> None
         conn._fail(exc)
 
 
-class LeanBody:
-    """The response body: chunks as they arrive, the connection released exactly once.
+class Source(Protocol):
+    """What a streamed body reads from: an HTTP/1.1 connection (``lean.Conn``) or an HTTP/2 stream
+    (``mux.MuxStream``)."""
+
+    chunks: collections.deque[bytes]
+    complete: bool
+    error: BaseException | None
+
+    async def wait(self) -> None: ...
+
+    def take(self) -> bytes: ...
+
+
+class StreamedBody:
+    """A response body: chunks as they arrive, what carried it released exactly once (:meth:`_release`).
 
     ``aclose`` works even if iteration never started, so a response dropped by
-    the adapter or by flow control still frees its connection and its lease.
+    the adapter or by flow control still frees its connection or stream and its lease.
     """
 
-    def __init__(self, conn: Conn, pool: Pool, name: str, *, swallow_errors: bool,
+    def __init__(self, source: Source, name: str, *, swallow_errors: bool,
                  on_done: Callable[[BaseException | None], None]) -> None:
-        self.conn = conn
-        self.pool = pool
+        self.source = source
         self.name = name
         self.swallow = swallow_errors
         self.on_done = on_done
@@ -181,21 +195,21 @@ class LeanBody:
         self.exhausted = False
         """The chunk last returned was the final one (the next ``__anext__`` stops)."""
 
-    def __aiter__(self) -> LeanBody:
+    def __aiter__(self) -> StreamedBody:
         return self
 
     async def __anext__(self) -> bytes:
         if self.done:
             raise StopAsyncIteration
-        conn = self.conn
+        source = self.source
         try:
-            while not conn.chunks:
-                if conn.complete:
+            while not source.chunks:
+                if source.complete:
                     self._finish(None)
                     raise StopAsyncIteration
-                if conn.error is not None:
-                    raise conn.error
-                await conn.wait()
+                if source.error is not None:
+                    raise source.error
+                await source.wait()
         except StopAsyncIteration:
             raise
         except (OSError, ValueError) as exc:
@@ -209,30 +223,46 @@ class LeanBody:
         except BaseException as exc:
             self._finish(exc)
             raise
-        chunk = conn.take()
-        if conn.complete and not conn.chunks:
+        chunk = source.take()
+        if source.complete and not source.chunks:
             # That was all of it: give the connection back now, and let the adapter end the
             # stream with this chunk (one HTTP/2 DATA frame with END_STREAM instead of two).
             self.exhausted = True
             self._finish(None)
         return chunk
 
+    def _release(self, error: BaseException | None) -> None:
+        """Give back what carried the body; ``error`` None means it was read to its end."""
+        raise NotImplementedError
+
     def _finish(self, error: BaseException | None) -> None:
         if self.done:
             return
         self.done = True
+        self._release(error)
+        self.on_done(error)
+
+    async def aclose(self) -> None:
+        if not self.done:
+            # Stopped early (client went away): mid-body, so the connection or stream is closed.
+            self._finish(asyncio.CancelledError("response body closed before its end"))
+
+
+class LeanBody(StreamedBody):
+    """A body on a pooled HTTP/1.1 connection: back to the pool when read whole, closed otherwise."""
+
+    def __init__(self, conn: Conn, pool: Pool, name: str, *, swallow_errors: bool,
+                 on_done: Callable[[BaseException | None], None]) -> None:
+        super().__init__(conn, name, swallow_errors=swallow_errors, on_done=on_done)
+        self.conn = conn
+        self.pool = pool
+
+    def _release(self, error: BaseException | None) -> None:
         if error is None:
             self.pool.put_back(self.conn)
         else:
             self.conn.abort()
         self.pool.slots.release()
-        self.on_done(error)
-
-    async def aclose(self) -> None:
-        if not self.done:
-            # Stopped early (client went away): the connection is mid-body, close it.
-            self.conn.abort()
-            self._finish(asyncio.CancelledError("response body closed before its end"))
 
 
 async def exchange(

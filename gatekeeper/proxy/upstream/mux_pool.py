@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 
 from gatekeeper.proxy.upstream.errors import BackendFailed, ConnectFailed, PoolTimeout, UpstreamTimeout, connect_cause
+from gatekeeper.proxy.upstream.exchange import StreamedBody
 from gatekeeper.proxy.upstream.lean import Slots
 from gatekeeper.proxy.upstream.mux import IDLE_SECONDS, MuxConn, MuxStream, NotH2, StreamRefused
 
@@ -117,60 +118,19 @@ class MuxPool:
         self.conns.clear()
 
 
-class MuxBody:
-    """The response body of one stream: chunks as they arrive, the stream and slot released exactly once."""
+class MuxBody(StreamedBody):
+    """A body on a shared HTTP/2 connection: a stream not read to its end is reset (RST_STREAM CANCEL)."""
 
     def __init__(self, stream: MuxStream, pool: MuxPool, name: str,
                  on_done: Callable[[BaseException | None], None]) -> None:
+        super().__init__(stream, name, swallow_errors=False, on_done=on_done)  # never a watch
         self.stream = stream
         self.pool = pool
-        self.name = name
-        self.on_done = on_done
-        self.done = False
-        self.exhausted = False
-        """The chunk last returned was the final one (the next ``__anext__`` stops)."""
 
-    def __aiter__(self) -> MuxBody:
-        return self
-
-    async def __anext__(self) -> bytes:
-        if self.done:
-            raise StopAsyncIteration
-        stream = self.stream
-        try:
-            while not stream.chunks:
-                if stream.complete:
-                    self._finish(None)
-                    raise StopAsyncIteration
-                if stream.error is not None:
-                    raise stream.error
-                await stream.wait()
-        except StopAsyncIteration:
-            raise
-        except (OSError, ValueError) as exc:
-            self._finish(exc)
-            raise BackendFailed(f"{self.name} closed the response mid-stream: {type(exc).__name__}") from exc
-        except BaseException as exc:
-            self._finish(exc)
-            raise
-        chunk = stream.take()
-        if stream.complete and not stream.chunks:
-            self.exhausted = True
-            self._finish(None)
-        return chunk
-
-    def _finish(self, error: BaseException | None) -> None:
-        if self.done:
-            return
-        self.done = True
+    def _release(self, error: BaseException | None) -> None:
         if error is not None or not self.stream.complete:
             self.stream.conn.cancel(self.stream)
         self.pool.slots.release()
-        self.on_done(error)
-
-    async def aclose(self) -> None:
-        if not self.done:
-            self._finish(asyncio.CancelledError("response body closed before its end"))
 
 
 async def exchange(
