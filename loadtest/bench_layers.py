@@ -137,8 +137,9 @@ def main() -> None:
     ap.add_argument("--state-dir", required=True, help="a running sandbox with >= 3 apiservers")
     ap.add_argument("--requests", type=int, default=20000, help="h2load requests per arm and round")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
-    ap.add_argument("--upstream-http2", action="store_true",
-                    help="add an arm: flow control as deployed with upstream.http2 (multiplexed HTTP/2 upstream)")
+    ap.add_argument("--upstream-http1", action="store_true",
+                    help="add an arm: flow control as deployed with upstream.http2 off (HTTP/1.1 pool upstream; "
+                         "the other arms use the default, multiplexed HTTP/2)")
     ap.add_argument("--pin", action="store_true",
                     help="also measure each arm with the proxy alone on CPU 0 (needs >= 2 CPUs)")
     args = ap.parse_args()
@@ -156,10 +157,10 @@ def main() -> None:
             "gatekeeper, proxied GET, flow control off": (nofc_url, nofc_pid, GET_PATH),
             "gatekeeper, answered by the proxy (no upstream)": (gk["fc"][0], gk["fc"][1], LOCAL_PATH),
         }
-        if args.upstream_http2:
-            h2_url, h2_pid = env.start_gatekeeper("gk-h2", workers=1, deployed_flow_control=True,
-                                                  upstream_http2=True)
-            arms["gatekeeper, proxied GET, flow control as deployed, upstream.http2"] = (h2_url, h2_pid, GET_PATH)
+        if args.upstream_http1:
+            h1_url, h1_pid = env.start_gatekeeper("gk-h1", workers=1, deployed_flow_control=True,
+                                                  upstream_http2=False)
+            arms["gatekeeper, proxied GET, flow control as deployed, upstream.http2 off"] = (h1_url, h1_pid, GET_PATH)
         for url, pid, path in arms.values():
             closed_loop_cpu(env, url, pid, path, 400)  # warm every arm, the local answer included
         placements = ["shared", "pinned"] if args.pin else ["shared"]

@@ -114,9 +114,10 @@ class Env:
     def start_gatekeeper(self, name: str = "bench-proxy", workers: int | None = None,
                          deployed_flow_control: bool = False, http2_engine: str | None = None,
                          backends: list[str] | None = None, balancing: str | None = None,
-                         upstream_http2: bool = False) -> tuple[str, int]:
+                         upstream_http2: bool | None = None) -> tuple[str, int]:
         """A gatekeeper proxy; ``deployed_flow_control`` gives it the policy ``sandbox up --with-proxy`` deploys;
-        ``upstream_http2`` turns on ``upstream.http2`` (multiplexed HTTP/2 to the apiservers)."""
+        ``upstream_http2`` sets ``upstream.http2`` (multiplexed HTTP/2 to the apiservers), None leaves the
+        default (on)."""
         flow: dict[str, Any] = {"enabled": False}
         if deployed_flow_control:
             from gatekeeper.sandbox.with_proxy import default_flow_control
@@ -129,8 +130,8 @@ class Env:
             user["protocol"] = {"http2Engine": http2_engine}
         if balancing is not None:
             user["connectionBalancing"] = balancing
-        if upstream_http2:
-            user["upstream"] = {"http2": True}
+        if upstream_http2 is not None:
+            user["upstream"] = {"http2": upstream_http2}
         gk = ProxyProcess(self.state, work, name=name, health_interval=0.5, user_config=user,
                           workers=workers if workers is not None else 1, backends=backends)
         try:
@@ -483,42 +484,65 @@ def start_warm(env: Env, gatekeepers: dict[G, dict[str, Any]], haproxies: dict[H
     return gk, hap
 
 
+def spread(ratios: list[float]) -> str:
+    """A ratio over rounds: the median, and every round when there are several."""
+    if len(ratios) == 1:
+        return f"x{ratios[0]:.2f}"
+    return f"x{statistics.median(ratios):.2f} (rounds {', '.join(f'{r:.2f}' for r in ratios)})"
+
+
 def modes(env: Env, args: argparse.Namespace) -> None:
     """Open loop at fixed rates, closed loop with CPU per request, and throughput by worker count,
-    each beside HAProxy HTTP mode (same TLS on both sides) in the same run, flow control as deployed."""
+    each beside HAProxy HTTP mode (same TLS on both sides) in the same run, flow control as deployed.
+
+    With ``--rounds R`` every comparison runs R times, gatekeeper and HAProxy back to back in each
+    round, and a ratio is the median of the rounds' ratios: on a shared 2-core machine one round's
+    ratio moves by 30% with what else runs, and both arms of a round see the same machine."""
     counts = sorted({1, 2, *args.workers_table})
-    gk, hap = start_warm(env, {w: {"name": f"gk-w{w}", "workers": w, "upstream_http2": args.upstream_http2}
+    rounds = max(1, args.rounds)
+    gk, hap = start_warm(env, {w: {"name": f"gk-w{w}", "workers": w, "upstream_http2": not args.upstream_http1}
                                for w in counts},
                          {t: {"nbthread": t, "name": f"hap-t{t}"} for t in (1, 2)})
-    print(f"\nload average before: {load_average()}; upstream.http2: {args.upstream_http2}")
+    print(f"\nload average before: {load_average()}; upstream.http2: {not args.upstream_http1}; "
+          f"{rounds} interleaved round(s)")
     if "rates" not in args.skip:
         print(f"\n== open loop: fixed rates, {args.rate_seconds:.0f} s each (h2load --rps, 4 connections) ==")
         for rate in args.rates:
             for w, t in ((1, 1), (2, 2)):
-                g = open_loop(env, gk[w][0], rate, args.rate_seconds)
-                h = open_loop(env, hap[t][0], rate, args.rate_seconds)
-                print(f"{rate:4d} req/s  gatekeeper --workers {w}: p50 {g['p50']:6.2f} p99 {g['p99']:6.2f} ms | "
-                      f"haproxy nbthread {t}: p50 {h['p50']:6.2f} p99 {h['p99']:6.2f} ms | "
-                      f"ratio p50 x{g['p50'] / h['p50']:.2f} p99 x{g['p99'] / h['p99']:.2f}")
+                gs, hs = [], []
+                for _ in range(rounds):
+                    gs.append(open_loop(env, gk[w][0], rate, args.rate_seconds))
+                    hs.append(open_loop(env, hap[t][0], rate, args.rate_seconds))
+                g50, g99 = statistics.median([g["p50"] for g in gs]), statistics.median([g["p99"] for g in gs])
+                h50, h99 = statistics.median([h["p50"] for h in hs]), statistics.median([h["p99"] for h in hs])
+                print(f"{rate:4d} req/s  gatekeeper --workers {w}: p50 {g50:6.2f} p99 {g99:6.2f} ms | "
+                      f"haproxy nbthread {t}: p50 {h50:6.2f} p99 {h99:6.2f} ms | "
+                      f"ratio p50 {spread([g['p50'] / h['p50'] for g, h in zip(gs, hs, strict=True)])} "
+                      f"p99 {spread([g['p99'] / h['p99'] for g, h in zip(gs, hs, strict=True)])}")
     if "closed" not in args.skip:
         n, c, m = args.requests, args.clients, args.streams
         print(f"\n== closed loop: h2load -n {n} -c {c} -m {m}; proxy CPU per request from /proc ==")
-        res: dict[str, dict[str, float]] = {}
-        for w in counts:
-            res[f"gk{w}"] = closed_loop(env, gk[w][0], gk[w][1], n, c, m)
-        for t in (1, 2):
-            res[f"hap{t}"] = closed_loop(env, hap[t][0], hap[t][1], n, c, m)
-        for key, r in res.items():
+        runs: dict[str, list[dict[str, float]]] = {}
+        for _ in range(rounds):
+            for w in counts:
+                runs.setdefault(f"gk{w}", []).append(closed_loop(env, gk[w][0], gk[w][1], n, c, m))
+            for t in (1, 2):
+                runs.setdefault(f"hap{t}", []).append(closed_loop(env, hap[t][0], hap[t][1], n, c, m))
+        for key, rs in runs.items():
             label = f"gatekeeper --workers {key[2:]}" if key.startswith("gk") else f"haproxy nbthread {key[3:]}"
-            share = f"  busiest worker {r['busiest_share']:.0%} of requests" if "busiest_share" in r else ""
-            print(f"{label:24s} {r['rps']:7.0f} req/s  p50 {r['p50']:6.2f} p99 {r['p99']:6.2f} ms  "
-                  f"CPU {r['cpu_ms']:.3f} ms/req  failed {r['failed']:.0f}{share}")
+            shares = [r["busiest_share"] for r in rs if "busiest_share" in r]
+            share = f"  busiest worker {statistics.median(shares):.0%} of requests" if shares else ""
+            med = {k: statistics.median([r[k] for r in rs]) for k in ("rps", "p50", "p99", "cpu_ms")}
+            print(f"{label:24s} {med['rps']:7.0f} req/s  p50 {med['p50']:6.2f} p99 {med['p99']:6.2f} ms  "
+                  f"CPU {med['cpu_ms']:.3f} ms/req  failed {sum(r['failed'] for r in rs):.0f}{share}")
         for w, t in ((1, 1), (2, 2)):
-            g, h = res[f"gk{w}"], res[f"hap{t}"]
-            print(f"workers {w} / nbthread {t}: throughput x{g['rps'] / h['rps']:.2f}, CPU per request "
-                  f"x{g['cpu_ms'] / max(h['cpu_ms'], 1e-6):.1f}, p50 x{g['p50'] / h['p50']:.2f}")
-        base = res["gk1"]["rps"]
-        print("throughput by workers: " + ", ".join(f"{w}: x{res[f'gk{w}']['rps'] / base:.2f}" for w in counts))
+            pairs = list(zip(runs[f"gk{w}"], runs[f"hap{t}"], strict=True))
+            print(f"workers {w} / nbthread {t}: throughput {spread([g['rps'] / h['rps'] for g, h in pairs])}, "
+                  f"CPU per request {spread([g['cpu_ms'] / max(h['cpu_ms'], 1e-6) for g, h in pairs])}, "
+                  f"p50 {spread([g['p50'] / h['p50'] for g, h in pairs])}")
+        print("throughput by workers: " + ", ".join(
+            f"{w}: {spread([g['rps'] / b['rps'] for g, b in zip(runs[f'gk{w}'], runs['gk1'], strict=True)])}"
+            for w in counts))
     print(f"load average after: {load_average()}")
 
 
@@ -606,13 +630,13 @@ def engines_ab(env: Env, args: argparse.Namespace) -> None:
             r = closed_loop(env, url, pid, n, c, m)
             cpu[key].append(r["cpu_ms"])
             rps[key].append(r["rps"])
-    hap_cpu = sorted(cpu["haproxy"])[len(cpu["haproxy"]) // 2]
+    hap_cpu = statistics.median(cpu["haproxy"])
     for key in cpu:
-        med = sorted(cpu[key])[len(cpu[key]) // 2]
+        med = statistics.median(cpu[key])
         label = "haproxy nbthread 1" if key == "haproxy" else f"gatekeeper http2Engine={key}"
         print(f"{label:30s} CPU per request median {med:.3f} ms (rounds: "
               f"{', '.join(f'{x:.3f}' for x in cpu[key])}) x{med / max(hap_cpu, 1e-6):.1f} of HAProxy; "
-              f"{sorted(rps[key])[len(rps[key]) // 2]:.0f} req/s")
+              f"{statistics.median(rps[key]):.0f} req/s")
     print(f"load average after: {load_average()}")
 
 
@@ -638,8 +662,11 @@ def main() -> None:
     ap.add_argument("--rates", type=lambda v: [int(x) for x in v.split(",")], default=[200, 600],
                     help="open-loop rates in req/s (comma-separated)")
     ap.add_argument("--rate-seconds", type=float, default=10.0, help="seconds per open-loop rate")
-    ap.add_argument("--upstream-http2", action="store_true",
-                    help="--only-modes: gatekeeper with upstream.http2 (multiplexed HTTP/2 to the apiservers)")
+    ap.add_argument("--upstream-http1", action="store_true",
+                    help="--only-modes: gatekeeper with upstream.http2 off (HTTP/1.1 pool to the apiservers; "
+                         "the default is multiplexed HTTP/2)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="--only-modes: interleaved rounds of every comparison; ratios are medians over rounds")
     ap.add_argument("--workers-table", type=lambda v: [int(x) for x in v.split(",")], default=[1, 2],
                     help="gatekeeper worker counts for the closed-loop table (1 and 2 always run)")
     ap.add_argument("--balancing-rounds", type=int, default=0, metavar="R",
