@@ -26,7 +26,7 @@ from gatekeeper.certs import PKI
 from gatekeeper.proxy.h2wire import frames as f
 from gatekeeper.proxy.messages import ProxyRequest, ProxyResponse
 from gatekeeper.proxy.settings import UpstreamSettings
-from gatekeeper.proxy.upstream import mux
+from gatekeeper.proxy.upstream import mux, mux_stream
 from gatekeeper.proxy.upstream.client import BackendClient, BackendFailed, ConnectFailed, UpstreamTimeout
 from gatekeeper.proxy.upstream.mux_pool import MuxBody
 from gatekeeper.proxy.upstream.mux_wire import authority_field, request_block, response_head
@@ -253,7 +253,7 @@ async def test_a_refused_stream_is_sent_once_more_and_a_reset_one_never(backend)
 
 async def test_a_client_that_stops_reading_holds_one_stream_window_and_the_others_go_on(backend) -> None:
     b, client = backend
-    big = b"x" * (3 * mux.STREAM_WINDOW)
+    big = b"x" * (3 * mux_stream.STREAM_WINDOW)
 
     async def script(backend: Backend, peer: Peer, sid: int, headers: dict[str, str]) -> None:
         if headers[":path"] == "/big":
@@ -270,7 +270,7 @@ async def test_a_client_that_stops_reading_holds_one_stream_window_and_the_other
     assert [await read_all(r) for r in small] == [b"small"] * 5
     assert isinstance(stalled.body, MuxBody)
     stream = stalled.body.stream
-    assert 0 < stream.buffered <= mux.STREAM_WINDOW
+    assert 0 < stream.buffered <= mux_stream.STREAM_WINDOW
     assert await read_all(stalled) == big  # the window re-opens as the consumer reads
     assert b.connections == 1
 

@@ -17,7 +17,8 @@ from collections.abc import Callable
 from gatekeeper.proxy.upstream.errors import BackendFailed, ConnectFailed, PoolTimeout, UpstreamTimeout, connect_cause
 from gatekeeper.proxy.upstream.exchange import StreamedBody
 from gatekeeper.proxy.upstream.lean import Slots
-from gatekeeper.proxy.upstream.mux import IDLE_SECONDS, MuxConn, MuxStream, NotH2, StreamRefused
+from gatekeeper.proxy.upstream.mux import IDLE_SECONDS, MuxConn, NotH2
+from gatekeeper.proxy.upstream.mux_stream import MuxStream, StreamRefused
 
 SENDS = 2
 """Times a request may go out: once, and once more if the backend provably did not process it."""
