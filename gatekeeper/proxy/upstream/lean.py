@@ -344,8 +344,8 @@ class Pool:
     def _lost(self, conn: Conn) -> None:
         self.open -= 1
 
-    def take_idle(self, ctx: ssl.SSLContext, live: Callable[[], tuple[Any, ...]]) -> Conn | None:
-        """The most recently used idle connection made with ``ctx`` (LIFO keeps the pool warm and small)."""
+    def _idle_list(self, ctx: ssl.SSLContext, live: Callable[[], tuple[Any, ...]]) -> list[Conn] | None:
+        """The idle connections kept for ``ctx``; None when ``ctx`` is seen for the first time (a reload)."""
         idle = self.idle.get(ctx)
         if idle is None:
             # A context seen for the first time: contexts replaced by a reload are dropped with their sockets.
@@ -354,6 +354,12 @@ class Pool:
                 for conn in self.idle.pop(stale):
                     conn.abort()
             self.idle[ctx] = []
+        return idle
+
+    def take_idle(self, ctx: ssl.SSLContext, live: Callable[[], tuple[Any, ...]]) -> Conn | None:
+        """The most recently used idle connection made with ``ctx`` (LIFO keeps the pool warm and small)."""
+        idle = self._idle_list(ctx, live)
+        if idle is None:
             return None
         now = time.monotonic()
         while idle and (idle[0].closed or now - idle[0].idle_since > IDLE_SECONDS):
@@ -373,6 +379,30 @@ class Pool:
                                          server_hostname=self.host)
         self.open += 1
         return conn
+
+    def adopt(self, transport: asyncio.Transport, ctx: ssl.SSLContext, live: Callable[[], tuple[Any, ...]]) -> None:
+        """Keep an established TLS connection on which nothing was sent yet as an idle one, kept for ``ctx``.
+
+        Why: the HTTP/2 pool (``upstream.http2``) offers ``h2`` and ``http/1.1`` in ALPN; a backend that
+        picks HTTP/1.1 has just completed a handshake the request that found out can use (it takes the
+        most recent idle connection, this one, unless a request put one back in between, which costs no
+        handshake either). ``ctx`` is the HTTP/1.1 context of the same kind (front-proxy certificate or
+        none) as the one the connection was made with: both read the same files, so a connection made
+        with the certificate is never kept for token requests. The connection counts in ``open`` and
+        in the idle bound like any other (past the bound it is closed, as in :meth:`put_back`).
+        """
+        idle = self._idle_list(ctx, live)
+        conn = Conn(ctx, self._lost)
+        transport.set_protocol(conn)
+        conn.connection_made(transport)
+        self.open += 1
+        if idle is None:
+            idle = self.idle[ctx]
+        if len(idle) >= self.limit:
+            conn.abort()
+            return
+        conn.idle_since = time.monotonic()
+        idle.append(conn)
 
     def put_back(self, conn: Conn) -> None:
         """Keep a connection for reuse if its exchange ended cleanly; close it otherwise."""

@@ -61,7 +61,21 @@ IDLE_SECONDS = 60.0
 
 
 class NotH2(ConnectionError):
-    """The backend did not negotiate HTTP/2 (ALPN): use the HTTP/1.1 pool for it."""
+    """The backend did not negotiate HTTP/2 (ALPN): use the HTTP/1.1 pool for it.
+
+    ``transport`` is the TLS connection whose handshake found out, nothing written on it yet, for the
+    HTTP/1.1 pool to take (one handshake, not two); None when there is none to give (the backend was
+    already known not to speak HTTP/2, or the connection closed or talked first). Every request that
+    waited on that connect sees this one exception, so :meth:`claim` gives the transport out once.
+    """
+
+    def __init__(self, message: str, transport: asyncio.Transport | None = None) -> None:
+        super().__init__(message)
+        self.transport = transport
+
+    def claim(self) -> asyncio.Transport | None:
+        transport, self.transport = self.transport, None
+        return transport
 
 
 class MuxConn(asyncio.Protocol):
@@ -160,7 +174,10 @@ class MuxConn(asyncio.Protocol):
         self.transport = tr = cast(asyncio.Transport, transport)
         ssl_object = transport.get_extra_info("ssl_object")
         if ssl_object is None or ssl_object.selected_alpn_protocol() != "h2":
-            return  # the pool sees it and closes the connection: nothing HTTP/2 is written to it
+            # The pool sees it and hands the connection to the HTTP/1.1 pool: nothing HTTP/2 is written
+            # to it, and bytes that come first are kept unparsed in ``buf`` (they void the handover).
+            self.closed = True
+            return
         tr.write(f.PREFACE + f.settings_frame({
             f.ENABLE_PUSH: 0, f.INITIAL_WINDOW_SIZE: STREAM_WINDOW, f.MAX_HEADER_LIST_SIZE: MAX_HEAD_BYTES,
         }) + f.window_update(0, self.window - f.DEFAULT_WINDOW))
