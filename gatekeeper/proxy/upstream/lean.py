@@ -36,6 +36,8 @@ from typing import Any
 
 import httptools
 
+from gatekeeper.proxy.upstream.slots import Slots
+
 MAX_HEAD_BYTES = 256 * 1024
 """Largest response head accepted from a backend (status line plus headers)."""
 READ_HIGH = 256 * 1024
@@ -278,55 +280,6 @@ class Conn(asyncio.Protocol):
         task, self.body_task = self.body_task, None
         if task is not None and not task.done() and task is not asyncio.current_task():
             task.cancel()
-
-
-class Slots:
-    """A FIFO counting gate for a pool's connection slots: a plain counter while slots are free.
-
-    ``asyncio.Semaphore`` costs a coroutine and a scan of its waiters on every
-    acquire; the uncontended path here is one comparison. Only a full pool
-    creates a future to wait on. A released slot goes straight to the oldest
-    live waiter, so callers that wait are served in order and a newcomer never
-    overtakes them (free slots exist only while nobody waits).
-    """
-
-    __slots__ = ("free", "waiters")
-
-    def __init__(self, limit: int) -> None:
-        self.free = limit
-        self.waiters: collections.deque[asyncio.Future[None]] = collections.deque()
-
-    def try_take(self) -> bool:
-        if self.free > 0:
-            self.free -= 1
-            return True
-        return False
-
-    async def take(self) -> None:
-        """Wait for a released slot; cancellation (the acquire timeout) gives up the place in line."""
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.waiters.append(fut)
-        try:
-            await fut
-        except BaseException:
-            if fut.done() and not fut.cancelled():
-                self.release()  # granted just as we were cancelled: pass the slot on
-            else:
-                fut.cancel()
-                try:
-                    self.waiters.remove(fut)
-                except ValueError:
-                    pass
-            raise
-
-    def release(self) -> None:
-        waiters = self.waiters
-        while waiters:
-            fut = waiters.popleft()
-            if not fut.done():
-                fut.set_result(None)  # the slot changes hands; ``free`` stays as it is
-                return
-        self.free += 1
 
 
 class Pool:

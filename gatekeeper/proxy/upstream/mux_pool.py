@@ -39,9 +39,9 @@ from collections.abc import Callable
 
 from gatekeeper.proxy.upstream.errors import BackendFailed, ConnectFailed, PoolTimeout, UpstreamTimeout, connect_cause
 from gatekeeper.proxy.upstream.exchange import StreamedBody
-from gatekeeper.proxy.upstream.lean import Slots
 from gatekeeper.proxy.upstream.mux import IDLE_SECONDS, MuxConn, NotH2
 from gatekeeper.proxy.upstream.mux_stream import MuxStream, StreamRefused
+from gatekeeper.proxy.upstream.slots import Slots
 
 log = logging.getLogger("gatekeeper.proxy.upstream.mux_pool")
 
