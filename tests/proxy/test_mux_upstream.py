@@ -398,6 +398,32 @@ async def test_the_handed_over_connection_counts_in_the_pool_limit(pki: PKI) -> 
         await raw.stop()
 
 
+async def test_a_handed_over_connection_past_the_pool_limit_is_closed(pki: PKI) -> None:
+    from test_lean_upstream import RawBackend
+
+    raw = RawBackend(pki, alpn=["http/1.1"])
+    url = await raw.start()
+    client = BackendClient("h1-full", url, UpstreamSettings(ca_file=str(pki.cert_path("ca")), http2=True,
+                                                            max_connections_per_backend=1))
+    pool = client._pools[False]
+    try:
+        first = await send(client, get("/first"))  # the handed-over connection, busy until its body is read
+        interval_passes(client)
+        second = asyncio.create_task(fetch(client, "/second"))  # asks for HTTP/2 again: a new connection
+        for _ in range(500):
+            if pool.slots.waiters:
+                break
+            await asyncio.sleep(0.01)
+        assert pool.slots.waiters, "the second request never reached the HTTP/1.1 pool"
+        assert raw.connections == 2 and pool.open == 1  # the pool holds one connection, as its limit says
+        assert await read_all(first) == b"ok"
+        assert await second == b"ok"
+        assert pool.open == 1 and fallbacks("h1-full") >= 2
+    finally:
+        await client.close()
+        await raw.stop()
+
+
 async def test_a_handed_over_connection_keeps_the_kind_of_certificate_it_was_made_with(pki: PKI) -> None:
     from test_lean_upstream import RawBackend
 

@@ -341,19 +341,20 @@ class Pool:
         most recent idle connection, this one, unless a request put one back in between, which costs no
         handshake either). ``ctx`` is the HTTP/1.1 context of the same kind (front-proxy certificate or
         none) as the one the connection was made with: both read the same files, so a connection made
-        with the certificate is never kept for token requests. The connection counts in ``open`` and
-        in the idle bound like any other (past the bound it is closed, as in :meth:`put_back`).
+        with the certificate is never kept for token requests. It counts in ``open`` like any other:
+        when the pool already holds ``limit`` connections it is closed instead (the request then waits
+        for one of those, as it would have).
         """
         idle = self._idle_list(ctx, live)
+        if idle is None:
+            idle = self.idle[ctx]
+        if self.open >= self.limit or len(idle) >= self.limit:
+            transport.close()
+            return
         conn = Conn(ctx, self._lost)
         transport.set_protocol(conn)
         conn.connection_made(transport)
         self.open += 1
-        if idle is None:
-            idle = self.idle[ctx]
-        if len(idle) >= self.limit:
-            conn.abort()
-            return
         conn.idle_since = time.monotonic()
         idle.append(conn)
 

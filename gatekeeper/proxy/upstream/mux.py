@@ -97,6 +97,8 @@ class MuxConn(asyncio.Protocol):
         self.peer_max_frame = f.MIN_FRAME_SIZE
         self.goaway: int | None = None
         self.closed = False
+        self.lost = False
+        """``connection_lost`` came (``closed`` alone may be our own decision)."""
         self.out: list[bytes] = []
         self.flush_pending = False
         self.conn_unacked = 0
@@ -183,7 +185,7 @@ class MuxConn(asyncio.Protocol):
         }) + f.window_update(0, self.window - f.DEFAULT_WINDOW))
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
+        self.closed = self.lost = True
         error = exc or ConnectionResetError("the backend closed the connection")
         for stream in self.streams.values():
             stream.fail(error)
