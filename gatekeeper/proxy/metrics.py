@@ -105,6 +105,14 @@ UPSTREAM_H2_STREAMS = Counter(
     ["backend"],
 )
 
+UPSTREAM_H2_FALLBACKS = Counter(
+    "gatekeeper_proxy_upstream_http2_fallbacks",
+    "Connections on which a backend answered upstream.http2's ALPN offer with HTTP/1.1, by backend: the "
+    "connection and its request went to the HTTP/1.1 pool; a backend that stays HTTP/1.1 adds one per "
+    "upstream.http2RetrySeconds per worker.",
+    ["backend"],
+)
+
 
 class PoolSource(Protocol):
     """What the collector reads at scrape time (a running pipeline)."""

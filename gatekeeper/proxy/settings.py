@@ -201,12 +201,18 @@ class UpstreamSettings:
     with ``client: lean``, the default; the ``aiohttp`` client is HTTP/1.1 only)."""
     http2_max_streams: int = 100
     """Streams per upstream HTTP/2 connection (fewer if the apiserver allows fewer); past it a new one opens."""
+    http2_retry_seconds: float = 300.0
+    """A backend that picked HTTP/1.1 in ALPN is asked for HTTP/2 again by one request this often (0 = never);
+    each ask is a new connection, kept for HTTP/1.1 if the answer is still no (``upstream/mux_pool.py``)."""
 
     def validate(self) -> None:
         if self.client not in ("lean", "aiohttp"):
             raise ValueError(f"client must be 'lean' or 'aiohttp', got {self.client!r}")
         if not 1 <= self.http2_max_streams <= 1000:
             raise ValueError(f"http2MaxStreams must be 1..1000, got {self.http2_max_streams}")
+        if not (self.http2_retry_seconds == 0 or self.http2_retry_seconds >= 1):
+            raise ValueError(f"http2RetrySeconds must be 0 (never) or at least 1 (each retry is a new "
+                             f"connection), got {self.http2_retry_seconds}")
         if not self.ca_file:
             raise ValueError(
                 "caFile is required: the CA that signed the apiservers' serving certificates "

@@ -9,7 +9,7 @@ import pytest
 
 from gatekeeper.proxy.command import tune_gc
 from gatekeeper.proxy.settings import BackendSettings, ProxySettings
-from gatekeeper.proxy.upstream.lean import Slots
+from gatekeeper.proxy.upstream.slots import Slots
 
 
 async def test_slots_are_taken_without_waiting_until_the_pool_is_full() -> None:

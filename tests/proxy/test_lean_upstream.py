@@ -49,8 +49,10 @@ def text(status: int = 200, body: bytes = b"ok", extra: bytes = b"") -> bytes:
 class RawBackend:
     """Reads HTTP/1.1 requests (Content-Length or chunked bodies) and answers through ``reply``."""
 
-    def __init__(self, pki: PKI) -> None:
+    def __init__(self, pki: PKI, *, alpn: list[str] | None = None) -> None:
         self.pki = pki
+        self.alpn = alpn
+        """Protocols the server accepts in ALPN (None: it takes no part in ALPN)."""
         self.connections = 0
         self.requests: list[tuple[bytes, bytes]] = []
         self.peer_certs: list[object] = []
@@ -67,6 +69,8 @@ class RawBackend:
         ctx.load_cert_chain(self.pki.cert_path("backend"), self.pki.key_path("backend"))
         ctx.load_verify_locations(self.pki.cert_path(FRONT_PROXY_CA))
         ctx.verify_mode = ssl.CERT_OPTIONAL
+        if self.alpn is not None:
+            ctx.set_alpn_protocols(self.alpn)
         self.server = await asyncio.start_server(self.handle, "127.0.0.1", 0, ssl=ctx)
         return f"https://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
 

@@ -14,6 +14,7 @@ import asyncio
 import secrets
 import ssl
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -21,6 +22,7 @@ import httpx
 import pytest
 
 from gatekeeper.certs import PKI
+from gatekeeper.proxy.messages import ProxyRequest
 from gatekeeper.proxy.settings import UpstreamSettings
 from gatekeeper.proxy.upstream import mux_pool
 from gatekeeper.proxy.upstream.client import H2_ALPN, make_ssl_context, response_headers
@@ -181,3 +183,52 @@ async def test_a_tenant_certificate_caller_is_asserted_over_the_shared_connectio
     assert forbidden.status_code == 403 and user in forbidden.text  # the apiserver saw this user, not the proxy
     assert metric_sum(after, "gatekeeper_proxy_upstream_http2_streams_total") - before == 21
     assert metric_sum(after, "gatekeeper_proxy_upstream_goaways_total") == 0
+
+
+async def test_a_real_apiserver_answering_http11_is_served_on_the_connection_that_found_out(
+        sandbox: SandboxState, tenant: tuple[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """kube-apiserver always picks ``h2`` when it is offered, so the contexts here offer ``http/1.1`` alone
+    (what an HTTP/1.1-only apiserver answers): the Go server's TLS session, taken over by the HTTP/1.1
+    pool mid-flight, carries the tenant's GETs, and no second connection is made to it."""
+    from gatekeeper.proxy.upstream import client as client_module
+
+    ns, token = tenant
+    headers = [("authorization", f"Bearer {token}"), ("accept", "application/json")]
+    request = ProxyRequest(method="GET", target=f"/api/v1/namespaces/{ns}/configmaps", headers=headers, body=None,
+                           protocol="h2")
+    settings = UpstreamSettings(ca_file=str(SandboxPKI(Path(sandbox.certs_dir)).ca), http2=True)
+    warm = client_module.BackendClient("apiserver-warm", sandbox.apiserver_urls[0], replace(settings, http2=False))
+    try:
+        for _ in range(100):  # the RoleBinding reaches the apiserver's RBAC cache within moments
+            response = await warm.send(request, headers, identity=False, swallow_body_errors=False,
+                                       on_done=lambda e: None)
+            assert response.body is not None
+            await response.body.aclose()  # type: ignore[attr-defined]
+            if response.status == 200:
+                break
+            await asyncio.sleep(0.1)
+    finally:
+        await warm.close()
+    monkeypatch.setattr(client_module, "H2_ALPN", ("http/1.1",))
+    backend = client_module.BackendClient("apiserver-h1", sandbox.apiserver_urls[0], settings)
+    loop = asyncio.get_running_loop()
+    connects: list[object] = []
+    create_connection = loop.create_connection
+
+    async def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        connects.append(args[1:3])
+        return await create_connection(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "create_connection", counted)
+    try:
+        bodies = []
+        for _ in range(3):
+            response = await backend.send(request, headers, identity=False, swallow_body_errors=False,
+                                          on_done=lambda e: None, multiplex=True)
+            assert response.status == 200 and response.body is not None
+            bodies.append(b"".join([chunk async for chunk in response.body]))
+        assert all(b'"kind":"ConfigMapList"' in body for body in bodies)
+        assert backend.mux is not None and backend.mux.h2 is False
+        assert len(connects) == 1 and backend.connections() == 1
+    finally:
+        await backend.close()

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
+from pathlib import Path
 
 import h2.config
 import h2.connection
@@ -20,13 +22,15 @@ import hpack
 import pytest
 from edge_kit import make_pki
 from hpack import NeverIndexedHeaderTuple
+from prometheus_client import REGISTRY
 from test_upstream import server_ssl
 
 from gatekeeper.certs import PKI
+from gatekeeper.config import ConfigError, load_config
 from gatekeeper.proxy.h2wire import frames as f
 from gatekeeper.proxy.messages import ProxyRequest, ProxyResponse
 from gatekeeper.proxy.settings import UpstreamSettings
-from gatekeeper.proxy.upstream import mux
+from gatekeeper.proxy.upstream import mux, mux_stream
 from gatekeeper.proxy.upstream.client import BackendClient, BackendFailed, ConnectFailed, UpstreamTimeout
 from gatekeeper.proxy.upstream.mux_pool import MuxBody
 from gatekeeper.proxy.upstream.mux_wire import authority_field, request_block, response_head
@@ -93,7 +97,7 @@ class Backend:
         peer.respond(sid, 200, b"ok " + headers[":path"].encode())
 
     async def start(self) -> str:
-        ctx = server_ssl(self.pki)
+        ctx = self.ctx = server_ssl(self.pki)
         ctx.set_alpn_protocols([self.alpn])
         self.server = await asyncio.start_server(self.handle, "127.0.0.1", 0, ssl=ctx)
         return f"https://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
@@ -253,7 +257,7 @@ async def test_a_refused_stream_is_sent_once_more_and_a_reset_one_never(backend)
 
 async def test_a_client_that_stops_reading_holds_one_stream_window_and_the_others_go_on(backend) -> None:
     b, client = backend
-    big = b"x" * (3 * mux.STREAM_WINDOW)
+    big = b"x" * (3 * mux_stream.STREAM_WINDOW)
 
     async def script(backend: Backend, peer: Peer, sid: int, headers: dict[str, str]) -> None:
         if headers[":path"] == "/big":
@@ -270,7 +274,7 @@ async def test_a_client_that_stops_reading_holds_one_stream_window_and_the_other
     assert [await read_all(r) for r in small] == [b"small"] * 5
     assert isinstance(stalled.body, MuxBody)
     stream = stalled.body.stream
-    assert 0 < stream.buffered <= mux.STREAM_WINDOW
+    assert 0 < stream.buffered <= mux_stream.STREAM_WINDOW
     assert await read_all(stalled) == big  # the window re-opens as the consumer reads
     assert b.connections == 1
 
@@ -341,20 +345,209 @@ async def test_a_client_gone_mid_body_resets_its_stream_and_frees_its_slot(backe
     assert free_slots(client) == client.settings.max_connections_per_backend
 
 
-async def test_a_backend_that_does_not_speak_http2_is_used_over_http11(pki: PKI) -> None:
+async def fetch(client: BackendClient, target: str, *, identity: bool = False) -> bytes:
+    """One GET read to its end (its connection is back in the pool when this returns)."""
+    return await read_all(await send(client, get(target), identity=identity))
+
+
+def fallbacks(name: str) -> float:
+    return REGISTRY.get_sample_value("gatekeeper_proxy_upstream_http2_fallbacks_total", {"backend": name}) or 0.0
+
+
+@pytest.mark.parametrize("alpn", [pytest.param(["http/1.1"], id="alpn-http11"), pytest.param(None, id="no-alpn")])
+async def test_a_backend_that_does_not_speak_http2_is_used_over_http11_after_one_handshake(
+        pki: PKI, alpn: list[str] | None) -> None:
     from test_lean_upstream import RawBackend  # the scripted HTTP/1.1 backend
 
-    raw = RawBackend(pki)
+    raw = RawBackend(pki, alpn=alpn)
     url = await raw.start()
-    client = BackendClient("b", url, UpstreamSettings(ca_file=str(pki.cert_path("ca")), http2=True))
+    name = f"h1-only-{alpn}"
+    before = fallbacks(name)
+    client = BackendClient(name, url, UpstreamSettings(ca_file=str(pki.cert_path("ca")), http2=True))
     try:
         assert await read_all(await send(client, get("/version"))) == b"ok"
         assert client.mux is not None and client.mux.h2 is False
         assert await read_all(await send(client, get("/version"))) == b"ok"
         assert len(raw.requests) == 2
+        # The handshake that found out carried both requests: the HTTP/1.1 pool did not make its own.
+        assert raw.connections == 1
+        assert client.connections() == 1
+        assert fallbacks(name) - before == 1
     finally:
         await client.close()
         await raw.stop()
+
+
+async def test_the_handed_over_connection_counts_in_the_pool_limit(pki: PKI) -> None:
+    from test_lean_upstream import RawBackend
+
+    raw = RawBackend(pki, alpn=["http/1.1"])
+    url = await raw.start()
+    client = BackendClient("h1-limit", url, UpstreamSettings(ca_file=str(pki.cert_path("ca")), http2=True,
+                                                             max_connections_per_backend=1))
+    try:
+        # Eight callers at once, one connection allowed: the eight that asked for HTTP/2 and waited on one
+        # another share the one handshake, which then carries every request in turn.
+        bodies = await asyncio.gather(*(fetch(client, f"/r{i}") for i in range(8)))
+        assert bodies == [b"ok"] * 8
+        assert raw.connections == 1
+        assert client._pools[False].open == 1 and client.connections() == 1
+        assert client._pools[False].slots.free == 1
+    finally:
+        await client.close()
+        await raw.stop()
+
+
+async def test_a_handed_over_connection_past_the_pool_limit_is_closed(pki: PKI) -> None:
+    from test_lean_upstream import RawBackend
+
+    raw = RawBackend(pki, alpn=["http/1.1"])
+    url = await raw.start()
+    client = BackendClient("h1-full", url, UpstreamSettings(ca_file=str(pki.cert_path("ca")), http2=True,
+                                                            max_connections_per_backend=1))
+    pool = client._pools[False]
+    try:
+        first = await send(client, get("/first"))  # the handed-over connection, busy until its body is read
+        interval_passes(client)
+        second = asyncio.create_task(fetch(client, "/second"))  # asks for HTTP/2 again: a new connection
+        for _ in range(500):
+            if pool.slots.waiters:
+                break
+            await asyncio.sleep(0.01)
+        assert pool.slots.waiters, "the second request never reached the HTTP/1.1 pool"
+        assert raw.connections == 2 and pool.open == 1  # the pool holds one connection, as its limit says
+        assert await read_all(first) == b"ok"
+        assert await second == b"ok"
+        assert pool.open == 1 and fallbacks("h1-full") >= 2
+    finally:
+        await client.close()
+        await raw.stop()
+
+
+async def test_a_handed_over_connection_keeps_the_kind_of_certificate_it_was_made_with(pki: PKI) -> None:
+    from test_lean_upstream import RawBackend
+
+    raw = RawBackend(pki, alpn=["http/1.1"])
+    url = await raw.start()
+    client = BackendClient("h1-kinds", url, UpstreamSettings(
+        ca_file=str(pki.cert_path("ca")), http2=True, client_cert_file=str(pki.cert_path("front-proxy-client")),
+        client_key_file=str(pki.key_path("front-proxy-client"))))
+    try:
+        assert await fetch(client, "/asserted", identity=True) == b"ok"  # found out with the certificate
+        assert await fetch(client, "/token") == b"ok"  # so a token request needs a connection without one
+        assert await fetch(client, "/asserted-again", identity=True) == b"ok"
+        assert raw.connections == 2
+        assert raw.peer_certs[0] and not raw.peer_certs[1]
+        heads = [head.split(b" ")[1] for head, _ in raw.requests]
+        assert heads == [b"/asserted", b"/token", b"/asserted-again"]
+    finally:
+        await client.close()
+        await raw.stop()
+
+
+class Switching(Backend):
+    """A backend whose ALPN answer is changed by the test: ``h2`` connections go to the h2 script, the
+    others are answered over HTTP/1.1 with ``h1 <path>``."""
+
+    def __init__(self, pki: PKI) -> None:
+        super().__init__(pki, alpn="http/1.1")
+        self.h1_connections = 0
+
+    def answer(self, alpn: str) -> None:
+        self.ctx.set_alpn_protocols([alpn])  # read by every later handshake
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if writer.get_extra_info("ssl_object").selected_alpn_protocol() == "h2":
+            return await super().handle(reader, writer)
+        self.h1_connections += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                body = b"h1 " + head.split(b" ")[1]
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%b" % (len(body), body))
+        except (asyncio.IncompleteReadError, ConnectionError, ssl.SSLError):
+            pass
+        finally:
+            writer.close()
+
+
+def interval_passes(client: BackendClient) -> None:
+    assert client.mux is not None
+    client.mux.retry_at = time.monotonic()
+
+
+async def test_a_backend_that_turns_http2_on_is_asked_again_once_per_interval(pki: PKI) -> None:
+    b = Switching(pki)
+    url = await b.start()
+    client = BackendClient("switching", url, UpstreamSettings(ca_file=str(pki.cert_path("ca")), http2=True))
+    before = fallbacks("switching")
+    try:
+        assert await read_all(await send(client, get("/a"))) == b"h1 /a"
+        b.answer("h2")
+        for _ in range(5):  # within the interval: the HTTP/1.1 pool, no new connection
+            assert await read_all(await send(client, get("/b"))) == b"h1 /b"
+        assert (b.h1_connections, b.connections) == (1, 0)
+        interval_passes(client)
+        assert await read_all(await send(client, get("/c"))) == b"ok /c"
+        assert client.mux is not None and client.mux.h2 is True
+        assert await read_all(await send(client, get("/d"))) == b"ok /d"
+        assert (b.h1_connections, b.connections) == (1, 1)
+        assert fallbacks("switching") - before == 1
+    finally:
+        await client.close()
+        await b.stop()
+
+
+async def test_a_backend_still_on_http11_costs_one_attempt_per_interval_and_no_handshake(pki: PKI) -> None:
+    b = Switching(pki)
+    url = await b.start()
+    client = BackendClient("flapping", url, UpstreamSettings(
+        ca_file=str(pki.cert_path("ca")), http2=True, client_cert_file=str(pki.cert_path("front-proxy-client")),
+        client_key_file=str(pki.key_path("front-proxy-client"))))
+    before = fallbacks("flapping")
+    try:
+        assert await read_all(await send(client, get("/a"))) == b"h1 /a"
+        interval_passes(client)
+        # The interval is over: of these eight callers (two TLS contexts, so two connections could be asked
+        # for at once) one asks for HTTP/2 again, the rest take the pool.
+        bodies = await asyncio.gather(*(fetch(client, f"/r{i}", identity=i % 2 == 1) for i in range(8)))
+        assert bodies == [f"h1 /r{i}".encode() for i in range(8)]
+        assert fallbacks("flapping") - before == 2
+        opened = b.h1_connections
+        for _ in range(5):  # the asking connection is in the pool; nothing more is asked until the next interval
+            assert await read_all(await send(client, get("/b"))) == b"h1 /b"
+        assert b.h1_connections == opened and fallbacks("flapping") - before == 2
+        assert b.connections == 0
+    finally:
+        await client.close()
+        await b.stop()
+
+
+async def test_a_retry_interval_of_zero_never_asks_again(pki: PKI) -> None:
+    from test_lean_upstream import RawBackend
+
+    raw = RawBackend(pki, alpn=["http/1.1"])
+    url = await raw.start()
+    client = BackendClient("never", url, UpstreamSettings(ca_file=str(pki.cert_path("ca")), http2=True,
+                                                          http2_retry_seconds=0))
+    try:
+        await read_all(await send(client, get("/a")))
+        interval_passes(client)
+        client.mux.retry_at = 0.0  # type: ignore[union-attr]
+        await read_all(await send(client, get("/b")))
+        assert fallbacks("never") == 1 and raw.connections == 1
+    finally:
+        await client.close()
+        await raw.stop()
+
+
+@pytest.mark.parametrize("value", ["0.5", "-1", ".nan"])
+def test_an_http2_retry_interval_below_one_second_is_refused(tmp_path: Path, value: str) -> None:
+    p = tmp_path / "c.yaml"
+    p.write_text("proxy:\n  backends: [{url: 'https://127.0.0.1:1'}]\n"
+                 f"  listener: {{certFile: a, keyFile: b}}\n  upstream: {{caFile: ca, http2RetrySeconds: {value}}}\n")
+    with pytest.raises(ConfigError, match=r"proxy.upstream: http2RetrySeconds must be 0 \(never\) or at least 1"):
+        load_config(p)
 
 
 async def test_the_token_goes_out_never_indexed_and_the_backend_sees_the_target_byte_for_byte(backend) -> None:

@@ -237,7 +237,9 @@ class BackendClient:
             self._h2_authority = mux_wire.authority_field(split.netloc)
             self.mux = mux_pool.MuxPool(self.host, self.port, limit=settings.max_connections_per_backend,
                                         max_streams=settings.http2_max_streams,
-                                        connect_timeout=settings.connect_timeout_seconds, on_goaway=goaways.inc)
+                                        connect_timeout=settings.connect_timeout_seconds,
+                                        retry_seconds=settings.http2_retry_seconds, on_goaway=goaways.inc,
+                                        on_fallback=metrics.UPSTREAM_H2_FALLBACKS.labels(name).inc)
         # Short requests and long-running ones (watches, exec, logs -f) have separate pools, so
         # thousands of open watches never starve GETs of a connection (and vice versa).
         self._slots = asyncio.Semaphore(settings.max_connections_per_backend)
@@ -356,12 +358,12 @@ class BackendClient:
         :class:`BackendFailed` when the backend failed after it may have seen the request.
         """
         mux = self.mux
-        if (multiplex and mux is not None and mux.h2 and not long_running and request.body is None
-                and request.method in _MUX_METHODS):
+        if (multiplex and mux is not None and not long_running and request.body is None
+                and request.method in _MUX_METHODS and (mux.h2 or mux.wants_h2())):
             try:
                 return await self._send_mux(mux, request, headers, identity, on_done)
             except mux_pool.NotH2:
-                log.warning("%s does not negotiate HTTP/2: upstream.http2 is off for it", self.name)
+                pass  # nothing was sent; the connection that found out, if any, waits in the HTTP/1.1 pool
         if self.lean:  # the default: inline, so a request pays for one coroutine here, not two
             ssl_ctx = self._ssl(identity)
             head, declared = exchange.encode_request_head(
@@ -433,11 +435,20 @@ class BackendClient:
             ctx = self.tls_h2_plain.get()
         block = mux_wire.request_block(request.method, request.target, self._h2_authority, headers,
                                        _REQUEST_REMOVED)
+        try:
+            status, raw, body = await mux_pool.exchange(
+                mux, self.name, ctx, self._live_h2_contexts, block, head_only=request.method == "HEAD",
+                header_timeout=self.settings.response_header_timeout_seconds,
+                acquire_timeout=self.settings.pool_acquire_timeout_seconds, on_done=on_done)
+        except mux_pool.NotH2 as exc:  # not counted as a stream: the request goes over HTTP/1.1
+            transport = exc.claim()
+            if transport is not None:  # the HTTP/1.1 context of the same kind (certificate or none)
+                self._pools[False].adopt(transport, self._ssl(identity), self._live_contexts)
+            raise
+        except BaseException:
+            self._h2_streams.inc()
+            raise
         self._h2_streams.inc()
-        status, raw, body = await mux_pool.exchange(
-            mux, self.name, ctx, self._live_h2_contexts, block, head_only=request.method == "HEAD",
-            header_timeout=self.settings.response_header_timeout_seconds,
-            acquire_timeout=self.settings.pool_acquire_timeout_seconds, on_done=on_done)
         return ProxyResponse(status=status, headers=response_headers(raw), body=body)
 
     async def probe(self, path: str = "/readyz", deadline: float = 3.0) -> bool:

@@ -167,7 +167,7 @@ async def _send_body(conn: Conn, body: ClientBody, declared: int | None) -> None
 
 class Source(Protocol):
     """What a streamed body reads from: an HTTP/1.1 connection (``lean.Conn``) or an HTTP/2 stream
-    (``mux.MuxStream``)."""
+    (``mux_stream.MuxStream``)."""
 
     chunks: collections.deque[bytes]
     complete: bool

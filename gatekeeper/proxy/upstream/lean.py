@@ -36,6 +36,8 @@ from typing import Any
 
 import httptools
 
+from gatekeeper.proxy.upstream.slots import Slots
+
 MAX_HEAD_BYTES = 256 * 1024
 """Largest response head accepted from a backend (status line plus headers)."""
 READ_HIGH = 256 * 1024
@@ -280,55 +282,6 @@ class Conn(asyncio.Protocol):
             task.cancel()
 
 
-class Slots:
-    """A FIFO counting gate for a pool's connection slots: a plain counter while slots are free.
-
-    ``asyncio.Semaphore`` costs a coroutine and a scan of its waiters on every
-    acquire; the uncontended path here is one comparison. Only a full pool
-    creates a future to wait on. A released slot goes straight to the oldest
-    live waiter, so callers that wait are served in order and a newcomer never
-    overtakes them (free slots exist only while nobody waits).
-    """
-
-    __slots__ = ("free", "waiters")
-
-    def __init__(self, limit: int) -> None:
-        self.free = limit
-        self.waiters: collections.deque[asyncio.Future[None]] = collections.deque()
-
-    def try_take(self) -> bool:
-        if self.free > 0:
-            self.free -= 1
-            return True
-        return False
-
-    async def take(self) -> None:
-        """Wait for a released slot; cancellation (the acquire timeout) gives up the place in line."""
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.waiters.append(fut)
-        try:
-            await fut
-        except BaseException:
-            if fut.done() and not fut.cancelled():
-                self.release()  # granted just as we were cancelled: pass the slot on
-            else:
-                fut.cancel()
-                try:
-                    self.waiters.remove(fut)
-                except ValueError:
-                    pass
-            raise
-
-    def release(self) -> None:
-        waiters = self.waiters
-        while waiters:
-            fut = waiters.popleft()
-            if not fut.done():
-                fut.set_result(None)  # the slot changes hands; ``free`` stays as it is
-                return
-        self.free += 1
-
-
 class Pool:
     """Connections to one backend for one kind of request (short or long-running)."""
 
@@ -344,8 +297,8 @@ class Pool:
     def _lost(self, conn: Conn) -> None:
         self.open -= 1
 
-    def take_idle(self, ctx: ssl.SSLContext, live: Callable[[], tuple[Any, ...]]) -> Conn | None:
-        """The most recently used idle connection made with ``ctx`` (LIFO keeps the pool warm and small)."""
+    def _idle_list(self, ctx: ssl.SSLContext, live: Callable[[], tuple[Any, ...]]) -> list[Conn] | None:
+        """The idle connections kept for ``ctx``; None when ``ctx`` is seen for the first time (a reload)."""
         idle = self.idle.get(ctx)
         if idle is None:
             # A context seen for the first time: contexts replaced by a reload are dropped with their sockets.
@@ -354,6 +307,12 @@ class Pool:
                 for conn in self.idle.pop(stale):
                     conn.abort()
             self.idle[ctx] = []
+        return idle
+
+    def take_idle(self, ctx: ssl.SSLContext, live: Callable[[], tuple[Any, ...]]) -> Conn | None:
+        """The most recently used idle connection made with ``ctx`` (LIFO keeps the pool warm and small)."""
+        idle = self._idle_list(ctx, live)
+        if idle is None:
             return None
         now = time.monotonic()
         while idle and (idle[0].closed or now - idle[0].idle_since > IDLE_SECONDS):
@@ -373,6 +332,31 @@ class Pool:
                                          server_hostname=self.host)
         self.open += 1
         return conn
+
+    def adopt(self, transport: asyncio.Transport, ctx: ssl.SSLContext, live: Callable[[], tuple[Any, ...]]) -> None:
+        """Keep an established TLS connection on which nothing was sent yet as an idle one, kept for ``ctx``.
+
+        Why: the HTTP/2 pool (``upstream.http2``) offers ``h2`` and ``http/1.1`` in ALPN; a backend that
+        picks HTTP/1.1 has just completed a handshake the request that found out can use (it takes the
+        most recent idle connection, this one, unless a request put one back in between, which costs no
+        handshake either). ``ctx`` is the HTTP/1.1 context of the same kind (front-proxy certificate or
+        none) as the one the connection was made with: both read the same files, so a connection made
+        with the certificate is never kept for token requests. It counts in ``open`` like any other:
+        when the pool already holds ``limit`` connections it is closed instead (the request then waits
+        for one of those, as it would have).
+        """
+        idle = self._idle_list(ctx, live)
+        if idle is None:
+            idle = self.idle[ctx]
+        if self.open >= self.limit or len(idle) >= self.limit:
+            transport.close()
+            return
+        conn = Conn(ctx, self._lost)
+        transport.set_protocol(conn)
+        conn.connection_made(transport)
+        self.open += 1
+        conn.idle_since = time.monotonic()
+        idle.append(conn)
 
     def put_back(self, conn: Conn) -> None:
         """Keep a connection for reuse if its exchange ended cleanly; close it otherwise."""

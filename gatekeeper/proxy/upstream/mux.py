@@ -33,12 +33,14 @@ What a shared connection must not let one caller do to another:
 
 A backend that breaks HTTP/2 (bad frame, oversized head, push) loses the
 connection: every stream on it fails with :class:`BackendProtocolError`.
+
+This module is the wire (the frame loop and the connection's stream table);
+what one request's consumer holds is :class:`mux_stream.MuxStream`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import ssl
 import time
 from collections.abc import Callable
@@ -47,10 +49,9 @@ from typing import cast
 from gatekeeper.proxy.h2wire import frames as f
 from gatekeeper.proxy.h2wire.hpack_decode import BlockDecoder, HeaderBlockError
 from gatekeeper.proxy.upstream.lean import MAX_HEAD_BYTES, BackendProtocolError
+from gatekeeper.proxy.upstream.mux_stream import STREAM_WINDOW, MuxStream, StreamRefused
 from gatekeeper.proxy.upstream.mux_wire import headers_frames, response_head
 
-STREAM_WINDOW = 256 * 1024
-"""Per-stream receive window (as ``lean.READ_HIGH``: what a client that stops reading can make us hold)."""
 MAX_FRAME = f.MIN_FRAME_SIZE
 """Largest frame we accept (the default; we never advertise more)."""
 NO_ERROR, PROTOCOL_ERROR, REFUSED_STREAM, CANCEL = 0x0, 0x1, 0x7, 0x8
@@ -59,88 +60,22 @@ IDLE_SECONDS = 60.0
 """A connection with no stream for this long is closed at the next pick (the backend may have dropped it)."""
 
 
-class StreamRefused(ConnectionError):
-    """The backend did not process the stream (GOAWAY above it, or REFUSED_STREAM): safe to send again."""
-
-
 class NotH2(ConnectionError):
-    """The backend did not negotiate HTTP/2 (ALPN): use the HTTP/1.1 pool for it."""
+    """The backend did not negotiate HTTP/2 (ALPN): use the HTTP/1.1 pool for it.
 
+    ``transport`` is the TLS connection whose handshake found out, nothing written on it yet, for the
+    HTTP/1.1 pool to take (one handshake, not two); None when there is none to give (the backend was
+    already known not to speak HTTP/2, or the connection closed or talked first). Every request that
+    waited on that connect sees this one exception, so :meth:`claim` gives the transport out once.
+    """
 
-class MuxStream:
-    """One request's response as it arrives on a shared connection."""
+    def __init__(self, message: str, transport: asyncio.Transport | None = None) -> None:
+        super().__init__(message)
+        self.transport = transport
 
-    __slots__ = (
-        "buffered",
-        "chunks",
-        "complete",
-        "conn",
-        "error",
-        "head_only",
-        "headers_done",
-        "raw_headers",
-        "sid",
-        "status",
-        "timer",
-        "unacked",
-        "waiter",
-    )
-
-    def __init__(self, sid: int, conn: MuxConn, head_only: bool) -> None:
-        self.sid = sid
-        self.conn = conn
-        self.status = 0
-        self.raw_headers: list[tuple[bytes, bytes]] = []
-        self.headers_done = False
-        self.chunks: collections.deque[bytes] = collections.deque()
-        self.buffered = 0
-        """Bytes received and not yet taken by the consumer (bounded by the stream window)."""
-        self.unacked = 0
-        """Bytes taken and not yet given back to the backend as window."""
-        self.complete = False
-        self.error: BaseException | None = None
-        self.waiter: asyncio.Future[None] | None = None
-        self.timer: asyncio.TimerHandle | None = None
-        self.head_only = head_only
-
-    def wake(self) -> None:
-        waiter = self.waiter
-        if waiter is not None:
-            self.waiter = None
-            if not waiter.done():
-                waiter.set_result(None)
-
-    def fail(self, error: BaseException) -> None:
-        if self.error is None and not self.complete:
-            self.error = error
-        self.stop_timer()
-        self.wake()
-
-    def stop_timer(self) -> None:
-        timer, self.timer = self.timer, None
-        if timer is not None:
-            timer.cancel()
-
-    async def wait(self) -> None:
-        waiter = self.waiter = self.conn.loop.create_future()
-        try:
-            await waiter
-        finally:
-            if self.waiter is waiter:
-                self.waiter = None
-
-    def take(self) -> bytes:
-        """Everything buffered, as one chunk; its bytes go back to the backend as stream window."""
-        chunks = self.chunks
-        chunk = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
-        chunks.clear()
-        self.buffered = 0
-        if not self.complete:
-            self.unacked += len(chunk)
-            if self.unacked >= STREAM_WINDOW // 2:
-                self.conn.queue(f.window_update(self.sid, self.unacked))
-                self.unacked = 0
-        return chunk
+    def claim(self) -> asyncio.Transport | None:
+        transport, self.transport = self.transport, None
+        return transport
 
 
 class MuxConn(asyncio.Protocol):
@@ -162,6 +97,8 @@ class MuxConn(asyncio.Protocol):
         self.peer_max_frame = f.MIN_FRAME_SIZE
         self.goaway: int | None = None
         self.closed = False
+        self.lost = False
+        """``connection_lost`` came (``closed`` alone may be our own decision)."""
         self.out: list[bytes] = []
         self.flush_pending = False
         self.conn_unacked = 0
@@ -239,13 +176,16 @@ class MuxConn(asyncio.Protocol):
         self.transport = tr = cast(asyncio.Transport, transport)
         ssl_object = transport.get_extra_info("ssl_object")
         if ssl_object is None or ssl_object.selected_alpn_protocol() != "h2":
-            return  # the pool sees it and closes the connection: nothing HTTP/2 is written to it
+            # The pool sees it and hands the connection to the HTTP/1.1 pool: nothing HTTP/2 is written
+            # to it, and bytes that come first are kept unparsed in ``buf`` (they void the handover).
+            self.closed = True
+            return
         tr.write(f.PREFACE + f.settings_frame({
             f.ENABLE_PUSH: 0, f.INITIAL_WINDOW_SIZE: STREAM_WINDOW, f.MAX_HEADER_LIST_SIZE: MAX_HEAD_BYTES,
         }) + f.window_update(0, self.window - f.DEFAULT_WINDOW))
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
+        self.closed = self.lost = True
         error = exc or ConnectionResetError("the backend closed the connection")
         for stream in self.streams.values():
             stream.fail(error)

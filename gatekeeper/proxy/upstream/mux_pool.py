@@ -5,19 +5,45 @@ as the HTTP/1.1 pool does) and fills the oldest connection with room first, so
 a backend normally sees one connection per context from each worker. A new
 connection is opened only when every connection is at its stream cap; callers
 that arrive while one is being opened wait for it instead of opening their own.
+
+A backend that answers the handshake with HTTP/1.1 (ALPN) is remembered as
+such: its connection goes to the HTTP/1.1 pool (:class:`mux.NotH2`, one
+handshake, not two), and its requests take that pool from then on. Every
+``upstream.http2RetrySeconds`` (0: never) the next eligible request asks
+again on a fresh connection (:meth:`MuxPool.wants_h2`), so an apiserver
+restarted with HTTP/2 on is used over it without restarting the proxy.
+
+* **Bounded.** The retry time is moved on when the attempt is granted,
+  before it connects, so a backend flapping between ``h2`` and ``http/1.1``,
+  or one that fails the connect, costs at most one extra attempt per interval
+  per worker; requests already waiting when the backend turned out HTTP/1.1
+  fail over without connecting (only the granted attempt may connect).
+* **Free when the answer is still no.** The attempt's handshake is handed to
+  the HTTP/1.1 pool and carries the request; what it costs is a new connection
+  where an idle one might have been reused.
+* **Not reset by the health checker.** An ejection and re-admission could
+  say "restarted, ask again", but a backend whose ``/readyz`` flaps under load
+  would then be asked as often as it flaps, breaking the bound above; and the
+  balancer would have to reach into the upstream client. Waiting out the
+  interval (5 minutes by default) after an apiserver turns HTTP/2 on is the
+  whole cost of keeping it simple.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import ssl
 import time
 from collections.abc import Callable
 
 from gatekeeper.proxy.upstream.errors import BackendFailed, ConnectFailed, PoolTimeout, UpstreamTimeout, connect_cause
 from gatekeeper.proxy.upstream.exchange import StreamedBody
-from gatekeeper.proxy.upstream.lean import Slots
-from gatekeeper.proxy.upstream.mux import IDLE_SECONDS, MuxConn, MuxStream, NotH2, StreamRefused
+from gatekeeper.proxy.upstream.mux import IDLE_SECONDS, MuxConn, NotH2
+from gatekeeper.proxy.upstream.mux_stream import MuxStream, StreamRefused
+from gatekeeper.proxy.upstream.slots import Slots
+
+log = logging.getLogger("gatekeeper.proxy.upstream.mux_pool")
 
 SENDS = 2
 """Times a request may go out: once, and once more if the backend provably did not process it."""
@@ -27,7 +53,8 @@ class MuxPool:
     """HTTP/2 connections to one backend; ``slots`` bounds its concurrent streams, as the HTTP/1.1 pool's."""
 
     def __init__(self, host: str, port: int, *, limit: int, max_streams: int, connect_timeout: float,
-                 on_goaway: Callable[[], None] = lambda: None) -> None:
+                 retry_seconds: float = 300.0, on_goaway: Callable[[], None] = lambda: None,
+                 on_fallback: Callable[[], None] = lambda: None) -> None:
         self.host = host
         self.port = port
         self.max_streams = max_streams
@@ -36,8 +63,31 @@ class MuxPool:
         self.conns: dict[ssl.SSLContext, list[MuxConn]] = {}
         self.opening: dict[ssl.SSLContext, asyncio.Future[MuxConn]] = {}
         self.on_goaway = on_goaway
+        self.on_fallback = on_fallback
         self.h2 = True
-        """False once the backend refused HTTP/2 in ALPN: the caller uses the HTTP/1.1 pool instead."""
+        """False once the backend picked HTTP/1.1 in ALPN: the caller uses the HTTP/1.1 pool instead."""
+        self.retry_seconds = retry_seconds
+        self.retry_at = 0.0
+        """When (monotonic) a backend known as HTTP/1.1 may be asked for HTTP/2 again."""
+        self.attempt_granted = False
+        """:meth:`wants_h2` granted an attempt at HTTP/2 that has not connected yet."""
+
+    def wants_h2(self) -> bool:
+        """Whether an eligible request should go over HTTP/2: known to work, or a retry is due (this one).
+
+        Called only for requests that may be multiplexed, last, so a request that could not use HTTP/2
+        never takes the retry.
+        """
+        if self.h2:
+            return True
+        if not self.retry_seconds:
+            return False
+        now = time.monotonic()
+        if now < self.retry_at:
+            return False
+        self.retry_at = now + self.retry_seconds
+        self.attempt_granted = True
+        return True
 
     def _lost(self, conn: MuxConn) -> None:
         conns = self.conns.get(conn.ctx)
@@ -79,6 +129,10 @@ class MuxPool:
                 if conn.available():
                     return conn
                 continue
+            if not self.h2:
+                if not self.attempt_granted:  # found out while this request waited: nothing was sent
+                    raise NotH2(f"{self.host}:{self.port} does not negotiate HTTP/2")
+                self.attempt_granted = False
             fut: asyncio.Future[MuxConn] = asyncio.get_running_loop().create_future()
             self.opening[ctx] = fut
             try:
@@ -106,9 +160,21 @@ class MuxPool:
         ssl_object = transport.get_extra_info("ssl_object")
         if ssl_object is None or ssl_object.selected_alpn_protocol() != "h2":
             conn.closed = True
-            transport.close()
-            self.h2 = False
-            raise NotH2(f"{self.host}:{self.port} did not negotiate HTTP/2")
+            was_h2, self.h2 = self.h2, False
+            self.retry_at = time.monotonic() + self.retry_seconds
+            self.on_fallback()
+            (log.warning if was_h2 else log.debug)(
+                "%s:%s did not negotiate HTTP/2: its multiplexed requests go over HTTP/1.1%s", self.host, self.port,
+                f" (asked again every {self.retry_seconds:g}s)" if self.retry_seconds else "")
+            handover: asyncio.Transport | None = None
+            if not conn.lost and not conn.buf and not transport.is_closing():
+                handover = transport
+            else:
+                transport.close()
+            raise NotH2(f"{self.host}:{self.port} did not negotiate HTTP/2", handover)
+        if not self.h2:
+            self.h2 = True
+            log.info("%s:%s negotiates HTTP/2 again: its short GETs are multiplexed", self.host, self.port)
         return conn
 
     def close(self) -> None:

@@ -1,0 +1,103 @@
+"""One stream of a multiplexed HTTP/2 upstream connection, as its consumer sees it (see :mod:`mux`).
+
+The seam: :mod:`mux` owns the wire (the frame loop, the connection's settings,
+windows and stream table); a :class:`MuxStream` is what one request's consumer
+holds (the response head, the body chunks not yet taken, the waiter that wakes
+it, its header timer) and the one thing it gives back to the wire, the stream
+window, as it takes the bytes. The response body (``exchange.StreamedBody``)
+reads it through the same small interface as an HTTP/1.1 connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from typing import TYPE_CHECKING
+
+from gatekeeper.proxy.h2wire import frames as f
+
+if TYPE_CHECKING:
+    from gatekeeper.proxy.upstream.mux import MuxConn
+
+STREAM_WINDOW = 256 * 1024
+"""Per-stream receive window (as ``lean.READ_HIGH``: what a client that stops reading can make us hold)."""
+
+
+class StreamRefused(ConnectionError):
+    """The backend did not process the stream (GOAWAY above it, or REFUSED_STREAM): safe to send again."""
+
+
+class MuxStream:
+    """One request's response as it arrives on a shared connection."""
+
+    __slots__ = (
+        "buffered",
+        "chunks",
+        "complete",
+        "conn",
+        "error",
+        "head_only",
+        "headers_done",
+        "raw_headers",
+        "sid",
+        "status",
+        "timer",
+        "unacked",
+        "waiter",
+    )
+
+    def __init__(self, sid: int, conn: MuxConn, head_only: bool) -> None:
+        self.sid = sid
+        self.conn = conn
+        self.status = 0
+        self.raw_headers: list[tuple[bytes, bytes]] = []
+        self.headers_done = False
+        self.chunks: collections.deque[bytes] = collections.deque()
+        self.buffered = 0
+        """Bytes received and not yet taken by the consumer (bounded by the stream window)."""
+        self.unacked = 0
+        """Bytes taken and not yet given back to the backend as window."""
+        self.complete = False
+        self.error: BaseException | None = None
+        self.waiter: asyncio.Future[None] | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.head_only = head_only
+
+    def wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None:
+            self.waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def fail(self, error: BaseException) -> None:
+        if self.error is None and not self.complete:
+            self.error = error
+        self.stop_timer()
+        self.wake()
+
+    def stop_timer(self) -> None:
+        timer, self.timer = self.timer, None
+        if timer is not None:
+            timer.cancel()
+
+    async def wait(self) -> None:
+        waiter = self.waiter = self.conn.loop.create_future()
+        try:
+            await waiter
+        finally:
+            if self.waiter is waiter:
+                self.waiter = None
+
+    def take(self) -> bytes:
+        """Everything buffered, as one chunk; its bytes go back to the backend as stream window."""
+        chunks = self.chunks
+        chunk = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        self.buffered = 0
+        if not self.complete:
+            self.unacked += len(chunk)
+            if self.unacked >= STREAM_WINDOW // 2:
+                self.conn.queue(f.window_update(self.sid, self.unacked))
+                self.unacked = 0
+        return chunk
