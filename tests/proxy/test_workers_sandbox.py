@@ -11,12 +11,13 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import h2.events
 import httpx
 import pytest
 
 from gatekeeper.sandbox import processes
 from gatekeeper.sandbox.state import SandboxState
-from gatekeeper.sandbox.testing import ProxyProcess, WireH2
+from gatekeeper.sandbox.testing import HalfHandshake, ProxyProcess, WireH2
 from gatekeeper.sandbox.testing import metric_sum as sample_sum
 
 pytestmark = pytest.mark.sandbox
@@ -208,6 +209,34 @@ def test_sigterm_drains_every_worker_with_goaway_and_exits_0(proxy: ProxyProcess
     assert drains == WORKERS, log[-2000:]
     for pid in pids:
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+
+
+def test_handshakes_begun_before_sigterm_finish_and_are_answered_or_sent_away(proxy: ProxyProcess) -> None:
+    """Two clients send their ClientHello and have the worker's ServerHello (the worker is in their handshake)
+    when the proxy gets SIGTERM; they finish their handshakes after the drain began. Before, the worker cancelled
+    both handshakes as it began to drain: each client read an EOF in the middle of its TLS handshake. Now the
+    HTTP/1.1 client's request is answered with ``Connection: close`` and the h2 client gets a graceful GOAWAY."""
+    h1 = HalfHandshake(proxy.port, proxy.tls(cert=True), alpn="http/1.1")
+    h2c = HalfHandshake(proxy.port, proxy.tls(cert=True), alpn="h2")
+    assert proxy.proc is not None
+    try:
+        h1.begin()
+        h2c.begin()
+        proxy.proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: proxy.log.read_text().count("draining") >= WORKERS, timeout=10, what="the workers to drain")
+        h1.finish()
+        got = h1.exchange(b"GET /api/v1/namespaces/default HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        head = got.partition(b"\r\n\r\n")[0].lower()
+        assert head.startswith(b"http/1.1 200") and b"connection: close" in head, got[:300]
+        h2c.finish()
+        events = h2c.h2_events()
+        ended = [e for e in events if isinstance(e, h2.events.ConnectionTerminated)]
+        assert ended and ended[0].error_code == 0, events  # a graceful GOAWAY, NO_ERROR
+        assert proxy.proc.wait(40) == 0
+    finally:
+        h1.close()
+        h2c.close()
+    assert "drain deadline: cut" not in proxy.log.read_text()
 
 
 _SIGTERM_IN_THE_SWAP = """
