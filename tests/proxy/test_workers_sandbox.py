@@ -345,6 +345,29 @@ def test_a_bad_policy_reload_keeps_every_worker_on_the_old_policy_and_a_good_one
     assert len(set(levels.values())) == 1 and set(levels.values()) != {2.0}, levels
 
 
+def test_a_fifo_policy_file_is_refused_by_every_worker_and_a_valid_one_then_applies(
+        churn_proxy: ProxyProcess, tmp_path: Path) -> None:
+    """The policy path becomes a FIFO nobody writes. Before, each worker's reload thread blocked in open() for
+    ever, and the SIGHUP after the file was fixed was queued behind it: no worker ever applied the fix."""
+    p, policy = churn_proxy, tmp_path / "policy.yaml"
+    good = policy.read_text()
+    assert p.proc is not None
+    policy.unlink()
+    os.mkfifo(policy)
+    p.proc.send_signal(signal.SIGHUP)
+    wait_for(lambda: p.metric("gatekeeper_flowcontrol_policy_reload_failures_total", reason="not_regular_file")
+             == WORKERS, what="every worker to refuse the FIFO")
+    assert p.log.read_text().count(f"{policy}: flow-control policy file is a FIFO (named pipe)") == WORKERS
+    policy.unlink()
+    policy.write_text(good.replace("nominalConcurrencyShares: 1\n", "nominalConcurrencyShares: 3\n"))
+    p.proc.send_signal(signal.SIGHUP)
+    wait_for(lambda: p.metric("gatekeeper_flowcontrol_policy_reloads_total", result="applied") == WORKERS,
+             what="every worker to apply the valid file")
+    assert p.metric("gatekeeper_flowcontrol_policy_reload_failing") == 0
+    levels = per_worker(p, "gatekeeper_flowcontrol_nominal_limit_seats", priority_level="secrets-list")
+    assert len(set(levels.values())) == 1 and set(levels.values()) != {2.0}, levels
+
+
 ROUNDS = 6
 
 
