@@ -294,6 +294,9 @@ async def test_reloads_past_max_stuck_reloads_wait_for_a_stuck_one_to_end_then_a
         reloader.request()
         await asyncio.wait_for(reloader.wait(), 10)
         assert failures("stuck") == stuck0 + 1 and not applied
+        reloader.request("file changed")  # the file poll asking again meanwhile: one wait, counted once
+        await asyncio.wait_for(reloader.wait(), 10)
+        assert failures("stuck") == stuck0 + 1 and not applied
     finally:
         held.release.set()
     async with asyncio.timeout(10):  # the refused reload starts once the stuck parse ended

@@ -371,7 +371,8 @@ class ProxyServer:
             # reset when we closed our end).
             self._handoff.leave()
         clients = list(self._clients.values())
-        log.info("shutting down: %d client connections to drain (up to %.0fs)", len(clients), timeout)
+        log.info("shutting down: %d client connections to drain, %d in their TLS handshake (up to %.0fs)",
+                 len(clients), len(self._handshakes), timeout)
         for client in clients:
             if client.h2 is not None:
                 client.h2.goaway("shutdown", drain_timeout=timeout)

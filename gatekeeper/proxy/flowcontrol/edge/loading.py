@@ -187,10 +187,11 @@ class Reloader:
             why, self._pending = self._pending, None
             limit = self.settings.max_stuck_reloads
             if self._stuck >= limit:
+                if self._deferred is None:  # once per wait: the file poll asks again every reloadIntervalSeconds
+                    self._report(why, ReloadGivenUp("stuck", f"{self._stuck} earlier reload(s) of {self._files()} "
+                                                    f"are still running past reloadTimeoutSeconds (maxStuckReloads "
+                                                    f"{limit}); this one starts when one of them ends"))
                 self._deferred = why
-                self._report(why, ReloadGivenUp("stuck", f"{self._stuck} earlier reload(s) of {self._files()} "
-                                                f"are still running past reloadTimeoutSeconds (maxStuckReloads "
-                                                f"{limit}); this one starts when one of them ends"))
                 return
             self.stamp = _stamp(self.settings.files)  # before reading: a change during the parse is seen again
             given_up = [False]  # this parse's own cell: read by its thread's end, after later parses began
