@@ -239,6 +239,27 @@ def test_handshakes_begun_before_sigterm_finish_and_are_answered_or_sent_away(pr
     assert "drain deadline: cut" not in proxy.log.read_text()
 
 
+def test_a_handshake_in_a_worker_sigtermed_on_its_own_finishes_and_is_answered(proxy: ProxyProcess) -> None:
+    """One worker drains (SIGTERMed by itself, as when it is replaced) with a client in its TLS handshake: the
+    client finishes it and is answered, while the parent takes back only what the worker had not read."""
+    c = HalfHandshake(proxy.port, proxy.tls(cert=True), alpn="http/1.1")
+    try:
+        c.begin()
+        holder = [w for w in workers_of(proxy) if w["connections"] == 1]
+        assert len(holder) == 1, workers_of(proxy)
+        os.kill(holder[0]["pid"], signal.SIGTERM)
+        wait_for(lambda: workers_of(proxy)[holder[0]["index"]]["connections"] is None, timeout=10,
+                 what="the worker to drain")
+        c.finish()
+        got = c.exchange(b"GET /api/v1/namespaces/default HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        head = got.partition(b"\r\n\r\n")[0].lower()
+        assert head.startswith(b"http/1.1 200") and b"connection: close" in head, got[:300]
+    finally:
+        c.close()
+    wait_for(lambda: replaced(proxy, holder[0]["index"], holder[0]["pid"]), timeout=40,
+             what="the drained worker to be replaced")
+
+
 _SIGTERM_IN_THE_SWAP = """
 # sitecustomize for the proxy's processes (test only): a SIGTERM lands the instant a draining worker's loop
 # handler has given way and SIG_IGN is not yet set, the window a SIGTERM sent to the whole process group
