@@ -17,8 +17,10 @@ only holds the generic loader, the strict YAML reader and the section registry.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import reprlib
+import stat
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -39,6 +41,10 @@ class ConfigError(ValueError):
         self.message = message
         where = f"{source}: {key}: " if key else f"{source}: "
         super().__init__(where + message)
+
+
+class NotRegularFile(ConfigError):
+    """A file that must be a regular file is something else (a FIFO, a device, a socket, a directory)."""
 
 
 def camel(name: str) -> str:
@@ -278,11 +284,36 @@ class YamlLimits:
 YAML_LIMITS = YamlLimits()
 
 
-def _read_text(p: Path, what: str, limits: YamlLimits) -> str:
-    """The file as UTF-8 text, reading at most one byte past the limit (a FIFO or device never ends)."""
+_FILE_KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+               (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"))
+
+
+def _read_regular(p: Path, what: str, limits: YamlLimits) -> bytes:
+    """At most ``limits.max_bytes`` + 1 bytes of ``p``, which must be a regular file (symlinks followed).
+
+    Opened with O_NONBLOCK, so opening a FIFO cannot block (for want of a writer), and checked with fstat on
+    the descriptor read (no window for the path to change in between). A FIFO whose writer never writes, or
+    ``/dev/zero`` behind a symlink, held a policy reload's thread in ``open()`` or ``read()`` for ever."""
+    fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = next((name for test, name in _FILE_KINDS if test(mode)), "not a regular file")
+            raise NotRegularFile(str(p), "", f"{what} is {kind}, not a regular file: refused (reading it could "
+                                             "block or never end)")
+        return f.read(limits.max_bytes + 1)
+
+
+def _read_text(p: Path, what: str, limits: YamlLimits, *, regular_only: bool = False) -> str:
+    """The file as UTF-8 text, reading at most one byte past the limit (a FIFO or device never ends).
+
+    ``regular_only``: refuse anything but a regular file, before reading (see :func:`_read_regular`)."""
     try:
-        with p.open("rb") as f:
-            data = f.read(limits.max_bytes + 1)
+        if regular_only:
+            data = _read_regular(p, what, limits)
+        else:
+            with p.open("rb") as f:
+                data = f.read(limits.max_bytes + 1)
     except OSError as exc:
         raise ConfigError(str(p), "", f"cannot read {what}: {exc.strerror}") from None
     if len(data) > limits.max_bytes:
@@ -374,10 +405,13 @@ def load_yaml(path: Path | str, *, what: str = "config file", limits: YamlLimits
     return docs[0] if docs else None
 
 
-def load_yaml_all(path: Path | str, *, what: str, limits: YamlLimits = YAML_LIMITS) -> list[Any]:
-    """Every document of a multi-document YAML file (``---``), as :func:`load_yaml` reads one."""
+def load_yaml_all(path: Path | str, *, what: str, limits: YamlLimits = YAML_LIMITS,
+                  regular_only: bool = False) -> list[Any]:
+    """Every document of a multi-document YAML file (``---``), as :func:`load_yaml` reads one.
+
+    ``regular_only``: a path that is not a regular file is refused (:class:`NotRegularFile`) without a read."""
     p = Path(path)
-    return _documents(_read_text(p, what, limits), str(p), limits, single=False)
+    return _documents(_read_text(p, what, limits, regular_only=regular_only), str(p), limits, single=False)
 
 
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h)$")

@@ -235,6 +235,103 @@ def handshake_held_up(pid: int, port: int, ca: str, *, server_hostname: str, req
     return status[0] if status else ""
 
 
+class HalfHandshake:
+    """A TLS client that stops between its ClientHello and the rest of the handshake, for drain tests.
+
+    :meth:`begin` connects, sends the ClientHello and waits for the server's first flight (ServerHello ...):
+    the server has then read the connection and is in the middle of its handshake. :meth:`finish` completes
+    the handshake (raising the client's error if the server cut it), :meth:`exchange` sends bytes and reads
+    until the server closes. A blocking socket and ``ssl.MemoryBIO``: usable from a thread beside an event loop.
+    """
+
+    def __init__(self, port: int, ctx: ssl.SSLContext, *, server_hostname: str = "localhost",
+                 alpn: str = "http/1.1", timeout: float = 20.0) -> None:
+        ctx.set_alpn_protocols([alpn])
+        self.port = port
+        self.timeout = timeout
+        self._in, self._out = ssl.MemoryBIO(), ssl.MemoryBIO()
+        self.tls = ctx.wrap_bio(self._in, self._out, server_hostname=server_hostname)
+        self.sock: socket.socket | None = None
+        self._held = b""
+
+    def begin(self) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", self.port), self.timeout)
+        with contextlib.suppress(ssl.SSLWantReadError):
+            self.tls.do_handshake()
+        self.sock.sendall(self._out.read())
+        self._held = self.sock.recv(65536)  # the server's first flight: it is in its handshake now
+        if not self._held:
+            raise ConnectionResetError("the server closed the connection before answering the ClientHello")
+
+    def finish(self) -> None:
+        assert self.sock is not None
+        data, self._held = self._held, b""
+        while True:
+            self._in.write(data)
+            try:
+                self.tls.do_handshake()
+            except ssl.SSLWantReadError:
+                self.sock.sendall(self._out.read())
+                data = self.sock.recv(65536)
+                if not data:
+                    raise ssl.SSLEOFError("EOF in the middle of the TLS handshake") from None
+                continue
+            self.sock.sendall(self._out.read())
+            return
+
+    def exchange(self, request: bytes, until: Callable[[bytes], bool] = lambda got: False) -> bytes:
+        """Send ``request``; what the server sends back until ``until(received)``, it closes, or the timeout."""
+        assert self.sock is not None
+        self.tls.write(request)
+        self.sock.sendall(self._out.read())
+        got = b""
+        deadline = time.monotonic() + self.timeout
+        while not until(got) and time.monotonic() < deadline:
+            try:
+                data = self.tls.read(65536)
+                if not data:  # the server's close_notify
+                    return got
+                got += data
+                continue
+            except ssl.SSLWantReadError:
+                pass
+            except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+                return got
+            out = self._out.read()
+            if out:
+                self.sock.sendall(out)
+            data = self.sock.recv(65536)
+            if not data:
+                return got
+            self._in.write(data)
+        return got
+
+    def h2_events(self) -> list[Any]:
+        """Send an h2 client preface; the ``h2`` events the server's answer makes, up to its GOAWAY
+        (``h2.events.ConnectionTerminated``) if one comes before it closes or the timeout."""
+        import h2.config
+        import h2.connection
+        import h2.events
+
+        conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        conn.initiate_connection()
+        events: list[Any] = []
+        seen = 0
+
+        def ended(got: bytes) -> bool:
+            nonlocal seen
+            events.extend(conn.receive_data(got[seen:]))  # h2 keeps a partial frame for the next call
+            seen = len(got)
+            return any(isinstance(e, h2.events.ConnectionTerminated) for e in events)
+
+        self.exchange(conn.data_to_send(), ended)
+        return events
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+
+
 class WireH2:
     """A bare HTTP/2 client on a blocking TLS socket, for tests that must see frames.
 

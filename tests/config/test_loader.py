@@ -162,3 +162,15 @@ def test_a_config_file_that_is_not_utf8_is_a_config_error_naming_the_file(tmp_pa
     path.write_bytes(b"proxy:\n  workers: \xff\xfe\n")
     with pytest.raises(ConfigError, match=rf"^{path}: not UTF-8 text \(byte 18\)"):
         load_config(path)
+
+
+@pytest.mark.parametrize(("flow_control", "message"), [
+    ("{reloadTimeoutSeconds: 0}", "reloadTimeoutSeconds: must be positive"),
+    ("{maxStuckReloads: 0}", "maxStuckReloads: must be at least 1"),
+])
+def test_policy_reload_limits_are_validated_naming_the_key(tmp_path: Path, flow_control: str, message: str) -> None:
+    p = tmp_path / "c.yaml"
+    p.write_text("proxy:\n  listener: {certFile: a, keyFile: b}\n  backends: [{url: 'https://127.0.0.1:1'}]\n"
+                 f"  flowControl: {flow_control}\n")
+    with pytest.raises(ConfigError, match=f"proxy.flowControl: {message}"):
+        load_config(p)

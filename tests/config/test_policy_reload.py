@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 from pathlib import Path
 
@@ -190,3 +191,115 @@ print("loop done", flush=True)
     except subprocess.TimeoutExpired:
         pytest.fail("the process did not exit: it waits for the parse thread")
     assert out.returncode == 0 and out.stdout == "loop done\n", out.stderr
+
+
+def failures(reason: str) -> float:
+    return REGISTRY.get_sample_value("gatekeeper_flowcontrol_policy_reload_failures_total", {"reason": reason}) or 0.0
+
+
+def fifo(path: Path) -> list[int]:
+    os.mkfifo(path)
+    return []
+
+
+def fifo_with_a_silent_writer(path: Path) -> list[int]:
+    os.mkfifo(path)
+    return [os.open(path, os.O_RDWR)]  # a writer that never writes: a plain read() waits for ever
+
+
+def dev_zero_symlink(path: Path) -> list[int]:
+    path.symlink_to("/dev/zero")
+    return []
+
+
+@pytest.mark.parametrize("make", [fifo, fifo_with_a_silent_writer, dev_zero_symlink])
+async def test_a_policy_path_that_is_not_a_regular_file_is_refused_and_a_later_valid_file_applies(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, make) -> None:
+    """Before, the reload thread blocked in open() (a FIFO without a writer) or read() (one whose writer never
+    writes) for ever, and every later reload of the worker waited behind it: a fixed file was never applied."""
+    path = tmp_path / "flows.yaml"
+    path.write_text(yaml.safe_dump(level("tenants", 10)))
+    applied: list[Policy] = []
+    reloader = Reloader(FlowControlSettings(files=[str(path)]), applied.append)
+    refused0 = failures("not_regular_file")
+    path.unlink()
+    fds = make(path)
+    try:
+        with caplog.at_level(logging.ERROR):
+            reloader.request()
+            await asyncio.wait_for(reloader.wait(), 10)
+        assert not applied and failures("not_regular_file") == refused0 + 1 and failing() == 1
+        assert str(path) in caplog.text and "not a regular file" in caplog.text, caplog.text
+    finally:
+        for fd in fds:
+            os.close(fd)
+    path.unlink()
+    path.write_text(yaml.safe_dump(level("fixed", 20)))
+    reloader.request()
+    await asyncio.wait_for(reloader.wait(), 10)
+    assert [("fixed" in p.levels) for p in applied] == [True] and failing() == 0
+
+
+def test_a_policy_file_that_is_a_fifo_is_named_at_start(tmp_path: Path) -> None:
+    path = tmp_path / "flows.yaml"
+    os.mkfifo(path)
+    with pytest.raises(ValueError, match=rf"{path}: flow-control policy file is a FIFO \(named pipe\), not a regular"):
+        load_policy(FlowControlSettings(files=[str(path)]))
+
+
+async def test_a_parse_stuck_past_the_reload_timeout_is_given_up_and_a_later_reload_applies(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A parse that never ends (a regular file on a hung mount) no longer holds every later reload: it is given
+    up at reloadTimeoutSeconds, the next reload runs on a fresh thread, and the stuck one's result, when it
+    comes at last, is dropped (the newer policy stays)."""
+    path = tmp_path / "flows.yaml"
+    path.write_text(yaml.safe_dump(level("tenants", 10)))
+    applied: list[Policy] = []
+    reloader = Reloader(FlowControlSettings(files=[str(path)], reload_timeout_seconds=0.3), applied.append)
+    held = HeldParse(monkeypatch)
+    timeouts0 = failures("timeout")
+    try:
+        with caplog.at_level(logging.ERROR):
+            reloader.request()
+            await asyncio.wait_for(reloader.wait(), 10)
+        assert not applied and failures("timeout") == timeouts0 + 1 and failing() == 1
+        assert str(path) in caplog.text and "reloadTimeoutSeconds" in caplog.text, caplog.text
+        path.write_text(yaml.safe_dump(level("newest", 20)))
+        reloader.request()
+        await asyncio.wait_for(reloader.wait(), 10)
+        assert [("newest" in p.levels) for p in applied] == [True] and failing() == 0
+    finally:
+        held.release.set()  # the stuck parse ends: its older policy must not replace the newer one
+    async with asyncio.timeout(10):  # the stuck parse ends
+        while held.events.count("parsed 1") != 1 or reloader._stuck:  # noqa: ASYNC110 - set by the thread's end
+            await asyncio.sleep(0.02)
+    assert [("newest" in p.levels) for p in applied] == [True]
+
+
+async def test_reloads_past_max_stuck_reloads_wait_for_a_stuck_one_to_end_then_apply(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No thread per SIGHUP behind a stuck file: with maxStuckReloads given-up parses running, a reload is
+    refused (counted) and starts by itself once one of them ends."""
+    path = tmp_path / "flows.yaml"
+    path.write_text(yaml.safe_dump(level("tenants", 10)))
+    applied: list[Policy] = []
+    reloader = Reloader(FlowControlSettings(files=[str(path)], reload_timeout_seconds=0.3, max_stuck_reloads=1),
+                        applied.append)
+    held = HeldParse(monkeypatch)
+    stuck0 = failures("stuck")
+    try:
+        reloader.request()
+        await asyncio.wait_for(reloader.wait(), 10)  # given up: one stuck thread
+        path.write_text(yaml.safe_dump(level("newest", 20)))
+        reloader.request()
+        await asyncio.wait_for(reloader.wait(), 10)
+        assert failures("stuck") == stuck0 + 1 and not applied
+        reloader.request("file changed")  # the file poll asking again meanwhile: one wait, counted once
+        await asyncio.wait_for(reloader.wait(), 10)
+        assert failures("stuck") == stuck0 + 1 and not applied
+    finally:
+        held.release.set()
+    async with asyncio.timeout(10):  # the refused reload starts once the stuck parse ended
+        while not applied:  # noqa: ASYNC110 - set by a reload the stuck thread's end starts
+            await asyncio.sleep(0.02)
+    assert "newest" in applied[0].levels

@@ -11,12 +11,13 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import h2.events
 import httpx
 import pytest
 
 from gatekeeper.sandbox import processes
 from gatekeeper.sandbox.state import SandboxState
-from gatekeeper.sandbox.testing import ProxyProcess, WireH2
+from gatekeeper.sandbox.testing import HalfHandshake, ProxyProcess, WireH2
 from gatekeeper.sandbox.testing import metric_sum as sample_sum
 
 pytestmark = pytest.mark.sandbox
@@ -210,6 +211,55 @@ def test_sigterm_drains_every_worker_with_goaway_and_exits_0(proxy: ProxyProcess
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
 
 
+def test_handshakes_begun_before_sigterm_finish_and_are_answered_or_sent_away(proxy: ProxyProcess) -> None:
+    """Two clients send their ClientHello and have the worker's ServerHello (the worker is in their handshake)
+    when the proxy gets SIGTERM; they finish their handshakes after the drain began. Before, the worker cancelled
+    both handshakes as it began to drain: each client read an EOF in the middle of its TLS handshake. Now the
+    HTTP/1.1 client's request is answered with ``Connection: close`` and the h2 client gets a graceful GOAWAY."""
+    h1 = HalfHandshake(proxy.port, proxy.tls(cert=True), alpn="http/1.1")
+    h2c = HalfHandshake(proxy.port, proxy.tls(cert=True), alpn="h2")
+    assert proxy.proc is not None
+    try:
+        h1.begin()
+        h2c.begin()
+        proxy.proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: proxy.log.read_text().count("draining") >= WORKERS, timeout=10, what="the workers to drain")
+        h1.finish()
+        got = h1.exchange(b"GET /api/v1/namespaces/default HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        head = got.partition(b"\r\n\r\n")[0].lower()
+        assert head.startswith(b"http/1.1 200") and b"connection: close" in head, got[:300]
+        h2c.finish()
+        events = h2c.h2_events()
+        ended = [e for e in events if isinstance(e, h2.events.ConnectionTerminated)]
+        assert ended and ended[0].error_code == 0, events  # a graceful GOAWAY, NO_ERROR
+        assert proxy.proc.wait(40) == 0
+    finally:
+        h1.close()
+        h2c.close()
+    assert "drain deadline: cut" not in proxy.log.read_text()
+
+
+def test_a_handshake_in_a_worker_sigtermed_on_its_own_finishes_and_is_answered(proxy: ProxyProcess) -> None:
+    """One worker drains (SIGTERMed by itself, as when it is replaced) with a client in its TLS handshake: the
+    client finishes it and is answered, while the parent takes back only what the worker had not read."""
+    c = HalfHandshake(proxy.port, proxy.tls(cert=True), alpn="http/1.1")
+    try:
+        c.begin()
+        holder = [w for w in workers_of(proxy) if w["connections"] == 1]
+        assert len(holder) == 1, workers_of(proxy)
+        os.kill(holder[0]["pid"], signal.SIGTERM)
+        wait_for(lambda: workers_of(proxy)[holder[0]["index"]]["connections"] is None, timeout=10,
+                 what="the worker to drain")
+        c.finish()
+        got = c.exchange(b"GET /api/v1/namespaces/default HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        head = got.partition(b"\r\n\r\n")[0].lower()
+        assert head.startswith(b"http/1.1 200") and b"connection: close" in head, got[:300]
+    finally:
+        c.close()
+    wait_for(lambda: replaced(proxy, holder[0]["index"], holder[0]["pid"]), timeout=40,
+             what="the drained worker to be replaced")
+
+
 _SIGTERM_IN_THE_SWAP = """
 # sitecustomize for the proxy's processes (test only): a SIGTERM lands the instant a draining worker's loop
 # handler has given way and SIG_IGN is not yet set, the window a SIGTERM sent to the whole process group
@@ -311,6 +361,29 @@ def test_a_bad_policy_reload_keeps_every_worker_on_the_old_policy_and_a_good_one
     p.proc.send_signal(signal.SIGHUP)
     wait_for(lambda: p.metric("gatekeeper_flowcontrol_policy_reloads_total", result="applied") == WORKERS,
              what="every worker to apply the fixed policy")
+    assert p.metric("gatekeeper_flowcontrol_policy_reload_failing") == 0
+    levels = per_worker(p, "gatekeeper_flowcontrol_nominal_limit_seats", priority_level="secrets-list")
+    assert len(set(levels.values())) == 1 and set(levels.values()) != {2.0}, levels
+
+
+def test_a_fifo_policy_file_is_refused_by_every_worker_and_a_valid_one_then_applies(
+        churn_proxy: ProxyProcess, tmp_path: Path) -> None:
+    """The policy path becomes a FIFO nobody writes. Before, each worker's reload thread blocked in open() for
+    ever, and the SIGHUP after the file was fixed was queued behind it: no worker ever applied the fix."""
+    p, policy = churn_proxy, tmp_path / "policy.yaml"
+    good = policy.read_text()
+    assert p.proc is not None
+    policy.unlink()
+    os.mkfifo(policy)
+    p.proc.send_signal(signal.SIGHUP)
+    wait_for(lambda: p.metric("gatekeeper_flowcontrol_policy_reload_failures_total", reason="not_regular_file")
+             == WORKERS, what="every worker to refuse the FIFO")
+    assert p.log.read_text().count(f"{policy}: flow-control policy file is a FIFO (named pipe)") == WORKERS
+    policy.unlink()
+    policy.write_text(good.replace("nominalConcurrencyShares: 1\n", "nominalConcurrencyShares: 3\n"))
+    p.proc.send_signal(signal.SIGHUP)
+    wait_for(lambda: p.metric("gatekeeper_flowcontrol_policy_reloads_total", result="applied") == WORKERS,
+             what="every worker to apply the valid file")
     assert p.metric("gatekeeper_flowcontrol_policy_reload_failing") == 0
     levels = per_worker(p, "gatekeeper_flowcontrol_nominal_limit_seats", priority_level="secrets-list")
     assert len(set(levels.values())) == 1 and set(levels.values()) != {2.0}, levels

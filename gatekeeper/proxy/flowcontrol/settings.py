@@ -61,6 +61,13 @@ class FlowControlSettings:
     """Multi-document YAML files of FlowSchemas and PriorityLevelConfigurations; re-read on change/SIGHUP."""
     reload_interval_seconds: float = 2.0
     """How often the files are checked for changes (0 = only on SIGHUP)."""
+    reload_timeout_seconds: float = 30.0
+    """A reload whose files are not read and validated within this long (a hung network mount; a 1 MiB file
+    takes seconds with the pure-Python parser on a loaded node) is given up: counted as failed, the running
+    policy stays, its late result is dropped, and the next reload runs on a fresh thread."""
+    max_stuck_reloads: int = 2
+    """Given-up reloads whose threads may still run (each holds a thread and up to 1 MiB per file). With this
+    many, a new reload is not started (counted, reason ``stuck``) until one ends; it then starts by itself."""
     borrowing_adjustment_seconds: float = 10.0
     """How often levels' current limits are re-divided by seat demand (lendablePercent/borrowingLimitPercent;
     upstream's period is 10 s)."""
@@ -89,6 +96,10 @@ class FlowControlSettings:
             raise ValueError("borrowingAdjustmentSeconds: must be positive")
         if self.queue_wait_seconds <= 0:
             raise ValueError("queueWaitSeconds: must be positive")
+        if self.reload_timeout_seconds <= 0:
+            raise ValueError("reloadTimeoutSeconds: must be positive")
+        if self.max_stuck_reloads < 1:
+            raise ValueError("maxStuckReloads: must be at least 1")
         if self.retry_after_seconds < 1:
             raise ValueError("retryAfterSeconds: must be a whole number of seconds >= 1")
         self.tokens.validate()

@@ -70,3 +70,13 @@ HANDOFF_RECEIVE_ERRORS = Counter(
     "the worker drains and exits, and the supervisor starts a successor.",
     ["error"],
 )
+DRAIN_CUT = Counter(
+    "gatekeeper_proxy_drain_cut_connections",
+    "Client connections a drain (SIGTERM, or the supervisor ending a worker's hand-off) still had to cut when "
+    "shutdownTimeoutSeconds (+ the close delay) ran out, by stage: handshake (its TLS handshake unfinished), "
+    "serving (a response or an idle HTTP/1.1 connection still open). Connections already accepted finish their "
+    "handshake and are answered or told to go away during the drain; only these are cut.",
+    ["stage"],
+)
+for _stage in ("handshake", "serving"):
+    DRAIN_CUT.labels(stage=_stage)

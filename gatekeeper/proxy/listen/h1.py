@@ -107,7 +107,10 @@ class H1Connection:
         peer_cert: dict[str, Any] | None = None,
         connection_id: int = 0,
         rng: Callable[[], float] = random.random,
+        draining: bool = False,
     ) -> None:
+        """``draining``: the server began to drain before this connection's TLS handshake finished; its client
+        connected in time, so its first request is answered, with ``Connection: close``, and that is all."""
         self._handler = handler
         self._settings = settings
         self._reader = reader
@@ -120,6 +123,7 @@ class H1Connection:
         self._decider = GoawayDecider(settings.goaway_chance, rng)
         self._conn = h11.Connection(h11.SERVER, max_incomplete_event_size=settings.max_header_list_bytes)
         self._closing = False
+        self._draining = draining
         self._idle = True
         self._eof = False
         self._request_done = asyncio.Event()
@@ -179,7 +183,7 @@ class H1Connection:
                 await self._bad_request(self._too_many_fields(len(event.headers)))
                 return
             keep_going = await self._exchange(event)
-            if not keep_going or self._conn.our_state is not h11.DONE:
+            if not keep_going or self._draining or self._conn.our_state is not h11.DONE:
                 return
             if self._conn.their_state is not h11.DONE and not await self._drain_unread_body():
                 return
@@ -423,7 +427,7 @@ class H1Connection:
     async def _send(self, request: ProxyRequest, response: ProxyResponse) -> bool:
         headers = [(encode_header(k), encode_header(v)) for k, v in response.headers if k not in HOP_BY_HOP]
         close = False
-        if self._closing:
+        if self._closing or self._draining:
             close = True
             conn_metrics.GOAWAY_SENT.labels(reason="shutdown").inc()
         elif self._decider.decide():

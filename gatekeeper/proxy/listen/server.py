@@ -262,7 +262,9 @@ class ProxyServer:
         self._sockets: list[socket.socket] = []
         self._accepters: list[asyncio.Task[None]] = []
         self._handshakes: set[asyncio.Task[None]] = set()
-        """Connections still in their TLS handshake (shutdown cancels these; clients are drained)."""
+        """Connections still in their TLS handshake. A drain lets them finish (within the handshake timeout)
+        and then serves them as it serves every client; only those still unfinished at the drain's end are cut
+        (``gatekeeper_proxy_drain_cut_connections_total{stage="handshake"}``)."""
         self._clients: dict[int, _Client] = {}
         self._open = 0
         """Accepted TCP connections not yet closed, TLS handshakes included (listener.maxClientConnections)."""
@@ -356,7 +358,7 @@ class ProxyServer:
         """Stop accepting, GOAWAY everyone, wait up to ``drain_seconds`` for streams to finish, then cut."""
         timeout = self._settings.protocol.shutdown_timeout_seconds if drain_seconds is None else drain_seconds
         self._stopping = True
-        for task in [*self._accepters, *self._handshakes]:
+        for task in self._accepters:
             task.cancel()
         for sock in self._sockets:
             sock.close()
@@ -369,19 +371,27 @@ class ProxyServer:
             # reset when we closed our end).
             self._handoff.leave()
         clients = list(self._clients.values())
-        log.info("shutting down: %d client connections to drain (up to %.0fs)", len(clients), timeout)
+        log.info("shutting down: %d client connections to drain, %d in their TLS handshake (up to %.0fs)",
+                 len(clients), len(self._handshakes), timeout)
         for client in clients:
             if client.h2 is not None:
                 client.h2.goaway("shutdown", drain_timeout=timeout)
             elif client.h1 is not None:
                 client.h1.shutdown()
-        tasks = [c.task for c in clients if c.task is not None]
+        # Connections still in their TLS handshake are waited for too, not cancelled: the client connected before
+        # the drain, so it finishes its handshake (tlsHandshakeTimeoutSeconds bounds it) and is then answered as
+        # a client of a draining server is (_serve_client). Cancelled, the client read a TLS EOF mid-handshake.
+        tasks = [c.task for c in clients if c.task is not None] + list(self._handshakes)
         if tasks:
             # h2 connections cut themselves at the deadline and close close_delay later.
             _, pending = await asyncio.wait(tasks, timeout=timeout + self._close_delay + 1.0)
             for task in pending:
+                stage = "handshake" if task in self._handshakes else "serving"
+                conn_metrics.DRAIN_CUT.labels(stage=stage).inc()
                 task.cancel()
             if pending:
+                log.warning("drain deadline: cut %d connection(s) still open (%d in their TLS handshake)",
+                            len(pending), sum(1 for t in pending if t in self._handshakes))
                 await asyncio.wait(pending, timeout=2.0)
 
     # ------------------------------------------------------------------ per connection
@@ -455,11 +465,11 @@ class ProxyServer:
         if ssl_obj is not None and self._settings.listener.client_ca_file:
             peer_cert = ssl_obj.getpeercert() or None  # only a verified certificate is returned
         client = _Client(next(self._ids), protocol, task=asyncio.current_task())
-        if protocol != "h2" or self._stopping:
+        if protocol != "h2":
             stream.attach_reader()
-        if self._stopping:
-            writer.close()
-            return
+        # A handshake that finished during a drain is a client like the others: h2 gets a GOAWAY right after our
+        # preface (_run_h2), HTTP/1.1 its first request answered with ``Connection: close``. Closing it here
+        # without a word left the client with an EOF it could not tell from a crash.
         self._clients[client.id] = client
         conn_metrics.CLIENT_CONNECTIONS.labels(protocol=protocol).inc()
         conn_metrics.CLIENT_CONNECTIONS_ACCEPTED.labels(protocol=protocol).inc()
@@ -469,7 +479,7 @@ class ProxyServer:
             else:
                 client.h1 = H1Connection(
                     self._handler, self._settings.protocol, reader, writer, peer=peer, peer_cert=peer_cert,
-                    connection_id=client.id, rng=self._rng,
+                    connection_id=client.id, rng=self._rng, draining=self._stopping,
                 )
                 await client.h1.run()
         except (ConnectionError, OSError) as exc:

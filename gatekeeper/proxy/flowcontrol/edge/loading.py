@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from gatekeeper.config import load_yaml_all
+from gatekeeper.config import NotRegularFile, load_yaml_all
 from gatekeeper.proxy.flowcontrol.core.controller import Limits
 from gatekeeper.proxy.flowcontrol.core.objects import ObjectError
 from gatekeeper.proxy.flowcontrol.core.policy import Policy, build_policy, split_objects
@@ -44,8 +44,10 @@ def read_objects(path: str) -> list[tuple[str, Any]]:
 
     Read with the shared bounded reader (:func:`gatekeeper.config.load_yaml_all`): a reload runs beside the
     serving event loop (sharing its CPU and GIL), so an oversized file or an alias bomb must fail (keeping the
-    running policy), not stall the worker or exhaust its memory."""
-    return split_objects(load_yaml_all(path, what="flow-control policy file"), path)
+    running policy), not stall the worker or exhaust its memory. Only a regular file is read: a FIFO (whose
+    open or read waits for a writer) or a device behind a symlink held the reload thread for ever, and every
+    later reload of that worker waited behind it."""
+    return split_objects(load_yaml_all(path, what="flow-control policy file", regular_only=True), path)
 
 
 def load_policy(settings: FlowControlSettings) -> Policy:
@@ -82,19 +84,22 @@ def _stamp(paths: list[str]) -> tuple[tuple[str, float, int], ...]:
     return tuple(out)
 
 
-def _on_a_thread(fn: Callable[[], T]) -> asyncio.Future[T]:
+def _on_a_thread(fn: Callable[[], T], on_exit: Callable[[], None] = lambda: None) -> asyncio.Future[T]:
     """``fn()`` on a daemon thread of its own; its result or exception, delivered on the calling loop.
 
     Not the loop's default pool (it also binds sockets and resolves names) nor a ThreadPoolExecutor: their
     threads are joined at interpreter exit, so a worker stopping during a parse (2.4 s per MiB with the
-    pure-Python parser, or for ever on a policy path that became a FIFO) would not exit until it finished.
-    The caller serializes reloads, so a worker runs at most one such thread (plus, after ``cancel``, one
-    finishing unused). A parse of a file near the 1 MiB limit ran on the serving loop before: no request,
-    probe or connection hand-off was answered meanwhile."""
+    pure-Python parser, or for ever on a file on a hung mount) would not exit until it finished. The caller
+    serializes reloads, and gives up on a parse past ``reloadTimeoutSeconds`` (cancelling the future; the
+    thread runs on, unused), so a worker runs one such thread plus at most ``maxStuckReloads`` given up.
+    ``on_exit`` runs on the loop when the thread ends, cancelled future or not. A parse of a file near the
+    1 MiB limit ran on the serving loop before: no request, probe or connection hand-off was answered
+    meanwhile."""
     loop = asyncio.get_running_loop()
     fut: asyncio.Future[T] = loop.create_future()
 
     def deliver(result: T | None, error: BaseException | None) -> None:
+        on_exit()
         if fut.cancelled():
             return
         if error is not None:
@@ -114,6 +119,15 @@ def _on_a_thread(fn: Callable[[], T]) -> asyncio.Future[T]:
     return fut
 
 
+class ReloadGivenUp(ValueError):
+    """A reload that was not run to the end: ``reason`` is ``timeout`` or ``stuck``
+    (``gatekeeper_flowcontrol_policy_reload_failures_total{reason}``)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
 class Reloader:
     """Re-reads the policy files when they change (``check``) or on demand (``reload``, ``request``).
 
@@ -122,6 +136,12 @@ class Reloader:
     that arrives during a parse is remembered (several coalesce into one) and starts a fresh parse once the
     running one is applied, so the last file written is the last one parsed and applied; an older parse can
     never finish after it and win.
+
+    A parse that has not finished after ``reloadTimeoutSeconds`` is given up (a failed reload, logged with the
+    files and counted): its thread cannot be stopped, but its result is dropped, and the next reload runs on a
+    fresh thread, so one stuck read no longer blocks every later reload of the worker. At most
+    ``maxStuckReloads`` given-up threads may run: past that a reload waits (counted as ``stuck``) and starts
+    by itself when one of them ends, rather than leave a thread behind per SIGHUP.
     """
 
     def __init__(self, settings: FlowControlSettings, apply: Callable[[Policy], None]) -> None:
@@ -132,6 +152,10 @@ class Reloader:
         self._pending: str | None = None
         """Why the next reload was asked for (None: none asked since the running one began)."""
         self._task: asyncio.Task[None] | None = None
+        self._stuck = 0
+        """Given-up parses whose threads still run."""
+        self._deferred: str | None = None
+        """Why a reload was asked for while ``maxStuckReloads`` parses were stuck: it starts when one ends."""
 
     def reload(self, why: str = "SIGHUP") -> bool:
         """Parse, validate and apply here and now (tests and tools; serving code calls :meth:`request`).
@@ -154,16 +178,35 @@ class Reloader:
 
     def cancel(self) -> None:
         """Stop reloading (the worker is closing); a parse already on the thread finishes there, unused."""
-        self._pending = None
+        self._pending = self._deferred = None
         if self._task is not None:
             self._task.cancel()
 
     async def _run(self) -> None:
         while self._pending is not None:
             why, self._pending = self._pending, None
+            limit = self.settings.max_stuck_reloads
+            if self._stuck >= limit:
+                if self._deferred is None:  # once per wait: the file poll asks again every reloadIntervalSeconds
+                    self._report(why, ReloadGivenUp("stuck", f"{self._stuck} earlier reload(s) of {self._files()} "
+                                                    f"are still running past reloadTimeoutSeconds (maxStuckReloads "
+                                                    f"{limit}); this one starts when one of them ends"))
+                self._deferred = why
+                return
             self.stamp = _stamp(self.settings.files)  # before reading: a change during the parse is seen again
+            given_up = [False]  # this parse's own cell: read by its thread's end, after later parses began
+            timeout = self.settings.reload_timeout_seconds
+            parse = _on_a_thread(functools.partial(_parse, self.settings),
+                                 on_exit=functools.partial(self._parse_ended, given_up))
             try:
-                result = await _on_a_thread(functools.partial(_parse, self.settings))
+                result = await asyncio.wait_for(asyncio.shield(parse), timeout)
+            except TimeoutError:
+                given_up[0] = True
+                self._stuck += 1
+                parse.cancel()  # its late result is dropped: a newer reload may have applied meanwhile
+                result = ReloadGivenUp("timeout", f"reading and validating {self._files()} did not finish within "
+                                       f"{timeout:g}s (reloadTimeoutSeconds): a file on a hung mount? Given up; "
+                                       "the next reload runs on a fresh thread")
             except Exception:  # not a policy error (those are results): the thread itself failed
                 log.exception("flow-control reload (%s) failed; keeping the running policy", why)
                 result = ValueError("the reload failed unexpectedly (see the log)")
@@ -172,15 +215,37 @@ class Reloader:
             except Exception:  # a bug in the swap: logged, and the next request still runs
                 log.exception("flow-control reload (%s): applying the policy failed", why)
 
+    def _parse_ended(self, given_up: list[bool]) -> None:
+        """A parse's thread ended (on the loop). If it had been given up, its slot is free again, and a reload
+        refused meanwhile (``stuck``) starts now."""
+        if not given_up[0]:
+            return
+        self._stuck -= 1
+        if self._deferred is not None:
+            deferred, self._deferred = self._deferred, None
+            self.request(deferred)
+
+    def _files(self) -> str:
+        return ", ".join(self.settings.files) or "the inline objects"
+
+    def _report(self, why: str, error: ValueError) -> None:
+        """Count and log a failed reload (the running policy stays)."""
+        from gatekeeper.proxy.flowcontrol.edge import metrics  # imported after PROMETHEUS_MULTIPROC_DIR is set
+
+        reason = (error.reason if isinstance(error, ReloadGivenUp)
+                  else "not_regular_file" if isinstance(error, NotRegularFile) else "invalid")
+        self.last_error = str(error)
+        metrics.POLICY_RELOADS.labels("failed").inc()
+        metrics.POLICY_RELOAD_FAILURES.labels(reason).inc()
+        metrics.POLICY_STALE.set(1)
+        log.error("flow-control reload (%s) failed; keeping the running policy: %s", why, error)
+
     def _finish(self, why: str, result: Policy | ValueError) -> bool:
         """Apply a parsed policy, or count and log why not; on the event loop (``apply`` wakes requests)."""
         from gatekeeper.proxy.flowcontrol.edge import metrics  # imported after PROMETHEUS_MULTIPROC_DIR is set
 
         if isinstance(result, ValueError):
-            self.last_error = str(result)
-            metrics.POLICY_RELOADS.labels("failed").inc()
-            metrics.POLICY_STALE.set(1)
-            log.error("flow-control reload (%s) failed; keeping the running policy: %s", why, result)
+            self._report(why, result)
             return False
         self.last_error = ""
         self.apply(result)

@@ -9,6 +9,10 @@ collector), so they can never drift from the queues' real state.
     reason: queue-full, time-out, concurrency-limit, cancelled (client left while queued).
 ``gatekeeper_flowcontrol_policy_reloads_total{result}`` / ``gatekeeper_flowcontrol_policy_reload_failing``
     Policy reloads, applied or failed (the running policy stays), and whether the last one failed.
+``gatekeeper_flowcontrol_policy_reload_failures_total{reason}``
+    Failed reloads by reason: invalid (a file not YAML, too large, an invalid object, missing ...),
+    not_regular_file (a FIFO, a device: refused before reading), timeout (not read and validated within
+    reloadTimeoutSeconds: given up), stuck (maxStuckReloads given-up reloads still running: not started).
 ``gatekeeper_flowcontrol_seat_timeouts_total{flow_schema,priority_level}``
     Requests that still held their seats ``seatTimeoutSeconds`` after dispatch (a client taking its
     response that slowly): the seats were given back, the response goes on outside the limit.
@@ -65,6 +69,17 @@ POLICY_RELOADS = Counter(
     "running policy stays; the log says why).",
     ["result"],
 )
+RELOAD_FAILURE_REASONS = ("invalid", "not_regular_file", "timeout", "stuck")
+POLICY_RELOAD_FAILURES = Counter(
+    "gatekeeper_flowcontrol_policy_reload_failures",
+    "Failed flow-control policy reloads by reason: invalid (the files do not make a valid policy), "
+    "not_regular_file (a policy path is a FIFO, a device, ...: refused before reading), timeout (not read and "
+    "validated within reloadTimeoutSeconds: given up, the next reload runs on a fresh thread), stuck "
+    "(maxStuckReloads given-up reloads still running: this one waits until one ends).",
+    ["reason"],
+)
+for _reason in RELOAD_FAILURE_REASONS:
+    POLICY_RELOAD_FAILURES.labels(_reason)
 POLICY_STALE = Gauge(
     "gatekeeper_flowcontrol_policy_reload_failing",
     "1 while this process's last policy reload failed and it runs an older policy than its files say "
