@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from gatekeeper.proxy.listen.h2_stream import Stream
     from gatekeeper.proxy.settings import ProtocolSettings
 
-log = logging.getLogger("gatekeeper.proxy.listen.h2")
+log = logging.getLogger("gatekeeper.proxy.listen.h2")  # the adapter logs under one name, whichever part logs
 
 
 class Draining:

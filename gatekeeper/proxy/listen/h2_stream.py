@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from gatekeeper.proxy.listen.h2_codec import ServerConnection
     from gatekeeper.proxy.settings import ProtocolSettings
 
-log = logging.getLogger("gatekeeper.proxy.listen.h2")
+log = logging.getLogger("gatekeeper.proxy.listen.h2")  # the adapter logs under one name, whichever part logs
 
 
 def _cleared(event: asyncio.Event | None) -> asyncio.Event:
