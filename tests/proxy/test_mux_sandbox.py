@@ -25,7 +25,8 @@ from gatekeeper.certs import PKI
 from gatekeeper.proxy.messages import ProxyRequest
 from gatekeeper.proxy.settings import UpstreamSettings
 from gatekeeper.proxy.upstream import mux_pool
-from gatekeeper.proxy.upstream.client import H2_ALPN, make_ssl_context, response_headers
+from gatekeeper.proxy.upstream.client import H2_ALPN, make_ssl_context
+from gatekeeper.proxy.upstream.hop_by_hop import response_headers
 from gatekeeper.proxy.upstream.mux_wire import authority_field, request_block
 from gatekeeper.sandbox.pki import SandboxPKI
 from gatekeeper.sandbox.state import SandboxState

@@ -25,7 +25,8 @@ from gatekeeper.proxy.messages import ProxyRequest, ProxyResponse, close_body
 from gatekeeper.proxy.pipeline.balancer import Balancer
 from gatekeeper.proxy.pipeline.stages import Pipeline, build
 from gatekeeper.proxy.settings import BackendSettings, ProxySettings, UpstreamSettings
-from gatekeeper.proxy.upstream.client import parse_head, strip_hop_by_hop
+from gatekeeper.proxy.upstream.hop_by_hop import strip_hop_by_hop
+from gatekeeper.proxy.upstream.upgrade import parse_head
 from gatekeeper.sandbox.processes import free_port
 
 ADMIN_CERT = {"subject": ((("organizationName", "system:masters"),), (("commonName", "alice"),))}

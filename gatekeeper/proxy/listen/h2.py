@@ -14,14 +14,10 @@ socket slows us down) and ``close()``. Unit tests wire those to a client-side
 ``h2.connection.H2Connection`` in memory.
 
 Each stream runs the pipeline handler in its own task and streams the
-response back. Backpressure both ways:
-
-* Response DATA is sent only within the client's connection and stream
-  windows; the next body chunk is pulled only once there is window, so a slow
-  client slows the upstream read instead of growing a buffer.
-* Request DATA is acknowledged (window reopened) only as the pipeline takes
-  chunks, so a client can never have more than one window in flight per
-  stream (and one connection window in total) sitting in proxy memory.
+response back, with backpressure both ways (:mod:`h2_stream`, mixed in as
+:class:`StreamServing`); graceful GOAWAY, drain, idle timeout and close are in
+:mod:`h2_drain` (:class:`Draining`). This module is the connection: the
+codec, the events coming in and what they do to the streams.
 
 Abuse limits: a malformed request (RFC 9113 8.1.1) gets RST_STREAM
 PROTOCOL_ERROR and never reaches the pipeline; frame floods end in GOAWAY
@@ -29,48 +25,28 @@ ENHANCE_YOUR_CALM (``h2_limits``); a stream keeps its MAX_CONCURRENT_STREAMS
 slot until its handler has finished, even after the client reset it; a
 response whose window stays shut for ``responseStallTimeoutSeconds`` is reset
 with CANCEL, which releases its seat and upstream connection.
-
-Graceful GOAWAY (h2's ``close_connection()`` would break in-flight streams,
-python-hyper/h2 issue 1181): flush h2's output, write our own GOAWAY frame
-carrying the highest client stream id seen while h2's state stays open,
-refuse later streams with REFUSED_STREAM, let in-flight streams finish and
-give long-running ones until the drain deadline, then ``close_connection()``
-with the same last stream id and close the socket ``close_delay`` seconds
-later so the client reads the final frame before the TCP close. Go's server
-does the same, and client-go then finishes its in-flight streams and opens a
-new connection; a watch cut at the deadline surfaces in client-go as "server
-sent GOAWAY and closed the connection", which it treats as a probable EOF
-and quietly re-watches.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import math
 import random
-from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
 from h2.errors import ErrorCodes
 from h2.exceptions import ProtocolError, StreamClosedError
 from h2.settings import SettingCodes, Settings
-from hyperframe.frame import GoAwayFrame
 
 from gatekeeper.proxy import rejections
-from gatekeeper.proxy.adapter import (
-    ClientGone,
-    call_handler,
-    close_body,
-    response_has_body,
-)
+from gatekeeper.proxy.adapter import ClientGone
 from gatekeeper.proxy.h2wire.frames import MAX_WINDOW
 from gatekeeper.proxy.listen import conn_metrics
 from gatekeeper.proxy.listen.body_budget import BodyBudget
-from gatekeeper.proxy.listen.goaway import GoawayDecider, Reason
+from gatekeeper.proxy.listen.goaway import GoawayDecider
 from gatekeeper.proxy.listen.h2_codec import (
     EV_BAD_LENGTH,
     EV_DATA,
@@ -84,10 +60,12 @@ from gatekeeper.proxy.listen.h2_codec import (
     ServerConnection,
 )
 from gatekeeper.proxy.listen.h2_conn import ProxyH2Connection, install_huffman_memo
-from gatekeeper.proxy.listen.h2_headers import MalformedRequest, parse_request, response_block
+from gatekeeper.proxy.listen.h2_drain import Draining
+from gatekeeper.proxy.listen.h2_headers import MalformedRequest, parse_request
 from gatekeeper.proxy.listen.h2_limits import FloodError, FloodGuard, limits_of
 from gatekeeper.proxy.listen.h2_state import HeaderBudgetExceeded
-from gatekeeper.proxy.messages import Handler, ProxyRequest, ProxyResponse, is_exhausted
+from gatekeeper.proxy.listen.h2_stream import Stream, StreamServing
+from gatekeeper.proxy.messages import Handler, ProxyRequest
 from gatekeeper.proxy.settings import ProtocolSettings
 
 log = logging.getLogger("gatekeeper.proxy.listen.h2")
@@ -102,57 +80,7 @@ def connection_window(settings: ProtocolSettings) -> int:
     return min(settings.stream_window_bytes * CONNECTION_WINDOW_FACTOR, MAX_WINDOW)
 
 
-def _cleared(event: asyncio.Event | None) -> asyncio.Event:
-    """``event`` cleared, or a new one the first time a stream waits."""
-    if event is None:
-        return asyncio.Event()
-    event.clear()
-    return event
-
-
-class _Stream:
-    """One client stream.
-
-    Its two events are made on first wait: nearly every request (a GET that fits the client's
-    window) never waits on either, and two ``asyncio.Event`` per request were measurable. Waking
-    an event nobody made is a no-op, which is safe because every waiter checks the state first.
-    """
-
-    __slots__ = ("_inbox_changed", "_window_open", "ended", "error", "id", "inbox", "request", "task")
-
-    def __init__(self, sid: int, request: ProxyRequest, *, ended: bool = False) -> None:
-        self.id = sid
-        self.request = request
-        self.task: asyncio.Task[bool] | None = None
-        self.inbox: deque[tuple[bytes, int]] = deque()
-        """Received request DATA not yet taken by the pipeline: (data, flow-controlled length)."""
-        self.ended = ended
-        """The client sent END_STREAM."""
-        self.error: BaseException | None = None
-        """Why the stream was cut (client reset, connection lost, drain deadline)."""
-        self._inbox_changed: asyncio.Event | None = None
-        self._window_open: asyncio.Event | None = None
-
-    def inbox_changed(self) -> asyncio.Event:
-        """The event a body reader waits on (cleared, ready to wait)."""
-        self._inbox_changed = _cleared(self._inbox_changed)
-        return self._inbox_changed
-
-    def window_open(self) -> asyncio.Event:
-        """The event a response sender waits on (cleared, ready to wait)."""
-        self._window_open = _cleared(self._window_open)
-        return self._window_open
-
-    def wake_reader(self) -> None:
-        if self._inbox_changed is not None:
-            self._inbox_changed.set()
-
-    def wake_sender(self) -> None:
-        if self._window_open is not None:
-            self._window_open.set()
-
-
-class H2Protocol:
+class H2Protocol(StreamServing, Draining):
     """One HTTP/2 client connection; see the module docstring for the I/O contract."""
 
     def __init__(
@@ -201,7 +129,7 @@ class H2Protocol:
             h2conn = ProxyH2Connection(on_refused=self._on_refused, guard=guard, on_bad_length=self._on_bad_length,
                                        header_budget=self._budget)
             self._conn, self._receive = h2conn, h2conn.receive_events
-        self._streams: dict[int, _Stream] = {}
+        self._streams: dict[int, Stream] = {}
         self._memo: dict[str, Any] = {}
         """ProxyRequest.connection_memo of every request on this connection."""
         self._streams_changed = asyncio.Event()
@@ -295,28 +223,6 @@ class H2Protocol:
         """The socket is gone: cut every stream (their responses get finish(ClientGone))."""
         self._abort(ClientGone("client closed the connection"))
 
-    def goaway(self, reason: Reason, drain_timeout: float | None = None) -> None:
-        """Start (or, if already started, only shorten) a graceful GOAWAY and drain."""
-        if self._h2_closed:
-            return
-        timeout = self._settings.drain_timeout_seconds if drain_timeout is None else drain_timeout
-        deadline = self._loop.time() + timeout
-        if self.goaway_last_stream_id is not None:
-            if deadline < self._deadline:
-                self._deadline = deadline
-                self._streams_changed.set()
-            return
-        self._flush()
-        self.goaway_last_stream_id = self._conn.highest_inbound_stream_id
-        frame = GoAwayFrame(stream_id=0, last_stream_id=self.goaway_last_stream_id, error_code=0)
-        self._write(frame.serialize())
-        conn_metrics.GOAWAY_SENT.labels(reason=reason).inc()
-        log.debug("h2 connection %d: GOAWAY (%s), last stream %d, %d in flight",
-                  self.connection_id, reason, self.goaway_last_stream_id, len(self._streams))
-        self._deadline = deadline
-        self._cancel_idle()
-        self._drain_task = self._loop.create_task(self._drain_then_close())
-
     async def wait_closed(self) -> None:
         await self.closed.wait()
 
@@ -356,7 +262,7 @@ class H2Protocol:
             stream_id=sid,
             connection_memo=self._memo,
         )
-        stream = _Stream(sid, request, ended=ended)
+        stream = Stream(sid, request, ended=ended)
         if not stream.ended:
             request.body = self._request_body(stream)
         self._streams[sid] = stream
@@ -422,183 +328,6 @@ class H2Protocol:
         elif (one := self._streams.get(stream_id)) is not None:
             one.wake_sender()
 
-    # ------------------------------------------------------------------ request bodies
-
-    async def _request_body(self, stream: _Stream) -> AsyncIterator[bytes]:
-        """Yield request DATA, reopening the client's window only for what the pipeline took.
-
-        A body that goes quiet while the client may send (``h2BodyIdleTimeoutSeconds``) is cut: it
-        would otherwise hold a seat and an upstream connection for as long as the client likes.
-        Time while the connection window is shut (other streams' unread DATA fills it) is the
-        proxy's doing, not the client's, so it does not count.
-        """
-        idle = self._settings.h2_body_idle_timeout_seconds
-        while True:
-            if stream.inbox:
-                data, flow = stream.inbox.popleft()
-                self._budget.give(len(data))
-                self._ack(stream.id, flow)
-                if data:
-                    yield data
-                continue
-            if stream.error is not None:
-                raise stream.error
-            if stream.ended:
-                return
-            changed = stream.inbox_changed()
-            since = self._loop.time()
-            try:
-                async with asyncio.timeout(idle):
-                    await changed.wait()
-            except TimeoutError:
-                if stream.inbox or stream.ended or stream.error is not None or self._h2_closed:
-                    continue
-                if self._conn.inbound_flow_control_window <= 0 or self._window_reopened_at >= since:
-                    continue  # the client could not send for some of that time: a new full period
-                self._body_idle(stream, idle)
-
-    def _body_idle(self, stream: _Stream, idle: float) -> None:
-        self._reset(stream.id, ErrorCodes.CANCEL)
-        rejections.reject("body_timeout", "h2 connection %d from %s, stream %d: request body idle for %gs",
-                          self.connection_id, self._peer, stream.id, idle)
-        error = ClientGone(f"HTTP/2 stream {stream.id}: request body idle for {idle:g}s")
-        self._cut(stream, error)
-        raise error
-
-    def _ack(self, stream_id: int, flow: int) -> None:
-        if flow <= 0 or self._h2_closed:
-            return
-        if self._conn.inbound_flow_control_window <= 0:
-            self._window_reopened_at = self._loop.time()  # see _request_body's idle clock
-        try:
-            self._conn.acknowledge_received_data(flow, stream_id)
-        except (ProtocolError, StreamClosedError):
-            return
-        self._flush_soon()
-
-    # ------------------------------------------------------------------ responses
-
-    async def _serve(self, stream: _Stream) -> bool:
-        """Run the handler and stream its response; True when the response went out complete."""
-        response: ProxyResponse | None = None
-        error: BaseException | None = None
-        try:
-            response = await call_handler(self._handler, stream.request)
-            await self._send_response(stream, response)
-            if not stream.ended:
-                # Answered before the request body ended (e.g. a 429): ask the client to stop
-                # uploading, without error (RFC 9113 8.1).
-                self._reset(stream.id, ErrorCodes.NO_ERROR)
-        except asyncio.CancelledError:
-            error = stream.error or ClientGone("HTTP/2 connection closed")
-        except ClientGone as exc:  # the socket went away mid-write: nothing to reset
-            error = stream.error or exc
-        except Exception as exc:
-            error = stream.error or exc
-            if stream.error is None:
-                log.warning("h2 stream %d on connection %d failed: %s", stream.id, self.connection_id, exc)
-                self._reset(stream.id, ErrorCodes.INTERNAL_ERROR)
-        finally:
-            if response is not None:
-                await close_body(response.body)
-                response.finish(error)
-        return error is None
-
-    def _task_done(self, stream: _Stream, task: asyncio.Task[bool]) -> None:
-        completed = not task.cancelled() and task.exception() is None and task.result()
-        self._stream_done(stream, completed=completed)
-
-    async def _send_response(self, stream: _Stream, response: ProxyResponse) -> None:
-        sid = stream.id
-        if response.upgraded is not None:
-            # An upgrade can only answer an HTTP/1.1 request; never reached through a sane pipeline.
-            response.upgraded.writer.close()
-            raise RuntimeError("pipeline returned a protocol upgrade on an HTTP/2 stream")
-        has_body = response_has_body(stream.request.method, response.status)
-        self._conn.send_headers(sid, response_block(response.status, response.headers), end_stream=not has_body)
-        self._flush_soon()
-        if not has_body:
-            return
-        body = response.body
-        while True:
-            await self._wait_window(stream)  # pull the next chunk only when it can go out
-            try:
-                chunk = await body.__anext__()
-            except StopAsyncIteration:
-                break
-            # A body that knows its last chunk (upstream._ResponseBody.exhausted) ends the
-            # stream on that DATA frame instead of an extra empty one.
-            last = is_exhausted(body)
-            await self._send_data(stream, chunk, end_stream=last)
-            if last:
-                return
-        self._conn.end_stream(sid)
-        self._flush_soon()
-
-    async def _send_data(self, stream: _Stream, chunk: bytes, *, end_stream: bool = False) -> None:
-        if not chunk:
-            if end_stream:  # an exhausted body whose last chunk is empty still ends the stream
-                self._conn.end_stream(stream.id)
-                self._flush_soon()
-            return
-        if len(chunk) <= self._conn.max_outbound_frame_size and len(chunk) <= await self._wait_window(stream):
-            # The common small response: one frame, no slicing or copy.
-            self._conn.send_data(stream.id, chunk, end_stream=end_stream)
-            if end_stream:
-                self._flush_soon()
-            else:
-                self._flush()
-                await self._drain()
-            return
-        view = memoryview(chunk)
-        while view:
-            window = await self._wait_window(stream)
-            n = min(len(view), window, self._conn.max_outbound_frame_size)
-            view, piece = view[n:], bytes(view[:n])
-            if end_stream and not view:
-                # The stream's last frame: it joins this loop iteration's one write (with the other
-                # streams' frames), and nothing more of this stream waits on the socket.
-                self._conn.send_data(stream.id, piece, end_stream=True)
-                self._flush_soon()
-                return
-            self._conn.send_data(stream.id, piece)
-            self._flush()
-            await self._drain()
-
-    async def _wait_window(self, stream: _Stream) -> int:
-        """Wait until the client's connection and stream windows both have room; return it.
-
-        A client that keeps the window shut (INITIAL_WINDOW_SIZE=0, no WINDOW_UPDATE) would
-        pin this stream's seat and upstream connection forever: after
-        ``responseStallTimeoutSeconds`` without room the stream is reset (CANCEL) and cut.
-        """
-        deadline: float | None = None
-        while True:
-            if stream.error is not None:
-                raise stream.error
-            if self._h2_closed:
-                raise ClientGone("HTTP/2 connection closed")
-            try:
-                window = self._conn.local_flow_control_window(stream.id)
-            except StreamClosedError:
-                raise ClientGone(f"HTTP/2 stream {stream.id} closed") from None
-            if window > 0:
-                return window
-            now = self._loop.time()
-            if deadline is None:
-                deadline = now + self._settings.response_stall_timeout_seconds
-            elif now >= deadline:
-                self._reset(stream.id, ErrorCodes.CANCEL)
-                rejections.reject("response_stall", "h2 connection %d from %s, stream %d: flow-control window "
-                                    "shut for %gs", self.connection_id, self._peer, stream.id,
-                                    self._settings.response_stall_timeout_seconds)
-                stream.error = ClientGone(f"HTTP/2 stream {stream.id}: client window stayed at 0")
-                raise stream.error
-            opened = stream.window_open()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(deadline - now):
-                    await opened.wait()
-
     def _reset(self, stream_id: int, code: ErrorCodes) -> bool:
         """RST_STREAM unless the stream is already closed; True if a reset went out."""
         if self._h2_closed:
@@ -610,7 +339,7 @@ class H2Protocol:
         self._flush()
         return True
 
-    def _stream_done(self, stream: _Stream, *, completed: bool) -> None:
+    def _stream_done(self, stream: Stream, *, completed: bool) -> None:
         self._streams.pop(stream.id, None)
         self._drop_inbox(stream)  # answered before its body was read (a 429): that DATA is never taken
         self._conn.release_stream(stream.id)
@@ -625,21 +354,21 @@ class H2Protocol:
         elif not self._streams:
             self._arm_idle()
 
-    def _drop_inbox(self, stream: _Stream) -> None:
+    def _drop_inbox(self, stream: Stream) -> None:
         """Nobody will read it: give its window back, or the connection's stays shut for good."""
         while stream.inbox:
             data, flow = stream.inbox.popleft()
             self._budget.give(len(data))
             self._ack(stream.id, flow)
 
-    def _over_budget(self, stream: _Stream) -> None:
+    def _over_budget(self, stream: Stream) -> None:
         self._reset(stream.id, ErrorCodes.ENHANCE_YOUR_CALM)
         rejections.reject("body_budget", "h2 connection %d from %s, stream %d: request bodies held by the "
                           "proxy would pass maxBufferedRequestBytes (%d)", self.connection_id, self._peer,
                           stream.id, self._budget.budget.limit)
         self._cut(stream, ClientGone(f"HTTP/2 stream {stream.id}: request bodies over the proxy's buffer"))
 
-    def _cut(self, stream: _Stream, error: BaseException) -> None:
+    def _cut(self, stream: Stream, error: BaseException) -> None:
         if stream.error is None:
             stream.error = error
         self._drop_inbox(stream)
@@ -647,52 +376,6 @@ class H2Protocol:
         stream.wake_sender()
         if stream.task is not None:
             stream.task.cancel()
-
-    # ------------------------------------------------------------------ GOAWAY and closing
-
-    async def _drain_then_close(self) -> None:
-        while self._streams:
-            remaining = self._deadline - self._loop.time()
-            if remaining <= 0:
-                break
-            self._streams_changed.clear()
-            try:
-                await asyncio.wait_for(self._streams_changed.wait(), remaining)
-            except TimeoutError:
-                pass
-        tasks = [s.task for s in self._streams.values() if s.task is not None]
-        for stream in list(self._streams.values()):
-            self._cut(stream, ClientGone("HTTP/2 drain deadline passed after GOAWAY"))
-        # Final GOAWAY before the cut streams' tasks run, so nothing more goes out for them.
-        self._close_h2()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await asyncio.sleep(self._close_delay)
-        self._close_transport()
-
-    def _close_h2(self) -> None:
-        if self._h2_closed:
-            return
-        try:
-            self._conn.close_connection(last_stream_id=self.goaway_last_stream_id)
-        except ProtocolError:
-            pass
-        self._flush()
-        self._h2_closed = True
-
-    def _abort(self, error: BaseException) -> None:
-        self._h2_closed = True
-        for stream in list(self._streams.values()):
-            self._cut(stream, error)
-        if self._drain_task is not None and self._drain_task is not asyncio.current_task():
-            self._drain_task.cancel()
-        self._close_transport()
-
-    def _close_transport(self) -> None:
-        self._conn.release_pending()  # a header block cut short gives its budget back
-        self._cancel_idle()
-        if not self.closed.is_set():
-            self.closed.set()
-            self._close()
 
     def _flush(self) -> None:
         data = self._conn.data_to_send()
@@ -714,17 +397,4 @@ class H2Protocol:
         if not self.closed.is_set():
             self._flush()
 
-    def _arm_idle(self) -> None:
-        self._cancel_idle()
-        if self.goaway_last_stream_id is None and not self._h2_closed:
-            self._idle_handle = self._loop.call_later(self._settings.idle_timeout_seconds, self._on_idle)
 
-    def _cancel_idle(self) -> None:
-        if self._idle_handle is not None:
-            self._idle_handle.cancel()
-            self._idle_handle = None
-
-    def _on_idle(self) -> None:
-        self._idle_handle = None
-        if not self._streams:
-            self.goaway("idle")

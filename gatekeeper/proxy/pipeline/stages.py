@@ -41,8 +41,8 @@ from gatekeeper.proxy.upstream.client import (
     NoFrontProxyCert,
     PoolTimeout,
     UpstreamTimeout,
-    is_upgrade,
 )
+from gatekeeper.proxy.upstream.upgrade import is_upgrade, open_upgrade
 
 log = logging.getLogger("gatekeeper.proxy.pipeline.stages")
 upstream_log = rejections.RateLimitedLog(log, rejections.LOG_INTERVAL)
@@ -256,8 +256,8 @@ class Dispatcher:
             # details (addresses, SSLContext reprs) go to the log only.
             try:
                 if upgrade:
-                    response = await client.upgrade(request, headers, identity=asserts_identity,
-                                                    on_close=_closer(lease))
+                    response = await open_upgrade(client, request, headers, identity=asserts_identity,
+                                                  on_close=_closer(lease))
                 else:
                     response = await client.send(request, headers, identity=asserts_identity,
                                                  swallow_body_errors=watch_like, on_done=_Done(backend, lease),

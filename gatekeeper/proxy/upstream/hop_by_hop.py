@@ -1,0 +1,86 @@
+"""Which header fields stay on their hop: the rules every upstream path applies, both ways.
+
+RFC 9110 7.6.1: hop-by-hop fields, and every field the ``Connection`` header
+names, describe one connection and are never forwarded. Requests lose them
+(plus ``Host`` and ``Expect``, which the proxy answers or sets itself) on the
+HTTP/1.1 pool, the multiplexed HTTP/2 pool, the aiohttp client and upgrades
+alike; responses lose them in :func:`response_headers`, which every upstream
+path runs on the backend's raw head. One module, so the paths cannot drift
+apart on what a hop is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from gatekeeper.proxy.messages import Headers
+
+HOP_BY_HOP = frozenset({
+    "connection", "keep-alive", "proxy-connection", "proxy-authenticate", "proxy-authorization", "te",
+    "trailer", "transfer-encoding", "upgrade", "http2-settings",
+})
+# The adapter handles 100-continue with the client; Host is the backend's.
+REQUEST_DROP = frozenset({"host", "expect"})
+REQUEST_REMOVED = HOP_BY_HOP | REQUEST_DROP
+"""What never leaves on a request (the encoders also drop what ``Connection`` names)."""
+
+
+def connection_tokens(headers: Headers) -> set[str]:
+    values = [v for k, v in headers if k.lower() == "connection"]
+    return {t.strip().lower() for v in values for t in v.split(",") if t.strip()}
+
+
+_KEEP_UPGRADE = frozenset({"upgrade", "connection"})
+
+
+def removed_headers(headers: Headers, *, keep_upgrade: bool = False,
+                    drop: frozenset[str] = frozenset()) -> frozenset[str]:
+    """Lower-case names to drop: hop-by-hop ones, those the Connection header names (RFC 9110 7.6.1), ``drop``.
+
+    The Connection header's tokens are only parsed when there is one.
+    """
+    removed = HOP_BY_HOP | drop
+    for k, _ in headers:
+        if k.lower() == "connection":
+            removed = removed | connection_tokens(headers)
+            break
+    if keep_upgrade:
+        removed = removed - _KEEP_UPGRADE
+    return removed
+
+
+def strip_hop_by_hop(headers: Headers, *, keep_upgrade: bool = False, drop: frozenset[str] = frozenset()) -> Headers:
+    """``headers`` without :func:`removed_headers` and pseudo-headers; one pass, one ``lower()`` per name."""
+    removed = removed_headers(headers, keep_upgrade=keep_upgrade, drop=drop)
+    return [(k, v) for k, v in headers if k.lower() not in removed and k[:1] != ":"]
+
+
+_NAMES: dict[bytes, str] = {}
+"""Response header names as received -> lower-case text: an apiserver sends the same dozen names all day."""
+MAX_NAMES = 512
+"""Names past this many are decoded every time (a backend cannot grow the table without bound)."""
+
+
+def response_headers(raw: Sequence[tuple[bytes, bytes]]) -> Headers:
+    """Raw response headers as lower-case text pairs, hop-by-hop ones and those ``Connection`` names removed.
+
+    One pass; the rare response with a ``Connection`` header takes a second one.
+    """
+    out: Headers = []
+    named: list[str] | None = None
+    names = _NAMES
+    for k, v in raw:
+        name = names.get(k)
+        if name is None:
+            name = k.decode("latin-1").lower()
+            if len(names) < MAX_NAMES:
+                names[k] = name
+        if name in HOP_BY_HOP:
+            if name == "connection":
+                named = [*(named or []), v.decode("latin-1")]
+            continue
+        out.append((name, v.decode("utf-8", "surrogateescape")))
+    if named:
+        tokens = {t.strip().lower() for v in named for t in v.split(",")}
+        out = [(k, v) for k, v in out if k not in tokens]
+    return out

@@ -1,0 +1,169 @@
+"""Protocol upgrades (WebSocket, SPDY/3.1: exec, attach, port-forward) to one apiserver, past every pool.
+
+An upgraded connection belongs to its client until one side closes it, so it
+never comes from or goes back to a pool: a raw TLS connection, our own request
+head (built and checked as on the pooled path), the backend's response head,
+then the h1 adapter splices bytes (:class:`messages.Upgraded`). A backend that
+refuses (403, 400) answers an ordinary response on a connection that is then
+closed (:class:`_RefusedUpgradeBody`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import TYPE_CHECKING
+
+from gatekeeper.proxy.messages import Headers, ProxyRequest, ProxyResponse, Upgraded
+from gatekeeper.proxy.upstream import exchange
+from gatekeeper.proxy.upstream.errors import BackendFailed, ClientBodyFailed, ConnectFailed, connect_cause
+from gatekeeper.proxy.upstream.hop_by_hop import REQUEST_DROP, connection_tokens, strip_hop_by_hop
+
+if TYPE_CHECKING:
+    from gatekeeper.proxy.upstream.client import BackendClient
+
+MAX_HEAD_BYTES = 256 * 1024
+
+
+def is_upgrade(request: ProxyRequest) -> bool:
+    """An HTTP/1.1 protocol switch (WebSocket for kubectl >= 1.30 exec/attach/port-forward, SPDY/3.1)."""
+    return (
+        request.protocol == "http/1.1"
+        and request.header("upgrade") is not None
+        and "upgrade" in connection_tokens(request.headers)
+    )
+
+
+async def open_upgrade(
+    client: BackendClient, request: ProxyRequest, headers: Headers, *, identity: bool,
+    on_close: Callable[[], Awaitable[None]],
+) -> ProxyResponse:
+    """Open a raw TLS connection, send the upgrade request, hand the 101 connection to the adapter.
+
+    The head is built and checked as on the pooled path (``exchange.encode_request_head``), and a
+    request body is framed as there (:class:`exchange.BodyFramer`): chunked when the client sent it
+    chunked. Before, the decoded body went out raw with ``Transfer-Encoding`` dropped, so a backend
+    that refused the upgrade read it as a second request. The body is written with backpressure:
+    a backend that does not read it stops the client's upload instead of growing our buffer.
+    """
+    ssl_ctx = client.ssl_for(identity)
+    head, declared = exchange.encode_request_head(
+        request.method, request.target, client.authority, strip_hop_by_hop(headers, keep_upgrade=True),
+        REQUEST_DROP, has_body=request.body is not None)
+    try:
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection(client.host, client.port, ssl=ssl_ctx, server_hostname=client.host,
+                                    limit=MAX_HEAD_BYTES),
+            client.settings.connect_timeout_seconds,
+        )
+    except (TimeoutError, OSError, ssl.SSLError) as exc:
+        raise ConnectFailed(connect_cause(exc)) from exc
+    body = exchange.ClientBody(request.body) if request.body is not None else None
+    try:
+        writer.write(head)
+        if body is not None:
+            framer = exchange.BodyFramer(declared)
+            try:
+                async for chunk in body:
+                    if chunk:
+                        writer.write(framer.frame(chunk))
+                        await writer.drain()
+                writer.write(framer.end())
+            except ValueError as exc:
+                body.error = body.error or exc  # the client's body broke its own framing
+                raise
+        await writer.drain()
+        status, resp_headers = parse_head(await reader.readuntil(b"\r\n\r\n"))
+    except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:
+        writer.close()
+        if body is not None and body.error is not None:
+            raise ClientBodyFailed(f"upgrade request body failed: {body.error}") from body.error
+        raise BackendFailed(f"{client.name}: upgrade failed: {type(exc).__name__}") from exc
+    except BaseException:
+        writer.close()
+        raise
+    if status == 101:
+        return ProxyResponse(status=101, headers=strip_hop_by_hop(resp_headers, keep_upgrade=True),
+                             upgraded=Upgraded(reader, writer, on_close))
+    # Refused upgrade (e.g. 403, 400): an ordinary response on a connection we then close.
+    return ProxyResponse(status=status, headers=strip_hop_by_hop(resp_headers),
+                         body=_RefusedUpgradeBody(reader, writer, resp_headers, on_close))
+
+
+def parse_head(data: bytes) -> tuple[int, Headers]:
+    """Status and headers of an HTTP/1.1 response head; ValueError if it is not one."""
+    text = data.decode("latin-1")
+    status_line, *lines = text.split("\r\n")
+    parts = status_line.split(" ", 2)
+    if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
+        raise ValueError(f"not an HTTP/1.1 response: {status_line[:80]!r}")
+    headers: Headers = []
+    for line in lines:
+        if not line:
+            continue
+        name, sep, value = line.partition(":")
+        if not sep:
+            raise ValueError(f"malformed response header line {line[:80]!r}")
+        headers.append((name.strip().lower(), value.strip()))
+    return int(parts[1]), headers
+
+
+class _RefusedUpgradeBody:
+    """Body of a refused upgrade; its connection is closed once, whether the body was read or not.
+
+    An async generator's ``finally`` does not run when ``aclose`` comes before the first
+    ``__anext__`` (a HEAD, a 204/304, a client gone before the body): ``on_close`` (the balancer
+    lease) was never called, and the socket was closed only by StreamWriter's finalizer, with a
+    ResourceWarning. ``aclose`` here does both in every case.
+    """
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, headers: Headers,
+                 on_close: Callable[[], Awaitable[None]]) -> None:
+        self._chunks = _raw_body(reader, headers)
+        self._writer = writer
+        self._on_close: Callable[[], Awaitable[None]] | None = on_close
+
+    def __aiter__(self) -> _RefusedUpgradeBody:
+        return self
+
+    async def __anext__(self) -> bytes:
+        try:
+            return await self._chunks.__anext__()
+        except BaseException:
+            await self.aclose()
+            raise
+
+    async def aclose(self) -> None:
+        on_close, self._on_close = self._on_close, None
+        if on_close is None:
+            return
+        await self._chunks.aclose()
+        self._writer.close()
+        await on_close()
+
+
+async def _raw_body(reader: asyncio.StreamReader, headers: Headers) -> AsyncGenerator[bytes, None]:
+    """Content-Length, chunked, or until close; a broken body just ends (the caller closes the socket)."""
+    values = dict(headers)
+    try:
+        if "chunked" in values.get("transfer-encoding", "").lower():
+            while True:
+                size = int((await reader.readuntil(b"\r\n")).split(b";")[0].strip() or b"0", 16)
+                if size == 0:
+                    break
+                yield await reader.readexactly(size)
+                await reader.readexactly(2)
+        elif "content-length" in values:
+            left = int(values["content-length"])
+            while left > 0:
+                chunk = await reader.read(min(left, 1 << 16))
+                if not chunk:
+                    break
+                left -= len(chunk)
+                yield chunk
+        else:
+            while chunk := await reader.read(1 << 16):
+                yield chunk
+    except (OSError, asyncio.IncompleteReadError, ValueError):
+        pass
