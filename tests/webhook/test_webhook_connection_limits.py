@@ -473,3 +473,40 @@ async def test_a_response_whose_connection_was_reset_while_waiting_is_dropped_wi
     middleware = _write_bounded(WebhookSettings())
     resp = await middleware(request, handler)
     assert isinstance(resp, Reset)
+
+
+def _review_without_reading(served: Listening, uid_bytes: int) -> ssl.SSLSocket:
+    """A blocking client with a tiny receive window that sends one review whose uid (echoed in the answer) is
+    ``uid_bytes`` long, and reads nothing."""
+    doc = review(secret(data={"a": b64(64)}))
+    doc["request"]["uid"] = "u" * uid_bytes
+    body = orjson.dumps(doc)
+    raw = socket.create_connection(("127.0.0.1", served.port))
+    raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    tls = served.ctx.wrap_socket(raw, server_hostname="127.0.0.1")
+    tls.settimeout(3)
+    tls.sendall(b"POST /validate HTTP/1.1\r\nHost: webhook\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    return tls
+
+
+async def test_answers_a_client_does_not_read_count_in_the_request_budget(tmp_path: Path) -> None:
+    """An answer is as large as what the caller puts in it (the review's uid is echoed; a mutating patch grows with
+    the pod), and uvloop's TLS transport hands a whole answer to its TCP buffer at once, so aiohttp never waited and
+    the write timeout never fired: 1000 connections that sent a review with a 1 MiB uid and never read took a worker
+    to 3.8 GiB. Answers the client has not acknowledged count in maxBufferedRequestBytes, so the connection holding
+    the most unread answer bytes is cut, while a client that reads its answers is still served."""
+    async for served in _serving(tmp_path, max_buffered_request_bytes=1_000_000):
+        evicted = metrics().refused_connections.labels("request-budget")
+        before = evicted._value.get()
+        held = []
+        try:
+            for _ in range(3):  # 400 KB answers each: the third takes the total past 1 MB
+                held.append(await asyncio.to_thread(_review_without_reading, served, 400_000))
+                await asyncio.sleep(0.2)  # reviewed and answered: the answer waits for the client
+            await _wait_for(evicted, before)
+            answer = await _post(served, orjson.dumps(review(secret(data={"a": b64(64)}))))
+            assert answer.startswith(b"HTTP/1.1 200") and b'"allowed":true' in answer
+        finally:
+            for tls in held:
+                tls.close()
