@@ -8,6 +8,8 @@ client process that opens ``--connections`` TLS connections on 127.0.0.1 (50 han
 * ``idle``: nothing (the reference: what a connection costs by itself);
 * ``fat-then-idle``: one complete GET /healthz with a 254 KB head (31 fields of 8 KB) sent in one write, its answer
   read, then idle: what TLS and parser buffers keep once the request is gone;
+* ``read-then-idle``: POST /validate with a review whose ``uid`` is 1 MiB, its answer read whole, then idle: what
+  the last exchange leaves behind (8 reviews in flight at a time);
 * ``fast-sender``: GET /healthz declaring a 1 GB body and writing it as fast as the webhook takes it, never reading:
   bytes arriving faster than the webhook parses them (the handler never reads the body);
 * ``slow-records``: an unfinished head sent as 1-byte TLS records (4000 of them), never ended;
@@ -15,9 +17,9 @@ client process that opens ``--connections`` TLS connections on 127.0.0.1 (50 han
   of 4 KiB, never read: the answer waits in the webhook's write buffer (8 reviews in flight at a time, under the
   caller's body share).
 
-Reported: the worker's RSS before, its VmHWM (peak RSS) 5 s after the last connection was served, the growth per
-connection, and the growth over the ``idle`` reference. Connections are bounded in count and time; the client is
-killed at the end of each run. The machine's other work makes the figures noisy.
+Reported: the worker's RSS before, its VmHWM (peak RSS) and VmRSS 5 s after the last connection was served, the
+peak's growth per connection, and its growth over the ``idle`` reference. Connections are bounded in count and time;
+the client is killed at the end of each run. The machine's other work makes the figures noisy.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from gatekeeper.certs import PKI  # noqa: E402
 
-SCENARIOS = ("idle", "fat-then-idle", "fast-sender", "slow-records", "unsent-responses")
+SCENARIOS = ("idle", "fat-then-idle", "read-then-idle", "fast-sender", "slow-records", "unsent-responses")
 
 
 def _status(pid: int, key: str) -> int:
@@ -79,6 +81,14 @@ async def _client(port: int, ca: str, scenario: str, n: int) -> None:
             writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + fields + b"\r\n")
             await writer.drain()
             await reader.readuntil(b"\r\n\r\n")
+        elif scenario == "read-then-idle":
+            async with posting:
+                writer.write(b"POST /validate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n" % len(body) + body)
+                await writer.drain()
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+                await reader.readexactly(length)
         elif scenario == "fast-sender":
             writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000000\r\n\r\n")
             chunk = b"b" * 65536
@@ -124,7 +134,7 @@ class _quiet:
         return exc[0] is not None and issubclass(exc[0], (TimeoutError, OSError))  # type: ignore[arg-type]
 
 
-def run_one(scenario: str, n: int, tmp: Path, pki: PKI) -> tuple[int, int]:
+def run_one(scenario: str, n: int, tmp: Path, pki: PKI) -> tuple[int, int, int]:
     cfg = tmp / "config.yaml"
     cfg.write_text("webhook:\n  server:\n    port: 0\n    certCheckIntervalSeconds: 0\n"
                    f"    certFile: {pki.cert_path('webhook')}\n    keyFile: {pki.key_path('webhook')}\n"
@@ -149,7 +159,7 @@ def run_one(scenario: str, n: int, tmp: Path, pki: PKI) -> tuple[int, int]:
         assert client.stdout is not None
         client.stdout.readline()  # "sent" (or EOF if it died)
         time.sleep(5)
-        return base, _status(server.pid, "VmHWM")
+        return base, _status(server.pid, "VmHWM"), _status(server.pid, "VmRSS")
     finally:
         if client is not None:
             client.kill()
@@ -176,15 +186,16 @@ def main() -> None:
         mib = 1024 * 1024
         n = args.connections
         chosen = ["idle", *[s for s in SCENARIOS if s != "idle" and (not args.scenario or s in args.scenario)]]
-        print(f"{'scenario':18} {'conns':>5} {'RSS before':>10} {'peak':>8} {'KiB/conn':>8} {'over idle':>10}")
+        print(f"{'scenario':18} {'conns':>5} {'RSS before':>10} {'peak':>8} {'at end':>8} {'KiB/conn':>8} "
+              f"{'over idle':>10}")
         idle = 0
         for scenario in chosen:
-            base, peak = run_one(scenario, n, tmp, pki)
+            base, peak, now = run_one(scenario, n, tmp, pki)
             grown = peak - base
             if scenario == "idle":
                 idle = grown
-            print(f"{scenario:18} {n:5d} {base / mib:7.0f} MiB {peak / mib:4.0f} MiB {grown / 1024 / n:8.0f} "
-                  f"{(grown - idle) / mib:6.0f} MiB", flush=True)
+            print(f"{scenario:18} {n:5d} {base / mib:7.0f} MiB {peak / mib:4.0f} MiB {now / mib:4.0f} MiB "
+                  f"{grown / 1024 / n:8.0f} {(grown - idle) / mib:6.0f} MiB", flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -510,3 +510,33 @@ async def test_answers_a_client_does_not_read_count_in_the_request_budget(tmp_pa
         finally:
             for tls in held:
                 tls.close()
+
+
+async def test_the_head_of_an_answered_request_counts_until_the_next_one(tmp_path: Path) -> None:
+    """aiohttp's request loop keeps the request it last answered while it waits for the next one (up to
+    idleTimeoutSeconds): 1000 connections that each sent one 254 KB head, read the answer and idled held 750 KiB
+    each, a worker at 820 MiB, with nothing counted. That head counts until the next request, so past
+    maxBufferedRequestBytes the idle connection holding the most is cut, while the next request on a connection
+    is still answered (its previous head let go)."""
+    async for served in _serving(tmp_path, max_buffered_request_bytes=300_000):
+        evicted = metrics().refused_connections.labels("request-budget")
+        before = evicted._value.get()
+        small_reader, small = await served.tls()
+        fat = []
+        try:
+            for _ in range(4):  # 96 KB heads, each answered and then idle: the fourth takes the total past 300 KB
+                reader, writer = await served.tls()
+                writer.write(_unfinished_head(12) + b"\r\n")
+                await writer.drain()
+                answer = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), GIVE_UP)
+                assert answer.startswith(b"HTTP/1.1 200")
+                fat.append(writer)
+            await _wait_for(evicted, before)
+            for _ in range(3):  # a connection asking again and again holds one head, not all of them
+                small.write(_unfinished_head(1) + b"\r\n")
+                await small.drain()
+                answer = await asyncio.wait_for(small_reader.readuntil(b"\r\n\r\nok"), GIVE_UP)
+                assert answer.startswith(b"HTTP/1.1 200")
+        finally:
+            for writer in [small, *fat]:
+                writer.close()
