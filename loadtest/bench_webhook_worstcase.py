@@ -18,8 +18,9 @@ client process that opens ``--connections`` TLS connections on 127.0.0.1 (50 han
   caller's body share).
 
 Reported: the worker's RSS before, its VmHWM (peak RSS) and VmRSS 5 s after the last connection was served, the
-peak's growth per connection, and its growth over the ``idle`` reference. Connections are bounded in count and time;
-the client is killed at the end of each run. The machine's other work makes the figures noisy.
+peak's growth per connection, its growth over the ``idle`` reference, and the peak against the README's derived
+worst case of a worker (:func:`derived_bound`, with the RSS before as the process at rest). Connections are bounded
+in count and time; the client is killed at the end of each run. The machine's other work makes the figures noisy.
 """
 
 from __future__ import annotations
@@ -40,6 +41,23 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from gatekeeper.certs import PKI  # noqa: E402
+
+CONNECTION_BYTES = 30 * 1024
+"""An open idle connection (TLS session, aiohttp handler), measured by the ``idle`` scenario."""
+TLS_READ_BYTES = 130 * 1024
+"""A connection's TLS read buffers at socketReceiveBufferBytes 16 KiB, measured by ``fast-sender``."""
+DECODE_FACTOR = 5
+"""The review being decoded, in maxBodyBytes: an estimate (JSON objects take a few times their bytes)."""
+
+
+def derived_bound(rest: int) -> int:
+    """The README's worst case of one worker at the default settings (kernel socket buffers aside: not in RSS)."""
+    from gatekeeper.webhook.settings import ServerSettings
+
+    srv = ServerSettings(cert_file="c", key_file="k")
+    return (rest + srv.max_connections * (CONNECTION_BYTES + TLS_READ_BYTES) + 3 * srv.max_buffered_request_bytes
+            + srv.max_buffered_body_bytes + DECODE_FACTOR * srv.max_body_bytes)
+
 
 SCENARIOS = ("idle", "fat-then-idle", "read-then-idle", "fast-sender", "slow-records", "unsent-responses")
 
@@ -187,7 +205,7 @@ def main() -> None:
         n = args.connections
         chosen = ["idle", *[s for s in SCENARIOS if s != "idle" and (not args.scenario or s in args.scenario)]]
         print(f"{'scenario':18} {'conns':>5} {'RSS before':>10} {'peak':>8} {'at end':>8} {'KiB/conn':>8} "
-              f"{'over idle':>10}")
+              f"{'over idle':>10} {'of bound':>8}")
         idle = 0
         for scenario in chosen:
             base, peak, now = run_one(scenario, n, tmp, pki)
@@ -195,7 +213,9 @@ def main() -> None:
             if scenario == "idle":
                 idle = grown
             print(f"{scenario:18} {n:5d} {base / mib:7.0f} MiB {peak / mib:4.0f} MiB {now / mib:4.0f} MiB "
-                  f"{grown / 1024 / n:8.0f} {(grown - idle) / mib:6.0f} MiB", flush=True)
+                  f"{grown / 1024 / n:8.0f} {(grown - idle) / mib:6.0f} MiB {peak / derived_bound(base):8.0%}",
+                  flush=True)
+        print(f"derived worst case of a worker at the defaults: {derived_bound(54 * mib) / mib:.0f} MiB (README)")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

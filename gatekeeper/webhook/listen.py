@@ -20,6 +20,9 @@ listener must not let a caller hold connections for free:
   closed and counted in ``...refused_connections_total{reason="request-budget"}``
   (:class:`MeteredRequestHandler`, request_budget.py).
 
+* ``socketReceiveBufferBytes``: SO_RCVBUF of the connections, so that the TLS
+  layer's buffers, which no budget sees, stay small (``LimitedSite.start``).
+
 Idle connections and slow request heads are bounded by aiohttp's keep-alive
 timeout (``idleTimeoutSeconds``, set on the runner), slow bodies by the
 handler's ``bodyTimeoutSeconds`` (app.py).
@@ -318,14 +321,16 @@ class LimitedSite(web.BaseSite):
     """A TCP site with a TLS handshake timeout, a connection cap and a request budget (see the module docstring)."""
 
     __slots__ = ("_address", "_budget", "_handshake_timeout", "_max_connections", "_on_evicted",
-                 "_on_handshake_late", "_on_handshake_timeout", "_on_refused", "_port")
+                 "_on_handshake_late", "_on_handshake_timeout", "_on_refused", "_port", "_receive_buffer")
 
     def __init__(self, runner: web.BaseRunner, address: str, port: int, *, ssl_context: ssl.SSLContext,
                  max_connections: int, handshake_timeout: float, on_refused: Callable[[], None],
                  max_buffered_request_bytes: int | None = None, on_evicted: Callable[[], None] = lambda: None,
                  on_handshake_timeout: Callable[[], None] = lambda: None,
-                 on_handshake_late: Callable[[], None] = lambda: None, backlog: int = 2048) -> None:
+                 on_handshake_late: Callable[[], None] = lambda: None, backlog: int = 2048,
+                 receive_buffer: int = 0) -> None:
         super().__init__(runner, ssl_context=ssl_context, backlog=backlog)
+        self._receive_buffer = receive_buffer
         self._address, self._port = address, port
         self._max_connections = max_connections
         self._handshake_timeout = handshake_timeout
@@ -353,6 +358,12 @@ class LimitedSite(web.BaseSite):
         # Our own accept loop (accept.py), not create_server(ssl=...): the loop's handshake timer cut clients whose
         # TLS bytes waited unread while this worker was stalled.
         sockets = bind_listeners(self._address, self._port, reuse_port=True, backlog=self._backlog)
+        if self._receive_buffer:
+            # Accepted sockets inherit it. It bounds what the kernel queues for a connection, so what one read
+            # hands to the TLS layer, whose buffers (uvloop's read buffer, OpenSSL's incoming BIO) keep the largest
+            # size they reached for the connection's life: see ServerSettings.socket_receive_buffer_bytes.
+            for sock in sockets:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self._receive_buffer)
         self._server = AcceptServer(
             sockets, ConnectionCap(server, self._max_connections, self._on_refused, self._budget, self._on_evicted),
             self._ssl_context, period=self._handshake_timeout,

@@ -260,6 +260,8 @@ async def test_requests_queued_behind_a_pipelined_one_count_in_the_request_budge
     ("body_timeout_seconds", -1, "bodyTimeoutSeconds"),
     ("tls_handshake_timeout_seconds", 0, "tlsHandshakeTimeoutSeconds"),
     ("write_timeout_seconds", 0, "writeTimeoutSeconds"),
+    ("socket_receive_buffer_bytes", 1024, "socketReceiveBufferBytes"),
+    ("socket_receive_buffer_bytes", 1 << 30, "socketReceiveBufferBytes"),
 ])
 def test_limits_must_be_positive(field: str, value: float, needle: str) -> None:
     settings = replace(ServerSettings(cert_file="c", key_file="k"), **{field: value})
@@ -540,3 +542,29 @@ async def test_the_head_of_an_answered_request_counts_until_the_next_one(tmp_pat
         finally:
             for writer in [small, *fat]:
                 writer.close()
+
+
+def _server_side_receive_buffers() -> list[int]:
+    """SO_RCVBUF of the webhook's accepted connections in this process (the server runs in the test's loop)."""
+    import gc
+
+    from gatekeeper.webhook.listen import MeteredRequestHandler
+
+    return [h.transport.get_extra_info("socket").getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+            for h in gc.get_objects() if isinstance(h, MeteredRequestHandler) and h.transport is not None]
+
+
+async def test_connections_get_the_configured_receive_buffer(tmp_path: Path) -> None:
+    """One read hands the TLS layer everything the kernel queued, and uvloop's read buffer and OpenSSL's incoming
+    BIO keep that size for the connection's life, out of any budget: 1000 connections writing a body faster than
+    the webhook read it held ~650 KiB each (a worker at ~700 MiB) with the kernel's autotuned buffer, ~120 KiB at
+    16 KiB. The accepted connections carry socketReceiveBufferBytes (the kernel doubles it)."""
+    async for served in _serving(tmp_path, socket_receive_buffer_bytes=16384):
+        reader, writer = await served.tls()
+        try:
+            writer.write(b"GET /healthz HTTP/1.1\r\nHost: webhook\r\n\r\n")
+            await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), GIVE_UP)
+            sizes = _server_side_receive_buffers()
+            assert sizes and all(size <= 2 * 16384 for size in sizes), sizes
+        finally:
+            writer.close()
