@@ -118,7 +118,8 @@ class ServerSettings(TLSListenerSettings):
     each, a worker at 680-720 MiB; 110-130 KiB (160-185 MiB) at 16 KiB, 210 KiB at 32 KiB, 425 KiB at 64 KiB. The cost
     is a window of ~16-24 KiB: about 20 MB/s per connection at 1 ms round trip, so the largest review (6 MiB) takes
     ~0.3 s more to arrive over such a link; the usual review (a few KiB) nothing. Large reviews cost more CPU in
-    smaller reads: one noisy run of bench_webhook.py, 200 KiB Secrets per server CPU-second 1013 -> 572."""
+    smaller reads: 200 KiB Secret reviews per server CPU-second, 3 interleaved rounds, 686 at 16 KiB, 815 at 32 KiB,
+    939 at 64 KiB, 1098 with autotuning. The default buys the memory bound with that CPU (README)."""
     max_connections: int = 1000
     """Open connections per worker process; a new one over it is closed after its TLS handshake, before any
     request is read (any pod can connect, and each open connection can hold up to ``maxBodyBytes``)."""
