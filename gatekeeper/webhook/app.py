@@ -339,6 +339,13 @@ _UNBLOCKED_BYTES = 16 * 1024
 """A response this small, written into an empty transport buffer, stays under its high-water mark (64 KiB)."""
 
 
+def _response_bytes(resp: web.StreamResponse) -> int:
+    """About the bytes ``resp`` puts on the wire: its body (a streamed one is not known: 0) and its head."""
+    body = resp.body if isinstance(resp, web.Response) else None
+    size = len(body) if isinstance(body, (bytes, bytearray)) else 0
+    return size + 64 + sum(len(k) + len(v) + 4 for k, v in resp.headers.items())
+
+
 def _write_bounded(settings: WebhookSettings) -> Any:
     """Middleware: every response, errors included, is written within ``writeTimeoutSeconds`` or the connection
     is aborted. aiohttp waits for a socket to drain with no limit, and a handler waiting there is not idle, so a
@@ -353,6 +360,9 @@ def _write_bounded(settings: WebhookSettings) -> Any:
             resp = exc
         if resp.prepared:
             return resp
+        will_write = getattr(request.protocol, "will_write", None)  # listen.MeteredRequestHandler
+        if will_write is not None:
+            will_write(_response_bytes(resp))
         transport = request.transport
         if (transport is not None and not transport.get_write_buffer_size() and isinstance(resp, web.Response)
                 and isinstance(resp.body, bytes) and len(resp.body) <= _UNBLOCKED_BYTES):

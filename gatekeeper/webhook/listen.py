@@ -14,10 +14,14 @@ listener must not let a caller hold connections for free:
   Handshakes still in progress are not counted; the handshake timeout bounds them.
 
 * ``maxBufferedRequestBytes``: request heads (unfinished, queued behind a
-  pipelined request, or being answered) and the bodies of queued requests, all
+  pipelined request, being answered, or the last one answered), the bodies of
+  queued requests and the answers the client has not acknowledged, all
   connections of the worker together; over it the connection holding the most is
   closed and counted in ``...refused_connections_total{reason="request-budget"}``
   (:class:`MeteredRequestHandler`, request_budget.py).
+
+* ``socketReceiveBufferBytes``: SO_RCVBUF of the connections, so that the TLS
+  layer's buffers, which no budget sees, stay small (``LimitedSite.start``).
 
 Idle connections and slow request heads are bounded by aiohttp's keep-alive
 timeout (``idleTimeoutSeconds``, set on the runner), slow bodies by the
@@ -30,6 +34,7 @@ import asyncio
 import logging
 import socket
 import ssl
+import struct
 import sys
 from collections.abc import Awaitable, Callable
 from itertools import islice
@@ -71,6 +76,26 @@ class QuietClientErrors(logging.Logger):
         super().exception(msg, *args, exc_info=exc_info, **kwargs)
 
 
+_TCP_INFO_BYTES_ACKED = struct.Struct("=Q")
+"""``tcpi_bytes_acked`` (Linux >= 4.1) in ``struct tcp_info``, at offset 120: bytes the peer's kernel took."""
+_TCP_INFO_LEN = 128
+
+
+def bytes_acked(sock: Any) -> int | None:
+    """Bytes of ours the peer has acknowledged on ``sock`` (a socket or asyncio's/uvloop's socket stand-in), or
+    None where the kernel cannot say. What the client has not acknowledged is still ours: in the transport's
+    buffers (TLS and TCP, uvloop's user-space ones included) or the kernel's send buffer."""
+    if sock is None:
+        return None
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_LEN)
+    except (OSError, AttributeError, ValueError):
+        return None
+    if len(info) < _TCP_INFO_LEN:
+        return None
+    return int(_TCP_INFO_BYTES_ACKED.unpack_from(info, 120)[0])
+
+
 class _Refuse(asyncio.Protocol):
     """A connection over the cap: closed as soon as it is handed over, nothing read or written."""
 
@@ -107,8 +132,8 @@ class MeteredRequestHandler(RequestHandler):
     a reset frees the memory now instead of after a flush the client may never take).
     """
 
-    __slots__ = ("_bodies", "_budget", "_current", "_current_raw", "_evicted", "_heads", "_on_evicted", "_parsed",
-                 "_unfinished")
+    __slots__ = ("_acked", "_answered", "_bodies", "_budget", "_current", "_current_raw", "_evicted", "_heads",
+                 "_on_evicted", "_parsed", "_sent", "_sock", "_unfinished", "_unsent")
 
     def __init__(self, manager: web.Server, *, budget: RequestBudget[MeteredRequestHandler],
                  on_evicted: Callable[[], None], **kwargs: Any) -> None:
@@ -123,7 +148,31 @@ class MeteredRequestHandler(RequestHandler):
         """The last parsed request's payload (the only one the parser can still feed) and its entry."""
         self._current_raw = 0
         self._evicted = False
+        self._sock: Any = None
+        self._acked = 0
+        """``bytes_acked`` when the connection was handed over (the TLS handshake's bytes)."""
+        self._sent = 0
+        """Response bytes handed to the transport (:meth:`will_write`), since the connection was handed over."""
+        self._unsent = 0
+        """Of those, the ones the client had not taken at the last count."""
+        self._answered = 0
+        """Head bytes of the request last answered, still held by aiohttp's request loop (in ``_heads``)."""
 
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self._sock = transport.get_extra_info("socket")
+        self._acked = bytes_acked(self._sock) or 0
+
+    def will_write(self, size: int) -> None:
+        """A response of ``size`` bytes is about to be written: it counts in the budget until the client's kernel
+        acknowledges it. uvloop's TLS transport moves a whole response into its TCP transport's buffer at once, so
+        ``get_write_buffer_size()`` stays 0 and aiohttp never waits: 1000 connections that asked for a review with
+        a 1 MiB uid (echoed in the answer) and never read took a worker to 3.8 GiB (bench_webhook_worstcase.py)."""
+        if self._evicted:
+            return
+        self._sent += size
+        self._unsent = self._sent  # an upper bound until the next count
+        self._account()
     @property
     def unfinished_head_bytes(self) -> int:
         """The bound this connection holds for the head its parser is in the middle of (0 inside a body)."""
@@ -177,7 +226,14 @@ class MeteredRequestHandler(RequestHandler):
     def _account(self) -> None:
         if self._evicted:
             return
-        for victim in self._budget.hold(self, self._unfinished.held + self._heads + self._bodies):
+        if self._unsent:  # one getsockopt per response, at the next count: the client took it, or not yet
+            acked = bytes_acked(self._sock)
+            if acked is not None:
+                self._unsent = max(0, self._sent - (acked - self._acked))
+            else:  # no TCP_INFO: what the transport says it still holds (a lower bound)
+                transport = self.transport
+                self._unsent = transport.get_write_buffer_size() if transport is not None else 0
+        for victim in self._budget.hold(self, self._unfinished.held + self._heads + self._bodies + self._unsent):
             victim._evict()
 
     def _evict(self) -> None:
@@ -198,11 +254,18 @@ class MeteredRequestHandler(RequestHandler):
             entry.started = True
             self._bodies -= entry.body
             entry.body = 0
+        if self._answered:  # the previous request's head is let go now (aiohttp's loop took this one)
+            self._heads -= self._answered
+            self._answered = 0
         try:
             return await super()._handle_request(request, start_time, request_handler)
         finally:
             if entry is not None and self._parsed.pop(key, None) is entry:
-                self._heads -= entry.head
+                # Answered, but not let go: aiohttp's request loop keeps the request it last handled (its
+                # ``message`` and ``request`` locals) while it waits for the next one, up to idleTimeoutSeconds.
+                # Measured: 1000 connections that each sent one 254 KB head, read the answer and idled held
+                # 750 KiB each (a worker at 820 MiB). So the head counts until the next request or the close.
+                self._answered = entry.head
                 self._account()
 
     def connection_lost(self, exc: BaseException | None) -> None:
@@ -258,14 +321,16 @@ class LimitedSite(web.BaseSite):
     """A TCP site with a TLS handshake timeout, a connection cap and a request budget (see the module docstring)."""
 
     __slots__ = ("_address", "_budget", "_handshake_timeout", "_max_connections", "_on_evicted",
-                 "_on_handshake_late", "_on_handshake_timeout", "_on_refused", "_port")
+                 "_on_handshake_late", "_on_handshake_timeout", "_on_refused", "_port", "_receive_buffer")
 
     def __init__(self, runner: web.BaseRunner, address: str, port: int, *, ssl_context: ssl.SSLContext,
                  max_connections: int, handshake_timeout: float, on_refused: Callable[[], None],
                  max_buffered_request_bytes: int | None = None, on_evicted: Callable[[], None] = lambda: None,
                  on_handshake_timeout: Callable[[], None] = lambda: None,
-                 on_handshake_late: Callable[[], None] = lambda: None, backlog: int = 2048) -> None:
+                 on_handshake_late: Callable[[], None] = lambda: None, backlog: int = 2048,
+                 receive_buffer: int = 0) -> None:
         super().__init__(runner, ssl_context=ssl_context, backlog=backlog)
+        self._receive_buffer = receive_buffer
         self._address, self._port = address, port
         self._max_connections = max_connections
         self._handshake_timeout = handshake_timeout
@@ -293,6 +358,12 @@ class LimitedSite(web.BaseSite):
         # Our own accept loop (accept.py), not create_server(ssl=...): the loop's handshake timer cut clients whose
         # TLS bytes waited unread while this worker was stalled.
         sockets = bind_listeners(self._address, self._port, reuse_port=True, backlog=self._backlog)
+        if self._receive_buffer:
+            # Accepted sockets inherit it. It bounds what the kernel queues for a connection, so what one read
+            # hands to the TLS layer, whose buffers (uvloop's read buffer, OpenSSL's incoming BIO) keep the largest
+            # size they reached for the connection's life: see ServerSettings.socket_receive_buffer_bytes.
+            for sock in sockets:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self._receive_buffer)
         self._server = AcceptServer(
             sockets, ConnectionCap(server, self._max_connections, self._on_refused, self._budget, self._on_evicted),
             self._ssl_context, period=self._handshake_timeout,

@@ -6,15 +6,19 @@ request is answered, and keeps up to 32 parsed requests per connection queued be
 head, not a connection or the worker. Measured on one worker (``loadtest/bench_webhook_heads.py``, peak RSS):
 1000 connections of unfinished 254 KiB heads took it from 53 to 794 MiB (111 MiB with this budget), and 25 that
 pipeline 40 requests with such heads and never read their answers to 412 MiB (146); the chart's pod limit is
-512 MiB for two workers.
+512 MiB for two workers then (1 GiB since the worst case was re-derived: README, "worst case").
 
 What a connection is counted for, in bytes as received:
 
 * the head it is in the middle of (:class:`UnfinishedHead`, an upper bound the parser's own progress keeps exact
   at every completed head);
 * the head of every request parsed and not answered yet: queued behind a pipelined one, or being answered
-  (:func:`head_size`);
-* the body bytes of requests parsed and not yet handed to a handler (pipelined, queued).
+  (:func:`head_size`), and the head of the request last answered, which aiohttp's request loop keeps until the
+  next one arrives (measured: 750 KiB per idle connection after one 254 KB head);
+* the body bytes of requests parsed and not yet handed to a handler (pipelined, queued);
+* the bytes of the answers the client's kernel has not acknowledged (``TCP_INFO``): uvloop's TLS transport hands
+  a whole answer to its TCP buffer at once, so no drain ever waited for a client that does not read
+  (``listen.MeteredRequestHandler.will_write``; measured: 3.8 GiB for 1000 of them asking for 1 MiB answers).
 
 A body a handler is reading is not counted here: a review reserves it in the ``BodyBudget``
 (``maxBufferedBodyBytes``) before reading, and counting it twice would let a crowd of small holders make a large

@@ -147,7 +147,8 @@ async def serve(settings: WebhookSettings, stop: asyncio.Event | None = None) ->
     site = LimitedSite(runner, srv.address, srv.port, ssl_context=tls.base, max_connections=srv.max_connections,
                        handshake_timeout=srv.tls_handshake_timeout_seconds, on_refused=refused.inc,
                        max_buffered_request_bytes=srv.max_buffered_request_bytes, on_evicted=evicted.inc,
-                       on_handshake_timeout=handshake_timeouts.inc, on_handshake_late=metrics().handshakes_late.inc)
+                       on_handshake_timeout=handshake_timeouts.inc, on_handshake_late=metrics().handshakes_late.inc,
+                       receive_buffer=srv.socket_receive_buffer_bytes)
     try:
         await site.start()
     except OSError as exc:

@@ -97,7 +97,7 @@ class ServerSettings(TLSListenerSettings):
     max_header_fields: int = 32
     """Header fields in one request head; more get 400 (aiohttp's own limit was 128). The apiserver sends about
     ten. A head that never ends is held until ``idleTimeoutSeconds``, at about 2.5x its bytes: measured, 200
-    connections of 127 fields of 8 KB took a worker from 53 to 559 MiB, so one pod could OOM the 512 MiB pod."""
+    connections of 127 fields of 8 KB took a worker from 53 to 559 MiB, so one pod could OOM the (then) 512 MiB pod."""
     max_header_field_bytes: int = 8190
     """Bytes of one header field (name and value) and of the request line; more get 400. aiohttp's default, room
     for a bearer token or a mesh's client-certificate header. A connection's unfinished head holds at most about
@@ -110,6 +110,16 @@ class ServerSettings(TLSListenerSettings):
     ``request-budget``). The parsed heads take about 3x their bytes of memory; without it, ``maxConnections``
     unfinished heads took a worker to 794 MiB (measured), 25 clients pipelining fat heads to 412 MiB. 8 MiB is
     8 KiB per connection at ``maxConnections`` 1000: an apiserver's head (~1 KiB) is never the largest holder."""
+    socket_receive_buffer_bytes: int = 16 * 1024
+    """SO_RCVBUF of the webhook's connections (the kernel doubles it; 0 = its autotuning, up to net.ipv4.tcp_rmem's
+    6 MiB). One read hands the TLS layer all the kernel queued, and its buffers (uvloop's read buffer, OpenSSL's
+    incoming BIO) keep the largest size they reached for the connection's life, out of any budget: measured
+    (bench_webhook_worstcase.py fast-sender), 1000 connections writing a body faster than it was read held 650 KiB
+    each, a worker at 680-720 MiB; 110-130 KiB (160-185 MiB) at 16 KiB, 210 KiB at 32 KiB, 425 KiB at 64 KiB. The cost
+    is a window of ~16-24 KiB: about 20 MB/s per connection at 1 ms round trip, so the largest review (6 MiB) takes
+    ~0.3 s more to arrive over such a link; the usual review (a few KiB) nothing. Large reviews cost more CPU in
+    smaller reads: 200 KiB Secret reviews per server CPU-second, 3 interleaved rounds, 686 at 16 KiB, 815 at 32 KiB,
+    939 at 64 KiB, 1098 with autotuning. The default buys the memory bound with that CPU (README)."""
     max_connections: int = 1000
     """Open connections per worker process; a new one over it is closed after its TLS handshake, before any
     request is read (any pod can connect, and each open connection can hold up to ``maxBodyBytes``)."""
@@ -142,6 +152,9 @@ class ServerSettings(TLSListenerSettings):
             raise ValueError(f"shutdownDelaySeconds must be >= 0, got {self.shutdown_delay_seconds}")
         if self.max_connections < 1:
             raise ValueError(f"maxConnections must be >= 1, got {self.max_connections}")
+        if self.socket_receive_buffer_bytes and not 4096 <= self.socket_receive_buffer_bytes <= 16 * 1024 * 1024:
+            raise ValueError(f"socketReceiveBufferBytes must be 0 (the kernel's autotuning) or between 4096 and "
+                             f"16777216, got {self.socket_receive_buffer_bytes}")
         if self.max_header_fields < 8:
             raise ValueError(f"maxHeaderFields must be >= 8 (the apiserver sends about ten), "
                              f"got {self.max_header_fields}")

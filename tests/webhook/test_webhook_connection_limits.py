@@ -238,7 +238,10 @@ async def test_requests_queued_behind_a_pipelined_one_count_in_the_request_budge
     """aiohttp queues up to 32 parsed requests per connection while it answers one: 10 clients that pipeline fat
     heads and never read took a worker from 54 to 207 MiB. The queued heads count, so the client is cut long
     before writeTimeoutSeconds (which alone would hold them for 30 s); nothing is logged at ERROR for it."""
-    async for served in _serving(tmp_path, max_buffered_request_bytes=1_000_000):
+    # The kernel's autotuned receive buffer: reads of many heads at once queue them behind the first. With the
+    # default 16 KiB, requests arrive one read at a time and each is answered before the next is parsed (the
+    # answers wait in the kernel's send buffer, counted as unacknowledged), so nothing queues to be counted.
+    async for served in _serving(tmp_path, max_buffered_request_bytes=1_000_000, socket_receive_buffer_bytes=0):
         evicted = metrics().refused_connections.labels("request-budget")
         before = evicted._value.get()
         with caplog.at_level(logging.WARNING):
@@ -260,6 +263,8 @@ async def test_requests_queued_behind_a_pipelined_one_count_in_the_request_budge
     ("body_timeout_seconds", -1, "bodyTimeoutSeconds"),
     ("tls_handshake_timeout_seconds", 0, "tlsHandshakeTimeoutSeconds"),
     ("write_timeout_seconds", 0, "writeTimeoutSeconds"),
+    ("socket_receive_buffer_bytes", 1024, "socketReceiveBufferBytes"),
+    ("socket_receive_buffer_bytes", 1 << 30, "socketReceiveBufferBytes"),
 ])
 def test_limits_must_be_positive(field: str, value: float, needle: str) -> None:
     settings = replace(ServerSettings(cert_file="c", key_file="k"), **{field: value})
@@ -473,3 +478,96 @@ async def test_a_response_whose_connection_was_reset_while_waiting_is_dropped_wi
     middleware = _write_bounded(WebhookSettings())
     resp = await middleware(request, handler)
     assert isinstance(resp, Reset)
+
+
+def _review_without_reading(served: Listening, uid_bytes: int) -> ssl.SSLSocket:
+    """A blocking client with a tiny receive window that sends one review whose uid (echoed in the answer) is
+    ``uid_bytes`` long, and reads nothing."""
+    doc = review(secret(data={"a": b64(64)}))
+    doc["request"]["uid"] = "u" * uid_bytes
+    body = orjson.dumps(doc)
+    raw = socket.create_connection(("127.0.0.1", served.port))
+    raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    tls = served.ctx.wrap_socket(raw, server_hostname="127.0.0.1")
+    tls.settimeout(3)
+    tls.sendall(b"POST /validate HTTP/1.1\r\nHost: webhook\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    return tls
+
+
+async def test_answers_a_client_does_not_read_count_in_the_request_budget(tmp_path: Path) -> None:
+    """An answer is as large as what the caller puts in it (the review's uid is echoed; a mutating patch grows with
+    the pod), and uvloop's TLS transport hands a whole answer to its TCP buffer at once, so aiohttp never waited and
+    the write timeout never fired: 1000 connections that sent a review with a 1 MiB uid and never read took a worker
+    to 3.8 GiB. Answers the client has not acknowledged count in maxBufferedRequestBytes, so the connection holding
+    the most unread answer bytes is cut, while a client that reads its answers is still served."""
+    async for served in _serving(tmp_path, max_buffered_request_bytes=1_000_000):
+        evicted = metrics().refused_connections.labels("request-budget")
+        before = evicted._value.get()
+        held = []
+        try:
+            for _ in range(3):  # 400 KB answers each: the third takes the total past 1 MB
+                held.append(await asyncio.to_thread(_review_without_reading, served, 400_000))
+                await asyncio.sleep(0.2)  # reviewed and answered: the answer waits for the client
+            await _wait_for(evicted, before)
+            answer = await _post(served, orjson.dumps(review(secret(data={"a": b64(64)}))))
+            assert answer.startswith(b"HTTP/1.1 200") and b'"allowed":true' in answer
+        finally:
+            for tls in held:
+                tls.close()
+
+
+async def test_the_head_of_an_answered_request_counts_until_the_next_one(tmp_path: Path) -> None:
+    """aiohttp's request loop keeps the request it last answered while it waits for the next one (up to
+    idleTimeoutSeconds): 1000 connections that each sent one 254 KB head, read the answer and idled held 750 KiB
+    each, a worker at 820 MiB, with nothing counted. That head counts until the next request, so past
+    maxBufferedRequestBytes the idle connection holding the most is cut, while the next request on a connection
+    is still answered (its previous head let go)."""
+    async for served in _serving(tmp_path, max_buffered_request_bytes=300_000):
+        evicted = metrics().refused_connections.labels("request-budget")
+        before = evicted._value.get()
+        small_reader, small = await served.tls()
+        fat = []
+        try:
+            for _ in range(4):  # 96 KB heads, each answered and then idle: the fourth takes the total past 300 KB
+                reader, writer = await served.tls()
+                writer.write(_unfinished_head(12) + b"\r\n")
+                await writer.drain()
+                answer = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), GIVE_UP)
+                assert answer.startswith(b"HTTP/1.1 200")
+                fat.append(writer)
+            await _wait_for(evicted, before)
+            for _ in range(3):  # a connection asking again and again holds one head, not all of them
+                small.write(_unfinished_head(1) + b"\r\n")
+                await small.drain()
+                answer = await asyncio.wait_for(small_reader.readuntil(b"\r\n\r\nok"), GIVE_UP)
+                assert answer.startswith(b"HTTP/1.1 200")
+        finally:
+            for writer in [small, *fat]:
+                writer.close()
+
+
+def _server_side_receive_buffers() -> list[int]:
+    """SO_RCVBUF of the webhook's accepted connections in this process (the server runs in the test's loop)."""
+    import gc
+
+    from gatekeeper.webhook.listen import MeteredRequestHandler
+
+    return [h.transport.get_extra_info("socket").getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+            for h in gc.get_objects() if isinstance(h, MeteredRequestHandler) and h.transport is not None]
+
+
+async def test_connections_get_the_configured_receive_buffer(tmp_path: Path) -> None:
+    """One read hands the TLS layer everything the kernel queued, and uvloop's read buffer and OpenSSL's incoming
+    BIO keep that size for the connection's life, out of any budget: 1000 connections writing a body faster than
+    the webhook read it held ~650 KiB each (a worker at ~700 MiB) with the kernel's autotuned buffer, ~120 KiB at
+    16 KiB. The accepted connections carry socketReceiveBufferBytes (the kernel doubles it)."""
+    async for served in _serving(tmp_path, socket_receive_buffer_bytes=16384):
+        reader, writer = await served.tls()
+        try:
+            writer.write(b"GET /healthz HTTP/1.1\r\nHost: webhook\r\n\r\n")
+            await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), GIVE_UP)
+            sizes = _server_side_receive_buffers()
+            assert sizes and all(size <= 2 * 16384 for size in sizes), sizes
+        finally:
+            writer.close()
