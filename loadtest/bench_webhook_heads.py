@@ -39,20 +39,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from gatekeeper.certs import PKI  # noqa: E402
+from loadtest.webhook_flood import flood, run_one  # noqa: E402
 
 SCENARIOS = {"slow-heads": 400, "pipelined-heads": 10, "pipelined-bodies": 30, "pipelined-small": 200}
 
 # Imports gatekeeper from SRC, not from the editable install (whose finder would win over PYTHONPATH).
 BOOT = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f).lower()]; "
         "sys.path.insert(0, sys.argv.pop(1)); from gatekeeper.cli import main; sys.exit(main())")
-
-
-def _status(pid: int, key: str) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 async def _client(port: int, ca: str, scenario: str, n: int) -> None:
@@ -76,54 +69,9 @@ async def _client(port: int, ca: str, scenario: str, n: int) -> None:
         await writer.drain()
         held.append(writer)
 
-    async def guarded() -> None:
-        try:
-            await asyncio.wait_for(one(), 30)
-        except (OSError, TimeoutError, ssl.SSLError):
-            pass  # cut by the server: what the budget is for
-
-    limit = asyncio.Semaphore(50)
-
-    async def bounded() -> None:
-        async with limit:
-            await guarded()
-
-    await asyncio.gather(*(bounded() for _ in range(n)))
+    await flood(n, one, (OSError,))  # cut by the server: what the budget is for
     print("sent", flush=True)
     await asyncio.sleep(60)  # killed by the parent long before
-
-
-def run_one(src: Path, scenario: str, n: int, tmp: Path, pki: PKI) -> tuple[int, int]:
-    cfg = tmp / "config.yaml"
-    cfg.write_text("webhook:\n  server:\n    port: 0\n    certCheckIntervalSeconds: 0\n"
-                   f"    certFile: {pki.cert_path('webhook')}\n    keyFile: {pki.key_path('webhook')}\n"
-                   "  gpu:\n    enabled: false\n")
-    port_file = tmp / "port"
-    port_file.unlink(missing_ok=True)
-    server = subprocess.Popen([sys.executable, "-c", BOOT, str(src), "webhook", "--config", str(cfg),
-                               "--port-file", str(port_file)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    client = None
-    try:
-        deadline = time.monotonic() + 30
-        while not (port_file.exists() and port_file.read_text().strip()):
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"the webhook from {src} did not start")
-            time.sleep(0.05)
-        time.sleep(0.5)
-        base = _status(server.pid, "VmRSS")
-        client = subprocess.Popen([sys.executable, __file__, "--client", port_file.read_text().strip(),
-                                   str(pki.cert_path("ca")), scenario, str(n)], stdout=subprocess.PIPE,
-                                  stderr=subprocess.DEVNULL, text=True)
-        assert client.stdout is not None
-        client.stdout.readline()  # "sent" (or EOF if it died)
-        time.sleep(3)
-        return base, _status(server.pid, "VmHWM")
-    finally:
-        if client is not None:
-            client.kill()
-            client.wait()
-        server.terminate()
-        server.wait(10)
 
 
 class _Sink(asyncio.Transport):
@@ -229,7 +177,8 @@ def main() -> None:
             n = max(1, int(n * args.scale))
             grown = {}
             for name, src in (("baseline", base_src), ("tree", ROOT)):
-                base, peak = run_one(src, scenario, n, tmp, pki)
+                base, peak, _ = run_one([sys.executable, "-c", BOOT, str(src)], __file__, scenario, n, tmp, pki,
+                                        settle=3)
                 grown[name] = (base, peak)
             (b0, b1), (t0, t1) = grown["baseline"], grown["tree"]
             print(f"{scenario:18} {n:5d} {b0 / mib:5.0f} -> {b1 / mib:4.0f} MiB {t0 / mib:5.0f} -> {t1 / mib:4.0f} MiB "

@@ -31,16 +31,15 @@ import os
 import shutil
 import socket
 import ssl
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from gatekeeper.certs import PKI  # noqa: E402
+from loadtest.webhook_flood import flood, run_one  # noqa: E402
 
 CONNECTION_BYTES = 30 * 1024
 """An open idle connection (TLS session, aiohttp handler), measured by the ``idle`` scenario."""
@@ -60,14 +59,6 @@ def derived_bound(rest: int) -> int:
 
 
 SCENARIOS = ("idle", "fat-then-idle", "read-then-idle", "fast-sender", "slow-records", "unsent-responses")
-
-
-def _status(pid: int, key: str) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def _review(uid_bytes: int) -> bytes:
@@ -127,19 +118,7 @@ async def _client(port: int, ca: str, scenario: str, n: int) -> None:
                 await writer.drain()
                 await asyncio.sleep(0.2)  # reviewed, its answer queued
 
-    async def guarded() -> None:
-        try:
-            await asyncio.wait_for(one(), 30)
-        except (OSError, TimeoutError, ssl.SSLError, asyncio.IncompleteReadError):
-            pass  # cut by the server
-
-    limit = asyncio.Semaphore(50)
-
-    async def bounded() -> None:
-        async with limit:
-            await guarded()
-
-    await asyncio.gather(*(bounded() for _ in range(n)))
+    await flood(n, one, (OSError, asyncio.IncompleteReadError))  # cut by the server
     print("sent", len(held), flush=True)
     await asyncio.sleep(120)  # killed by the parent long before
 
@@ -150,40 +129,6 @@ class _quiet:
 
     def __exit__(self, *exc: object) -> bool:
         return exc[0] is not None and issubclass(exc[0], (TimeoutError, OSError))  # type: ignore[arg-type]
-
-
-def run_one(scenario: str, n: int, tmp: Path, pki: PKI) -> tuple[int, int, int]:
-    cfg = tmp / "config.yaml"
-    cfg.write_text("webhook:\n  server:\n    port: 0\n    certCheckIntervalSeconds: 0\n"
-                   f"    certFile: {pki.cert_path('webhook')}\n    keyFile: {pki.key_path('webhook')}\n"
-                   "  gpu:\n    enabled: false\n")
-    port_file = tmp / "port"
-    port_file.unlink(missing_ok=True)
-    server = subprocess.Popen([sys.executable, "-m", "gatekeeper", "webhook", "--config", str(cfg),
-                               "--port-file", str(port_file)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              cwd=ROOT)
-    client = None
-    try:
-        deadline = time.monotonic() + 30
-        while not (port_file.exists() and port_file.read_text().strip()):
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("the webhook did not start")
-            time.sleep(0.05)
-        time.sleep(0.5)
-        base = _status(server.pid, "VmRSS")
-        client = subprocess.Popen([sys.executable, __file__, "--client", port_file.read_text().strip(),
-                                   str(pki.cert_path("ca")), scenario, str(n)], stdout=subprocess.PIPE,
-                                  stderr=subprocess.DEVNULL, text=True)
-        assert client.stdout is not None
-        client.stdout.readline()  # "sent" (or EOF if it died)
-        time.sleep(5)
-        return base, _status(server.pid, "VmHWM"), _status(server.pid, "VmRSS")
-    finally:
-        if client is not None:
-            client.kill()
-            client.wait()
-        server.terminate()
-        server.wait(10)
 
 
 def main() -> None:
@@ -208,7 +153,8 @@ def main() -> None:
               f"{'over idle':>10} {'of bound':>8}")
         idle = 0
         for scenario in chosen:
-            base, peak, now = run_one(scenario, n, tmp, pki)
+            base, peak, now = run_one([sys.executable, "-m", "gatekeeper"], __file__, scenario, n, tmp, pki,
+                                      settle=5, cwd=ROOT)
             grown = peak - base
             if scenario == "idle":
                 idle = grown
