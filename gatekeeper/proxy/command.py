@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -44,6 +45,9 @@ def register(sub: Any) -> None:
     p.add_argument("--config", required=True, type=Path, help="YAML config file with a proxy: section")
     p.add_argument("--workers", type=int, default=None, metavar="N",
                    help="worker processes sharing the port (default proxy.workers; 0 = one per usable core)")
+    p.add_argument("--check", action="store_true",
+                   help="validate the config, its certificate and key files and its flow-control policy, print a "
+                        "summary and exit (0: the proxy would start on it; 2: the problems, on stderr)")
     for hidden in ("--worker-index", "--worker-port", "--handoff-fd"):  # set by the supervisor (proxy/workers.py)
         p.add_argument(hidden, type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--runtime-dir", type=Path, default=None, help=argparse.SUPPRESS)
@@ -78,6 +82,8 @@ def _run(args: argparse.Namespace) -> int:
     from gatekeeper.proxy import workers
 
     settings: ProxySettings = load_config(args.config, need="proxy").proxy
+    if args.check:
+        return _run_check(settings)
     _check_files(settings)
     if args.worker_index is not None and args.runtime_dir is not None and args.worker_port is not None:
         workers.run_worker(settings, args.worker_index, args.runtime_dir, args.worker_port, args.handoff_fd)
@@ -96,6 +102,16 @@ def _run(args: argparse.Namespace) -> int:
     tune_gc(settings)
     asyncio.run(run(settings))
     return 0
+
+
+def _run_check(settings: ProxySettings) -> int:
+    from gatekeeper.proxy.check import check
+
+    summary, problems = check(settings, _check_files)
+    print("\n".join(summary))
+    for problem in problems:
+        print(f"gatekeeper proxy --check: error: {problem}", file=sys.stderr)
+    return 2 if problems else 0
 
 
 def tune_gc(settings: ProxySettings) -> None:
