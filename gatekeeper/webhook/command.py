@@ -26,6 +26,9 @@ def register(sub: Any) -> None:
                    help="processes sharing the port via SO_REUSEPORT (default: webhook.server.workers)")
     p.add_argument("--port", type=int, default=None, help="override webhook.server.port (0 = any free port)")
     p.add_argument("--port-file", default=None, help="write the bound port to this file once listening")
+    p.add_argument("--check", action="store_true",
+                   help="validate the config, load the serving certificate, key and client CA, print a summary "
+                        "and exit without listening (0: the webhook would start on it; 2: the error, on stderr)")
     p.set_defaults(func=_run)
 
 
@@ -49,6 +52,19 @@ def _run(args: argparse.Namespace) -> int:
     settings = replace(settings, server=srv)
     try:
         preflight(settings)
+        if args.check:
+            print(_summary(settings, workers))
+            return 0
         return run(settings, workers)
     except StartupError as exc:
         raise UsageError(f"{args.config}: {exc}") from None
+
+
+def _summary(settings: WebhookSettings, workers: int) -> str:
+    """What an operator checks before a rollout: the limits and modes this config puts in force."""
+    sec, gpu = settings.secrets, settings.gpu
+    secrets = (f"secrets: hardLimit {sec.hard_limit}, softLimit {sec.soft_limit}, {len(sec.overrides)} override(s)"
+               f"{', ConfigMaps too' if sec.config_maps else ''}" if sec.enabled else "secrets: off")
+    pods = (f"gpu: defaultMode {gpu.default_mode}, {len(gpu.namespace_modes)} namespace mode(s), "
+            f"{len(gpu.enforced_namespaces)} enforced namespace(s)" if gpu.enabled else "gpu: off")
+    return "\n".join([f"listening on port {settings.server.port} with {workers} worker(s)", secrets, pods])

@@ -179,6 +179,20 @@ def test_unloadable_certificate_is_a_one_line_error_naming_the_setting(tmp_path:
     assert "webhook.server.certFile/keyFile" in p.stderr and str(bad) in p.stderr
 
 
+def test_check_exits_without_listening_and_reports_what_start_would_refuse(tmp_path: Path, pki: PKI) -> None:
+    """``--check`` on a good config: exit 0 with the limits in force, and no socket ever bound; on a serving key
+    that is not its certificate's (both files exist): the start-up error, exit 2."""
+    cfg = write_config(tmp_path, pki)
+    p = run_webhook(cfg, "--check")  # a webhook that served instead would not exit: run_webhook's timeout
+    assert p.returncode == 0, p.stderr
+    assert "secrets: hardLimit 128Ki" in p.stdout and "gpu: defaultMode time-slicing" in p.stdout
+    pki.issue_serving("other", ips=["127.0.0.1"])
+    cfg.write_text(cfg.read_text().replace(str(pki.key_path("webhook")), str(pki.key_path("other"))))
+    p = run_webhook(cfg, "--check")
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert "webhook.server.certFile/keyFile" in p.stderr
+
+
 def test_out_of_range_port_is_refused_not_wrapped_around(tmp_path: Path, pki: PKI) -> None:
     cfg = write_config(tmp_path, pki)
     cfg.write_text(cfg.read_text().replace("port: 0", "port: 70000"))
