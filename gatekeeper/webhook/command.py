@@ -67,4 +67,5 @@ def _summary(settings: WebhookSettings, workers: int) -> str:
                f"{', ConfigMaps too' if sec.config_maps else ''}" if sec.enabled else "secrets: off")
     pods = (f"gpu: defaultMode {gpu.default_mode}, {len(gpu.namespace_modes)} namespace mode(s), "
             f"{len(gpu.enforced_namespaces)} enforced namespace(s)" if gpu.enabled else "gpu: off")
-    return "\n".join([f"listening on port {settings.server.port} with {workers} worker(s)", secrets, pods])
+    port = settings.server.port or "0 (any free port)"
+    return "\n".join([f"would listen on port {port} with {workers} worker(s)", secrets, pods])
