@@ -9,13 +9,14 @@ and turns expected failures into one readable line and a non-zero exit.
 from __future__ import annotations
 
 import argparse
-import logging
+import os
 import sys
 from collections.abc import Sequence
 
 from gatekeeper import __version__, certs_command
 from gatekeeper.config import ConfigError
 from gatekeeper.errors import UsageError, non_negative_int, positive_int
+from gatekeeper.logs import FORMAT_ENV, FORMATS, LEVEL_ENV, configure
 from gatekeeper.proxy import command as proxy_command
 from gatekeeper.sandbox import command as sandbox_command
 from gatekeeper.webhook import command as webhook_command
@@ -36,7 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument("--version", action="version", version=f"gatekeeper {__version__}")
-    parser.add_argument("--log-level", default="INFO", help="logging level (DEBUG, INFO, WARNING); default INFO")
+    parser.add_argument("--log-level", default=os.environ.get(LEVEL_ENV, "INFO"),
+                        help=f"logging level (DEBUG, INFO, WARNING); default ${LEVEL_ENV} or INFO")
+    parser.add_argument("--log-format", default=os.environ.get(FORMAT_ENV, "text"), choices=FORMATS,
+                        help=f"text, or json (one object per line, for a log pipeline); default ${FORMAT_ENV} "
+                             "or text. Proxy workers inherit both")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     webhook_command.register(sub)
     proxy_command.register(sub)
@@ -71,11 +76,8 @@ def _register_loadtest(sub: argparse._SubParsersAction) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
     try:
+        configure(str(args.log_level), args.log_format)
         rc = args.func(args)
     except (UsageError, ConfigError, FileNotFoundError, FileExistsError) as exc:
         print(f"gatekeeper {args.command}: error: {exc}", file=sys.stderr)

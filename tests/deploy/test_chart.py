@@ -137,6 +137,19 @@ def test_image_digest_and_scheduling_values_reach_the_pod() -> None:
     assert spec["tolerations"] == [{"operator": "Exists"}] and "priorityClassName" not in spec
 
 
+def test_log_format_and_level_values_reach_the_webhook_command_line() -> None:
+    (dep,) = by_kind(render(), "Deployment")
+    assert dep["spec"]["template"]["spec"]["containers"][0]["args"][:5] == [
+        "--log-format", "text", "--log-level", "INFO", "webhook"]
+    (dep,) = by_kind(render("logFormat=json", "logLevel=DEBUG"), "Deployment")
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[:4] == ["--log-format", "json", "--log-level", "DEBUG"]
+    from gatekeeper.cli import build_parser
+
+    parsed = build_parser().parse_args([*args[:4], "webhook", "--config", "x"])  # the CLI accepts what it renders
+    assert (parsed.log_format, parsed.log_level, parsed.command) == ("json", "DEBUG", "webhook")
+
+
 def test_client_certificate_authentication_values_make_a_valid_config() -> None:
     docs = render("config.server.clientCaSecret=apiserver-webhook-ca",
                   "config.server.allowedClientNames={kube-apiserver-webhook-client}")
