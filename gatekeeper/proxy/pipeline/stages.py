@@ -40,6 +40,7 @@ from gatekeeper.proxy.upstream.client import (
     ConnectFailed,
     NoFrontProxyCert,
     PoolTimeout,
+    RequestResetByBackend,
     UpstreamTimeout,
 )
 from gatekeeper.proxy.upstream.upgrade import is_upgrade, open_upgrade
@@ -297,6 +298,16 @@ class Dispatcher:
             except NoFrontProxyCert as exc:
                 lease.release()
                 return error_response(500, "InternalError", f"gatekeeper proxy: {exc}")
+            except RequestResetByBackend as exc:
+                # This request's stream, not the backend: a 5xx answer for the storm detector, no ejection
+                # (one malformed GET per apiserver from any client used to empty the rotation).
+                lease.release()
+                self.balancer.report_response(backend, 502)
+                metrics.UPSTREAM_ERRORS.labels(backend.name, "backend").inc()
+                upstream_log.warning(f"reset:{backend.name}", f"{request.method} {request.target[:200]} on "
+                                     f"{backend.name}: {exc}")
+                return error_response(502, "InternalError",
+                                       f"gatekeeper proxy: apiserver {backend.name} reset the request")
             except BackendFailed as exc:
                 lease.release()
                 self.balancer.report_connect_failure(backend)

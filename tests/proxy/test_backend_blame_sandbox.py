@@ -1,0 +1,105 @@
+"""A tenant's own malformed request must never take an apiserver out of rotation for everyone.
+
+The balancer ejects a backend at once when a request fails there before an answer
+(``BackendFailed``: reported like a failed connect). On the multiplexed HTTP/2
+upstream, kube-apiserver (Go's HTTP/2 server) answers some requests it cannot
+parse with RST_STREAM PROTOCOL_ERROR instead of a response: a ``:path`` with a
+malformed percent escape (``url.ParseRequestURI`` fails), or a header value with a
+control byte (``httpguts.ValidHeaderFieldValue``). Such a request from any
+ServiceAccount token flow control verified (any pod's token) used to eject the
+apiserver it landed on, one request per apiserver: all load then went to the others.
+
+Over HTTP/1.1 the same bytes get a 400 from Go's server, which is what the proxy now
+answers itself, before any backend call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import ssl
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from gatekeeper.sandbox.pki import SandboxPKI
+from gatekeeper.sandbox.state import SandboxState
+from gatekeeper.sandbox.testing import ProxyProcess, metric_sum
+from gatekeeper.sandbox.with_proxy import IDENTITY_RBAC, default_flow_control
+
+pytestmark = pytest.mark.sandbox
+
+
+def kubectl(state: SandboxState, *args: str, stdin: str | None = None) -> str:
+    import subprocess
+
+    kc = str(state.extra.get("kubectl") or "kubectl")
+    out = subprocess.run([kc, "--kubeconfig", state.kubeconfig, *args], input=stdin, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+@pytest.fixture(scope="module")
+def tenant(sandbox: SandboxState) -> Iterator[tuple[str, str]]:
+    """A namespace with a ServiceAccount that may read it, and that ServiceAccount's token."""
+    ns = f"blame-{secrets.token_hex(3)}"
+    kubectl(sandbox, "apply", "-f", "-", stdin=IDENTITY_RBAC.read_text())
+    kubectl(sandbox, "create", "namespace", ns)
+    kubectl(sandbox, "-n", ns, "create", "serviceaccount", "reader")
+    kubectl(sandbox, "-n", ns, "create", "rolebinding", "reader", "--clusterrole=view", f"--serviceaccount={ns}:reader")
+    token = kubectl(sandbox, "-n", ns, "create", "token", "reader", "--duration=1h").strip()
+    try:
+        yield ns, token
+    finally:
+        kubectl(sandbox, "delete", "namespace", ns, "--wait=false")
+
+
+@pytest.fixture(scope="module")
+def proxy(sandbox: SandboxState, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProxyProcess]:
+    # Probes every 30 s: a probe would lift a connect-failure ejection within its interval; the
+    # counter below sees an ejection either way.
+    p = ProxyProcess(sandbox, tmp_path_factory.mktemp("blame-proxy"), name="blame-proxy", health_interval=30,
+                     user_config={"flowControl": default_flow_control(), "upstream": {"http2": True}})
+    p.start()
+    yield p
+    assert p.stop() == 0
+
+
+def ca_context(state: SandboxState) -> ssl.SSLContext:
+    return ssl.create_default_context(cafile=str(SandboxPKI(Path(state.certs_dir)).ca))
+
+
+async def test_a_tenants_malformed_requests_never_eject_an_apiserver(
+        sandbox: SandboxState, proxy: ProxyProcess, tenant: tuple[str, str]) -> None:
+    ns, token = tenant
+    good = {"authorization": f"Bearer {token}"}
+    base = f"{proxy.url}/api/v1/namespaces/{ns}/configmaps"
+    async with httpx.AsyncClient(verify=ca_context(sandbox), http2=True, timeout=30) as client:
+        for _ in range(100):  # the RoleBinding reaches the apiservers' RBAC caches within moments
+            if (await client.get(base, headers=good)).status_code == 200:
+                break
+            await asyncio.sleep(0.1)
+        before = (await client.get(f"{proxy.metrics_url}/metrics")).text
+        statuses: list[int | str] = []
+        for i in range(3 * len(sandbox.apiserver_urls)):
+            bad_escape = await client.get(f"{base}/x%zz{i}", headers=good)
+            statuses.append(bad_escape.status_code)
+            try:  # refused as Go's HTTP/2 server refuses it: this stream reset, the connection goes on
+                control = await client.get(base, headers={**good, "x-note": f"a\x01b{i}"})
+                statuses.append(control.status_code)
+            except httpx.RemoteProtocolError:
+                statuses.append("reset")
+        after = (await client.get(f"{proxy.metrics_url}/metrics")).text
+        still = await client.get(base, headers=good)
+    assert still.status_code == 200
+    assert statuses == [400, "reset"] * 3 * len(sandbox.apiserver_urls), statuses
+    assert metric_sum(after, "gatekeeper_proxy_rejected_total", reason="bad_escape") >= len(statuses) // 2
+    ejections = (metric_sum(after, "gatekeeper_proxy_backend_ejections_total")
+                 - metric_sum(before, "gatekeeper_proxy_backend_ejections_total"))
+    assert ejections == 0
+    upstream_errors = (metric_sum(after, "gatekeeper_proxy_upstream_errors_total")
+                       - metric_sum(before, "gatekeeper_proxy_upstream_errors_total"))
+    assert upstream_errors == 0
