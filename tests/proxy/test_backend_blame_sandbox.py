@@ -50,6 +50,9 @@ def tenant(sandbox: SandboxState) -> Iterator[tuple[str, str]]:
     kubectl(sandbox, "create", "namespace", ns)
     kubectl(sandbox, "-n", ns, "create", "serviceaccount", "reader")
     kubectl(sandbox, "-n", ns, "create", "rolebinding", "reader", "--clusterrole=view", f"--serviceaccount={ns}:reader")
+    kubectl(sandbox, "-n", ns, "create", "role", "proxier", "--verb=get", "--resource=services/proxy")
+    kubectl(sandbox, "-n", ns, "create", "rolebinding", "proxier", "--role=proxier", f"--serviceaccount={ns}:reader")
+    kubectl(sandbox, "-n", ns, "create", "service", "clusterip", "nobody-home", "--tcp=80:80")  # no endpoints
     token = kubectl(sandbox, "-n", ns, "create", "token", "reader", "--duration=1h").strip()
     try:
         yield ns, token
@@ -103,3 +106,30 @@ async def test_a_tenants_malformed_requests_never_eject_an_apiserver(
     upstream_errors = (metric_sum(after, "gatekeeper_proxy_upstream_errors_total")
                        - metric_sum(before, "gatekeeper_proxy_upstream_errors_total"))
     assert upstream_errors == 0
+
+
+async def test_503s_a_tenant_relays_through_a_proxy_subresource_never_eject_an_apiserver(
+        sandbox: SandboxState, proxy: ProxyProcess, tenant: tuple[str, str]) -> None:
+    """A service, pod or node ``proxy`` answer is the tenant's backend's status, not the apiserver's health.
+
+    A Service without endpoints is answered 503 at once by the apiserver (a tenant's own pod could answer
+    503 to everything as well); counted by the 5xx storm detector, 20 of them in 10 s made the quiet
+    sandbox's apiservers look like a storm and ejected all but the last one: every other client's
+    request then went to that one apiserver (the seeds' incident, on demand).
+    """
+    ns, token = tenant
+    good = {"authorization": f"Bearer {token}"}
+    relay = f"{proxy.url}/api/v1/namespaces/{ns}/services/nobody-home:80/proxy/"
+    async with httpx.AsyncClient(verify=ca_context(sandbox), http2=True, timeout=30) as client:
+        for _ in range(100):  # the Role reaches the apiservers' RBAC caches within moments
+            if (await client.get(relay, headers=good)).status_code == 503:
+                break
+            await asyncio.sleep(0.1)
+        before = (await client.get(f"{proxy.metrics_url}/metrics")).text
+        count = 20 * len(sandbox.apiserver_urls)
+        statuses = [(await client.get(relay, headers=good)).status_code for _ in range(count)]
+        after = (await client.get(f"{proxy.metrics_url}/metrics")).text
+    assert set(statuses) == {503}, statuses
+    ejections = (metric_sum(after, "gatekeeper_proxy_backend_ejections_total")
+                 - metric_sum(before, "gatekeeper_proxy_backend_ejections_total"))
+    assert ejections == 0

@@ -9,7 +9,9 @@ import pytest
 
 from gatekeeper.proxy.messages import Handler, ProxyRequest, ProxyResponse, UserInfo
 from gatekeeper.proxy.pipeline.auth import upstream_identity_headers
+from gatekeeper.proxy.pipeline.balancer import Balancer
 from gatekeeper.proxy.pipeline.stages import (
+    Dispatcher,
     _forwarded_for,
     build,
     chain,
@@ -240,3 +242,28 @@ async def test_the_fused_front_stage_answers_exactly_like_the_four_stages(
     separate = await outcome(chain([request_target, identity, request_info,
                                     local_endpoints_for(["system:masters"])], final))
     assert fused == separate
+
+
+class _Answers503:
+    """A backend client stub: every request gets a 503 (what a Service without endpoints is answered)."""
+
+    async def send(self, request: ProxyRequest, headers: Any, **_: Any) -> ProxyResponse:
+        return ProxyResponse(status=503, headers=[])
+
+
+@pytest.mark.parametrize("target", [
+    "/api/v1/namespaces/a/services/empty:80/proxy/",
+    "/api/v1/namespaces/a/pods/p/proxy/x",
+    "/api/v1/nodes/n/proxy/metrics",
+    "/api/v1/proxy/namespaces/a/services/empty/",
+    "/api/v1/namespaces/a/pods/p/log",
+])
+async def test_statuses_the_apiserver_relays_from_a_tenants_backend_never_make_a_5xx_storm(target: str) -> None:
+    balancer = Balancer([BackendSettings(url="https://a:1", name="a"), BackendSettings(url="https://b:1", name="b")])
+    dispatch = Dispatcher(balancer, {"a": _Answers503(), "b": _Answers503()})  # type: ignore[dict-item]
+    for _ in range(40):
+        assert (await dispatch(req("GET", target, [("authorization", "Bearer t")]))).status == 503
+    assert sum(b.ejections_total for b in balancer.backends) == 0
+    for _ in range(40):  # the apiserver's own 5xx still count
+        await dispatch(req("GET", "/api/v1/namespaces/a/configmaps", [("authorization", "Bearer t")]))
+    assert sum(b.ejections_total for b in balancer.backends) == 1

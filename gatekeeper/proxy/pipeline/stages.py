@@ -50,6 +50,20 @@ upstream_log = rejections.RateLimitedLog(log, rejections.LOG_INTERVAL)
 """A dead backend fails every request; one line per backend per interval says so."""
 
 SAFE_METHODS = frozenset({"GET", "HEAD"})
+RELAYED_SUBRESOURCES = frozenset({"proxy", "log", "exec", "attach", "portforward"})
+"""Subresources whose answer the apiserver relays from another server: a pod, a service's endpoints, a node's
+kubelet. Their status says nothing about the apiserver's health (see :func:`relayed`)."""
+
+
+def relayed(info: requestinfo.RequestInfo) -> bool:
+    """Whether the response status is another server's, relayed by the apiserver, so it must not feed the
+    5xx storm detector.
+
+    A tenant decides those statuses: a Service without endpoints is answered 503 at once, and a tenant's
+    own pod can answer 503 to everything through ``pods/proxy``. Counted, a few dozen such answers in
+    10 s ejected every apiserver but the last, so everyone's traffic went to one apiserver.
+    """
+    return info.verb == "proxy" or info.subresource in RELAYED_SUBRESOURCES
 
 
 async def _once(data: bytes) -> AsyncIterator[bytes]:
@@ -319,7 +333,8 @@ class Dispatcher:
             except BaseException:
                 lease.release()
                 raise
-            self.balancer.report_response(backend, response.status)
+            if not relayed(info):
+                self.balancer.report_response(backend, response.status)
             metrics.observe_response(backend.name, info.verb, info.resource_key, response.status,
                                      time.monotonic() - started)
             response.on_complete.append(_releaser(lease))
