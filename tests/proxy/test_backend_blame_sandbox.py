@@ -133,3 +133,47 @@ async def test_503s_a_tenant_relays_through_a_proxy_subresource_never_eject_an_a
     ejections = (metric_sum(after, "gatekeeper_proxy_backend_ejections_total")
                  - metric_sum(before, "gatekeeper_proxy_backend_ejections_total"))
     assert ejections == 0
+
+
+APISERVICE = """apiVersion: apiregistration.k8s.io/v1
+kind: APIService
+metadata:
+  name: v1.blame.gatekeeper.test
+spec:
+  group: blame.gatekeeper.test
+  version: v1
+  groupPriorityMinimum: 100
+  versionPriority: 10
+  insecureSkipTLSVerify: true
+  service:
+    namespace: {ns}
+    name: nobody-home
+    port: 80
+"""
+
+
+async def test_503s_of_an_unavailable_aggregated_api_never_eject_an_apiserver(
+        sandbox: SandboxState, proxy: ProxyProcess, tenant: tuple[str, str]) -> None:
+    """An APIService whose server is down (metrics-server, a stale registration) is answered 503 by every
+    apiserver at once, to any authenticated caller (``system:discovery`` lets everyone read ``/apis/*``):
+    that is the aggregated server's state, not the apiservers' health."""
+    ns, token = tenant
+    good = {"authorization": f"Bearer {token}"}
+    kubectl(sandbox, "apply", "-f", "-", stdin=APISERVICE.format(ns=ns))
+    try:
+        discovery = f"{proxy.url}/apis/blame.gatekeeper.test/v1"
+        async with httpx.AsyncClient(verify=ca_context(sandbox), http2=True, timeout=30) as client:
+            for _ in range(300):  # each apiserver's aggregator picks the APIService up within moments
+                if [(await client.get(discovery, headers=good)).status_code for _ in range(6)] == [503] * 6:
+                    break
+                await asyncio.sleep(0.1)
+            before = (await client.get(f"{proxy.metrics_url}/metrics")).text
+            count = 20 * len(sandbox.apiserver_urls)
+            statuses = [(await client.get(discovery, headers=good)).status_code for _ in range(count)]
+            after = (await client.get(f"{proxy.metrics_url}/metrics")).text
+    finally:
+        kubectl(sandbox, "delete", "apiservice", "v1.blame.gatekeeper.test", "--wait=false")
+    assert set(statuses) == {503}, statuses
+    ejections = (metric_sum(after, "gatekeeper_proxy_backend_ejections_total")
+                 - metric_sum(before, "gatekeeper_proxy_backend_ejections_total"))
+    assert ejections == 0

@@ -257,13 +257,25 @@ class _Answers503:
     "/api/v1/nodes/n/proxy/metrics",
     "/api/v1/proxy/namespaces/a/services/empty/",
     "/api/v1/namespaces/a/pods/p/log",
+    "/apis/metrics.k8s.io/v1beta1",
+    "/apis/metrics.k8s.io/v1beta1/namespaces/a/pods",
+    "/apis/example.com/v1/namespaces/a/widgets",
 ])
-async def test_statuses_the_apiserver_relays_from_a_tenants_backend_never_make_a_5xx_storm(target: str) -> None:
+async def test_statuses_of_other_servers_behind_the_apiserver_never_make_a_5xx_storm(target: str) -> None:
     balancer = Balancer([BackendSettings(url="https://a:1", name="a"), BackendSettings(url="https://b:1", name="b")])
     dispatch = Dispatcher(balancer, {"a": _Answers503(), "b": _Answers503()})  # type: ignore[dict-item]
     for _ in range(40):
         assert (await dispatch(req("GET", target, [("authorization", "Bearer t")]))).status == 503
     assert sum(b.ejections_total for b in balancer.backends) == 0
-    for _ in range(40):  # the apiserver's own 5xx still count
-        await dispatch(req("GET", "/api/v1/namespaces/a/configmaps", [("authorization", "Bearer t")]))
+
+
+@pytest.mark.parametrize("target", [
+    "/api/v1/namespaces/a/configmaps", "/apis/apps/v1/namespaces/a/deployments", "/apis", "/apis/apps/v1",
+    "/api/v1/namespaces/a/pods/p/status", "/readyz", "/openapi/v2",
+])
+async def test_the_apiservers_own_5xx_still_make_a_storm(target: str) -> None:
+    balancer = Balancer([BackendSettings(url="https://a:1", name="a"), BackendSettings(url="https://b:1", name="b")])
+    dispatch = Dispatcher(balancer, {"a": _Answers503(), "b": _Answers503()})  # type: ignore[dict-item]
+    for _ in range(40):
+        await dispatch(req("GET", target, [("authorization", "Bearer t")]))
     assert sum(b.ejections_total for b in balancer.backends) == 1

@@ -52,18 +52,41 @@ upstream_log = rejections.RateLimitedLog(log, rejections.LOG_INTERVAL)
 SAFE_METHODS = frozenset({"GET", "HEAD"})
 RELAYED_SUBRESOURCES = frozenset({"proxy", "log", "exec", "attach", "portforward"})
 """Subresources whose answer the apiserver relays from another server: a pod, a service's endpoints, a node's
-kubelet. Their status says nothing about the apiserver's health (see :func:`relayed`)."""
+kubelet."""
+BUILTIN_GROUPS = frozenset({
+    "admissionregistration.k8s.io", "apiextensions.k8s.io", "apiregistration.k8s.io", "apps",
+    "authentication.k8s.io", "authorization.k8s.io", "autoscaling", "batch", "certificates.k8s.io",
+    "coordination.k8s.io", "discovery.k8s.io", "events.k8s.io", "flowcontrol.apiserver.k8s.io",
+    "internal.apiserver.k8s.io", "networking.k8s.io", "node.k8s.io", "policy", "rbac.authorization.k8s.io",
+    "resource.k8s.io", "scheduling.k8s.io", "storage.k8s.io", "storagemigration.k8s.io",
+})
+"""API groups kube-apiserver serves itself (never an APIService of another server). A group missing here
+only makes the 5xx storm detector see less; ``metrics.k8s.io`` and the custom/external metrics groups are
+aggregated servers and stay out."""
 
 
-def relayed(info: requestinfo.RequestInfo) -> bool:
-    """Whether the response status is another server's, relayed by the apiserver, so it must not feed the
-    5xx storm detector.
+def own_answer(info: requestinfo.RequestInfo) -> bool:
+    """Whether a 5xx answer to this request says something about the apiserver itself, so that it may feed
+    the 5xx storm detector (an ejection for every client).
 
-    A tenant decides those statuses: a Service without endpoints is answered 503 at once, and a tenant's
-    own pod can answer 503 to everything through ``pods/proxy``. Counted, a few dozen such answers in
-    10 s ejected every apiserver but the last, so everyone's traffic went to one apiserver.
+    Not when the status is another server's, because a tenant decides those:
+    * relayed subresources (the ``proxy`` verb; ``proxy``, ``log``, ``exec``, ``attach``, ``portforward``):
+      a Service without endpoints is answered 503 at once, and a tenant's pod can answer 503 to anything;
+    * API groups outside :data:`BUILTIN_GROUPS` (aggregated APIs, custom resources): an APIService whose
+      server is down is answered 503 by every apiserver to any authenticated caller (``/apis/<group>`` is
+      open to everyone for discovery).
+    Counted, 60 such answers in 10 s from one tenant ejected 2 of the sandbox's 3 apiservers, sending every
+    client's traffic to the last one. The apiserver's own failures (storage, its own overload) still show on
+    the core and built-in groups and the non-resource paths.
     """
-    return info.verb == "proxy" or info.subresource in RELAYED_SUBRESOURCES
+    if info.verb == "proxy" or info.subresource in RELAYED_SUBRESOURCES:
+        return False
+    if info.is_resource_request:
+        return info.api_prefix == "api" or info.api_group in BUILTIN_GROUPS
+    if info.path.startswith("/apis/"):
+        group = info.path[6:].partition("/")[0]
+        return not group or group in BUILTIN_GROUPS
+    return True
 
 
 async def _once(data: bytes) -> AsyncIterator[bytes]:
@@ -333,7 +356,7 @@ class Dispatcher:
             except BaseException:
                 lease.release()
                 raise
-            if not relayed(info):
+            if own_answer(info):
                 self.balancer.report_response(backend, response.status)
             metrics.observe_response(backend.name, info.verb, info.resource_key, response.status,
                                      time.monotonic() - started)
