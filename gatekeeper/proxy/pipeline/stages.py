@@ -339,7 +339,8 @@ class Dispatcher:
                 # This request's stream, not the backend: a 5xx answer for the storm detector, no ejection
                 # (one malformed GET per apiserver from any client used to empty the rotation).
                 lease.release()
-                self.balancer.report_response(backend, 502)
+                if own_answer(info):
+                    self.balancer.report_response(backend, 502)
                 metrics.UPSTREAM_ERRORS.labels(backend.name, "backend").inc()
                 upstream_log.warning(f"reset:{backend.name}", f"{request.method} {request.target[:200]} on "
                                      f"{backend.name}: {exc}")
