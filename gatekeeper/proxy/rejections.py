@@ -53,6 +53,7 @@ RejectReason = Literal[
     "bad_identity",  # client certificate name with control characters or edge whitespace
     # upstream too slow
     "pool_timeout", "upstream_header_timeout",
+    "long_running_cap",  # a caller already holds upstream.maxLongRunningPerCaller watches/logs/exec open: 429
 ]
 REJECT_REASONS: tuple[str, ...] = get_args(RejectReason)
 REJECTED = Counter(

@@ -265,16 +265,47 @@ def upstream_headers(headers: Headers, user: UserInfo, peer: str) -> Headers:
 class Dispatcher:
     """Choose a backend per request and forward; retries only a safe request that failed at connect."""
 
-    def __init__(self, balancer: Balancer, clients: dict[str, BackendClient]) -> None:
+    def __init__(self, balancer: Balancer, clients: dict[str, BackendClient], *,
+                 max_long_running_per_caller: int = 0) -> None:
+        """``max_long_running_per_caller``: ``upstream.maxLongRunningPerCaller`` (0: no cap, for tests)."""
         self.balancer = balancer
         self.clients = clients
+        self.max_long_running_per_caller = max_long_running_per_caller
+
+    def _over_long_running_cap(self, request: ProxyRequest, caller: str) -> ProxyResponse | None:
+        """A 429 when ``caller`` already holds its share of long-running requests, else None.
+
+        Watches run outside every seat once set up, and each holds a connection of the long-running pool
+        and proxy memory until the apiserver's watch timeout (30-60 min), then is opened again: without a
+        bound, one tenant's streams could hold the whole pool, and every other client's watch waited for a
+        free connection and got a 503.
+        """
+        cap = self.max_long_running_per_caller
+        held = self.balancer.long_running_of(caller)
+        if not cap or held < cap:
+            return None
+        rejections.reject("long_running_cap", f"{request.peer} ({caller}): {held} long-running requests open, "
+                          f"{request.method} {request.target[:200]} refused")
+        return error_response(429, "TooManyRequests",
+                              f"gatekeeper proxy: {held} long-running requests (watches, followed logs, exec, "
+                              "port-forward) of this caller are open through this proxy, its limit "
+                              "(upstream.maxLongRunningPerCaller); close some or retry later", retry_after=1)
 
     async def __call__(self, request: ProxyRequest) -> ProxyResponse:
         info = request.info or requestinfo.parse(request.method, request.target)
         user = request.user or auth.identify(request.peer_cert, request.headers)
+        upgrade = is_upgrade(request)
+        long_running = info.long_running or upgrade
+        caller = ""
+        if long_running:
+            # Flow control's verified identity (a ServiceAccount, whichever of its tokens), or its per-address
+            # flow for an unverified token; else the certificate, token or anonymous name.
+            caller = request.annotations.get("caller") or user.name
+            refused = self._over_long_running_cap(request, caller)
+            if refused is not None:
+                return refused
         headers = upstream_headers(request.headers, user, request.peer)
         asserts_identity = auth.wants_front_proxy_cert(user)
-        upgrade = is_upgrade(request)
         safe = request.method in SAFE_METHODS and request.body is None and not upgrade
         tried: set[str] = set()
         last_error = ""
@@ -285,7 +316,7 @@ class Dispatcher:
                                        f"gatekeeper proxy: no apiserver reachable ({last_error})",
                                        retry_after=1)
             client = self.clients[backend.name]
-            lease = self.balancer.acquire(backend, long_running=info.long_running or upgrade)
+            lease = self.balancer.acquire(backend, long_running=long_running, caller=caller)
             request.annotations["backend"] = backend.name
             started = time.monotonic()
             watch_like = info.verb == "watch"
@@ -457,6 +488,7 @@ def build(
     middlewares: list[Middleware] = [front_for(settings.listener.metrics_groups)]
     if flow_control is not None:
         middlewares.append(flow_control)
-    handler = chain(middlewares, Dispatcher(balancer, clients))
+    handler = chain(middlewares, Dispatcher(
+        balancer, clients, max_long_running_per_caller=settings.upstream.max_long_running_per_caller))
     return Pipeline(handler=handler, balancer=balancer, clients=clients,
                     health_interval=settings.upstream.health_interval_seconds)

@@ -1,21 +1,24 @@
-"""A tenant's own malformed request must never take an apiserver out of rotation for everyone.
+"""What one tenant cannot do to every other client through the proxy (real apiservers, a tenant token).
 
-The balancer ejects a backend at once when a request fails there before an answer
-(``BackendFailed``: reported like a failed connect). On the multiplexed HTTP/2
-upstream, kube-apiserver (Go's HTTP/2 server) answers some requests it cannot
-parse with RST_STREAM PROTOCOL_ERROR instead of a response: a ``:path`` with a
-malformed percent escape (``url.ParseRequestURI`` fails), or a header value with a
-control byte (``httpguts.ValidHeaderFieldValue``). Such a request from any
-ServiceAccount token flow control verified (any pod's token) used to eject the
-apiserver it landed on, one request per apiserver: all load then went to the others.
+Blame an apiserver. The balancer ejects a backend at once when a request fails there before an answer
+(``BackendFailed``: reported like a failed connect), and on a 5xx storm. On the multiplexed HTTP/2
+upstream, kube-apiserver (Go's HTTP/2 server) answers some requests it cannot parse with RST_STREAM
+PROTOCOL_ERROR instead of a response: a ``:path`` with a malformed percent escape
+(``url.ParseRequestURI`` fails), or a header value with a control byte
+(``httpguts.ValidHeaderFieldValue``). Such a request from any ServiceAccount token flow control verified
+(any pod's token) used to eject the apiserver it landed on, one request per apiserver. Over HTTP/1.1 the
+same bytes get a 400 from Go's server, which is what the proxy now answers itself, before any backend
+call. 5xx the apiserver relays from a tenant's backend (a proxy subresource, an aggregated API) made
+storms the same way.
 
-Over HTTP/1.1 the same bytes get a 400 from Go's server, which is what the proxy now
-answers itself, before any backend call.
+Hold the long-running pool. Watches run outside every seat once set up; one caller holds at most
+``upstream.maxLongRunningPerCaller`` of them (and followed logs, exec, port-forward) open.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 import ssl
 from collections.abc import Iterator
@@ -26,46 +29,41 @@ import pytest
 
 from gatekeeper.sandbox.pki import SandboxPKI
 from gatekeeper.sandbox.state import SandboxState
-from gatekeeper.sandbox.testing import ProxyProcess, metric_sum
+from gatekeeper.sandbox.testing import Kubectl, ProxyProcess, metric_sum
 from gatekeeper.sandbox.with_proxy import IDENTITY_RBAC, default_flow_control
 
 pytestmark = pytest.mark.sandbox
-
-
-def kubectl(state: SandboxState, *args: str, stdin: str | None = None) -> str:
-    import subprocess
-
-    kc = str(state.extra.get("kubectl") or "kubectl")
-    out = subprocess.run([kc, "--kubeconfig", state.kubeconfig, *args], input=stdin, capture_output=True,
-                         text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    return out.stdout
+LONG_RUNNING_CAP = 3
 
 
 @pytest.fixture(scope="module")
-def tenant(sandbox: SandboxState) -> Iterator[tuple[str, str]]:
+def tenant(sandbox: SandboxState, kubectl: Kubectl) -> Iterator[tuple[str, str]]:
     """A namespace with a ServiceAccount that may read it, and that ServiceAccount's token."""
-    ns = f"blame-{secrets.token_hex(3)}"
-    kubectl(sandbox, "apply", "-f", "-", stdin=IDENTITY_RBAC.read_text())
-    kubectl(sandbox, "create", "namespace", ns)
-    kubectl(sandbox, "-n", ns, "create", "serviceaccount", "reader")
-    kubectl(sandbox, "-n", ns, "create", "rolebinding", "reader", "--clusterrole=view", f"--serviceaccount={ns}:reader")
-    kubectl(sandbox, "-n", ns, "create", "role", "proxier", "--verb=get", "--resource=services/proxy")
-    kubectl(sandbox, "-n", ns, "create", "rolebinding", "proxier", "--role=proxier", f"--serviceaccount={ns}:reader")
-    kubectl(sandbox, "-n", ns, "create", "service", "clusterip", "nobody-home", "--tcp=80:80")  # no endpoints
-    token = kubectl(sandbox, "-n", ns, "create", "token", "reader", "--duration=1h").strip()
+    ns = f"tenant-{secrets.token_hex(3)}"
+    kubectl("apply", "-f", "-", input=IDENTITY_RBAC.read_text(), check=True)
+    kubectl("create", "namespace", ns, check=True)
+    for sa in ("reader", "neighbour"):
+        kubectl("-n", ns, "create", "serviceaccount", sa, check=True)
+        kubectl("-n", ns, "create", "rolebinding", sa, "--clusterrole=view", f"--serviceaccount={ns}:{sa}",
+                check=True)
+    kubectl("-n", ns, "create", "role", "proxier", "--verb=get", "--resource=services/proxy", check=True)
+    kubectl("-n", ns, "create", "rolebinding", "proxier", "--role=proxier", f"--serviceaccount={ns}:reader",
+            check=True)
+    kubectl("-n", ns, "create", "service", "clusterip", "nobody-home", "--tcp=80:80", check=True)  # no endpoints
+    token = kubectl("-n", ns, "create", "token", "reader", "--duration=1h", check=True).stdout.strip()
     try:
         yield ns, token
     finally:
-        kubectl(sandbox, "delete", "namespace", ns, "--wait=false")
+        kubectl("delete", "namespace", ns, "--wait=false")
 
 
 @pytest.fixture(scope="module")
 def proxy(sandbox: SandboxState, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProxyProcess]:
     # Probes every 30 s: a probe would lift a connect-failure ejection within its interval; the
     # counter below sees an ejection either way.
-    p = ProxyProcess(sandbox, tmp_path_factory.mktemp("blame-proxy"), name="blame-proxy", health_interval=30,
-                     user_config={"flowControl": default_flow_control(), "upstream": {"http2": True}})
+    p = ProxyProcess(sandbox, tmp_path_factory.mktemp("tenant-proxy"), name="tenant-proxy", health_interval=30,
+                     user_config={"flowControl": default_flow_control(),
+                                  "upstream": {"http2": True, "maxLongRunningPerCaller": LONG_RUNNING_CAP}})
     p.start()
     yield p
     assert p.stop() == 0
@@ -153,13 +151,13 @@ spec:
 
 
 async def test_503s_of_an_unavailable_aggregated_api_never_eject_an_apiserver(
-        sandbox: SandboxState, proxy: ProxyProcess, tenant: tuple[str, str]) -> None:
+        sandbox: SandboxState, proxy: ProxyProcess, tenant: tuple[str, str], kubectl: Kubectl) -> None:
     """An APIService whose server is down (metrics-server, a stale registration) is answered 503 by every
     apiserver at once, to any authenticated caller (``system:discovery`` lets everyone read ``/apis/*``):
     that is the aggregated server's state, not the apiservers' health."""
     ns, token = tenant
     good = {"authorization": f"Bearer {token}"}
-    kubectl(sandbox, "apply", "-f", "-", stdin=APISERVICE.format(ns=ns))
+    kubectl("apply", "-f", "-", input=APISERVICE.format(ns=ns), check=True)
     try:
         discovery = f"{proxy.url}/apis/blame.gatekeeper.test/v1"
         async with httpx.AsyncClient(verify=ca_context(sandbox), http2=True, timeout=30) as client:
@@ -172,8 +170,38 @@ async def test_503s_of_an_unavailable_aggregated_api_never_eject_an_apiserver(
             statuses = [(await client.get(discovery, headers=good)).status_code for _ in range(count)]
             after = (await client.get(f"{proxy.metrics_url}/metrics")).text
     finally:
-        kubectl(sandbox, "delete", "apiservice", "v1.blame.gatekeeper.test", "--wait=false")
+        kubectl("delete", "apiservice", "v1.blame.gatekeeper.test", "--wait=false")
     assert set(statuses) == {503}, statuses
     ejections = (metric_sum(after, "gatekeeper_proxy_backend_ejections_total")
                  - metric_sum(before, "gatekeeper_proxy_backend_ejections_total"))
     assert ejections == 0
+
+
+async def test_one_caller_holds_at_most_its_share_of_watches_and_the_neighbours_still_watch(
+        sandbox: SandboxState, proxy: ProxyProcess, tenant: tuple[str, str], kubectl: Kubectl) -> None:
+    """Past ``maxLongRunningPerCaller`` open watches, the caller's next one is a 429 whichever of its tokens it
+    sends (flow control's verified identity is the caller); another ServiceAccount's watch is served."""
+    ns, token = tenant
+    second_token = kubectl("-n", ns, "create", "token", "reader", "--duration=1h", check=True).stdout.strip()
+    neighbour = kubectl("-n", ns, "create", "token", "neighbour", "--duration=1h", check=True).stdout.strip()
+    watch = f"{proxy.url}/api/v1/namespaces/{ns}/configmaps?watch=1&timeoutSeconds=120"
+    async with httpx.AsyncClient(verify=ca_context(sandbox), http2=True, timeout=30) as client, \
+            contextlib.AsyncExitStack() as open_watches:
+        for _ in range(100):  # the RoleBindings reach the apiservers' RBAC caches within moments
+            if (await client.get(f"{proxy.url}/api/v1/namespaces/{ns}/configmaps",
+                                 headers={"authorization": f"Bearer {neighbour}"})).status_code == 200:
+                break
+            await asyncio.sleep(0.1)
+        before = (await client.get(f"{proxy.metrics_url}/metrics")).text
+        statuses = []
+        for i in range(LONG_RUNNING_CAP + 1):
+            auth = {"authorization": f"Bearer {token if i % 2 else second_token}"}
+            response = await open_watches.enter_async_context(client.stream("GET", watch, headers=auth))
+            statuses.append(response.status_code)
+        theirs = await open_watches.enter_async_context(
+            client.stream("GET", watch, headers={"authorization": f"Bearer {neighbour}"}))
+        after = (await client.get(f"{proxy.metrics_url}/metrics")).text
+    assert statuses == [200] * LONG_RUNNING_CAP + [429], statuses
+    assert theirs.status_code == 200
+    assert (metric_sum(after, "gatekeeper_proxy_rejected_total", reason="long_running_cap")
+            - metric_sum(before, "gatekeeper_proxy_rejected_total", reason="long_running_cap")) == 1
