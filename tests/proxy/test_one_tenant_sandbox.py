@@ -8,8 +8,8 @@ PROTOCOL_ERROR instead of a response: a ``:path`` with a malformed percent escap
 (``httpguts.ValidHeaderFieldValue``). Such a request from any ServiceAccount token flow control verified
 (any pod's token) used to eject the apiserver it landed on, one request per apiserver. Over HTTP/1.1 the
 same bytes get a 400 from Go's server, which is what the proxy now answers itself, before any backend
-call. 5xx the apiserver relays from a tenant's backend (a proxy subresource, an aggregated API) made
-storms the same way.
+call. 5xx a tenant decides (a proxy subresource's backend, an aggregated API that is down, a failing
+admission webhook on its own writes) made 5xx storms that ejected every apiserver but one.
 
 Hold the long-running pool. Watches run outside every seat once set up; one caller holds at most
 ``upstream.maxLongRunningPerCaller`` of them (and followed logs, exec, port-forward) open.
@@ -205,3 +205,57 @@ async def test_one_caller_holds_at_most_its_share_of_watches_and_the_neighbours_
     assert theirs.status_code == 200
     assert (metric_sum(after, "gatekeeper_proxy_rejected_total", reason="long_running_cap")
             - metric_sum(before, "gatekeeper_proxy_rejected_total", reason="long_running_cap")) == 1
+
+
+WEBHOOK = """apiVersion: admissionregistration.k8s.io/v1
+kind: ValidatingWebhookConfiguration
+metadata:
+  name: {ns}-down
+webhooks:
+- name: down.{ns}.gatekeeper.test
+  admissionReviewVersions: [v1]
+  sideEffects: None
+  failurePolicy: Fail
+  timeoutSeconds: 1
+  clientConfig:
+    service: {{namespace: {ns}, name: nobody-home, port: 443}}
+  namespaceSelector:
+    matchLabels: {{kubernetes.io/metadata.name: {ns}}}
+  rules:
+  - {{apiGroups: [""], apiVersions: [v1], operations: [CREATE], resources: [configmaps]}}
+"""
+
+
+async def test_500s_of_a_failing_admission_webhook_never_eject_an_apiserver(
+        sandbox: SandboxState, proxy: ProxyProcess, tenant: tuple[str, str], kubectl: Kubectl) -> None:
+    """A webhook that cannot be called (failurePolicy Fail) makes every apiserver answer the writes it
+    matches with 500 InternalError: the webhook's state, shared by every apiserver, that ejecting one only
+    moves its load to the others. A tenant's writes into its own namespace meet it as often as it likes."""
+    ns, _ = tenant
+    kubectl("-n", ns, "create", "rolebinding", "writer", "--clusterrole=edit", f"--serviceaccount={ns}:neighbour",
+            check=True)
+    token = kubectl("-n", ns, "create", "token", "neighbour", "--duration=1h", check=True).stdout.strip()
+    good = {"authorization": f"Bearer {token}", "content-type": "application/json"}
+    kubectl("apply", "-f", "-", input=WEBHOOK.format(ns=ns), check=True)
+    try:
+        url = f"{proxy.url}/api/v1/namespaces/{ns}/configmaps"
+
+        def body(i: int) -> str:
+            return f'{{"apiVersion":"v1","kind":"ConfigMap","metadata":{{"name":"w{i}"}}}}'
+
+        async with httpx.AsyncClient(verify=ca_context(sandbox), http2=True, timeout=30) as client:
+            for i in range(300):  # RBAC and the webhook configuration reach every apiserver within moments
+                if [(await client.post(url, content=body(i), headers=good)).status_code
+                        for _ in range(6)] == [500] * 6:
+                    break
+                await asyncio.sleep(0.1)
+            before = (await client.get(f"{proxy.metrics_url}/metrics")).text
+            count = 20 * len(sandbox.apiserver_urls)
+            statuses = [(await client.post(url, content=body(i), headers=good)).status_code for i in range(count)]
+            after = (await client.get(f"{proxy.metrics_url}/metrics")).text
+    finally:
+        kubectl("delete", "validatingwebhookconfiguration", f"{ns}-down", "--wait=false")
+    assert set(statuses) == {500}, statuses
+    ejections = (metric_sum(after, "gatekeeper_proxy_backend_ejections_total")
+                 - metric_sum(before, "gatekeeper_proxy_backend_ejections_total"))
+    assert ejections == 0

@@ -65,7 +65,7 @@ only makes the 5xx storm detector see less; ``metrics.k8s.io`` and the custom/ex
 aggregated servers and stay out."""
 
 
-def own_answer(info: requestinfo.RequestInfo) -> bool:
+def own_answer(method: str, info: requestinfo.RequestInfo) -> bool:
     """Whether a 5xx answer to this request says something about the apiserver itself, so that it may feed
     the 5xx storm detector (an ejection for every client).
 
@@ -75,11 +75,17 @@ def own_answer(info: requestinfo.RequestInfo) -> bool:
     * API groups outside :data:`BUILTIN_GROUPS` (aggregated APIs, custom resources): an APIService whose
       server is down is answered 503 by every apiserver to any authenticated caller (``/apis/<group>`` is
       open to everyone for discovery).
+    * writes (anything but GET and HEAD): they go through admission, and a webhook that cannot be called
+      (failurePolicy Fail) makes every apiserver answer the writes it matches with 500, which a tenant meets
+      as often as it writes into its own namespace; ejecting an apiserver for the webhook's state only moves
+      load to the others.
     Counted, 60 such answers in 10 s from one tenant ejected 2 of the sandbox's 3 apiservers, sending every
     client's traffic to the last one. The apiserver's own failures (storage, its own overload) still show on
-    the core and built-in groups and the non-resource paths.
+    reads of the core and built-in groups and of the non-resource paths.
     """
     if info.verb == "proxy" or info.subresource in RELAYED_SUBRESOURCES:
+        return False
+    if method not in SAFE_METHODS:
         return False
     if info.is_resource_request:
         return info.api_prefix == "api" or info.api_group in BUILTIN_GROUPS
@@ -370,7 +376,7 @@ class Dispatcher:
                 # This request's stream, not the backend: a 5xx answer for the storm detector, no ejection
                 # (one malformed GET per apiserver from any client used to empty the rotation).
                 lease.release()
-                if own_answer(info):
+                if own_answer(request.method, info):
                     self.balancer.report_response(backend, 502)
                 metrics.UPSTREAM_ERRORS.labels(backend.name, "backend").inc()
                 upstream_log.warning(f"reset:{backend.name}", f"{request.method} {request.target[:200]} on "
@@ -388,7 +394,7 @@ class Dispatcher:
             except BaseException:
                 lease.release()
                 raise
-            if own_answer(info):
+            if own_answer(request.method, info):
                 self.balancer.report_response(backend, response.status)
             metrics.observe_response(backend.name, info.verb, info.resource_key, response.status,
                                      time.monotonic() - started)
