@@ -49,9 +49,11 @@ RejectReason = Literal[
     "upgrade_idle",  # an upgraded tunnel (exec, port-forward, proxy) moved no byte for h1UpgradeIdleTimeoutSeconds
     # pipeline: request target (target.py) and identity (auth.py)
     "target_form", "dot_segment", "nul", "bad_byte", "fragment",
+    "bad_escape",  # a path with a malformed percent escape (%zz): Go's server refuses it (400, or an h2 stream reset)
     "bad_identity",  # client certificate name with control characters or edge whitespace
     # upstream too slow
     "pool_timeout", "upstream_header_timeout",
+    "long_running_cap",  # a caller already holds upstream.maxLongRunningPerCaller watches/logs/exec open: 429
 ]
 REJECT_REASONS: tuple[str, ...] = get_args(RejectReason)
 REJECTED = Counter(

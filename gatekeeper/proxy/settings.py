@@ -188,6 +188,10 @@ class UpstreamSettings:
     # --- harden-edge: upstream timeouts and pools -------------------------------------------
     max_long_running_connections_per_backend: int = 8192
     """Separate pool for watches, exec and followed logs (one HTTP/1.1 connection each), per backend."""
+    max_long_running_per_caller: int = 1024
+    """Long-running requests (watches, followed logs, exec/attach/port-forward, proxy) one caller may hold open
+    through this process, all backends together; past it 429 + Retry-After (``long_running_cap``). Without it one
+    tenant could hold every connection of the long-running pool (and ~80 KiB of proxy memory per watch)."""
     pool_acquire_timeout_seconds: float = 10.0
     """Longest wait for a free pooled connection; past it the client gets 503 + Retry-After."""
     cert_check_interval_seconds: float = 2.0
@@ -208,6 +212,8 @@ class UpstreamSettings:
     def validate(self) -> None:
         if self.client not in ("lean", "aiohttp"):
             raise ValueError(f"client must be 'lean' or 'aiohttp', got {self.client!r}")
+        if self.max_long_running_per_caller < 1:
+            raise ValueError(f"maxLongRunningPerCaller must be at least 1, got {self.max_long_running_per_caller}")
         if not 1 <= self.http2_max_streams <= 1000:
             raise ValueError(f"http2MaxStreams must be 1..1000, got {self.http2_max_streams}")
         if not (self.http2_retry_seconds == 0 or self.http2_retry_seconds >= 1):

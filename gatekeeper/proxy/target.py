@@ -10,9 +10,17 @@ Two attacks shaped this module:
   raw path (an exempt probe) while the HTTP client normalises it before
   sending, so the apiserver serves ``/api/v1/secrets`` unqueued.
 
+* **Blaming a backend.** Go's ``url.ParseRequestURI`` refuses a path with a
+  malformed percent escape (``%zz``, a ``%`` near the end): kube-apiserver
+  answers 400 over HTTP/1.1 but resets the stream (RST_STREAM PROTOCOL_ERROR)
+  over HTTP/2, and on the multiplexed upstream that reset failed the request
+  before an answer, which ejected the apiserver for every client: any verified
+  ServiceAccount token could empty the rotation with one GET per apiserver.
+
 The rules: origin-form only (``/...``); ``*`` only with OPTIONS (answered
 locally, as Go's ``net/http`` does); no dot segments in any spelling
-(``.``/``..``, ``%2e``, ``%2E%2e``...), no NUL, no byte outside visible ASCII,
+(``.``/``..``, ``%2e``, ``%2E%2e``...), no malformed ``%`` escape in the path
+(the 400 Go's HTTP/1.1 server gives), no NUL, no byte outside visible ASCII,
 no fragment. Whatever passes is forwarded byte for byte (the upstream URL is
 built from parts with ``encoded=True``, never re-parsed), so the path
 RequestInfo classifies is exactly the path the backend receives.
@@ -27,8 +35,10 @@ from urllib.parse import unquote
 
 _BAD_CHAR = re.compile(r"[^\x21-\x7e]|#")
 """Anything but visible ASCII (controls, space, DEL, non-ASCII), or a fragment marker."""
+_BAD_ESCAPE = re.compile(r"%(?![0-9A-Fa-f]{2})")
+"""A ``%`` not followed by two hex digits: Go's ``url.unescape`` fails on it (``EscapeError``)."""
 
-Reason = Literal["target_form", "dot_segment", "nul", "bad_byte", "fragment"]
+Reason = Literal["target_form", "dot_segment", "nul", "bad_byte", "fragment", "bad_escape"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +69,11 @@ def check(method: str, target: str) -> BadTarget | None:
         return BadTarget("bad_byte", f"request target contains the byte 0x{ord(ch):02x}; percent-encode it")
     path = target.split("?", 1)[0]
     if "%" in path:
+        bad_escape = _BAD_ESCAPE.search(path)
+        if bad_escape is not None:
+            shown = path[bad_escape.start():bad_escape.start() + 3]
+            return BadTarget("bad_escape", f"request path contains the malformed escape {shown!r}; "
+                             "percent-encode '%' itself as %25")
         decoded = unquote(path, errors="surrogateescape")
         if "\0" in decoded:
             return BadTarget("nul", "request path contains an encoded NUL (%00)")

@@ -29,7 +29,9 @@ from gatekeeper.certs import PKI
 from gatekeeper.config import ConfigError, load_config
 from gatekeeper.proxy.h2wire import frames as f
 from gatekeeper.proxy.messages import ProxyRequest, ProxyResponse
-from gatekeeper.proxy.settings import UpstreamSettings
+from gatekeeper.proxy.pipeline.balancer import Balancer
+from gatekeeper.proxy.pipeline.stages import Dispatcher
+from gatekeeper.proxy.settings import BackendSettings, UpstreamSettings
 from gatekeeper.proxy.upstream import mux, mux_stream
 from gatekeeper.proxy.upstream.client import BackendClient, BackendFailed, ConnectFailed, UpstreamTimeout
 from gatekeeper.proxy.upstream.mux_pool import MuxBody
@@ -302,6 +304,41 @@ async def test_a_backend_breaking_http2_loses_the_connection_and_the_next_reques
         await read_all(await send(client, get("/one")))
     assert await read_all(await send(client, get("/two"))) == b"ok"
     assert b.connections == 2
+    assert free_slots(client) == client.settings.max_connections_per_backend
+
+
+async def test_a_stream_the_backend_resets_is_that_requests_502_and_never_ejects_the_backend(backend) -> None:
+    """Go's server resets a request it finds malformed (RST_STREAM PROTOCOL_ERROR, no answer): the
+    request fails, the backend stays in rotation and its connection serves the next request. Ejecting
+    it, as for a dead connection, let any client empty the rotation with one GET per apiserver."""
+    b, client = backend
+
+    async def resets_one(backend: Backend, peer: Peer, sid: int, headers: dict[str, str]) -> None:
+        if headers[":path"] == "/malformed":
+            peer.conn.reset_stream(sid, 1)  # PROTOCOL_ERROR, before any head
+            peer.flush()
+        else:
+            peer.respond(sid, 200, b"ok")
+
+    b.script = resets_one
+    balancer = Balancer([BackendSettings(url=client.url, name="b")])
+    dispatch = Dispatcher(balancer, {"b": client})
+
+    def request(target: str) -> ProxyRequest:
+        return ProxyRequest(method="GET", target=target, headers=[("authorization", "Bearer t")], body=None,
+                            protocol="h2", token_verified=True)
+
+    for _ in range(3):
+        response = await dispatch(request("/malformed"))
+        assert response.status == 502
+        await read_all(response)
+    (backend_state,) = balancer.backends
+    assert backend_state.ejections_total == 0 and balancer.health(backend_state) == "healthy"
+    assert backend_state.in_flight == 0
+    ok = await dispatch(request("/fine"))
+    assert ok.status == 200 and await read_all(ok) == b"ok"
+    ok.finish(None)
+    assert b.connections == 1  # the connection outlived the resets
     assert free_slots(client) == client.settings.max_connections_per_backend
 
 

@@ -9,7 +9,9 @@ import pytest
 
 from gatekeeper.proxy.messages import Handler, ProxyRequest, ProxyResponse, UserInfo
 from gatekeeper.proxy.pipeline.auth import upstream_identity_headers
+from gatekeeper.proxy.pipeline.balancer import Balancer
 from gatekeeper.proxy.pipeline.stages import (
+    Dispatcher,
     _forwarded_for,
     build,
     chain,
@@ -240,3 +242,93 @@ async def test_the_fused_front_stage_answers_exactly_like_the_four_stages(
     separate = await outcome(chain([request_target, identity, request_info,
                                     local_endpoints_for(["system:masters"])], final))
     assert fused == separate
+
+
+class _Answers503:
+    """A backend client stub: every request gets a 503 (what a Service without endpoints is answered)."""
+
+    async def send(self, request: ProxyRequest, headers: Any, **_: Any) -> ProxyResponse:
+        return ProxyResponse(status=503, headers=[])
+
+
+@pytest.mark.parametrize("target", [
+    "/api/v1/namespaces/a/services/empty:80/proxy/",
+    "/api/v1/namespaces/a/pods/p/proxy/x",
+    "/api/v1/nodes/n/proxy/metrics",
+    "/api/v1/proxy/namespaces/a/services/empty/",
+    "/api/v1/namespaces/a/pods/p/log",
+    "/apis/metrics.k8s.io/v1beta1",
+    "/apis/metrics.k8s.io/v1beta1/namespaces/a/pods",
+    "/apis/example.com/v1/namespaces/a/widgets",
+])
+async def test_statuses_of_other_servers_behind_the_apiserver_never_make_a_5xx_storm(target: str) -> None:
+    balancer = Balancer([BackendSettings(url="https://a:1", name="a"), BackendSettings(url="https://b:1", name="b")])
+    dispatch = Dispatcher(balancer, {"a": _Answers503(), "b": _Answers503()})  # type: ignore[dict-item]
+    for _ in range(40):
+        assert (await dispatch(req("GET", target, [("authorization", "Bearer t")]))).status == 503
+    assert sum(b.ejections_total for b in balancer.backends) == 0
+
+
+@pytest.mark.parametrize("method", ["POST", "PUT", "PATCH", "DELETE"])
+async def test_5xx_answers_to_writes_never_make_a_storm(method: str) -> None:
+    """Writes go through admission: a webhook that cannot be called (failurePolicy Fail) is a 500 from every
+    apiserver, as often as a tenant writes into its own namespace."""
+    balancer = Balancer([BackendSettings(url="https://a:1", name="a"), BackendSettings(url="https://b:1", name="b")])
+    dispatch = Dispatcher(balancer, {"a": _Answers503(), "b": _Answers503()})  # type: ignore[dict-item]
+    for _ in range(40):
+        await dispatch(req(method, "/api/v1/namespaces/a/configmaps/c", [("authorization", "Bearer t")]))
+    assert sum(b.ejections_total for b in balancer.backends) == 0
+
+
+@pytest.mark.parametrize("target", [
+    "/api/v1/namespaces/a/configmaps", "/apis/apps/v1/namespaces/a/deployments", "/apis", "/apis/apps/v1",
+    "/api/v1/namespaces/a/pods/p/status", "/readyz", "/openapi/v2",
+])
+async def test_the_apiservers_own_5xx_still_make_a_storm(target: str) -> None:
+    balancer = Balancer([BackendSettings(url="https://a:1", name="a"), BackendSettings(url="https://b:1", name="b")])
+    dispatch = Dispatcher(balancer, {"a": _Answers503(), "b": _Answers503()})  # type: ignore[dict-item]
+    for _ in range(40):
+        await dispatch(req("GET", target, [("authorization", "Bearer t")]))
+    assert sum(b.ejections_total for b in balancer.backends) == 1
+
+
+class _OpenWatch:
+    """A backend client stub: every request is answered 200 and stays open until its response is finished."""
+
+    async def send(self, request: ProxyRequest, headers: Any, **_: Any) -> ProxyResponse:
+        return ProxyResponse(status=200, headers=[])
+
+
+async def test_one_caller_holds_at_most_its_share_of_long_running_requests() -> None:
+    """Watches run outside every seat once set up and each holds a long-running pool connection: without a
+    per-caller bound one tenant's streams could hold the whole pool (every other watch then got a 503)."""
+    balancer = Balancer([BackendSettings(url="https://a:1", name="a"), BackendSettings(url="https://b:1", name="b")])
+    dispatch = Dispatcher(balancer, {"a": _OpenWatch(), "b": _OpenWatch()},  # type: ignore[dict-item]
+                          max_long_running_per_caller=2)
+    watch = "/api/v1/namespaces/a/configmaps?watch=1"
+    mine = [("authorization", "Bearer mine")]
+    held = [await dispatch(req("GET", watch, mine)) for _ in range(2)]
+    assert [r.status for r in held] == [200, 200]
+    refused = await dispatch(req("GET", "/api/v1/namespaces/a/pods/p/log?follow=true", mine))
+    assert refused.status == 429 and dict(refused.headers)["retry-after"] == "1"
+    assert orjson.loads(b"".join([c async for c in refused.body]))["reason"] == "TooManyRequests"
+    assert (await dispatch(req("GET", watch, [("authorization", "Bearer other")]))).status == 200
+    assert (await dispatch(req("GET", "/api/v1/namespaces/a/configmaps", mine))).status == 200  # short: no cap
+    # flow control's verified identity is the caller, whichever of its tokens it sends
+    same_sa = [req("GET", watch, [("authorization", f"Bearer token-{i}")], annotations={"caller": "system:sa"})
+               for i in range(3)]
+    assert [(await dispatch(r)).status for r in same_sa] == [200, 200, 429]
+    held[0].finish(None)
+    assert (await dispatch(req("GET", watch, mine))).status == 200
+    assert balancer.long_running_of("system:sa") == 2
+
+
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_a_long_running_cap_below_one_is_refused(tmp_path: Any, value: str) -> None:
+    from gatekeeper.config import ConfigError, load_config
+
+    p = tmp_path / "c.yaml"
+    p.write_text("proxy:\n  backends: [{url: 'https://127.0.0.1:1'}]\n  listener: {certFile: a, keyFile: b}\n"
+                 f"  upstream: {{caFile: ca, maxLongRunningPerCaller: {value}}}\n")
+    with pytest.raises(ConfigError, match=r"proxy.upstream: maxLongRunningPerCaller must be at least 1"):
+        load_config(p)

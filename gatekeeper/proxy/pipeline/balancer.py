@@ -146,6 +146,8 @@ class Lease:
     backend: Backend
     long_running: bool
     released: bool = False
+    caller: str = ""
+    """Who holds it, for a long-running lease (:meth:`Balancer.long_running_of`)."""
 
     def release(self) -> None:
         if not self.released:
@@ -192,6 +194,8 @@ class Balancer:
             )
         self.by_name = {b.name: b for b in self.backends}
         self._equal_weights = len({b.weight for b in self.backends}) == 1
+        self._long_running_callers: dict[str, int] = {}
+        """Open long-running leases per caller (entries at 0 are removed: bounded by what is open)."""
 
     # --- choice -----------------------------------------------------------------------------
 
@@ -231,20 +235,31 @@ class Balancer:
             b = self._weighted_pick([x for x in pool if x is not a])
         return a if a.load <= b.load else b
 
-    def acquire(self, backend: Backend, *, long_running: bool = False) -> Lease:
-        """Count a request (or an open watch) against ``backend`` until the lease is released."""
+    def acquire(self, backend: Backend, *, long_running: bool = False, caller: str = "") -> Lease:
+        """Count a request (or an open watch) against ``backend`` until the lease is released; a long-running
+        one is counted against ``caller`` too."""
         backend.in_flight += 1
         backend.requests_total += 1
         if long_running:
             backend.watches += 1
+            self._long_running_callers[caller] = self._long_running_callers.get(caller, 0) + 1
         if backend.rate is not None:
             backend.rate.add()
-        return Lease(self, backend, long_running)
+        return Lease(self, backend, long_running, caller=caller)
+
+    def long_running_of(self, caller: str) -> int:
+        """Long-running leases ``caller`` holds open, on every backend together."""
+        return self._long_running_callers.get(caller, 0)
 
     def _release(self, lease: Lease) -> None:
         lease.backend.in_flight -= 1
         if lease.long_running:
             lease.backend.watches -= 1
+            left = self._long_running_callers.get(lease.caller, 0) - 1
+            if left > 0:
+                self._long_running_callers[lease.caller] = left
+            else:
+                self._long_running_callers.pop(lease.caller, None)
 
     # --- passive health -----------------------------------------------------------------------
 

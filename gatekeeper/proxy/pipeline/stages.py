@@ -40,6 +40,7 @@ from gatekeeper.proxy.upstream.client import (
     ConnectFailed,
     NoFrontProxyCert,
     PoolTimeout,
+    RequestResetByBackend,
     UpstreamTimeout,
 )
 from gatekeeper.proxy.upstream.upgrade import is_upgrade, open_upgrade
@@ -49,6 +50,49 @@ upstream_log = rejections.RateLimitedLog(log, rejections.LOG_INTERVAL)
 """A dead backend fails every request; one line per backend per interval says so."""
 
 SAFE_METHODS = frozenset({"GET", "HEAD"})
+RELAYED_SUBRESOURCES = frozenset({"proxy", "log", "exec", "attach", "portforward"})
+"""Subresources whose answer the apiserver relays from another server: a pod, a service's endpoints, a node's
+kubelet."""
+BUILTIN_GROUPS = frozenset({
+    "admissionregistration.k8s.io", "apiextensions.k8s.io", "apiregistration.k8s.io", "apps",
+    "authentication.k8s.io", "authorization.k8s.io", "autoscaling", "batch", "certificates.k8s.io",
+    "coordination.k8s.io", "discovery.k8s.io", "events.k8s.io", "flowcontrol.apiserver.k8s.io",
+    "internal.apiserver.k8s.io", "networking.k8s.io", "node.k8s.io", "policy", "rbac.authorization.k8s.io",
+    "resource.k8s.io", "scheduling.k8s.io", "storage.k8s.io", "storagemigration.k8s.io",
+})
+"""API groups kube-apiserver serves itself (never an APIService of another server). A group missing here
+only makes the 5xx storm detector see less; ``metrics.k8s.io`` and the custom/external metrics groups are
+aggregated servers and stay out."""
+
+
+def own_answer(method: str, info: requestinfo.RequestInfo) -> bool:
+    """Whether a 5xx answer to this request says something about the apiserver itself, so that it may feed
+    the 5xx storm detector (an ejection for every client).
+
+    Not when the status is another server's, because a tenant decides those:
+    * relayed subresources (the ``proxy`` verb; ``proxy``, ``log``, ``exec``, ``attach``, ``portforward``):
+      a Service without endpoints is answered 503 at once, and a tenant's pod can answer 503 to anything;
+    * API groups outside :data:`BUILTIN_GROUPS` (aggregated APIs, custom resources): an APIService whose
+      server is down is answered 503 by every apiserver to any authenticated caller (``/apis/<group>`` is
+      open to everyone for discovery).
+    * writes (anything but GET and HEAD): they go through admission, and a webhook that cannot be called
+      (failurePolicy Fail) makes every apiserver answer the writes it matches with 500, which a tenant meets
+      as often as it writes into its own namespace; ejecting an apiserver for the webhook's state only moves
+      load to the others.
+    Counted, 60 such answers in 10 s from one tenant ejected 2 of the sandbox's 3 apiservers, sending every
+    client's traffic to the last one. The apiserver's own failures (storage, its own overload) still show on
+    reads of the core and built-in groups and of the non-resource paths.
+    """
+    if info.verb == "proxy" or info.subresource in RELAYED_SUBRESOURCES:
+        return False
+    if method not in SAFE_METHODS:
+        return False
+    if info.is_resource_request:
+        return info.api_prefix == "api" or info.api_group in BUILTIN_GROUPS
+    if info.path.startswith("/apis/"):
+        group = info.path[6:].partition("/")[0]
+        return not group or group in BUILTIN_GROUPS
+    return True
 
 
 async def _once(data: bytes) -> AsyncIterator[bytes]:
@@ -227,16 +271,47 @@ def upstream_headers(headers: Headers, user: UserInfo, peer: str) -> Headers:
 class Dispatcher:
     """Choose a backend per request and forward; retries only a safe request that failed at connect."""
 
-    def __init__(self, balancer: Balancer, clients: dict[str, BackendClient]) -> None:
+    def __init__(self, balancer: Balancer, clients: dict[str, BackendClient], *,
+                 max_long_running_per_caller: int = 0) -> None:
+        """``max_long_running_per_caller``: ``upstream.maxLongRunningPerCaller`` (0: no cap, for tests)."""
         self.balancer = balancer
         self.clients = clients
+        self.max_long_running_per_caller = max_long_running_per_caller
+
+    def _over_long_running_cap(self, request: ProxyRequest, caller: str) -> ProxyResponse | None:
+        """A 429 when ``caller`` already holds its share of long-running requests, else None.
+
+        Watches run outside every seat once set up, and each holds a connection of the long-running pool
+        and proxy memory until the apiserver's watch timeout (30-60 min), then is opened again: without a
+        bound, one tenant's streams could hold the whole pool, and every other client's watch waited for a
+        free connection and got a 503.
+        """
+        cap = self.max_long_running_per_caller
+        held = self.balancer.long_running_of(caller)
+        if not cap or held < cap:
+            return None
+        rejections.reject("long_running_cap", f"{request.peer} ({caller}): {held} long-running requests open, "
+                          f"{request.method} {request.target[:200]} refused")
+        return error_response(429, "TooManyRequests",
+                              f"gatekeeper proxy: {held} long-running requests (watches, followed logs, exec, "
+                              "port-forward) of this caller are open through this proxy, its limit "
+                              "(upstream.maxLongRunningPerCaller); close some or retry later", retry_after=1)
 
     async def __call__(self, request: ProxyRequest) -> ProxyResponse:
         info = request.info or requestinfo.parse(request.method, request.target)
         user = request.user or auth.identify(request.peer_cert, request.headers)
+        upgrade = is_upgrade(request)
+        long_running = info.long_running or upgrade
+        caller = ""
+        if long_running:
+            # Flow control's verified identity (a ServiceAccount, whichever of its tokens), or its per-address
+            # flow for an unverified token; else the certificate, token or anonymous name.
+            caller = request.annotations.get("caller") or user.name
+            refused = self._over_long_running_cap(request, caller)
+            if refused is not None:
+                return refused
         headers = upstream_headers(request.headers, user, request.peer)
         asserts_identity = auth.wants_front_proxy_cert(user)
-        upgrade = is_upgrade(request)
         safe = request.method in SAFE_METHODS and request.body is None and not upgrade
         tried: set[str] = set()
         last_error = ""
@@ -247,7 +322,7 @@ class Dispatcher:
                                        f"gatekeeper proxy: no apiserver reachable ({last_error})",
                                        retry_after=1)
             client = self.clients[backend.name]
-            lease = self.balancer.acquire(backend, long_running=info.long_running or upgrade)
+            lease = self.balancer.acquire(backend, long_running=long_running, caller=caller)
             request.annotations["backend"] = backend.name
             started = time.monotonic()
             watch_like = info.verb == "watch"
@@ -297,6 +372,17 @@ class Dispatcher:
             except NoFrontProxyCert as exc:
                 lease.release()
                 return error_response(500, "InternalError", f"gatekeeper proxy: {exc}")
+            except RequestResetByBackend as exc:
+                # This request's stream, not the backend: a 5xx answer for the storm detector, no ejection
+                # (one malformed GET per apiserver from any client used to empty the rotation).
+                lease.release()
+                if own_answer(request.method, info):
+                    self.balancer.report_response(backend, 502)
+                metrics.UPSTREAM_ERRORS.labels(backend.name, "backend").inc()
+                upstream_log.warning(f"reset:{backend.name}", f"{request.method} {request.target[:200]} on "
+                                     f"{backend.name}: {exc}")
+                return error_response(502, "InternalError",
+                                       f"gatekeeper proxy: apiserver {backend.name} reset the request")
             except BackendFailed as exc:
                 lease.release()
                 self.balancer.report_connect_failure(backend)
@@ -308,7 +394,8 @@ class Dispatcher:
             except BaseException:
                 lease.release()
                 raise
-            self.balancer.report_response(backend, response.status)
+            if own_answer(request.method, info):
+                self.balancer.report_response(backend, response.status)
             metrics.observe_response(backend.name, info.verb, info.resource_key, response.status,
                                      time.monotonic() - started)
             response.on_complete.append(_releaser(lease))
@@ -407,6 +494,7 @@ def build(
     middlewares: list[Middleware] = [front_for(settings.listener.metrics_groups)]
     if flow_control is not None:
         middlewares.append(flow_control)
-    handler = chain(middlewares, Dispatcher(balancer, clients))
+    handler = chain(middlewares, Dispatcher(
+        balancer, clients, max_long_running_per_caller=settings.upstream.max_long_running_per_caller))
     return Pipeline(handler=handler, balancer=balancer, clients=clients,
                     health_interval=settings.upstream.health_interval_seconds)

@@ -52,6 +52,7 @@ from gatekeeper.proxy.upstream.errors import (
     ConnectFailed,
     NoFrontProxyCert,
     PoolTimeout,
+    RequestResetByBackend,
     UpstreamTimeout,
     connect_cause,
 )
@@ -60,7 +61,7 @@ from gatekeeper.tls import ReloadingTLS
 
 __all__ = [
     "BackendClient", "BackendFailed", "ClientBodyFailed", "ConnectFailed", "NoFrontProxyCert", "PoolTimeout",
-    "UpstreamTimeout", "make_ssl_context",
+    "RequestResetByBackend", "UpstreamTimeout", "make_ssl_context",
 ]
 
 log = logging.getLogger("gatekeeper.proxy.upstream.client")

@@ -42,6 +42,17 @@ class BackendFailed(ConnectionError):
     """The backend failed after the request may have reached it: never retried."""
 
 
+class RequestResetByBackend(BackendFailed):
+    """The backend reset this request's HTTP/2 stream before answering it; never retried.
+
+    Not a sign the backend is down: its connection and other streams carry on, and Go's server
+    resets a request it finds malformed (a bad ``:path`` escape, a control byte in a header), so any
+    client could cause one. The dispatcher answers 502 and counts it as a 5xx answer (the storm
+    detector, which needs most of a backend's answers to be bad) instead of ejecting the backend
+    at once as it does for a connect failure or a dead connection.
+    """
+
+
 def connect_cause(exc: BaseException) -> str:
     """A short, client-safe cause of a failed connect (never an exception repr: no addresses, no objects)."""
     if isinstance(exc, (TimeoutError, aiohttp.ConnectionTimeoutError)):

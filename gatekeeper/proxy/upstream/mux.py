@@ -49,7 +49,7 @@ from typing import cast
 from gatekeeper.proxy.h2wire import frames as f
 from gatekeeper.proxy.h2wire.hpack_decode import BlockDecoder, HeaderBlockError
 from gatekeeper.proxy.upstream.lean import MAX_HEAD_BYTES, BackendProtocolError
-from gatekeeper.proxy.upstream.mux_stream import STREAM_WINDOW, MuxStream, StreamRefused
+from gatekeeper.proxy.upstream.mux_stream import STREAM_WINDOW, MuxStream, StreamRefused, StreamReset
 from gatekeeper.proxy.upstream.mux_wire import headers_frames, response_head
 
 MAX_FRAME = f.MIN_FRAME_SIZE
@@ -289,7 +289,7 @@ class MuxConn(asyncio.Protocol):
                     if code == REFUSED_STREAM and not stream.headers_done:
                         stream.fail(StreamRefused(f"stream refused by the backend (stream {sid})"))
                     else:
-                        stream.fail(ConnectionResetError(f"the backend reset the stream (code {code})"))
+                        stream.fail(StreamReset(f"the backend reset the stream (code {code})"))
                     self._maybe_close()
             elif ftype == f.SETTINGS:
                 if sid != 0 or length % 6 or (flags & f.ACK and length):

@@ -37,10 +37,17 @@ import ssl
 import time
 from collections.abc import Callable
 
-from gatekeeper.proxy.upstream.errors import BackendFailed, ConnectFailed, PoolTimeout, UpstreamTimeout, connect_cause
+from gatekeeper.proxy.upstream.errors import (
+    BackendFailed,
+    ConnectFailed,
+    PoolTimeout,
+    RequestResetByBackend,
+    UpstreamTimeout,
+    connect_cause,
+)
 from gatekeeper.proxy.upstream.exchange import StreamedBody
 from gatekeeper.proxy.upstream.mux import IDLE_SECONDS, MuxConn, NotH2
-from gatekeeper.proxy.upstream.mux_stream import MuxStream, StreamRefused
+from gatekeeper.proxy.upstream.mux_stream import MuxStream, StreamRefused, StreamReset
 from gatekeeper.proxy.upstream.slots import Slots
 
 log = logging.getLogger("gatekeeper.proxy.upstream.mux_pool")
@@ -242,6 +249,8 @@ async def exchange(
             raise ConnectFailed("the apiserver refused the request (HTTP/2 GOAWAY or REFUSED_STREAM)") from exc
         if isinstance(exc, TimeoutError):
             raise UpstreamTimeout(f"no response headers from {name} within {header_timeout:g}s") from exc
+        if isinstance(exc, StreamReset):
+            raise RequestResetByBackend(f"{name}: {exc}") from exc
         if isinstance(exc, (OSError, ValueError)):
             raise BackendFailed(f"{name}: {type(exc).__name__}") from exc
         raise

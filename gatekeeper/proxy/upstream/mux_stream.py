@@ -27,6 +27,12 @@ class StreamRefused(ConnectionError):
     """The backend did not process the stream (GOAWAY above it, or REFUSED_STREAM): safe to send again."""
 
 
+class StreamReset(ConnectionResetError):
+    """The backend reset this one stream (RST_STREAM other than REFUSED_STREAM); the connection and its other
+    streams go on. Go's server resets a request it finds malformed, so this says something about the
+    request, not (by itself) about the backend."""
+
+
 class MuxStream:
     """One request's response as it arrives on a shared connection."""
 

@@ -272,8 +272,10 @@ class FlowControl:
             facts, verified = who, who.verified
             if not verified:
                 user_key = unverified_flow(request.peer)
+                request.annotations["caller"] = user_key
             else:
                 request.token_verified = True
+                request.annotations["caller"] = who.name
         shape = list_shape(request.target) if info.verb == "list" else None
         now = self.clock()
         t, fs, dispatched = self.controller.admit(
