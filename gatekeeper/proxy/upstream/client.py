@@ -129,8 +129,11 @@ class BackendClient:
             self.mux = mux_pool.MuxPool(self.host, self.port, limit=settings.max_connections_per_backend,
                                         max_streams=settings.http2_max_streams,
                                         connect_timeout=settings.connect_timeout_seconds,
-                                        retry_seconds=settings.http2_retry_seconds, on_goaway=goaways.inc,
-                                        on_fallback=metrics.UPSTREAM_H2_FALLBACKS.labels(name).inc)
+                                        retry_seconds=settings.http2_retry_seconds,
+                                        pause_seconds=settings.http2_unauthorized_pause_seconds,
+                                        on_goaway=goaways.inc,
+                                        on_fallback=metrics.UPSTREAM_H2_FALLBACKS.labels(name).inc,
+                                        on_pause=metrics.UPSTREAM_H2_PAUSES.labels(name).inc)
         # Short requests and long-running ones (watches, exec, logs -f) have separate pools, so
         # thousands of open watches never starve GETs of a connection (and vice versa).
         self._slots = asyncio.Semaphore(settings.max_connections_per_backend)

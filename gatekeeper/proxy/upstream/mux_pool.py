@@ -27,6 +27,27 @@ restarted with HTTP/2 on is used over it without restarting the proxy.
   balancer would have to reach into the upstream client. Waiting out the
   interval (5 minutes by default) after an apiserver turns HTTP/2 on is the
   whole cost of keeping it simple.
+
+A 401 on a stream pauses multiplexing for that TLS context (the kind of
+caller: front-proxy certificate or none) for ``upstream.http2UnauthorizedPauseSeconds``
+(:meth:`MuxPool.unauthorized`). kube-apiserver answers every 401 on HTTP/2
+with GOAWAY; the proxy marks the token failed after its first 401, but a
+tenant holding many revoked tokens that still verify here (minted, then the
+ServiceAccount or bound Secret deleted) had one GOAWAY per token per worker,
+each a reconnect, each re-sending the other tenants' streams that raced it;
+a stream refused twice that way failed as a connect failure, which ejects
+the backend. Measured against the sandbox apiserver before the pause: 60
+revoked tokens in turn, 61 connections and 407 re-sent streams; cycled for
+8 s, 311 GOAWAYs and 6-43 other tenants' GETs failed. Now:
+
+* **One GOAWAY per pause.** The pause starts while the 401's frame is
+  parsed, before any consumer runs; requests of that kind take the HTTP/1.1
+  pool until it ends, whatever token they carry.
+* **No double refusal.** A stream refused by that GOAWAY (provably not
+  processed) is re-sent over HTTP/1.1 during the pause (:class:`mux.Paused`),
+  never as a stream on a connection a second 401 could close.
+* **Certificate callers are untouched**: their context has its own
+  connections and its own pause.
 """
 
 from __future__ import annotations
@@ -39,7 +60,7 @@ from collections.abc import Callable
 
 from gatekeeper.proxy.upstream.errors import BackendFailed, ConnectFailed, PoolTimeout, UpstreamTimeout, connect_cause
 from gatekeeper.proxy.upstream.exchange import StreamedBody
-from gatekeeper.proxy.upstream.mux import IDLE_SECONDS, MuxConn, NotH2
+from gatekeeper.proxy.upstream.mux import IDLE_SECONDS, MuxConn, NotH2, Paused
 from gatekeeper.proxy.upstream.mux_stream import MuxStream, StreamRefused
 from gatekeeper.proxy.upstream.slots import Slots
 
@@ -53,8 +74,9 @@ class MuxPool:
     """HTTP/2 connections to one backend; ``slots`` bounds its concurrent streams, as the HTTP/1.1 pool's."""
 
     def __init__(self, host: str, port: int, *, limit: int, max_streams: int, connect_timeout: float,
-                 retry_seconds: float = 300.0, on_goaway: Callable[[], None] = lambda: None,
-                 on_fallback: Callable[[], None] = lambda: None) -> None:
+                 retry_seconds: float = 300.0, pause_seconds: float = 60.0,
+                 on_goaway: Callable[[], None] = lambda: None, on_fallback: Callable[[], None] = lambda: None,
+                 on_pause: Callable[[], None] = lambda: None) -> None:
         self.host = host
         self.port = port
         self.max_streams = max_streams
@@ -71,6 +93,29 @@ class MuxPool:
         """When (monotonic) a backend known as HTTP/1.1 may be asked for HTTP/2 again."""
         self.attempt_granted = False
         """:meth:`wants_h2` granted an attempt at HTTP/2 that has not connected yet."""
+        self.pause_seconds = pause_seconds
+        self.paused: dict[ssl.SSLContext, float] = {}
+        """Context -> when (monotonic) its pause after a 401 ends; empty on the hot path."""
+        self.on_pause = on_pause
+
+    def unauthorized(self, conn: MuxConn) -> None:
+        """A stream on ``conn`` was answered 401: pause multiplexing for its context (see the module)."""
+        now = time.monotonic()
+        if self.paused.get(conn.ctx, 0.0) <= now:
+            self.on_pause()
+            log.warning("%s:%s answered 401 on a multiplexed stream (a token verified here was refused there, "
+                        "so it sends GOAWAY): that kind of caller goes over HTTP/1.1 for %gs", self.host,
+                        self.port, self.pause_seconds)
+        self.paused[conn.ctx] = now + self.pause_seconds
+
+    def is_paused(self, ctx: ssl.SSLContext) -> bool:
+        until = self.paused.get(ctx)
+        if until is None:
+            return False
+        if until > time.monotonic():
+            return True
+        del self.paused[ctx]
+        return False
 
     def wants_h2(self) -> bool:
         """Whether an eligible request should go over HTTP/2: known to work, or a retry is due (this one).
@@ -104,6 +149,8 @@ class MuxPool:
             for stale in [c for c in self.conns if c not in current]:
                 for conn in self.conns.pop(stale):
                     conn.close()  # contexts replaced by a reload: their connections finish and go
+            for stale in [c for c in self.paused if c not in current]:
+                del self.paused[stale]
             self.conns[ctx] = []
             return None
         now = time.monotonic()
@@ -150,7 +197,7 @@ class MuxPool:
 
     async def _connect(self, ctx: ssl.SSLContext) -> MuxConn:
         loop = asyncio.get_running_loop()
-        conn = MuxConn(ctx, self.max_streams, self._lost, self.on_goaway)
+        conn = MuxConn(ctx, self.max_streams, self._lost, self.on_goaway, self.unauthorized)
         try:
             async with asyncio.timeout(self.connect_timeout):
                 transport, _ = await loop.create_connection(lambda: conn, self.host, self.port, ssl=ctx,
@@ -206,8 +253,11 @@ async def exchange(
 ) -> tuple[int, list[tuple[bytes, bytes]], MuxBody]:
     """Send one bodiless request as a stream and wait for its head; the errors are :func:`exchange.exchange`'s.
 
-    Raises :class:`NotH2` (nothing sent) when the backend turned out not to speak HTTP/2.
+    Raises :class:`NotH2` (nothing sent) when the backend turned out not to speak HTTP/2, and :class:`Paused`
+    (nothing processed) during a pause after a 401: the caller sends the request over HTTP/1.1 instead.
     """
+    if pool.paused and pool.is_paused(ctx):
+        raise Paused(f"{name}: multiplexing paused after a 401")
     slots = pool.slots
     if not slots.try_take():
         try:
@@ -219,6 +269,8 @@ async def exchange(
     try:
         for attempt in range(SENDS):
             conn = await pool.conn(ctx, live)
+            if pool.paused and pool.is_paused(ctx):  # a 401 came while this request waited for a connection
+                raise Paused(f"{name}: multiplexing paused after a 401")
             stream = conn.start(block, head_only=head_only, header_timeout=header_timeout)
             try:
                 while not stream.headers_done:
@@ -226,6 +278,8 @@ async def exchange(
                         raise stream.error
                     await stream.wait()
             except StreamRefused:
+                if pool.paused and pool.is_paused(ctx):  # not processed: HTTP/1.1, never a second stream
+                    raise Paused(f"{name}: multiplexing paused after a 401") from None
                 if attempt + 1 == SENDS:
                     raise
                 continue
