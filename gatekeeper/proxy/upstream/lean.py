@@ -339,12 +339,17 @@ class Pool:
         Why: the HTTP/2 pool (``upstream.http2``) offers ``h2`` and ``http/1.1`` in ALPN; a backend that
         picks HTTP/1.1 has just completed a handshake the request that found out can use (it takes the
         most recent idle connection, this one, unless a request put one back in between, which costs no
-        handshake either). ``ctx`` is the HTTP/1.1 context of the same kind (front-proxy certificate or
-        none) as the one the connection was made with: both read the same files, so a connection made
-        with the certificate is never kept for token requests. It counts in ``open`` like any other:
-        when the pool already holds ``limit`` connections it is closed instead (the request then waits
-        for one of those, as it would have).
+        handshake either). ``ctx`` is the HTTP/1.1 context built by the same reload as the one the
+        connection was made with (``client.Contexts``), so a connection made with the certificate is
+        never kept for token requests, and one made with the previous files is never kept under a context
+        of the new ones. A ``ctx`` a reload has replaced since (it came while the connection was being
+        made) is stale: the connection is closed, as the stale contexts' idle connections are. It counts
+        in ``open`` like any other: when the pool already holds ``limit`` connections it is closed
+        instead (the request then waits for one of those, as it would have).
         """
+        if ctx not in live():
+            transport.close()
+            return
         idle = self._idle_list(ctx, live)
         if idle is None:
             idle = self.idle[ctx]
