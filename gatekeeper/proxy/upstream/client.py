@@ -324,6 +324,7 @@ class BackendClient:
                         on_done: Callable[[BaseException | None], None]) -> ProxyResponse:
         tls = self.tls_identity if identity else self.tls_plain
         if tls is None:
+            mux.give_back()  # a retry of HTTP/2 granted to this request was never tried
             raise NoFrontProxyCert(NO_FRONT_PROXY_CERT)  # as on the HTTP/1.1 path
         contexts = tls.get()
         ctx = contexts.h2

@@ -14,10 +14,18 @@ again on a fresh connection (:meth:`MuxPool.wants_h2`), so an apiserver
 restarted with HTTP/2 on is used over it without restarting the proxy.
 
 * **Bounded.** The retry time is moved on when the attempt is granted,
-  before it connects, so a backend flapping between ``h2`` and ``http/1.1``,
-  or one that fails the connect, costs at most one extra attempt per interval
-  per worker; requests already waiting when the backend turned out HTTP/1.1
-  fail over without connecting (only the granted attempt may connect).
+  before it connects, so a backend flapping between ``h2`` and ``http/1.1``
+  costs at most one extra handshake per interval per worker; requests already
+  waiting when the backend turned out HTTP/1.1 fail over without connecting
+  (only the granted attempt may connect, one at a time).
+* **Not lost before the answer.** A granted attempt that ends before the
+  backend's ALPN answer (no stream slot in time, the caller gone, a pause
+  after a 401, no front-proxy certificate, the connect failed) gives the
+  grant back (:meth:`MuxPool.give_back`): the next eligible request asks
+  instead of waiting out the interval. It cost no completed handshake, so
+  the bound above holds; a backend whose connects fail is ejected by the
+  balancer and is asked again when it is back, which is when it may have
+  turned HTTP/2 on.
 * **Free when the answer is still no.** The attempt's handshake is handed to
   the HTTP/1.1 pool and carries the request; what it costs is a new connection
   where an idle one might have been reused.
@@ -134,6 +142,14 @@ class MuxPool:
         self.attempt_granted = True
         return True
 
+    def give_back(self) -> None:
+        """A request that may hold the grant of :meth:`wants_h2` failed before the attempt connected: the next
+        eligible request asks instead (see the module). A no-op unless a grant is pending: one that connected
+        was taken by :meth:`conn` first."""
+        if self.attempt_granted:
+            self.attempt_granted = False
+            self.retry_at = 0.0
+
     def _lost(self, conn: MuxConn) -> None:
         conns = self.conns.get(conn.ctx)
         if conns is not None and conn in conns:
@@ -176,15 +192,18 @@ class MuxPool:
                 if conn.available():
                     return conn
                 continue
-            if not self.h2:
+            asking = not self.h2
+            if asking:
                 if not self.attempt_granted:  # found out while this request waited: nothing was sent
                     raise NotH2(f"{self.host}:{self.port} does not negotiate HTTP/2")
-                self.attempt_granted = False
+                self.attempt_granted = False  # taken: no other context's request connects meanwhile
             fut: asyncio.Future[MuxConn] = asyncio.get_running_loop().create_future()
             self.opening[ctx] = fut
             try:
                 conn = await self._connect(ctx)
             except BaseException as exc:
+                if asking and not isinstance(exc, NotH2):
+                    self.retry_at = 0.0  # no ALPN answer came (connect failed, caller gone): not used up
                 fut.set_exception(exc)
                 fut.exception()  # retrieved: waiters re-raise it, nobody else needs to
                 raise
@@ -257,14 +276,18 @@ async def exchange(
     (nothing processed) during a pause after a 401: the caller sends the request over HTTP/1.1 instead.
     """
     if pool.paused and pool.is_paused(ctx):
+        pool.give_back()
         raise Paused(f"{name}: multiplexing paused after a 401")
     slots = pool.slots
     if not slots.try_take():
         try:
             async with asyncio.timeout(acquire_timeout):
                 await slots.take()
-        except TimeoutError:
-            raise PoolTimeout(f"no free HTTP/2 stream to {name} within {acquire_timeout:g}s") from None
+        except BaseException as exc:
+            pool.give_back()
+            if isinstance(exc, TimeoutError):
+                raise PoolTimeout(f"no free HTTP/2 stream to {name} within {acquire_timeout:g}s") from None
+            raise
     stream: MuxStream | None = None
     try:
         for attempt in range(SENDS):
@@ -288,6 +311,8 @@ async def exchange(
         if stream is not None:
             stream.conn.cancel(stream)
         slots.release()
+        if not pool.h2:
+            pool.give_back()  # a pending grant this request held, ended before connecting (slot, pause, cancel)
         if isinstance(exc, (ConnectFailed, NotH2)):
             raise
         if isinstance(exc, StreamRefused):
