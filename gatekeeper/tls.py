@@ -16,7 +16,11 @@ otherwise):
   are the new ones;
 * a *client* calls :meth:`ReloadingTLS.get` per connection it opens (the
   proxy's upstream pool keys connections by context, so pooled connections
-  made with the old material live on until they close by themselves).
+  made with the old material live on until they close by themselves). A
+  client that needs several contexts from the same files builds them all in
+  one ``build`` (``ReloadingTLS[T]`` holds any ``T``): the proxy's upstream
+  keeps an HTTP/1.1 and an HTTP/2 context per kind of caller and hands
+  connections from one pool to the other, so both must come from one read.
 
 Connections already established keep what they negotiated. A half-written
 rotation (cert updated, key not yet) fails to load; the old context stays in
@@ -30,10 +34,12 @@ import os
 import ssl
 import time
 from collections.abc import Callable, Sequence
+from typing import Generic, TypeVar
 
 log = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
+T = TypeVar("T")
 
 
 def _mtimes(paths: Sequence[str]) -> tuple[int, ...]:
@@ -49,10 +55,10 @@ def server_context(cert_file: str, key_file: str, *, alpn: Sequence[str] = ("htt
     return ctx
 
 
-class ReloadingTLS:
-    """The current context built from ``files``; rebuilt by ``build`` when one of them changes."""
+class ReloadingTLS(Generic[T]):
+    """The current context (or contexts) built from ``files``; rebuilt by ``build`` when one of them changes."""
 
-    def __init__(self, build: Callable[[], ssl.SSLContext], files: Sequence[str], *, what: str,
+    def __init__(self, build: Callable[[], T], files: Sequence[str], *, what: str,
                  check_interval: float = 2.0, clock: Clock = time.monotonic) -> None:
         self.build = build
         self.files = [f for f in files if f]
@@ -82,7 +88,7 @@ class ReloadingTLS:
         log.info("reloaded %s from %s", self.what, ", ".join(self.files))
         return True
 
-    def get(self) -> ssl.SSLContext:
+    def get(self) -> T:
         """The current context, after a change check if the last one is ``check_interval`` old."""
         now = self._clock()
         if now >= self._next_check:
@@ -90,12 +96,12 @@ class ReloadingTLS:
             self.maybe_reload()
         return self.current
 
-    def server_base(self) -> ssl.SSLContext:
+    def server_base(self: ReloadingTLS[ssl.SSLContext]) -> ssl.SSLContext:
         """A listener context that hands every new handshake the current context."""
         base = self.build()
         base.sni_callback = self._on_handshake
         return base
 
-    def _on_handshake(self, sslobj: ssl.SSLObject | ssl.SSLSocket, server_name: str | None,
-                      ctx: ssl.SSLContext) -> None:
+    def _on_handshake(self: ReloadingTLS[ssl.SSLContext], sslobj: ssl.SSLObject | ssl.SSLSocket,
+                      server_name: str | None, ctx: ssl.SSLContext) -> None:
         sslobj.context = self.get()

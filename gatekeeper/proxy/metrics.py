@@ -112,6 +112,13 @@ UPSTREAM_H2_FALLBACKS = Counter(
     "upstream.http2RetrySeconds per worker.",
     ["backend"],
 )
+UPSTREAM_H2_PAUSES = Counter(
+    "gatekeeper_proxy_upstream_http2_pauses",
+    "Times a 401 on a multiplexed HTTP/2 upstream stream paused multiplexing for that kind of caller (front-proxy "
+    "certificate or token) for upstream.http2UnauthorizedPauseSeconds, by backend: a token verified by the proxy "
+    "but refused by the apiserver (revoked, or its bound object deleted), or a front-proxy certificate it rejects.",
+    ["backend"],
+)
 
 
 class PoolSource(Protocol):

@@ -208,6 +208,9 @@ class UpstreamSettings:
     http2_retry_seconds: float = 300.0
     """A backend that picked HTTP/1.1 in ALPN is asked for HTTP/2 again by one request this often (0 = never);
     each ask is a new connection, kept for HTTP/1.1 if the answer is still no (``upstream/mux_pool.py``)."""
+    http2_unauthorized_pause_seconds: float = 60.0
+    """After a 401 on a multiplexed stream (kube-apiserver then sends GOAWAY), that kind of caller (certificate
+    or token) goes over HTTP/1.1 this long, so revoked tokens cost one reconnect per pause, not one each."""
 
     def validate(self) -> None:
         if self.client not in ("lean", "aiohttp"):
@@ -219,6 +222,10 @@ class UpstreamSettings:
         if not (self.http2_retry_seconds == 0 or self.http2_retry_seconds >= 1):
             raise ValueError(f"http2RetrySeconds must be 0 (never) or at least 1 (each retry is a new "
                              f"connection), got {self.http2_retry_seconds}")
+        if not 1 <= self.http2_unauthorized_pause_seconds <= 86400:
+            raise ValueError(f"http2UnauthorizedPauseSeconds must be 1..86400 (each 401 on a multiplexed stream "
+                             f"costs a reconnect; the pause bounds how often), got "
+                             f"{self.http2_unauthorized_pause_seconds}")
         if not self.ca_file:
             raise ValueError(
                 "caFile is required: the CA that signed the apiservers' serving certificates "

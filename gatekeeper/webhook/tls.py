@@ -27,7 +27,7 @@ def load_server_context(cert_file: str, key_file: str, client_ca_file: str = "")
     return ctx
 
 
-class ReloadingContext(ReloadingTLS):
+class ReloadingContext(ReloadingTLS[ssl.SSLContext]):
     """The webhook's reloading serving context; ``base`` is what the listener is created with."""
 
     def __init__(self, cert_file: str, key_file: str, check_interval: float = 2.0,

@@ -6,6 +6,13 @@ multiplexed upstream lives with that: the proxy never sends such a request on a
 shared connection (a bad token and an anonymous call take the HTTP/1.1 pool),
 and when a GOAWAY comes anyway, the streams the apiserver did not process are
 sent again and every caller gets its answer.
+
+A token the proxy verifies can still be refused there: one minted for a
+ServiceAccount deleted since verifies locally (signature, expiry), so its first
+request goes as a stream and gets 401 with a GOAWAY before the head. The first
+such 401 pauses multiplexing for token callers
+(``upstream.http2UnauthorizedPauseSeconds``), so many revoked tokens cost one
+GOAWAY per apiserver, not one each.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import ssl
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -61,13 +69,26 @@ def tenant(sandbox: SandboxState) -> Iterator[tuple[str, str]]:
         kubectl(sandbox, "delete", "namespace", ns, "--wait=false")
 
 
-@pytest.fixture(scope="module")
-def proxy(sandbox: SandboxState, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProxyProcess]:
-    p = ProxyProcess(sandbox, tmp_path_factory.mktemp("mux-proxy"), name="mux-proxy", health_interval=0.5,
+def running_proxy(sandbox: SandboxState, tmp_path_factory: pytest.TempPathFactory, name: str,
+                  workers: int | None = None) -> Iterator[ProxyProcess]:
+    p = ProxyProcess(sandbox, tmp_path_factory.mktemp(name), name=name, health_interval=0.5, workers=workers,
                      user_config={"flowControl": default_flow_control(), "upstream": {"http2": True}})
     p.start()
     yield p
     assert p.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def proxy(sandbox: SandboxState, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProxyProcess]:
+    yield from running_proxy(sandbox, tmp_path_factory, "mux-proxy")
+
+
+async def until_allowed(client: httpx.AsyncClient, path: str, headers: dict[str, str] | None = None) -> None:
+    """The RoleBinding reaches the apiservers' RBAC caches within moments."""
+    for _ in range(100):
+        if (await client.get(path, headers=headers)).status_code == 200:
+            return
+        await asyncio.sleep(0.1)
 
 
 def ca_context(state: SandboxState) -> ssl.SSLContext:
@@ -80,10 +101,7 @@ async def test_tenant_gets_are_multiplexed_and_bad_tokens_never_cost_a_goaway(
     path = f"{proxy.url}/api/v1/namespaces/{ns}/configmaps"
     good = {"authorization": f"Bearer {token}"}
     async with httpx.AsyncClient(verify=ca_context(sandbox), http2=True, timeout=30) as client:
-        for _ in range(100):  # the RoleBinding reaches the apiservers' RBAC caches within moments
-            if (await client.get(path, headers=good)).status_code == 200:
-                break
-            await asyncio.sleep(0.1)
+        await until_allowed(client, path, good)
         before = (await client.get(f"{proxy.metrics_url}/metrics")).text
 
         async def mixed() -> list[int]:
@@ -171,10 +189,7 @@ async def test_a_tenant_certificate_caller_is_asserted_over_the_shared_connectio
     ctx.load_cert_chain(str(issued.cert), str(issued.key))
     path = f"{proxy.url}/api/v1/namespaces/{ns}/configmaps"
     async with httpx.AsyncClient(verify=ctx, http2=True, timeout=30) as client:
-        for _ in range(100):  # the RoleBinding reaches the apiservers' RBAC caches within moments
-            if (await client.get(path)).status_code == 200:
-                break
-            await asyncio.sleep(0.1)
+        await until_allowed(client, path)
         before = metric_sum((await client.get(f"{proxy.metrics_url}/metrics")).text,
                             "gatekeeper_proxy_upstream_http2_streams_total")
         statuses = [r.status_code for r in await asyncio.gather(*(client.get(path) for _ in range(20)))]
@@ -233,3 +248,90 @@ async def test_a_real_apiserver_answering_http11_is_served_on_the_connection_tha
         assert len(connects) == 1 and backend.connections() == 1
     finally:
         await backend.close()
+
+
+REVOKED_TOKENS = 40
+
+
+def admin_context(state: SandboxState) -> ssl.SSLContext:
+    certs = SandboxPKI(Path(state.certs_dir))
+    ctx = ca_context(state)
+    ctx.load_cert_chain(str(certs.crt("admin")), str(certs.key("admin")))
+    return ctx
+
+
+def mint(state: SandboxState, ns: str, sa: str, count: int) -> list[str]:
+    """``count`` tokens of ``ns/sa`` through the TokenRequest API (one kubectl process each would take seconds)."""
+    url = f"{state.apiserver_urls[0]}/api/v1/namespaces/{ns}/serviceaccounts/{sa}/token"
+    body = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {"expirationSeconds": 3600}}
+    with httpx.Client(verify=admin_context(state), timeout=30) as c:
+        return [c.post(url, json=body).raise_for_status().json()["status"]["token"] for _ in range(count)]
+
+
+@pytest.fixture(scope="module")
+def revoked(sandbox: SandboxState, tenant: tuple[str, str]) -> list[str]:
+    """Tokens of a ServiceAccount of the tenant's namespace deleted since: every apiserver refuses them."""
+    ns, _ = tenant
+    kubectl(sandbox, "-n", ns, "create", "serviceaccount", "gone")
+    revoked = mint(sandbox, ns, "gone", REVOKED_TOKENS + 1)
+    kubectl(sandbox, "-n", ns, "delete", "serviceaccount", "gone")
+    probe, revoked = revoked[0], revoked[1:]  # the others are never used before the test
+    with httpx.Client(verify=ca_context(sandbox), timeout=30) as c:  # HTTP/1.1: no GOAWAY either way
+        for url in sandbox.apiserver_urls:
+            for _ in range(100):  # each apiserver's informer sees the deletion within moments
+                if c.get(f"{url}/api/v1/namespaces/{ns}/configmaps",
+                         headers={"authorization": f"Bearer {probe}"}).status_code == 401:
+                    break
+                time.sleep(0.1)
+            else:
+                pytest.fail(f"{url} still accepts a token of the deleted ServiceAccount")
+    return revoked
+
+
+@pytest.fixture(scope="module")
+def one_worker(sandbox: SandboxState, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProxyProcess]:
+    """A proxy of its own: a pause must not change what the other tests here count, one worker bounds it."""
+    yield from running_proxy(sandbox, tmp_path_factory, "revoked-proxy", workers=1)
+
+
+async def test_revoked_tokens_cost_one_goaway_per_apiserver_and_fail_no_other_tenants_request(
+        sandbox: SandboxState, one_worker: ProxyProcess, tenant: tuple[str, str], revoked: list[str]) -> None:
+    ns, good = tenant
+    proxy = one_worker
+    path = f"{proxy.url}/api/v1/namespaces/{ns}/configmaps"
+    reader = {"authorization": f"Bearer {good}"}
+    async with httpx.AsyncClient(verify=ca_context(sandbox), http2=True, timeout=30) as client:
+        await until_allowed(client, path, reader)
+        before = (await client.get(f"{proxy.metrics_url}/metrics")).text
+        done = asyncio.Event()
+
+        async def other_tenant() -> list[int]:
+            statuses = []
+            while not done.is_set():
+                statuses.append((await client.get(path, headers=reader)).status_code)
+            return statuses
+
+        async def hostile(tokens: list[str]) -> list[int]:
+            statuses = []
+            for token in tokens:  # each token's first request: verified here, refused there
+                statuses.append((await client.get(path, headers={"authorization": f"Bearer {token}"})).status_code)
+            return statuses
+
+        others = [asyncio.create_task(other_tenant()) for _ in range(8)]
+        refused = await asyncio.gather(*(hostile(revoked[i::4]) for i in range(4)))
+        done.set()
+        served = await asyncio.gather(*others)
+        after = (await client.get(f"{proxy.metrics_url}/metrics")).text
+
+    def delta(name: str, **labels: str) -> float:
+        return metric_sum(after, name, **labels) - metric_sum(before, name, **labels)
+
+    assert sorted(s for r in refused for s in r) == [401] * REVOKED_TOKENS
+    statuses = [s for r in served for s in r]
+    assert statuses and set(statuses) == {200}, statuses
+    backends = len(sandbox.apiserver_urls)
+    # One worker: at most one GOAWAY per apiserver (the first 401 each), not one per token.
+    assert 1 <= delta("gatekeeper_proxy_upstream_goaways_total") <= backends
+    assert 1 <= delta("gatekeeper_proxy_upstream_http2_pauses_total") <= backends
+    assert delta("gatekeeper_proxy_upstream_errors_total") == 0  # no connect failure, no ejection
+    assert delta("gatekeeper_identity_tokens_total", outcome="refused-upstream") == REVOKED_TOKENS

@@ -493,15 +493,17 @@ class Switching(Backend):
     def answer(self, alpn: str) -> None:
         self.ctx.set_alpn_protocols([alpn])  # read by every later handshake
 
+    def h1_answer(self, head: bytes) -> bytes:
+        body = b"h1 " + head.split(b" ")[1]
+        return b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%b" % (len(body), body)
+
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if writer.get_extra_info("ssl_object").selected_alpn_protocol() == "h2":
             return await super().handle(reader, writer)
         self.h1_connections += 1
         try:
             while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                body = b"h1 " + head.split(b" ")[1]
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%b" % (len(body), body))
+                writer.write(self.h1_answer(await reader.readuntil(b"\r\n\r\n")))
         except (asyncio.IncompleteReadError, ConnectionError, ssl.SSLError):
             pass
         finally:
@@ -578,12 +580,15 @@ async def test_a_retry_interval_of_zero_never_asks_again(pki: PKI) -> None:
         await raw.stop()
 
 
-@pytest.mark.parametrize("value", ["0.5", "-1", ".nan"])
-def test_an_http2_retry_interval_below_one_second_is_refused(tmp_path: Path, value: str) -> None:
+@pytest.mark.parametrize(("key", "value", "message"), [
+    *(("http2RetrySeconds", v, r"must be 0 \(never\) or at least 1") for v in ("0.5", "-1", ".nan")),
+    *(("http2UnauthorizedPauseSeconds", v, r"must be 1..86400") for v in ("0", "0.5", "-1", ".nan", "86401")),
+])
+def test_an_http2_interval_out_of_its_range_is_refused(tmp_path: Path, key: str, value: str, message: str) -> None:
     p = tmp_path / "c.yaml"
     p.write_text("proxy:\n  backends: [{url: 'https://127.0.0.1:1'}]\n"
-                 f"  listener: {{certFile: a, keyFile: b}}\n  upstream: {{caFile: ca, http2RetrySeconds: {value}}}\n")
-    with pytest.raises(ConfigError, match=r"proxy.upstream: http2RetrySeconds must be 0 \(never\) or at least 1"):
+                 f"  listener: {{certFile: a, keyFile: b}}\n  upstream: {{caFile: ca, {key}: {value}}}\n")
+    with pytest.raises(ConfigError, match=rf"proxy.upstream: {key} {message}"):
         load_config(p)
 
 

@@ -15,10 +15,12 @@ on a shared HTTP/2 connection.
   sessions also carry the health probes whichever client is set.
 * Upgrades bypass every pool (:mod:`upstream.upgrade`).
 
-Two TLS contexts share each pool: one presents the front-proxy client
+Two kinds of TLS context share each pool: one presents the front-proxy client
 certificate (requests whose identity the proxy asserts with ``X-Remote-*``),
 one presents none (token and anonymous requests, see
-:func:`gatekeeper.proxy.pipeline.auth.wants_front_proxy_cert`). Hop-by-hop
+:func:`gatekeeper.proxy.pipeline.auth.wants_front_proxy_cert`). Each kind is
+an HTTP/1.1 context and, with ``upstream.http2``, an HTTP/2 one, built by one
+reload from one read of the files (:class:`Contexts`). Hop-by-hop
 headers are removed both ways (:mod:`upstream.hop_by_hop`). Response bodies
 are pulled by the client side, so a slow client slows the backend read
 instead of growing a buffer; a LIST of any size and an endless watch never
@@ -34,6 +36,7 @@ import asyncio
 import logging
 import ssl
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -68,6 +71,9 @@ log = logging.getLogger("gatekeeper.proxy.upstream.client")
 
 _MUX_METHODS = frozenset({"GET", "HEAD"})
 H2_ALPN = ("h2", "http/1.1")
+NO_FRONT_PROXY_CERT = (
+    "the proxy has no front-proxy client certificate (upstream.clientCertFile/clientKeyFile), so it cannot "
+    "assert a client-certificate identity to the apiserver; use a token or configure the certificate")
 
 
 def make_ssl_context(settings: UpstreamSettings, *, client_cert: bool,
@@ -85,6 +91,26 @@ def make_ssl_context(settings: UpstreamSettings, *, client_cert: bool,
     return ctx
 
 
+@dataclass(frozen=True, slots=True)
+class Contexts:
+    """The contexts of one kind of caller (front-proxy certificate or none), built together by one reload.
+
+    Why together: a connection the HTTP/2 pool opened and found to be HTTP/1.1 goes to the HTTP/1.1 pool
+    (``lean.Pool.adopt``), kept under ``http1``. Reloaded separately, each on its own check schedule, the two
+    could straddle a rotation: a connection made with the previous files, kept under a context of the new
+    ones, never retired as stale. Built together, ``h2`` and ``http1`` always carry the same files.
+    """
+
+    http1: ssl.SSLContext
+    h2: ssl.SSLContext | None
+    """With ``upstream.http2``: offers ``h2`` and ``http/1.1`` in ALPN (:data:`H2_ALPN`)."""
+
+
+def make_contexts(settings: UpstreamSettings, *, client_cert: bool, http2: bool) -> Contexts:
+    return Contexts(make_ssl_context(settings, client_cert=client_cert),
+                    make_ssl_context(settings, client_cert=client_cert, alpn=H2_ALPN) if http2 else None)
+
+
 class BackendClient:
     """The connection pool and request plumbing for one apiserver."""
 
@@ -100,38 +126,33 @@ class BackendClient:
         self.settings = settings
         interval = settings.cert_check_interval_seconds
         files = [settings.ca_file]
-        self.tls_identity: ReloadingTLS | None = None
+        # upstream.http2: each kind also gets a context offering h2 first and http/1.1 too (a backend that
+        # picks http/1.1, or no protocol, is used over the HTTP/1.1 pool from then on; offering h2 alone
+        # would make a strict HTTP/1.1 server fail the handshake, a connect failure that ejects a healthy
+        # backend).
+        http2 = settings.http2 and settings.client == "lean"
+        self.tls_identity: ReloadingTLS[Contexts] | None = None
         if settings.client_cert_file or settings.client_key_file:
             self.tls_identity = ReloadingTLS(
-                lambda: make_ssl_context(settings, client_cert=True),
+                lambda: make_contexts(settings, client_cert=True, http2=http2),
                 [*files, settings.client_cert_file, settings.client_key_file],
                 what="upstream CA and front-proxy client certificate", check_interval=interval,
             )
-        self.tls_plain = ReloadingTLS(lambda: make_ssl_context(settings, client_cert=False), files,
+        self.tls_plain = ReloadingTLS(lambda: make_contexts(settings, client_cert=False, http2=http2), files,
                                       what="upstream CA", check_interval=interval)
-        # upstream.http2: contexts offering h2 first and http/1.1 too (a backend that picks http/1.1, or no
-        # protocol, is used over the HTTP/1.1 pool from then on; offering h2 alone would make a strict
-        # HTTP/1.1 server fail the handshake, a connect failure that ejects a healthy backend).
         self.mux: mux_pool.MuxPool | None = None
-        self.tls_h2_identity: ReloadingTLS | None = None
-        self.tls_h2_plain: ReloadingTLS | None = None
-        if settings.http2 and settings.client == "lean":
-            if self.tls_identity is not None:
-                self.tls_h2_identity = ReloadingTLS(
-                    lambda: make_ssl_context(settings, client_cert=True, alpn=H2_ALPN),
-                    [*files, settings.client_cert_file, settings.client_key_file],
-                    what="upstream CA and front-proxy client certificate (HTTP/2)", check_interval=interval,
-                )
-            self.tls_h2_plain = ReloadingTLS(lambda: make_ssl_context(settings, client_cert=False, alpn=H2_ALPN),
-                                             files, what="upstream CA (HTTP/2)", check_interval=interval)
+        if http2:
             goaways = metrics.UPSTREAM_GOAWAYS.labels(name)
             self._h2_streams = metrics.UPSTREAM_H2_STREAMS.labels(name)
             self._h2_authority = mux_wire.authority_field(split.netloc)
             self.mux = mux_pool.MuxPool(self.host, self.port, limit=settings.max_connections_per_backend,
                                         max_streams=settings.http2_max_streams,
                                         connect_timeout=settings.connect_timeout_seconds,
-                                        retry_seconds=settings.http2_retry_seconds, on_goaway=goaways.inc,
-                                        on_fallback=metrics.UPSTREAM_H2_FALLBACKS.labels(name).inc)
+                                        retry_seconds=settings.http2_retry_seconds,
+                                        pause_seconds=settings.http2_unauthorized_pause_seconds,
+                                        on_goaway=goaways.inc,
+                                        on_fallback=metrics.UPSTREAM_H2_FALLBACKS.labels(name).inc,
+                                        on_pause=metrics.UPSTREAM_H2_PAUSES.labels(name).inc)
         # Short requests and long-running ones (watches, exec, logs -f) have separate pools, so
         # thousands of open watches never starve GETs of a connection (and vice versa).
         self._slots = asyncio.Semaphore(settings.max_connections_per_backend)
@@ -148,11 +169,11 @@ class BackendClient:
 
     @property
     def ssl_identity(self) -> ssl.SSLContext | None:
-        return self.tls_identity.get() if self.tls_identity is not None else None
+        return self.tls_identity.get().http1 if self.tls_identity is not None else None
 
     @property
     def ssl_plain(self) -> ssl.SSLContext:
-        return self.tls_plain.get()
+        return self.tls_plain.get().http1
 
     def _session(self, long_running: bool) -> aiohttp.ClientSession:
         session = self._sessions.get(long_running)
@@ -173,11 +194,7 @@ class BackendClient:
             return self.ssl_plain
         ctx = self.ssl_identity
         if ctx is None:
-            raise NoFrontProxyCert(
-                "the proxy has no front-proxy client certificate (upstream.clientCertFile/clientKeyFile), "
-                "so it cannot assert a client-certificate identity to the apiserver; use a token or "
-                "configure the certificate"
-            )
+            raise NoFrontProxyCert(NO_FRONT_PROXY_CERT)
         return ctx
 
     def upstream_url(self, request_target: str) -> URL:
@@ -302,17 +319,17 @@ class BackendClient:
         return self.ssl_identity, self.ssl_plain
 
     def _live_h2_contexts(self) -> tuple[ssl.SSLContext | None, ...]:
-        return tuple(t.get() if t is not None else None for t in (self.tls_h2_identity, self.tls_h2_plain))
+        return tuple(t.get().h2 if t is not None else None for t in (self.tls_identity, self.tls_plain))
 
     async def _send_mux(self, mux: mux_pool.MuxPool, request: ProxyRequest, headers: Headers, identity: bool,
                         on_done: Callable[[BaseException | None], None]) -> ProxyResponse:
-        if identity:
-            self.ssl_for(True)  # NoFrontProxyCert, as on the HTTP/1.1 path
-            assert self.tls_h2_identity is not None
-            ctx = self.tls_h2_identity.get()
-        else:
-            assert self.tls_h2_plain is not None
-            ctx = self.tls_h2_plain.get()
+        tls = self.tls_identity if identity else self.tls_plain
+        if tls is None:
+            mux.give_back()  # a retry of HTTP/2 granted to this request was never tried
+            raise NoFrontProxyCert(NO_FRONT_PROXY_CERT)  # as on the HTTP/1.1 path
+        contexts = tls.get()
+        ctx = contexts.h2
+        assert ctx is not None
         block = mux_wire.request_block(request.method, request.target, self._h2_authority, headers,
                                        REQUEST_REMOVED)
         try:
@@ -322,8 +339,8 @@ class BackendClient:
                 acquire_timeout=self.settings.pool_acquire_timeout_seconds, on_done=on_done)
         except mux_pool.NotH2 as exc:  # not counted as a stream: the request goes over HTTP/1.1
             transport = exc.claim()
-            if transport is not None:  # the HTTP/1.1 context of the same kind (certificate or none)
-                self._pools[False].adopt(transport, self.ssl_for(identity), self._live_contexts)
+            if transport is not None:  # made with ctx: kept under the HTTP/1.1 context built with it
+                self._pools[False].adopt(transport, contexts.http1, self._live_contexts)
             raise
         except BaseException:
             self._h2_streams.inc()

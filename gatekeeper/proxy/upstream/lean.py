@@ -36,7 +36,7 @@ from typing import Any
 
 import httptools
 
-from gatekeeper.proxy.upstream.slots import Slots
+from gatekeeper.proxy.upstream.slots import OneWaiter, Slots
 
 MAX_HEAD_BYTES = 256 * 1024
 """Largest response head accepted from a backend (status line plus headers)."""
@@ -51,7 +51,7 @@ class BackendProtocolError(ConnectionError):
     """The backend broke HTTP/1.1 (unparsable head, oversized head, bytes while idle)."""
 
 
-class Conn(asyncio.Protocol):
+class Conn(OneWaiter, asyncio.Protocol):
     """One backend connection and the response being read on it."""
 
     def __init__(self, ctx: ssl.SSLContext, on_lost: Callable[[Conn], None]) -> None:
@@ -136,7 +136,7 @@ class Conn(asyncio.Protocol):
                 self.complete = True  # the body was framed by the end of the connection
             else:
                 self.error = exc or ConnectionResetError("the backend closed the connection")
-        self._wake()
+        self.wake()
         drain, self.drain_waiter = self.drain_waiter, None
         if drain is not None and not drain.done():
             drain.set_exception(ConnectionResetError("the backend closed the connection"))
@@ -181,7 +181,7 @@ class Conn(asyncio.Protocol):
         if self.head_only:
             # llhttp cannot be told the request was HEAD; the connection is closed after it.
             self.complete = True
-        self._wake()
+        self.wake()
 
     def _framed_by_close(self) -> bool:
         """The body ends with the connection (no Content-Length, not chunked, not a bodiless status).
@@ -200,7 +200,7 @@ class Conn(asyncio.Protocol):
         if self.buffered > READ_HIGH and not self.reading_paused and self.transport is not None:
             self.reading_paused = True
             self.transport.pause_reading()
-        self._wake()
+        self.wake()
 
     def on_message_complete(self) -> None:
         if self.interim:
@@ -210,7 +210,7 @@ class Conn(asyncio.Protocol):
             return
         self.complete = True
         self.keep_alive = self.parser.should_keep_alive()
-        self._wake()
+        self.wake()
 
     # --- for the consumer ---------------------------------------------------------------------
 
@@ -218,24 +218,10 @@ class Conn(asyncio.Protocol):
         if self.error is None and not self.complete:
             self.error = error
         self.abort()
-        self._wake()
-
-    def _wake(self) -> None:
-        waiter, self.waiter = self.waiter, None
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    async def wait(self) -> None:
-        """Until something changes: headers, a body chunk, the end, or an error."""
-        waiter = self.waiter = self.loop.create_future()
-        try:
-            await waiter
-        finally:
-            if self.waiter is waiter:
-                self.waiter = None
+        self.wake()
 
     async def wait_headers(self) -> None:
-        """Until the response head is in (``wait`` inlined: one coroutine less on every request)."""
+        """Until the response head is in (:meth:`OneWaiter.wait` inlined: one coroutine less on every request)."""
         while not self.headers_done:
             if self.error is not None:
                 raise self.error
@@ -339,12 +325,17 @@ class Pool:
         Why: the HTTP/2 pool (``upstream.http2``) offers ``h2`` and ``http/1.1`` in ALPN; a backend that
         picks HTTP/1.1 has just completed a handshake the request that found out can use (it takes the
         most recent idle connection, this one, unless a request put one back in between, which costs no
-        handshake either). ``ctx`` is the HTTP/1.1 context of the same kind (front-proxy certificate or
-        none) as the one the connection was made with: both read the same files, so a connection made
-        with the certificate is never kept for token requests. It counts in ``open`` like any other:
-        when the pool already holds ``limit`` connections it is closed instead (the request then waits
-        for one of those, as it would have).
+        handshake either). ``ctx`` is the HTTP/1.1 context built by the same reload as the one the
+        connection was made with (``client.Contexts``), so a connection made with the certificate is
+        never kept for token requests, and one made with the previous files is never kept under a context
+        of the new ones. A ``ctx`` a reload has replaced since (it came while the connection was being
+        made) is stale: the connection is closed, as the stale contexts' idle connections are. It counts
+        in ``open`` like any other: when the pool already holds ``limit`` connections it is closed
+        instead (the request then waits for one of those, as it would have).
         """
+        if ctx not in live():
+            transport.close()
+            return
         idle = self._idle_list(ctx, live)
         if idle is None:
             idle = self.idle[ctx]

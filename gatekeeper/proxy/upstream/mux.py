@@ -14,7 +14,11 @@ certificate) or a bearer token whose signature flow control verified. The
 reason is kube-apiserver's HTTP/2 DoS mitigation: it answers an anonymous or
 unauthenticated request on HTTP/2 with GOAWAY, so one bad token on a shared
 connection would cost every caller on it a reconnect. Those requests take
-the HTTP/1.1 pool, where a 401 costs nothing more than the 401.
+the HTTP/1.1 pool, where a 401 costs nothing more than the 401. A token can
+verify here and still be refused there (revoked, its bound object deleted):
+the first 401 on a connection pauses multiplexing for that kind of caller
+(:meth:`mux_pool.MuxPool.unauthorized`), so however many such tokens a tenant
+holds, they cost one GOAWAY per pause, not one each.
 
 What a shared connection must not let one caller do to another:
 
@@ -78,15 +82,22 @@ class NotH2(ConnectionError):
         return transport
 
 
+class Paused(NotH2):
+    """Multiplexing is paused for this kind of caller after a 401 (:meth:`mux_pool.MuxPool.unauthorized`):
+    nothing was sent, or only a stream the backend provably did not process; use the HTTP/1.1 pool."""
+
+
 class MuxConn(asyncio.Protocol):
     """One HTTP/2 connection to a backend, client side; frames parsed in place (no event objects)."""
 
     def __init__(self, ctx: ssl.SSLContext, max_streams: int, on_lost: Callable[[MuxConn], None],
-                 on_goaway: Callable[[], None]) -> None:
+                 on_goaway: Callable[[], None], on_unauthorized: Callable[[MuxConn], None]) -> None:
         self.ctx = ctx
         self.cap = max_streams
         self.on_lost = on_lost
         self.on_goaway = on_goaway
+        self.on_unauthorized = on_unauthorized
+        """A stream's final head said 401: called while the frame is parsed, before any consumer runs."""
         self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self.buf = b""
@@ -359,6 +370,8 @@ class MuxConn(asyncio.Protocol):
             stream.raw_headers = raw
             stream.headers_done = True
             stream.stop_timer()
+            if code == 401:
+                self.on_unauthorized(self)
         if flags & f.END_STREAM:
             stream.complete = True
             del self.streams[sid]

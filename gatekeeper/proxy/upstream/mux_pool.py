@@ -14,10 +14,18 @@ again on a fresh connection (:meth:`MuxPool.wants_h2`), so an apiserver
 restarted with HTTP/2 on is used over it without restarting the proxy.
 
 * **Bounded.** The retry time is moved on when the attempt is granted,
-  before it connects, so a backend flapping between ``h2`` and ``http/1.1``,
-  or one that fails the connect, costs at most one extra attempt per interval
-  per worker; requests already waiting when the backend turned out HTTP/1.1
-  fail over without connecting (only the granted attempt may connect).
+  before it connects, so a backend flapping between ``h2`` and ``http/1.1``
+  costs at most one extra handshake per interval per worker; requests already
+  waiting when the backend turned out HTTP/1.1 fail over without connecting
+  (only the granted attempt may connect, one at a time).
+* **Not lost before the answer.** A granted attempt that ends before the
+  backend's ALPN answer (no stream slot in time, the caller gone, a pause
+  after a 401, no front-proxy certificate, the connect failed) gives the
+  grant back (:meth:`MuxPool.give_back`): the next eligible request asks
+  instead of waiting out the interval. It cost no completed handshake, so
+  the bound above holds; a backend whose connects fail is ejected by the
+  balancer and is asked again when it is back, which is when it may have
+  turned HTTP/2 on.
 * **Free when the answer is still no.** The attempt's handshake is handed to
   the HTTP/1.1 pool and carries the request; what it costs is a new connection
   where an idle one might have been reused.
@@ -27,6 +35,30 @@ restarted with HTTP/2 on is used over it without restarting the proxy.
   balancer would have to reach into the upstream client. Waiting out the
   interval (5 minutes by default) after an apiserver turns HTTP/2 on is the
   whole cost of keeping it simple.
+
+A 401 on a stream pauses multiplexing for that TLS context (the kind of
+caller: front-proxy certificate or none) for ``upstream.http2UnauthorizedPauseSeconds``
+(:meth:`MuxPool.unauthorized`). kube-apiserver answers every 401 on HTTP/2
+with GOAWAY; the proxy marks the token failed after its first 401, but a
+tenant holding many revoked tokens that still verify here (minted, then the
+ServiceAccount or bound Secret deleted) had one GOAWAY per token per worker,
+each a reconnect, each re-sending the other tenants' streams that raced it;
+a stream refused twice that way failed as a connect failure, which ejects
+the backend. Measured before the pause against the sandbox apiserver with
+this pool alone (no failed-token cache, so a token repeats as new ones
+would): 60 revoked tokens in turn cost 61 connections and 407 re-sent
+streams; cycled for 8 s, 311 GOAWAYs and 6-43 other tenants' GETs refused
+twice. Through the proxy (one worker, 3 apiservers), 40 revoked tokens cost
+39 GOAWAYs. Now:
+
+* **One GOAWAY per pause.** The pause starts while the 401's frame is
+  parsed, before any consumer runs; requests of that kind take the HTTP/1.1
+  pool until it ends, whatever token they carry.
+* **No double refusal.** A stream refused by that GOAWAY (provably not
+  processed) is re-sent over HTTP/1.1 during the pause (:class:`mux.Paused`),
+  never as a stream on a connection a second 401 could close.
+* **Certificate callers are untouched**: their context has its own
+  connections and its own pause.
 """
 
 from __future__ import annotations
@@ -46,7 +78,7 @@ from gatekeeper.proxy.upstream.errors import (
     connect_cause,
 )
 from gatekeeper.proxy.upstream.exchange import StreamedBody
-from gatekeeper.proxy.upstream.mux import IDLE_SECONDS, MuxConn, NotH2
+from gatekeeper.proxy.upstream.mux import IDLE_SECONDS, MuxConn, NotH2, Paused
 from gatekeeper.proxy.upstream.mux_stream import MuxStream, StreamRefused, StreamReset
 from gatekeeper.proxy.upstream.slots import Slots
 
@@ -60,8 +92,9 @@ class MuxPool:
     """HTTP/2 connections to one backend; ``slots`` bounds its concurrent streams, as the HTTP/1.1 pool's."""
 
     def __init__(self, host: str, port: int, *, limit: int, max_streams: int, connect_timeout: float,
-                 retry_seconds: float = 300.0, on_goaway: Callable[[], None] = lambda: None,
-                 on_fallback: Callable[[], None] = lambda: None) -> None:
+                 retry_seconds: float = 300.0, pause_seconds: float = 60.0,
+                 on_goaway: Callable[[], None] = lambda: None, on_fallback: Callable[[], None] = lambda: None,
+                 on_pause: Callable[[], None] = lambda: None) -> None:
         self.host = host
         self.port = port
         self.max_streams = max_streams
@@ -78,6 +111,29 @@ class MuxPool:
         """When (monotonic) a backend known as HTTP/1.1 may be asked for HTTP/2 again."""
         self.attempt_granted = False
         """:meth:`wants_h2` granted an attempt at HTTP/2 that has not connected yet."""
+        self.pause_seconds = pause_seconds
+        self.paused: dict[ssl.SSLContext, float] = {}
+        """Context -> when (monotonic) its pause after a 401 ends; empty on the hot path."""
+        self.on_pause = on_pause
+
+    def unauthorized(self, conn: MuxConn) -> None:
+        """A stream on ``conn`` was answered 401: pause multiplexing for its context (see the module)."""
+        now = time.monotonic()
+        if self.paused.get(conn.ctx, 0.0) <= now:
+            self.on_pause()
+            log.warning("%s:%s answered 401 on a multiplexed stream (a token verified here was refused there, "
+                        "so it sends GOAWAY): that kind of caller goes over HTTP/1.1 for %gs", self.host,
+                        self.port, self.pause_seconds)
+        self.paused[conn.ctx] = now + self.pause_seconds
+
+    def is_paused(self, ctx: ssl.SSLContext) -> bool:
+        until = self.paused.get(ctx)
+        if until is None:
+            return False
+        if until > time.monotonic():
+            return True
+        del self.paused[ctx]
+        return False
 
     def wants_h2(self) -> bool:
         """Whether an eligible request should go over HTTP/2: known to work, or a retry is due (this one).
@@ -96,6 +152,14 @@ class MuxPool:
         self.attempt_granted = True
         return True
 
+    def give_back(self) -> None:
+        """A request that may hold the grant of :meth:`wants_h2` failed before the attempt connected: the next
+        eligible request asks instead (see the module). A no-op unless a grant is pending: one that connected
+        was taken by :meth:`conn` first."""
+        if self.attempt_granted:
+            self.attempt_granted = False
+            self.retry_at = 0.0
+
     def _lost(self, conn: MuxConn) -> None:
         conns = self.conns.get(conn.ctx)
         if conns is not None and conn in conns:
@@ -111,6 +175,8 @@ class MuxPool:
             for stale in [c for c in self.conns if c not in current]:
                 for conn in self.conns.pop(stale):
                     conn.close()  # contexts replaced by a reload: their connections finish and go
+            for stale in [c for c in self.paused if c not in current]:
+                del self.paused[stale]
             self.conns[ctx] = []
             return None
         now = time.monotonic()
@@ -136,15 +202,18 @@ class MuxPool:
                 if conn.available():
                     return conn
                 continue
-            if not self.h2:
+            asking = not self.h2
+            if asking:
                 if not self.attempt_granted:  # found out while this request waited: nothing was sent
                     raise NotH2(f"{self.host}:{self.port} does not negotiate HTTP/2")
-                self.attempt_granted = False
+                self.attempt_granted = False  # taken: no other context's request connects meanwhile
             fut: asyncio.Future[MuxConn] = asyncio.get_running_loop().create_future()
             self.opening[ctx] = fut
             try:
                 conn = await self._connect(ctx)
             except BaseException as exc:
+                if asking and not isinstance(exc, NotH2):
+                    self.retry_at = 0.0  # no ALPN answer came (connect failed, caller gone): not used up
                 fut.set_exception(exc)
                 fut.exception()  # retrieved: waiters re-raise it, nobody else needs to
                 raise
@@ -157,7 +226,7 @@ class MuxPool:
 
     async def _connect(self, ctx: ssl.SSLContext) -> MuxConn:
         loop = asyncio.get_running_loop()
-        conn = MuxConn(ctx, self.max_streams, self._lost, self.on_goaway)
+        conn = MuxConn(ctx, self.max_streams, self._lost, self.on_goaway, self.unauthorized)
         try:
             async with asyncio.timeout(self.connect_timeout):
                 transport, _ = await loop.create_connection(lambda: conn, self.host, self.port, ssl=ctx,
@@ -213,19 +282,28 @@ async def exchange(
 ) -> tuple[int, list[tuple[bytes, bytes]], MuxBody]:
     """Send one bodiless request as a stream and wait for its head; the errors are :func:`exchange.exchange`'s.
 
-    Raises :class:`NotH2` (nothing sent) when the backend turned out not to speak HTTP/2.
+    Raises :class:`NotH2` (nothing sent) when the backend turned out not to speak HTTP/2, and :class:`Paused`
+    (nothing processed) during a pause after a 401: the caller sends the request over HTTP/1.1 instead.
     """
+    if pool.paused and pool.is_paused(ctx):
+        pool.give_back()
+        raise Paused(f"{name}: multiplexing paused after a 401")
     slots = pool.slots
     if not slots.try_take():
         try:
             async with asyncio.timeout(acquire_timeout):
                 await slots.take()
-        except TimeoutError:
-            raise PoolTimeout(f"no free HTTP/2 stream to {name} within {acquire_timeout:g}s") from None
+        except BaseException as exc:
+            pool.give_back()
+            if isinstance(exc, TimeoutError):
+                raise PoolTimeout(f"no free HTTP/2 stream to {name} within {acquire_timeout:g}s") from None
+            raise
     stream: MuxStream | None = None
     try:
         for attempt in range(SENDS):
             conn = await pool.conn(ctx, live)
+            if pool.paused and pool.is_paused(ctx):  # a 401 came while this request waited for a connection
+                raise Paused(f"{name}: multiplexing paused after a 401")
             stream = conn.start(block, head_only=head_only, header_timeout=header_timeout)
             try:
                 while not stream.headers_done:
@@ -233,6 +311,8 @@ async def exchange(
                         raise stream.error
                     await stream.wait()
             except StreamRefused:
+                if pool.paused and pool.is_paused(ctx):  # not processed: HTTP/1.1, never a second stream
+                    raise Paused(f"{name}: multiplexing paused after a 401") from None
                 if attempt + 1 == SENDS:
                     raise
                 continue
@@ -241,6 +321,8 @@ async def exchange(
         if stream is not None:
             stream.conn.cancel(stream)
         slots.release()
+        if not pool.h2:
+            pool.give_back()  # a pending grant this request held, ended before connecting (slot, pause, cancel)
         if isinstance(exc, (ConnectFailed, NotH2)):
             raise
         if isinstance(exc, StreamRefused):

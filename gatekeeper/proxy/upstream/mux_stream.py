@@ -15,6 +15,7 @@ import collections
 from typing import TYPE_CHECKING
 
 from gatekeeper.proxy.h2wire import frames as f
+from gatekeeper.proxy.upstream.slots import OneWaiter
 
 if TYPE_CHECKING:
     from gatekeeper.proxy.upstream.mux import MuxConn
@@ -33,7 +34,7 @@ class StreamReset(ConnectionResetError):
     request, not (by itself) about the backend."""
 
 
-class MuxStream:
+class MuxStream(OneWaiter):
     """One request's response as it arrives on a shared connection."""
 
     __slots__ = (
@@ -49,12 +50,12 @@ class MuxStream:
         "status",
         "timer",
         "unacked",
-        "waiter",
     )
 
     def __init__(self, sid: int, conn: MuxConn, head_only: bool) -> None:
         self.sid = sid
         self.conn = conn
+        self.loop = conn.loop
         self.status = 0
         self.raw_headers: list[tuple[bytes, bytes]] = []
         self.headers_done = False
@@ -69,13 +70,6 @@ class MuxStream:
         self.timer: asyncio.TimerHandle | None = None
         self.head_only = head_only
 
-    def wake(self) -> None:
-        waiter = self.waiter
-        if waiter is not None:
-            self.waiter = None
-            if not waiter.done():
-                waiter.set_result(None)
-
     def fail(self, error: BaseException) -> None:
         if self.error is None and not self.complete:
             self.error = error
@@ -86,14 +80,6 @@ class MuxStream:
         timer, self.timer = self.timer, None
         if timer is not None:
             timer.cancel()
-
-    async def wait(self) -> None:
-        waiter = self.waiter = self.conn.loop.create_future()
-        try:
-            await waiter
-        finally:
-            if self.waiter is waiter:
-                self.waiter = None
 
     def take(self) -> bytes:
         """Everything buffered, as one chunk; its bytes go back to the backend as stream window."""
