@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 from gatekeeper.certs import PKI
 
@@ -29,39 +30,52 @@ def status(pid: int, key: str) -> int:
 
 
 def run_one(server_cmd: list[str], client_script: str, scenario: str, n: int, tmp: Path, pki: PKI, *,
-            settle: float, cwd: Path | None = None) -> tuple[int, int, int]:
+            settle: float, cwd: Path | None = None, server: dict[str, Any] | None = None,
+            probe: Callable[[int, int, str], None] | None = None, said: list[str] | None = None
+            ) -> tuple[int, int, int]:
     """(RSS before, peak RSS, RSS ``settle`` s after the client said "sent") of a webhook started as
-    ``server_cmd + ["webhook", ...]`` while ``client_script --client PORT CA SCENARIO N`` floods it."""
+    ``server_cmd + ["webhook", ...]`` while ``client_script --client PORT CA SCENARIO N`` floods it.
+    ``server``: settings of ``webhook.server`` besides the defaults. ``probe(pid, port, when)`` is called with
+    ``when`` "before" (as the RSS before is read) and "during" (as the RSS at the end is read); ``said`` gets the
+    client's "sent" line."""
     cfg = tmp / "config.yaml"
+    extra = "".join(f"    {key}: {value}\n" for key, value in (server or {}).items())
     cfg.write_text("webhook:\n  server:\n    port: 0\n    certCheckIntervalSeconds: 0\n"
-                   f"    certFile: {pki.cert_path('webhook')}\n    keyFile: {pki.key_path('webhook')}\n"
+                   f"    certFile: {pki.cert_path('webhook')}\n    keyFile: {pki.key_path('webhook')}\n{extra}"
                    "  gpu:\n    enabled: false\n")
     port_file = tmp / "port"
     port_file.unlink(missing_ok=True)
-    server = subprocess.Popen([*server_cmd, "webhook", "--config", str(cfg), "--port-file", str(port_file)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=cwd)
+    proc = subprocess.Popen([*server_cmd, "webhook", "--config", str(cfg), "--port-file", str(port_file)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=cwd)
     client = None
     try:
         deadline = time.monotonic() + 30
         while not (port_file.exists() and port_file.read_text().strip()):
-            if server.poll() is not None or time.monotonic() > deadline:
+            if proc.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit(f"the webhook ({' '.join(server_cmd[1:])}) did not start")
             time.sleep(0.05)
         time.sleep(0.5)
-        base = status(server.pid, "VmRSS")
-        client = subprocess.Popen([sys.executable, client_script, "--client", port_file.read_text().strip(),
+        port = port_file.read_text().strip()
+        if probe is not None:
+            probe(proc.pid, int(port), "before")
+        base = status(proc.pid, "VmRSS")
+        client = subprocess.Popen([sys.executable, client_script, "--client", port,
                                    str(pki.cert_path("ca")), scenario, str(n)], stdout=subprocess.PIPE,
                                   stderr=subprocess.DEVNULL, text=True)
         assert client.stdout is not None
-        client.stdout.readline()  # "sent" (or EOF if it died)
+        line = client.stdout.readline()  # "sent" (or EOF if it died)
+        if said is not None:
+            said.append(line.strip())
         time.sleep(settle)
-        return base, status(server.pid, "VmHWM"), status(server.pid, "VmRSS")
+        if probe is not None:
+            probe(proc.pid, int(port), "during")
+        return base, status(proc.pid, "VmHWM"), status(proc.pid, "VmRSS")
     finally:
         if client is not None:
             client.kill()
             client.wait()
-        server.terminate()
-        server.wait(10)
+        proc.terminate()
+        proc.wait(10)
 
 
 async def flood(n: int, one: Callable[[], Awaitable[None]], cut: tuple[type[BaseException], ...]) -> None:

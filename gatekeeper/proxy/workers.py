@@ -126,10 +126,10 @@ def run_worker(settings: ProxySettings, index: int, runtime: Path, port: int, ha
         tmp.write_text(json.dumps({"pid": os.getpid(), **info}))
         tmp.replace(path)
 
-    serve_fn = serve
+    serve_fn = functools.partial(serve, supervised=True)
     if handoff_fd is not None:
         inbox = Inbox(handoff_fd, ClosedCounts(runtime / "closed"), index)
-        serve_fn = functools.partial(serve, handoff=inbox)
+        serve_fn = functools.partial(serve, handoff=inbox, supervised=True)
     try:
         import uvloop
 

@@ -8,12 +8,13 @@ import os
 import signal
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import h2.events
 import httpx
 import pytest
+from hyperframe.frame import DataFrame, Frame, GoAwayFrame, HeadersFrame, PingFrame, RstStreamFrame
 
 from gatekeeper.sandbox import processes
 from gatekeeper.sandbox.state import SandboxState
@@ -167,6 +168,171 @@ def test_kernel_balancing_serves_from_every_worker(sandbox: SandboxState, tmp_pa
         assert p.stop() == 0
 
 
+@pytest.fixture(params=["least-connections", "kernel"])
+def drain_proxy(sandbox: SandboxState, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[ProxyProcess]:
+    """Workers balanced either way, drains of 5 s: a watch is served until then, then ended."""
+    p = ProxyProcess(sandbox, tmp_path, name="proxy-drain", workers=WORKERS,
+                     user_config={"connectionBalancing": request.param, "protocol": {"shutdownTimeoutSeconds": 5}})
+    p.start()
+    try:
+        yield p
+    finally:
+        p.stop()
+
+
+def watch_on_each(conns: list[WireH2]) -> dict[WireH2, int]:
+    """A configmaps watch on every connection, its response head received: streams that keep a drain going."""
+    watches = {}
+    for c in conns:
+        sid = c.request("/api/v1/namespaces/default/configmaps?watch=1")
+        assert c.read_until(lambda c=c, sid=sid: sid in c.status), "the watch was not answered"
+        watches[c] = sid
+    return watches
+
+
+class RawTail:
+    """What a :class:`WireH2` connection receives from the moment its server may drain, read frame by frame.
+
+    python-h2's client closes its state machine on a GOAWAY and raises on the frames the server still owes (the
+    answers to the streams the GOAWAY promised to finish), so those are read here instead: ``c.goaway`` is set as
+    before, header blocks are decoded with the connection's own HPACK decoder, PINGs are acknowledged."""
+
+    def __init__(self, c: WireH2) -> None:
+        self.c = c
+        self.status: dict[int, int] = {}
+        self.ended: set[int] = set()
+        self.eof = False
+        self._buf = b""
+
+    def read(self, done: Callable[[], bool], timeout: float = 20) -> bool:
+        deadline = time.monotonic() + timeout
+        while not done():
+            left = deadline - time.monotonic()
+            if left <= 0 or self.eof:
+                return False
+            self.c.sock.settimeout(min(left, 1.0))
+            try:
+                data = self.c.sock.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError:
+                data = b""
+            if not data:
+                self.eof = True
+                return done()
+            self._buf += data
+            while len(self._buf) >= 9:
+                frame, length = Frame.parse_frame_header(memoryview(self._buf[:9]))
+                if len(self._buf) < 9 + length:
+                    break
+                frame.parse_body(memoryview(self._buf[9:9 + length]))
+                self._buf = self._buf[9 + length:]
+                self._on(frame)
+        return True
+
+    def _on(self, frame: Frame) -> None:
+        sid = frame.stream_id
+        if isinstance(frame, GoAwayFrame):
+            self.c.goaway = (frame.error_code, frame.last_stream_id)
+        elif isinstance(frame, HeadersFrame):
+            headers = dict(self.c.conn.decoder.decode(frame.data))
+            self.status[sid] = int(headers[":status"])
+        elif isinstance(frame, RstStreamFrame):
+            self.ended.add(sid)
+        elif isinstance(frame, PingFrame) and "ACK" not in frame.flags:
+            with contextlib.suppress(OSError):
+                self.c.sock.sendall(PingFrame(0, frame.opaque_data, flags=["ACK"]).serialize())
+        if isinstance(frame, HeadersFrame | DataFrame) and "END_STREAM" in frame.flags:
+            self.ended.add(sid)
+
+
+def finished_or_sent_away(t: RawTail, sid: int, timeout: float = 20) -> None:
+    """A request sent before the GOAWAY's last stream id is answered; a later one is the client's to retry."""
+    assert t.c.goaway is not None
+    if sid <= t.c.goaway[1]:
+        assert t.read(lambda: sid in t.ended, timeout=timeout), "an in-flight request was not answered"
+        assert t.status.get(sid) == 200, t.status
+
+
+def test_sigterm_drains_requests_and_watches_and_exits_0(drain_proxy: ProxyProcess) -> None:
+    """The proxy SIGTERMed, either balancing: each worker (told by the parent closing its hand-off socket, or with
+    ``kernel`` by the parent's SIGTERM) sends a graceful GOAWAY, answers the requests in flight, serves the open
+    watch until shutdownTimeoutSeconds and ends it, and exits 0; so does the proxy."""
+    p = drain_proxy
+    conns = connect_to_every_worker(p)
+    pids = [w["pid"] for w in workers_of(p)]
+    assert p.proc is not None
+    try:
+        watches = watch_on_each(conns)
+        in_flight = {c: c.request("/api/v1/namespaces/default") for c in conns}
+        p.proc.send_signal(signal.SIGTERM)
+        tails = [RawTail(c) for c in conns]
+        for t in tails:
+            assert t.read(lambda t=t: t.c.goaway is not None), "a connection got no GOAWAY"
+            assert t.c.goaway is not None and t.c.goaway[0] == 0  # NO_ERROR: graceful
+            finished_or_sent_away(t, in_flight[t.c])
+            assert t.c.goaway[1] >= watches[t.c]  # the watch is one of the streams the drain serves
+        for t in tails:  # the watch is served until the drain's deadline, then its connection closed
+            assert t.read(lambda t=t: t.eof, timeout=30), "a watch's connection outlived the drain"
+            t.c.close()  # as a client does when its connection ends: the worker waits for it no longer
+        assert p.proc.wait(40) == 0
+    finally:
+        for c in conns:
+            c.close()
+    log = p.log.read_text()
+    drains = log.count("signal received: draining") + log.count("the hand-off socket closed: draining")
+    assert drains == WORKERS, log[-3000:]
+    assert "drain deadline: cut" not in log, log[-3000:]
+    for pid in pids:
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+
+
+@pytest.mark.parametrize("drain_proxy", ["kernel"], indirect=True)
+def test_kernel_balancing_a_worker_sigtermed_on_its_own_drains_exits_0_and_is_replaced(
+        drain_proxy: ProxyProcess) -> None:
+    """connectionBalancing: kernel, one worker SIGTERMed by itself (as when it is replaced): its connections get
+    a graceful GOAWAY and their requests in flight are answered, new connections meanwhile are all served (it
+    closed its SO_REUSEPORT listener: the kernel hands them to the other worker), it exits 0 after its drain and
+    is restarted; the other worker's connections carry on untouched."""
+    p = drain_proxy
+    conns = connect_to_every_worker(p)
+    try:
+        watches = watch_on_each(conns)
+        held = per_worker(p, "gatekeeper_proxy_client_connections", protocol="h2")
+        victim = workers_of(p)[0]
+        in_flight = {c: c.request("/api/v1/namespaces/default") for c in conns}
+        os.kill(victim["pid"], signal.SIGTERM)
+        wait_for(lambda: p.log.read_text().count("signal received: draining") >= 1, timeout=10,
+                 what="the worker to drain")
+        tails = [RawTail(c) for c in conns]
+        sent_away = [t for t in tails if t.read(lambda t=t: t.c.goaway is not None, timeout=3)]
+        assert len(sent_away) == held[victim["index"]], (held, len(sent_away))
+        for t in sent_away:
+            assert t.c.goaway is not None and t.c.goaway[0] == 0
+            finished_or_sent_away(t, in_flight[t.c])
+        stayed = [t for t in tails if t not in sent_away]
+        for t in stayed:
+            sid = in_flight[t.c]
+            assert t.read(lambda t=t, sid=sid: sid in t.ended) and t.status.get(sid) == 200
+        conns += open_h2(p, 6)  # while it drains: every new connection is served
+        for t in sent_away:  # the watch is served until the drain's deadline, then its connection closed
+            assert t.read(lambda t=t: t.eof, timeout=30), "a watch's connection outlived the drain"
+            t.c.close()
+        wait_for(lambda: f"worker {victim['index']} (pid {victim['pid']}) exited with 0" in p.log.read_text(),
+                 timeout=30, what="the drained worker to exit 0")
+        wait_for(lambda: replaced(p, victim["index"], victim["pid"]), timeout=40,
+                 what="the drained worker to be replaced")
+        for t in stayed:  # the other worker's watches were not touched, and their connections still serve
+            assert t.c.goaway is None and watches[t.c] not in t.ended
+            sid = t.c.request("/api/v1/namespaces/default")
+            assert t.read(lambda t=t, sid=sid: sid in t.ended) and t.status.get(sid) == 200
+    finally:
+        for c in conns:
+            c.close()
+    assert p.stop() == 0
+    assert "drain deadline: cut" not in p.log.read_text()
+
+
 def test_a_worker_draining_on_its_own_is_handed_no_new_connections(proxy: ProxyProcess) -> None:
     """A worker SIGTERMed by itself (not through the parent) drains for up to shutdownTimeoutSeconds. The
     parent used to count it serving all that time: as the least loaded it was handed new connections that
@@ -261,38 +427,50 @@ def test_a_handshake_in_a_worker_sigtermed_on_its_own_finishes_and_is_answered(p
 
 
 _SIGTERM_IN_THE_SWAP = """
-# sitecustomize for the proxy's processes (test only): a SIGTERM lands the instant a draining worker's loop
-# handler has given way and SIG_IGN is not yet set, the window a SIGTERM sent to the whole process group
-# (systemd's default KillMode, or the supervisor's own SIGTERM of before) could hit.
-import os, signal
+# sitecustomize for the proxy's processes (test only): a SIGTERM lands the instant a draining worker changes its
+# SIGTERM disposition (the loop's handler removed: the default action back; or SIG_IGN set), the window a SIGTERM
+# sent to the whole process group (systemd's default KillMode, Ctrl-C's SIGINT, or the supervisor's own SIGTERM
+# when it is how a worker is told to drain) could hit. Once per worker; the parent is left alone.
+import os, signal, sys
 _real = signal.signal
+_fired = []
 
 def _signal(sig, handler):
-    if sig == signal.SIGTERM and handler == signal.SIG_IGN:
+    if (sig == signal.SIGTERM and handler in (signal.SIG_IGN, signal.SIG_DFL) and not _fired
+            and "--worker-index" in sys.argv):
+        _fired.append(handler)
+        old = _real(sig, handler)
         threads = len(os.listdir("/proc/self/task"))
         with open(os.environ["GK_TEST_SWAP_LOG"], "a") as f:
-            f.write(f"SIGTERM sent to {os.getpid()} ({threads} threads)\\n")
+            f.write(f"SIGTERM sent to {os.getpid()} ({threads} threads, handler {handler!r})\\n")
         os.kill(os.getpid(), signal.SIGTERM)
+        return old
     return _real(sig, handler)
 
 signal.signal = _signal
 """
 
 
+@pytest.mark.parametrize("balancing", ["least-connections", "kernel"])
 def test_a_sigterm_landing_as_a_draining_worker_gives_up_its_handler_does_not_kill_it(
-        sandbox: SandboxState, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        sandbox: SandboxState, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, balancing: str) -> None:
     """A worker draining because the parent closed its hand-off socket keeps its SIGTERM handler through the
     drain, then ignores the signal; between removing the loop's handler (the default action back) and SIG_IGN,
     a SIGTERM killed it: exit -15, the proxy 15. Blocking the signal in the main thread across that swap (the
     last fix) did not help: the signal went to one of uvloop's libuv-worker threads (5 threads in all), and the
-    default action ended the process. The loop's handler is no longer removed: SIG_IGN replaces it in place."""
+    default action ended the process. The loop's handler is no longer removed: SIG_IGN replaces it in place.
+
+    With ``kernel`` balancing the parent's SIGTERM is the workers' signal to drain, and a worker drained by a
+    signal removed its loop's handlers at once: a second SIGTERM (sent to the whole group) killed it mid-drain,
+    exit -15, the proxy 15. A supervised worker now keeps them as well."""
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(_SIGTERM_IN_THE_SWAP)
     swaps = tmp_path / "swaps.log"
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")])))
     monkeypatch.setenv("GK_TEST_SWAP_LOG", str(swaps))
-    p = ProxyProcess(sandbox, tmp_path, name="proxy-swap", workers=WORKERS)
+    p = ProxyProcess(sandbox, tmp_path, name="proxy-swap", workers=WORKERS,
+                     user_config={"connectionBalancing": balancing})
     p.start()
     code = p.stop()
     fired = swaps.read_text() if swaps.exists() else ""

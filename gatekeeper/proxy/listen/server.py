@@ -553,11 +553,14 @@ async def serve(
     ready: Callable[[int], None] | None = None,
     stopping: Callable[[], None] | None = None,
     handoff: Inbox | None = None,
+    supervised: bool = False,
 ) -> None:
     """Serve until SIGTERM/SIGINT (or until the supervisor closes ``handoff``: see ``ProxyServer.handoff_ended``),
     then drain gracefully and return (see the module docstring).
 
-    ``stopping`` runs the moment the signal arrives, before the drain (``/readyz`` turns 503).
+    ``stopping`` runs the moment the signal arrives, before the drain (``/readyz`` turns 503). ``supervised``: a
+    worker of ``--workers N``, which no later signal may stop in the middle of its drain (the supervisor kills a
+    worker that overstays it); alone, a second SIGTERM/SIGINT ends a draining proxy (the default action).
     """
     server = ProxyServer(settings, handler, handoff=handoff)
     port = await server.start()
@@ -586,7 +589,11 @@ async def serve(
         # also signals its workers, as ours once did) may land during the drain or the process's last clean-up,
         # where the default action killed it (the worker's exit code was -15, the proxy's 15). There is nothing
         # left for it to stop; a worker that hangs is SIGKILLed as ever.
-        keep = server.handoff_ended.is_set() and not stop.is_set()
+        # A supervised worker drained by a signal keeps them as well: with ``kernel`` balancing the supervisor's
+        # SIGTERM is its signal to drain, and a SIGTERM or SIGINT sent to the whole group as well (systemd's
+        # KillMode, Ctrl-C in a terminal) could land after the loop's handler was removed and kill it mid-drain,
+        # its streams cut (exit -15, the proxy 15).
+        keep = supervised or (server.handoff_ended.is_set() and not stop.is_set())
         if not keep:
             for sig in installed:
                 loop.remove_signal_handler(sig)
