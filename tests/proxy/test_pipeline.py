@@ -332,3 +332,26 @@ def test_a_long_running_cap_below_one_is_refused(tmp_path: Any, value: str) -> N
                  f"  upstream: {{caFile: ca, maxLongRunningPerCaller: {value}}}\n")
     with pytest.raises(ConfigError, match=r"proxy.upstream: maxLongRunningPerCaller must be at least 1"):
         load_config(p)
+
+
+class _Answers504:
+    """A backend client stub: kube-apiserver's answer to a read with ``?timeout=1ns`` (its timeout filter)."""
+
+    async def send(self, request: ProxyRequest, headers: Any, **_: Any) -> ProxyResponse:
+        return ProxyResponse(status=504, headers=[])
+
+
+@pytest.mark.parametrize("target", [
+    "/api/v1/namespaces/a/configmaps?timeout=1ns",
+    "/api/v1/namespaces/a/configmaps?%74imeout=1ns",
+    "/api/v1/namespaces/a/pods?resourceVersion=99999999999&resourceVersionMatch=NotOlderThan",
+    "/version?timeout=1ns",
+])
+async def test_a_deadline_the_client_picked_never_makes_a_5xx_storm(target: str) -> None:
+    """kube-apiserver answers 504 when the client's ``timeout`` passes (before authentication: any caller) or
+    its watch cache has not reached the client's ``resourceVersion``: 40 such GETs ejected an apiserver."""
+    balancer = Balancer([BackendSettings(url="https://a:1", name="a"), BackendSettings(url="https://b:1", name="b")])
+    dispatch = Dispatcher(balancer, {"a": _Answers504(), "b": _Answers504()})  # type: ignore[dict-item]
+    for _ in range(40):
+        assert (await dispatch(req("GET", target))).status == 504
+    assert sum(b.ejections_total for b in balancer.backends) == 0

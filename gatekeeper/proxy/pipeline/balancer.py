@@ -67,7 +67,14 @@ class EjectionPolicy:
     """Window of the per-backend request-rate skew gauge."""
 
 
-STORM_STATUSES = frozenset({500, 502, 503, 504})
+STORM_STATUSES = frozenset({500, 502, 503})
+"""The statuses a storm is made of. Not 504: kube-apiserver answers 504 when a deadline passed, and a client
+picks it: the ``timeout`` query parameter (``?timeout=1ns`` is answered 504 at once by the timeout filter,
+which runs before authentication, so to anonymous callers too) or a ``resourceVersion`` its watch cache has
+not reached ("Too large resource version", 504 after 3 s), on any read of the core group: one tenant's GETs
+would eject apiservers past :func:`stages.own_answer`. Its own deadline (``--request-timeout``, 60 s by
+default) is as long as ``upstream.responseHeaderTimeoutSeconds`` by default, which answers the client itself
+without feeding the detector."""
 
 
 class RateWindow:
