@@ -260,6 +260,7 @@ class _Answers503:
     "/apis/metrics.k8s.io/v1beta1",
     "/apis/metrics.k8s.io/v1beta1/namespaces/a/pods",
     "/apis/example.com/v1/namespaces/a/widgets",
+    "/openapi/v3/apis/metrics.k8s.io/v1beta1",
 ])
 async def test_statuses_of_other_servers_behind_the_apiserver_never_make_a_5xx_storm(target: str) -> None:
     balancer = Balancer([BackendSettings(url="https://a:1", name="a"), BackendSettings(url="https://b:1", name="b")])
@@ -282,7 +283,8 @@ async def test_5xx_answers_to_writes_never_make_a_storm(method: str) -> None:
 
 @pytest.mark.parametrize("target", [
     "/api/v1/namespaces/a/configmaps", "/apis/apps/v1/namespaces/a/deployments", "/apis", "/apis/apps/v1",
-    "/api/v1/namespaces/a/pods/p/status", "/readyz", "/openapi/v2",
+    "/api/v1/namespaces/a/pods/p/status", "/readyz", "/openapi/v2", "/openapi/v3/apis/apps/v1",
+    "/openapi/v3/api/v1",
 ])
 async def test_the_apiservers_own_5xx_still_make_a_storm(target: str) -> None:
     balancer = Balancer([BackendSettings(url="https://a:1", name="a"), BackendSettings(url="https://b:1", name="b")])

@@ -74,7 +74,8 @@ def own_answer(method: str, info: requestinfo.RequestInfo) -> bool:
       a Service without endpoints is answered 503 at once, and a tenant's pod can answer 503 to anything;
     * API groups outside :data:`BUILTIN_GROUPS` (aggregated APIs, custom resources): an APIService whose
       server is down is answered 503 by every apiserver to any authenticated caller (``/apis/<group>`` is
-      open to everyone for discovery).
+      open to everyone for discovery), and so is ``/openapi/v3/apis/<group>/<version>``, which the
+      aggregator relays to that server.
     * writes (anything but GET and HEAD): they go through admission, and a webhook that cannot be called
       (failurePolicy Fail) makes every apiserver answer the writes it matches with 500, which a tenant meets
       as often as it writes into its own namespace; ejecting an apiserver for the webhook's state only moves
@@ -91,6 +92,9 @@ def own_answer(method: str, info: requestinfo.RequestInfo) -> bool:
         return info.api_prefix == "api" or info.api_group in BUILTIN_GROUPS
     if info.path.startswith("/apis/"):
         group = info.path[6:].partition("/")[0]
+        return not group or group in BUILTIN_GROUPS
+    if info.path.startswith("/openapi/v3/apis/"):  # the aggregator relays a group's spec from its own server
+        group = info.path[17:].partition("/")[0]
         return not group or group in BUILTIN_GROUPS
     return True
 
