@@ -88,6 +88,10 @@ SENDS = 2
 """Times a request may go out: once, and once more if the backend provably did not process it."""
 
 
+class _OpenerGone(Exception):
+    """The request opening a connection was cancelled: the requests waiting on that connect try again."""
+
+
 class MuxPool:
     """HTTP/2 connections to one backend; ``slots`` bounds its concurrent streams, as the HTTP/1.1 pool's."""
 
@@ -198,7 +202,10 @@ class MuxPool:
                 return conn
             opening = self.opening.get(ctx)
             if opening is not None:
-                conn = await asyncio.shield(opening)
+                try:
+                    conn = await asyncio.shield(opening)
+                except _OpenerGone:
+                    continue  # the request connecting was cancelled, not this one: connect (or wait) anew
                 if conn.available():
                     return conn
                 continue
@@ -214,7 +221,9 @@ class MuxPool:
             except BaseException as exc:
                 if asking and not isinstance(exc, NotH2):
                     self.retry_at = 0.0  # no ALPN answer came (connect failed, caller gone): not used up
-                fut.set_exception(exc)
+                # A cancellation is this request's alone: handed to the waiters as it is, their tasks (not
+                # cancelled) raised CancelledError, which the listeners take for a client gone, answering nothing.
+                fut.set_exception(_OpenerGone() if isinstance(exc, asyncio.CancelledError) else exc)
                 fut.exception()  # retrieved: waiters re-raise it, nobody else needs to
                 raise
             else:
