@@ -54,9 +54,13 @@ twice. Through the proxy (one worker, 3 apiservers), 40 revoked tokens cost
 * **One GOAWAY per pause.** The pause starts while the 401's frame is
   parsed, before any consumer runs; requests of that kind take the HTTP/1.1
   pool until it ends, whatever token they carry.
-* **No double refusal.** A stream refused by that GOAWAY (provably not
-  processed) is re-sent over HTTP/1.1 during the pause (:class:`mux.Paused`),
-  never as a stream on a connection a second 401 could close.
+* **No double refusal, when the GOAWAY and the 401 arrive together.** A
+  stream refused by that GOAWAY (provably not processed) is re-sent over
+  HTTP/1.1 during the pause (:class:`mux.Paused`), never as a stream on a
+  connection a second 401 could close. Go writes the GOAWAY first: when it
+  lands in an earlier read than the 401's HEADERS, the refused streams wake
+  before the pause exists and are re-sent once as streams on a new
+  connection (bounded: that 401 then starts the pause).
 * **Certificate callers are untouched**: their context has its own
   connections and its own pause.
 """
@@ -310,6 +314,8 @@ async def exchange(
     stream: MuxStream | None = None
     try:
         for attempt in range(SENDS):
+            if pool.paused and pool.is_paused(ctx):  # a 401 came while this request waited for a slot
+                raise Paused(f"{name}: multiplexing paused after a 401")
             conn = await pool.conn(ctx, live)
             if pool.paused and pool.is_paused(ctx):  # a 401 came while this request waited for a connection
                 raise Paused(f"{name}: multiplexing paused after a 401")
