@@ -5,8 +5,9 @@ every replica at once, and a policy edit that fails to reload leaves the old pol
 in force (``GatekeeperFlowControlPolicyStale``) until someone reads the log. Loading
 the config already parses and cross-checks the flow-control policy; this adds what
 ``gatekeeper proxy`` only finds when it builds its sockets: the files exist, the
-serving key matches its certificate, the CA files parse. Every problem is reported,
-not just the first, and nothing listens or connects.
+serving key matches its certificate, the CA files parse. Nothing listens or
+connects. The config loader stops at its first error; past it, the listener's and
+the upstream's TLS material are both checked and reported together.
 """
 
 from __future__ import annotations
