@@ -144,3 +144,28 @@ async def test_streams_refused_by_the_goaway_of_a_401_go_over_http11_never_as_se
     assert sorted(b.h1_requests) == [f"/v{i}" for i in range(4)]
     assert b.connections == 1
     assert client.mux is not None and client.mux.slots.free == client.settings.max_connections_per_backend
+
+
+async def test_a_request_that_waited_for_a_stream_slot_through_a_401_opens_no_connection(pki: PKI) -> None:
+    """One stream slot: the tenant's GET waits behind the revoked one. The 401 (and its GOAWAY) starts the pause
+    and frees the slot; the waiting GET must take HTTP/1.1 at once, not open an HTTP/2 connection first."""
+    b = Apiserver(pki)
+    url = await b.start()
+    client = BackendClient("slot-wait", url, UpstreamSettings(
+        ca_file=str(pki.cert_path("ca")), http2=True, response_header_timeout_seconds=5,
+        max_connections_per_backend=1))
+    try:
+        b.hold = asyncio.Event()
+        revoked = asyncio.create_task(send(client, tenant("/revoked", f"{REVOKED}-1")))
+        await until(lambda: len(b.requests) == 1)
+        waiting = asyncio.create_task(fetch(client, "/waited"))
+        await asyncio.sleep(0.1)  # it is parked on the one slot, not on the wire
+        assert len(b.requests) == 1 and not waiting.done()
+        b.hold.set()
+        refused = await revoked
+        assert refused.status == 401 and await read_all(refused) == b""  # its body read: the slot is free
+        assert await waiting == b"h1 /waited"
+        assert b.connections == 1, b.connections  # the revoked stream's only
+    finally:
+        await client.close()
+        await b.stop()
