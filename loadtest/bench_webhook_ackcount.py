@@ -147,7 +147,7 @@ async def protocol_cpu(count: bool, n: int) -> float:
 
     from gatekeeper.webhook.listen import MeteredRequestHandler
     from gatekeeper.webhook.request_budget import RequestBudget
-    from loadtest.bench_webhook_heads import _Sink
+    from loadtest.bench_webhook_heads import _Sink, drive_reviews
 
     lsock = socket.create_server(("127.0.0.1", 0))
     client = socket.create_connection(lsock.getsockname())
@@ -166,28 +166,13 @@ async def protocol_cpu(count: bool, n: int) -> float:
         return resp
 
     server = web.Server(ok)
-    body = b'{"apiVersion":"admission.k8s.io/v1","kind":"AdmissionReview","request":{"uid":"x"},"pad":"' + \
-        b"p" * 2900 + b'"}'
-    req = (b"POST /validate?timeout=10s HTTP/1.1\r\nHost: gatekeeper-webhook.gatekeeper-system.svc:443\r\n"
-           b"User-Agent: kube-apiserver-admission\r\nContent-Length: %d\r\nAccept: application/json, */*\r\n"
-           b"Content-Type: application/json\r\nAccept-Encoding: gzip\r\n\r\n" % len(body)) + body
     loop = asyncio.get_running_loop()
     handler = MeteredRequestHandler(server, budget=RequestBudget(1 << 30), on_evicted=lambda: None, loop=loop)
-    sink = Sink()
-    handler.connection_made(sink)
-    await asyncio.sleep(0)
-    started = time.process_time()
-    for _ in range(n):
-        sink.answered.clear()
-        handler.data_received(req)
-        await sink.answered.wait()
-    spent = (time.process_time() - started) / n
-    handler.connection_lost(None)
-    await asyncio.sleep(0)
-    await server.shutdown()
-    for s in (conn, client, lsock):
-        s.close()
-    return spent
+    try:
+        return await drive_reviews(server, handler, Sink(), n)
+    finally:
+        for s in (conn, client, lsock):
+            s.close()
 
 
 def protocol_rows() -> tuple[float, float]:

@@ -34,6 +34,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -109,6 +110,32 @@ class _Sink(asyncio.Transport):
         return 0
 
 
+REVIEW_REQUEST_BODY = (b'{"apiVersion":"admission.k8s.io/v1","kind":"AdmissionReview","request":{"uid":"x"},"pad":"'
+                       + b"p" * 2900 + b'"}')
+REVIEW_REQUEST = (b"POST /validate?timeout=10s HTTP/1.1\r\nHost: gatekeeper-webhook.gatekeeper-system.svc:443\r\n"
+                  b"User-Agent: kube-apiserver-admission\r\nContent-Length: %d\r\nAccept: application/json, */*\r\n"
+                  b"Content-Type: application/json\r\nAccept-Encoding: gzip\r\n\r\n" % len(REVIEW_REQUEST_BODY)
+                  ) + REVIEW_REQUEST_BODY
+"""A kube-apiserver-shaped POST of a ~3 KB review, as it arrives in one read."""
+
+
+async def drive_reviews(server: Any, handler: Any, sink: _Sink, n: int) -> float:
+    """CPU seconds per review: ``n`` times :data:`REVIEW_REQUEST` straight into ``handler`` (no socket), each
+    until ``sink`` saw the answer; then the handler and ``server`` (an aiohttp ``web.Server``) are shut down."""
+    handler.connection_made(sink)
+    await asyncio.sleep(0)
+    started = time.process_time()
+    for _ in range(n):
+        sink.answered.clear()
+        handler.data_received(REVIEW_REQUEST)
+        await sink.answered.wait()
+    spent = (time.process_time() - started) / n
+    handler.connection_lost(None)
+    await asyncio.sleep(0)
+    await server.shutdown()
+    return spent
+
+
 async def _protocol_cpu(metered: bool, n: int) -> float:
     from aiohttp import web
 
@@ -120,27 +147,10 @@ async def _protocol_cpu(metered: bool, n: int) -> float:
         return web.Response(text="ok")
 
     server = web.Server(ok)
-    body = b'{"apiVersion":"admission.k8s.io/v1","kind":"AdmissionReview","request":{"uid":"x"},"pad":"' + \
-        b"p" * 2900 + b'"}'
-    req = (b"POST /validate?timeout=10s HTTP/1.1\r\nHost: gatekeeper-webhook.gatekeeper-system.svc:443\r\n"
-           b"User-Agent: kube-apiserver-admission\r\nContent-Length: %d\r\nAccept: application/json, */*\r\n"
-           b"Content-Type: application/json\r\nAccept-Encoding: gzip\r\n\r\n" % len(body)) + body
     loop = asyncio.get_running_loop()
     handler = (MeteredRequestHandler(server, budget=RequestBudget(1 << 30), on_evicted=lambda: None, loop=loop)
                if metered else server())
-    sink = _Sink()
-    handler.connection_made(sink)
-    await asyncio.sleep(0)
-    started = time.process_time()
-    for _ in range(n):
-        sink.answered.clear()
-        handler.data_received(req)
-        await sink.answered.wait()
-    spent = (time.process_time() - started) / n
-    handler.connection_lost(None)
-    await asyncio.sleep(0)
-    await server.shutdown()
-    return spent
+    return await drive_reviews(server, handler, _Sink(), n)
 
 
 async def _cpu_rows() -> tuple[float, float]:
