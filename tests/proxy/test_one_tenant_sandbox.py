@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import secrets
 import ssl
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -71,6 +71,17 @@ def proxy(sandbox: SandboxState, tmp_path_factory: pytest.TempPathFactory) -> It
 
 def ca_context(state: SandboxState) -> ssl.SSLContext:
     return ssl.create_default_context(cafile=str(SandboxPKI(Path(state.certs_dir)).ca))
+
+
+async def ejections_during(client: httpx.AsyncClient, proxy: ProxyProcess,
+                           send: Callable[[int], Awaitable[httpx.Response]], count: int) -> tuple[list[int], float]:
+    """The statuses of ``send(0..count-1)``, one after another, and the backend ejections the proxy counted
+    meanwhile (from its own metrics)."""
+    before = (await client.get(f"{proxy.metrics_url}/metrics")).text
+    statuses = [(await send(i)).status_code for i in range(count)]
+    after = (await client.get(f"{proxy.metrics_url}/metrics")).text
+    return statuses, (metric_sum(after, "gatekeeper_proxy_backend_ejections_total")
+                      - metric_sum(before, "gatekeeper_proxy_backend_ejections_total"))
 
 
 async def test_a_tenants_malformed_requests_never_eject_an_apiserver(
@@ -123,13 +134,9 @@ async def test_503s_a_tenant_relays_through_a_proxy_subresource_never_eject_an_a
             if (await client.get(relay, headers=good)).status_code == 503:
                 break
             await asyncio.sleep(0.1)
-        before = (await client.get(f"{proxy.metrics_url}/metrics")).text
-        count = 20 * len(sandbox.apiserver_urls)
-        statuses = [(await client.get(relay, headers=good)).status_code for _ in range(count)]
-        after = (await client.get(f"{proxy.metrics_url}/metrics")).text
+        statuses, ejections = await ejections_during(
+            client, proxy, lambda _: client.get(relay, headers=good), 20 * len(sandbox.apiserver_urls))
     assert set(statuses) == {503}, statuses
-    ejections = (metric_sum(after, "gatekeeper_proxy_backend_ejections_total")
-                 - metric_sum(before, "gatekeeper_proxy_backend_ejections_total"))
     assert ejections == 0
 
 
@@ -146,15 +153,12 @@ async def test_504s_of_a_deadline_the_tenant_picked_never_eject_an_apiserver(
             if (await client.get(base, headers=good)).status_code == 200:
                 break
             await asyncio.sleep(0.1)
-        before = (await client.get(f"{proxy.metrics_url}/metrics")).text
         count = 20 * len(sandbox.apiserver_urls)
-        statuses = [(await client.get(f"{base}?timeout=1ns", headers=good)).status_code for _ in range(count)]
-        after = (await client.get(f"{proxy.metrics_url}/metrics")).text
+        statuses, ejections = await ejections_during(
+            client, proxy, lambda _: client.get(f"{base}?timeout=1ns", headers=good), count)
         still = await client.get(base, headers=good)
     assert still.status_code == 200
     assert statuses.count(504) >= count // 2, statuses  # the apiserver's own 504s, relayed
-    ejections = (metric_sum(after, "gatekeeper_proxy_backend_ejections_total")
-                 - metric_sum(before, "gatekeeper_proxy_backend_ejections_total"))
     assert ejections == 0
 
 
@@ -190,15 +194,11 @@ async def test_503s_of_an_unavailable_aggregated_api_never_eject_an_apiserver(
                 if [(await client.get(discovery, headers=good)).status_code for _ in range(6)] == [503] * 6:
                     break
                 await asyncio.sleep(0.1)
-            before = (await client.get(f"{proxy.metrics_url}/metrics")).text
-            count = 20 * len(sandbox.apiserver_urls)
-            statuses = [(await client.get(discovery, headers=good)).status_code for _ in range(count)]
-            after = (await client.get(f"{proxy.metrics_url}/metrics")).text
+            statuses, ejections = await ejections_during(
+                client, proxy, lambda _: client.get(discovery, headers=good), 20 * len(sandbox.apiserver_urls))
     finally:
         kubectl("delete", "apiservice", "v1.blame.gatekeeper.test", "--wait=false")
     assert set(statuses) == {503}, statuses
-    ejections = (metric_sum(after, "gatekeeper_proxy_backend_ejections_total")
-                 - metric_sum(before, "gatekeeper_proxy_backend_ejections_total"))
     assert ejections == 0
 
 
@@ -274,13 +274,10 @@ async def test_500s_of_a_failing_admission_webhook_never_eject_an_apiserver(
                         for _ in range(6)] == [500] * 6:
                     break
                 await asyncio.sleep(0.1)
-            before = (await client.get(f"{proxy.metrics_url}/metrics")).text
-            count = 20 * len(sandbox.apiserver_urls)
-            statuses = [(await client.post(url, content=body(i), headers=good)).status_code for i in range(count)]
-            after = (await client.get(f"{proxy.metrics_url}/metrics")).text
+            statuses, ejections = await ejections_during(
+                client, proxy, lambda i: client.post(url, content=body(i), headers=good),
+                20 * len(sandbox.apiserver_urls))
     finally:
         kubectl("delete", "validatingwebhookconfiguration", f"{ns}-down", "--wait=false")
     assert set(statuses) == {500}, statuses
-    ejections = (metric_sum(after, "gatekeeper_proxy_backend_ejections_total")
-                 - metric_sum(before, "gatekeeper_proxy_backend_ejections_total"))
     assert ejections == 0
