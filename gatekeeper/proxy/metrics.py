@@ -112,6 +112,13 @@ UPSTREAM_H2_FALLBACKS = Counter(
     "upstream.http2RetrySeconds per worker.",
     ["backend"],
 )
+UPSTREAM_H2_REFUSED = Counter(
+    "gatekeeper_proxy_upstream_http2_refused",
+    "Multiplexed requests the backend refused on both HTTP/2 stream attempts (above a GOAWAY's last stream id, "
+    "or REFUSED_STREAM: provably not processed), sent once over HTTP/1.1 instead, by backend; never an "
+    "ejection. A few under load are kube-apiserver's --goaway-chance; many, a backend refusing streams.",
+    ["backend"],
+)
 UPSTREAM_H2_PAUSES = Counter(
     "gatekeeper_proxy_upstream_http2_pauses",
     "Times a 401 on a multiplexed HTTP/2 upstream stream paused multiplexing for that kind of caller (front-proxy "

@@ -152,7 +152,8 @@ class BackendClient:
                                         pause_seconds=settings.http2_unauthorized_pause_seconds,
                                         on_goaway=goaways.inc,
                                         on_fallback=metrics.UPSTREAM_H2_FALLBACKS.labels(name).inc,
-                                        on_pause=metrics.UPSTREAM_H2_PAUSES.labels(name).inc)
+                                        on_pause=metrics.UPSTREAM_H2_PAUSES.labels(name).inc,
+                                        on_refused=metrics.UPSTREAM_H2_REFUSED.labels(name).inc)
         # Short requests and long-running ones (watches, exec, logs -f) have separate pools, so
         # thousands of open watches never starve GETs of a connection (and vice versa).
         self._slots = asyncio.Semaphore(settings.max_connections_per_backend)
@@ -260,7 +261,10 @@ class BackendClient:
             try:
                 return await self._send_mux(mux, request, headers, identity, on_done)
             except mux_pool.NotH2:
-                pass  # nothing was sent; the connection that found out, if any, waits in the HTTP/1.1 pool
+                # Nothing was sent, or nothing processed (a pause after a 401, every stream refused); the
+                # connection that found out, if any, waits in the HTTP/1.1 pool. A failed HTTP/1.1 connect
+                # next is a ConnectFailed, as for any request: a backend really going away is ejected.
+                pass
         if self.lean:  # the default: inline, so a request pays for one coroutine here, not two
             ssl_ctx = self.ssl_for(identity)
             head, declared = exchange.encode_request_head(
@@ -337,7 +341,7 @@ class BackendClient:
                 mux, self.name, ctx, self._live_h2_contexts, block, head_only=request.method == "HEAD",
                 header_timeout=self.settings.response_header_timeout_seconds,
                 acquire_timeout=self.settings.pool_acquire_timeout_seconds, on_done=on_done)
-        except mux_pool.NotH2 as exc:  # not counted as a stream: the request goes over HTTP/1.1
+        except mux_pool.NotH2 as exc:  # not counted as a stream (also Paused, Refused): it goes over HTTP/1.1
             transport = exc.claim()
             if transport is not None:  # made with ctx: kept under the HTTP/1.1 context built with it
                 self._pools[False].adopt(transport, contexts.http1, self._live_contexts)

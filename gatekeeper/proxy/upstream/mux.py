@@ -32,8 +32,9 @@ What a shared connection must not let one caller do to another:
   connection opens; the pool's slot gate still bounds requests per backend.
 * **Cause a re-send.** Only a stream the backend provably never processed is sent
   again (above a GOAWAY's last stream id, or refused with REFUSED_STREAM,
-  RFC 9113 8.7), once, on a fresh connection. A connection that dies under a
-  stream fails that stream, as on HTTP/1.1.
+  RFC 9113 8.7), once, on a fresh connection; refused there too, the request
+  goes once over HTTP/1.1 (:class:`Refused`), where no GOAWAY applies. A
+  connection that dies under a stream fails that stream, as on HTTP/1.1.
 
 A backend that breaks HTTP/2 (bad frame, oversized head, push) loses the
 connection: every stream on it fails with :class:`BackendProtocolError`.
@@ -85,6 +86,16 @@ class NotH2(ConnectionError):
 class Paused(NotH2):
     """Multiplexing is paused for this kind of caller after a 401 (:meth:`mux_pool.MuxPool.unauthorized`):
     nothing was sent, or only a stream the backend provably did not process; use the HTTP/1.1 pool."""
+
+
+class Refused(NotH2):
+    """The backend refused the request's stream on every one of :data:`mux_pool.SENDS` attempts (above a GOAWAY's
+    last stream id, or REFUSED_STREAM): provably not processed, so the caller sends it over HTTP/1.1 once.
+
+    Not a connect failure: kube-apiserver with ``--goaway-chance`` sends a graceful GOAWAY after a random share
+    of HTTP/2 responses, and a stream sent on a fresh connection can be caught by that connection's first one
+    under load; it says nothing about the backend's health. A backend that is really going away fails the
+    HTTP/1.1 connect, and that ejects it."""
 
 
 class MuxConn(asyncio.Protocol):

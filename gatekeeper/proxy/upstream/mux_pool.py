@@ -43,8 +43,8 @@ with GOAWAY; the proxy marks the token failed after its first 401, but a
 tenant holding many revoked tokens that still verify here (minted, then the
 ServiceAccount or bound Secret deleted) had one GOAWAY per token per worker,
 each a reconnect, each re-sending the other tenants' streams that raced it;
-a stream refused twice that way failed as a connect failure, which ejects
-the backend. Measured before the pause against the sandbox apiserver with
+a stream refused twice that way then failed as a connect failure, which
+ejected the backend (now it goes over HTTP/1.1, see below). Measured before the pause against the sandbox apiserver with
 this pool alone (no failed-token cache, so a token repeats as new ones
 would): 60 revoked tokens in turn cost 61 connections and 407 re-sent
 streams; cycled for 8 s, 311 GOAWAYs and 6-43 other tenants' GETs refused
@@ -63,6 +63,23 @@ twice. Through the proxy (one worker, 3 apiservers), 40 revoked tokens cost
   connection (bounded: that 401 then starts the pause).
 * **Certificate callers are untouched**: their context has its own
   connections and its own pause.
+
+A request refused on both of its streams (:data:`SENDS`) goes once over
+HTTP/1.1 (:class:`mux.Refused`, counted in
+``gatekeeper_proxy_upstream_http2_refused_total``), never as a connect
+failure. kube-apiserver's ``--goaway-chance`` (the seeds recommend up to
+0.02) ends a random share of HTTP/2 responses with a graceful GOAWAY naming
+the highest stream Go's server has read; under load the streams re-sent on
+a fresh connection are caught by that connection's next GOAWAY too. That
+used to be a ``ConnectFailed``, which ejects the backend at once: against
+the sandbox apiserver at 0.02, 4000 GETs at 256 in flight (one backend's
+full pool) gave 37 GOAWAYs and 39 double refusals, each a connect failure
+and a 503 to its caller with one backend. A refused stream says nothing
+about the backend's health, and the filter applies to HTTP/2 requests only,
+so HTTP/1.1 gets it through. Bounded: two streams and one HTTP/1.1 request
+at most. A backend really going away (GOAWAY, then its listener closed)
+fails that HTTP/1.1 connect, or the second stream's connect, and is
+ejected as before.
 """
 
 from __future__ import annotations
@@ -82,14 +99,15 @@ from gatekeeper.proxy.upstream.errors import (
     connect_cause,
 )
 from gatekeeper.proxy.upstream.exchange import StreamedBody
-from gatekeeper.proxy.upstream.mux import IDLE_SECONDS, MuxConn, NotH2, Paused
+from gatekeeper.proxy.upstream.mux import IDLE_SECONDS, MuxConn, NotH2, Paused, Refused
 from gatekeeper.proxy.upstream.mux_stream import MuxStream, StreamRefused, StreamReset
 from gatekeeper.proxy.upstream.slots import Slots
 
 log = logging.getLogger("gatekeeper.proxy.upstream.mux_pool")
 
 SENDS = 2
-"""Times a request may go out: once, and once more if the backend provably did not process it."""
+"""Times a request may go out as a stream: once, and once more if the backend provably did not process it;
+refused both times, it goes once over HTTP/1.1 (:class:`mux.Refused`)."""
 
 
 class _OpenerGone(Exception):
@@ -102,7 +120,7 @@ class MuxPool:
     def __init__(self, host: str, port: int, *, limit: int, max_streams: int, connect_timeout: float,
                  retry_seconds: float = 300.0, pause_seconds: float = 60.0,
                  on_goaway: Callable[[], None] = lambda: None, on_fallback: Callable[[], None] = lambda: None,
-                 on_pause: Callable[[], None] = lambda: None) -> None:
+                 on_pause: Callable[[], None] = lambda: None, on_refused: Callable[[], None] = lambda: None) -> None:
         self.host = host
         self.port = port
         self.max_streams = max_streams
@@ -123,6 +141,8 @@ class MuxPool:
         self.paused: dict[ssl.SSLContext, float] = {}
         """Context -> when (monotonic) its pause after a 401 ends; empty on the hot path."""
         self.on_pause = on_pause
+        self.on_refused = on_refused
+        """A request refused on every stream attempt goes over HTTP/1.1 (:class:`mux.Refused`)."""
 
     def unauthorized(self, conn: MuxConn) -> None:
         """A stream on ``conn`` was answered 401: pause multiplexing for its context (see the module)."""
@@ -295,8 +315,9 @@ async def exchange(
 ) -> tuple[int, list[tuple[bytes, bytes]], MuxBody]:
     """Send one bodiless request as a stream and wait for its head; the errors are :func:`exchange.exchange`'s.
 
-    Raises :class:`NotH2` (nothing sent) when the backend turned out not to speak HTTP/2, and :class:`Paused`
-    (nothing processed) during a pause after a 401: the caller sends the request over HTTP/1.1 instead.
+    Raises :class:`NotH2` (nothing sent) when the backend turned out not to speak HTTP/2, :class:`Paused`
+    (nothing processed) during a pause after a 401, and :class:`Refused` (nothing processed) when every stream
+    attempt was refused: the caller sends the request over HTTP/1.1 instead.
     """
     if pool.paused and pool.is_paused(ctx):
         pool.give_back()
@@ -329,7 +350,9 @@ async def exchange(
                 if pool.paused and pool.is_paused(ctx):  # not processed: HTTP/1.1, never a second stream
                     raise Paused(f"{name}: multiplexing paused after a 401") from None
                 if attempt + 1 == SENDS:
-                    raise
+                    pool.on_refused()
+                    raise Refused(f"{name}: refused on {SENDS} streams (HTTP/2 GOAWAY or REFUSED_STREAM), "
+                                  "not processed") from None
                 continue
             break
     except BaseException as exc:
@@ -338,12 +361,8 @@ async def exchange(
         slots.release()
         if not pool.h2:
             pool.give_back()  # a pending grant this request held, ended before connecting (slot, pause, cancel)
-        if isinstance(exc, (ConnectFailed, NotH2)):
+        if isinstance(exc, (ConnectFailed, NotH2)):  # NotH2 and its Paused and Refused: HTTP/1.1 next
             raise
-        if isinstance(exc, StreamRefused):
-            # Refused again on a fresh connection (an apiserver going down): provably not processed,
-            # so the dispatcher may send it to another apiserver, as after a failed connect.
-            raise ConnectFailed("the apiserver refused the request (HTTP/2 GOAWAY or REFUSED_STREAM)") from exc
         if isinstance(exc, TimeoutError):
             raise UpstreamTimeout(f"no response headers from {name} within {header_timeout:g}s") from exc
         if isinstance(exc, StreamReset):
