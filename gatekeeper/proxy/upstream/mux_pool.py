@@ -44,11 +44,11 @@ tenant holding many revoked tokens that still verify here (minted, then the
 ServiceAccount or bound Secret deleted) had one GOAWAY per token per worker,
 each a reconnect, each re-sending the other tenants' streams that raced it;
 a stream refused twice that way then failed as a connect failure, which
-ejected the backend (now it goes over HTTP/1.1, see below). Measured before the pause against the sandbox apiserver with
-this pool alone (no failed-token cache, so a token repeats as new ones
-would): 60 revoked tokens in turn cost 61 connections and 407 re-sent
-streams; cycled for 8 s, 311 GOAWAYs and 6-43 other tenants' GETs refused
-twice. Through the proxy (one worker, 3 apiservers), 40 revoked tokens cost
+ejected the backend (now it goes over HTTP/1.1, see below). Measured before
+the pause against the sandbox apiserver with this pool alone (no failed-token
+cache, so a token repeats as new ones would): 60 revoked tokens in turn cost
+61 connections and 407 re-sent streams; cycled for 8 s, 311 GOAWAYs and 6-43
+other tenants' GETs refused twice. Through the proxy (one worker, 3 apiservers), 40 revoked tokens cost
 39 GOAWAYs. Now:
 
 * **One GOAWAY per pause.** The pause starts while the 401's frame is
