@@ -73,8 +73,9 @@ the highest stream Go's server has read; under load the streams re-sent on
 a fresh connection are caught by that connection's next GOAWAY too. That
 used to be a ``ConnectFailed``, which ejects the backend at once: against
 the sandbox apiserver at 0.02, 4000 GETs at 256 in flight (one backend's
-full pool) gave 37 GOAWAYs and 39 double refusals, each a connect failure
-and a 503 to its caller with one backend. A refused stream says nothing
+full pool) gave 37-38 GOAWAYs and 5-39 double refusals, each a connect
+failure and a 503 to its caller with one backend (the README has the
+figures through the whole proxy). A refused stream says nothing
 about the backend's health, and the filter applies to HTTP/2 requests only,
 so HTTP/1.1 gets it through. Bounded: two streams and one HTTP/1.1 request
 at most. A backend really going away (GOAWAY, then its listener closed)
