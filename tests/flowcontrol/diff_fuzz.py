@@ -161,11 +161,20 @@ HEADERS: list[tuple[tuple[str, str], ...]] = [
     (("accept", "application/json;as=Table;v=v1;g=meta.k8s.io"),),
     (("accept", "application/vnd.kubernetes.protobuf"),),
 ]
-IDENTITIES = ("alice", "bob", "carol", "builder", "ci")
+IDENTITIES = ("alice", "bob", "carol", "builder", "ci", "anon")
 """alice, bob: certificates in the tenants' group (bob also has a User schema); carol: a certificate with no
-groups at all; builder, ci: ServiceAccount tokens (builder has its own schema, ci only its namespace's)."""
+groups at all; builder, ci: ServiceAccount tokens (builder has its own schema, ci only its namespace's); anon:
+neither (some of its requests carry the builder's token in a WebSocket subprotocol instead)."""
 TOKEN_OF_BUILDER = "Bearer @builder"
 """Stands for the builder ServiceAccount's real token (the lanes put it in when they send)."""
+WEBSOCKET_OF_BUILDER = "base64url.bearer.authorization.k8s.io.@builder, v5.channel.k8s.io"
+"""The builder's token as a WebSocket subprotocol (unpadded base64url, put in when sent)."""
+WEBSOCKET_HEADERS = [(("connection", "Upgrade"), ("upgrade", "websocket"), ("sec-websocket-version", "13"),
+                      ("sec-websocket-key", "dGhlIHNhbXBsZSBub25jZQ=="),
+                      ("sec-websocket-protocol", WEBSOCKET_OF_BUILDER)),
+                     (("sec-websocket-protocol", WEBSOCKET_OF_BUILDER),)]
+"""A WebSocket request carrying the token (the apiserver reads it there), and the same subprotocol on a plain
+request (read by nobody)."""
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH", "post", "patch"})
 
 
@@ -268,6 +277,8 @@ def generate(seed: int, count: int, ns: str) -> list[Case]:
             headers += (("authorization", rng.choice(["Bearer bogus", TOKEN_OF_BUILDER])),)
         who = rng.choice(IDENTITIES)
         proto = "h2" if rng.random() < 0.35 else "h1"
+        if who == "anon" and proto == "h1" and rng.random() < 0.3:
+            headers += rng.choice(WEBSOCKET_HEADERS)
         cases.append(Case(who, proto, method, target, headers, b"{}" if method in BODY_METHODS else b""))
     return cases
 

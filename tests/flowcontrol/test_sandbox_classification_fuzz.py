@@ -16,6 +16,7 @@ every differing pick, fails the test with the requests that showed it.
 
 from __future__ import annotations
 
+import base64
 import collections
 import dataclasses
 import json
@@ -78,6 +79,7 @@ def world(sandbox: SandboxState, tmp_path: Path):  # type: ignore[no-untyped-def
         for sa in ("builder", "ci"):
             token = _ok(kit.kubectl(sandbox, "create", "token", sa, "-n", ns, "--duration=1h")).strip()
             creds[sa] = (None, f"Bearer {token}")
+        creds["anon"] = (None, "")
         yield ns, names, uid_names, policy_file, creds
     finally:
         kit.kubectl(sandbox, "delete", "-f", "-", "--ignore-not-found", "--wait=false",
@@ -107,11 +109,13 @@ def _run(cases: list[fz.Case], url: str, creds: dict[str, Credential], ca: str) 
         who, proto = key
         lane = _lane(proto, url, ca, creds[who])
         builder = creds["builder"][1]
+        encoded = base64.urlsafe_b64encode(builder.removeprefix("Bearer ").encode()).decode().rstrip("=")
+        put_in = {fz.TOKEN_OF_BUILDER: builder, fz.WEBSOCKET_OF_BUILDER: fz.WEBSOCKET_OF_BUILDER.replace(
+            "@builder", encoded)}
         try:
             for c in todo:
-                if any(v == fz.TOKEN_OF_BUILDER for _, v in c.headers):
-                    c = dataclasses.replace(c, headers=tuple(
-                        (k, builder if v == fz.TOKEN_OF_BUILDER else v) for k, v in c.headers))
+                if any(v in put_in for _, v in c.headers):
+                    c = dataclasses.replace(c, headers=tuple((k, put_in.get(v, v)) for k, v in c.headers))
                 answer = lane.send(c)
                 with lock:
                     results.append((c, answer))
