@@ -129,7 +129,8 @@ class Case:
 
 METHODS = ["GET"] * 12 + ["HEAD", "POST", "POST", "PUT", "PATCH", "DELETE", "DELETE", "OPTIONS",
                           "get", "Get", "head", "post", "delete", "patch", "WATCH", "watch", "PROXY", "LIST", "FOO"]
-RESOURCES = [("", "v1", "secrets"), ("", "v1", "secrets"), ("", "v1", "configmaps"), ("", "v1", "pods"),
+RESOURCES = [("", "v1", "secrets"), ("", "v1", "secrets"), ("", "v1", "configmaps"), ("", "v1", "configmaps"),
+             ("", "v1", "configmaps"), ("", "v1", "pods"),
              ("", "v1", "pods"), ("", "v1", "events"), ("", "v1", "services"), ("", "v1", "nodes"),
              ("apps", "v1", "deployments"), ("apps", "v1", "deployments"), ("batch", "v1", "jobs"),
              ("nosuch.example.com", "v1", "widgets"), ("events.k8s.io", "v1", "events"), ("", "v1", "namespaces"),
@@ -239,7 +240,7 @@ def _resource_path(rng: random.Random, ns: str) -> str:
     elif special < 0.12:
         base += "/proxy"
     scope = rng.random()
-    if resource in ("nodes", "namespaces") or scope < 0.2:
+    if resource in ("nodes", "namespaces") or scope < 0.25:
         where = ""
     elif scope < 0.75:
         where = f"/namespaces/{ns}"
@@ -439,7 +440,8 @@ def untracked_by_apiserver_apf(method: str, target: str) -> bool:
 
 
 def judge(case: Case, answer: Answer, uid_names: dict[str, str]) -> tuple[str, str]:
-    """(outcome, detail). Outcomes: ``agree``; ``DISAGREE``; ``proxy-refused`` (the proxy answered or cut
+    """(outcome, detail); ``uid_names`` maps FlowSchema and PriorityLevelConfiguration UIDs to names.
+    Outcomes: ``agree`` (same FlowSchema and priority level); ``DISAGREE``; ``proxy-refused`` (the proxy answered or cut
     the request itself, before classifying it); ``apiserver-before-apf`` (authentication, impersonation,
     RequestInfo or deadline refusals: no apiserver pick); ``untracked`` (long-running non-watch: APF passes
     it unclassified); ``NO-STAMP`` (no apiserver pick and none of those reasons: a disagreement about what
@@ -454,7 +456,13 @@ def judge(case: Case, answer: Answer, uid_names: dict[str, str]) -> tuple[str, s
         return "proxy-throttled", ours
     if uid:
         theirs = uid_names.get(uid, f"uid:{uid}")
-        return ("agree", ours) if theirs == ours else ("DISAGREE", f"proxy {ours}, apiserver {theirs}")
+        if theirs != ours:
+            return "DISAGREE", f"proxy {ours}, apiserver {theirs}"
+        level = h.get("x-gatekeeper-pf-prioritylevel", "")
+        their_level = uid_names.get(h.get("x-kubernetes-pf-prioritylevel-uid", ""), "")
+        if level != their_level:
+            return "DISAGREE", f"{ours}: proxy level {level}, apiserver level {their_level or 'none'}"
+        return "agree", ours
     text = answer.body[:400].decode("utf-8", "replace")
     if answer.status == 401:
         return "apiserver-before-apf", "401 authentication"

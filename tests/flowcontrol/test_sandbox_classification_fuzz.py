@@ -40,7 +40,7 @@ from gatekeeper.sandbox.state import SandboxState
 pytestmark = pytest.mark.sandbox
 
 SEED = 20261202
-COUNT = 2400
+COUNT = 4000
 RBAC = kit.REPO / "deploy" / "examples" / "proxy-identity-rbac.yaml"
 Credential = tuple[tuple[str, str] | None, str]
 """(client certificate and key, or None; Authorization header value, or '')."""
@@ -69,8 +69,8 @@ def world(sandbox: SandboxState, tmp_path: Path):  # type: ignore[no-untyped-def
         dump = _ok(kit.kubectl(sandbox, "get", "flowschemas,prioritylevelconfigurations", "-o", "yaml"))
         policy_file = tmp_path / "cluster-apf.yaml"
         policy_file.write_text(dump)
-        fs_list = json.loads(_ok(kit.kubectl(sandbox, "get", "flowschemas", "-o", "json")))
-        uid_names = {i["metadata"]["uid"]: i["metadata"]["name"] for i in fs_list["items"]}
+        apf = json.loads(_ok(kit.kubectl(sandbox, "get", "flowschemas,prioritylevelconfigurations", "-o", "json")))
+        uid_names = {i["metadata"]["uid"]: i["metadata"]["name"] for i in apf["items"]}
         pki = PKI(sandbox.certs_dir)
         creds: dict[str, Credential] = {}
         for who, groups in (("alice", [group]), ("bob", [group]), ("carol", [])):
@@ -130,23 +130,25 @@ def _run(cases: list[fz.Case], url: str, creds: dict[str, Credential], ca: str) 
     return results
 
 
-def _warm_up(url: str, ca: str, cred: Credential, ns: str, want: str, uid_names: dict[str, str]) -> None:
-    """Wait until every apiserver's APF has the new FlowSchemas (several answers in a row pick ``want``)."""
-    lane = _lane("h1", url, ca, cred)
-    streak = 0
-    probe = fz.Case("alice", "h1", "GET", f"/api/v1/namespaces/{ns}/secrets")
-    for _ in range(300):
-        answer = lane.send(probe)
-        if uid_names.get(answer.headers.get("x-kubernetes-pf-flowschema-uid", "")) == want:
-            streak += 1
-            if streak >= 9:
-                lane.close()
-                return
-        else:
-            streak = 0
-            time.sleep(0.1)
-    lane.close()
-    pytest.fail(f"the apiservers never picked {want} for a tenant's secret LIST: {answer.headers}")
+def _warm_up(url: str, ca: str, creds: dict[str, Credential], ns: str, uid_names: dict[str, str]) -> None:
+    """Wait until every apiserver's APF has the new FlowSchemas and the proxy verifies the ServiceAccount
+    tokens (its first key fetch): several answers in a row where both sides pick the expected schema."""
+    for who, want in (("alice", f"{ns}-secrets-list"), ("builder", f"{ns}-sa-builder")):
+        lane = _lane("h1", url, ca, creds[who])
+        probe = fz.Case(who, "h1", "GET", f"/api/v1/namespaces/{ns}/secrets")
+        streak = 0
+        for _ in range(300):
+            answer = lane.send(probe)
+            theirs = uid_names.get(answer.headers.get("x-kubernetes-pf-flowschema-uid", ""))
+            if theirs == want == answer.headers.get("x-gatekeeper-pf-flowschema"):
+                streak += 1
+                if streak >= 9:
+                    break
+            else:
+                streak = 0
+                time.sleep(0.1)
+        lane.close()
+        assert streak >= 9, f"never picked {want} on both sides for {who}'s secret LIST: {answer.headers}"
 
 
 def test_the_proxy_picks_the_apiservers_flow_schema_for_every_fuzzed_request(
@@ -158,7 +160,7 @@ def test_the_proxy_picks_the_apiservers_flow_schema_for_every_fuzzed_request(
     fc = {"files": [str(policy_file)], "serverConcurrencyLimit": 600, "reloadIntervalSeconds": 0,
           "tokens": kit._keys(TokenSettings, jwks_min_refresh_seconds=1)}
     with kit.run_proxy(sandbox, tmp_path / "proxy", fc) as proxy:
-        _warm_up(proxy.url, ca, creds["alice"], ns, f"{ns}-secrets-list", uid_names)
+        _warm_up(proxy.url, ca, creds, ns, uid_names)
         before = kit.metric_sum(proxy.metrics(), "gatekeeper_proxy_rejected_total")
         results = _run(cases, proxy.url, creds, ca)
         rejected = kit.metric_sum(proxy.metrics(), "gatekeeper_proxy_rejected_total") - before
@@ -213,7 +215,7 @@ def test_the_minimised_disagreements_are_classified_alike(
     ca = str(SandboxPKI(Path(sandbox.certs_dir)).ca)
     fc = {"files": [str(policy_file)], "serverConcurrencyLimit": 600, "reloadIntervalSeconds": 0}
     with kit.run_proxy(sandbox, tmp_path / "proxy", fc) as proxy:
-        _warm_up(proxy.url, ca, creds["alice"], ns, f"{ns}-secrets-list", uid_names)
+        _warm_up(proxy.url, ca, creds, ns, uid_names)
         for proto in ("h1", "h2"):
             for who, method, target, want in MINIMISED:
                 case = fz.Case(who, proto, method, target.format(ns=ns))
