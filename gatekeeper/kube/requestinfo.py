@@ -16,10 +16,15 @@ metrics speak the apiserver's vocabulary. The rules follow
   namespace object itself (``/api/v1/namespaces/foo``, ``.../foo/status``,
   ``.../foo/finalize``) is resource ``namespaces`` named ``foo`` *in* namespace
   ``foo``, as upstream reports it.
+* The resource verb comes from the method as sent (``get`` or ``Get`` is verb "",
+  which the apiserver answers 405), the non-resource verb is the lower-cased method.
 * GET without a name is ``list``, or ``watch`` when ``?watch`` is anything but
   ``false``/``0``; a ``fieldSelector`` requiring ``metadata.name=X`` narrows such
-  a list/watch to name ``X`` (what informers for one object send). DELETE
-  without a name is ``deletecollection``.
+  a list/watch to name ``X`` (what informers for one object send). When the
+  ListOptions do not decode (a non-integer ``limit``/``timeoutSeconds``, a
+  label or field selector the apiserver cannot parse), upstream reads ``watch``
+  with ``strings.ToLower`` instead and narrows nothing. DELETE without a name is
+  ``deletecollection``.
 
 The query is read the way the apiserver's Go code reads it (:func:`query_values`,
 :func:`_exact_name`), not the way Python's ``parse_qs`` does: Go's
@@ -44,6 +49,8 @@ import functools
 import re
 from dataclasses import dataclass, field
 from urllib.parse import unquote
+
+from gatekeeper.kube import labelselector
 
 API_PREFIXES = frozenset({"api", "apis"})
 GROUPLESS_PREFIXES = frozenset({"api"})
@@ -198,18 +205,16 @@ def _selector_value(raw: str) -> str | None:
     return None if escaped else "".join(out)
 
 
-def _exact_name(selectors: list[str] | None) -> str:
-    """The name an exact ``metadata.name=`` / ``==`` term in a fieldSelector requires, or ''.
+def _field_selector_name(selector: str) -> str | None:
+    """The name an exact ``metadata.name=`` / ``==`` term requires ('' if none), or None where
+    ``fields.ParseSelector`` fails.
 
     Mirrors ``fields.ParseSelector`` + ``RequiresExactMatch``: terms split on unescaped
     commas and sorted; each term splits at the leftmost ``!=``, ``==`` or ``=``; no
-    whitespace is trimmed. A selector the apiserver cannot parse narrows nothing (it
-    answers 400). Upstream then keeps the name only if it is a valid path segment.
+    whitespace is trimmed.
     """
-    if not selectors:
-        return ""
     name: str | None = None
-    for term in sorted(_selector_terms(selectors[0])):
+    for term in sorted(_selector_terms(selector)):
         if not term:
             continue
         for i in range(len(term)):
@@ -218,15 +223,62 @@ def _exact_name(selectors: list[str] | None) -> str:
             if op:
                 break
         else:
-            return ""  # not a term: the whole selector is refused
+            return None  # not a term: the whole selector is refused
         value = _selector_value(term[i + len(op):])
         if value is None:
-            return ""
+            return None
         if name is None and op != "!=" and term[:i] == "metadata.name":
             name = value
+    return name or ""
+
+
+def _exact_name(selectors: list[str] | None) -> str:
+    """The name an exact ``metadata.name`` fieldSelector narrows a list/watch to, or ''.
+
+    A selector the apiserver cannot parse narrows nothing (it answers 400). Upstream then
+    keeps the name only if it is a valid path segment.
+    """
+    name = _field_selector_name(selectors[0]) if selectors else None
     if not name or name in (".", "..") or _BAD_SEGMENT.search(name):
         return ""
     return name
+
+
+_INT64 = re.compile(r"[+-]?[0-9]+")
+
+
+def _go_int64(text: str) -> bool:
+    """``strconv.ParseInt(text, 10, 64)`` succeeds: an optional sign, ASCII digits, in range."""
+    return _INT64.fullmatch(text) is not None and -(1 << 63) <= int(text) < (1 << 63)
+
+
+def _list_options_decode(query: dict[str, list[str]]) -> bool:
+    """Whether the apiserver's RequestInfo decodes the query into ListOptions without an error.
+
+    ``DecodeParameters`` converts ``limit`` and ``timeoutSeconds`` with ``strconv.ParseInt`` (an empty
+    value fails too) and parses ``labelSelector`` (``labels.Parse``) and ``fieldSelector``
+    (``fields.ParseSelector``); every other ListOptions field converts without error. On an error
+    upstream reads ``watch`` with ``strings.ToLower`` (so ``fal\u017fe`` is a watch there) and
+    takes no name from the fieldSelector; its handler then answers 400.
+    """
+    for key in ("limit", "timeoutSeconds"):
+        values = query.get(key)
+        if values and not _go_int64(values[0]):
+            return False
+    labels = query.get("labelSelector")
+    if labels and not labelselector.valid(labels[0]):
+        return False
+    fields = query.get("fieldSelector")
+    return not fields or _field_selector_name(fields[0]) is not None
+
+
+def _truthy_lowered(values: list[str] | None) -> bool:
+    """``watch`` as upstream reads it after a ListOptions decoding error: anything but ``0`` or a value
+    ``strings.ToLower`` turns into ``false`` (only ASCII letters lower into ASCII ones there)."""
+    if not values:
+        return False
+    v = values[0]
+    return not (v == "0" or (v.isascii() and v.lower() == "false"))
 
 
 CACHE_ENTRIES = 4096
@@ -252,7 +304,9 @@ def _parse(method: str, target: str) -> RequestInfo:
     raw_path = raw_path.partition("#")[0]
     path = unquote(raw_path) if "%" in raw_path else raw_path
     query = query_values(raw_query) if raw_query else {}
-    method = method.upper()
+    # Upstream: a non-resource verb is the lower-cased method, but a resource verb comes from the method
+    # compared case-sensitively (HTTP methods are), so ``get`` or ``Get`` is verb "" there (and a 405).
+    # Upper-casing it first made ``get .../secrets`` a LIST here: a different FlowSchema than upstream's.
     non_resource = RequestInfo(is_resource_request=False, path=path, verb=method.lower())
 
     parts = _split_path(path)
@@ -286,8 +340,11 @@ def _parse(method: str, target: str) -> RequestInfo:
     subresource = parts[2] if len(parts) >= 3 and verb not in SPECIAL_VERBS_NO_SUBRESOURCES else ""
 
     if not name and verb == "get":
-        verb = "watch" if _truthy(query.get("watch")) else "list"
-        name = _exact_name(query.get("fieldSelector"))
+        if _list_options_decode(query):
+            verb = "watch" if _truthy(query.get("watch")) else "list"
+            name = _exact_name(query.get("fieldSelector"))
+        else:
+            verb = "watch" if _truthy_lowered(query.get("watch")) else "list"
     if not name and verb == "delete":
         verb = "deletecollection"
 

@@ -160,7 +160,8 @@ def test_parse_is_memoized_for_repeated_targets_but_not_for_huge_ones():
 
     a = parse("GET", "/api/v1/namespaces/memo/pods?watch=1")
     assert parse("GET", "/api/v1/namespaces/memo/pods?watch=1") is a
-    assert parse("get", "/api/v1/namespaces/memo/pods?watch=1") == a  # method case does not matter
+    # the method is part of the key: upstream reads it case-sensitively, so "get" is another request
+    assert parse("get", "/api/v1/namespaces/memo/pods?watch=1").verb == ""
     huge = "/api/v1/namespaces/memo/pods?labelSelector=" + "x" * requestinfo.CACHE_MAX_TARGET
     first, second = parse("GET", huge), parse("GET", huge)
     assert first == second and first is not second and first.verb == "list"
@@ -217,3 +218,47 @@ def test_follow_uses_the_same_bool_rules() -> None:
     assert parse("GET", "/api/v1/namespaces/x/pods/p/log?follow=1").long_running
     assert not parse("GET", "/api/v1/namespaces/x/pods/p/log?follow=1;").long_running
     assert not parse("GET", "/api/v1/namespaces/x/pods/p/log?follow=fal%C5%BFe").long_running
+
+
+@pytest.mark.parametrize("method", ["get", "Get", "gEt", "head", "post", "delete"])
+def test_a_resource_verb_comes_from_the_method_spelled_exactly(method: str) -> None:
+    """kube-apiserver switches on the method as sent (HTTP methods are case-sensitive): ``get`` on a
+    collection is verb "" there (and a 405), never a LIST; a non-resource verb is the lower-cased method."""
+    assert parse(method, "/api/v1/namespaces/a/secrets").verb == ""
+    assert parse(method, "/api/v1/namespaces/a/secrets/s1").verb == ""
+    assert parse(method, "/healthz").verb == method.lower()
+
+
+# (query, verb): the watch value U+017F spells "false" only for EqualFold; upstream reads it with ToLower
+# (a watch) once any ListOptions field fails to decode, and with EqualFold (a list) otherwise
+DECODE_CASES = [
+    ("watch=fal%C5%BFe&limit=x", "watch"),
+    ("watch=fal%C5%BFe&limit=", "watch"),
+    ("watch=fal%C5%BFe&timeoutSeconds=", "watch"),
+    ("watch=fal%C5%BFe&timeoutSeconds=1.5", "watch"),
+    ("labelSelector=%21%21&watch=fal%C5%BFe", "watch"),
+    ("labelSelector=a%3Db%3Dc&watch=fal%C5%BFe", "watch"),
+    ("fieldSelector=a%3D%3D%3D&watch=fal%C5%BFe", "watch"),
+    ("fieldSelector=bogus&watch=fal%C5%BFe", "watch"),
+    ("watch=fal%C5%BFe&limit=9223372036854775808", "watch"),
+    ("watch=fal%C5%BFe", "list"),
+    ("watch=fal%C5%BFe&limit=-5", "list"),
+    ("watch=fal%C5%BFe&limit=%2B5&timeoutSeconds=30", "list"),
+    ("watch=fal%C5%BFe&labelSelector=a%3Db%2C%21c%2Cd+in+%28x%2Cy%29", "list"),
+    ("watch=fal%C5%BFe&fieldSelector=metadata.name%3Ds1", "list"),
+    ("watch=FALSE&limit=x", "list"),
+    ("watch=0&labelSelector=%21%21", "list"),
+    ("watch=1&limit=x", "watch"),
+    ("limit=x", "list"),
+]
+
+
+@pytest.mark.parametrize(("query", "verb"), DECODE_CASES)
+def test_a_query_the_apiserver_cannot_decode_reads_watch_as_upstream_does(query: str, verb: str) -> None:
+    assert parse("GET", f"/api/v1/namespaces/a/secrets?{query}").verb == verb
+
+
+def test_a_query_the_apiserver_cannot_decode_narrows_the_list_to_no_name() -> None:
+    assert parse("GET", "/api/v1/namespaces/a/secrets?fieldSelector=metadata.name%3Ds1&limit=5").name == "s1"
+    assert parse("GET", "/api/v1/namespaces/a/secrets?fieldSelector=metadata.name%3Ds1&limit=abc").name == ""
+    assert parse("GET", "/api/v1/namespaces/a/secrets?fieldSelector=metadata.name%3Ds1&labelSelector=%21").name == ""

@@ -53,6 +53,7 @@ GROUP_HEADER = "x-remote-group"
 EXTRA_PREFIX = "x-remote-extra-"
 ANONYMOUS_USER = "system:anonymous"
 ANONYMOUS_GROUP = "system:unauthenticated"
+AUTHENTICATED_GROUP = "system:authenticated"
 
 # RFC 7230 tchar minus '%', which must be escaped so unescaping is unambiguous.
 _KEY_SAFE = frozenset(b"!#$&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
@@ -215,6 +216,31 @@ def identify(peer_cert: Mapping[str, Any] | None, headers: Headers, memo: dict[s
     if ws is not None:
         return UserInfo(name=token_user("Bearer " + ws), source="token")
     return UserInfo(name=ANONYMOUS_USER, groups=[ANONYMOUS_GROUP], source="anonymous")
+
+
+def as_apiserver_sees(user: UserInfo, memo: dict[str, Any] | None = None) -> UserInfo:
+    """A certificate caller as kube-apiserver's APF and authorizer see it once the proxy stamped it.
+
+    kube-apiserver wraps every authenticator, requestheader included, in its AuthenticatedGroupAdder:
+    an authenticated user gets ``system:authenticated`` unless its name is ``system:anonymous`` or its
+    groups already hold ``system:authenticated`` or ``system:unauthenticated``. The certificate's O
+    values alone lack it, so a FlowSchema naming that group (the cluster's own ``global-default`` and
+    ``probes``, or an operator's limit on every authenticated caller) matched upstream but not here:
+    the proxy charged the catch-all level, or let the caller past a limit the apiserver applied.
+    Stamped headers stay the certificate's own (the apiserver adds the group itself). ``memo``: the
+    connection's, so a connection's requests share one view.
+    """
+    if user.source != "x509" or user.name == ANONYMOUS_USER or AUTHENTICATED_GROUP in user.groups \
+            or ANONYMOUS_GROUP in user.groups:
+        return user
+    if memo is not None:
+        seen = memo.get("apiserver_view")
+        if seen is not None and seen.name == user.name:
+            return seen
+    view = UserInfo(name=user.name, groups=[*user.groups, AUTHENTICATED_GROUP], extra=user.extra, source="x509")
+    if memo is not None:
+        memo["apiserver_view"] = view
+    return view
 
 
 def bearer_credential(headers: Headers) -> str:

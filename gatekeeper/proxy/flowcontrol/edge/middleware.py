@@ -52,7 +52,7 @@ from gatekeeper.proxy.flowcontrol.edge.fanout import FanOut, Subscriber
 from gatekeeper.proxy.flowcontrol.edge.loading import Reloader, limits_of, load_policy
 from gatekeeper.proxy.flowcontrol.settings import FlowControlSettings
 from gatekeeper.proxy.messages import Handler, ProxyRequest, ProxyResponse, UserInfo, close_body, is_exhausted
-from gatekeeper.proxy.pipeline.auth import bearer_credential
+from gatekeeper.proxy.pipeline.auth import as_apiserver_sees, bearer_credential
 from gatekeeper.proxy.pipeline.tokens.classify import unverified_flow
 from gatekeeper.proxy.pipeline.tokens.fetch import TokenIdentities, Upstream
 from gatekeeper.proxy.pipeline.tokens.jwt import Identity
@@ -260,7 +260,7 @@ class FlowControl:
         if self.settings.coalesce and info.verb == "list" and request.method == "GET" and request.body is None:
             ident = identity_key(user.name, user.groups, user.source, request.headers)
             key = coalesce_key(request.method, request.target, request.headers, ident)
-        facts: UserInfo | Identity = user
+        facts: UserInfo | Identity = as_apiserver_sees(user, request.connection_memo)
         user_key: str | None = None
         verified = True
         auth = ""
