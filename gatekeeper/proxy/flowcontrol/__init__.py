@@ -67,8 +67,11 @@ Known limits (deliberate, and where this differs from the apiserver's own APF):
   optional TokenReview; a token that cannot be verified is ``system:anonymous``
   with one ByUser flow per source address and is never exempt. The identity
   is only for classification and queuing: the token goes upstream untouched
-  and the apiserver authenticates it. Impersonation headers are not
-  classified as the impersonated user (the apiserver authorizes them later).
+  and the apiserver authenticates it. Impersonation headers are classified
+  as the impersonated identity only for callers named in
+  ``flowControl.impersonators`` (``pipeline/impersonation.py``); the apiserver
+  authorizes impersonation, which the proxy cannot, and classifies everyone
+  it lets impersonate as the impersonated identity.
 * Seats come from observed response bytes per (resource, namespace) and a
   learnt per-object size, not from object counts (see ``seats.py`` and
   ``listcost.py``); Table responses (``kubectl get``) are learnt as if they

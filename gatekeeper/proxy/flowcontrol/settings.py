@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from gatekeeper.proxy.pipeline.impersonation import ImpersonatorSettings
 from gatekeeper.proxy.pipeline.tokens.settings import TokenSettings
 
 
@@ -75,6 +76,10 @@ class FlowControlSettings:
     """Who bearer-token callers are, for classification and fair queuing only (tokens still go upstream
     untouched and the apiserver authenticates them): ServiceAccount tokens verified locally, optional
     TokenReview, and one shared flow per source address for tokens that cannot be verified."""
+    impersonators: ImpersonatorSettings = field(default_factory=ImpersonatorSettings)
+    """Callers (an authenticating proxy such as Pinniped or Teleport) whose ``Impersonate-User`` requests are
+    classified as the identity they impersonate, as the apiserver's APF does once it authorized them; everyone
+    else is classified as themselves (``gatekeeper.proxy.pipeline.impersonation`` says why). Empty by default."""
 
     def validate(self) -> None:
         for name in (
@@ -103,3 +108,4 @@ class FlowControlSettings:
         if self.retry_after_seconds < 1:
             raise ValueError("retryAfterSeconds: must be a whole number of seconds >= 1")
         self.tokens.validate()
+        self.impersonators.validate()

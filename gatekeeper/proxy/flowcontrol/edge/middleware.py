@@ -53,6 +53,7 @@ from gatekeeper.proxy.flowcontrol.edge.loading import Reloader, limits_of, load_
 from gatekeeper.proxy.flowcontrol.settings import FlowControlSettings
 from gatekeeper.proxy.messages import Handler, ProxyRequest, ProxyResponse, UserInfo, close_body, is_exhausted
 from gatekeeper.proxy.pipeline.auth import as_apiserver_sees, bearer_credential
+from gatekeeper.proxy.pipeline.impersonation import impersonated
 from gatekeeper.proxy.pipeline.tokens.classify import unverified_flow
 from gatekeeper.proxy.pipeline.tokens.fetch import TokenIdentities, Upstream
 from gatekeeper.proxy.pipeline.tokens.jwt import Identity
@@ -276,6 +277,11 @@ class FlowControl:
             else:
                 request.token_verified = True
                 request.annotations["caller"] = who.name
+        if self.settings.impersonators and verified and self.settings.impersonators.trusts(facts.name, facts.groups):
+            acting_as = impersonated(request.headers)
+            if acting_as is not None:  # classified, queued and capped as whom it acts for, as upstream
+                facts = acting_as
+                request.annotations["caller"] = acting_as.name
         shape = list_shape(request.target) if info.verb == "list" else None
         now = self.clock()
         t, fs, dispatched = self.controller.admit(
