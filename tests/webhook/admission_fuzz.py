@@ -17,6 +17,7 @@ import base64
 import json
 import random
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any
 
 GPU = "nvidia.com/gpu"
@@ -53,13 +54,20 @@ def gpu_count(container: dict[str, Any]) -> int:
     return best
 
 
+_SI = {"n": Fraction(1, 10**9), "u": Fraction(1, 10**6), "m": Fraction(1, 10**3), "": Fraction(1), "k": Fraction(10**3),
+       "M": Fraction(10**6), "G": Fraction(10**9), "Ki": Fraction(2**10), "Mi": Fraction(2**20), "Gi": Fraction(2**30)}
+
+
 def quantity_int(raw: Any) -> int:
-    """A whole quantity as the apiserver returns it (``1``, ``2``, ``1k``, ``1e3``): enough for the fuzz's spellings."""
-    text = str(raw)
-    for suffix, mult in (("k", 10**3), ("M", 10**6), ("Ki", 2**10), ("Mi", 2**20)):
-        if text.endswith(suffix) and text[: -len(suffix)].isdigit():
-            return int(text[: -len(suffix)]) * mult
-    return int(float(text))
+    """A quantity's value, floored (the fuzz sends whole counts only): ``1``, ``+1``, ``1000000u``, ``1e3``, ``1k``."""
+    text = str(raw).strip()
+    number = text.rstrip("numkMGKi")
+    suffix = text[len(number):]
+    exponent = 0
+    if "e" in number.lower():
+        number, _, exp = number.lower().partition("e")
+        exponent = int(exp)
+    return int(Fraction(number) * _SI[suffix] * Fraction(10) ** exponent)
 
 
 def containers(pod: dict[str, Any]) -> list[dict[str, Any]]:
@@ -71,9 +79,15 @@ def asks_whole_gpus(pod: dict[str, Any]) -> bool:
     return any(gpu_count(c) > 0 for c in containers(pod))
 
 
+REWRITTEN = "gatekeeper.dev/gpu-rewritten"
+
+
 def has_own_shared(pod: dict[str, Any]) -> bool:
     """Claims or device-plugin sharing names of the pod's own (the README: such a pod is left as it is, except
-    in an enforced namespace, where it is denied)."""
+    in an enforced namespace, where it is denied; a pod carrying ``gpu-rewritten`` has claims that are ours,
+    and is rewritten like any other)."""
+    if REWRITTEN in ((pod.get("metadata") or {}).get("annotations") or {}):
+        return False
     if (pod.get("spec") or {}).get("resourceClaims"):
         return True
     for c in containers(pod):
@@ -106,7 +120,14 @@ def whole_gpus_allowed(ns: NamespacePolicy, pod: dict[str, Any], opt_out: bool) 
         return False
     if mode == "off":
         return True
-    return not ns.enforced and has_own_shared(pod)
+    # Where the namespace's mode holds (enforced, no opt-out) own claims beside nvidia.com/gpu are denied;
+    # elsewhere, and for an opt-out user who chose a mode (who could as well have chosen off), left as they are.
+    return not enforcing(ns, annotation, opt_out) and has_own_shared(pod)
+
+
+def enforcing(ns: NamespacePolicy, annotation: str | None, opt_out: bool) -> bool:
+    """The namespace's enforced mode decides (not an opt-out user's annotation naming another mode)."""
+    return ns.enforced and not (opt_out and annotation is not None and annotation != ns.mode)
 
 
 def expected_denial(ns: NamespacePolicy, pod: dict[str, Any], opt_out: bool) -> str:
@@ -120,7 +141,8 @@ def expected_denial(ns: NamespacePolicy, pod: dict[str, Any], opt_out: bool) -> 
     if mode == "off":
         return ""
     if has_own_shared(pod):
-        return "own claims or shared GPUs beside nvidia.com/gpu in an enforced namespace" if ns.enforced else ""
+        enforced = enforcing(ns, annotation, opt_out)
+        return "own claims or shared GPUs beside nvidia.com/gpu in an enforced namespace" if enforced else ""
     if mode == "mps" and any(gpu_count(c) > 1 for c in containers(pod)):
         return "mps share above 1"
     return ""
@@ -171,9 +193,15 @@ def pod_cases(seed: int, count: int, namespaces: list[NamespacePolicy]) -> list[
     out = []
     for i in range(count):
         notes: list[str] = []
+        long_names = rng.random() < 0.1  # 63 characters: the claim name gpu-<container> must be shortened
         spec: dict[str, Any] = {"containers": [
-            {"name": f"app{j}", "image": IMAGE, "resources": _resources(rng, notes, f"app{j}")}
+            {"name": (f"app{j}-" + "n" * 58)[:63] if long_names else f"app{j}", "image": IMAGE,
+             "resources": _resources(rng, notes, f"app{j}")}
             for j in range(rng.choice((1, 1, 2, 3)))]}
+        if rng.random() < 0.08:  # a DRA claim of the pod's own, on its first container
+            spec["resourceClaims"] = [{"name": "mine", "resourceClaimTemplateName": "users-own"}]
+            spec["containers"][0]["resources"]["claims"] = [{"name": "mine"}]
+            notes.append("own-claim")
         inits = []
         if rng.random() < 0.35:
             inits.append({"name": "init0", "image": IMAGE, "resources": _resources(rng, notes, "init0")})
@@ -188,6 +216,9 @@ def pod_cases(seed: int, count: int, namespaces: list[NamespacePolicy]) -> list[
             annotations["gatekeeper.dev/gpu-mode"] = mode
         if mode == "shared" or rng.random() < 0.2:
             annotations["gatekeeper.dev/gpu-memory"] = rng.choice(("4Gi", "10G", "512Mi"))
+        if rng.random() < 0.06:  # forged: says the pod's claims are gatekeeper's own
+            annotations[REWRITTEN] = "dra app0:1->gpu-app0"
+            notes.append("forged-rewritten")
         ns = rng.choice(namespaces)
         pod = {"apiVersion": "v1", "kind": "Pod",
                "metadata": {"name": f"fz-{seed}-{i}", "annotations": annotations, "labels": {"fuzz-case": str(i)}},
