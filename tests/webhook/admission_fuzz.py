@@ -43,6 +43,23 @@ class NamespacePolicy:
     """Labelled ``gatekeeper.dev/exempt=true``: never sent to the webhooks."""
 
 
+EXEMPT = NamespacePolicy("fz-exempt", "dra", exempt=True)
+NAMESPACES = [
+    NamespacePolicy("fz-dra", "dra", enforced=True),
+    NamespacePolicy("fz-ts", "time-slicing", enforced=True),
+    NamespacePolicy("fz-shared", "shared", enforced=True),
+    NamespacePolicy("fz-open", "dra"),
+    EXEMPT,
+]
+WEBHOOK_CONFIG = """webhook:
+  gpu:
+    namespaceModes: {fz-dra: dra, fz-ts: time-slicing, fz-shared: shared}
+    enforcedNamespaces: [fz-dra, fz-ts, fz-shared]
+    namespaceGpuMemory: {fz-shared: 4Gi}
+    optOutGroups: [gpu-admins]
+"""
+
+
 def gpu_count(container: dict[str, Any]) -> int:
     """``nvidia.com/gpu`` a stored container asks for (the apiserver keeps limits == requests for it)."""
     res = container.get("resources") or {}
@@ -265,7 +282,8 @@ def documented_size(obj: dict[str, Any]) -> int:
 
 SIZE_ROUTES = ("create", "dry-run", "apply", "put", "json-patch", "merge-patch", "strategic-patch", "apply-update")
 SIZE_LAYOUTS = ("one-key", "many-keys", "string-data", "data-and-string-data", "binary", "labels", "annotations",
-                "immutable")
+                "immutable", "finalizers", "long-type")
+SECRET_ONLY = ("string-data", "data-and-string-data", "long-type")
 
 
 @dataclass
@@ -290,7 +308,7 @@ def size_cases(seed: int, count: int, hard: int) -> list[SizeCase]:
     out = []
     for i in range(count):
         kind = "ConfigMap" if rng.random() < 0.25 else "Secret"
-        layouts = [x for x in SIZE_LAYOUTS if kind == "Secret" or x not in ("string-data", "data-and-string-data")]
+        layouts = [x for x in SIZE_LAYOUTS if kind == "Secret" or x not in SECRET_ONLY]
         out.append(SizeCase(i, kind, rng.choice(SIZE_ROUTES), rng.choice(layouts), rng.choice(targets),
                             f"sz-{seed}-{i}"))
     return out
@@ -315,6 +333,10 @@ def size_body(case: SizeCase, pad: int, base_object: bool = False) -> dict[str, 
         meta["labels"] = {f"pad-{j}": "l" * 63 for j in range(60)}
     if case.layout == "annotations":
         meta["annotations"] = {"note": "a" * 8000}
+    if case.layout == "finalizers":
+        meta["finalizers"] = [f"example.com/keep-{j}" for j in range(30)]
+    if case.layout == "long-type":
+        obj["type"] = "example.com/" + "t" * 300  # stored as written; counted above 253 characters
     if case.layout == "immutable":
         # True where the case creates the object; an update route's object stays mutable so it can be updated
         obj["immutable"] = case.route in ("create", "dry-run", "apply") and not base_object

@@ -27,9 +27,11 @@ from typing import Any
 import httpx
 import pytest
 from admission_fuzz import (
+    EXEMPT,
     GPU,
     IMAGE,
-    NamespacePolicy,
+    NAMESPACES,
+    WEBHOOK_CONFIG,
     PodCase,
     SizeCase,
     asks_whole_gpus,
@@ -55,21 +57,6 @@ CONCURRENCY = 4
 TENANT = {"Impersonate-User": "fuzz-tenant", "Impersonate-Group": "fuzz:tenants"}
 OPT_OUT = [("Impersonate-User", "fuzz-admin"), ("Impersonate-Group", "fuzz:tenants"),
            ("Impersonate-Group", "gpu-admins")]
-EXEMPT = NamespacePolicy("fz-exempt", "dra", exempt=True)
-NAMESPACES = [
-    NamespacePolicy("fz-dra", "dra", enforced=True),
-    NamespacePolicy("fz-ts", "time-slicing", enforced=True),
-    NamespacePolicy("fz-shared", "shared", enforced=True),
-    NamespacePolicy("fz-open", "dra"),
-    EXEMPT,
-]
-WEBHOOK_CONFIG = """webhook:
-  gpu:
-    namespaceModes: {fz-dra: dra, fz-ts: time-slicing, fz-shared: shared}
-    enforcedNamespaces: [fz-dra, fz-ts, fz-shared]
-    namespaceGpuMemory: {fz-shared: 4Gi}
-    optOutGroups: [gpu-admins]
-"""
 TENANT_RBAC = {"apiVersion": "v1", "kind": "List", "items": [
     {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": {"name": "fuzz-tenant"},
      "rules": [{"apiGroups": [""], "verbs": ["*"],
