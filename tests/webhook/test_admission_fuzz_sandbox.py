@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import ssl
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -45,7 +46,7 @@ from admission_fuzz import (
 
 from gatekeeper.sandbox.pki import SandboxPKI
 from gatekeeper.sandbox.state import SandboxState
-from gatekeeper.sandbox.testing import metric_sum
+from gatekeeper.sandbox.testing import admin_client, metric_sum, webhook_sandbox
 
 pytestmark = pytest.mark.sandbox
 
@@ -73,27 +74,14 @@ SIZE_DENIED = 'admission webhook "secrets.gatekeeper.dev" denied the request'
 
 @pytest.fixture(scope="module")
 def fuzz_sandbox(tmp_path_factory: pytest.TempPathFactory, own_sandbox: Any) -> Iterator[SandboxState]:
-    from gatekeeper.sandbox.testing import run_down
-
-    state_dir = tmp_path_factory.mktemp("admission-fuzz")
-    config = state_dir.parent / f"{state_dir.name}-webhook.yaml"
-    config.write_text(WEBHOOK_CONFIG)
-    try:
-        state = own_sandbox(state_dir, "--apiservers", "1", "--gpu-nodes", "1", "--with-scheduler",
-                            "--with-webhook", "--webhook-config", str(config))
+    with webhook_sandbox(tmp_path_factory.mktemp("admission-fuzz"), WEBHOOK_CONFIG, own_sandbox, "--apiservers", "1",
+                         "--gpu-nodes", "1", "--with-scheduler") as state:
         asyncio.run(_prepare(state))
         yield state
-    finally:
-        run_down(state_dir)
 
 
 def _client(state: SandboxState) -> httpx.AsyncClient:
-    import ssl
-
-    certs = SandboxPKI(Path(state.certs_dir))
-    ctx = ssl.create_default_context(cafile=str(certs.ca))
-    ctx.load_cert_chain(str(certs.crt("admin")), str(certs.key("admin")))
-    return httpx.AsyncClient(base_url=state.apiserver_urls[0], verify=ctx, timeout=60)
+    return admin_client(state, timeout=60)
 
 
 async def _prepare(state: SandboxState) -> None:
@@ -454,8 +442,6 @@ async def test_a_tenants_oversized_kube_root_ca_configmap_is_denied_and_new_name
 async def _size_reviews(state: SandboxState) -> float:
     """Size-policy reviews the webhook answered so far (its /metrics)."""
     certs = SandboxPKI(Path(state.certs_dir))
-    import ssl
-
     async with httpx.AsyncClient(verify=ssl.create_default_context(cafile=str(certs.ca)), timeout=30) as c:
         text = (await c.get(state.extra["webhook"]["url"] + "/metrics")).text
     return metric_sum(text, "gatekeeper_webhook_reviews_total", policy="secret-size")
