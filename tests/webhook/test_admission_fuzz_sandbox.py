@@ -51,7 +51,7 @@ from gatekeeper.sandbox.testing import admin_client, metric_sum, webhook_sandbox
 pytestmark = pytest.mark.sandbox
 
 SEED = 20261202
-POD_CASES = 240
+POD_CASES = 300
 SIZE_CASES = 80
 HARD = 128 * 1024
 CONCURRENCY = 4
@@ -189,7 +189,7 @@ def judge_pod(case: PodCase, base: tuple[int, dict[str, Any]], got: tuple[int, d
 
 
 async def test_gpu_pods_never_bypass_the_rewrite_and_valid_pods_stay_valid(api: Api) -> None:
-    """240 seeded Pod variants x (create, dry-run, server-side apply, its dry-run) in enforced dra, time-slicing
+    """300 seeded Pod variants x (create, dry-run, server-side apply, its dry-run) in enforced dra, time-slicing
     and shared namespaces, an open one and an exempt one, by a tenant and by an opt-out user."""
     cases = pod_cases(SEED, POD_CASES, NAMESPACES)
     sem = asyncio.Semaphore(CONCURRENCY)
