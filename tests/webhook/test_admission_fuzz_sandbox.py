@@ -475,3 +475,43 @@ async def test_opt_out_is_the_pod_creators_so_it_does_not_travel_through_a_contr
     assert GPU_DENIED in failure and "gpu-admins" in failure, failure
     _, pods = await api.call("GET", _pods("fz-dra"), params={"labelSelector": "fuzz-ctl=optout"})
     assert [p["metadata"]["name"] for p in pods["items"]] == ["optout-direct"]
+
+
+async def test_a_controller_may_relabel_an_oversized_secret_it_did_not_write_but_not_grow_it(
+        api: Api, fuzz_sandbox: SandboxState) -> None:
+    """An oversized Secret from before the webhook (made here in an exempt namespace whose label is then removed)
+    stays editable without growing. The managedFields entry the apiserver adds for a new field manager counted as
+    growth, so a controller changing one label was refused "over the 128 KiB limit"."""
+    ns = "fz-legacy"
+    async with _client(fuzz_sandbox) as admin:
+        r = await admin.post("/api/v1/namespaces", json={"metadata": {"name": ns,
+                                                                      "labels": {"gatekeeper.dev/exempt": "true"}}})
+        assert r.status_code == 201, r.text
+        for _ in range(240):  # the namespace is exempt once the apiserver's informer has its label
+            status, _ = await api.call("POST", f"/api/v1/namespaces/{ns}/secrets", {
+                "metadata": {"name": "legacy", "labels": {"team": "a"}},
+                "data": {"blob": base64.b64encode(b"\x02" * (200 * 1024)).decode()}})
+            if _ok(status):
+                break
+            await asyncio.sleep(0.25)
+        assert _ok(status)
+        unlabel = {"metadata": {"labels": {"gatekeeper.dev/exempt": None}}}
+        r = await admin.patch(f"/api/v1/namespaces/{ns}", json=unlabel,
+                              headers={"Content-Type": "application/merge-patch+json"})
+        assert r.status_code == 200, r.text
+    path = f"/api/v1/namespaces/{ns}/secrets/legacy"
+    grow = {"data": {"more": base64.b64encode(b"x").decode()}}
+    for _ in range(240):  # enforced again once the apiserver sees the label gone
+        status, doc = await api.call("PATCH", path, grow, ctype="application/merge-patch+json", dry=True)
+        if status == 403:
+            break
+        await asyncio.sleep(0.25)
+    assert status == 403 and SIZE_DENIED in doc.get("message", ""), doc
+    relabel = {"metadata": {"labels": {"team": "b"}}}
+    status, doc = await api.call("PATCH", path, relabel, ctype="application/merge-patch+json",
+                                 params={"fieldManager": "other-controller"})
+    assert status == 200, doc.get("message")
+    assert "other-controller" in [m["manager"] for m in doc["metadata"]["managedFields"]]
+    status, doc = await api.call("PATCH", path, grow, ctype="application/merge-patch+json",
+                                 params={"fieldManager": "third-controller"})
+    assert status == 403 and SIZE_DENIED in doc.get("message", ""), doc
