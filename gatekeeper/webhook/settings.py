@@ -14,6 +14,10 @@ Defaults and why (the README repeats this):
 * ``secrets.countAnnotations: true`` -- ``kubectl apply`` stores the whole
   object again in ``kubectl.kubernetes.io/last-applied-configuration``, so a
   Secret's stored (and LISTed) size is roughly twice its data.
+* ``secrets.oversizedManagedFields: 4Ki`` -- an object already over the hard
+  limit stays editable while it does not grow; the apiserver adds a
+  managedFields entry (~150-300 bytes) per new field manager, so 4 KiB lets
+  about a dozen controllers touch it, and bounds what clients can add there.
 * ``gpu.defaultMode: off`` -- installing the webhook changes no pod until an
   operator picks a mode globally, per namespace, or per pod (annotation).
 """
