@@ -18,9 +18,9 @@ import threading
 import time
 import urllib.request
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -29,6 +29,9 @@ from gatekeeper.sandbox import processes
 from gatekeeper.sandbox.pki import SandboxPKI, write_kubeconfig
 from gatekeeper.sandbox.state import STATE_FILE, SandboxState
 from gatekeeper.sandbox.with_proxy import build_config
+
+if TYPE_CHECKING:
+    import httpx
 
 Kubectl = Callable[..., "subprocess.CompletedProcess[str]"]
 """``kubectl(*args, kubeconfig=None, input=None, timeout=60, check=False)`` as the fixture provides it."""
@@ -72,6 +75,31 @@ def sandbox_up(state_dir: Path, *extra: str) -> SandboxState:
             f"--- stderr\n{proc.stderr}\n--- down\n{down.stdout if down else '(nothing to stop)'}"
         )
     return SandboxState.load(state_dir)
+
+
+@contextlib.contextmanager
+def webhook_sandbox(state_dir: Path, webhook_config: str, up: Callable[..., SandboxState],
+                    *flags: str) -> Iterator[SandboxState]:
+    """A module's own sandbox whose webhook runs ``webhook_config`` (YAML with a ``webhook:`` section):
+    ``up(state_dir, *flags, --with-webhook, --webhook-config FILE)``, and ``down`` afterwards whatever happened.
+
+    ``up`` is the ``own_sandbox`` fixture (tests/conftest.py), which fails the test if the sandbox cannot start."""
+    config = state_dir.parent / f"{state_dir.name}-webhook.yaml"
+    config.write_text(webhook_config)
+    try:
+        yield up(state_dir, *flags, "--with-webhook", "--webhook-config", str(config))
+    finally:
+        run_down(state_dir)
+
+
+def admin_client(state: SandboxState, url: str | None = None, timeout: float = 120) -> httpx.AsyncClient:
+    """An async HTTP client to apiserver ``url`` (default the first) as the sandbox admin (system:masters)."""
+    import httpx
+
+    certs = SandboxPKI(Path(state.certs_dir))
+    ctx = ssl.create_default_context(cafile=str(certs.ca))
+    ctx.load_cert_chain(str(certs.crt("admin")), str(certs.key("admin")))
+    return httpx.AsyncClient(base_url=url or state.apiserver_urls[0], verify=ctx, timeout=timeout)
 
 
 def processes_mentioning(directory: Path) -> list[int]:

@@ -29,8 +29,9 @@ Choices:
   objectSelector one label took an oversized Secret past the size policy and
   a whole-GPU pod past an enforced namespace's mode, unseen by the webhook.
   ``kube-root-ca.crt`` (which kube-controller-manager writes
-  into every new namespace) is excluded by a matchCondition, so new namespaces
-  never depend on the webhook.
+  into every new namespace) is excluded by a matchCondition when
+  kube-controller-manager writes it, so new namespaces never depend on the
+  webhook; anyone else's write of that name is checked like any ConfigMap.
 * ``failurePolicy: Fail``: an oversized Secret or a whole-GPU pod slipping
   through while the webhook is down is exactly what it exists to prevent;
   the namespace exclusions keep the control plane itself writable.
@@ -48,11 +49,20 @@ GPU_WEBHOOK = "gpu.gatekeeper.dev"
 RBAC_NAME = "gatekeeper-webhook"
 EXEMPT_LABEL = "gatekeeper.dev/exempt"
 """Label (value ``"true"``) on a namespace or object that takes it out of both webhooks' path."""
+ROOT_CA_PUBLISHERS = ("system:kube-controller-manager", "system:serviceaccount:kube-system:root-ca-cert-publisher")
+"""Who writes ``kube-root-ca.crt``: kube-controller-manager's root-ca-cert-publisher, under its own ServiceAccount
+(``--use-service-account-credentials``, kubeadm's default) or under the manager's identity."""
 NOT_ROOT_CA = {
     "name": "not-kube-root-ca",
-    "expression": "request.resource.resource != 'configmaps' || object.metadata.name != 'kube-root-ca.crt'",
+    "expression": ("request.resource.resource != 'configmaps' || object.metadata.name != 'kube-root-ca.crt' || "
+                   "!(request.userInfo.username in [" + ", ".join(f"'{u}'" for u in ROOT_CA_PUBLISHERS) + "])"),
 }
-"""kube-controller-manager publishes this ConfigMap into every namespace; it must never wait on us."""
+"""kube-controller-manager publishes this ConfigMap into every namespace; its writes must never wait on us.
+
+Only its writes: the name alone exempted anyone who may update ConfigMaps in a namespace, and the publisher
+resets ``data`` but leaves ``binaryData`` and labels as they are, so 300 KiB of ``binaryData`` added to a
+namespace's ``kube-root-ca.crt`` by a tenant was stored and stayed (found by the admission fuzz,
+tests/webhook/test_admission_fuzz_sandbox.py)."""
 
 _ASKS_GPU = (
     "has(c.resources) && ((has(c.resources.limits) && 'nvidia.com/gpu' in c.resources.limits) || "

@@ -16,7 +16,9 @@ apiserver limits none of them, and keeps the managedFields a client writes). Rul
 * Above the soft limit -> allowed with a warning.
 * UPDATE of an object already over the hard limit that does not grow -> allowed
   with a warning, so teams can shrink what exists and controllers can still
-  remove finalizers or change labels on it. That rule, not a blanket pass for
+  remove finalizers or change labels on it (the managedFields entry the
+  apiserver adds for a new field manager is not growth, up to
+  ``oversizedManagedFields``: :func:`does_not_grow`). That rule, not a blanket pass for
   objects being deleted, is what keeps finishing a deletion possible: an object
   with a finalizer nobody removes stays stored (and LISTed) after its DELETE,
   and it must not then grow past the limit.
@@ -63,6 +65,8 @@ class Size:
     labels: int = 0
     """Labels, finalizers, ownerReferences and managedFields: stored and LISTed like data, and not limited in number
     by the apiserver, so a Secret padded with them must cost what one padded with data costs."""
+    managed_fields: int = 0
+    """The managedFields part of ``labels`` (the oversized-update rule tells the apiserver's bookkeeping apart)."""
 
     @property
     def total(self) -> int:
@@ -97,10 +101,25 @@ def object_size(kind: str, obj: dict[str, Any], count_annotations: bool) -> Size
         labels += _utf8_len(secret_type)  # the apiserver takes a type of any length (5,000 characters were stored)
     # managedFields: the apiserver keeps what a client writes there (any valid field set, of any size): 540 KB of
     # it on a 1-byte Secret was stored and passed the 128 KiB limit. Its own entries add ~100-200 bytes.
-    for key in ("finalizers", "ownerReferences", "managedFields"):
+    for key in ("finalizers", "ownerReferences"):
         if meta.get(key):
             labels += len(orjson.dumps(meta[key]))
-    return Size(total, ann, labels)
+    managed = len(orjson.dumps(meta["managedFields"])) if meta.get("managedFields") else 0
+    return Size(total, ann, labels + managed, managed)
+
+
+def does_not_grow(new: Size, old: Size, managed_fields_allowance: int) -> bool:
+    """An UPDATE of an object already over its limit may go through: nothing grows but managedFields, and those
+    only up to ``managed_fields_allowance`` bytes in all.
+
+    The apiserver writes a managedFields entry for every new field manager, so "not one byte more" refused a
+    controller that relabels or annotates an oversized Secret without making it any larger. The allowance is
+    absolute, not per request: clients may write managedFields of any size, and a relative one would let
+    repeated updates grow the object without bound."""
+    if new.total <= old.total:
+        return True
+    return (new.total - new.managed_fields <= old.total - old.managed_fields
+            and new.managed_fields <= max(old.managed_fields, managed_fields_allowance))
 
 
 def human(n: int) -> str:
@@ -168,7 +187,7 @@ def review(req: AdmissionRequest, settings: SecretSettings) -> Decision:
     if size.total > limits.hard:
         if req.operation == "UPDATE" and req.old_object is not None:
             old = object_size(req.kind, req.old_object, settings.count_annotations)
-            if old.total > limits.hard and size.total <= old.total:
+            if old.total > limits.hard and does_not_grow(size, old, parse_size(settings.oversized_managed_fields)):
                 audit["oversized-update"] = f"{old.total}->{size.total}"
                 return Decision(
                     outcome="warned",

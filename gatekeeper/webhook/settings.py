@@ -14,6 +14,10 @@ Defaults and why (the README repeats this):
 * ``secrets.countAnnotations: true`` -- ``kubectl apply`` stores the whole
   object again in ``kubectl.kubernetes.io/last-applied-configuration``, so a
   Secret's stored (and LISTed) size is roughly twice its data.
+* ``secrets.oversizedManagedFields: 4Ki`` -- an object already over the hard
+  limit stays editable while it does not grow; the apiserver adds a
+  managedFields entry (~150-300 bytes) per new field manager, so 4 KiB lets
+  about a dozen controllers touch it, and bounds what clients can add there.
 * ``gpu.defaultMode: off`` -- installing the webhook changes no pod until an
   operator picks a mode globally, per namespace, or per pod (annotation).
 """
@@ -225,8 +229,14 @@ class SecretSettings:
     """Apply the same limits to ConfigMaps (data + binaryData)."""
     overrides: list[SizeOverride] = field(default_factory=list)
     """Per-namespace / per-type limits; the first matching entry wins."""
+    oversized_managed_fields: int | str = "4Ki"
+    """On an UPDATE of an object already over its hard limit (allowed while it does not grow), how large its
+    managedFields may become: the apiserver itself adds an entry (~150-300 bytes) for each new field manager, so a
+    controller relabelling such an object was refused as growth. Everything else must still not grow, and
+    managedFields already past this may not grow at all (an absolute bound, so repeated updates cannot ratchet)."""
 
     def validate(self) -> None:
+        _size_of("oversizedManagedFields", self.oversized_managed_fields)
         hard, soft = _size_of("hardLimit", self.hard_limit), _size_of("softLimit", self.soft_limit)
         if soft > hard:
             raise ValueError(f"softLimit ({self.soft_limit}) must not exceed hardLimit ({self.hard_limit})")

@@ -22,7 +22,6 @@ import dataclasses
 import json
 import os
 import signal
-import ssl
 import subprocess
 import sys
 import time
@@ -31,7 +30,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import yaml
 
 from gatekeeper.certs import PKI
@@ -39,19 +37,12 @@ from gatekeeper.config import _key_of
 from gatekeeper.sandbox.pki import FRONT_PROXY_CLIENT, SandboxPKI, kubeconfig
 from gatekeeper.sandbox.processes import free_port
 from gatekeeper.sandbox.state import SandboxState
-from gatekeeper.sandbox.testing import kubectl_binary, metric_sum
+from gatekeeper.sandbox.testing import admin_client, kubectl_binary, metric_sum
 
 STORM_GROUP = "gatekeeper:storm"
 OBSERVE = "fc-storm-observe"
 REPO = Path(__file__).resolve().parents[2]
 SEEDS = REPO / "deploy" / "examples" / "flowcontrol-seeds.yaml"
-
-
-def admin_client(state: SandboxState, url: str | None = None, timeout: float = 120) -> httpx.AsyncClient:
-    certs = SandboxPKI(Path(state.certs_dir))
-    ctx = ssl.create_default_context(cafile=str(certs.ca))
-    ctx.load_cert_chain(str(certs.crt("admin")), str(certs.key("admin")))
-    return httpx.AsyncClient(base_url=url or state.apiserver_urls[0], verify=ctx, timeout=timeout)
 
 
 def kubectl(

@@ -37,18 +37,13 @@ CONFIG = f"""webhook:
 
 @pytest.fixture(scope="module")
 def mig_sandbox(tmp_path_factory: pytest.TempPathFactory, own_sandbox: Any) -> Iterator[SandboxState]:
-    from gatekeeper.sandbox.testing import run_down
+    from gatekeeper.sandbox.testing import webhook_sandbox
 
-    state_dir = tmp_path_factory.mktemp("gpu-mig")
-    config = state_dir.parent / f"{state_dir.name}-webhook.yaml"
-    config.write_text(CONFIG)
-    try:
-        yield own_sandbox(state_dir, "--apiservers", "1", "--gpus-per-node", "1",
-                          "--mig-node", "A100-40GB", "--mig-node", "H100-80GB", "--mig-node", "A100-80GB",
-                          "--mig-dra-nodes", "1",
-                          "--with-scheduler", "--with-webhook", "--webhook-config", str(config))
-    finally:
-        run_down(state_dir)
+    with webhook_sandbox(tmp_path_factory.mktemp("gpu-mig"), CONFIG, own_sandbox, "--apiservers", "1",
+                         "--gpus-per-node", "1",
+                         "--mig-node", "A100-40GB", "--mig-node", "H100-80GB", "--mig-node", "A100-80GB",
+                         "--mig-dra-nodes", "1", "--with-scheduler") as state:
+        yield state
 
 
 @pytest.fixture

@@ -44,18 +44,14 @@ packing = _load_packing()
 
 @pytest.fixture(scope="module")
 def sharing_sandbox(tmp_path_factory: pytest.TempPathFactory, own_sandbox: Any) -> Iterator[SandboxState]:
-    from gatekeeper.sandbox.testing import run_down
+    from gatekeeper.sandbox.testing import webhook_sandbox
 
-    state_dir = tmp_path_factory.mktemp("gpu-sharing")
-    config = state_dir.parent / f"{state_dir.name}-webhook.yaml"
-    config.write_text("webhook:\n  gpu:\n    namespaceGpuMemory: {shared-default: 6Gi, enforced: 4Gi}\n"
-                      "    namespaceModes: {enforced: shared}\n    enforcedNamespaces: [enforced]\n")
-    try:
-        yield own_sandbox(state_dir, "--apiservers", "1", "--gpu-nodes", "2", "--gpus-per-node", "8",
-                         "--with-scheduler", "--with-webhook", "--gpu-sharing", "memory",
-                         "--webhook-config", str(config))
-    finally:
-        run_down(state_dir)
+    config = ("webhook:\n  gpu:\n    namespaceGpuMemory: {shared-default: 6Gi, enforced: 4Gi}\n"
+              "    namespaceModes: {enforced: shared}\n    enforcedNamespaces: [enforced]\n")
+    with webhook_sandbox(tmp_path_factory.mktemp("gpu-sharing"), config, own_sandbox, "--apiservers", "1",
+                         "--gpu-nodes", "2", "--gpus-per-node", "8", "--with-scheduler",
+                         "--gpu-sharing", "memory") as state:
+        yield state
 
 
 @pytest.fixture

@@ -107,6 +107,48 @@ def test_growing_update_of_oversized_secret_is_denied() -> None:
     assert not d.allowed
 
 
+def _managed(*managers: str, fields: dict | None = None) -> list[dict]:  # type: ignore[type-arg]
+    """managedFields as the apiserver writes them: one Update entry per field manager."""
+    return [{"manager": m, "operation": "Update", "apiVersion": "v1", "time": "2026-12-02T10:25:31Z",
+             "fieldsType": "FieldsV1", "fieldsV1": fields or {"f:metadata": {"f:labels": {"f:team": {}}}}}
+            for m in managers]
+
+
+def _labelled(team: str, managed: list[dict]) -> dict:  # type: ignore[type-arg]
+    obj = secret(data={"a": b64(200 * KIB)})
+    obj["metadata"]["labels"] = {"team": team}
+    obj["metadata"]["managedFields"] = managed
+    return obj
+
+
+def test_a_new_field_manager_relabelling_an_oversized_secret_is_allowed() -> None:
+    """The apiserver's own managedFields entry for a new manager (~170 bytes here) is not the object growing: a
+    controller changing one label of a legacy 200 KiB Secret was denied "over the 128 KiB limit" (sandbox: the
+    same patch by kubectl's own manager passed, by --field-manager=other-controller it was refused)."""
+    old = _labelled("a", _managed("kubectl-label"))
+    new = _labelled("b", _managed("kubectl-label", "other-controller"))
+    d = decide(review(new, operation="UPDATE", old=old))
+    assert d.allowed and d.outcome == "warned" and "does not grow" in d.warnings[0]
+
+
+def test_an_oversized_secret_may_not_grow_through_its_managed_fields_past_the_allowance() -> None:
+    """Clients may write managedFields of any size: past ``oversizedManagedFields`` (absolute, so repeated
+    updates cannot ratchet it up) they grow the object like data does."""
+    padding = {"f:metadata": {"f:labels": {f"f:pad-{i}": {} for i in range(400)}}}
+    old = _labelled("a", _managed("kubectl-label"))
+    assert not decide(review(_labelled("a", _managed("kubectl-label", "x", fields=padding)),
+                             operation="UPDATE", old=old)).allowed
+    past_allowance = _labelled("a", _managed(*(f"m{i}" for i in range(30))))  # ~5 KiB of managedFields
+    one_more = _labelled("a", _managed(*(f"m{i}" for i in range(31))))
+    assert not decide(review(one_more, operation="UPDATE", old=past_allowance)).allowed
+    assert decide(review(one_more, operation="UPDATE", old=past_allowance),
+                  SecretSettings(oversized_managed_fields="64Ki")).allowed
+    # Data may still not grow beside a new manager's entry (which alone would be allowed).
+    bigger = _labelled("a", _managed("kubectl-label", "z"))
+    bigger["data"]["b"] = b64(1)
+    assert not decide(review(bigger, operation="UPDATE", old=_labelled("a", _managed("kubectl-label")))).allowed
+
+
 def test_update_that_crosses_the_limit_is_denied() -> None:
     d = decide(review(secret(data={"a": b64(150 * KIB)}), operation="UPDATE",
                       old=secret(data={"a": b64(10 * KIB)})))
