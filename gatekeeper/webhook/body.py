@@ -34,17 +34,21 @@ async def read_body(content: StreamReader, length: int | None, limit: int) -> by
     size = limit if length is None else length
     buf = bytearray(size)
     pos = 0
-    while True:
-        chunk = await content.readany()
-        if not chunk:
-            break
-        end = pos + len(chunk)
-        if end > size:  # more than declared cannot happen (the parser stops there): a chunked body past limit
-            raise BodyTooLarge(end)
-        buf[pos:end] = chunk
-        pos = end
+    with memoryview(buf) as view:  # assigning into a bytearray's slice would copy a bytes chunk first
+        while True:
+            # readchunk, not readany: readany joins every chunk the stream holds into one more copy
+            chunk, chunk_end = await content.readchunk()
+            if not chunk:
+                if chunk_end:  # a chunked body's chunk boundary, not its end
+                    continue
+                break
+            end = pos + len(chunk)
+            if end > size:  # more than declared cannot arrive (the parser stops there): a chunked body past limit
+                raise BodyTooLarge(end)
+            view[pos:end] = chunk
+            pos = end
     if pos < size:
-        del buf[pos:]  # a chunked body, or a declared length the stream ended short of (the parser refuses that)
+        del buf[pos:]  # a chunked body (shrunk in place), or a declared length the stream ended short of
     return buf
 
 
