@@ -271,7 +271,7 @@ async def _read_and_decide(request: web.Request, route: str, settings: WebhookSe
 
 
 async def _decide(request: web.Request, route: str, settings: WebhookSettings, caller: str, started: float,
-                  body: bytearray) -> web.Response:
+                  body: memoryview) -> web.Response:
     m = metrics()
     try:
         req = parse_review(body)

@@ -1,19 +1,25 @@
 """A review body held once while it is read, and the heap given back after a large one is decoded.
 
 Why not aiohttp's ``request.read()``: it raises the stream's pause threshold to twice ``client_max_size`` (12 MiB
-at the defaults, so a fast sender's whole body piles up in the stream), appends every chunk to a growing
-``bytearray`` (each growth may copy it) and then copies that into ``bytes``: a body of ``maxBodyBytes`` was about
-twice its size at once, which is why the README's worst case carried 2 x ``maxBufferedBodyBytes`` for bodies
-being read. Here the buffer is allocated once at its final size (the ``Content-Length`` the apiserver always
-sends; ``maxBodyBytes`` for a chunked body, which is what the body budget reserves for one) and chunks are copied
-into it as they arrive, while the stream keeps its default pause threshold (128 KiB): one copy of the body, plus
-at most that much not yet taken. orjson decodes the ``bytearray`` itself.
+at the defaults, so a fast sender's body piles up in the stream), appends every chunk to a growing ``bytearray``
+(each growth may copy it) and then copies that into ``bytes``: a body of ``maxBodyBytes`` was about twice its
+size at once, which is why the README's worst case carried 2 x ``maxBufferedBodyBytes`` for bodies being read.
+
+Here the body is copied, chunk by chunk as it arrives, into one buffer of its final size (the ``Content-Length``
+the apiserver always sends; ``maxBodyBytes`` for a chunked body, which is what the body budget reserves for one),
+and the stream keeps its default pause threshold (128 KiB). A body still arriving goes into an anonymous private
+mapping: its pages are memory only once written, so while the handler waits for the rest, the buffer and the
+bytes the stream holds between two turns of the loop add up to at most the body's size, which is what the budget
+reserved (a ``bytearray`` is zeroed, all of it resident, at once); and it is unmapped, given back to the kernel,
+when the last view of it goes. A body received whole before the handler runs (the usual small review) is copied
+into a ``bytearray`` without waiting: nothing arrives meanwhile. orjson decodes the view itself.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import mmap
 import os
 from collections.abc import Callable
 
@@ -24,22 +30,26 @@ class BodyTooLarge(Exception):
     """The body is longer than the limit (``maxBodyBytes``): answered 413, like aiohttp's own refusal."""
 
 
-async def read_body(content: StreamReader, length: int | None, limit: int) -> bytearray:
-    """The whole body of a request, held in one buffer of ``length`` bytes (``None``: chunked, ``limit``).
+async def read_body(content: StreamReader, length: int | None, limit: int) -> memoryview:
+    """The whole body of a request, in one buffer of ``length`` bytes (``None``: chunked, ``limit``).
 
     Raises :class:`BodyTooLarge` as soon as the body is known to exceed ``limit`` (a declared length at once,
-    a chunked body when its bytes pass it), and whatever the stream raises (a malformed chunked body)."""
+    a chunked body when its bytes pass it), and whatever the stream raises (a malformed chunked body). The view
+    keeps the buffer: a mapping is unmapped when the view and every slice of it are gone."""
     if length is not None and length > limit:
         raise BodyTooLarge(length)
     size = limit if length is None else length
-    buf = bytearray(size)
+    buf: bytearray | mmap.mmap = (bytearray(size) if content.is_eof() or not size else
+                                  mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE))
     pos = 0
     with memoryview(buf) as view:  # assigning into a bytearray's slice would copy a bytes chunk first
         while True:
             # readchunk, not readany: readany joins every chunk the stream holds into one more copy
             chunk, chunk_end = await content.readchunk()
             if not chunk:
-                if chunk_end:  # a chunked body's chunk boundary, not its end
+                # (b"", True) is a chunked body's chunk boundary, not its end, except from aiohttp's shared empty
+                # payload, which answers it for ever once read (a Content-Length 0 review spun the worker)
+                if chunk_end and not content.at_eof():
                     continue
                 break
             end = pos + len(chunk)
@@ -47,9 +57,7 @@ async def read_body(content: StreamReader, length: int | None, limit: int) -> by
                 raise BodyTooLarge(end)
             view[pos:end] = chunk
             pos = end
-    if pos < size:
-        del buf[pos:]  # a chunked body (shrunk in place), or a declared length the stream ended short of
-    return buf
+    return memoryview(buf)[:pos]
 
 
 def heap_trimmer() -> Callable[[], object] | None:
