@@ -48,7 +48,7 @@ async def read_body(content: StreamReader, length: int | None, limit: int) -> me
             chunk, chunk_end = await content.readchunk()
             if not chunk:
                 # (b"", True) is a chunked body's chunk boundary, not its end, except from aiohttp's shared empty
-                # payload, which answers it for ever once read (a Content-Length 0 review spun the worker)
+                # payload, which answers it for ever once read (taken for a boundary, a bodiless review spins)
                 if chunk_end and not content.at_eof():
                     continue
                 break
@@ -64,7 +64,7 @@ def heap_trimmer() -> Callable[[], object] | None:
     """glibc's ``malloc_trim(0)``, or None where the C library is not glibc (musl, others: no such call).
 
     Why: decoding a large review makes millions of small objects; freed, they leave the heap fragmented and a
-    worker kept 47-89 MiB more RSS than at rest after one hostile review, until another review reused it.
+    worker kept 33-89 MiB more RSS than at rest after hostile reviews, until another review reused it.
     ``malloc_trim`` gives the free pages back (1-3 ms after such a decode, ~10 us when there is nothing to give);
     it is called only after a review past ``TRIM_AFTER_BYTES``, never per small review."""
     try:
