@@ -60,9 +60,10 @@ CONNECTION_BYTES = 30 * 1024
 """An open idle connection (TLS session, aiohttp handler), measured by the ``idle`` scenario."""
 TLS_READ_BYTES = 130 * 1024
 """A connection's TLS read buffers at socketReceiveBufferBytes 16 KiB, measured by ``fast-sender``."""
-BODY_READ_FACTOR = 2
-"""Review bodies being read, in maxBufferedBodyBytes: aiohttp's ``read()`` copies each into a growing bytearray and
-then into bytes (the ``decode-*`` scenarios)."""
+BODY_READ_FACTOR = 1
+"""Review bodies being read, in maxBufferedBodyBytes: one buffer each, resident only where written
+(``gatekeeper/webhook/body.py``). It was 2 while aiohttp's ``read()`` copied each body into a growing bytearray and
+then into bytes (the ``decode-*`` scenarios: 302-305 MiB peaks against 327-368 before)."""
 DECODE_FACTOR = 25
 """The review being decoded, in maxBodyBytes: 6 MiB of ``[{},{},...]`` decode to 146 MiB of Python objects (~24x,
 ``decode-containers``). One at a time per worker: parsing and the policy run without an await."""

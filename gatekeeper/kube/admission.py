@@ -132,7 +132,7 @@ def _opt(mapping: dict[str, Any], key: str, where: str, tp: type, default: Any) 
     return value
 
 
-def parse_review(body: bytes) -> AdmissionRequest:
+def parse_review(body: bytes | bytearray | memoryview) -> AdmissionRequest:
     """Decode and validate an AdmissionReview v1 body, or raise ReviewError."""
     if not body:
         raise ReviewError("empty request body; expected an AdmissionReview (admission.k8s.io/v1) JSON object")

@@ -69,13 +69,14 @@ from gatekeeper.kube.status import failure_json
 from gatekeeper.metrics import child
 from gatekeeper.ops import add_ops_routes
 from gatekeeper.webhook import policies
+from gatekeeper.webhook.body import TRIM_AFTER_BYTES, BodyTooLarge, heap_trimmer, read_body
 from gatekeeper.webhook.deviceclasses import ExtendedResourceMap
 from gatekeeper.webhook.namespace_modes import NamespaceModes
 from gatekeeper.webhook.settings import WebhookSettings
 from gatekeeper.webhook.templates import TemplateError, TemplateKeeper
 
 log = logging.getLogger(__name__)
-
+_TRIM = heap_trimmer()
 
 
 class Metrics:
@@ -242,12 +243,13 @@ async def _read_and_decide(request: web.Request, route: str, settings: WebhookSe
                            started: float) -> web.Response:
     m = metrics()
     try:
+        limit = settings.server.max_body_bytes
         if request.content.is_eof():  # already received whole (the usual small review): nothing to wait for
-            body = await request.read()
+            body = await read_body(request.content, request.content_length, limit)
         else:
             async with asyncio.timeout(settings.server.body_timeout_seconds):
-                body = await request.read()
-    except web.HTTPRequestEntityTooLarge:
+                body = await read_body(request.content, request.content_length, limit)
+    except BodyTooLarge:
         m.refused.labels(route, "too-large").inc()
         return _closing(web.Response(status=413, text=f"AdmissionReview larger than webhook.server.maxBodyBytes "
                                                       f"({settings.server.max_body_bytes} bytes)\n"))
@@ -259,6 +261,18 @@ async def _read_and_decide(request: web.Request, route: str, settings: WebhookSe
     except web.RequestPayloadError as exc:  # a malformed chunked body
         m.bad_requests.labels(route).inc()
         return _closing(web.Response(status=400, text=f"bad AdmissionReview body: {exc}\n"))
+    size = len(body)
+    out = await _decide(request, route, settings, caller, started, body)
+    del body
+    if size >= TRIM_AFTER_BYTES and _TRIM is not None:
+        # The decoded tree went with _decide's frame and the body with this reference: give the heap back.
+        _TRIM()
+    return out
+
+
+async def _decide(request: web.Request, route: str, settings: WebhookSettings, caller: str, started: float,
+                  body: memoryview) -> web.Response:
+    m = metrics()
     try:
         req = parse_review(body)
     except ReviewError as exc:
