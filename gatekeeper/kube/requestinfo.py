@@ -244,14 +244,6 @@ def _exact_name(selectors: list[str] | None) -> str:
     return name
 
 
-_INT64 = re.compile(r"[+-]?[0-9]+")
-
-
-def _go_int64(text: str) -> bool:
-    """``strconv.ParseInt(text, 10, 64)`` succeeds: an optional sign, ASCII digits, in range."""
-    return _INT64.fullmatch(text) is not None and -(1 << 63) <= int(text) < (1 << 63)
-
-
 def _list_options_decode(query: dict[str, list[str]]) -> bool:
     """Whether the apiserver's RequestInfo decodes the query into ListOptions without an error.
 
@@ -263,7 +255,7 @@ def _list_options_decode(query: dict[str, list[str]]) -> bool:
     """
     for key in ("limit", "timeoutSeconds"):
         values = query.get(key)
-        if values and not _go_int64(values[0]):
+        if values and not labelselector.go_int64(values[0]):
             return False
     labels = query.get("labelSelector")
     if labels and not labelselector.valid(labels[0]):

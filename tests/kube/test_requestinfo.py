@@ -262,3 +262,12 @@ def test_a_query_the_apiserver_cannot_decode_narrows_the_list_to_no_name() -> No
     assert parse("GET", "/api/v1/namespaces/a/secrets?fieldSelector=metadata.name%3Ds1&limit=5").name == "s1"
     assert parse("GET", "/api/v1/namespaces/a/secrets?fieldSelector=metadata.name%3Ds1&limit=abc").name == ""
     assert parse("GET", "/api/v1/namespaces/a/secrets?fieldSelector=metadata.name%3Ds1&labelSelector=%21").name == ""
+
+
+def test_a_huge_integer_in_limit_or_timeout_seconds_is_a_decoding_error_not_an_exception() -> None:
+    """More digits than Python's int() converts (4,300) raised ValueError, a 502 and a traceback per request
+    before flow control; ParseInt fails there (a watch for the ToLower reading), unless the digits are
+    leading zeros, which ParseInt skips (then the query decodes: a list)."""
+    assert parse("GET", "/api/v1/namespaces/a/secrets?watch=fal%C5%BFe&limit=" + "1" * 5000).verb == "watch"
+    assert parse("GET", "/api/v1/namespaces/a/secrets?watch=fal%C5%BFe&timeoutSeconds=-" + "9" * 5000).verb == "watch"
+    assert parse("GET", "/api/v1/namespaces/a/secrets?watch=fal%C5%BFe&limit=" + "0" * 5000 + "7").verb == "list"
