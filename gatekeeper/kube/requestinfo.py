@@ -332,11 +332,16 @@ def _parse(method: str, target: str) -> RequestInfo:
     subresource = parts[2] if len(parts) >= 3 and verb not in SPECIAL_VERBS_NO_SUBRESOURCES else ""
 
     if not name and verb == "get":
-        if _list_options_decode(query):
-            verb = "watch" if _truthy(query.get("watch")) else "list"
-            name = _exact_name(query.get("fieldSelector"))
-        else:
-            verb = "watch" if _truthy_lowered(query.get("watch")) else "list"
+        watch = query.get("watch")
+        watching = _truthy(watch)
+        name = _exact_name(query.get("fieldSelector"))
+        # Whether the ListOptions decode matters only where its two readings differ: a metadata.name
+        # fieldSelector, or a non-ASCII watch value (EqualFold and ToLower agree on ASCII). Every ordinary
+        # list or watch skips it, so a label selector is never parsed on the way to a seat (a hostile
+        # 1 MiB one costs seconds of the worker's one thread).
+        if (name or watching != _truthy_lowered(watch)) and not _list_options_decode(query):
+            watching, name = _truthy_lowered(watch), ""
+        verb = "watch" if watching else "list"
     if not name and verb == "delete":
         verb = "deletecollection"
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from gatekeeper.kube import requestinfo
 from gatekeeper.kube.requestinfo import parse
 
 # method, target, verb, prefix, group, version, namespace, resource, subresource, name
@@ -271,3 +272,17 @@ def test_a_huge_integer_in_limit_or_timeout_seconds_is_a_decoding_error_not_an_e
     assert parse("GET", "/api/v1/namespaces/a/secrets?watch=fal%C5%BFe&limit=" + "1" * 5000).verb == "watch"
     assert parse("GET", "/api/v1/namespaces/a/secrets?watch=fal%C5%BFe&timeoutSeconds=-" + "9" * 5000).verb == "watch"
     assert parse("GET", "/api/v1/namespaces/a/secrets?watch=fal%C5%BFe&limit=" + "0" * 5000 + "7").verb == "list"
+
+
+@pytest.mark.parametrize("query", [
+    "labelSelector=a%3Db", "watch=1&labelSelector=a%3Db&limit=500", "watch=false&labelSelector=%21%21",
+    "labelSelector=app+in+%28a%2Cb%29&fieldSelector=spec.nodeName%3Dn1&timeoutSeconds=30",
+])
+def test_an_ordinary_list_or_watch_never_parses_its_label_selector(query: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decode only decides between readings that differ (a non-ASCII watch value, a metadata.name
+    fieldSelector); parsing a hostile 1 MiB label selector took seconds of the worker's thread."""
+    def refuse(selector: str) -> bool:
+        raise AssertionError(f"label selector parsed: {selector!r}")
+
+    monkeypatch.setattr(requestinfo.labelselector, "valid", refuse)
+    assert requestinfo._parse("GET", f"/api/v1/namespaces/a/pods?{query}").verb in ("list", "watch")
