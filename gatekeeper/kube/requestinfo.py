@@ -244,14 +244,15 @@ def _exact_name(selectors: list[str] | None) -> str:
     return name
 
 
-def _list_options_decode(query: dict[str, list[str]]) -> bool:
+def _list_options_decode(query: dict[str, list[str]], fields_parsed: bool = False) -> bool:
     """Whether the apiserver's RequestInfo decodes the query into ListOptions without an error.
 
     ``DecodeParameters`` converts ``limit`` and ``timeoutSeconds`` with ``strconv.ParseInt`` (an empty
     value fails too) and parses ``labelSelector`` (``labels.Parse``) and ``fieldSelector``
     (``fields.ParseSelector``); every other ListOptions field converts without error. On an error
     upstream reads ``watch`` with ``strings.ToLower`` (so ``fal\u017fe`` is a watch there) and
-    takes no name from the fieldSelector; its handler then answers 400.
+    takes no name from the fieldSelector; its handler then answers 400. ``fields_parsed``: the caller
+    already parsed the fieldSelector without error.
     """
     for key in ("limit", "timeoutSeconds"):
         values = query.get(key)
@@ -261,7 +262,7 @@ def _list_options_decode(query: dict[str, list[str]]) -> bool:
     if labels and not labelselector.valid(labels[0]):
         return False
     fields = query.get("fieldSelector")
-    return not fields or _field_selector_name(fields[0]) is not None
+    return fields_parsed or not fields or _field_selector_name(fields[0]) is not None
 
 
 def _truthy_lowered(values: list[str] | None) -> bool:
@@ -339,7 +340,8 @@ def _parse(method: str, target: str) -> RequestInfo:
         # fieldSelector, or a non-ASCII watch value (EqualFold and ToLower agree on ASCII). Every ordinary
         # list or watch skips it, so a label selector is never parsed on the way to a seat (a hostile
         # 1 MiB one costs seconds of the worker's one thread).
-        if (name or watching != _truthy_lowered(watch)) and not _list_options_decode(query):
+        # (a name came from a fieldSelector that parsed: not parsed twice)
+        if (name or watching != _truthy_lowered(watch)) and not _list_options_decode(query, fields_parsed=bool(name)):
             watching, name = _truthy_lowered(watch), ""
         verb = "watch" if watching else "list"
     if not name and verb == "delete":
