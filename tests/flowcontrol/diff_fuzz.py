@@ -471,7 +471,9 @@ def judge(case: Case, answer: Answer, uid_names: dict[str, str]) -> tuple[str, s
         return "apiserver-before-apf", "403 impersonation"
     if answer.status == 500 and "RequestInfo" in text:
         return "apiserver-before-apf", "500 RequestInfo error"
-    if answer.status == 400 and "timeout" in text:
+    if answer.status == 400 and ("timeout" in text or (
+            case.method == "HEAD" and "timeout" in requestinfo.query_values(case.target.partition("?")[2]))):
+        # (a HEAD answer has no body to say so: its query's ``timeout`` is what the deadline filter refused)
         return "apiserver-before-apf", "400 request deadline"
     if answer.status == 0:
         return "apiserver-before-apf", "no answer (stream reset by the apiserver)"

@@ -74,3 +74,11 @@ def test_the_stamped_identity_stays_the_certificates_own() -> None:
     user = auth.identify(_cert("alice", "team-a"), [])
     auth.as_apiserver_sees(user, {})
     assert auth.identity_headers(user) == [("x-remote-user", "alice"), ("x-remote-group", "team-a")]
+
+
+def test_a_connections_kept_view_is_never_given_to_a_user_with_other_groups() -> None:
+    memo: dict = {}
+    first = auth.as_apiserver_sees(auth.identify(_cert("alice", "team-a"), []), memo)
+    assert auth.as_apiserver_sees(auth.identify(_cert("alice", "team-a"), []), memo) is first
+    other = auth.as_apiserver_sees(auth.identify(_cert("alice", "admins"), []), memo)
+    assert other.groups == ["admins", "system:authenticated"]

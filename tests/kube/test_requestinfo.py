@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from gatekeeper.kube import requestinfo
 from gatekeeper.kube.requestinfo import parse
 
 # method, target, verb, prefix, group, version, namespace, resource, subresource, name
@@ -262,3 +263,46 @@ def test_a_query_the_apiserver_cannot_decode_narrows_the_list_to_no_name() -> No
     assert parse("GET", "/api/v1/namespaces/a/secrets?fieldSelector=metadata.name%3Ds1&limit=5").name == "s1"
     assert parse("GET", "/api/v1/namespaces/a/secrets?fieldSelector=metadata.name%3Ds1&limit=abc").name == ""
     assert parse("GET", "/api/v1/namespaces/a/secrets?fieldSelector=metadata.name%3Ds1&labelSelector=%21").name == ""
+
+
+def test_a_huge_integer_in_limit_or_timeout_seconds_is_a_decoding_error_not_an_exception() -> None:
+    """More digits than Python's int() converts (4,300) raised ValueError, a 502 and a traceback per request
+    before flow control; ParseInt fails there (a watch for the ToLower reading), unless the digits are
+    leading zeros, which ParseInt skips (then the query decodes: a list)."""
+    assert parse("GET", "/api/v1/namespaces/a/secrets?watch=fal%C5%BFe&limit=" + "1" * 5000).verb == "watch"
+    assert parse("GET", "/api/v1/namespaces/a/secrets?watch=fal%C5%BFe&timeoutSeconds=-" + "9" * 5000).verb == "watch"
+    assert parse("GET", "/api/v1/namespaces/a/secrets?watch=fal%C5%BFe&limit=" + "0" * 5000 + "7").verb == "list"
+
+
+@pytest.mark.parametrize("query", [
+    "labelSelector=a%3Db", "watch=1&labelSelector=a%3Db&limit=500", "watch=false&labelSelector=%21%21",
+    "labelSelector=app+in+%28a%2Cb%29&fieldSelector=spec.nodeName%3Dn1&timeoutSeconds=30",
+])
+def test_an_ordinary_list_or_watch_never_parses_its_label_selector(query: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decode only decides between readings that differ (a non-ASCII watch value, a metadata.name
+    fieldSelector); parsing a hostile 1 MiB label selector took seconds of the worker's thread."""
+    def refuse(selector: str) -> bool:
+        raise AssertionError(f"label selector parsed: {selector!r}")
+
+    monkeypatch.setattr(requestinfo.labelselector, "valid", refuse)
+    assert requestinfo._parse("GET", f"/api/v1/namespaces/a/pods?{query}").verb in ("list", "watch")
+
+
+# (fieldSelector, the name RequiresExactMatch("metadata.name") gives, '' for none, None where fields.ParseSelector
+# fails); validity checked against apimachinery v0.37.2 by the review's differential run
+FIELD_SELECTORS = [
+    ("metadata.name!=a,metadata.name=b", "b"), ("metadata.name==s1", "s1"), ("x=\\", None), ("a=b\\", None),
+    ("metadata.name=a\\,b", "a,b"), ("a!b=c", ""), ("=x", ""), ("metadata.name=b,metadata.name=a", "a"),
+    ("a=b,,c=d", ""), (",", ""), ("a", None), ("a=b=c", None), ("a=b\\=c", ""), ("a!==b", None),
+    ("metadata.name=\\\\x", "\\x"), ("x=1,metadata.name=s\\=1", "s=1"), ("\\,=1", ""), ("a\\=b=c", None),
+    ("a" * 300_000, None), ("a=b," * 100_000 + "metadata.name=x", "x"), ("a=\\," * 100_000, None),
+    ("\\" * 300_001, None), ("metadata.name=x," * 50_000, "x"),
+]
+
+
+@pytest.mark.parametrize(("selector", "name"), FIELD_SELECTORS, ids=lambda v: v if isinstance(v, str) and
+                         len(v) < 40 else None)
+def test_field_selectors_are_read_as_fields_parse_selector_does(selector: str, name: str | None) -> None:
+    """Large ones included: finding each term's operator sliced the rest of the term at every index, so a
+    1 MiB term without "=" held the worker's thread for about 16 s (loadtest/bench_selectors.py)."""
+    assert requestinfo._field_selector_name(selector) == name

@@ -235,7 +235,9 @@ def as_apiserver_sees(user: UserInfo, memo: dict[str, Any] | None = None) -> Use
         return user
     if memo is not None:
         seen = memo.get("apiserver_view")
-        if seen is not None and seen.name == user.name:
+        # The same name and groups: a connection's certificate never changes, but a view kept for one
+        # user must never be handed to another (the groups pick the FlowSchema, hence the seats).
+        if seen is not None and seen.name == user.name and seen.groups[:-1] == user.groups:
             return seen
     view = UserInfo(name=user.name, groups=[*user.groups, AUTHENTICATED_GROUP], extra=user.extra, source="x509")
     if memo is not None:
