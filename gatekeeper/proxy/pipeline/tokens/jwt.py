@@ -36,10 +36,11 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
 from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
 
+from gatekeeper.proxy.pipeline.auth import AUTHENTICATED_GROUP
+
 SA_USER_PREFIX = "system:serviceaccount:"
 SA_ALL_GROUP = "system:serviceaccounts"
 SA_NS_GROUP_PREFIX = "system:serviceaccounts:"
-AUTHENTICATED_GROUP = "system:authenticated"
 EXTRA_POD_NAME = "authentication.kubernetes.io/pod-name"
 EXTRA_POD_UID = "authentication.kubernetes.io/pod-uid"
 EXTRA_NODE_NAME = "authentication.kubernetes.io/node-name"
