@@ -154,6 +154,14 @@ def _convert(value: Any, tp: Any, source: str, key: str) -> Any:
     raise ConfigError(source, key, f"expected {_describe(tp)}, got {_typename(value)} {_shown(value)}")
 
 
+REMOVED_KEYS: dict[str, str] = {
+    "proxy.protocol.http2Engine": "the proxy has one HTTP/2 server codec, its own (the h2 library engine is gone); "
+                                  "delete the key",
+}
+"""Keys that configured something gatekeeper no longer has (full key path -> what to do instead): a file that
+still sets one fails with that message, not with "unknown key", so the operator learns why."""
+
+
 def from_mapping(cls: type[T], data: Any, source: str = "<config>", prefix: str = "") -> T:
     """Build dataclass ``cls`` from a YAML mapping, strictly.
 
@@ -168,6 +176,10 @@ def from_mapping(cls: type[T], data: Any, source: str = "<config>", prefix: str 
     hints = get_type_hints(cls)
     fields = {_key_of(f): f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(map(str, data)) - set(fields))
+    for key in unknown:
+        where = f"{prefix}.{key}" if prefix else key
+        if where in REMOVED_KEYS:
+            raise ConfigError(source, where, f"removed: {REMOVED_KEYS[where]}")
     if unknown:
         where = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
         raise ConfigError(source, where, f"unknown key; expected one of: {', '.join(sorted(fields))}")

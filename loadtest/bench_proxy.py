@@ -112,7 +112,7 @@ class Env:
                        capture_output=True, text=True)
 
     def start_gatekeeper(self, name: str = "bench-proxy", workers: int | None = None,
-                         deployed_flow_control: bool = False, http2_engine: str | None = None,
+                         deployed_flow_control: bool = False,
                          backends: list[str] | None = None, balancing: str | None = None,
                          upstream_http2: bool | None = None) -> tuple[str, int]:
         """A gatekeeper proxy; ``deployed_flow_control`` gives it the policy ``sandbox up --with-proxy`` deploys;
@@ -126,8 +126,6 @@ class Env:
         work = self.work / name
         work.mkdir(exist_ok=True)
         user: dict[str, Any] = {"flowControl": flow}
-        if http2_engine is not None:
-            user["protocol"] = {"http2Engine": http2_engine}
         if balancing is not None:
             user["connectionBalancing"] = balancing
         if upstream_http2 is not None:
@@ -620,32 +618,6 @@ def static_scaling(env: Env, args: argparse.Namespace) -> None:
     print(f"load average after: {load_average()}")
 
 
-def engines_ab(env: Env, args: argparse.Namespace) -> None:
-    """Closed loop, CPU per request: one single-worker gatekeeper per ``http2Engine`` beside HAProxy
-    ``nbthread 1``, rounds interleaved (gk engines, then HAProxy) so drift in machine load hits all alike."""
-    gk, haps = start_warm(env, {e: {"name": f"gk-{e}", "workers": 1, "http2_engine": e} for e in args.engines},
-                          {"haproxy": {"nbthread": 1, "name": "hap-ab"}})
-    hap = haps["haproxy"]
-    n, c, m = args.requests, args.clients, args.streams
-    print(f"\n== http2Engine A/B: closed loop h2load -n {n} -c {c} -m {m}, {args.ab_rounds} rounds; "
-          f"load average before: {load_average()} ==")
-    cpu: dict[str, list[float]] = {k: [] for k in [*gk, "haproxy"]}
-    rps: dict[str, list[float]] = {k: [] for k in cpu}
-    for _ in range(args.ab_rounds):
-        for key, (url, pid) in [*gk.items(), ("haproxy", hap)]:
-            r = closed_loop(env, url, pid, n, c, m)
-            cpu[key].append(r["cpu_ms"])
-            rps[key].append(r["rps"])
-    hap_cpu = statistics.median(cpu["haproxy"])
-    for key in cpu:
-        med = statistics.median(cpu[key])
-        label = "haproxy nbthread 1" if key == "haproxy" else f"gatekeeper http2Engine={key}"
-        print(f"{label:30s} CPU per request median {med:.3f} ms (rounds: "
-              f"{', '.join(f'{x:.3f}' for x in cpu[key])}) x{med / max(hap_cpu, 1e-6):.1f} of HAProxy; "
-              f"{statistics.median(rps[key]):.0f} req/s")
-    print(f"load average after: {load_average()}")
-
-
 # --- main ---------------------------------------------------------------------------------------
 
 def main() -> None:
@@ -658,9 +630,6 @@ def main() -> None:
     ap.add_argument("--share-clients", type=int, default=12, help="long-lived clients in the restart scenario")
     ap.add_argument("--share-window", type=float, default=10.0, help="seconds measured after the restart")
     ap.add_argument("--down-seconds", type=float, default=8.0, help="how long apiserver 3 stays down")
-    ap.add_argument("--engines", type=lambda v: v.split(","), default=None,
-                    help="only the http2Engine A/B (e.g. h2,lean): closed-loop CPU per request beside HAProxy")
-    ap.add_argument("--ab-rounds", type=int, default=3, help="interleaved rounds of the --engines A/B")
     ap.add_argument("--skip", action="append", default=[],
                     choices=["throughput", "memory", "share", "rates", "closed"])
     ap.add_argument("--only-modes", action="store_true",
@@ -686,9 +655,6 @@ def main() -> None:
     try:
         if args.static_scaling:
             static_scaling(env, args)
-            return
-        if args.engines:
-            engines_ab(env, args)
             return
         if args.balancing_rounds:
             balancing(env, args)

@@ -119,8 +119,6 @@ class ProtocolSettings:
     """HTTP/1.1: an upgraded tunnel that moves no byte either way for this long is closed (kubelet's own
     streamingConnectionIdleTimeout default, 4 h; pods/proxy and services/proxy tunnels had no bound), and so
     is an upgrade request whose backend has not answered in that time."""
-    http2_engine: str = "lean"
-    """Client-facing HTTP/2 codec: ``lean`` (the proxy's own, ``listen/h2_codec.py``) or ``h2`` (the h2 library)."""
 
     def validate(self) -> None:
         for f in dataclasses.fields(self):
@@ -147,8 +145,6 @@ class ProtocolSettings:
         if not 0 <= self.write_buffer_low_bytes <= self.write_buffer_high_bytes:
             raise ValueError(f"writeBufferLowBytes must be within [0, writeBufferHighBytes "
                              f"({self.write_buffer_high_bytes})], got {self.write_buffer_low_bytes}")
-        if self.http2_engine not in ("lean", "h2"):
-            raise ValueError(f"http2Engine must be 'lean' or 'h2', got {self.http2_engine!r}")
         limit = 1.0 if self.allow_unsafe_goaway_chance else MAX_GOAWAY_CHANCE
         if not 0.0 <= self.goaway_chance <= limit:
             raise ValueError(

@@ -1,6 +1,6 @@
 """Request DATA the proxy holds is bounded for the whole process (``maxBufferedRequestBytes``), not per connection.
 
-In memory, on both HTTP/2 engines: two client connections share one
+In memory: two client connections share one
 ``BodyBudget`` as every connection of a proxy process does.
 """
 

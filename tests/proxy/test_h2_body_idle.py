@@ -1,6 +1,6 @@
 """HTTP/2 request bodies that go quiet: cut after ``h2BodyIdleTimeoutSeconds``, unless the proxy holds the window.
 
-In memory, on both HTTP/2 engines (the ``h2pair`` fixture). The sandbox test in
+In memory (the ``h2pair`` fixture). The sandbox test in
 ``test_h2_abuse_sandbox.py`` shows the same against a real apiserver.
 """
 

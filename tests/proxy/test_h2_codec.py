@@ -1,8 +1,8 @@
-"""The lean HTTP/2 server codec (``h2_codec.LeanH2Connection``) driven with raw frames, no sockets.
+"""The HTTP/2 server codec (``h2_codec.H2ServerCodec``) driven with raw frames, no sockets.
 
 Each test sends the bytes a client (or an attacker) would and checks the frames
-and events that come out. The adapter-level behaviour (H2Protocol on both
-engines) is covered by the ``h2pair`` tests; h2spec checks the whole proxy.
+and events that come out. The adapter-level behaviour (H2Protocol) is covered
+by the ``h2pair`` tests; h2spec checks the whole proxy.
 """
 
 from __future__ import annotations
@@ -11,11 +11,12 @@ import struct
 from typing import Any
 
 import pytest
-from h2.errors import ErrorCodes
-from h2.exceptions import ProtocolError
 from hpack import Decoder, Encoder, NeverIndexedHeaderTuple
 
+import gatekeeper.proxy.settings  # noqa: F401 - registers the proxy: config section
+from gatekeeper.config import ConfigError, load_config
 from gatekeeper.proxy.h2wire import frames as f
+from gatekeeper.proxy.h2wire.errors import ErrorCodes, ProtocolError
 from gatekeeper.proxy.listen.h2_codec import (
     CLOSED_MEMORY,
     EV_BAD_LENGTH,
@@ -25,7 +26,7 @@ from gatekeeper.proxy.listen.h2_codec import (
     EV_REQUEST,
     EV_RESET,
     EV_WINDOW,
-    LeanH2Connection,
+    H2ServerCodec,
 )
 from gatekeeper.proxy.listen.h2_limits import FloodError, FloodGuard
 
@@ -36,7 +37,7 @@ class Client:
     """A raw-frame client: encodes header blocks, parses what the server sends back."""
 
     def __init__(self, **kwargs: Any) -> None:
-        self.server = LeanH2Connection(**kwargs)
+        self.server = H2ServerCodec(**kwargs)
         self.server.initiate_connection()
         self.encoder = Encoder()
         self.decoder = Decoder()
@@ -398,16 +399,14 @@ def test_headers_on_a_reset_stream_are_answered_and_counted_as_closed_stream_fra
         c.headers(1)
 
 
-def test_an_unknown_http2_engine_is_refused_naming_the_key(tmp_path):
-    from gatekeeper.config import ConfigError, load_config
-
+def test_a_config_that_still_sets_http2_engine_is_refused_saying_the_key_was_removed(tmp_path):
     path = tmp_path / "proxy.yaml"
     path.write_text("proxy:\n  backends: [{url: 'https://127.0.0.1:6443'}]\n"
-                    "  listener: {certFile: a, keyFile: b}\n  protocol: {http2Engine: nghttp2}\n")
-    with pytest.raises(ConfigError, match=r"proxy.protocol: http2Engine must be 'lean' or 'h2', got 'nghttp2'"):
+                    "  listener: {certFile: a, keyFile: b}\n  protocol: {http2Engine: lean}\n")
+    with pytest.raises(ConfigError, match=r"proxy.yaml: proxy.protocol.http2Engine: removed: .*delete the key"):
         load_config(path, need="proxy")
-    path.write_text(path.read_text().replace("nghttp2", "h2"))
-    assert load_config(path, need="proxy").proxy.protocol.http2_engine == "h2"  # type: ignore[attr-defined]
+    path.write_text(path.read_text().replace("http2Engine: lean", "maxConcurrentStreams: 7"))
+    assert load_config(path, need="proxy").proxy.protocol.max_concurrent_streams == 7
 
 
 def test_frames_on_a_stream_we_reset_are_ignored_but_counted_and_their_window_returned():

@@ -1,9 +1,8 @@
 """Header blocks in progress (HEADERS without END_HEADERS, CONTINUATION trickled) count in the request buffer budget.
 
-Both engines count them in the same per-process budget as unread request DATA
-(``maxBufferedRequestBytes``): a connection over its share is ended with GOAWAY
-ENHANCE_YOUR_CALM, reason ``body_budget``. The lean engine counts as frames arrive, the
-``h2`` engine settles what the h2 library's frame buffer holds after each read.
+The codec counts them, as frames arrive, in the same per-process budget as unread request
+DATA (``maxBufferedRequestBytes``): a connection over its share is ended with GOAWAY
+ENHANCE_YOUR_CALM, reason ``body_budget``.
 """
 
 from __future__ import annotations
@@ -12,11 +11,11 @@ from collections.abc import AsyncIterator
 
 import hpack
 from edge_kit import rejected
-from h2.errors import ErrorCodes
 from hyperframe.frame import ContinuationFrame, HeadersFrame, SettingsFrame
 
+from gatekeeper.proxy.h2wire.errors import ErrorCodes
 from gatekeeper.proxy.listen.body_budget import BodyBudget
-from gatekeeper.proxy.listen.h2_codec import EV_REQUEST, LeanH2Connection
+from gatekeeper.proxy.listen.h2_codec import EV_REQUEST, H2ServerCodec
 from gatekeeper.proxy.messages import ProxyRequest, ProxyResponse
 from gatekeeper.proxy.settings import ProtocolSettings
 
@@ -40,7 +39,7 @@ def _more(sid: int, size: int) -> bytes:
 
 def test_a_header_block_is_held_while_in_progress_and_given_back_when_it_ends():
     budget = BodyBudget(1 << 20, gauge=None)
-    conn = LeanH2Connection(header_budget=budget.share(), max_header_list=1 << 16)
+    conn = H2ServerCodec(header_budget=budget.share(), max_header_list=1 << 16)
     conn.initiate_connection()
     conn.receive_data(PREFACE)
     block = hpack.Encoder().encode([(":method", "GET"), (":scheme", "https"), (":path", "/api/v1/pods"),
@@ -74,7 +73,7 @@ async def test_a_connection_trickling_header_blocks_past_its_share_is_ended_and_
     assert budget.held == 0 and budget.holders == 0
 
 
-async def test_a_finished_header_block_gives_its_bytes_back_in_either_engine(h2pair):
+async def test_a_finished_header_block_gives_its_bytes_back_through_the_adapter(h2pair):
     budget = BodyBudget(1 << 20)
     pair = h2pair(_ok, ProtocolSettings(), body_budget=budget)
     await pair.settle()

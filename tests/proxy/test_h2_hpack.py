@@ -9,10 +9,13 @@ import pytest
 from h2.config import H2Configuration
 from h2.events import ResponseReceived
 from hpack import Decoder, Encoder, NeverIndexedHeaderTuple
+from hpack.hpack import encode_integer as hpack_encode_integer
+from hpack.table import HeaderTable
 
 from gatekeeper.proxy.h2wire import hpack_encode as h2_hpack
-from gatekeeper.proxy.h2wire.hpack_encode import ResponseEncoder
-from gatekeeper.proxy.listen.h2_conn import ProxyH2Connection
+from gatekeeper.proxy.h2wire.hpack_encode import NeverIndexed, ResponseEncoder
+from gatekeeper.proxy.h2wire.hpack_tables import STATIC_TABLE, encode_integer
+from gatekeeper.proxy.listen.h2_codec import H2ServerCodec
 
 APISERVER_HEADERS = [
     (b":status", b"200"),
@@ -27,12 +30,19 @@ APISERVER_HEADERS = [
 
 
 def _response(audit: int) -> list[tuple[bytes, bytes]]:
-    return [*APISERVER_HEADERS, NeverIndexedHeaderTuple(b"audit-id", f"{audit:036d}".encode()),
-            NeverIndexedHeaderTuple(b"date", b"Mon, 30 Nov 2026 23:00:00 GMT")]
+    return [*APISERVER_HEADERS, NeverIndexed((b"audit-id", f"{audit:036d}".encode())),
+            NeverIndexed((b"date", b"Mon, 30 Nov 2026 23:00:00 GMT"))]
 
 
 def _decoded(decoder: Decoder, block: bytes) -> list[tuple[bytes, bytes]]:
     return [(bytes(n), bytes(v)) for n, v in decoder.decode(block, raw=True)]
+
+
+def test_the_static_table_and_integer_encoding_are_hpacks() -> None:
+    assert STATIC_TABLE == HeaderTable.STATIC_TABLE  # RFC 7541 Appendix A, 61 entries
+    for value in [*range(300), 4096, 16383, 16384, 2**21, 2**31 - 1, 2**32 - 1]:
+        for prefix_bits in range(1, 9):
+            assert encode_integer(value, prefix_bits) == hpack_encode_integer(value, prefix_bits), (value, prefix_bits)
 
 
 def test_repeated_responses_decode_exactly_and_shrink_to_table_references() -> None:
@@ -47,7 +57,8 @@ def test_repeated_responses_decode_exactly_and_shrink_to_table_references() -> N
     # The same table references as hpack's own encoder (which would also Huffman-code the two
     # volatile values: a few bytes for much CPU).
     reference = Encoder()
-    reference_blocks = [reference.encode(_response(i)) for i in range(5)]
+    reference_blocks = [reference.encode([NeverIndexedHeaderTuple(*f) if type(f) is NeverIndexed else f
+                                          for f in _response(i)]) for i in range(5)]
     stable = len(APISERVER_HEADERS)
     assert blocks[4][:stable] == reference_blocks[4][:stable]
 
@@ -55,7 +66,7 @@ def test_repeated_responses_decode_exactly_and_shrink_to_table_references() -> N
 def test_never_indexed_fields_stay_out_of_the_table_and_keep_their_flag() -> None:
     enc, dec = ResponseEncoder(), Decoder()
     for i in range(50):
-        block = enc.encode([(b":status", b"200"), NeverIndexedHeaderTuple(b"audit-id", f"id-{i}".encode())])
+        block = enc.encode([(b":status", b"200"), NeverIndexed((b"audit-id", f"id-{i}".encode()))])
         fields = dec.decode(block, raw=True)
         assert bytes(fields[1][1]) == f"id-{i}".encode()
         assert isinstance(fields[1], NeverIndexedHeaderTuple)  # the decoder sees the never-indexed form
@@ -77,7 +88,7 @@ def test_random_header_lists_with_evictions_and_table_size_changes_round_trip() 
                 value = rng.choice([b"application/json", b"v" * rng.randint(0, 700), str(rng.randint(0, 99)).encode(),
                                     b"x" * 4100])
                 name = rng.choice(names) + (str(rng.randint(0, 30)).encode() if rng.random() < 0.3 else b"")
-                fields.append(NeverIndexedHeaderTuple(name, value) if rng.random() < 0.15 else (name, value))
+                fields.append(NeverIndexed((name, value)) if rng.random() < 0.15 else (name, value))
             assert _decoded(dec, enc.encode(fields)) == [(bytes(n), bytes(v)) for n, v in fields]
 
 
@@ -127,7 +138,7 @@ def test_literal_memo_is_bounded_and_skips_long_fields(monkeypatch: pytest.Monke
 
 
 def test_the_proxy_connection_encodes_its_responses_with_it() -> None:
-    server = ProxyH2Connection()
+    server = H2ServerCodec()
     assert isinstance(server.encoder, ResponseEncoder)
     client = h2.connection.H2Connection(H2Configuration(client_side=True, header_encoding=None))
     client.initiate_connection()

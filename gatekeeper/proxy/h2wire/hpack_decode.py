@@ -1,15 +1,15 @@
-"""HPACK decoding (RFC 7541) for the lean HTTP/2 codec: one loop over the block, plain tuples out.
+"""HPACK decoding (RFC 7541) for the proxy's HTTP/2 codecs: one loop over the block, plain tuples out.
 
-Why not ``hpack.Decoder``: it was ~8 us of a request's ~17 us in the lean codec,
+Why not ``hpack.Decoder``: it was ~8 us of a request's ~17 us in the server codec,
 spread over a method call, a log call and a table lookup per field. A
 Kubernetes request block is a handful of indexed fields plus the never-indexed
 bearer token, so a flat loop with inlined integer decoding does the same work in
-a fraction of the time. Huffman strings go through ``h2_huffman``'s decoder and
+a fraction of the time. Huffman strings go through :mod:`huffman`'s decoder and
 its memo: the short-string memo (``:path`` on every nghttp2 request) only for
 fields that are neither never-indexed nor credentials (``SECRET_NAMES``), so no
 short secret is kept as a cache key.
 
-Same semantics and the same limits as ``hpack.Decoder`` as the proxy used it:
+Same semantics and the same limits as ``hpack.Decoder`` (the tests' oracle):
 a dynamic table bounded by our SETTINGS_HEADER_TABLE_SIZE (``max_table_size``,
 4096), size updates only at the start of a block and never above that bound,
 and a header list bounded by ``max_header_list_size`` (name + value + 32 per
@@ -23,12 +23,9 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
-from hpack.table import HeaderTable
-
+from gatekeeper.proxy.h2wire.hpack_tables import STATIC_TABLE as STATIC
 from gatekeeper.proxy.h2wire.huffman import HuffmanDecodingError, decode_memo, decode_memo_short
 
-STATIC = HeaderTable.STATIC_TABLE
-"""RFC 7541 Appendix A: index 1 is STATIC[0]."""
 STATIC_LEN = len(STATIC)
 ENTRY_OVERHEAD = 32
 MAX_INT_BYTES = 5

@@ -16,7 +16,7 @@ about half of the proxy's cost of sending a HEADERS frame.
   is a pure function of the field, so it is memoized in a bounded dict
   (at most ``MEMO_ENTRIES`` fields of at most ``MEMO_MAX_BYTES`` each; when
   full, the memo is cleared and refills from the next responses);
-* fields too long to memoize, and never-indexed fields (``NeverIndexedHeaderTuple``:
+* fields too long to memoize, and never-indexed fields (:class:`NeverIndexed`:
   the volatile ``audit-id`` and ``date``, see ``h2_headers.response_block``) go out as raw literals, with no
   Huffman pass (a few bytes more on the wire for much less CPU); never-indexed
   ones never enter the table or the memo.
@@ -24,8 +24,7 @@ about half of the proxy's cost of sending a HEADERS frame.
 The dynamic table follows the peer's ``SETTINGS_HEADER_TABLE_SIZE`` capped at
 ``MAX_TABLE_SIZE`` (the encoder may use less than the peer allows, RFC 7541
 4.2); a change is signalled at the start of the next header block, smallest
-size first when it shrank and grew again in between (RFC 7541 4.2). Only
-``encode()`` and the ``header_table_size`` setter are used by ``h2``.
+size first when it shrank and grew again in between (RFC 7541 4.2).
 """
 
 from __future__ import annotations
@@ -34,11 +33,7 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
-from hpack.hpack import encode_integer
-from hpack.huffman import HuffmanEncoder
-from hpack.huffman_constants import REQUEST_CODES, REQUEST_CODES_LENGTH
-from hpack.struct import HeaderTuple
-from hpack.table import HeaderTable
+from gatekeeper.proxy.h2wire.hpack_tables import STATIC_TABLE, encode_integer, huffman_encode
 
 DEFAULT_TABLE_SIZE = 4096
 """The table size both ends start with (RFC 7541 6.5.2 / RFC 9113 6.5.2)."""
@@ -53,12 +48,11 @@ ENTRY_OVERHEAD = 32
 
 _STATIC_FULL: dict[tuple[bytes, bytes], int] = {}
 STATIC_NAME: dict[bytes, int] = {}
-for _i, (_n, _v) in enumerate(HeaderTable.STATIC_TABLE, start=1):
+for _i, (_n, _v) in enumerate(STATIC_TABLE, start=1):
     _STATIC_FULL.setdefault((_n, _v), _i)
     STATIC_NAME.setdefault(_n, _i)
-_STATIC_LEN = len(HeaderTable.STATIC_TABLE)
+_STATIC_LEN = len(STATIC_TABLE)
 
-_huffman = HuffmanEncoder(REQUEST_CODES, REQUEST_CODES_LENGTH)
 _memo: dict[tuple[bytes, bytes], bytes] = {}
 
 
@@ -84,7 +78,7 @@ def _indexed(index: int) -> bytes:
 
 def _string(data: bytes, huffman: bool) -> bytes:
     if huffman:
-        coded = _huffman.encode(data)
+        coded = huffman_encode(data)
         if len(coded) < len(data):
             return _int(len(coded), 7, 0x80) + coded
     return _int(len(data), 7, 0) + data
@@ -122,8 +116,15 @@ def memo_size() -> int:
     return len(_memo)
 
 
+class NeverIndexed(tuple[bytes, bytes]):
+    """A ``(name, value)`` field sent as a never-indexed literal (RFC 7541 6.2.3): values that change on every
+    response, or must not be kept by any intermediary."""
+
+    __slots__ = ()
+
+
 class ResponseEncoder:
-    """Drop-in for ``hpack.Encoder`` on a server connection (see the module docstring)."""
+    """``hpack.Encoder``'s wire format and table semantics for a server connection (see the module docstring)."""
 
     def __init__(self) -> None:
         self._max = DEFAULT_TABLE_SIZE
@@ -167,7 +168,7 @@ class ResponseEncoder:
         return b"".join(_int(s, 5, 0x20) for s in sizes)
 
     def encode(self, headers: Iterable[Any], huffman: bool = True) -> bytes:
-        """One header block; ``headers`` are ``(name, value)`` bytes pairs (HeaderTuple subclasses allowed)."""
+        """One header block; ``headers`` are ``(name, value)`` bytes pairs, :class:`NeverIndexed` ones included."""
         out: list[bytes] = []
         if self._pending:
             out.append(self._size_updates())
@@ -180,7 +181,7 @@ class ResponseEncoder:
             if static is not None:
                 out.append(_indexed(static))
                 continue
-            if isinstance(header, HeaderTuple) and not header.indexable:
+            if type(header) is NeverIndexed:
                 out.append(_literal(name, value, NEVER, huffman=False))
                 continue
             number = self._where.get(field)

@@ -18,19 +18,16 @@ subscripts and no branch. Completing EOS leads to the error state, which
 never leaves. After the last byte, the string is valid only if the machine
 rests on the all-ones path from the root at depth 0..7: the padding is then
 at most 7 bits and a prefix of EOS (30 one bits). Anything else, including
-EOS inside the string, raises :class:`HuffmanDecodingError`, a subclass of
-``hpack``'s ``HPACKDecodingError`` so the ``h2`` engine (which calls this
-through ``hpack.hpack.decode_huffman``, see ``h2_conn``) fails the connection
-with COMPRESSION_ERROR exactly as with ``hpack``'s own decoder.
+EOS inside the string, raises :class:`HuffmanDecodingError` (the HPACK
+decoder makes it a COMPRESSION_ERROR).
 
 Tables are built on first use from the code table of RFC 7541 Appendix B
-(``hpack.huffman_constants``, data only): ~17 ms and ~1.9 MB, once per process.
+(:mod:`hpack_tables`): ~17 ms and ~1.9 MB, once per process.
 
 **Memo.** Huffman decoding is a pure function, so a bounded LRU keyed by the
 coded bytes returns exactly what decoding would; errors are never cached.
 
-* ``decode_memo`` (the ``h2`` engine's ``decode_huffman``, and the lean
-  engine's for never-indexed fields and credentials) memoizes coded strings of
+* ``decode_memo`` (for never-indexed fields and credentials) memoizes coded strings of
   ``MEMO_MIN_BYTES``..``MEMO_MAX_BYTES``, at most ``MEMO_ENTRIES``: the ~1 KB
   bearer token that HPACK encoders never index is decoded once, not on every
   request. Huge strings are not kept (the cache would become a memory sink).
@@ -38,7 +35,7 @@ coded bytes returns exactly what decoding would; errors are never cached.
   the identical coded token. Its only signal is timing (a hit is under a
   microsecond faster than a decode, far below network jitter), and dict
   lookups compare a randomized hash before any bytes.
-* ``decode_memo_short`` (the lean engine's for every other field) also keeps
+* ``decode_memo_short`` (for every other field) also keeps
   shorter strings, from ``SHORT_MEMO_MIN_BYTES``, in a separate LRU of
   ``SHORT_MEMO_ENTRIES`` (so a client's many distinct paths cannot evict the
   tokens): nghttp2 sends ``:path`` as a literal without indexing on every
@@ -52,8 +49,7 @@ from __future__ import annotations
 
 import functools
 
-from hpack.exceptions import HPACKDecodingError
-from hpack.huffman_constants import REQUEST_CODES, REQUEST_CODES_LENGTH
+from gatekeeper.proxy.h2wire.hpack_tables import HUFFMAN_CODES, HUFFMAN_LENGTHS
 
 MEMO_MIN_BYTES = 64
 MEMO_MAX_BYTES = 8192
@@ -74,7 +70,7 @@ START = (ERROR + 1) << _ROW
 """The index of an extra entry whose next state is the root: where every string starts."""
 
 
-class HuffmanDecodingError(HPACKDecodingError):
+class HuffmanDecodingError(ValueError):
     """The string breaks RFC 7541 5.2: EOS inside, or padding that is not 0..7 one bits."""
 
 
@@ -85,7 +81,7 @@ _tables: Tables | None = None
 def _code_tree() -> list[list[int]]:
     """Children of every internal node, ``[zero, one]``: a node number (>= 0) or ``~symbol`` for a leaf."""
     nodes = [[0, 0]]
-    for symbol, (code, length) in enumerate(zip(REQUEST_CODES, REQUEST_CODES_LENGTH, strict=True)):
+    for symbol, (code, length) in enumerate(zip(HUFFMAN_CODES, HUFFMAN_LENGTHS, strict=True)):
         node = 0
         for shift in range(length - 1, 0, -1):
             bit = (code >> shift) & 1
@@ -163,14 +159,11 @@ _memo = functools.lru_cache(maxsize=MEMO_ENTRIES)(decode)
 _short_memo = functools.lru_cache(maxsize=SHORT_MEMO_ENTRIES)(decode)
 
 
-def decode_memo(data: bytes | bytearray | memoryview | None) -> bytes:
-    """:func:`decode`, memoized for strings of MEMO_MIN_BYTES..MEMO_MAX_BYTES (any field, tokens included).
-
-    Accepts what ``hpack``'s ``decode_huffman`` accepts (None is the empty string), as its stand-in.
-    """
+def decode_memo(data: bytes | bytearray | memoryview) -> bytes:
+    """:func:`decode`, memoized for strings of MEMO_MIN_BYTES..MEMO_MAX_BYTES (any field, tokens included)."""
     if type(data) is bytes and MEMO_MIN_BYTES <= len(data) <= MEMO_MAX_BYTES:
         return _memo(data)
-    return decode(data or b"")
+    return decode(data)
 
 
 def decode_memo_short(data: bytes) -> bytes:

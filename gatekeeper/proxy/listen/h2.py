@@ -1,17 +1,15 @@
-"""HTTP/2 server connection with graceful GOAWAY, on one of two codecs (``protocol.http2Engine``).
+"""HTTP/2 server connection with graceful GOAWAY, on the proxy's sans-IO codec (``h2_codec.H2ServerCodec``).
 
-``lean`` (default) is the proxy's own sans-IO codec (``h2_codec.LeanH2Connection``,
-about a sixth of h2's CPU per request); ``h2`` is the h2 library
-(``h2_conn.ProxyH2Connection``), kept as a fallback. Both hand this adapter the same
-event tuples (``h2_codec.EV_*``) and take the same calls, so everything below holds
-for either; the in-memory tests and h2spec run on both.
+The codec turns the client's bytes into event tuples (``h2_codec.EV_*``), and
+calls (send headers, data, a reset) into frames; this adapter turns the events
+into requests for the pipeline, and their responses into those calls.
 
 Sans-IO in the sense that matters for testing: :class:`H2Protocol` never
 touches a socket. The edge feeds it bytes (:meth:`H2Protocol.data_received`)
 and gives it three callables: ``write(bytes)`` (synchronous, so frames keep
-the order h2 produced them in), ``drain()`` (awaited after DATA, so a slow
+the order the codec queued them in), ``drain()`` (awaited after DATA, so a slow
 socket slows us down) and ``close()``. Unit tests wire those to a client-side
-``h2.connection.H2Connection`` in memory.
+HTTP/2 connection in memory (the ``h2`` library, in the tests only).
 
 Each stream runs the pipeline handler in its own task and streams the
 response back, with backpressure both ways (:mod:`h2_stream`, mixed in as
@@ -37,12 +35,9 @@ import random
 from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
-from h2.errors import ErrorCodes
-from h2.exceptions import ProtocolError, StreamClosedError
-from h2.settings import SettingCodes, Settings
-
 from gatekeeper.proxy import rejections
 from gatekeeper.proxy.adapter import ClientGone
+from gatekeeper.proxy.h2wire.errors import ErrorCodes, ProtocolError
 from gatekeeper.proxy.h2wire.frames import MAX_WINDOW
 from gatekeeper.proxy.listen import conn_metrics
 from gatekeeper.proxy.listen.body_budget import BodyBudget
@@ -56,15 +51,13 @@ from gatekeeper.proxy.listen.h2_codec import (
     EV_RESET,
     EV_WINDOW,
     Event,
-    LeanH2Connection,
-    ServerConnection,
+    H2ServerCodec,
 )
-from gatekeeper.proxy.listen.h2_conn import ProxyH2Connection, install_huffman_memo
 from gatekeeper.proxy.listen.h2_drain import Draining
 from gatekeeper.proxy.listen.h2_headers import MalformedRequest, parse_request
 from gatekeeper.proxy.listen.h2_limits import FloodError, FloodGuard, limits_of
 from gatekeeper.proxy.listen.h2_state import HeaderBudgetExceeded
-from gatekeeper.proxy.listen.h2_stream import Stream, StreamServing
+from gatekeeper.proxy.listen.h2_stream import ServedStream, StreamServing
 from gatekeeper.proxy.messages import Handler, ProxyRequest
 from gatekeeper.proxy.settings import ProtocolSettings
 
@@ -111,25 +104,16 @@ class H2Protocol(StreamServing, Draining):
         self._budget = (body_budget or BodyBudget(settings.max_buffered_request_bytes, gauge=None)).share()
         self._window_reopened_at = -math.inf
         """When an acknowledgement last reopened a shut connection receive window (request-body idle clock)."""
-        install_huffman_memo()
-        guard = FloodGuard(limits_of(settings), settings.h2_abuse_interval_seconds)
-        self._conn: ServerConnection
-        self._receive: Callable[[bytes], list[Event]]
-        if settings.http2_engine == "lean":
-            lean = LeanH2Connection(
-                on_refused=self._on_refused, guard=guard,
-                max_concurrent_streams=settings.max_concurrent_streams,
-                stream_window=settings.stream_window_bytes,
-                max_header_list=settings.max_header_list_bytes,
-                connection_window=connection_window(settings),
-                header_budget=self._budget,
-            )
-            self._conn, self._receive = lean, lean.receive_data
-        else:
-            h2conn = ProxyH2Connection(on_refused=self._on_refused, guard=guard, on_bad_length=self._on_bad_length,
-                                       header_budget=self._budget)
-            self._conn, self._receive = h2conn, h2conn.receive_events
-        self._streams: dict[int, Stream] = {}
+        self._conn = H2ServerCodec(
+            on_refused=self._on_refused,
+            guard=FloodGuard(limits_of(settings), settings.h2_abuse_interval_seconds),
+            max_concurrent_streams=settings.max_concurrent_streams,
+            stream_window=settings.stream_window_bytes,
+            max_header_list=settings.max_header_list_bytes,
+            connection_window=connection_window(settings),
+            header_budget=self._budget,
+        )
+        self._streams: dict[int, ServedStream] = {}
         self._memo: dict[str, Any] = {}
         """ProxyRequest.connection_memo of every request on this connection."""
         self._streams_changed = asyncio.Event()
@@ -149,26 +133,7 @@ class H2Protocol(StreamServing, Draining):
 
     def start(self) -> None:
         """Send our preface (SETTINGS, connection WINDOW_UPDATE) and arm the idle timer."""
-        s = self._settings
-        conn = self._conn
-        if isinstance(conn, ProxyH2Connection):
-            conn.local_settings = Settings(
-                client=False,
-                initial_values={
-                    SettingCodes.MAX_CONCURRENT_STREAMS: s.max_concurrent_streams,
-                    SettingCodes.INITIAL_WINDOW_SIZE: s.stream_window_bytes,
-                    SettingCodes.MAX_HEADER_LIST_SIZE: s.max_header_list_bytes,
-                },
-            )
-            # h2 applies MAX_HEADER_LIST_SIZE to its decoder only when the client ACKs our
-            # SETTINGS; a client may send large headers before that, so apply it now.
-            conn.decoder.max_header_list_size = s.max_header_list_bytes
-            conn.initiate_connection()
-            extra = connection_window(s) - conn.inbound_flow_control_window
-            if extra > 0:
-                conn.increment_flow_control_window(extra)
-        else:
-            conn.initiate_connection()  # the lean codec was built with the settings
+        self._conn.initiate_connection()  # the codec was built with the settings
         self._flush()
         self._arm_idle()
 
@@ -177,7 +142,7 @@ class H2Protocol(StreamServing, Draining):
         if self._h2_closed:
             return
         try:
-            events = self._receive(data)
+            events = self._conn.receive_data(data)
         except ProtocolError as exc:
             if isinstance(exc, HeaderBudgetExceeded):
                 rejections.reject("body_budget", "h2 connection %d from %s: %s, GOAWAY ENHANCE_YOUR_CALM",
@@ -189,7 +154,7 @@ class H2Protocol(StreamServing, Draining):
             else:
                 rejections.reject("h2_protocol_error", "h2 connection %d from %s: %s",
                                   self.connection_id, self._peer, exc)
-            self._flush()  # h2 queued a GOAWAY with the right error code
+            self._flush()  # the codec queued a GOAWAY with the right error code
             self._abort(ClientGone(f"HTTP/2 protocol error: {exc}"))
             return
         for event in events:
@@ -235,7 +200,7 @@ class H2Protocol(StreamServing, Draining):
     def _on_request(self, sid: int, block: list[tuple[bytes, bytes]], ended: bool) -> None:
         if self.goaway_last_stream_id is not None and sid > self.goaway_last_stream_id:
             # The client may already have reset it (Go cancels streams above a GOAWAY's last id);
-            # then h2 has closed it and there is nothing to refuse.
+            # then the codec has closed it and there is nothing to refuse.
             self._conn.release_stream(sid)
             if self._reset(sid, ErrorCodes.REFUSED_STREAM):
                 conn_metrics.REFUSED_STREAMS.inc()
@@ -262,7 +227,7 @@ class H2Protocol(StreamServing, Draining):
             stream_id=sid,
             connection_memo=self._memo,
         )
-        stream = Stream(sid, request, ended=ended)
+        stream = ServedStream(sid, request, ended=ended)
         if not stream.ended:
             request.body = self._request_body(stream)
         self._streams[sid] = stream
@@ -273,13 +238,13 @@ class H2Protocol(StreamServing, Draining):
         stream.task.add_done_callback(functools.partial(self._task_done, stream))
 
     def _on_refused(self, stream_id: int) -> None:
-        """h2_conn refused a stream over MAX_CONCURRENT_STREAMS (the client may retry it)."""
+        """The codec refused a stream over MAX_CONCURRENT_STREAMS (the client may retry it)."""
         conn_metrics.REFUSED_STREAMS.inc()
         log.debug("h2 connection %d: stream %d refused, %d streams open",
                   self.connection_id, stream_id, len(self._streams))
 
     def _on_bad_length(self, stream_id: int) -> None:
-        """h2_conn reset a stream whose DATA disagreed with its content-length (RFC 9113 8.1.1)."""
+        """The codec reset a stream whose DATA disagreed with its content-length (RFC 9113 8.1.1)."""
         rejections.reject("h2_malformed", "h2 connection %d from %s, stream %d: body length differs from "
                             "content-length", self.connection_id, self._peer, stream_id)
         stream = self._streams.get(stream_id)
@@ -334,12 +299,12 @@ class H2Protocol(StreamServing, Draining):
             return False
         try:
             self._conn.reset_stream(stream_id, code)
-        except (ProtocolError, StreamClosedError):
+        except ProtocolError:  # StreamClosedError among them
             return False
         self._flush()
         return True
 
-    def _stream_done(self, stream: Stream, *, completed: bool) -> None:
+    def _stream_done(self, stream: ServedStream, *, completed: bool) -> None:
         self._streams.pop(stream.id, None)
         self._drop_inbox(stream)  # answered before its body was read (a 429): that DATA is never taken
         self._conn.release_stream(stream.id)
@@ -354,21 +319,21 @@ class H2Protocol(StreamServing, Draining):
         elif not self._streams:
             self._arm_idle()
 
-    def _drop_inbox(self, stream: Stream) -> None:
+    def _drop_inbox(self, stream: ServedStream) -> None:
         """Nobody will read it: give its window back, or the connection's stays shut for good."""
         while stream.inbox:
             data, flow = stream.inbox.popleft()
             self._budget.give(len(data))
             self._ack(stream.id, flow)
 
-    def _over_budget(self, stream: Stream) -> None:
+    def _over_budget(self, stream: ServedStream) -> None:
         self._reset(stream.id, ErrorCodes.ENHANCE_YOUR_CALM)
         rejections.reject("body_budget", "h2 connection %d from %s, stream %d: request bodies held by the "
                           "proxy would pass maxBufferedRequestBytes (%d)", self.connection_id, self._peer,
                           stream.id, self._budget.budget.limit)
         self._cut(stream, ClientGone(f"HTTP/2 stream {stream.id}: request bodies over the proxy's buffer"))
 
-    def _cut(self, stream: Stream, error: BaseException) -> None:
+    def _cut(self, stream: ServedStream, error: BaseException) -> None:
         if stream.error is None:
             stream.error = error
         self._drop_inbox(stream)
@@ -385,7 +350,7 @@ class H2Protocol(StreamServing, Draining):
     def _flush_soon(self) -> None:
         """Flush at the end of this loop iteration: frames of many streams go out in one TLS write.
 
-        Order is kept (everything queues in h2's buffer); anything that needs
+        Order is kept (everything queues in the codec's buffer); anything that needs
         its bytes out now (DATA before a drain, our GOAWAY) calls _flush().
         """
         if not self._flush_scheduled:

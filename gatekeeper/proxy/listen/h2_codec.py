@@ -1,26 +1,27 @@
-"""A lean sans-IO HTTP/2 server connection (RFC 9113), the ``lean`` ``http2Engine``.
+"""The proxy's sans-IO HTTP/2 server connection (RFC 9113): bytes in, event tuples out.
 
-Why: the ``h2`` library cost ~60 us of CPU per small proxied request, most of
-it in its general machinery (a frame object per frame, event objects, a
-state machine per stream driven by enum lookups, client-side and push
-paths). This codec is only the server half the proxy needs: frame headers are
-unpacked with one ``struct`` call straight from the received bytes, streams
-are a slots record, and the adapter gets plain tuples (``EV_*`` below).
-HPACK decoding is ``h2_hdecode.BlockDecoder`` (Huffman strings via ``hpack`` and
-``h2_conn``'s memo), encoding ``h2_hpack.ResponseEncoder``. Modules: this one
-holds the state, the frame loop and the sending API; ``h2_inbound`` the rules per
-received frame type; ``h2_state`` the event tuples and the stream record;
-``h2_frames`` the wire constants.
+Why its own and not the ``h2`` library: h2 cost ~60 us of CPU per small
+proxied request, most of it in its general machinery (a frame object per
+frame, event objects, a state machine per stream driven by enum lookups,
+client-side and push paths); this codec takes a fifth to a third of that
+(``loadtest/reports/2026-12-03-h2-engine.md``). It is only the server half the
+proxy needs: frame headers are unpacked with one ``struct`` call straight from
+the received bytes, streams are a slots record, and the adapter
+(``h2.H2Protocol``) gets plain tuples (``EV_*`` below). HPACK decoding is
+``h2wire.hpack_decode.BlockDecoder``, encoding ``h2wire.hpack_encode.ResponseEncoder``.
+Modules: this one holds the state, the frame loop and the sending API;
+``h2_inbound`` the rules per received frame type; ``h2_state`` the event
+tuples and the stream record; ``h2wire.frames`` the wire constants.
 
-It keeps every behaviour of ``h2_conn.ProxyH2Connection``: REFUSED_STREAM
-(a stream error) over MAX_CONCURRENT_STREAMS, counting a stream until the
-adapter releases it (rapid reset); ``FloodGuard`` counting of every frame
-kind; a content-length mismatch as a stream error; at most
-``MAX_CONTINUATIONS`` CONTINUATION frames and ``maxHeaderListBytes`` of
-decoded headers per block (over it: GOAWAY ENHANCE_YOUR_CALM, as ``h2``).
+Defences: REFUSED_STREAM (a stream error, which clients retry) over
+MAX_CONCURRENT_STREAMS, counting a stream until the adapter releases it
+(rapid reset); ``FloodGuard`` counting of every frame kind; a content-length
+mismatch as a stream error (RFC 9113 8.1.1); at most ``MAX_CONTINUATIONS``
+CONTINUATION frames and ``maxHeaderListBytes`` of decoded headers per block
+(over it: GOAWAY ENHANCE_YOUR_CALM, as h2 does).
 
 Error classes follow ``h2`` where h2spec checks them, and RFC 9113 section 5.4
-otherwise: a connection error raises ``h2.exceptions.ProtocolError`` (with the
+otherwise: a connection error raises ``h2wire.errors.ProtocolError`` (with the
 code of the GOAWAY already queued), a stream error queues RST_STREAM and, if
 the adapter knows the stream, reports ``EV_RESET``. A frame on a stream the
 client reset is answered with RST_STREAM STREAM_CLOSED; on one we reset it is
@@ -36,10 +37,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from h2.errors import ErrorCodes
-from h2.exceptions import FlowControlError, ProtocolError, StreamClosedError
-
 from gatekeeper.proxy.h2wire import frames as f
+from gatekeeper.proxy.h2wire.errors import ErrorCodes, FlowControlError, ProtocolError, StreamClosedError
 from gatekeeper.proxy.h2wire.hpack_decode import BlockDecoder
 from gatekeeper.proxy.h2wire.hpack_encode import ResponseEncoder
 from gatekeeper.proxy.listen.body_budget import Share
@@ -57,17 +56,16 @@ from gatekeeper.proxy.listen.h2_state import (
     EV_WINDOW,
     RESET_BY_US,
     Event,
-    ServerConnection,
-    Stream,
+    StreamRecord,
 )
 
 __all__ = ["CLOSED_MEMORY", "EV_BAD_LENGTH", "EV_DATA", "EV_ENDED", "EV_GOAWAY", "EV_REQUEST", "EV_RESET",
-           "EV_WINDOW", "Event", "LeanH2Connection", "ServerConnection"]
+           "EV_WINDOW", "Event", "H2ServerCodec"]
 _FH = f.FRAME_HEADER.unpack_from
 _U32 = f.U32.unpack_from
 
 
-class LeanH2Connection(InboundFrames):
+class H2ServerCodec(InboundFrames):
     """Server side of one HTTP/2 connection: bytes in, event tuples out; frames to send in a buffer."""
 
     def __init__(
@@ -92,7 +90,7 @@ class LeanH2Connection(InboundFrames):
         self.decoder = BlockDecoder(max_header_list)
         self._max_header_list = max_header_list
         self.encoder = ResponseEncoder()
-        self.streams: dict[int, Stream] = {}
+        self.streams: dict[int, StreamRecord] = {}
         self._held: set[int] = set()
         self._closed: dict[int, int] = {}
         """Recently closed stream id -> how it closed (``h2_state.CLOSED_BY_END``, ...)."""
@@ -225,13 +223,13 @@ class LeanH2Connection(InboundFrames):
         self._out.append(f.goaway(last, error_code))
         self.closed = True
 
-    def _sendable(self, sid: int) -> Stream:
+    def _sendable(self, sid: int) -> StreamRecord:
         stream = self.streams.get(sid)
         if stream is None or stream.local_closed or self.closed:
             raise StreamClosedError(sid)
         return stream
 
-    def _local_close(self, sid: int, stream: Stream) -> None:
+    def _local_close(self, sid: int, stream: StreamRecord) -> None:
         stream.local_closed = True
         if stream.remote_closed:
             del self.streams[sid]

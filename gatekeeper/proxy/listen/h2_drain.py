@@ -4,9 +4,9 @@ The connection half of the adapter that is not about events coming in
 (:class:`h2.H2Protocol` mixes :class:`Draining` in). None of it runs per
 request, except re-arming the idle timer when the last stream finishes.
 
-Graceful GOAWAY (h2's ``close_connection()`` would break in-flight streams,
-python-hyper/h2 issue 1181): flush h2's output, write our own GOAWAY frame
-carrying the highest client stream id seen while h2's state stays open,
+Graceful GOAWAY (the codec's ``close_connection()`` ends the connection for
+in-flight streams too): flush the codec's output, write our own GOAWAY frame
+carrying the highest client stream id seen while the codec stays open,
 refuse later streams with REFUSED_STREAM, let in-flight streams finish and
 give long-running ones until the drain deadline, then ``close_connection()``
 with the same last stream id and close the socket ``close_delay`` seconds
@@ -24,16 +24,15 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from h2.exceptions import ProtocolError
-from hyperframe.frame import GoAwayFrame
-
 from gatekeeper.proxy.adapter import ClientGone
+from gatekeeper.proxy.h2wire import frames
+from gatekeeper.proxy.h2wire.errors import ProtocolError
 from gatekeeper.proxy.listen import conn_metrics
 from gatekeeper.proxy.listen.goaway import Reason
 
 if TYPE_CHECKING:
-    from gatekeeper.proxy.listen.h2_codec import ServerConnection
-    from gatekeeper.proxy.listen.h2_stream import Stream
+    from gatekeeper.proxy.listen.h2_codec import H2ServerCodec
+    from gatekeeper.proxy.listen.h2_stream import ServedStream
     from gatekeeper.proxy.settings import ProtocolSettings
 
 log = logging.getLogger("gatekeeper.proxy.listen.h2")  # the adapter logs under one name, whichever part logs
@@ -48,8 +47,8 @@ class Draining:
         _close: Callable[[], None]
         connection_id: int
         _close_delay: float
-        _conn: ServerConnection
-        _streams: dict[int, Stream]
+        _conn: H2ServerCodec
+        _streams: dict[int, ServedStream]
         _streams_changed: asyncio.Event
         _loop: asyncio.AbstractEventLoop
         _idle_handle: asyncio.TimerHandle | None
@@ -59,7 +58,7 @@ class Draining:
         _h2_closed: bool
         closed: asyncio.Event
 
-        def _cut(self, stream: Stream, error: BaseException) -> None: ...
+        def _cut(self, stream: ServedStream, error: BaseException) -> None: ...
         def _flush(self) -> None: ...
 
     def goaway(self, reason: Reason, drain_timeout: float | None = None) -> None:
@@ -75,8 +74,7 @@ class Draining:
             return
         self._flush()
         self.goaway_last_stream_id = self._conn.highest_inbound_stream_id
-        frame = GoAwayFrame(stream_id=0, last_stream_id=self.goaway_last_stream_id, error_code=0)
-        self._write(frame.serialize())
+        self._write(frames.goaway(self.goaway_last_stream_id, 0))
         conn_metrics.GOAWAY_SENT.labels(reason=reason).inc()
         log.debug("h2 connection %d: GOAWAY (%s), last stream %d, %d in flight",
                   self.connection_id, reason, self.goaway_last_stream_id, len(self._streams))

@@ -1,9 +1,8 @@
 """HTTP/2 header blocks (pure): request block -> method, target, headers; response -> HEADERS block.
 
-h2 can check RFC 9113 header rules itself, but does so byte by byte in
-Python, and a bearer token is a kilobyte; ``h2_conn.config()`` turns that off
-and this module checks the same rules with C-speed scans (a compiled regex for
-names, ``in`` for values). A malformed
+The codec (:mod:`h2_codec`) does not look inside header fields; this module
+checks RFC 9113's header rules with C-speed scans (a compiled regex for
+names, ``in`` for values), since a bearer token is a kilobyte. A malformed
 request is a :class:`MalformedRequest` (the adapter resets that stream only
 with PROTOCOL_ERROR, as RFC 9113 8.1.1 and Go's server do), never a
 connection error that would take the client's other streams down.
@@ -27,10 +26,9 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-from hpack import NeverIndexedHeaderTuple
-
 from gatekeeper.proxy.adapter import HOP_BY_HOP, encode_header
 from gatekeeper.proxy.h2wire.hpack_decode import CREDENTIALS
+from gatekeeper.proxy.h2wire.hpack_encode import NeverIndexed
 from gatekeeper.proxy.messages import Headers
 
 _BAD_NAME = re.compile(rb"[^!#$%&'*+\-.^_`|~0-9a-z]")
@@ -84,7 +82,7 @@ def _text(raw: bytes) -> str:
 
 
 def parse_request(block: Iterable[tuple[bytes, bytes]]) -> tuple[str, str, Headers]:
-    """``(method, target, headers)`` from h2's decoded block, or :class:`MalformedRequest`."""
+    """``(method, target, headers)`` from the codec's decoded block, or :class:`MalformedRequest`."""
     pseudo: dict[bytes, bytes] = {}
     headers: Headers = []
     cookies: list[str] = []
@@ -142,8 +140,8 @@ def parse_request(block: Iterable[tuple[bytes, bytes]]) -> tuple[str, str, Heade
 
 
 VOLATILE_RESPONSE_HEADERS = frozenset({"audit-id", "date"})
-"""New value on (nearly) every response: HPACK-indexing them only evicts useful entries and
-lengthens hpack's linear table search, so they go out as literals that are not indexed."""
+"""New value on (nearly) every response: HPACK-indexing them only evicts useful entries (and the client's
+table search grows), so they go out as literals that are not indexed."""
 
 
 RESPONSE_MEMO_ENTRIES = 512
@@ -164,16 +162,15 @@ def _response_field(name: str, value: str) -> tuple[bytes, bytes] | tuple[()]:
     if name in HOP_BY_HOP:
         return ()
     if name in VOLATILE_RESPONSE_HEADERS:
-        return NeverIndexedHeaderTuple(encode_header(name), encode_header(value.strip()))
+        return NeverIndexed((encode_header(name), encode_header(value.strip())))
     return (encode_header(name), encode_header(value.strip()))
 
 
 def response_block(status: int, headers: Headers) -> list[tuple[bytes, bytes]]:
-    """The HEADERS block for a response: what h2's outbound normalization did, done once, here.
+    """The HEADERS block for a response, normalized once, here (the codec sends it as it is).
 
     Names lower-cased (HTTP/2 requires it; a middleware may write ``Retry-After``),
-    connection-specific headers dropped, values trimmed. h2_conn.config() turns
-    h2's own normalization and validation off, so this is the only pass.
+    connection-specific headers dropped, values trimmed.
     """
     code = _STATUS_LINES.get(status)
     if code is None:

@@ -1,4 +1,4 @@
-"""The receive side of the lean HTTP/2 codec: what each client frame does to the connection (RFC 9113 6).
+"""The receive side of the HTTP/2 server codec: what each client frame does to the connection (RFC 9113 6).
 
 A mixin of :class:`h2_codec.LeanH2Connection`, split out to keep each module readable:
 this one is the rules for HEADERS, CONTINUATION, DATA, WINDOW_UPDATE, RST_STREAM,
@@ -11,9 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from h2.errors import ErrorCodes
-
 from gatekeeper.proxy.h2wire import frames as f
+from gatekeeper.proxy.h2wire.errors import ErrorCodes
 from gatekeeper.proxy.h2wire.hpack_decode import BlockDecoder, HeaderBlockError, HeaderListTooLarge
 from gatekeeper.proxy.h2wire.hpack_encode import ResponseEncoder
 from gatekeeper.proxy.listen.body_budget import Share
@@ -28,10 +27,10 @@ from gatekeeper.proxy.listen.h2_state import (
     EV_WINDOW,
     RESET_BY_PEER,
     RESET_BY_US,
-    ConnectionError_,
     Event,
+    H2ConnectionError,
     HeaderBudgetExceeded,
-    Stream,
+    StreamRecord,
 )
 
 _U32 = f.U32.unpack_from
@@ -40,7 +39,7 @@ _U32 = f.U32.unpack_from
 class InboundFrames:
     """Frame handlers over the connection state that :class:`h2_codec.LeanH2Connection` sets up."""
 
-    streams: dict[int, Stream]
+    streams: dict[int, StreamRecord]
     _held: set[int]
     _closed: dict[int, int]
     highest_inbound_stream_id: int
@@ -74,7 +73,7 @@ class InboundFrames:
 
     def _fail(self, code: ErrorCodes, message: str) -> None:
         self.close_connection(code)
-        raise ConnectionError_(code, message)
+        raise H2ConnectionError(code, message)
 
     def _count(self, kind: str) -> None:
         if self._guard is not None:
@@ -202,7 +201,7 @@ class InboundFrames:
                 if self._on_refused is not None:
                     self._on_refused(sid)
             else:
-                stream = self.streams[sid] = Stream(self._peer_initial_window, self._stream_window)
+                stream = self.streams[sid] = StreamRecord(self._peer_initial_window, self._stream_window)
                 for name, value in headers:
                     if name == b"content-length":
                         # at most 19 significant digits (Go's uint63): int() raises past 4300
@@ -270,7 +269,7 @@ class InboundFrames:
         if ended:
             self._remote_close(sid, stream, events)
 
-    def _remote_close(self, sid: int, stream: Stream, events: list[Event]) -> None:
+    def _remote_close(self, sid: int, stream: StreamRecord, events: list[Event]) -> None:
         stream.remote_closed = True
         events.append((EV_ENDED, sid))
         if stream.local_closed:

@@ -1,14 +1,13 @@
-"""Shared pieces of the lean HTTP/2 codec: its event tuples, stream record, errors, and the engine interface.
+"""Shared pieces of the HTTP/2 server codec: its event tuples, stream record and errors.
 
 Apart from :mod:`h2_codec` so :mod:`h2_inbound` (the receive side) can use them without an import cycle.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
-from h2.errors import ErrorCodes
-from h2.exceptions import ProtocolError
+from gatekeeper.proxy.h2wire.errors import ErrorCodes, ProtocolError
 
 EV_REQUEST, EV_DATA, EV_ENDED, EV_RESET, EV_WINDOW, EV_GOAWAY, EV_BAD_LENGTH = range(7)
 """Event tuples: (EV_REQUEST, sid, headers, ended), (EV_DATA, sid, data, flow_length), (EV_ENDED, sid),
@@ -25,32 +24,7 @@ answered with RST_STREAM STREAM_CLOSED after the client's reset, and ignored aft
 client may have sent it before our RST_STREAM reached it)."""
 
 
-class ServerConnection(Protocol):
-    """What ``h2.H2Protocol`` needs of a server connection: met by :class:`LeanH2Connection` and
-    ``h2_conn.ProxyH2Connection`` (the ``h2`` engine)."""
-
-    highest_inbound_stream_id: Any
-    max_outbound_frame_size: Any
-
-    def initiate_connection(self) -> None: ...
-    def release_stream(self, stream_id: int) -> None: ...
-    def data_to_send(self) -> bytes: ...
-    def send_headers(self, stream_id: int, headers: Any, end_stream: bool = False) -> None: ...
-    def send_data(self, stream_id: int, data: bytes, end_stream: bool = False) -> None: ...
-    def end_stream(self, stream_id: int) -> None: ...
-    def reset_stream(self, stream_id: int, error_code: Any = 0) -> None: ...
-    def local_flow_control_window(self, stream_id: int) -> int: ...
-    def acknowledge_received_data(self, acknowledged_size: int, stream_id: int) -> None: ...
-    def release_pending(self) -> None: ...
-
-    @property
-    def inbound_flow_control_window(self) -> int: ...
-
-    def close_connection(self, error_code: Any = 0, additional_data: Any = None,
-                         last_stream_id: Any = None) -> None: ...
-
-
-class ConnectionError_(ProtocolError):
+class H2ConnectionError(ProtocolError):
     """A connection error: the GOAWAY with ``error_code`` is already queued."""
 
     def __init__(self, code: ErrorCodes, message: str) -> None:
@@ -58,7 +32,9 @@ class ConnectionError_(ProtocolError):
         self.error_code = code
 
 
-class Stream:
+class StreamRecord:
+    """What the codec knows of one open stream: its windows, which sides have closed it, its body's length."""
+
     __slots__ = ("length", "local_closed", "received", "recv_window", "remote_closed", "send_window", "unacked")
 
     def __init__(self, send_window: int, recv_window: int) -> None:
@@ -72,5 +48,5 @@ class Stream:
         self.received = 0
 
 
-class HeaderBudgetExceeded(ConnectionError_):
+class HeaderBudgetExceeded(H2ConnectionError):
     """A header block in progress would pass the process's request buffer budget (``body_budget``)."""

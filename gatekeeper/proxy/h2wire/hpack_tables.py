@@ -1,0 +1,78 @@
+"""The constants of HPACK (RFC 7541): its static table, its Huffman code, its integers (pure).
+
+Written from the RFC, so the proxy's HTTP/2 sides need no HPACK library at run
+time; the tests check every entry and code against ``hpack``'s (a
+differential oracle there, never imported from ``gatekeeper/``).
+
+The Huffman code of Appendix B is canonical: within one code length, codes
+rise with the symbol, and each length's first code follows the previous
+length's last. So the 257 code lengths determine every code, and the table is
+those lengths, one letter each (``A`` = 5 bits).
+"""
+
+from __future__ import annotations
+
+_WITH_VALUES = [
+    (":authority", ""), (":method", "GET"), (":method", "POST"), (":path", "/"), (":path", "/index.html"),
+    (":scheme", "http"), (":scheme", "https"), (":status", "200"), (":status", "204"), (":status", "206"),
+    (":status", "304"), (":status", "400"), (":status", "404"), (":status", "500"), ("accept-charset", ""),
+    ("accept-encoding", "gzip, deflate"),
+]
+_NAMES_ONLY = (
+    "accept-language accept-ranges accept access-control-allow-origin age allow authorization cache-control "
+    "content-disposition content-encoding content-language content-length content-location content-range "
+    "content-type cookie date etag expect expires from host if-match if-modified-since if-none-match if-range "
+    "if-unmodified-since last-modified link location max-forwards proxy-authenticate proxy-authorization range "
+    "referer refresh retry-after server set-cookie strict-transport-security transfer-encoding user-agent vary "
+    "via www-authenticate"
+).split()
+STATIC_TABLE: tuple[tuple[bytes, bytes], ...] = tuple(
+    (name.encode(), value.encode()) for name, value in [*_WITH_VALUES, *((n, "") for n in _NAMES_ONLY)])
+"""Appendix A: index 1 is ``STATIC_TABLE[0]``."""
+
+_LENGTH_LETTERS = (
+    "ISXXXXXXXTZXXZXXXXXXXXZXXXXXXXXXBFFHIBDGFFDGDBBBAAABBBBBBBCDKBHFIBCCCCCCCCCCCCCCCCCCCCCCDCDIOIJBKABABABBBACCBBBA"
+    "BCBAABCCCCCKGJIXPRPPRRRSRSSSSSTSTTRSTSSSSQRSRSSTRQPRRSSQSRRTQRSSQQRQSRSSPRRRSRRSVVPORSRUVVVWWVTUOQVWWVWTQQVVXWWW"
+    "PTPQRQQSRRUUTTVSVWVVWWWWWXWWWWWVZ"
+)
+HUFFMAN_LENGTHS: tuple[int, ...] = tuple(ord(c) - ord("A") + 5 for c in _LENGTH_LETTERS)
+"""Bits of the code of each symbol 0..255, then EOS (256)."""
+
+
+def _canonical_codes(lengths: tuple[int, ...]) -> tuple[int, ...]:
+    codes = [0] * len(lengths)
+    code, previous = -1, min(lengths)
+    for symbol in sorted(range(len(lengths)), key=lambda s: (lengths[s], s)):
+        code = (code + 1) << (lengths[symbol] - previous)
+        previous = lengths[symbol]
+        codes[symbol] = code
+    return tuple(codes)
+
+
+HUFFMAN_CODES = _canonical_codes(HUFFMAN_LENGTHS)
+"""The code of each symbol, right-aligned in ``HUFFMAN_LENGTHS[symbol]`` bits."""
+
+
+def huffman_encode(data: bytes) -> bytes:
+    """``data`` Huffman-coded (5.2), padded to a byte with the most significant bits of EOS (all ones)."""
+    bits = acc = 0
+    for byte in data:
+        length = HUFFMAN_LENGTHS[byte]
+        acc = acc << length | HUFFMAN_CODES[byte]
+        bits += length
+    pad = -bits % 8
+    return (acc << pad | (1 << pad) - 1).to_bytes((bits + pad) // 8, "big")
+
+
+def encode_integer(value: int, prefix_bits: int) -> bytearray:
+    """An HPACK integer (5.1) in a ``prefix_bits``-bit prefix; the caller ORs its flags into the first byte."""
+    limit = (1 << prefix_bits) - 1
+    if value < limit:
+        return bytearray([value])
+    out = bytearray([limit])
+    value -= limit
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return out
