@@ -1,4 +1,4 @@
-"""HPACK Huffman decoding: ``h2_huffman`` against ``hpack``'s decoder, in one run.
+"""HPACK Huffman decoding: ``proxy/h2wire/huffman.py`` against ``hpack``'s decoder, in one run.
 
 Not a test: it prints figures. Three costs:
 

@@ -32,7 +32,7 @@ RejectReason = Literal[
     "no_descriptors",  # a worker out of file descriptors: a connection handed to it was closed by the kernel
     # HTTP/2 (h2.py, h2_limits.py)
     "h2_malformed",  # RFC 9113 8.1.1 malformed request: RST_STREAM PROTOCOL_ERROR
-    "h2_protocol_error",  # connection error (GOAWAY with h2's error code)
+    "h2_protocol_error",  # connection error (GOAWAY with the codec's error code)
     "h2_flood_rst_stream",  # more RST_STREAM frames than h2MaxResetsPerInterval (rapid reset)
     "h2_flood_ping",  # more PINGs than h2MaxPingsPerInterval
     "h2_flood_settings",  # more SETTINGS than h2MaxSettingsPerInterval

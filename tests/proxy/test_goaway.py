@@ -86,7 +86,7 @@ async def test_inflight_stream_completes_after_goaway(h2pair):
         assert pair.status(sid) == 200 and pair.body(sid) == b"part1-part2" and pair.ended(sid)
         assert pair.reset(sid) is None
     assert finishes == [None, None]
-    # the final GOAWAY (h2's close_connection) repeats the same last stream id
+    # the final GOAWAY (the codec's close_connection) repeats the same last stream id
     assert [g.last_stream_id for g in pair.goaways] == [s3, s3]
     assert pair.bytes_after_close == 0
 

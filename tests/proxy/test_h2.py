@@ -435,8 +435,8 @@ async def test_exhausted_body_ending_in_an_empty_chunk_still_ends_the_stream(h2p
 
 async def test_largest_valid_stream_window_keeps_connection_window_within_rfc_limit(h2pair):
     """streamWindowBytes passes validate() up to 2^31-1, but the connection window is 4x that:
-    it must be capped at 2^31-1 (RFC 9113 6.9.1), not sent as an invalid WINDOW_UPDATE (lean)
-    or raised from start() (h2), which broke every connection."""
+    it must be capped at 2^31-1 (RFC 9113 6.9.1), not sent as an invalid WINDOW_UPDATE, which broke every
+    connection."""
 
     async def handler(req: ProxyRequest) -> ProxyResponse:
         return ProxyResponse(200, [], _chunks(b"ok"))

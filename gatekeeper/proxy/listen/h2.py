@@ -40,7 +40,7 @@ from gatekeeper.proxy.adapter import ClientGone
 from gatekeeper.proxy.h2wire.errors import ErrorCodes, ProtocolError
 from gatekeeper.proxy.h2wire.frames import MAX_WINDOW
 from gatekeeper.proxy.listen import conn_metrics
-from gatekeeper.proxy.listen.body_budget import BodyBudget
+from gatekeeper.proxy.listen.body_budget import RequestBufferBudget
 from gatekeeper.proxy.listen.goaway import GoawayDecider
 from gatekeeper.proxy.listen.h2_codec import (
     EV_BAD_LENGTH,
@@ -89,7 +89,7 @@ class H2Protocol(StreamServing, Draining):
         connection_id: int = 0,
         rng: Callable[[], float] = random.random,
         close_delay: float = 1.0,
-        body_budget: BodyBudget | None = None,
+        body_budget: RequestBufferBudget | None = None,
     ) -> None:
         self._handler = handler
         self._settings = settings
@@ -101,7 +101,7 @@ class H2Protocol(StreamServing, Draining):
         self.connection_id = connection_id
         self._decider = GoawayDecider(settings.goaway_chance, rng)
         self._close_delay = close_delay
-        self._budget = (body_budget or BodyBudget(settings.max_buffered_request_bytes, gauge=None)).share()
+        self._budget = (body_budget or RequestBufferBudget(settings.max_buffered_request_bytes, gauge=None)).share()
         self._window_reopened_at = -math.inf
         """When an acknowledgement last reopened a shut connection receive window (request-body idle clock)."""
         self._conn = H2ServerCodec(

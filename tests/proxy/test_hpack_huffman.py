@@ -21,7 +21,7 @@ from test_h2_codec import Client
 from test_h2_codec_hostile import _huffman_literal
 
 from gatekeeper.proxy.h2wire import frames as f
-from gatekeeper.proxy.h2wire import huffman as h2_huffman
+from gatekeeper.proxy.h2wire import huffman
 from gatekeeper.proxy.h2wire.errors import ErrorCodes
 from gatekeeper.proxy.h2wire.hpack_decode import BlockDecoder, HeaderBlockError
 from gatekeeper.proxy.h2wire.hpack_tables import HUFFMAN_CODES, HUFFMAN_LENGTHS, huffman_encode
@@ -181,11 +181,11 @@ def _literal_without_indexing(name_index: int, coded_value: bytes) -> bytes:
 
 
 def test_short_paths_hit_the_short_memo_but_short_secrets_never_enter_it():
-    h2_huffman._short_memo.cache_clear()
+    huffman._short_memo.cache_clear()
     path = encode(b"/api/v1/namespaces/default")
     secret = b"Bearer short"  # under MEMO_MIN_BYTES coded: memoized nowhere, as before
-    assert h2_huffman.SHORT_MEMO_MIN_BYTES <= len(path) < h2_huffman.MEMO_MIN_BYTES
-    assert h2_huffman.SHORT_MEMO_MIN_BYTES <= len(encode(secret)) < h2_huffman.MEMO_MIN_BYTES
+    assert huffman.SHORT_MEMO_MIN_BYTES <= len(path) < huffman.MEMO_MIN_BYTES
+    assert huffman.SHORT_MEMO_MIN_BYTES <= len(encode(secret)) < huffman.MEMO_MIN_BYTES
     encoder = hpack.Encoder()
     blocks = [
         _literal_without_indexing(4, path),  # :path, static index 4, as nghttp2 sends it
@@ -199,29 +199,58 @@ def test_short_paths_hit_the_short_memo_but_short_secrets_never_enter_it():
         fields = [field for block in blocks for field in decoder.decode(block)]
     assert (b":path", b"/api/v1/namespaces/default") in fields
     assert (b"x-secret", secret) in fields and (b"cookie", b"session=abc") in fields
-    info = h2_huffman._short_memo.cache_info()
+    info = huffman._short_memo.cache_info()
     assert info.hits >= 2  # the path: decoded once, then from the memo
     # Probe the memo's keys through its statistics: a secret lookup would be a hit if it were kept.
     for value in (secret, secret + b"2", secret + b"3", b"session=abc"):
-        before = h2_huffman._short_memo.cache_info()
-        h2_huffman._short_memo(encode(value))
-        after = h2_huffman._short_memo.cache_info()
+        before = huffman._short_memo.cache_info()
+        huffman._short_memo(encode(value))
+        after = huffman._short_memo.cache_info()
         assert (after.hits, after.misses) == (before.hits, before.misses + 1), value
-    before = h2_huffman._short_memo.cache_info()
-    h2_huffman._short_memo(path)
-    assert h2_huffman._short_memo.cache_info().hits == before.hits + 1
+    before = huffman._short_memo.cache_info()
+    huffman._short_memo(path)
+    assert huffman._short_memo.cache_info().hits == before.hits + 1
 
 
 def test_short_memo_is_bounded_and_keeps_only_its_size_range():
-    h2_huffman._short_memo.cache_clear()
-    for i in range(h2_huffman.SHORT_MEMO_ENTRIES + 50):
-        assert h2_huffman.decode_memo_short(encode(b"/p/%06d" % i)) == b"/p/%06d" % i
-    info = h2_huffman._short_memo.cache_info()
-    assert info.currsize == h2_huffman.SHORT_MEMO_ENTRIES
-    h2_huffman.decode_memo_short(encode(b"ab"))  # under SHORT_MEMO_MIN_BYTES coded
-    h2_huffman.decode_memo_short(encode(b"t" * 200))  # long: the long memo's business
-    assert h2_huffman._short_memo.cache_info()[:2] == info[:2]
+    huffman._short_memo.cache_clear()
+    for i in range(huffman.SHORT_MEMO_ENTRIES + 50):
+        assert huffman.decode_memo_short(encode(b"/p/%06d" % i)) == b"/p/%06d" % i
+    info = huffman._short_memo.cache_info()
+    assert info.currsize == huffman.SHORT_MEMO_ENTRIES
+    huffman.decode_memo_short(encode(b"ab"))  # under SHORT_MEMO_MIN_BYTES coded
+    huffman.decode_memo_short(encode(b"t" * 200))  # long: the long memo's business
+    assert huffman._short_memo.cache_info()[:2] == info[:2]
     with pytest.raises(HuffmanDecodingError):
-        h2_huffman.decode_memo_short(b"\xff\xff\xff\xff\x00")
+        huffman.decode_memo_short(b"\xff\xff\xff\xff\x00")
     with pytest.raises(HuffmanDecodingError):  # raised again: errors are never cached
-        h2_huffman.decode_memo_short(b"\xff\xff\xff\xff\x00")
+        huffman.decode_memo_short(b"\xff\xff\xff\xff\x00")
+
+
+def test_huffman_memo_returns_what_decoding_returns_and_still_rejects_garbage():
+    memo = huffman.decode_memo
+    original = reference
+    rng = random.Random(7)
+    for size in (1, 10, 100, 1000, 5000, 20000):
+        raw = bytes(rng.randrange(256) for _ in range(size))
+        enc = encode(raw)
+        assert memo(enc) == original(enc) == raw
+        assert memo(enc) == raw  # second call, from the memo when in range
+    # An EOS symbol inside the string is invalid: raised every time, never cached as a value.
+    bad = b"\xff\xff\xff\xff" * 20
+    for _ in range(2):
+        with pytest.raises(huffman.HuffmanDecodingError):
+            memo(bad)
+
+
+def test_huffman_memo_is_bounded():
+    memo = huffman.decode_memo
+    cache = huffman._memo
+    for i in range(huffman.MEMO_ENTRIES + 50):
+        memo(encode(b"token-%06d-" % i + b"x" * 100))
+    assert cache.cache_info().currsize <= huffman.MEMO_ENTRIES
+    before = cache.cache_info()
+    memo(encode(b"y" * (huffman.MEMO_MAX_BYTES * 2)))  # too big to keep
+    memo(encode(b"short"))  # too small to bother
+    after = cache.cache_info()
+    assert (after.hits, after.misses) == (before.hits, before.misses)

@@ -12,7 +12,7 @@ from hpack import Decoder, Encoder, NeverIndexedHeaderTuple
 from hpack.hpack import encode_integer as hpack_encode_integer
 from hpack.table import HeaderTable
 
-from gatekeeper.proxy.h2wire import hpack_encode as h2_hpack
+from gatekeeper.proxy.h2wire import hpack_encode
 from gatekeeper.proxy.h2wire.hpack_encode import NeverIndexed, ResponseEncoder
 from gatekeeper.proxy.h2wire.hpack_tables import STATIC_TABLE, encode_integer
 from gatekeeper.proxy.listen.h2_codec import H2ServerCodec
@@ -114,27 +114,27 @@ def test_a_smaller_peer_table_is_signalled_before_the_next_block_and_old_entries
 def test_table_never_grows_past_its_cap_whatever_the_peer_allows() -> None:
     enc = ResponseEncoder()
     enc.header_table_size = 1 << 20
-    assert enc.header_table_size == h2_hpack.MAX_TABLE_SIZE
+    assert enc.header_table_size == hpack_encode.MAX_TABLE_SIZE
     for i in range(500):
         enc.encode([(b"x-field", f"{i:0100d}".encode())])
-    assert enc.table_entries <= h2_hpack.MAX_TABLE_SIZE // (32 + 7 + 100)
+    assert enc.table_entries <= hpack_encode.MAX_TABLE_SIZE // (32 + 7 + 100)
 
 
 def test_literal_memo_is_bounded_and_skips_long_fields(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(h2_hpack, "_memo", {})
-    monkeypatch.setattr(h2_hpack, "MEMO_ENTRIES", 16)
+    monkeypatch.setattr(hpack_encode, "_memo", {})
+    monkeypatch.setattr(hpack_encode, "MEMO_ENTRIES", 16)
     enc, dec = ResponseEncoder(), Decoder()
     for i in range(100):
         fields = [(b"x-distinct", str(i).encode())]
         assert _decoded(dec, enc.encode(fields)) == fields
-        assert h2_hpack.memo_size() <= 16
-    h2_hpack._memo.clear()
-    enc.encode([(b"x-long", b"v" * (h2_hpack.MEMO_MAX_BYTES + 1))])
-    assert h2_hpack.memo_size() == 0
+        assert hpack_encode.memo_size() <= 16
+    hpack_encode._memo.clear()
+    enc.encode([(b"x-long", b"v" * (hpack_encode.MEMO_MAX_BYTES + 1))])
+    assert hpack_encode.memo_size() == 0
     # A memoized encoding is the same bytes as a fresh one.
-    first = h2_hpack.indexed_literal(b"content-type", b"application/yaml")
-    h2_hpack._memo.clear()
-    assert h2_hpack.indexed_literal(b"content-type", b"application/yaml") == first
+    first = hpack_encode.indexed_literal(b"content-type", b"application/yaml")
+    hpack_encode._memo.clear()
+    assert hpack_encode.indexed_literal(b"content-type", b"application/yaml") == first
 
 
 def test_the_proxy_connection_encodes_its_responses_with_it() -> None:

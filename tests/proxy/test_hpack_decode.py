@@ -1,4 +1,4 @@
-"""The lean codec's HPACK decoder (``h2_hdecode.BlockDecoder``) against ``hpack``'s, and its limits."""
+"""The HPACK decoder (``h2wire.hpack_decode.BlockDecoder``) against ``hpack``'s, and its limits."""
 
 from __future__ import annotations
 
