@@ -80,6 +80,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from gatekeeper.acceptloop import ACCEPT_BACKOFF
+from gatekeeper.proxy.listen.settings import BACKLOG
 
 log = logging.getLogger("gatekeeper.proxy.handoff")
 
@@ -89,14 +90,9 @@ DRAINING = b"D"
 """What a worker sends on its hand-off socket as it begins to drain: hand it nothing more, and take back what it
 has not read (its own close no longer ends the socket: the supervisor holds a duplicate of its end)."""
 _CONN = b"C"
-BACKLOG = 1024
-"""Pending connections the kernel queues on the TLS port once it listens (the workers' own listeners too)."""
 RECEIVE_RETRY = frozenset({errno.ENOBUFS, errno.ENOMEM})
 """Errors of a worker's receive that pass (the kernel short of memory): it tries again after a back-off. Any
 other error (ECONNRESET: the supervisor closed its end with messages unread; EBADF, ...) ends the hand-off."""
-RECEIVE_BACKOFF_MAX = 1.0
-"""Seconds: a worker's pause after failed receives doubles from ``ACCEPT_BACKOFF`` up to this, never spinning
-on a socket that stays readable, never pausing longer than about 40 queued connections should wait."""
 QUEUE_SNDBUF = 16 * 1024
 """Send buffer of the supervisor's end of a hand-off socket: about 40 queued connections (the default, 208 KiB,
 queued 555 on a worker that had stopped reading before the next worker got one)."""

@@ -2,7 +2,7 @@
 
 Entry point for ``gatekeeper proxy`` (called from ``command.py``)::
 
-    async def serve(settings: ProxySettings, handler: Handler, *,
+    async def serve(settings: ServingSettings, handler: Handler, *,
                     ready: Callable[[int], None] | None = None) -> None
 
 ``serve`` binds ``listener.address:listener.port`` (TLS >= 1.2, ALPN ``h2`` and
@@ -48,20 +48,18 @@ import socket
 import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from gatekeeper.acceptloop import ACCEPT_BACKOFF, accept_forever
 from gatekeeper.netbind import bind_listeners
 from gatekeeper.proxy import rejections
 from gatekeeper.proxy.adapter import ClientGone
-from gatekeeper.proxy.handoff import BACKLOG, RECEIVE_BACKOFF_MAX, Inbox
 from gatekeeper.proxy.listen import conn_metrics
 from gatekeeper.proxy.listen.body_budget import RequestBufferBudget
 from gatekeeper.proxy.listen.h1 import H1Connection
 from gatekeeper.proxy.listen.h2 import H2Protocol
-from gatekeeper.proxy.listen.h2_limits import check_limits
+from gatekeeper.proxy.listen.settings import BACKLOG, ListenerSettings, ServingSettings, check_limits
 from gatekeeper.proxy.messages import Handler
-from gatekeeper.proxy.settings import ListenerSettings, ProxySettings
 from gatekeeper.tls import ReloadingTLS
 from gatekeeper.tlshandshake import handshake_within
 
@@ -73,6 +71,34 @@ EARLY_PAUSE_BYTES = 128 * 1024
 """Bytes held between the TLS handshake and the ALPN decision before reading pauses (a StreamReader's 2 x 64 KiB)."""
 H2_CIPHERS = "ECDHE+AESGCM:ECDHE+CHACHA20"
 """TLS 1.2 suites RFC 9113 9.2.2 allows (AEAD, ephemeral key exchange); every TLS 1.3 suite is fine."""
+RECEIVE_BACKOFF_MAX = 1.0
+"""Seconds: a worker's pause after failed hand-off receives doubles from ``ACCEPT_BACKOFF`` up to this, never
+spinning on a socket that stays readable, never pausing longer than about 40 queued connections should wait."""
+
+
+class HandoffInbox(Protocol):
+    """Where a supervised worker's connections come from instead of a socket of its own: the worker's end of
+    the supervisor's hand-off (``proxy/handoff.Inbox``, which defines the protocol with its other end)."""
+
+    sock: socket.socket
+    ended: bool
+    """Nothing more will arrive: the supervisor closed its end, or a receive failed for good."""
+    error: OSError | None
+    """Why the last :meth:`receive` stopped; without ``ended`` it passes (read again after a back-off)."""
+    lost: int
+    """Connections the last :meth:`receive` lost (this process was out of descriptors)."""
+
+    def announce(self) -> None:
+        """Tell the supervisor this worker serves."""
+
+    def receive(self) -> list[socket.socket]:
+        """Every connection waiting now, without blocking."""
+
+    def closed(self) -> None:
+        """Count one of the handed-over connections closed (the supervisor balances on the counts)."""
+
+    def leave(self) -> None:
+        """Tell the supervisor this worker drains, and close this end."""
 
 
 def make_ssl_context(listener: ListenerSettings) -> ssl.SSLContext:
@@ -243,12 +269,12 @@ class ProxyServer:
 
     def __init__(
         self,
-        settings: ProxySettings,
+        settings: ServingSettings,
         handler: Handler,
         *,
         rng: Callable[[], float] = random.random,
         close_delay: float = 1.0,
-        handoff: Inbox | None = None,
+        handoff: HandoffInbox | None = None,
     ) -> None:
         settings.listener.validate()
         check_limits(settings.listener, settings.protocol)  # the protocol's validate() included
@@ -547,12 +573,12 @@ class ProxyServer:
 
 
 async def serve(
-    settings: ProxySettings,
+    settings: ServingSettings,
     handler: Handler,
     *,
     ready: Callable[[int], None] | None = None,
     stopping: Callable[[], None] | None = None,
-    handoff: Inbox | None = None,
+    handoff: HandoffInbox | None = None,
     supervised: bool = False,
 ) -> None:
     """Serve until SIGTERM/SIGINT (or until the supervisor closes ``handoff``: see ``ProxyServer.handoff_ended``),
