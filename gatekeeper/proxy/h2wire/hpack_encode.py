@@ -167,7 +167,7 @@ class ResponseEncoder:
         sizes = [smallest] if smallest == final else [smallest, final]
         return b"".join(_int(s, 5, 0x20) for s in sizes)
 
-    def encode(self, headers: Iterable[Any], huffman: bool = True) -> bytes:
+    def encode(self, headers: Iterable[Any]) -> bytes:
         """One header block; ``headers`` are ``(name, value)`` bytes pairs, :class:`NeverIndexed` ones included."""
         out: list[bytes] = []
         if self._pending:

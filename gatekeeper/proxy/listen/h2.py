@@ -37,7 +37,7 @@ from typing import Any, cast
 
 from gatekeeper.proxy import rejections
 from gatekeeper.proxy.adapter import ClientGone
-from gatekeeper.proxy.h2wire.errors import ErrorCodes, ProtocolError
+from gatekeeper.proxy.h2wire.errors import ErrorCodes, ProtocolError, StreamClosedError
 from gatekeeper.proxy.h2wire.frames import MAX_WINDOW
 from gatekeeper.proxy.listen import conn_metrics
 from gatekeeper.proxy.listen.body_budget import RequestBufferBudget
@@ -299,7 +299,7 @@ class H2Protocol(StreamServing, Draining):
             return False
         try:
             self._conn.reset_stream(stream_id, code)
-        except ProtocolError:  # StreamClosedError among them
+        except StreamClosedError:
             return False
         self._flush()
         return True

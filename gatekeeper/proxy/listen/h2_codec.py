@@ -215,8 +215,7 @@ class H2ServerCodec(InboundFrames):
                 self._out.append(f.window_update(sid, stream.unacked))
                 stream.unacked = 0
 
-    def close_connection(self, error_code: Any = 0, additional_data: Any = None,
-                         last_stream_id: Any = None) -> None:
+    def close_connection(self, error_code: int = 0, last_stream_id: int | None = None) -> None:
         if self.closed:
             return
         last = self.highest_inbound_stream_id if last_stream_id is None else last_stream_id

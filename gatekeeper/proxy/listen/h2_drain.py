@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING
 
 from gatekeeper.proxy.adapter import ClientGone
 from gatekeeper.proxy.h2wire import frames
-from gatekeeper.proxy.h2wire.errors import ProtocolError
 from gatekeeper.proxy.listen import conn_metrics
 from gatekeeper.proxy.listen.goaway import Reason
 
@@ -105,10 +104,7 @@ class Draining:
     def _close_h2(self) -> None:
         if self._h2_closed:
             return
-        try:
-            self._conn.close_connection(last_stream_id=self.goaway_last_stream_id)
-        except ProtocolError:
-            pass
+        self._conn.close_connection(last_stream_id=self.goaway_last_stream_id)
         self._flush()
         self._h2_closed = True
 

@@ -64,8 +64,7 @@ class InboundFrames:
     def acknowledge_received_data(self, acknowledged_size: int, stream_id: int) -> None:
         raise NotImplementedError
 
-    def close_connection(self, error_code: int = 0, additional_data: object = None,
-                         last_stream_id: int | None = None) -> None:
+    def close_connection(self, error_code: int = 0, last_stream_id: int | None = None) -> None:
         raise NotImplementedError
 
     def _remember(self, sid: int, how: int) -> None:

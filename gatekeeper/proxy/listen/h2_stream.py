@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from gatekeeper.proxy import rejections
 from gatekeeper.proxy.adapter import ClientGone, call_handler, close_body, response_has_body
-from gatekeeper.proxy.h2wire.errors import ErrorCodes, ProtocolError, StreamClosedError
+from gatekeeper.proxy.h2wire.errors import ErrorCodes, StreamClosedError
 from gatekeeper.proxy.listen.h2_headers import response_block
 from gatekeeper.proxy.messages import Handler, ProxyRequest, ProxyResponse, is_exhausted
 
@@ -157,10 +157,7 @@ class StreamServing:
             return
         if self._conn.inbound_flow_control_window <= 0:
             self._window_reopened_at = self._loop.time()  # see _request_body's idle clock
-        try:
-            self._conn.acknowledge_received_data(flow, stream_id)
-        except ProtocolError:  # StreamClosedError among them
-            return
+        self._conn.acknowledge_received_data(flow, stream_id)  # a closed stream's: only the connection window
         self._flush_soon()
 
     # ------------------------------------------------------------------ responses
