@@ -1,6 +1,6 @@
 """The receive side of the HTTP/2 server codec: what each client frame does to the connection (RFC 9113 6).
 
-A mixin of :class:`h2_codec.LeanH2Connection`, split out to keep each module readable:
+A mixin of :class:`h2_codec.H2ServerCodec`, split out to keep each module readable:
 this one is the rules for HEADERS, CONTINUATION, DATA, WINDOW_UPDATE, RST_STREAM,
 PRIORITY and SETTINGS; ``h2_codec`` holds the state, the frame loop and the sending API.
 Every handler gets the frame as (flags, stream id, buffer, payload start, payload length)
@@ -37,7 +37,7 @@ _U32 = f.U32.unpack_from
 
 
 class InboundFrames:
-    """Frame handlers over the connection state that :class:`h2_codec.LeanH2Connection` sets up."""
+    """Frame handlers over the connection state that :class:`h2_codec.H2ServerCodec` sets up."""
 
     streams: dict[int, StreamRecord]
     _held: set[int]
