@@ -33,6 +33,8 @@ def register(sub: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    # Here, not at the top: the server pulls in aiohttp, uvloop and kubernetes-asyncio (~0.7 s), which
+    # every other subcommand and `gatekeeper --help` would otherwise pay.
     from gatekeeper.webhook.server import StartupError, preflight, run
 
     cfg = load_config(args.config, need="webhook")

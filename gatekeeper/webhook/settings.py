@@ -258,6 +258,7 @@ class MigPool:
     """Profiles the pool's layout creates, when ``layout`` is not one of the known names."""
 
     def allowed(self) -> tuple[str, ...]:
+        # Imported here: gatekeeper.webhook.gpu imports these settings, so a top-level import is a circle.
         from gatekeeper.webhook.gpu.sizing import layout_profiles
 
         return tuple(self.profiles) if self.profiles else layout_profiles(self.gpu_model, self.layout)
