@@ -6,8 +6,10 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from gatekeeper.errors import non_negative_int, positive_int
+from gatekeeper.errors import UsageError, non_negative_int, positive_int
 from gatekeeper.sandbox import mig
+from gatekeeper.sandbox.build import BuildError, build_all
+from gatekeeper.sandbox.lifecycle import SandboxError, UpOptions, down, status, up
 
 
 def register(sub: Any) -> None:
@@ -92,9 +94,6 @@ def _state_dir(p: argparse.ArgumentParser) -> None:
 
 
 def _build(args: argparse.Namespace) -> int:
-    from gatekeeper.errors import UsageError
-    from gatekeeper.sandbox.build import BuildError, build_all
-
     try:
         build_all(force=args.force, only=tuple(args.only))
     except BuildError as exc:
@@ -103,10 +102,6 @@ def _build(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from gatekeeper.errors import UsageError
-    from gatekeeper.sandbox.build import BuildError
-    from gatekeeper.sandbox.lifecycle import SandboxError, UpOptions, up
-
     addons = tuple(n for n, on in (("webhook", args.with_webhook), ("proxy", args.with_proxy)) if on)
     opts = UpOptions(
         state_dir=args.state_dir, apiservers=args.apiservers, gpu_nodes=args.gpu_nodes,
@@ -123,12 +118,8 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from gatekeeper.sandbox.lifecycle import status
-
     return status(args.state_dir)
 
 
 def _down(args: argparse.Namespace) -> int:
-    from gatekeeper.sandbox.lifecycle import down
-
     return down(args.state_dir)
