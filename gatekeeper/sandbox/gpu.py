@@ -12,7 +12,7 @@ Pure manifests here; ``up`` applies them with kubectl.
 from __future__ import annotations
 
 import uuid
-from typing import Any, TypedDict
+from typing import Any
 
 from gatekeeper.kube import objects
 
@@ -40,9 +40,7 @@ class ObjectMeta(objects.ObjectMeta, total=False):
     ownerReferences: list[dict[str, Any]]
 
 
-class Manifest(TypedDict, total=False):
-    apiVersion: str
-    kind: str
+class Manifest(objects.TypeMeta, total=False):
     metadata: ObjectMeta
     spec: dict[str, Any]
     status: dict[str, Any]
