@@ -1,8 +1,8 @@
 """`gatekeeper` command line.
 
 Each subcommand's arguments and entry point live with the component that owns
-them (``gatekeeper.<component>.command``: ``register(subparsers)`` and the
-handler set via ``set_defaults(func=...)``), so this module only wires them up
+them (``gatekeeper.<component>.command``: ``NAME``, ``HELP``, ``DESCRIPTION``, ``add_arguments(parser)``
+and the handler set via ``set_defaults(func=...)``), so this module only wires them up
 and turns expected failures into one readable line and a non-zero exit.
 """
 
@@ -43,10 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"text, or json (one object per line, for a log pipeline); default ${FORMAT_ENV} "
                              "or text. Proxy workers inherit both")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    webhook_command.register(sub)
-    proxy_command.register(sub)
-    certs_command.register(sub)
-    sandbox_command.register(sub)
+    for command in (webhook_command, proxy_command, certs_command, sandbox_command):
+        command.add_arguments(sub.add_parser(command.NAME, help=command.HELP, description=command.DESCRIPTION))
     _register_loadtest(sub)
     return parser
 

@@ -31,17 +31,18 @@ if TYPE_CHECKING:
 log = logging.getLogger("gatekeeper.proxy")
 
 
-def register(sub: Any) -> None:
-    p = sub.add_parser(
-        "proxy",
-        help="run the API-aware front proxy in front of several kube-apiservers",
-        description=(
-            "Serve h2 and HTTP/1.1 over TLS, balance every request across the configured apiservers "
-            "(least in-flight, power of two choices), assert client-certificate identities with the "
-            "front-proxy certificate, apply flow control, and send graceful GOAWAYs. /metrics, /healthz "
-            "and /readyz are served on listener.metricsPort (plain HTTP)."
-        ),
-    )
+NAME = "proxy"
+HELP = "run the API-aware front proxy in front of several kube-apiservers"
+DESCRIPTION = (
+    "Serve h2 and HTTP/1.1 over TLS, balance every request across the configured apiservers "
+    "(least in-flight, power of two choices), assert client-certificate identities with the "
+    "front-proxy certificate, apply flow control, and send graceful GOAWAYs. /metrics, /healthz "
+    "and /readyz are served on listener.metricsPort (plain HTTP)."
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The subcommand's options and handler (``set_defaults(func=...)``); the CLI makes the parser."""
     p.add_argument("--config", required=True, type=Path, help="YAML config file with a proxy: section")
     p.add_argument("--workers", type=int, default=None, metavar="N",
                    help="worker processes sharing the port (default proxy.workers; 0 = one per usable core)")

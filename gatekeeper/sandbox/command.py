@@ -4,25 +4,24 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
 
 from gatekeeper.errors import UsageError, non_negative_int, positive_int
 from gatekeeper.sandbox import mig
 from gatekeeper.sandbox.build import BuildError, build_all
 from gatekeeper.sandbox.lifecycle import SandboxError, UpOptions, down, status, up
 
+NAME = "sandbox"
+HELP = "build and run a local control plane (etcd, apiservers, scheduler, KWOK GPU nodes)"
+DESCRIPTION = (
+    "A real Kubernetes control plane as local processes on 127.0.0.1: one etcd, N kube-apiservers "
+    "sharing it, optionally kube-scheduler and kube-controller-manager, and KWOK-simulated GPU nodes "
+    "that advertise nvidia.com/gpu and publish DRA ResourceSlices. Binaries are built from the Go "
+    "modules in gatekeeper/sandbox/gomod."
+)
 
-def register(sub: Any) -> None:
-    p = sub.add_parser(
-        "sandbox",
-        help="build and run a local control plane (etcd, apiservers, scheduler, KWOK GPU nodes)",
-        description=(
-            "A real Kubernetes control plane as local processes on 127.0.0.1: one etcd, N kube-apiservers "
-            "sharing it, optionally kube-scheduler and kube-controller-manager, and KWOK-simulated GPU nodes "
-            "that advertise nvidia.com/gpu and publish DRA ResourceSlices. Binaries are built from the Go "
-            "modules in gatekeeper/sandbox/gomod."
-        ),
-    )
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The subcommand's options and handler (``set_defaults(func=...)``); the CLI makes the parser."""
     ssub = p.add_subparsers(dest="sandbox_command", metavar="ACTION", required=True)
 
     b = ssub.add_parser(
