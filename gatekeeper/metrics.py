@@ -7,6 +7,10 @@ prometheus-client's multiprocess mode (``PROMETHEUS_MULTIPROC_DIR`` set
 every process write its samples to files that :func:`render` aggregates, so a
 scrape that lands on any worker reports the whole server. No HTTP here: the
 aiohttp routes are in ``gatekeeper.ops``.
+
+This module is imported before the mode is known, so every ``prometheus_client`` import here is
+inside the function that needs it: importing the library picks the value class (in-process or
+mmap files) once, and an import at the top would pick it before ``enable_multiprocess`` ran.
 """
 
 from __future__ import annotations
@@ -20,6 +24,9 @@ import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from gatekeeper import tempdirs
+from gatekeeper.errors import UsageError
 
 if TYPE_CHECKING:  # imported lazily at run time: PROMETHEUS_MULTIPROC_DIR must be set first
     from prometheus_client import CollectorRegistry
@@ -42,9 +49,6 @@ def enable_multiprocess(prefix: str = "gatekeeper-metrics-") -> str:
     page or point a ``counter_<pid>.db`` symlink at one of our files for prometheus-client to resize.
     Call it once, in the parent, before any worker starts.
     """
-    from gatekeeper import tempdirs
-    from gatekeeper.errors import UsageError
-
     inherited = os.environ.get(MULTIPROC_ENV)
     path = inherited or str(tempdirs.make(prefix))  # stamped: a later start removes it if we are SIGKILLed
     if inherited:
