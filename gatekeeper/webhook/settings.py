@@ -30,6 +30,7 @@ from typing import ClassVar, Literal, get_args
 
 from gatekeeper.config import dataclass_section, register_section
 from gatekeeper.listener import TLSListenerSettings
+from gatekeeper.webhook.gpu.sizing import MIG_CATALOG, layout_profiles, parse_quantity_bytes
 
 Mode = Literal["dra", "shared", "time-slicing", "mps", "mps-dra", "mig", "mig-dra", "off"]
 MODES: tuple[str, ...] = get_args(Mode)
@@ -251,20 +252,17 @@ class MigPool:
     label_value: str = ""
     """Value of ``migPoolLabel`` on the pool's nodes, e.g. ``NVIDIA-A100-SXM4-40GB`` (GPU feature discovery)."""
     gpu_model: str = ""
-    """Catalog model (see gpu.MIG_CATALOG), e.g. ``A100-40GB``."""
+    """Catalog model (see gpu.sizing.MIG_CATALOG), e.g. ``A100-40GB``."""
     layout: str = ""
     """MIG config the pool's nodes run (``all-balanced`` or ``all-<profile>``, NVIDIA mig-parted's names)."""
     profiles: list[str] = field(default_factory=list)
     """Profiles the pool's layout creates, when ``layout`` is not one of the known names."""
 
     def allowed(self) -> tuple[str, ...]:
-        # Imported here: gatekeeper.webhook.gpu imports these settings, so a top-level import is a circle.
-        from gatekeeper.webhook.gpu.sizing import layout_profiles
 
         return tuple(self.profiles) if self.profiles else layout_profiles(self.gpu_model, self.layout)
 
     def validate(self) -> None:
-        from gatekeeper.webhook.gpu.sizing import MIG_CATALOG
 
         where = f"migPools[{self.name or '?'}]"
         if not self.name or not self.label_value:
@@ -321,7 +319,7 @@ class GpuSettings:
     """DRA driver that receives the opaque GpuConfig (mps-dra)."""
     mig_gpu_model: str = "A100-40GB"
     """GPU model whose MIG profiles the mig mode chooses from when no ``migPools`` are set, and the mig-dra
-    mode always (dynamic MIG creates any of them; see gpu.MIG_CATALOG)."""
+    mode always (dynamic MIG creates any of them; see gpu.sizing.MIG_CATALOG)."""
     mig_default_profile: str = ""
     """Profile used when a mig pod has no gpu-memory annotation (empty = deny such pods)."""
     mig_device_class: str = "mig.nvidia.com"
@@ -348,7 +346,6 @@ class GpuSettings:
     a mapping added or removed changes what ``dra`` mode does within this time."""
 
     def validate(self) -> None:
-        from gatekeeper.webhook.gpu.sizing import MIG_CATALOG, parse_quantity_bytes
 
         if self.time_slicing_resource == self.mps_resource:
             raise ValueError(f"timeSlicingResource and mpsResource are both {self.mps_resource!r}: give them "
