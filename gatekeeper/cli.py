@@ -12,6 +12,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from gatekeeper import __version__, certs_command
 from gatekeeper.config import ConfigError
@@ -59,10 +60,8 @@ def _register_loadtest(sub: argparse._SubParsersAction) -> None:
     p.add_argument("loadtest_args", nargs=argparse.REMAINDER)
 
     def run(args: argparse.Namespace) -> int:
-        from pathlib import Path
-
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-        try:
+        try:  # loadtest/ is not part of the installed package: only a source checkout has it
             from loadtest.cli import main as loadtest_main
         except ModuleNotFoundError as exc:
             raise UsageError(f"loadtest needs a source checkout and `pip install -e '.[loadtest]'` ({exc})") from None
