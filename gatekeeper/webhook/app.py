@@ -293,7 +293,7 @@ async def _decide(request: web.Request, route: str, settings: WebhookSettings, c
                 decision = Decision(allowed=False, outcome="error", code=403, reason="Forbidden",
                                     message="gatekeeper creates ResourceClaimTemplates only for a verified "
                                             "kube-apiserver caller; set webhook.server.clientCaFile and "
-                                            "allowedClientNames (README: Authenticated webhook), or use a "
+                                            "allowedClientNames (docs: Authenticated webhook), or use a "
                                             "GPU mode that creates nothing (time-slicing, mps, mig)")
             elif keeper is None:
                 decision = Decision(allowed=False, outcome="error", code=503, reason="ServiceUnavailable",
@@ -329,7 +329,7 @@ def _call_failed(decision: Decision) -> web.Response:
     ``allowed: false`` is obeyed whatever the webhook configuration's ``failurePolicy`` says; a failed call is
     settled by it: ``Fail`` refuses the write (kubectl shows this message after "failed calling webhook"),
     ``Ignore`` admits it unchanged. Answered as a denial, a broken template RBAC kept refusing GPU pods even
-    after the README's way out of the write path, ``failurePolicy=Ignore``. No ``Retry-After``: client-go would
+    after the documented way out of the write path, ``failurePolicy=Ignore``. No ``Retry-After``: client-go would
     retry the call inside the apiserver's one ``timeoutSeconds``.
     """
     return web.Response(body=failure_json(decision.code, decision.reason, decision.message), status=decision.code,

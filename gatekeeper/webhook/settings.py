@@ -1,6 +1,6 @@
 """Typed ``webhook:`` section of the gatekeeper config file.
 
-Defaults and why (the README repeats this):
+Defaults and why (docs/webhook/ repeats this):
 
 * ``secrets.hardLimit: 128Ki`` -- the seeds' incident was 5,000 Secrets of
   ~0.2 MB (~195 KiB) each; a LIST of them pulled ~1 GB into the apiserver.
@@ -124,7 +124,7 @@ class ServerSettings(TLSListenerSettings):
     is a window of ~16-24 KiB: about 20 MB/s per connection at 1 ms round trip, so the largest review (6 MiB) takes
     ~0.3 s more to arrive over such a link; the usual review (a few KiB) nothing. Large reviews cost more CPU in
     smaller reads: 200 KiB Secret reviews per server CPU-second, 3 interleaved rounds, 686 at 16 KiB, 815 at 32 KiB,
-    939 at 64 KiB, 1098 with autotuning. The default buys the memory bound with that CPU (README)."""
+    939 at 64 KiB, 1098 with autotuning. The default buys the memory bound with that CPU (docs/webhook/hardening.md)."""
     max_connections: int = 1000
     """Open connections per worker process; a new one over it is closed after its TLS handshake, before any
     request is read (any pod can connect, and each open connection can hold up to ``maxBodyBytes``)."""

@@ -248,3 +248,22 @@ def test_webhook_cluster_role_has_exactly_the_registration_module_rules() -> Non
                 for v in rule["verbs"]}
 
     assert norm(roles[0]["rules"]) == norm(registration.RBAC_RULES)
+
+
+def test_runbook_urls_follow_the_docs_site_values() -> None:
+    """By default the alerts link to their Markdown pages in the repository; a published docs site moves them all
+    (MkDocs serves docs/operations/runbooks/X.md at operations/runbooks/X/)."""
+    def runbooks(docs: list[dict[str, Any]]) -> dict[str, str]:
+        (rule,) = by_kind(docs, "PrometheusRule")
+        return {r["alert"]: r["annotations"]["runbook_url"] for g in rule["spec"]["groups"] for r in g["rules"]}
+
+    default = runbooks(render(values=(VALUES_SETS / "monitoring.yaml",)))
+    assert default["GatekeeperProxyBackendDown"] == ("https://github.com/gatekeeper/gatekeeper/blob/main/docs/"
+                                                     "operations/runbooks/GatekeeperProxyBackendDown.md"
+                                                     "#gatekeeperproxybackenddown")
+    site = runbooks(render("monitoring.prometheusRule.runbookBaseUrl=https://docs.example/gatekeeper/",
+                           "monitoring.prometheusRule.runbookPageSuffix=/",
+                           values=(VALUES_SETS / "monitoring.yaml",)))
+    assert site.keys() == default.keys()
+    for alert, url in site.items():
+        assert url == f"https://docs.example/gatekeeper/operations/runbooks/{alert}/#{alert.lower()}"

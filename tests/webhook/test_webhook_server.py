@@ -109,9 +109,9 @@ async def test_mutate_creates_template_once_and_never_on_dry_run(client_and_fake
 
 async def test_template_failure_is_a_failed_call_with_message_for_the_failure_policy(  # type: ignore[no-untyped-def]
         aiohttp_client) -> None:
-    """Answered as allowed: false, a template the webhook could not create refused the pod even under
-    failurePolicy Ignore (the README's way to take the webhook out of the write path); a failed call lets the
-    apiserver apply the configured failurePolicy, and under Fail the user still reads the message."""
+    """Answered as allowed: false, a template the webhook could not create refused the pod even under failurePolicy
+    Ignore (the documented way, docs/operations/index.md, to take the webhook out of the write path); a failed call
+    lets the apiserver apply the configured failurePolicy, and under Fail the user still reads the message."""
     app = build_app(SETTINGS, TemplateKeeper(FakeCreate(TemplateError("HTTP 403 Forbidden")), 60),
                     authenticate=as_apiserver)
     client = await aiohttp_client(app)
