@@ -154,6 +154,20 @@ def _convert(value: Any, tp: Any, source: str, key: str) -> Any:
     raise ConfigError(source, key, f"expected {_describe(tp)}, got {_typename(value)} {_shown(value)}")
 
 
+REMOVED_KEYS: dict[str, str] = {
+    "proxy.connectionBalancing": "the kernel's SO_REUSEPORT worker model is gone: the parent always hands each "
+                                 "connection to the worker with the fewest; delete the key",
+    "proxy.listener.reusePort": "workers no longer listen themselves (the parent hands connections over); "
+                                "delete the key",
+    "proxy.protocol.http2Engine": "the proxy has one client-facing HTTP/2 engine, its own codec; delete the key",
+    "proxy.upstream.client": "the proxy has one HTTP/1.1 upstream client, its own (asyncio + llhttp); delete the key",
+    "proxy.upstream.http2": "short GETs of verified callers always share multiplexed HTTP/2 connections to the "
+                            "apiservers (a backend that answers HTTP/1.1 gets HTTP/1.1); delete the key",
+}
+"""Keys a release removed, by path: a config that still sets one fails with what to do instead, not with a bare
+"unknown key" (and never silently: each one selected behaviour that no longer exists)."""
+
+
 def from_mapping(cls: type[T], data: Any, source: str = "<config>", prefix: str = "") -> T:
     """Build dataclass ``cls`` from a YAML mapping, strictly.
 
@@ -168,6 +182,10 @@ def from_mapping(cls: type[T], data: Any, source: str = "<config>", prefix: str 
     hints = get_type_hints(cls)
     fields = {_key_of(f): f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(map(str, data)) - set(fields))
+    for key in unknown:
+        where = f"{prefix}.{key}" if prefix else key
+        if where in REMOVED_KEYS:
+            raise ConfigError(source, where, f"removed: {REMOVED_KEYS[where]}")
     if unknown:
         where = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
         raise ConfigError(source, where, f"unknown key; expected one of: {', '.join(sorted(fields))}")

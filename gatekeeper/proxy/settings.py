@@ -52,8 +52,6 @@ class ListenerSettings(TLSListenerSettings):
         return self.tls_handshake_max_seconds or 4 * self.tls_handshake_timeout_seconds
     max_client_connections: int = 20000
     """Client connections open at once (handshaking included); more are closed at accept (counted)."""
-    reuse_port: bool = False
-    """Bind the TLS port with SO_REUSEPORT (set by the worker supervisor, see ``proxy/workers.py``)."""
 
 
 @dataclass(frozen=True)
@@ -119,8 +117,6 @@ class ProtocolSettings:
     """HTTP/1.1: an upgraded tunnel that moves no byte either way for this long is closed (kubelet's own
     streamingConnectionIdleTimeout default, 4 h; pods/proxy and services/proxy tunnels had no bound), and so
     is an upgrade request whose backend has not answered in that time."""
-    http2_engine: str = "lean"
-    """Client-facing HTTP/2 codec: ``lean`` (the proxy's own, ``listen/h2_codec.py``) or ``h2`` (the h2 library)."""
 
     def validate(self) -> None:
         for f in dataclasses.fields(self):
@@ -147,8 +143,6 @@ class ProtocolSettings:
         if not 0 <= self.write_buffer_low_bytes <= self.write_buffer_high_bytes:
             raise ValueError(f"writeBufferLowBytes must be within [0, writeBufferHighBytes "
                              f"({self.write_buffer_high_bytes})], got {self.write_buffer_low_bytes}")
-        if self.http2_engine not in ("lean", "h2"):
-            raise ValueError(f"http2Engine must be 'lean' or 'h2', got {self.http2_engine!r}")
         limit = 1.0 if self.allow_unsafe_goaway_chance else MAX_GOAWAY_CHANCE
         if not 0.0 <= self.goaway_chance <= limit:
             raise ValueError(
@@ -198,11 +192,6 @@ class UpstreamSettings:
     """How often caFile and the front-proxy certificate are checked for changes (new connections use them)."""
     response_header_timeout_seconds: float = 60.0
     """Longest wait for a backend's response headers on a non-long-running request (apiserver's --request-timeout)."""
-    client: str = "lean"
-    """Request-path HTTP/1.1 client: ``lean`` (asyncio Protocol + httptools) or ``aiohttp`` (the older one)."""
-    http2: bool = True
-    """Multiplex short bodiless GET/HEAD of verified callers over HTTP/2 connections (``upstream/mux.py``;
-    with ``client: lean``, the default; the ``aiohttp`` client is HTTP/1.1 only)."""
     http2_max_streams: int = 100
     """Streams per upstream HTTP/2 connection (fewer if the apiserver allows fewer); past it a new one opens."""
     http2_retry_seconds: float = 300.0
@@ -213,8 +202,6 @@ class UpstreamSettings:
     or token) goes over HTTP/1.1 this long, so revoked tokens cost one reconnect per pause, not one each."""
 
     def validate(self) -> None:
-        if self.client not in ("lean", "aiohttp"):
-            raise ValueError(f"client must be 'lean' or 'aiohttp', got {self.client!r}")
         if self.max_long_running_per_caller < 1:
             raise ValueError(f"maxLongRunningPerCaller must be at least 1, got {self.max_long_running_per_caller}")
         if not 1 <= self.http2_max_streams <= 1000:
@@ -233,9 +220,6 @@ class UpstreamSettings:
             )
 
 
-CONNECTION_BALANCING = ("least-connections", "kernel")
-
-
 @dataclass(frozen=True)
 class ProxySettings:
     """Root of the ``proxy:`` section."""
@@ -249,10 +233,6 @@ class ProxySettings:
     """Worker processes sharing the TLS port (0 = one per usable core, at most maxWorkers; 1 = no supervisor)."""
     max_workers: int = 8
     """Cap on the automatic worker count (an explicit ``workers``/``--workers`` may exceed it)."""
-    connection_balancing: str = "least-connections"
-    """With several workers: ``least-connections`` (the supervisor accepts and hands each connection to the worker
-    with the fewest open ones, see ``proxy/handoff.py``) or ``kernel`` (every worker listens with SO_REUSEPORT and
-    the kernel hashes connections to workers, blind to their load)."""
     worker_hang_seconds: float = 30.0
     """With several workers: a serving worker whose private ``/healthz`` has not answered for this long (its
     event loop is stuck, or it was stopped) is killed and restarted, and its seats are released (0 = never)."""
@@ -266,9 +246,6 @@ class ProxySettings:
             raise ValueError("backends: at least one apiserver URL is required")
         if self.workers < 0 or self.max_workers < 1:
             raise ValueError("workers must be >= 0 (0 = one per usable core) and maxWorkers >= 1")
-        if self.connection_balancing not in CONNECTION_BALANCING:
-            raise ValueError(f"connectionBalancing must be one of {', '.join(CONNECTION_BALANCING)}, "
-                             f"got {self.connection_balancing!r}")
         if not (self.worker_hang_seconds == 0 or self.worker_hang_seconds >= 1):
             raise ValueError(f"workerHangSeconds must be 0 (never) or at least 1, got {self.worker_hang_seconds}")
         if self.gc_young_threshold < 0:

@@ -50,10 +50,6 @@ COMPONENTS = ("webhook", "proxy", "sandbox")
 COMMAND_MODULES = {
     "gatekeeper.certs_command",
     *(f"gatekeeper.{c}.command" for c in COMPONENTS),
-    # `gatekeeper proxy --workers N` runs the proxy as a supervised set of processes: the supervisor
-    # and its parent-side metrics listener are the command's runtime, and they call command.run.
-    "gatekeeper.proxy.workers",
-    "gatekeeper.proxy.worker_metrics",
 }
 CLI_MODULES = {"gatekeeper.cli", "gatekeeper.__main__"}
 
@@ -68,7 +64,7 @@ PROXY_BASE = ("messages", "target", "rejections", "tally", "metrics", "adapter",
 """Top-level proxy modules every folder may use: they import no folder and no assembly module. ``handoff`` is
 the connection hand-off protocol both sides speak: the supervisor sends, the listener's Inbox receives."""
 PROXY_FOLDERS = ("listen", "pipeline", "upstream", "flowcontrol", "h2wire")
-PROXY_ASSEMBLY = ("command", "workers", "worker_metrics", "settings", "check")
+PROXY_ASSEMBLY = ("command", "process", "workers", "worker_metrics", "settings", "check")
 """The proxy put together: the command, its worker supervisor and the settings composed from the folders'."""
 NETWORK_LIBRARIES = ("asyncio", "aiohttp", "socket", "ssl", "selectors", "http.client", "urllib.request")
 

@@ -12,7 +12,6 @@ HTTP/2 implementation.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -151,12 +150,11 @@ class H2Pair:
         self.pump()
 
 
-@pytest.fixture(params=["h2", "lean"])
-def h2pair(request: pytest.FixtureRequest) -> Callable[..., H2Pair]:
-    """An ``H2Pair`` factory; every test using it runs on both ``http2Engine`` values."""
-    engine = request.param
+@pytest.fixture
+def h2pair() -> Callable[..., H2Pair]:
+    """An ``H2Pair`` factory: a client (the h2 library) and our ``H2Protocol`` wired in memory."""
 
     def make(handler: Handler, settings: ProtocolSettings | None = None, **kwargs: Any) -> H2Pair:
-        return H2Pair(handler, dataclasses.replace(settings or ProtocolSettings(), http2_engine=engine), **kwargs)
+        return H2Pair(handler, settings or ProtocolSettings(), **kwargs)
 
     return make

@@ -118,13 +118,13 @@ class FakeApiserver:
         return web.StreamResponse()
 
 
-def settings_for(pki: PKI, urls: list[str], client: str = "lean") -> ProxySettings:
+def settings_for(pki: PKI, urls: list[str]) -> ProxySettings:
     return ProxySettings(
         backends=[BackendSettings(url=u) for u in urls],
         upstream=UpstreamSettings(
             ca_file=str(pki.cert_path("ca")), client_cert_file=str(pki.cert_path("front-proxy-client")),
             client_key_file=str(pki.key_path("front-proxy-client")), connect_timeout_seconds=2.0,
-            health_interval_seconds=60, client=client,
+            health_interval_seconds=60,
         ),
     )
 
@@ -140,12 +140,11 @@ def req(method: str, target: str, headers: list[tuple[str, str]] | None = None, 
                         protocol=protocol, peer="127.0.0.1:5555", peer_cert=cert)  # type: ignore[arg-type]
 
 
-@pytest.fixture(params=["lean", "aiohttp"])
-async def fake(pki: PKI, request: pytest.FixtureRequest) -> AsyncIterator[tuple[FakeApiserver, Pipeline]]:
-    """Both request-path clients (``upstream.client``) must behave the same."""
+@pytest.fixture
+async def fake(pki: PKI) -> AsyncIterator[tuple[FakeApiserver, Pipeline]]:
     server = FakeApiserver()
     url = await server.start(pki)
-    pipeline = build(settings_for(pki, [url], client=request.param))
+    pipeline = build(settings_for(pki, [url]))
     yield server, pipeline
     await pipeline.close()
     await server.stop()

@@ -25,7 +25,10 @@ SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
 
 
 def supervisor(tmp_path: Path, settings: ProxySettings = SETTINGS, n: int = 1) -> workers.Supervisor:
-    return workers.Supervisor(settings, tmp_path / "proxy.yaml", n, tmp_path, 0)
+    """A supervisor whose port is bound but never accepted on (these tests do not start its dispatcher)."""
+    port = socket.socket()
+    port.bind(("127.0.0.1", 0))
+    return workers.Supervisor(settings, tmp_path / "proxy.yaml", n, tmp_path, port.getsockname()[1], [port])
 
 
 def handoff_supervisor(tmp_path: Path, n: int) -> tuple[workers.Supervisor, socket.socket]:

@@ -1,10 +1,8 @@
-"""HTTP/2 server connection with graceful GOAWAY, on one of two codecs (``protocol.http2Engine``).
+"""HTTP/2 server connection with graceful GOAWAY, on the proxy's own sans-IO codec.
 
-``lean`` (default) is the proxy's own sans-IO codec (``h2_codec.LeanH2Connection``,
-about a sixth of h2's CPU per request); ``h2`` is the h2 library
-(``h2_conn.ProxyH2Connection``), kept as a fallback. Both hand this adapter the same
-event tuples (``h2_codec.EV_*``) and take the same calls, so everything below holds
-for either; the in-memory tests and h2spec run on both.
+The codec (``h2_codec.LeanH2Connection``, about a sixth of the h2 library's CPU per
+request) hands this adapter event tuples (``h2_state.EV_*``) and takes its calls; the
+h2 library stays in the tests only, as the client side and a differential oracle.
 
 Sans-IO in the sense that matters for testing: :class:`H2Protocol` never
 touches a socket. The edge feeds it bytes (:meth:`H2Protocol.data_received`)
@@ -39,7 +37,6 @@ from typing import Any, cast
 
 from h2.errors import ErrorCodes
 from h2.exceptions import ProtocolError, StreamClosedError
-from h2.settings import SettingCodes, Settings
 
 from gatekeeper.proxy import rejections
 from gatekeeper.proxy.adapter import ClientGone
@@ -57,9 +54,7 @@ from gatekeeper.proxy.listen.h2_codec import (
     EV_WINDOW,
     Event,
     LeanH2Connection,
-    ServerConnection,
 )
-from gatekeeper.proxy.listen.h2_conn import ProxyH2Connection, install_huffman_memo
 from gatekeeper.proxy.listen.h2_drain import Draining
 from gatekeeper.proxy.listen.h2_headers import MalformedRequest, parse_request
 from gatekeeper.proxy.listen.h2_limits import FloodError, FloodGuard, limits_of
@@ -111,24 +106,16 @@ class H2Protocol(StreamServing, Draining):
         self._budget = (body_budget or BodyBudget(settings.max_buffered_request_bytes, gauge=None)).share()
         self._window_reopened_at = -math.inf
         """When an acknowledgement last reopened a shut connection receive window (request-body idle clock)."""
-        install_huffman_memo()
         guard = FloodGuard(limits_of(settings), settings.h2_abuse_interval_seconds)
-        self._conn: ServerConnection
-        self._receive: Callable[[bytes], list[Event]]
-        if settings.http2_engine == "lean":
-            lean = LeanH2Connection(
-                on_refused=self._on_refused, guard=guard,
-                max_concurrent_streams=settings.max_concurrent_streams,
-                stream_window=settings.stream_window_bytes,
-                max_header_list=settings.max_header_list_bytes,
-                connection_window=connection_window(settings),
-                header_budget=self._budget,
-            )
-            self._conn, self._receive = lean, lean.receive_data
-        else:
-            h2conn = ProxyH2Connection(on_refused=self._on_refused, guard=guard, on_bad_length=self._on_bad_length,
-                                       header_budget=self._budget)
-            self._conn, self._receive = h2conn, h2conn.receive_events
+        self._conn = LeanH2Connection(
+            on_refused=self._on_refused, guard=guard,
+            max_concurrent_streams=settings.max_concurrent_streams,
+            stream_window=settings.stream_window_bytes,
+            max_header_list=settings.max_header_list_bytes,
+            connection_window=connection_window(settings),
+            header_budget=self._budget,
+        )
+        self._receive: Callable[[bytes], list[Event]] = self._conn.receive_data
         self._streams: dict[int, Stream] = {}
         self._memo: dict[str, Any] = {}
         """ProxyRequest.connection_memo of every request on this connection."""
@@ -149,26 +136,7 @@ class H2Protocol(StreamServing, Draining):
 
     def start(self) -> None:
         """Send our preface (SETTINGS, connection WINDOW_UPDATE) and arm the idle timer."""
-        s = self._settings
-        conn = self._conn
-        if isinstance(conn, ProxyH2Connection):
-            conn.local_settings = Settings(
-                client=False,
-                initial_values={
-                    SettingCodes.MAX_CONCURRENT_STREAMS: s.max_concurrent_streams,
-                    SettingCodes.INITIAL_WINDOW_SIZE: s.stream_window_bytes,
-                    SettingCodes.MAX_HEADER_LIST_SIZE: s.max_header_list_bytes,
-                },
-            )
-            # h2 applies MAX_HEADER_LIST_SIZE to its decoder only when the client ACKs our
-            # SETTINGS; a client may send large headers before that, so apply it now.
-            conn.decoder.max_header_list_size = s.max_header_list_bytes
-            conn.initiate_connection()
-            extra = connection_window(s) - conn.inbound_flow_control_window
-            if extra > 0:
-                conn.increment_flow_control_window(extra)
-        else:
-            conn.initiate_connection()  # the lean codec was built with the settings
+        self._conn.initiate_connection()  # the codec was built with the settings
         self._flush()
         self._arm_idle()
 
@@ -273,13 +241,13 @@ class H2Protocol(StreamServing, Draining):
         stream.task.add_done_callback(functools.partial(self._task_done, stream))
 
     def _on_refused(self, stream_id: int) -> None:
-        """h2_conn refused a stream over MAX_CONCURRENT_STREAMS (the client may retry it)."""
+        """The codec refused a stream over MAX_CONCURRENT_STREAMS (the client may retry it)."""
         conn_metrics.REFUSED_STREAMS.inc()
         log.debug("h2 connection %d: stream %d refused, %d streams open",
                   self.connection_id, stream_id, len(self._streams))
 
     def _on_bad_length(self, stream_id: int) -> None:
-        """h2_conn reset a stream whose DATA disagreed with its content-length (RFC 9113 8.1.1)."""
+        """The codec reset a stream whose DATA disagreed with its content-length (RFC 9113 8.1.1)."""
         rejections.reject("h2_malformed", "h2 connection %d from %s, stream %d: body length differs from "
                             "content-length", self.connection_id, self._peer, stream_id)
         stream = self._streams.get(stream_id)

@@ -1,4 +1,4 @@
-"""The receive side of the lean HTTP/2 codec: what each client frame does to the connection (RFC 9113 6).
+"""The receive side of the HTTP/2 codec: what each client frame does to the connection (RFC 9113 6).
 
 A mixin of :class:`h2_codec.LeanH2Connection`, split out to keep each module readable:
 this one is the rules for HEADERS, CONTINUATION, DATA, WINDOW_UPDATE, RST_STREAM,

@@ -215,7 +215,7 @@ class StreamServing:
                 chunk = await body.__anext__()
             except StopAsyncIteration:
                 break
-            # A body that knows its last chunk (upstream.aio.ResponseBody.exhausted) ends the
+            # A body that knows its last chunk (upstream.exchange.StreamedBody.exhausted) ends the
             # stream on that DATA frame instead of an extra empty one.
             last = is_exhausted(body)
             await self._send_data(stream, chunk, end_stream=last)

@@ -297,7 +297,7 @@ class ProxyServer:
             self._handoff.announce()
             self.port = lst.port
             return self.port
-        bind = functools.partial(bind_listeners, lst.address, lst.port, reuse_port=lst.reuse_port, backlog=BACKLOG)
+        bind = functools.partial(bind_listeners, lst.address, lst.port, backlog=BACKLOG)
         self._sockets = await loop.run_in_executor(None, bind)
         self.port = int(self._sockets[0].getsockname()[1])
         # Our own loop (not ``asyncio.start_server(ssl=...)``) so that over-cap connections are closed at accept
@@ -589,8 +589,8 @@ async def serve(
         # also signals its workers, as ours once did) may land during the drain or the process's last clean-up,
         # where the default action killed it (the worker's exit code was -15, the proxy's 15). There is nothing
         # left for it to stop; a worker that hangs is SIGKILLed as ever.
-        # A supervised worker drained by a signal keeps them as well: with ``kernel`` balancing the supervisor's
-        # SIGTERM is its signal to drain, and a SIGTERM or SIGINT sent to the whole group as well (systemd's
+        # A supervised worker drained by a signal keeps them as well: the supervisor SIGTERMs a worker whose
+        # hand-off socket it could not close, and a SIGTERM or SIGINT sent to the whole group as well (systemd's
         # KillMode, Ctrl-C in a terminal) could land after the loop's handler was removed and kill it mid-drain,
         # its streams cut (exit -15, the proxy 15).
         keep = supervised or (server.handoff_ended.is_set() and not stop.is_set())

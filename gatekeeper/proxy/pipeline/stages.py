@@ -22,13 +22,13 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 from gatekeeper.kube import requestinfo
 from gatekeeper.proxy import metrics, rejections, target
 from gatekeeper.proxy.adapter import error_response
-from gatekeeper.proxy.messages import Handler, Headers, Middleware, ProxyRequest, ProxyResponse, UserInfo
+from gatekeeper.proxy.messages import Handler, Headers, Middleware, ProxyRequest, ProxyResponse, UserInfo, one_chunk
 from gatekeeper.proxy.pipeline import auth
 from gatekeeper.proxy.pipeline.balancer import Backend, Balancer, EjectionPolicy, Lease
 from gatekeeper.proxy.pipeline.tokens.classify import source_host
@@ -97,10 +97,6 @@ def own_answer(method: str, info: requestinfo.RequestInfo) -> bool:
         group = info.path[17:].partition("/")[0]
         return not group or group in BUILTIN_GROUPS
     return True
-
-
-async def _once(data: bytes) -> AsyncIterator[bytes]:
-    yield data
 
 
 # --- middlewares --------------------------------------------------------------------------------
@@ -188,7 +184,7 @@ def _metrics_page_for(metrics_groups: Collection[str]) -> Callable[[ProxyRequest
         body, content_type = await metrics.render_page()
         return ProxyResponse(status=200, headers=[("content-type", content_type),
                                                   ("content-length", str(len(body)))],
-                             body=_once(b"" if request.method == "HEAD" else body))
+                             body=one_chunk(b"" if request.method == "HEAD" else body))
 
     return own_page
 

@@ -10,7 +10,7 @@ body chunks go straight from ``data_received`` to the consumer with reading
 paused while more than :data:`READ_HIGH` bytes wait, so a slow client still
 slows the backend read instead of growing a buffer.
 
-What it keeps from the aiohttp path, on purpose:
+What it keeps, on purpose:
 
 * A connection goes back to its pool only when its response was read to the
   end, the request body was sent whole, and the backend kept it alive; anything
@@ -322,7 +322,7 @@ class Pool:
     def adopt(self, transport: asyncio.Transport, ctx: ssl.SSLContext, live: Callable[[], tuple[Any, ...]]) -> None:
         """Keep an established TLS connection on which nothing was sent yet as an idle one, kept for ``ctx``.
 
-        Why: the HTTP/2 pool (``upstream.http2``) offers ``h2`` and ``http/1.1`` in ALPN; a backend that
+        Why: the HTTP/2 pool offers ``h2`` and ``http/1.1`` in ALPN; a backend that
         picks HTTP/1.1 has just completed a handshake the request that found out can use (it takes the
         most recent idle connection, this one, unless a request put one back in between, which costs no
         handshake either). ``ctx`` is the HTTP/1.1 context built by the same reload as the one the

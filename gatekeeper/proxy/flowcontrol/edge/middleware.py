@@ -161,7 +161,7 @@ class _Metered:
 
     @property
     def exhausted(self) -> bool:
-        """The upstream body's own last-chunk mark (``upstream.aio.ResponseBody``), passed through so the
+        """The upstream body's own last-chunk mark (``upstream.exchange.StreamedBody``), passed through so the
         h2 adapter still ends the stream on the last DATA frame."""
         return is_exhausted(self.body)
 
