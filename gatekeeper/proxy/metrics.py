@@ -51,8 +51,8 @@ by talking to that apiserver directly.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Awaitable, Callable, Iterator
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from typing import Any, Protocol
 
 from prometheus_client import REGISTRY, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -66,9 +66,6 @@ render_page: Callable[[], Awaitable[tuple[bytes, str]]] = this_process_page
 """What the proxy's ``/metrics`` answers (the TLS port for admins, ``listener.metricsPort``). A worker of
 ``--workers N`` puts the whole proxy's page here (``worker_metrics.render_in_worker``): a coroutine, because it
 waits for the other workers' pages, and the worker's event loop must serve its clients meanwhile."""
-
-if TYPE_CHECKING:
-    from gatekeeper.proxy.pipeline.balancer import Balancer
 
 Clock = Callable[[], float]
 
@@ -128,10 +125,40 @@ UPSTREAM_H2_PAUSES = Counter(
 )
 
 
+class BackendView(Protocol):
+    """What the collector reads of one backend (``pipeline.balancer.Backend``)."""
+
+    name: str
+    in_flight: int
+    watches: int
+    ejections_total: int
+
+
+class SkewView(Protocol):
+    @property
+    def in_flight_ratio(self) -> float: ...
+
+    @property
+    def rate_ratio(self) -> float: ...
+
+
+class BalancerView(Protocol):
+    """What the collector reads of the balancer (``pipeline.balancer.Balancer``); the pipeline imports this
+    module, so the types are described here, not imported."""
+
+    @property
+    def backends(self) -> Sequence[BackendView]: ...
+
+    def health(self, backend: Any) -> str: ...
+
+    def skew(self) -> SkewView: ...
+
+
 class PoolSource(Protocol):
     """What the collector reads at scrape time (a running pipeline)."""
 
-    balancer: Balancer
+    @property
+    def balancer(self) -> BalancerView: ...
 
     def upstream_connections(self, backend: str) -> int: ...
 

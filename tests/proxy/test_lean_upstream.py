@@ -12,12 +12,10 @@ import asyncio
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
 from gatekeeper.certs import FRONT_PROXY_CA, PKI
-from gatekeeper.config import ConfigError, load_config
 from gatekeeper.proxy.messages import ProxyRequest, ProxyResponse
 from gatekeeper.proxy.settings import UpstreamSettings
 from gatekeeper.proxy.upstream import lean

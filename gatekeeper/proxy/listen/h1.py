@@ -68,8 +68,8 @@ from gatekeeper.proxy.adapter import (
 )
 from gatekeeper.proxy.listen import conn_metrics
 from gatekeeper.proxy.listen.goaway import GoawayDecider
+from gatekeeper.proxy.listen.settings import ProtocolSettings
 from gatekeeper.proxy.messages import Handler, Headers, ProxyRequest, ProxyResponse, Upgraded, is_exhausted
-from gatekeeper.proxy.settings import ProtocolSettings
 
 log = logging.getLogger("gatekeeper.proxy.listen.h1")
 

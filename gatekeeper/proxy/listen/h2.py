@@ -60,8 +60,8 @@ from gatekeeper.proxy.listen.h2_headers import MalformedRequest, parse_request
 from gatekeeper.proxy.listen.h2_limits import FloodError, FloodGuard, limits_of
 from gatekeeper.proxy.listen.h2_state import HeaderBudgetExceeded
 from gatekeeper.proxy.listen.h2_stream import Stream, StreamServing
+from gatekeeper.proxy.listen.settings import ProtocolSettings
 from gatekeeper.proxy.messages import Handler, ProxyRequest
-from gatekeeper.proxy.settings import ProtocolSettings
 
 log = logging.getLogger("gatekeeper.proxy.listen.h2")
 

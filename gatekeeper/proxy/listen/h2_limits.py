@@ -27,7 +27,7 @@ from h2.errors import ErrorCodes
 from h2.exceptions import ProtocolError
 
 from gatekeeper.config import camel
-from gatekeeper.proxy.settings import ListenerSettings, ProtocolSettings
+from gatekeeper.proxy.listen.settings import ListenerSettings, ProtocolSettings
 
 RST_STREAM = "rst_stream"
 PING = "ping"

@@ -35,7 +35,7 @@ from gatekeeper.proxy.messages import Handler, ProxyRequest, ProxyResponse, is_e
 if TYPE_CHECKING:
     from gatekeeper.proxy.listen.body_budget import Share
     from gatekeeper.proxy.listen.h2_codec import ServerConnection
-    from gatekeeper.proxy.settings import ProtocolSettings
+    from gatekeeper.proxy.listen.settings import ProtocolSettings
 
 log = logging.getLogger("gatekeeper.proxy.listen.h2")  # the adapter logs under one name, whichever part logs
 

@@ -2,7 +2,7 @@
 
 Entry point for ``gatekeeper proxy`` (called from ``command.py``)::
 
-    async def serve(settings: ProxySettings, handler: Handler, *,
+    async def serve(settings: ServedSettings, handler: Handler, *,
                     ready: Callable[[int], None] | None = None) -> None
 
 ``serve`` binds ``listener.address:listener.port`` (TLS >= 1.2, ALPN ``h2`` and
@@ -60,8 +60,8 @@ from gatekeeper.proxy.listen.body_budget import BodyBudget
 from gatekeeper.proxy.listen.h1 import H1Connection
 from gatekeeper.proxy.listen.h2 import H2Protocol
 from gatekeeper.proxy.listen.h2_limits import check_limits
+from gatekeeper.proxy.listen.settings import ListenerSettings, ServedSettings
 from gatekeeper.proxy.messages import Handler
-from gatekeeper.proxy.settings import ListenerSettings, ProxySettings
 from gatekeeper.tls import ReloadingTLS
 from gatekeeper.tlshandshake import handshake_within
 
@@ -243,7 +243,7 @@ class ProxyServer:
 
     def __init__(
         self,
-        settings: ProxySettings,
+        settings: ServedSettings,
         handler: Handler,
         *,
         rng: Callable[[], float] = random.random,
@@ -547,7 +547,7 @@ class ProxyServer:
 
 
 async def serve(
-    settings: ProxySettings,
+    settings: ServedSettings,
     handler: Handler,
     *,
     ready: Callable[[int], None] | None = None,

@@ -31,8 +31,8 @@ from gatekeeper.proxy.adapter import error_response
 from gatekeeper.proxy.messages import Handler, Headers, Middleware, ProxyRequest, ProxyResponse, UserInfo, one_chunk
 from gatekeeper.proxy.pipeline import auth
 from gatekeeper.proxy.pipeline.balancer import Backend, Balancer, EjectionPolicy, Lease
+from gatekeeper.proxy.pipeline.settings import PipelineSettings
 from gatekeeper.proxy.pipeline.tokens.classify import source_host
-from gatekeeper.proxy.settings import ProxySettings
 from gatekeeper.proxy.upstream.client import (
     BackendClient,
     BackendFailed,
@@ -481,7 +481,7 @@ class Pipeline:
 
 
 def build(
-    settings: ProxySettings,
+    settings: PipelineSettings,
     *,
     flow_control: Middleware | None = None,
     policy: EjectionPolicy | None = None,

@@ -38,7 +38,6 @@ from urllib.parse import urlsplit
 
 from gatekeeper.proxy import metrics
 from gatekeeper.proxy.messages import Headers, ProxyRequest, ProxyResponse, one_chunk
-from gatekeeper.proxy.settings import UpstreamSettings
 from gatekeeper.proxy.upstream import exchange, lean, mux_pool, mux_wire
 from gatekeeper.proxy.upstream.errors import (
     BackendFailed,
@@ -50,6 +49,7 @@ from gatekeeper.proxy.upstream.errors import (
     UpstreamTimeout,
 )
 from gatekeeper.proxy.upstream.hop_by_hop import REQUEST_REMOVED, response_headers
+from gatekeeper.proxy.upstream.settings import UpstreamSettings
 from gatekeeper.tls import ReloadingTLS
 
 __all__ = [
