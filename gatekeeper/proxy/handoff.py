@@ -235,10 +235,8 @@ class Dispatcher:
                  on_take_back: Callable[[int], None] = lambda worker: None) -> None:
         self._listeners = listeners
         self._counts = counts
-        self._on_handoff = on_handoff
-        self._on_wait = on_wait
-        self._on_stall = on_stall
-        self._on_take_back = on_take_back
+        self._on_handoff, self._on_wait = on_handoff, on_wait
+        self._on_stall, self._on_take_back = on_stall, on_take_back
         self._pending: socket.socket | None = None
         """A connection no worker could take yet (every socket full, or none serving)."""
         self._channels: list[socket.socket | None] = [None] * workers

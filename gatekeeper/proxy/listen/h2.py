@@ -42,23 +42,14 @@ from gatekeeper.proxy import rejections
 from gatekeeper.proxy.adapter import ClientGone
 from gatekeeper.proxy.h2wire.frames import MAX_WINDOW
 from gatekeeper.proxy.listen import conn_metrics
+from gatekeeper.proxy.listen import h2_state as ev
 from gatekeeper.proxy.listen.body_budget import BodyBudget
 from gatekeeper.proxy.listen.goaway import GoawayDecider
-from gatekeeper.proxy.listen.h2_codec import (
-    EV_BAD_LENGTH,
-    EV_DATA,
-    EV_ENDED,
-    EV_GOAWAY,
-    EV_REQUEST,
-    EV_RESET,
-    EV_WINDOW,
-    Event,
-    LeanH2Connection,
-)
+from gatekeeper.proxy.listen.h2_codec import LeanH2Connection
 from gatekeeper.proxy.listen.h2_drain import Draining
 from gatekeeper.proxy.listen.h2_headers import MalformedRequest, parse_request
 from gatekeeper.proxy.listen.h2_limits import FloodError, FloodGuard, limits_of
-from gatekeeper.proxy.listen.h2_state import HeaderBudgetExceeded
+from gatekeeper.proxy.listen.h2_state import Event, HeaderBudgetExceeded
 from gatekeeper.proxy.listen.h2_stream import Stream, StreamServing
 from gatekeeper.proxy.listen.settings import ProtocolSettings
 from gatekeeper.proxy.messages import Handler, ProxyRequest
@@ -95,11 +86,8 @@ class H2Protocol(StreamServing, Draining):
     ) -> None:
         self._handler = handler
         self._settings = settings
-        self._write = write
-        self._drain = drain
-        self._close = close
-        self._peer = peer
-        self._peer_cert = peer_cert
+        self._write, self._drain, self._close = write, drain, close
+        self._peer, self._peer_cert = peer, peer_cert
         self.connection_id = connection_id
         self._decider = GoawayDecider(settings.goaway_chance, rng)
         self._close_delay = close_delay
@@ -169,22 +157,22 @@ class H2Protocol(StreamServing, Draining):
 
     def _dispatch(self, event: Event) -> None:
         kind, sid = event[0], event[1]
-        if kind == EV_REQUEST:
+        if kind == ev.EV_REQUEST:
             self._on_request(sid, event[2], event[3])
-        elif kind == EV_DATA:
+        elif kind == ev.EV_DATA:
             self._on_data(sid, event[2], event[3])
-        elif kind == EV_ENDED:
+        elif kind == ev.EV_ENDED:
             stream = self._streams.get(sid)
             if stream is not None:
                 stream.ended = True
                 stream.wake_reader()
-        elif kind == EV_RESET:
+        elif kind == ev.EV_RESET:
             self._on_reset(sid, event[2])
-        elif kind == EV_WINDOW:
+        elif kind == ev.EV_WINDOW:
             self._wake_senders(sid)  # 0: SETTINGS (INITIAL_WINDOW_SIZE) or the connection window
-        elif kind == EV_GOAWAY:
+        elif kind == ev.EV_GOAWAY:
             self._on_peer_goaway(event[2])
-        elif kind == EV_BAD_LENGTH:
+        elif kind == ev.EV_BAD_LENGTH:
             self._on_bad_length(sid)
 
     def connection_lost(self) -> None:

@@ -33,16 +33,8 @@ from gatekeeper.proxy.pipeline import auth
 from gatekeeper.proxy.pipeline.balancer import Backend, Balancer, EjectionPolicy, Lease
 from gatekeeper.proxy.pipeline.settings import PipelineSettings
 from gatekeeper.proxy.pipeline.tokens.classify import source_host
-from gatekeeper.proxy.upstream.client import (
-    BackendClient,
-    BackendFailed,
-    ClientBodyFailed,
-    ConnectFailed,
-    NoFrontProxyCert,
-    PoolTimeout,
-    RequestResetByBackend,
-    UpstreamTimeout,
-)
+from gatekeeper.proxy.upstream import errors as up
+from gatekeeper.proxy.upstream.client import BackendClient
 from gatekeeper.proxy.upstream.upgrade import is_upgrade, open_upgrade
 
 log = logging.getLogger("gatekeeper.proxy.pipeline.stages")
@@ -338,7 +330,7 @@ class Dispatcher:
                                                  swallow_body_errors=watch_like, on_done=_Done(backend, lease),
                                                  long_running=info.long_running,
                                                  multiplex=asserts_identity or request.token_verified)
-            except ConnectFailed as exc:
+            except up.ConnectFailed as exc:
                 lease.release()
                 self.balancer.report_connect_failure(backend)
                 metrics.UPSTREAM_ERRORS.labels(backend.name, "connect").inc()
@@ -353,26 +345,26 @@ class Dispatcher:
                 return error_response(503, "ServiceUnavailable",
                                        f"gatekeeper proxy: apiserver {backend.name} unreachable ({exc})",
                                        retry_after=1)
-            except PoolTimeout as exc:
+            except up.PoolTimeout as exc:
                 lease.release()
                 rejections.reject("pool_timeout", str(exc))
                 return error_response(503, "ServiceUnavailable",
                                        f"gatekeeper proxy: apiserver {backend.name} is busy (no free "
                                        "connection in time)", retry_after=1)
-            except UpstreamTimeout as exc:
+            except up.UpstreamTimeout as exc:
                 lease.release()
                 rejections.reject("upstream_header_timeout", f"{request.method} {request.target[:200]}: {exc}")
                 return error_response(504, "Timeout",
                                        f"gatekeeper proxy: apiserver {backend.name} did not answer in time")
-            except ClientBodyFailed as exc:
+            except up.ClientBodyFailed as exc:
                 # The client broke off its own body: not the backend's fault, nothing to eject.
                 lease.release()
                 log.debug("%s %s: %s", request.method, request.target, exc)
                 return error_response(400, "BadRequest", "gatekeeper proxy: the request body ended early")
-            except NoFrontProxyCert as exc:
+            except up.NoFrontProxyCert as exc:
                 lease.release()
                 return error_response(500, "InternalError", f"gatekeeper proxy: {exc}")
-            except RequestResetByBackend as exc:
+            except up.RequestResetByBackend as exc:
                 # This request's stream, not the backend: a 5xx answer for the storm detector, no ejection
                 # (one malformed GET per apiserver from any client used to empty the rotation).
                 lease.release()
@@ -383,7 +375,7 @@ class Dispatcher:
                                      f"{backend.name}: {exc}")
                 return error_response(502, "InternalError",
                                        f"gatekeeper proxy: apiserver {backend.name} reset the request")
-            except BackendFailed as exc:
+            except up.BackendFailed as exc:
                 lease.release()
                 self.balancer.report_connect_failure(backend)
                 metrics.UPSTREAM_ERRORS.labels(backend.name, "backend").inc()
