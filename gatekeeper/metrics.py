@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gatekeeper import tempdirs
+from gatekeeper import __version__, tempdirs
 from gatekeeper.errors import UsageError
 
 if TYPE_CHECKING:  # imported lazily at run time: PROMETHEUS_MULTIPROC_DIR must be set first
@@ -130,6 +130,19 @@ def absorb_dead_process(pid: int, path: str | None = None) -> None:
                 archive.close()
             os.unlink(dead)
         multiprocess.mark_process_dead(pid, path)
+
+
+@functools.cache
+def build_info() -> Any:
+    """``gatekeeper_build_info{version} 1`` on the process's registry, once (the webhook and the proxy call it
+    when they define their metrics): which build answers, for a rollout to be checked from ``/metrics``. Its
+    multiprocess mode is ``max``, so every worker's 1 merges into one sample."""
+    from prometheus_client import Gauge
+
+    info = Gauge("gatekeeper_build_info", "The running gatekeeper's version (value 1).", ["version"],
+                 multiprocess_mode="max")
+    info.labels(__version__).set(1)
+    return info
 
 
 @functools.lru_cache(maxsize=4096)

@@ -58,6 +58,7 @@ from prometheus_client import REGISTRY, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from gatekeeper.metrics import build_info
 from gatekeeper.metrics import render as render  # the one renderer (multiprocess-aware); pipeline.py's /metrics
 from gatekeeper.ops import this_process_page
 from gatekeeper.proxy.tally import CounterTally, HistogramTally  # before the metrics: its flush collects first
@@ -68,6 +69,8 @@ render_page: Callable[[], Awaitable[tuple[bytes, str]]] = this_process_page
 waits for the other workers' pages, and the worker's event loop must serve its clients meanwhile."""
 
 Clock = Callable[[], float]
+
+build_info()
 
 REQUESTS = Counter(
     "gatekeeper_proxy_requests",

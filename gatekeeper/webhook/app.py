@@ -66,7 +66,7 @@ from aiohttp import web
 
 from gatekeeper.kube.admission import Decision, ReviewError, parse_review, response
 from gatekeeper.kube.status import failure_json
-from gatekeeper.metrics import child
+from gatekeeper.metrics import build_info, child
 from gatekeeper.ops import add_ops_routes
 from gatekeeper.webhook import policies
 from gatekeeper.webhook.body import TRIM_AFTER_BYTES, BodyTooLarge, heap_trimmer, read_body
@@ -85,6 +85,7 @@ class Metrics:
     def __init__(self) -> None:
         from prometheus_client import Counter, Histogram
 
+        build_info()
         self.reviews = Counter("gatekeeper_webhook_reviews_total", "Admission reviews answered",
                                ["policy", "operation", "decision"])
         self.duration = Histogram("gatekeeper_webhook_review_duration_seconds", "Review latency",

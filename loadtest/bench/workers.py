@@ -118,17 +118,19 @@ async def one_round(arm: str, p: ProxyProcess, args: argparse.Namespace) -> Roun
 
 def run_arm(arm: str, state: SandboxState, workdir: Path, args: argparse.Namespace, tree: str | None,
             user_config: dict[str, Any]) -> Round:
-    env_before = os.environ.get("PYTHONPATH")
+    before = {k: os.environ.get(k) for k in ("PYTHONPATH", "PYTHONSAFEPATH")}
     if tree:
-        os.environ["PYTHONPATH"] = tree
+        # PYTHONSAFEPATH: `python -m gatekeeper` would put the working directory (this checkout) first.
+        os.environ.update(PYTHONPATH=tree, PYTHONSAFEPATH="1")
     try:
         p = ProxyProcess(state, workdir, name=f"bench-{arm}", workers=args.workers, user_config=user_config)
         p.start()
     finally:
-        if env_before is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = env_before
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     try:
         return asyncio.run(one_round(arm, p, args))
     finally:
