@@ -22,7 +22,7 @@ With several workers (``--workers N``) the proxy does the same across processes:
   connections spreads at once.
 * The least-loaded serving worker gets the connection; ties rotate. A worker
   serves once it says so on its socket (``R``), and stops when it says it
-  drains (``D``) or its process exits (:meth:`Dispatcher.retire`: our
+  drains (``D``) or its process exits (:meth:`HandoffDispatcher.retire`: our
   duplicate of its end, below, keeps the socket open past its death); the
   supervisor restarts it with a fresh socket and count.
   A worker whose socket the supervisor closes drains and exits, to be
@@ -225,7 +225,7 @@ class Inbox:
         self.sock.close()
 
 
-class Dispatcher:
+class HandoffDispatcher:
     """The supervisor's accepting thread (see the module docstring)."""
 
     def __init__(self, listeners: list[socket.socket], counts: ClosedCounts, workers: int,

@@ -59,7 +59,7 @@ from gatekeeper.errors import UsageError
 from gatekeeper.metrics import absorb_dead_process
 from gatekeeper.netbind import bind_listeners
 from gatekeeper.proxy.flowcontrol.edge.ledger import SeatLedger
-from gatekeeper.proxy.handoff import ClosedCounts, Dispatcher
+from gatekeeper.proxy.handoff import ClosedCounts, HandoffDispatcher
 from gatekeeper.proxy.listen.conn_metrics import HANDED_OFF, HANDOFF_STALLS, HANDOFF_TAKEN_BACK, HANDOFF_WAITS
 from gatekeeper.proxy.settings import ProxySettings
 from gatekeeper.proxy.worker_metrics import start_parent_listener
@@ -102,7 +102,7 @@ class Supervisor:
         self.stopping = asyncio.Event()
         self.fatal: int | None = None
         self.ledger = SeatLedger.create(runtime / "ledger", workers)
-        self.dispatcher = Dispatcher(listeners, ClosedCounts.create(runtime / "closed", workers), workers,
+        self.dispatcher = HandoffDispatcher(listeners, ClosedCounts.create(runtime / "closed", workers), workers,
                                      on_handoff=lambda w: HANDED_OFF.labels(worker=str(w)).inc(),
                                      on_wait=HANDOFF_WAITS.inc,
                                      on_stall=lambda w: HANDOFF_STALLS.labels(worker=str(w)).inc(),

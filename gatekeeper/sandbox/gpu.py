@@ -33,7 +33,7 @@ memory still gets the whole GPU (the default), so whole-GPU pods behave exactly 
 MEMORY_STEP = "1Mi"
 
 
-class ObjectMeta(objects.ObjectMeta, total=False):
+class ClusterObjectMeta(objects.ObjectMeta, total=False):
     """Adds what cluster-scoped objects the sandbox creates need on top of the shared shape."""
 
     uid: str
@@ -41,7 +41,7 @@ class ObjectMeta(objects.ObjectMeta, total=False):
 
 
 class Manifest(objects.TypeMeta, total=False):
-    metadata: ObjectMeta
+    metadata: ClusterObjectMeta
     spec: dict[str, Any]
     status: dict[str, Any]
 
@@ -139,7 +139,7 @@ def gpu_device(node_name: str, i: int, gpus: int, sharing: str = "none") -> dict
 def resource_slice(node_name: str, gpus: int, node_uid: str = "", sharing: str = "none") -> Manifest:
     """The one slice of pool ``node_name``; owned by the Node so deleting the node cleans it up."""
     devices = [gpu_device(node_name, i, gpus, sharing) for i in range(gpus)]
-    meta: ObjectMeta = {"name": f"{node_name}-{DRIVER}"}
+    meta: ClusterObjectMeta = {"name": f"{node_name}-{DRIVER}"}
     if node_uid:
         meta["ownerReferences"] = [
             {"apiVersion": "v1", "kind": "Node", "name": node_name, "uid": node_uid, "controller": True}

@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 from gatekeeper.sandbox import gpu
-from gatekeeper.sandbox.gpu import Manifest, ObjectMeta
+from gatekeeper.sandbox.gpu import ClusterObjectMeta, Manifest
 from gatekeeper.webhook.gpu.sizing import MIG_CATALOG, layout_profiles
 
 PRODUCTS = {
@@ -129,7 +129,7 @@ def partitions(node_name: str, index: int, gpus: int) -> list[dict[str, Any]]:
 
 def mig_dra_slices(node_name: str, gpus: int, node_uid: str = "") -> list[Manifest]:
     """The node's pool: one slice of counter sets, one of devices (v1.37 allows only one kind per slice)."""
-    meta_owner: ObjectMeta = {}
+    meta_owner: ClusterObjectMeta = {}
     if node_uid:
         meta_owner["ownerReferences"] = [
             {"apiVersion": "v1", "kind": "Node", "name": node_name, "uid": node_uid, "controller": True}]

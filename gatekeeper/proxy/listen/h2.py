@@ -43,7 +43,7 @@ from gatekeeper.proxy.adapter import ClientGone
 from gatekeeper.proxy.h2wire.frames import MAX_WINDOW
 from gatekeeper.proxy.listen import conn_metrics
 from gatekeeper.proxy.listen import h2_state as ev
-from gatekeeper.proxy.listen.body_budget import BodyBudget
+from gatekeeper.proxy.listen.body_budget import RequestBodyBudget
 from gatekeeper.proxy.listen.goaway import GoawayDecider
 from gatekeeper.proxy.listen.h2_codec import LeanH2Connection
 from gatekeeper.proxy.listen.h2_drain import Draining
@@ -82,7 +82,7 @@ class H2Protocol(StreamServing, Draining):
         connection_id: int = 0,
         rng: Callable[[], float] = random.random,
         close_delay: float = 1.0,
-        body_budget: BodyBudget | None = None,
+        body_budget: RequestBodyBudget | None = None,
     ) -> None:
         self._handler = handler
         self._settings = settings
@@ -91,7 +91,7 @@ class H2Protocol(StreamServing, Draining):
         self.connection_id = connection_id
         self._decider = GoawayDecider(settings.goaway_chance, rng)
         self._close_delay = close_delay
-        self._budget = (body_budget or BodyBudget(settings.max_buffered_request_bytes, gauge=None)).share()
+        self._budget = (body_budget or RequestBodyBudget(settings.max_buffered_request_bytes, gauge=None)).share()
         self._window_reopened_at = -math.inf
         """When an acknowledgement last reopened a shut connection receive window (request-body idle clock)."""
         guard = FloodGuard(limits_of(settings), settings.h2_abuse_interval_seconds)

@@ -59,7 +59,7 @@ from gatekeeper.proxy.listen.h2_state import (
     RESET_BY_US,
     Event,
     ServerConnection,
-    Stream,
+    StreamState,
 )
 
 __all__ = ["CLOSED_MEMORY", "EV_BAD_LENGTH", "EV_DATA", "EV_ENDED", "EV_GOAWAY", "EV_REQUEST", "EV_RESET",
@@ -93,7 +93,7 @@ class LeanH2Connection(InboundFrames):
         self.decoder = BlockDecoder(max_header_list)
         self._max_header_list = max_header_list
         self.encoder = ResponseEncoder()
-        self.streams: dict[int, Stream] = {}
+        self.streams: dict[int, StreamState] = {}
         self._held: set[int] = set()
         self._closed: dict[int, int] = {}
         """Recently closed stream id -> how it closed (``h2_state.CLOSED_BY_END``, ...)."""
@@ -226,13 +226,13 @@ class LeanH2Connection(InboundFrames):
         self._out.append(f.goaway(last, error_code))
         self.closed = True
 
-    def _sendable(self, sid: int) -> Stream:
+    def _sendable(self, sid: int) -> StreamState:
         stream = self.streams.get(sid)
         if stream is None or stream.local_closed or self.closed:
             raise StreamClosedError(sid)
         return stream
 
-    def _local_close(self, sid: int, stream: Stream) -> None:
+    def _local_close(self, sid: int, stream: StreamState) -> None:
         stream.local_closed = True
         if stream.remote_closed:
             del self.streams[sid]

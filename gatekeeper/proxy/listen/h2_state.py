@@ -58,7 +58,7 @@ class ConnectionError_(ProtocolError):
         self.error_code = code
 
 
-class Stream:
+class StreamState:
     __slots__ = ("length", "local_closed", "received", "recv_window", "remote_closed", "send_window", "unacked")
 
     def __init__(self, send_window: int, recv_window: int) -> None:

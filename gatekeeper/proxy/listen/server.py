@@ -56,7 +56,7 @@ from gatekeeper.proxy import rejections
 from gatekeeper.proxy.adapter import ClientGone
 from gatekeeper.proxy.handoff import BACKLOG, RECEIVE_BACKOFF_MAX, Inbox
 from gatekeeper.proxy.listen import conn_metrics
-from gatekeeper.proxy.listen.body_budget import BodyBudget
+from gatekeeper.proxy.listen.body_budget import RequestBodyBudget
 from gatekeeper.proxy.listen.h1 import H1Connection
 from gatekeeper.proxy.listen.h2 import H2Protocol
 from gatekeeper.proxy.listen.h2_limits import check_limits
@@ -256,7 +256,7 @@ class ProxyServer:
         self._handler = handler
         self._rng = rng
         self._close_delay = close_delay
-        self._body_budget = BodyBudget(settings.protocol.max_buffered_request_bytes)
+        self._body_budget = RequestBodyBudget(settings.protocol.max_buffered_request_bytes)
         """Shared by every HTTP/2 connection of this process (see ``body_budget``)."""
         self._ssl = reloading_ssl_context(settings.listener)
         self._sockets: list[socket.socket] = []
@@ -321,7 +321,7 @@ class ProxyServer:
             loop.remove_reader(self._handoff.sock.fileno())
             if not self._stopping:
                 # info: closing this end is how the supervisor stops its workers (Supervisor.stop); it warns
-                # when it drops a live worker's socket (Dispatcher._from_worker)
+                # when it drops a live worker's socket (HandoffDispatcher._from_worker)
                 log.info("the supervisor closed this worker's hand-off socket (%s): draining and exiting; "
                          "it starts a successor unless it is exiting", error or "end of stream")
                 self.handoff_ended.set()

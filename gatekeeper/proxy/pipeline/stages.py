@@ -126,23 +126,7 @@ def _establish_identity(request: ProxyRequest) -> ProxyResponse | None:
     return None
 
 
-async def request_target(request: ProxyRequest, next_handler: Handler) -> ProxyResponse:
-    """Refuse targets that could steer or mis-classify the request (target.py); answer ``OPTIONS *``."""
-    return _refuse_target(request) or await next_handler(request)
-
-
-async def identity(request: ProxyRequest, next_handler: Handler) -> ProxyResponse:
-    """Drop Connection-named and client-sent X-Remote-* headers, refuse unclean certificate names,
-    then decide who the caller is (auth.py)."""
-    return _establish_identity(request) or await next_handler(request)
-
-
-async def request_info(request: ProxyRequest, next_handler: Handler) -> ProxyResponse:
-    request.info = requestinfo.parse(request.method, request.target)
-    return await next_handler(request)
-
-
-def local_endpoints_for(metrics_groups: Collection[str]) -> Middleware:
+def _metrics_page_for(metrics_groups: Collection[str]) -> Callable[[ProxyRequest], Awaitable[ProxyResponse]]:
     """``GET /metrics`` on the main port is the proxy's own page (per-backend counts), for admins only.
 
     The page names every backend and the callers' resources, so on the client-facing port it
@@ -151,16 +135,6 @@ def local_endpoints_for(metrics_groups: Collection[str]) -> Middleware:
     Status. Token callers cannot be checked here (only the apiserver can read a token);
     Prometheus scrapes the plain ``listener.metricsPort`` listener, bound to loopback.
     """
-    own_page = _metrics_page_for(metrics_groups)
-
-    async def local_endpoints(request: ProxyRequest, next_handler: Handler) -> ProxyResponse:
-        return await own_page(request) if _is_local(request) else await next_handler(request)
-
-    return local_endpoints
-
-
-def _metrics_page_for(metrics_groups: Collection[str]) -> Callable[[ProxyRequest], Awaitable[ProxyResponse]]:
-    """The answer to a ``/metrics`` request on the main port (see :func:`local_endpoints_for`)."""
     allowed = frozenset(metrics_groups)
     needs = ", ".join(sorted(allowed)) or "(none: proxy.listener.metricsGroups is empty)"
 
@@ -185,17 +159,11 @@ def _is_local(request: ProxyRequest) -> bool:
     return request.method in SAFE_METHODS and request.target.split("?", 1)[0] == "/metrics"
 
 
-local_endpoints = local_endpoints_for(["system:masters"])
-"""The /metrics middleware with the default group list."""
-
-
 def front_for(metrics_groups: Collection[str]) -> Middleware:
-    """request_target -> identity -> request_info -> local /metrics as one stage.
+    """The front stage: refuse targets that could steer or mis-classify the request (target.py), answer
+    ``OPTIONS *``, establish who the caller is (auth.py), parse RequestInfo once, and answer ``/metrics``.
 
-    The same checks in the same order as the four middlewares, in one coroutine per
-    request instead of four (each stage of the chain costs a coroutine and an await on
-    every request).
-    """
+    One coroutine per request for all four (each stage of a chain costs a coroutine and an await)."""
     own_page = _metrics_page_for(metrics_groups)
 
     async def front(request: ProxyRequest, next_handler: Handler) -> ProxyResponse:

@@ -165,7 +165,7 @@ async def _send_body(conn: Conn, body: ClientBody, declared: int | None) -> None
         conn._fail(exc)
 
 
-class Source(Protocol):
+class BodySource(Protocol):
     """What a streamed body reads from: an HTTP/1.1 connection (``lean.Conn``) or an HTTP/2 stream
     (``mux_stream.MuxStream``)."""
 
@@ -185,7 +185,7 @@ class StreamedBody:
     the adapter or by flow control still frees its connection or stream and its lease.
     """
 
-    def __init__(self, source: Source, name: str, *, swallow_errors: bool,
+    def __init__(self, source: BodySource, name: str, *, swallow_errors: bool,
                  on_done: Callable[[BaseException | None], None]) -> None:
         self.source = source
         self.name = name

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 from gatekeeper.proxy.pipeline.tokens import metrics
 from gatekeeper.proxy.pipeline.tokens.cache import digest
-from gatekeeper.proxy.pipeline.tokens.classify import UNVERIFIED, Decision, TokenClassifier, bearer_token
+from gatekeeper.proxy.pipeline.tokens.classify import UNVERIFIED, TokenClassifier, TokenDecision, bearer_token
 from gatekeeper.proxy.pipeline.tokens.jwt import Identity, ServiceAccountVerifier
 from gatekeeper.proxy.pipeline.tokens.review import TOKEN_REVIEW_PATH, Budget, parse_review, review_request
 from gatekeeper.proxy.pipeline.tokens.settings import TokenSettings
@@ -152,7 +152,7 @@ class TokenIdentities:
             metrics.TOKENS.labels(d.outcome).inc()
         return d.identity
 
-    def _decide(self, authorization: str) -> Decision:
+    def _decide(self, authorization: str) -> TokenDecision:
         t0 = time.perf_counter()
         d = self.classifier.decide(authorization, self.clock())
         if d.outcome == "verified":
@@ -192,7 +192,7 @@ class TokenIdentities:
         return True
 
     # -- TokenReview --------------------------------------------------------------------------
-    async def _review(self, d: Decision) -> Identity:
+    async def _review(self, d: TokenDecision) -> Identity:
         pending = self._reviews.get(d.key)
         if pending is not None:
             metrics.TOKENS.labels("review-joined").inc()  # every classification path is counted
@@ -214,7 +214,7 @@ class TokenIdentities:
         finally:
             del self._reviews[d.key]
 
-    async def _send_review(self, d: Decision) -> Identity:
+    async def _send_review(self, d: TokenDecision) -> Identity:
         now = self.clock()
         try:
             doc = await self._call("POST", TOKEN_REVIEW_PATH, review_request(d.token, self.settings.audiences))
