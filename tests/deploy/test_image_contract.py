@@ -136,7 +136,7 @@ def installed() -> Iterator[Path]:
     work = Path(tempfile.mkdtemp(prefix="gk-image-", dir="/var/tmp"))  # outside /tmp, which gets its own tmpfs
     try:
         wheels = work / "wheels"
-        subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+        subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q",
                         "--wheel-dir", str(wheels), str(ROOT)], check=True, timeout=600)
         (wheel,) = wheels.glob("gatekeeper-*.whl")
         site = work / "site"
@@ -187,6 +187,13 @@ def _wait_ready(proc: subprocess.Popen[bytes], url: str, log: Path, ctx: ssl.SSL
     raise AssertionError(f"{url} never answered 200: {log.read_text()[-3000:]}")
 
 
+def _runs_as_65532(proc: subprocess.Popen[bytes]) -> bool:
+    """The process (unshare, then sh, then setpriv exec'd into python: one pid) has uid and gid 65532."""
+    status = Path(f"/proc/{proc.pid}/status").read_text()
+    ids = {line.split(":")[0]: line.split()[1:] for line in status.splitlines() if line.startswith(("Uid", "Gid"))}
+    return ids["Uid"] == [str(UID)] * 4 and ids["Gid"] == [str(UID)] * 4
+
+
 def _stop(proc: subprocess.Popen[bytes], log: Path) -> int:
     proc.send_signal(signal.SIGTERM)  # unshare forwards nothing: sh exec'd setpriv, setpriv exec'd python
     try:
@@ -228,6 +235,7 @@ def test_the_webhook_serves_as_uid_65532_on_a_read_only_root(installed: Path, co
     proc = _as_the_image_runs(installed, config_dir, ["webhook", "--config", f"{CONFIG_AT}/webhook.yaml"], log)
     try:
         _wait_ready(proc, f"https://127.0.0.1:{port}/readyz", log, ctx)
+        assert _runs_as_65532(proc)
         status, page = _get(f"https://127.0.0.1:{port}/metrics", ctx)
         assert status == 200 and f'gatekeeper_build_info{{version="{__version__}"}} 1.0' in page, page[:2000]
     finally:
@@ -244,7 +252,10 @@ async def test_the_proxy_serves_as_uid_65532_on_a_read_only_root(installed: Path
     backend_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     backend_ctx.load_cert_chain(pki.cert_path("serving"), pki.key_path("serving"))
     app = web.Application()
-    app.router.add_get("/readyz", lambda request: web.Response(text="ok"))
+    async def readyz(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app.router.add_get("/readyz", readyz)
     backend = await aiohttp_server(app, ssl=backend_ctx)
     port, metrics = free_port(), free_port()
     cfg = {"proxy": {
@@ -273,6 +284,7 @@ async def test_the_proxy_serves_as_uid_65532_on_a_read_only_root(installed: Path
                 pass
             assert time.monotonic() < deadline, f"the proxy never became ready: {log.read_text()[-3000:]}"
             await asyncio.sleep(0.3)
+        assert _runs_as_65532(proc)
         status, page = await asyncio.to_thread(_get, f"http://127.0.0.1:{metrics}/metrics")
         assert status == 200 and f'gatekeeper_build_info{{version="{__version__}"}} 1.0' in page, page[:2000]
     finally:
