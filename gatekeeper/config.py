@@ -253,7 +253,7 @@ def _libyaml_loader() -> _Loader | None:
     not the RecursionError the pure-Python parser raises). The constructor stays the Python one either way."""
     if not getattr(yaml, "__with_libyaml__", False):
         return None
-    try:
+    try:  # PyYAML's optional C extension: present only when PyYAML was built against libyaml
         from yaml import _yaml as libyaml
 
         if tuple(libyaml.get_version()) < (0, 2, 6):

@@ -83,6 +83,8 @@ class Metrics:
     """The webhook's collectors (created once per process)."""
 
     def __init__(self) -> None:
+        # Here, not at the top: the server imports this module before `--workers N` sets the metrics mode,
+        # and importing prometheus_client fixes the mode (gatekeeper/metrics.py).
         from prometheus_client import Counter, Histogram
 
         build_info()
