@@ -113,7 +113,7 @@ def _picks(settings: FlowControlSettings, requests: list[ProxyRequest]) -> list[
         out = []
         for r in requests:
             response = await fc(r, _ok)
-            out.append((dict(response.headers)["x-gatekeeper-pf-flowschema"], r.annotations.get("caller", "")))
+            out.append((dict(response.headers)["x-gatekeeper-pf-flowschema"], r.caller))
             response.finish(None)
         return out
 

@@ -332,7 +332,7 @@ async def test_one_caller_holds_at_most_its_share_of_long_running_requests() -> 
     assert (await dispatch(req("GET", watch, [("authorization", "Bearer other")]))).status == 200
     assert (await dispatch(req("GET", "/api/v1/namespaces/a/configmaps", mine))).status == 200  # short: no cap
     # flow control's verified identity is the caller, whichever of its tokens it sends
-    same_sa = [req("GET", watch, [("authorization", f"Bearer token-{i}")], annotations={"caller": "system:sa"})
+    same_sa = [req("GET", watch, [("authorization", f"Bearer token-{i}")], caller="system:sa")
                for i in range(3)]
     assert [(await dispatch(r)).status for r in same_sa] == [200, 200, 429]
     held[0].finish(None)

@@ -266,7 +266,7 @@ class Dispatcher:
         if long_running:
             # Flow control's verified identity (a ServiceAccount, whichever of its tokens), or its per-address
             # flow for an unverified token; else the certificate, token or anonymous name.
-            caller = request.annotations.get("caller") or user.name
+            caller = request.caller or user.name
             refused = self._over_long_running_cap(request, caller)
             if refused is not None:
                 return refused
@@ -283,7 +283,7 @@ class Dispatcher:
                                        retry_after=1)
             client = self.clients[backend.name]
             lease = self.balancer.acquire(backend, long_running=long_running, caller=caller)
-            request.annotations["backend"] = backend.name
+            request.backend = backend.name
             started = time.monotonic()
             watch_like = info.verb == "watch"
 
