@@ -6,7 +6,7 @@ PING or SETTINGS must be answered, a RST_STREAM cancels work already started
 with RST_STREAM, a zero-length DATA frame costs a dispatch and carries
 nothing. None of them is wrong once; in volume they are a denial of service
 that costs the client almost nothing. :class:`FloodGuard` counts them per
-connection in fixed windows of ``h2AbuseIntervalSeconds``; past a kind's limit
+connection in a sliding window of ``h2AbuseIntervalSeconds``; past a kind's limit
 the codec (``h2_codec``) raises :class:`FloodError`, a ``ProtocolError`` whose
 code goes in its GOAWAY (ENHANCE_YOUR_CALM), and ``h2.H2Protocol`` closes the
 connection. Limits sit far above what kubectl, client-go or
@@ -59,23 +59,39 @@ def limits_of(settings: ProtocolSettings) -> dict[str, int]:
 
 @dataclass
 class FloodGuard:
-    """Fixed-window counters per frame kind; :meth:`count` raises :class:`FloodError` past a limit."""
+    """Sliding-window counters per frame kind; :meth:`count` raises :class:`FloodError` past a limit.
+
+    Why sliding: with fixed windows a client could send a kind's whole limit at the end of one window and again
+    at the start of the next, twice the limit within a few milliseconds. Here the previous window's count still
+    weighs on the current one in proportion to how much of it the sliding window still covers (the estimate
+    ``previous * (1 - elapsed / interval) + current``), so a burst straddling a boundary is held to the limit.
+    The estimate assumes the previous window's frames were spread evenly, so it can refuse a little early,
+    never late; the limits sit far above what clients send. Two dicts per connection, no timestamps kept.
+    """
 
     limits: dict[str, int]
     interval: float
     clock: Callable[[], float] = time.monotonic
     _start: float = field(default=float("-inf"))
     _counts: dict[str, int] = field(default_factory=dict)
+    _previous: dict[str, int] = field(default_factory=dict)
 
     def count(self, kind: str) -> None:
         now = self.clock()
-        if now - self._start >= self.interval:
-            self._start = now
-            self._counts.clear()
+        elapsed = now - self._start
+        if elapsed >= self.interval:
+            if elapsed < 2 * self.interval:  # the next window: the one that ended still weighs on it
+                self._previous, self._start = self._counts, self._start + self.interval
+            else:  # a quiet window or more (or the first frame): nothing carries over
+                self._previous, self._start = {}, now
+            self._counts = {}
+            elapsed = now - self._start
         n = self._counts.get(kind, 0) + 1
         self._counts[kind] = n
-        if n > self.limits[kind]:
-            raise FloodError(kind, n, self.interval)
+        carried = self._previous.get(kind, 0)
+        limit = self.limits[kind]
+        if n > limit or (carried and n + carried * (1 - elapsed / self.interval) > limit):
+            raise FloodError(kind, limit + 1, self.interval)
 
 
 def check_limits(listener: ListenerSettings, protocol: ProtocolSettings) -> None:
