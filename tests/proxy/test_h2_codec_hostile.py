@@ -299,6 +299,28 @@ def test_trailers_with_a_pseudo_header_reset_the_stream_and_reach_nobody():
     assert c.resets() == {1: ErrorCodes.PROTOCOL_ERROR}
 
 
+@pytest.mark.parametrize("field", [(b"connection", b"close"), (b"transfer-encoding", b"chunked"),
+                                   (b"te", b"gzip"), (b"X-Upper", b"1"), (b"upgrade", b"websocket")])
+def test_trailers_with_a_connection_specific_field_reset_the_stream(field: tuple[bytes, bytes]) -> None:
+    """RFC 9113 8.2.2: the fields a request's headers may not carry are malformed in its trailers too."""
+    c = Client()
+    c.open()
+    c.headers(1, POST, end_stream=False)
+    events = c.headers(1, [field], end_stream=True)
+    assert not [e for e in events if e[0] == EV_ENDED]  # the request never looks complete
+    assert c.resets() == {1: ErrorCodes.PROTOCOL_ERROR}
+    assert c.goaway_code() is None  # a stream error: the connection's other streams go on
+
+
+def test_ordinary_trailers_still_end_the_request() -> None:
+    c = Client()
+    c.open()
+    c.headers(1, POST, end_stream=False)
+    events = c.headers(1, [(b"x-checksum", b"abc"), (b"te", b"trailers")], end_stream=True)
+    assert [e[:2] for e in events if e[0] == EV_ENDED] == [(EV_ENDED, 1)]
+    assert c.resets() == {}
+
+
 def test_end_stream_flag_on_continuation_does_not_end_the_request():
     """CONTINUATION has no END_STREAM flag (0x1 is undefined there): a client setting it must not get a
     request classified as bodiless while its DATA follows (the h2 library agrees)."""

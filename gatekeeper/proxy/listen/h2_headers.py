@@ -167,6 +167,14 @@ def _response_field(name: str, value: str) -> tuple[bytes, bytes] | tuple[()]:
     return (encode_header(name), encode_header(value.strip()))
 
 
+def malformed_trailer(field: tuple[bytes, bytes]) -> bool:
+    """A trailer field a request's headers could not carry either: a pseudo-header, a connection-specific field,
+    ``te`` other than ``trailers``, or an upper-case name (RFC 9113 8.1, 8.2.1, 8.2.2)."""
+    name, value = field
+    return (name[:1] == b":" or name in CONNECTION_SPECIFIC or name != name.lower()
+            or (name == b"te" and value.lower() != b"trailers"))
+
+
 def response_block(status: int, headers: Headers) -> list[tuple[bytes, bytes]]:
     """The HEADERS block for a response, normalized once, here (the codec's encoder does no normalization).
 

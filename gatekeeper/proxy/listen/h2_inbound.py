@@ -17,6 +17,7 @@ from gatekeeper.proxy.h2wire import frames as f
 from gatekeeper.proxy.h2wire.hpack_decode import BlockDecoder, HeaderBlockError, HeaderListTooLarge
 from gatekeeper.proxy.h2wire.hpack_encode import ResponseEncoder
 from gatekeeper.proxy.listen.body_budget import Share
+from gatekeeper.proxy.listen.h2_headers import malformed_trailer
 from gatekeeper.proxy.listen.h2_limits import CLOSED_STREAM, EMPTY_FRAME, RST_STREAM, SETTINGS, FloodGuard
 from gatekeeper.proxy.listen.h2_state import (
     CLOSED_BY_END,
@@ -222,8 +223,9 @@ class InboundFrames:
             self._closed_stream_frame(sid, "HEADERS")
         elif stream.remote_closed:
             self._stream_error(sid, ErrorCodes.STREAM_CLOSED, events)
-        elif bad_priority or not end_stream or any(name[:1] == b":" for name, _ in headers):
-            # Trailers must end the stream and carry no pseudo-header (RFC 9113 8.1).
+        elif bad_priority or not end_stream or any(map(malformed_trailer, headers)):
+            # Trailers must end the stream and carry no pseudo-header and no connection-specific field (RFC 9113
+            # 8.1, 8.2.2): malformed, as the same fields in a request's headers are.
             self._stream_error(sid, ErrorCodes.PROTOCOL_ERROR, events)
         elif stream.length is not None and stream.length != stream.received:
             self._bad_length(sid, events)
