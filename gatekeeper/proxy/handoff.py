@@ -232,8 +232,12 @@ class HandoffDispatcher:
                  on_handoff: Callable[[int], None] = lambda worker: None,
                  on_wait: Callable[[], None] = lambda: None,
                  on_stall: Callable[[int], None] = lambda worker: None,
-                 on_take_back: Callable[[int], None] = lambda worker: None) -> None:
+                 on_take_back: Callable[[int], None] = lambda worker: None,
+                 max_connections: int = 0, on_refused: Callable[[int], None] = lambda open_now: None) -> None:
+        """``max_connections``: client connections open in all workers together (``listener.maxClientConnections``),
+        more are closed at accept and reported to ``on_refused`` with the count open; 0 = no proxy-wide cap."""
         self._listeners = listeners
+        self._max, self._on_refused = max_connections, on_refused
         self._counts = counts
         self._on_handoff, self._on_wait = on_handoff, on_wait
         self._on_stall, self._on_take_back = on_stall, on_take_back
@@ -543,6 +547,10 @@ class HandoffDispatcher:
                 log.warning("accept failed: %s; accepting again in %.1fs", exc, ACCEPT_BACKOFF)
                 self._resume_at = time.monotonic() + ACCEPT_BACKOFF
                 return
+            if self._max and (open_now := sum(load or 0 for load in self.loads())) >= self._max:
+                conn.close()  # the cap is the whole proxy's: each worker's own would let N times as many in
+                self._on_refused(open_now)
+                continue
             if not self._hand_over(conn):
                 self._pending = conn  # accepting pauses (see _run) until a worker can take it
                 self._on_wait()

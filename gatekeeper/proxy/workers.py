@@ -58,6 +58,7 @@ from gatekeeper.config import ConfigError, load_config
 from gatekeeper.errors import UsageError
 from gatekeeper.metrics import absorb_dead_process
 from gatekeeper.netbind import bind_listeners
+from gatekeeper.proxy import rejections
 from gatekeeper.proxy.flowcontrol.edge.ledger import SeatLedger
 from gatekeeper.proxy.handoff import ClosedCounts, HandoffDispatcher
 from gatekeeper.proxy.listen.conn_metrics import HANDED_OFF, HANDOFF_STALLS, HANDOFF_TAKEN_BACK, HANDOFF_WAITS
@@ -106,7 +107,11 @@ class Supervisor:
                                      on_handoff=lambda w: HANDED_OFF.labels(worker=str(w)).inc(),
                                      on_wait=HANDOFF_WAITS.inc,
                                      on_stall=lambda w: HANDOFF_STALLS.labels(worker=str(w)).inc(),
-                                     on_take_back=lambda w: HANDOFF_TAKEN_BACK.labels(worker=str(w)).inc())
+                                     on_take_back=lambda w: HANDOFF_TAKEN_BACK.labels(worker=str(w)).inc(),
+                                     max_connections=settings.listener.max_client_connections,
+                                     on_refused=lambda n: rejections.reject(
+                                         "connection_cap", "%d client connections open in all workers "
+                                         "(maxClientConnections)", n))
 
     async def _spawn(self, slot: _Slot) -> None:
         argv = [sys.executable, "-m", "gatekeeper", "proxy", "--config", str(self.config), "--workers", "1",

@@ -727,3 +727,29 @@ def test_workers_follow_a_sigkilled_parent_and_the_next_start_removes_its_direct
         assert not runtime.exists(), f"{runtime} left behind by the SIGKILLed supervisor"
     finally:
         assert successor.stop() == 0
+
+
+def test_the_connection_cap_is_the_whole_proxys_not_each_workers(sandbox: SandboxState, tmp_path: Path) -> None:
+    """maxClientConnections 3 with 2 workers: each worker alone would take 3 (6 in all). The parent counts the
+    connections open in both and closes the fourth at accept, counted as connection_cap; a slot freed by a
+    closed connection is taken again."""
+    p = ProxyProcess(sandbox, tmp_path, name="proxy-cap", workers=WORKERS,
+                     user_config={"listener": {"maxClientConnections": 3}})
+    p.start()
+    conns: list[WireH2] = []
+    try:
+        conns = open_h2(p, 3)
+        wait_for(lambda: sum(w.get("connections") or 0 for w in workers_of(p)) == 3, timeout=10,
+                 what="the parent to count 3 open connections")
+        with pytest.raises((OSError, AssertionError)):  # the TLS handshake meets a socket the parent closed
+            conns += open_h2(p, 1)
+        wait_for(lambda: p.metric("gatekeeper_proxy_rejected_total", reason="connection_cap") >= 1, timeout=10,
+                 what="the refusal to be counted")
+        conns.pop().close()
+        wait_for(lambda: sum(w.get("connections") or 0 for w in workers_of(p)) == 2, timeout=10,
+                 what="the closed connection to be counted")
+        conns += open_h2(p, 1)
+    finally:
+        for c in conns:
+            c.close()
+        assert p.stop() == 0
