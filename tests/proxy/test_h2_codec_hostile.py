@@ -399,7 +399,7 @@ def test_window_updates_on_a_closed_stream_cost_no_output_and_no_memory():
 ], ids=["bad-length", "self-dependency"])
 def test_priority_frames_that_force_a_reset_are_counted_as_a_flood(payload):
     """A PRIORITY frame the server must answer with RST_STREAM costs the client 14 bytes: in volume it
-    is a reset flood (CVE-2019-9514) unless counted. The h2 engine fails the connection at once."""
+    is a reset flood (CVE-2019-9514) unless counted. The h2 library fails the connection at once."""
     c = Client(guard=FloodGuard(dict(LIMITS), 10.0))
     c.open()
     with pytest.raises(FloodError):

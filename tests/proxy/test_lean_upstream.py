@@ -1,4 +1,4 @@
-"""The lean upstream client (``upstream.client: lean``) against an in-process TLS backend that writes raw bytes.
+"""The HTTP/1.1 upstream client against an in-process TLS backend that writes raw bytes.
 
 The backend here is scripted byte by byte, so framing edge cases (chunked,
 Content-Length, read-until-close, a cut body, a second response, an oversized
