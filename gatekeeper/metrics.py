@@ -136,11 +136,12 @@ def absorb_dead_process(pid: int, path: str | None = None) -> None:
 def build_info() -> Any:
     """``gatekeeper_build_info{version} 1`` on the process's registry, once (the webhook and the proxy call it
     when they define their metrics): which build answers, for a rollout to be checked from ``/metrics``. Its
-    multiprocess mode is ``max``, so every worker's 1 merges into one sample."""
+    multiprocess mode is ``livemax``: every live worker's 1 merges into one sample, and a dead worker's file
+    goes with it (``mark_process_dead``), so restarts do not grow the metrics directory."""
     from prometheus_client import Gauge
 
     info = Gauge("gatekeeper_build_info", "The running gatekeeper's version (value 1).", ["version"],
-                 multiprocess_mode="max")
+                 multiprocess_mode="livemax")
     info.labels(__version__).set(1)
     return info
 
