@@ -154,6 +154,19 @@ def _convert(value: Any, tp: Any, source: str, key: str) -> Any:
     raise ConfigError(source, key, f"expected {_describe(tp)}, got {_typename(value)} {_shown(value)}")
 
 
+REMOVED_KEYS: dict[str, str] = {
+    "proxy.upstream.http2": (
+        "removed: short bodiless GET/HEAD of callers the apiserver authenticates always share HTTP/2 connections "
+        "to each apiserver now (everything else, and an apiserver without HTTP/2, goes over HTTP/1.1 on its own); "
+        "delete this key"),
+    "proxy.upstream.client": (
+        "removed: the aiohttp upstream client is gone, the proxy's own HTTP/1.1 client is the only one; "
+        "delete this key"),
+}
+"""Keys that once existed (dotted path as in the file) -> what to do instead: a config that still has one fails
+with that message rather than a bare "unknown key", so an upgrade tells the operator what changed."""
+
+
 def from_mapping(cls: type[T], data: Any, source: str = "<config>", prefix: str = "") -> T:
     """Build dataclass ``cls`` from a YAML mapping, strictly.
 
@@ -169,8 +182,11 @@ def from_mapping(cls: type[T], data: Any, source: str = "<config>", prefix: str 
     fields = {_key_of(f): f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(map(str, data)) - set(fields))
     if unknown:
-        where = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
-        raise ConfigError(source, where, f"unknown key; expected one of: {', '.join(sorted(fields))}")
+        paths = [f"{prefix}.{k}" if prefix else k for k in unknown]
+        removed = [p for p in paths if p in REMOVED_KEYS]
+        if removed:
+            raise ConfigError(source, removed[0], REMOVED_KEYS[removed[0]])
+        raise ConfigError(source, paths[0], f"unknown key; expected one of: {', '.join(sorted(fields))}")
     kwargs: dict[str, Any] = {}
     for k, f in fields.items():
         path = f"{prefix}.{k}" if prefix else k
@@ -479,6 +495,9 @@ def load_config(path: Path | str, *, need: str | None = None) -> Config:
                           f"expected a mapping with sections {', '.join(known)}, got {_typename(data)}")
     unknown = sorted(set(map(str, data)) - set(known))
     if unknown:
+        removed = [k for k in unknown if k in REMOVED_KEYS]
+        if removed:
+            raise ConfigError(source, removed[0], REMOVED_KEYS[removed[0]])
         raise ConfigError(source, unknown[0], f"unknown key; expected one of: {', '.join(known)}")
     if need and need not in data:
         raise ConfigError(source, need, f"required section is missing; `gatekeeper {need}` needs a {need}: section")

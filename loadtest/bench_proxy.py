@@ -113,11 +113,8 @@ class Env:
 
     def start_gatekeeper(self, name: str = "bench-proxy", workers: int | None = None,
                          deployed_flow_control: bool = False, http2_engine: str | None = None,
-                         backends: list[str] | None = None, balancing: str | None = None,
-                         upstream_http2: bool | None = None) -> tuple[str, int]:
-        """A gatekeeper proxy; ``deployed_flow_control`` gives it the policy ``sandbox up --with-proxy`` deploys;
-        ``upstream_http2`` sets ``upstream.http2`` (multiplexed HTTP/2 to the apiservers), None leaves the
-        default (on)."""
+                         backends: list[str] | None = None, balancing: str | None = None) -> tuple[str, int]:
+        """A gatekeeper proxy; ``deployed_flow_control`` gives it the policy ``sandbox up --with-proxy`` deploys."""
         flow: dict[str, Any] = {"enabled": False}
         if deployed_flow_control:
             from gatekeeper.sandbox.with_proxy import default_flow_control
@@ -130,8 +127,6 @@ class Env:
             user["protocol"] = {"http2Engine": http2_engine}
         if balancing is not None:
             user["connectionBalancing"] = balancing
-        if upstream_http2 is not None:
-            user["upstream"] = {"http2": upstream_http2}
         gk = ProxyProcess(self.state, work, name=name, health_interval=0.5, user_config=user,
                           workers=workers if workers is not None else 1, backends=backends)
         try:
@@ -504,11 +499,9 @@ def modes(env: Env, args: argparse.Namespace) -> None:
     ratio moves by 30% with what else runs, and both arms of a round see the same machine."""
     counts = sorted({1, 2, *args.workers_table})
     rounds = max(1, args.rounds)
-    gk, hap = start_warm(env, {w: {"name": f"gk-w{w}", "workers": w, "upstream_http2": not args.upstream_http1}
-                               for w in counts},
+    gk, hap = start_warm(env, {w: {"name": f"gk-w{w}", "workers": w} for w in counts},
                          {t: {"nbthread": t, "name": f"hap-t{t}"} for t in (1, 2)})
-    print(f"\nload average before: {load_average()}; upstream.http2: {not args.upstream_http1}; "
-          f"{rounds} interleaved round(s)")
+    print(f"\nload average before: {load_average()}; {rounds} interleaved round(s)")
     if "rates" not in args.skip:
         print(f"\n== open loop: fixed rates, {args.rate_seconds:.0f} s each (h2load --rps, 4 connections) ==")
         for rate in args.rates:
@@ -668,9 +661,6 @@ def main() -> None:
     ap.add_argument("--rates", type=lambda v: [int(x) for x in v.split(",")], default=[200, 600],
                     help="open-loop rates in req/s (comma-separated)")
     ap.add_argument("--rate-seconds", type=float, default=10.0, help="seconds per open-loop rate")
-    ap.add_argument("--upstream-http1", action="store_true",
-                    help="--only-modes: gatekeeper with upstream.http2 off (HTTP/1.1 pool to the apiservers; "
-                         "the default is multiplexed HTTP/2)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="--only-modes: interleaved rounds of every comparison; ratios are medians over rounds")
     ap.add_argument("--workers-table", type=lambda v: [int(x) for x in v.split(",")], default=[1, 2],

@@ -94,20 +94,20 @@ UPSTREAM_RETRIES = Counter(
 )
 UPSTREAM_GOAWAYS = Counter(
     "gatekeeper_proxy_upstream_goaways",
-    "GOAWAY frames received on multiplexed HTTP/2 upstream connections (upstream.http2), by backend: each one "
+    "GOAWAY frames received on multiplexed HTTP/2 upstream connections, by backend: each one "
     "costs a reconnect; many mean the apiserver's --goaway-chance is high or unauthenticated requests reach it.",
     ["backend"],
 )
 UPSTREAM_H2_STREAMS = Counter(
     "gatekeeper_proxy_upstream_http2_streams",
-    "Requests sent as streams on multiplexed HTTP/2 upstream connections (upstream.http2), by backend; the "
+    "Requests sent as streams on multiplexed HTTP/2 upstream connections, by backend; the "
     "rest of gatekeeper_proxy_requests_total went over HTTP/1.1 (watches, bodies, unverified callers).",
     ["backend"],
 )
 
 UPSTREAM_H2_FALLBACKS = Counter(
     "gatekeeper_proxy_upstream_http2_fallbacks",
-    "Connections on which a backend answered upstream.http2's ALPN offer with HTTP/1.1, by backend: the "
+    "Connections on which a backend answered the multiplexed pool's ALPN offer (h2) with HTTP/1.1, by backend: the "
     "connection and its request went to the HTTP/1.1 pool; a backend that stays HTTP/1.1 adds one per "
     "upstream.http2RetrySeconds per worker.",
     ["backend"],

@@ -12,12 +12,10 @@ import asyncio
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
 from gatekeeper.certs import FRONT_PROXY_CA, PKI
-from gatekeeper.config import ConfigError, load_config
 from gatekeeper.proxy.messages import ProxyRequest, ProxyResponse
 from gatekeeper.proxy.settings import UpstreamSettings
 from gatekeeper.proxy.upstream import lean
@@ -112,7 +110,6 @@ async def backend(pki: PKI) -> AsyncIterator[tuple[RawBackend, BackendClient]]:
     client = BackendClient("backend-0", url, UpstreamSettings(
         ca_file=str(pki.cert_path("ca")), client_cert_file=str(pki.cert_path("front-proxy-client")),
         client_key_file=str(pki.key_path("front-proxy-client")), connect_timeout_seconds=2.0))
-    assert client.lean
     yield be, client
     await client.close()
     await be.stop()
@@ -365,14 +362,6 @@ async def test_a_reader_that_stops_pulling_pauses_the_backend_read(backend) -> N
     await asyncio.sleep(0.2)
     assert conn.buffered < 2 * lean.READ_HIGH
     assert len(await read_all(resp)) == total
-
-
-def test_an_unknown_upstream_client_is_refused(tmp_path: Path) -> None:
-    path = tmp_path / "proxy.yaml"
-    path.write_text("proxy:\n  backends: [{url: 'https://127.0.0.1:6443'}]\n"
-                    "  listener: {certFile: a, keyFile: b}\n  upstream: {caFile: ca, client: curl}\n")
-    with pytest.raises(ConfigError, match="client must be 'lean' or 'aiohttp'"):
-        load_config(path, need="proxy")
 
 
 @pytest.mark.parametrize("head", [

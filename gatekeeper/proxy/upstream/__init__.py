@@ -1,2 +1,4 @@
-"""The proxy's side towards the apiservers: pooled HTTP/1.1 connections, streaming both ways.
+"""The proxy's side towards the apiservers: multiplexed HTTP/2 for short reads, pooled HTTP/1.1 for the rest, upgrades.
+
+:mod:`upstream.client` routes each request (its docstring says which path takes what).
 """

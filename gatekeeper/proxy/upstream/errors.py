@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import ssl
 
-import aiohttp
-
 
 class ConnectFailed(ConnectionError):
     """No byte of the request reached the backend (TCP/TLS connect failed or timed out).
@@ -53,14 +51,16 @@ class RequestResetByBackend(BackendFailed):
     """
 
 
+class ResponseTooLarge(ValueError):
+    """A response to one of the proxy's own calls (``BackendClient.call``) ran past the size it takes."""
+
+
 def connect_cause(exc: BaseException) -> str:
     """A short, client-safe cause of a failed connect (never an exception repr: no addresses, no objects)."""
-    if isinstance(exc, (TimeoutError, aiohttp.ConnectionTimeoutError)):
+    if isinstance(exc, TimeoutError):
         return "connect timed out"
-    if isinstance(exc, (aiohttp.ClientConnectorCertificateError, aiohttp.ClientConnectorSSLError,
-                        ssl.SSLError)):
+    if isinstance(exc, ssl.SSLError):
         return "TLS handshake failed"
-    os_error = getattr(exc, "os_error", exc)
-    if isinstance(os_error, ConnectionRefusedError):
+    if isinstance(exc, ConnectionRefusedError):
         return "connection refused"
     return "connect failed"

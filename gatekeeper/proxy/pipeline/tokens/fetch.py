@@ -1,7 +1,8 @@
 """The asyncio edge of token identity: issuer keys and TokenReviews through the proxy's own upstream.
 
-The proxy calls the apiservers it fronts with the same pooled clients the
-pipeline uses (``BackendClient``), trying each backend in turn. When it has a
+The proxy calls the apiservers it fronts through the pipeline's backend
+clients (``BackendClient.call``, a small pool of their own), trying each
+backend in turn. When it has a
 front-proxy client certificate it asserts its own identity (``proxyUser``,
 ``proxyGroups``) with ``X-Remote-User``/``X-Remote-Group``; that user needs the
 built-in ``system:service-account-issuer-discovery`` role for the keys and
@@ -29,8 +30,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-import aiohttp
-
 from gatekeeper.proxy.pipeline.tokens import metrics
 from gatekeeper.proxy.pipeline.tokens.cache import digest
 from gatekeeper.proxy.pipeline.tokens.classify import UNVERIFIED, Decision, TokenClassifier, bearer_token
@@ -38,6 +37,7 @@ from gatekeeper.proxy.pipeline.tokens.jwt import Identity, ServiceAccountVerifie
 from gatekeeper.proxy.pipeline.tokens.review import TOKEN_REVIEW_PATH, Budget, parse_review, review_request
 from gatekeeper.proxy.pipeline.tokens.settings import TokenSettings
 from gatekeeper.proxy.tally import CounterTally
+from gatekeeper.proxy.upstream.errors import ResponseTooLarge
 
 log = logging.getLogger("gatekeeper.proxy.pipeline.tokens")
 
@@ -53,13 +53,12 @@ class Upstream(Protocol):
     url: str
 
     @property
-    def session(self) -> aiohttp.ClientSession: ...
+    def asserts_identity(self) -> bool:
+        """Calls present the front-proxy certificate, so ``X-Remote-User``/``X-Remote-Group`` count."""
 
-    @property
-    def ssl_identity(self) -> Any: ...
-
-    @property
-    def ssl_plain(self) -> Any: ...
+    async def call(self, method: str, path: str, headers: list[tuple[str, str]], body: bytes | None = None, *,
+                   deadline: float, max_bytes: int) -> tuple[int, bytes]:
+        """Status and whole body; ResponseTooLarge past ``max_bytes``, OSError or TimeoutError when it fails."""
 
 
 class FetchError(RuntimeError):
@@ -247,36 +246,23 @@ class TokenIdentities:
             raise FetchError("no upstream apiservers configured")
         errors: list[str] = []
         for up in self.upstreams:
-            headers = {"Accept": "application/jwk-set+json" if path == JWKS_PATH else "application/json"}
+            headers = [("accept", "application/jwk-set+json" if path == JWKS_PATH else "application/json")]
             if body is not None:
-                headers["Content-Type"] = "application/json"
-            if up.ssl_identity is not None:
-                headers["X-Remote-User"] = self.settings.proxy_user
+                headers.append(("content-type", "application/json"))
+            if up.asserts_identity:
+                headers += [("x-remote-user", self.settings.proxy_user),
+                            *(("x-remote-group", g) for g in self.settings.proxy_groups)]
             try:
-                async with up.session.request(
-                    method,
-                    up.url + path,
-                    headers=[*headers.items(), *(("X-Remote-Group", g) for g in self.settings.proxy_groups
-                                                 if up.ssl_identity is not None)],
-                    data=body,
-                    ssl=up.ssl_identity or up.ssl_plain,
-                    timeout=aiohttp.ClientTimeout(total=self.settings.fetch_timeout_seconds),
-                ) as resp:
-                    chunks: list[bytes] = []
-                    size = 0
-                    async for chunk in resp.content.iter_any():
-                        size += len(chunk)
-                        if size > MAX_DOCUMENT_BYTES:
-                            break
-                        chunks.append(chunk)
-                    if size > MAX_DOCUMENT_BYTES:
-                        errors.append(f"{up.name}: {path} is larger than {MAX_DOCUMENT_BYTES} bytes")
-                        continue
-                    data = b"".join(chunks)
-                    if not 200 <= resp.status < 300:
-                        errors.append(f"{up.name}: {method} {path}: HTTP {resp.status}: {data[:200]!r}")
-                        continue
-                    return json.loads(data)
-            except (TimeoutError, aiohttp.ClientError, OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+                status, data = await up.call(method, path, headers, body, deadline=self.settings.fetch_timeout_seconds,
+                                             max_bytes=MAX_DOCUMENT_BYTES)
+                if not 200 <= status < 300:
+                    errors.append(f"{up.name}: {method} {path}: HTTP {status}: {data[:200]!r}")
+                    continue
+                return json.loads(data)
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                errors.append(f"{up.name}: {method} {path}: {type(exc).__name__}: {exc}")
+            except ResponseTooLarge:
+                errors.append(f"{up.name}: {path} is larger than {MAX_DOCUMENT_BYTES} bytes")
+            except (TimeoutError, OSError) as exc:
                 errors.append(f"{up.name}: {method} {path}: {type(exc).__name__}: {exc}")
         raise FetchError("; ".join(errors))
