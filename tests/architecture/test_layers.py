@@ -16,7 +16,9 @@
   and ``kube/``: in particular not the edge.
 * Once the proxy is in subpackages (``proxy/listen/``): the listener imports
   none of pipeline/, upstream/, flowcontrol/; pipeline/ does not import
-  listen/; upstream/ imports neither listen/ nor pipeline/ nor flowcontrol/;
+  listen/; upstream/ imports neither listen/ nor pipeline/ nor flowcontrol/,
+  and of the proxy only itself, h2wire/ and the base modules (messages,
+  target, rejections, tally, metrics: never ``proxy/settings.py``);
   flowcontrol/ imports neither listen/ nor upstream/; h2wire/ (the HTTP/2 wire
   format the listener and the multiplexed upstream share) imports none of them.
 
@@ -154,6 +156,11 @@ def subpackage_rules(root: Path) -> dict[str, tuple[str, ...]]:
     }
 
 
+UPSTREAM_MAY_IMPORT = ("upstream", "h2wire", "messages", "target", "rejections", "tally", "metrics")
+"""What ``proxy/upstream/`` may import of the proxy: itself, the HTTP/2 wire format and the proxy's base modules.
+Its settings live beside it (``upstream/settings.py``); ``proxy/settings.py`` composes them, never the reverse."""
+
+
 def violations(root: Path) -> list[str]:
     """Every broken rule in the package at ``root``, as ``importer:line imports target: rule``."""
     found: list[str] = []
@@ -192,6 +199,10 @@ def violations(root: Path) -> list[str]:
             elif d and not (flow_part(dst) == "core" or d == "kube" or dst == "gatekeeper"
                             or dst == "gatekeeper.proxy.flowcontrol"):
                 bad(imp, "the flow-control core imports only itself and kube/ (not the edge, not the proxy)")
+        if (sub_rules and within(src, "gatekeeper.proxy.upstream") and within(dst, "gatekeeper.proxy")
+                and dst != "gatekeeper.proxy"
+                and not any(within(dst, f"gatekeeper.proxy.{m}") for m in UPSTREAM_MAY_IMPORT)):
+            bad(imp, "gatekeeper.proxy.upstream imports of the proxy only itself, h2wire and the base modules")
         for pkg, forbidden in sub_rules.items():
             if within(src, pkg):
                 for other in forbidden:
@@ -257,6 +268,9 @@ BAD = [
       "proxy/upstream/client.py": "from gatekeeper.proxy.pipeline import balancer\n",
       "proxy/pipeline/balancer.py": ""},
      "gatekeeper.proxy.upstream must not import gatekeeper.proxy.pipeline"),
+    ({"proxy/listen/__init__.py": "", "proxy/upstream/__init__.py": "", "proxy/settings.py": "",
+      "proxy/upstream/client.py": "from gatekeeper.proxy.settings import UpstreamSettings\n"},
+     "gatekeeper.proxy.upstream imports of the proxy only itself, h2wire and the base modules"),
 ]
 
 
