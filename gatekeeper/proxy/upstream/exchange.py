@@ -18,7 +18,7 @@ import asyncio
 import collections
 import re
 import ssl
-from collections.abc import AsyncIterator, Callable, Collection
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from typing import Protocol
 
 from gatekeeper.proxy.messages import Headers
@@ -173,7 +173,7 @@ class BodySource(Protocol):
     complete: bool
     error: BaseException | None
 
-    async def wait(self) -> None: ...
+    def wait(self) -> Awaitable[None]: ...
 
     def take(self) -> bytes: ...
 

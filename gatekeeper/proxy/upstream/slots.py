@@ -87,27 +87,23 @@ class OneWaiter:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    async def wait(self) -> None:
-        """Until something changes: headers, a body chunk, the end, or an error."""
+    def wait(self) -> asyncio.Future[None]:
+        """What to await until something changes: headers, a body chunk, the end, or an error.
+
+        The future itself, not a coroutine: awaiting it costs no coroutine per wait, on every request's head
+        and every body chunk that is not in yet. A consumer cancelled while it waits leaves its future
+        cancelled behind; :meth:`wake` passes over a done one, and the next wait replaces it.
+        """
         waiter = self.waiter = self.loop.create_future()
-        try:
-            await waiter
-        finally:
-            if self.waiter is waiter:
-                self.waiter = None
+        return waiter
 
     async def wait_head(self) -> None:
         """Until the response head is in; raises the error that ended the exchange first.
 
-        :meth:`wait` inlined: one coroutine less on every request. The protocol side sets ``error``
-        whenever the exchange ends without a head (the connection lost, closed before it began, reset).
+        The protocol side sets ``error`` whenever the exchange ends without a head (the connection
+        lost, closed before it began, the stream reset or refused).
         """
         while not self.headers_done:
             if self.error is not None:
                 raise self.error
-            waiter = self.waiter = self.loop.create_future()
-            try:
-                await waiter
-            finally:
-                if self.waiter is waiter:
-                    self.waiter = None
+            await self.wait()
