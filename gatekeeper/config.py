@@ -155,16 +155,17 @@ def _convert(value: Any, tp: Any, source: str, key: str) -> Any:
 
 
 REMOVED_KEYS: dict[str, str] = {
-    "proxy.upstream.http2": (
-        "removed: short bodiless GET/HEAD of callers the apiserver authenticates always share HTTP/2 connections "
-        "to each apiserver now (everything else, and an apiserver without HTTP/2, goes over HTTP/1.1 on its own); "
-        "delete this key"),
-    "proxy.upstream.client": (
-        "removed: the aiohttp upstream client is gone, the proxy's own HTTP/1.1 client is the only one; "
-        "delete this key"),
+    "proxy.connectionBalancing": "the kernel's SO_REUSEPORT worker model is gone: the parent always hands each "
+                                 "connection to the worker with the fewest; delete the key",
+    "proxy.listener.reusePort": "workers no longer listen themselves (the parent hands connections over); "
+                                "delete the key",
+    "proxy.protocol.http2Engine": "the proxy has one client-facing HTTP/2 engine, its own codec; delete the key",
+    "proxy.upstream.client": "the proxy has one HTTP/1.1 upstream client, its own (asyncio + llhttp); delete the key",
+    "proxy.upstream.http2": "short GETs of verified callers always share multiplexed HTTP/2 connections to the "
+                            "apiservers (a backend that answers HTTP/1.1 gets HTTP/1.1); delete the key",
 }
-"""Keys that once existed (dotted path as in the file) -> what to do instead: a config that still has one fails
-with that message rather than a bare "unknown key", so an upgrade tells the operator what changed."""
+"""Keys a release removed, by path: a config that still sets one fails with what to do instead, not with a bare
+"unknown key" (and never silently: each one selected behaviour that no longer exists)."""
 
 
 def from_mapping(cls: type[T], data: Any, source: str = "<config>", prefix: str = "") -> T:
@@ -181,12 +182,13 @@ def from_mapping(cls: type[T], data: Any, source: str = "<config>", prefix: str 
     hints = get_type_hints(cls)
     fields = {_key_of(f): f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(map(str, data)) - set(fields))
+    for key in unknown:
+        where = f"{prefix}.{key}" if prefix else key
+        if where in REMOVED_KEYS:
+            raise ConfigError(source, where, f"removed: {REMOVED_KEYS[where]}")
     if unknown:
-        paths = [f"{prefix}.{k}" if prefix else k for k in unknown]
-        removed = [p for p in paths if p in REMOVED_KEYS]
-        if removed:
-            raise ConfigError(source, removed[0], REMOVED_KEYS[removed[0]])
-        raise ConfigError(source, paths[0], f"unknown key; expected one of: {', '.join(sorted(fields))}")
+        where = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
+        raise ConfigError(source, where, f"unknown key; expected one of: {', '.join(sorted(fields))}")
     kwargs: dict[str, Any] = {}
     for k, f in fields.items():
         path = f"{prefix}.{k}" if prefix else k
@@ -251,7 +253,7 @@ def _libyaml_loader() -> _Loader | None:
     not the RecursionError the pure-Python parser raises). The constructor stays the Python one either way."""
     if not getattr(yaml, "__with_libyaml__", False):
         return None
-    try:
+    try:  # PyYAML's optional C extension: present only when PyYAML was built against libyaml
         from yaml import _yaml as libyaml
 
         if tuple(libyaml.get_version()) < (0, 2, 6):
@@ -495,9 +497,6 @@ def load_config(path: Path | str, *, need: str | None = None) -> Config:
                           f"expected a mapping with sections {', '.join(known)}, got {_typename(data)}")
     unknown = sorted(set(map(str, data)) - set(known))
     if unknown:
-        removed = [k for k in unknown if k in REMOVED_KEYS]
-        if removed:
-            raise ConfigError(source, removed[0], REMOVED_KEYS[removed[0]])
         raise ConfigError(source, unknown[0], f"unknown key; expected one of: {', '.join(known)}")
     if need and need not in data:
         raise ConfigError(source, need, f"required section is missing; `gatekeeper {need}` needs a {need}: section")

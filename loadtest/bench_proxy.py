@@ -112,8 +112,8 @@ class Env:
                        capture_output=True, text=True)
 
     def start_gatekeeper(self, name: str = "bench-proxy", workers: int | None = None,
-                         deployed_flow_control: bool = False, http2_engine: str | None = None,
-                         backends: list[str] | None = None, balancing: str | None = None) -> tuple[str, int]:
+                         deployed_flow_control: bool = False,
+                         backends: list[str] | None = None) -> tuple[str, int]:
         """A gatekeeper proxy; ``deployed_flow_control`` gives it the policy ``sandbox up --with-proxy`` deploys."""
         flow: dict[str, Any] = {"enabled": False}
         if deployed_flow_control:
@@ -123,10 +123,6 @@ class Env:
         work = self.work / name
         work.mkdir(exist_ok=True)
         user: dict[str, Any] = {"flowControl": flow}
-        if http2_engine is not None:
-            user["protocol"] = {"http2Engine": http2_engine}
-        if balancing is not None:
-            user["connectionBalancing"] = balancing
         gk = ProxyProcess(self.state, work, name=name, health_interval=0.5, user_config=user,
                           workers=workers if workers is not None else 1, backends=backends)
         try:
@@ -545,40 +541,6 @@ def modes(env: Env, args: argparse.Namespace) -> None:
     print(f"load average after: {load_average()}")
 
 
-def balancing(env: Env, args: argparse.Namespace) -> None:
-    """``--workers 2`` with ``connectionBalancing: kernel`` (SO_REUSEPORT) and ``least-connections`` (the
-    supervisor hands connections over) beside HAProxy ``nbthread 2``: interleaved closed-loop rounds, because
-    the kernel's split of h2load's connections changes from round to round."""
-    gk, haps = start_warm(env, {mode: {"name": f"gk-w2-{mode}", "workers": 2, "balancing": mode}
-                                for mode in ("kernel", "least-connections")},
-                          {"haproxy": {"nbthread": 2, "name": "hap-bal-t2"}})
-    hap = haps["haproxy"]
-    n, c, m = args.requests, args.clients, args.streams
-    print(f"\n== connection balancing, --workers 2: {args.balancing_rounds} interleaved rounds of "
-          f"h2load -n {n} -c {c} -m {m} ==")
-    print(f"load average before: {load_average()}")
-    ratios: dict[str, list[float]] = {mode: [] for mode in gk}
-    shares: dict[str, list[float]] = {mode: [] for mode in gk}
-    cpu: dict[str, list[float]] = {mode: [] for mode in gk}
-    for i in range(args.balancing_rounds):
-        h = closed_loop(env, hap[0], hap[1], n, c, m)
-        line = [f"round {i + 1}: haproxy {h['rps']:6.0f} req/s"]
-        for mode, (url, pid) in gk.items():
-            g = closed_loop(env, url, pid, n, c, m)
-            ratios[mode].append(g["rps"] / h["rps"])
-            shares[mode].append(g.get("busiest_share", 0.0))
-            cpu[mode].append(g["cpu_ms"] / max(h["cpu_ms"], 1e-6))
-            line.append(f"{mode} {g['rps']:6.0f} req/s (x{ratios[mode][-1]:.2f}, busiest "
-                        f"{shares[mode][-1]:.0%})")
-        print("  ".join(line))
-    for mode in gk:
-        print(f"{mode:18s} throughput / haproxy nbthread 2: median x{statistics.median(ratios[mode]):.2f} "
-              f"(rounds {min(ratios[mode]):.2f}-{max(ratios[mode]):.2f}); busiest worker median "
-              f"{statistics.median(shares[mode]):.0%}, worst {max(shares[mode]):.0%}; CPU per request median "
-              f"x{statistics.median(cpu[mode]):.1f}")
-    print(f"load average after: {load_average()}")
-
-
 def cpu_ticks() -> tuple[int, int]:
     """(all ticks, idle + iowait ticks) since boot, from the first line of /proc/stat."""
     with open("/proc/stat") as f:
@@ -613,32 +575,6 @@ def static_scaling(env: Env, args: argparse.Namespace) -> None:
     print(f"load average after: {load_average()}")
 
 
-def engines_ab(env: Env, args: argparse.Namespace) -> None:
-    """Closed loop, CPU per request: one single-worker gatekeeper per ``http2Engine`` beside HAProxy
-    ``nbthread 1``, rounds interleaved (gk engines, then HAProxy) so drift in machine load hits all alike."""
-    gk, haps = start_warm(env, {e: {"name": f"gk-{e}", "workers": 1, "http2_engine": e} for e in args.engines},
-                          {"haproxy": {"nbthread": 1, "name": "hap-ab"}})
-    hap = haps["haproxy"]
-    n, c, m = args.requests, args.clients, args.streams
-    print(f"\n== http2Engine A/B: closed loop h2load -n {n} -c {c} -m {m}, {args.ab_rounds} rounds; "
-          f"load average before: {load_average()} ==")
-    cpu: dict[str, list[float]] = {k: [] for k in [*gk, "haproxy"]}
-    rps: dict[str, list[float]] = {k: [] for k in cpu}
-    for _ in range(args.ab_rounds):
-        for key, (url, pid) in [*gk.items(), ("haproxy", hap)]:
-            r = closed_loop(env, url, pid, n, c, m)
-            cpu[key].append(r["cpu_ms"])
-            rps[key].append(r["rps"])
-    hap_cpu = statistics.median(cpu["haproxy"])
-    for key in cpu:
-        med = statistics.median(cpu[key])
-        label = "haproxy nbthread 1" if key == "haproxy" else f"gatekeeper http2Engine={key}"
-        print(f"{label:30s} CPU per request median {med:.3f} ms (rounds: "
-              f"{', '.join(f'{x:.3f}' for x in cpu[key])}) x{med / max(hap_cpu, 1e-6):.1f} of HAProxy; "
-              f"{statistics.median(rps[key]):.0f} req/s")
-    print(f"load average after: {load_average()}")
-
-
 # --- main ---------------------------------------------------------------------------------------
 
 def main() -> None:
@@ -651,9 +587,6 @@ def main() -> None:
     ap.add_argument("--share-clients", type=int, default=12, help="long-lived clients in the restart scenario")
     ap.add_argument("--share-window", type=float, default=10.0, help="seconds measured after the restart")
     ap.add_argument("--down-seconds", type=float, default=8.0, help="how long apiserver 3 stays down")
-    ap.add_argument("--engines", type=lambda v: v.split(","), default=None,
-                    help="only the http2Engine A/B (e.g. h2,lean): closed-loop CPU per request beside HAProxy")
-    ap.add_argument("--ab-rounds", type=int, default=3, help="interleaved rounds of the --engines A/B")
     ap.add_argument("--skip", action="append", default=[],
                     choices=["throughput", "memory", "share", "rates", "closed"])
     ap.add_argument("--only-modes", action="store_true",
@@ -665,8 +598,6 @@ def main() -> None:
                     help="--only-modes: interleaved rounds of every comparison; ratios are medians over rounds")
     ap.add_argument("--workers-table", type=lambda v: [int(x) for x in v.split(",")], default=[1, 2],
                     help="gatekeeper worker counts for the closed-loop table (1 and 2 always run)")
-    ap.add_argument("--balancing-rounds", type=int, default=0, metavar="R",
-                    help="only compare connectionBalancing kernel / least-connections with 2 workers, R rounds")
     ap.add_argument("--static-scaling", action="store_true",
                     help="run only the scaling table with static backends (the proxy as the bottleneck)")
     args = ap.parse_args()
@@ -676,12 +607,6 @@ def main() -> None:
     try:
         if args.static_scaling:
             static_scaling(env, args)
-            return
-        if args.engines:
-            engines_ab(env, args)
-            return
-        if args.balancing_rounds:
-            balancing(env, args)
             return
         if args.only_modes:
             modes(env, args)

@@ -7,8 +7,7 @@ whole lives: h2load's 8 connections split 6/2 in one of 5 rounds, and a closed
 loop then runs at the pace of the busier worker (the busiest of 2 served 62%).
 HAProxy's threads share one listener and pick the least-loaded thread.
 
-``proxy.connectionBalancing: least-connections`` (the default with several
-workers) does the same across processes:
+With several workers (``--workers N``) the proxy does the same across processes:
 
 * The supervisor listens on the TLS port; a thread of its own (the parent's
   event loop also renders ``/metrics``, which must not delay an accept)
@@ -23,7 +22,7 @@ workers) does the same across processes:
   connections spreads at once.
 * The least-loaded serving worker gets the connection; ties rotate. A worker
   serves once it says so on its socket (``R``), and stops when it says it
-  drains (``D``) or its process exits (:meth:`Dispatcher.retire`: our
+  drains (``D``) or its process exits (:meth:`HandoffDispatcher.retire`: our
   duplicate of its end, below, keeps the socket open past its death); the
   supervisor restarts it with a fresh socket and count.
   A worker whose socket the supervisor closes drains and exits, to be
@@ -33,10 +32,10 @@ workers) does the same across processes:
   one that has left a connection unread (``SIOCOUTQ`` on its socket) for
   :data:`LAG_SECONDS` gets a new one only if no other serving worker keeps up
   with its socket. A stall of :data:`STALL_SECONDS` is logged and counted once
-  (``gatekeeper_proxy_handoff_stalls_total{worker}``). Before, least-connections
-  took a stopped worker for the least loaded and sent it every other connection
-  until its socket filled; each of those hung until the worker was killed as
-  hung (``workerHangSeconds``). A worker that reads again is chosen by load
+  (``gatekeeper_proxy_handoff_stalls_total{worker}``): otherwise a stopped
+  worker would look least loaded and get every other connection until its
+  socket filled, each one hanging until the worker was killed as hung
+  (``workerHangSeconds``). A worker that reads again is chosen by load
   again. A burst (connections within milliseconds) is still split by load.
 * What a worker has not read is taken back: the supervisor keeps a duplicate
   of each worker's end of its socket, so it can receive the worker's queued
@@ -226,7 +225,7 @@ class Inbox:
         self.sock.close()
 
 
-class Dispatcher:
+class HandoffDispatcher:
     """The supervisor's accepting thread (see the module docstring)."""
 
     def __init__(self, listeners: list[socket.socket], counts: ClosedCounts, workers: int,
@@ -236,10 +235,8 @@ class Dispatcher:
                  on_take_back: Callable[[int], None] = lambda worker: None) -> None:
         self._listeners = listeners
         self._counts = counts
-        self._on_handoff = on_handoff
-        self._on_wait = on_wait
-        self._on_stall = on_stall
-        self._on_take_back = on_take_back
+        self._on_handoff, self._on_wait = on_handoff, on_wait
+        self._on_stall, self._on_take_back = on_stall, on_take_back
         self._pending: socket.socket | None = None
         """A connection no worker could take yet (every socket full, or none serving)."""
         self._channels: list[socket.socket | None] = [None] * workers

@@ -1,177 +1,26 @@
-"""Typed ``proxy:`` section of the gatekeeper config file.
+"""Typed ``proxy:`` section of the gatekeeper config file, composed of the settings each folder owns.
 
-Ownership: ``ListenerSettings``/``ProtocolSettings`` belong to the protocol
-adapters (server.py, h2.py, h1.py); ``BackendSettings`` to the pipeline
-(balancer.py); ``upstream:`` to ``gatekeeper.proxy.upstream.settings`` (imported
-and composed here, so ``upstream/`` never imports this module); ``flowControl``
-to ``gatekeeper.proxy.flowcontrol``. Add fields where they belong, each with a
-one-line docstring; the loader (gatekeeper.config.from_mapping) maps camelCase
-YAML keys onto these snake_case fields and rejects unknown keys.
+``listener``/``protocol`` belong to the listener (``listen/settings.py``), ``backends`` to the pipeline
+(``pipeline/settings.py``), ``upstream`` to the upstream client (``upstream/settings.py``), ``flowControl``
+to flow control (``flowcontrol/settings.py``); the worker and process settings are here. Each field has a
+one-line docstring; the loader (gatekeeper.config.from_mapping) maps camelCase YAML keys onto these
+snake_case fields and rejects unknown keys.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
-from gatekeeper.config import ConfigError, camel, from_mapping, register_section
-from gatekeeper.listener import TLSListenerSettings
+from gatekeeper.config import ConfigError, from_mapping, register_section
 from gatekeeper.proxy.flowcontrol.edge.loading import load_policy
 from gatekeeper.proxy.flowcontrol.settings import FlowControlSettings
-from gatekeeper.proxy.h2wire import frames as frames
-from gatekeeper.proxy.upstream.settings import UpstreamSettings as UpstreamSettings
+from gatekeeper.proxy.listen.settings import MAX_GOAWAY_CHANCE, ListenerSettings, ProtocolSettings
+from gatekeeper.proxy.pipeline.settings import BackendSettings
+from gatekeeper.proxy.upstream.settings import UpstreamSettings
 
-MAX_GOAWAY_CHANCE = 0.02
-"""kube-apiserver refuses --goaway-chance above 0.02; so do we, outside tests."""
-
-
-@dataclass(frozen=True)
-class ListenerSettings(TLSListenerSettings):
-    """The client-facing TLS listener (h2 and http/1.1 via ALPN) and its plain-HTTP side listener."""
-
-    tls_required_because: ClassVar[str] = "the proxy only serves TLS"
-
-    port: int = 6443
-    """TLS port serving both h2 and http/1.1 via ALPN (0 = pick a free port)."""
-    client_ca_file: str = ""
-    """If set, client certificates are requested and verified against this CA (CN=user, O=groups)."""
-    metrics_address: str = "127.0.0.1"
-    """Bind address of the plain-HTTP /metrics, /healthz and /readyz listener."""
-    metrics_port: int = 0
-    """Port of that listener (0 = pick a free port, -1 = disabled)."""
-    metrics_groups: list[str] = field(default_factory=lambda: ["system:masters"])
-    """Groups whose verified client-certificate users may read ``/metrics`` on the TLS port (others get 403)."""
-    tls_handshake_timeout_seconds: float = 10.0
-    """A client must finish the TLS handshake within this many seconds or is cut (counted), unless its bytes
-    wait unread in our socket buffer then (the proxy was behind): see ``tls_handshake_max_seconds``."""
-    tls_handshake_max_seconds: float = 0.0
-    """Hard cap on a handshake that ``tls_handshake_timeout_seconds`` extended because the proxy, not the client,
-    was behind (``gatekeeper/tlshandshake.py``); 0 means four times ``tls_handshake_timeout_seconds``."""
-
-    @property
-    def tls_handshake_cap_seconds(self) -> float:
-        return self.tls_handshake_max_seconds or 4 * self.tls_handshake_timeout_seconds
-    max_client_connections: int = 20000
-    """Client connections open at once (handshaking included); more are closed at accept (counted)."""
-    reuse_port: bool = False
-    """Bind the TLS port with SO_REUSEPORT (set by the worker supervisor, see ``proxy/workers.py``)."""
-
-
-@dataclass(frozen=True)
-class ProtocolSettings:
-    """HTTP/2 and HTTP/1.1 behaviour, including GOAWAY rebalancing."""
-
-    goaway_chance: float = 0.0
-    """Per-request probability of a graceful GOAWAY (h2) or Connection: close (h1), in [0, 0.02]."""
-    allow_unsafe_goaway_chance: bool = False
-    """Test-only: allow goawayChance above 0.02 (up to 1.0)."""
-    drain_timeout_seconds: float = 60.0
-    """How long long-running streams (watches) may run after GOAWAY before the connection closes."""
-    shutdown_timeout_seconds: float = 30.0
-    """SIGTERM: how long to drain every connection before exiting."""
-    max_concurrent_streams: int = 250
-    """SETTINGS_MAX_CONCURRENT_STREAMS advertised to HTTP/2 clients."""
-    stream_window_bytes: int = 1 << 20
-    """Initial HTTP/2 stream flow-control window advertised to clients."""
-    max_header_list_bytes: int = 1 << 20
-    """Largest header block accepted from a client."""
-    max_buffered_request_bytes: int = 128 << 20
-    """HTTP/2 request DATA received but not yet taken by the pipeline, all connections of one process
-    together (the windows bound each connection, not the process); a stream whose DATA would pass it is
-    reset ENHANCE_YOUR_CALM, reason ``body_budget`` (see ``listen/body_budget.py``)."""
-    idle_timeout_seconds: float = 300.0
-    """Close client connections idle (no open stream) for this long."""
-    response_stall_timeout_seconds: float = 60.0
-    """A response that cannot move for this long is cut: HTTP/2 stream window held at 0 (RST_STREAM
-    CANCEL), or the client stops reading its socket (connection closed). Frees seat, upstream, memory."""
-    write_buffer_high_bytes: int = 65536
-    """Stop reading a client's input while this much of our output to it is unsent (flood/slow reader)."""
-    write_buffer_low_bytes: int = 16384
-    """Resume reading once the unsent output is back under this."""
-    h2_abuse_interval_seconds: float = 10.0
-    """Window over which the per-connection HTTP/2 frame counters below are counted."""
-    h2_max_resets_per_interval: int = 1000
-    """RST_STREAM frames a client may send per interval (rapid reset, CVE-2023-44487), then GOAWAY
-    ENHANCE_YOUR_CALM."""
-    h2_max_pings_per_interval: int = 100
-    """PING frames (not ACKs) a client may send per interval."""
-    h2_max_settings_per_interval: int = 100
-    """SETTINGS frames (not ACKs) a client may send per interval."""
-    h2_max_empty_frames_per_interval: int = 1000
-    """Zero-length DATA (without END_STREAM) and CONTINUATION frames a client may send per interval."""
-    h2_max_closed_stream_frames_per_interval: int = 1000
-    """DATA, HEADERS, CONTINUATION or RST_STREAM frames on already-closed streams per interval."""
-    # --- harden-edge: HTTP/1.1 client timeouts ---------------------------------------------
-    h1_header_timeout_seconds: float = 32.0
-    """HTTP/1.1: a request's head must be complete this long after its first byte (kube-apiserver: 32 s)."""
-    h1_max_header_fields: int = 1000
-    """HTTP/1.1: header fields in one request head; more is a 431, counted on the raw bytes before parsing
-    (parsing costs about 4 us of the event loop per field; kubectl sends about a dozen)."""
-    h1_body_idle_timeout_seconds: float = 30.0
-    """HTTP/1.1: a request body that sends nothing for this long is cut (the request fails, the connection closes).
-    Under kube-apiserver's 60 s request timeout, so the proxy frees the seat and connection first."""
-    h2_body_idle_timeout_seconds: float = 30.0
-    """HTTP/2: a request body that sends nothing for this long while the client may send (its windows are
-    open) is cut with RST_STREAM CANCEL, releasing its seat and upstream connection (as for HTTP/1.1)."""
-    h1_write_stall_timeout_seconds: float = 60.0
-    """HTTP/1.1: a client that takes no response bytes for this long is cut, releasing its backend connection.
-    Upgraded tunnels (exec, attach, port-forward) too."""
-    h1_upgrade_idle_timeout_seconds: float = 14400.0
-    """HTTP/1.1: an upgraded tunnel that moves no byte either way for this long is closed (kubelet's own
-    streamingConnectionIdleTimeout default, 4 h; pods/proxy and services/proxy tunnels had no bound), and so
-    is an upgrade request whose backend has not answered in that time."""
-    http2_engine: str = "lean"
-    """Client-facing HTTP/2 codec: ``lean`` (the proxy's own, ``listen/h2_codec.py``) or ``h2`` (the h2 library)."""
-
-    def validate(self) -> None:
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            key = camel(f.name)
-            if f.name.endswith("_seconds"):
-                # Zero or less would cut every client at once (or, for the drains, never wait).
-                if not value > 0:
-                    raise ValueError(f"{key} must be a positive number of seconds, got {value}")
-            elif f.type in ("int", int) and f.name != "write_buffer_low_bytes" and not value >= 1:
-                raise ValueError(f"{key} must be at least 1, got {value}")
-        if self.stream_window_bytes > frames.MAX_WINDOW:
-            raise ValueError(f"streamWindowBytes must be at most {frames.MAX_WINDOW} (RFC 9113 6.9.1), got "
-                             f"{self.stream_window_bytes}")
-        for name in ("max_concurrent_streams", "max_header_list_bytes"):  # SETTINGS values are 32-bit
-            if (value := getattr(self, name)) > frames.MAX_SETTING:
-                raise ValueError(f"{camel(name)} must be at most {frames.MAX_SETTING} (RFC 9113 6.5.1), got {value}")
-        if self.max_buffered_request_bytes < frames.MIN_FRAME_SIZE:
-            # One full-size DATA frame or header fragment must fit (we never raise SETTINGS_MAX_FRAME_SIZE),
-            # or an idle proxy refuses every upload.
-            raise ValueError(f"maxBufferedRequestBytes must be at least {frames.MIN_FRAME_SIZE} (one HTTP/2 frame), "
-                             "got "
-                             f"{self.max_buffered_request_bytes}")
-        if not 0 <= self.write_buffer_low_bytes <= self.write_buffer_high_bytes:
-            raise ValueError(f"writeBufferLowBytes must be within [0, writeBufferHighBytes "
-                             f"({self.write_buffer_high_bytes})], got {self.write_buffer_low_bytes}")
-        if self.http2_engine not in ("lean", "h2"):
-            raise ValueError(f"http2Engine must be 'lean' or 'h2', got {self.http2_engine!r}")
-        limit = 1.0 if self.allow_unsafe_goaway_chance else MAX_GOAWAY_CHANCE
-        if not 0.0 <= self.goaway_chance <= limit:
-            raise ValueError(
-                f"goawayChance must be within [0, {limit}] (kube-apiserver's limit is 0.02; "
-                f"0.001 is the upstream recommendation), got {self.goaway_chance}"
-            )
-
-
-@dataclass(frozen=True)
-class BackendSettings:
-    """One kube-apiserver behind the proxy."""
-
-    url: str
-    """https://host:port of the apiserver."""
-    weight: int = 1
-    """Relative share of requests (power-of-two-choices on in-flight / weight)."""
-    name: str = ""
-    """Label used in metrics (defaults to host:port)."""
-
-
-CONNECTION_BALANCING = ("least-connections", "kernel")
+__all__ = ["MAX_GOAWAY_CHANCE", "BackendSettings", "FlowControlSettings", "ListenerSettings", "ProtocolSettings",
+           "ProxySettings", "UpstreamSettings", "load_section"]
 
 
 @dataclass(frozen=True)
@@ -187,10 +36,6 @@ class ProxySettings:
     """Worker processes sharing the TLS port (0 = one per usable core, at most maxWorkers; 1 = no supervisor)."""
     max_workers: int = 8
     """Cap on the automatic worker count (an explicit ``workers``/``--workers`` may exceed it)."""
-    connection_balancing: str = "least-connections"
-    """With several workers: ``least-connections`` (the supervisor accepts and hands each connection to the worker
-    with the fewest open ones, see ``proxy/handoff.py``) or ``kernel`` (every worker listens with SO_REUSEPORT and
-    the kernel hashes connections to workers, blind to their load)."""
     worker_hang_seconds: float = 30.0
     """With several workers: a serving worker whose private ``/healthz`` has not answered for this long (its
     event loop is stuck, or it was stopped) is killed and restarted, and its seats are released (0 = never)."""
@@ -204,9 +49,6 @@ class ProxySettings:
             raise ValueError("backends: at least one apiserver URL is required")
         if self.workers < 0 or self.max_workers < 1:
             raise ValueError("workers must be >= 0 (0 = one per usable core) and maxWorkers >= 1")
-        if self.connection_balancing not in CONNECTION_BALANCING:
-            raise ValueError(f"connectionBalancing must be one of {', '.join(CONNECTION_BALANCING)}, "
-                             f"got {self.connection_balancing!r}")
         if not (self.worker_hang_seconds == 0 or self.worker_hang_seconds >= 1):
             raise ValueError(f"workerHangSeconds must be 0 (never) or at least 1, got {self.worker_hang_seconds}")
         if self.gc_young_threshold < 0:

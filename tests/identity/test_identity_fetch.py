@@ -20,7 +20,6 @@ from prometheus_client import REGISTRY
 
 from gatekeeper.proxy.pipeline.tokens.fetch import TokenIdentities
 from gatekeeper.proxy.pipeline.tokens.settings import TokenSettings
-from gatekeeper.proxy.upstream.errors import ResponseTooLarge
 
 KEY_A, KEY_B = kit.rsa_key(), kit.rsa_key()
 
@@ -60,19 +59,18 @@ class FakeApiserver:
 class Upstream:
     """The slice of BackendClient the edge uses (``call``), over plain HTTP to the stand-in."""
 
-    asserts_identity = False
-
     def __init__(self, url: str, session: aiohttp.ClientSession) -> None:
         self.name, self.url, self.session = "fake", url, session
+        self.ssl_identity = None
 
     async def call(self, method: str, path: str, headers: list[tuple[str, str]], body: bytes | None = None, *,
                    deadline: float, max_bytes: int) -> tuple[int, bytes]:
         async with self.session.request(method, self.url + path, headers=headers, data=body,
                                         timeout=aiohttp.ClientTimeout(total=deadline)) as resp:
-            data = await resp.read()
-        if len(data) > max_bytes:
-            raise ResponseTooLarge(f"{path} is larger than {max_bytes} bytes")
-        return resp.status, data
+            data = await resp.content.read(max_bytes + 1)
+            if len(data) > max_bytes:
+                raise ValueError(f"{path} is larger than {max_bytes} bytes")
+            return resp.status, data
 
 
 @pytest.fixture

@@ -142,20 +142,6 @@ def test_config_without_upstream_ca_is_refused(tmp_path: Path) -> None:
         load_config(path, need="proxy")
 
 
-@pytest.mark.parametrize(("key", "says"), [
-    ("http2: false", "always share HTTP/2 connections"),
-    ("client: aiohttp", "the aiohttp upstream client is gone"),
-])
-def test_a_removed_upstream_key_fails_with_what_to_do_instead(tmp_path: Path, key: str, says: str) -> None:
-    """``upstream.http2`` and ``upstream.client`` chose between engines that are gone: a config that still sets
-    one fails at load with a message naming the key and what changed, not a bare "unknown key"."""
-    path = tmp_path / "proxy.yaml"
-    path.write_text("proxy:\n  backends: [{url: 'https://127.0.0.1:6443'}]\n"
-                    f"  listener: {{certFile: a, keyFile: b}}\n  upstream: {{caFile: ca, {key}}}\n")
-    with pytest.raises(ConfigError, match=f"proxy.upstream.{key.split(':')[0]}: removed: .*{says}.*delete this key"):
-        load_config(path, need="proxy")
-
-
 
 async def test_client_failing_its_upgrade_does_not_eject_the_backend(pki: PKI) -> None:
     async def early_bytes() -> AsyncIterator[bytes]:

@@ -151,7 +151,7 @@ async def test_tenant_gets_through_the_proxy_to_apiservers_with_goaway_chance_al
     deadline = time.monotonic() + 120
     async with httpx.AsyncClient(verify=proxy.tls(), timeout=30) as plain:
         before = (await plain.get(f"{proxy.metrics_url}/metrics")).text
-        clients = [httpx.AsyncClient(verify=proxy.tls(), http2=True, timeout=30) for _ in range(4)]
+        clients = [httpx.AsyncClient(verify=proxy.tls(), timeout=30) for _ in range(4)]
 
         async def worker(client: httpx.AsyncClient) -> None:
             while left[0] > 0 and time.monotonic() < deadline:

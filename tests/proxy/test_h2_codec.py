@@ -398,18 +398,6 @@ def test_headers_on_a_reset_stream_are_answered_and_counted_as_closed_stream_fra
         c.headers(1)
 
 
-def test_an_unknown_http2_engine_is_refused_naming_the_key(tmp_path):
-    from gatekeeper.config import ConfigError, load_config
-
-    path = tmp_path / "proxy.yaml"
-    path.write_text("proxy:\n  backends: [{url: 'https://127.0.0.1:6443'}]\n"
-                    "  listener: {certFile: a, keyFile: b}\n  protocol: {http2Engine: nghttp2}\n")
-    with pytest.raises(ConfigError, match=r"proxy.protocol: http2Engine must be 'lean' or 'h2', got 'nghttp2'"):
-        load_config(path, need="proxy")
-    path.write_text(path.read_text().replace("nghttp2", "h2"))
-    assert load_config(path, need="proxy").proxy.protocol.http2_engine == "h2"  # type: ignore[attr-defined]
-
-
 def test_frames_on_a_stream_we_reset_are_ignored_but_counted_and_their_window_returned():
     guard = FloodGuard({"rst_stream": 100, "ping": 10, "settings": 10, "empty_frame": 10, "closed_stream": 2}, 10.0)
     c = Client(max_concurrent_streams=1, guard=guard)

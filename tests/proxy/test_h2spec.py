@@ -22,11 +22,10 @@ from gatekeeper.sandbox.with_proxy import default_flow_control
 pytestmark = pytest.mark.sandbox
 
 
-@pytest.fixture(scope="module", params=["lean", "h2"])
-def h2spec_proxy(request: pytest.FixtureRequest, sandbox: SandboxState,
-                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProxyProcess]:
-    """The proxy as deployed (default flow control), once per ``http2Engine``."""
-    config = {"flowControl": default_flow_control(), "protocol": {"http2Engine": request.param}}
+@pytest.fixture(scope="module")
+def h2spec_proxy(sandbox: SandboxState, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProxyProcess]:
+    """The proxy as deployed (default flow control)."""
+    config = {"flowControl": default_flow_control()}
     proxy = ProxyProcess(sandbox, tmp_path_factory.mktemp("h2spec-proxy"), name="h2spec-proxy", user_config=config)
     try:
         proxy.start()

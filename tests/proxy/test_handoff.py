@@ -19,7 +19,7 @@ from edge_kit import chunks, make_pki, rejected
 from prometheus_client import REGISTRY
 
 from gatekeeper.certs import PKI
-from gatekeeper.proxy.handoff import PASS_OVER_SECONDS, ClosedCounts, Dispatcher, Inbox, least_loaded
+from gatekeeper.proxy.handoff import PASS_OVER_SECONDS, ClosedCounts, HandoffDispatcher, Inbox, least_loaded
 from gatekeeper.proxy.listen import server as server_module
 from gatekeeper.proxy.listen.server import ProxyServer, serve
 from gatekeeper.proxy.messages import ProxyRequest, ProxyResponse
@@ -60,7 +60,7 @@ class Rig:
         self.waits = 0
         self.stalls: list[int] = []
         self.taken_back: list[int] = []
-        self.dispatcher = Dispatcher([self.listener, *extra_listeners],
+        self.dispatcher = HandoffDispatcher([self.listener, *extra_listeners],
                                      ClosedCounts.create(tmp_path / "closed", workers), workers,
                                      on_handoff=self.handed.append, on_wait=self._wait, on_stall=self.stalls.append,
                                      on_take_back=self.taken_back.append)
@@ -347,7 +347,7 @@ def test_a_failing_accept_backs_off_instead_of_spinning(tmp_path: Path) -> None:
     listener.bind(("127.0.0.1", 0))
     listener.listen()
     listener.setblocking(False)
-    dispatcher = Dispatcher([listener], ClosedCounts.create(tmp_path / "closed", 1), 1)
+    dispatcher = HandoffDispatcher([listener], ClosedCounts.create(tmp_path / "closed", 1), 1)
     counts = ClosedCounts(tmp_path / "closed")
     dispatcher.start()
     inbox = Inbox(dispatcher.channel(0).detach(), counts, 0)
@@ -517,7 +517,7 @@ def test_the_port_refuses_connections_until_a_worker_first_serves(tmp_path: Path
 
     [listener] = bind_listeners("127.0.0.1", 0)
     port = listener.getsockname()[1]
-    dispatcher = Dispatcher([listener], ClosedCounts.create(tmp_path / "closed", 1), 1)
+    dispatcher = HandoffDispatcher([listener], ClosedCounts.create(tmp_path / "closed", 1), 1)
     counts = ClosedCounts(tmp_path / "closed")
     dispatcher.start()
     inbox = Inbox(dispatcher.channel(0).detach(), counts, 0)

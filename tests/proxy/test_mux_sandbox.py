@@ -99,7 +99,7 @@ async def test_tenant_gets_are_multiplexed_and_bad_tokens_never_cost_a_goaway(
     ns, token = tenant
     path = f"{proxy.url}/api/v1/namespaces/{ns}/configmaps"
     good = {"authorization": f"Bearer {token}"}
-    async with httpx.AsyncClient(verify=ca_context(sandbox), http2=True, timeout=30) as client:
+    async with httpx.AsyncClient(verify=ca_context(sandbox), timeout=30) as client:
         await until_allowed(client, path, good)
         before = (await client.get(f"{proxy.metrics_url}/metrics")).text
 
@@ -187,7 +187,7 @@ async def test_a_tenant_certificate_caller_is_asserted_over_the_shared_connectio
     ctx = ca_context(sandbox)
     ctx.load_cert_chain(str(issued.cert), str(issued.key))
     path = f"{proxy.url}/api/v1/namespaces/{ns}/configmaps"
-    async with httpx.AsyncClient(verify=ctx, http2=True, timeout=30) as client:
+    async with httpx.AsyncClient(verify=ctx, timeout=30) as client:
         await until_allowed(client, path)
         before = metric_sum((await client.get(f"{proxy.metrics_url}/metrics")).text,
                             "gatekeeper_proxy_upstream_http2_streams_total")
@@ -212,7 +212,7 @@ async def test_a_real_apiserver_answering_http11_is_served_on_the_connection_tha
     request = ProxyRequest(method="GET", target=f"/api/v1/namespaces/{ns}/configmaps", headers=headers, body=None,
                            protocol="h2")
     settings = UpstreamSettings(ca_file=str(SandboxPKI(Path(sandbox.certs_dir)).ca))
-    warm = client_module.BackendClient("apiserver-warm", sandbox.apiserver_urls[0], settings)
+    warm = client_module.BackendClient("apiserver-warm", sandbox.apiserver_urls[0], settings)  # sent over HTTP/1.1
     try:
         for _ in range(100):  # the RoleBinding reaches the apiserver's RBAC cache within moments
             response = await warm.send(request, headers, identity=False, swallow_body_errors=False,
@@ -299,7 +299,7 @@ async def test_revoked_tokens_cost_one_goaway_per_apiserver_and_fail_no_other_te
     proxy = one_worker
     path = f"{proxy.url}/api/v1/namespaces/{ns}/configmaps"
     reader = {"authorization": f"Bearer {good}"}
-    async with httpx.AsyncClient(verify=ca_context(sandbox), http2=True, timeout=30) as client:
+    async with httpx.AsyncClient(verify=ca_context(sandbox), timeout=30) as client:
         await until_allowed(client, path, reader)
         before = (await client.get(f"{proxy.metrics_url}/metrics")).text
         done = asyncio.Event()

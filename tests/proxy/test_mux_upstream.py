@@ -1,4 +1,4 @@
-"""The multiplexed HTTP/2 upstream against an in-process TLS backend.
+"""The multiplexed HTTP/2 upstream  against an in-process TLS backend.
 
 The backend is the ``h2`` library's server state machine (an implementation
 independent of ours) with a script per test, plus raw frames where a test needs

@@ -18,10 +18,9 @@ subscripts and no branch. Completing EOS leads to the error state, which
 never leaves. After the last byte, the string is valid only if the machine
 rests on the all-ones path from the root at depth 0..7: the padding is then
 at most 7 bits and a prefix of EOS (30 one bits). Anything else, including
-EOS inside the string, raises :class:`HuffmanDecodingError`, a subclass of
-``hpack``'s ``HPACKDecodingError`` so the ``h2`` engine (which calls this
-through ``hpack.hpack.decode_huffman``, see ``h2_conn``) fails the connection
-with COMPRESSION_ERROR exactly as with ``hpack``'s own decoder.
+EOS inside the string, raises :class:`HuffmanDecodingError` (a subclass of
+``hpack``'s ``HPACKDecodingError``, as the tests' oracle raises): the codec fails
+the connection with COMPRESSION_ERROR.
 
 Tables are built on first use from the code table of RFC 7541 Appendix B
 (``hpack.huffman_constants``, data only): ~17 ms and ~1.9 MB, once per process.
@@ -29,8 +28,7 @@ Tables are built on first use from the code table of RFC 7541 Appendix B
 **Memo.** Huffman decoding is a pure function, so a bounded LRU keyed by the
 coded bytes returns exactly what decoding would; errors are never cached.
 
-* ``decode_memo`` (the ``h2`` engine's ``decode_huffman``, and the lean
-  engine's for never-indexed fields and credentials) memoizes coded strings of
+* ``decode_memo`` (for never-indexed fields and credentials) memoizes coded strings of
   ``MEMO_MIN_BYTES``..``MEMO_MAX_BYTES``, at most ``MEMO_ENTRIES``: the ~1 KB
   bearer token that HPACK encoders never index is decoded once, not on every
   request. Huge strings are not kept (the cache would become a memory sink).
@@ -38,7 +36,7 @@ coded bytes returns exactly what decoding would; errors are never cached.
   the identical coded token. Its only signal is timing (a hit is under a
   microsecond faster than a decode, far below network jitter), and dict
   lookups compare a randomized hash before any bytes.
-* ``decode_memo_short`` (the lean engine's for every other field) also keeps
+* ``decode_memo_short`` (for every other field) also keeps
   shorter strings, from ``SHORT_MEMO_MIN_BYTES``, in a separate LRU of
   ``SHORT_MEMO_ENTRIES`` (so a client's many distinct paths cannot evict the
   tokens): nghttp2 sends ``:path`` as a literal without indexing on every
@@ -59,7 +57,8 @@ MEMO_MIN_BYTES = 64
 MEMO_MAX_BYTES = 8192
 MEMO_ENTRIES = 256
 SHORT_MEMO_MIN_BYTES = 4
-"""Chosen by ``loadtest/bench_h2_huffman.py``: a hit costs ~0.05 us at any length, decoding ~0.25 us at
+"""Chosen by measurement (loadtest/reports/2026-12-03-readme-history.md): a hit costs ~0.05 us at any
+length, decoding ~0.25 us at
 1 byte, ~0.33 at 4 and ~0.8 at 16, a miss (decode, insert, evict) ~0.18 us more than decoding. From 4
 bytes the memo pays off above a ~40% hit rate (~20% at 16 bytes); shorter strings save too little."""
 SHORT_MEMO_ENTRIES = 1024

@@ -1,10 +1,8 @@
-"""HTTP/2 server connection with graceful GOAWAY, on one of two codecs (``protocol.http2Engine``).
+"""HTTP/2 server connection with graceful GOAWAY, on the proxy's own sans-IO codec.
 
-``lean`` (default) is the proxy's own sans-IO codec (``h2_codec.LeanH2Connection``,
-about a sixth of h2's CPU per request); ``h2`` is the h2 library
-(``h2_conn.ProxyH2Connection``), kept as a fallback. Both hand this adapter the same
-event tuples (``h2_codec.EV_*``) and take the same calls, so everything below holds
-for either; the in-memory tests and h2spec run on both.
+The codec (``h2_codec.LeanH2Connection``, about a sixth of the h2 library's CPU per
+request) hands this adapter event tuples (``h2_state.EV_*``) and takes its calls; the
+h2 library stays in the tests only, as the client side and a differential oracle.
 
 Sans-IO in the sense that matters for testing: :class:`H2Protocol` never
 touches a socket. The edge feeds it bytes (:meth:`H2Protocol.data_received`)
@@ -39,34 +37,22 @@ from typing import Any, cast
 
 from h2.errors import ErrorCodes
 from h2.exceptions import ProtocolError, StreamClosedError
-from h2.settings import SettingCodes, Settings
 
 from gatekeeper.proxy import rejections
 from gatekeeper.proxy.adapter import ClientGone
 from gatekeeper.proxy.h2wire.frames import MAX_WINDOW
 from gatekeeper.proxy.listen import conn_metrics
-from gatekeeper.proxy.listen.body_budget import BodyBudget
+from gatekeeper.proxy.listen import h2_state as ev
+from gatekeeper.proxy.listen.body_budget import RequestBodyBudget
 from gatekeeper.proxy.listen.goaway import GoawayDecider
-from gatekeeper.proxy.listen.h2_codec import (
-    EV_BAD_LENGTH,
-    EV_DATA,
-    EV_ENDED,
-    EV_GOAWAY,
-    EV_REQUEST,
-    EV_RESET,
-    EV_WINDOW,
-    Event,
-    LeanH2Connection,
-    ServerConnection,
-)
-from gatekeeper.proxy.listen.h2_conn import ProxyH2Connection, install_huffman_memo
+from gatekeeper.proxy.listen.h2_codec import LeanH2Connection
 from gatekeeper.proxy.listen.h2_drain import Draining
 from gatekeeper.proxy.listen.h2_headers import MalformedRequest, parse_request
 from gatekeeper.proxy.listen.h2_limits import FloodError, FloodGuard, limits_of
-from gatekeeper.proxy.listen.h2_state import HeaderBudgetExceeded
+from gatekeeper.proxy.listen.h2_state import Event, HeaderBudgetExceeded
 from gatekeeper.proxy.listen.h2_stream import Stream, StreamServing
+from gatekeeper.proxy.listen.settings import ProtocolSettings
 from gatekeeper.proxy.messages import Handler, ProxyRequest
-from gatekeeper.proxy.settings import ProtocolSettings
 
 log = logging.getLogger("gatekeeper.proxy.listen.h2")
 
@@ -96,39 +82,28 @@ class H2Protocol(StreamServing, Draining):
         connection_id: int = 0,
         rng: Callable[[], float] = random.random,
         close_delay: float = 1.0,
-        body_budget: BodyBudget | None = None,
+        body_budget: RequestBodyBudget | None = None,
     ) -> None:
         self._handler = handler
         self._settings = settings
-        self._write = write
-        self._drain = drain
-        self._close = close
-        self._peer = peer
-        self._peer_cert = peer_cert
+        self._write, self._drain, self._close = write, drain, close
+        self._peer, self._peer_cert = peer, peer_cert
         self.connection_id = connection_id
         self._decider = GoawayDecider(settings.goaway_chance, rng)
         self._close_delay = close_delay
-        self._budget = (body_budget or BodyBudget(settings.max_buffered_request_bytes, gauge=None)).share()
+        self._budget = (body_budget or RequestBodyBudget(settings.max_buffered_request_bytes, gauge=None)).share()
         self._window_reopened_at = -math.inf
         """When an acknowledgement last reopened a shut connection receive window (request-body idle clock)."""
-        install_huffman_memo()
         guard = FloodGuard(limits_of(settings), settings.h2_abuse_interval_seconds)
-        self._conn: ServerConnection
-        self._receive: Callable[[bytes], list[Event]]
-        if settings.http2_engine == "lean":
-            lean = LeanH2Connection(
-                on_refused=self._on_refused, guard=guard,
-                max_concurrent_streams=settings.max_concurrent_streams,
-                stream_window=settings.stream_window_bytes,
-                max_header_list=settings.max_header_list_bytes,
-                connection_window=connection_window(settings),
-                header_budget=self._budget,
-            )
-            self._conn, self._receive = lean, lean.receive_data
-        else:
-            h2conn = ProxyH2Connection(on_refused=self._on_refused, guard=guard, on_bad_length=self._on_bad_length,
-                                       header_budget=self._budget)
-            self._conn, self._receive = h2conn, h2conn.receive_events
+        self._conn = LeanH2Connection(
+            on_refused=self._on_refused, guard=guard,
+            max_concurrent_streams=settings.max_concurrent_streams,
+            stream_window=settings.stream_window_bytes,
+            max_header_list=settings.max_header_list_bytes,
+            connection_window=connection_window(settings),
+            header_budget=self._budget,
+        )
+        self._receive: Callable[[bytes], list[Event]] = self._conn.receive_data
         self._streams: dict[int, Stream] = {}
         self._memo: dict[str, Any] = {}
         """ProxyRequest.connection_memo of every request on this connection."""
@@ -149,26 +124,7 @@ class H2Protocol(StreamServing, Draining):
 
     def start(self) -> None:
         """Send our preface (SETTINGS, connection WINDOW_UPDATE) and arm the idle timer."""
-        s = self._settings
-        conn = self._conn
-        if isinstance(conn, ProxyH2Connection):
-            conn.local_settings = Settings(
-                client=False,
-                initial_values={
-                    SettingCodes.MAX_CONCURRENT_STREAMS: s.max_concurrent_streams,
-                    SettingCodes.INITIAL_WINDOW_SIZE: s.stream_window_bytes,
-                    SettingCodes.MAX_HEADER_LIST_SIZE: s.max_header_list_bytes,
-                },
-            )
-            # h2 applies MAX_HEADER_LIST_SIZE to its decoder only when the client ACKs our
-            # SETTINGS; a client may send large headers before that, so apply it now.
-            conn.decoder.max_header_list_size = s.max_header_list_bytes
-            conn.initiate_connection()
-            extra = connection_window(s) - conn.inbound_flow_control_window
-            if extra > 0:
-                conn.increment_flow_control_window(extra)
-        else:
-            conn.initiate_connection()  # the lean codec was built with the settings
+        self._conn.initiate_connection()  # the codec was built with the settings
         self._flush()
         self._arm_idle()
 
@@ -201,22 +157,22 @@ class H2Protocol(StreamServing, Draining):
 
     def _dispatch(self, event: Event) -> None:
         kind, sid = event[0], event[1]
-        if kind == EV_REQUEST:
+        if kind == ev.EV_REQUEST:
             self._on_request(sid, event[2], event[3])
-        elif kind == EV_DATA:
+        elif kind == ev.EV_DATA:
             self._on_data(sid, event[2], event[3])
-        elif kind == EV_ENDED:
+        elif kind == ev.EV_ENDED:
             stream = self._streams.get(sid)
             if stream is not None:
                 stream.ended = True
                 stream.wake_reader()
-        elif kind == EV_RESET:
+        elif kind == ev.EV_RESET:
             self._on_reset(sid, event[2])
-        elif kind == EV_WINDOW:
+        elif kind == ev.EV_WINDOW:
             self._wake_senders(sid)  # 0: SETTINGS (INITIAL_WINDOW_SIZE) or the connection window
-        elif kind == EV_GOAWAY:
+        elif kind == ev.EV_GOAWAY:
             self._on_peer_goaway(event[2])
-        elif kind == EV_BAD_LENGTH:
+        elif kind == ev.EV_BAD_LENGTH:
             self._on_bad_length(sid)
 
     def connection_lost(self) -> None:
@@ -273,13 +229,13 @@ class H2Protocol(StreamServing, Draining):
         stream.task.add_done_callback(functools.partial(self._task_done, stream))
 
     def _on_refused(self, stream_id: int) -> None:
-        """h2_conn refused a stream over MAX_CONCURRENT_STREAMS (the client may retry it)."""
+        """The codec refused a stream over MAX_CONCURRENT_STREAMS (the client may retry it)."""
         conn_metrics.REFUSED_STREAMS.inc()
         log.debug("h2 connection %d: stream %d refused, %d streams open",
                   self.connection_id, stream_id, len(self._streams))
 
     def _on_bad_length(self, stream_id: int) -> None:
-        """h2_conn reset a stream whose DATA disagreed with its content-length (RFC 9113 8.1.1)."""
+        """The codec reset a stream whose DATA disagreed with its content-length (RFC 9113 8.1.1)."""
         rejections.reject("h2_malformed", "h2 connection %d from %s, stream %d: body length differs from "
                             "content-length", self.connection_id, self._peer, stream_id)
         stream = self._streams.get(stream_id)

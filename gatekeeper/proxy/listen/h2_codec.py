@@ -1,4 +1,4 @@
-"""A lean sans-IO HTTP/2 server connection (RFC 9113), the ``lean`` ``http2Engine``.
+"""The proxy's sans-IO HTTP/2 server connection (RFC 9113).
 
 Why: the ``h2`` library cost ~60 us of CPU per small proxied request, most of
 it in its general machinery (a frame object per frame, event objects, a
@@ -6,13 +6,14 @@ state machine per stream driven by enum lookups, client-side and push
 paths). This codec is only the server half the proxy needs: frame headers are
 unpacked with one ``struct`` call straight from the received bytes, streams
 are a slots record, and the adapter gets plain tuples (``EV_*`` below).
-HPACK decoding is ``h2_hdecode.BlockDecoder`` (Huffman strings via ``hpack`` and
-``h2_conn``'s memo), encoding ``h2_hpack.ResponseEncoder``. Modules: this one
-holds the state, the frame loop and the sending API; ``h2_inbound`` the rules per
-received frame type; ``h2_state`` the event tuples and the stream record;
-``h2_frames`` the wire constants.
+HPACK decoding is ``h2wire.hpack_decode.BlockDecoder`` (Huffman strings by
+``h2wire.huffman``), encoding ``h2wire.hpack_encode.ResponseEncoder``. Modules: this
+one holds the state, the frame loop and the sending API; ``h2_inbound`` the rules
+per received frame type; ``h2_state`` the event tuples and the stream record;
+``h2wire.frames`` the wire constants.
 
-It keeps every behaviour of ``h2_conn.ProxyH2Connection``: REFUSED_STREAM
+It keeps every behaviour of the h2 library's server that the proxy relied on
+(the tests hold the library as an oracle): REFUSED_STREAM
 (a stream error) over MAX_CONCURRENT_STREAMS, counting a stream until the
 adapter releases it (rapid reset); ``FloodGuard`` counting of every frame
 kind; a content-length mismatch as a stream error; at most
@@ -58,7 +59,7 @@ from gatekeeper.proxy.listen.h2_state import (
     RESET_BY_US,
     Event,
     ServerConnection,
-    Stream,
+    StreamState,
 )
 
 __all__ = ["CLOSED_MEMORY", "EV_BAD_LENGTH", "EV_DATA", "EV_ENDED", "EV_GOAWAY", "EV_REQUEST", "EV_RESET",
@@ -92,7 +93,7 @@ class LeanH2Connection(InboundFrames):
         self.decoder = BlockDecoder(max_header_list)
         self._max_header_list = max_header_list
         self.encoder = ResponseEncoder()
-        self.streams: dict[int, Stream] = {}
+        self.streams: dict[int, StreamState] = {}
         self._held: set[int] = set()
         self._closed: dict[int, int] = {}
         """Recently closed stream id -> how it closed (``h2_state.CLOSED_BY_END``, ...)."""
@@ -225,13 +226,13 @@ class LeanH2Connection(InboundFrames):
         self._out.append(f.goaway(last, error_code))
         self.closed = True
 
-    def _sendable(self, sid: int) -> Stream:
+    def _sendable(self, sid: int) -> StreamState:
         stream = self.streams.get(sid)
         if stream is None or stream.local_closed or self.closed:
             raise StreamClosedError(sid)
         return stream
 
-    def _local_close(self, sid: int, stream: Stream) -> None:
+    def _local_close(self, sid: int, stream: StreamState) -> None:
         stream.local_closed = True
         if stream.remote_closed:
             del self.streams[sid]

@@ -34,7 +34,7 @@ from gatekeeper.proxy.listen.goaway import Reason
 if TYPE_CHECKING:
     from gatekeeper.proxy.listen.h2_codec import ServerConnection
     from gatekeeper.proxy.listen.h2_stream import Stream
-    from gatekeeper.proxy.settings import ProtocolSettings
+    from gatekeeper.proxy.listen.settings import ProtocolSettings
 
 log = logging.getLogger("gatekeeper.proxy.listen.h2")  # the adapter logs under one name, whichever part logs
 

@@ -1,8 +1,7 @@
 """HTTP/2 header blocks (pure): request block -> method, target, headers; response -> HEADERS block.
 
-h2 can check RFC 9113 header rules itself, but does so byte by byte in
-Python, and a bearer token is a kilobyte; ``h2_conn.config()`` turns that off
-and this module checks the same rules with C-speed scans (a compiled regex for
+The h2 library checks RFC 9113 header rules byte by byte in Python, and a
+bearer token is a kilobyte; this module checks the same rules with C-speed scans (a compiled regex for
 names, ``in`` for values). A malformed
 request is a :class:`MalformedRequest` (the adapter resets that stream only
 with PROTOCOL_ERROR, as RFC 9113 8.1.1 and Go's server do), never a
@@ -169,11 +168,10 @@ def _response_field(name: str, value: str) -> tuple[bytes, bytes] | tuple[()]:
 
 
 def response_block(status: int, headers: Headers) -> list[tuple[bytes, bytes]]:
-    """The HEADERS block for a response: what h2's outbound normalization did, done once, here.
+    """The HEADERS block for a response, normalized once, here (the codec's encoder does no normalization).
 
     Names lower-cased (HTTP/2 requires it; a middleware may write ``Retry-After``),
-    connection-specific headers dropped, values trimmed. h2_conn.config() turns
-    h2's own normalization and validation off, so this is the only pass.
+    connection-specific headers dropped, values trimmed.
     """
     code = _STATUS_LINES.get(status)
     if code is None:

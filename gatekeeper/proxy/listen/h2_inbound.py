@@ -1,4 +1,4 @@
-"""The receive side of the lean HTTP/2 codec: what each client frame does to the connection (RFC 9113 6).
+"""The receive side of the HTTP/2 codec: what each client frame does to the connection (RFC 9113 6).
 
 A mixin of :class:`h2_codec.LeanH2Connection`, split out to keep each module readable:
 this one is the rules for HEADERS, CONTINUATION, DATA, WINDOW_UPDATE, RST_STREAM,
@@ -31,7 +31,7 @@ from gatekeeper.proxy.listen.h2_state import (
     ConnectionError_,
     Event,
     HeaderBudgetExceeded,
-    Stream,
+    StreamState,
 )
 
 _U32 = f.U32.unpack_from
@@ -40,7 +40,7 @@ _U32 = f.U32.unpack_from
 class InboundFrames:
     """Frame handlers over the connection state that :class:`h2_codec.LeanH2Connection` sets up."""
 
-    streams: dict[int, Stream]
+    streams: dict[int, StreamState]
     _held: set[int]
     _closed: dict[int, int]
     highest_inbound_stream_id: int
@@ -202,7 +202,7 @@ class InboundFrames:
                 if self._on_refused is not None:
                     self._on_refused(sid)
             else:
-                stream = self.streams[sid] = Stream(self._peer_initial_window, self._stream_window)
+                stream = self.streams[sid] = StreamState(self._peer_initial_window, self._stream_window)
                 for name, value in headers:
                     if name == b"content-length":
                         # at most 19 significant digits (Go's uint63): int() raises past 4300
@@ -270,7 +270,7 @@ class InboundFrames:
         if ended:
             self._remote_close(sid, stream, events)
 
-    def _remote_close(self, sid: int, stream: Stream, events: list[Event]) -> None:
+    def _remote_close(self, sid: int, stream: StreamState, events: list[Event]) -> None:
         stream.remote_closed = True
         events.append((EV_ENDED, sid))
         if stream.local_closed:

@@ -7,14 +7,14 @@ with RST_STREAM, a zero-length DATA frame costs a dispatch and carries
 nothing. None of them is wrong once; in volume they are a denial of service
 that costs the client almost nothing. :class:`FloodGuard` counts them per
 connection in fixed windows of ``h2AbuseIntervalSeconds``; past a kind's limit
-``h2_conn.ProxyH2Connection`` raises :class:`FloodError`, a ``ProtocolError``
-whose code h2 puts in its GOAWAY (ENHANCE_YOUR_CALM), and ``h2.H2Protocol``
-closes the connection. Limits sit far above what kubectl, client-go or
+the codec (``h2_codec``) raises :class:`FloodError`, a ``ProtocolError`` whose
+code goes in its GOAWAY (ENHANCE_YOUR_CALM), and ``h2.H2Protocol`` closes the
+connection. Limits sit far above what kubectl, client-go or
 h2load send, so only abuse hits them.
 
-CONTINUATION floods (CVE-2024-27316) are bounded by h2 itself: its frame
-buffer refuses more than 64 CONTINUATION frames per header block, and each is
-at most our SETTINGS_MAX_FRAME_SIZE; empty ones also count here.
+CONTINUATION floods (CVE-2024-27316) are bounded by the codec: at most
+``MAX_CONTINUATIONS`` CONTINUATION frames per header block, each at most our
+SETTINGS_MAX_FRAME_SIZE; empty ones also count here.
 """
 
 from __future__ import annotations
@@ -25,18 +25,9 @@ from dataclasses import dataclass, field
 
 from h2.errors import ErrorCodes
 from h2.exceptions import ProtocolError
-from hyperframe.frame import (
-    ContinuationFrame,
-    DataFrame,
-    Frame,
-    HeadersFrame,
-    PingFrame,
-    RstStreamFrame,
-    SettingsFrame,
-)
 
 from gatekeeper.config import camel
-from gatekeeper.proxy.settings import ListenerSettings, ProtocolSettings
+from gatekeeper.proxy.listen.settings import ListenerSettings, ProtocolSettings
 
 RST_STREAM = "rst_stream"
 PING = "ping"
@@ -44,10 +35,6 @@ SETTINGS = "settings"
 EMPTY_FRAME = "empty_frame"
 CLOSED_STREAM = "closed_stream"
 KINDS = (RST_STREAM, PING, SETTINGS, EMPTY_FRAME, CLOSED_STREAM)
-
-_ON_CLOSED_COUNTED = (DataFrame, HeadersFrame, ContinuationFrame, RstStreamFrame)
-"""Frames that make no sense on a closed stream. WINDOW_UPDATE and PRIORITY may legitimately
-arrive there (a client acking data it read after the stream ended), so they are not counted."""
 
 
 class FloodError(ProtocolError):
@@ -58,27 +45,6 @@ class FloodError(ProtocolError):
     def __init__(self, kind: str, count: int, interval: float) -> None:
         super().__init__(f"more than {count - 1} {kind} frames in {interval:g}s")
         self.kind = kind
-
-
-def frame_kinds(frame: Frame, *, on_closed_stream: bool) -> list[str]:
-    """The counters a received frame adds to (usually none)."""
-    kinds: list[str] = []
-    if isinstance(frame, RstStreamFrame):
-        kinds.append(RST_STREAM)
-    elif isinstance(frame, PingFrame):
-        if "ACK" not in frame.flags:
-            kinds.append(PING)
-    elif isinstance(frame, SettingsFrame):
-        if "ACK" not in frame.flags:
-            kinds.append(SETTINGS)
-    elif isinstance(frame, DataFrame):
-        if not frame.data and "END_STREAM" not in frame.flags:
-            kinds.append(EMPTY_FRAME)
-    elif isinstance(frame, ContinuationFrame) and not frame.data:
-        kinds.append(EMPTY_FRAME)
-    if on_closed_stream and isinstance(frame, _ON_CLOSED_COUNTED):
-        kinds.append(CLOSED_STREAM)
-    return kinds
 
 
 def limits_of(settings: ProtocolSettings) -> dict[str, int]:

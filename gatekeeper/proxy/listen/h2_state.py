@@ -1,4 +1,4 @@
-"""Shared pieces of the lean HTTP/2 codec: its event tuples, stream record, errors, and the engine interface.
+"""Shared pieces of the HTTP/2 codec: its event tuples, stream record, errors, and the adapter's view of it.
 
 Apart from :mod:`h2_codec` so :mod:`h2_inbound` (the receive side) can use them without an import cycle.
 """
@@ -26,8 +26,8 @@ client may have sent it before our RST_STREAM reached it)."""
 
 
 class ServerConnection(Protocol):
-    """What ``h2.H2Protocol`` needs of a server connection: met by :class:`LeanH2Connection` and
-    ``h2_conn.ProxyH2Connection`` (the ``h2`` engine)."""
+    """What the adapter's mixins (``h2_stream``, ``h2_drain``) need of the codec (:class:`LeanH2Connection`),
+    typed without importing it."""
 
     highest_inbound_stream_id: Any
     max_outbound_frame_size: Any
@@ -58,7 +58,7 @@ class ConnectionError_(ProtocolError):
         self.error_code = code
 
 
-class Stream:
+class StreamState:
     __slots__ = ("length", "local_closed", "received", "recv_window", "remote_closed", "send_window", "unacked")
 
     def __init__(self, send_window: int, recv_window: int) -> None:

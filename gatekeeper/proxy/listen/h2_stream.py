@@ -35,7 +35,7 @@ from gatekeeper.proxy.messages import Handler, ProxyRequest, ProxyResponse, is_e
 if TYPE_CHECKING:
     from gatekeeper.proxy.listen.body_budget import Share
     from gatekeeper.proxy.listen.h2_codec import ServerConnection
-    from gatekeeper.proxy.settings import ProtocolSettings
+    from gatekeeper.proxy.listen.settings import ProtocolSettings
 
 log = logging.getLogger("gatekeeper.proxy.listen.h2")  # the adapter logs under one name, whichever part logs
 
@@ -215,7 +215,7 @@ class StreamServing:
                 chunk = await body.__anext__()
             except StopAsyncIteration:
                 break
-            # A body that knows its last chunk (upstream.aio.ResponseBody.exhausted) ends the
+            # A body that knows its last chunk (upstream.exchange.StreamedBody.exhausted) ends the
             # stream on that DATA frame instead of an extra empty one.
             last = is_exhausted(body)
             await self._send_data(stream, chunk, end_stream=last)

@@ -2,7 +2,7 @@
 
 Entry point for ``gatekeeper proxy`` (called from ``command.py``)::
 
-    async def serve(settings: ProxySettings, handler: Handler, *,
+    async def serve(settings: ServedSettings, handler: Handler, *,
                     ready: Callable[[int], None] | None = None) -> None
 
 ``serve`` binds ``listener.address:listener.port`` (TLS >= 1.2, ALPN ``h2`` and
@@ -56,12 +56,12 @@ from gatekeeper.proxy import rejections
 from gatekeeper.proxy.adapter import ClientGone
 from gatekeeper.proxy.handoff import BACKLOG, RECEIVE_BACKOFF_MAX, Inbox
 from gatekeeper.proxy.listen import conn_metrics
-from gatekeeper.proxy.listen.body_budget import BodyBudget
+from gatekeeper.proxy.listen.body_budget import RequestBodyBudget
 from gatekeeper.proxy.listen.h1 import H1Connection
 from gatekeeper.proxy.listen.h2 import H2Protocol
 from gatekeeper.proxy.listen.h2_limits import check_limits
+from gatekeeper.proxy.listen.settings import ListenerSettings, ServedSettings
 from gatekeeper.proxy.messages import Handler
-from gatekeeper.proxy.settings import ListenerSettings, ProxySettings
 from gatekeeper.tls import ReloadingTLS
 from gatekeeper.tlshandshake import handshake_within
 
@@ -243,7 +243,7 @@ class ProxyServer:
 
     def __init__(
         self,
-        settings: ProxySettings,
+        settings: ServedSettings,
         handler: Handler,
         *,
         rng: Callable[[], float] = random.random,
@@ -256,7 +256,7 @@ class ProxyServer:
         self._handler = handler
         self._rng = rng
         self._close_delay = close_delay
-        self._body_budget = BodyBudget(settings.protocol.max_buffered_request_bytes)
+        self._body_budget = RequestBodyBudget(settings.protocol.max_buffered_request_bytes)
         """Shared by every HTTP/2 connection of this process (see ``body_budget``)."""
         self._ssl = reloading_ssl_context(settings.listener)
         self._sockets: list[socket.socket] = []
@@ -297,7 +297,7 @@ class ProxyServer:
             self._handoff.announce()
             self.port = lst.port
             return self.port
-        bind = functools.partial(bind_listeners, lst.address, lst.port, reuse_port=lst.reuse_port, backlog=BACKLOG)
+        bind = functools.partial(bind_listeners, lst.address, lst.port, backlog=BACKLOG)
         self._sockets = await loop.run_in_executor(None, bind)
         self.port = int(self._sockets[0].getsockname()[1])
         # Our own loop (not ``asyncio.start_server(ssl=...)``) so that over-cap connections are closed at accept
@@ -321,7 +321,7 @@ class ProxyServer:
             loop.remove_reader(self._handoff.sock.fileno())
             if not self._stopping:
                 # info: closing this end is how the supervisor stops its workers (Supervisor.stop); it warns
-                # when it drops a live worker's socket (Dispatcher._from_worker)
+                # when it drops a live worker's socket (HandoffDispatcher._from_worker)
                 log.info("the supervisor closed this worker's hand-off socket (%s): draining and exiting; "
                          "it starts a successor unless it is exiting", error or "end of stream")
                 self.handoff_ended.set()
@@ -547,7 +547,7 @@ class ProxyServer:
 
 
 async def serve(
-    settings: ProxySettings,
+    settings: ServedSettings,
     handler: Handler,
     *,
     ready: Callable[[int], None] | None = None,
@@ -589,8 +589,8 @@ async def serve(
         # also signals its workers, as ours once did) may land during the drain or the process's last clean-up,
         # where the default action killed it (the worker's exit code was -15, the proxy's 15). There is nothing
         # left for it to stop; a worker that hangs is SIGKILLed as ever.
-        # A supervised worker drained by a signal keeps them as well: with ``kernel`` balancing the supervisor's
-        # SIGTERM is its signal to drain, and a SIGTERM or SIGINT sent to the whole group as well (systemd's
+        # A supervised worker drained by a signal keeps them as well: the supervisor SIGTERMs a worker whose
+        # hand-off socket it could not close, and a SIGTERM or SIGINT sent to the whole group as well (systemd's
         # KillMode, Ctrl-C in a terminal) could land after the loop's handler was removed and kill it mid-drain,
         # its streams cut (exit -15, the proxy 15).
         keep = supervised or (server.handoff_ended.is_set() and not stop.is_set())

@@ -2,16 +2,15 @@
 
 :class:`BackendClient` owns everything per backend and routes each request:
 
-* a short bodiless GET or HEAD from a caller the apiserver authenticates shares
-  an HTTP/2 connection (:mod:`upstream.mux_pool`);
-* everything else takes the proxy's own HTTP/1.1 pool (:mod:`upstream.exchange`,
-  :mod:`upstream.lean`): a request with a body, a watch or followed log (its own
-  connection, in the long-running pool), a caller the apiserver may refuse (on a
-  shared HTTP/2 connection its 401 would cost every other caller a GOAWAY, see
-  :mod:`upstream.mux`), and every request to a backend that does not negotiate
-  HTTP/2;
-* the proxy's own calls (health probes, issuer keys, TokenReviews) take a small
-  HTTP/1.1 pool of their own (:meth:`BackendClient.call`);
+* a short bodiless GET or HEAD from a caller the apiserver authenticates shares an HTTP/2 connection
+  (:mod:`upstream.mux_pool`); a backend that answers ALPN with HTTP/1.1 gets HTTP/1.1 instead;
+* everything else (bodies, watches and other long-running requests, callers whose identity the proxy
+  asserts, anonymous and unverified callers) takes a pooled HTTP/1.1 connection of its own
+  (:mod:`upstream.exchange`, :mod:`upstream.lean`): one client cannot make the apiserver send a GOAWAY
+  (its mitigation for unauthenticated floods) that would kill other clients' streams on a shared
+  connection;
+* the proxy's own calls (health probes, the token issuer's keys, TokenReviews) go through
+  :meth:`BackendClient.call` on a small HTTP/1.1 pool of their own;
 * upgrades bypass every pool (:mod:`upstream.upgrade`).
 
 Two kinds of TLS context share each pool: one presents the front-proxy client
@@ -21,8 +20,8 @@ one presents none (token and anonymous requests, see
 an HTTP/1.1 context and an HTTP/2 one, built by one reload from one read of
 the files (:class:`Contexts`). Hop-by-hop headers are removed both ways
 (:mod:`upstream.hop_by_hop`). Response bodies are pulled by the client side,
-so a slow client slows the backend read instead of growing a buffer; a LIST of
-any size and an endless watch never sit in memory whole.
+so a slow client slows the backend read instead of growing a buffer; a LIST
+of any size and an endless watch never sit in memory whole.
 
 Errors are sorted by whether bytes may have reached the backend, because
 only :class:`ConnectFailed` allows the caller to try another backend.
@@ -33,12 +32,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from gatekeeper.proxy import metrics
-from gatekeeper.proxy.messages import Headers, ProxyRequest, ProxyResponse
+from gatekeeper.proxy.messages import Headers, ProxyRequest, ProxyResponse, one_chunk
 from gatekeeper.proxy.upstream import exchange, lean, mux_pool, mux_wire
 from gatekeeper.proxy.upstream.errors import (
     BackendFailed,
@@ -47,7 +46,6 @@ from gatekeeper.proxy.upstream.errors import (
     NoFrontProxyCert,
     PoolTimeout,
     RequestResetByBackend,
-    ResponseTooLarge,
     UpstreamTimeout,
 )
 from gatekeeper.proxy.upstream.hop_by_hop import REQUEST_REMOVED, response_headers
@@ -56,7 +54,7 @@ from gatekeeper.tls import ReloadingTLS
 
 __all__ = [
     "BackendClient", "BackendFailed", "ClientBodyFailed", "ConnectFailed", "NoFrontProxyCert", "PoolTimeout",
-    "RequestResetByBackend", "ResponseTooLarge", "UpstreamTimeout", "make_ssl_context",
+    "RequestResetByBackend", "UpstreamTimeout", "make_ssl_context",
 ]
 
 log = logging.getLogger("gatekeeper.proxy.upstream.client")
@@ -64,7 +62,9 @@ log = logging.getLogger("gatekeeper.proxy.upstream.client")
 _MUX_METHODS = frozenset({"GET", "HEAD"})
 H2_ALPN = ("h2", "http/1.1")
 OWN_CALLS = 8
-"""Connections of the pool that carries the proxy's own calls (probes, issuer keys, TokenReviews) per backend."""
+"""Connections of the pool that carries the proxy's own calls (:meth:`BackendClient.call`), per backend."""
+PROBE_MAX_BYTES = 64 * 1024
+"""A /readyz answer is a few hundred bytes; a probe reads no more than this of one."""
 NO_FRONT_PROXY_CERT = (
     "the proxy has no front-proxy client certificate (upstream.clientCertFile/clientKeyFile), so it cannot "
     "assert a client-certificate identity to the apiserver; use a token or configure the certificate")
@@ -97,9 +97,7 @@ class Contexts:
 
     http1: ssl.SSLContext
     h2: ssl.SSLContext
-    """Offers ``h2`` and ``http/1.1`` in ALPN (:data:`H2_ALPN`): a backend that picks http/1.1, or no protocol,
-    is used over the HTTP/1.1 pool from then on; offering h2 alone would make a strict HTTP/1.1 server fail the
-    handshake, a connect failure that ejects a healthy backend."""
+    """Offers ``h2`` and ``http/1.1`` in ALPN (:data:`H2_ALPN`)."""
 
 
 def make_contexts(settings: UpstreamSettings, *, client_cert: bool) -> Contexts:
@@ -107,12 +105,8 @@ def make_contexts(settings: UpstreamSettings, *, client_cert: bool) -> Contexts:
                     make_ssl_context(settings, client_cert=client_cert, alpn=H2_ALPN))
 
 
-async def _one(data: bytes) -> AsyncIterator[bytes]:
-    yield data
-
-
 class BackendClient:
-    """The connection pools and request plumbing for one apiserver."""
+    """The connection pool and request plumbing for one apiserver."""
 
     def __init__(self, name: str, url: str, settings: UpstreamSettings) -> None:
         self.name = name
@@ -125,6 +119,9 @@ class BackendClient:
         self.settings = settings
         interval = settings.cert_check_interval_seconds
         files = [settings.ca_file]
+        # Each kind also gets a context offering h2 first and http/1.1 too (a backend that picks http/1.1,
+        # or no protocol, is used over the HTTP/1.1 pool from then on; offering h2 alone would make a strict
+        # HTTP/1.1 server fail the handshake, a connect failure that ejects a healthy backend).
         self.tls_identity: ReloadingTLS[Contexts] | None = None
         if settings.client_cert_file or settings.client_key_file:
             self.tls_identity = ReloadingTLS(
@@ -163,11 +160,6 @@ class BackendClient:
     @property
     def ssl_plain(self) -> ssl.SSLContext:
         return self.tls_plain.get().http1
-
-    @property
-    def asserts_identity(self) -> bool:
-        """The proxy's own calls present the front-proxy certificate (and may send ``X-Remote-*``)."""
-        return self.tls_identity is not None
 
     def ssl_for(self, identity: bool) -> ssl.SSLContext:
         if not identity:
@@ -215,7 +207,7 @@ class BackendClient:
             request.method, request.target, self.authority, headers, REQUEST_REMOVED,
             has_body=request.body is not None)
         settings = self.settings
-        status, raw, body = await exchange.exchange(
+        status, raw, lean_body = await exchange.exchange(
             self._pools[long_running], self.name, ssl_ctx, self._live_contexts, head,
             method=request.method,
             body=exchange.ClientBody(request.body) if request.body is not None else None,
@@ -224,7 +216,7 @@ class BackendClient:
             pool_name="long-running" if long_running else "short-request",
             swallow_body_errors=swallow_body_errors, on_done=on_done,
         )
-        return ProxyResponse(status=status, headers=response_headers(raw), body=body)
+        return ProxyResponse(status=status, headers=response_headers(raw), body=lean_body)
 
     def _live_contexts(self) -> tuple[ssl.SSLContext | None, ssl.SSLContext]:
         return self.ssl_identity, self.ssl_plain
@@ -239,16 +231,17 @@ class BackendClient:
             mux.give_back()  # a retry of HTTP/2 granted to this request was never tried
             raise NoFrontProxyCert(NO_FRONT_PROXY_CERT)  # as on the HTTP/1.1 path
         contexts = tls.get()
+        ctx = contexts.h2
         block = mux_wire.request_block(request.method, request.target, self._h2_authority, headers,
                                        REQUEST_REMOVED)
         try:
             status, raw, body = await mux_pool.exchange(
-                mux, self.name, contexts.h2, self._live_h2_contexts, block, head_only=request.method == "HEAD",
+                mux, self.name, ctx, self._live_h2_contexts, block, head_only=request.method == "HEAD",
                 header_timeout=self.settings.response_header_timeout_seconds,
                 acquire_timeout=self.settings.pool_acquire_timeout_seconds, on_done=on_done)
         except mux_pool.NotH2 as exc:  # not counted as a stream (also Paused, Refused): it goes over HTTP/1.1
             transport = exc.claim()
-            if transport is not None:  # made with contexts.h2: kept under the HTTP/1.1 context built with it
+            if transport is not None:  # made with ctx: kept under the HTTP/1.1 context built with it
                 self._pools[False].adopt(transport, contexts.http1, self._live_contexts)
             raise
         except BaseException:
@@ -257,44 +250,44 @@ class BackendClient:
         self._h2_streams.inc()
         return ProxyResponse(status=status, headers=response_headers(raw), body=body)
 
-    async def call(self, method: str, path: str, headers: Headers, body: bytes | None = None, *,
+    async def call(self, method: str, path: str, headers: list[tuple[str, str]], body: bytes | None = None, *,
                    deadline: float, max_bytes: int) -> tuple[int, bytes]:
-        """One call of the proxy's own (a health probe, the issuer's keys, a TokenReview): status and whole body.
+        """The proxy's own request (a probe, a key fetch, a TokenReview): status and body, whole.
 
-        With the front-proxy certificate when there is one (:attr:`asserts_identity`), over HTTP/1.1 on a small
-        pool of its own (:data:`OWN_CALLS` connections, kept alive between calls): a request pool that clients
-        have filled must not make a probe wait and fail, which would eject a backend that is only busy.
-        ``deadline`` (seconds) bounds the whole call. Raises :class:`ResponseTooLarge` past ``max_bytes``, TimeoutError,
-        and the errors of :meth:`send` (all ``ConnectionError``).
-        """
-        if body is not None:
-            headers = [*headers, ("content-length", str(len(body)))]
-        head, declared = exchange.encode_request_head(method, path, self.authority, headers, REQUEST_REMOVED,
-                                                      has_body=body is not None)
-        identity = self.tls_identity is not None
-        async with asyncio.timeout(deadline):
-            status, _raw, response = await exchange.exchange(
-                self._own, self.name, self.ssl_for(identity), self._live_contexts, head, method=method,
-                body=exchange.ClientBody(_one(body)) if body is not None else None, declared=declared,
-                header_timeout=None, acquire_timeout=deadline, pool_name="own-call", swallow_body_errors=False,
-                on_done=lambda _error: None)
-            chunks: list[bytes] = []
-            size = 0
+        With the front-proxy certificate when there is one, on an HTTP/1.1 pool of its own (:data:`OWN_CALLS`
+        connections, kept alive between calls): a request pool that clients have filled must not make a probe
+        wait and fail, which would eject a backend that is only busy. Raises
+        :class:`ValueError` for a body over ``max_bytes``, ``TimeoutError`` past ``deadline`` seconds, and
+        the errors of :meth:`send` (``ConnectFailed``, ``BackendFailed``, ...) for a failed exchange."""
+
+        async def whole() -> tuple[int, bytes]:
+            head, declared = exchange.encode_request_head(
+                method, path, self.authority, [*headers, *([("content-length", str(len(body)))] if body else [])],
+                REQUEST_REMOVED, has_body=body is not None)
+            status, _, response = await exchange.exchange(
+                self._own, self.name, self.ssl_identity or self.ssl_plain, self._live_contexts, head,
+                method=method, body=exchange.ClientBody(one_chunk(body)) if body is not None else None,
+                declared=declared, header_timeout=deadline, acquire_timeout=deadline, pool_name="own-call",
+                swallow_body_errors=False, on_done=lambda _error: None)
+            chunks, size = [], 0
             try:
                 async for chunk in response:
                     size += len(chunk)
                     if size > max_bytes:
-                        raise ResponseTooLarge(f"{self.name}: {path} is larger than {max_bytes} bytes")
+                        raise ValueError(f"{self.name}: {path} is larger than {max_bytes} bytes")
                     chunks.append(chunk)
             finally:
                 await response.aclose()
-        return status, b"".join(chunks)
+            return status, b"".join(chunks)
+
+        async with asyncio.timeout(deadline):
+            return await whole()
 
     async def probe(self, path: str = "/readyz", deadline: float = 3.0) -> bool:
         """Active health: /readyz answers 200; 401/403 count as up (reachable, the probe lacks rights)."""
         headers = [("x-remote-user", "system:gatekeeper-proxy-probe"), ("accept", "text/plain")]
         try:
-            status, _ = await self.call("GET", path, headers, deadline=deadline, max_bytes=1 << 16)
-        except (TimeoutError, OSError, ResponseTooLarge):
+            status, _ = await self.call("GET", path, headers, deadline=deadline, max_bytes=PROBE_MAX_BYTES)
+        except (TimeoutError, OSError, ValueError):  # every upstream error is an OSError (ConnectionError)
             return False
         return status in (200, 401, 403)

@@ -51,10 +51,6 @@ class RequestResetByBackend(BackendFailed):
     """
 
 
-class ResponseTooLarge(ValueError):
-    """A response to one of the proxy's own calls (``BackendClient.call``) ran past the size it takes."""
-
-
 def connect_cause(exc: BaseException) -> str:
     """A short, client-safe cause of a failed connect (never an exception repr: no addresses, no objects)."""
     if isinstance(exc, TimeoutError):

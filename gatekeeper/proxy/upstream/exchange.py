@@ -1,4 +1,4 @@
-"""One request/response exchange on the HTTP/1.1 pool (:mod:`upstream.lean`), and the response body both pools share.
+"""One request/response exchange on the HTTP/1.1 client.
 
 The request head is built here in one pass over the headers and written with
 one ``transport.write``; a small GET is then one write up and, usually, one

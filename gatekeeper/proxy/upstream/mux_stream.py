@@ -17,6 +17,16 @@ from typing import Protocol
 from gatekeeper.proxy.h2wire import frames as f
 from gatekeeper.proxy.upstream.slots import OneWaiter
 
+
+class StreamOwner(Protocol):
+    """What a stream needs of its connection (``mux.MuxConn``, which imports this module)."""
+
+    loop: asyncio.AbstractEventLoop
+
+    def queue(self, data: bytes) -> None: ...
+
+    def cancel(self, stream: MuxStream) -> None: ...
+
 STREAM_WINDOW = 256 * 1024
 """Per-stream receive window (as ``lean.READ_HIGH``: what a client that stops reading can make us hold)."""
 
@@ -29,19 +39,6 @@ class StreamReset(ConnectionResetError):
     """The backend reset this one stream (RST_STREAM other than REFUSED_STREAM); the connection and its other
     streams go on. Go's server resets a request it finds malformed, so this says something about the
     request, not (by itself) about the backend."""
-
-
-class StreamCarrier(Protocol):
-    """What a stream needs of the connection that carries it (``mux.MuxConn``), stated here so that this
-    module does not import :mod:`mux`: the wire depends on its streams, never the other way round."""
-
-    loop: asyncio.AbstractEventLoop
-
-    def queue(self, data: bytes) -> None:
-        """Write ``data`` with everything else queued in this loop iteration."""
-
-    def cancel(self, stream: MuxStream) -> None:
-        """The consumer gave up on ``stream``: reset it if the backend may still send on it."""
 
 
 class MuxStream(OneWaiter):
@@ -62,7 +59,7 @@ class MuxStream(OneWaiter):
         "unacked",
     )
 
-    def __init__(self, sid: int, conn: StreamCarrier, head_only: bool) -> None:
+    def __init__(self, sid: int, conn: StreamOwner, head_only: bool) -> None:
         self.sid = sid
         self.conn = conn
         self.loop = conn.loop

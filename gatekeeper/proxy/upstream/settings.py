@@ -1,12 +1,4 @@
-"""The ``proxy.upstream:`` settings: how the proxy talks to the apiservers.
-
-Here, beside the clients that read them, so that nothing under ``upstream/``
-imports the proxy's root settings (``gatekeeper.proxy.settings`` composes this
-dataclass into ``ProxySettings`` and re-exports it). The loader
-(``gatekeeper.config.from_mapping``) maps the camelCase YAML keys onto these
-snake_case fields and rejects unknown keys; removed keys get their own message
-(``gatekeeper.config.REMOVED_KEYS``).
-"""
+"""How the proxy talks to the apiservers (``proxy.upstream``); ``gatekeeper.proxy.settings`` composes it."""
 
 from __future__ import annotations
 
@@ -24,8 +16,7 @@ class UpstreamSettings:
     client_key_file: str = ""
     """Key of the front-proxy client certificate."""
     max_connections_per_backend: int = 256
-    """Short requests in flight per backend: HTTP/1.1 connections of the short-request pool (idle ones are reused
-    LIFO), and separately the streams of the multiplexed HTTP/2 connections."""
+    """Short-request connection pool size per backend (connections in use; idle ones are reused LIFO)."""
     connect_timeout_seconds: float = 5.0
     """TCP+TLS connect timeout; a connect failure on a safe request is retried on another backend."""
     health_interval_seconds: float = 2.0

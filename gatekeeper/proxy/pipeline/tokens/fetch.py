@@ -1,8 +1,7 @@
 """The asyncio edge of token identity: issuer keys and TokenReviews through the proxy's own upstream.
 
-The proxy calls the apiservers it fronts through the pipeline's backend
-clients (``BackendClient.call``, a small pool of their own), trying each
-backend in turn. When it has a
+The proxy calls the apiservers it fronts with the same pooled clients the
+pipeline uses (``BackendClient``), trying each backend in turn. When it has a
 front-proxy client certificate it asserts its own identity (``proxyUser``,
 ``proxyGroups``) with ``X-Remote-User``/``X-Remote-Group``; that user needs the
 built-in ``system:service-account-issuer-discovery`` role for the keys and
@@ -32,12 +31,11 @@ from typing import Any, Protocol
 
 from gatekeeper.proxy.pipeline.tokens import metrics
 from gatekeeper.proxy.pipeline.tokens.cache import digest
-from gatekeeper.proxy.pipeline.tokens.classify import UNVERIFIED, Decision, TokenClassifier, bearer_token
+from gatekeeper.proxy.pipeline.tokens.classify import UNVERIFIED, TokenClassifier, TokenDecision, bearer_token
 from gatekeeper.proxy.pipeline.tokens.jwt import Identity, ServiceAccountVerifier
 from gatekeeper.proxy.pipeline.tokens.review import TOKEN_REVIEW_PATH, Budget, parse_review, review_request
 from gatekeeper.proxy.pipeline.tokens.settings import TokenSettings
 from gatekeeper.proxy.tally import CounterTally
-from gatekeeper.proxy.upstream.errors import ResponseTooLarge
 
 log = logging.getLogger("gatekeeper.proxy.pipeline.tokens")
 
@@ -50,15 +48,12 @@ class Upstream(Protocol):
     """What the edge needs of ``gatekeeper.proxy.upstream.client.BackendClient``."""
 
     name: str
-    url: str
 
     @property
-    def asserts_identity(self) -> bool:
-        """Calls present the front-proxy certificate, so ``X-Remote-User``/``X-Remote-Group`` count."""
+    def ssl_identity(self) -> Any: ...
 
     async def call(self, method: str, path: str, headers: list[tuple[str, str]], body: bytes | None = None, *,
-                   deadline: float, max_bytes: int) -> tuple[int, bytes]:
-        """Status and whole body; ResponseTooLarge past ``max_bytes``, OSError or TimeoutError when it fails."""
+                   deadline: float, max_bytes: int) -> tuple[int, bytes]: ...
 
 
 class FetchError(RuntimeError):
@@ -157,7 +152,7 @@ class TokenIdentities:
             metrics.TOKENS.labels(d.outcome).inc()
         return d.identity
 
-    def _decide(self, authorization: str) -> Decision:
+    def _decide(self, authorization: str) -> TokenDecision:
         t0 = time.perf_counter()
         d = self.classifier.decide(authorization, self.clock())
         if d.outcome == "verified":
@@ -197,7 +192,7 @@ class TokenIdentities:
         return True
 
     # -- TokenReview --------------------------------------------------------------------------
-    async def _review(self, d: Decision) -> Identity:
+    async def _review(self, d: TokenDecision) -> Identity:
         pending = self._reviews.get(d.key)
         if pending is not None:
             metrics.TOKENS.labels("review-joined").inc()  # every classification path is counted
@@ -219,7 +214,7 @@ class TokenIdentities:
         finally:
             del self._reviews[d.key]
 
-    async def _send_review(self, d: Decision) -> Identity:
+    async def _send_review(self, d: TokenDecision) -> Identity:
         now = self.clock()
         try:
             doc = await self._call("POST", TOKEN_REVIEW_PATH, review_request(d.token, self.settings.audiences))
@@ -249,7 +244,7 @@ class TokenIdentities:
             headers = [("accept", "application/jwk-set+json" if path == JWKS_PATH else "application/json")]
             if body is not None:
                 headers.append(("content-type", "application/json"))
-            if up.asserts_identity:
+            if up.ssl_identity is not None:  # the proxy asserts its own identity with the front-proxy certificate
                 headers += [("x-remote-user", self.settings.proxy_user),
                             *(("x-remote-group", g) for g in self.settings.proxy_groups)]
             try:
@@ -259,10 +254,6 @@ class TokenIdentities:
                     errors.append(f"{up.name}: {method} {path}: HTTP {status}: {data[:200]!r}")
                     continue
                 return json.loads(data)
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                errors.append(f"{up.name}: {method} {path}: {type(exc).__name__}: {exc}")
-            except ResponseTooLarge:
-                errors.append(f"{up.name}: {path} is larger than {MAX_DOCUMENT_BYTES} bytes")
-            except (TimeoutError, OSError) as exc:
+            except (TimeoutError, OSError, ValueError) as exc:  # JSON and UTF-8 errors are ValueErrors too
                 errors.append(f"{up.name}: {method} {path}: {type(exc).__name__}: {exc}")
         raise FetchError("; ".join(errors))

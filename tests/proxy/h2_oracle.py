@@ -1,53 +1,10 @@
-"""The ``h2`` state machine as the proxy configures it: cheaper header handling, gentler stream limit.
+"""The h2 library's server, adapted to the codec's event tuples: the differential oracle of the codec tests.
 
-Six departures from a stock ``H2Connection``, each because of a measured
-cost or a needlessly harsh default:
-
-* **Huffman memo.** Every Kubernetes request carries a ~1 KB bearer token, and
-  HPACK encoders never index ``authorization`` (nghttp2 and Go mark it
-  never-indexed), so ``hpack`` Huffman-decodes the same kilobyte on every
-  request in pure Python: about a fifth of the proxy's CPU under h2load.
-  :func:`install_huffman_memo` replaces ``hpack``'s decoder with
-  ``h2_huffman.decode_memo``: our own decoder (~3x faster per byte, same
-  results, same errors) behind a small LRU keyed by the coded bytes, bounded
-  in entries and in string size (see ``h2_huffman`` for the bounds and for
-  what a hit can tell). Here the memo sees no field names, so it keeps only
-  strings of at least ``h2_huffman.MEMO_MIN_BYTES``, as before; the lean
-  engine also memoizes shorter non-secret values.
-* **Header checks moved to us.** h2's inbound checks walk every byte of
-  every header in Python; :mod:`gatekeeper.proxy.listen.h2_headers` checks the same
-  RFC 9113 rules with C-speed regexes, and a malformed request costs only its
-  own stream (RST_STREAM PROTOCOL_ERROR), not the whole connection. Outbound
-  normalization and validation are off: response headers come from aiohttp's
-  parser (valid field syntax, no CR/LF) or from our own code, and
-  ``h2_headers.response_block`` lower-cases names, trims values and drops
-  connection-specific headers in one pass.
-* **A cheaper HPACK encoder** for the response headers, which repeat from
-  response to response (``h2_hpack.ResponseEncoder``: same wire format and table
-  semantics, dict lookups and memoized literals instead of a table scan and a
-  Huffman pass per field).
-* **REFUSED_STREAM over the limit.** h2 treats a HEADERS frame beyond our
-  advertised ``MAX_CONCURRENT_STREAMS`` as a connection error, which would
-  break every other stream of that client. RFC 9113 5.1.2 allows a stream
-  error instead; Go's server sends REFUSED_STREAM, which clients retry on a
-  fresh stream. :class:`ProxyH2Connection` lets h2 process the frame (the
-  HPACK table must stay in step), resets that one stream with REFUSED_STREAM
-  and reports it through ``on_refused``. A stream counts against that limit
-  from its HEADERS until the adapter calls :meth:`release_stream` (its
-  handler finished), not until h2 considers it closed: rapid reset.
-* **Flood accounting.** Every received frame goes through
-  ``h2_limits.FloodGuard`` first (PING, SETTINGS, RST_STREAM, empty and
-  closed-stream frames per interval); over a limit, h2 sends GOAWAY
-  ENHANCE_YOUR_CALM.
-* **Content-length mismatch is a stream error.** h2 fails the whole
-  connection; RFC 9113 8.1.1 and Go's server reset only that stream with
-  PROTOCOL_ERROR (reported through ``on_bad_length``).
-* **Header blocks in progress are counted** in the process's request buffer
-  budget, as the lean engine counts them: h2 keeps HEADERS and CONTINUATION
-  frames without END_HEADERS in its frame buffer (up to 64 frames of up to
-  16 KiB per connection), so 20,000 connections trickling them could hold
-  20 GiB. After each read the held bytes are settled against the budget;
-  over its share the connection ends with GOAWAY ENHANCE_YOUR_CALM.
+The proxy ran on this adapter before its own codec (``gatekeeper/proxy/listen/h2_codec.py``) replaced it;
+it stays here, in the tests only, so that random and hostile frame sequences can be fed to both and the
+requests each delivers compared. What it changes of a stock ``H2Connection`` (REFUSED_STREAM over the
+stream limit, flood accounting, a content-length mismatch as a stream error, header blocks counted in the
+request budget, header checks by ``h2_headers``) is what the codec does too.
 """
 
 from __future__ import annotations
@@ -57,7 +14,6 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-import hpack.hpack
 from h2.config import H2Configuration
 from h2.connection import H2Connection
 from h2.errors import ErrorCodes
@@ -72,13 +28,12 @@ from h2.events import (
     WindowUpdated,
 )
 from h2.exceptions import InvalidBodyLengthError
-from hyperframe.frame import DataFrame, Frame, HeadersFrame
+from hyperframe.frame import ContinuationFrame, DataFrame, Frame, HeadersFrame, PingFrame, RstStreamFrame, SettingsFrame
 
 from gatekeeper.proxy.h2wire.hpack_encode import ResponseEncoder
-from gatekeeper.proxy.h2wire.huffman import decode_memo
 from gatekeeper.proxy.listen import h2_codec
 from gatekeeper.proxy.listen.body_budget import Share
-from gatekeeper.proxy.listen.h2_limits import FloodGuard, frame_kinds
+from gatekeeper.proxy.listen.h2_limits import CLOSED_STREAM, EMPTY_FRAME, PING, RST_STREAM, SETTINGS, FloodGuard
 from gatekeeper.proxy.listen.h2_state import HeaderBudgetExceeded
 
 
@@ -111,21 +66,6 @@ def _raw_passthrough(convert: Callable[[Any, bool], Any]) -> Callable[[Any, bool
     unicode_if_needed.original = convert  # type: ignore[attr-defined]
     return unicode_if_needed
 
-
-def install_huffman_memo() -> None:
-    """Replace ``hpack``'s Huffman decoder with ours and its memo (idempotent; process-wide, decoding is pure).
-
-    Also skips hpack's copy of already-raw fields (:func:`_raw_passthrough`), and silences
-    hpack's per-header debug logging, unless DEBUG is already on for it when the first
-    connection starts (then it stays, for whoever is debugging).
-    """
-    hpack.hpack.decode_huffman = decode_memo  # type: ignore[assignment]  # hpack calls it positionally
-    convert = hpack.hpack._unicode_if_needed
-    if getattr(convert, "original", None) is None:
-        hpack.hpack._unicode_if_needed = _raw_passthrough(convert)  # type: ignore[assignment]
-    log = hpack.hpack.log
-    if isinstance(log, logging.Logger) and not log.isEnabledFor(logging.DEBUG):
-        hpack.hpack.log = _QuietLog(log)  # type: ignore[assignment]
 
 
 def config() -> H2Configuration:
@@ -277,3 +217,28 @@ class ProxyH2Connection(H2Connection):
             self._on_refused(sid)
         # The request never reaches the proxy: drop its events (RequestReceived, StreamEnded, ...).
         return [], [e for e in events if getattr(e, "stream_id", None) != sid]
+
+
+_ON_CLOSED_COUNTED = (DataFrame, HeadersFrame, ContinuationFrame, RstStreamFrame)
+"""Frames that make no sense on a closed stream (WINDOW_UPDATE and PRIORITY may arrive there)."""
+
+
+def frame_kinds(frame: Frame, *, on_closed_stream: bool) -> list[str]:
+    """The counters a received frame adds to (usually none)."""
+    kinds: list[str] = []
+    if isinstance(frame, RstStreamFrame):
+        kinds.append(RST_STREAM)
+    elif isinstance(frame, PingFrame):
+        if "ACK" not in frame.flags:
+            kinds.append(PING)
+    elif isinstance(frame, SettingsFrame):
+        if "ACK" not in frame.flags:
+            kinds.append(SETTINGS)
+    elif isinstance(frame, DataFrame):
+        if not frame.data and "END_STREAM" not in frame.flags:
+            kinds.append(EMPTY_FRAME)
+    elif isinstance(frame, ContinuationFrame) and not frame.data:
+        kinds.append(EMPTY_FRAME)
+    if on_closed_stream and isinstance(frame, _ON_CLOSED_COUNTED):
+        kinds.append(CLOSED_STREAM)
+    return kinds
