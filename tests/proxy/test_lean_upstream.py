@@ -384,3 +384,27 @@ async def test_ambiguous_response_framing_fails_the_request(backend, head: bytes
             resp = await send(client, req("GET", "/ambiguous"))
             await read_all(resp)
     await until(lambda: client.connections() == 0)  # and the connection is never reused
+
+
+class _ClosedTransport(asyncio.Transport):
+    """A transport that takes writes and aborts and does nothing (the connection is already gone)."""
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass
+
+
+async def test_a_connection_lost_before_its_exchange_began_fails_the_exchange_at_once() -> None:
+    """A new connection the backend closed between the connect and the request head: nothing fails it
+    from the protocol side (no exchange was out when it was lost), and ``wait_head`` looks only at the
+    error, so ``begin`` sets one; otherwise the consumer would wait out the response-header timeout, and a
+    watch (no header timeout) would wait forever."""
+    conn = lean.Conn(ssl.create_default_context(), on_lost=lambda _conn: None)
+    conn.connection_made(_ClosedTransport())
+    conn.connection_lost(None)
+    conn.begin(b"GET / HTTP/1.1\r\n\r\n", head_only=False, header_timeout=None)
+    async with asyncio.timeout(2):
+        with pytest.raises(ConnectionResetError):
+            await conn.wait_head()

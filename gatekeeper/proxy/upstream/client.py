@@ -10,7 +10,7 @@
   (its mitigation for unauthenticated floods) that would kill other clients' streams on a shared
   connection;
 * the proxy's own calls (health probes, the token issuer's keys, TokenReviews) go through
-  :meth:`BackendClient.call` on the same HTTP/1.1 pool;
+  :meth:`BackendClient.call` on a small HTTP/1.1 pool of their own;
 * upgrades bypass every pool (:mod:`upstream.upgrade`).
 
 Two kinds of TLS context share each pool: one presents the front-proxy client
@@ -61,6 +61,8 @@ log = logging.getLogger("gatekeeper.proxy.upstream.client")
 
 _MUX_METHODS = frozenset({"GET", "HEAD"})
 H2_ALPN = ("h2", "http/1.1")
+OWN_CALLS = 8
+"""Connections of the pool that carries the proxy's own calls (:meth:`BackendClient.call`), per backend."""
 PROBE_MAX_BYTES = 64 * 1024
 """A /readyz answer is a few hundred bytes; a probe reads no more than this of one."""
 NO_FRONT_PROXY_CERT = (
@@ -149,6 +151,7 @@ class BackendClient:
                                            else settings.max_connections_per_backend))
             for long_running in (False, True)
         }
+        self._own = lean.Pool(self.host, self.port, limit=OWN_CALLS, connect_timeout=settings.connect_timeout_seconds)
 
     @property
     def ssl_identity(self) -> ssl.SSLContext | None:
@@ -168,12 +171,12 @@ class BackendClient:
 
     async def close(self) -> None:
         self.mux.close()
-        for pool in self._pools.values():
+        for pool in (*self._pools.values(), self._own):
             pool.close()
 
     def connections(self) -> int:
         """Open upstream connections (busy + idle) in every pool."""
-        return sum(max(0, pool.open) for pool in self._pools.values()) + self.mux.open_connections()
+        return sum(max(0, pool.open) for pool in (*self._pools.values(), self._own)) + self.mux.open_connections()
 
     async def send(
         self, request: ProxyRequest, headers: Headers, *, identity: bool, swallow_body_errors: bool,
@@ -251,7 +254,9 @@ class BackendClient:
                    deadline: float, max_bytes: int) -> tuple[int, bytes]:
         """The proxy's own request (a probe, a key fetch, a TokenReview): status and body, whole.
 
-        On the short-request HTTP/1.1 pool with the front-proxy certificate when there is one. Raises
+        With the front-proxy certificate when there is one, on an HTTP/1.1 pool of its own (:data:`OWN_CALLS`
+        connections, kept alive between calls): a request pool that clients have filled must not make a probe
+        wait and fail, which would eject a backend that is only busy. Raises
         :class:`ValueError` for a body over ``max_bytes``, ``TimeoutError`` past ``deadline`` seconds, and
         the errors of :meth:`send` (``ConnectFailed``, ``BackendFailed``, ...) for a failed exchange."""
 
@@ -260,9 +265,9 @@ class BackendClient:
                 method, path, self.authority, [*headers, *([("content-length", str(len(body)))] if body else [])],
                 REQUEST_REMOVED, has_body=body is not None)
             status, _, response = await exchange.exchange(
-                self._pools[False], self.name, self.ssl_identity or self.ssl_plain, self._live_contexts, head,
+                self._own, self.name, self.ssl_identity or self.ssl_plain, self._live_contexts, head,
                 method=method, body=exchange.ClientBody(one_chunk(body)) if body is not None else None,
-                declared=declared, header_timeout=deadline, acquire_timeout=deadline, pool_name="short-request",
+                declared=declared, header_timeout=deadline, acquire_timeout=deadline, pool_name="own-call",
                 swallow_body_errors=False, on_done=lambda _error: None)
             chunks, size = [], 0
             try:

@@ -18,7 +18,7 @@ import asyncio
 import collections
 import re
 import ssl
-from collections.abc import AsyncIterator, Callable, Collection
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from typing import Protocol
 
 from gatekeeper.proxy.messages import Headers
@@ -173,7 +173,7 @@ class BodySource(Protocol):
     complete: bool
     error: BaseException | None
 
-    async def wait(self) -> None: ...
+    def wait(self) -> Awaitable[None]: ...
 
     def take(self) -> bytes: ...
 
@@ -297,7 +297,7 @@ async def exchange(
         conn.request_sent = body is None
         if body is not None:
             conn.body_task = asyncio.create_task(_send_body(conn, body, declared))
-        await conn.wait_headers()
+        await conn.wait_head()
     except BaseException as exc:
         if conn is not None:
             conn.abort()
