@@ -3,22 +3,21 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from gatekeeper.certs import CLUSTER_CA, FRONT_PROXY_CA, PKI
 from gatekeeper.errors import UsageError, non_negative_int, positive_int
 
+NAME = "certs"
+HELP = "create CAs and issue serving/client certificates"
+DESCRIPTION = (
+    "Certificate tooling for the control plane and gatekeeper: a cluster CA, a front-proxy CA "
+    "(the only CA whose client certificates may stamp X-Remote-User), a service-account key pair, "
+    "and ECDSA P-256 leaf certificates signed by them."
+)
 
-def register(sub: Any) -> None:
-    p = sub.add_parser(
-        "certs",
-        help="create CAs and issue serving/client certificates",
-        description=(
-            "Certificate tooling for the control plane and gatekeeper: a cluster CA, a front-proxy CA "
-            "(the only CA whose client certificates may stamp X-Remote-User), a service-account key pair, "
-            "and ECDSA P-256 leaf certificates signed by them."
-        ),
-    )
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The subcommand's options and handler (``set_defaults(func=...)``); the CLI makes the parser."""
     csub = p.add_subparsers(dest="certs_command", metavar="ACTION", required=True)
 
     def with_dir(sp: argparse.ArgumentParser) -> None:

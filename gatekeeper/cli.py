@@ -1,8 +1,8 @@
 """`gatekeeper` command line.
 
 Each subcommand's arguments and entry point live with the component that owns
-them (``gatekeeper.<component>.command``: ``register(subparsers)`` and the
-handler set via ``set_defaults(func=...)``), so this module only wires them up
+them (``gatekeeper.<component>.command``: ``NAME``, ``HELP``, ``DESCRIPTION``, ``add_arguments(parser)``
+and the handler set via ``set_defaults(func=...)``), so this module only wires them up
 and turns expected failures into one readable line and a non-zero exit.
 """
 
@@ -12,6 +12,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from gatekeeper import __version__, certs_command
 from gatekeeper.config import ConfigError
@@ -43,10 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"text, or json (one object per line, for a log pipeline); default ${FORMAT_ENV} "
                              "or text. Proxy workers inherit both")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    webhook_command.register(sub)
-    proxy_command.register(sub)
-    certs_command.register(sub)
-    sandbox_command.register(sub)
+    for command in (webhook_command, proxy_command, certs_command, sandbox_command):
+        command.add_arguments(sub.add_parser(command.NAME, help=command.HELP, description=command.DESCRIPTION))
     _register_loadtest(sub)
     return parser
 
@@ -61,10 +60,8 @@ def _register_loadtest(sub: argparse._SubParsersAction) -> None:
     p.add_argument("loadtest_args", nargs=argparse.REMAINDER)
 
     def run(args: argparse.Namespace) -> int:
-        from pathlib import Path
-
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-        try:
+        try:  # loadtest/ is not part of the installed package: only a source checkout has it
             from loadtest.cli import main as loadtest_main
         except ModuleNotFoundError as exc:
             raise UsageError(f"loadtest needs a source checkout and `pip install -e '.[loadtest]'` ({exc})") from None

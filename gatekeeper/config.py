@@ -155,11 +155,17 @@ def _convert(value: Any, tp: Any, source: str, key: str) -> Any:
 
 
 REMOVED_KEYS: dict[str, str] = {
-    "proxy.protocol.http2Engine": "the proxy has one HTTP/2 server codec, its own (the h2 library engine is gone); "
-                                  "delete the key",
+    "proxy.connectionBalancing": "the kernel's SO_REUSEPORT worker model is gone: the parent always hands each "
+                                 "connection to the worker with the fewest; delete the key",
+    "proxy.listener.reusePort": "workers no longer listen themselves (the parent hands connections over); "
+                                "delete the key",
+    "proxy.protocol.http2Engine": "the proxy has one client-facing HTTP/2 engine, its own codec; delete the key",
+    "proxy.upstream.client": "the proxy has one HTTP/1.1 upstream client, its own (asyncio + llhttp); delete the key",
+    "proxy.upstream.http2": "short GETs of verified callers always share multiplexed HTTP/2 connections to the "
+                            "apiservers (a backend that answers HTTP/1.1 gets HTTP/1.1); delete the key",
 }
-"""Keys that configured something gatekeeper no longer has (full key path -> what to do instead): a file that
-still sets one fails with that message, not with "unknown key", so the operator learns why."""
+"""Keys a release removed, by path: a config that still sets one fails with what to do instead, not with a bare
+"unknown key" (and never silently: each one selected behaviour that no longer exists)."""
 
 
 def from_mapping(cls: type[T], data: Any, source: str = "<config>", prefix: str = "") -> T:
@@ -247,7 +253,7 @@ def _libyaml_loader() -> _Loader | None:
     not the RecursionError the pure-Python parser raises). The constructor stays the Python one either way."""
     if not getattr(yaml, "__with_libyaml__", False):
         return None
-    try:
+    try:  # PyYAML's optional C extension: present only when PyYAML was built against libyaml
         from yaml import _yaml as libyaml
 
         if tuple(libyaml.get_version()) < (0, 2, 6):

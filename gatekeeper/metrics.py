@@ -7,6 +7,10 @@ prometheus-client's multiprocess mode (``PROMETHEUS_MULTIPROC_DIR`` set
 every process write its samples to files that :func:`render` aggregates, so a
 scrape that lands on any worker reports the whole server. No HTTP here: the
 aiohttp routes are in ``gatekeeper.ops``.
+
+This module is imported before the mode is known, so every ``prometheus_client`` import here is
+inside the function that needs it: importing the library picks the value class (in-process or
+mmap files) once, and an import at the top would pick it before ``enable_multiprocess`` ran.
 """
 
 from __future__ import annotations
@@ -20,6 +24,9 @@ import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from gatekeeper import __version__, tempdirs
+from gatekeeper.errors import UsageError
 
 if TYPE_CHECKING:  # imported lazily at run time: PROMETHEUS_MULTIPROC_DIR must be set first
     from prometheus_client import CollectorRegistry
@@ -42,9 +49,6 @@ def enable_multiprocess(prefix: str = "gatekeeper-metrics-") -> str:
     page or point a ``counter_<pid>.db`` symlink at one of our files for prometheus-client to resize.
     Call it once, in the parent, before any worker starts.
     """
-    from gatekeeper import tempdirs
-    from gatekeeper.errors import UsageError
-
     inherited = os.environ.get(MULTIPROC_ENV)
     path = inherited or str(tempdirs.make(prefix))  # stamped: a later start removes it if we are SIGKILLed
     if inherited:
@@ -126,6 +130,20 @@ def absorb_dead_process(pid: int, path: str | None = None) -> None:
                 archive.close()
             os.unlink(dead)
         multiprocess.mark_process_dead(pid, path)
+
+
+@functools.cache
+def build_info() -> Any:
+    """``gatekeeper_build_info{version} 1`` on the process's registry, once (the webhook and the proxy call it
+    when they define their metrics): which build answers, for a rollout to be checked from ``/metrics``. Its
+    multiprocess mode is ``livemax``: every live worker's 1 merges into one sample, and a dead worker's file
+    goes with it (``mark_process_dead``), so restarts do not grow the metrics directory."""
+    from prometheus_client import Gauge
+
+    info = Gauge("gatekeeper_build_info", "The running gatekeeper's version (value 1).", ["version"],
+                 multiprocess_mode="livemax")
+    info.labels(__version__).set(1)
+    return info
 
 
 @functools.lru_cache(maxsize=4096)

@@ -166,9 +166,13 @@ def cold_verify(n: int = 2000) -> None:
         print(f"cold verify {label}: {best * 1e6:.1f} us per token (no cache)")
 
 
-if __name__ == "__main__":
+def cli() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=20000)
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     asyncio.run(main(args.requests, args.rounds))
+
+
+if __name__ == "__main__":
+    cli()

@@ -14,11 +14,9 @@ stime of the proxy process) over a closed loop of ``h2load -c 8 -m 8``:
 * ``proxied GET, flow control as deployed``: the whole path;
 * ``proxied GET, flow control off``: the same without the flow-control middleware.
   Without flow control no token is verified, so these GETs take the HTTP/1.1 pool,
-  not the multiplexed HTTP/2 upstream (``upstream.http2`` only carries callers the
-  apiserver will authenticate). The difference to the first arm is therefore flow
-  control *and* the upstream protocol; ``--upstream-http1`` adds the first arm with
-  ``upstream.http2`` off, and flow control's cost is then taken between the two
-  HTTP/1.1 arms, the HTTP/2 upstream's between the two flow-controlled ones;
+  not the multiplexed HTTP/2 upstream (it only carries callers the apiserver will
+  authenticate). The difference to the first arm is therefore flow control *and*
+  the upstream protocol;
 * ``answered by the proxy``: ``GET /metrics`` with a bearer token, which the
   proxy answers itself (403: the page needs an admin certificate) after the
   client-facing TLS, HTTP/2 codec, target check, identity and RequestInfo, with
@@ -131,14 +129,8 @@ def report(title: str, arms: list[str], cpu: dict[str, list[float]], extra: dict
               f"{', '.join(f'{x:.3f}' for x in cpu[name])}; {rps:.0f} req/s; context switches per request "
               f"{vol:.2f} voluntary, {invol:.2f} involuntary)")
     full, nofc, local = med[arms[1]], med[arms[2]], med[arms[3]]
-    if len(arms) > 4:  # --upstream-http1: flow control between the HTTP/1.1 arms, then the protocol
-        full_h1 = med[arms[4]]
-        print(f"flow control:        {full_h1 - nofc:+.3f} ms/req (x{(full_h1 - nofc) / max(ref, 1e-6):.2f} of "
-              f"HAProxy's whole request; both arms on the HTTP/1.1 pool)")
-        print(f"HTTP/2 upstream:     {full - full_h1:+.3f} ms/req (upstream.http2 on, against off, flow control on)")
-    else:
-        print(f"flow control + HTTP/2 upstream: {full - nofc:+.3f} ms/req (x{(full - nofc) / max(ref, 1e-6):.2f} of "
-              f"HAProxy's whole request; --upstream-http1 separates the two)")
+    print(f"flow control + HTTP/2 upstream: {full - nofc:+.3f} ms/req (x{(full - nofc) / max(ref, 1e-6):.2f} of "
+          f"HAProxy's whole request)")
     print(f"upstream leg:        {nofc - local:+.3f} ms/req (x{(nofc - local) / max(ref, 1e-6):.2f})")
     print(f"client-facing side:  {local:.3f} ms/req (x{local / max(ref, 1e-6):.2f})")
 
@@ -148,9 +140,6 @@ def main() -> None:
     ap.add_argument("--state-dir", required=True, help="a running sandbox with >= 3 apiservers")
     ap.add_argument("--requests", type=int, default=20000, help="h2load requests per arm and round")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
-    ap.add_argument("--upstream-http1", action="store_true",
-                    help="add an arm: flow control as deployed with upstream.http2 off (HTTP/1.1 pool upstream; "
-                         "the other arms use the default, multiplexed HTTP/2)")
     ap.add_argument("--pin", action="store_true",
                     help="also measure each arm with the proxy alone on CPU 0 (needs >= 2 CPUs)")
     args = ap.parse_args()
@@ -168,10 +157,6 @@ def main() -> None:
             "gatekeeper, proxied GET, flow control off": (nofc_url, nofc_pid, GET_PATH),
             "gatekeeper, answered by the proxy (no upstream)": (gk["fc"][0], gk["fc"][1], LOCAL_PATH),
         }
-        if args.upstream_http1:
-            h1_url, h1_pid = env.start_gatekeeper("gk-h1", workers=1, deployed_flow_control=True,
-                                                  upstream_http2=False)
-            arms["gatekeeper, proxied GET, flow control as deployed, upstream.http2 off"] = (h1_url, h1_pid, GET_PATH)
         for url, pid, path in arms.values():
             closed_loop_cpu(env, url, pid, path, 400)  # warm every arm, the local answer included
         placements = ["shared", "pinned"] if args.pin else ["shared"]

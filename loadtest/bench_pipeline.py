@@ -32,9 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 async def drive(config: str, token: str, n: int, concurrency: int) -> None:
     from gatekeeper.config import load_config
-    from gatekeeper.proxy.command import flow_control_middleware
     from gatekeeper.proxy.messages import ProxyRequest
     from gatekeeper.proxy.pipeline.stages import build
+    from gatekeeper.proxy.process import flow_control_middleware
 
     settings = load_config(Path(config), need="proxy").proxy
     flow = flow_control_middleware(settings)

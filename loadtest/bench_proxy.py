@@ -113,11 +113,8 @@ class Env:
 
     def start_gatekeeper(self, name: str = "bench-proxy", workers: int | None = None,
                          deployed_flow_control: bool = False,
-                         backends: list[str] | None = None, balancing: str | None = None,
-                         upstream_http2: bool | None = None) -> tuple[str, int]:
-        """A gatekeeper proxy; ``deployed_flow_control`` gives it the policy ``sandbox up --with-proxy`` deploys;
-        ``upstream_http2`` sets ``upstream.http2`` (multiplexed HTTP/2 to the apiservers), None leaves the
-        default (on)."""
+                         backends: list[str] | None = None) -> tuple[str, int]:
+        """A gatekeeper proxy; ``deployed_flow_control`` gives it the policy ``sandbox up --with-proxy`` deploys."""
         flow: dict[str, Any] = {"enabled": False}
         if deployed_flow_control:
             from gatekeeper.sandbox.with_proxy import default_flow_control
@@ -126,10 +123,6 @@ class Env:
         work = self.work / name
         work.mkdir(exist_ok=True)
         user: dict[str, Any] = {"flowControl": flow}
-        if balancing is not None:
-            user["connectionBalancing"] = balancing
-        if upstream_http2 is not None:
-            user["upstream"] = {"http2": upstream_http2}
         gk = ProxyProcess(self.state, work, name=name, health_interval=0.5, user_config=user,
                           workers=workers if workers is not None else 1, backends=backends)
         try:
@@ -502,11 +495,9 @@ def modes(env: Env, args: argparse.Namespace) -> None:
     ratio moves by 30% with what else runs, and both arms of a round see the same machine."""
     counts = sorted({1, 2, *args.workers_table})
     rounds = max(1, args.rounds)
-    gk, hap = start_warm(env, {w: {"name": f"gk-w{w}", "workers": w, "upstream_http2": not args.upstream_http1}
-                               for w in counts},
+    gk, hap = start_warm(env, {w: {"name": f"gk-w{w}", "workers": w} for w in counts},
                          {t: {"nbthread": t, "name": f"hap-t{t}"} for t in (1, 2)})
-    print(f"\nload average before: {load_average()}; upstream.http2: {not args.upstream_http1}; "
-          f"{rounds} interleaved round(s)")
+    print(f"\nload average before: {load_average()}; {rounds} interleaved round(s)")
     if "rates" not in args.skip:
         print(f"\n== open loop: fixed rates, {args.rate_seconds:.0f} s each (h2load --rps, 4 connections) ==")
         for rate in args.rates:
@@ -547,40 +538,6 @@ def modes(env: Env, args: argparse.Namespace) -> None:
         print("throughput by workers: " + ", ".join(
             f"{w}: {spread([g['rps'] / b['rps'] for g, b in zip(runs[f'gk{w}'], runs['gk1'], strict=True)])}"
             for w in counts))
-    print(f"load average after: {load_average()}")
-
-
-def balancing(env: Env, args: argparse.Namespace) -> None:
-    """``--workers 2`` with ``connectionBalancing: kernel`` (SO_REUSEPORT) and ``least-connections`` (the
-    supervisor hands connections over) beside HAProxy ``nbthread 2``: interleaved closed-loop rounds, because
-    the kernel's split of h2load's connections changes from round to round."""
-    gk, haps = start_warm(env, {mode: {"name": f"gk-w2-{mode}", "workers": 2, "balancing": mode}
-                                for mode in ("kernel", "least-connections")},
-                          {"haproxy": {"nbthread": 2, "name": "hap-bal-t2"}})
-    hap = haps["haproxy"]
-    n, c, m = args.requests, args.clients, args.streams
-    print(f"\n== connection balancing, --workers 2: {args.balancing_rounds} interleaved rounds of "
-          f"h2load -n {n} -c {c} -m {m} ==")
-    print(f"load average before: {load_average()}")
-    ratios: dict[str, list[float]] = {mode: [] for mode in gk}
-    shares: dict[str, list[float]] = {mode: [] for mode in gk}
-    cpu: dict[str, list[float]] = {mode: [] for mode in gk}
-    for i in range(args.balancing_rounds):
-        h = closed_loop(env, hap[0], hap[1], n, c, m)
-        line = [f"round {i + 1}: haproxy {h['rps']:6.0f} req/s"]
-        for mode, (url, pid) in gk.items():
-            g = closed_loop(env, url, pid, n, c, m)
-            ratios[mode].append(g["rps"] / h["rps"])
-            shares[mode].append(g.get("busiest_share", 0.0))
-            cpu[mode].append(g["cpu_ms"] / max(h["cpu_ms"], 1e-6))
-            line.append(f"{mode} {g['rps']:6.0f} req/s (x{ratios[mode][-1]:.2f}, busiest "
-                        f"{shares[mode][-1]:.0%})")
-        print("  ".join(line))
-    for mode in gk:
-        print(f"{mode:18s} throughput / haproxy nbthread 2: median x{statistics.median(ratios[mode]):.2f} "
-              f"(rounds {min(ratios[mode]):.2f}-{max(ratios[mode]):.2f}); busiest worker median "
-              f"{statistics.median(shares[mode]):.0%}, worst {max(shares[mode]):.0%}; CPU per request median "
-              f"x{statistics.median(cpu[mode]):.1f}")
     print(f"load average after: {load_average()}")
 
 
@@ -637,15 +594,10 @@ def main() -> None:
     ap.add_argument("--rates", type=lambda v: [int(x) for x in v.split(",")], default=[200, 600],
                     help="open-loop rates in req/s (comma-separated)")
     ap.add_argument("--rate-seconds", type=float, default=10.0, help="seconds per open-loop rate")
-    ap.add_argument("--upstream-http1", action="store_true",
-                    help="--only-modes: gatekeeper with upstream.http2 off (HTTP/1.1 pool to the apiservers; "
-                         "the default is multiplexed HTTP/2)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="--only-modes: interleaved rounds of every comparison; ratios are medians over rounds")
     ap.add_argument("--workers-table", type=lambda v: [int(x) for x in v.split(",")], default=[1, 2],
                     help="gatekeeper worker counts for the closed-loop table (1 and 2 always run)")
-    ap.add_argument("--balancing-rounds", type=int, default=0, metavar="R",
-                    help="only compare connectionBalancing kernel / least-connections with 2 workers, R rounds")
     ap.add_argument("--static-scaling", action="store_true",
                     help="run only the scaling table with static backends (the proxy as the bottleneck)")
     args = ap.parse_args()
@@ -655,9 +607,6 @@ def main() -> None:
     try:
         if args.static_scaling:
             static_scaling(env, args)
-            return
-        if args.balancing_rounds:
-            balancing(env, args)
             return
         if args.only_modes:
             modes(env, args)

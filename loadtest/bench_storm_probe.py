@@ -18,8 +18,7 @@ every round:
 
 * ``direct``: listers spread round-robin over the apiservers, probe i on apiserver i mod 3;
 * ``haproxy``: TCP mode, leastconn (the seeds' load balancer);
-* ``gk-kernel``: gatekeeper, 2 workers, ``connectionBalancing: kernel`` (SO_REUSEPORT), seeds' policy;
-* ``gk-least``: the same with ``connectionBalancing: least-connections`` (the default).
+* ``gatekeeper``: gatekeeper, 2 workers, the seeds' policy.
 
 Printed per round and arm: storm wall time, LISTs ok/failed/429, probe GET
 count, p50/p90/p99/max; then the medians over rounds and each arm's ratio to
@@ -57,7 +56,7 @@ from loadtest.harness import cluster
 from loadtest.harness.cluster import kit
 from loadtest.scenarios.list_storm import STORAGE_READS
 
-ARMS = ("direct", "haproxy", "gk-kernel", "gk-least")
+ARMS = ("direct", "haproxy", "gatekeeper")
 PROBE_PAUSE = 0.05
 
 
@@ -112,9 +111,7 @@ def arm_urls(name: str, state: SandboxState,
         with cluster.haproxy(state, work, balance="leastconn") as url:
             yield [url], [url], None
     else:
-        balancing = "kernel" if name == "gk-kernel" else "least-connections"
-        with kit.run_proxy(state, work / name, {"files": [str(kit.SEEDS)]}, workers=2,
-                           extra={"connectionBalancing": balancing}) as proxy:
+        with kit.run_proxy(state, work / name, {"files": [str(kit.SEEDS)]}, workers=2) as proxy:
             yield [proxy.url], [proxy.url], proxy
 
 

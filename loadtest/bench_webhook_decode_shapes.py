@@ -14,6 +14,7 @@ bound could save is about a third of the decoding term.
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 
@@ -38,6 +39,8 @@ print(f"{len(body) / 2**20:5.1f} MiB {body.count(b'{'):9d} {(status('VmHWM:') - 
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                            epilog="--help: this text; no other options (each shape is about 6 MiB)").parse_args()
     print(f"{'shape':36} {'body':>9} {'count {':>9} {'decode':>10}")
     for name, expr in SHAPES.items():
         out = subprocess.run([sys.executable, "-c", CODE % (SIZE, expr)], capture_output=True, text=True, check=True)

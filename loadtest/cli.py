@@ -1,5 +1,7 @@
 """``python -m loadtest SCENARIO --out DIR`` (also ``gatekeeper loadtest ...``): one seed claim, end to end.
 
+``python -m loadtest bench NAME`` runs one of the benchmarks instead (:mod:`loadtest.bench`).
+
 Brings up the sandbox the scenario needs (or adopts ``--state-dir``), drives the
 load with Locust, samples /proc and the components' /metrics, tears down, and
 writes DIR/report.md with the seed's figure beside ours, DIR/*.csv and DIR/*.png.
@@ -53,6 +55,11 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # ``python -m loadtest bench NAME``: the benchmarks (loadtest/bench/)
+        from loadtest import bench
+
+        return bench.main(argv[1:])
     args = parser().parse_args(argv)
     if not 0 < args.scale <= 100:
         print("--scale must be in (0, 100]", file=sys.stderr)

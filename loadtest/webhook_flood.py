@@ -1,7 +1,6 @@
 """What the webhook memory benches share: a webhook process per run, a flooding client process, /proc figures.
 
-``bench_webhook_heads.py`` (this tree against a baseline ref) and ``bench_webhook_worstcase.py`` (this tree
-against the README's derived bound) differ in their scenarios and in what they print, not in how a run is made:
+``bench webhook-worstcase`` differs from a plain run in its scenarios and in what they print, not in how a run is made:
 a fresh ``gatekeeper webhook`` (one worker, default settings), a client process that opens its connections 50
 handshakes at a time, each bounded to 30 s, and the worker's RSS read from /proc before and after.
 """

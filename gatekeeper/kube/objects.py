@@ -19,10 +19,16 @@ class ObjectMeta(TypedDict, total=False):
     deletionTimestamp: str
 
 
-class Secret(TypedDict, total=False):
+class TypeMeta(TypedDict, total=False):
     apiVersion: str
     kind: str
+
+
+class KubeObject(TypeMeta, total=False):
     metadata: ObjectMeta
+
+
+class Secret(KubeObject, total=False):
     type: str
     data: dict[str, str]
     """base64-encoded values."""
@@ -30,10 +36,7 @@ class Secret(TypedDict, total=False):
     """write-only plain values; the apiserver merges them into data (stringData wins)."""
 
 
-class ConfigMap(TypedDict, total=False):
-    apiVersion: str
-    kind: str
-    metadata: ObjectMeta
+class ConfigMap(KubeObject, total=False):
     data: dict[str, str]
     binaryData: dict[str, str]
     """base64-encoded values."""
@@ -74,10 +77,7 @@ class PodSpec(TypedDict, total=False):
     resourceClaims: list[PodResourceClaim]
 
 
-class Pod(TypedDict, total=False):
-    apiVersion: str
-    kind: str
-    metadata: ObjectMeta
+class Pod(KubeObject, total=False):
     spec: PodSpec
 
 

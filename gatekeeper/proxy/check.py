@@ -16,7 +16,10 @@ import ssl
 from collections.abc import Callable
 
 from gatekeeper.errors import UsageError
+from gatekeeper.proxy.flowcontrol.edge.loading import load_policy
+from gatekeeper.proxy.listen.server import make_ssl_context as serving_context
 from gatekeeper.proxy.settings import ProxySettings
+from gatekeeper.proxy.upstream.client import make_ssl_context as upstream_context
 
 
 def _attempt(problems: list[str], what: str, fn: Callable[[], object]) -> None:
@@ -28,9 +31,6 @@ def _attempt(problems: list[str], what: str, fn: Callable[[], object]) -> None:
 
 def check(settings: ProxySettings, files_check: Callable[[ProxySettings], None]) -> tuple[list[str], list[str]]:
     """``(summary lines, problems)`` for a loaded config; no problems means the proxy would start on it."""
-    from gatekeeper.proxy.listen.server import make_ssl_context as serving_context
-    from gatekeeper.proxy.upstream.client import make_ssl_context as upstream_context
-
     problems: list[str] = []
     _attempt(problems, "files", lambda: files_check(settings))
     if not problems:  # the TLS checks would only repeat "does not exist"
@@ -43,8 +43,6 @@ def check(settings: ProxySettings, files_check: Callable[[ProxySettings], None])
                f"workers: {settings.workers or 'one per usable core'} (at most {settings.max_workers})"]
     fc = settings.flow_control
     if fc.enabled:
-        from gatekeeper.proxy.flowcontrol.edge.loading import load_policy
-
         try:
             policy = load_policy(fc)
         except ValueError as exc:  # the config loader checked it; a file may have changed since

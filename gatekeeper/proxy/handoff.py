@@ -7,8 +7,7 @@ whole lives: h2load's 8 connections split 6/2 in one of 5 rounds, and a closed
 loop then runs at the pace of the busier worker (the busiest of 2 served 62%).
 HAProxy's threads share one listener and pick the least-loaded thread.
 
-``proxy.connectionBalancing: least-connections`` (the default with several
-workers) does the same across processes:
+With several workers (``--workers N``) the proxy does the same across processes:
 
 * The supervisor listens on the TLS port; a thread of its own (the parent's
   event loop also renders ``/metrics``, which must not delay an accept)
@@ -23,7 +22,7 @@ workers) does the same across processes:
   connections spreads at once.
 * The least-loaded serving worker gets the connection; ties rotate. A worker
   serves once it says so on its socket (``R``), and stops when it says it
-  drains (``D``) or its process exits (:meth:`Dispatcher.retire`: our
+  drains (``D``) or its process exits (:meth:`HandoffDispatcher.retire`: our
   duplicate of its end, below, keeps the socket open past its death); the
   supervisor restarts it with a fresh socket and count.
   A worker whose socket the supervisor closes drains and exits, to be
@@ -33,10 +32,10 @@ workers) does the same across processes:
   one that has left a connection unread (``SIOCOUTQ`` on its socket) for
   :data:`LAG_SECONDS` gets a new one only if no other serving worker keeps up
   with its socket. A stall of :data:`STALL_SECONDS` is logged and counted once
-  (``gatekeeper_proxy_handoff_stalls_total{worker}``). Before, least-connections
-  took a stopped worker for the least loaded and sent it every other connection
-  until its socket filled; each of those hung until the worker was killed as
-  hung (``workerHangSeconds``). A worker that reads again is chosen by load
+  (``gatekeeper_proxy_handoff_stalls_total{worker}``): otherwise a stopped
+  worker would look least loaded and get every other connection until its
+  socket filled, each one hanging until the worker was killed as hung
+  (``workerHangSeconds``). A worker that reads again is chosen by load
   again. A burst (connections within milliseconds) is still split by load.
 * What a worker has not read is taken back: the supervisor keeps a duplicate
   of each worker's end of its socket, so it can receive the worker's queued
@@ -80,7 +79,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from gatekeeper.acceptloop import ACCEPT_BACKOFF
-from gatekeeper.proxy.listen.settings import BACKLOG
 
 log = logging.getLogger("gatekeeper.proxy.handoff")
 
@@ -90,9 +88,14 @@ DRAINING = b"D"
 """What a worker sends on its hand-off socket as it begins to drain: hand it nothing more, and take back what it
 has not read (its own close no longer ends the socket: the supervisor holds a duplicate of its end)."""
 _CONN = b"C"
+BACKLOG = 1024
+"""Pending connections the kernel queues on the TLS port once it listens (the workers' own listeners too)."""
 RECEIVE_RETRY = frozenset({errno.ENOBUFS, errno.ENOMEM})
 """Errors of a worker's receive that pass (the kernel short of memory): it tries again after a back-off. Any
 other error (ECONNRESET: the supervisor closed its end with messages unread; EBADF, ...) ends the hand-off."""
+RECEIVE_BACKOFF_MAX = 1.0
+"""Seconds: a worker's pause after failed receives doubles from ``ACCEPT_BACKOFF`` up to this, never spinning
+on a socket that stays readable, never pausing longer than about 40 queued connections should wait."""
 QUEUE_SNDBUF = 16 * 1024
 """Send buffer of the supervisor's end of a hand-off socket: about 40 queued connections (the default, 208 KiB,
 queued 555 on a worker that had stopped reading before the next worker got one)."""
@@ -222,20 +225,22 @@ class Inbox:
         self.sock.close()
 
 
-class Dispatcher:
+class HandoffDispatcher:
     """The supervisor's accepting thread (see the module docstring)."""
 
     def __init__(self, listeners: list[socket.socket], counts: ClosedCounts, workers: int,
                  on_handoff: Callable[[int], None] = lambda worker: None,
                  on_wait: Callable[[], None] = lambda: None,
                  on_stall: Callable[[int], None] = lambda worker: None,
-                 on_take_back: Callable[[int], None] = lambda worker: None) -> None:
+                 on_take_back: Callable[[int], None] = lambda worker: None,
+                 max_connections: int = 0, on_refused: Callable[[int], None] = lambda open_now: None) -> None:
+        """``max_connections``: client connections open in all workers together (``listener.maxClientConnections``),
+        more are closed at accept and reported to ``on_refused`` with the count open; 0 = no proxy-wide cap."""
         self._listeners = listeners
+        self._max, self._on_refused = max_connections, on_refused
         self._counts = counts
-        self._on_handoff = on_handoff
-        self._on_wait = on_wait
-        self._on_stall = on_stall
-        self._on_take_back = on_take_back
+        self._on_handoff, self._on_wait = on_handoff, on_wait
+        self._on_stall, self._on_take_back = on_stall, on_take_back
         self._pending: socket.socket | None = None
         """A connection no worker could take yet (every socket full, or none serving)."""
         self._channels: list[socket.socket | None] = [None] * workers
@@ -542,6 +547,10 @@ class Dispatcher:
                 log.warning("accept failed: %s; accepting again in %.1fs", exc, ACCEPT_BACKOFF)
                 self._resume_at = time.monotonic() + ACCEPT_BACKOFF
                 return
+            if self._max and (open_now := sum(load or 0 for load in self.loads())) >= self._max:
+                conn.close()  # the cap is the whole proxy's: each worker's own would let N times as many in
+                self._on_refused(open_now)
+                continue
             if not self._hand_over(conn):
                 self._pending = conn  # accepting pauses (see _run) until a worker can take it
                 self._on_wait()

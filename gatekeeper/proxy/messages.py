@@ -111,8 +111,14 @@ class ProxyRequest:
     """Filled by the identity stage."""
     info: RequestInfo | None = None
     """Filled by the RequestInfo stage."""
-    annotations: dict[str, Any] = field(default_factory=dict)
-    """Free-form per-request notes between stages (e.g. chosen backend, flow schema)."""
+    caller: str = ""
+    """Flow control's caller: the verified identity of a token, the per-address flow of an unverified one, or
+    whom an allowed impersonator acts for; long-running requests are capped per caller. Empty: the user's name."""
+    flow_schema: str = ""
+    priority_level: str = ""
+    """Flow control's decision: the FlowSchema and the priority level the request was classified into."""
+    backend: str = ""
+    """The backend the balancer chose (the last one tried)."""
     connection_memo: dict[str, Any] | None = None
     """One dict per client connection, shared by its requests (what the identity stage learned
     from the connection's certificate and last credential; ``auth.identify``). None: no memo."""

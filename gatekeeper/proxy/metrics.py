@@ -51,13 +51,14 @@ by talking to that apiserver directly.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Awaitable, Callable, Iterator
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from typing import Any, Protocol
 
 from prometheus_client import REGISTRY, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from gatekeeper.metrics import build_info
 from gatekeeper.metrics import render as render  # the one renderer (multiprocess-aware); pipeline.py's /metrics
 from gatekeeper.ops import this_process_page
 from gatekeeper.proxy.tally import CounterTally, HistogramTally  # before the metrics: its flush collects first
@@ -67,10 +68,9 @@ render_page: Callable[[], Awaitable[tuple[bytes, str]]] = this_process_page
 ``--workers N`` puts the whole proxy's page here (``worker_metrics.render_in_worker``): a coroutine, because it
 waits for the other workers' pages, and the worker's event loop must serve its clients meanwhile."""
 
-if TYPE_CHECKING:
-    from gatekeeper.proxy.pipeline.balancer import Balancer
-
 Clock = Callable[[], float]
+
+build_info()
 
 REQUESTS = Counter(
     "gatekeeper_proxy_requests",
@@ -94,20 +94,20 @@ UPSTREAM_RETRIES = Counter(
 )
 UPSTREAM_GOAWAYS = Counter(
     "gatekeeper_proxy_upstream_goaways",
-    "GOAWAY frames received on multiplexed HTTP/2 upstream connections (upstream.http2), by backend: each one "
+    "GOAWAY frames received on multiplexed HTTP/2 upstream connections, by backend: each one "
     "costs a reconnect; many mean the apiserver's --goaway-chance is high or unauthenticated requests reach it.",
     ["backend"],
 )
 UPSTREAM_H2_STREAMS = Counter(
     "gatekeeper_proxy_upstream_http2_streams",
-    "Requests sent as streams on multiplexed HTTP/2 upstream connections (upstream.http2), by backend; the "
+    "Requests sent as streams on multiplexed HTTP/2 upstream connections, by backend; the "
     "rest of gatekeeper_proxy_requests_total went over HTTP/1.1 (watches, bodies, unverified callers).",
     ["backend"],
 )
 
 UPSTREAM_H2_FALLBACKS = Counter(
     "gatekeeper_proxy_upstream_http2_fallbacks",
-    "Connections on which a backend answered upstream.http2's ALPN offer with HTTP/1.1, by backend: the "
+    "Connections on which a backend answered the HTTP/2 ALPN offer with HTTP/1.1, by backend: the "
     "connection and its request went to the HTTP/1.1 pool; a backend that stays HTTP/1.1 adds one per "
     "upstream.http2RetrySeconds per worker.",
     ["backend"],
@@ -128,10 +128,40 @@ UPSTREAM_H2_PAUSES = Counter(
 )
 
 
+class BackendView(Protocol):
+    """What the collector reads of one backend (``pipeline.balancer.Backend``)."""
+
+    name: str
+    in_flight: int
+    watches: int
+    ejections_total: int
+
+
+class SkewView(Protocol):
+    @property
+    def in_flight_ratio(self) -> float: ...
+
+    @property
+    def rate_ratio(self) -> float: ...
+
+
+class BalancerView(Protocol):
+    """What the collector reads of the balancer (``pipeline.balancer.Balancer``); the pipeline imports this
+    module, so the types are described here, not imported."""
+
+    @property
+    def backends(self) -> Sequence[BackendView]: ...
+
+    def health(self, backend: Any) -> str: ...
+
+    def skew(self) -> SkewView: ...
+
+
 class PoolSource(Protocol):
     """What the collector reads at scrape time (a running pipeline)."""
 
-    balancer: Balancer
+    @property
+    def balancer(self) -> BalancerView: ...
 
     def upstream_connections(self, backend: str) -> int: ...
 

@@ -35,18 +35,43 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-from collections.abc import Iterator
+import json
+import os
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from aiohttp import ClientSession, ClientTimeout, web
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
 
 from gatekeeper.metrics import multiprocess_registry
 from gatekeeper.ops import SharedRender, off_loop
+from gatekeeper.proxy.flowcontrol.edge.ledger import SeatLedger
 
-if TYPE_CHECKING:
-    from gatekeeper.proxy.flowcontrol.edge.ledger import SeatLedger
-    from gatekeeper.proxy.workers import Supervisor
+
+class WorkerSlot(Protocol):
+    """What the pages say of one worker slot."""
+
+    index: int
+    restarts: int
+    hung_kills: int
+
+
+class SupervisorView(Protocol):
+    """What the parent's pages read of the supervisor (``proxy/workers.py``), which imports this module."""
+
+    @property
+    def slots(self) -> Sequence[WorkerSlot]: ...
+
+    @property
+    def ledger(self) -> SeatLedger: ...
+
+    def worker_urls(self) -> dict[int, str]: ...
+
+    def describe(self) -> list[dict[str, Any]]: ...
 
 SKEW_INPUT = "gatekeeper_proxy_worker_skew_input"
 """Hidden per-worker family: in-flight and recent requests per backend, divided by weight (kind label)."""
@@ -66,9 +91,6 @@ MISSING = "gatekeeper_proxy_worker_page_missing"
 
 def register_recent_requests(pipeline: Any) -> None:
     """In a worker: expose the per-backend inputs of the skew ratios, for the parent to sum."""
-    from prometheus_client import REGISTRY
-    from prometheus_client.core import GaugeMetricFamily, Metric
-    from prometheus_client.registry import Collector
 
     balancer = pipeline.balancer
 
@@ -97,7 +119,6 @@ def _fmt(name: str, labels: tuple[tuple[str, str], ...], value: float) -> str:
 
 def merge_pages(pages: list[str], skip: set[str], peaks: dict[str, int]) -> str:
     """Merge the workers' live families (those not in ``skip``) into one text page."""
-    from prometheus_client.parser import text_string_to_metric_families
 
     families: dict[str, tuple[str, str, dict[tuple[str, tuple[tuple[str, str], ...]], float]]] = {}
     for page in pages:
@@ -147,9 +168,6 @@ def multiprocess_page() -> tuple[bytes, set[str]]:
     """The multiprocess files' page and its family names. Blocking (reads every worker's files): call it
     through :func:`files_and_live_page` off the loop. The files are read once (it read them twice: once for
     the names, once for the page)."""
-    from prometheus_client import CollectorRegistry, generate_latest
-    from prometheus_client.core import Metric
-    from prometheus_client.registry import Collector
 
     families = list(multiprocess_registry().collect())
 
@@ -201,7 +219,7 @@ def missing_page(considered: list[int], missing: list[int]) -> str:
     return "\n".join(lines) + "\n"
 
 
-async def render(sup: Supervisor) -> bytes:
+async def render(sup: SupervisorView) -> bytes:
     """The whole proxy's page: multiprocess samples, then the merged live families.
 
     A worker whose page does not come within ``FETCH_TIMEOUT`` is left out and shown in ``MISSING``."""
@@ -224,7 +242,6 @@ async def render_in_worker(runtime: Path, ledger: SeatLedger, index: int) -> tup
     each other's frozen loops. A sibling whose page does not come within ``SIBLING_TIMEOUT`` is left out
     and shown in ``MISSING``.
     """
-    from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
     pages = [generate_latest(REGISTRY).decode()]
     urls = _siblings(runtime, index)
@@ -243,9 +260,6 @@ def whole_proxy_page(runtime: Path, ledger: SeatLedger, index: int) -> SharedRen
 
 def _siblings(runtime: Path, index: int) -> dict[int, str]:
     """The other serving workers' private metrics URLs, by index (their ``worker-N.json``)."""
-    import json
-    import os
-
     urls: dict[int, str] = {}
     for path in sorted(runtime.glob("worker-*.json")):
         with contextlib.suppress(OSError, ValueError, KeyError):
@@ -256,7 +270,7 @@ def _siblings(runtime: Path, index: int) -> dict[int, str]:
     return urls
 
 
-def supervisor_page(sup: Supervisor, serving: int, view: dict[str, dict[str, int]]) -> str:
+def supervisor_page(sup: SupervisorView, serving: int, view: dict[str, dict[str, int]]) -> str:
     """The parent's own figures: workers serving, restarts, and the seat ledger (proxy-wide seats)."""
     lines = [
         "# HELP gatekeeper_proxy_workers Worker processes configured and serving.",
@@ -282,7 +296,7 @@ def supervisor_page(sup: Supervisor, serving: int, view: dict[str, dict[str, int
     return "\n".join(lines) + "\n"
 
 
-async def ready(sup: Supervisor) -> tuple[bool, str]:
+async def ready(sup: SupervisorView) -> tuple[bool, str]:
     """Ready when every worker serves and answers its own ``/readyz``."""
     urls = sup.worker_urls()
     if len(urls) < len(sup.slots):
@@ -294,8 +308,7 @@ async def ready(sup: Supervisor) -> tuple[bool, str]:
     return bad == 0, f"{len(urls) - bad} of {len(sup.slots)} workers ready"
 
 
-async def start_parent_listener(sup: Supervisor, address: str, port: int) -> tuple[web.AppRunner, int]:
-    from prometheus_client import CONTENT_TYPE_LATEST
+async def start_parent_listener(sup: SupervisorView, address: str, port: int) -> tuple[web.AppRunner, int]:
 
     page = SharedRender(functools.partial(render, sup))  # concurrent scrapes share one render
 

@@ -3,21 +3,19 @@
 Why processes: one Python event loop does TLS, HTTP/2, flow control and the
 upstream client for every request, so one proxy process tops out at one core.
 
-* ``proxy.connectionBalancing: least-connections`` (default): the parent
-  listens on the TLS port and hands each connection to the worker with the
-  fewest open ones (``handoff.py``); each worker (``python -m gatekeeper
-  proxy`` with hidden ``--worker-index``/``--runtime-dir``/``--handoff-fd``)
-  gets its own hand-off socket at each start.
-* ``kernel``: the parent reserves the TLS port (bound, never listening, so
-  ``port: 0`` resolves once) and every worker listens on that port with
-  SO_REUSEPORT: the kernel spreads new connections over them, blind to load.
+* The parent listens on the TLS port and hands each connection to the worker
+  with the fewest open ones (``handoff.py``); each worker (``python -m
+  gatekeeper proxy`` with hidden ``--worker-index``/``--runtime-dir``/
+  ``--handoff-fd``, ``process.py``) gets its own hand-off socket at each start.
+  Why not the kernel's SO_REUSEPORT: it hashes connections blind to load, and
+  keeps handing new ones to a worker that is stopped (docs: proxy/workers).
 * A worker that dies is restarted in the same slot (backoff up to 10 s), and
   the seats it held in the flow-control ledger are released at once
   (``flowcontrol/ledger.py``: the levels' limits are proxy-wide).
-* SIGTERM/SIGINT: every worker drains (GOAWAY, streams finish, exit 0): with
-  ``least-connections`` the parent closes the workers' hand-off sockets, which
-  is their signal to drain; with ``kernel`` it sends them SIGTERM. The
-  parent exits with the worst worker exit code (a worker still running
+* SIGTERM/SIGINT: every worker drains (GOAWAY, streams finish, exit 0): the
+  parent closes the workers' hand-off sockets, which is their signal to drain
+  (a worker whose socket it could not close gets SIGTERM). The parent exits
+  with the worst worker exit code (a worker still running
   ``shutdownTimeoutSeconds`` + 10 s later is SIGKILLed: its exit code is 9). SIGHUP is forwarded to every
   worker (flow-control policy reload).
 * The parent serves ``/metrics``, ``/healthz`` and ``/readyz`` on
@@ -41,7 +39,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import json
 import logging
 import os
@@ -50,12 +47,23 @@ import signal
 import socket
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gatekeeper.proxy.handoff import ClosedCounts, Dispatcher, Inbox
+from aiohttp import ClientSession, ClientTimeout
+
+from gatekeeper import tempdirs
+from gatekeeper.config import ConfigError, load_config
+from gatekeeper.errors import UsageError
+from gatekeeper.metrics import absorb_dead_process
+from gatekeeper.netbind import bind_listeners
+from gatekeeper.proxy import rejections
+from gatekeeper.proxy.flowcontrol.edge.ledger import SeatLedger
+from gatekeeper.proxy.handoff import ClosedCounts, HandoffDispatcher
+from gatekeeper.proxy.listen.conn_metrics import HANDED_OFF, HANDOFF_STALLS, HANDOFF_TAKEN_BACK, HANDOFF_WAITS
 from gatekeeper.proxy.settings import ProxySettings
+from gatekeeper.proxy.worker_metrics import start_parent_listener
 
 log = logging.getLogger("gatekeeper.proxy.workers")
 
@@ -63,84 +71,10 @@ MAX_BACKOFF = 10.0
 STABLE_SECONDS = 10.0
 """A worker that ran this long before dying is restarted without backoff."""
 PARENT_ENV = "GATEKEEPER_PROXY_PARENT"
+"""The supervisor's pid, in each worker's environment: a worker started after its parent died exits."""
 KILL_GRACE = 10.0
 """After SIGTERM, a worker still running this long past ``protocol.shutdownTimeoutSeconds`` is SIGKILLed."""
 
-
-def usable_cores() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):  # pragma: no cover - not Linux
-        return max(1, os.cpu_count() or 1)
-
-
-def worker_count(settings: ProxySettings, flag: int | None) -> int:
-    """``--workers`` wins; else ``proxy.workers``; 0 means one per usable core, capped by ``maxWorkers``."""
-    n = flag if flag is not None else settings.workers
-    return n if n > 0 else min(usable_cores(), settings.max_workers)
-
-
-# ---------------------------------------------------------------------------------------- worker side
-
-def worker_settings(settings: ProxySettings, port: int) -> ProxySettings:
-    """A worker listens on the reserved port with SO_REUSEPORT; its metrics page is private (loopback, any port)."""
-    listener = replace(settings.listener, port=port, reuse_port=True, metrics_address="127.0.0.1", metrics_port=0)
-    return replace(settings, listener=listener)
-
-
-def _die_with_parent() -> None:
-    parent = int(os.environ.get(PARENT_ENV, "0") or 0)
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    if parent and os.getppid() != parent:
-        sys.exit(0)  # the parent died before we could ask to follow it
-
-
-def run_worker(settings: ProxySettings, index: int, runtime: Path, port: int, handoff_fd: int | None = None) -> None:
-    """One worker: the ordinary proxy, plus the ledger and a ``worker-N.json`` once it serves.
-
-    With ``handoff_fd`` it binds nothing: its connections come from the parent over that socket."""
-    import functools
-
-    from gatekeeper.proxy.command import run, tune_gc
-    from gatekeeper.proxy.listen.server import serve
-
-    _die_with_parent()
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # flow control installs its reload handler; never die of it
-    settings = worker_settings(settings, port)
-
-    def setup(flow: Any, pipeline: Any) -> None:
-        from gatekeeper.proxy import metrics
-        from gatekeeper.proxy.flowcontrol.edge.ledger import SeatLedger, attach
-        from gatekeeper.proxy.worker_metrics import register_recent_requests, whole_proxy_page
-
-        ledger = SeatLedger(runtime / "ledger", index)
-        register_recent_requests(pipeline)
-        metrics.render_page = whole_proxy_page(runtime, ledger, index)
-        if flow is not None and getattr(flow, "controller", None) is not None:
-            attach(flow, ledger)
-
-    def on_ready(info: dict[str, Any]) -> None:
-        path = runtime / f"worker-{index}.json"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"pid": os.getpid(), **info}))
-        tmp.replace(path)
-
-    serve_fn = functools.partial(serve, supervised=True)
-    if handoff_fd is not None:
-        inbox = Inbox(handoff_fd, ClosedCounts(runtime / "closed"), index)
-        serve_fn = functools.partial(serve, handoff=inbox, supervised=True)
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:  # pragma: no cover
-        pass
-    tune_gc(settings)
-    asyncio.run(run(settings, on_ready=on_ready, setup=setup, serve=serve_fn))
-
-
-# ---------------------------------------------------------------------------------------- parent side
 
 @dataclass
 class _Slot:
@@ -159,8 +93,8 @@ class Supervisor:
     """Starts, watches and stops the workers; serves the proxy-wide metrics."""
 
     def __init__(self, settings: ProxySettings, config: Path, workers: int, runtime: Path, port: int,
-                 listeners: list[socket.socket] | None = None) -> None:
-        """``listeners``: the TLS port's listening sockets when the parent hands connections over."""
+                 listeners: list[socket.socket]) -> None:
+        """``listeners``: the TLS port's listening sockets; the parent accepts and hands connections over."""
         self.settings = settings
         self.config = config
         self.runtime = runtime
@@ -168,14 +102,16 @@ class Supervisor:
         self.slots = [_Slot(i) for i in range(workers)]
         self.stopping = asyncio.Event()
         self.fatal: int | None = None
-        from gatekeeper.proxy.flowcontrol.edge.ledger import SeatLedger
-
         self.ledger = SeatLedger.create(runtime / "ledger", workers)
-        self.dispatcher: Dispatcher | None = None
-        if listeners is not None:
-            self.dispatcher = Dispatcher(listeners, ClosedCounts.create(runtime / "closed", workers), workers,
-                                         on_handoff=_count_handoff, on_wait=_count_wait, on_stall=_count_stall,
-                                         on_take_back=_count_take_back)
+        self.dispatcher = HandoffDispatcher(listeners, ClosedCounts.create(runtime / "closed", workers), workers,
+                                     on_handoff=lambda w: HANDED_OFF.labels(worker=str(w)).inc(),
+                                     on_wait=HANDOFF_WAITS.inc,
+                                     on_stall=lambda w: HANDOFF_STALLS.labels(worker=str(w)).inc(),
+                                     on_take_back=lambda w: HANDOFF_TAKEN_BACK.labels(worker=str(w)).inc(),
+                                     max_connections=settings.listener.max_client_connections,
+                                     on_refused=lambda n: rejections.reject(
+                                         "connection_cap", "%d client connections open in all workers "
+                                         "(maxClientConnections)", n))
 
     async def _spawn(self, slot: _Slot) -> None:
         argv = [sys.executable, "-m", "gatekeeper", "proxy", "--config", str(self.config), "--workers", "1",
@@ -183,9 +119,8 @@ class Supervisor:
         env = {**os.environ, PARENT_ENV: str(os.getpid())}
         (self.runtime / f"worker-{slot.index}.json").unlink(missing_ok=True)
         theirs = None
-        if self.dispatcher is not None:
-            theirs = self.dispatcher.channel(slot.index)
-            argv += ["--handoff-fd", str(theirs.fileno())]
+        theirs = self.dispatcher.channel(slot.index)
+        argv += ["--handoff-fd", str(theirs.fileno())]
         try:
             slot.proc = await asyncio.create_subprocess_exec(
                 *argv, env=env, stdin=asyncio.subprocess.DEVNULL,
@@ -207,8 +142,7 @@ class Supervisor:
             assert slot.proc is not None
             code = await slot.proc.wait()
             pid = slot.proc.pid
-            if self.dispatcher is not None:
-                self.dispatcher.retire(slot.index)  # what it had not read goes to the others
+            self.dispatcher.retire(slot.index)  # what it had not read goes to the others
             slot.ready_once = slot.ready_once or (self.runtime / f"worker-{slot.index}.json").exists()
             self._forget(slot.index, pid)
             if self.stopping.is_set():
@@ -234,8 +168,6 @@ class Supervisor:
         """A worker is gone: release its seats, drop its live-gauge files and its metrics address."""
         self.ledger.clear_worker(index)
         try:
-            from gatekeeper.metrics import absorb_dead_process
-
             absorb_dead_process(pid)
         except Exception:  # never let bookkeeping stop the restart
             log.exception("folding worker %d's (pid %d) metric files into the archive failed", index, pid)
@@ -261,8 +193,7 @@ class Supervisor:
             serving = alive and info.get("pid") == pid
             row = {"index": slot.index, "pid": pid, "alive": alive, "restarts": slot.restarts,
                    "metricsUrl": info.get("metricsUrl") if serving else None}
-            if self.dispatcher is not None:
-                row["connections"] = self.dispatcher.loads()[slot.index]  # None: not taking connections
+            row["connections"] = self.dispatcher.loads()[slot.index]  # None: not taking connections
             out.append(row)
         return out
 
@@ -270,16 +201,14 @@ class Supervisor:
         """Kill a serving worker whose private ``/healthz`` has not answered for ``workerHangSeconds``.
 
         A worker whose event loop is stuck (a blocking call, a livelock) or that was SIGSTOPped still
-        holds its SO_REUSEPORT socket: the kernel keeps handing it new connections, which hang, and
-        the seats it holds in the ledger stay taken for the whole proxy. Its process is alive, so
+        holds the connections it has open, which hang (the dispatcher only stops handing it new ones),
+        and the seats it holds in the ledger stay taken for the whole proxy. Its process is alive, so
         ``_watch`` alone never notices. Killed, it is reaped and restarted like any dead worker.
 
         A late answer is an answer: each worker has one probe in flight, which waits up to
         ``workerHangSeconds``. Before, a probe gave up after 2 s, so a worker whose loop lagged over 2 s
         for ``workerHangSeconds`` (CPU-starved in a LIST storm on a small node, busy, not hung) was
         SIGKILLed with every connection and seat it held: a cascade exactly when the cluster is loaded."""
-        from aiohttp import ClientSession, ClientTimeout
-
         hang = self.settings.worker_hang_seconds
         if hang <= 0:
             return
@@ -351,7 +280,7 @@ class Supervisor:
         # socket is its signal to drain (proxy/listen/server.py): a SIGTERM as well raced that drain, and one
         # landing as the worker swapped its handlers killed it (exit -15, the proxy 15). A worker whose socket
         # the thread did not close (it did not end, or had died before taking the socket in) gets SIGTERM.
-        closed = self.dispatcher.stop() if self.dispatcher is not None else set()
+        closed = self.dispatcher.stop()
         for slot in self.slots:
             if slot.index in closed:
                 continue
@@ -373,14 +302,11 @@ class Supervisor:
                     slot.proc.send_signal(signal.SIGHUP)
 
     async def run(self) -> int:
-        from gatekeeper.proxy.worker_metrics import start_parent_listener
-
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self.stop)
         loop.add_signal_handler(signal.SIGINT, self.stop)
         loop.add_signal_handler(signal.SIGHUP, self.reload)
-        if self.dispatcher is not None:
-            self.dispatcher.start(on_failure=lambda: loop.call_soon_threadsafe(self._handoff_failed))
+        self.dispatcher.start(on_failure=lambda: loop.call_soon_threadsafe(self._handoff_failed))
         for slot in self.slots:
             await self._spawn(slot)
         watchers = [loop.create_task(self._watch(s)) for s in self.slots]
@@ -396,8 +322,7 @@ class Supervisor:
             await self._reap_after_drain(watchers)
             codes = [s.proc.returncode for s in self.slots if s.proc is not None]
         finally:
-            if self.dispatcher is not None:
-                self.dispatcher.stop()
+            self.dispatcher.stop()
             heartbeat.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await heartbeat
@@ -409,30 +334,6 @@ class Supervisor:
         return max((abs(c) for c in bad), default=0)
 
 
-def _count_handoff(worker: int) -> None:
-    from gatekeeper.proxy.listen.conn_metrics import HANDED_OFF
-
-    HANDED_OFF.labels(worker=str(worker)).inc()
-
-
-def _count_stall(worker: int) -> None:
-    from gatekeeper.proxy.listen.conn_metrics import HANDOFF_STALLS
-
-    HANDOFF_STALLS.labels(worker=str(worker)).inc()
-
-
-def _count_take_back(worker: int) -> None:
-    from gatekeeper.proxy.listen.conn_metrics import HANDOFF_TAKEN_BACK
-
-    HANDOFF_TAKEN_BACK.labels(worker=str(worker)).inc()
-
-
-def _count_wait() -> None:
-    from gatekeeper.proxy.listen.conn_metrics import HANDOFF_WAITS
-
-    HANDOFF_WAITS.inc()
-
-
 def snapshot_config(settings: ProxySettings, config: Path, runtime: Path) -> Path:
     """A private copy of the config file the parent validated, for every worker it ever starts.
 
@@ -442,9 +343,6 @@ def snapshot_config(settings: ProxySettings, config: Path, runtime: Path) -> Pat
     that left its slot empty for good. Settings outside the policy files change with a restart of the
     proxy, as with one process. Raises UsageError if the file changed between the check and the copy.
     """
-    from gatekeeper.config import ConfigError, load_config
-    from gatekeeper.errors import UsageError
-
     copy = runtime / "config.yaml"
     try:
         data = config.read_bytes()
@@ -463,34 +361,22 @@ def snapshot_config(settings: ProxySettings, config: Path, runtime: Path) -> Pat
 
 
 def supervise(settings: ProxySettings, config: Path, workers: int) -> int:
-    """The parent process: returns the exit code (0 when every worker drained cleanly)."""
-    from gatekeeper.metrics import enable_multiprocess
+    """The parent process: returns the exit code (0 when every worker drained cleanly).
 
-    inherited = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
-    metrics_dir = enable_multiprocess("gatekeeper-proxy-metrics-")
-    from gatekeeper import tempdirs
-
+    The command has set the metrics directory (``enable_multiprocess``) before importing this module."""
     runtime = tempdirs.make("gatekeeper-proxy-")  # stamped: a later start removes it if we are SIGKILLed
     lst = settings.listener
-    kernel = settings.connection_balancing == "kernel"
     try:
-        from gatekeeper.netbind import bind_listeners
-
-        # Bound, not listening: with kernel balancing the workers listen on the port with SO_REUSEPORT (the
-        # reservation makes port 0 resolve once); with the hand-off the dispatcher listens once a worker serves.
-        reserved = bind_listeners(lst.address, lst.port, reuse_port=kernel)
+        # Bound, not listening: the dispatcher listens once a worker serves (port 0 resolves here, once).
+        reserved = bind_listeners(lst.address, lst.port)
     except OSError as exc:
-        from gatekeeper.errors import UsageError
-
         shutil.rmtree(runtime, ignore_errors=True)
         raise UsageError(f"proxy.listener: cannot listen on {lst.address}:{lst.port}: {exc.strerror or exc}") from None
     port = int(reserved[0].getsockname()[1])
     try:
         snapshot = snapshot_config(settings, config, runtime)
-        return asyncio.run(Supervisor(settings, snapshot, workers, runtime, port, None if kernel else reserved).run())
+        return asyncio.run(Supervisor(settings, snapshot, workers, runtime, port, reserved).run())
     finally:
         for sock in reserved:
             sock.close()
         shutil.rmtree(runtime, ignore_errors=True)
-        if not inherited:
-            shutil.rmtree(metrics_dir, ignore_errors=True)

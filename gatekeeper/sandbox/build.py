@@ -103,58 +103,21 @@ _K8S_LDFLAGS = (
     "-X k8s.io/client-go/pkg/version.gitMajor={major} -X k8s.io/client-go/pkg/version.gitMinor={minor}"
 )
 
-K8S = Component(
-    name="k8s",
-    gomod="kubernetes",
-    module="k8s.io/kubernetes",
-    packages=tuple(f"k8s.io/kubernetes/cmd/{b}" for b in
-                   ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl")),
-    binaries=("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl"),
-    ldflags_template=_K8S_LDFLAGS,
-)
-ETCD = Component(
-    name="etcd",
-    gomod="etcd",
-    module="go.etcd.io/etcd/server/v3",
-    packages=("go.etcd.io/etcd/server/v3",),
-    binaries=("etcd",),
-    ldflags_template="-s -w",
-)
-KWOK = Component(
-    name="kwok",
-    gomod="kwok",
-    module="sigs.k8s.io/kwok",
-    packages=("sigs.k8s.io/kwok/cmd/kwok",),
-    binaries=("kwok",),
-    ldflags_template="-s -w -X sigs.k8s.io/kwok/pkg/consts.Version={version}",
-)
-H2SPEC = Component(
-    name="h2spec",
-    gomod="h2spec",
-    module="github.com/summerwind/h2spec",
-    packages=("github.com/summerwind/h2spec/cmd/h2spec",),
-    binaries=("h2spec",),
-    ldflags_template="-s -w -X main.VERSION={version}",
-)
+K8S = Component("k8s", "kubernetes", "k8s.io/kubernetes",
+                tuple(f"k8s.io/kubernetes/cmd/{b}" for b in
+                      ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl")),
+                ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl"), _K8S_LDFLAGS)
+ETCD = Component("etcd", "etcd", "go.etcd.io/etcd/server/v3", ("go.etcd.io/etcd/server/v3",), ("etcd",), "-s -w")
+KWOK = Component("kwok", "kwok", "sigs.k8s.io/kwok", ("sigs.k8s.io/kwok/cmd/kwok",), ("kwok",),
+                 "-s -w -X sigs.k8s.io/kwok/pkg/consts.Version={version}")
+H2SPEC = Component("h2spec", "h2spec", "github.com/summerwind/h2spec", ("github.com/summerwind/h2spec/cmd/h2spec",),
+                   ("h2spec",), "-s -w -X main.VERSION={version}")
 """HTTP/2 conformance checker; tests/proxy/test_h2spec.py runs it against the proxy (not used by ``up``)."""
-HELM = Component(
-    name="helm",
-    gomod="helm",
-    module="helm.sh/helm/v3",
-    packages=("helm.sh/helm/v3/cmd/helm",),
-    binaries=("helm",),
-    ldflags_template="-s -w -X helm.sh/helm/v3/internal/version.version={version}",
-    version_args=("version", "--short"),
-)
-PROMTOOL = Component(
-    name="promtool",
-    gomod="promtool",
-    module="github.com/prometheus/prometheus",
-    packages=("github.com/prometheus/prometheus/cmd/promtool",),
-    binaries=("promtool",),
-    ldflags_template="-s -w -X github.com/prometheus/common/version.Version={bare}",
-    tags=("remove_all_sd",),
-)
+HELM = Component("helm", "helm", "helm.sh/helm/v3", ("helm.sh/helm/v3/cmd/helm",), ("helm",),
+                 "-s -w -X helm.sh/helm/v3/internal/version.version={version}", version_args=("version", "--short"))
+PROMTOOL = Component("promtool", "promtool", "github.com/prometheus/prometheus",
+                     ("github.com/prometheus/prometheus/cmd/promtool",), ("promtool",),
+                     "-s -w -X github.com/prometheus/common/version.Version={bare}", tags=("remove_all_sd",))
 """Deploy tooling: ``helm lint``/``helm template`` and ``promtool check|test rules`` in the suite.
 
 promtool is built without Prometheus' service-discovery plugins (cloud SDKs), which

@@ -4,23 +4,24 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
 
-from gatekeeper.errors import non_negative_int, positive_int
+from gatekeeper.errors import UsageError, non_negative_int, positive_int
 from gatekeeper.sandbox import mig
+from gatekeeper.sandbox.build import BuildError, build_all
+from gatekeeper.sandbox.lifecycle import SandboxError, UpOptions, down, status, up
+
+NAME = "sandbox"
+HELP = "build and run a local control plane (etcd, apiservers, scheduler, KWOK GPU nodes)"
+DESCRIPTION = (
+    "A real Kubernetes control plane as local processes on 127.0.0.1: one etcd, N kube-apiservers "
+    "sharing it, optionally kube-scheduler and kube-controller-manager, and KWOK-simulated GPU nodes "
+    "that advertise nvidia.com/gpu and publish DRA ResourceSlices. Binaries are built from the Go "
+    "modules in gatekeeper/sandbox/gomod."
+)
 
 
-def register(sub: Any) -> None:
-    p = sub.add_parser(
-        "sandbox",
-        help="build and run a local control plane (etcd, apiservers, scheduler, KWOK GPU nodes)",
-        description=(
-            "A real Kubernetes control plane as local processes on 127.0.0.1: one etcd, N kube-apiservers "
-            "sharing it, optionally kube-scheduler and kube-controller-manager, and KWOK-simulated GPU nodes "
-            "that advertise nvidia.com/gpu and publish DRA ResourceSlices. Binaries are built from the Go "
-            "modules in gatekeeper/sandbox/gomod."
-        ),
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The subcommand's options and handler (``set_defaults(func=...)``); the CLI makes the parser."""
     ssub = p.add_subparsers(dest="sandbox_command", metavar="ACTION", required=True)
 
     b = ssub.add_parser(
@@ -92,9 +93,6 @@ def _state_dir(p: argparse.ArgumentParser) -> None:
 
 
 def _build(args: argparse.Namespace) -> int:
-    from gatekeeper.errors import UsageError
-    from gatekeeper.sandbox.build import BuildError, build_all
-
     try:
         build_all(force=args.force, only=tuple(args.only))
     except BuildError as exc:
@@ -103,10 +101,6 @@ def _build(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from gatekeeper.errors import UsageError
-    from gatekeeper.sandbox.build import BuildError
-    from gatekeeper.sandbox.lifecycle import SandboxError, UpOptions, up
-
     addons = tuple(n for n, on in (("webhook", args.with_webhook), ("proxy", args.with_proxy)) if on)
     opts = UpOptions(
         state_dir=args.state_dir, apiservers=args.apiservers, gpu_nodes=args.gpu_nodes,
@@ -123,12 +117,8 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from gatekeeper.sandbox.lifecycle import status
-
     return status(args.state_dir)
 
 
 def _down(args: argparse.Namespace) -> int:
-    from gatekeeper.sandbox.lifecycle import down
-
     return down(args.state_dir)

@@ -12,7 +12,7 @@ Pure manifests here; ``up`` applies them with kubectl.
 from __future__ import annotations
 
 import uuid
-from typing import Any, TypedDict
+from typing import Any
 
 from gatekeeper.kube import objects
 
@@ -33,17 +33,15 @@ memory still gets the whole GPU (the default), so whole-GPU pods behave exactly 
 MEMORY_STEP = "1Mi"
 
 
-class ObjectMeta(objects.ObjectMeta, total=False):
+class ClusterObjectMeta(objects.ObjectMeta, total=False):
     """Adds what cluster-scoped objects the sandbox creates need on top of the shared shape."""
 
     uid: str
     ownerReferences: list[dict[str, Any]]
 
 
-class Manifest(TypedDict, total=False):
-    apiVersion: str
-    kind: str
-    metadata: ObjectMeta
+class Manifest(objects.TypeMeta, total=False):
+    metadata: ClusterObjectMeta
     spec: dict[str, Any]
     status: dict[str, Any]
 
@@ -141,7 +139,7 @@ def gpu_device(node_name: str, i: int, gpus: int, sharing: str = "none") -> dict
 def resource_slice(node_name: str, gpus: int, node_uid: str = "", sharing: str = "none") -> Manifest:
     """The one slice of pool ``node_name``; owned by the Node so deleting the node cleans it up."""
     devices = [gpu_device(node_name, i, gpus, sharing) for i in range(gpus)]
-    meta: ObjectMeta = {"name": f"{node_name}-{DRIVER}"}
+    meta: ClusterObjectMeta = {"name": f"{node_name}-{DRIVER}"}
     if node_uid:
         meta["ownerReferences"] = [
             {"apiVersion": "v1", "kind": "Node", "name": node_name, "uid": node_uid, "controller": True}

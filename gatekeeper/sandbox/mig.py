@@ -24,7 +24,8 @@ from __future__ import annotations
 from typing import Any
 
 from gatekeeper.sandbox import gpu
-from gatekeeper.sandbox.gpu import Manifest, ObjectMeta
+from gatekeeper.sandbox.gpu import ClusterObjectMeta, Manifest
+from gatekeeper.webhook.gpu.sizing import MIG_CATALOG, layout_profiles
 
 PRODUCTS = {
     "A30-24GB": "NVIDIA-A30",
@@ -65,8 +66,6 @@ def mig_node_name(model: str, index: int) -> str:
 
 def mig_node(name: str, model: str, gpus: int) -> Manifest:
     """A device-plugin MIG node: the product label and ``nvidia.com/mig-<profile>`` capacity of all-balanced."""
-    from gatekeeper.webhook.gpu.sizing import layout_profiles
-
     if model not in PRODUCTS:
         raise ValueError(f"--mig-node: no sandbox product for {model!r}; expected one of {', '.join(PRODUCTS)}")
     node = gpu.node(name, gpus, advertise_extended_resource=False)
@@ -102,8 +101,6 @@ def counter_set(index: int) -> str:
 
 def partitions(node_name: str, index: int, gpus: int) -> list[dict[str, Any]]:
     """The full GPU and every (profile, placement) MIG device of GPU ``index``, as dynamic MIG publishes them."""
-    from gatekeeper.webhook.gpu.sizing import MIG_CATALOG
-
     uuid = gpu.gpu_uuid(node_name, index)
     base = {"productName": {"string": gpu.PRODUCT}, "parentUUID": {"string": uuid},
             "resource.kubernetes.io/pcieRoot": {"string": gpu.pcie_root(index, gpus)}}
@@ -132,7 +129,7 @@ def partitions(node_name: str, index: int, gpus: int) -> list[dict[str, Any]]:
 
 def mig_dra_slices(node_name: str, gpus: int, node_uid: str = "") -> list[Manifest]:
     """The node's pool: one slice of counter sets, one of devices (v1.37 allows only one kind per slice)."""
-    meta_owner: ObjectMeta = {}
+    meta_owner: ClusterObjectMeta = {}
     if node_uid:
         meta_owner["ownerReferences"] = [
             {"apiVersion": "v1", "kind": "Node", "name": node_name, "uid": node_uid, "controller": True}]

@@ -20,8 +20,13 @@ import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
+from urllib.parse import urlsplit
 
+import h2.config
+import h2.connection
+import h2.events
+import httpx
 import yaml
 
 from gatekeeper.certs import PKI
@@ -29,9 +34,6 @@ from gatekeeper.sandbox import processes
 from gatekeeper.sandbox.pki import SandboxPKI, write_kubeconfig
 from gatekeeper.sandbox.state import STATE_FILE, SandboxState
 from gatekeeper.sandbox.with_proxy import build_config
-
-if TYPE_CHECKING:
-    import httpx
 
 Kubectl = Callable[..., "subprocess.CompletedProcess[str]"]
 """``kubectl(*args, kubeconfig=None, input=None, timeout=60, check=False)`` as the fixture provides it."""
@@ -94,7 +96,6 @@ def webhook_sandbox(state_dir: Path, webhook_config: str, up: Callable[..., Sand
 
 def admin_client(state: SandboxState, url: str | None = None, timeout: float = 120) -> httpx.AsyncClient:
     """An async HTTP client to apiserver ``url`` (default the first) as the sandbox admin (system:masters)."""
-    import httpx
 
     certs = SandboxPKI(Path(state.certs_dir))
     ctx = ssl.create_default_context(cafile=str(certs.ca))
@@ -337,9 +338,6 @@ class HalfHandshake:
     def h2_events(self) -> list[Any]:
         """Send an h2 client preface; the ``h2`` events the server's answer makes, up to its GOAWAY
         (``h2.events.ConnectionTerminated``) if one comes before it closes or the timeout."""
-        import h2.config
-        import h2.connection
-        import h2.events
 
         conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
         conn.initiate_connection()
@@ -369,12 +367,6 @@ class WireH2:
     """
 
     def __init__(self, url: str, ctx: ssl.SSLContext, timeout: float = 10.0) -> None:
-        import socket
-        from urllib.parse import urlsplit
-
-        import h2.config
-        import h2.connection
-
         parts = urlsplit(url)
         self.host, port = parts.hostname or "127.0.0.1", parts.port or 443
         ctx.set_alpn_protocols(["h2"])
@@ -398,7 +390,6 @@ class WireH2:
 
     def read_until(self, done: Callable[[], bool], timeout: float = 10.0) -> bool:
         """Read frames until ``done()`` or the connection closes; True if ``done()``."""
-        import h2.events
 
         deadline = time.monotonic() + timeout
         while not done():

@@ -66,7 +66,7 @@ from aiohttp import web
 
 from gatekeeper.kube.admission import Decision, ReviewError, parse_review, response
 from gatekeeper.kube.status import failure_json
-from gatekeeper.metrics import child
+from gatekeeper.metrics import build_info, child
 from gatekeeper.ops import add_ops_routes
 from gatekeeper.webhook import policies
 from gatekeeper.webhook.body import TRIM_AFTER_BYTES, BodyTooLarge, heap_trimmer, read_body
@@ -83,8 +83,11 @@ class Metrics:
     """The webhook's collectors (created once per process)."""
 
     def __init__(self) -> None:
+        # Here, not at the top: the server imports this module before `--workers N` sets the metrics mode,
+        # and importing prometheus_client fixes the mode (gatekeeper/metrics.py).
         from prometheus_client import Counter, Histogram
 
+        build_info()
         self.reviews = Counter("gatekeeper_webhook_reviews_total", "Admission reviews answered",
                                ["policy", "operation", "decision"])
         self.duration = Histogram("gatekeeper_webhook_review_duration_seconds", "Review latency",
@@ -293,7 +296,7 @@ async def _decide(request: web.Request, route: str, settings: WebhookSettings, c
                 decision = Decision(allowed=False, outcome="error", code=403, reason="Forbidden",
                                     message="gatekeeper creates ResourceClaimTemplates only for a verified "
                                             "kube-apiserver caller; set webhook.server.clientCaFile and "
-                                            "allowedClientNames (README: Authenticated webhook), or use a "
+                                            "allowedClientNames (docs: Authenticated webhook), or use a "
                                             "GPU mode that creates nothing (time-slicing, mps, mig)")
             elif keeper is None:
                 decision = Decision(allowed=False, outcome="error", code=503, reason="ServiceUnavailable",
@@ -329,7 +332,7 @@ def _call_failed(decision: Decision) -> web.Response:
     ``allowed: false`` is obeyed whatever the webhook configuration's ``failurePolicy`` says; a failed call is
     settled by it: ``Fail`` refuses the write (kubectl shows this message after "failed calling webhook"),
     ``Ignore`` admits it unchanged. Answered as a denial, a broken template RBAC kept refusing GPU pods even
-    after the README's way out of the write path, ``failurePolicy=Ignore``. No ``Retry-After``: client-go would
+    after the documented way out of the write path, ``failurePolicy=Ignore``. No ``Retry-After``: client-go would
     retry the call inside the apiserver's one ``timeoutSeconds``.
     """
     return web.Response(body=failure_json(decision.code, decision.reason, decision.message), status=decision.code,

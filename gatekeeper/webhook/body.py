@@ -3,7 +3,8 @@
 Why not aiohttp's ``request.read()``: it raises the stream's pause threshold to twice ``client_max_size`` (12 MiB
 at the defaults, so a fast sender's body piles up in the stream), appends every chunk to a growing ``bytearray``
 (each growth may copy it) and then copies that into ``bytes``: a body of ``maxBodyBytes`` was about twice its
-size at once, which is why the README's worst case carried 2 x ``maxBufferedBodyBytes`` for bodies being read.
+size at once, which is why the worst case (docs/webhook/hardening.md) carried 2 x ``maxBufferedBodyBytes``
+for bodies being read.
 
 Here the body is copied, chunk by chunk as it arrives, into one buffer of its final size (the ``Content-Length``
 the apiserver always sends; ``maxBodyBytes`` for a chunked body, which is what the body budget reserves for one),

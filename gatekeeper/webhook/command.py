@@ -4,23 +4,22 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import replace
-from typing import Any
 
 from gatekeeper.config import load_config
 from gatekeeper.errors import UsageError
 from gatekeeper.webhook.settings import WebhookSettings  # also registers the webhook: config section
 
+NAME = "webhook"
+HELP = "run the admission webhook (oversized Secrets, GPU pod rewrite)"
+DESCRIPTION = (
+    "Serve AdmissionReview v1 over TLS: POST /validate rejects oversized Secrets (and ConfigMaps), "
+    "POST /mutate rewrites nvidia.com/gpu pods to DRA claims or shared GPUs; "
+    "GET /healthz, /readyz, /metrics."
+)
 
-def register(sub: Any) -> None:
-    p = sub.add_parser(
-        "webhook",
-        help="run the admission webhook (oversized Secrets, GPU pod rewrite)",
-        description=(
-            "Serve AdmissionReview v1 over TLS: POST /validate rejects oversized Secrets (and ConfigMaps), "
-            "POST /mutate rewrites nvidia.com/gpu pods to DRA claims or shared GPUs; "
-            "GET /healthz, /readyz, /metrics."
-        ),
-    )
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The subcommand's options and handler (``set_defaults(func=...)``); the CLI makes the parser."""
     p.add_argument("--config", required=True, help="YAML config file with a webhook: section")
     p.add_argument("--workers", type=int, default=None,
                    help="processes sharing the port via SO_REUSEPORT (default: webhook.server.workers)")
@@ -33,6 +32,8 @@ def register(sub: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    # Here, not at the top: the server pulls in aiohttp, uvloop and kubernetes-asyncio (~0.7 s), which
+    # every other subcommand and `gatekeeper --help` would otherwise pay.
     from gatekeeper.webhook.server import StartupError, preflight, run
 
     cfg = load_config(args.config, need="webhook")

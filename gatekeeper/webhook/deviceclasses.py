@@ -63,18 +63,3 @@ class ExtendedResourceMap:
         while True:
             await self.refresh()
             await asyncio.sleep(self.interval)
-
-
-def kube_lister(api_client: Any, request_timeout: float = 5.0) -> ListClasses:
-    """LIST resource.k8s.io/v1 deviceclasses with kubernetes-asyncio."""
-    from kubernetes_asyncio.client import CustomObjectsApi
-
-    api = CustomObjectsApi(api_client)
-
-    async def list_classes() -> list[dict[str, Any]]:
-        doc = await api.list_cluster_custom_object("resource.k8s.io", "v1", "deviceclasses",
-                                                   _request_timeout=request_timeout)
-        items = doc.get("items") if isinstance(doc, dict) else None
-        return items if isinstance(items, list) else []
-
-    return list_classes

@@ -9,6 +9,8 @@ The apiserver's ``Status.message`` is remote text: it is kept to one bounded, pr
 
 from __future__ import annotations
 
+from kubernetes_asyncio.client.exceptions import ApiException
+
 from gatekeeper.kube.status import one_line, status_message
 
 MAX_REASON_CHARS = 60
@@ -17,8 +19,6 @@ MAX_REASON_CHARS = 60
 
 def describe(exc: BaseException) -> str:
     """``HTTP 403 Forbidden: <the Status message>`` for an API error, ``TypeName: text`` for anything else."""
-    from kubernetes_asyncio.client.exceptions import ApiException
-
     if isinstance(exc, ApiException):
         reason = one_line(str(exc.reason or ""), MAX_REASON_CHARS)
         message = status_message(exc.body)

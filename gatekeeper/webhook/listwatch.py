@@ -79,33 +79,3 @@ class ListWatch:
                 log.warning("%s watch failed (%s); listing again", self.what, describe(exc))
                 rv = None
             await asyncio.sleep(self._retry)
-
-
-def kube_source(list_call: Callable[..., Any], watch_seconds: int = 300, **selectors: Any) -> tuple[ListFn, WatchFn]:
-    """LIST and WATCH through a kubernetes-asyncio list function, as raw dicts (no model objects)."""
-    import orjson
-    from kubernetes_asyncio import watch
-
-    class RawWatch(watch.Watch):
-        """Events as the apiserver sent them: building model objects per event costs CPU for nothing."""
-
-        def unmarshal_event(self, data: str | bytes, response_type: str | None) -> Any:
-            return super().unmarshal_event(data, None)
-
-    async def list_fn() -> tuple[list[dict[str, Any]], str]:
-        resp: Any = await list_call(_preload_content=False, _request_timeout=30, **selectors)
-        doc = orjson.loads(await resp.read())
-        return list(doc.get("items") or []), str((doc.get("metadata") or {}).get("resourceVersion") or "")
-
-    async def watch_fn(rv: str) -> AsyncIterator[tuple[str, dict[str, Any]]]:
-        w = RawWatch()
-        try:
-            async for ev in w.stream(list_call, resource_version=rv, timeout_seconds=watch_seconds,
-                                     allow_watch_bookmarks=True, **selectors):
-                obj = ev.get("raw_object") or {}
-                yield str(ev.get("type", "")), obj if isinstance(obj, dict) else {}
-        finally:
-            w.stop()
-            await w.close()
-
-    return list_fn, watch_fn

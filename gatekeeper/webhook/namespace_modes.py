@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gatekeeper.webhook.listwatch import ListFn, ListWatch, WatchFn, kube_source
+from gatekeeper.webhook.listwatch import ListFn, ListWatch, WatchFn
 from gatekeeper.webhook.settings import MODE_ANNOTATION
 
 LABEL = MODE_ANNOTATION
@@ -47,10 +47,3 @@ class NamespaceModes(ListWatch):
 
     def replace(self, items: list[dict[str, Any]]) -> None:
         self.modes = {n: v for n, v in map(label_of, items) if v is not None}
-
-
-def kube_namespace_source(api_client: Any, watch_seconds: int = 300) -> tuple[ListNamespaces, WatchNamespaces]:
-    """LIST and WATCH namespaces carrying the label, through kubernetes-asyncio."""
-    from kubernetes_asyncio.client import CoreV1Api
-
-    return kube_source(CoreV1Api(api_client).list_namespace, watch_seconds, label_selector=LABEL)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from gatekeeper.webhook.listwatch import ListFn, ListWatch, WatchFn, kube_source
+from gatekeeper.webhook.listwatch import ListFn, ListWatch, WatchFn
 
 Key = tuple[str, str]
 """(namespace, name) of a template."""
@@ -64,10 +64,3 @@ class PodTemplateRefs(ListWatch):
 
     def referenced(self) -> set[Key] | None:
         return set(self._counts) if self.synced.is_set() else None
-
-
-def kube_pod_source(api_client: Any, watch_seconds: int = 300) -> tuple[ListFn, WatchFn]:
-    """All pods (a template's pods may be anywhere in its namespace, with no label to select them by)."""
-    from kubernetes_asyncio.client import CoreV1Api
-
-    return kube_source(CoreV1Api(api_client).list_pod_for_all_namespaces, watch_seconds)

@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from gatekeeper.kube.admission import AdmissionRequest, Decision
-from gatekeeper.webhook import gpu, secrets
+from gatekeeper.webhook import secrets
+from gatekeeper.webhook.gpu import policy as gpu
 from gatekeeper.webhook.settings import WebhookSettings
 
 UNHANDLED = "none"

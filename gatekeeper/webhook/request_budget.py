@@ -6,8 +6,8 @@ request is answered, and keeps up to 32 parsed requests per connection queued be
 head, not a connection or the worker. Measured on one worker (``loadtest/bench_webhook_heads.py``, peak RSS):
 1000 connections of unfinished 254 KiB heads took it from 53 to 794 MiB (111 MiB with this budget), and 25 that
 pipeline 40 requests with such heads and never read their answers to 412 MiB (146); the chart's pod limit is
-512 MiB for two workers then (1280 MiB since the worst case was re-derived and its decoding term measured: README,
-"worst case").
+512 MiB for two workers then (1280 MiB since the worst case was re-derived and its decoding term measured:
+docs/webhook/hardening.md).
 
 What a connection is counted for, in bytes as received:
 

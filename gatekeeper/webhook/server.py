@@ -21,8 +21,21 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import uvloop
+from aiohttp import web
+
+from gatekeeper.metrics import enable_multiprocess
 from gatekeeper.netbind import bind_listeners
+from gatekeeper.webhook import kube_api
+from gatekeeper.webhook.app import MAPPING_KEY, NAMESPACE_MODES_KEY, READY_KEY, build_app, metrics
+from gatekeeper.webhook.deviceclasses import ExtendedResourceMap
+from gatekeeper.webhook.listen import LimitedSite, QuietClientErrors
+from gatekeeper.webhook.namespace_modes import NamespaceModes
+from gatekeeper.webhook.pod_refs import PodTemplateRefs
 from gatekeeper.webhook.settings import ServerSettings, WebhookSettings
+from gatekeeper.webhook.template_lifecycle import TemplateLifecycle
+from gatekeeper.webhook.templates import TemplateKeeper
+from gatekeeper.webhook.tls import ReloadingContext, load_server_context
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +51,6 @@ def _cannot_listen(srv: ServerSettings, exc: OSError) -> StartupError:
 
 def preflight(settings: WebhookSettings) -> None:
     """Check what would otherwise fail as a traceback inside a worker: the TLS pair and the kubeconfig path."""
-    from gatekeeper.webhook.tls import load_server_context
-
     srv = settings.server
     try:
         load_server_context(srv.cert_file, srv.key_file)
@@ -72,19 +83,11 @@ async def _kube_client(settings: WebhookSettings) -> Any:
         log.warning("no webhook.kubeconfig and not in a cluster: DRA rewrites cannot create "
                     "ResourceClaimTemplates and will be refused")
         return None
-    from gatekeeper.webhook.templates import kube_api_client
-
-    return await kube_api_client(settings.kubeconfig)
+    return await kube_api.api_client(settings.kubeconfig)
 
 
 async def serve(settings: WebhookSettings, stop: asyncio.Event | None = None) -> None:
     """Serve until ``stop`` is set or SIGTERM/SIGINT arrives."""
-    from aiohttp import web
-
-    from gatekeeper.webhook.app import READY_KEY, build_app, metrics
-    from gatekeeper.webhook.templates import TemplateKeeper, kube_creator
-    from gatekeeper.webhook.tls import ReloadingContext
-
     srv = settings.server
     tls = ReloadingContext(srv.cert_file, srv.key_file, srv.cert_check_interval_seconds,
                            client_ca_file=srv.client_ca_file)
@@ -96,41 +99,30 @@ async def serve(settings: WebhookSettings, stop: asyncio.Event | None = None) ->
     keeper = None
     if api_client is not None:
         counter = metrics().templates
-        keeper = TemplateKeeper(kube_creator(api_client), settings.gpu.template_cache_seconds,
+        keeper = TemplateKeeper(kube_api.template_creator(api_client), settings.gpu.template_cache_seconds,
                                 on_result=lambda r: counter.labels(r).inc())
     app = build_app(settings, keeper, ready=False)
     mapping_task = ns_task = None
     if api_client is not None:
-        from gatekeeper.webhook.app import MAPPING_KEY
-        from gatekeeper.webhook.deviceclasses import ExtendedResourceMap, kube_lister
-
-        mapping = ExtendedResourceMap(kube_lister(api_client), settings.gpu.device_class_check_seconds)
+        mapping = ExtendedResourceMap(kube_api.device_class_lister(api_client), settings.gpu.device_class_check_seconds)
         await mapping.refresh()  # the first pods already see an existing mapping
         app[MAPPING_KEY] = mapping
         mapping_task = asyncio.create_task(mapping.run())
-        from gatekeeper.webhook.app import NAMESPACE_MODES_KEY
-        from gatekeeper.webhook.namespace_modes import NamespaceModes, kube_namespace_source
-
-        ns_modes = NamespaceModes(*kube_namespace_source(api_client))
+        ns_modes = NamespaceModes(*kube_api.namespace_source(api_client))
         app[NAMESPACE_MODES_KEY] = ns_modes
         ns_task = asyncio.create_task(ns_modes.run())
         with contextlib.suppress(TimeoutError):  # the first pods already see existing labels
             await asyncio.wait_for(ns_modes.synced.wait(), 10)
     lifecycle_task = refs_task = None
     if keeper is not None and settings.gpu.template_reconcile_seconds > 0:
-        from gatekeeper.webhook.pod_refs import PodTemplateRefs, kube_pod_source
-        from gatekeeper.webhook.template_lifecycle import TemplateLifecycle, kube_ops
-
-        pod_refs = PodTemplateRefs(*kube_pod_source(api_client))
+        pod_refs = PodTemplateRefs(*kube_api.pod_source(api_client))
         refs_task = asyncio.create_task(pod_refs.run())
         counter = metrics().templates
-        lifecycle = TemplateLifecycle(kube_ops(api_client), settings.gpu.template_reconcile_seconds,
+        lifecycle = TemplateLifecycle(kube_api.template_ops(api_client), settings.gpu.template_reconcile_seconds,
                                       settings.gpu.template_gc_grace_seconds, pod_refs.referenced,
                                       forget=keeper.forget, on_result=lambda r: counter.labels(r).inc())
         keeper.on_ensured = lifecycle.ensured
         lifecycle_task = asyncio.create_task(lifecycle.run())
-    from gatekeeper.webhook.listen import LimitedSite, QuietClientErrors
-
     # keepalive_timeout: aiohttp closes a connection without a complete request head this long (idle or
     # slowloris); its own default is 3630 s.
     # max_headers/max_field_size/max_line_size: what one unfinished request head can hold (aiohttp's 128 fields of
@@ -184,8 +176,6 @@ async def serve(settings: WebhookSettings, stop: asyncio.Event | None = None) ->
 
 
 def _run_one(settings: WebhookSettings) -> None:
-    import uvloop
-
     uvloop.run(serve(settings))
 
 
@@ -202,8 +192,6 @@ def run(settings: WebhookSettings, workers: int = 1) -> int:
     if workers <= 1:
         _run_one(settings)
         return 0
-    from gatekeeper.metrics import enable_multiprocess
-
     inherited = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
     path = enable_multiprocess()
     owned_dir = None if inherited else path

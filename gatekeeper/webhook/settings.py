@@ -1,6 +1,6 @@
 """Typed ``webhook:`` section of the gatekeeper config file.
 
-Defaults and why (the README repeats this):
+Defaults and why (docs/webhook/ repeats this):
 
 * ``secrets.hardLimit: 128Ki`` -- the seeds' incident was 5,000 Secrets of
   ~0.2 MB (~195 KiB) each; a LIST of them pulled ~1 GB into the apiserver.
@@ -30,6 +30,7 @@ from typing import ClassVar, Literal, get_args
 
 from gatekeeper.config import dataclass_section, register_section
 from gatekeeper.listener import TLSListenerSettings
+from gatekeeper.webhook.gpu.sizing import MIG_CATALOG, layout_profiles, parse_quantity_bytes
 
 Mode = Literal["dra", "shared", "time-slicing", "mps", "mps-dra", "mig", "mig-dra", "off"]
 MODES: tuple[str, ...] = get_args(Mode)
@@ -123,7 +124,7 @@ class ServerSettings(TLSListenerSettings):
     is a window of ~16-24 KiB: about 20 MB/s per connection at 1 ms round trip, so the largest review (6 MiB) takes
     ~0.3 s more to arrive over such a link; the usual review (a few KiB) nothing. Large reviews cost more CPU in
     smaller reads: 200 KiB Secret reviews per server CPU-second, 3 interleaved rounds, 686 at 16 KiB, 815 at 32 KiB,
-    939 at 64 KiB, 1098 with autotuning. The default buys the memory bound with that CPU (README)."""
+    939 at 64 KiB, 1098 with autotuning. The default buys the memory bound with that CPU (docs/webhook/hardening.md)."""
     max_connections: int = 1000
     """Open connections per worker process; a new one over it is closed after its TLS handshake, before any
     request is read (any pod can connect, and each open connection can hold up to ``maxBodyBytes``)."""
@@ -251,19 +252,17 @@ class MigPool:
     label_value: str = ""
     """Value of ``migPoolLabel`` on the pool's nodes, e.g. ``NVIDIA-A100-SXM4-40GB`` (GPU feature discovery)."""
     gpu_model: str = ""
-    """Catalog model (see gpu.MIG_CATALOG), e.g. ``A100-40GB``."""
+    """Catalog model (see gpu.sizing.MIG_CATALOG), e.g. ``A100-40GB``."""
     layout: str = ""
     """MIG config the pool's nodes run (``all-balanced`` or ``all-<profile>``, NVIDIA mig-parted's names)."""
     profiles: list[str] = field(default_factory=list)
     """Profiles the pool's layout creates, when ``layout`` is not one of the known names."""
 
     def allowed(self) -> tuple[str, ...]:
-        from gatekeeper.webhook.gpu.sizing import layout_profiles
 
         return tuple(self.profiles) if self.profiles else layout_profiles(self.gpu_model, self.layout)
 
     def validate(self) -> None:
-        from gatekeeper.webhook.gpu.sizing import MIG_CATALOG
 
         where = f"migPools[{self.name or '?'}]"
         if not self.name or not self.label_value:
@@ -320,7 +319,7 @@ class GpuSettings:
     """DRA driver that receives the opaque GpuConfig (mps-dra)."""
     mig_gpu_model: str = "A100-40GB"
     """GPU model whose MIG profiles the mig mode chooses from when no ``migPools`` are set, and the mig-dra
-    mode always (dynamic MIG creates any of them; see gpu.MIG_CATALOG)."""
+    mode always (dynamic MIG creates any of them; see gpu.sizing.MIG_CATALOG)."""
     mig_default_profile: str = ""
     """Profile used when a mig pod has no gpu-memory annotation (empty = deny such pods)."""
     mig_device_class: str = "mig.nvidia.com"
@@ -347,7 +346,6 @@ class GpuSettings:
     a mapping added or removed changes what ``dra`` mode does within this time."""
 
     def validate(self) -> None:
-        from gatekeeper.webhook.gpu.sizing import MIG_CATALOG, parse_quantity_bytes
 
         if self.time_slicing_resource == self.mps_resource:
             raise ValueError(f"timeSlicingResource and mpsResource are both {self.mps_resource!r}: give them "

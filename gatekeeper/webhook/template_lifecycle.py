@@ -14,7 +14,7 @@ in the same process, handles the rest of a template's life every
   within the grace period -- a pod about to be created may need it.
 
 The decisions are a pure function (:func:`plan`); the kubernetes-asyncio calls are
-in :func:`kube_ops`. Which templates pods reference comes from a pod LIST+WATCH
+in :func:`gatekeeper.webhook.kube_api.template_ops`. Which templates pods reference comes from a pod LIST+WATCH
 index (pod_refs.py), not a LIST of every pod per pass; until that index has its
 first LIST no pass runs, so nothing is collected on an empty view. Known limit: a template deleted while no webhook was
 running, and never seen by one, cannot be re-created (its spec is unknown);
@@ -166,37 +166,3 @@ class TemplateLifecycle:
                 log.warning("template reconciliation failed: %s", describe(exc))
                 self._on_result("error")
             await asyncio.sleep(self.interval)
-
-
-def kube_ops(api_client: Any, request_timeout: float = 10.0) -> KubeOps:
-    """The reconciler's API calls through kubernetes-asyncio."""
-    from kubernetes_asyncio.client import CustomObjectsApi, V1DeleteOptions, V1Preconditions
-    from kubernetes_asyncio.client.exceptions import ApiException
-
-    custom = CustomObjectsApi(api_client)
-    selector = ",".join(f"{k}={v}" for k, v in MANAGED_BY.items())
-
-    async def list_templates() -> list[dict[str, Any]]:
-        doc = await custom.list_cluster_custom_object("resource.k8s.io", "v1", "resourceclaimtemplates",
-                                                      label_selector=selector, _request_timeout=request_timeout)
-        return list(doc.get("items") or [])
-
-    async def create(obj: dict[str, Any]) -> None:
-        try:
-            await custom.create_namespaced_custom_object("resource.k8s.io", "v1", obj["metadata"]["namespace"],
-                                                         "resourceclaimtemplates", obj,
-                                                         _request_timeout=request_timeout)
-        except ApiException as exc:
-            if exc.status != 409:
-                raise
-
-    async def delete(key: Key, uid: str) -> None:
-        body = V1DeleteOptions(preconditions=V1Preconditions(uid=uid) if uid else None)
-        try:
-            await custom.delete_namespaced_custom_object("resource.k8s.io", "v1", key[0], "resourceclaimtemplates",
-                                                         key[1], body=body, _request_timeout=request_timeout)
-        except ApiException as exc:
-            if exc.status not in (404, 409):
-                raise
-
-    return KubeOps(list_templates, create, delete)

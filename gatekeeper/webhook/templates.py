@@ -14,7 +14,7 @@ at templates, the webhook makes sure they exist:
 * concurrent reviews for the same template share one in-flight POST;
 * never on dryRun (the webhook declares ``sideEffects: NoneOnDryRun``).
 
-The kubernetes-asyncio part is one small adapter (:func:`kube_creator`); the
+The kubernetes-asyncio part is one small adapter (:func:`gatekeeper.webhook.kube_api.template_creator`); the
 cache logic takes any async ``create(obj)`` so it is unit-testable.
 """
 
@@ -101,48 +101,3 @@ class TemplateKeeper:
 REQUEST_TIMEOUT = 5.0
 """Seconds for one POST: under the mutating webhook's 10 s timeoutSeconds, so a hung apiserver gets the
 user our message instead of the apiserver's bare 'context deadline exceeded'."""
-
-
-def kube_creator(api_client: Any, request_timeout: float = REQUEST_TIMEOUT) -> Create:
-    """``create`` backed by kubernetes-asyncio (POST .../resourceclaimtemplates)."""
-    import aiohttp
-    from kubernetes_asyncio.client import CustomObjectsApi
-    from kubernetes_asyncio.client.exceptions import ApiException
-
-    from gatekeeper.webhook.kube_errors import describe
-
-    api = CustomObjectsApi(api_client)
-
-    async def create(obj: dict[str, Any]) -> None:
-        group, version = obj["apiVersion"].split("/")
-        meta = obj["metadata"]
-        try:
-            await api.create_namespaced_custom_object(group, version, meta["namespace"],
-                                                      "resourceclaimtemplates", obj,
-                                                      _request_timeout=request_timeout)
-        except ApiException as exc:
-            if exc.status == 409:
-                raise AlreadyExists() from None
-            raise TemplateError(
-                f"gatekeeper could not create ResourceClaimTemplate {meta['namespace']}/{meta['name']}: "
-                f"{describe(exc)}; the pod would stay Pending, so it was not admitted"
-            ) from None
-        except (TimeoutError, OSError, aiohttp.ClientError) as exc:
-            raise TemplateError(
-                f"gatekeeper could not reach the apiserver to create ResourceClaimTemplate "
-                f"{meta['namespace']}/{meta['name']}: {describe(exc)}"
-            ) from None
-
-    return create
-
-
-async def kube_api_client(kubeconfig: str) -> Any:
-    """ApiClient from a kubeconfig file, or the in-cluster service account when empty."""
-    from kubernetes_asyncio import client, config
-
-    cfg = client.Configuration()
-    if kubeconfig:
-        await config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
-    else:
-        config.load_incluster_config(client_configuration=cfg)
-    return client.ApiClient(configuration=cfg)

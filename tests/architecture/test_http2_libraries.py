@@ -2,7 +2,7 @@
 
 Those libraries were the proxy's second HTTP/2 engine until issue 27 kept one
 engine per role (``loadtest/reports/2026-12-03-h2-engine.md``); they stay in the
-tests as a differential oracle (``tests/proxy/h2_reference.py``), never as a
+tests as a differential oracle (``tests/proxy/h2_oracle.py``), never as a
 fallback. Every import counts, also one inside a function.
 """
 

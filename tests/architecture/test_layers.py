@@ -19,6 +19,14 @@
   listen/; upstream/ imports neither listen/ nor pipeline/ nor flowcontrol/;
   flowcontrol/ imports neither listen/ nor upstream/; h2wire/ (the HTTP/2 wire
   format the listener and the multiplexed upstream share) imports none of them.
+* Inside ``proxy/``, three tiers: the base modules (``PROXY_BASE``: the
+  message contract, target hygiene, rejections, metrics) import no proxy
+  folder and no assembly module; the folders (``PROXY_FOLDERS``) import no
+  assembly module (``PROXY_ASSEMBLY``: the command, its worker supervisor,
+  the composed settings); every top-level proxy module is placed in a tier.
+  Settings belong to the folder that uses them, and the assembly composes them.
+* No import circles anywhere in the package, whatever layer: a circle makes
+  the import order, not the code, decide what works.
 
 Every import counts, also one inside a function or under ``TYPE_CHECKING``: a
 function-level import is still a dependency, and hiding a cycle in one is
@@ -42,10 +50,6 @@ COMPONENTS = ("webhook", "proxy", "sandbox")
 COMMAND_MODULES = {
     "gatekeeper.certs_command",
     *(f"gatekeeper.{c}.command" for c in COMPONENTS),
-    # `gatekeeper proxy --workers N` runs the proxy as a supervised set of processes: the supervisor
-    # and its parent-side metrics listener are the command's runtime, and they call command.run.
-    "gatekeeper.proxy.workers",
-    "gatekeeper.proxy.worker_metrics",
 }
 CLI_MODULES = {"gatekeeper.cli", "gatekeeper.__main__"}
 
@@ -56,6 +60,12 @@ IO_LIBRARIES = (
     "io", "shutil", "tempfile", "fcntl", "mmap", "time", "yaml", "urllib.request", "http.client",
     "prometheus_client", "logging",
 )
+PROXY_BASE = ("messages", "target", "rejections", "tally", "metrics", "adapter", "handoff")
+"""Top-level proxy modules every folder may use: they import no folder and no assembly module. ``handoff`` is
+the connection hand-off protocol both sides speak: the supervisor sends, the listener's Inbox receives."""
+PROXY_FOLDERS = ("listen", "pipeline", "upstream", "flowcontrol", "h2wire")
+PROXY_ASSEMBLY = ("command", "process", "workers", "worker_metrics", "settings", "check")
+"""The proxy put together: the command, its worker supervisor and the settings composed from the folders'."""
 NETWORK_LIBRARIES = ("asyncio", "aiohttp", "socket", "ssl", "selectors", "http.client", "urllib.request")
 
 
@@ -154,6 +164,81 @@ def subpackage_rules(root: Path) -> dict[str, tuple[str, ...]]:
     }
 
 
+def proxy_tier(module: str) -> str:
+    """'base', 'folder' or 'assembly' for a module under gatekeeper.proxy; 'unplaced' for an unknown
+    top-level one; '' outside the proxy (and for the package itself)."""
+    parts = module.split(".")
+    if parts[:2] != ["gatekeeper", "proxy"] or len(parts) < 3:
+        return ""
+    top = parts[2]
+    if top in PROXY_FOLDERS:
+        return "folder"
+    if top in PROXY_BASE:
+        return "base"
+    if top in PROXY_ASSEMBLY:
+        return "assembly"
+    return "unplaced"
+
+
+def graph(root: Path) -> dict[str, set[str]]:
+    """Module -> the package modules it imports (``from pkg import name`` counts pkg, and pkg.name if a module)."""
+    internal = {module_name(root, p) for p in root.rglob("*.py")}
+    edges: dict[str, set[str]] = {m: set() for m in internal}
+    for imp in imports_of(root):
+        if imp.target in internal and imp.target != imp.importer:
+            edges[imp.importer].add(imp.target)
+    return edges
+
+
+def circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    counter = 0
+
+    def visit(start: str) -> None:
+        nonlocal counter
+        work = [(start, iter(sorted(edges[start])))]
+        index[start] = low[start] = counter
+        counter += 1
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(edges[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+
+    for module in sorted(edges):
+        if module not in index:
+            visit(module)
+    return found
+
+
 def violations(root: Path) -> list[str]:
     """Every broken rule in the package at ``root``, as ``importer:line imports target: rule``."""
     found: list[str] = []
@@ -192,11 +277,22 @@ def violations(root: Path) -> list[str]:
             elif d and not (flow_part(dst) == "core" or d == "kube" or dst == "gatekeeper"
                             or dst == "gatekeeper.proxy.flowcontrol"):
                 bad(imp, "the flow-control core imports only itself and kube/ (not the edge, not the proxy)")
+        st, dt = proxy_tier(src), proxy_tier(dst)
+        if st and dt and src.split(".")[2] != dst.split(".")[2]:
+            if st == "base" and dt in ("folder", "assembly"):
+                bad(imp, "a proxy base module imports no proxy folder and no assembly module")
+            elif st == "folder" and dt == "assembly":
+                bad(imp, "a proxy folder imports no assembly module (settings belong to the folder that uses them)")
         for pkg, forbidden in sub_rules.items():
             if within(src, pkg):
                 for other in forbidden:
                     if within(dst, other):
                         bad(imp, f"{pkg} must not import {other} (the proxy's folders are its pipeline)")
+    for module in sorted(internal):
+        if proxy_tier(module) == "unplaced":
+            found.append(f"{module}: a top-level proxy module in no tier (PROXY_BASE, PROXY_FOLDERS, PROXY_ASSEMBLY)")
+    for circle in circles(graph(root)):
+        found.append("import circle: " + " -> ".join(circle))
     for module in sorted(internal):
         if flow_part(module) == "core":
             for line in open_calls(root, module):
@@ -257,6 +353,20 @@ BAD = [
       "proxy/upstream/client.py": "from gatekeeper.proxy.pipeline import balancer\n",
       "proxy/pipeline/balancer.py": ""},
      "gatekeeper.proxy.upstream must not import gatekeeper.proxy.pipeline"),
+    ({"proxy/a.py": "", "proxy/b.py": ""}, "in no tier"),
+    ({"proxy/messages.py": "from gatekeeper.proxy.pipeline import stages\n", "proxy/pipeline/__init__.py": "",
+      "proxy/pipeline/stages.py": ""}, "a proxy base module imports no proxy folder"),
+    ({"proxy/metrics.py": "from gatekeeper.proxy import settings\n", "proxy/settings.py": ""},
+     "a proxy base module imports no proxy folder and no assembly module"),
+    ({"proxy/upstream/__init__.py": "", "proxy/upstream/client.py": "from gatekeeper.proxy.settings import X\n",
+      "proxy/settings.py": "X = 1\n"}, "a proxy folder imports no assembly module"),
+    ({"kube/a.py": "from gatekeeper.kube import b\n", "kube/b.py": "from gatekeeper.kube.a import x\n"},
+     "import circle: gatekeeper.kube.a -> gatekeeper.kube.b"),
+    ({"proxy/upstream/__init__.py": "", "proxy/upstream/mux.py": "def f():\n    from . import mux_stream\n",
+      "proxy/upstream/mux_stream.py": "from gatekeeper.proxy.upstream.mux import Mux\n"},
+     "import circle: gatekeeper.proxy.upstream.mux -> gatekeeper.proxy.upstream.mux_stream"),
+    ({"webhook/a.py": "import gatekeeper.webhook.b\n", "webhook/b.py": "import gatekeeper.webhook.c\n",
+      "webhook/c.py": "from gatekeeper.webhook import a\n"}, "import circle: gatekeeper.webhook.a -> "),
 ]
 
 
@@ -285,3 +395,8 @@ def test_imports_that_point_down_pass(tmp_path: Path) -> None:
         "sandbox/with_proxy.py": "from gatekeeper.proxy import messages\n",
     })
     assert violations(root) == []
+
+
+def test_a_chain_without_a_cycle_is_no_circle() -> None:
+    assert circles({"a": {"b"}, "b": {"c"}, "c": set(), "d": {"a", "c"}}) == []
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

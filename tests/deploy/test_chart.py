@@ -248,3 +248,53 @@ def test_webhook_cluster_role_has_exactly_the_registration_module_rules() -> Non
                 for v in rule["verbs"]}
 
     assert norm(roles[0]["rules"]) == norm(registration.RBAC_RULES)
+
+
+def test_runbook_urls_follow_the_docs_site_values() -> None:
+    """By default the alerts link to their Markdown pages in the repository; a published docs site moves them all
+    (MkDocs serves docs/operations/runbooks/X.md at operations/runbooks/X/)."""
+    def runbooks(docs: list[dict[str, Any]]) -> dict[str, str]:
+        (rule,) = by_kind(docs, "PrometheusRule")
+        return {r["alert"]: r["annotations"]["runbook_url"] for g in rule["spec"]["groups"] for r in g["rules"]}
+
+    default = runbooks(render(values=(VALUES_SETS / "monitoring.yaml",)))
+    assert default["GatekeeperProxyBackendDown"] == ("https://github.com/gatekeeper/gatekeeper/blob/main/docs/"
+                                                     "operations/runbooks/GatekeeperProxyBackendDown.md"
+                                                     "#gatekeeperproxybackenddown")
+    site = runbooks(render("monitoring.prometheusRule.runbookBaseUrl=https://docs.example/gatekeeper/",
+                           "monitoring.prometheusRule.runbookPageSuffix=/",
+                           values=(VALUES_SETS / "monitoring.yaml",)))
+    assert site.keys() == default.keys()
+    for alert, url in site.items():
+        assert url == f"https://docs.example/gatekeeper/operations/runbooks/{alert}/#{alert.lower()}"
+
+
+def _writable(pod_spec: dict[str, Any], container: dict[str, Any]) -> set[str]:
+    """Mount paths of the container backed by a writable volume (an emptyDir, not mounted read-only)."""
+    empty = {v["name"] for v in pod_spec.get("volumes", []) if "emptyDir" in v}
+    return {m["mountPath"] for m in container.get("volumeMounts", []) if m["name"] in empty and not m.get("readOnly")}
+
+
+def test_the_chart_the_manifests_and_the_static_pod_run_the_image_the_containerfile_builds() -> None:
+    """One image and tag scheme (repository + the chart's appVersion) everywhere, run as the Containerfile's
+    USER on a read-only root whose one writable path, /tmp, is an emptyDir that holds the metrics directory."""
+    chart_meta = yaml.safe_load((DEPLOY / "helm" / "gatekeeper" / "Chart.yaml").read_text())
+    values = yaml.safe_load((DEPLOY / "helm" / "gatekeeper" / "values.yaml").read_text())
+    image = f"{values['image']['repository']}:{chart_meta['appVersion']}"
+    containerfile = (DEPLOY.parent / "Containerfile").read_text()
+    assert "USER 65532:65532" in containerfile
+    assert chart_meta["appVersion"] == __import__("gatekeeper").__version__
+    (dep,) = by_kind(render(*chart.MANIFEST_SETS), "Deployment")
+    (manifest_dep,) = by_kind([d for d in yaml.safe_load_all((DEPLOY / "manifests" / "gatekeeper.yaml").read_text())
+                               if d], "Deployment")
+    static = yaml.safe_load((DEPLOY / "proxy" / "static-pod.yaml").read_text())
+    pods = {"chart": dep["spec"]["template"]["spec"], "manifests": manifest_dep["spec"]["template"]["spec"],
+            "static pod": static["spec"]}
+    for where, spec in pods.items():
+        (c,) = spec["containers"]
+        assert c["image"] == image, where
+        assert spec["securityContext"]["runAsUser"] == 65532 and spec["securityContext"]["runAsNonRoot"], where
+        assert c["securityContext"]["readOnlyRootFilesystem"] is True, where
+        assert _writable(spec, c) == {"/tmp"}, where
+        env = {e["name"]: e.get("value") for e in c.get("env", [])}
+        assert env.get("PROMETHEUS_MULTIPROC_DIR", "").startswith("/tmp/"), where

@@ -24,7 +24,7 @@ from gatekeeper.proxy.flowcontrol.core.borrowing import (
     bounds_of,
     go_round,
 )
-from gatekeeper.proxy.flowcontrol.core.controller import FlowController, Limits
+from gatekeeper.proxy.flowcontrol.core.controller import FlowController, LevelLimits
 from gatekeeper.proxy.flowcontrol.core.objects import PriorityLevel
 from gatekeeper.proxy.flowcontrol.core.policy import build_policy
 
@@ -97,7 +97,7 @@ def _controller() -> FlowController:
     objs = [busy, idle, queued_level("catch-all", 5)]
     for name, who in (("busy", "b"), ("idle", "i")):
         objs.append(flow_schema(name, name, [{"subjects": [group(who)], "resourceRules": [rr(["*"], ["*"])]}], 100))
-    return FlowController(build_policy([("test", o) for o in objs], 100), Limits(server_concurrency_limit=100))
+    return FlowController(build_policy([("test", o) for o in objs], 100), LevelLimits(server_concurrency_limit=100))
 
 
 def test_an_idle_level_lends_and_gets_its_seats_back_when_busy_again() -> None:
@@ -128,7 +128,7 @@ def test_an_idle_level_lends_and_gets_its_seats_back_when_busy_again() -> None:
 
 def test_without_lendable_seats_every_level_keeps_its_nominal_limit() -> None:
     objs = [queued_level("busy", 45), queued_level("idle", 50), queued_level("catch-all", 5)]
-    fc = FlowController(build_policy([("t", o) for o in objs], 100), Limits(server_concurrency_limit=100))
+    fc = FlowController(build_policy([("t", o) for o in objs], 100), LevelLimits(server_concurrency_limit=100))
     for i in range(100):
         fc.admit(User(f"b{i}", ["b"]), GET, 0.0)
     fc.adjust(10.0)

@@ -113,7 +113,7 @@ def _picks(settings: FlowControlSettings, requests: list[ProxyRequest]) -> list[
         out = []
         for r in requests:
             response = await fc(r, _ok)
-            out.append((dict(response.headers)["x-gatekeeper-pf-flowschema"], r.annotations.get("caller", "")))
+            out.append((dict(response.headers)["x-gatekeeper-pf-flowschema"], r.caller))
             response.finish(None)
         return out
 
@@ -138,7 +138,7 @@ def test_a_caller_trusted_by_group_is_classified_as_whom_it_impersonates() -> No
 
 def test_an_untrusted_caller_is_classified_as_itself_whatever_it_impersonates() -> None:
     """It cannot pick its own FlowSchema here; if the apiserver lets it impersonate, the two classify apart
-    (the README says so), and if not, the apiserver answers 403 before its APF."""
+    (docs/flowcontrol/index.md says so), and if not, the apiserver answers 403 before its APF."""
     acting = [("impersonate-user", "bob"), ("impersonate-group", "tenants")]
     for impersonators in (ImpersonatorSettings(), ImpersonatorSettings(users=["gateway"])):
         picks = _picks(_settings(impersonators), [_request("other-gateway", (), acting)])

@@ -1,6 +1,6 @@
 """A LIST's cost follows its shape: limit, selectors, resourceVersion, and watch cache vs storage.
 
-The examples here are the table in the README's Flow control section.
+The examples here are the table in docs/flowcontrol/seats.md.
 """
 
 from __future__ import annotations

@@ -379,7 +379,7 @@ async def test_plain_get_holds_its_seat_until_the_response_is_finished():
 
 
 class _LastChunkMarked:
-    """An upstream body that, like upstream.aio.ResponseBody, marks its final chunk and is never read past it."""
+    """An upstream body that, like upstream.exchange.StreamedBody, marks its final chunk and is never read past it."""
 
     def __init__(self, parts: list[bytes]) -> None:
         self.parts, self.exhausted = parts, False

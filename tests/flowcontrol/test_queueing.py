@@ -8,7 +8,7 @@ from collections import Counter, deque
 import pytest
 from fc_helpers import Req, User, flow_schema, group, queued_level, rr
 
-from gatekeeper.proxy.flowcontrol.core.controller import FlowController, Limits, flow_hash
+from gatekeeper.proxy.flowcontrol.core.controller import FlowController, LevelLimits, flow_hash
 from gatekeeper.proxy.flowcontrol.core.objects import PriorityLevel
 from gatekeeper.proxy.flowcontrol.core.policy import build_policy
 from gatekeeper.proxy.flowcontrol.core.queueset import deal, level_max_seats
@@ -33,7 +33,7 @@ def controller(queues=16, hand=4, qlen=50, total=2, reject=False, limits=None) -
         ),
     ]
     policy = build_policy([(str(i), o) for i, o in enumerate(objs)], total)
-    return FlowController(policy, limits or Limits(server_concurrency_limit=total))
+    return FlowController(policy, limits or LevelLimits(server_concurrency_limit=total))
 
 
 def test_hand_is_a_deterministic_function_of_the_flow():
@@ -152,7 +152,8 @@ def test_big_lists_share_the_seeds_two_seat_level():
 
 
 def test_wide_list_seats_scale_in_a_big_level_and_list_bytes_cap_holds():
-    fc = controller(queues=8, hand=2, total=100, limits=Limits(server_concurrency_limit=100, list_bytes_cap=100 << 20))
+    fc = controller(queues=8, hand=2, total=100,
+                    limits=LevelLimits(server_concurrency_limit=100, list_bytes_cap=100 << 20))
     fc.estimator.observe("secrets", "", 60 << 20)
     ts = submit(fc, "a", 2, deque(), req=Req("list", "secrets"))
     assert ts[0].seats == 8  # ceil(60 MiB / 8 MiB); the level allows up to min(15, 50)
@@ -191,7 +192,7 @@ def test_policy_update_keeps_queues_and_applies_new_limit():
     ts = submit(fc, "a", 3, running)
     bigger = controller(queues=4, hand=1, total=3).policy
     # the raised limit lets the two waiting requests run at once
-    assert fc.update(bigger, Limits(server_concurrency_limit=3)) == ts[1:]
+    assert fc.update(bigger, LevelLimits(server_concurrency_limit=3)) == ts[1:]
     assert fc.levels["work"].limit == 3 and fc.levels["work"].executing_seats == 3
 
 

@@ -144,7 +144,7 @@ def test_storm_of_secret_lists_never_runs_more_than_two_upstream(sandbox: Sandbo
     # Other traffic keeps flowing through the storm: small GETs complete in every third of it, none waits
     # anywhere near the storm's length. Not an absolute latency bound: on 2 cores the 20 kubectl processes and
     # the apiservers' 40 MB LISTs hold the load average at 12-16, and a GET's worst case moved between 6 and
-    # 14 s from run to run, with connectionBalancing kernel and least-connections alike (2026-12-01).
+    # 14 s from run to run.
     start, end = storm_span
     thirds = [start + (end - start) * k / 3 for k in range(4)]
     done = others["get_configmap_done"]

@@ -57,12 +57,20 @@ class FakeApiserver:
 
 
 class Upstream:
-    """The slice of BackendClient the edge uses, over plain HTTP to the stand-in."""
+    """The slice of BackendClient the edge uses (``call``), over plain HTTP to the stand-in."""
 
     def __init__(self, url: str, session: aiohttp.ClientSession) -> None:
         self.name, self.url, self.session = "fake", url, session
         self.ssl_identity = None
-        self.ssl_plain = False
+
+    async def call(self, method: str, path: str, headers: list[tuple[str, str]], body: bytes | None = None, *,
+                   deadline: float, max_bytes: int) -> tuple[int, bytes]:
+        async with self.session.request(method, self.url + path, headers=headers, data=body,
+                                        timeout=aiohttp.ClientTimeout(total=deadline)) as resp:
+            data = await resp.content.read(max_bytes + 1)
+            if len(data) > max_bytes:
+                raise ValueError(f"{path} is larger than {max_bytes} bytes")
+            return resp.status, data
 
 
 @pytest.fixture

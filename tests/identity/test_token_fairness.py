@@ -57,6 +57,10 @@ def token_request(token: str, peer: str, target: str = CM) -> ProxyRequest:
     return r
 
 
+WHO = {1: "garbage", 2: "sa"}
+"""The test's label of a request, by the stream id it gives it."""
+
+
 class Gate:
     """A fake apiserver that holds every request until ``open`` and records who was dispatched, in order."""
 
@@ -66,7 +70,7 @@ class Gate:
         self.seen: list[ProxyRequest] = []
 
     async def __call__(self, request: ProxyRequest) -> ProxyResponse:
-        self.order.append(request.annotations.get("who", ""))
+        self.order.append(WHO.get(request.stream_id, ""))
         self.seen.append(request)
         await self.open.wait()
 
@@ -99,14 +103,14 @@ async def flood_then_serviceaccount(fc: FlowControl) -> tuple[list[int], list[st
     garbage = []
     for i in range(2000):
         r = token_request(f"made-up-{i}.{i}.{i}", f"{ATTACKER}:{1024 + i}")
-        r.annotations["who"] = "garbage"
+        r.stream_id = 1  # WHO: garbage
         garbage.append(asyncio.ensure_future(call(fc, r, up)))
     await until(lambda: lv.waiting + lv.executing_requests + sum(t.done() for t in garbage) == 2000)
     sa = kit.sign(kit.sa_claims("team-a", "builder"), RSA)
     mine = []
     for _ in range(10):
         r = token_request(sa, f"{ATTACKER}:999")  # same address: the verified identity is what counts
-        r.annotations["who"] = "sa"
+        r.stream_id = 2  # WHO: sa
         mine.append(asyncio.ensure_future(call(fc, r, up)))
     await until(lambda: all(t.done() for t in mine) or lv.waiting >= 10 + sum(not t.done() for t in garbage) - 2)
     up.open.set()
@@ -158,7 +162,7 @@ async def test_serviceaccount_and_namespace_group_subjects_match_token_callers()
     for token, schema in cases.items():
         r = token_request(token, "10.0.0.1:5000")
         assert await call(fc, r, up) == 200
-        assert r.annotations["flow_schema"] == schema
+        assert r.flow_schema == schema
     # classification only: the caller's header and request.user go on untouched
     assert all(r.headers == [("authorization", f"Bearer {t}")] for r, t in zip(up.seen, cases, strict=True))
     assert all(r.user is not None and r.user.name == "token:whatever" for r in up.seen)
@@ -176,4 +180,4 @@ async def test_an_unverifiable_token_is_never_exempt(token_ok: bool) -> None:
     r = token_request(token, "10.0.0.1:5000")
     assert await call(fc, r, up) == 200
     # a verified ServiceAccount may be exempted by policy; a token nobody could verify may not
-    assert r.annotations["flow_schema"] == ("let-anonymous-in" if token_ok else "catch-all")
+    assert r.flow_schema == ("let-anonymous-in" if token_ok else "catch-all")

@@ -22,7 +22,7 @@ from h2.events import DataReceived, Event, ResponseReceived, StreamEnded, Stream
 from h2.settings import SettingCodes, Settings
 from hyperframe.frame import Frame, GoAwayFrame
 
-from gatekeeper.proxy.listen.body_budget import RequestBufferBudget
+from gatekeeper.proxy.listen.body_budget import RequestBodyBudget
 from gatekeeper.proxy.listen.h2 import H2Protocol
 from gatekeeper.proxy.messages import Handler
 from gatekeeper.proxy.settings import ProtocolSettings
@@ -39,7 +39,7 @@ class H2Pair:
         rng: Callable[[], float] | None = None,
         client_window: int | None = None,
         close_delay: float = 0.05,
-        body_budget: RequestBufferBudget | None = None,
+        body_budget: RequestBodyBudget | None = None,
     ) -> None:
         self.client = H2Connection(H2Configuration(client_side=True, header_encoding=None))
         self.events: list[Event] = []
@@ -152,5 +152,9 @@ class H2Pair:
 
 @pytest.fixture
 def h2pair() -> Callable[..., H2Pair]:
-    """An ``H2Pair`` factory: ``h2pair(handler, settings=None, **kwargs)``."""
-    return H2Pair
+    """An ``H2Pair`` factory: a client (the h2 library) and our ``H2Protocol`` wired in memory."""
+
+    def make(handler: Handler, settings: ProtocolSettings | None = None, **kwargs: Any) -> H2Pair:
+        return H2Pair(handler, settings or ProtocolSettings(), **kwargs)
+
+    return make

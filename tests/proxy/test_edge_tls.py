@@ -123,7 +123,7 @@ async def test_upstream_ca_and_front_proxy_certificate_rotate_for_new_connection
     try:
         assert await call() == 200
         old_serial = load_cert(pki.cert_path("front-proxy-client")).serial_number
-        # One connection, or two with upstream.http2 (an h2 attempt, then HTTP/1.1 for a backend without h2).
+        # One connection, or two (an h2 attempt, then HTTP/1.1 for a backend without h2).
         assert set(backend.client_serials) == {old_serial}
 
         copy(other.cert_path("front-proxy-client"), fp_cert)

@@ -41,7 +41,7 @@ async def drain(resp: ProxyResponse) -> bytes:
 
 
 async def test_request_on_a_reused_connection_is_never_resent(pki: PKI) -> None:
-    """aiohttp re-sends PUT/DELETE once when a reused connection was closed; the proxy must not."""
+    """A client library re-sends PUT/DELETE once when a reused connection was closed; the proxy must not."""
     async with bench(pki) as b:
         await drain(await b.pipeline.handler(req("GET", "/api/v1/namespaces/a/configmaps/warm")))
         resp = await b.pipeline.handler(req("DELETE", "/die/api/v1/namespaces/a/configmaps/c"))

@@ -94,8 +94,7 @@ async def test_one_backend_under_load_with_goaway_chance_is_never_ejected(
     ns, token = tenant
     name = "goaway-apiserver-1"
     url = goaway_sandbox.apiserver_urls[0]
-    client = BackendClient(name, url, UpstreamSettings(ca_file=str(SandboxPKI(Path(goaway_sandbox.certs_dir)).ca),
-                                                       http2=True))
+    client = BackendClient(name, url, UpstreamSettings(ca_file=str(SandboxPKI(Path(goaway_sandbox.certs_dir)).ca)))
     balancer = Balancer([BackendSettings(url=url, name=name)])
     dispatch = Dispatcher(balancer, {name: client})
     target = f"/api/v1/namespaces/{ns}/configmaps"
@@ -135,8 +134,7 @@ async def test_one_backend_under_load_with_goaway_chance_is_never_ejected(
 @pytest.fixture(scope="module")
 def proxy(goaway_sandbox: SandboxState, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProxyProcess]:
     p = ProxyProcess(goaway_sandbox, tmp_path_factory.mktemp("goaway-proxy"), name="goaway-proxy",
-                     health_interval=0.5, user_config={"flowControl": default_flow_control(),
-                                                       "upstream": {"http2": True}})
+                     health_interval=0.5, user_config={"flowControl": default_flow_control()})
     p.start()
     yield p
     assert p.stop() == 0
@@ -153,7 +151,7 @@ async def test_tenant_gets_through_the_proxy_to_apiservers_with_goaway_chance_al
     deadline = time.monotonic() + 120
     async with httpx.AsyncClient(verify=proxy.tls(), timeout=30) as plain:
         before = (await plain.get(f"{proxy.metrics_url}/metrics")).text
-        clients = [httpx.AsyncClient(verify=proxy.tls(), http2=True, timeout=30) for _ in range(4)]
+        clients = [httpx.AsyncClient(verify=proxy.tls(), timeout=30) for _ in range(4)]
 
         async def worker(client: httpx.AsyncClient) -> None:
             while left[0] > 0 and time.monotonic() < deadline:

@@ -1,7 +1,7 @@
 """Request DATA the proxy holds is bounded for the whole process (``maxBufferedRequestBytes``), not per connection.
 
-In memory: two client connections share one ``RequestBufferBudget``, as every connection of a
-proxy process does.
+In memory, on both HTTP/2 engines: two client connections share one
+``RequestBodyBudget`` as every connection of a proxy process does.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from edge_kit import chunks, rejected
 from h2.errors import ErrorCodes
 from prometheus_client import REGISTRY
 
-from gatekeeper.proxy.listen.body_budget import RequestBufferBudget
+from gatekeeper.proxy.listen.body_budget import RequestBodyBudget
 from gatekeeper.proxy.messages import ProxyRequest, ProxyResponse
 from gatekeeper.proxy.settings import ProtocolSettings
 
@@ -37,7 +37,7 @@ class _Gate:
 
 
 async def test_past_the_limit_the_connection_over_its_fair_share_is_refused_not_a_small_uploader(h2pair):
-    budget = RequestBufferBudget(40_000)
+    budget = RequestBodyBudget(40_000)
     gate = _Gate()
     settings = ProtocolSettings(stream_window_bytes=WINDOW)
     a = h2pair(gate, settings, body_budget=budget)  # parks bodies (queued requests)
@@ -69,7 +69,7 @@ async def test_past_the_limit_the_connection_over_its_fair_share_is_refused_not_
 
 
 def test_the_budget_never_holds_more_than_twice_its_limit_and_refuses_the_biggest_holder():
-    budget = RequestBufferBudget(100_000, gauge=None)
+    budget = RequestBodyBudget(100_000, gauge=None)
     shares = []
     for _ in range(20):  # each newcomer takes all its share allows: limit, limit/2, limit/3, ...
         share = budget.share()
@@ -84,7 +84,7 @@ def test_the_budget_never_holds_more_than_twice_its_limit_and_refuses_the_bigges
 
 
 async def test_cut_and_unread_bodies_give_their_bytes_back_and_the_gauge_follows(h2pair):
-    budget = RequestBufferBudget(1 << 20)  # the process gauge, as a proxy process has it
+    budget = RequestBodyBudget(1 << 20)  # the process gauge, as a proxy process has it
 
     async def early(req: ProxyRequest) -> ProxyResponse:
         await asyncio.sleep(0.05)  # the body arrives meanwhile and is never read

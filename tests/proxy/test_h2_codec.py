@@ -13,8 +13,6 @@ from typing import Any
 import pytest
 from hpack import Decoder, Encoder, NeverIndexedHeaderTuple
 
-import gatekeeper.proxy.settings  # noqa: F401 - registers the proxy: config section
-from gatekeeper.config import ConfigError, load_config
 from gatekeeper.proxy.h2wire import frames as f
 from gatekeeper.proxy.h2wire.errors import ErrorCodes, ProtocolError
 from gatekeeper.proxy.listen.h2_codec import (
@@ -397,16 +395,6 @@ def test_headers_on_a_reset_stream_are_answered_and_counted_as_closed_stream_fra
     c.headers(1)
     with pytest.raises(FloodError, match="closed_stream"):
         c.headers(1)
-
-
-def test_a_config_that_still_sets_http2_engine_is_refused_saying_the_key_was_removed(tmp_path):
-    path = tmp_path / "proxy.yaml"
-    path.write_text("proxy:\n  backends: [{url: 'https://127.0.0.1:6443'}]\n"
-                    "  listener: {certFile: a, keyFile: b}\n  protocol: {http2Engine: lean}\n")
-    with pytest.raises(ConfigError, match=r"proxy.yaml: proxy.protocol.http2Engine: removed: .*delete the key"):
-        load_config(path, need="proxy")
-    path.write_text(path.read_text().replace("http2Engine: lean", "maxConcurrentStreams: 7"))
-    assert load_config(path, need="proxy").proxy.protocol.max_concurrent_streams == 7
 
 
 def test_frames_on_a_stream_we_reset_are_ignored_but_counted_and_their_window_returned():

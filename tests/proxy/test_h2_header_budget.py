@@ -11,10 +11,10 @@ from collections.abc import AsyncIterator
 
 import hpack
 from edge_kit import rejected
+from h2.errors import ErrorCodes
 from hyperframe.frame import ContinuationFrame, HeadersFrame, SettingsFrame
 
-from gatekeeper.proxy.h2wire.errors import ErrorCodes
-from gatekeeper.proxy.listen.body_budget import RequestBufferBudget
+from gatekeeper.proxy.listen.body_budget import RequestBodyBudget
 from gatekeeper.proxy.listen.h2_codec import EV_REQUEST, H2ServerCodec
 from gatekeeper.proxy.messages import ProxyRequest, ProxyResponse
 from gatekeeper.proxy.settings import ProtocolSettings
@@ -38,7 +38,7 @@ def _more(sid: int, size: int) -> bytes:
 
 
 def test_a_header_block_is_held_while_in_progress_and_given_back_when_it_ends():
-    budget = RequestBufferBudget(1 << 20, gauge=None)
+    budget = RequestBodyBudget(1 << 20, gauge=None)
     conn = H2ServerCodec(header_budget=budget.share(), max_header_list=1 << 16)
     conn.initiate_connection()
     conn.receive_data(PREFACE)
@@ -53,7 +53,7 @@ def test_a_header_block_is_held_while_in_progress_and_given_back_when_it_ends():
 
 
 async def test_a_connection_trickling_header_blocks_past_its_share_is_ended_and_gives_everything_back(h2pair):
-    budget = RequestBufferBudget(40_000)
+    budget = RequestBodyBudget(40_000)
     a = h2pair(_ok, ProtocolSettings(), body_budget=budget)
     b = h2pair(_ok, ProtocolSettings(), body_budget=budget)
     await a.settle()
@@ -74,7 +74,7 @@ async def test_a_connection_trickling_header_blocks_past_its_share_is_ended_and_
 
 
 async def test_a_finished_header_block_gives_its_bytes_back_through_the_adapter(h2pair):
-    budget = RequestBufferBudget(1 << 20)
+    budget = RequestBodyBudget(1 << 20)
     pair = h2pair(_ok, ProtocolSettings(), body_budget=budget)
     await pair.settle()
     block = hpack.Encoder().encode([(":method", "GET"), (":scheme", "https"), (":path", "/api/v1/pods"),

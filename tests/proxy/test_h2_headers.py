@@ -1,9 +1,15 @@
-"""RFC 9113 request header rules, checked by ``h2_headers`` (the codec leaves them to it)."""
+"""RFC 9113 request header rules, checked by h2_headers instead of h2's per-byte validation."""
 
 from __future__ import annotations
 
-import pytest
+import random
 
+import hpack.huffman_table
+import pytest
+from hpack.huffman import HuffmanEncoder
+from hpack.huffman_constants import REQUEST_CODES, REQUEST_CODES_LENGTH
+
+from gatekeeper.proxy.h2wire import huffman
 from gatekeeper.proxy.listen import h2_headers
 from gatekeeper.proxy.listen.h2_headers import MalformedRequest, parse_request
 
@@ -71,6 +77,39 @@ def test_required_pseudo_headers(missing):
         parse_request([h for h in PSEUDO if h[0] != missing])
 
 
+def _huffman(data: bytes) -> bytes:
+    return HuffmanEncoder(REQUEST_CODES, REQUEST_CODES_LENGTH).encode(data)
+
+
+def test_huffman_memo_returns_what_decoding_returns_and_still_rejects_garbage():
+    memo = huffman.decode_memo
+    original = hpack.huffman_table.decode_huffman
+    rng = random.Random(7)
+    for size in (1, 10, 100, 1000, 5000, 20000):
+        raw = bytes(rng.randrange(256) for _ in range(size))
+        enc = _huffman(raw)
+        assert memo(enc) == original(enc) == raw
+        assert memo(enc) == raw  # second call, from the memo when in range
+    # An EOS symbol inside the string is invalid: raised every time, never cached as a value.
+    bad = b"\xff\xff\xff\xff" * 20
+    for _ in range(2):
+        with pytest.raises(huffman.HuffmanDecodingError):
+            memo(bad)
+
+
+def test_huffman_memo_is_bounded():
+    memo = huffman.decode_memo
+    cache = huffman._memo
+    for i in range(huffman.MEMO_ENTRIES + 50):
+        memo(_huffman(b"token-%06d-" % i + b"x" * 100))
+    assert cache.cache_info().currsize <= huffman.MEMO_ENTRIES
+    before = cache.cache_info()
+    memo(_huffman(b"y" * (huffman.MEMO_MAX_BYTES * 2)))  # too big to keep
+    memo(_huffman(b"short"))  # too small to bother
+    after = cache.cache_info()
+    assert (after.hits, after.misses) == (before.hits, before.misses)
+
+
 def test_a_field_that_passed_once_is_memoized_and_order_rules_still_hold(monkeypatch):
     monkeypatch.setattr(h2_headers, "_checked_fields", {})
     token = (b"authorization", b"Bearer " + b"t" * 1000)
@@ -98,3 +137,5 @@ def test_field_memo_is_bounded(monkeypatch):
         assert len(h2_headers._checked_fields) <= h2_headers.FIELD_MEMO_ENTRIES
     parse_request([*PSEUDO, (b"x-long", b"v" * h2_headers.FIELD_MEMO_MAX_BYTES)])
     assert (b"x-long", b"v" * h2_headers.FIELD_MEMO_MAX_BYTES) not in h2_headers._checked_fields
+
+

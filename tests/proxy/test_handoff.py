@@ -19,7 +19,7 @@ from edge_kit import chunks, make_pki, rejected
 from prometheus_client import REGISTRY
 
 from gatekeeper.certs import PKI
-from gatekeeper.proxy.handoff import PASS_OVER_SECONDS, ClosedCounts, Dispatcher, Inbox, least_loaded
+from gatekeeper.proxy.handoff import PASS_OVER_SECONDS, ClosedCounts, HandoffDispatcher, Inbox, least_loaded
 from gatekeeper.proxy.listen import server as server_module
 from gatekeeper.proxy.listen.server import ProxyServer, serve
 from gatekeeper.proxy.messages import ProxyRequest, ProxyResponse
@@ -52,7 +52,8 @@ def wait_for(cond: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
 class Rig:
     """A dispatcher on a real loopback listener, with in-test 'workers' reading their inboxes."""
 
-    def __init__(self, tmp_path: Path, workers: int, extra_listeners: Sequence[socket.socket] = ()) -> None:
+    def __init__(self, tmp_path: Path, workers: int, extra_listeners: Sequence[socket.socket] = (),
+                 max_connections: int = 0) -> None:
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.listener.setblocking(False)
         self.port = self.listener.getsockname()[1]
@@ -60,10 +61,12 @@ class Rig:
         self.waits = 0
         self.stalls: list[int] = []
         self.taken_back: list[int] = []
-        self.dispatcher = Dispatcher([self.listener, *extra_listeners],
+        self.refused: list[int] = []
+        self.dispatcher = HandoffDispatcher([self.listener, *extra_listeners],
                                      ClosedCounts.create(tmp_path / "closed", workers), workers,
                                      on_handoff=self.handed.append, on_wait=self._wait, on_stall=self.stalls.append,
-                                     on_take_back=self.taken_back.append)
+                                     on_take_back=self.taken_back.append, max_connections=max_connections,
+                                     on_refused=self.refused.append)
         self.counts = ClosedCounts(tmp_path / "closed")
         self.inboxes: list[Inbox | None] = [None] * workers
         self.held: list[list[socket.socket]] = [[] for _ in range(workers)]
@@ -158,6 +161,29 @@ def _readable(c: socket.socket) -> bool:
         return bool(c.recv(5, socket.MSG_PEEK))
     except TimeoutError:
         return False
+
+
+def test_the_connection_cap_holds_for_all_workers_together(tmp_path: Path) -> None:
+    """listener.maxClientConnections is the proxy's: with each worker holding its own cap, N workers let N times
+    as many connections in. The parent closes the one past it at accept (counted), and takes new ones again as
+    the workers' connections close."""
+    r = Rig(tmp_path, 2, max_connections=3)
+    try:
+        r.start_all()
+        r.connect(3)
+        r.collect_all(3)
+        r.clients.append(socket.create_connection(("127.0.0.1", r.port)))
+        wait_for(lambda: r.refused == [3], "the fourth connection to be refused")
+        r.clients[-1].settimeout(5)
+        assert r.clients[-1].recv(1) == b""  # closed by the parent, never handed to a worker
+        assert len(r.handed) == 3
+        worker = 0 if r.held[0] else 1
+        r.close_on_worker(worker, 1)
+        wait_for(lambda: sum(load or 0 for load in r.dispatcher.loads()) == 2, "the close to be counted")
+        r.connect(1)
+        assert len(r.handed) == 4 and r.refused == [3]
+    finally:
+        r.stop()
 
 
 def test_a_worker_whose_connections_closed_gets_the_next_ones(rig: Callable[[int], Rig]) -> None:
@@ -347,7 +373,7 @@ def test_a_failing_accept_backs_off_instead_of_spinning(tmp_path: Path) -> None:
     listener.bind(("127.0.0.1", 0))
     listener.listen()
     listener.setblocking(False)
-    dispatcher = Dispatcher([listener], ClosedCounts.create(tmp_path / "closed", 1), 1)
+    dispatcher = HandoffDispatcher([listener], ClosedCounts.create(tmp_path / "closed", 1), 1)
     counts = ClosedCounts(tmp_path / "closed")
     dispatcher.start()
     inbox = Inbox(dispatcher.channel(0).detach(), counts, 0)
@@ -517,7 +543,7 @@ def test_the_port_refuses_connections_until_a_worker_first_serves(tmp_path: Path
 
     [listener] = bind_listeners("127.0.0.1", 0)
     port = listener.getsockname()[1]
-    dispatcher = Dispatcher([listener], ClosedCounts.create(tmp_path / "closed", 1), 1)
+    dispatcher = HandoffDispatcher([listener], ClosedCounts.create(tmp_path / "closed", 1), 1)
     counts = ClosedCounts(tmp_path / "closed")
     dispatcher.start()
     inbox = Inbox(dispatcher.channel(0).detach(), counts, 0)

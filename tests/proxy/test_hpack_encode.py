@@ -137,7 +137,7 @@ def test_literal_memo_is_bounded_and_skips_long_fields(monkeypatch: pytest.Monke
     assert hpack_encode.indexed_literal(b"content-type", b"application/yaml") == first
 
 
-def test_the_proxy_connection_encodes_its_responses_with_it() -> None:
+def test_the_codec_encodes_its_responses_with_it() -> None:
     server = H2ServerCodec()
     assert isinstance(server.encoder, ResponseEncoder)
     client = h2.connection.H2Connection(H2Configuration(client_side=True, header_encoding=None))

@@ -1,4 +1,4 @@
-"""The lean upstream client (the default ``upstream.client``) against the real sandbox apiservers.
+"""The HTTP/1.1 upstream pool (lean.py) against the real sandbox apiservers.
 
 The in-process tests (test_lean_upstream.py) pin the framing rules byte by byte;
 these show the same client keeping connections alive with kube-apiserver and

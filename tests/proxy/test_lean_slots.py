@@ -7,7 +7,7 @@ import gc
 
 import pytest
 
-from gatekeeper.proxy.command import tune_gc
+from gatekeeper.proxy.process import tune_gc
 from gatekeeper.proxy.settings import BackendSettings, ProxySettings
 from gatekeeper.proxy.upstream.slots import Slots
 

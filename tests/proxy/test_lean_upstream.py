@@ -1,4 +1,4 @@
-"""The lean upstream client (``upstream.client: lean``) against an in-process TLS backend that writes raw bytes.
+"""The HTTP/1.1 upstream client against an in-process TLS backend that writes raw bytes.
 
 The backend here is scripted byte by byte, so framing edge cases (chunked,
 Content-Length, read-until-close, a cut body, a second response, an oversized
@@ -12,12 +12,10 @@ import asyncio
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
 from gatekeeper.certs import FRONT_PROXY_CA, PKI
-from gatekeeper.config import ConfigError, load_config
 from gatekeeper.proxy.messages import ProxyRequest, ProxyResponse
 from gatekeeper.proxy.settings import UpstreamSettings
 from gatekeeper.proxy.upstream import lean
@@ -112,7 +110,6 @@ async def backend(pki: PKI) -> AsyncIterator[tuple[RawBackend, BackendClient]]:
     client = BackendClient("backend-0", url, UpstreamSettings(
         ca_file=str(pki.cert_path("ca")), client_cert_file=str(pki.cert_path("front-proxy-client")),
         client_key_file=str(pki.key_path("front-proxy-client")), connect_timeout_seconds=2.0))
-    assert client.lean
     yield be, client
     await client.close()
     await be.stop()
@@ -367,14 +364,6 @@ async def test_a_reader_that_stops_pulling_pauses_the_backend_read(backend) -> N
     assert len(await read_all(resp)) == total
 
 
-def test_an_unknown_upstream_client_is_refused(tmp_path: Path) -> None:
-    path = tmp_path / "proxy.yaml"
-    path.write_text("proxy:\n  backends: [{url: 'https://127.0.0.1:6443'}]\n"
-                    "  listener: {certFile: a, keyFile: b}\n  upstream: {caFile: ca, client: curl}\n")
-    with pytest.raises(ConfigError, match="client must be 'lean' or 'aiohttp'"):
-        load_config(path, need="proxy")
-
-
 @pytest.mark.parametrize("head", [
     b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
     b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\ncontent-length: 6\r\n\r\nhello!",
@@ -395,3 +384,27 @@ async def test_ambiguous_response_framing_fails_the_request(backend, head: bytes
             resp = await send(client, req("GET", "/ambiguous"))
             await read_all(resp)
     await until(lambda: client.connections() == 0)  # and the connection is never reused
+
+
+class _ClosedTransport(asyncio.Transport):
+    """A transport that takes writes and aborts and does nothing (the connection is already gone)."""
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass
+
+
+async def test_a_connection_lost_before_its_exchange_began_fails_the_exchange_at_once() -> None:
+    """A new connection the backend closed between the connect and the request head: nothing fails it
+    from the protocol side (no exchange was out when it was lost), and ``wait_head`` looks only at the
+    error, so ``begin`` sets one; otherwise the consumer would wait out the response-header timeout, and a
+    watch (no header timeout) would wait forever."""
+    conn = lean.Conn(ssl.create_default_context(), on_lost=lambda _conn: None)
+    conn.connection_made(_ClosedTransport())
+    conn.connection_lost(None)
+    conn.begin(b"GET / HTTP/1.1\r\n\r\n", head_only=False, header_timeout=None)
+    async with asyncio.timeout(2):
+        with pytest.raises(ConnectionResetError):
+            await conn.wait_head()

@@ -105,9 +105,9 @@ async def test_the_webhooks_healthz_answers_while_a_slow_scrape_reads_the_files(
 
 async def test_a_proxy_workers_healthz_answers_while_its_whole_proxy_page_reads_the_files(
         slow_files: SlowFiles, serve: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A worker's private listener (``proxy.command.metrics_app``) with the page ``--workers N`` installs."""
+    """A worker's private listener (``proxy.process.metrics_app``) with the page ``--workers N`` installs."""
     from gatekeeper.proxy import metrics as proxy_metrics
-    from gatekeeper.proxy.command import metrics_app
+    from gatekeeper.proxy.process import metrics_app
     from gatekeeper.proxy.worker_metrics import whole_proxy_page
 
     ledger = SeatLedger.create(tmp_path / "ledger", 2)

@@ -54,7 +54,7 @@ async def test_a_connection_handed_over_after_a_rotation_presents_the_new_certif
     raw = RawBackend(pki, alpn=["http/1.1"])
     url = await raw.start()
     client = BackendClient("rotating", url, UpstreamSettings(
-        ca_file=str(pki.cert_path("ca")), http2=True, client_cert_file=str(cert), client_key_file=str(key)))
+        ca_file=str(pki.cert_path("ca")), client_cert_file=str(cert), client_key_file=str(key)))
     try:
         assert await fetch(client, "/before", identity=True) == b"ok"  # handed over, previous certificate
         install(pki, "front-proxy-client-2", cert, key)

@@ -80,7 +80,7 @@ def tenant(target: str) -> ProxyRequest:
 
 async def dispatcher(b: GoawayEveryStream, name: str) -> tuple[Dispatcher, Balancer, BackendClient]:
     url = await b.start()
-    client = BackendClient(name, url, UpstreamSettings(ca_file=str(b.pki.cert_path("ca")), http2=True,
+    client = BackendClient(name, url, UpstreamSettings(ca_file=str(b.pki.cert_path("ca")),
                                                        response_header_timeout_seconds=5))
     balancer = Balancer([BackendSettings(url=url, name=name)])
     return Dispatcher(balancer, {name: client}), balancer, client

@@ -79,7 +79,7 @@ async def test_a_granted_retry_that_never_got_the_alpn_answer_goes_to_the_next_r
     b = Switching(pki)
     url = await b.start()
     client = BackendClient("granted", url, UpstreamSettings(
-        ca_file=str(pki.cert_path("ca")), http2=True, pool_acquire_timeout_seconds=0.1, max_connections_per_backend=1,
+        ca_file=str(pki.cert_path("ca")), pool_acquire_timeout_seconds=0.1, max_connections_per_backend=1,
         client_cert_file=str(pki.cert_path("front-proxy-client")),
         client_key_file=str(pki.key_path("front-proxy-client"))))
     try:
@@ -99,7 +99,7 @@ async def test_an_attempt_that_got_the_answer_still_waits_out_the_interval(pki: 
     """Only an attempt that never got the answer gives the grant back: one told HTTP/1.1 used it up."""
     b = Switching(pki)
     url = await b.start()
-    client = BackendClient("answered", url, UpstreamSettings(ca_file=str(pki.cert_path("ca")), http2=True))
+    client = BackendClient("answered", url, UpstreamSettings(ca_file=str(pki.cert_path("ca"))))
     try:
         assert await fetch(client, "/a") == b"h1 /a"
         interval_passes(client)

@@ -1,4 +1,4 @@
-"""``upstream.http2`` against the real sandbox apiservers, with a tenant ServiceAccount token.
+"""The multiplexed HTTP/2 upstream against the real sandbox apiservers, with a tenant ServiceAccount token.
 
 kube-apiserver answers an anonymous or unauthenticated request on HTTP/2 with
 GOAWAY (its HTTP/2 DoS mitigation). These tests show both halves of how the
@@ -22,7 +22,6 @@ import secrets
 import ssl
 import time
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -72,7 +71,7 @@ def tenant(sandbox: SandboxState) -> Iterator[tuple[str, str]]:
 def running_proxy(sandbox: SandboxState, tmp_path_factory: pytest.TempPathFactory, name: str,
                   workers: int | None = None) -> Iterator[ProxyProcess]:
     p = ProxyProcess(sandbox, tmp_path_factory.mktemp(name), name=name, health_interval=0.5, workers=workers,
-                     user_config={"flowControl": default_flow_control(), "upstream": {"http2": True}})
+                     user_config={"flowControl": default_flow_control()})
     p.start()
     yield p
     assert p.stop() == 0
@@ -100,7 +99,7 @@ async def test_tenant_gets_are_multiplexed_and_bad_tokens_never_cost_a_goaway(
     ns, token = tenant
     path = f"{proxy.url}/api/v1/namespaces/{ns}/configmaps"
     good = {"authorization": f"Bearer {token}"}
-    async with httpx.AsyncClient(verify=ca_context(sandbox), http2=True, timeout=30) as client:
+    async with httpx.AsyncClient(verify=ca_context(sandbox), timeout=30) as client:
         await until_allowed(client, path, good)
         before = (await client.get(f"{proxy.metrics_url}/metrics")).text
 
@@ -149,7 +148,7 @@ async def test_streams_in_flight_when_the_apiserver_sends_goaway_all_get_their_a
     (``test_mux_upstream.py::test_streams_above_a_goaway_are_sent_again_and_those_below_finish``)."""
     ns, token = tenant
     url = urlsplit(sandbox.apiserver_urls[0])
-    settings = UpstreamSettings(ca_file=str(SandboxPKI(Path(sandbox.certs_dir)).ca), http2=True)
+    settings = UpstreamSettings(ca_file=str(SandboxPKI(Path(sandbox.certs_dir)).ca))
     ctx = make_ssl_context(settings, client_cert=False, alpn=H2_ALPN)
     goaways: list[int] = []
     pool = mux_pool.MuxPool(url.hostname or "", url.port or 443, limit=256, max_streams=100, connect_timeout=5,
@@ -188,7 +187,7 @@ async def test_a_tenant_certificate_caller_is_asserted_over_the_shared_connectio
     ctx = ca_context(sandbox)
     ctx.load_cert_chain(str(issued.cert), str(issued.key))
     path = f"{proxy.url}/api/v1/namespaces/{ns}/configmaps"
-    async with httpx.AsyncClient(verify=ctx, http2=True, timeout=30) as client:
+    async with httpx.AsyncClient(verify=ctx, timeout=30) as client:
         await until_allowed(client, path)
         before = metric_sum((await client.get(f"{proxy.metrics_url}/metrics")).text,
                             "gatekeeper_proxy_upstream_http2_streams_total")
@@ -212,8 +211,8 @@ async def test_a_real_apiserver_answering_http11_is_served_on_the_connection_tha
     headers = [("authorization", f"Bearer {token}"), ("accept", "application/json")]
     request = ProxyRequest(method="GET", target=f"/api/v1/namespaces/{ns}/configmaps", headers=headers, body=None,
                            protocol="h2")
-    settings = UpstreamSettings(ca_file=str(SandboxPKI(Path(sandbox.certs_dir)).ca), http2=True)
-    warm = client_module.BackendClient("apiserver-warm", sandbox.apiserver_urls[0], replace(settings, http2=False))
+    settings = UpstreamSettings(ca_file=str(SandboxPKI(Path(sandbox.certs_dir)).ca))
+    warm = client_module.BackendClient("apiserver-warm", sandbox.apiserver_urls[0], settings)  # sent over HTTP/1.1
     try:
         for _ in range(100):  # the RoleBinding reaches the apiserver's RBAC cache within moments
             response = await warm.send(request, headers, identity=False, swallow_body_errors=False,
@@ -300,7 +299,7 @@ async def test_revoked_tokens_cost_one_goaway_per_apiserver_and_fail_no_other_te
     proxy = one_worker
     path = f"{proxy.url}/api/v1/namespaces/{ns}/configmaps"
     reader = {"authorization": f"Bearer {good}"}
-    async with httpx.AsyncClient(verify=ca_context(sandbox), http2=True, timeout=30) as client:
+    async with httpx.AsyncClient(verify=ca_context(sandbox), timeout=30) as client:
         await until_allowed(client, path, reader)
         before = (await client.get(f"{proxy.metrics_url}/metrics")).text
         done = asyncio.Event()

@@ -92,7 +92,7 @@ async def apiserver(pki: PKI, request: pytest.FixtureRequest):  # type: ignore[n
     url = await b.start()
     name = request.node.name[:40]
     client = BackendClient(name, url, UpstreamSettings(
-        ca_file=str(pki.cert_path("ca")), http2=True, response_header_timeout_seconds=5,
+        ca_file=str(pki.cert_path("ca")), response_header_timeout_seconds=5,
         client_cert_file=str(pki.cert_path("front-proxy-client")),
         client_key_file=str(pki.key_path("front-proxy-client"))))
     yield b, client, name
@@ -152,7 +152,7 @@ async def test_a_request_that_waited_for_a_stream_slot_through_a_401_opens_no_co
     b = Apiserver(pki)
     url = await b.start()
     client = BackendClient("slot-wait", url, UpstreamSettings(
-        ca_file=str(pki.cert_path("ca")), http2=True, response_header_timeout_seconds=5,
+        ca_file=str(pki.cert_path("ca")), response_header_timeout_seconds=5,
         max_connections_per_backend=1))
     try:
         b.hold = asyncio.Event()

@@ -1,4 +1,4 @@
-"""The multiplexed HTTP/2 upstream (``upstream.http2``) against an in-process TLS backend.
+"""The multiplexed HTTP/2 upstream  against an in-process TLS backend.
 
 The backend is the ``h2`` library's server state machine (an implementation
 independent of ours) with a script per test, plus raw frames where a test needs
@@ -151,7 +151,7 @@ async def backend(pki: PKI):
     b = Backend(pki)
     url = await b.start()
     client = BackendClient("b", url, UpstreamSettings(
-        ca_file=str(pki.cert_path("ca")), http2=True, response_header_timeout_seconds=5,
+        ca_file=str(pki.cert_path("ca")), response_header_timeout_seconds=5,
         client_cert_file=str(pki.cert_path("front-proxy-client")),
         client_key_file=str(pki.key_path("front-proxy-client"))))
     yield b, client
@@ -402,7 +402,7 @@ async def test_a_backend_that_does_not_speak_http2_is_used_over_http11_after_one
     url = await raw.start()
     name = f"h1-only-{alpn}"
     before = fallbacks(name)
-    client = BackendClient(name, url, UpstreamSettings(ca_file=str(pki.cert_path("ca")), http2=True))
+    client = BackendClient(name, url, UpstreamSettings(ca_file=str(pki.cert_path("ca"))))
     try:
         assert await read_all(await send(client, get("/version"))) == b"ok"
         assert client.mux is not None and client.mux.h2 is False
@@ -422,7 +422,7 @@ async def test_the_handed_over_connection_counts_in_the_pool_limit(pki: PKI) -> 
 
     raw = RawBackend(pki, alpn=["http/1.1"])
     url = await raw.start()
-    client = BackendClient("h1-limit", url, UpstreamSettings(ca_file=str(pki.cert_path("ca")), http2=True,
+    client = BackendClient("h1-limit", url, UpstreamSettings(ca_file=str(pki.cert_path("ca")),
                                                              max_connections_per_backend=1))
     try:
         # Eight callers at once, one connection allowed: the eight that asked for HTTP/2 and waited on one
@@ -442,7 +442,7 @@ async def test_a_handed_over_connection_past_the_pool_limit_is_closed(pki: PKI) 
 
     raw = RawBackend(pki, alpn=["http/1.1"])
     url = await raw.start()
-    client = BackendClient("h1-full", url, UpstreamSettings(ca_file=str(pki.cert_path("ca")), http2=True,
+    client = BackendClient("h1-full", url, UpstreamSettings(ca_file=str(pki.cert_path("ca")),
                                                             max_connections_per_backend=1))
     pool = client._pools[False]
     try:
@@ -469,7 +469,7 @@ async def test_a_handed_over_connection_keeps_the_kind_of_certificate_it_was_mad
     raw = RawBackend(pki, alpn=["http/1.1"])
     url = await raw.start()
     client = BackendClient("h1-kinds", url, UpstreamSettings(
-        ca_file=str(pki.cert_path("ca")), http2=True, client_cert_file=str(pki.cert_path("front-proxy-client")),
+        ca_file=str(pki.cert_path("ca")), client_cert_file=str(pki.cert_path("front-proxy-client")),
         client_key_file=str(pki.key_path("front-proxy-client"))))
     try:
         assert await fetch(client, "/asserted", identity=True) == b"ok"  # found out with the certificate
@@ -520,7 +520,7 @@ def interval_passes(client: BackendClient) -> None:
 async def test_a_backend_that_turns_http2_on_is_asked_again_once_per_interval(pki: PKI) -> None:
     b = Switching(pki)
     url = await b.start()
-    client = BackendClient("switching", url, UpstreamSettings(ca_file=str(pki.cert_path("ca")), http2=True))
+    client = BackendClient("switching", url, UpstreamSettings(ca_file=str(pki.cert_path("ca"))))
     before = fallbacks("switching")
     try:
         assert await read_all(await send(client, get("/a"))) == b"h1 /a"
@@ -543,7 +543,7 @@ async def test_a_backend_still_on_http11_costs_one_attempt_per_interval_and_no_h
     b = Switching(pki)
     url = await b.start()
     client = BackendClient("flapping", url, UpstreamSettings(
-        ca_file=str(pki.cert_path("ca")), http2=True, client_cert_file=str(pki.cert_path("front-proxy-client")),
+        ca_file=str(pki.cert_path("ca")), client_cert_file=str(pki.cert_path("front-proxy-client")),
         client_key_file=str(pki.key_path("front-proxy-client"))))
     before = fallbacks("flapping")
     try:
@@ -569,7 +569,7 @@ async def test_a_retry_interval_of_zero_never_asks_again(pki: PKI) -> None:
 
     raw = RawBackend(pki, alpn=["http/1.1"])
     url = await raw.start()
-    client = BackendClient("never", url, UpstreamSettings(ca_file=str(pki.cert_path("ca")), http2=True,
+    client = BackendClient("never", url, UpstreamSettings(ca_file=str(pki.cert_path("ca")),
                                                           http2_retry_seconds=0))
     try:
         await read_all(await send(client, get("/a")))

@@ -63,7 +63,7 @@ def proxy(sandbox: SandboxState, tmp_path_factory: pytest.TempPathFactory) -> It
     # counter below sees an ejection either way.
     p = ProxyProcess(sandbox, tmp_path_factory.mktemp("tenant-proxy"), name="tenant-proxy", health_interval=30,
                      user_config={"flowControl": default_flow_control(),
-                                  "upstream": {"http2": True, "maxLongRunningPerCaller": LONG_RUNNING_CAP}})
+                                  "upstream": {"maxLongRunningPerCaller": LONG_RUNNING_CAP}})
     p.start()
     yield p
     assert p.stop() == 0

@@ -7,6 +7,7 @@ from typing import Any
 import orjson
 import pytest
 
+from gatekeeper.kube import requestinfo
 from gatekeeper.proxy.messages import Handler, ProxyRequest, ProxyResponse, UserInfo
 from gatekeeper.proxy.pipeline.auth import upstream_identity_headers
 from gatekeeper.proxy.pipeline.balancer import Balancer
@@ -15,10 +16,7 @@ from gatekeeper.proxy.pipeline.stages import (
     _forwarded_for,
     build,
     chain,
-    identity,
-    local_endpoints,
-    local_endpoints_for,
-    request_info,
+    front_for,
     upstream_headers,
 )
 from gatekeeper.proxy.settings import BackendSettings, ProxySettings, UpstreamSettings
@@ -64,7 +62,7 @@ async def test_chain_runs_middlewares_in_order() -> None:
         order.append("final")
         return ProxyResponse(status=200, headers=[])
 
-    handler = chain([mw("a"), mw("b"), identity, request_info], final)
+    handler = chain([mw("a"), mw("b"), front_for(["system:masters"])], final)
     request = req("DELETE", "/api/v1/namespaces/a/pods")
     await handler(request)
     assert order == ["a", "b", "final"]
@@ -86,7 +84,8 @@ async def test_proxy_answers_metrics_itself_to_masters() -> None:
     from gatekeeper.proxy import metrics
 
     metrics.register_source(pipeline)
-    resp = await local_endpoints(req("GET", "/metrics", peer_cert=_cert("admin", "system:masters")), never)
+    resp = await front_for(["system:masters"])(req("GET", "/metrics", peer_cert=_cert("admin", "system:masters")),
+                                               never)
     body = b"".join([c async for c in resp.body]).decode()
     await pipeline.close()
     assert resp.status == 200
@@ -121,7 +120,7 @@ async def test_metrics_groups_are_configurable() -> None:
     async def never(request: ProxyRequest) -> ProxyResponse:
         raise AssertionError("/metrics must not be forwarded")
 
-    mw = local_endpoints_for(["monitoring"])
+    mw = front_for(["monitoring"])
     ok = await mw(req("GET", "/metrics", peer_cert=_cert("prom", "monitoring")), never)
     no = await mw(req("GET", "/metrics", peer_cert=_cert("admin", "system:masters")), never)
     assert (ok.status, no.status) == (200, 403)
@@ -145,8 +144,9 @@ async def test_other_paths_pass_local_endpoints() -> None:
     async def nxt(request: ProxyRequest) -> ProxyResponse:
         return ProxyResponse(status=204, headers=[])
 
-    assert (await local_endpoints(req("GET", "/metricsx"), nxt)).status == 204
-    assert (await local_endpoints(req("POST", "/metrics"), nxt)).status == 204
+    front = front_for(["system:masters"])
+    assert (await front(req("GET", "/metricsx"), nxt)).status == 204
+    assert (await front(req("POST", "/metrics"), nxt)).status == 204
 
 
 def test_forwarded_for_appends_client_address() -> None:
@@ -236,11 +236,26 @@ async def test_the_fused_front_stage_answers_exactly_like_the_four_stages(
         body = b"".join([c async for c in resp.body]) if resp.status != 200 else b"(metrics page)"
         return resp.status, [h for h in resp.headers if h[0] != "content-length"], body, (request.user, request.info)
 
-    from gatekeeper.proxy.pipeline.stages import front_for, request_target
+    from gatekeeper.proxy.pipeline import stages
+
+    # The four stages as separate middlewares (how the pipeline ran them before they were fused): the oracle.
+    async def request_target(request: ProxyRequest, nxt: Handler) -> ProxyResponse:
+        return stages._refuse_target(request) or await nxt(request)
+
+    async def identity(request: ProxyRequest, nxt: Handler) -> ProxyResponse:
+        return stages._establish_identity(request) or await nxt(request)
+
+    async def request_info(request: ProxyRequest, nxt: Handler) -> ProxyResponse:
+        request.info = requestinfo.parse(request.method, request.target)
+        return await nxt(request)
+
+    own_page = stages._metrics_page_for(["system:masters"])
+
+    async def local_endpoints(request: ProxyRequest, nxt: Handler) -> ProxyResponse:
+        return await own_page(request) if stages._is_local(request) else await nxt(request)
 
     fused = await outcome(chain([front_for(["system:masters"])], final))
-    separate = await outcome(chain([request_target, identity, request_info,
-                                    local_endpoints_for(["system:masters"])], final))
+    separate = await outcome(chain([request_target, identity, request_info, local_endpoints], final))
     assert fused == separate
 
 
@@ -317,7 +332,7 @@ async def test_one_caller_holds_at_most_its_share_of_long_running_requests() -> 
     assert (await dispatch(req("GET", watch, [("authorization", "Bearer other")]))).status == 200
     assert (await dispatch(req("GET", "/api/v1/namespaces/a/configmaps", mine))).status == 200  # short: no cap
     # flow control's verified identity is the caller, whichever of its tokens it sends
-    same_sa = [req("GET", watch, [("authorization", f"Bearer token-{i}")], annotations={"caller": "system:sa"})
+    same_sa = [req("GET", watch, [("authorization", f"Bearer token-{i}")], caller="system:sa")
                for i in range(3)]
     assert [(await dispatch(r)).status for r in same_sa] == [200, 200, 429]
     held[0].finish(None)

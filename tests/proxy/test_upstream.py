@@ -14,6 +14,7 @@ import contextlib
 import ssl
 import tracemalloc
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from gatekeeper.proxy.messages import ProxyRequest, ProxyResponse, close_body
 from gatekeeper.proxy.pipeline.balancer import Balancer
 from gatekeeper.proxy.pipeline.stages import Pipeline, build
 from gatekeeper.proxy.settings import BackendSettings, ProxySettings, UpstreamSettings
+from gatekeeper.proxy.upstream.client import BackendClient, PoolTimeout
 from gatekeeper.proxy.upstream.hop_by_hop import strip_hop_by_hop
 from gatekeeper.proxy.upstream.upgrade import parse_head
 from gatekeeper.sandbox.processes import free_port
@@ -118,13 +120,13 @@ class FakeApiserver:
         return web.StreamResponse()
 
 
-def settings_for(pki: PKI, urls: list[str], client: str = "lean") -> ProxySettings:
+def settings_for(pki: PKI, urls: list[str]) -> ProxySettings:
     return ProxySettings(
         backends=[BackendSettings(url=u) for u in urls],
         upstream=UpstreamSettings(
             ca_file=str(pki.cert_path("ca")), client_cert_file=str(pki.cert_path("front-proxy-client")),
             client_key_file=str(pki.key_path("front-proxy-client")), connect_timeout_seconds=2.0,
-            health_interval_seconds=60, client=client,
+            health_interval_seconds=60,
         ),
     )
 
@@ -140,12 +142,11 @@ def req(method: str, target: str, headers: list[tuple[str, str]] | None = None, 
                         protocol=protocol, peer="127.0.0.1:5555", peer_cert=cert)  # type: ignore[arg-type]
 
 
-@pytest.fixture(params=["lean", "aiohttp"])
-async def fake(pki: PKI, request: pytest.FixtureRequest) -> AsyncIterator[tuple[FakeApiserver, Pipeline]]:
-    """Both request-path clients (``upstream.client``) must behave the same."""
+@pytest.fixture
+async def fake(pki: PKI) -> AsyncIterator[tuple[FakeApiserver, Pipeline]]:
     server = FakeApiserver()
     url = await server.start(pki)
-    pipeline = build(settings_for(pki, [url], client=request.param))
+    pipeline = build(settings_for(pki, [url]))
     yield server, pipeline
     await pipeline.close()
     await server.stop()
@@ -304,6 +305,37 @@ async def test_probe_marks_backend_unready_and_back(pki: PKI) -> None:
         await server2.stop()
     finally:
         await pipeline.close()
+
+
+async def test_the_proxys_own_calls_take_a_pool_of_their_own_and_a_bounded_answer(pki: PKI) -> None:
+    """Probes, issuer keys and TokenReviews (``BackendClient.call``) present the front-proxy certificate, send
+    their body whole and read the answer whole up to a bound; and they have their own pool, so a request pool
+    that clients filled never makes a probe fail (that would eject a backend that is only busy)."""
+    server = FakeApiserver()
+    url = await server.start(pki)
+    settings = replace(settings_for(pki, [url]).upstream, max_connections_per_backend=1,
+                       pool_acquire_timeout_seconds=0.2)
+    client = BackendClient("backend-0", url, settings)
+    held: ProxyResponse | None = None
+    try:
+        status, data = await client.call("POST", "/echo", [("content-type", "application/json")], b'{"a":1}',
+                                         deadline=5, max_bytes=1024)
+        assert (status, data) == (200, b'{"a":1}')
+        assert server.seen[-1]["cert"] is not None, "own calls assert the proxy's identity"
+        held = await client.send(req("GET", "/big"), [], identity=False, swallow_body_errors=False,
+                                 on_done=lambda _e: None)  # unread: it holds the one short-request connection
+        with pytest.raises(PoolTimeout):
+            await client.send(req("GET", "/readyz"), [], identity=False, swallow_body_errors=False,
+                              on_done=lambda _e: None)
+        assert await client.probe()
+        with pytest.raises(ValueError, match="larger than 1024 bytes"):
+            await client.call("GET", "/big", [], deadline=5, max_bytes=1024)
+    finally:
+        server.release.set()
+        if held is not None:
+            await close_body(held.body)
+        await client.close()
+        await server.stop()
 
 
 async def upgrade_server(pki: PKI) -> tuple[asyncio.Server, int, list[bytes]]:

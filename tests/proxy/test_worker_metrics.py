@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from gatekeeper.proxy import workers
+from gatekeeper.proxy import command, process
 from gatekeeper.proxy.flowcontrol.edge.ledger import SeatLedger
 from gatekeeper.proxy.settings import BackendSettings, ProxySettings
 from gatekeeper.proxy.worker_metrics import MISSING, SKEW_INPUT, merge_pages, render_in_worker
@@ -72,19 +72,19 @@ def test_label_values_are_escaped_back():
 
 def test_worker_count_flag_then_config_then_cores(monkeypatch):
     settings = ProxySettings(backends=[BackendSettings(url="https://127.0.0.1:1")])
-    monkeypatch.setattr(workers, "usable_cores", lambda: 16)
-    assert workers.worker_count(settings, 3) == 3
-    assert workers.worker_count(replace(settings, workers=5), None) == 5
-    assert workers.worker_count(settings, None) == 8  # capped by maxWorkers
-    assert workers.worker_count(replace(settings, max_workers=2), 0) == 2
+    monkeypatch.setattr(command, "usable_cores", lambda: 16)
+    assert command.worker_count(settings, 3) == 3
+    assert command.worker_count(replace(settings, workers=5), None) == 5
+    assert command.worker_count(settings, None) == 8  # capped by maxWorkers
+    assert command.worker_count(replace(settings, max_workers=2), 0) == 2
     with pytest.raises(ValueError, match="workers"):
         replace(settings, workers=-1).validate()
 
 
-def test_worker_settings_share_the_port_and_keep_metrics_private():
+def test_worker_settings_report_the_parents_port_and_keep_metrics_private():
     settings = ProxySettings(backends=[BackendSettings(url="https://127.0.0.1:1")])
-    w = workers.worker_settings(settings, 4443)
-    assert (w.listener.port, w.listener.reuse_port, w.listener.metrics_port) == (4443, True, 0)
+    w = process.worker_settings(settings, 4443)
+    assert (w.listener.port, w.listener.metrics_port) == (4443, 0)
     assert w.listener.metrics_address == "127.0.0.1"
 
 

@@ -48,7 +48,7 @@ def wait_for(cond, timeout: float = 20.0, what: str = "") -> None:
 
 
 def connect_to_every_worker(p: ProxyProcess, limit: int = 40) -> list[WireH2]:
-    """Open h2 connections (one GET each) until every worker holds at least one (the parent or the kernel picks)."""
+    """Open h2 connections (one GET each) until every worker holds at least one (the parent picks)."""
     conns: list[WireH2] = []
     while len(conns) < limit:
         c = WireH2(p.url, p.tls(cert=True))
@@ -118,8 +118,8 @@ def open_h2(p: ProxyProcess, n: int) -> list[WireH2]:
 
 
 def test_connections_go_to_the_least_loaded_worker(proxy: ProxyProcess) -> None:
-    """connectionBalancing: least-connections (the default). SO_REUSEPORT hashed h2load's 8 connections
-    6/2 in one round of 5; here each connection goes to the worker with fewer, read from the workers' own
+    """Each connection goes to the worker with fewer (SO_REUSEPORT, the kernel's model, hashed h2load's 8
+    connections 6/2 in one round of 5), read from the workers' own
     gauges, and a worker whose clients left gets the next connections."""
     gauge = "gatekeeper_proxy_client_connections"
     by_worker: dict[int, list[WireH2]] = {0: [], 1: []}
@@ -153,26 +153,11 @@ def test_connections_go_to_the_least_loaded_worker(proxy: ProxyProcess) -> None:
                 c.close()
 
 
-def test_kernel_balancing_serves_from_every_worker(sandbox: SandboxState, tmp_path: Path) -> None:
-    """connectionBalancing: kernel keeps every worker listening on the port with SO_REUSEPORT."""
-    p = ProxyProcess(sandbox, tmp_path, name="proxy-kernel", workers=WORKERS,
-                     user_config={"connectionBalancing": "kernel"})
-    p.start()
-    try:
-        conns = connect_to_every_worker(p)
-        for c in conns:
-            c.close()
-        assert sample_sum(p.metrics(), "gatekeeper_proxy_connections_handed_off_total") == 0
-        assert all("connections" not in w for w in workers_of(p))
-    finally:
-        assert p.stop() == 0
-
-
-@pytest.fixture(params=["least-connections", "kernel"])
-def drain_proxy(sandbox: SandboxState, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[ProxyProcess]:
-    """Workers balanced either way, drains of 5 s: a watch is served until then, then ended."""
+@pytest.fixture
+def drain_proxy(sandbox: SandboxState, tmp_path: Path) -> Iterator[ProxyProcess]:
+    """Workers with drains of 5 s: a watch is served until then, then ended."""
     p = ProxyProcess(sandbox, tmp_path, name="proxy-drain", workers=WORKERS,
-                     user_config={"connectionBalancing": request.param, "protocol": {"shutdownTimeoutSeconds": 5}})
+                     user_config={"protocol": {"shutdownTimeoutSeconds": 5}})
     p.start()
     try:
         yield p
@@ -255,9 +240,9 @@ def finished_or_sent_away(t: RawTail, sid: int, timeout: float = 20) -> None:
 
 
 def test_sigterm_drains_requests_and_watches_and_exits_0(drain_proxy: ProxyProcess) -> None:
-    """The proxy SIGTERMed, either balancing: each worker (told by the parent closing its hand-off socket, or with
-    ``kernel`` by the parent's SIGTERM) sends a graceful GOAWAY, answers the requests in flight, serves the open
-    watch until shutdownTimeoutSeconds and ends it, and exits 0; so does the proxy."""
+    """The proxy SIGTERMed: each worker (told by the parent closing its hand-off socket) sends a graceful
+    GOAWAY, answers the requests in flight, serves the open watch until shutdownTimeoutSeconds and ends it,
+    and exits 0; so does the proxy."""
     p = drain_proxy
     conns = connect_to_every_worker(p)
     pids = [w["pid"] for w in workers_of(p)]
@@ -287,13 +272,11 @@ def test_sigterm_drains_requests_and_watches_and_exits_0(drain_proxy: ProxyProce
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
 
 
-@pytest.mark.parametrize("drain_proxy", ["kernel"], indirect=True)
-def test_kernel_balancing_a_worker_sigtermed_on_its_own_drains_exits_0_and_is_replaced(
-        drain_proxy: ProxyProcess) -> None:
-    """connectionBalancing: kernel, one worker SIGTERMed by itself (as when it is replaced): its connections get
-    a graceful GOAWAY and their requests in flight are answered, new connections meanwhile are all served (it
-    closed its SO_REUSEPORT listener: the kernel hands them to the other worker), it exits 0 after its drain and
-    is restarted; the other worker's connections carry on untouched."""
+def test_a_worker_sigtermed_on_its_own_drains_exits_0_and_is_replaced(drain_proxy: ProxyProcess) -> None:
+    """One worker SIGTERMed by itself (as when it is replaced): its connections get a graceful GOAWAY and their
+    requests in flight are answered, new connections meanwhile are all served (the parent hands them to the
+    other worker), it exits 0 after its drain and is restarted; the other worker's connections carry on
+    untouched."""
     p = drain_proxy
     conns = connect_to_every_worker(p)
     try:
@@ -451,26 +434,20 @@ signal.signal = _signal
 """
 
 
-@pytest.mark.parametrize("balancing", ["least-connections", "kernel"])
 def test_a_sigterm_landing_as_a_draining_worker_gives_up_its_handler_does_not_kill_it(
-        sandbox: SandboxState, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, balancing: str) -> None:
+        sandbox: SandboxState, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A worker draining because the parent closed its hand-off socket keeps its SIGTERM handler through the
     drain, then ignores the signal; between removing the loop's handler (the default action back) and SIG_IGN,
     a SIGTERM killed it: exit -15, the proxy 15. Blocking the signal in the main thread across that swap (the
     last fix) did not help: the signal went to one of uvloop's libuv-worker threads (5 threads in all), and the
-    default action ended the process. The loop's handler is no longer removed: SIG_IGN replaces it in place.
-
-    With ``kernel`` balancing the parent's SIGTERM is the workers' signal to drain, and a worker drained by a
-    signal removed its loop's handlers at once: a second SIGTERM (sent to the whole group) killed it mid-drain,
-    exit -15, the proxy 15. A supervised worker now keeps them as well."""
+    default action ended the process. The loop's handler is no longer removed: SIG_IGN replaces it in place."""
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(_SIGTERM_IN_THE_SWAP)
     swaps = tmp_path / "swaps.log"
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")])))
     monkeypatch.setenv("GK_TEST_SWAP_LOG", str(swaps))
-    p = ProxyProcess(sandbox, tmp_path, name="proxy-swap", workers=WORKERS,
-                     user_config={"connectionBalancing": balancing})
+    p = ProxyProcess(sandbox, tmp_path, name="proxy-swap", workers=WORKERS)
     p.start()
     code = p.stop()
     fired = swaps.read_text() if swaps.exists() else ""
@@ -750,3 +727,29 @@ def test_workers_follow_a_sigkilled_parent_and_the_next_start_removes_its_direct
         assert not runtime.exists(), f"{runtime} left behind by the SIGKILLed supervisor"
     finally:
         assert successor.stop() == 0
+
+
+def test_the_connection_cap_is_the_whole_proxys_not_each_workers(sandbox: SandboxState, tmp_path: Path) -> None:
+    """maxClientConnections 3 with 2 workers: each worker alone would take 3 (6 in all). The parent counts the
+    connections open in both and closes the fourth at accept, counted as connection_cap; a slot freed by a
+    closed connection is taken again."""
+    p = ProxyProcess(sandbox, tmp_path, name="proxy-cap", workers=WORKERS,
+                     user_config={"listener": {"maxClientConnections": 3}})
+    p.start()
+    conns: list[WireH2] = []
+    try:
+        conns = open_h2(p, 3)
+        wait_for(lambda: sum(w.get("connections") or 0 for w in workers_of(p)) == 3, timeout=10,
+                 what="the parent to count 3 open connections")
+        with pytest.raises((OSError, AssertionError)):  # the TLS handshake meets a socket the parent closed
+            conns += open_h2(p, 1)
+        wait_for(lambda: p.metric("gatekeeper_proxy_rejected_total", reason="connection_cap") >= 1, timeout=10,
+                 what="the refusal to be counted")
+        conns.pop().close()
+        wait_for(lambda: sum(w.get("connections") or 0 for w in workers_of(p)) == 2, timeout=10,
+                 what="the closed connection to be counted")
+        conns += open_h2(p, 1)
+    finally:
+        for c in conns:
+            c.close()
+        assert p.stop() == 0

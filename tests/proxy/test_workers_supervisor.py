@@ -25,7 +25,10 @@ SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
 
 
 def supervisor(tmp_path: Path, settings: ProxySettings = SETTINGS, n: int = 1) -> workers.Supervisor:
-    return workers.Supervisor(settings, tmp_path / "proxy.yaml", n, tmp_path, 0)
+    """A supervisor whose port is bound but never accepted on (these tests do not start its dispatcher)."""
+    port = socket.socket()
+    port.bind(("127.0.0.1", 0))
+    return workers.Supervisor(settings, tmp_path / "proxy.yaml", n, tmp_path, port.getsockname()[1], [port])
 
 
 def handoff_supervisor(tmp_path: Path, n: int) -> tuple[workers.Supervisor, socket.socket]:
@@ -175,7 +178,7 @@ async def test_the_proxy_exits_when_its_connection_hand_off_thread_fails(tmp_pat
     """The hand-off thread closes the TLS port when it fails (a bug, a full disk under its metrics). The
     parent ran on without a port: workers alive, ``/readyz`` still ready, so an orchestrator kept sending
     clients to a node that refused them. It now stops and exits 1, to be restarted."""
-    from gatekeeper.proxy.handoff import Dispatcher
+    from gatekeeper.proxy.handoff import HandoffDispatcher
 
     sup, listener = handoff_supervisor(tmp_path, 1)
     real = asyncio.create_subprocess_exec
@@ -183,11 +186,11 @@ async def test_the_proxy_exits_when_its_connection_hand_off_thread_fails(tmp_pat
     async def sleeper(*argv: Any, **kw: Any) -> asyncio.subprocess.Process:
         return await real(*SLEEPER, **kw)
 
-    def bug(self: Dispatcher) -> None:
+    def bug(self: HandoffDispatcher) -> None:
         raise RuntimeError("a bug in the hand-off thread")
 
     monkeypatch.setattr(asyncio, "create_subprocess_exec", sleeper)
-    monkeypatch.setattr(Dispatcher, "_apply_commands", bug)  # runs at the first worker's start
+    monkeypatch.setattr(HandoffDispatcher, "_apply_commands", bug)  # runs at the first worker's start
     try:
         assert await asyncio.wait_for(sup.run(), 20) == 1
     finally:

@@ -1,11 +1,11 @@
 """Seeded variant generators and oracles for the admission fuzz (pure: no I/O).
 
-The oracles are written from the README's words, not from the webhook's code, so a bug in the
+The oracles are written from the documentation's words (docs/webhook/), not from the webhook's code, so a bug in the
 policy is not repeated in the check that is meant to catch it:
 
 * GPU: a Pod stored in the cluster asks for ``nvidia.com/gpu`` (a count above 0, in any container,
   requests or limits) only where the policy lets whole GPUs through (:func:`whole_gpus_allowed`).
-* Size: an object's counted size is what the README's "Admission webhook" section lists
+* Size: an object's counted size is what docs/webhook/index.md ("What counts") lists
   (:func:`documented_size`); nothing is stored above the hard limit, and nothing at or under it is denied.
 
 The sandbox test (test_admission_fuzz_sandbox.py) drives these through the real apiserver.
@@ -100,8 +100,8 @@ REWRITTEN = "gatekeeper.dev/gpu-rewritten"
 
 
 def has_own_shared(pod: dict[str, Any]) -> bool:
-    """Claims or device-plugin sharing names of the pod's own (the README: such a pod is left as it is, except
-    in an enforced namespace, where it is denied; a pod carrying ``gpu-rewritten`` has claims that are ours,
+    """Claims or device-plugin sharing names of the pod's own (docs/webhook/gpu-modes.md: such a pod is left as it is,
+    except in an enforced namespace, where it is denied; a pod carrying ``gpu-rewritten`` has claims that are ours,
     and is rewritten like any other)."""
     if REWRITTEN in ((pod.get("metadata") or {}).get("annotations") or {}):
         return False
@@ -118,7 +118,7 @@ def has_own_shared(pod: dict[str, Any]) -> bool:
 
 
 def effective_mode(ns: NamespacePolicy, annotation: str | None, opt_out: bool) -> tuple[str, bool]:
-    """(mode, forbidden): the README's order (annotation, else the namespace's mode), and in an enforced
+    """(mode, forbidden): the documented order (annotation, else the namespace's mode), and in an enforced
     namespace an annotation naming another mode is denied unless the creator is in optOutGroups."""
     if ns.enforced:
         if annotation is None or annotation == ns.mode:
@@ -256,7 +256,7 @@ def _json_len(value: Any) -> int:
 
 
 def documented_size(obj: dict[str, Any]) -> int:
-    """The README's counted size of a stored Secret or ConfigMap (countAnnotations on, the default).
+    """The documented counted size of a stored Secret or ConfigMap (countAnnotations on, the default).
 
     Keys and decoded values of ``data`` (Secret; ``stringData`` is merged into ``data`` by the apiserver),
     ``data`` and decoded ``binaryData`` (ConfigMap), annotations, labels, finalizers, ownerReferences,

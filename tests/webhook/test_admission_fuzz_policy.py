@@ -21,7 +21,8 @@ from admission_fuzz import (
 from review_fixtures import apply, request, review
 
 from gatekeeper.kube.admission import response
-from gatekeeper.webhook import gpu, registration
+from gatekeeper.webhook import registration
+from gatekeeper.webhook.gpu import policy as gpu
 from gatekeeper.webhook.settings import GpuSettings
 
 SEED = 20261202

@@ -4,7 +4,7 @@ A module sandbox of its own (1 apiserver, scheduler + controller manager, 1 KWOK
 with enforced namespaces and an opt-out group). Every variant is sent twice by the same tenant identity:
 once to ``fz-exempt`` (labelled ``gatekeeper.dev/exempt=true``, so no webhook sees it: what the apiserver
 alone makes of it) and once where the webhook runs. Then what the apiserver stored (or, for dry-run,
-returned) is read back and judged by admission_fuzz.py's oracles, written from the README, not the code:
+returned) is read back and judged by admission_fuzz.py's oracles, written from the docs (docs/webhook/), not the code:
 
 * no stored Pod asks for ``nvidia.com/gpu`` unless the policy lets whole GPUs through;
 * a Pod the apiserver alone accepts is never refused unless the webhook denies it for a documented reason
@@ -239,7 +239,7 @@ async def test_gpu_pods_never_bypass_the_rewrite_and_valid_pods_stay_valid(api: 
 
 async def test_pods_made_by_deployments_and_jobs_are_rewritten_too(api: Api) -> None:
     """The controller creates the Pod under its own ServiceAccount: the webhook sees it, the tenant's opt-out
-    group does not come along (the README: opt-out applies to the identity that creates the Pod)."""
+    group does not come along (docs/webhook/gpu-modes.md: opt-out applies to the identity that creates the Pod)."""
     expect_pod: dict[str, bool] = {}
     owners: dict[str, PodCase] = {}
     for i, case in enumerate(c for c in pod_cases(SEED + 1, 200, NAMESPACES) if not c.namespace.exempt):
@@ -450,7 +450,7 @@ async def _size_reviews(state: SandboxState) -> float:
 async def test_opt_out_is_the_pod_creators_so_it_does_not_travel_through_a_controller(api: Api) -> None:
     """optOutGroups is matched against who creates the Pod. A Deployment's Pods are created by the ReplicaSet
     controller's ServiceAccount, so an opt-out user's ``gpu-mode: off`` template in an enforced namespace is
-    denied (the README says so); the same pod created by that user directly keeps its whole GPU."""
+    denied (docs/webhook/gpu-modes.md says so); the same pod created by that user directly keeps its whole GPU."""
     pod = {"apiVersion": "v1", "kind": "Pod",
            "metadata": {"name": "optout-direct", "annotations": {"gatekeeper.dev/gpu-mode": "off"},
                         "labels": {"fuzz-ctl": "optout"}},

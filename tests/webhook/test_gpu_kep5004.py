@@ -7,8 +7,8 @@ from typing import Any
 
 from review_fixtures import container, pod, request, review
 
-from gatekeeper.webhook import gpu
 from gatekeeper.webhook.deviceclasses import ExtendedResourceMap, classes_mapping
+from gatekeeper.webhook.gpu import policy as gpu
 from gatekeeper.webhook.settings import GpuSettings
 
 DRA = GpuSettings(default_mode="dra")

@@ -11,7 +11,7 @@ from review_fixtures import apply, container, pod, request, review
 
 from gatekeeper.config import ConfigError, load_config
 from gatekeeper.kube.admission import response
-from gatekeeper.webhook import gpu
+from gatekeeper.webhook.gpu import policy as gpu
 from gatekeeper.webhook.gpu.sizing import layout_profiles
 from gatekeeper.webhook.settings import GpuSettings, MigPool
 

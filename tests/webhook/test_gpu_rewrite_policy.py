@@ -8,7 +8,7 @@ import pytest
 from review_fixtures import apply, container, pod, request, review
 
 from gatekeeper.kube.admission import response
-from gatekeeper.webhook import gpu
+from gatekeeper.webhook.gpu import policy as gpu
 from gatekeeper.webhook.gpu.claims import spec_hash
 from gatekeeper.webhook.settings import REWRITTEN_ANNOTATION, GpuSettings
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 from review_fixtures import container, pod, request, review
 
-from gatekeeper.webhook import gpu
+from gatekeeper.webhook.gpu import policy as gpu
 from gatekeeper.webhook.gpu.sizing import mig_need_bytes, parse_quantity
 from gatekeeper.webhook.settings import GpuSettings
 

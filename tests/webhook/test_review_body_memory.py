@@ -1,4 +1,5 @@
-"""What a worker holds to read a review's body, and gives back after decoding a large one (README, worst case).
+"""What a worker holds to read a review's body, and gives back after decoding a large one (the worst case in
+docs/webhook/hardening.md).
 
 aiohttp's ``request.read()`` held a body about twice: a growing ``bytearray``, then its copy as ``bytes``. The
 handler now reads it into one buffer of its size. Measured with tracemalloc around the handler: the body is
@@ -140,8 +141,9 @@ async def test_a_too_large_review_is_answered_413_and_counted() -> None:
 @pytest.mark.parametrize(("size", "trims"), [(TRIM_AFTER_BYTES, 1), (TRIM_AFTER_BYTES - 1, 0), (20 * 1024, 0)])
 async def test_the_heap_is_trimmed_after_a_large_review_only(monkeypatch: pytest.MonkeyPatch, size: int,
                                                              trims: int) -> None:
-    """malloc_trim gives back what a large decode fragmented (README: 47-89 MiB a worker kept after one); after
-    a small review it would cost a few microseconds for nothing, so it is not called."""
+    """malloc_trim gives back what a large decode fragmented (47-89 MiB a worker kept after one; the README's figures
+    are in loadtest/reports/2026-12-03-readme-history.md); after a small review it would cost a few microseconds for
+    nothing, so it is not called."""
     calls: list[int] = []
     monkeypatch.setattr(webhook_app, "_TRIM", lambda: calls.append(1))
     doc = orjson.dumps(review(secret(data={"a": b64(1024)})))

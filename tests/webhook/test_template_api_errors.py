@@ -20,8 +20,9 @@ import pytest
 from aiohttp import web
 
 from gatekeeper.kube.status import MAX_REMOTE_MESSAGE_CHARS, one_line, status_message
-from gatekeeper.webhook.template_lifecycle import TemplateLifecycle, kube_ops
-from gatekeeper.webhook.templates import TemplateError, kube_creator
+from gatekeeper.webhook.kube_api import template_creator, template_ops
+from gatekeeper.webhook.template_lifecycle import TemplateLifecycle
+from gatekeeper.webhook.templates import TemplateError
 
 QUOTA = ('resourceclaimtemplates.resource.k8s.io "gpu-1" is forbidden: exceeded quota: gpu-templates, '
          "requested: count/resourceclaimtemplates.resource.k8s.io=1, used: count/resourceclaimtemplates."
@@ -63,7 +64,7 @@ async def apiserver(aiohttp_server: Any) -> AsyncIterator[Callable[[web.Response
 
 
 async def test_a_refused_template_carries_the_apiservers_status_message(apiserver: Any) -> None:
-    create = kube_creator(await apiserver(status(403, "Forbidden", QUOTA)))
+    create = template_creator(await apiserver(status(403, "Forbidden", QUOTA)))
     with pytest.raises(TemplateError) as err:
         await create(TEMPLATE)
     assert str(err.value) == (f"gatekeeper could not create ResourceClaimTemplate team/gpu-1: HTTP 403 Forbidden: "
@@ -71,7 +72,7 @@ async def test_a_refused_template_carries_the_apiservers_status_message(apiserve
 
 
 async def test_a_hostile_status_message_arrives_as_one_bounded_printable_line(apiserver: Any) -> None:
-    create = kube_creator(await apiserver(status(403, "Forbidden", HOSTILE)))
+    create = template_creator(await apiserver(status(403, "Forbidden", HOSTILE)))
     with pytest.raises(TemplateError) as err:
         await create(TEMPLATE)
     message = str(err.value)
@@ -83,7 +84,7 @@ async def test_a_hostile_status_message_arrives_as_one_bounded_printable_line(ap
 async def test_the_reconcilers_log_names_the_apiservers_message_not_its_headers(
         apiserver: Any, caplog: pytest.LogCaptureFixture) -> None:
     """The reconciliation loop logged ``str(ApiException)``: every response header and the whole body."""
-    life = TemplateLifecycle(kube_ops(await apiserver(status(403, "Forbidden", HOSTILE))), 3600, 60, set)
+    life = TemplateLifecycle(template_ops(await apiserver(status(403, "Forbidden", HOSTILE))), 3600, 60, set)
     with caplog.at_level(logging.WARNING, logger="gatekeeper.webhook.template_lifecycle"):
         task = asyncio.create_task(life.run())
         for _ in range(500):

@@ -366,10 +366,10 @@ def _forbid_templates(kubectl, namespace: str) -> None:  # type: ignore[no-untyp
 
 def test_a_template_the_webhook_cannot_create_is_a_failed_call_that_failure_policy_ignore_admits(
         webhook, sandbox, kubectl, namespace) -> None:
-    """The README's way to take the webhook out of the write path is failurePolicy=Ignore, but a template the
-    webhook could not create (here: a quota of 0 ResourceClaimTemplates; in the field: broken RBAC) was answered
-    allowed: false, which the apiserver obeys whatever the failurePolicy: GPU pods stayed refused. Now the call
-    fails (HTTP 503), and the real apiserver applies Ignore: the pod is admitted unchanged."""
+    """The documented way (docs/operations/index.md) to take the webhook out of the write path is failurePolicy=Ignore,
+    but a template the webhook could not create (here: a quota of 0 ResourceClaimTemplates; in the field: broken
+    RBAC) was answered allowed: false, which the apiserver obeys whatever the failurePolicy: GPU pods stayed refused.
+    Now the call fails (HTTP 503), and the real apiserver applies Ignore: the pod is admitted unchanged."""
     live = get(kubectl, "mutatingwebhookconfiguration", webhook["mutating"])
     (hook,) = live["webhooks"]
     hook.update(name="ignore.gpu.gatekeeper.dev", failurePolicy="Ignore",

@@ -109,9 +109,9 @@ async def test_mutate_creates_template_once_and_never_on_dry_run(client_and_fake
 
 async def test_template_failure_is_a_failed_call_with_message_for_the_failure_policy(  # type: ignore[no-untyped-def]
         aiohttp_client) -> None:
-    """Answered as allowed: false, a template the webhook could not create refused the pod even under
-    failurePolicy Ignore (the README's way to take the webhook out of the write path); a failed call lets the
-    apiserver apply the configured failurePolicy, and under Fail the user still reads the message."""
+    """Answered as allowed: false, a template the webhook could not create refused the pod even under failurePolicy
+    Ignore (the documented way, docs/operations/index.md, to take the webhook out of the write path); a failed call
+    lets the apiserver apply the configured failurePolicy, and under Fail the user still reads the message."""
     app = build_app(SETTINGS, TemplateKeeper(FakeCreate(TemplateError("HTTP 403 Forbidden")), 60),
                     authenticate=as_apiserver)
     client = await aiohttp_client(app)
@@ -219,21 +219,21 @@ async def _creator_against(aiohttp_server, handler, request_timeout: float):  # 
     from aiohttp import web
     from kubernetes_asyncio import client
 
-    from gatekeeper.webhook.templates import kube_creator
+    from gatekeeper.webhook.kube_api import template_creator
 
     app = web.Application()
     app.router.add_post("/apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaimtemplates", handler)
     server = await aiohttp_server(app)
     cfg = client.Configuration(host=str(server.make_url("")).rstrip("/"))
     api = client.ApiClient(configuration=cfg)
-    return api, kube_creator(api, request_timeout=request_timeout)
+    return api, template_creator(api, request_timeout=request_timeout)
 
 
 TEMPLATE = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
             "metadata": {"namespace": "team-a", "name": "t"}, "spec": {}}
 
 
-async def test_kube_creator_maps_409_to_already_exists_and_403_to_a_message(aiohttp_server) -> None:  # type: ignore[no-untyped-def]
+async def test_template_creator_maps_409_to_already_exists_and_403_to_a_message(aiohttp_server) -> None:  # type: ignore[no-untyped-def]
     from aiohttp import web
 
     async def handler(request: web.Request) -> web.Response:
@@ -251,7 +251,7 @@ async def test_kube_creator_maps_409_to_already_exists_and_403_to_a_message(aioh
         await api.close()
 
 
-async def test_kube_creator_gives_up_on_a_hung_apiserver_with_a_message(aiohttp_server) -> None:  # type: ignore[no-untyped-def]
+async def test_template_creator_gives_up_on_a_hung_apiserver_with_a_message(aiohttp_server) -> None:  # type: ignore[no-untyped-def]
     from aiohttp import web
 
     async def hang(request: web.Request) -> web.Response:

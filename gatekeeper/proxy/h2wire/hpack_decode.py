@@ -1,10 +1,10 @@
-"""HPACK decoding (RFC 7541) for the proxy's HTTP/2 codecs: one loop over the block, plain tuples out.
+"""HPACK decoding (RFC 7541) for the HTTP/2 codec: one loop over the block, plain tuples out.
 
-Why not ``hpack.Decoder``: it was ~8 us of a request's ~17 us in the server codec,
+Why not ``hpack.Decoder``: it was ~8 us of a request's ~17 us in the codec,
 spread over a method call, a log call and a table lookup per field. A
 Kubernetes request block is a handful of indexed fields plus the never-indexed
 bearer token, so a flat loop with inlined integer decoding does the same work in
-a fraction of the time. Huffman strings go through :mod:`huffman`'s decoder and
+a fraction of the time. Huffman strings go through ``h2wire.huffman``'s decoder and
 its memo: the short-string memo (``:path`` on every nghttp2 request) only for
 fields that are neither never-indexed nor credentials (``SECRET_NAMES``), so no
 short secret is kept as a cache key.

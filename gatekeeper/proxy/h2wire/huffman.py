@@ -18,8 +18,8 @@ subscripts and no branch. Completing EOS leads to the error state, which
 never leaves. After the last byte, the string is valid only if the machine
 rests on the all-ones path from the root at depth 0..7: the padding is then
 at most 7 bits and a prefix of EOS (30 one bits). Anything else, including
-EOS inside the string, raises :class:`HuffmanDecodingError` (the HPACK
-decoder makes it a COMPRESSION_ERROR).
+EOS inside the string, raises :class:`HuffmanDecodingError`: the codec fails
+the connection with COMPRESSION_ERROR.
 
 Tables are built on first use from the code table of RFC 7541 Appendix B
 (:mod:`hpack_tables`): ~17 ms and ~1.9 MB, once per process.
@@ -55,7 +55,8 @@ MEMO_MIN_BYTES = 64
 MEMO_MAX_BYTES = 8192
 MEMO_ENTRIES = 256
 SHORT_MEMO_MIN_BYTES = 4
-"""Chosen by ``loadtest/bench_h2_huffman.py``: a hit costs ~0.05 us at any length, decoding ~0.25 us at
+"""Chosen by measurement (loadtest/reports/2026-12-03-readme-history.md): a hit costs ~0.05 us at any
+length, decoding ~0.25 us at
 1 byte, ~0.33 at 4 and ~0.8 at 16, a miss (decode, insert, evict) ~0.18 us more than decoding. From 4
 bytes the memo pays off above a ~40% hit rate (~20% at 16 bytes); shorter strings save too little."""
 SHORT_MEMO_ENTRIES = 1024

@@ -27,7 +27,7 @@ BUFFERED_REQUEST_BYTES = Gauge(
 )
 
 
-class RequestBufferBudget:
+class RequestBodyBudget:
     """Bytes held against a limit, by every HTTP/2 connection of one process; each holds a :class:`Share`."""
 
     __slots__ = ("gauge", "held", "holders", "limit")
@@ -56,7 +56,7 @@ class Share:
 
     __slots__ = ("budget", "held")
 
-    def __init__(self, budget: RequestBufferBudget) -> None:
+    def __init__(self, budget: RequestBodyBudget) -> None:
         self.budget = budget
         self.held = 0
 

@@ -39,14 +39,14 @@ REFUSED_STREAMS = Counter(
 )
 HANDED_OFF = Counter(
     "gatekeeper_proxy_connections_handed_off",
-    "Client connections the supervisor accepted and handed to each worker (connectionBalancing: "
-    "least-connections): the split shows how even the workers' load is.",
+    "Client connections the supervisor accepted and handed to each worker "
+    "(with --workers N): the split shows how even the workers' load is.",
     ["worker"],
 )
 HANDOFF_STALLS = Counter(
     "gatekeeper_proxy_handoff_stalls",
     "Times a worker left a connection handed to it unread (stopped, or its event loop blocked; "
-    "connectionBalancing: least-connections): for 50 ms while another worker kept up (its unread connections "
+    "with --workers N): for 50 ms while another worker kept up (its unread connections "
     "are taken back and it is passed over for 0.5 s at a time), or for 0.5 s with no other worker keeping up. "
     "Counted once until it reads again.",
     ["worker"],
@@ -54,7 +54,7 @@ HANDOFF_STALLS = Counter(
 HANDOFF_TAKEN_BACK = Counter(
     "gatekeeper_proxy_handoff_taken_back",
     "Client connections the supervisor took back unread from a worker and handed to another "
-    "(connectionBalancing: least-connections): the worker had left one unread for 50 ms while another kept "
+    "(with --workers N): the worker had left one unread for 50 ms while another kept "
     "up (stopped, its event loop blocked), began to drain, or exited.",
     ["worker"],
 )
@@ -65,7 +65,7 @@ HANDOFF_WAITS = Counter(
 )
 HANDOFF_RECEIVE_ERRORS = Counter(
     "gatekeeper_proxy_handoff_receive_errors",
-    "Failed reads of a worker's hand-off socket (connectionBalancing: least-connections), by errno name. "
+    "Failed reads of a worker's hand-off socket (with --workers N), by errno name. "
     "ENOBUFS and ENOMEM are retried after a back-off (0.1 s doubling to 1 s); any other ends the hand-off: "
     "the worker drains and exits, and the supervisor starts a successor.",
     ["error"],

@@ -113,10 +113,8 @@ class H1Connection:
         connected in time, so its first request is answered, with ``Connection: close``, and that is all."""
         self._handler = handler
         self._settings = settings
-        self._reader = reader
-        self._writer = writer
-        self._peer = peer
-        self._peer_cert = peer_cert
+        self._reader, self._writer = reader, writer
+        self._peer, self._peer_cert = peer, peer_cert
         self._memo: dict[str, Any] = {}
         """ProxyRequest.connection_memo of every request on this connection."""
         self.connection_id = connection_id

@@ -1,15 +1,15 @@
-"""HTTP/2 server connection with graceful GOAWAY, on the proxy's sans-IO codec (``h2_codec.H2ServerCodec``).
+"""HTTP/2 server connection with graceful GOAWAY, on the proxy's own sans-IO codec.
 
-The codec turns the client's bytes into event tuples (``h2_codec.EV_*``), and
-calls (send headers, data, a reset) into frames; this adapter turns the events
-into requests for the pipeline, and their responses into those calls.
+The codec (``h2_codec.H2ServerCodec``, about a sixth of the h2 library's CPU per
+request) hands this adapter event tuples (``h2_state.EV_*``) and takes its calls; the
+h2 library stays in the tests only, as the client side and a differential oracle.
 
 Sans-IO in the sense that matters for testing: :class:`H2Protocol` never
 touches a socket. The edge feeds it bytes (:meth:`H2Protocol.data_received`)
 and gives it three callables: ``write(bytes)`` (synchronous, so frames keep
 the order the codec queued them in), ``drain()`` (awaited after DATA, so a slow
 socket slows us down) and ``close()``. Unit tests wire those to a client-side
-HTTP/2 connection in memory (the ``h2`` library, in the tests only).
+``h2.connection.H2Connection`` in memory.
 
 Each stream runs the pipeline handler in its own task and streams the
 response back, with backpressure both ways (:mod:`h2_stream`, mixed in as
@@ -40,24 +40,15 @@ from gatekeeper.proxy.adapter import ClientGone
 from gatekeeper.proxy.h2wire.errors import ErrorCodes, ProtocolError, StreamClosedError
 from gatekeeper.proxy.h2wire.frames import MAX_WINDOW
 from gatekeeper.proxy.listen import conn_metrics
-from gatekeeper.proxy.listen.body_budget import RequestBufferBudget
+from gatekeeper.proxy.listen import h2_state as ev
+from gatekeeper.proxy.listen.body_budget import RequestBodyBudget
 from gatekeeper.proxy.listen.goaway import GoawayDecider
-from gatekeeper.proxy.listen.h2_codec import (
-    EV_BAD_LENGTH,
-    EV_DATA,
-    EV_ENDED,
-    EV_GOAWAY,
-    EV_REQUEST,
-    EV_RESET,
-    EV_WINDOW,
-    Event,
-    H2ServerCodec,
-)
+from gatekeeper.proxy.listen.h2_codec import H2ServerCodec
 from gatekeeper.proxy.listen.h2_drain import Draining
 from gatekeeper.proxy.listen.h2_headers import MalformedRequest, parse_request
 from gatekeeper.proxy.listen.h2_limits import FloodError, FloodGuard, limits_of
-from gatekeeper.proxy.listen.h2_state import HeaderBudgetExceeded
-from gatekeeper.proxy.listen.h2_stream import ServedStream, StreamServing
+from gatekeeper.proxy.listen.h2_state import Event, HeaderBudgetExceeded
+from gatekeeper.proxy.listen.h2_stream import Stream, StreamServing
 from gatekeeper.proxy.listen.settings import ProtocolSettings
 from gatekeeper.proxy.messages import Handler, ProxyRequest
 
@@ -89,31 +80,29 @@ class H2Protocol(StreamServing, Draining):
         connection_id: int = 0,
         rng: Callable[[], float] = random.random,
         close_delay: float = 1.0,
-        body_budget: RequestBufferBudget | None = None,
+        body_budget: RequestBodyBudget | None = None,
     ) -> None:
         self._handler = handler
         self._settings = settings
-        self._write = write
-        self._drain = drain
-        self._close = close
-        self._peer = peer
-        self._peer_cert = peer_cert
+        self._write, self._drain, self._close = write, drain, close
+        self._peer, self._peer_cert = peer, peer_cert
         self.connection_id = connection_id
         self._decider = GoawayDecider(settings.goaway_chance, rng)
         self._close_delay = close_delay
-        self._budget = (body_budget or RequestBufferBudget(settings.max_buffered_request_bytes, gauge=None)).share()
+        self._budget = (body_budget or RequestBodyBudget(settings.max_buffered_request_bytes, gauge=None)).share()
         self._window_reopened_at = -math.inf
         """When an acknowledgement last reopened a shut connection receive window (request-body idle clock)."""
+        guard = FloodGuard(limits_of(settings), settings.h2_abuse_interval_seconds)
         self._conn = H2ServerCodec(
-            on_refused=self._on_refused,
-            guard=FloodGuard(limits_of(settings), settings.h2_abuse_interval_seconds),
+            on_refused=self._on_refused, guard=guard,
             max_concurrent_streams=settings.max_concurrent_streams,
             stream_window=settings.stream_window_bytes,
             max_header_list=settings.max_header_list_bytes,
             connection_window=connection_window(settings),
             header_budget=self._budget,
         )
-        self._streams: dict[int, ServedStream] = {}
+        self._receive: Callable[[bytes], list[Event]] = self._conn.receive_data
+        self._streams: dict[int, Stream] = {}
         self._memo: dict[str, Any] = {}
         """ProxyRequest.connection_memo of every request on this connection."""
         self._streams_changed = asyncio.Event()
@@ -142,7 +131,7 @@ class H2Protocol(StreamServing, Draining):
         if self._h2_closed:
             return
         try:
-            events = self._conn.receive_data(data)
+            events = self._receive(data)
         except ProtocolError as exc:
             if isinstance(exc, HeaderBudgetExceeded):
                 rejections.reject("body_budget", "h2 connection %d from %s: %s, GOAWAY ENHANCE_YOUR_CALM",
@@ -154,7 +143,7 @@ class H2Protocol(StreamServing, Draining):
             else:
                 rejections.reject("h2_protocol_error", "h2 connection %d from %s: %s",
                                   self.connection_id, self._peer, exc)
-            self._flush()  # the codec queued a GOAWAY with the right error code
+            self._flush()  # h2 queued a GOAWAY with the right error code
             self._abort(ClientGone(f"HTTP/2 protocol error: {exc}"))
             return
         for event in events:
@@ -166,22 +155,22 @@ class H2Protocol(StreamServing, Draining):
 
     def _dispatch(self, event: Event) -> None:
         kind, sid = event[0], event[1]
-        if kind == EV_REQUEST:
+        if kind == ev.EV_REQUEST:
             self._on_request(sid, event[2], event[3])
-        elif kind == EV_DATA:
+        elif kind == ev.EV_DATA:
             self._on_data(sid, event[2], event[3])
-        elif kind == EV_ENDED:
+        elif kind == ev.EV_ENDED:
             stream = self._streams.get(sid)
             if stream is not None:
                 stream.ended = True
                 stream.wake_reader()
-        elif kind == EV_RESET:
+        elif kind == ev.EV_RESET:
             self._on_reset(sid, event[2])
-        elif kind == EV_WINDOW:
+        elif kind == ev.EV_WINDOW:
             self._wake_senders(sid)  # 0: SETTINGS (INITIAL_WINDOW_SIZE) or the connection window
-        elif kind == EV_GOAWAY:
+        elif kind == ev.EV_GOAWAY:
             self._on_peer_goaway(event[2])
-        elif kind == EV_BAD_LENGTH:
+        elif kind == ev.EV_BAD_LENGTH:
             self._on_bad_length(sid)
 
     def connection_lost(self) -> None:
@@ -200,7 +189,7 @@ class H2Protocol(StreamServing, Draining):
     def _on_request(self, sid: int, block: list[tuple[bytes, bytes]], ended: bool) -> None:
         if self.goaway_last_stream_id is not None and sid > self.goaway_last_stream_id:
             # The client may already have reset it (Go cancels streams above a GOAWAY's last id);
-            # then the codec has closed it and there is nothing to refuse.
+            # then h2 has closed it and there is nothing to refuse.
             self._conn.release_stream(sid)
             if self._reset(sid, ErrorCodes.REFUSED_STREAM):
                 conn_metrics.REFUSED_STREAMS.inc()
@@ -227,7 +216,7 @@ class H2Protocol(StreamServing, Draining):
             stream_id=sid,
             connection_memo=self._memo,
         )
-        stream = ServedStream(sid, request, ended=ended)
+        stream = Stream(sid, request, ended=ended)
         if not stream.ended:
             request.body = self._request_body(stream)
         self._streams[sid] = stream
@@ -304,7 +293,7 @@ class H2Protocol(StreamServing, Draining):
         self._flush()
         return True
 
-    def _stream_done(self, stream: ServedStream, *, completed: bool) -> None:
+    def _stream_done(self, stream: Stream, *, completed: bool) -> None:
         self._streams.pop(stream.id, None)
         self._drop_inbox(stream)  # answered before its body was read (a 429): that DATA is never taken
         self._conn.release_stream(stream.id)
@@ -319,21 +308,21 @@ class H2Protocol(StreamServing, Draining):
         elif not self._streams:
             self._arm_idle()
 
-    def _drop_inbox(self, stream: ServedStream) -> None:
+    def _drop_inbox(self, stream: Stream) -> None:
         """Nobody will read it: give its window back, or the connection's stays shut for good."""
         while stream.inbox:
             data, flow = stream.inbox.popleft()
             self._budget.give(len(data))
             self._ack(stream.id, flow)
 
-    def _over_budget(self, stream: ServedStream) -> None:
+    def _over_budget(self, stream: Stream) -> None:
         self._reset(stream.id, ErrorCodes.ENHANCE_YOUR_CALM)
         rejections.reject("body_budget", "h2 connection %d from %s, stream %d: request bodies held by the "
                           "proxy would pass maxBufferedRequestBytes (%d)", self.connection_id, self._peer,
                           stream.id, self._budget.budget.limit)
         self._cut(stream, ClientGone(f"HTTP/2 stream {stream.id}: request bodies over the proxy's buffer"))
 
-    def _cut(self, stream: ServedStream, error: BaseException) -> None:
+    def _cut(self, stream: Stream, error: BaseException) -> None:
         if stream.error is None:
             stream.error = error
         self._drop_inbox(stream)

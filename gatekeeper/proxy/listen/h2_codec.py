@@ -1,24 +1,24 @@
-"""The proxy's sans-IO HTTP/2 server connection (RFC 9113): bytes in, event tuples out.
+"""The proxy's sans-IO HTTP/2 server connection (RFC 9113).
 
-Why its own and not the ``h2`` library: h2 cost ~60 us of CPU per small
-proxied request, most of it in its general machinery (a frame object per
-frame, event objects, a state machine per stream driven by enum lookups,
-client-side and push paths); this codec takes a fifth to a third of that
-(``loadtest/reports/2026-12-03-h2-engine.md``). It is only the server half the
-proxy needs: frame headers are unpacked with one ``struct`` call straight from
-the received bytes, streams are a slots record, and the adapter
-(``h2.H2Protocol``) gets plain tuples (``EV_*`` below). HPACK decoding is
-``h2wire.hpack_decode.BlockDecoder``, encoding ``h2wire.hpack_encode.ResponseEncoder``.
-Modules: this one holds the state, the frame loop and the sending API;
-``h2_inbound`` the rules per received frame type; ``h2_state`` the event
-tuples and the stream record; ``h2wire.frames`` the wire constants.
+Why: the ``h2`` library cost ~60 us of CPU per small proxied request, most of
+it in its general machinery (a frame object per frame, event objects, a
+state machine per stream driven by enum lookups, client-side and push
+paths). This codec is only the server half the proxy needs: frame headers are
+unpacked with one ``struct`` call straight from the received bytes, streams
+are a slots record, and the adapter gets plain tuples (``EV_*`` below).
+HPACK decoding is ``h2wire.hpack_decode.BlockDecoder`` (Huffman strings by
+``h2wire.huffman``), encoding ``h2wire.hpack_encode.ResponseEncoder``. Modules: this
+one holds the state, the frame loop and the sending API; ``h2_inbound`` the rules
+per received frame type; ``h2_state`` the event tuples and the stream record;
+``h2wire.frames`` the wire constants.
 
-Defences: REFUSED_STREAM (a stream error, which clients retry) over
-MAX_CONCURRENT_STREAMS, counting a stream until the adapter releases it
-(rapid reset); ``FloodGuard`` counting of every frame kind; a content-length
-mismatch as a stream error (RFC 9113 8.1.1); at most ``MAX_CONTINUATIONS``
-CONTINUATION frames and ``maxHeaderListBytes`` of decoded headers per block
-(over it: GOAWAY ENHANCE_YOUR_CALM, as h2 does).
+It keeps every behaviour of the h2 library's server that the proxy relied on
+(the tests hold the library as an oracle): REFUSED_STREAM
+(a stream error) over MAX_CONCURRENT_STREAMS, counting a stream until the
+adapter releases it (rapid reset); ``FloodGuard`` counting of every frame
+kind; a content-length mismatch as a stream error; at most
+``MAX_CONTINUATIONS`` CONTINUATION frames and ``maxHeaderListBytes`` of
+decoded headers per block (over it: GOAWAY ENHANCE_YOUR_CALM, as ``h2``).
 
 Error classes follow ``h2`` where h2spec checks them, and RFC 9113 section 5.4
 otherwise: a connection error raises ``h2wire.errors.ProtocolError`` (with the
@@ -56,11 +56,12 @@ from gatekeeper.proxy.listen.h2_state import (
     EV_WINDOW,
     RESET_BY_US,
     Event,
-    StreamRecord,
+    ServerConnection,
+    StreamState,
 )
 
 __all__ = ["CLOSED_MEMORY", "EV_BAD_LENGTH", "EV_DATA", "EV_ENDED", "EV_GOAWAY", "EV_REQUEST", "EV_RESET",
-           "EV_WINDOW", "Event", "H2ServerCodec"]
+           "EV_WINDOW", "Event", "H2ServerCodec", "ServerConnection"]
 _FH = f.FRAME_HEADER.unpack_from
 _U32 = f.U32.unpack_from
 
@@ -90,7 +91,7 @@ class H2ServerCodec(InboundFrames):
         self.decoder = BlockDecoder(max_header_list)
         self._max_header_list = max_header_list
         self.encoder = ResponseEncoder()
-        self.streams: dict[int, StreamRecord] = {}
+        self.streams: dict[int, StreamState] = {}
         self._held: set[int] = set()
         self._closed: dict[int, int] = {}
         """Recently closed stream id -> how it closed (``h2_state.CLOSED_BY_END``, ...)."""
@@ -222,13 +223,13 @@ class H2ServerCodec(InboundFrames):
         self._out.append(f.goaway(last, error_code))
         self.closed = True
 
-    def _sendable(self, sid: int) -> StreamRecord:
+    def _sendable(self, sid: int) -> StreamState:
         stream = self.streams.get(sid)
         if stream is None or stream.local_closed or self.closed:
             raise StreamClosedError(sid)
         return stream
 
-    def _local_close(self, sid: int, stream: StreamRecord) -> None:
+    def _local_close(self, sid: int, stream: StreamState) -> None:
         stream.local_closed = True
         if stream.remote_closed:
             del self.streams[sid]

@@ -30,8 +30,8 @@ from gatekeeper.proxy.listen import conn_metrics
 from gatekeeper.proxy.listen.goaway import Reason
 
 if TYPE_CHECKING:
-    from gatekeeper.proxy.listen.h2_codec import H2ServerCodec
-    from gatekeeper.proxy.listen.h2_stream import ServedStream
+    from gatekeeper.proxy.listen.h2_codec import ServerConnection
+    from gatekeeper.proxy.listen.h2_stream import Stream
     from gatekeeper.proxy.listen.settings import ProtocolSettings
 
 log = logging.getLogger("gatekeeper.proxy.listen.h2")  # the adapter logs under one name, whichever part logs
@@ -46,8 +46,8 @@ class Draining:
         _close: Callable[[], None]
         connection_id: int
         _close_delay: float
-        _conn: H2ServerCodec
-        _streams: dict[int, ServedStream]
+        _conn: ServerConnection
+        _streams: dict[int, Stream]
         _streams_changed: asyncio.Event
         _loop: asyncio.AbstractEventLoop
         _idle_handle: asyncio.TimerHandle | None
@@ -57,7 +57,7 @@ class Draining:
         _h2_closed: bool
         closed: asyncio.Event
 
-        def _cut(self, stream: ServedStream, error: BaseException) -> None: ...
+        def _cut(self, stream: Stream, error: BaseException) -> None: ...
         def _flush(self) -> None: ...
 
     def goaway(self, reason: Reason, drain_timeout: float | None = None) -> None:

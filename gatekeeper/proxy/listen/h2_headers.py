@@ -1,8 +1,8 @@
 """HTTP/2 header blocks (pure): request block -> method, target, headers; response -> HEADERS block.
 
-The codec (:mod:`h2_codec`) does not look inside header fields; this module
-checks RFC 9113's header rules with C-speed scans (a compiled regex for
-names, ``in`` for values), since a bearer token is a kilobyte. A malformed
+The codec does not look inside header fields; this module checks RFC 9113's
+header rules with C-speed scans (a compiled regex for names, ``in`` for
+values), since a bearer token is a kilobyte. A malformed
 request is a :class:`MalformedRequest` (the adapter resets that stream only
 with PROTOCOL_ERROR, as RFC 9113 8.1.1 and Go's server do), never a
 connection error that would take the client's other streams down.
@@ -166,8 +166,16 @@ def _response_field(name: str, value: str) -> tuple[bytes, bytes] | tuple[()]:
     return (encode_header(name), encode_header(value.strip()))
 
 
+def malformed_trailer(field: tuple[bytes, bytes]) -> bool:
+    """A trailer field a request's headers could not carry either: a pseudo-header, a connection-specific field,
+    ``te`` other than ``trailers``, or an upper-case name (RFC 9113 8.1, 8.2.1, 8.2.2)."""
+    name, value = field
+    return (name[:1] == b":" or name in CONNECTION_SPECIFIC or name != name.lower()
+            or (name == b"te" and value.lower() != b"trailers"))
+
+
 def response_block(status: int, headers: Headers) -> list[tuple[bytes, bytes]]:
-    """The HEADERS block for a response, normalized once, here (the codec sends it as it is).
+    """The HEADERS block for a response, normalized once, here (the codec's encoder does no normalization).
 
     Names lower-cased (HTTP/2 requires it; a middleware may write ``Retry-After``),
     connection-specific headers dropped, values trimmed.

@@ -1,4 +1,4 @@
-"""The receive side of the HTTP/2 server codec: what each client frame does to the connection (RFC 9113 6).
+"""The receive side of the HTTP/2 codec: what each client frame does to the connection (RFC 9113 6).
 
 A mixin of :class:`h2_codec.H2ServerCodec`, split out to keep each module readable:
 this one is the rules for HEADERS, CONTINUATION, DATA, WINDOW_UPDATE, RST_STREAM,
@@ -16,6 +16,7 @@ from gatekeeper.proxy.h2wire.errors import ErrorCodes
 from gatekeeper.proxy.h2wire.hpack_decode import BlockDecoder, HeaderBlockError, HeaderListTooLarge
 from gatekeeper.proxy.h2wire.hpack_encode import ResponseEncoder
 from gatekeeper.proxy.listen.body_budget import Share
+from gatekeeper.proxy.listen.h2_headers import malformed_trailer
 from gatekeeper.proxy.listen.h2_limits import CLOSED_STREAM, EMPTY_FRAME, RST_STREAM, SETTINGS, FloodGuard
 from gatekeeper.proxy.listen.h2_state import (
     CLOSED_BY_END,
@@ -30,7 +31,7 @@ from gatekeeper.proxy.listen.h2_state import (
     Event,
     H2ConnectionError,
     HeaderBudgetExceeded,
-    StreamRecord,
+    StreamState,
 )
 
 _U32 = f.U32.unpack_from
@@ -39,7 +40,7 @@ _U32 = f.U32.unpack_from
 class InboundFrames:
     """Frame handlers over the connection state that :class:`h2_codec.H2ServerCodec` sets up."""
 
-    streams: dict[int, StreamRecord]
+    streams: dict[int, StreamState]
     _held: set[int]
     _closed: dict[int, int]
     highest_inbound_stream_id: int
@@ -200,7 +201,7 @@ class InboundFrames:
                 if self._on_refused is not None:
                     self._on_refused(sid)
             else:
-                stream = self.streams[sid] = StreamRecord(self._peer_initial_window, self._stream_window)
+                stream = self.streams[sid] = StreamState(self._peer_initial_window, self._stream_window)
                 for name, value in headers:
                     if name == b"content-length":
                         # at most 19 significant digits (Go's uint63): int() raises past 4300
@@ -220,8 +221,9 @@ class InboundFrames:
             self._closed_stream_frame(sid, "HEADERS")
         elif stream.remote_closed:
             self._stream_error(sid, ErrorCodes.STREAM_CLOSED, events)
-        elif bad_priority or not end_stream or any(name[:1] == b":" for name, _ in headers):
-            # Trailers must end the stream and carry no pseudo-header (RFC 9113 8.1).
+        elif bad_priority or not end_stream or any(map(malformed_trailer, headers)):
+            # Trailers must end the stream and carry no pseudo-header and no connection-specific field (RFC 9113
+            # 8.1, 8.2.2): malformed, as the same fields in a request's headers are.
             self._stream_error(sid, ErrorCodes.PROTOCOL_ERROR, events)
         elif stream.length is not None and stream.length != stream.received:
             self._bad_length(sid, events)
@@ -268,7 +270,7 @@ class InboundFrames:
         if ended:
             self._remote_close(sid, stream, events)
 
-    def _remote_close(self, sid: int, stream: StreamRecord, events: list[Event]) -> None:
+    def _remote_close(self, sid: int, stream: StreamState, events: list[Event]) -> None:
         stream.remote_closed = True
         events.append((EV_ENDED, sid))
         if stream.local_closed:

@@ -2,19 +2,19 @@
 
 HTTP/2 lets a client make the server work without asking for anything: a
 PING or SETTINGS must be answered, a RST_STREAM cancels work already started
-(rapid reset, CVE-2023-44487), a frame on a closed stream makes the server
-answer with RST_STREAM, a zero-length DATA frame costs a dispatch and carries
+(rapid reset, CVE-2023-44487), a frame on a closed stream makes h2 answer
+with RST_STREAM, a zero-length DATA frame costs a dispatch and carries
 nothing. None of them is wrong once; in volume they are a denial of service
 that costs the client almost nothing. :class:`FloodGuard` counts them per
-connection in fixed windows of ``h2AbuseIntervalSeconds``; past a kind's limit
-it raises :class:`FloodError`, a ``ProtocolError`` whose code the codec
-(``h2_codec.H2ServerCodec``) puts in its GOAWAY (ENHANCE_YOUR_CALM), and
-``h2.H2Protocol`` closes the connection. Limits sit far above what kubectl,
-client-go or h2load send, so only abuse hits them.
+connection in a sliding window of ``h2AbuseIntervalSeconds``; past a kind's limit
+the codec (``h2_codec``) raises :class:`FloodError`, a ``ProtocolError`` whose
+code goes in its GOAWAY (ENHANCE_YOUR_CALM), and ``h2.H2Protocol`` closes the
+connection. Limits sit far above what kubectl, client-go or
+h2load send, so only abuse hits them.
 
-CONTINUATION floods (CVE-2024-27316) are bounded by the codec itself: at most
-``frames.MAX_CONTINUATIONS`` CONTINUATION frames per header block, each at most
-our SETTINGS_MAX_FRAME_SIZE; empty ones also count here.
+CONTINUATION floods (CVE-2024-27316) are bounded by the codec: at most
+``MAX_CONTINUATIONS`` CONTINUATION frames per header block, each at most our
+SETTINGS_MAX_FRAME_SIZE; empty ones also count here.
 """
 
 from __future__ import annotations
@@ -23,18 +23,20 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from gatekeeper.config import camel
 from gatekeeper.proxy.h2wire.errors import ErrorCodes, ProtocolError
-from gatekeeper.proxy.listen.settings import ProtocolSettings
+from gatekeeper.proxy.listen.settings import ListenerSettings, ProtocolSettings
 
 RST_STREAM = "rst_stream"
 PING = "ping"
 SETTINGS = "settings"
 EMPTY_FRAME = "empty_frame"
 CLOSED_STREAM = "closed_stream"
+KINDS = (RST_STREAM, PING, SETTINGS, EMPTY_FRAME, CLOSED_STREAM)
 
 
 class FloodError(ProtocolError):
-    """A client went over one of its per-interval frame limits; the codec answers GOAWAY ENHANCE_YOUR_CALM."""
+    """A client went over one of its per-interval frame limits; h2 answers GOAWAY ENHANCE_YOUR_CALM."""
 
     error_code = ErrorCodes.ENHANCE_YOUR_CALM
 
@@ -55,20 +57,54 @@ def limits_of(settings: ProtocolSettings) -> dict[str, int]:
 
 @dataclass
 class FloodGuard:
-    """Fixed-window counters per frame kind; :meth:`count` raises :class:`FloodError` past a limit."""
+    """Sliding-window counters per frame kind; :meth:`count` raises :class:`FloodError` past a limit.
+
+    Why sliding: with fixed windows a client could send a kind's whole limit at the end of one window and again
+    at the start of the next, twice the limit within a few milliseconds. Here the previous window's count still
+    weighs on the current one in proportion to how much of it the sliding window still covers (the estimate
+    ``previous * (1 - elapsed / interval) + current``), so a burst straddling a boundary is held to the limit.
+    The estimate assumes the previous window's frames were spread evenly, so it can refuse a little early,
+    never late; the limits sit far above what clients send. Two dicts per connection, no timestamps kept.
+    """
 
     limits: dict[str, int]
     interval: float
     clock: Callable[[], float] = time.monotonic
     _start: float = field(default=float("-inf"))
     _counts: dict[str, int] = field(default_factory=dict)
+    _previous: dict[str, int] = field(default_factory=dict)
 
     def count(self, kind: str) -> None:
         now = self.clock()
-        if now - self._start >= self.interval:
-            self._start = now
-            self._counts.clear()
+        elapsed = now - self._start
+        if elapsed >= self.interval:
+            if elapsed < 2 * self.interval:  # the next window: the one that ended still weighs on it
+                self._previous, self._start = self._counts, self._start + self.interval
+            else:  # a quiet window or more (or the first frame): nothing carries over
+                self._previous, self._start = {}, now
+            self._counts = {}
+            elapsed = now - self._start
         n = self._counts.get(kind, 0) + 1
         self._counts[kind] = n
-        if n > self.limits[kind]:
-            raise FloodError(kind, n, self.interval)
+        carried = self._previous.get(kind, 0)
+        limit = self.limits[kind]
+        if n > limit or (carried and n + carried * (1 - elapsed / self.interval) > limit):
+            raise FloodError(kind, limit + 1, self.interval)
+
+
+def check_limits(listener: ListenerSettings, protocol: ProtocolSettings) -> None:
+    """Refuse limit settings that would disable a defence or break every client (config-time error).
+
+    The protocol's own rules live in ``ProtocolSettings.validate`` (run when the config loads);
+    this adds the listener's and runs both for a server built without the loader.
+    """
+    for name in ("tls_handshake_timeout_seconds", "max_client_connections"):
+        value = getattr(listener, name)
+        if not value > 0:
+            raise ValueError(f"{camel(name)} must be > 0, got {value}")
+    if listener.tls_handshake_max_seconds and not (
+            listener.tls_handshake_max_seconds >= listener.tls_handshake_timeout_seconds):
+        raise ValueError(f"tlsHandshakeMaxSeconds must be 0 (4 x tlsHandshakeTimeoutSeconds) or >= "
+                         f"tlsHandshakeTimeoutSeconds ({listener.tls_handshake_timeout_seconds:g}), "
+                         f"got {listener.tls_handshake_max_seconds:g}")
+    protocol.validate()

@@ -1,11 +1,11 @@
-"""Shared pieces of the HTTP/2 server codec: its event tuples, stream record and errors.
+"""Shared pieces of the HTTP/2 codec: its event tuples, stream record, errors, and the adapter's view of it.
 
 Apart from :mod:`h2_codec` so :mod:`h2_inbound` (the receive side) can use them without an import cycle.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 from gatekeeper.proxy.h2wire.errors import ErrorCodes, ProtocolError
 
@@ -24,6 +24,30 @@ answered with RST_STREAM STREAM_CLOSED after the client's reset, and ignored aft
 client may have sent it before our RST_STREAM reached it)."""
 
 
+class ServerConnection(Protocol):
+    """What the adapter's mixins (``h2_stream``, ``h2_drain``) need of the codec (:class:`H2ServerCodec`),
+    typed without importing it."""
+
+    highest_inbound_stream_id: Any
+    max_outbound_frame_size: Any
+
+    def initiate_connection(self) -> None: ...
+    def release_stream(self, stream_id: int) -> None: ...
+    def data_to_send(self) -> bytes: ...
+    def send_headers(self, stream_id: int, headers: Any, end_stream: bool = False) -> None: ...
+    def send_data(self, stream_id: int, data: bytes, end_stream: bool = False) -> None: ...
+    def end_stream(self, stream_id: int) -> None: ...
+    def reset_stream(self, stream_id: int, error_code: Any = 0) -> None: ...
+    def local_flow_control_window(self, stream_id: int) -> int: ...
+    def acknowledge_received_data(self, acknowledged_size: int, stream_id: int) -> None: ...
+    def release_pending(self) -> None: ...
+
+    @property
+    def inbound_flow_control_window(self) -> int: ...
+
+    def close_connection(self, error_code: int = 0, last_stream_id: int | None = None) -> None: ...
+
+
 class H2ConnectionError(ProtocolError):
     """A connection error: the GOAWAY with ``error_code`` is already queued."""
 
@@ -32,9 +56,7 @@ class H2ConnectionError(ProtocolError):
         self.error_code = code
 
 
-class StreamRecord:
-    """What the codec knows of one open stream: its windows, which sides have closed it, its body's length."""
-
+class StreamState:
     __slots__ = ("length", "local_closed", "received", "recv_window", "remote_closed", "send_window", "unacked")
 
     def __init__(self, send_window: int, recv_window: int) -> None:

@@ -32,7 +32,7 @@ from gatekeeper.proxy.messages import Handler, ProxyRequest, ProxyResponse, is_e
 
 if TYPE_CHECKING:
     from gatekeeper.proxy.listen.body_budget import Share
-    from gatekeeper.proxy.listen.h2_codec import H2ServerCodec
+    from gatekeeper.proxy.listen.h2_codec import ServerConnection
     from gatekeeper.proxy.listen.settings import ProtocolSettings
 
 log = logging.getLogger("gatekeeper.proxy.listen.h2")  # the adapter logs under one name, whichever part logs
@@ -46,8 +46,8 @@ def _cleared(event: asyncio.Event | None) -> asyncio.Event:
     return event
 
 
-class ServedStream:
-    """One client stream as the adapter serves it: its request, its handler's task, its unread body.
+class Stream:
+    """One client stream.
 
     Its two events are made on first wait: nearly every request (a GET that fits the client's
     window) never waits on either, and two ``asyncio.Event`` per request were measurable. Waking
@@ -99,19 +99,19 @@ class StreamServing:
         connection_id: int
         _budget: Share
         _window_reopened_at: float
-        _conn: H2ServerCodec
+        _conn: ServerConnection
         _loop: asyncio.AbstractEventLoop
         _h2_closed: bool
 
         def _reset(self, stream_id: int, code: ErrorCodes) -> bool: ...
-        def _cut(self, stream: ServedStream, error: BaseException) -> None: ...
-        def _stream_done(self, stream: ServedStream, *, completed: bool) -> None: ...
+        def _cut(self, stream: Stream, error: BaseException) -> None: ...
+        def _stream_done(self, stream: Stream, *, completed: bool) -> None: ...
         def _flush(self) -> None: ...
         def _flush_soon(self) -> None: ...
 
     # ------------------------------------------------------------------ request bodies
 
-    async def _request_body(self, stream: ServedStream) -> AsyncIterator[bytes]:
+    async def _request_body(self, stream: Stream) -> AsyncIterator[bytes]:
         """Yield request DATA, reopening the client's window only for what the pipeline took.
 
         A body that goes quiet while the client may send (``h2BodyIdleTimeoutSeconds``) is cut: it
@@ -144,7 +144,7 @@ class StreamServing:
                     continue  # the client could not send for some of that time: a new full period
                 self._body_idle(stream, idle)
 
-    def _body_idle(self, stream: ServedStream, idle: float) -> None:
+    def _body_idle(self, stream: Stream, idle: float) -> None:
         self._reset(stream.id, ErrorCodes.CANCEL)
         rejections.reject("body_timeout", "h2 connection %d from %s, stream %d: request body idle for %gs",
                           self.connection_id, self._peer, stream.id, idle)
@@ -162,7 +162,7 @@ class StreamServing:
 
     # ------------------------------------------------------------------ responses
 
-    async def _serve(self, stream: ServedStream) -> bool:
+    async def _serve(self, stream: Stream) -> bool:
         """Run the handler and stream its response; True when the response went out complete."""
         response: ProxyResponse | None = None
         error: BaseException | None = None
@@ -188,11 +188,11 @@ class StreamServing:
                 response.finish(error)
         return error is None
 
-    def _task_done(self, stream: ServedStream, task: asyncio.Task[bool]) -> None:
+    def _task_done(self, stream: Stream, task: asyncio.Task[bool]) -> None:
         completed = not task.cancelled() and task.exception() is None and task.result()
         self._stream_done(stream, completed=completed)
 
-    async def _send_response(self, stream: ServedStream, response: ProxyResponse) -> None:
+    async def _send_response(self, stream: Stream, response: ProxyResponse) -> None:
         sid = stream.id
         if response.upgraded is not None:
             # An upgrade can only answer an HTTP/1.1 request; never reached through a sane pipeline.
@@ -210,7 +210,7 @@ class StreamServing:
                 chunk = await body.__anext__()
             except StopAsyncIteration:
                 break
-            # A body that knows its last chunk (upstream.aio.ResponseBody.exhausted) ends the
+            # A body that knows its last chunk (upstream.exchange.StreamedBody.exhausted) ends the
             # stream on that DATA frame instead of an extra empty one.
             last = is_exhausted(body)
             await self._send_data(stream, chunk, end_stream=last)
@@ -219,7 +219,7 @@ class StreamServing:
         self._conn.end_stream(sid)
         self._flush_soon()
 
-    async def _send_data(self, stream: ServedStream, chunk: bytes, *, end_stream: bool = False) -> None:
+    async def _send_data(self, stream: Stream, chunk: bytes, *, end_stream: bool = False) -> None:
         if not chunk:
             if end_stream:  # an exhausted body whose last chunk is empty still ends the stream
                 self._conn.end_stream(stream.id)
@@ -249,7 +249,7 @@ class StreamServing:
             self._flush()
             await self._drain()
 
-    async def _wait_window(self, stream: ServedStream) -> int:
+    async def _wait_window(self, stream: Stream) -> int:
         """Wait until the client's connection and stream windows both have room; return it.
 
         A client that keeps the window shut (INITIAL_WINDOW_SIZE=0, no WINDOW_UPDATE) would

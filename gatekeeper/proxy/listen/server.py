@@ -2,7 +2,7 @@
 
 Entry point for ``gatekeeper proxy`` (called from ``command.py``)::
 
-    async def serve(settings: ServingSettings, handler: Handler, *,
+    async def serve(settings: ServedSettings, handler: Handler, *,
                     ready: Callable[[int], None] | None = None) -> None
 
 ``serve`` binds ``listener.address:listener.port`` (TLS >= 1.2, ALPN ``h2`` and
@@ -48,17 +48,19 @@ import socket
 import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from gatekeeper.acceptloop import ACCEPT_BACKOFF, accept_forever
 from gatekeeper.netbind import bind_listeners
 from gatekeeper.proxy import rejections
 from gatekeeper.proxy.adapter import ClientGone
+from gatekeeper.proxy.handoff import BACKLOG, RECEIVE_BACKOFF_MAX, Inbox
 from gatekeeper.proxy.listen import conn_metrics
-from gatekeeper.proxy.listen.body_budget import RequestBufferBudget
+from gatekeeper.proxy.listen.body_budget import RequestBodyBudget
 from gatekeeper.proxy.listen.h1 import H1Connection
 from gatekeeper.proxy.listen.h2 import H2Protocol
-from gatekeeper.proxy.listen.settings import BACKLOG, ListenerSettings, ServingSettings, check_limits
+from gatekeeper.proxy.listen.h2_limits import check_limits
+from gatekeeper.proxy.listen.settings import ListenerSettings, ServedSettings
 from gatekeeper.proxy.messages import Handler
 from gatekeeper.tls import ReloadingTLS
 from gatekeeper.tlshandshake import handshake_within
@@ -71,34 +73,6 @@ EARLY_PAUSE_BYTES = 128 * 1024
 """Bytes held between the TLS handshake and the ALPN decision before reading pauses (a StreamReader's 2 x 64 KiB)."""
 H2_CIPHERS = "ECDHE+AESGCM:ECDHE+CHACHA20"
 """TLS 1.2 suites RFC 9113 9.2.2 allows (AEAD, ephemeral key exchange); every TLS 1.3 suite is fine."""
-RECEIVE_BACKOFF_MAX = 1.0
-"""Seconds: a worker's pause after failed hand-off receives doubles from ``ACCEPT_BACKOFF`` up to this, never
-spinning on a socket that stays readable, never pausing longer than about 40 queued connections should wait."""
-
-
-class HandoffInbox(Protocol):
-    """Where a supervised worker's connections come from instead of a socket of its own: the worker's end of
-    the supervisor's hand-off (``proxy/handoff.Inbox``, which defines the protocol with its other end)."""
-
-    sock: socket.socket
-    ended: bool
-    """Nothing more will arrive: the supervisor closed its end, or a receive failed for good."""
-    error: OSError | None
-    """Why the last :meth:`receive` stopped; without ``ended`` it passes (read again after a back-off)."""
-    lost: int
-    """Connections the last :meth:`receive` lost (this process was out of descriptors)."""
-
-    def announce(self) -> None:
-        """Tell the supervisor this worker serves."""
-
-    def receive(self) -> list[socket.socket]:
-        """Every connection waiting now, without blocking."""
-
-    def closed(self) -> None:
-        """Count one of the handed-over connections closed (the supervisor balances on the counts)."""
-
-    def leave(self) -> None:
-        """Tell the supervisor this worker drains, and close this end."""
 
 
 def make_ssl_context(listener: ListenerSettings) -> ssl.SSLContext:
@@ -269,12 +243,12 @@ class ProxyServer:
 
     def __init__(
         self,
-        settings: ServingSettings,
+        settings: ServedSettings,
         handler: Handler,
         *,
         rng: Callable[[], float] = random.random,
         close_delay: float = 1.0,
-        handoff: HandoffInbox | None = None,
+        handoff: Inbox | None = None,
     ) -> None:
         settings.listener.validate()
         check_limits(settings.listener, settings.protocol)  # the protocol's validate() included
@@ -282,7 +256,7 @@ class ProxyServer:
         self._handler = handler
         self._rng = rng
         self._close_delay = close_delay
-        self._body_budget = RequestBufferBudget(settings.protocol.max_buffered_request_bytes)
+        self._body_budget = RequestBodyBudget(settings.protocol.max_buffered_request_bytes)
         """Shared by every HTTP/2 connection of this process (see ``body_budget``)."""
         self._ssl = reloading_ssl_context(settings.listener)
         self._sockets: list[socket.socket] = []
@@ -323,7 +297,7 @@ class ProxyServer:
             self._handoff.announce()
             self.port = lst.port
             return self.port
-        bind = functools.partial(bind_listeners, lst.address, lst.port, reuse_port=lst.reuse_port, backlog=BACKLOG)
+        bind = functools.partial(bind_listeners, lst.address, lst.port, backlog=BACKLOG)
         self._sockets = await loop.run_in_executor(None, bind)
         self.port = int(self._sockets[0].getsockname()[1])
         # Our own loop (not ``asyncio.start_server(ssl=...)``) so that over-cap connections are closed at accept
@@ -347,7 +321,7 @@ class ProxyServer:
             loop.remove_reader(self._handoff.sock.fileno())
             if not self._stopping:
                 # info: closing this end is how the supervisor stops its workers (Supervisor.stop); it warns
-                # when it drops a live worker's socket (Dispatcher._from_worker)
+                # when it drops a live worker's socket (HandoffDispatcher._from_worker)
                 log.info("the supervisor closed this worker's hand-off socket (%s): draining and exiting; "
                          "it starts a successor unless it is exiting", error or "end of stream")
                 self.handoff_ended.set()
@@ -573,12 +547,12 @@ class ProxyServer:
 
 
 async def serve(
-    settings: ServingSettings,
+    settings: ServedSettings,
     handler: Handler,
     *,
     ready: Callable[[int], None] | None = None,
     stopping: Callable[[], None] | None = None,
-    handoff: HandoffInbox | None = None,
+    handoff: Inbox | None = None,
     supervised: bool = False,
 ) -> None:
     """Serve until SIGTERM/SIGINT (or until the supervisor closes ``handoff``: see ``ProxyServer.handoff_ended``),
@@ -615,8 +589,8 @@ async def serve(
         # also signals its workers, as ours once did) may land during the drain or the process's last clean-up,
         # where the default action killed it (the worker's exit code was -15, the proxy's 15). There is nothing
         # left for it to stop; a worker that hangs is SIGKILLed as ever.
-        # A supervised worker drained by a signal keeps them as well: with ``kernel`` balancing the supervisor's
-        # SIGTERM is its signal to drain, and a SIGTERM or SIGINT sent to the whole group as well (systemd's
+        # A supervised worker drained by a signal keeps them as well: the supervisor SIGTERMs a worker whose
+        # hand-off socket it could not close, and a SIGTERM or SIGINT sent to the whole group as well (systemd's
         # KillMode, Ctrl-C in a terminal) could land after the loop's handler was removed and kill it mid-drain,
         # its streams cut (exit -15, the proxy 15).
         keep = supervised or (server.handoff_ended.is_set() and not stop.is_set())

@@ -1,11 +1,5 @@
-"""Typed ``proxy.listener`` and ``proxy.protocol`` settings: the client-facing listener's and its protocols'.
-
-They belong to the listener (``server.py``, ``h1.py``, ``h2.py`` and the HTTP/2
-codec's limits), so they live beside it; ``gatekeeper.proxy.settings`` composes
-them into the ``proxy:`` section. Each field has a one-line docstring; the loader
-(``gatekeeper.config.from_mapping``) maps camelCase YAML keys onto the
-snake_case fields and rejects unknown keys.
-"""
+"""The listener's settings: the TLS port and its side listener (``proxy.listener``) and the HTTP/2 and
+HTTP/1.1 behaviour (``proxy.protocol``). ``gatekeeper.proxy.settings`` composes them into ``proxy:``."""
 
 from __future__ import annotations
 
@@ -15,11 +9,8 @@ from typing import ClassVar, Protocol
 
 from gatekeeper.config import camel
 from gatekeeper.listener import TLSListenerSettings
-from gatekeeper.proxy.h2wire import frames as frames
+from gatekeeper.proxy.h2wire import frames
 
-BACKLOG = 1024
-"""Pending connections the kernel queues on the TLS port once it listens (the supervisor's and the workers'
-listeners alike); fixed, not a setting."""
 MAX_GOAWAY_CHANCE = 0.02
 """kube-apiserver refuses --goaway-chance above 0.02; so do we, outside tests."""
 
@@ -52,8 +43,6 @@ class ListenerSettings(TLSListenerSettings):
         return self.tls_handshake_max_seconds or 4 * self.tls_handshake_timeout_seconds
     max_client_connections: int = 20000
     """Client connections open at once (handshaking included); more are closed at accept (counted)."""
-    reuse_port: bool = False
-    """Bind the TLS port with SO_REUSEPORT (set by the worker supervisor, see ``proxy/workers.py``)."""
 
 
 @dataclass(frozen=True)
@@ -153,29 +142,11 @@ class ProtocolSettings:
             )
 
 
-class ServingSettings(Protocol):
-    """What the listener reads of the ``proxy:`` section (``ProxySettings`` is one)."""
+class ServedSettings(Protocol):
+    """What the listener reads of the proxy's settings (``ProxySettings`` is one)."""
 
     @property
     def listener(self) -> ListenerSettings: ...
 
     @property
     def protocol(self) -> ProtocolSettings: ...
-
-
-def check_limits(listener: ListenerSettings, protocol: ProtocolSettings) -> None:
-    """Refuse limit settings that would disable a defence or break every client (config-time error).
-
-    The protocol's own rules live in ``ProtocolSettings.validate`` (run when the config loads);
-    this adds the listener's and runs both for a server built without the loader.
-    """
-    for name in ("tls_handshake_timeout_seconds", "max_client_connections"):
-        value = getattr(listener, name)
-        if not value > 0:
-            raise ValueError(f"{camel(name)} must be > 0, got {value}")
-    if listener.tls_handshake_max_seconds and not (
-            listener.tls_handshake_max_seconds >= listener.tls_handshake_timeout_seconds):
-        raise ValueError(f"tlsHandshakeMaxSeconds must be 0 (4 x tlsHandshakeTimeoutSeconds) or >= "
-                         f"tlsHandshakeTimeoutSeconds ({listener.tls_handshake_timeout_seconds:g}), "
-                         f"got {listener.tls_handshake_max_seconds:g}")
-    protocol.validate()

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import urlsplit
 
-from gatekeeper.proxy.settings import BackendSettings
+from gatekeeper.proxy.pipeline.settings import BackendSettings
 
 Clock = Callable[[], float]
 

@@ -22,27 +22,19 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 from gatekeeper.kube import requestinfo
 from gatekeeper.proxy import metrics, rejections, target
 from gatekeeper.proxy.adapter import error_response
-from gatekeeper.proxy.messages import Handler, Headers, Middleware, ProxyRequest, ProxyResponse, UserInfo
+from gatekeeper.proxy.messages import Handler, Headers, Middleware, ProxyRequest, ProxyResponse, UserInfo, one_chunk
 from gatekeeper.proxy.pipeline import auth
 from gatekeeper.proxy.pipeline.balancer import Backend, Balancer, EjectionPolicy, Lease
+from gatekeeper.proxy.pipeline.settings import PipelineSettings
 from gatekeeper.proxy.pipeline.tokens.classify import source_host
-from gatekeeper.proxy.settings import ProxySettings
-from gatekeeper.proxy.upstream.client import (
-    BackendClient,
-    BackendFailed,
-    ClientBodyFailed,
-    ConnectFailed,
-    NoFrontProxyCert,
-    PoolTimeout,
-    RequestResetByBackend,
-    UpstreamTimeout,
-)
+from gatekeeper.proxy.upstream import errors as up
+from gatekeeper.proxy.upstream.client import BackendClient
 from gatekeeper.proxy.upstream.upgrade import is_upgrade, open_upgrade
 
 log = logging.getLogger("gatekeeper.proxy.pipeline.stages")
@@ -99,10 +91,6 @@ def own_answer(method: str, info: requestinfo.RequestInfo) -> bool:
     return True
 
 
-async def _once(data: bytes) -> AsyncIterator[bytes]:
-    yield data
-
-
 # --- middlewares --------------------------------------------------------------------------------
 
 
@@ -138,23 +126,7 @@ def _establish_identity(request: ProxyRequest) -> ProxyResponse | None:
     return None
 
 
-async def request_target(request: ProxyRequest, next_handler: Handler) -> ProxyResponse:
-    """Refuse targets that could steer or mis-classify the request (target.py); answer ``OPTIONS *``."""
-    return _refuse_target(request) or await next_handler(request)
-
-
-async def identity(request: ProxyRequest, next_handler: Handler) -> ProxyResponse:
-    """Drop Connection-named and client-sent X-Remote-* headers, refuse unclean certificate names,
-    then decide who the caller is (auth.py)."""
-    return _establish_identity(request) or await next_handler(request)
-
-
-async def request_info(request: ProxyRequest, next_handler: Handler) -> ProxyResponse:
-    request.info = requestinfo.parse(request.method, request.target)
-    return await next_handler(request)
-
-
-def local_endpoints_for(metrics_groups: Collection[str]) -> Middleware:
+def _metrics_page_for(metrics_groups: Collection[str]) -> Callable[[ProxyRequest], Awaitable[ProxyResponse]]:
     """``GET /metrics`` on the main port is the proxy's own page (per-backend counts), for admins only.
 
     The page names every backend and the callers' resources, so on the client-facing port it
@@ -163,16 +135,6 @@ def local_endpoints_for(metrics_groups: Collection[str]) -> Middleware:
     Status. Token callers cannot be checked here (only the apiserver can read a token);
     Prometheus scrapes the plain ``listener.metricsPort`` listener, bound to loopback.
     """
-    own_page = _metrics_page_for(metrics_groups)
-
-    async def local_endpoints(request: ProxyRequest, next_handler: Handler) -> ProxyResponse:
-        return await own_page(request) if _is_local(request) else await next_handler(request)
-
-    return local_endpoints
-
-
-def _metrics_page_for(metrics_groups: Collection[str]) -> Callable[[ProxyRequest], Awaitable[ProxyResponse]]:
-    """The answer to a ``/metrics`` request on the main port (see :func:`local_endpoints_for`)."""
     allowed = frozenset(metrics_groups)
     needs = ", ".join(sorted(allowed)) or "(none: proxy.listener.metricsGroups is empty)"
 
@@ -188,7 +150,7 @@ def _metrics_page_for(metrics_groups: Collection[str]) -> Callable[[ProxyRequest
         body, content_type = await metrics.render_page()
         return ProxyResponse(status=200, headers=[("content-type", content_type),
                                                   ("content-length", str(len(body)))],
-                             body=_once(b"" if request.method == "HEAD" else body))
+                             body=one_chunk(b"" if request.method == "HEAD" else body))
 
     return own_page
 
@@ -197,17 +159,11 @@ def _is_local(request: ProxyRequest) -> bool:
     return request.method in SAFE_METHODS and request.target.split("?", 1)[0] == "/metrics"
 
 
-local_endpoints = local_endpoints_for(["system:masters"])
-"""The /metrics middleware with the default group list."""
-
-
 def front_for(metrics_groups: Collection[str]) -> Middleware:
-    """request_target -> identity -> request_info -> local /metrics as one stage.
+    """The front stage: refuse targets that could steer or mis-classify the request (target.py), answer
+    ``OPTIONS *``, establish who the caller is (auth.py), parse RequestInfo once, and answer ``/metrics``.
 
-    The same checks in the same order as the four middlewares, in one coroutine per
-    request instead of four (each stage of the chain costs a coroutine and an await on
-    every request).
-    """
+    One coroutine per request for all four (each stage of a chain costs a coroutine and an await)."""
     own_page = _metrics_page_for(metrics_groups)
 
     async def front(request: ProxyRequest, next_handler: Handler) -> ProxyResponse:
@@ -310,7 +266,7 @@ class Dispatcher:
         if long_running:
             # Flow control's verified identity (a ServiceAccount, whichever of its tokens), or its per-address
             # flow for an unverified token; else the certificate, token or anonymous name.
-            caller = request.annotations.get("caller") or user.name
+            caller = request.caller or user.name
             refused = self._over_long_running_cap(request, caller)
             if refused is not None:
                 return refused
@@ -327,7 +283,7 @@ class Dispatcher:
                                        retry_after=1)
             client = self.clients[backend.name]
             lease = self.balancer.acquire(backend, long_running=long_running, caller=caller)
-            request.annotations["backend"] = backend.name
+            request.backend = backend.name
             started = time.monotonic()
             watch_like = info.verb == "watch"
 
@@ -342,7 +298,7 @@ class Dispatcher:
                                                  swallow_body_errors=watch_like, on_done=_Done(backend, lease),
                                                  long_running=info.long_running,
                                                  multiplex=asserts_identity or request.token_verified)
-            except ConnectFailed as exc:
+            except up.ConnectFailed as exc:
                 lease.release()
                 self.balancer.report_connect_failure(backend)
                 metrics.UPSTREAM_ERRORS.labels(backend.name, "connect").inc()
@@ -357,26 +313,26 @@ class Dispatcher:
                 return error_response(503, "ServiceUnavailable",
                                        f"gatekeeper proxy: apiserver {backend.name} unreachable ({exc})",
                                        retry_after=1)
-            except PoolTimeout as exc:
+            except up.PoolTimeout as exc:
                 lease.release()
                 rejections.reject("pool_timeout", str(exc))
                 return error_response(503, "ServiceUnavailable",
                                        f"gatekeeper proxy: apiserver {backend.name} is busy (no free "
                                        "connection in time)", retry_after=1)
-            except UpstreamTimeout as exc:
+            except up.UpstreamTimeout as exc:
                 lease.release()
                 rejections.reject("upstream_header_timeout", f"{request.method} {request.target[:200]}: {exc}")
                 return error_response(504, "Timeout",
                                        f"gatekeeper proxy: apiserver {backend.name} did not answer in time")
-            except ClientBodyFailed as exc:
+            except up.ClientBodyFailed as exc:
                 # The client broke off its own body: not the backend's fault, nothing to eject.
                 lease.release()
                 log.debug("%s %s: %s", request.method, request.target, exc)
                 return error_response(400, "BadRequest", "gatekeeper proxy: the request body ended early")
-            except NoFrontProxyCert as exc:
+            except up.NoFrontProxyCert as exc:
                 lease.release()
                 return error_response(500, "InternalError", f"gatekeeper proxy: {exc}")
-            except RequestResetByBackend as exc:
+            except up.RequestResetByBackend as exc:
                 # This request's stream, not the backend: a 5xx answer for the storm detector, no ejection
                 # (one malformed GET per apiserver from any client used to empty the rotation).
                 lease.release()
@@ -387,7 +343,7 @@ class Dispatcher:
                                      f"{backend.name}: {exc}")
                 return error_response(502, "InternalError",
                                        f"gatekeeper proxy: apiserver {backend.name} reset the request")
-            except BackendFailed as exc:
+            except up.BackendFailed as exc:
                 lease.release()
                 self.balancer.report_connect_failure(backend)
                 metrics.UPSTREAM_ERRORS.labels(backend.name, "backend").inc()
@@ -485,7 +441,7 @@ class Pipeline:
 
 
 def build(
-    settings: ProxySettings,
+    settings: PipelineSettings,
     *,
     flow_control: Middleware | None = None,
     policy: EjectionPolicy | None = None,

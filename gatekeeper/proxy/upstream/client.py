@@ -1,30 +1,27 @@
 """Talking to one apiserver: which upstream path a request takes, and the pools and TLS contexts behind them.
 
-HTTP/1.1 upstream by default (design §2): a request gets its own pooled
-connection, so one client cannot make the apiserver send a GOAWAY (its
-mitigation for unauthenticated floods) that would kill other clients' streams
-on a shared HTTP/2 connection.
-
 :class:`BackendClient` owns everything per backend and routes each request:
 
-* ``upstream.http2``: a short bodiless GET or HEAD from a caller the apiserver
-  authenticates shares an HTTP/2 connection (:mod:`upstream.mux_pool`).
-* ``upstream.client: lean`` (the default): the proxy's own HTTP/1.1 pool
-  (:mod:`upstream.exchange`, :mod:`upstream.lean`).
-* ``upstream.client: aiohttp``: the older client (:mod:`upstream.aio`), whose
-  sessions also carry the health probes whichever client is set.
-* Upgrades bypass every pool (:mod:`upstream.upgrade`).
+* a short bodiless GET or HEAD from a caller the apiserver authenticates shares an HTTP/2 connection
+  (:mod:`upstream.mux_pool`); a backend that answers ALPN with HTTP/1.1 gets HTTP/1.1 instead;
+* everything else (bodies, watches and other long-running requests, callers whose identity the proxy
+  asserts, anonymous and unverified callers) takes a pooled HTTP/1.1 connection of its own
+  (:mod:`upstream.exchange`, :mod:`upstream.lean`): one client cannot make the apiserver send a GOAWAY
+  (its mitigation for unauthenticated floods) that would kill other clients' streams on a shared
+  connection;
+* the proxy's own calls (health probes, the token issuer's keys, TokenReviews) go through
+  :meth:`BackendClient.call` on a small HTTP/1.1 pool of their own;
+* upgrades bypass every pool (:mod:`upstream.upgrade`).
 
 Two kinds of TLS context share each pool: one presents the front-proxy client
 certificate (requests whose identity the proxy asserts with ``X-Remote-*``),
 one presents none (token and anonymous requests, see
 :func:`gatekeeper.proxy.pipeline.auth.wants_front_proxy_cert`). Each kind is
-an HTTP/1.1 context and, with ``upstream.http2``, an HTTP/2 one, built by one
-reload from one read of the files (:class:`Contexts`). Hop-by-hop
-headers are removed both ways (:mod:`upstream.hop_by_hop`). Response bodies
-are pulled by the client side, so a slow client slows the backend read
-instead of growing a buffer; a LIST of any size and an endless watch never
-sit in memory whole.
+an HTTP/1.1 context and an HTTP/2 one, built by one reload from one read of
+the files (:class:`Contexts`). Hop-by-hop headers are removed both ways
+(:mod:`upstream.hop_by_hop`). Response bodies are pulled by the client side,
+so a slow client slows the backend read instead of growing a buffer; a LIST
+of any size and an endless watch never sit in memory whole.
 
 Errors are sorted by whether bytes may have reached the backend, because
 only :class:`ConnectFailed` allows the caller to try another backend.
@@ -37,18 +34,11 @@ import logging
 import ssl
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 from urllib.parse import urlsplit
 
-import aiohttp
-from multidict import CIMultiDict
-from yarl import URL
-
-from gatekeeper.proxy import metrics, target
-from gatekeeper.proxy.messages import Headers, ProxyRequest, ProxyResponse
-from gatekeeper.proxy.settings import UpstreamSettings
+from gatekeeper.proxy import metrics
+from gatekeeper.proxy.messages import Headers, ProxyRequest, ProxyResponse, one_chunk
 from gatekeeper.proxy.upstream import exchange, lean, mux_pool, mux_wire
-from gatekeeper.proxy.upstream.aio import ResponseBody, new_session
 from gatekeeper.proxy.upstream.errors import (
     BackendFailed,
     ClientBodyFailed,
@@ -57,9 +47,9 @@ from gatekeeper.proxy.upstream.errors import (
     PoolTimeout,
     RequestResetByBackend,
     UpstreamTimeout,
-    connect_cause,
 )
-from gatekeeper.proxy.upstream.hop_by_hop import REQUEST_DROP, REQUEST_REMOVED, response_headers, strip_hop_by_hop
+from gatekeeper.proxy.upstream.hop_by_hop import REQUEST_REMOVED, response_headers
+from gatekeeper.proxy.upstream.settings import UpstreamSettings
 from gatekeeper.tls import ReloadingTLS
 
 __all__ = [
@@ -71,6 +61,10 @@ log = logging.getLogger("gatekeeper.proxy.upstream.client")
 
 _MUX_METHODS = frozenset({"GET", "HEAD"})
 H2_ALPN = ("h2", "http/1.1")
+OWN_CALLS = 8
+"""Connections of the pool that carries the proxy's own calls (:meth:`BackendClient.call`), per backend."""
+PROBE_MAX_BYTES = 64 * 1024
+"""A /readyz answer is a few hundred bytes; a probe reads no more than this of one."""
 NO_FRONT_PROXY_CERT = (
     "the proxy has no front-proxy client certificate (upstream.clientCertFile/clientKeyFile), so it cannot "
     "assert a client-certificate identity to the apiserver; use a token or configure the certificate")
@@ -102,13 +96,13 @@ class Contexts:
     """
 
     http1: ssl.SSLContext
-    h2: ssl.SSLContext | None
-    """With ``upstream.http2``: offers ``h2`` and ``http/1.1`` in ALPN (:data:`H2_ALPN`)."""
+    h2: ssl.SSLContext
+    """Offers ``h2`` and ``http/1.1`` in ALPN (:data:`H2_ALPN`)."""
 
 
-def make_contexts(settings: UpstreamSettings, *, client_cert: bool, http2: bool) -> Contexts:
+def make_contexts(settings: UpstreamSettings, *, client_cert: bool) -> Contexts:
     return Contexts(make_ssl_context(settings, client_cert=client_cert),
-                    make_ssl_context(settings, client_cert=client_cert, alpn=H2_ALPN) if http2 else None)
+                    make_ssl_context(settings, client_cert=client_cert, alpn=H2_ALPN))
 
 
 class BackendClient:
@@ -122,51 +116,42 @@ class BackendClient:
             raise ValueError(f"backend url must be https://host:port, got {url!r}")
         self.host = split.hostname
         self.port = split.port or 443
-        self.base_url = URL(self.url)
         self.settings = settings
         interval = settings.cert_check_interval_seconds
         files = [settings.ca_file]
-        # upstream.http2: each kind also gets a context offering h2 first and http/1.1 too (a backend that
-        # picks http/1.1, or no protocol, is used over the HTTP/1.1 pool from then on; offering h2 alone
-        # would make a strict HTTP/1.1 server fail the handshake, a connect failure that ejects a healthy
-        # backend).
-        http2 = settings.http2 and settings.client == "lean"
+        # Each kind also gets a context offering h2 first and http/1.1 too (a backend that picks http/1.1,
+        # or no protocol, is used over the HTTP/1.1 pool from then on; offering h2 alone would make a strict
+        # HTTP/1.1 server fail the handshake, a connect failure that ejects a healthy backend).
         self.tls_identity: ReloadingTLS[Contexts] | None = None
         if settings.client_cert_file or settings.client_key_file:
             self.tls_identity = ReloadingTLS(
-                lambda: make_contexts(settings, client_cert=True, http2=http2),
+                lambda: make_contexts(settings, client_cert=True),
                 [*files, settings.client_cert_file, settings.client_key_file],
                 what="upstream CA and front-proxy client certificate", check_interval=interval,
             )
-        self.tls_plain = ReloadingTLS(lambda: make_contexts(settings, client_cert=False, http2=http2), files,
+        self.tls_plain = ReloadingTLS(lambda: make_contexts(settings, client_cert=False), files,
                                       what="upstream CA", check_interval=interval)
-        self.mux: mux_pool.MuxPool | None = None
-        if http2:
-            goaways = metrics.UPSTREAM_GOAWAYS.labels(name)
-            self._h2_streams = metrics.UPSTREAM_H2_STREAMS.labels(name)
-            self._h2_authority = mux_wire.authority_field(split.netloc)
-            self.mux = mux_pool.MuxPool(self.host, self.port, limit=settings.max_connections_per_backend,
-                                        max_streams=settings.http2_max_streams,
-                                        connect_timeout=settings.connect_timeout_seconds,
-                                        retry_seconds=settings.http2_retry_seconds,
-                                        pause_seconds=settings.http2_unauthorized_pause_seconds,
-                                        on_goaway=goaways.inc,
-                                        on_fallback=metrics.UPSTREAM_H2_FALLBACKS.labels(name).inc,
-                                        on_pause=metrics.UPSTREAM_H2_PAUSES.labels(name).inc,
-                                        on_refused=metrics.UPSTREAM_H2_REFUSED.labels(name).inc)
+        self._h2_streams = metrics.UPSTREAM_H2_STREAMS.labels(name)
+        self._h2_authority = mux_wire.authority_field(split.netloc)
+        self.mux = mux_pool.MuxPool(self.host, self.port, limit=settings.max_connections_per_backend,
+                                    max_streams=settings.http2_max_streams,
+                                    connect_timeout=settings.connect_timeout_seconds,
+                                    retry_seconds=settings.http2_retry_seconds,
+                                    pause_seconds=settings.http2_unauthorized_pause_seconds,
+                                    on_goaway=metrics.UPSTREAM_GOAWAYS.labels(name).inc,
+                                    on_fallback=metrics.UPSTREAM_H2_FALLBACKS.labels(name).inc,
+                                    on_pause=metrics.UPSTREAM_H2_PAUSES.labels(name).inc,
+                                    on_refused=metrics.UPSTREAM_H2_REFUSED.labels(name).inc)
+        self.authority = split.netloc
         # Short requests and long-running ones (watches, exec, logs -f) have separate pools, so
         # thousands of open watches never starve GETs of a connection (and vice versa).
-        self._slots = asyncio.Semaphore(settings.max_connections_per_backend)
-        self._long_slots = asyncio.Semaphore(settings.max_long_running_connections_per_backend)
-        self._sessions: dict[bool, aiohttp.ClientSession] = {}
-        self.lean = settings.client == "lean"
-        self.authority = split.netloc
         self._pools = {
             long_running: lean.Pool(self.host, self.port, connect_timeout=settings.connect_timeout_seconds,
                                     limit=(settings.max_long_running_connections_per_backend if long_running
                                            else settings.max_connections_per_backend))
             for long_running in (False, True)
         }
+        self._own = lean.Pool(self.host, self.port, limit=OWN_CALLS, connect_timeout=settings.connect_timeout_seconds)
 
     @property
     def ssl_identity(self) -> ssl.SSLContext | None:
@@ -176,20 +161,6 @@ class BackendClient:
     def ssl_plain(self) -> ssl.SSLContext:
         return self.tls_plain.get().http1
 
-    def _session(self, long_running: bool) -> aiohttp.ClientSession:
-        session = self._sessions.get(long_running)
-        if session is None:
-            limit = (self.settings.max_long_running_connections_per_backend if long_running
-                     else self.settings.max_connections_per_backend)
-            session = new_session(limit, self.ssl_plain, self.settings.connect_timeout_seconds)
-            self._sessions[long_running] = session
-        return session
-
-    @property
-    def session(self) -> aiohttp.ClientSession:
-        """The short-request pool (health probes use it too)."""
-        return self._session(False)
-
     def ssl_for(self, identity: bool) -> ssl.SSLContext:
         if not identity:
             return self.ssl_plain
@@ -198,48 +169,14 @@ class BackendClient:
             raise NoFrontProxyCert(NO_FRONT_PROXY_CERT)
         return ctx
 
-    def upstream_url(self, request_target: str) -> URL:
-        """The backend URL for an origin-form target, built from parts: never re-parsed, never normalised."""
-        path, query = target.split(request_target)
-        if not path.startswith("/"):
-            raise ValueError(f"not an origin-form target: {request_target[:64]!r}")
-        return URL.build(scheme=self.base_url.scheme, authority=self.base_url.raw_authority, path=path,
-                         query_string=query, encoded=True)
-
     async def close(self) -> None:
-        if self.mux is not None:
-            self.mux.close()
-        for pool in self._pools.values():
+        self.mux.close()
+        for pool in (*self._pools.values(), self._own):
             pool.close()
-        sessions, self._sessions = list(self._sessions.values()), {}
-        for session in sessions:
-            await session.close()
 
     def connections(self) -> int:
-        """Open upstream connections (busy + idle) in both pools; reads aiohttp internals, 0 if they change."""
-        total = sum(max(0, pool.open) for pool in self._pools.values())
-        if self.mux is not None:
-            total += self.mux.open_connections()
-        for session in self._sessions.values():
-            conn: Any = session.connector
-            try:
-                total += len(conn._acquired) + sum(len(v) for v in conn._conns.values())
-            except (AttributeError, TypeError):
-                return 0
-        return total
-
-    async def _acquire_slot(self, long_running: bool) -> asyncio.Semaphore:
-        slots = self._long_slots if long_running else self._slots
-        try:
-            async with asyncio.timeout(self.settings.pool_acquire_timeout_seconds):
-                await slots.acquire()
-        except TimeoutError:
-            pool = "long-running" if long_running else "short-request"
-            raise PoolTimeout(
-                f"no free {pool} connection to {self.name} within "
-                f"{self.settings.pool_acquire_timeout_seconds:g}s"
-            ) from None
-        return slots
+        """Open upstream connections (busy + idle) in every pool."""
+        return sum(max(0, pool.open) for pool in (*self._pools.values(), self._own)) + self.mux.open_connections()
 
     async def send(
         self, request: ProxyRequest, headers: Headers, *, identity: bool, swallow_body_errors: bool,
@@ -248,7 +185,7 @@ class BackendClient:
         """Forward one request; the response body streams from the backend as it is pulled.
 
         ``multiplex``: the caller is one the apiserver will authenticate (see :mod:`upstream.mux`), so a short
-        bodiless GET or HEAD may share an HTTP/2 connection when ``upstream.http2`` is on.
+        bodiless GET or HEAD may share an HTTP/2 connection.
 
         Raises :class:`PoolTimeout` or :class:`ConnectFailed` when nothing was sent,
         :class:`UpstreamTimeout` when no response headers came in time,
@@ -256,7 +193,7 @@ class BackendClient:
         :class:`BackendFailed` when the backend failed after it may have seen the request.
         """
         mux = self.mux
-        if (multiplex and mux is not None and not long_running and request.body is None
+        if (multiplex and not long_running and request.body is None
                 and request.method in _MUX_METHODS and (mux.h2 or mux.wants_h2())):
             try:
                 return await self._send_mux(mux, request, headers, identity, on_done)
@@ -265,59 +202,21 @@ class BackendClient:
                 # connection that found out, if any, waits in the HTTP/1.1 pool. A failed HTTP/1.1 connect
                 # next is a ConnectFailed, as for any request: a backend really going away is ejected.
                 pass
-        if self.lean:  # the default: inline, so a request pays for one coroutine here, not two
-            ssl_ctx = self.ssl_for(identity)
-            head, declared = exchange.encode_request_head(
-                request.method, request.target, self.authority, headers, REQUEST_REMOVED,
-                has_body=request.body is not None)
-            settings = self.settings
-            status, raw, lean_body = await exchange.exchange(
-                self._pools[long_running], self.name, ssl_ctx, self._live_contexts, head,
-                method=request.method,
-                body=exchange.ClientBody(request.body) if request.body is not None else None,
-                declared=declared, header_timeout=None if long_running else settings.response_header_timeout_seconds,
-                acquire_timeout=settings.pool_acquire_timeout_seconds,
-                pool_name="long-running" if long_running else "short-request",
-                swallow_body_errors=swallow_body_errors, on_done=on_done,
-            )
-            return ProxyResponse(status=status, headers=response_headers(raw), body=lean_body)
-        out = CIMultiDict(strip_hop_by_hop(headers, drop=REQUEST_DROP))
         ssl_ctx = self.ssl_for(identity)
-        url = self.upstream_url(request.target)
-        body = exchange.ClientBody(request.body) if request.body is not None else None
-        slots = await self._acquire_slot(long_running)
-        released = False
-
-        def release_slot(error: BaseException | None) -> None:
-            nonlocal released
-            if not released:
-                released = True
-                slots.release()
-                on_done(error)
-
-        header_timeout = None if long_running else self.settings.response_header_timeout_seconds
-        try:
-            async with asyncio.timeout(header_timeout):
-                resp = await self._session(long_running).request(
-                    request.method, url, headers=out,
-                    data=body, allow_redirects=False, ssl=ssl_ctx, compress=None,
-                )
-        except BaseException as exc:
-            released = True
-            slots.release()
-            if body is not None and body.error is not None:
-                raise ClientBodyFailed(f"request body failed: {body.error}") from body.error
-            if isinstance(exc, (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)):
-                raise ConnectFailed(connect_cause(exc)) from exc
-            if isinstance(exc, TimeoutError):
-                raise UpstreamTimeout(
-                    f"no response headers from {self.name} within {header_timeout:g}s") from exc
-            if isinstance(exc, (aiohttp.ClientError, OSError)):
-                raise BackendFailed(f"{self.name}: {type(exc).__name__}") from exc
-            raise
-        resp_headers = response_headers(resp.raw_headers)
-        response_body = ResponseBody(resp, swallow_errors=swallow_body_errors, on_done=release_slot)
-        return ProxyResponse(status=resp.status, headers=resp_headers, body=response_body)
+        head, declared = exchange.encode_request_head(
+            request.method, request.target, self.authority, headers, REQUEST_REMOVED,
+            has_body=request.body is not None)
+        settings = self.settings
+        status, raw, lean_body = await exchange.exchange(
+            self._pools[long_running], self.name, ssl_ctx, self._live_contexts, head,
+            method=request.method,
+            body=exchange.ClientBody(request.body) if request.body is not None else None,
+            declared=declared, header_timeout=None if long_running else settings.response_header_timeout_seconds,
+            acquire_timeout=settings.pool_acquire_timeout_seconds,
+            pool_name="long-running" if long_running else "short-request",
+            swallow_body_errors=swallow_body_errors, on_done=on_done,
+        )
+        return ProxyResponse(status=status, headers=response_headers(raw), body=lean_body)
 
     def _live_contexts(self) -> tuple[ssl.SSLContext | None, ssl.SSLContext]:
         return self.ssl_identity, self.ssl_plain
@@ -333,7 +232,6 @@ class BackendClient:
             raise NoFrontProxyCert(NO_FRONT_PROXY_CERT)  # as on the HTTP/1.1 path
         contexts = tls.get()
         ctx = contexts.h2
-        assert ctx is not None
         block = mux_wire.request_block(request.method, request.target, self._h2_authority, headers,
                                        REQUEST_REMOVED)
         try:
@@ -352,16 +250,44 @@ class BackendClient:
         self._h2_streams.inc()
         return ProxyResponse(status=status, headers=response_headers(raw), body=body)
 
+    async def call(self, method: str, path: str, headers: list[tuple[str, str]], body: bytes | None = None, *,
+                   deadline: float, max_bytes: int) -> tuple[int, bytes]:
+        """The proxy's own request (a probe, a key fetch, a TokenReview): status and body, whole.
+
+        With the front-proxy certificate when there is one, on an HTTP/1.1 pool of its own (:data:`OWN_CALLS`
+        connections, kept alive between calls): a request pool that clients have filled must not make a probe
+        wait and fail, which would eject a backend that is only busy. Raises
+        :class:`ValueError` for a body over ``max_bytes``, ``TimeoutError`` past ``deadline`` seconds, and
+        the errors of :meth:`send` (``ConnectFailed``, ``BackendFailed``, ...) for a failed exchange."""
+
+        async def whole() -> tuple[int, bytes]:
+            head, declared = exchange.encode_request_head(
+                method, path, self.authority, [*headers, *([("content-length", str(len(body)))] if body else [])],
+                REQUEST_REMOVED, has_body=body is not None)
+            status, _, response = await exchange.exchange(
+                self._own, self.name, self.ssl_identity or self.ssl_plain, self._live_contexts, head,
+                method=method, body=exchange.ClientBody(one_chunk(body)) if body is not None else None,
+                declared=declared, header_timeout=deadline, acquire_timeout=deadline, pool_name="own-call",
+                swallow_body_errors=False, on_done=lambda _error: None)
+            chunks, size = [], 0
+            try:
+                async for chunk in response:
+                    size += len(chunk)
+                    if size > max_bytes:
+                        raise ValueError(f"{self.name}: {path} is larger than {max_bytes} bytes")
+                    chunks.append(chunk)
+            finally:
+                await response.aclose()
+            return status, b"".join(chunks)
+
+        async with asyncio.timeout(deadline):
+            return await whole()
+
     async def probe(self, path: str = "/readyz", deadline: float = 3.0) -> bool:
         """Active health: /readyz answers 200; 401/403 count as up (reachable, the probe lacks rights)."""
-        headers = {"X-Remote-User": "system:gatekeeper-proxy-probe", "Accept": "text/plain"}
+        headers = [("x-remote-user", "system:gatekeeper-proxy-probe"), ("accept", "text/plain")]
         try:
-            async with self.session.get(self.url + path, headers=headers,
-                                        ssl=self.ssl_identity or self.ssl_plain,
-                                        timeout=aiohttp.ClientTimeout(total=deadline)) as resp:
-                await resp.read()
-                return resp.status in (200, 401, 403)
-        except (TimeoutError, aiohttp.ClientError, OSError):
+            status, _ = await self.call("GET", path, headers, deadline=deadline, max_bytes=PROBE_MAX_BYTES)
+        except (TimeoutError, OSError, ValueError):  # every upstream error is an OSError (ConnectionError)
             return False
-
-
+        return status in (200, 401, 403)

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import ssl
 
-import aiohttp
-
 
 class ConnectFailed(ConnectionError):
     """No byte of the request reached the backend (TCP/TLS connect failed or timed out).
@@ -55,12 +53,10 @@ class RequestResetByBackend(BackendFailed):
 
 def connect_cause(exc: BaseException) -> str:
     """A short, client-safe cause of a failed connect (never an exception repr: no addresses, no objects)."""
-    if isinstance(exc, (TimeoutError, aiohttp.ConnectionTimeoutError)):
+    if isinstance(exc, TimeoutError):
         return "connect timed out"
-    if isinstance(exc, (aiohttp.ClientConnectorCertificateError, aiohttp.ClientConnectorSSLError,
-                        ssl.SSLError)):
+    if isinstance(exc, ssl.SSLError):
         return "TLS handshake failed"
-    os_error = getattr(exc, "os_error", exc)
-    if isinstance(os_error, ConnectionRefusedError):
+    if isinstance(exc, ConnectionRefusedError):
         return "connection refused"
     return "connect failed"

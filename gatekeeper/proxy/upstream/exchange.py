@@ -1,4 +1,4 @@
-"""One request/response exchange on the lean client (``upstream.client: lean``, the default).
+"""One request/response exchange on the HTTP/1.1 client.
 
 The request head is built here in one pass over the headers and written with
 one ``transport.write``; a small GET is then one write up and, usually, one
@@ -18,7 +18,7 @@ import asyncio
 import collections
 import re
 import ssl
-from collections.abc import AsyncIterator, Callable, Collection
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from typing import Protocol
 
 from gatekeeper.proxy.messages import Headers
@@ -165,7 +165,7 @@ async def _send_body(conn: Conn, body: ClientBody, declared: int | None) -> None
         conn._fail(exc)
 
 
-class Source(Protocol):
+class BodySource(Protocol):
     """What a streamed body reads from: an HTTP/1.1 connection (``lean.Conn``) or an HTTP/2 stream
     (``mux_stream.MuxStream``)."""
 
@@ -173,7 +173,7 @@ class Source(Protocol):
     complete: bool
     error: BaseException | None
 
-    async def wait(self) -> None: ...
+    def wait(self) -> Awaitable[None]: ...
 
     def take(self) -> bytes: ...
 
@@ -185,7 +185,7 @@ class StreamedBody:
     the adapter or by flow control still frees its connection or stream and its lease.
     """
 
-    def __init__(self, source: Source, name: str, *, swallow_errors: bool,
+    def __init__(self, source: BodySource, name: str, *, swallow_errors: bool,
                  on_done: Callable[[BaseException | None], None]) -> None:
         self.source = source
         self.name = name
@@ -297,7 +297,7 @@ async def exchange(
         conn.request_sent = body is None
         if body is not None:
             conn.body_task = asyncio.create_task(_send_body(conn, body, declared))
-        await conn.wait_headers()
+        await conn.wait_head()
     except BaseException as exc:
         if conn is not None:
             conn.abort()

@@ -3,9 +3,9 @@
 RFC 9110 7.6.1: hop-by-hop fields, and every field the ``Connection`` header
 names, describe one connection and are never forwarded. Requests lose them
 (plus ``Host`` and ``Expect``, which the proxy answers or sets itself) on the
-HTTP/1.1 pool, the multiplexed HTTP/2 pool, the aiohttp client and upgrades
-alike; responses lose them in :func:`response_headers`, which every upstream
-path runs on the backend's raw head. One module, so the paths cannot drift
+HTTP/1.1 pool, the multiplexed HTTP/2 pool and upgrades alike; responses lose
+them in :func:`response_headers`, which every upstream path runs on the
+backend's raw head. One module, so the paths cannot drift
 apart on what a hop is.
 """
 

@@ -1,16 +1,16 @@
-"""The request path's HTTP/1.1 client: one asyncio Protocol per pooled connection, llhttp parsing.
+"""The HTTP/1.1 client under the request path: one asyncio Protocol per pooled connection, llhttp parsing.
 
-Why not aiohttp here: a py-spy profile of the proxy under closed-loop small
-GETs put aiohttp's client path at about a third of the proxy's CPU (request
-building through multidicts and yarl, a StreamReader per response, a writer
-task per body, timers per connection). This module does only what a proxy
-needs: the caller hands it a finished request head (one ``bytes``, one write),
-``httptools`` (llhttp, the parser Node.js uses) parses the response in C, and
-body chunks go straight from ``data_received`` to the consumer with reading
-paused while more than :data:`READ_HIGH` bytes wait, so a slow client still
-slows the backend read instead of growing a buffer.
+It carries what the multiplexed HTTP/2 pool (:mod:`upstream.mux`) does not:
+requests with a body, watches and followed logs (a connection each), callers
+the apiserver may refuse, every request to a backend without HTTP/2, and the
+proxy's own calls (probes, issuer keys, TokenReviews). It does only what a
+proxy needs: the caller hands it a finished request head (one ``bytes``, one
+write), ``httptools`` (llhttp, the parser Node.js uses) parses the response
+in C, and body chunks go straight from ``data_received`` to the consumer with
+reading paused while more than :data:`READ_HIGH` bytes wait, so a slow client
+still slows the backend read instead of growing a buffer.
 
-What it keeps from the aiohttp path, on purpose:
+What a pooled connection must not let through, on purpose:
 
 * A connection goes back to its pool only when its response was read to the
   end, the request body was sent whole, and the backend kept it alive; anything
@@ -22,7 +22,9 @@ What it keeps from the aiohttp path, on purpose:
   connection made with the front-proxy certificate never carries a token
   request, and a reloaded context is used by every new connection.
 * Nothing is re-sent: a reused connection the backend closed under us fails
-  the request like any other backend fault.
+  the request like any other backend fault (a client library would re-send an
+  idempotent PUT or DELETE there; the proxy cannot know the backend did not act
+  on the first copy).
 """
 
 from __future__ import annotations
@@ -43,8 +45,8 @@ MAX_HEAD_BYTES = 256 * 1024
 READ_HIGH = 256 * 1024
 """Stop reading a backend while this much of its body waits for the consumer."""
 IDLE_SECONDS = 15.0
-"""An idle pooled connection older than this is closed, not reused (aiohttp's keep-alive default; a
-backend that closes idle connections sooner costs a 502 on the request that raced the close, never a re-send)."""
+"""An idle pooled connection older than this is closed, not reused (a backend that closes idle connections
+sooner costs a 502 on the request that raced the close, never a re-send)."""
 
 
 class BackendProtocolError(ConnectionError):
@@ -93,6 +95,9 @@ class Conn(OneWaiter, asyncio.Protocol):
         """
         self._response(head_only=head_only)
         self.active = True
+        if self.closed:  # lost between its connect and now: connection_lost saw no exchange to fail
+            self.error = ConnectionResetError("the backend closed the connection")
+            return
         if header_timeout is not None:
             self.timer = self.loop.call_later(header_timeout, self._header_timeout)
         assert self.transport is not None
@@ -220,20 +225,6 @@ class Conn(OneWaiter, asyncio.Protocol):
         self.abort()
         self.wake()
 
-    async def wait_headers(self) -> None:
-        """Until the response head is in (:meth:`OneWaiter.wait` inlined: one coroutine less on every request)."""
-        while not self.headers_done:
-            if self.error is not None:
-                raise self.error
-            if self.closed:
-                raise ConnectionResetError("the backend closed the connection")
-            waiter = self.waiter = self.loop.create_future()
-            try:
-                await waiter
-            finally:
-                if self.waiter is waiter:
-                    self.waiter = None
-
     def take(self) -> bytes:
         """Everything buffered, as one chunk (one write to the client instead of several)."""
         chunks = self.chunks
@@ -322,7 +313,7 @@ class Pool:
     def adopt(self, transport: asyncio.Transport, ctx: ssl.SSLContext, live: Callable[[], tuple[Any, ...]]) -> None:
         """Keep an established TLS connection on which nothing was sent yet as an idle one, kept for ``ctx``.
 
-        Why: the HTTP/2 pool (``upstream.http2``) offers ``h2`` and ``http/1.1`` in ALPN; a backend that
+        Why: the HTTP/2 pool offers ``h2`` and ``http/1.1`` in ALPN; a backend that
         picks HTTP/1.1 has just completed a handshake the request that found out can use (it takes the
         most recent idle connection, this one, unless a request put one back in between, which costs no
         handshake either). ``ctx`` is the HTTP/1.1 context built by the same reload as the one the

@@ -343,10 +343,7 @@ async def exchange(
                 raise Paused(f"{name}: multiplexing paused after a 401")
             stream = conn.start(block, head_only=head_only, header_timeout=header_timeout)
             try:
-                while not stream.headers_done:
-                    if stream.error is not None:
-                        raise stream.error
-                    await stream.wait()
+                await stream.wait_head()
             except StreamRefused:
                 if pool.paused and pool.is_paused(ctx):  # not processed: HTTP/1.1, never a second stream
                     raise Paused(f"{name}: multiplexing paused after a 401") from None

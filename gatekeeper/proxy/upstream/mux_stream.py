@@ -12,13 +12,20 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from gatekeeper.proxy.h2wire import frames as f
 from gatekeeper.proxy.upstream.slots import OneWaiter
 
-if TYPE_CHECKING:
-    from gatekeeper.proxy.upstream.mux import MuxConn
+
+class StreamOwner(Protocol):
+    """What a stream needs of its connection (``mux.MuxConn``, which imports this module)."""
+
+    loop: asyncio.AbstractEventLoop
+
+    def queue(self, data: bytes) -> None: ...
+
+    def cancel(self, stream: MuxStream) -> None: ...
 
 STREAM_WINDOW = 256 * 1024
 """Per-stream receive window (as ``lean.READ_HIGH``: what a client that stops reading can make us hold)."""
@@ -52,7 +59,7 @@ class MuxStream(OneWaiter):
         "unacked",
     )
 
-    def __init__(self, sid: int, conn: MuxConn, head_only: bool) -> None:
+    def __init__(self, sid: int, conn: StreamOwner, head_only: bool) -> None:
         self.sid = sid
         self.conn = conn
         self.loop = conn.loop

@@ -68,28 +68,42 @@ class OneWaiter:
     """Mixin: a response's one consumer parks in :meth:`wait` until the protocol side calls :meth:`wake`.
 
     Headers, a body chunk, the end and an error all wake it; the consumer then looks at the state
-    itself. ``lean.Conn`` and ``mux_stream.MuxStream`` set ``loop`` and ``waiter``; what each does after
-    taking bytes (resume the socket, re-open the stream window) stays theirs, in their ``take``: a shared
-    helper for its first four lines would cost a call per body chunk (cProfile, one small GET through
-    ``BackendClient.send`` and its body: 278 -> 279 calls on HTTP/1.1, and the same +1 on HTTP/2; this
-    mixin: 278 either way). Its slots hold ``loop`` and ``waiter`` (``MuxStream`` has slots, so the
-    mixin must too).
+    itself. ``lean.Conn`` and ``mux_stream.MuxStream`` set ``loop``, ``waiter``, ``headers_done`` and
+    ``error``; what each does after taking bytes (resume the socket, re-open the stream window) stays
+    theirs, in their ``take``: a shared helper for its first four lines would cost a call per body chunk
+    (cProfile, one small GET through ``BackendClient.send`` and its body: 278 -> 279 calls on HTTP/1.1,
+    and the same +1 on HTTP/2; this mixin: 278 either way). Its slots hold ``loop`` and ``waiter``
+    (``MuxStream`` has slots, so the mixin must too).
     """
 
     __slots__ = ("loop", "waiter")
     loop: asyncio.AbstractEventLoop
     waiter: asyncio.Future[None] | None
+    headers_done: bool
+    error: BaseException | None
 
     def wake(self) -> None:
         waiter, self.waiter = self.waiter, None
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    async def wait(self) -> None:
-        """Until something changes: headers, a body chunk, the end, or an error."""
+    def wait(self) -> asyncio.Future[None]:
+        """What to await until something changes: headers, a body chunk, the end, or an error.
+
+        The future itself, not a coroutine: awaiting it costs no coroutine per wait, on every request's head
+        and every body chunk that is not in yet. A consumer cancelled while it waits leaves its future
+        cancelled behind; :meth:`wake` passes over a done one, and the next wait replaces it.
+        """
         waiter = self.waiter = self.loop.create_future()
-        try:
-            await waiter
-        finally:
-            if self.waiter is waiter:
-                self.waiter = None
+        return waiter
+
+    async def wait_head(self) -> None:
+        """Until the response head is in; raises the error that ended the exchange first.
+
+        The protocol side sets ``error`` whenever the exchange ends without a head (the connection
+        lost, closed before it began, the stream reset or refused).
+        """
+        while not self.headers_done:
+            if self.error is not None:
+                raise self.error
+            await self.wait()

@@ -40,7 +40,7 @@ def distinguisher_of(fs: FlowSchema, user_key: str, ri: RequestFacts) -> str:
 
 
 @dataclass(frozen=True)
-class Limits:
+class LevelLimits:
     """The knobs that are not part of the Kubernetes objects."""
 
     server_concurrency_limit: int = 600
@@ -57,8 +57,8 @@ class FlowController:
     level_factory: Callable[[PriorityLevel, int, ListBudget], LevelState] = LevelState
     """Builds each level's state; worker processes swap in ``ledger.LedgerLevel`` (proxy-wide seats)."""
 
-    def __init__(self, policy: Policy, limits: Limits | None = None) -> None:
-        self.limits = limits or Limits()
+    def __init__(self, policy: Policy, limits: LevelLimits | None = None) -> None:
+        self.limits = limits or LevelLimits()
         self.estimator = SizeEstimator(
             self.limits.bytes_per_seat, self.limits.max_seats, storage_only=self.limits.storage_only_resources
         )
@@ -73,7 +73,7 @@ class FlowController:
         """Latest time seen; used when a caller does not pass one."""
         self.update(policy, self.limits)
 
-    def update(self, policy: Policy, limits: Limits | None = None) -> list[Ticket]:
+    def update(self, policy: Policy, limits: LevelLimits | None = None) -> list[Ticket]:
         """Swap in a new policy. Levels keep their queues when their shape is unchanged; otherwise the
         old queues drain (their waiting requests are still served) while new requests use the new ones.
         Returns requests dispatched because limits grew."""

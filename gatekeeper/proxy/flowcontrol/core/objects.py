@@ -19,6 +19,7 @@ and applied by the controller (``borrowing.py``).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import re
@@ -79,11 +80,17 @@ class PolicyRule:
 
 
 @dataclass(frozen=True)
-class FlowSchema:
-    """A validated FlowSchema."""
+class ApfObject:
+    """What every validated flowcontrol.apiserver.k8s.io object has: its name and its uid."""
 
     name: str
     uid: str
+
+
+@dataclass(frozen=True)
+class FlowSchema(ApfObject):
+    """A validated FlowSchema."""
+
     matching_precedence: int
     priority_level: str
     distinguisher: Literal["ByUser", "ByNamespace", ""]
@@ -91,11 +98,9 @@ class FlowSchema:
 
 
 @dataclass(frozen=True)
-class PriorityLevel:
+class PriorityLevel(ApfObject):
     """A validated PriorityLevelConfiguration."""
 
-    name: str
-    uid: str
     exempt: bool
     nominal_concurrency_shares: int = 30
     reject: bool = False
@@ -327,18 +332,12 @@ def parse_priority_level(obj: Any, index: str = "") -> PriorityLevel:
     borrow = None if borrow is None else r.integer(borrow, "spec.limited.borrowingLimitPercent", 0, 0)
     lr = r.mapping(lim.get("limitResponse"), "spec.limited.limitResponse", ("type", "queuing"))
     lr_type = lr.get("type")
+    limited = functools.partial(PriorityLevel, name=name, uid=uid, exempt=False, nominal_concurrency_shares=shares,
+                                lendable_percent=lendable, borrowing_limit_percent=borrow)
     if lr_type == "Reject":
         if lr.get("queuing") is not None:
             raise r.fail("spec.limited.limitResponse.queuing", "must not be set when type is Reject")
-        return PriorityLevel(
-            name=name,
-            uid=uid,
-            exempt=False,
-            nominal_concurrency_shares=shares,
-            reject=True,
-            lendable_percent=lendable,
-            borrowing_limit_percent=borrow,
-        )
+        return limited(reject=True)
     if lr_type != "Queue":
         raise r.fail("spec.limited.limitResponse.type", f"expected Queue or Reject, got {lr_type!r}")
     q = r.mapping(lr.get("queuing"), "spec.limited.limitResponse.queuing", ("queues", "handSize", "queueLengthLimit"))
@@ -353,15 +352,5 @@ def parse_priority_level(obj: Any, index: str = "") -> PriorityLevel:
             f"queues={queues} with handSize={hand} needs more than {MAX_HASH_BITS} "
             "bits of entropy (log2(queues) * handSize); lower either",
         )
-    return PriorityLevel(
-        name=name,
-        uid=uid,
-        exempt=False,
-        nominal_concurrency_shares=shares,
-        reject=False,
-        queues=queues,
-        hand_size=hand,
-        queue_length_limit=r.integer(q.get("queueLengthLimit"), f"{qp}.queueLengthLimit", 50, 1),
-        lendable_percent=lendable,
-        borrowing_limit_percent=borrow,
-    )
+    return limited(reject=False, queues=queues, hand_size=hand,
+                   queue_length_limit=r.integer(q.get("queueLengthLimit"), f"{qp}.queueLengthLimit", 50, 1))

@@ -34,8 +34,10 @@ with one ledger column; the fairness weight then follows the newer one.)
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
+import functools
 import hashlib
 import mmap
 import os
@@ -352,9 +354,6 @@ def attach(flow: FlowControl, ledger: SeatLedger) -> Callable[[], None]:
     Levels are rebuilt as :class:`LedgerLevel` (call before any request is admitted), the wake
     socket is read from the event loop, and queued requests are retried every POLL_SECONDS.
     """
-    import asyncio
-    import functools
-
     ctl = flow.controller
     ctl.level_factory = functools.partial(_ledger_level, ledger=ledger)
     ctl.levels, ctl.draining = {}, []

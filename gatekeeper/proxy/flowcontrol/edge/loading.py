@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from gatekeeper.config import NotRegularFile, load_yaml_all
-from gatekeeper.proxy.flowcontrol.core.controller import Limits
+from gatekeeper.proxy.flowcontrol.core.controller import LevelLimits
 from gatekeeper.proxy.flowcontrol.core.objects import ObjectError
 from gatekeeper.proxy.flowcontrol.core.policy import Policy, build_policy, split_objects
 from gatekeeper.proxy.flowcontrol.settings import FlowControlSettings
@@ -28,8 +28,8 @@ log = logging.getLogger("gatekeeper.proxy.flowcontrol")
 T = TypeVar("T")
 
 
-def limits_of(settings: FlowControlSettings) -> Limits:
-    return Limits(
+def limits_of(settings: FlowControlSettings) -> LevelLimits:
+    return LevelLimits(
         server_concurrency_limit=settings.server_concurrency_limit,
         queue_wait_seconds=settings.queue_wait_seconds,
         bytes_per_seat=settings.bytes_per_seat,

@@ -161,7 +161,7 @@ class _Metered:
 
     @property
     def exhausted(self) -> bool:
-        """The upstream body's own last-chunk mark (``upstream.aio.ResponseBody``), passed through so the
+        """The upstream body's own last-chunk mark (``upstream.exchange.StreamedBody``), passed through so the
         h2 adapter still ends the stream on the last DATA frame."""
         return is_exhausted(self.body)
 
@@ -273,15 +273,15 @@ class FlowControl:
             facts, verified = who, who.verified
             if not verified:
                 user_key = unverified_flow(request.peer)
-                request.annotations["caller"] = user_key
+                request.caller = user_key
             else:
                 request.token_verified = True
-                request.annotations["caller"] = who.name
+                request.caller = who.name
         if self.settings.impersonators and verified and self.settings.impersonators.trusts(facts.name, facts.groups):
             acting_as = impersonated(request.headers)
             if acting_as is not None:  # classified, queued and capped as whom it acts for, as upstream
                 facts = acting_as
-                request.annotations["caller"] = acting_as.name
+                request.caller = acting_as.name
         shape = list_shape(request.target) if info.verb == "list" else None
         now = self.clock()
         t, fs, dispatched = self.controller.admit(
@@ -292,7 +292,7 @@ class FlowControl:
         w = _Waiter(fs, pl, info, now, None, metrics.for_pair(fs.name, pl.name))
         w.shape = shape
         t.payload = w
-        request.annotations["flow_schema"], request.annotations["priority_level"] = fs.name, pl.name
+        request.flow_schema, request.priority_level = fs.name, pl.name
         if t.state == "queued":
             w.future = asyncio.get_running_loop().create_future()
         self._wake(dispatched)

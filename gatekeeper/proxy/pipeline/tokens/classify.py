@@ -1,6 +1,6 @@
 """From an ``Authorization`` header to the identity flow control uses (pure, time passed in).
 
-Decision order for a bearer token:
+TokenDecision order for a bearer token:
 
 1. its digest is in the verified cache: that identity (the warm path: a hash
    and two dict lookups);
@@ -71,7 +71,7 @@ def unverified_flow(peer: str) -> str:
 
 
 @dataclass(frozen=True)
-class Decision:
+class TokenDecision:
     """What :meth:`TokenClassifier.decide` concluded, and what the edge should do next."""
 
     step: Step
@@ -124,37 +124,37 @@ class TokenClassifier:
             return hit
         return UNVERIFIED if self.failed.get(key, now) is not None else None
 
-    def decide(self, authorization: str, now: float) -> Decision:
+    def decide(self, authorization: str, now: float) -> TokenDecision:
         token = bearer_token(authorization)
         if token is None:
-            return Decision("done", UNVERIFIED, "not-bearer")
+            return TokenDecision("done", UNVERIFIED, "not-bearer")
         key = digest(token)
         hit = self.verified.get(key, now)
         if hit is not None:
-            return Decision("done", hit, "cached")
+            return TokenDecision("done", hit, "cached")
         if self.failed.get(key, now) is not None:
-            return Decision("done", UNVERIFIED, "failed-cached")
+            return TokenDecision("done", UNVERIFIED, "failed-cached")
         if not self.service_accounts or not self.verifier.ready:
             if self.review:
-                return Decision("review", UNVERIFIED, "review", token, key)
+                return TokenDecision("review", UNVERIFIED, "review", token, key)
             if self.service_accounts:  # no keys yet: nothing is cached as failed before the first JWKS
-                return Decision("refresh", UNVERIFIED, "no-keys", token, key)
+                return TokenDecision("refresh", UNVERIFIED, "no-keys", token, key)
             self.fail(key, "no-verifier", now)
-            return Decision("done", UNVERIFIED, "no-verifier")
+            return TokenDecision("done", UNVERIFIED, "no-verifier")
         try:
             v = self.verifier.verify(token, now)
         except UnknownKey:
-            return Decision("refresh", UNVERIFIED, "unknown-kid", token, key)
+            return TokenDecision("refresh", UNVERIFIED, "unknown-kid", token, key)
         except NotServiceAccount as exc:
             if self.review:
-                return Decision("review", UNVERIFIED, exc.reason, token, key)
+                return TokenDecision("review", UNVERIFIED, exc.reason, token, key)
             self.fail(key, exc.reason, now)
-            return Decision("done", UNVERIFIED, exc.reason)
+            return TokenDecision("done", UNVERIFIED, exc.reason)
         except TokenError as exc:
             self.fail(key, exc.reason, now)
-            return Decision("done", UNVERIFIED, exc.reason)
+            return TokenDecision("done", UNVERIFIED, exc.reason)
         self.verified.put(key, v.identity, v.expires, now)
-        return Decision("done", v.identity, "verified")
+        return TokenDecision("done", v.identity, "verified")
 
     def fail(self, key: bytes, reason: str, now: float, seconds: float | None = None) -> None:
         self.failed.put(key, reason, now + (self.failed_seconds if seconds is None else seconds), now)

@@ -29,11 +29,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-import aiohttp
-
 from gatekeeper.proxy.pipeline.tokens import metrics
 from gatekeeper.proxy.pipeline.tokens.cache import digest
-from gatekeeper.proxy.pipeline.tokens.classify import UNVERIFIED, Decision, TokenClassifier, bearer_token
+from gatekeeper.proxy.pipeline.tokens.classify import UNVERIFIED, TokenClassifier, TokenDecision, bearer_token
 from gatekeeper.proxy.pipeline.tokens.jwt import Identity, ServiceAccountVerifier
 from gatekeeper.proxy.pipeline.tokens.review import TOKEN_REVIEW_PATH, Budget, parse_review, review_request
 from gatekeeper.proxy.pipeline.tokens.settings import TokenSettings
@@ -50,16 +48,12 @@ class Upstream(Protocol):
     """What the edge needs of ``gatekeeper.proxy.upstream.client.BackendClient``."""
 
     name: str
-    url: str
-
-    @property
-    def session(self) -> aiohttp.ClientSession: ...
 
     @property
     def ssl_identity(self) -> Any: ...
 
-    @property
-    def ssl_plain(self) -> Any: ...
+    async def call(self, method: str, path: str, headers: list[tuple[str, str]], body: bytes | None = None, *,
+                   deadline: float, max_bytes: int) -> tuple[int, bytes]: ...
 
 
 class FetchError(RuntimeError):
@@ -158,7 +152,7 @@ class TokenIdentities:
             metrics.TOKENS.labels(d.outcome).inc()
         return d.identity
 
-    def _decide(self, authorization: str) -> Decision:
+    def _decide(self, authorization: str) -> TokenDecision:
         t0 = time.perf_counter()
         d = self.classifier.decide(authorization, self.clock())
         if d.outcome == "verified":
@@ -198,7 +192,7 @@ class TokenIdentities:
         return True
 
     # -- TokenReview --------------------------------------------------------------------------
-    async def _review(self, d: Decision) -> Identity:
+    async def _review(self, d: TokenDecision) -> Identity:
         pending = self._reviews.get(d.key)
         if pending is not None:
             metrics.TOKENS.labels("review-joined").inc()  # every classification path is counted
@@ -220,7 +214,7 @@ class TokenIdentities:
         finally:
             del self._reviews[d.key]
 
-    async def _send_review(self, d: Decision) -> Identity:
+    async def _send_review(self, d: TokenDecision) -> Identity:
         now = self.clock()
         try:
             doc = await self._call("POST", TOKEN_REVIEW_PATH, review_request(d.token, self.settings.audiences))
@@ -247,36 +241,19 @@ class TokenIdentities:
             raise FetchError("no upstream apiservers configured")
         errors: list[str] = []
         for up in self.upstreams:
-            headers = {"Accept": "application/jwk-set+json" if path == JWKS_PATH else "application/json"}
+            headers = [("accept", "application/jwk-set+json" if path == JWKS_PATH else "application/json")]
             if body is not None:
-                headers["Content-Type"] = "application/json"
-            if up.ssl_identity is not None:
-                headers["X-Remote-User"] = self.settings.proxy_user
+                headers.append(("content-type", "application/json"))
+            if up.ssl_identity is not None:  # the proxy asserts its own identity with the front-proxy certificate
+                headers += [("x-remote-user", self.settings.proxy_user),
+                            *(("x-remote-group", g) for g in self.settings.proxy_groups)]
             try:
-                async with up.session.request(
-                    method,
-                    up.url + path,
-                    headers=[*headers.items(), *(("X-Remote-Group", g) for g in self.settings.proxy_groups
-                                                 if up.ssl_identity is not None)],
-                    data=body,
-                    ssl=up.ssl_identity or up.ssl_plain,
-                    timeout=aiohttp.ClientTimeout(total=self.settings.fetch_timeout_seconds),
-                ) as resp:
-                    chunks: list[bytes] = []
-                    size = 0
-                    async for chunk in resp.content.iter_any():
-                        size += len(chunk)
-                        if size > MAX_DOCUMENT_BYTES:
-                            break
-                        chunks.append(chunk)
-                    if size > MAX_DOCUMENT_BYTES:
-                        errors.append(f"{up.name}: {path} is larger than {MAX_DOCUMENT_BYTES} bytes")
-                        continue
-                    data = b"".join(chunks)
-                    if not 200 <= resp.status < 300:
-                        errors.append(f"{up.name}: {method} {path}: HTTP {resp.status}: {data[:200]!r}")
-                        continue
-                    return json.loads(data)
-            except (TimeoutError, aiohttp.ClientError, OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+                status, data = await up.call(method, path, headers, body, deadline=self.settings.fetch_timeout_seconds,
+                                             max_bytes=MAX_DOCUMENT_BYTES)
+                if not 200 <= status < 300:
+                    errors.append(f"{up.name}: {method} {path}: HTTP {status}: {data[:200]!r}")
+                    continue
+                return json.loads(data)
+            except (TimeoutError, OSError, ValueError) as exc:  # JSON and UTF-8 errors are ValueErrors too
                 errors.append(f"{up.name}: {method} {path}: {type(exc).__name__}: {exc}")
         raise FetchError("; ".join(errors))

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
 from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
 
@@ -102,8 +102,6 @@ def _b64_int(value: Any) -> int:
 
 def kid_of(public_key: rsa.RSAPublicKey | ec.EllipticCurvePublicKey) -> str:
     """The key id kube-apiserver publishes: base64url(sha256(DER SubjectPublicKeyInfo)), unpadded."""
-    from cryptography.hazmat.primitives import serialization
-
     der = public_key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
     return base64.urlsafe_b64encode(hashlib.sha256(der).digest()).rstrip(b"=").decode()
 

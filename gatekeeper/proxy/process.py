@@ -1,0 +1,192 @@
+"""The proxy process put together: the pipeline, its side listener and the TLS listener, in one event loop.
+
+``gatekeeper proxy`` runs this as the only process (:func:`run_single`) or as each worker under the
+supervisor (:func:`run_worker`, ``proxy/workers.py``). The command imports this module only once the
+process knows its metrics mode: every module here reaches prometheus_client, which picks single-process
+or multiprocess values when it is first imported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import functools
+import gc
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import uvloop
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+
+from gatekeeper.ops import add_ops_routes
+from gatekeeper.proxy import metrics
+from gatekeeper.proxy.flowcontrol.edge.ledger import SeatLedger, attach
+from gatekeeper.proxy.flowcontrol.edge.middleware import FlowControl, from_settings
+from gatekeeper.proxy.handoff import ClosedCounts, Inbox
+from gatekeeper.proxy.listen.server import serve as serve_listener
+from gatekeeper.proxy.pipeline.stages import build
+from gatekeeper.proxy.settings import ProxySettings
+from gatekeeper.proxy.worker_metrics import register_recent_requests, whole_proxy_page
+from gatekeeper.proxy.workers import PARENT_ENV
+
+log = logging.getLogger("gatekeeper.proxy")
+
+def tune_gc(settings: ProxySettings) -> None:
+    """Before serving: freeze what startup built and collect the young generation less often.
+
+    Modules, settings and tables live as long as the process; frozen, they are no
+    longer traversed by every full collection. Only process entry points call this
+    (never ``run``, which tests also call in-process).
+    """
+    gc.collect()
+    gc.freeze()
+    if settings.gc_young_threshold:
+        _, older, oldest = gc.get_threshold()
+        gc.set_threshold(settings.gc_young_threshold, older, oldest)
+
+
+def flow_control_middleware(settings: ProxySettings) -> FlowControl | None:
+    """Flow control's middleware (None when ``flowControl.enabled`` is false); :func:`run` starts and closes it."""
+    return from_settings(settings.flow_control)
+
+
+def metrics_app(ready: Callable[[], bool]) -> web.Application:
+    async def worker_page(request: web.Request) -> web.Response:
+        """This process's own samples, whatever ``metrics.render_page`` became (the supervisor merges them)."""
+        return web.Response(body=generate_latest(REGISTRY), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    app = web.Application()
+    add_ops_routes(app, lambda: None if ready() else "no healthy backend, the listener is not serving yet, or it is "
+                                                     "shutting down", render=lambda: metrics.render_page())
+    app.router.add_get("/metrics/worker", worker_page)
+    return app
+
+
+async def start_metrics_listener(
+    address: str, port: int, ready: Callable[[], bool],
+) -> tuple[web.AppRunner, int]:
+    runner = web.AppRunner(metrics_app(ready), access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, address, port)
+    await site.start()
+    server: Any = site._server
+    sockets = getattr(server, "sockets", None) or []
+    bound = sockets[0].getsockname()[1] if sockets else port
+    return runner, int(bound)
+
+
+async def run(
+    settings: ProxySettings,
+    *,
+    on_ready: Callable[[dict[str, Any]], None] | None = None,
+    serve: Callable[..., Awaitable[Any]] | None = None,
+    setup: Callable[[Any, Any], None] | None = None,
+) -> None:
+    """Run until the listener returns (SIGTERM drained); ``on_ready`` gets the bound URLs.
+
+    ``setup(flow_control, pipeline)`` runs before the listener starts (a worker attaches its seat ledger)."""
+    serve = serve or serve_listener
+    flow = flow_control_middleware(settings)
+    pipeline = build(settings, flow_control=flow)
+    if flow is not None:
+        # flow control fetches the issuer's keys through the same clients
+        flow.use_upstream(list(pipeline.clients.values()))
+        await flow.start()
+    await pipeline.start()
+    if setup is not None:
+        setup(flow, pipeline)
+    listening = asyncio.Event()
+    draining = asyncio.Event()
+    runner: web.AppRunner | None = None
+    info: dict[str, Any] = {}
+    try:
+        if settings.listener.metrics_port >= 0:
+            runner, mport = await start_metrics_listener(
+                settings.listener.metrics_address, settings.listener.metrics_port,
+                lambda: listening.is_set() and not draining.is_set() and pipeline.ready(),
+            )
+            info["metricsUrl"] = f"http://{settings.listener.metrics_address}:{mport}"
+
+        def ready(port: int) -> None:
+            info["url"] = f"https://{settings.listener.address}:{port}"
+            listening.set()
+            log.info("gatekeeper proxy serving on %s (metrics %s), backends: %s", info["url"],
+                     info.get("metricsUrl", "disabled"), ", ".join(b.url for b in pipeline.balancer.backends))
+            if on_ready is not None:
+                on_ready(dict(info))
+
+        def stopping() -> None:
+            # Load balancers stop sending new connections while the open ones drain.
+            draining.set()
+            log.info("draining: /readyz now answers 503")
+
+        await serve(settings, pipeline.handler, ready=ready, stopping=stopping)
+    finally:
+        if runner is not None:
+            await runner.cleanup()
+        await pipeline.close()
+        if flow is not None:
+            with contextlib.suppress(Exception):
+                await flow.close()
+
+
+def run_single(settings: ProxySettings) -> None:
+    """``gatekeeper proxy`` as one process (``--workers 1``): serve until SIGTERM has drained it."""
+    uvloop.install()
+    tune_gc(settings)
+    asyncio.run(run(settings))
+
+
+def worker_settings(settings: ProxySettings, port: int) -> ProxySettings:
+    """A worker takes its connections from the parent and reports the parent's port; its metrics page is private
+    (loopback, any port)."""
+    listener = replace(settings.listener, port=port, metrics_address="127.0.0.1", metrics_port=0)
+    return replace(settings, listener=listener)
+
+
+def _die_with_parent() -> None:
+    parent = int(os.environ.get(PARENT_ENV, "0") or 0)
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if parent and os.getppid() != parent:
+        sys.exit(0)  # the parent died before we could ask to follow it
+
+
+def run_worker(settings: ProxySettings, index: int, runtime: Path, port: int, handoff_fd: int) -> None:
+    """One worker: the ordinary proxy, plus the ledger and a ``worker-N.json`` once it serves.
+
+    It binds nothing: its connections come from the parent over the ``handoff_fd`` socket."""
+    _die_with_parent()
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # flow control installs its reload handler; never die of it
+    settings = worker_settings(settings, port)
+
+    def setup(flow: Any, pipeline: Any) -> None:
+        ledger = SeatLedger(runtime / "ledger", index)
+        register_recent_requests(pipeline)
+        metrics.render_page = whole_proxy_page(runtime, ledger, index)
+        if flow is not None and getattr(flow, "controller", None) is not None:
+            attach(flow, ledger)
+
+    def on_ready(info: dict[str, Any]) -> None:
+        path = runtime / f"worker-{index}.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"pid": os.getpid(), **info}))
+        tmp.replace(path)
+
+    inbox = Inbox(handoff_fd, ClosedCounts(runtime / "closed"), index)
+    serve_fn = functools.partial(serve_listener, handoff=inbox, supervised=True)
+    uvloop.install()
+    tune_gc(settings)
+    asyncio.run(run(settings, on_ready=on_ready, setup=setup, serve=serve_fn))
+
+
+# ---------------------------------------------------------------------------------------- parent side

@@ -1,0 +1,148 @@
+"""Every kubernetes-asyncio call the webhook makes, in one edge module.
+
+The webhook's Kubernetes-facing logic (templates, their reconciler, the namespace labels, the
+DeviceClass map, the pod references) is written against small callables (``Create``, ``KubeOps``,
+``ListFn``/``WatchFn``, ``ListClasses``) so it is tested without an apiserver. This module builds
+those callables from one ``ApiClient``: it is the only place that knows the client library, and
+the only webhook module that imports it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import aiohttp
+import orjson
+from kubernetes_asyncio import client, config, watch
+from kubernetes_asyncio.client import CoreV1Api, CustomObjectsApi, V1DeleteOptions, V1Preconditions
+from kubernetes_asyncio.client.exceptions import ApiException
+
+from gatekeeper.webhook.deviceclasses import ListClasses
+from gatekeeper.webhook.gpu.claims import MANAGED_BY
+from gatekeeper.webhook.kube_errors import describe
+from gatekeeper.webhook.listwatch import ListFn, WatchFn
+from gatekeeper.webhook.namespace_modes import LABEL
+from gatekeeper.webhook.pod_refs import Key
+from gatekeeper.webhook.template_lifecycle import KubeOps
+from gatekeeper.webhook.templates import REQUEST_TIMEOUT, AlreadyExists, Create, TemplateError
+
+
+async def api_client(kubeconfig: str) -> Any:
+    """ApiClient from a kubeconfig file, or the in-cluster service account when empty."""
+    cfg = client.Configuration()
+    if kubeconfig:
+        await config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
+    else:
+        config.load_incluster_config(client_configuration=cfg)
+    return client.ApiClient(configuration=cfg)
+
+
+class _RawWatch(watch.Watch):
+    """Events as the apiserver sent them: building model objects per event costs CPU for nothing."""
+
+    def unmarshal_event(self, data: str | bytes, response_type: str | None) -> Any:
+        return super().unmarshal_event(data, None)
+
+
+def list_watch(list_call: Callable[..., Any], watch_seconds: int = 300, **selectors: Any) -> tuple[ListFn, WatchFn]:
+    """LIST and WATCH through a kubernetes-asyncio list function, as raw dicts (no model objects)."""
+
+    async def list_fn() -> tuple[list[dict[str, Any]], str]:
+        resp: Any = await list_call(_preload_content=False, _request_timeout=30, **selectors)
+        doc = orjson.loads(await resp.read())
+        return list(doc.get("items") or []), str((doc.get("metadata") or {}).get("resourceVersion") or "")
+
+    async def watch_fn(rv: str) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+        w = _RawWatch()
+        try:
+            async for ev in w.stream(list_call, resource_version=rv, timeout_seconds=watch_seconds,
+                                     allow_watch_bookmarks=True, **selectors):
+                obj = ev.get("raw_object") or {}
+                yield str(ev.get("type", "")), obj if isinstance(obj, dict) else {}
+        finally:
+            w.stop()
+            await w.close()
+
+    return list_fn, watch_fn
+
+
+def namespace_source(api: Any, watch_seconds: int = 300) -> tuple[ListFn, WatchFn]:
+    """LIST and WATCH the namespaces carrying the GPU-mode label."""
+    return list_watch(CoreV1Api(api).list_namespace, watch_seconds, label_selector=LABEL)
+
+
+def pod_source(api: Any, watch_seconds: int = 300) -> tuple[ListFn, WatchFn]:
+    """All pods (a template's pods may be anywhere in its namespace, with no label to select them by)."""
+    return list_watch(CoreV1Api(api).list_pod_for_all_namespaces, watch_seconds)
+
+
+def device_class_lister(api: Any, request_timeout: float = 5.0) -> ListClasses:
+    """LIST resource.k8s.io/v1 deviceclasses."""
+    custom = CustomObjectsApi(api)
+
+    async def list_classes() -> list[dict[str, Any]]:
+        doc = await custom.list_cluster_custom_object("resource.k8s.io", "v1", "deviceclasses",
+                                                      _request_timeout=request_timeout)
+        items = doc.get("items") if isinstance(doc, dict) else None
+        return items if isinstance(items, list) else []
+
+    return list_classes
+
+
+def template_creator(api: Any, request_timeout: float = REQUEST_TIMEOUT) -> Create:
+    """``create`` for the TemplateKeeper: POST .../resourceclaimtemplates, errors as the user's message."""
+    custom = CustomObjectsApi(api)
+
+    async def create(obj: dict[str, Any]) -> None:
+        group, version = obj["apiVersion"].split("/")
+        meta = obj["metadata"]
+        try:
+            await custom.create_namespaced_custom_object(group, version, meta["namespace"],
+                                                         "resourceclaimtemplates", obj,
+                                                         _request_timeout=request_timeout)
+        except ApiException as exc:
+            if exc.status == 409:
+                raise AlreadyExists() from None
+            raise TemplateError(
+                f"gatekeeper could not create ResourceClaimTemplate {meta['namespace']}/{meta['name']}: "
+                f"{describe(exc)}; the pod would stay Pending, so it was not admitted"
+            ) from None
+        except (TimeoutError, OSError, aiohttp.ClientError) as exc:
+            raise TemplateError(
+                f"gatekeeper could not reach the apiserver to create ResourceClaimTemplate "
+                f"{meta['namespace']}/{meta['name']}: {describe(exc)}"
+            ) from None
+
+    return create
+
+
+def template_ops(api: Any, request_timeout: float = 10.0) -> KubeOps:
+    """The template reconciler's LIST, create and delete (with a UID precondition)."""
+    custom = CustomObjectsApi(api)
+    selector = ",".join(f"{k}={v}" for k, v in MANAGED_BY.items())
+
+    async def list_templates() -> list[dict[str, Any]]:
+        doc = await custom.list_cluster_custom_object("resource.k8s.io", "v1", "resourceclaimtemplates",
+                                                      label_selector=selector, _request_timeout=request_timeout)
+        return list(doc.get("items") or [])
+
+    async def create(obj: dict[str, Any]) -> None:
+        try:
+            await custom.create_namespaced_custom_object("resource.k8s.io", "v1", obj["metadata"]["namespace"],
+                                                         "resourceclaimtemplates", obj,
+                                                         _request_timeout=request_timeout)
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+
+    async def delete(key: Key, uid: str) -> None:
+        body = V1DeleteOptions(preconditions=V1Preconditions(uid=uid) if uid else None)
+        try:
+            await custom.delete_namespaced_custom_object("resource.k8s.io", "v1", key[0], "resourceclaimtemplates",
+                                                         key[1], body=body, _request_timeout=request_timeout)
+        except ApiException as exc:
+            if exc.status not in (404, 409):
+                raise
+
+    return KubeOps(list_templates, create, delete)
