@@ -159,6 +159,9 @@ REMOVED_KEYS: dict[str, str] = {
                                  "connection to the worker with the fewest; delete the key",
     "proxy.listener.reusePort": "workers no longer listen themselves (the parent hands connections over); "
                                 "delete the key",
+    "proxy.flowControl.seatTimeoutSeconds": "requests end at proxy.protocol.requestTimeoutSeconds (60 s), which cuts "
+                                            "the response and releases its seats; a LIST's seats go back when the "
+                                            "apiserver is done (readAheadBytes); delete the key",
     "proxy.protocol.http2Engine": "the proxy has one client-facing HTTP/2 engine, its own codec; delete the key",
     "proxy.upstream.client": "the proxy has one HTTP/1.1 upstream client, its own (asyncio + llhttp); delete the key",
     "proxy.upstream.http2": "short GETs of verified callers always share multiplexed HTTP/2 connections to the "

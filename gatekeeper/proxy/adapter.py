@@ -28,6 +28,25 @@ class ClientGone(ConnectionError):
     """The client reset the stream or closed the connection before the response ended."""
 
 
+class DeadlinePassed(TimeoutError):
+    """The request was not done by its deadline (``pipeline/deadline.py``); the adapter answered 504 or cut it."""
+
+
+def describe_seconds(seconds: float) -> str:
+    """A deadline as Go prints it for whole minutes (``1m0s``, what kube-apiserver's 504 says), else ``2.5s``."""
+    if seconds >= 60 and seconds == int(seconds):
+        m, s = divmod(int(seconds), 60)
+        return f"{m}m{s}s"
+    return f"{seconds:g}s"
+
+
+def timeout_response(seconds: float) -> ProxyResponse:
+    """The 504 of a request past its deadline before its response head, as kube-apiserver's timeout filter
+    words it (client-go shows the message)."""
+    return error_response(504, "Timeout", f"Timeout: request did not complete within {describe_seconds(seconds)} "
+                          "(gatekeeper proxy: protocol.requestTimeoutSeconds, or the request's timeout parameter)")
+
+
 def response_has_body(method: str, status: int) -> bool:
     """HEAD, 1xx, 204 and 304 responses carry no body whatever their headers say (RFC 9110 6.4.1)."""
     return method != "HEAD" and status >= 200 and status not in NO_BODY_STATUSES

@@ -124,6 +124,10 @@ class ProxyRequest:
     from the connection's certificate and last credential; ``auth.identify``). None: no memo."""
     token_verified: bool = False
     """Flow control verified the bearer token's signature and claims (the apiserver will authenticate it)."""
+    deadline_seconds: float = 0.0
+    """How long the request may run (``pipeline/deadline.py``); 0: no deadline (long-running)."""
+    timed_out: bool = False
+    """The deadline passed: the adapter answers 504, or cuts a response already under way."""
 
     def header(self, name: str) -> str | None:
         name = name.lower()

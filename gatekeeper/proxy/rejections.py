@@ -53,6 +53,8 @@ RejectReason = Literal[
     "bad_identity",  # client certificate name with control characters or edge whitespace
     # upstream too slow
     "pool_timeout", "upstream_header_timeout",
+    "deadline",  # not done within protocol.requestTimeoutSeconds (or its ?timeout=): 504, or the response cut
+    "bad_timeout",  # a ?timeout= Go's time.ParseDuration refuses: 400, as kube-apiserver answers
     "long_running_cap",  # a caller already holds upstream.maxLongRunningPerCaller watches/logs/exec open: 429
 ]
 REJECT_REASONS: tuple[str, ...] = get_args(RejectReason)

@@ -15,9 +15,11 @@ import yaml
 from fc_helpers import flow_schema, group, queued_level, rr, secrets_list_schema
 from prometheus_client import REGISTRY
 
+from gatekeeper.config import ConfigError, load_config
 from gatekeeper.kube import requestinfo
 from gatekeeper.proxy.flowcontrol.edge.loading import load_policy
 from gatekeeper.proxy.flowcontrol.edge.middleware import FlowControl
+from gatekeeper.proxy.flowcontrol.edge.readahead import ReadAheadBudget
 from gatekeeper.proxy.flowcontrol.settings import FlowControlSettings
 from gatekeeper.proxy.messages import ProxyRequest, ProxyResponse, UserInfo
 
@@ -423,39 +425,84 @@ def test_reload_reclassifies_requests_the_old_policy_remembered():
     assert fc.controller.classify(alice, info)[0].name == "catch-all"
 
 
-async def test_a_client_taking_its_response_slowly_holds_its_seats_at_most_seat_timeout_seconds():
+async def test_a_slow_readers_list_gives_its_seats_back_once_the_apiserver_has_sent_it_all():
     """An HTTP/2 client can open its window a byte at a time (never stalled long enough to be cut): its LIST
-    held its seats for as long as it liked. After seatTimeoutSeconds they go back; the body still flows."""
-    fc = FlowControl(seeds_settings(coalesce=False, seat_timeout_seconds=0.2))
+    held the level's seats for as long as it kept reading. The seat protects the apiserver, which is done once
+    it has sent the last byte: the proxy reads the LIST ahead and gives the seats back then."""
+    fc = FlowControl(seeds_settings(coalesce=False))
     up = Upstream(body=b"s" * 4000, chunks=4)
     slow = await fc(req(), up)
     level = fc.controller.levels["secrets-list"]
-    assert level.executing_seats >= 1
     first = await slow.body.__anext__()  # reads a little, then nothing for a while
     await until(lambda: level.executing_seats == 0, "the slow reader's seats to be given back")
-    assert REGISTRY.get_sample_value("gatekeeper_flowcontrol_seat_timeouts_total",
-                                     {"flow_schema": "secrets-list", "priority_level": "secrets-list"}) >= 1
+    assert fc.read_ahead.held == 3000  # the rest waits in the proxy, not in the apiserver
     # others run meanwhile, and the slow client still gets all of its response
     assert (await asyncio.wait_for(call(fc, req(user="bob"), up), 5))[0] == 200
     rest = await read(slow)
     slow.finish(None)
     assert first + rest == up.body
+    assert fc.read_ahead.held == 0 and fc.read_ahead.by_connection == {}
     assert level.executing_seats == 0 and fc.executing_by_schema[("secrets-list", "secrets-list")] == 0
+    assert fc.controller.estimator.list_bytes("secrets", "") == 4000  # the size still feeds the estimate
 
 
-def test_seat_timeout_must_be_positive():
-    with pytest.raises(ValueError, match="seatTimeoutSeconds"):
-        FlowControlSettings(seat_timeout_seconds=0).validate()
+async def test_past_its_read_ahead_budget_a_list_keeps_its_seats_until_its_client_catches_up():
+    """The proxy's memory has its own bound: past readAheadBytesPerConnection it stops reading upstream, so
+    the apiserver (still writing) keeps the request's seats."""
+    fc = FlowControl(seeds_settings(coalesce=False, read_ahead_bytes_per_connection=1500))
+    up = Upstream(body=b"s" * 4000, chunks=4)
+    slow = await fc(req(), up)
+    level = fc.controller.levels["secrets-list"]
+    first = await slow.body.__anext__()
+    for _ in range(50):
+        await asyncio.sleep(0)
+    assert fc.read_ahead.held <= 1500 and level.executing_seats >= 1
+    rest = await read(slow)
+    slow.finish(None)
+    assert first + rest == up.body and level.executing_seats == 0 and fc.read_ahead.held == 0
 
 
-async def test_requests_that_end_leave_no_seat_deadline_behind_and_one_timer_serves_them_all():
-    """The seat deadline is a dict entry swept by one timer, not a timer per request (hot path)."""
-    fc = FlowControl(seeds_settings(coalesce=False, seat_timeout_seconds=30))
-    up = Upstream(body=b"s" * 100, chunks=1)
-    for user in ("alice", "bob", "carol"):
-        assert (await call(fc, req(user=user), up))[0] == 200
-    assert fc._timed == {}
-    sweeper = fc._sweeper
-    assert sweeper is not None  # armed by the first timed request
-    await fc.close()
-    assert fc._sweeper is None and sweeper.cancelled()
+async def test_without_read_ahead_a_slow_reader_holds_its_seats_until_it_has_taken_its_response():
+    """``readAheadBytesPerConnection: 0`` is the other design, measured beside the read ahead
+    (docs/proxy/deadline.md): the seats stay until the response is written out, or the deadline."""
+    fc = FlowControl(seeds_settings(coalesce=False, read_ahead_bytes_per_connection=0))
+    up = Upstream(body=b"s" * 4000, chunks=4)
+    slow = await fc(req(), up)
+    level = fc.controller.levels["secrets-list"]
+    await slow.body.__anext__()
+    for _ in range(50):
+        await asyncio.sleep(0)
+    assert level.executing_seats >= 1 and fc.read_ahead.held == 0
+    await read(slow)
+    slow.finish(None)
+    assert level.executing_seats == 0
+
+
+async def test_a_client_gone_mid_read_ahead_gives_the_buffered_bytes_back_and_stops_the_upstream_read():
+    fc = FlowControl(seeds_settings(coalesce=False))
+    up = Upstream(body=b"s" * 4000, chunks=4)
+    resp = await fc(req(), up)
+    await resp.body.__anext__()
+    await until(lambda: fc.read_ahead.held == 3000, "the read ahead")
+    await resp.body.aclose()  # what an adapter does when its client resets the stream
+    resp.finish(ConnectionResetError("client gone"))
+    assert fc.read_ahead.held == 0 and fc.controller.levels["secrets-list"].executing_seats == 0
+
+
+def test_read_ahead_budget_lets_an_empty_connection_take_one_chunk_then_holds_each_limit():
+    budget = ReadAheadBudget(total=1000, per_connection=600)
+    assert budget.refusal(1, 5000) == ""  # nothing held: one chunk always, so every response moves
+    budget.take(1, 500)
+    assert budget.refusal(1, 200) == "connection"
+    assert budget.refusal(1, 100) == ""
+    budget.take(2, 450)
+    assert budget.refusal(2, 100) == "process"  # 950 + 100 over the process's 1000
+    budget.give(1, 500)
+    assert budget.refusal(2, 100) == "" and budget.by_connection == {2: 450}
+
+
+def test_removed_seat_timeout_key_says_what_replaced_it(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("proxy:\n  flowControl:\n    seatTimeoutSeconds: 60\n")
+    with pytest.raises(ConfigError, match="requestTimeoutSeconds"):
+        load_config(path)

@@ -44,10 +44,12 @@ class FlowControlSettings:
     read etcd, so a selector LIST of them costs the whole collection (see ``listcost.py``)."""
     watch_init_seconds: float = 2.0
     """A watch holds its seat until its first body bytes, or at most this long after its response head."""
-    seat_timeout_seconds: float = 60.0
-    """A request that is not long-running gives its seats back at most this long after it was dispatched,
-    even if its client is still taking the response (kube-apiserver ends such a request at its
-    --request-timeout, 60 s). A client trickling its flow-control window kept them for ever."""
+    read_ahead_bytes_per_connection: int = 32 << 20
+    """A LIST's response is read from the apiserver ahead of its client, so its seats go back when the apiserver
+    has sent the last byte (``edge/readahead.py``): at most this many unsent bytes per client connection (one
+    chunk always). 0: no read ahead; a request holds its seats until its client has taken the response."""
+    read_ahead_bytes: int = 256 << 20
+    """All client connections' read-ahead bytes together, per worker process."""
     coalesce: bool = True
     """Serve identical queued LISTs of one identity with one upstream call."""
     fanout_buffer_bytes: int = 8 << 20
@@ -93,8 +95,8 @@ class FlowControlSettings:
                 raise ValueError(f"{name}: must be at least 1")
         if self.watch_init_seconds <= 0:
             raise ValueError("watchInitSeconds: must be positive")
-        if self.seat_timeout_seconds <= 0:
-            raise ValueError("seatTimeoutSeconds: must be positive")
+        if self.read_ahead_bytes_per_connection < 0 or self.read_ahead_bytes < 0:
+            raise ValueError("readAheadBytes and readAheadBytesPerConnection must be at least 0")
         if self.fanout_stall_seconds <= 0:
             raise ValueError("fanoutStallSeconds: must be positive")
         if self.borrowing_adjustment_seconds <= 0:

@@ -59,12 +59,15 @@ from gatekeeper.proxy import rejections
 from gatekeeper.proxy.adapter import (
     HOP_BY_HOP,
     ClientGone,
+    DeadlinePassed,
     call_handler,
     close_body,
     decode_header,
+    describe_seconds,
     encode_header,
     response_has_body,
     status_json,
+    timeout_response,
 )
 from gatekeeper.proxy.listen import conn_metrics
 from gatekeeper.proxy.listen.goaway import GoawayDecider
@@ -394,7 +397,10 @@ class H1Connection:
                 return await self._upgrade(request, response, response.upgraded)
             return await self._send(request, response)
         except asyncio.CancelledError:
-            error = ClientGone("client closed the connection" if self._eof else "connection closed")
+            if request.timed_out and not self._eof:
+                error = await self._past_deadline(request)
+            else:
+                error = ClientGone("client closed the connection" if self._eof else "connection closed")
             return False
         except (ConnectionError, OSError) as exc:
             error = ClientGone(f"client connection failed: {exc}")
@@ -407,6 +413,21 @@ class H1Connection:
             if response is not None and response.upgraded is None:
                 await close_body(response.body)
                 response.finish(error)
+
+    async def _past_deadline(self, request: ProxyRequest) -> BaseException:
+        """The request's deadline passed (its task was cancelled for it): a 504 and close if nothing was
+        answered yet, else close the connection mid-response (HTTP/1.1 has no way to cut one response).
+        Returns the error the response finishes with."""
+        task = asyncio.current_task()
+        if task is not None:
+            task.uncancel()
+        error = DeadlinePassed(f"{self._peer} {request.method}: not done within "
+                               f"{describe_seconds(request.deadline_seconds)}")
+        if self._conn.our_state is h11.SEND_RESPONSE:  # no head written yet
+            with contextlib.suppress(ConnectionError, OSError, h11.LocalProtocolError, asyncio.CancelledError):
+                await self._send(request, timeout_response(request.deadline_seconds), close=True)
+        self._writer.transport.abort()
+        return error
 
     async def _upgrade_answer(self, request: ProxyRequest) -> ProxyResponse | None:
         """The handler's answer to an upgrade request, or None if none came in h1UpgradeIdleTimeoutSeconds.
@@ -422,10 +443,11 @@ class H1Connection:
             rejections.reject("upgrade_idle", f"{self._peer}: no answer to an upgrade request in {limit:g}s")
             return None
 
-    async def _send(self, request: ProxyRequest, response: ProxyResponse) -> bool:
+    async def _send(self, request: ProxyRequest, response: ProxyResponse, *, close: bool = False) -> bool:
         headers = [(encode_header(k), encode_header(v)) for k, v in response.headers if k not in HOP_BY_HOP]
-        close = False
-        if self._closing or self._draining:
+        if close:  # the caller closes the connection after this response (a 504 at the deadline)
+            pass
+        elif self._closing or self._draining:
             close = True
             conn_metrics.GOAWAY_SENT.labels(reason="shutdown").inc()
         elif self._decider.decide():

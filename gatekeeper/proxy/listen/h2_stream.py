@@ -25,7 +25,15 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from gatekeeper.proxy import rejections
-from gatekeeper.proxy.adapter import ClientGone, call_handler, close_body, response_has_body
+from gatekeeper.proxy.adapter import (
+    ClientGone,
+    DeadlinePassed,
+    call_handler,
+    close_body,
+    describe_seconds,
+    response_has_body,
+    timeout_response,
+)
 from gatekeeper.proxy.h2wire.errors import ErrorCodes, StreamClosedError
 from gatekeeper.proxy.listen.h2_headers import response_block
 from gatekeeper.proxy.messages import Handler, ProxyRequest, ProxyResponse, is_exhausted
@@ -54,7 +62,7 @@ class Stream:
     an event nobody made is a no-op, which is safe because every waiter checks the state first.
     """
 
-    __slots__ = ("_inbox_changed", "_window_open", "ended", "error", "id", "inbox", "request", "task")
+    __slots__ = ("_inbox_changed", "_window_open", "ended", "error", "id", "inbox", "request", "responded", "task")
 
     def __init__(self, sid: int, request: ProxyRequest, *, ended: bool = False) -> None:
         self.id = sid
@@ -66,6 +74,8 @@ class Stream:
         """The client sent END_STREAM."""
         self.error: BaseException | None = None
         """Why the stream was cut (client reset, connection lost, drain deadline)."""
+        self.responded = False
+        """The response head went out (past the deadline the stream is then reset, not answered 504)."""
         self._inbox_changed: asyncio.Event | None = None
         self._window_open: asyncio.Event | None = None
 
@@ -174,7 +184,10 @@ class StreamServing:
                 # uploading, without error (RFC 9113 8.1).
                 self._reset(stream.id, ErrorCodes.NO_ERROR)
         except asyncio.CancelledError:
-            error = stream.error or ClientGone("HTTP/2 connection closed")
+            if stream.request.timed_out and stream.error is None and not self._h2_closed:
+                error = await self._past_deadline(stream)
+            else:
+                error = stream.error or ClientGone("HTTP/2 connection closed")
         except ClientGone as exc:  # the socket went away mid-write: nothing to reset
             error = stream.error or exc
         except Exception as exc:
@@ -188,6 +201,26 @@ class StreamServing:
                 response.finish(error)
         return error is None
 
+    async def _past_deadline(self, stream: Stream) -> BaseException:
+        """The request's deadline passed (its task was cancelled for it): a 504 if nothing was answered yet,
+        else RST_STREAM CANCEL. Returns the error the response finishes with."""
+        task = asyncio.current_task()
+        if task is not None:
+            task.uncancel()
+        error = DeadlinePassed(f"HTTP/2 stream {stream.id}: not done within "
+                               f"{describe_seconds(stream.request.deadline_seconds)}")
+        if stream.responded:
+            self._reset(stream.id, ErrorCodes.CANCEL)
+            stream.error = error
+            return error
+        try:
+            await self._send_response(stream, timeout_response(stream.request.deadline_seconds))
+            if not stream.ended:
+                self._reset(stream.id, ErrorCodes.NO_ERROR)
+        except (ClientGone, asyncio.CancelledError):
+            pass  # the client went too: nothing more to tell it
+        return error
+
     def _task_done(self, stream: Stream, task: asyncio.Task[bool]) -> None:
         completed = not task.cancelled() and task.exception() is None and task.result()
         self._stream_done(stream, completed=completed)
@@ -199,6 +232,7 @@ class StreamServing:
             response.upgraded.writer.close()
             raise RuntimeError("pipeline returned a protocol upgrade on an HTTP/2 stream")
         has_body = response_has_body(stream.request.method, response.status)
+        stream.responded = True
         self._conn.send_headers(sid, response_block(response.status, response.headers), end_stream=not has_body)
         self._flush_soon()
         if not has_body:

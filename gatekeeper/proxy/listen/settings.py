@@ -67,6 +67,11 @@ class ProtocolSettings:
     """HTTP/2 request DATA received but not yet taken by the pipeline, all connections of one process
     together (the windows bound each connection, not the process); a stream whose DATA would pass it is
     reset ENHANCE_YOUR_CALM, reason ``body_budget`` (see ``listen/body_budget.py``)."""
+    request_timeout_seconds: float = 60.0
+    """A request that is not long-running ends this long after it arrived, whatever its client's read speed
+    (kube-apiserver's --request-timeout): 504 before the response head, RST_STREAM CANCEL or a closed
+    HTTP/1.1 connection after it; the seats and the upstream stream are released. Watches, ``logs -f``,
+    exec, attach, port-forward and proxy are exempt; a client's ``?timeout=`` can only shorten it."""
     idle_timeout_seconds: float = 300.0
     """Close client connections idle (no open stream) for this long."""
     response_stall_timeout_seconds: float = 60.0

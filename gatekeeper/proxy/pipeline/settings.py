@@ -26,8 +26,14 @@ class MetricsAccess(Protocol):
     def metrics_groups(self) -> list[str]: ...
 
 
+class DeadlineAccess(Protocol):
+    @property
+    def request_timeout_seconds(self) -> float: ...
+
+
 class PipelineSettings(Protocol):
-    """What ``stages.build`` reads: the backends, the upstream client's settings, who may read ``/metrics``."""
+    """What ``stages.build`` reads: the backends, the upstream client's settings, who may read ``/metrics``, the
+    requests' deadline."""
 
     @property
     def backends(self) -> list[BackendSettings]: ...
@@ -37,3 +43,6 @@ class PipelineSettings(Protocol):
 
     @property
     def listener(self) -> MetricsAccess: ...
+
+    @property
+    def protocol(self) -> DeadlineAccess: ...

@@ -26,11 +26,13 @@ from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 from gatekeeper.kube import requestinfo
+from gatekeeper.kube.duration import DurationError
 from gatekeeper.proxy import metrics, rejections, target
 from gatekeeper.proxy.adapter import error_response
 from gatekeeper.proxy.messages import Handler, Headers, Middleware, ProxyRequest, ProxyResponse, UserInfo, one_chunk
 from gatekeeper.proxy.pipeline import auth
 from gatekeeper.proxy.pipeline.balancer import Backend, Balancer, EjectionPolicy, Lease
+from gatekeeper.proxy.pipeline.deadline import Deadlines, bad_timeout_message, request_timeout
 from gatekeeper.proxy.pipeline.settings import PipelineSettings
 from gatekeeper.proxy.pipeline.tokens.classify import source_host
 from gatekeeper.proxy.upstream import errors as up
@@ -159,21 +161,41 @@ def _is_local(request: ProxyRequest) -> bool:
     return request.method in SAFE_METHODS and request.target.split("?", 1)[0] == "/metrics"
 
 
-def front_for(metrics_groups: Collection[str]) -> Middleware:
+def front_for(metrics_groups: Collection[str], deadlines: Deadlines | None = None,
+              request_timeout_seconds: float = 60.0) -> Middleware:
     """The front stage: refuse targets that could steer or mis-classify the request (target.py), answer
-    ``OPTIONS *``, establish who the caller is (auth.py), parse RequestInfo once, and answer ``/metrics``.
+    ``OPTIONS *``, establish who the caller is (auth.py), parse RequestInfo once, answer ``/metrics``, and
+    set the request's deadline (deadline.py).
 
-    One coroutine per request for all four (each stage of a chain costs a coroutine and an await)."""
+    One coroutine per request for all five (each stage of a chain costs a coroutine and an await)."""
     own_page = _metrics_page_for(metrics_groups)
+    deadlines = deadlines or Deadlines()
 
     async def front(request: ProxyRequest, next_handler: Handler) -> ProxyResponse:
         refused = _refuse_target(request) or _establish_identity(request)
         if refused is not None:
             return refused
-        request.info = requestinfo.parse(request.method, request.target)
+        request.info = info = requestinfo.parse(request.method, request.target)
         if _is_local(request):
             return await own_page(request)
-        return await next_handler(request)
+        try:
+            seconds = request_timeout(info, request.target, request_timeout_seconds)
+        except DurationError as exc:
+            rejections.reject("bad_timeout", f"{request.peer} {request.method} {request.target[:200]}: {exc}")
+            return error_response(400, "BadRequest", bad_timeout_message(exc))
+        if seconds is None:
+            return await next_handler(request)
+        deadlines.arm(request, seconds)
+        try:
+            response = await next_handler(request)
+        except BaseException:
+            deadlines.disarm(request)
+            raise
+        if response.upgraded is not None:
+            deadlines.disarm(request)  # the 101 starts a tunnel (exec, attach, port-forward): not a request
+        else:
+            response.on_complete.append(lambda _error: deadlines.disarm(request))
+        return response
 
     return front
 
@@ -399,6 +421,7 @@ class Pipeline:
     balancer: Balancer
     clients: dict[str, BackendClient]
     health_interval: float = 2.0
+    deadlines: Deadlines = field(default_factory=Deadlines)
     _probe_task: asyncio.Task[None] | None = field(default=None, repr=False)
 
     def upstream_connections(self, backend: str) -> int:
@@ -437,6 +460,7 @@ class Pipeline:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._probe_task
             self._probe_task = None
+        self.deadlines.close()
         await asyncio.gather(*(c.close() for c in self.clients.values()))
 
 
@@ -447,14 +471,16 @@ def build(
     policy: EjectionPolicy | None = None,
     balancer: Balancer | None = None,
 ) -> Pipeline:
-    """target -> identity -> RequestInfo -> local /metrics (one stage, front_for) -> flow control (optional)
+    """target -> identity -> RequestInfo -> local /metrics -> deadline (one stage, front_for) -> flow control (optional)
     -> dispatcher."""
     balancer = balancer or Balancer(settings.backends, policy=policy)
     clients = {b.name: BackendClient(b.name, b.url, settings.upstream) for b in balancer.backends}
-    middlewares: list[Middleware] = [front_for(settings.listener.metrics_groups)]
+    deadlines = Deadlines()
+    middlewares: list[Middleware] = [
+        front_for(settings.listener.metrics_groups, deadlines, settings.protocol.request_timeout_seconds)]
     if flow_control is not None:
         middlewares.append(flow_control)
     handler = chain(middlewares, Dispatcher(
         balancer, clients, max_long_running_per_caller=settings.upstream.max_long_running_per_caller))
     return Pipeline(handler=handler, balancer=balancer, clients=clients,
-                    health_interval=settings.upstream.health_interval_seconds)
+                    health_interval=settings.upstream.health_interval_seconds, deadlines=deadlines)

@@ -13,9 +13,6 @@ collector), so they can never drift from the queues' real state.
     Failed reloads by reason: invalid (a file not YAML, too large, an invalid object, missing ...),
     not_regular_file (a FIFO, a device: refused before reading), timeout (not read and validated within
     reloadTimeoutSeconds: given up), stuck (maxStuckReloads given-up reloads still running: not started).
-``gatekeeper_flowcontrol_seat_timeouts_total{flow_schema,priority_level}``
-    Requests that still held their seats ``seatTimeoutSeconds`` after dispatch (a client taking its
-    response that slowly): the seats were given back, the response goes on outside the limit.
 ``gatekeeper_flowcontrol_coalesced_requests_total{flow_schema,priority_level}``
     Requests served by another identical request's upstream call.
 ``gatekeeper_flowcontrol_request_wait_duration_seconds{flow_schema,priority_level,execute}``
@@ -85,11 +82,6 @@ POLICY_STALE = Gauge(
     "1 while this process's last policy reload failed and it runs an older policy than its files say "
     "(with --workers: how many workers do).",
     multiprocess_mode="livesum",
-)
-SEAT_TIMEOUTS = Counter(
-    "gatekeeper_flowcontrol_seat_timeouts",
-    "Requests whose seats were given back at seatTimeoutSeconds while their response was still being sent.",
-    _FS_PL,
 )
 COALESCED = Counter(
     "gatekeeper_flowcontrol_coalesced_requests",

@@ -6,12 +6,12 @@ arms the queue-wait timers, and watches the response to tell the controller
 when a request stops costing seats:
 
 * ordinary requests hold their seats until the response has been written out
-  (the adapter's ``finish()``: complete, failed, or client gone), or at most
-  ``seatTimeoutSeconds`` after dispatch (a client that takes its response a
-  byte at a time keeps receiving it, outside the limit); only LIST
-  bodies are wrapped, to count their bytes into the size estimate for their
-  (resource, namespace) when they end (other bodies pass through untouched, so
-  the hot path of small GETs pays nothing per chunk);
+  (the adapter's ``finish()``: complete, failed, client gone, or cut at the
+  request's deadline, ``pipeline/deadline.py``); other bodies than LISTs pass
+  through untouched, so the hot path of small GETs pays nothing per chunk;
+* a LIST's body is read ahead of its client (``readahead.py``): its seats go
+  back when the apiserver has sent the last byte, within a budget of buffered
+  bytes, and its size feeds the estimate for its (resource, namespace);
 * long-running requests (watches, ``logs -f``) hold their seats only until
   the first response body bytes arrive (initial events, a bookmark: the
   watch is set up), or at most ``watchInitSeconds`` after the response head
@@ -50,6 +50,7 @@ from gatekeeper.proxy.flowcontrol.core.queueset import Ticket
 from gatekeeper.proxy.flowcontrol.edge import metrics
 from gatekeeper.proxy.flowcontrol.edge.fanout import FanOut, Subscriber
 from gatekeeper.proxy.flowcontrol.edge.loading import Reloader, limits_of, load_policy
+from gatekeeper.proxy.flowcontrol.edge.readahead import ReadAhead, ReadAheadBudget
 from gatekeeper.proxy.flowcontrol.settings import FlowControlSettings
 from gatekeeper.proxy.messages import Handler, ProxyRequest, ProxyResponse, UserInfo, close_body, is_exhausted
 from gatekeeper.proxy.pipeline.auth import as_apiserver_sees, bearer_credential
@@ -190,9 +191,7 @@ class FlowControl:
         self._poll: asyncio.Task[None] | None = None
         self._borrow: asyncio.Task[None] | None = None
         self._sighup = False
-        self._timed: dict[Ticket, float] = {}
-        """Dispatched requests that give their seats back at a deadline (``seatTimeoutSeconds``), by ticket."""
-        self._sweeper: asyncio.TimerHandle | None = None
+        self.read_ahead = ReadAheadBudget(settings.read_ahead_bytes, settings.read_ahead_bytes_per_connection)
         metrics.register_source(self)
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -247,9 +246,6 @@ class FlowControl:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         self._poll = self._borrow = None
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            self._sweeper = None
 
     # -- the middleware -----------------------------------------------------------------------
     async def __call__(self, request: ProxyRequest, next_handler: Handler) -> ProxyResponse:
@@ -323,7 +319,7 @@ class FlowControl:
             # The token verified here (signature, expiry) but the apiserver refused it: revoked, or the
             # pod/secret it is bound to is gone. Its later requests are classified as unverified.
             self.identities.refused_upstream(auth)
-        return self._respond(t, w, response)
+        return self._respond(t, w, response, request.connection_id)
 
     # -- queue events -------------------------------------------------------------------------
     def _wake(self, tickets: list[Ticket]) -> None:
@@ -366,7 +362,7 @@ class FlowControl:
             self._end(t, 0, False, None, status=0)
 
     # -- responses ----------------------------------------------------------------------------
-    def _respond(self, t: Ticket, w: _Waiter, response: ProxyResponse) -> ProxyResponse:
+    def _respond(self, t: Ticket, w: _Waiter, response: ProxyResponse, connection: int) -> ProxyResponse:
         response.headers.append(("x-gatekeeper-pf-flowschema", w.fs.name))
         response.headers.append(("x-gatekeeper-pf-prioritylevel", w.pl.name))
         on_first: Callable[[], None] | None = None
@@ -388,16 +384,14 @@ class FlowControl:
 
             upgraded.on_close = on_close
             return response
-        if not w.info.long_running and not w.pl.exempt:
-            # A slow reader (an HTTP/2 window opened a byte at a time) would hold the seats as long as it
-            # likes: the apiserver would have ended the request at its request timeout.
-            self._timed[t] = w.started + self.settings.seat_timeout_seconds
-            if self._sweeper is None:
-                self._arm_sweeper()
         status = response.status
         live = [f for f in t.followers if isinstance(f.payload, _Waiter) and not f.payload.abandoned]
         if not t.followers:
-            if on_first is not None or w.info.verb == "list":
+            if w.shape is not None and self.read_ahead.per_connection and status == 200:
+                w.content_type = next((v for k, v in response.headers if k == "content-type"), "")
+                response.body = ReadAhead(response.body, self.read_ahead, connection,
+                                          lambda n, ok, err, head: self._end(t, n, ok, err, status, head))
+            elif on_first is not None or w.info.verb == "list":
                 # a LIST's size feeds the seat estimate; a watch frees its seats at its first bytes
                 metered = _Metered(response.body, lambda n, ok, err: self._end(t, n, ok, err, status), on_first)
                 if w.shape is not None:
@@ -455,35 +449,12 @@ class FlowControl:
             self._give_seats_back(t, w, w.m.exec_watch)
 
     def _give_seats_back(self, t: Ticket, w: _Waiter, executed: HistogramTally) -> None:
-        """The request stops holding its seats while its response goes on (a watch got going, or a regular
-        request reached ``seatTimeoutSeconds``); ``executed`` records how long it held them."""
+        """The request stops holding its seats while its response goes on (a watch got going); ``executed``
+        records how long it held them."""
         w.seats_released = True
         self._uncount(w)
         executed.observe(self.clock() - w.started)
         self._wake(self.controller.release_seats(t, self.clock()))
-
-    def _arm_sweeper(self) -> None:
-        """One timer for every timed request, not one per request: a TimerHandle made and cancelled on each
-        small GET cost about 1.5-3 us, about 1-2% of the proxy's CPU per request; a dict entry costs 0.1 us.
-        A deadline is therefore met up to one sweep interval (at most 1 s) late."""
-        interval = min(1.0, self.settings.seat_timeout_seconds / 4)
-        self._sweeper = asyncio.get_running_loop().call_later(interval, self._sweep)
-
-    def _sweep(self) -> None:
-        self._sweeper = None
-        now = self.clock()
-        for t in [t for t, deadline in self._timed.items() if deadline <= now]:
-            del self._timed[t]
-            self._seat_timeout(t)
-        if self._timed:
-            self._arm_sweeper()
-
-    def _seat_timeout(self, t: Ticket) -> None:
-        """``seatTimeoutSeconds`` after dispatch: the request stops counting; its response is not cut."""
-        w = t.payload
-        if isinstance(w, _Waiter) and not w.finished and not w.seats_released:
-            self._give_seats_back(t, w, w.m.exec_regular)
-            metrics.SEAT_TIMEOUTS.labels(w.fs.name, w.pl.name).inc()
 
     def _end(
         self, t: Ticket, nbytes: int, complete: bool, error: BaseException | None, status: int, head: bytes = b""
@@ -493,7 +464,6 @@ class FlowControl:
         if not isinstance(w, _Waiter) or w.finished:
             return
         w.finished = True
-        self._timed.pop(t, None)
         self._uncount(w)
         if not w.seats_released:
             w.m.exec_regular.observe(self.clock() - w.started)

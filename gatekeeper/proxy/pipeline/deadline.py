@@ -1,0 +1,117 @@
+"""Every request that is not long-running ends by a deadline: ``proxy.protocol.requestTimeoutSeconds``.
+
+kube-apiserver cuts such a request at its ``--request-timeout`` (60 s), whatever the client's read speed, and
+its APF seat goes with it. Without the same bound here a tenant reading a LIST a byte at a time held the
+priority level's seats for as long as it kept reading: two slow readers locked every tenant of the seeds'
+2-seat secret-LIST level out.
+
+* Exempt: what :attr:`RequestInfo.long_running` names (watches, ``logs -f``, exec, attach, port-forward,
+  proxy). A log read without ``follow`` is bounded, unlike upstream, which exempts every log: here it
+  would hold a seat.
+* The client's ``?timeout=`` (a Go duration, read as Go reads it) shortens the deadline, never lengthens
+  it; ``0`` or a negative value means the maximum; a value Go refuses is a 400 before anything runs, as
+  the apiserver answers.
+* The deadline counts from the request's arrival in the pipeline, queue wait included (upstream's
+  deadline filter sits outside APF too).
+
+What happens at the deadline is the adapters' part (``listen/h2_stream.py``, ``listen/h1.py``): before the
+response head a 504 ``Status``; after it, ``RST_STREAM CANCEL`` on HTTP/2 or a closed connection on
+HTTP/1.1. The upstream body is closed (the backend's stream cancelled) and the seats released either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from gatekeeper.kube.duration import DurationError, go_duration
+from gatekeeper.kube.requestinfo import RequestInfo, query_values
+from gatekeeper.proxy import rejections
+from gatekeeper.proxy.adapter import describe_seconds
+from gatekeeper.proxy.messages import ProxyRequest
+
+INVALID_TIMEOUT = "invalid timeout specified in the request URL"
+"""kube-apiserver's words for a ``timeout`` it cannot parse (the 400's message starts with them)."""
+
+SWEEP_SECONDS = 0.25
+"""How late a deadline may be met: one timer for all requests, not one per request (a TimerHandle made and
+cancelled per small GET costs 1.5-3 us; a dict entry 0.1 us)."""
+
+
+def request_timeout(info: RequestInfo, target: str, maximum: float) -> float | None:
+    """Seconds this request may run, or None for a long-running one. Raises :class:`DurationError` for a
+    ``timeout`` Go cannot parse."""
+    if info.long_running:
+        return None
+    _, _, query = target.partition("?")
+    if not query or ("timeout" not in query and "%" not in query):
+        return maximum  # the common case: no query to parse (an escaped key needs the full parse)
+    values = query_values(query).get("timeout")
+    if not values:
+        return maximum
+    asked = go_duration(values[0])  # Go's Query().Get: the first value
+    return asked if 0 < asked < maximum else maximum
+
+
+class Deadlines:
+    """The requests in flight with a deadline, and one sweeper that cancels the task of each one past it.
+
+    The task is the adapter's own (the h2 stream's, the h1 exchange's): the front stage registers
+    ``asyncio.current_task()``, and the adapter, seeing ``request.timed_out`` in its ``CancelledError``
+    handler, answers 504 or cuts the stream. A request leaves when its response is finished (the adapter's
+    ``finish()``) or its handler raised.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._armed: dict[int, tuple[float, ProxyRequest, asyncio.Task[object]]] = {}
+        """By ``id(request)`` (a request is a mutable dataclass, so not hashable)."""
+        self._sweeper: asyncio.TimerHandle | None = None
+
+    def __len__(self) -> int:
+        return len(self._armed)
+
+    def arm(self, request: ProxyRequest, seconds: float) -> None:
+        task = asyncio.current_task()
+        if task is None:
+            return
+        request.deadline_seconds = seconds
+        self._armed[id(request)] = (self.clock() + seconds, request, task)
+        if self._sweeper is None:
+            self._sweeper = asyncio.get_running_loop().call_later(SWEEP_SECONDS, self._sweep)
+
+    def disarm(self, request: ProxyRequest) -> None:
+        self._armed.pop(id(request), None)
+
+    def expired(self, now: float) -> list[tuple[ProxyRequest, asyncio.Task[object]]]:
+        """The requests past their deadline at ``now``, taken out of the registry, with their tasks."""
+        late = [key for key, (deadline, _, _) in self._armed.items() if deadline <= now]
+        return [self._armed.pop(key)[1:] for key in late]
+
+    def _sweep(self) -> None:
+        self._sweeper = None
+        for request, task in self.expired(self.clock()):
+            cut(request, task)
+        if self._armed:
+            self._sweeper = asyncio.get_running_loop().call_later(SWEEP_SECONDS, self._sweep)
+
+    def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
+        self._armed.clear()
+
+
+def cut(request: ProxyRequest, task: asyncio.Task[object]) -> None:
+    """Cut ``request`` now: mark it, count it, cancel its task (the adapter answers 504 or resets)."""
+    if task.done():
+        return
+    request.timed_out = True
+    rejections.reject("deadline", f"{request.peer} {request.method} {request.target[:200]}: not done within "
+                      f"{describe_seconds(request.deadline_seconds)}")
+    task.cancel()
+
+
+def bad_timeout_message(exc: DurationError) -> str:
+    return f"{INVALID_TIMEOUT} - {exc}"
