@@ -13,7 +13,6 @@ import logging
 import pytest
 import yaml
 from fc_helpers import flow_schema, group, queued_level, rr, secrets_list_schema
-from prometheus_client import REGISTRY
 
 from gatekeeper.config import ConfigError, load_config
 from gatekeeper.kube import requestinfo
