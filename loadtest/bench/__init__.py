@@ -23,6 +23,8 @@ BENCHES: dict[str, tuple[str, str]] = {
     "policy-reload": ("loadtest.bench_policy_reload", "how long a policy reload keeps the event loop from running"),
     "list-storm": ("loadtest.bench_list_storm", "the seeds' secret-LIST storm in miniature, three arms"),
     "storm-probe": ("loadtest.bench_storm_probe", "other tenants' latency during the seeds' LIST storm"),
+    "slow-readers": ("loadtest.bench_slow_readers", "two slow readers on the seeds' 2-seat level: read ahead, none, "
+                                                    "and direct"),
     "workers": ("loadtest.bench.workers", "--workers N: connections per worker, and new clients with one stopped"),
     "webhook": ("loadtest.bench_webhook", "the admission webhook over TLS: reviews per second and latency"),
     "webhook-worstcase": ("loadtest.bench_webhook_worstcase", "webhook RSS under what its budgets do not count"),

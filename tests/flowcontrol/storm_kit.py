@@ -22,6 +22,8 @@ import dataclasses
 import json
 import os
 import signal
+import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -317,6 +319,33 @@ class ApiserverSampler:
 
     def stop(self) -> None:
         self._stop.set()
+
+
+async def slow_reader(port: int, ctx: ssl.SSLContext, path: str, rate: float, seconds: float) -> tuple[int, bool]:
+    """GET ``path`` over HTTP/1.1 and take the answer at ``rate`` bytes/s through small socket and stream
+    buffers, for up to ``seconds``: a tenant reading a LIST a trickle at a time. Returns (bytes received,
+    whether the server closed the connection)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+    reader, writer = await asyncio.open_connection(sock=sock, ssl=ctx, server_hostname="localhost", limit=16384)
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: localhost\r\nAccept: application/json\r\n\r\n".encode())
+    got, closed = 0, False
+    end = time.monotonic() + seconds
+    try:
+        while time.monotonic() < end:
+            chunk = await reader.read(4096)
+            if not chunk:
+                closed = True
+                break
+            got += len(chunk)
+            await asyncio.sleep(len(chunk) / rate)
+    except (ConnectionError, OSError):
+        closed = True
+    finally:
+        writer.close()
+    return got, closed
 
 
 async def kubectl_list(

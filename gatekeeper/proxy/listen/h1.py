@@ -50,6 +50,8 @@ import contextlib
 import logging
 import random
 import select
+import socket
+import struct
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -73,6 +75,9 @@ from gatekeeper.proxy.listen import conn_metrics
 from gatekeeper.proxy.listen.goaway import GoawayDecider
 from gatekeeper.proxy.listen.settings import ProtocolSettings
 from gatekeeper.proxy.messages import Handler, Headers, ProxyRequest, ProxyResponse, Upgraded, is_exhausted
+
+LINGER_RESET = struct.pack("ii", 1, 0)
+"""SO_LINGER on, 0 s: close() sends RST and drops unsent bytes."""
 
 log = logging.getLogger("gatekeeper.proxy.listen.h1")
 
@@ -423,10 +428,16 @@ class H1Connection:
             task.uncancel()
         error = DeadlinePassed(f"{self._peer} {request.method}: not done within "
                                f"{describe_seconds(request.deadline_seconds)}")
+        transport = self._writer.transport
         if self._conn.our_state is h11.SEND_RESPONSE:  # no head written yet
             with contextlib.suppress(ConnectionError, OSError, h11.LocalProtocolError, asyncio.CancelledError):
                 await self._send(request, timeout_response(request.deadline_seconds), close=True)
-        self._writer.transport.abort()
+        elif (sock := transport.get_extra_info("socket")) is not None:
+            # Reset, not FIN: a plain close would leave the kernel sending what it holds (megabytes of send
+            # buffer) to a client that reads a trickle, which then sees the cut minutes later.
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, LINGER_RESET)
+        transport.abort()
         return error
 
     async def _upgrade_answer(self, request: ProxyRequest) -> ProxyResponse | None:
