@@ -66,20 +66,6 @@ class Outcome:
     proxy_rss: int = 0
 
 
-def tree_rss(pid: int) -> int:
-    """RSS of ``pid`` and its children (the proxy's supervisor and its worker)."""
-    total = 0
-    pids = [pid]
-    with contextlib.suppress(OSError):
-        pids += [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    for p in pids:
-        with contextlib.suppress(OSError):
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1]) * 1024
-    return total
-
-
 async def scenario(state: SandboxState, url: str, proxy: kit.ProxyProcess | None, args: argparse.Namespace,
                    out: Outcome) -> None:
     port = int(url.rsplit(":", 1)[1])
@@ -90,7 +76,7 @@ async def scenario(state: SandboxState, url: str, proxy: kit.ProxyProcess | None
 
     async def proxy_rss() -> None:
         while proxy is not None and not stop.is_set():
-            out.proxy_rss = max(out.proxy_rss, tree_rss(proxy.proc.pid))
+            out.proxy_rss = max(out.proxy_rss, kit.tree_rss(proxy.proc.pid))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 0.25)
 

@@ -321,6 +321,20 @@ class ApiserverSampler:
         self._stop.set()
 
 
+def tree_rss(pid: int) -> int:
+    """RSS of ``pid`` and its children (a proxy's supervisor and its workers)."""
+    total = 0
+    pids = [pid]
+    with contextlib.suppress(OSError):
+        pids += [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    for p in pids:
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+    return total
+
+
 async def slow_reader(port: int, ctx: ssl.SSLContext, path: str, rate: float, seconds: float) -> tuple[int, bool]:
     """GET ``path`` over HTTP/1.1 and take the answer at ``rate`` bytes/s through small socket and stream
     buffers, for up to ``seconds``: a tenant reading a LIST a trickle at a time. Returns (bytes received,

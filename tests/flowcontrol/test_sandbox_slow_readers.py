@@ -115,3 +115,31 @@ def test_without_read_ahead_slow_readers_hold_the_seats_until_their_deadline(
     assert out["code"] == 0, out["err"]
     assert DEADLINE - 3 <= out["took"] < DEADLINE + 10, f"the third tenant waited {out['took']:.1f}s"
     _readers_cut_at_the_deadline(out)
+
+
+def test_slow_readers_of_big_lists_keep_the_proxys_memory_within_the_read_ahead_budget(
+        sandbox: SandboxState, big_namespace: str, tmp_path: Path) -> None:
+    """Two slow readers of a 16 MB LIST each, with ``readAheadBytes`` at 2 MiB: the proxy stops reading
+    upstream at the budget, so its memory grows by about the budget, not by the 32 MB the apiservers send."""
+    budget = 2 << 20
+    flow = {"files": [str(kit.SEEDS)], "readAheadBytes": budget}
+    with kit.run_proxy(sandbox, tmp_path / "proxy", flow, workers=1,
+                       extra={"protocol": {"requestTimeoutSeconds": 20}}) as proxy:
+        asyncio.run(_budgeted(sandbox, proxy, big_namespace, budget))
+
+
+async def _budgeted(state: SandboxState, proxy: kit.ProxyProcess, ns: str, budget: int) -> None:
+    port = int(proxy.url.rsplit(":", 1)[1])
+    before = kit.tree_rss(proxy.proc.pid)
+    readers = [asyncio.create_task(kit.slow_reader(port, _tenant_ctx(state, f"slow-{i}"), f"/api/v1/namespaces/{ns}"
+                                                   "/secrets", RATE, 8)) for i in range(2)]
+    peak, held = before, 0.0
+    while not all(r.done() for r in readers):
+        peak = max(peak, kit.tree_rss(proxy.proc.pid))
+        held = max(held, kit.metric_sum(proxy.metrics(), "gatekeeper_flowcontrol_read_ahead_bytes"))
+        await asyncio.sleep(0.2)
+    await asyncio.gather(*readers)
+    assert 0 < held <= budget + 2 * (256 << 10), held  # each connection may pass it by one chunk
+    assert kit.metric_sum(proxy.metrics(), "gatekeeper_flowcontrol_read_ahead_full_total", scope="process") >= 1
+    grew = peak - before
+    assert grew < 12 << 20, f"proxy RSS grew {grew >> 20} MiB with a {budget >> 20} MiB read-ahead budget"
