@@ -12,11 +12,52 @@ stops ``gatekeeper proxy`` with
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from gatekeeper.proxy.pipeline.impersonation import ImpersonatorSettings
 from gatekeeper.proxy.pipeline.tokens.settings import TokenSettings
+
+DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,200}[a-z0-9])?$")
+
+
+@dataclass(frozen=True)
+class FleetSettings:
+    """Proxies in front of the same apiservers share every level's seats (``core/fleet.py``): each renews a
+    ``coordination.k8s.io/v1`` Lease and takes its share of the live fleet."""
+
+    enabled: bool = False
+    """Off: each proxy holds the whole budget (one proxy, or a budget meant per proxy)."""
+    name: str = "gatekeeper"
+    """The fleet: Leases labelled ``gatekeeper.dev/fleet=<name>``; proxies with another name do not count."""
+    namespace: str = "gatekeeper-system"
+    """Where the Leases live. Only the proxies may write there (the chart's Role); no tenant may."""
+    identity: str = ""
+    """This proxy's name in the fleet (and of its Lease, ``gatekeeper-proxy-<identity>``). Empty: the
+    ``NODE_NAME`` or ``POD_NAME`` environment variable (the chart sets them from the downward API), else the
+    host name."""
+    lease_duration_seconds: float = 15.0
+    """A proxy whose Lease has not been renewed this long is gone; the others take its share one TTL later."""
+    renew_interval_seconds: float = 5.0
+    """How often each proxy renews its Lease and lists the fleet's (at most a third of the duration)."""
+    fallback_members: int = 3
+    """A proxy that could not renew its Lease for a whole duration assumes at least this many proxies alive."""
+
+    def validate(self) -> None:
+        if not DNS_LABEL.match(self.name):
+            raise ValueError(f"fleet.name: {self.name!r} is not a lower-case DNS name")
+        if not DNS_LABEL.match(self.namespace) or "." in self.namespace or len(self.namespace) > 63:
+            raise ValueError(f"fleet.namespace: {self.namespace!r} is not a namespace name")
+        if self.identity and not DNS_LABEL.match(self.identity):
+            raise ValueError(f"fleet.identity: {self.identity!r} must be a lower-case DNS name (it names a Lease)")
+        if self.lease_duration_seconds <= 0 or self.renew_interval_seconds <= 0:
+            raise ValueError("fleet.leaseDurationSeconds and renewIntervalSeconds must be positive")
+        if self.renew_interval_seconds * 3 > self.lease_duration_seconds:
+            raise ValueError("fleet.renewIntervalSeconds must be at most a third of leaseDurationSeconds, or one "
+                             "late renewal makes a live proxy look gone")
+        if self.fallback_members < 1:
+            raise ValueError("fleet.fallbackMembers must be at least 1")
 
 
 @dataclass(frozen=True)
@@ -78,6 +119,8 @@ class FlowControlSettings:
     """Who bearer-token callers are, for classification and fair queuing only (tokens still go upstream
     untouched and the apiserver authenticates them): ServiceAccount tokens verified locally, optional
     TokenReview, and one shared flow per source address for tokens that cannot be verified."""
+    fleet: FleetSettings = field(default_factory=FleetSettings)
+    """Several proxies in front of the same apiservers hold one budget through Leases (off by default)."""
     impersonators: ImpersonatorSettings = field(default_factory=ImpersonatorSettings)
     """Callers (an authenticating proxy such as Pinniped or Teleport) whose ``Impersonate-User`` requests are
     classified as the identity they impersonate, as the apiserver's APF does once it authorized them; everyone
@@ -111,3 +154,4 @@ class FlowControlSettings:
             raise ValueError("retryAfterSeconds: must be a whole number of seconds >= 1")
         self.tokens.validate()
         self.impersonators.validate()
+        self.fleet.validate()

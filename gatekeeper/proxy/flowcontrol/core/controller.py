@@ -71,6 +71,8 @@ class FlowController:
         self.fair_frac = 0.0
         self.now = 0.0
         """Latest time seen; used when a caller does not pass one."""
+        self.share_of: Callable[[str, int], int] | None = None
+        """This proxy's part of a Limited level's nominal seats when a fleet shares them (``fleet.py``)."""
         self.update(policy, self.limits)
 
     def update(self, policy: Policy, limits: LevelLimits | None = None) -> list[Ticket]:
@@ -86,6 +88,8 @@ class FlowController:
         levels: dict[str, LevelState] = {}
         for name, spec in policy.levels.items():
             limit = policy.limits.get(name, 0)
+            if self.share_of is not None and not spec.exempt:
+                limit = self.share_of(name, limit)
             old = self.levels.pop(name, None)
             if old is not None and old.same_geometry(spec):
                 old.configure(spec, limit)

@@ -49,6 +49,7 @@ from gatekeeper.proxy.flowcontrol.core.policy import Policy
 from gatekeeper.proxy.flowcontrol.core.queueset import Ticket
 from gatekeeper.proxy.flowcontrol.edge import metrics
 from gatekeeper.proxy.flowcontrol.edge.fanout import FanOut, Subscriber
+from gatekeeper.proxy.flowcontrol.edge.fleet import FleetMember
 from gatekeeper.proxy.flowcontrol.edge.loading import Reloader, limits_of, load_policy
 from gatekeeper.proxy.flowcontrol.edge.readahead import ReadAhead, ReadAheadBudget
 from gatekeeper.proxy.flowcontrol.settings import FlowControlSettings
@@ -192,6 +193,7 @@ class FlowControl:
         self._borrow: asyncio.Task[None] | None = None
         self._sighup = False
         self.read_ahead = ReadAheadBudget(settings.read_ahead_bytes, settings.read_ahead_bytes_per_connection)
+        self.fleet = FleetMember(settings.fleet, self.share_seats) if settings.fleet.enabled else None
         metrics.register_source(self)
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -200,12 +202,25 @@ class FlowControl:
         self._wake(self.controller.update(policy, limits_of(self.settings)))
 
     def use_upstream(self, upstreams: list[Upstream]) -> None:
-        """The pipeline's backend clients, for the issuer keys and TokenReviews (``command.run`` wires it)."""
+        """The pipeline's backend clients, for the issuer keys, TokenReviews and fleet Leases (``process.run``)."""
         self.identities.use_upstream(upstreams)
+        if self.fleet is not None:
+            self.fleet.use_upstream(upstreams)
+
+    def share_seats(self, share_of: Callable[[str, int], int]) -> dict[str, tuple[int, int]]:
+        """The fleet re-divided the budget: every Limited level gets ``share_of(level, nominal)`` seats here.
+        Returns, per Limited level, (seats here, seats of the whole fleet)."""
+        self.controller.share_of = share_of
+        self._wake(self.controller.update(self.controller.policy))
+        limits = self.controller.policy.limits
+        return {name: (lv.nominal, limits.get(name, 0))
+                for name, lv in self.controller.levels.items() if not lv.spec.exempt}
 
     async def start(self) -> None:
         """Watch policy files and SIGHUP for reloads; fetch the service-account issuer's keys."""
         await self.identities.start()
+        if self.fleet is not None:
+            self.fleet.start()
         loop = asyncio.get_running_loop()
         if threading.current_thread() is threading.main_thread():
             with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
@@ -236,6 +251,8 @@ class FlowControl:
     async def close(self) -> None:
         self.reloader.cancel()
         await self.identities.close()
+        if self.fleet is not None:
+            await self.fleet.close()
         if self._sighup:
             with contextlib.suppress(Exception):
                 asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)

@@ -1,0 +1,125 @@
+"""A fleet of proxies holds one budget: who is alive, how many seats of each level this proxy may use.
+
+Every proxy in front of the same apiservers renews a ``coordination.k8s.io/v1`` Lease of its own and lists its
+fleet's Leases (``edge/fleet.py``). This module turns those listings into a fleet size and this proxy's share of
+every priority level's seats. Pure: the clock comes in as an argument.
+
+* **Alive** is judged by the local clock, as client-go's leader election judges it: a Lease is alive while its
+  ``renewTime`` changed less than its ``leaseDurationSeconds`` ago *as seen here*. Clocks of different nodes never
+  get compared; a Lease first seen counts as fresh, so a stale one counts for at most one TTL (a smaller share
+  meanwhile: the safe direction).
+* **Shares**: a level of ``L`` seats over ``n`` proxies gives each ``L // n``, and the ``L % n`` left over go one
+  each to the proxies whose rank (place in the sorted identities, rotated by a hash of the level's name, so the
+  extras of different levels land on different proxies) is below ``L % n``. Never below 1: a proxy with 0 seats
+  would answer every request of the level with a 429 its clients, pinned to it by their long-lived connections,
+  cannot escape. The overshoot is stated: a level holds at most ``max(L, n)`` seats fleet-wide (the seeds' 2
+  secret-LIST seats over 3 proxies: 3).
+* **Growth waits, shrinking does not**: a fleet that grows (a proxy joins) takes effect at once, so the budget
+  is never overrun; a fleet that shrinks (a Lease expired) gives the survivors more only once the smaller size
+  has held for a TTL, and at most once per TTL, so a flapping proxy cannot make the others' shares oscillate.
+* **Partition**: a proxy that has not renewed its own Lease for a TTL cannot know who else is alive. It assumes
+  the larger of the last fleet it saw and ``fallbackMembers``: a conservative share, never "unlimited".
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LeaseView:
+    """What one fleet Lease says (the fields membership reads)."""
+
+    name: str
+    holder: str
+    renew_time: str
+    duration_seconds: float
+
+
+def share(limit: int, size: int, rank: int, level: str) -> int:
+    """This proxy's seats of a level of ``limit`` seats, as number ``rank`` (0-based) of a fleet of ``size``."""
+    if size <= 1:
+        return limit
+    base, extra = divmod(limit, size)
+    slot = (rank + _salt(level)) % size
+    return max(1, base + (1 if slot < extra else 0))
+
+
+def _salt(level: str) -> int:
+    return int.from_bytes(hashlib.sha256(level.encode()).digest()[:4], "big")
+
+
+def fleet_bound(limit: int, size: int) -> int:
+    """The most seats of a level the whole fleet can hold at once (the documented rounding)."""
+    return max(limit, size) if size > 1 else limit
+
+
+class Membership:
+    """Who is alive in the fleet, from repeated Lease listings, by the local clock."""
+
+    def __init__(self, me: str, ttl: float, fallback_members: int) -> None:
+        self.me = me
+        self.ttl = ttl
+        self.fallback_members = fallback_members
+        self._seen: dict[str, tuple[str, float, float, str]] = {}
+        """Lease name -> (renewTime as last read, local time it last changed, its duration, holder)."""
+        self._renewed_at: float | None = None
+        self._last_members: tuple[str, ...] = (me,)
+        self._applied: tuple[int, int] | None = None
+        """(size, rank) in force."""
+        self._applied_at = float("-inf")
+        self._smaller_since: float | None = None
+
+    # -- inputs --------------------------------------------------------------------------------------------
+    def renewed(self, now: float) -> None:
+        """Our own Lease was written."""
+        self._renewed_at = now
+
+    def observe(self, leases: Iterable[LeaseView], now: float) -> None:
+        """One listing of the fleet's Leases. A Lease gone from the listing is gone (deleted)."""
+        seen: dict[str, tuple[str, float, float, str]] = {}
+        for lease in leases:
+            before = self._seen.get(lease.name)
+            changed = now if before is None or before[0] != lease.renew_time else before[1]
+            seen[lease.name] = (lease.renew_time, changed, lease.duration_seconds, lease.holder)
+        self._seen = seen
+
+    # -- outputs -------------------------------------------------------------------------------------------
+    def partitioned(self, now: float) -> bool:
+        """Our own Lease has not been renewed for a TTL: we cannot tell who else is alive."""
+        return self._renewed_at is None or now - self._renewed_at >= self.ttl
+
+    def alive(self, now: float) -> tuple[str, ...]:
+        """The holders alive now, ourselves included, sorted."""
+        holders = {holder for _, changed, duration, holder in self._seen.values()
+                   if now - changed < duration and holder}
+        holders.add(self.me)
+        return tuple(sorted(holders))
+
+    def decide(self, now: float) -> tuple[int, int]:
+        """(fleet size, our rank) to use now, with the growth/shrink rules of the module docstring."""
+        if self.partitioned(now):
+            members = self._last_members
+            size = max(len(members), self.fallback_members)
+            return self._apply((size, members.index(self.me) if self.me in members else 0), now)
+        members = self.alive(now)
+        self._last_members = members
+        wanted = (len(members), members.index(self.me))
+        return self._apply(wanted, now)
+
+    def _apply(self, wanted: tuple[int, int], now: float) -> tuple[int, int]:
+        current = self._applied
+        if current is None or wanted[0] >= current[0]:
+            if wanted != current:
+                self._applied, self._applied_at = wanted, now
+            self._smaller_since = None
+            return wanted
+        # The fleet shrank: the survivors take more only once that has held a TTL, and at most once per TTL.
+        if self._smaller_since is None:
+            self._smaller_since = now
+        if now - self._smaller_since >= self.ttl and now - self._applied_at >= self.ttl:
+            self._applied, self._applied_at, self._smaller_since = wanted, now, None
+            return wanted
+        return current

@@ -1,0 +1,201 @@
+"""The asyncio edge of the fleet budget: renew our Lease, list the fleet's, apply our share (``core/fleet.py``).
+
+The apiservers (etcd) are the coordination engine, as they are for kube-controller-manager's leader election and
+kube-apiserver's own identity Leases: no datastore of our own and no consensus of our own. Each renewal is one
+server-side apply of our Lease (``PATCH`` with ``fieldManager=gatekeeper-proxy``, ``force``): it creates the Lease
+the first time, and the workers of one proxy, which all renew the same Lease, never conflict. Then one LIST of
+the fleet's Leases by label.
+
+The proxy calls the apiservers with its front-proxy certificate as ``system:gatekeeper:proxy:<identity>`` in the
+group ``system:gatekeeper:proxies``; the chart's Role lets that group get, list, create and patch Leases in the
+fleet's namespace, and nothing else. Every transition (fleet size, partition) is logged once and counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+from urllib.parse import quote
+
+import orjson
+from prometheus_client import Counter, Gauge
+
+from gatekeeper.proxy.flowcontrol.core.fleet import LeaseView, Membership, fleet_bound, share
+from gatekeeper.proxy.flowcontrol.settings import FleetSettings
+from gatekeeper.proxy.messages import UserInfo
+from gatekeeper.proxy.pipeline.auth import identity_headers
+from gatekeeper.proxy.pipeline.tokens.fetch import Upstream
+
+log = logging.getLogger("gatekeeper.proxy.flowcontrol.fleet")
+
+FLEET_LABEL = "gatekeeper.dev/fleet"
+GROUP = "system:gatekeeper:proxies"
+MAX_LIST_BYTES = 4 << 20
+
+MEMBERS = Gauge("gatekeeper_fleet_members", "Proxies of this fleet counted alive (the size shares divide by).",
+                multiprocess_mode="liveall")
+SHARE = Gauge("gatekeeper_fleet_share_seats", "This proxy's seats of each priority level, its share of the fleet's.",
+              ["priority_level"], multiprocess_mode="liveall")
+PARTITIONED = Gauge("gatekeeper_fleet_partitioned",
+                    "1 while this proxy could not renew its Lease for a whole duration (it runs on the "
+                    "conservative share of fallbackMembers).", multiprocess_mode="liveall")
+RENEW_FAILURES = Counter("gatekeeper_fleet_lease_renew_failures", "Lease renewals or fleet listings that failed.",
+                         ["reason"])
+
+
+def own_identity(settings: FleetSettings) -> str:
+    """``fleet.identity``, else ``NODE_NAME``/``POD_NAME``, else the host name, as a lower-case DNS name."""
+    raw = settings.identity or os.environ.get("NODE_NAME") or os.environ.get("POD_NAME") or socket.gethostname()
+    name = "".join(c if c.isalnum() or c in "-." else "-" for c in raw.lower()).strip("-.")[:200]
+    if not name:
+        raise ValueError(f"fleet: cannot make a Lease name of the identity {raw!r}; set flowControl.fleet.identity")
+    return name
+
+
+def lease_name(identity: str) -> str:
+    return f"gatekeeper-proxy-{identity}"
+
+
+def micro_time(when: float) -> str:
+    """A Kubernetes MicroTime (RFC 3339, microseconds, UTC)."""
+    return datetime.datetime.fromtimestamp(when, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def lease_body(settings: FleetSettings, identity: str, now: float) -> dict[str, Any]:
+    return {
+        "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+        "metadata": {"name": lease_name(identity), "namespace": settings.namespace,
+                     "labels": {FLEET_LABEL: settings.name}},
+        "spec": {"holderIdentity": identity, "leaseDurationSeconds": max(1, round(settings.lease_duration_seconds)),
+                 "renewTime": micro_time(now)},
+    }
+
+
+def parse_leases(body: bytes) -> list[LeaseView]:
+    """The fleet's Leases from a LeaseList; a malformed item is skipped (another writer's mistake is not ours)."""
+    out = []
+    for item in orjson.loads(body).get("items") or []:
+        try:
+            spec = item.get("spec") or {}
+            out.append(LeaseView(str(item["metadata"]["name"]), str(spec.get("holderIdentity") or ""),
+                                 str(spec.get("renewTime") or ""), float(spec.get("leaseDurationSeconds") or 0)))
+        except (KeyError, TypeError, ValueError, AttributeError):
+            continue
+    return out
+
+
+class FleetMember:
+    """Renews our Lease and re-divides the budget on every period (see the module docstring)."""
+
+    def __init__(self, settings: FleetSettings,
+                 apply: Callable[[Callable[[str, int], int]], dict[str, tuple[int, int]]],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """``apply(share_of)``: give flow control the function from (level, nominal seats) to ours; it returns,
+        per Limited level, (its seats here, its seats for the whole fleet)."""
+        self.settings = settings
+        self.identity = own_identity(settings)
+        self.apply = apply
+        self.clock = clock
+        self.membership = Membership(self.identity, settings.lease_duration_seconds, settings.fallback_members)
+        self.upstreams: Sequence[Upstream] = ()
+        self.decided: tuple[int, int] | None = None
+        self.was_partitioned = False
+        self._task: asyncio.Task[None] | None = None
+        user = UserInfo(name=f"system:gatekeeper:proxy:{self.identity}", groups=[GROUP], source="x509")
+        self._headers = [("accept", "application/json"), *identity_headers(user)]
+        base = f"/apis/coordination.k8s.io/v1/namespaces/{quote(settings.namespace)}/leases"
+        self._patch_path = f"{base}/{quote(lease_name(self.identity))}?fieldManager=gatekeeper-proxy&force=true"
+        self._list_path = f"{base}?labelSelector={quote(f'{FLEET_LABEL}={settings.name}', safe='')}"
+
+    def use_upstream(self, upstreams: Sequence[Upstream]) -> None:
+        self.upstreams = upstreams
+        if not any(u.ssl_identity is not None for u in upstreams):
+            raise ValueError("flowControl.fleet needs upstream.clientCertFile and clientKeyFile (the front-proxy "
+                             "certificate): the proxy renews its Lease as system:gatekeeper:proxy:<identity>")
+
+    def start(self) -> None:
+        self.step_decision()  # until the first listing: ourselves alone, or the partition fallback
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="gatekeeper-fleet")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _run(self) -> None:
+        while True:
+            await self.renew_and_list()
+            self.step_decision()
+            await asyncio.sleep(self.settings.renew_interval_seconds)
+
+    async def _call(self, method: str, path: str, body: bytes | None, extra: list[tuple[str, str]]) -> bytes:
+        """One call on the first backend that answers; raises the last failure."""
+        failure: Exception = RuntimeError("no backend")
+        deadline = max(1.0, self.settings.renew_interval_seconds)
+        for upstream in self.upstreams:
+            try:
+                status, answer = await upstream.call(method, path, [*self._headers, *extra], body,
+                                                     deadline=deadline, max_bytes=MAX_LIST_BYTES)
+            except (OSError, TimeoutError, ValueError, RuntimeError) as exc:
+                failure = exc
+                continue
+            if status in (401, 403):
+                raise PermissionError(f"{method} {path.split('?')[0]}: {status} {answer[:300]!r}")
+            if status >= 300:
+                failure = RuntimeError(f"{method} {path.split('?')[0]} on {upstream.name}: {status}")
+                continue
+            return answer
+        raise failure
+
+    async def renew_and_list(self) -> None:
+        now = self.clock()
+        try:
+            body = orjson.dumps(lease_body(self.settings, self.identity, time.time()))
+            await self._call("PATCH", self._patch_path, body, [("content-type", "application/apply-patch+yaml")])
+            self.membership.renewed(now)
+        except Exception as exc:
+            self._failed("renew", exc)
+            return
+        try:
+            listing = await self._call("GET", self._list_path, None, [])
+            self.membership.observe(parse_leases(listing), self.clock())
+        except Exception as exc:
+            self._failed("list", exc)
+
+    def _failed(self, what: str, exc: Exception) -> None:
+        reason = "forbidden" if isinstance(exc, PermissionError) else what
+        RENEW_FAILURES.labels(reason).inc()
+        log.warning("fleet %s: %s failed: %s", self.settings.name, what, exc)
+
+    def step_decision(self) -> None:
+        now = self.clock()
+        size, rank = self.membership.decide(now)
+        partitioned = self.membership.partitioned(now) and self.decided is not None
+        if partitioned != self.was_partitioned:
+            self.was_partitioned = partitioned
+            PARTITIONED.set(1 if partitioned else 0)
+            if partitioned:
+                log.warning("fleet %s: our Lease not renewed for %gs: assuming at least %d proxies (fallbackMembers)",
+                            self.settings.name, self.settings.lease_duration_seconds, size)
+            else:
+                log.info("fleet %s: Lease renewed again", self.settings.name)
+        if (size, rank) == self.decided:
+            return
+        self.decided = (size, rank)
+        MEMBERS.set(size)
+        seats = self.apply(lambda level, nominal: share(nominal, size, rank, level))
+        for level, (here, _) in seats.items():
+            SHARE.labels(level).set(here)
+        described = ", ".join(f"{lv} {here} of {whole} (fleet-wide at most {fleet_bound(whole, size)})"
+                              for lv, (here, whole) in sorted(seats.items()))
+        log.info("fleet %s: %d proxies, this one (%s) is number %d; seats here: %s", self.settings.name, size,
+                 self.identity, rank + 1, described)
