@@ -135,7 +135,7 @@ def sample(name: str, **labels: str) -> float | None:
     return REGISTRY.get_sample_value(name, labels)
 
 
-def test_the_lease_edge_applies_its_lease_as_the_proxy_group_and_divides_by_the_fleet() -> None:
+def test_the_lease_edge_applies_its_lease_as_the_proxy_and_divides_by_the_fleet() -> None:
     settings = FleetSettings(enabled=True, identity="node-a")
     others = [lease_body(settings, "node-b", 0), lease_body(settings, "node-c", 0),
               {"metadata": {}, "spec": "not a lease"}]  # a malformed item is skipped
@@ -155,8 +155,7 @@ def test_the_lease_edge_applies_its_lease_as_the_proxy_group_and_divides_by_the_
         assert method == "PATCH" and "fieldManager=gatekeeper-proxy" in path and "force=true" in path
         assert path.startswith("/apis/coordination.k8s.io/v1/namespaces/gatekeeper-system/leases/"
                                "gatekeeper-proxy-node-a")
-        assert ("x-remote-user", "system:gatekeeper:proxy:node-a") in headers
-        assert ("x-remote-group", "system:gatekeeper:proxies") in headers
+        assert ("x-remote-user", "system:gatekeeper-proxy") in headers  # its own identity (tokens.proxyUser)
         sent = orjson.loads(body)
         assert sent["spec"]["holderIdentity"] == "node-a"
         assert sent["metadata"]["labels"] == {"gatekeeper.dev/fleet": "gatekeeper"}

@@ -6,9 +6,10 @@ server-side apply of our Lease (``PATCH`` with ``fieldManager=gatekeeper-proxy``
 the first time, and the workers of one proxy, which all renew the same Lease, never conflict. Then one LIST of
 the fleet's Leases by label.
 
-The proxy calls the apiservers with its front-proxy certificate as ``system:gatekeeper:proxy:<identity>`` in the
-group ``system:gatekeeper:proxies``; the chart's Role lets that group get, list, create and patch Leases in the
-fleet's namespace, and nothing else. Every transition (fleet size, partition) is logged once and counted.
+The proxy calls the apiservers with its front-proxy certificate as its own identity (``tokens.proxyUser``,
+``system:gatekeeper-proxy``); ``deploy/examples/proxy-identity-rbac.yaml`` lets it get, list, create and patch
+Leases in the fleet's namespace, and nothing more there. Every transition (fleet size, partition) is logged
+once and counted.
 """
 
 from __future__ import annotations
@@ -36,16 +37,15 @@ from gatekeeper.proxy.pipeline.tokens.fetch import Upstream
 log = logging.getLogger("gatekeeper.proxy.flowcontrol.fleet")
 
 FLEET_LABEL = "gatekeeper.dev/fleet"
-GROUP = "system:gatekeeper:proxies"
 MAX_LIST_BYTES = 4 << 20
 
 MEMBERS = Gauge("gatekeeper_fleet_members", "Proxies of this fleet counted alive (the size shares divide by).",
-                multiprocess_mode="liveall")
+                multiprocess_mode="livemax")
 SHARE = Gauge("gatekeeper_fleet_share_seats", "This proxy's seats of each priority level, its share of the fleet's.",
-              ["priority_level"], multiprocess_mode="liveall")
+              ["priority_level"], multiprocess_mode="livemax")
 PARTITIONED = Gauge("gatekeeper_fleet_partitioned",
                     "1 while this proxy could not renew its Lease for a whole duration (it runs on the "
-                    "conservative share of fallbackMembers).", multiprocess_mode="liveall")
+                    "conservative share of fallbackMembers).", multiprocess_mode="livemax")
 RENEW_FAILURES = Counter("gatekeeper_fleet_lease_renew_failures", "Lease renewals or fleet listings that failed.",
                          ["reason"])
 
@@ -96,7 +96,8 @@ class FleetMember:
 
     def __init__(self, settings: FleetSettings,
                  apply: Callable[[Callable[[str, int], int]], dict[str, tuple[int, int]]],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, *,
+                 user: UserInfo | None = None) -> None:
         """``apply(share_of)``: give flow control the function from (level, nominal seats) to ours; it returns,
         per Limited level, (its seats here, its seats for the whole fleet)."""
         self.settings = settings
@@ -108,8 +109,9 @@ class FleetMember:
         self.decided: tuple[int, int] | None = None
         self.was_partitioned = False
         self._task: asyncio.Task[None] | None = None
-        user = UserInfo(name=f"system:gatekeeper:proxy:{self.identity}", groups=[GROUP], source="x509")
-        self._headers = [("accept", "application/json"), *identity_headers(user)]
+        user = user or UserInfo(name="system:gatekeeper-proxy", groups=["system:authenticated"])
+        self._headers = [("accept", "application/json"),
+                         *identity_headers(UserInfo(name=user.name, groups=list(user.groups), source="x509"))]
         base = f"/apis/coordination.k8s.io/v1/namespaces/{quote(settings.namespace)}/leases"
         self._patch_path = f"{base}/{quote(lease_name(self.identity))}?fieldManager=gatekeeper-proxy&force=true"
         self._list_path = f"{base}?labelSelector={quote(f'{FLEET_LABEL}={settings.name}', safe='')}"
@@ -118,7 +120,7 @@ class FleetMember:
         self.upstreams = upstreams
         if not any(u.ssl_identity is not None for u in upstreams):
             raise ValueError("flowControl.fleet needs upstream.clientCertFile and clientKeyFile (the front-proxy "
-                             "certificate): the proxy renews its Lease as system:gatekeeper:proxy:<identity>")
+                             "certificate): the proxy renews its Lease as its own identity (tokens.proxyUser)")
 
     def start(self) -> None:
         self.step_decision()  # until the first listing: ourselves alone, or the partition fallback

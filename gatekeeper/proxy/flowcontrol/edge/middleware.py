@@ -193,7 +193,8 @@ class FlowControl:
         self._borrow: asyncio.Task[None] | None = None
         self._sighup = False
         self.read_ahead = ReadAheadBudget(settings.read_ahead_bytes, settings.read_ahead_bytes_per_connection)
-        self.fleet = FleetMember(settings.fleet, self.share_seats) if settings.fleet.enabled else None
+        own = UserInfo(name=settings.tokens.proxy_user, groups=list(settings.tokens.proxy_groups))
+        self.fleet = FleetMember(settings.fleet, self.share_seats, user=own) if settings.fleet.enabled else None
         metrics.register_source(self)
 
     # -- lifecycle ----------------------------------------------------------------------------
