@@ -75,6 +75,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     u.add_argument("--proxy-goaway-chance", type=float, default=None,
                    help="GOAWAY probability per request for the proxy add-on")
     u.add_argument("--proxy-config", default=None, help="YAML config file for the proxy add-on")
+    u.add_argument("--proxies", type=positive_int, default=1,
+                   help="proxy processes, each in front of every apiserver as the static pods are; more than one "
+                        "share one flow-control budget through Leases (flowControl.fleet)")
+    u.add_argument("--client-lb", choices=("none", "haproxy-tcp"), default="none",
+                   help="haproxy-tcp: an HAProxy TCP front over the proxies (a VIP or cloud LB); proxy.kubeconfig "
+                        "points at it")
     u.add_argument("--proxy-workers", type=non_negative_int, default=None,
                    help="worker processes of the proxy add-on (default proxy.workers: one per usable core)")
     u.set_defaults(func=_up)
@@ -101,6 +107,8 @@ def _build(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
+    if (args.proxies > 1 or args.client_lb != "none") and not args.with_proxy:
+        raise UsageError("--proxies and --client-lb need --with-proxy")
     addons = tuple(n for n, on in (("webhook", args.with_webhook), ("proxy", args.with_proxy)) if on)
     opts = UpOptions(
         state_dir=args.state_dir, apiservers=args.apiservers, gpu_nodes=args.gpu_nodes,

@@ -269,6 +269,15 @@ def probe(url: str, tls: TLSFiles | None = None, timeout: float = 3.0) -> tuple[
         return False, f"{type(exc).__name__}: {exc}"
 
 
+def listening(port: int, host: str = "127.0.0.1") -> tuple[bool, str]:
+    """Whether something accepts TCP connections on ``host:port`` (a TCP front has no health page)."""
+    try:
+        with socket.create_connection((host, port), timeout=1):
+            return True, f"{host}:{port} accepts connections"
+    except OSError as exc:
+        return False, f"{host}:{port}: {exc}"
+
+
 def tail(path: str | Path, lines: int = 30) -> str:
     try:
         data = Path(path).read_bytes()[-20000:]

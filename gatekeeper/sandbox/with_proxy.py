@@ -25,6 +25,7 @@ gets the sandbox default (the seeds' policy) from :func:`default_flow_control`.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.resources
 import sys
 from pathlib import Path
@@ -37,12 +38,13 @@ from gatekeeper.config import load_yaml
 from gatekeeper.errors import UsageError
 from gatekeeper.proxy.flowcontrol.edge.defaults import sandbox_flow_control
 from gatekeeper.proxy.settings import MAX_GOAWAY_CHANCE
-from gatekeeper.sandbox import kubectl, processes
+from gatekeeper.sandbox import client_lb, kubectl, processes
 from gatekeeper.sandbox.pki import FRONT_PROXY_CLIENT, SandboxPKI, write_kubeconfig
 from gatekeeper.sandbox.state import SandboxState
 from gatekeeper.sandbox.waiting import wait_until
 
 NAME = "proxy"
+CLIENT_LB = "client-lb"
 SERVING = "proxy-serving"
 READY_TIMEOUT = 60.0
 
@@ -111,40 +113,81 @@ IDENTITY_RBAC = importlib.resources.files("gatekeeper.proxy.pipeline.tokens").jo
 TokenReviews; the same file is ``deploy/examples/proxy-identity-rbac.yaml`` for real clusters."""
 
 
+FLEET = "sandbox"
+"""The fleet name of the sandbox's proxies (``--proxies N``): their Leases in gatekeeper-system carry it."""
+
+
+def fleet_section(index: int) -> dict[str, Any]:
+    """Proxy ``index`` of a sandbox fleet: one budget shared through Leases (``flowControl.fleet``)."""
+    return {"enabled": True, "name": FLEET, "identity": f"sandbox-proxy-{index}"}
+
+
 def start(state: SandboxState, args: argparse.Namespace) -> None:
+    """One proxy, or ``--proxies N`` sharing one budget; with ``--client-lb haproxy-tcp`` an HAProxy TCP front
+    that ``proxy.kubeconfig`` points at, as a VIP or cloud load balancer would be."""
     directory = Path(state.dir)
+    count = max(1, getattr(args, "proxies", 1) or 1)
+    client_lb_kind = getattr(args, "client_lb", "none") or "none"
+    haproxy = client_lb.haproxy_binary() if client_lb_kind == "haproxy-tcp" else ""
     # Before the proxy starts, so its first fetch of the issuer's keys is allowed: without them every
     # token caller would be classified as unverified (one flow per address) instead of by who it is.
     kubectl.run(state.kubeconfig, "apply", "-f", "-", input=IDENTITY_RBAC.read_text(), check=True)
     pki = PKI(state.certs_dir)
     serving = pki.issue_serving(SERVING, dns=["localhost"], ips=["127.0.0.1", "::1"], ca=CLUSTER_CA)
-    port, metrics_port = processes.free_port(), processes.free_port()
-    config = build_config(
-        state, port=port, metrics_port=metrics_port, serving_cert=serving.cert, serving_key=serving.key,
-        goaway_chance=getattr(args, "proxy_goaway_chance", None),
-        user_config=_user_config(getattr(args, "proxy_config", None)),
-        workers=getattr(args, "proxy_workers", None),
-    )
-    config_path = directory / "proxy" / "config.yaml"
-    config_path.parent.mkdir(parents=True, exist_ok=True)
-    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
-
-    url = f"https://127.0.0.1:{port}"
-    metrics_url = f"http://127.0.0.1:{metrics_port}"
-    argv = [sys.executable, "-m", "gatekeeper", "proxy", "--config", str(config_path)]
-    rec = processes.start(
-        NAME, argv, directory / "logs" / f"{NAME}.log", cwd=directory,
-        ports={"secure": port, "metrics": metrics_port}, urls={"server": url, "metrics": metrics_url},
-        health=f"{metrics_url}/readyz",
-    )
-    state.processes.append(rec)
-    state.extra[NAME] = {"url": url, "metricsUrl": f"{metrics_url}/metrics", "pid": rec.pid,
-                         "config": str(config_path)}
-    state.save()
-    print(f"  started {NAME} (pid {rec.pid})")
-    wait_until(rec, NAME, lambda: processes.probe(f"{metrics_url}/readyz"), READY_TIMEOUT)
+    user = _user_config(getattr(args, "proxy_config", None))
+    started: list[dict[str, Any]] = []
+    for index in range(1, count + 1):
+        name = NAME if count == 1 else f"{NAME}-{index}"
+        port, metrics_port = processes.free_port(), processes.free_port()
+        config = build_config(
+            state, port=port, metrics_port=metrics_port, serving_cert=serving.cert, serving_key=serving.key,
+            goaway_chance=getattr(args, "proxy_goaway_chance", None), user_config=user,
+            workers=getattr(args, "proxy_workers", None),
+        )
+        if count > 1:
+            flow = config["proxy"].setdefault("flowControl", {})
+            flow["fleet"] = _merge(fleet_section(index), flow.get("fleet") or {})
+        config_path = directory / name / "config.yaml"
+        config_path.parent.mkdir(parents=True, exist_ok=True)
+        config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+        url, metrics_url = f"https://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}"
+        argv = [sys.executable, "-m", "gatekeeper", "proxy", "--config", str(config_path)]
+        rec = processes.start(
+            name, argv, directory / "logs" / f"{name}.log", cwd=directory,
+            ports={"secure": port, "metrics": metrics_port}, urls={"server": url, "metrics": metrics_url},
+            health=f"{metrics_url}/readyz",
+        )
+        state.processes.append(rec)
+        started.append({"name": name, "url": url, "metricsUrl": f"{metrics_url}/metrics", "pid": rec.pid,
+                        "config": str(config_path)})
+        state.save()
+        print(f"  started {name} (pid {rec.pid})")
+    for rec in [r for r in state.processes if any(r.pid == p["pid"] for p in started)]:
+        wait_until(rec, rec.name, functools.partial(processes.probe, rec.urls["metrics"] + "/readyz"), READY_TIMEOUT)
+    front = dict(started[0])
+    if haproxy:
+        # The first proxy's metrics page stands for the front's (sandbox.json lists every proxy's).
+        front = {**_start_client_lb(state, haproxy, [p["url"] for p in started]), "metricsUrl": front["metricsUrl"]}
+    state.extra[NAME] = front
+    state.extra["proxies"] = started
     kubeconfig = write_kubeconfig(directory / "proxy.kubeconfig", SandboxPKI(Path(state.certs_dir)), "admin",
-                                  url)
+                                  front["url"])
     state.extra[NAME]["kubeconfig"] = str(kubeconfig)
     state.save()
-    print(f"  proxy ready at {url}; export KUBECONFIG={kubeconfig}")
+    print(f"  proxy ready at {front['url']}; export KUBECONFIG={kubeconfig}")
+
+
+def _start_client_lb(state: SandboxState, binary: str, targets: list[str]) -> dict[str, Any]:
+    """HAProxy TCP in front of the proxies; its URL becomes the sandbox's proxy address."""
+    directory = Path(state.dir)
+    port = processes.free_port()
+    config = directory / "client-lb" / "haproxy.cfg"
+    config.parent.mkdir(parents=True, exist_ok=True)
+    config.write_text(client_lb.haproxy_config(port, targets))
+    rec = processes.start(CLIENT_LB, [binary, "-db", "-f", str(config)], directory / "logs" / f"{CLIENT_LB}.log",
+                          cwd=directory, ports={"secure": port}, urls={"server": f"https://127.0.0.1:{port}"})
+    state.processes.append(rec)
+    state.save()
+    wait_until(rec, CLIENT_LB, lambda: processes.listening(port), READY_TIMEOUT)
+    print(f"  started {CLIENT_LB} (HAProxy TCP, pid {rec.pid}) in front of {len(targets)} proxies")
+    return {"name": CLIENT_LB, "url": f"https://127.0.0.1:{port}", "pid": rec.pid, "targets": targets}

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import shutil
 import ssl
 import subprocess
 import sys
@@ -23,7 +22,7 @@ import httpx
 import yaml
 
 from gatekeeper.certs import PKI
-from gatekeeper.sandbox import processes
+from gatekeeper.sandbox import client_lb, processes
 from gatekeeper.sandbox.lifecycle import UpOptions, down, up
 from gatekeeper.sandbox.pki import SandboxPKI
 from gatekeeper.sandbox.state import ProcessRecord, SandboxState
@@ -172,58 +171,25 @@ def tenants(state: SandboxState, namespace: str, count: int, work: Path, *, dist
     return out
 
 
-HAPROXY_CFG = """global
-    maxconn 8192
-defaults
-    mode tcp
-    timeout connect 5s
-    timeout client 900s
-    timeout server 900s
-    retries 3
-    option redispatch
-frontend fe
-    bind 127.0.0.1:{port}
-    default_backend apiservers
-backend apiservers
-    balance {balance}
-{servers}
-"""
-
-
-def haproxy_binary() -> str:
-    found = shutil.which("haproxy") or shutil.which("haproxy", path="/usr/sbin:/usr/local/sbin")
-    if not found:
-        raise ScenarioError("haproxy not found: apt-get install -y haproxy")
-    return found
-
-
 @contextlib.contextmanager
-def haproxy(state: SandboxState, work: Path, balance: str = "roundrobin") -> Iterator[str]:
-    """HAProxy in TCP mode (TLS passthrough), the seeds' load balancer: it balances connections."""
+def haproxy(state: SandboxState, work: Path, balance: str = "roundrobin",
+            targets: Sequence[str] = ()) -> Iterator[str]:
+    """HAProxy in TCP mode (TLS passthrough), the seeds' load balancer: it balances connections over
+    ``targets`` (default: the apiservers)."""
     port = processes.free_port()
-    servers = "\n".join(f"    server a{i} {u.removeprefix('https://')} check inter 1s"
-                        for i, u in enumerate(state.apiserver_urls, 1))
     work.mkdir(parents=True, exist_ok=True)
     cfg = work / "haproxy.cfg"
-    cfg.write_text(HAPROXY_CFG.format(port=port, balance=balance, servers=servers))
+    cfg.write_text(client_lb.haproxy_config(port, list(targets or state.apiserver_urls), balance))
     log = (work / "haproxy.log").open("ab")
-    proc = subprocess.Popen([haproxy_binary(), "-db", "-f", str(cfg)], stdout=log, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen([client_lb.haproxy_binary(), "-db", "-f", str(cfg)], stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
     try:
-        processes.poll_until(lambda: (_listening(port), f"haproxy on {port}"), 20, pid=proc.pid)
+        processes.poll_until(lambda: processes.listening(port), 20, pid=proc.pid)
         yield f"https://127.0.0.1:{port}"
     finally:
         proc.terminate()
         proc.wait(10)
         log.close()
-
-
-def _listening(port: int) -> bool:
-    import socket
-
-    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
-        return True
-    return False
 
 
 def proxy(state: SandboxState, work: Path, flow_control: dict[str, Any] | None,
