@@ -24,7 +24,7 @@ import httpx
 from gatekeeper.sandbox.state import SandboxState
 from loadtest.harness.cluster import admin, kit
 
-FIELDS = ["arm", "t", "component", "rss_bytes", "cpu_seconds", "heap_bytes", "requests"]
+FIELDS = ["arm", "t", "component", "rss_bytes", "cpu_seconds", "heap_bytes", "requests", "executing"]
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -103,6 +103,7 @@ class Sampler:
     def _add(self, **row: object) -> None:
         with self._lock:
             self.rows.append({"arm": self.arm, "rss_bytes": "", "cpu_seconds": "", "heap_bytes": "", "requests": "",
+                              "executing": "",
                               **row})
 
     def _proc_loop(self) -> None:
@@ -126,7 +127,9 @@ class Sampler:
                         text = c.get("/metrics").text
                         self._add(t=t, component=f"kube-apiserver-{i}",
                                   heap_bytes=kit.metric_sum(text, "go_memstats_heap_alloc_bytes"),
-                                  requests=kit.metric_sum(text, "apiserver_request_total", **self.count))
+                                  requests=kit.metric_sum(text, "apiserver_request_total", **self.count),
+                                  executing=kit.metric_sum(text, "apiserver_flowcontrol_current_executing_requests",
+                                                           flow_schema=kit.OBSERVE))
                 for name, c in others.items():
                     with contextlib.suppress(httpx.HTTPError):
                         r = c.get("/metrics")

@@ -82,7 +82,8 @@ class ListerUser(K8sUser):
     """The seeds' tenant: full LISTs of the namespace's Secrets, ``rounds`` times, then it leaves.
 
     429 + Retry-After is retried as client-go does (up to 10 times); each one is
-    reported as ``throttled (429)``, and the LIST's time includes the waits.
+    reported as ``throttled (429)``, and the LIST's time includes the waits. A LIST cut by an error (a proxy
+    killed under it) is sent again after 1 s, as a reflector re-lists (``re-listed after an error``).
     """
 
     @task
@@ -97,6 +98,12 @@ class ListerUser(K8sUser):
                         request_type="GET", name="throttled (429)", response_time=0, response_length=0,
                         exception=None, context={})
                     time.sleep(float(resp.headers.get("retry-after", "1")))
+                    continue
+                if resp is None:  # a connection cut (a proxy gone): the pool reconnects; re-list as a reflector does
+                    self.environment.events.request.fire(
+                        request_type="GET", name="re-listed after an error", response_time=0, response_length=0,
+                        exception=None, context={})
+                    time.sleep(1.0)
                     continue
                 break
             ok = resp is not None and resp.status_code == 200

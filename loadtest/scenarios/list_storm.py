@@ -7,13 +7,17 @@ decodes all of them; big Secrets; tenant listers with their own identities
 arm on freshly restarted apiservers. Arms: ``direct`` (listers spread over the
 apiservers), ``haproxy`` (TCP, the seeds' LB), ``gatekeeper`` (the seeds'
 policy: 2 concurrent secret LISTs), ``gatekeeper-coalescing`` (same policy,
-listers sharing two identities so identical LISTs coalesce).
+listers sharing two identities so identical LISTs coalesce), ``gatekeeper-fleet`` (the deployed topology:
+3 proxies sharing the seeds' budget through Leases behind HAProxy TCP; one is killed mid-storm).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,7 +34,13 @@ from loadtest.harness.sampler import Sampler, write_rows
 NAME = "list-storm"
 NS = "loadtest-storm"
 STORAGE_READS = ("--watch-cache-sizes=secrets#0",)
-ARMS = ("direct", "haproxy", "gatekeeper", "gatekeeper-coalescing")
+ARMS = ("direct", "haproxy", "gatekeeper", "gatekeeper-coalescing", "gatekeeper-fleet")
+FLEET = 3
+"""Proxies in the fleet arm, behind HAProxy TCP, sharing the seeds' budget through Leases."""
+FLEET_TTL = 6
+"""The fleet arm's Lease duration (renewed every 2 s): short, so the killed proxy's share moves within the storm."""
+KILL_AFTER = 20.0
+"""Seconds into the fleet arm's storm when one proxy is killed (SIGKILL: no goodbye)."""
 CLAIM = """Secret list calls go up and control plane goes down. Scenario: high number of list calls with
 larger secrets. Problem: OOM apiserver. Fix: API Priority & Fairness (only allow two concurrent list calls,
 queue the rest). Result: decreased number of OOM crashes. (seed 000, KubeCon EU 2025)
@@ -47,6 +57,10 @@ def target(arm: str, state: SandboxState, ctx: RunContext) -> Iterator[tuple[lis
     elif arm == "haproxy":
         with cluster.haproxy(state, ctx.work, balance="leastconn") as url:
             yield [url], notes
+    elif arm == "gatekeeper-fleet":
+        with fleet_front(state, ctx) as (url, fleet_notes):
+            yield [url], notes
+        notes.update(fleet_notes)
     else:
         with cluster.proxy(state, ctx.work / arm, {"files": [str(kit.SEEDS)]}) as p:
             notes["pid"] = p.proc.pid
@@ -55,6 +69,55 @@ def target(arm: str, state: SandboxState, ctx: RunContext) -> Iterator[tuple[lis
             notes["coalesced"] = kit.metric_sum(text, "gatekeeper_flowcontrol_coalesced_requests_total")
             notes["peak upstream secret LISTs"] = kit.metric_sum(
                 text, "gatekeeper_flowcontrol_peak_executing_requests", priority_level="secrets-list")
+
+
+@contextlib.contextmanager
+def fleet_front(state: SandboxState, ctx: RunContext) -> Iterator[tuple[str, dict[str, Any]]]:
+    """3 proxies with ``flowControl.fleet`` behind HAProxy TCP; one is SIGKILLed ``KILL_AFTER`` s in, and the
+    notes say how long the survivors took to count 2 and what they then held of the secret-LIST level."""
+    notes: dict[str, Any] = {}
+    with contextlib.ExitStack() as stack:
+        proxies = [stack.enter_context(cluster.proxy(state, ctx.work / f"fleet-{i}", {
+            "files": [str(kit.SEEDS)],
+            "fleet": {"enabled": True, "name": f"storm-{ctx.work.name}", "identity": f"storm-proxy-{i}",
+                      "leaseDurationSeconds": FLEET_TTL, "renewIntervalSeconds": 2}})) for i in range(1, FLEET + 1)]
+        url = stack.enter_context(cluster.haproxy(state, ctx.work / "fleet-front", balance="leastconn",
+                                                  targets=[p.url for p in proxies]))
+        stop = threading.Event()
+
+        def members(p: kit.ProxyProcess) -> float:
+            return kit.metric_sum(p.metrics(), "gatekeeper_fleet_members")
+
+        def kill_one() -> None:
+            if stop.wait(KILL_AFTER):
+                return
+            victim, survivors = proxies[-1], proxies[:-1]
+            notes["fleet size before the kill"] = min(members(p) for p in proxies)
+            os.killpg(victim.proc.pid, signal.SIGKILL)
+            killed = time.monotonic()
+            while not stop.is_set() and time.monotonic() - killed < 10 * FLEET_TTL:
+                with contextlib.suppress(OSError):
+                    if all(members(p) == FLEET - 1 for p in survivors):
+                        notes["survivors took the share after s"] = time.monotonic() - killed
+                        notes["secret-LIST seats per survivor"] = min(kit.metric_sum(
+                            p.metrics(), "gatekeeper_fleet_share_seats", priority_level="secrets-list")
+                            for p in survivors)
+                        return
+                time.sleep(0.25)
+
+        killer = threading.Thread(target=kill_one, name="fleet-kill", daemon=True)
+        killer.start()
+        try:
+            yield url, notes
+        finally:
+            stop.set()
+            killer.join(30)
+            for p in proxies[:-1]:
+                with contextlib.suppress(OSError):
+                    notes["peak upstream secret LISTs (per survivor)"] = max(
+                        notes.get("peak upstream secret LISTs (per survivor)", 0),
+                        kit.metric_sum(p.metrics(), "gatekeeper_flowcontrol_peak_executing_requests",
+                                       priority_level="secrets-list"))
 
 
 def run(ctx: RunContext) -> None:
@@ -100,6 +163,9 @@ def run(ctx: RunContext) -> None:
                 "failed": int(ms(lst, "Failure Count")), "429": int(ms(throttled, "Request Count") or 0)
                 if throttled else 0,
                 "upstream": (reqs[-1][1] - reqs[0][1]) if reqs else float("nan"), "wall": wall,
+                "concurrent": sampler.peak("kube-apiserver", "executing"),
+                "relisted": int(ms(rows.get("re-listed after an error"), "Request Count") or 0)
+                if rows.get("re-listed after an error") else 0,
                 "notes": ", ".join(f"{k}={v:.0f}" for k, v in notes.items() if k != "pid"),
             })
             ctx.say(f"  {arm}: +{(results[-1]['peak'] - results[-1]['baseline']) / MIB:.0f} MiB peak RSS")
@@ -116,7 +182,9 @@ def _write(ctx: RunContext, report: Report, samplers: list[Sampler], results: li
                 f"(half client certificates, half ServiceAccount tokens) x {rounds} full LISTs each, "
                 "429 retried after Retry-After as client-go does",
         "apiservers": "3 kube-apiservers on one etcd, flags + " + " ".join(STORAGE_READS)
-                      + ", restarted before every arm"})
+                      + ", restarted before every arm",
+        "fleet arm": f"{FLEET} gatekeeper proxies (flowControl.fleet, Lease duration {FLEET_TTL} s, renewed every "
+                     f"2 s) behind HAProxy TCP leastconn; one SIGKILLed {KILL_AFTER:g} s into the storm"})
     ref = results[0]
     gib = float(1 << 30)
     rows = []
@@ -124,12 +192,14 @@ def _write(ctx: RunContext, report: Report, samplers: list[Sampler], results: li
         growth = r["peak"] - r["baseline"]
         rows.append([r["arm"], f"{r['baseline'] / MIB:.0f}", f"{r['peak'] / MIB:.0f}", f"{growth / MIB:.0f}",
                      f"{(r['heap'] - r['heap0']) / MIB:.0f}", r["p50"], r["p99"], r["ok"], r["failed"], r["429"],
-                     f"{r['upstream']:.0f}", r["wall"],
+                     f"{r['upstream']:.0f}", f"{r['concurrent']:.0f}", r["relisted"], r["wall"],
                      f"x{growth / max(1.0, ref['peak'] - ref['baseline']):.2f}",
                      f"x{r['wall'] / max(0.001, ref['wall']):.2f}", r["notes"]])
     report.table(["arm", "idle RSS MiB", "peak RSS MiB", "+RSS MiB", "+Go heap MiB", "LIST p50 s", "LIST p99 s",
-                  "LISTs ok", "failed", "429s", "upstream LISTs", "wall s", "+RSS vs direct", "wall vs direct",
-                  "gatekeeper"], rows, "Sum over the 3 apiservers")
+                  "LISTs ok", "failed", "429s", "upstream LISTs", "peak concurrent LISTs (apiservers' APF)",
+                  "re-listed", "wall s", "+RSS vs direct", "wall vs direct", "gatekeeper"], rows,
+                 "Sum over the 3 apiservers; concurrent LISTs: apiserver_flowcontrol_current_executing_requests of "
+                 "the tenants' observer FlowSchema, summed over the apiservers, sampled every 0.5 s")
     by = {r["arm"]: r for r in results}
     direct, gk = by.get("direct"), by.get("gatekeeper")
     if direct and gk:
@@ -140,6 +210,14 @@ def _write(ctx: RunContext, report: Report, samplers: list[Sampler], results: li
              "fewer OOMs (seed); +0.45 GiB (issue 12)", f"+{(gk['peak'] - gk['baseline']) / gib:.2f} GiB"),
             ("completion time, gatekeeper vs direct", "same (issue 12)",
              f"x{gk['wall'] / max(0.001, direct['wall']):.2f}"),
+        ]
+    fleet = by.get("gatekeeper-fleet")
+    if direct and fleet:
+        report.seed_vs_ours += [
+            (f"fleet of {FLEET} proxies behind HAProxy TCP: peak apiserver RSS growth vs direct", "<= x0.3 (issue 29)",
+             f"x{(fleet['peak'] - fleet['baseline']) / max(1.0, direct['peak'] - direct['baseline']):.2f}"),
+            ("fleet: cluster-wide concurrent secret LISTs (apiservers' APF gauge)",
+             f"<= budget 2 + rounding = {max(2, FLEET)} (issue 29)", f"{fleet['concurrent']:.0f}"),
         ]
     series = {s.arm: [(t, v) for t, v in s.summed("kube-apiserver", "rss_bytes")] for s in samplers}
     line_plot(report.plot("rss.png", "Apiserver RSS (sum of 3) over time, per arm"),
