@@ -298,3 +298,23 @@ def test_the_chart_the_manifests_and_the_static_pod_run_the_image_the_containerf
         assert _writable(spec, c) == {"/tmp"}, where
         env = {e["name"]: e.get("value") for e in c.get("env", [])}
         assert env.get("PROMETHEUS_MULTIPROC_DIR", "").startswith("/tmp/"), where
+
+
+def test_the_charts_proxy_rbac_is_the_example_files_and_grants_only_fleet_leases_in_one_namespace() -> None:
+    """The static pods' identity gets the same objects from the chart as from
+    deploy/examples/proxy-identity-rbac.yaml; in the fleet namespace only Leases, never delete."""
+    assert not [d for d in render() if d["metadata"]["name"].startswith("gatekeeper-proxy:")]  # off by default
+    rendered = {(d["kind"], d["metadata"]["name"]): d for d in render(values=(VALUES_SETS / "monitoring.yaml",))
+                if d["metadata"]["name"].startswith("gatekeeper-proxy:")}
+    example = {(d["kind"], d["metadata"]["name"]): d
+               for d in yaml.safe_load_all((DEPLOY / "examples" / "proxy-identity-rbac.yaml").read_text())
+               if d and d["kind"] != "Namespace"}
+    assert rendered.keys() == example.keys()
+    for key, want in example.items():
+        got = rendered[key]
+        assert got.get("rules") == want.get("rules") and got.get("subjects") == want.get("subjects"), key
+        assert got.get("roleRef") == want.get("roleRef"), key
+        assert got["metadata"].get("namespace") == want["metadata"].get("namespace"), key
+    (role,) = [d for d in rendered.values() if d["kind"] == "Role"]
+    assert role["rules"] == [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+                              "verbs": ["get", "list", "watch", "create", "patch"]}]
