@@ -91,6 +91,17 @@ class UserInfo:
     """x509: verified client cert (proxy stamps X-Remote-*); token: bearer passed through untouched."""
 
 
+class CallerFacts(Protocol):
+    """Who flow control classifies a request as: a verified token's identity, or a certificate caller as the
+    apiserver sees it (``pipeline/tokens``, ``pipeline/auth``)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def groups(self) -> list[str]: ...
+
+
 @dataclass
 class ProxyRequest:
     """A client request, already parsed by a protocol adapter."""
@@ -112,8 +123,9 @@ class ProxyRequest:
     info: RequestInfo | None = None
     """Filled by the RequestInfo stage."""
     caller: str = ""
-    """Flow control's caller: the verified identity of a token, the per-address flow of an unverified one, or
-    whom an allowed impersonator acts for; long-running requests are capped per caller. Empty: the user's name."""
+    """Who the request counts against: the verified identity of a token or the per-address flow of an unverified
+    one (the front stage), or whom an allowed impersonator acts for (flow control); long-running requests are
+    capped per caller. Empty: the user's name."""
     flow_schema: str = ""
     priority_level: str = ""
     """Flow control's decision: the FlowSchema and the priority level the request was classified into."""
@@ -123,7 +135,10 @@ class ProxyRequest:
     """One dict per client connection, shared by its requests (what the identity stage learned
     from the connection's certificate and last credential; ``auth.identify``). None: no memo."""
     token_verified: bool = False
-    """Flow control verified the bearer token's signature and claims (the apiserver will authenticate it)."""
+    """The front stage verified the bearer token's signature and claims (the apiserver will authenticate it)."""
+    identity: CallerFacts | None = None
+    """A token caller's identity as the front stage resolved it (a stand-in for an unverified token); None for
+    certificate and anonymous callers, who are what ``user`` says."""
     deadline_seconds: float = 0.0
     """How long the request may run (``pipeline/deadline.py``); 0: no deadline (long-running)."""
     timed_out: bool = False

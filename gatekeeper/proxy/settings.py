@@ -17,6 +17,7 @@ from gatekeeper.proxy.flowcontrol.edge.loading import load_policy
 from gatekeeper.proxy.flowcontrol.settings import FlowControlSettings
 from gatekeeper.proxy.listen.settings import MAX_GOAWAY_CHANCE, ListenerSettings, ProtocolSettings
 from gatekeeper.proxy.pipeline.settings import BackendSettings
+from gatekeeper.proxy.pipeline.tokens.settings import TokenSettings
 from gatekeeper.proxy.upstream.settings import UpstreamSettings
 
 __all__ = ["MAX_GOAWAY_CHANCE", "BackendSettings", "FlowControlSettings", "ListenerSettings", "ProtocolSettings",
@@ -43,6 +44,12 @@ class ProxySettings:
     """Allocations between young-generation garbage collections in a serving process (0 = Python's default,
     700): each request allocates hundreds of short-lived objects, and a collection every 700 of them cost ~2%
     of CPU for a few KiB of memory saved."""
+
+    @property
+    def tokens(self) -> TokenSettings:
+        """Who token callers are (kept at ``flowControl.tokens`` in the file; the pipeline's front stage uses it,
+        with flow control on or off)."""
+        return self.flow_control.tokens
 
     def validate(self) -> None:
         if not self.backends:

@@ -19,6 +19,7 @@ import os
 import signal
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -76,10 +77,11 @@ def fleet_front(state: SandboxState, ctx: RunContext) -> Iterator[tuple[str, dic
     """3 proxies with ``flowControl.fleet`` behind HAProxy TCP; one is SIGKILLed ``KILL_AFTER`` s in, and the
     notes say how long the survivors took to count 2 and what they then held of the secret-LIST level."""
     notes: dict[str, Any] = {}
+    run = uuid.uuid4().hex[:8]  # a fleet of this arm's own: Leases of an earlier run never count
     with contextlib.ExitStack() as stack:
         proxies = [stack.enter_context(cluster.proxy(state, ctx.work / f"fleet-{i}", {
             "files": [str(kit.SEEDS)],
-            "fleet": {"enabled": True, "name": f"storm-{ctx.work.name}", "identity": f"storm-proxy-{i}",
+            "fleet": {"enabled": True, "name": f"storm-{run}", "identity": f"storm-proxy-{i}",
                       "leaseDurationSeconds": FLEET_TTL, "renewIntervalSeconds": 2}})) for i in range(1, FLEET + 1)]
         url = stack.enter_context(cluster.haproxy(state, ctx.work / "fleet-front", balance="leastconn",
                                                   targets=[p.url for p in proxies]))

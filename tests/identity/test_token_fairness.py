@@ -16,10 +16,12 @@ import token_kit as kit
 
 from gatekeeper.kube import requestinfo
 from gatekeeper.proxy.flowcontrol.core.policy import flow_schema_object
-from gatekeeper.proxy.flowcontrol.edge import middleware as fc_middleware
 from gatekeeper.proxy.flowcontrol.edge.middleware import FlowControl
 from gatekeeper.proxy.flowcontrol.settings import FlowControlSettings
 from gatekeeper.proxy.messages import ProxyRequest, ProxyResponse, UserInfo
+from gatekeeper.proxy.pipeline import stages as front_stage
+from gatekeeper.proxy.pipeline.stages import resolve_token
+from gatekeeper.proxy.pipeline.tokens.fetch import TokenIdentities
 
 RSA = kit.rsa_key()
 CM = "/api/v1/namespaces/team-a/configmaps/x"
@@ -44,8 +46,14 @@ def settings(schemas: list[dict[str, Any]], levels: list[dict[str, Any]]) -> Flo
     return FlowControlSettings(server_concurrency_limit=100, flow_schemas=schemas, priority_level_configurations=levels)
 
 
+_IDENTITIES: dict[int, TokenIdentities] = {}
+"""The front stage's token identities for each flow control under test (by id)."""
+
+
 def with_keys(fc: FlowControl) -> FlowControl:
-    fc.identities.verifier.set_keys(kit.ISSUER, kit.jwks(RSA))
+    identities = TokenIdentities(fc.settings.tokens)
+    identities.verifier.set_keys(kit.ISSUER, kit.jwks(RSA))
+    _IDENTITIES[id(fc)] = identities
     return fc
 
 
@@ -81,6 +89,9 @@ class Gate:
 
 
 async def call(fc: FlowControl, r: ProxyRequest, up: Gate) -> int:
+    identities = _IDENTITIES.get(id(fc))
+    if identities is not None and r.user is not None and r.user.source == "token":
+        await resolve_token(identities, r)  # what the front stage does before flow control
     resp = await fc(r, up)
     async for _ in resp.body:
         pass
@@ -140,7 +151,7 @@ async def test_made_up_tokens_share_one_flow_and_a_serviceaccount_keeps_its_fair
 async def test_without_the_shared_flow_made_up_tokens_would_starve_the_serviceaccount(monkeypatch) -> None:
     """The same flood with one flow per token (what the defence prevents) does lock the ServiceAccount out."""
     fresh = itertools.count()
-    monkeypatch.setattr(fc_middleware, "unverified_flow", lambda peer: f"per-token-{next(fresh)}")
+    monkeypatch.setattr(front_stage, "unverified_flow", lambda peer: f"per-token-{next(fresh)}")
     statuses, _ = await flood_then_serviceaccount(tenants_policy())
     assert statuses.count(429) >= 5
 

@@ -22,7 +22,10 @@ import orjson
 from prometheus_client import REGISTRY
 
 from gatekeeper.certs import FRONT_PROXY_CA, PKI
+from gatekeeper.kube import requestinfo
 from gatekeeper.proxy.listen.server import ProxyServer
+from gatekeeper.proxy.messages import ProxyRequest
+from gatekeeper.proxy.pipeline import auth
 from gatekeeper.proxy.pipeline.stages import Pipeline, build
 from gatekeeper.proxy.settings import (
     BackendSettings,
@@ -31,6 +34,14 @@ from gatekeeper.proxy.settings import (
     ProxySettings,
     UpstreamSettings,
 )
+
+
+def fronted(request: ProxyRequest) -> ProxyRequest:
+    """``request`` as the front stage hands it on (RequestInfo parsed, the caller identified): what a test
+    that drives the dispatcher alone must give it."""
+    request.info = requestinfo.parse(request.method, request.target)
+    request.user = auth.identify(request.peer_cert, request.headers)
+    return request
 
 
 def rejected(reason: str) -> float:

@@ -25,6 +25,7 @@ from typing import Any
 
 import httpx
 import pytest
+from edge_kit import fronted
 from prometheus_client import REGISTRY
 
 from gatekeeper.proxy.messages import ProxyRequest
@@ -108,9 +109,9 @@ async def test_one_backend_under_load_with_goaway_chance_is_never_ejected(
     async def worker() -> None:
         while left[0] > 0 and time.monotonic() < deadline:
             left[0] -= 1
-            response = await dispatch(ProxyRequest(
+            response = await dispatch(fronted(ProxyRequest(
                 method="GET", target=target, headers=[("authorization", f"Bearer {token}")], body=None,
-                protocol="h2", token_verified=True))
+                protocol="h2", token_verified=True)))
             assert response.body is not None
             async for _ in response.body:
                 pass

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from edge_kit import make_pki
+from edge_kit import fronted, make_pki
 from prometheus_client import REGISTRY
 from test_mux_upstream import Peer, Switching, read_all
 
@@ -74,8 +74,8 @@ def refused(name: str) -> float:
 
 
 def tenant(target: str) -> ProxyRequest:
-    return ProxyRequest(method="GET", target=target, headers=[("authorization", "Bearer t")], body=None,
-                        protocol="h2", token_verified=True)
+    return fronted(ProxyRequest(method="GET", target=target, headers=[("authorization", "Bearer t")], body=None,
+                                protocol="h2", token_verified=True))
 
 
 async def dispatcher(b: GoawayEveryStream, name: str) -> tuple[Dispatcher, Balancer, BackendClient]:

@@ -6,6 +6,7 @@ from typing import Any
 
 import orjson
 import pytest
+from edge_kit import fronted
 
 from gatekeeper.kube import requestinfo
 from gatekeeper.proxy.messages import Handler, ProxyRequest, ProxyResponse, UserInfo
@@ -281,7 +282,7 @@ async def test_statuses_of_other_servers_behind_the_apiserver_never_make_a_5xx_s
     balancer = Balancer([BackendSettings(url="https://a:1", name="a"), BackendSettings(url="https://b:1", name="b")])
     dispatch = Dispatcher(balancer, {"a": _Answers503(), "b": _Answers503()})  # type: ignore[dict-item]
     for _ in range(40):
-        assert (await dispatch(req("GET", target, [("authorization", "Bearer t")]))).status == 503
+        assert (await dispatch(fronted(req("GET", target, [("authorization", "Bearer t")])))).status == 503
     assert sum(b.ejections_total for b in balancer.backends) == 0
 
 
@@ -292,7 +293,7 @@ async def test_5xx_answers_to_writes_never_make_a_storm(method: str) -> None:
     balancer = Balancer([BackendSettings(url="https://a:1", name="a"), BackendSettings(url="https://b:1", name="b")])
     dispatch = Dispatcher(balancer, {"a": _Answers503(), "b": _Answers503()})  # type: ignore[dict-item]
     for _ in range(40):
-        await dispatch(req(method, "/api/v1/namespaces/a/configmaps/c", [("authorization", "Bearer t")]))
+        await dispatch(fronted(req(method, "/api/v1/namespaces/a/configmaps/c", [("authorization", "Bearer t")])))
     assert sum(b.ejections_total for b in balancer.backends) == 0
 
 
@@ -305,7 +306,7 @@ async def test_the_apiservers_own_5xx_still_make_a_storm(target: str) -> None:
     balancer = Balancer([BackendSettings(url="https://a:1", name="a"), BackendSettings(url="https://b:1", name="b")])
     dispatch = Dispatcher(balancer, {"a": _Answers503(), "b": _Answers503()})  # type: ignore[dict-item]
     for _ in range(40):
-        await dispatch(req("GET", target, [("authorization", "Bearer t")]))
+        await dispatch(fronted(req("GET", target, [("authorization", "Bearer t")])))
     assert sum(b.ejections_total for b in balancer.backends) == 1
 
 
@@ -324,19 +325,19 @@ async def test_one_caller_holds_at_most_its_share_of_long_running_requests() -> 
                           max_long_running_per_caller=2)
     watch = "/api/v1/namespaces/a/configmaps?watch=1"
     mine = [("authorization", "Bearer mine")]
-    held = [await dispatch(req("GET", watch, mine)) for _ in range(2)]
+    held = [await dispatch(fronted(req("GET", watch, mine))) for _ in range(2)]
     assert [r.status for r in held] == [200, 200]
-    refused = await dispatch(req("GET", "/api/v1/namespaces/a/pods/p/log?follow=true", mine))
+    refused = await dispatch(fronted(req("GET", "/api/v1/namespaces/a/pods/p/log?follow=true", mine)))
     assert refused.status == 429 and dict(refused.headers)["retry-after"] == "1"
     assert orjson.loads(b"".join([c async for c in refused.body]))["reason"] == "TooManyRequests"
-    assert (await dispatch(req("GET", watch, [("authorization", "Bearer other")]))).status == 200
-    assert (await dispatch(req("GET", "/api/v1/namespaces/a/configmaps", mine))).status == 200  # short: no cap
-    # flow control's verified identity is the caller, whichever of its tokens it sends
-    same_sa = [req("GET", watch, [("authorization", f"Bearer token-{i}")], caller="system:sa")
+    assert (await dispatch(fronted(req("GET", watch, [("authorization", "Bearer other")])))).status == 200
+    assert (await dispatch(fronted(req("GET", "/api/v1/namespaces/a/configmaps", mine)))).status == 200  # short: no cap
+    # the front stage's verified identity is the caller, whichever of its tokens it sends
+    same_sa = [fronted(req("GET", watch, [("authorization", f"Bearer token-{i}")], caller="system:sa"))
                for i in range(3)]
     assert [(await dispatch(r)).status for r in same_sa] == [200, 200, 429]
     held[0].finish(None)
-    assert (await dispatch(req("GET", watch, mine))).status == 200
+    assert (await dispatch(fronted(req("GET", watch, mine)))).status == 200
     assert balancer.long_running_of("system:sa") == 2
 
 
@@ -370,5 +371,5 @@ async def test_a_deadline_the_client_picked_never_makes_a_5xx_storm(target: str)
     balancer = Balancer([BackendSettings(url="https://a:1", name="a"), BackendSettings(url="https://b:1", name="b")])
     dispatch = Dispatcher(balancer, {"a": _Answers504(), "b": _Answers504()})  # type: ignore[dict-item]
     for _ in range(40):
-        assert (await dispatch(req("GET", target))).status == 504
+        assert (await dispatch(fronted(req("GET", target)))).status == 504
     assert sum(b.ejections_total for b in balancer.backends) == 0

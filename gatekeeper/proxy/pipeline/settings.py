@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from gatekeeper.proxy.pipeline.tokens.settings import TokenSettings
 from gatekeeper.proxy.upstream.settings import UpstreamSettings
 
 
@@ -46,3 +47,6 @@ class PipelineSettings(Protocol):
 
     @property
     def protocol(self) -> DeadlineAccess: ...
+
+    @property
+    def tokens(self) -> TokenSettings: ...

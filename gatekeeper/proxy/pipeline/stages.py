@@ -34,7 +34,8 @@ from gatekeeper.proxy.pipeline import auth
 from gatekeeper.proxy.pipeline.balancer import Backend, Balancer, EjectionPolicy, Lease
 from gatekeeper.proxy.pipeline.deadline import Deadlines, bad_timeout_message, request_timeout
 from gatekeeper.proxy.pipeline.settings import PipelineSettings
-from gatekeeper.proxy.pipeline.tokens.classify import source_host
+from gatekeeper.proxy.pipeline.tokens.classify import source_host, unverified_flow
+from gatekeeper.proxy.pipeline.tokens.fetch import TokenIdentities
 from gatekeeper.proxy.upstream import errors as up
 from gatekeeper.proxy.upstream.client import BackendClient
 from gatekeeper.proxy.upstream.upgrade import is_upgrade, open_upgrade
@@ -161,13 +162,26 @@ def _is_local(request: ProxyRequest) -> bool:
     return request.method in SAFE_METHODS and request.target.split("?", 1)[0] == "/metrics"
 
 
-def front_for(metrics_groups: Collection[str], deadlines: Deadlines | None = None,
-              request_timeout_seconds: float = 60.0) -> Middleware:
-    """The front stage: refuse targets that could steer or mis-classify the request (target.py), answer
-    ``OPTIONS *``, establish who the caller is (auth.py), parse RequestInfo once, answer ``/metrics``, and
-    set the request's deadline (deadline.py).
+async def resolve_token(identities: TokenIdentities, request: ProxyRequest) -> str:
+    """Who a bearer-token caller is, for classification, fair queuing, its long-running cap and its upstream
+    connection: a verified ServiceAccount (or TokenReview) identity, else one shared flow per source address.
+    The token itself goes upstream untouched; the apiserver authenticates it. Returns the credential."""
+    credential = auth.bearer_credential(request.headers)
+    who = identities.cached(credential, request.connection_memo) or await identities.resolve(credential)
+    request.identity = who
+    request.token_verified = who.verified
+    request.caller = who.name if who.verified else unverified_flow(request.peer)
+    return credential
 
-    One coroutine per request for all five (each stage of a chain costs a coroutine and an await)."""
+
+def front_for(metrics_groups: Collection[str], deadlines: Deadlines | None = None,
+              request_timeout_seconds: float = 60.0, identities: TokenIdentities | None = None) -> Middleware:
+    """The front stage: refuse targets that could steer or mis-classify the request (target.py), answer
+    ``OPTIONS *``, establish who the caller is (auth.py; a token caller's identity through ``identities``),
+    parse RequestInfo once, answer ``/metrics``, and set the request's deadline (deadline.py).
+
+    Everything after it (flow control or not) sees the same caller: turning flow control off changes no
+    routing. One coroutine per request for all of it (each stage of a chain costs a coroutine and an await)."""
     own_page = _metrics_page_for(metrics_groups)
     deadlines = deadlines or Deadlines()
 
@@ -183,15 +197,23 @@ def front_for(metrics_groups: Collection[str], deadlines: Deadlines | None = Non
         except DurationError as exc:
             rejections.reject("bad_timeout", f"{request.peer} {request.method} {request.target[:200]}: {exc}")
             return error_response(400, "BadRequest", bad_timeout_message(exc))
-        if seconds is None:
-            return await next_handler(request)
-        deadlines.arm(request, seconds)
+        credential = ""
+        if identities is not None and request.user is not None and request.user.source == "token":
+            credential = await resolve_token(identities, request)
+        if seconds is not None:
+            deadlines.arm(request, seconds)
         try:
             response = await next_handler(request)
         except BaseException:
             deadlines.disarm(request)
             raise
-        if response.upgraded is not None:
+        if credential and request.token_verified and response.status == 401:
+            # Verified here (signature, expiry) but refused by the apiserver: revoked, or the pod or secret it
+            # is bound to is gone. Its later requests are classified as unverified.
+            identities.refused_upstream(credential)  # type: ignore[union-attr]
+        if seconds is None:
+            pass
+        elif response.upgraded is not None:
             deadlines.disarm(request)  # the 101 starts a tunnel (exec, attach, port-forward): not a request
         else:
             response.on_complete.append(lambda _error: deadlines.disarm(request))
@@ -280,14 +302,14 @@ class Dispatcher:
                               "(upstream.maxLongRunningPerCaller); close some or retry later", retry_after=1)
 
     async def __call__(self, request: ProxyRequest) -> ProxyResponse:
-        info = request.info or requestinfo.parse(request.method, request.target)
-        user = request.user or auth.identify(request.peer_cert, request.headers)
+        info, user = request.info, request.user
+        assert info is not None and user is not None, "the front stage sets both"
         upgrade = is_upgrade(request)
         long_running = info.long_running or upgrade
         caller = ""
         if long_running:
-            # Flow control's verified identity (a ServiceAccount, whichever of its tokens), or its per-address
-            # flow for an unverified token; else the certificate, token or anonymous name.
+            # The front stage's caller (a verified token's identity, an unverified token's per-address flow)
+            # or whom an allowed impersonator acts for; else the certificate or anonymous name.
             caller = request.caller or user.name
             refused = self._over_long_running_cap(request, caller)
             if refused is not None:
@@ -301,31 +323,23 @@ class Dispatcher:
             backend = self.balancer.choose(tried)
             if backend is None:
                 return error_response(503, "ServiceUnavailable",
-                                       f"gatekeeper proxy: no apiserver reachable ({last_error})",
-                                       retry_after=1)
+                                      f"gatekeeper proxy: no apiserver reachable ({last_error})", retry_after=1)
             client = self.clients[backend.name]
             lease = self.balancer.acquire(backend, long_running=long_running, caller=caller)
             request.backend = backend.name
             started = time.monotonic()
-            watch_like = info.verb == "watch"
-
-            # Error bodies name the backend by its configured name and a short cause; exception
-            # details (addresses, SSLContext reprs) go to the log only.
             try:
                 if upgrade:
                     response = await open_upgrade(client, request, headers, identity=asserts_identity,
                                                   on_close=_closer(lease))
                 else:
                     response = await client.send(request, headers, identity=asserts_identity,
-                                                 swallow_body_errors=watch_like, on_done=_Done(backend, lease),
-                                                 long_running=info.long_running,
+                                                 swallow_body_errors=info.verb == "watch",
+                                                 on_done=_Done(backend, lease), long_running=info.long_running,
                                                  multiplex=asserts_identity or request.token_verified)
             except up.ConnectFailed as exc:
                 lease.release()
-                self.balancer.report_connect_failure(backend)
-                metrics.UPSTREAM_ERRORS.labels(backend.name, "connect").inc()
-                upstream_log.warning(f"connect:{backend.name}",
-                                     f"connect to {backend.name} failed: {exc.__cause__ or exc}")
+                self._connect_failed(backend, exc)
                 tried.add(backend.name)
                 last_error = f"{backend.name}: {exc}"
                 if safe:
@@ -333,46 +347,10 @@ class Dispatcher:
                     continue
                 # Nothing reached the backend; client-go re-sends on 503 + Retry-After.
                 return error_response(503, "ServiceUnavailable",
-                                       f"gatekeeper proxy: apiserver {backend.name} unreachable ({exc})",
-                                       retry_after=1)
-            except up.PoolTimeout as exc:
+                                      f"gatekeeper proxy: apiserver {backend.name} unreachable ({exc})", retry_after=1)
+            except up.AFTER_CONNECT as exc:
                 lease.release()
-                rejections.reject("pool_timeout", str(exc))
-                return error_response(503, "ServiceUnavailable",
-                                       f"gatekeeper proxy: apiserver {backend.name} is busy (no free "
-                                       "connection in time)", retry_after=1)
-            except up.UpstreamTimeout as exc:
-                lease.release()
-                rejections.reject("upstream_header_timeout", f"{request.method} {request.target[:200]}: {exc}")
-                return error_response(504, "Timeout",
-                                       f"gatekeeper proxy: apiserver {backend.name} did not answer in time")
-            except up.ClientBodyFailed as exc:
-                # The client broke off its own body: not the backend's fault, nothing to eject.
-                lease.release()
-                log.debug("%s %s: %s", request.method, request.target, exc)
-                return error_response(400, "BadRequest", "gatekeeper proxy: the request body ended early")
-            except up.NoFrontProxyCert as exc:
-                lease.release()
-                return error_response(500, "InternalError", f"gatekeeper proxy: {exc}")
-            except up.RequestResetByBackend as exc:
-                # This request's stream, not the backend: a 5xx answer for the storm detector, no ejection
-                # (one malformed GET per apiserver from any client used to empty the rotation).
-                lease.release()
-                if own_answer(request.method, info):
-                    self.balancer.report_response(backend, 502)
-                metrics.UPSTREAM_ERRORS.labels(backend.name, "backend").inc()
-                upstream_log.warning(f"reset:{backend.name}", f"{request.method} {request.target[:200]} on "
-                                     f"{backend.name}: {exc}")
-                return error_response(502, "InternalError",
-                                       f"gatekeeper proxy: apiserver {backend.name} reset the request")
-            except up.BackendFailed as exc:
-                lease.release()
-                self.balancer.report_connect_failure(backend)
-                metrics.UPSTREAM_ERRORS.labels(backend.name, "backend").inc()
-                upstream_log.warning(f"failed:{backend.name}", f"{request.method} {request.target[:200]} on "
-                                     f"{backend.name} failed: {exc.__cause__ or exc}")
-                return error_response(502, "InternalError",
-                                       f"gatekeeper proxy: apiserver {backend.name} failed before answering")
+                return self._failed(request, info, backend, exc)
             except BaseException:
                 lease.release()
                 raise
@@ -382,6 +360,43 @@ class Dispatcher:
                                      time.monotonic() - started)
             response.on_complete.append(_releaser(lease))
             return response
+
+    def _connect_failed(self, backend: Backend, exc: up.ConnectFailed) -> None:
+        self.balancer.report_connect_failure(backend)
+        metrics.UPSTREAM_ERRORS.labels(backend.name, "connect").inc()
+        upstream_log.warning(f"connect:{backend.name}", f"connect to {backend.name} failed: {exc.__cause__ or exc}")
+
+    def _failed(self, request: ProxyRequest, info: requestinfo.RequestInfo, backend: Backend,
+                exc: Exception) -> ProxyResponse:
+        """The answer to an exchange that failed after connecting, and what the failure says about the backend.
+
+        Error bodies name the backend by its configured name and a short cause; exception details (addresses,
+        SSLContext reprs) go to the log only."""
+        what = f"{request.method} {request.target[:200]}"
+        if isinstance(exc, up.PoolTimeout):
+            rejections.reject("pool_timeout", str(exc))
+            return error_response(503, "ServiceUnavailable", f"gatekeeper proxy: apiserver {backend.name} is busy "
+                                  "(no free connection in time)", retry_after=1)
+        if isinstance(exc, up.UpstreamTimeout):
+            rejections.reject("upstream_header_timeout", f"{what}: {exc}")
+            return error_response(504, "Timeout", f"gatekeeper proxy: apiserver {backend.name} did not answer in time")
+        if isinstance(exc, up.ClientBodyFailed):  # the client broke off its own body: nothing to eject
+            log.debug("%s: %s", what, exc)
+            return error_response(400, "BadRequest", "gatekeeper proxy: the request body ended early")
+        if isinstance(exc, up.NoFrontProxyCert):
+            return error_response(500, "InternalError", f"gatekeeper proxy: {exc}")
+        metrics.UPSTREAM_ERRORS.labels(backend.name, "backend").inc()
+        if isinstance(exc, up.RequestResetByBackend):
+            # This request's stream, not the backend: a 5xx answer for the storm detector, no ejection (one
+            # malformed GET per apiserver from any client used to empty the rotation).
+            if own_answer(request.method, info):
+                self.balancer.report_response(backend, 502)
+            upstream_log.warning(f"reset:{backend.name}", f"{what} on {backend.name}: {exc}")
+            return error_response(502, "InternalError", f"gatekeeper proxy: apiserver {backend.name} reset the request")
+        self.balancer.report_connect_failure(backend)  # BackendFailed: the connection broke before an answer
+        upstream_log.warning(f"failed:{backend.name}", f"{what} on {backend.name} failed: {exc.__cause__ or exc}")
+        return error_response(502, "InternalError",
+                              f"gatekeeper proxy: apiserver {backend.name} failed before answering")
 
 
 class _Done:
@@ -422,6 +437,8 @@ class Pipeline:
     clients: dict[str, BackendClient]
     health_interval: float = 2.0
     deadlines: Deadlines = field(default_factory=Deadlines)
+    identities: TokenIdentities | None = None
+    """Token callers' identities (the front stage's); started and closed with the pipeline."""
     _probe_task: asyncio.Task[None] | None = field(default=None, repr=False)
 
     def upstream_connections(self, backend: str) -> int:
@@ -430,6 +447,8 @@ class Pipeline:
 
     async def start(self) -> None:
         metrics.register_source(self)
+        if self.identities is not None:
+            await self.identities.start()  # the issuer's keys, before the first token caller
         await self.probe_once()
         self._probe_task = asyncio.create_task(self._probe_loop(), name="gatekeeper-proxy-health")
 
@@ -461,6 +480,8 @@ class Pipeline:
                 await self._probe_task
             self._probe_task = None
         self.deadlines.close()
+        if self.identities is not None:
+            await self.identities.close()
         await asyncio.gather(*(c.close() for c in self.clients.values()))
 
 
@@ -476,11 +497,14 @@ def build(
     balancer = balancer or Balancer(settings.backends, policy=policy)
     clients = {b.name: BackendClient(b.name, b.url, settings.upstream) for b in balancer.backends}
     deadlines = Deadlines()
-    middlewares: list[Middleware] = [
-        front_for(settings.listener.metrics_groups, deadlines, settings.protocol.request_timeout_seconds)]
+    identities = TokenIdentities(settings.tokens)
+    identities.use_upstream(list(clients.values()))
+    middlewares: list[Middleware] = [front_for(settings.listener.metrics_groups, deadlines,
+                                               settings.protocol.request_timeout_seconds, identities)]
     if flow_control is not None:
         middlewares.append(flow_control)
     handler = chain(middlewares, Dispatcher(
         balancer, clients, max_long_running_per_caller=settings.upstream.max_long_running_per_caller))
     return Pipeline(handler=handler, balancer=balancer, clients=clients,
-                    health_interval=settings.upstream.health_interval_seconds, deadlines=deadlines)
+                    health_interval=settings.upstream.health_interval_seconds, deadlines=deadlines,
+                    identities=identities)

@@ -51,6 +51,11 @@ class RequestResetByBackend(BackendFailed):
     """
 
 
+AFTER_CONNECT = (PoolTimeout, UpstreamTimeout, ClientBodyFailed, NoFrontProxyCert, BackendFailed)
+"""The failures of an exchange the dispatcher answers with a Status of its own (``stages.Dispatcher._failed``)."""
+
+
+
 def connect_cause(exc: BaseException) -> str:
     """A short, client-safe cause of a failed connect (never an exception repr: no addresses, no objects)."""
     if isinstance(exc, TimeoutError):

@@ -38,7 +38,6 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from gatekeeper.kube import requestinfo
 from gatekeeper.kube.requestinfo import RequestInfo
 from gatekeeper.proxy.adapter import error_response
 from gatekeeper.proxy.flowcontrol.core.coalesce import coalesce_key, identity_key
@@ -54,11 +53,10 @@ from gatekeeper.proxy.flowcontrol.edge.loading import Reloader, limits_of, load_
 from gatekeeper.proxy.flowcontrol.edge.readahead import ReadAhead, ReadAheadBudget
 from gatekeeper.proxy.flowcontrol.settings import FlowControlSettings
 from gatekeeper.proxy.messages import Handler, ProxyRequest, ProxyResponse, UserInfo, close_body, is_exhausted
-from gatekeeper.proxy.pipeline.auth import as_apiserver_sees, bearer_credential
+from gatekeeper.proxy.pipeline.auth import as_apiserver_sees
 from gatekeeper.proxy.pipeline.impersonation import impersonated
 from gatekeeper.proxy.pipeline.tokens.classify import unverified_flow
-from gatekeeper.proxy.pipeline.tokens.fetch import TokenIdentities, Upstream
-from gatekeeper.proxy.pipeline.tokens.jwt import Identity
+from gatekeeper.proxy.pipeline.tokens.fetch import Upstream
 from gatekeeper.proxy.tally import HistogramTally
 
 log = logging.getLogger("gatekeeper.proxy.flowcontrol")
@@ -187,8 +185,6 @@ class FlowControl:
         self.peak_executing: dict[str, int] = {}
         self.executing_by_schema: dict[tuple[str, str], int] = {}
         self.reloader = Reloader(settings, self.apply)
-        self.identities = TokenIdentities(settings.tokens)
-        """Token callers' identities, for classification and queuing only (see gatekeeper.proxy.pipeline.tokens)."""
         self._poll: asyncio.Task[None] | None = None
         self._borrow: asyncio.Task[None] | None = None
         self._sighup = False
@@ -203,8 +199,7 @@ class FlowControl:
         self._wake(self.controller.update(policy, limits_of(self.settings)))
 
     def use_upstream(self, upstreams: list[Upstream]) -> None:
-        """The pipeline's backend clients, for the issuer keys, TokenReviews and fleet Leases (``process.run``)."""
-        self.identities.use_upstream(upstreams)
+        """The pipeline's backend clients, for the fleet's Leases (``process.run`` wires it)."""
         if self.fleet is not None:
             self.fleet.use_upstream(upstreams)
 
@@ -218,8 +213,7 @@ class FlowControl:
                 for name, lv in self.controller.levels.items() if not lv.spec.exempt}
 
     async def start(self) -> None:
-        """Watch policy files and SIGHUP for reloads; fetch the service-account issuer's keys."""
-        await self.identities.start()
+        """Watch policy files and SIGHUP for reloads; join the fleet."""
         if self.fleet is not None:
             self.fleet.start()
         loop = asyncio.get_running_loop()
@@ -251,7 +245,6 @@ class FlowControl:
 
     async def close(self) -> None:
         self.reloader.cancel()
-        await self.identities.close()
         if self.fleet is not None:
             await self.fleet.close()
         if self._sighup:
@@ -269,29 +262,20 @@ class FlowControl:
     async def __call__(self, request: ProxyRequest, next_handler: Handler) -> ProxyResponse:
         if not self.settings.enabled:
             return await next_handler(request)
-        info = request.info or requestinfo.parse(request.method, request.target)
+        info = request.info
+        assert info is not None, "the front stage parses RequestInfo"
         user = request.user or ANONYMOUS
         key = None
         if self.settings.coalesce and info.verb == "list" and request.method == "GET" and request.body is None:
             ident = identity_key(user.name, user.groups, user.source, request.headers)
             key = coalesce_key(request.method, request.target, request.headers, ident)
-        facts: UserInfo | Identity = as_apiserver_sees(user, request.connection_memo)
-        user_key: str | None = None
-        verified = True
-        auth = ""
-        if user.source == "token":
-            # Classification only: request.user and the Authorization header are left as they are,
-            # so the token goes upstream untouched and the apiserver authenticates it.
-            auth = bearer_credential(request.headers)
-            who = self.identities.cached(auth, request.connection_memo) or await self.identities.resolve(auth)
-            facts, verified = who, who.verified
-            if not verified:
-                user_key = unverified_flow(request.peer)
-                request.caller = user_key
-            else:
-                request.token_verified = True
-                request.caller = who.name
-        if self.settings.impersonators and verified and self.settings.impersonators.trusts(facts.name, facts.groups):
+        # Who the front stage says the caller is: a token's identity (or its per-address stand-in), else the
+        # certificate caller as the apiserver sees it.
+        facts = request.identity or as_apiserver_sees(user, request.connection_memo)
+        verified = user.source != "token" or request.token_verified
+        user_key = (request.caller or unverified_flow(request.peer)) if not verified else None
+        impersonators = self.settings.impersonators
+        if impersonators and verified and impersonators.trusts(facts.name, facts.groups):
             acting_as = impersonated(request.headers)
             if acting_as is not None:  # classified, queued and capped as whom it acts for, as upstream
                 facts = acting_as
@@ -333,10 +317,6 @@ class FlowControl:
         except BaseException as exc:
             self._end(t, 0, False, exc, status=0)
             raise
-        if response.status == 401 and auth and facts is not user and verified:
-            # The token verified here (signature, expiry) but the apiserver refused it: revoked, or the
-            # pod/secret it is bound to is gone. Its later requests are classified as unverified.
-            self.identities.refused_upstream(auth)
         return self._respond(t, w, response, request.connection_id)
 
     # -- queue events -------------------------------------------------------------------------
