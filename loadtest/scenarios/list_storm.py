@@ -40,7 +40,7 @@ FLEET = 3
 """Proxies in the fleet arm, behind HAProxy TCP, sharing the seeds' budget through Leases."""
 FLEET_TTL = 6
 """The fleet arm's Lease duration (renewed every 2 s): short, so the killed proxy's share moves within the storm."""
-KILL_AFTER = 20.0
+KILL_AFTER = 8.0
 """Seconds into the fleet arm's storm when one proxy is killed (SIGKILL: no goodbye)."""
 CLAIM = """Secret list calls go up and control plane goes down. Scenario: high number of list calls with
 larger secrets. Problem: OOM apiserver. Fix: API Priority & Fairness (only allow two concurrent list calls,
@@ -97,7 +97,8 @@ def fleet_front(state: SandboxState, ctx: RunContext) -> Iterator[tuple[str, dic
             notes["fleet size before the kill"] = min(members(p) for p in proxies)
             os.killpg(victim.proc.pid, signal.SIGKILL)
             killed = time.monotonic()
-            while not stop.is_set() and time.monotonic() - killed < 10 * FLEET_TTL:
+            # Measured to its end even if the storm is over first: the takeover is bounded by the TTL, not the storm.
+            while time.monotonic() - killed < 10 * FLEET_TTL:
                 with contextlib.suppress(OSError):
                     if all(members(p) == FLEET - 1 for p in survivors):
                         notes["survivors took the share after s"] = time.monotonic() - killed
@@ -113,7 +114,7 @@ def fleet_front(state: SandboxState, ctx: RunContext) -> Iterator[tuple[str, dic
             yield url, notes
         finally:
             stop.set()
-            killer.join(30)
+            killer.join(12 * FLEET_TTL)
             for p in proxies[:-1]:
                 with contextlib.suppress(OSError):
                     notes["peak upstream secret LISTs (per survivor)"] = max(
