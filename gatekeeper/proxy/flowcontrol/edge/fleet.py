@@ -142,7 +142,10 @@ class FleetMember:
     async def _call(self, method: str, path: str, body: bytes | None, extra: list[tuple[str, str]]) -> bytes:
         """One call on the first backend that answers; raises the last failure."""
         failure: Exception = RuntimeError("no backend")
-        deadline = max(1.0, self.settings.renew_interval_seconds)
+        # Half the Lease's life, as client-go's leader election gives a renewal 10 of a 15 s lease: an apiserver
+        # slowed by a LIST storm answered a Lease call in more than the renewal interval, and every proxy then
+        # believed itself partitioned.
+        deadline = max(1.0, self.settings.lease_duration_seconds / 2)
         for upstream in self.upstreams:
             try:
                 status, answer = await upstream.call(method, path, [*self._headers, *extra], body,

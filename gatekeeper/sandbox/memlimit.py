@@ -1,0 +1,127 @@
+"""``sandbox up --apiserver-memory-limit SIZE``: each apiserver in a memory cgroup of its own, as a kubelet runs it.
+
+The seeds' incident is an apiserver OOM-killed under a LIST storm, its clients failing over to the others, and
+those killed in turn. Without a memory limit nothing is ever killed, and a scenario can only report peak RSS.
+
+* The cgroup is made before the process starts and the process enters it before it execs (``preexec``), so
+  every byte it ever allocates counts.
+* cgroup v2 (``memory.max``, ``memory.swap.max`` 0, kills in ``memory.events``) or v1
+  (``memory.limit_in_bytes``, ``memory.memsw.limit_in_bytes`` when swap accounting is on, kills in
+  ``memory.oom_control``). A kill is read from the cgroup's own counter, never guessed from an exit status.
+* No writable memory controller: a clear error, never a silently unlimited apiserver.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from gatekeeper.errors import UsageError
+
+ROOT = Path("/sys/fs/cgroup")
+GROUP = "gatekeeper-sandbox"
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(Ki|Mi|Gi|Ti|K|M|G|T)?\s*$")
+_UNITS = {None: 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+          "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+MIN_LIMIT = 64 << 20
+"""An apiserver needs well over this just to start; a smaller limit is a typo."""
+
+
+def parse_limit(text: str) -> int:
+    """Bytes of a Kubernetes-style size (``1536Mi``, ``2Gi``, ``2G``, ``1073741824``)."""
+    m = _SIZE.match(text)
+    if not m:
+        raise UsageError(f"--apiserver-memory-limit {text!r}: expected a size such as 1536Mi, 2Gi or 2G")
+    value = int(float(m.group(1)) * _UNITS[m.group(2)])
+    if value < MIN_LIMIT:
+        raise UsageError(f"--apiserver-memory-limit {text!r}: at least 64Mi (a kube-apiserver needs more to start)")
+    return value
+
+
+@dataclass(frozen=True)
+class MemoryCgroup:
+    """One process's memory cgroup; ``version`` 1 or 2."""
+
+    path: Path
+    version: int
+
+    def enter(self) -> None:
+        """Move the calling process in (run in the child before exec)."""
+        (self.path / "cgroup.procs").write_text(str(os.getpid()))
+
+    def oom_kills(self) -> int:
+        """How many processes the kernel's OOM killer has killed in this cgroup."""
+        name = "memory.events" if self.version == 2 else "memory.oom_control"
+        with contextlib.suppress(OSError):
+            for line in (self.path / name).read_text().splitlines():
+                key, _, value = line.partition(" ")
+                if key == "oom_kill":
+                    return int(value)
+        return 0
+
+    def usage(self) -> int:
+        name = "memory.current" if self.version == 2 else "memory.usage_in_bytes"
+        with contextlib.suppress(OSError, ValueError):
+            return int((self.path / name).read_text())
+        return 0
+
+    def remove(self) -> None:
+        with contextlib.suppress(OSError):
+            self.path.rmdir()
+
+
+def controller(root: Path = ROOT) -> tuple[Path, int]:
+    """Where memory cgroups can be made, and the cgroup version; UsageError when nowhere."""
+    if (root / "cgroup.controllers").exists():
+        if "memory" not in (root / "cgroup.controllers").read_text().split():
+            raise UsageError(f"--apiserver-memory-limit: the memory controller is not enabled in {root}")
+        return root, 2
+    if (root / "memory" / "memory.limit_in_bytes").exists():
+        return root / "memory", 1
+    raise UsageError(f"--apiserver-memory-limit: no memory cgroup controller under {root} (neither cgroup v2 "
+                     "memory.max nor a v1 memory hierarchy)")
+
+
+def create(sandbox_id: str, name: str, limit: int, root: Path = ROOT) -> MemoryCgroup:
+    """A memory cgroup ``gatekeeper-sandbox/<sandbox_id>/<name>`` limited to ``limit`` bytes, swap excluded."""
+    base, version = controller(root)
+    path = base / GROUP / sandbox_id / name
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        if version == 2:
+            with contextlib.suppress(OSError):  # subtree_control of the parents: the memory controller below
+                for parent in (base / GROUP, base / GROUP / sandbox_id):
+                    (parent / "cgroup.subtree_control").write_text("+memory")
+            (path / "memory.max").write_text(str(limit))
+            with contextlib.suppress(FileNotFoundError):
+                (path / "memory.swap.max").write_text("0")
+        else:
+            (path / "memory.limit_in_bytes").write_text(str(limit))
+            with contextlib.suppress(FileNotFoundError, PermissionError):
+                (path / "memory.memsw.limit_in_bytes").write_text(str(limit))
+    except OSError as exc:
+        raise UsageError(f"--apiserver-memory-limit: cannot make the memory cgroup {path}: {exc} (it needs "
+                         "write access to the cgroup filesystem, e.g. root)") from None
+    return MemoryCgroup(path, version)
+
+
+def preexec(group: MemoryCgroup | None) -> Callable[[], None] | None:
+    return group.enter if group is not None else None
+
+
+def remove_all(sandbox_id: str, root: Path = ROOT) -> None:
+    """``sandbox down``: the sandbox's cgroups, once their processes are gone."""
+    with contextlib.suppress(UsageError):
+        base, _ = controller(root)
+        parent = base / GROUP / sandbox_id
+        if parent.is_dir():
+            for child in parent.iterdir():
+                if child.is_dir():
+                    with contextlib.suppress(OSError):
+                        child.rmdir()
+            with contextlib.suppress(OSError):
+                parent.rmdir()
