@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from gatekeeper.errors import UsageError, non_negative_int, positive_int
-from gatekeeper.sandbox import mig
+from gatekeeper.sandbox import memlimit, mig
 from gatekeeper.sandbox.build import BuildError, build_all
 from gatekeeper.sandbox.lifecycle import SandboxError, UpOptions, down, status, up
 
@@ -71,6 +71,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     u.add_argument("--webhook-config", default=None,
                    help="YAML file whose webhook: section (GPU modes, defaults, limits) overrides the webhook "
                         "add-on's; server and kubeconfig stay the sandbox's")
+    u.add_argument("--controller-manager-arg", action="append", default=[], metavar="ARG",
+                   help="extra kube-controller-manager flag, e.g. --controller-manager-arg=--kube-api-qps=200 "
+                        "(repeatable)")
+    u.add_argument("--scheduler-arg", action="append", default=[], metavar="ARG",
+                   help="extra kube-scheduler flag, e.g. --scheduler-arg=--kube-api-qps=200 (repeatable)")
+    u.add_argument("--etcd-arg", action="append", default=[], metavar="ARG",
+                   help="extra etcd flag, e.g. --etcd-arg=--quota-backend-bytes=8589934592 (repeatable)")
+    u.add_argument("--apiserver-memory-limit", default="", metavar="SIZE",
+                   help="each apiserver in a memory cgroup of its own with this limit (e.g. 1536Mi); an OOM-killed "
+                        "apiserver is restarted with kubelet's back-off, kills and restarts counted "
+                        "(apiserver-events.jsonl). Needs a writable memory cgroup; never runs unlimited instead")
     u.add_argument("--with-proxy", action="store_true", help="also run the gatekeeper front proxy add-on")
     u.add_argument("--proxy-goaway-chance", type=float, default=None,
                    help="GOAWAY probability per request for the proxy add-on")
@@ -116,6 +127,9 @@ def _up(args: argparse.Namespace) -> int:
         timeout=args.timeout, addons=addons, apiserver_args=tuple(args.apiserver_arg), gpu_sharing=args.gpu_sharing,
         gpu_extended_resource_mapping=args.gpu_extended_resource_mapping,
         mig_nodes=tuple(args.mig_node), mig_dra_nodes=args.mig_dra_nodes,
+        controller_manager_args=tuple(args.controller_manager_arg), scheduler_args=tuple(args.scheduler_arg),
+        etcd_args=tuple(args.etcd_arg),
+        apiserver_memory_limit=memlimit.parse_limit(args.apiserver_memory_limit) if args.apiserver_memory_limit else 0,
     )
     try:
         up(opts, args)

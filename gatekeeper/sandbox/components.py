@@ -51,7 +51,8 @@ class Layout:
         return self.dir / ("kubeconfig" if client == "admin" else f"{client}.kubeconfig")
 
 
-def etcd_argv(binary: Path, layout: Layout, client_port: int, peer_port: int) -> list[str]:
+def etcd_argv(binary: Path, layout: Layout, client_port: int, peer_port: int,
+              extra: tuple[str, ...] = ()) -> list[str]:
     """Single-member etcd on loopback, plain HTTP: nothing but local processes can reach it."""
     peer = f"http://127.0.0.1:{peer_port}"
     client = f"http://127.0.0.1:{client_port}"
@@ -66,6 +67,7 @@ def etcd_argv(binary: Path, layout: Layout, client_port: int, peer_port: int) ->
         f"--initial-cluster=sandbox={peer}",
         "--initial-cluster-state=new",
         "--log-level=warn",
+        *extra,
     ]
 
 
@@ -138,11 +140,11 @@ def _component_common(layout: Layout, client: str, port: int) -> list[str]:
     ]
 
 
-def scheduler_argv(binary: Path, layout: Layout, port: int) -> list[str]:
-    return [str(binary), *_component_common(layout, "kube-scheduler", port)]
+def scheduler_argv(binary: Path, layout: Layout, port: int, extra: tuple[str, ...] = ()) -> list[str]:
+    return [str(binary), *_component_common(layout, "kube-scheduler", port), *extra]
 
 
-def controller_manager_argv(binary: Path, layout: Layout, port: int) -> list[str]:
+def controller_manager_argv(binary: Path, layout: Layout, port: int, extra: tuple[str, ...] = ()) -> list[str]:
     """All default controllers, incl. resourceclaim-controller, node-lifecycle, GC, SA tokens, namespaces."""
     pki = layout.pki
     return [
@@ -156,6 +158,7 @@ def controller_manager_argv(binary: Path, layout: Layout, port: int) -> list[str
         f"--cluster-signing-key-file={pki.crt('ca').with_suffix('.key')}",
         f"--service-cluster-ip-range={SERVICE_CIDR}",
         "--allocate-node-cidrs=false",
+        *extra,
     ]
 
 

@@ -10,6 +10,7 @@ file is saved after every process start, so ``down`` knows every pid even if
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import shutil
 import signal
@@ -24,7 +25,18 @@ import yaml
 
 from gatekeeper.errors import UsageError
 from gatekeeper.sandbox import components as comp
-from gatekeeper.sandbox import gpu, kubectl, mig, pki, processes, webhook_client, with_proxy, with_webhook
+from gatekeeper.sandbox import (
+    gpu,
+    kubectl,
+    memlimit,
+    mig,
+    pki,
+    processes,
+    supervisor,
+    webhook_client,
+    with_proxy,
+    with_webhook,
+)
 from gatekeeper.sandbox.build import Binaries, installed
 from gatekeeper.sandbox.state import STATE_FILE, ProcessRecord, SandboxState
 from gatekeeper.sandbox.waiting import ComponentFailed, wait_until
@@ -70,6 +82,15 @@ class UpOptions:
     """Add-ons (keys of :data:`ADDONS`) to start after the control plane."""
     apiserver_args: tuple[str, ...] = ()
     """Extra kube-apiserver flags, appended last (e.g. ``--watch-cache-sizes=secrets#0`` for storage LISTs)."""
+    controller_manager_args: tuple[str, ...] = ()
+    """Extra kube-controller-manager flags, appended last (e.g. ``--kube-api-qps=200``)."""
+    scheduler_args: tuple[str, ...] = ()
+    """Extra kube-scheduler flags, appended last."""
+    etcd_args: tuple[str, ...] = ()
+    """Extra etcd flags, appended last (e.g. ``--quota-backend-bytes=8589934592``)."""
+    apiserver_memory_limit: int = 0
+    """Bytes: each apiserver in a memory cgroup of its own with this limit, OOM kills counted and restarted
+    with kubelet's back-off (``memlimit.py``, ``supervisor.py``). 0: no limit."""
 
 
 def _tls(layout: comp.Layout) -> processes.TLSFiles:
@@ -99,14 +120,15 @@ def _fresh_dirs(layout: comp.Layout) -> None:
 class _Starter:
     """Starts processes into ``state`` and saves it after each one."""
 
-    def __init__(self, state: SandboxState, layout: comp.Layout, env: dict[str, str], say: Say) -> None:
-        self.state, self.layout, self.env, self.say = state, layout, env, say
+    def __init__(self, state: SandboxState, layout: comp.Layout, env: dict[str, str], say: Say,
+                 opts: UpOptions) -> None:
+        self.state, self.layout, self.env, self.say, self.opts = state, layout, env, say, opts
 
     def start(self, name: str, argv: list[str], *, ports: dict[str, int], urls: dict[str, str],
-              health: str = "", go_env: bool = True) -> ProcessRecord:
+              health: str = "", go_env: bool = True, cgroup: str = "") -> ProcessRecord:
         rec = processes.start(
             name, argv, self.layout.log(name), env=self.env if go_env else {}, ports=ports, urls=urls,
-            health=health, cwd=self.layout.dir,
+            health=health, cwd=self.layout.dir, cgroup=cgroup,
         )
         self.state.processes.append(rec)
         self.state.save()
@@ -117,7 +139,7 @@ class _Starter:
 def _start_etcd(s: _Starter, bins: Binaries, timeout: float) -> str:
     client, peer = processes.free_port(), processes.free_port()
     url = f"http://127.0.0.1:{client}"
-    rec = s.start("etcd", comp.etcd_argv(bins.etcd, s.layout, client, peer),
+    rec = s.start("etcd", comp.etcd_argv(bins.etcd, s.layout, client, peer, extra=s.opts.etcd_args),
                   ports={"client": client, "peer": peer}, urls={"client": url}, health=f"{url}/health")
     wait_until(rec, "etcd", lambda: processes.probe(rec.health), timeout)
     s.state.extra["etcd_url"] = url
@@ -134,8 +156,14 @@ def _start_apiservers(s: _Starter, bins: Binaries, opts: UpOptions, etcd_url: st
         argv = comp.apiserver_argv(bins.kube_apiserver, layout, index=i, port=port, etcd_url=etcd_url,
                                    node_lifecycle=opts.with_scheduler, admission_config=admission_config,
                                    extra=opts.apiserver_args)
-        recs.append(s.start(f"kube-apiserver-{i}", argv, ports={"secure": port}, urls={"server": url},
-                            health=f"{url}/readyz"))
+        name = f"kube-apiserver-{i}"
+        cgroup = ""
+        if opts.apiserver_memory_limit:
+            group = memlimit.create(s.state.extra["sandbox_id"], name, opts.apiserver_memory_limit)
+            s.state.extra["memory_cgroup_version"] = group.version
+            cgroup = str(group.path)
+        recs.append(s.start(name, argv, ports={"secure": port}, urls={"server": url}, health=f"{url}/readyz",
+                            cgroup=cgroup))
         s.state.apiserver_urls.append(url)
         pki.write_kubeconfig(layout.dir / f"apiserver-{i}.kubeconfig", layout.pki, "admin", url)
     first = s.state.apiserver_urls[0]
@@ -151,13 +179,14 @@ def _start_apiservers(s: _Starter, bins: Binaries, opts: UpOptions, etcd_url: st
 def _start_scheduler_and_kcm(s: _Starter, bins: Binaries, opts: UpOptions) -> None:
     tls = _tls(s.layout)
     started = []
-    for name, builder, binary in (
-        ("kube-scheduler", comp.scheduler_argv, bins.kube_scheduler),
-        ("kube-controller-manager", comp.controller_manager_argv, bins.kube_controller_manager),
+    for name, builder, binary, extra in (
+        ("kube-scheduler", comp.scheduler_argv, bins.kube_scheduler, opts.scheduler_args),
+        ("kube-controller-manager", comp.controller_manager_argv, bins.kube_controller_manager,
+         opts.controller_manager_args),
     ):
         port = processes.free_port()
         url = f"https://127.0.0.1:{port}"
-        started.append(s.start(name, builder(binary, s.layout, port), ports={"secure": port},
+        started.append(s.start(name, builder(binary, s.layout, port, extra), ports={"secure": port},
                                urls={"server": url}, health=f"{url}/healthz"))
     for rec in started:
         wait_until(rec, rec.name, lambda r=rec: processes.probe(r.health, tls), opts.timeout)  # type: ignore[misc]
@@ -263,19 +292,23 @@ def up(opts: UpOptions, args: argparse.Namespace | None = None, say: Say = print
     state = SandboxState(dir=str(directory), certs_dir=str(sandbox_pki.dir),
                          kubeconfig=str(layout.kubeconfig("admin")))
     state.extra.update({"kubectl": str(bins.kubectl), "with_scheduler": opts.with_scheduler,
+                        "sandbox_id": hashlib.sha256(str(directory).encode()).hexdigest()[:12],
                         "front_proxy_client": {"cert": str(sandbox_pki.crt(pki.FRONT_PROXY_CLIENT)),
                                                "key": str(sandbox_pki.key(pki.FRONT_PROXY_CLIENT))},
                         "apiserver_kubeconfigs": [str(directory / f"apiserver-{i}.kubeconfig")
                                                   for i in range(1, opts.apiservers + 1)]})
     state.save()
     env = {"GOGC": str(opts.gogc)} if opts.gogc is not None else {}
-    s = _Starter(state, layout, env, say)
+    s = _Starter(state, layout, env, say, opts)
     in_main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _terminate) if in_main else None
     try:
         etcd_url = _start_etcd(s, bins, opts.timeout)
         _start_apiservers(s, bins, opts, etcd_url)
         say(f"  {opts.apiservers} apiserver(s) ready after {time.monotonic() - t0:.1f}s")
+        if opts.apiserver_memory_limit:
+            s.start(supervisor.NAME, [sys.executable, "-m", "gatekeeper.sandbox.supervisor", str(directory)],
+                    ports={}, urls={}, go_env=False)
         if opts.with_scheduler:
             _start_scheduler_and_kcm(s, bins, opts)
         if opts.gpu_nodes or opts.mig_nodes or opts.mig_dra_nodes:
@@ -286,6 +319,7 @@ def up(opts: UpOptions, args: argparse.Namespace | None = None, say: Say = print
     except BaseException as exc:
         _report_failure(state, exc)
         results = stop_all(state.processes)
+        memlimit.remove_all(state.extra["sandbox_id"])
         state.save()
         sys.stderr.write("stopped: " + ", ".join(f"{r.name} {r.outcome}" for r in results) + "\n")
         if isinstance(exc, ComponentFailed | kubectl.KubectlError):
@@ -353,6 +387,8 @@ def down(directory: Path, say: Say = print) -> int:
     """Stop every recorded process (whole group, TERM then KILL); safe to run again."""
     state = SandboxState.load(directory)
     results = stop_all(state.processes)
+    if "sandbox_id" in state.extra:
+        memlimit.remove_all(state.extra["sandbox_id"])
     for r in results:
         say(f"{r.name:28} pid {r.pid:>7}  {r.outcome}")
     survivors = [r for r in results if r.outcome == "SURVIVED"]

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,10 +106,6 @@ def create(sandbox_id: str, name: str, limit: int, root: Path = ROOT) -> MemoryC
         raise UsageError(f"--apiserver-memory-limit: cannot make the memory cgroup {path}: {exc} (it needs "
                          "write access to the cgroup filesystem, e.g. root)") from None
     return MemoryCgroup(path, version)
-
-
-def preexec(group: MemoryCgroup | None) -> Callable[[], None] | None:
-    return group.enter if group is not None else None
 
 
 def remove_all(sandbox_id: str, root: Path = ROOT) -> None:

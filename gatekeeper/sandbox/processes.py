@@ -77,19 +77,28 @@ def start(
     ports: Mapping[str, int] | None = None,
     urls: Mapping[str, str] | None = None,
     health: str = "",
+    cgroup: str = "",
 ) -> ProcessRecord:
-    """Start ``argv`` detached in its own session, stdout+stderr appended to ``log``."""
+    """Start ``argv`` detached in its own session, stdout+stderr appended to ``log``; with ``cgroup``, inside
+    that cgroup from before its first instruction (the child moves itself in, then execs)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     full_env = dict(os.environ)
     full_env.update(env or {})
+    enter = None
+    if cgroup:
+        procs = Path(cgroup) / "cgroup.procs"
+
+        def enter() -> None:
+            procs.write_text(str(os.getpid()))
+
     with log.open("ab") as out:
         proc = subprocess.Popen(
             list(argv), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-            env=full_env, cwd=cwd, start_new_session=True, close_fds=True,
+            env=full_env, cwd=cwd, start_new_session=True, close_fds=True, preexec_fn=enter,
         )
     return ProcessRecord(
         name=name, pid=proc.pid, cmd=list(argv), log=str(log), ports=dict(ports or {}),
-        urls=dict(urls or {}), health=health, env=dict(env or {}),
+        urls=dict(urls or {}), health=health, env=dict(env or {}), cgroup=cgroup,
     )
 
 

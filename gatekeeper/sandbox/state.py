@@ -42,6 +42,8 @@ class ProcessRecord:
     """URL whose 200 means healthy (empty: alive pid is enough)."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment the process was started with (e.g. GOGC)."""
+    cgroup: str = ""
+    """The memory cgroup it runs in (``--apiserver-memory-limit``); a restart goes back into it."""
 
 
 @dataclass

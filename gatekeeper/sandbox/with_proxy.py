@@ -144,9 +144,10 @@ def start(state: SandboxState, args: argparse.Namespace) -> None:
             goaway_chance=getattr(args, "proxy_goaway_chance", None), user_config=user,
             workers=getattr(args, "proxy_workers", None),
         )
-        if count > 1:
-            flow = config["proxy"].setdefault("flowControl", {})
+        if count > 1:  # a copy: the user's section is shared by every proxy's config
+            flow = dict(config["proxy"].get("flowControl") or {})
             flow["fleet"] = _merge(fleet_section(index), flow.get("fleet") or {})
+            config["proxy"]["flowControl"] = flow
         config_path = directory / name / "config.yaml"
         config_path.parent.mkdir(parents=True, exist_ok=True)
         config_path.write_text(yaml.safe_dump(config, sort_keys=False))

@@ -78,7 +78,7 @@ def restart_apiservers(state: SandboxState, *, which: Sequence[str] = (), flags:
     t0 = time.monotonic()
     processes.stop(recs)
     fresh = [processes.start(r.name, with_flags(r.cmd, flags), Path(r.log), env={**r.env, **(env or {})},
-                             ports=r.ports, urls=r.urls, health=r.health) for r in recs]
+                             ports=r.ports, urls=r.urls, health=r.health, cgroup=r.cgroup) for r in recs]
     by_name = {f.name: f for f in fresh}
     state.processes = [by_name.get(p.name, p) for p in state.processes]
     state.save()

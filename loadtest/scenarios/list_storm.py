@@ -92,6 +92,12 @@ def fleet_front(state: SandboxState, ctx: RunContext) -> Iterator[tuple[str, dic
             return kit.metric_sum(p.metrics(), "gatekeeper_fleet_members")
 
         def kill_one() -> None:
+            try:
+                takeover()
+            except Exception as exc:  # a thread's exception is lost otherwise: say it in the report
+                notes["kill or takeover failed"] = repr(exc)
+
+        def takeover() -> None:
             if stop.wait(KILL_AFTER):
                 return
             victim, survivors = proxies[-1], proxies[:-1]

@@ -4,6 +4,7 @@ growth/shrink rules, and the partition fallback (core/fleet.py), and the Lease e
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import orjson
 import pytest
@@ -55,21 +56,41 @@ def test_a_lease_is_alive_while_its_renew_time_keeps_changing_by_the_local_clock
     assert m.alive(17) == ("a", "b")
 
 
-def test_a_growing_fleet_takes_effect_at_once_and_a_shrinking_one_after_a_ttl() -> None:
+def test_a_growing_fleet_takes_effect_at_once_and_a_shrinking_one_when_the_lease_expires() -> None:
     m = Membership("a", TTL, fallback_members=1)
     for t in range(0, 100, 5):
         m.renewed(t)
         m.observe([lease("a", f"a{t}"), lease("b", f"b{t}")] + ([lease("c", f"c{t}")] if t >= 20 else []), t)
         size, _ = m.decide(t)
         assert size == (3 if t >= 20 else 2), t  # c joined: at once
-    # c stops renewing at t=95 (its renewTime stays "c95"); gone from t >= 110, applied one TTL later
+    # c stops renewing at t=95 (its renewTime stays "c95"): its Lease expires at t=110, within the TTL
     sizes = {}
     for t in range(100, 160, 5):
         m.renewed(t)
         m.observe([lease("a", f"a{t}"), lease("b", f"b{t}"), lease("c", "c95")], t)
         sizes[t] = m.decide(t)[0]
-    assert all(sizes[t] == 3 for t in range(100, 125, 5)), sizes
-    assert all(sizes[t] == 2 for t in range(125, 160, 5)), sizes
+    assert all(sizes[t] == 3 for t in range(100, 110, 5)), sizes
+    assert all(sizes[t] == 2 for t in range(110, 160, 5)), sizes
+
+
+def test_a_proxy_that_keeps_coming_and_going_moves_the_others_shares_at_most_once_per_ttl() -> None:
+    m = Membership("a", TTL, fallback_members=1)
+    changes: list[tuple[int, int]] = []
+    renew, last = 0, None
+    for t in range(0, 400):
+        m.renewed(t)
+        if t % 40 < 3:  # b renews for 3 s, then is silent 37 s (longer than a TTL)
+            renew += 1
+        m.observe([lease("a", f"a{t}"), lease("b", f"b{renew}")], t)
+        size = m.decide(t)[0]
+        if size != last:
+            changes.append((t, size))
+            last = size
+    shrinks = [t for t, size in changes if size == 1]
+    assert len(shrinks) >= 5
+    assert all(later - earlier >= TTL for earlier, later in itertools.pairwise(shrinks))
+    assert all(t - grown >= TTL for (grown, size_before), (t, size) in itertools.pairwise(changes)
+               if size == 1 and size_before == 2), changes
 
 
 def test_a_flapping_proxy_never_lowers_the_fleet_size_the_others_use() -> None:

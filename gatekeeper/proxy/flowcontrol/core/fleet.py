@@ -14,9 +14,10 @@ every priority level's seats. Pure: the clock comes in as an argument.
   would answer every request of the level with a 429 its clients, pinned to it by their long-lived connections,
   cannot escape. The overshoot is stated: a level holds at most ``max(L, n)`` seats fleet-wide (the seeds' 2
   secret-LIST seats over 3 proxies: 3).
-* **Growth waits, shrinking does not**: a fleet that grows (a proxy joins) takes effect at once, so the budget
-  is never overrun; a fleet that shrinks (a Lease expired) gives the survivors more only once the smaller size
-  has held for a TTL, and at most once per TTL, so a flapping proxy cannot make the others' shares oscillate.
+* **Shrinking waits, growing does not**: a fleet that grows (a proxy joins) takes effect at once, so the budget
+  is never overrun; a fleet that shrinks gives the survivors more when the gone proxy's Lease expires (a TTL
+  after its last renewal), and at most once per TTL, so a flapping proxy cannot make the others' shares
+  swing faster than that.
 * **Partition**: a proxy that has not renewed its own Lease for a TTL cannot know who else is alive. It assumes
   the larger of the last fleet it saw and ``fallbackMembers``: a conservative share, never "unlimited".
 """
@@ -70,7 +71,6 @@ class Membership:
         self._applied: tuple[int, int] | None = None
         """(size, rank) in force."""
         self._applied_at = float("-inf")
-        self._smaller_since: float | None = None
 
     # -- inputs --------------------------------------------------------------------------------------------
     def renewed(self, now: float) -> None:
@@ -114,12 +114,10 @@ class Membership:
         if current is None or wanted[0] >= current[0]:
             if wanted != current:
                 self._applied, self._applied_at = wanted, now
-            self._smaller_since = None
             return wanted
-        # The fleet shrank: the survivors take more only once that has held a TTL, and at most once per TTL.
-        if self._smaller_since is None:
-            self._smaller_since = now
-        if now - self._smaller_since >= self.ttl and now - self._applied_at >= self.ttl:
-            self._applied, self._applied_at, self._smaller_since = wanted, now, None
+        # The fleet shrank (a Lease expired, which already took a TTL): the survivors take more at most once per
+        # TTL, so a proxy that keeps coming and going cannot make their shares swing faster than that.
+        if now - self._applied_at >= self.ttl:
+            self._applied, self._applied_at = wanted, now
             return wanted
         return current
