@@ -78,6 +78,9 @@ def fleet_front(state: SandboxState, ctx: RunContext) -> Iterator[tuple[str, dic
     notes say how long the survivors took to count 2 and what they then held of the secret-LIST level."""
     notes: dict[str, Any] = {}
     run = uuid.uuid4().hex[:8]  # a fleet of this arm's own: Leases of an earlier run never count
+    rbac = kit.kubectl(state, "apply", "-f", str(kit.REPO / "deploy" / "examples" / "proxy-identity-rbac.yaml"))
+    if rbac.returncode != 0:  # without it every proxy runs on the conservative share and the arm shows nothing
+        raise cluster.ScenarioError(f"proxy identity RBAC: {rbac.stderr.strip()}")
     with contextlib.ExitStack() as stack:
         proxies = [stack.enter_context(cluster.proxy(state, ctx.work / f"fleet-{i}", {
             "files": [str(kit.SEEDS)],
