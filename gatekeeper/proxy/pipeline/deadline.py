@@ -59,8 +59,8 @@ class Deadlines:
 
     The task is the adapter's own (the h2 stream's, the h1 exchange's): the front stage registers
     ``asyncio.current_task()``, and the adapter, seeing ``request.timed_out`` in its ``CancelledError``
-    handler, answers 504 or cuts the stream. A request leaves when its response is finished (the adapter's
-    ``finish()``) or its handler raised.
+    handler, answers 504 or cuts the stream. A request leaves when the sweeper finds its task done (the
+    response written, the client gone): the hot path pays one dict insert, no callback and no removal.
     """
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
@@ -70,7 +70,8 @@ class Deadlines:
         self._sweeper: asyncio.TimerHandle | None = None
 
     def __len__(self) -> int:
-        return len(self._armed)
+        """Requests still running under a deadline (a finished one leaves at the next sweep)."""
+        return sum(1 for _, _, task in self._armed.values() if not task.done())
 
     def arm(self, request: ProxyRequest, seconds: float) -> None:
         task = asyncio.current_task()
@@ -82,12 +83,20 @@ class Deadlines:
             self._sweeper = asyncio.get_running_loop().call_later(SWEEP_SECONDS, self._sweep)
 
     def disarm(self, request: ProxyRequest) -> None:
+        """The request became something else (a 101 starts a tunnel): no deadline from now on."""
         self._armed.pop(id(request), None)
 
     def expired(self, now: float) -> list[tuple[ProxyRequest, asyncio.Task[object]]]:
-        """The requests past their deadline at ``now``, taken out of the registry, with their tasks."""
-        late = [key for key, (deadline, _, _) in self._armed.items() if deadline <= now]
-        return [self._armed.pop(key)[1:] for key in late]
+        """The requests past their deadline at ``now``, taken out of the registry with their tasks; finished
+        ones are dropped on the way."""
+        late: list[tuple[ProxyRequest, asyncio.Task[object]]] = []
+        for key, (deadline, request, task) in list(self._armed.items()):
+            if task.done():
+                del self._armed[key]
+            elif deadline <= now:
+                del self._armed[key]
+                late.append((request, task))
+        return late
 
     def _sweep(self) -> None:
         self._sweeper = None

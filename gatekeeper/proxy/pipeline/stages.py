@@ -201,22 +201,14 @@ def front_for(metrics_groups: Collection[str], deadlines: Deadlines | None = Non
         if identities is not None and request.user is not None and request.user.source == "token":
             credential = await resolve_token(identities, request)
         if seconds is not None:
-            deadlines.arm(request, seconds)
-        try:
-            response = await next_handler(request)
-        except BaseException:
-            deadlines.disarm(request)
-            raise
+            deadlines.arm(request, seconds)  # leaves the registry by itself once this task is done
+        response = await next_handler(request)
+        if response.upgraded is not None:
+            deadlines.disarm(request)  # the 101 starts a tunnel (exec, attach, port-forward): not a request
         if credential and request.token_verified and response.status == 401:
             # Verified here (signature, expiry) but refused by the apiserver: revoked, or the pod or secret it
             # is bound to is gone. Its later requests are classified as unverified.
             identities.refused_upstream(credential)  # type: ignore[union-attr]
-        if seconds is None:
-            pass
-        elif response.upgraded is not None:
-            deadlines.disarm(request)  # the 101 starts a tunnel (exec, attach, port-forward): not a request
-        else:
-            response.on_complete.append(lambda _error: deadlines.disarm(request))
         return response
 
     return front
