@@ -16,6 +16,7 @@ import os
 import threading
 import time
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -73,10 +74,19 @@ class Sampler:
     heap_urls: dict[str, str] = field(default_factory=dict)
     """More components whose /metrics give ``go_memstats_heap_alloc_bytes`` (e.g. kube-scheduler's URL)."""
 
+    apf_level: str = ""
+    """A priority level whose executing requests are summed over the apiservers every ``apf_interval``, read from
+    all of them at once (``/debug/api_priority_and_fairness/dump_priority_levels``, a few hundred bytes): the
+    cluster-wide concurrency a budget promises. ``/metrics`` is megabytes under a storm and read one apiserver
+    after another, so its gauge sums moments up to seconds apart and counts a request that moved twice."""
+    apf_interval: float = 0.1
+
     def __post_init__(self) -> None:
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._proc_loop, name=f"proc-{self.arm}", daemon=True),
                          threading.Thread(target=self._metrics_loop, name=f"metrics-{self.arm}", daemon=True)]
+        if self.apf_level:
+            self._threads.append(threading.Thread(target=self._apf_loop, name=f"apf-{self.arm}", daemon=True))
         self._lock = threading.Lock()
         self.t0 = time.monotonic()
 
@@ -141,6 +151,29 @@ class Sampler:
             for c in [*clients, *others.values()]:
                 c.close()
 
+    def _apf_loop(self) -> None:
+        clients = [admin(self.state, u, timeout=5) for u in self.state.apiserver_urls]
+        pool = ThreadPoolExecutor(max_workers=len(clients), thread_name_prefix=f"apf-{self.arm}")
+
+        def executing(c: httpx.Client) -> int | None:
+            try:
+                text = c.get("/debug/api_priority_and_fairness/dump_priority_levels").text
+            except httpx.HTTPError:
+                return None
+            return apf_executing(text, self.apf_level)
+
+        try:
+            while not self._stop.is_set():
+                t = self._now()
+                values = list(pool.map(executing, clients))
+                if all(v is not None for v in values):
+                    self._add(t=t, component="apf-sum", executing=sum(v for v in values if v is not None))
+                self._stop.wait(self.apf_interval)
+        finally:
+            pool.shutdown(wait=False)
+            for c in clients:
+                c.close()
+
     def series(self, component_prefix: str, column: str) -> dict[str, list[tuple[float, float]]]:
         """Per component: [(t, value)] of numeric samples of ``column``."""
         out: dict[str, list[tuple[float, float]]] = {}
@@ -166,6 +199,22 @@ class Sampler:
     def first(self, component_prefix: str, column: str) -> float:
         s = self.summed(component_prefix, column)
         return s[0][1] if s else 0.0
+
+
+def apf_executing(dump: str, level: str) -> int | None:
+    """ExecutingRequests of ``level`` in an apiserver's ``dump_priority_levels`` table (None: not there)."""
+    lines = dump.splitlines()
+    if not lines:
+        return None
+    header = [h.strip() for h in lines[0].split(",")]
+    if "ExecutingRequests" not in header:
+        return None
+    column = header.index("ExecutingRequests")
+    for line in lines[1:]:
+        cells = [c.strip() for c in line.split(",")]
+        if cells and cells[0] == level and len(cells) > column:
+            return int(cells[column])
+    return None
 
 
 def write_rows(path: Path, samplers: Iterable[Sampler]) -> int:

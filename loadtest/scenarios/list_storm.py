@@ -151,7 +151,7 @@ def run(ctx: RunContext) -> None:
             time.sleep(2)  # let the restarted servers settle: the baseline is their idle heap
             with target(arm, state, ctx) as (urls, notes):
                 sampler = Sampler(state, arm, count={"verb": "LIST", "resource": "secrets"}, interval=0.25,
-                                  metrics_interval=0.5,
+                                  metrics_interval=0.5, apf_level=kit.OBSERVE,
                                   extra_pids={"gatekeeper-proxy": notes["pid"]} if "pid" in notes else {})
                 spec = {"user_classes": ["loadtest.harness.users:ListerUser"], "users": listers,
                         "spawn_rate": listers, "run_time": 900, "until_done": True, "rounds": rounds,
@@ -176,7 +176,7 @@ def run(ctx: RunContext) -> None:
                 "failed": int(ms(lst, "Failure Count")), "429": int(ms(throttled, "Request Count") or 0)
                 if throttled else 0,
                 "upstream": (reqs[-1][1] - reqs[0][1]) if reqs else float("nan"), "wall": wall,
-                "concurrent": sampler.peak("kube-apiserver", "executing"),
+                "concurrent": sampler.peak("apf-sum", "executing"),
                 "relisted": int(ms(rows.get("re-listed after an error"), "Request Count") or 0)
                 if rows.get("re-listed after an error") else 0,
                 "notes": ", ".join(f"{k}={v:.0f}" for k, v in notes.items() if k != "pid"),
@@ -212,8 +212,9 @@ def _write(ctx: RunContext, report: Report, samplers: list[Sampler], results: li
     report.table(["arm", "idle RSS MiB", "peak RSS MiB", "+RSS MiB", "+Go heap MiB", "LIST p50 s", "LIST p99 s",
                   "LISTs ok", "failed", "429s", "upstream LISTs", "peak concurrent LISTs (apiservers' APF)",
                   "re-listed", "wall s", "+RSS vs direct", "wall vs direct", "gatekeeper"], rows,
-                 "Sum over the 3 apiservers; concurrent LISTs: apiserver_flowcontrol_current_executing_requests of "
-                 "the tenants' observer FlowSchema, summed over the apiservers, sampled every 0.5 s")
+                 "Sum over the 3 apiservers; concurrent LISTs: the executing requests of the tenants' observer "
+                 "priority level in the apiservers' own APF (dump_priority_levels), read from the 3 at once every "
+                 "0.1 s and summed")
     by = {r["arm"]: r for r in results}
     direct, gk = by.get("direct"), by.get("gatekeeper")
     if direct and gk:

@@ -95,3 +95,16 @@ def test_all_gives_every_scenario_a_scale_share() -> None:
 
     assert set(ALL_SCALES) == set(SCENARIOS)
     assert all(0 < v <= 1 for v in ALL_SCALES.values())
+
+
+def test_apf_dump_gives_the_executing_requests_of_one_priority_level() -> None:
+    from loadtest.harness.sampler import apf_executing
+
+    dump = ("PriorityLevelName, ActiveQueues, IsIdle, IsQuiescing, WaitingRequests, ExecutingRequests, "
+            "DispatchedRequests\n"
+            "catch-all,         0,            true,   false,       0,               0,                 0\n"
+            "fc-storm-observe,  2,            false,  false,       1,               3,                 479\n")
+    assert apf_executing(dump, "fc-storm-observe") == 3
+    assert apf_executing(dump, "catch-all") == 0
+    assert apf_executing(dump, "missing") is None
+    assert apf_executing("forbidden", "catch-all") is None
