@@ -32,17 +32,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 async def drive(config: str, token: str, n: int, concurrency: int) -> None:
     from gatekeeper.config import load_config
+    from gatekeeper.proxy import process
     from gatekeeper.proxy.messages import ProxyRequest
-    from gatekeeper.proxy.pipeline.stages import build
-    from gatekeeper.proxy.process import flow_control_middleware
 
     settings = load_config(Path(config), need="proxy").proxy
-    flow = flow_control_middleware(settings)
-    pipeline = build(settings, flow_control=flow)
-    if flow is not None:
-        flow.use_upstream(list(pipeline.clients.values()))
-        await flow.start()
-    await pipeline.start()
+    start = getattr(process, "start_pipeline", None)
+    if start is not None:
+        flow, pipeline = await start(settings)
+    else:  # a --base tree from before start_pipeline: what its process.run did
+        from gatekeeper.proxy.pipeline.stages import build
+
+        flow = process.flow_control_middleware(settings)
+        pipeline = build(settings, flow_control=flow)
+        if flow is not None:
+            flow.use_upstream(list(pipeline.clients.values()))
+            await flow.start()
+        await pipeline.start()
     memos: list[dict[str, object]] = [{} for _ in range(concurrency)]
 
     async def one(i: int) -> None:

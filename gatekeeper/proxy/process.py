@@ -33,7 +33,7 @@ from gatekeeper.proxy.flowcontrol.edge.ledger import SeatLedger, attach
 from gatekeeper.proxy.flowcontrol.edge.middleware import FlowControl, from_settings
 from gatekeeper.proxy.handoff import ClosedCounts, Inbox
 from gatekeeper.proxy.listen.server import serve as serve_listener
-from gatekeeper.proxy.pipeline.stages import build
+from gatekeeper.proxy.pipeline.stages import Pipeline, build
 from gatekeeper.proxy.settings import ProxySettings
 from gatekeeper.proxy.worker_metrics import register_recent_requests, whole_proxy_page
 from gatekeeper.proxy.workers import PARENT_ENV
@@ -84,6 +84,19 @@ async def start_metrics_listener(
     return runner, int(bound)
 
 
+async def start_pipeline(settings: ProxySettings) -> tuple[FlowControl | None, Pipeline]:
+    """The pipeline as the proxy serves with it, started: flow control (its fleet renewing Leases through the
+    pipeline's own backend clients) and the pipeline (its token keys fetched, its probes running). The
+    pipeline benchmark starts the same way, so it measures what serves."""
+    flow = flow_control_middleware(settings)
+    pipeline = build(settings, flow_control=flow)
+    if flow is not None:
+        flow.use_upstream(list(pipeline.clients.values()))
+        await flow.start()
+    await pipeline.start()
+    return flow, pipeline
+
+
 async def run(
     settings: ProxySettings,
     *,
@@ -95,13 +108,7 @@ async def run(
 
     ``setup(flow_control, pipeline)`` runs before the listener starts (a worker attaches its seat ledger)."""
     serve = serve or serve_listener
-    flow = flow_control_middleware(settings)
-    pipeline = build(settings, flow_control=flow)
-    if flow is not None:
-        # flow control fetches the issuer's keys through the same clients
-        flow.use_upstream(list(pipeline.clients.values()))
-        await flow.start()
-    await pipeline.start()
+    flow, pipeline = await start_pipeline(settings)
     if setup is not None:
         setup(flow, pipeline)
     listening = asyncio.Event()

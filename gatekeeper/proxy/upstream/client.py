@@ -260,10 +260,10 @@ class BackendClient:
         :class:`ValueError` for a body over ``max_bytes``, ``TimeoutError`` past ``deadline`` seconds, and
         the errors of :meth:`send` (``ConnectFailed``, ``BackendFailed``, ...) for a failed exchange."""
 
-        async def whole() -> tuple[int, bytes]:
-            head, declared = exchange.encode_request_head(
-                method, path, self.authority, [*headers, *([("content-length", str(len(body)))] if body else [])],
-                REQUEST_REMOVED, has_body=body is not None)
+        head, declared = exchange.encode_request_head(
+            method, path, self.authority, [*headers, *([("content-length", str(len(body)))] if body else [])],
+            REQUEST_REMOVED, has_body=body is not None)
+        async with asyncio.timeout(deadline):
             status, _, response = await exchange.exchange(
                 self._own, self.name, self.ssl_identity or self.ssl_plain, self._live_contexts, head,
                 method=method, body=exchange.ClientBody(one_chunk(body)) if body is not None else None,
@@ -279,9 +279,6 @@ class BackendClient:
             finally:
                 await response.aclose()
             return status, b"".join(chunks)
-
-        async with asyncio.timeout(deadline):
-            return await whole()
 
     async def probe(self, path: str = "/readyz", deadline: float = 3.0) -> bool:
         """Active health: /readyz answers 200; 401/403 count as up (reachable, the probe lacks rights)."""
