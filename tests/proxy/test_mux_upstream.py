@@ -20,7 +20,7 @@ import h2.connection
 import h2.events
 import hpack
 import pytest
-from edge_kit import make_pki
+from edge_kit import fronted, make_pki
 from hpack import NeverIndexedHeaderTuple
 from prometheus_client import REGISTRY
 from test_upstream import server_ssl
@@ -327,8 +327,8 @@ async def test_a_stream_the_backend_resets_is_that_requests_502_and_never_ejects
     dispatch = Dispatcher(balancer, {"b": client})
 
     def request(target: str) -> ProxyRequest:
-        return ProxyRequest(method="GET", target=target, headers=[("authorization", "Bearer t")], body=None,
-                            protocol="h2", token_verified=True)
+        return fronted(ProxyRequest(method="GET", target=target, headers=[("authorization", "Bearer t")],
+                                    body=None, protocol="h2", token_verified=True))
 
     for _ in range(3):
         response = await dispatch(request("/malformed"))
