@@ -42,7 +42,9 @@ def storm4(sandbox: SandboxState, tmp_path_factory: pytest.TempPathFactory) -> I
     names = asyncio.run(kit.create_secrets(sandbox, ns, SECRETS, SIZE))
     applied = kit.kubectl(sandbox, "apply", "-f", "-", input=kit.storm_rbac_and_observer())
     assert applied.returncode == 0, applied.stderr
-    flow = {"files": [str(kit.SEEDS)], "queueWaitSeconds": 60}
+    # No read ahead: the kill test needs LISTs that hold their seats while their clients take nothing (with it, a
+    # 20 MB LIST gives its seats back once the apiserver has sent it, which test_sandbox_slow_readers.py covers).
+    flow = {"files": [str(kit.SEEDS)], "queueWaitSeconds": 60, "readAheadBytesPerConnection": 0}
     try:
         with kit.run_proxy(sandbox, work, flow, workers=WORKERS) as proxy:
             yield {"ns": ns, "names": set(names), "proxy": proxy, "dir": work}
