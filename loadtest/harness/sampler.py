@@ -157,10 +157,10 @@ class Sampler:
 
         def executing(c: httpx.Client) -> int | None:
             try:
-                text = c.get("/debug/api_priority_and_fairness/dump_priority_levels").text
+                text = c.get(kit.APF_DUMP).text
             except httpx.HTTPError:
                 return None
-            return apf_executing(text, self.apf_level)
+            return kit.apf_executing(text, self.apf_level)
 
         try:
             while not self._stop.is_set():
@@ -199,22 +199,6 @@ class Sampler:
     def first(self, component_prefix: str, column: str) -> float:
         s = self.summed(component_prefix, column)
         return s[0][1] if s else 0.0
-
-
-def apf_executing(dump: str, level: str) -> int | None:
-    """ExecutingRequests of ``level`` in an apiserver's ``dump_priority_levels`` table (None: not there)."""
-    lines = dump.splitlines()
-    if not lines:
-        return None
-    header = [h.strip() for h in lines[0].split(",")]
-    if "ExecutingRequests" not in header:
-        return None
-    column = header.index("ExecutingRequests")
-    for line in lines[1:]:
-        cells = [c.strip() for c in line.split(",")]
-        if cells and cells[0] == level and len(cells) > column:
-            return int(cells[column])
-    return None
 
 
 def write_rows(path: Path, samplers: Iterable[Sampler]) -> int:

@@ -267,6 +267,25 @@ async def apiserver_metrics(state: SandboxState) -> list[str]:
     return list(await asyncio.gather(*(one(u) for u in state.apiserver_urls)))
 
 
+APF_DUMP = "/debug/api_priority_and_fairness/dump_priority_levels"
+
+
+def apf_executing(dump: str, level: str) -> int | None:
+    """ExecutingRequests of ``level`` in an apiserver's ``dump_priority_levels`` table (None: not there)."""
+    lines = dump.splitlines()
+    if not lines:
+        return None
+    header = [h.strip() for h in lines[0].split(",")]
+    if "ExecutingRequests" not in header:
+        return None
+    column = header.index("ExecutingRequests")
+    for line in lines[1:]:
+        cells = [c.strip() for c in line.split(",")]
+        if cells and cells[0] == level and len(cells) > column:
+            return int(cells[column])
+    return None
+
+
 class ApiserverSampler:
     """Samples, per apiserver, the storm's executing LISTs (apiserver APF gauge) and RSS, until stopped."""
 
@@ -297,20 +316,21 @@ class ApiserverSampler:
             while not self._stop.is_set():
                 self.peak_rss_total = max(self.peak_rss_total, self.rss_total())
                 if with_metrics:
+                    # The executing LISTs from every apiserver at once, from APF's own few-hundred-byte table:
+                    # /metrics is megabytes under a storm, its gauges read moments apart on each apiserver, so a
+                    # LIST that ended on one while its successor started on another was counted twice.
+                    dumps = await asyncio.gather(*(c.get(APF_DUMP) for c in clients), return_exceptions=True)
+                    now = [apf_executing(d.text, OBSERVE) if not isinstance(d, BaseException) else None
+                           for d in dumps]
+                    if all(v is not None for v in now):
+                        for i, v in enumerate(now):
+                            self.max_executing_per_backend[i] = max(self.max_executing_per_backend[i], float(v or 0))
+                        self.max_executing_total = max(self.max_executing_total, float(sum(v or 0 for v in now)))
+                        self.samples += 1
                     texts = await asyncio.gather(*(c.get("/metrics") for c in clients), return_exceptions=True)
-                    now = []
-                    heap = 0.0
-                    for i, t in enumerate(texts):
-                        if isinstance(t, BaseException):
-                            now.append(0.0)
-                            continue
-                        heap += metric_sum(t.text, "go_memstats_heap_alloc_bytes")
-                        v = metric_sum(t.text, "apiserver_flowcontrol_current_executing_requests", flow_schema=OBSERVE)
-                        now.append(v)
-                        self.max_executing_per_backend[i] = max(self.max_executing_per_backend[i], v)
-                    self.max_executing_total = max(self.max_executing_total, sum(now))
+                    heap = sum(metric_sum(t.text, "go_memstats_heap_alloc_bytes") for t in texts
+                               if not isinstance(t, BaseException))
                     self.peak_heap_total = max(self.peak_heap_total, heap)
-                    self.samples += 1
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stop.wait(), self.interval)
         finally:

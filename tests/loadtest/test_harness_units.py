@@ -98,7 +98,9 @@ def test_all_gives_every_scenario_a_scale_share() -> None:
 
 
 def test_apf_dump_gives_the_executing_requests_of_one_priority_level() -> None:
-    from loadtest.harness.sampler import apf_executing
+    from loadtest.harness.cluster import kit
+
+    apf_executing = kit.apf_executing
 
     dump = ("PriorityLevelName, ActiveQueues, IsIdle, IsQuiescing, WaitingRequests, ExecutingRequests, "
             "DispatchedRequests\n"
