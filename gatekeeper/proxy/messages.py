@@ -131,6 +131,8 @@ class ProxyRequest:
     """Flow control's decision: the FlowSchema and the priority level the request was classified into."""
     backend: str = ""
     """The backend the balancer chose (the last one tried)."""
+    reserved_backend: str = ""
+    """The apiserver flow control reserved for an expensive LIST (``expensiveLists``): sent there, nowhere else."""
     connection_memo: dict[str, Any] | None = None
     """One dict per client connection, shared by its requests (what the identity stage learned
     from the connection's certificate and last credential; ``auth.identify``). None: no memo."""

@@ -92,6 +92,7 @@ async def start_pipeline(settings: ProxySettings) -> tuple[FlowControl | None, P
     pipeline = build(settings, flow_control=flow)
     if flow is not None:
         flow.use_upstream(list(pipeline.clients.values()))
+        flow.use_backends([b.name for b in pipeline.balancer.backends], pipeline.balancer.by_load)
         await flow.start()
     await pipeline.start()
     return flow, pipeline

@@ -79,6 +79,7 @@ _MAX = {
     "gatekeeper_proxy_backend_up",
     "gatekeeper_proxy_backend_state",
     "gatekeeper_flowcontrol_nominal_limit_seats",
+    "gatekeeper_flowcontrol_expensive_lists_cap",
 }
 _PEAK = "gatekeeper_flowcontrol_peak_executing_requests"
 _SKEW = {"in_flight": "gatekeeper_proxy_skew_in_flight_ratio", "rate": "gatekeeper_proxy_skew_request_rate_ratio"}

@@ -355,6 +355,15 @@ def tree_rss(pid: int) -> int:
     return total
 
 
+def tenant_ctx(state: SandboxState, user: str) -> ssl.SSLContext:
+    """An HTTP/1.1 client context with a tenant's certificate (group ``STORM_GROUP``; never system:masters)."""
+    issued = PKI(state.certs_dir).issue_client(f"fc-{user}", user=user, groups=[STORM_GROUP])
+    ctx = ssl.create_default_context(cafile=str(SandboxPKI(Path(state.certs_dir)).ca))
+    ctx.load_cert_chain(str(issued.cert), str(issued.key))
+    ctx.set_alpn_protocols(["http/1.1"])
+    return ctx
+
+
 async def slow_reader(port: int, ctx: ssl.SSLContext, path: str, rate: float, seconds: float) -> tuple[int, bool]:
     """GET ``path`` over HTTP/1.1 and take the answer at ``rate`` bytes/s through small socket and stream
     buffers, for up to ``seconds``: a tenant reading a LIST a trickle at a time. Returns (bytes received,

@@ -17,7 +17,6 @@ counted as ``reason="deadline"``. Tenant identities only: system:masters is exem
 from __future__ import annotations
 
 import asyncio
-import ssl
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,8 +24,6 @@ from pathlib import Path
 import pytest
 import storm_kit as kit
 
-from gatekeeper.certs import PKI
-from gatekeeper.sandbox.pki import SandboxPKI
 from gatekeeper.sandbox.state import SandboxState
 
 pytestmark = pytest.mark.sandbox
@@ -51,14 +48,6 @@ def big_namespace(sandbox: SandboxState) -> Iterator[str]:
         kit.kubectl(sandbox, "delete", "-f", "-", "--ignore-not-found", input=kit.storm_rbac_and_observer())
 
 
-def _tenant_ctx(state: SandboxState, user: str) -> ssl.SSLContext:
-    issued = PKI(state.certs_dir).issue_client(f"fc-{user}", user=user, groups=[kit.STORM_GROUP])
-    ctx = ssl.create_default_context(cafile=str(SandboxPKI(Path(state.certs_dir)).ca))
-    ctx.load_cert_chain(str(issued.cert), str(issued.key))
-    ctx.set_alpn_protocols(["http/1.1"])
-    return ctx
-
-
 def _seats(proxy: kit.ProxyProcess) -> float:
     return kit.metric_sum(proxy.metrics(), "gatekeeper_flowcontrol_current_executing_seats",
                           priority_level="secrets-list")
@@ -69,7 +58,7 @@ async def _scenario(state: SandboxState, proxy: kit.ProxyProcess, ns: str, tenan
     path = f"/api/v1/namespaces/{ns}/secrets"
     # A reader notices the close only once it has drained what its TLS layer already holds (up to a few hundred
     # KiB, seconds at RATE): it may read up to 30 s past the deadline, and stops when the connection ends.
-    readers = [asyncio.create_task(kit.slow_reader(port, _tenant_ctx(state, f"slow-{i}"), path, RATE, DEADLINE + 30))
+    readers = [asyncio.create_task(kit.slow_reader(port, kit.tenant_ctx(state, f"slow-{i}"), path, RATE, DEADLINE + 30))
                for i in range(2)]
     deadline0 = kit.metric_sum(proxy.metrics(), "gatekeeper_proxy_rejected_total", reason="deadline")
     await asyncio.sleep(2.0)  # both LISTs dispatched, their clients trickling
@@ -131,7 +120,7 @@ def test_slow_readers_of_big_lists_keep_the_proxys_memory_within_the_read_ahead_
 async def _budgeted(state: SandboxState, proxy: kit.ProxyProcess, ns: str, budget: int) -> None:
     port = int(proxy.url.rsplit(":", 1)[1])
     before = kit.tree_rss(proxy.proc.pid)
-    readers = [asyncio.create_task(kit.slow_reader(port, _tenant_ctx(state, f"slow-{i}"), f"/api/v1/namespaces/{ns}"
+    readers = [asyncio.create_task(kit.slow_reader(port, kit.tenant_ctx(state, f"slow-{i}"), f"/api/v1/namespaces/{ns}"
                                                    "/secrets", RATE, 8)) for i in range(2)]
     peak, held = before, 0.0
     while not all(r.done() for r in readers):

@@ -260,6 +260,34 @@ async def test_safe_request_moves_to_another_backend_after_connect_failure(pki: 
         await server.stop()
 
 
+async def test_a_reserved_apiserver_gets_the_request_and_its_connect_failure_is_not_retried_elsewhere(
+        pki: PKI) -> None:
+    """Flow control reserved the apiserver for an expensive LIST (``expensiveLists``): sending it to another
+    would put one more there than its cap."""
+    first, second = FakeApiserver(), FakeApiserver()
+    urls = [await first.start(pki), await second.start(pki)]
+    dead = f"https://127.0.0.1:{free_port()}"
+    pipeline = build(settings_for(pki, [*urls, dead]))
+    names = [b.name for b in pipeline.balancer.backends]
+    try:
+        for _ in range(4):
+            r = req("GET", "/echo")
+            r.reserved_backend = names[1]
+            resp = await pipeline.handler(r)
+            assert resp.status == 200 and r.backend == names[1]
+            await body_of(resp)
+        assert len(second.seen) == 4 and not first.seen
+        r = req("GET", "/echo")
+        r.reserved_backend = names[2]
+        resp = await pipeline.handler(r)
+        assert resp.status == 503 and ("retry-after", "1") in resp.headers
+        assert len(first.seen) + len(second.seen) == 4, "not sent on to an apiserver that was not reserved"
+    finally:
+        await pipeline.close()
+        await first.stop()
+        await second.stop()
+
+
 async def test_unsafe_request_is_not_retried_but_gets_503_retry_after(pki: PKI) -> None:
     dead = f"https://127.0.0.1:{free_port()}"
     pipeline = build(settings_for(pki, [dead]))

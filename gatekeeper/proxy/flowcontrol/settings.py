@@ -61,6 +61,24 @@ class FleetSettings:
 
 
 @dataclass(frozen=True)
+class ExpensiveListSettings:
+    """A cap on expensive LISTs in flight per apiserver (``core/backendcap.py``): what protects an apiserver's
+    memory is what lands on it, not what the proxy sends in total."""
+
+    max_in_flight_per_backend: int = 0
+    """At most this many expensive LISTs run on one apiserver at once; with the fleet on, across the fleet
+    (divided as seats are: at most ``max(cap, proxies)``). 0: no cap."""
+    min_bytes: int = 8 << 20
+    """A LIST is expensive when its estimated response (the seat estimate's bytes) is at least this."""
+
+    def validate(self) -> None:
+        if self.max_in_flight_per_backend < 0:
+            raise ValueError("expensiveLists.maxInFlightPerBackend: must be at least 0 (0: no cap)")
+        if self.min_bytes < 1:
+            raise ValueError("expensiveLists.minBytes: must be at least 1")
+
+
+@dataclass(frozen=True)
 class FlowControlSettings:
     """API Priority and Fairness in the proxy."""
 
@@ -121,6 +139,8 @@ class FlowControlSettings:
     TokenReview, and one shared flow per source address for tokens that cannot be verified."""
     fleet: FleetSettings = field(default_factory=FleetSettings)
     """Several proxies in front of the same apiservers hold one budget through Leases (off by default)."""
+    expensive_lists: ExpensiveListSettings = field(default_factory=ExpensiveListSettings)
+    """Per-apiserver cap on expensive LISTs in flight (off by default)."""
     impersonators: ImpersonatorSettings = field(default_factory=ImpersonatorSettings)
     """Callers (an authenticating proxy such as Pinniped or Teleport) whose ``Impersonate-User`` requests are
     classified as the identity they impersonate, as the apiserver's APF does once it authorized them; everyone
@@ -155,3 +175,4 @@ class FlowControlSettings:
         self.tokens.validate()
         self.impersonators.validate()
         self.fleet.validate()
+        self.expensive_lists.validate()

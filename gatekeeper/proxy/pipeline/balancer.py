@@ -215,6 +215,10 @@ class Balancer:
         ready = [b for b in pool if b.ready]  # panic: ignore passive ejection
         return ready or pool
 
+    def by_load(self) -> list[str]:
+        """Eligible backends, least loaded first: where flow control reserves an expensive LIST's apiserver."""
+        return [b.name for b in sorted(self.candidates(), key=lambda b: b.load)]
+
     def _weighted_pick(self, pool: list[Backend]) -> Backend:
         total = sum(b.weight for b in pool)
         x = self.rng.random() * total

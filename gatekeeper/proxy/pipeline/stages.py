@@ -308,11 +308,12 @@ class Dispatcher:
                 return refused
         headers = upstream_headers(request.headers, user, request.peer)
         asserts_identity = auth.wants_front_proxy_cert(user)
-        safe = request.method in SAFE_METHODS and request.body is None and not upgrade
+        reserved = self.balancer.by_name.get(request.reserved_backend)
+        safe = request.method in SAFE_METHODS and request.body is None and not upgrade and reserved is None
         tried: set[str] = set()
         last_error = ""
         while True:
-            backend = self.balancer.choose(tried)
+            backend = reserved or self.balancer.choose(tried)
             if backend is None:
                 return error_response(503, "ServiceUnavailable",
                                       f"gatekeeper proxy: no apiserver reachable ({last_error})", retry_after=1)

@@ -14,6 +14,7 @@ import hashlib
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
+from gatekeeper.proxy.flowcontrol.core.backendcap import LEVEL
 from gatekeeper.proxy.flowcontrol.core.borrowing import Bounds, allocate, bounds_of, go_round, item_for
 from gatekeeper.proxy.flowcontrol.core.listcost import ListShape
 from gatekeeper.proxy.flowcontrol.core.objects import FlowSchema, PriorityLevel
@@ -49,6 +50,8 @@ class LevelLimits:
     max_seats: int = 10
     list_bytes_cap: int = 1 << 30
     storage_only_resources: frozenset[str] = frozenset()
+    expensive_lists_per_backend: int = 0
+    expensive_list_bytes: int = 8 << 20
 
 
 class FlowController:
@@ -84,6 +87,9 @@ class FlowController:
             self.estimator.bytes_per_seat, self.estimator.max_seats = limits.bytes_per_seat, limits.max_seats
             self.estimator.storage_only = limits.storage_only_resources
             self.budget.cap = limits.list_bytes_cap
+        caps = self.budget.backends
+        caps.nominal, caps.min_bytes = self.limits.expensive_lists_per_backend, self.limits.expensive_list_bytes
+        caps.limit = caps.nominal if self.share_of is None or not caps.nominal else self.share_of(LEVEL, caps.nominal)
         self.policy = policy
         levels: dict[str, LevelState] = {}
         for name, spec in policy.levels.items():

@@ -28,6 +28,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from gatekeeper.proxy.flowcontrol.core.backendcap import BackendCap
 from gatekeeper.proxy.flowcontrol.core.borrowing import DemandIntegrator, DemandStats
 from gatekeeper.proxy.flowcontrol.core.objects import PriorityLevel
 
@@ -99,6 +100,9 @@ class Ticket:
     leader: Ticket | None = None
     followers: list[Ticket] = field(default_factory=list)
     holds_seats: bool = False
+    backend: str = ""
+    """The apiserver reserved for an expensive LIST (``backendcap.py``); empty for any other request."""
+    cap_held: bool = False
     start_tag: float = 0.0
     finish_tag: float = 0.0
 
@@ -110,9 +114,34 @@ class ListBudget:
     cap: int
     used: int = 0
     executing: int = 0
+    backends: BackendCap = field(default_factory=lambda: BackendCap(0, 1))
 
     def fits(self, nbytes: int) -> bool:
         return nbytes == 0 or self.executing == 0 or self.used + nbytes <= self.cap
+
+    def place(self, t: Ticket) -> bool:
+        """Reserve an apiserver for an expensive LIST (``t.backend``); False while every one is at the cap."""
+        caps = self.backends
+        if not caps.expensive(t.list_bytes):
+            return True
+        name = caps.pick()
+        if name is None:
+            self._held(t)
+            return False
+        t.backend = name
+        return True
+
+    def note_queued(self, t: Ticket) -> None:
+        """Count a queued expensive LIST as held when every apiserver is at the cap, whether or not dispatch
+        looks at it (it tries only the head of the fairest queue)."""
+        caps = self.backends
+        if not t.cap_held and caps.expensive(t.list_bytes) and caps.pick() is None:
+            self._held(t)
+
+    def _held(self, t: Ticket) -> None:
+        if not t.cap_held:
+            t.cap_held = True
+            self.backends.held_total += 1
 
 
 @dataclass
@@ -206,6 +235,7 @@ class LevelState:
             self.vtime = max(self.vtime, t.start_tag)
             self._start(t)
             return [t]
+        self.budget.note_queued(t)
         q.items.append(t)
         q.waiting_seats += t.seats
         self.waiting_seats += t.seats
@@ -217,7 +247,7 @@ class LevelState:
             return False
         if self.executing_seats + t.seats > self.limit and self.executing_requests > 0:
             return False
-        return self.budget.fits(t.list_bytes)
+        return self.budget.fits(t.list_bytes) and self.budget.place(t)
 
     def _start(self, t: Ticket, charge: bool = True) -> None:
         t.state = "executing"
@@ -230,6 +260,8 @@ class LevelState:
             if t.list_bytes:
                 self.budget.used += t.list_bytes
                 self.budget.executing += 1
+            if t.backend:
+                self.budget.backends.take(t.backend)
 
     def _reject(self, t: Ticket, reason: RejectReason) -> None:
         t.state, t.reason = "rejected", reason
@@ -287,6 +319,8 @@ class LevelState:
         if t.list_bytes:
             self.budget.used -= t.list_bytes
             self.budget.executing -= 1
+        if t.backend:
+            self.budget.backends.give(t.backend)
         return self.dispatch()
 
     def finish(self, t: Ticket) -> list[Ticket]:

@@ -10,7 +10,8 @@ the same way across workers.
 Layout of the ledger file (mmap, shared by the supervisor and its workers):
 a table of level names, then per level ``[last_granted, peak, V]`` and per
 worker ``[seats, holders, waiting, active queues, virtual time]``, then per
-worker ``[list_bytes, list_count]``. Each worker writes only its own
+worker ``[list_bytes, list_count]``, then per apiserver (``MAX_BACKENDS`` rows, in the configured order) per
+worker the expensive LISTs it runs there (``core/backendcap.py``). Each worker writes only its own
 column. Taking seats (check the sum, then charge) holds one POSIX record
 lock (``fcntl.lockf``) on the file; giving them back needs none. The kernel
 drops the lock when its holder dies, so a worker killed in the middle of a
@@ -53,6 +54,7 @@ if TYPE_CHECKING:
     from gatekeeper.proxy.flowcontrol.edge.middleware import FlowControl
 
 MAX_LEVELS = 64
+MAX_BACKENDS = 64
 NAME_BYTES = 64
 _HEADER = 3  # magic, workers, levels
 _MAGIC = 0x6B6C6564676572  # "ledger"
@@ -88,13 +90,17 @@ class SeatLedger:
         self._ints = memoryview(self._mm)[ints_off:].cast("q")
         self._row = _HEAD + self.workers * _PER_WORKER
         self._list_off = self.levels * self._row
+        self._backend_off = self._list_off + 2 * self.workers
+        self.backend_rows: dict[str, int] = {}
+        """Apiserver name -> its row (its place among the configured backends, the same in every worker)."""
         self._slots: dict[str, int] = {}
         self._wake: socket.socket | None = None
 
     @classmethod
     def create(cls, path: Path, workers: int, levels: int = MAX_LEVELS) -> SeatLedger:
         """The supervisor's call: a zeroed ledger for ``workers`` columns."""
-        size = 8 * (_HEADER + levels * (_HEAD + workers * _PER_WORKER) + 2 * workers) + levels * NAME_BYTES
+        size = 8 * (_HEADER + levels * (_HEAD + workers * _PER_WORKER) + 2 * workers + MAX_BACKENDS * workers)
+        size += levels * NAME_BYTES
         with open(path, "wb") as f:
             f.write(b"\0" * size)
         fd = os.open(path, os.O_RDWR)
@@ -154,7 +160,8 @@ class SeatLedger:
     def _col(self, slot: int, worker: int, field: int) -> int:
         return slot * self._row + _HEAD + worker * _PER_WORKER + field
 
-    def try_take(self, slot: int, limit: int, seats: int, list_bytes: int, list_cap: int) -> bool:
+    def try_take(self, slot: int, limit: int, seats: int, list_bytes: int, list_cap: int,
+                 backend: int = -1, backend_cap: int = 0) -> bool:
         """Take ``seats`` in the level for this worker if they fit proxy-wide and it is this worker's turn.
 
         The hot path of every non-exempt request: one lock pair, one pass over the worker columns.
@@ -190,6 +197,8 @@ class SeatLedger:
                     count += v[self._list_off + 2 * w + 1]
                 if count > 0 and used + list_bytes > list_cap:
                     return False
+            if backend >= 0 and self._backend_total(backend) >= backend_cap:
+                return False
             if turn != me:
                 self.signal(turn)
                 return False
@@ -203,11 +212,22 @@ class SeatLedger:
             if list_bytes:
                 v[self._list_off + 2 * me] += list_bytes
                 v[self._list_off + 2 * me + 1] += 1
+            if backend >= 0:
+                v[self._backend_off + backend * self.workers + me] += 1
             return True
         finally:
             fcntl.lockf(fd, fcntl.LOCK_UN)
 
-    def give(self, slot: int, seats: int, list_bytes: int) -> None:
+    def _backend_total(self, backend: int) -> int:
+        row = self._backend_off + backend * self.workers
+        return sum(self._ints[row:row + self.workers])
+
+    def backend_count(self, name: str) -> int:
+        """Expensive LISTs all workers run on an apiserver (read without the lock: :meth:`try_take` checks again)."""
+        row = self.backend_rows.get(name)
+        return 0 if row is None else self._backend_total(row)
+
+    def give(self, slot: int, seats: int, list_bytes: int, backend: int = -1) -> None:
         """Return seats taken by :meth:`try_take`; wake the waiting worker whose turn is next.
 
         No lock: a worker's column is written only by that worker (and by the supervisor once it is
@@ -222,6 +242,9 @@ class SeatLedger:
         # while the seat total it checks stays conservative (an old, higher value only refuses).
         v[c + 1] = max(0, v[c + 1] - 1)
         v[c] = max(0, v[c] - seats)
+        if backend >= 0:
+            cell = self._backend_off + backend * self.workers + me
+            v[cell] = max(0, v[cell] - 1)
         if list_bytes:
             v[self._list_off + 2 * me] = max(0, v[self._list_off + 2 * me] - list_bytes)
             v[self._list_off + 2 * me + 1] = max(0, v[self._list_off + 2 * me + 1] - 1)
@@ -269,6 +292,8 @@ class SeatLedger:
                     v[self._col(s, worker, f)] = 0
             v[self._list_off + 2 * worker] = 0
             v[self._list_off + 2 * worker + 1] = 0
+            for b in range(MAX_BACKENDS):
+                v[self._backend_off + b * self.workers + worker] = 0
             wake = [w for w in range(self.workers) if w != worker
                     and any(v[self._col(s, w, _WAITING)] > 0 for s in range(self.levels))]
         for w in wake:
@@ -336,11 +361,12 @@ class LedgerLevel(LevelState):
 
     def _fits(self, t: Ticket) -> bool:
         return super()._fits(t) and self.ledger.try_take(
-            self.slot, self.limit, t.seats, t.list_bytes, self.budget.cap)
+            self.slot, self.limit, t.seats, t.list_bytes, self.budget.cap,
+            self.ledger.backend_rows.get(t.backend, -1), self.budget.backends.limit)
 
     def release(self, t: Ticket) -> list[Ticket]:
         if t.holds_seats:
-            self.ledger.give(self.slot, t.seats, t.list_bytes)
+            self.ledger.give(self.slot, t.seats, t.list_bytes, self.ledger.backend_rows.get(t.backend, -1))
         return super().release(t)
 
 
@@ -355,6 +381,11 @@ def attach(flow: FlowControl, ledger: SeatLedger) -> Callable[[], None]:
     socket is read from the event loop, and queued requests are retried every POLL_SECONDS.
     """
     ctl = flow.controller
+    caps = ctl.budget.backends
+    if len(caps.names) > MAX_BACKENDS:
+        raise ValueError(f"at most {MAX_BACKENDS} backends (upstream.backends) with worker processes")
+    ledger.backend_rows = {name: i for i, name in enumerate(caps.names)}
+    caps.count = ledger.backend_count
     ctl.level_factory = functools.partial(_ledger_level, ledger=ledger)
     ctl.levels, ctl.draining = {}, []
     flow.apply(ctl.policy)

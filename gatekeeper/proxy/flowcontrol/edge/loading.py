@@ -36,6 +36,8 @@ def limits_of(settings: FlowControlSettings) -> LevelLimits:
         max_seats=settings.max_seats,
         list_bytes_cap=settings.list_bytes_cap,
         storage_only_resources=frozenset(settings.storage_only_resources),
+        expensive_lists_per_backend=settings.expensive_lists.max_in_flight_per_backend,
+        expensive_list_bytes=settings.expensive_lists.min_bytes,
     )
 
 

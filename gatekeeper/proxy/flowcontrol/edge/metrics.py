@@ -38,6 +38,10 @@ collector), so they can never drift from the queues' real state.
     (the figure the seeds' "at most 2 secret LISTs" policy is checked against).
 ``gatekeeper_flowcontrol_executing_list_estimated_bytes``
     Sum of the estimates of executing LISTs, against ``listBytesCap``.
+``gatekeeper_flowcontrol_expensive_lists_in_flight{backend}`` / ``..._expensive_lists_cap``
+``gatekeeper_flowcontrol_expensive_lists_held_total``
+    Expensive LISTs running per apiserver, this proxy's per-apiserver cap (its fleet share), and LISTs that
+    waited because every apiserver was at the cap (``expensiveLists``).
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ from collections.abc import Iterator
 from typing import Protocol
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from gatekeeper.proxy.flowcontrol.core.controller import FlowController
@@ -201,8 +205,16 @@ class _Gauges(Collector):
         list_bytes = GaugeMetricFamily(
             "gatekeeper_flowcontrol_executing_list_estimated_bytes", "Estimated bytes of LISTs running upstream."
         )
+        expensive = GaugeMetricFamily("gatekeeper_flowcontrol_expensive_lists_in_flight",
+                                      "Expensive LISTs running on each apiserver.", labels=["backend"])
+        cap = GaugeMetricFamily("gatekeeper_flowcontrol_expensive_lists_cap",
+                                "This proxy's cap on expensive LISTs per apiserver (its fleet share; 0: none).")
+        held = CounterMetricFamily("gatekeeper_flowcontrol_expensive_lists_held",
+                                   "LISTs that waited because every apiserver had its cap of expensive LISTs.")
         waiting: dict[tuple[str, str], int] = {}
         running: dict[tuple[str, str], int] = {}
+        per_backend: dict[str, int] = {}
+        cap_now = held_total = 0
         levels: dict[str, dict[str, float]] = {}
         used = 0
         frac = 0.0
@@ -229,6 +241,10 @@ class _Gauges(Collector):
                         agg[k] += x
             used += c.budget.used
             frac = max(frac, c.fair_frac)
+            caps = c.budget.backends
+            for name in caps.names:
+                per_backend[name] = per_backend.get(name, 0) + caps.in_flight.get(name, 0)
+            cap_now, held_total = max(cap_now, caps.limit), held_total + caps.held_total
         for (fs, pl), v in sorted(waiting.items()):
             inqueue.add_metric([fs, pl], v)
         for (fs, pl), v in sorted(running.items()):
@@ -244,6 +260,13 @@ class _Gauges(Collector):
             yield list_bytes
             fair_frac.add_metric([], frac)
             yield fair_frac
+            for name, n in sorted(per_backend.items()):
+                expensive.add_metric([name], n)
+            yield expensive
+            cap.add_metric([], cap_now)
+            yield cap
+            held.add_metric([], held_total)
+            yield held
 
 
 REGISTRY.register(_Gauges())

@@ -35,7 +35,7 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from gatekeeper.kube.requestinfo import RequestInfo
@@ -203,6 +203,11 @@ class FlowControl:
         if self.fleet is not None:
             self.fleet.use_upstream(upstreams)
 
+    def use_backends(self, names: Sequence[str], candidates: Callable[[], Sequence[str]]) -> None:
+        """The balancer's apiservers, for the per-apiserver cap on expensive LISTs (``process`` wires it)."""
+        caps = self.controller.budget.backends
+        caps.names, caps.candidates = tuple(names), candidates
+
     def share_seats(self, share_of: Callable[[str, int], int]) -> dict[str, tuple[int, int]]:
         """The fleet re-divided the budget: every Limited level gets ``share_of(level, nominal)`` seats here.
         Returns, per Limited level, (seats here, seats of the whole fleet)."""
@@ -310,6 +315,7 @@ class FlowControl:
             return too_many_requests(fs, pl, t.reason or "", self.settings.retry_after_seconds)
         w.m.wait_executed.observe(self.clock() - now)
         w.m.seats.observe(t.seats)
+        request.reserved_backend = t.backend
         if outcome == "joined":
             return await self._follow(t, w)
         try:

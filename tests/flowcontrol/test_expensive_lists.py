@@ -1,0 +1,174 @@
+"""A cap on expensive LISTs per apiserver: what lands on one apiserver, across levels, workers and a fleet."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+from fc_helpers import Req, User
+from test_queueing import controller
+
+import gatekeeper.proxy.settings  # noqa: F401 - registers the proxy: section
+from gatekeeper.config import ConfigError, load_config
+from gatekeeper.proxy.flowcontrol.core.backendcap import LEVEL
+from gatekeeper.proxy.flowcontrol.core.controller import FlowController, LevelLimits
+from gatekeeper.proxy.flowcontrol.core.fleet import share
+from gatekeeper.proxy.flowcontrol.core.queueset import Ticket
+from gatekeeper.proxy.flowcontrol.edge.ledger import LedgerLevel, SeatLedger
+
+BIG = Req("list", "secrets", namespace="big")
+SMALL = Req("list", "configmaps", namespace="small")
+APISERVERS = ("a", "b", "c")
+
+
+def capped(per_backend: int = 1, total: int = 20, backends: tuple[str, ...] = APISERVERS,
+           eligible: list[str] | None = None) -> FlowController:
+    fc = controller(total=total, limits=LevelLimits(server_concurrency_limit=total, bytes_per_seat=1 << 40,
+                                                    expensive_lists_per_backend=per_backend,
+                                                    expensive_list_bytes=1 << 20))
+    fc.estimator.observe("secrets", "big", 40 << 20)
+    fc.estimator.observe("configmaps", "small", 100 << 10)
+    caps = fc.budget.backends
+    caps.names = backends
+    caps.candidates = lambda: eligible if eligible is not None else backends
+    return fc
+
+
+def admit(fc: FlowController, n: int, req: Req = BIG, user: str = "u") -> list[Ticket]:
+    return [fc.admit(User(f"{user}{i}"), req, 0.0)[0] for i in range(n)]
+
+
+def on_each(tickets: list[Ticket]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for t in tickets:
+        if t.state == "executing" and t.holds_seats:
+            out[t.backend] = out.get(t.backend, 0) + 1
+    return out
+
+
+def test_expensive_lists_beyond_the_cap_wait_and_each_apiserver_runs_at_most_the_cap():
+    fc = capped(per_backend=1)
+    tickets = admit(fc, 5)
+    assert on_each(tickets) == {"a": 1, "b": 1, "c": 1}
+    assert [t.state for t in tickets[3:]] == ["queued", "queued"]
+    assert fc.budget.backends.held_total == 2
+
+
+def test_every_queued_expensive_list_is_counted_held_not_only_the_one_dispatch_looks_at():
+    fc = capped(per_backend=1)
+    admit(fc, 3)
+    admit(fc, 7, user="late")
+    assert fc.budget.backends.held_total == 7
+
+
+def test_a_finished_expensive_list_hands_its_apiserver_to_the_next_one():
+    fc = capped(per_backend=1)
+    tickets = admit(fc, 4)
+    first_b = next(t for t in tickets if t.backend == "b")
+    woken = fc.finish(first_b)
+    assert [t.backend for t in woken] == ["b"] and woken[0] is tickets[3]
+    assert on_each(tickets) == {"a": 1, "b": 1, "c": 1}
+
+
+def test_lists_below_min_bytes_are_not_capped():
+    fc = capped(per_backend=1)
+    small = admit(fc, 8, SMALL)
+    assert all(t.state == "executing" and t.backend == "" for t in small)
+    assert fc.budget.backends.held_total == 0
+
+
+def test_no_cap_when_max_in_flight_per_backend_is_zero():
+    fc = capped(per_backend=0)
+    tickets = admit(fc, 8)
+    assert all(t.state == "executing" and t.backend == "" for t in tickets)
+
+
+def test_the_least_loaded_eligible_apiserver_is_reserved_and_an_ineligible_one_never():
+    fc = capped(per_backend=2, eligible=["c", "a"])
+    tickets = admit(fc, 5)
+    assert on_each(tickets) == {"a": 2, "c": 2}
+    assert tickets[4].state == "queued"
+    assert [t.backend for t in tickets[:4]] == ["c", "a", "c", "a"]
+
+
+def test_an_apiserver_freed_by_one_level_wakes_an_expensive_list_of_another():
+    fc = capped(per_backend=1, backends=("a",))
+    fc.estimator.observe("secrets", "", 40 << 20)
+    first = fc.admit(User("u1"), BIG, 0.0)[0]
+    assert first.state == "executing"
+    other = fc.admit(User("u2"), Req("list", "secrets"), 0.0)[0]  # another request shape, same level here
+    assert other.state == "queued"
+    woken = fc.finish(first)
+    assert other in woken and other.backend == "a"
+
+
+def test_a_fleet_divides_the_cap_as_it_divides_seats():
+    for cap, size in ((1, 3), (4, 3), (6, 3), (2, 1)):
+        limits = []
+        for rank in range(size):
+            fc = capped(per_backend=cap)
+            fc.share_of = functools.partial(lambda level, nominal, r, n: share(nominal, n, r, level), r=rank, n=size)
+            fc.update(fc.policy)
+            limits.append(fc.budget.backends.limit)
+        assert limits == [share(cap, size, r, LEVEL) for r in range(size)]
+        assert sum(limits) == max(cap, size) if size > 1 else sum(limits) == cap
+
+
+def _workers(tmp_path: Path, n: int) -> tuple[SeatLedger, list[FlowController]]:
+    parent = SeatLedger.create(tmp_path / "ledger", n)
+    out = []
+    for i in range(n):
+        fc = capped(per_backend=1, backends=("a", "b"))
+        ledger = SeatLedger(tmp_path / "ledger", i)
+        ledger.backend_rows = {"a": 0, "b": 1}
+        fc.budget.backends.count = ledger.backend_count
+        fc.level_factory = functools.partial(LedgerLevel, ledger=ledger)
+        fc.levels, fc.draining = {}, []
+        fc.update(fc.policy)
+        out.append(fc)
+    return parent, out
+
+
+def test_the_cap_holds_across_worker_processes(tmp_path):
+    _parent, fcs = _workers(tmp_path, 3)
+    tickets = [fcs[i % 3].admit(User(f"u{i}"), BIG, 0.0)[0] for i in range(6)]
+    assert on_each(tickets) == {"a": 1, "b": 1}
+    running = [t for t in tickets if t.state == "executing"]
+    a = next(t for t in running if t.backend == "a")
+    fcs[tickets.index(a) % 3].finish(a)
+    woken = [d for fc in fcs for lv in fc.levels.values() for d in lv.dispatch()]
+    assert [t.backend for t in woken] == ["a"]
+    assert on_each(tickets) == {"a": 1, "b": 1}
+
+
+def test_a_dead_workers_expensive_lists_free_their_apiservers(tmp_path):
+    parent, fcs = _workers(tmp_path, 2)
+    held = [fcs[0].admit(User(f"u{i}"), BIG, 0.0)[0] for i in range(2)]
+    assert {t.backend for t in held} == {"a", "b"}
+    waiting = fcs[1].admit(User("w"), BIG, 0.0)[0]
+    assert waiting.state == "queued"
+    parent.clear_worker(0)
+    assert [t.backend for t in fcs[1].levels["work"].dispatch()] in (["a"], ["b"])
+
+
+def test_settings_read_expensive_lists_and_refuse_a_negative_cap(tmp_path):
+    def load(section: str):
+        path = tmp_path / "proxy.yaml"
+        path.write_text("proxy:\n  backends: [{url: 'https://127.0.0.1:6443'}]\n  flowControl:\n"
+                        f"    expensiveLists: {section}\n")
+        return load_config(path)
+
+    settings = load("{maxInFlightPerBackend: 2, minBytes: 1048576}")
+    assert settings.proxy.flow_control.expensive_lists.max_in_flight_per_backend == 2
+    with pytest.raises(ConfigError, match="maxInFlightPerBackend"):
+        load("{maxInFlightPerBackend: -1}")
+
+
+def test_a_stale_count_cannot_overrun_the_cap_the_ledger_checks_again_under_its_lock(tmp_path):
+    _parent, fcs = _workers(tmp_path, 2)
+    held = [fcs[0].admit(User(f"u{i}"), BIG, 0.0)[0] for i in range(2)]
+    assert {t.backend for t in held} == {"a", "b"}
+    fcs[1].budget.backends.count = lambda name: 0  # read before worker 0 took its slots
+    late = fcs[1].admit(User("late"), BIG, 0.0)[0]
+    assert late.state == "queued" and not late.holds_seats
