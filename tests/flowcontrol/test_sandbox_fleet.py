@@ -2,8 +2,8 @@
 
 Each proxy renews ``gatekeeper-proxy-<identity>`` in gatekeeper-system as its own identity
 (system:gatekeeper-proxy, front-proxy certificate) and divides every level by the live fleet: the seeds'
-catch-all level (10 seats) becomes 4 + 3 + 3, and 2 secret-LIST seats become 1 each (the stated rounding:
-at least 1 per proxy). A proxy killed with SIGKILL stops renewing; the survivors take its share once its
+catch-all level (10 seats) becomes 4 + 3 + 3, 2 secret-LIST seats become 1 each (the stated rounding:
+at least 1 per proxy), and a cap of 4 expensive LISTs per apiserver becomes 1 + 1 + 2. A proxy killed with SIGKILL stops renewing; the survivors take its share once its
 Lease has expired. A proxy whose Leases the apiserver forbids runs on
 the conservative share (``fallbackMembers``) and counts the failures; a tenant can neither forge nor delete
 a fleet Lease.
@@ -31,7 +31,7 @@ TTL = 6
 
 
 def fleet(identity: str, **more: object) -> dict[str, object]:
-    return {"files": [str(kit.SEEDS)],
+    return {"files": [str(kit.SEEDS)], "expensiveLists": {"maxInFlightPerBackend": 4},
             "fleet": {"enabled": True, "name": f"t-{RUN}", "identity": identity, "leaseDurationSeconds": TTL,
                       "renewIntervalSeconds": 2, **more}}
 
@@ -63,6 +63,8 @@ def test_three_proxies_divide_the_budget_and_survivors_take_a_killed_ones_share(
         catch_all = [metric(p, "gatekeeper_fleet_share_seats", priority_level="catch-all") for p in proxies]
         assert sorted(catch_all) == [3, 3, 4], catch_all
         assert [metric(p, "gatekeeper_fleet_share_seats", priority_level="secrets-list") for p in proxies] == [1] * 3
+        # 4 expensive LISTs per apiserver across the fleet: 1 + 1 + 2 (expensiveLists, divided like seats)
+        assert sorted(metric(p, "gatekeeper_flowcontrol_expensive_lists_cap") for p in proxies) == [1, 1, 2]
         leases = kit.kubectl(sandbox, "get", "leases", "-n", "gatekeeper-system", "-l",
                              f"gatekeeper.dev/fleet=t-{RUN}", "-o", "name")
         assert sorted(leases.stdout.split()) == [f"lease.coordination.k8s.io/gatekeeper-proxy-node-{i}-{RUN}"
@@ -78,6 +80,7 @@ def test_three_proxies_divide_the_budget_and_survivors_take_a_killed_ones_share(
         assert took <= 2 * TTL, f"the survivors took {took:.1f}s: more than the Lease's TTL plus a renewal"
         assert sorted(metric(p, "gatekeeper_fleet_share_seats", priority_level="catch-all") for p in survivors) \
             == [5, 5]
+        assert [metric(p, "gatekeeper_flowcontrol_expensive_lists_cap") for p in survivors] == [2, 2]
 
 
 def test_a_proxy_the_apiserver_refuses_runs_on_the_conservative_share(sandbox: SandboxState, tmp_path: Path) -> None:
