@@ -11,9 +11,8 @@ from test_queueing import controller
 
 import gatekeeper.proxy.settings  # noqa: F401 - registers the proxy: section
 from gatekeeper.config import ConfigError, load_config
-from gatekeeper.proxy.flowcontrol.core.backendcap import LEVEL
 from gatekeeper.proxy.flowcontrol.core.controller import FlowController, LevelLimits
-from gatekeeper.proxy.flowcontrol.core.fleet import share
+from gatekeeper.proxy.flowcontrol.core.fleet import FleetShare, backend_bound
 from gatekeeper.proxy.flowcontrol.core.queueset import Ticket
 from gatekeeper.proxy.flowcontrol.edge.ledger import LedgerLevel, SeatLedger
 
@@ -30,8 +29,8 @@ def capped(per_backend: int = 1, total: int = 20, backends: tuple[str, ...] = AP
     fc.estimator.observe("secrets", "big", 40 << 20)
     fc.estimator.observe("configmaps", "small", 100 << 10)
     caps = fc.budget.backends
-    caps.names = backends
     caps.candidates = lambda: eligible if eligible is not None else backends
+    caps.configure(caps.nominal, caps.min_bytes, None, backends)
     return fc
 
 
@@ -103,16 +102,37 @@ def test_an_apiserver_freed_by_one_level_wakes_an_expensive_list_of_another():
     assert other in woken and other.backend == "a"
 
 
-def test_a_fleet_divides_the_cap_as_it_divides_seats():
-    for cap, size in ((1, 3), (4, 3), (6, 3), (2, 1)):
-        limits = []
-        for rank in range(size):
-            fc = capped(per_backend=cap)
-            fc.share_of = functools.partial(lambda level, nominal, r, n: share(nominal, n, r, level), r=rank, n=size)
-            fc.update(fc.policy)
-            limits.append(fc.budget.backends.limit)
-        assert limits == [share(cap, size, r, LEVEL) for r in range(size)]
-        assert sum(limits) == max(cap, size) if size > 1 else sum(limits) == cap
+@pytest.mark.parametrize(("cap", "size"), [(1, 3), (2, 3), (1, 2), (4, 3), (2, 1), (1, 5), (1, 8)])
+def test_a_fleet_deals_out_each_apiservers_slots_so_they_add_up_to_the_cap(cap: int, size: int):
+    per_proxy = []
+    for rank in range(size):
+        fc = capped(per_backend=cap)
+        fc.share_of = FleetShare(size, rank)
+        fc.update(fc.policy)
+        per_proxy.append(fc.budget.backends.limits)
+    on_each_apiserver = [sum(p[name] for p in per_proxy) for name in APISERVERS]
+    if size <= cap * len(APISERVERS):
+        assert on_each_apiserver == [cap] * 3, per_proxy
+    else:  # more proxies than slots: each spare proxy gets one, spread evenly (the stated rounding)
+        assert max(on_each_apiserver) == backend_bound(cap, 3, size) < cap + size, per_proxy
+    assert all(sum(p.values()) >= 1 for p in per_proxy), "every proxy can run an expensive LIST somewhere"
+
+
+def test_an_apiservers_slots_are_dealt_again_over_the_others_when_it_is_down_never_added_to_them():
+    fleet = [capped(per_backend=1) for _ in range(3)]
+    for rank, fc in enumerate(fleet):
+        fc.share_of = FleetShare(3, rank)
+        fc.update(fc.policy)
+    owners = {name: [r for r, fc in enumerate(fleet) if fc.budget.backends.limits[name]] for name in APISERVERS}
+    assert sorted(len(o) for o in owners.values()) == [1, 1, 1]
+    down = "b"
+    for fc in fleet:
+        fc.budget.backends.candidates = lambda: ["a", "c"]
+    tickets = [t for fc in fleet for t in admit(fc, 2)]
+    running = on_each(tickets)
+    assert down not in running and max(running.values()) == backend_bound(1, 2, 3) == 2
+    assert all(any(t.state == "executing" for t in tickets[2 * r:2 * r + 2]) for r in range(3)), \
+        "every proxy can still run an expensive LIST"
 
 
 def _workers(tmp_path: Path, n: int) -> tuple[SeatLedger, list[FlowController]]:

@@ -11,7 +11,7 @@ import pytest
 from fc_helpers import queued_level, secrets_list_schema
 from prometheus_client import REGISTRY
 
-from gatekeeper.proxy.flowcontrol.core.fleet import LeaseView, Membership, fleet_bound, share
+from gatekeeper.proxy.flowcontrol.core.fleet import FleetShare, LeaseView, Membership, fleet_bound, share
 from gatekeeper.proxy.flowcontrol.edge.fleet import FleetMember, lease_body, parse_leases
 from gatekeeper.proxy.flowcontrol.edge.middleware import FlowControl
 from gatekeeper.proxy.flowcontrol.settings import FleetSettings, FlowControlSettings
@@ -122,7 +122,7 @@ def test_flow_control_runs_only_its_share_of_a_level() -> None:
             priority_level_configurations=[queued_level("secrets-list", 4), queued_level("catch-all", 96)],
             flow_schemas=[secrets_list_schema(by="ByUser")]))
         before = fc.controller.levels["secrets-list"].nominal
-        seats = fc.share_seats(lambda level, nominal: share(nominal, 3, 0, level))
+        seats = fc.share_seats(FleetShare(3, 0))
         here, whole = seats["secrets-list"]
         assert whole == before and here == fc.controller.levels["secrets-list"].nominal
         assert sum(share(whole, 3, r, "secrets-list") for r in range(3)) == whole

@@ -3,10 +3,10 @@
 Each proxy renews ``gatekeeper-proxy-<identity>`` in gatekeeper-system as its own identity
 (system:gatekeeper-proxy, front-proxy certificate) and divides every level by the live fleet: the seeds'
 catch-all level (10 seats) becomes 4 + 3 + 3, 2 secret-LIST seats become 1 each (the stated rounding:
-at least 1 per proxy), and a cap of 4 expensive LISTs per apiserver becomes 1 + 1 + 2. A proxy killed with SIGKILL stops renewing; the survivors take its share once its
-Lease has expired. A proxy whose Leases the apiserver forbids runs on
-the conservative share (``fallbackMembers``) and counts the failures; a tenant can neither forge nor delete
-a fleet Lease.
+at least 1 per proxy), and each apiserver's 4 expensive-LIST slots are dealt out among them. A proxy
+killed with SIGKILL stops renewing; the survivors take its share once its Lease has expired. A proxy whose
+Leases the apiserver forbids runs on the conservative share (``fallbackMembers``) and counts the failures;
+a tenant can neither forge nor delete a fleet Lease.
 """
 
 from __future__ import annotations
@@ -43,6 +43,11 @@ def metric(proxy: kit.ProxyProcess, name: str, **labels: str) -> float:
     return kit.metric_sum(proxy.metrics(), name, **labels)
 
 
+def slots_per_apiserver(sandbox: SandboxState, proxies: list[kit.ProxyProcess]) -> list[float]:
+    names = [f"apiserver-{i}" for i in range(1, len(sandbox.apiserver_urls) + 1)]
+    return [sum(metric(p, "gatekeeper_flowcontrol_expensive_lists_cap", backend=n) for p in proxies) for n in names]
+
+
 def until(predicate: Callable[[], bool], limit: float, what: str) -> float:
     started = time.monotonic()
     while not predicate():
@@ -63,8 +68,8 @@ def test_three_proxies_divide_the_budget_and_survivors_take_a_killed_ones_share(
         catch_all = [metric(p, "gatekeeper_fleet_share_seats", priority_level="catch-all") for p in proxies]
         assert sorted(catch_all) == [3, 3, 4], catch_all
         assert [metric(p, "gatekeeper_fleet_share_seats", priority_level="secrets-list") for p in proxies] == [1] * 3
-        # 4 expensive LISTs per apiserver across the fleet: 1 + 1 + 2 (expensiveLists, divided like seats)
-        assert sorted(metric(p, "gatekeeper_flowcontrol_expensive_lists_cap") for p in proxies) == [1, 1, 2]
+        # 4 expensive LISTs per apiserver across the fleet: each apiserver's 4 slots are dealt out among them
+        assert slots_per_apiserver(sandbox, proxies) == [4, 4, 4]
         leases = kit.kubectl(sandbox, "get", "leases", "-n", "gatekeeper-system", "-l",
                              f"gatekeeper.dev/fleet=t-{RUN}", "-o", "name")
         assert sorted(leases.stdout.split()) == [f"lease.coordination.k8s.io/gatekeeper-proxy-node-{i}-{RUN}"
@@ -80,7 +85,7 @@ def test_three_proxies_divide_the_budget_and_survivors_take_a_killed_ones_share(
         assert took <= 2 * TTL, f"the survivors took {took:.1f}s: more than the Lease's TTL plus a renewal"
         assert sorted(metric(p, "gatekeeper_fleet_share_seats", priority_level="catch-all") for p in survivors) \
             == [5, 5]
-        assert [metric(p, "gatekeeper_flowcontrol_expensive_lists_cap") for p in survivors] == [2, 2]
+        assert slots_per_apiserver(sandbox, survivors) == [4, 4, 4]
 
 
 def test_a_proxy_the_apiserver_refuses_runs_on_the_conservative_share(sandbox: SandboxState, tmp_path: Path) -> None:

@@ -2,50 +2,76 @@
 
 A priority level's seats bound how many LISTs run at once, but the balancer places each on any apiserver: two
 of them, or two proxies' ones, can land on the same apiserver and together hold its memory. With a cap, a LIST
-whose estimated response reaches ``minBytes`` starts only when some eligible apiserver has fewer than the
-cap in flight; flow control reserves that apiserver for it and the dispatcher sends it there. It waits in its
+whose estimated response reaches ``minBytes`` starts only when some eligible apiserver has fewer than its
+limit in flight; flow control reserves that apiserver for it and the dispatcher sends it there. It waits in its
 queue until then (the queue's wait bound and 429 apply), and its slot goes back when the apiserver has sent
-the last byte, as its seats do. In a fleet the cap is divided as seats are (``fleet.py``).
+the last byte, as its seats do. In a fleet each apiserver's slots are dealt out among the proxies
+(``fleet.FleetShare.backend_slots``), so they add up to the cap on every apiserver. They are dealt over the
+apiservers eligible now: when one is down, its slots are not handed to the others (that would be the seeds'
+cascade), but the proxies that owned them get slots on the rest, so none is left unable to LIST.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-LEVEL = "expensive-lists-per-backend"
-"""The name the fleet's rounding salts this cap's share with (``fleet.share``)."""
+from gatekeeper.proxy.flowcontrol.core.fleet import FleetShare
 
 
 class BackendCap:
-    """Per-apiserver slots for expensive LISTs; ``limit`` 0 turns the cap off."""
+    """Per-apiserver slots for expensive LISTs; a ``nominal`` of 0 turns the cap off."""
 
-    def __init__(self, limit: int, min_bytes: int) -> None:
-        self.nominal = limit
-        """The configured cap (fleet-wide when the fleet is on)."""
-        self.limit = limit
-        """This proxy's part of it."""
+    def __init__(self, nominal: int = 0, min_bytes: int = 8 << 20) -> None:
+        self.nominal = nominal
+        """The configured cap per apiserver (fleet-wide when the fleet is on)."""
         self.min_bytes = max(1, min_bytes)
+        self.fleet: FleetShare | None = None
         self.names: tuple[str, ...] = ()
         """Every apiserver, in the configured order (a worker's ledger row is the place in it)."""
+        self.limits: dict[str, int] = {}
+        """This proxy's slots on each apiserver, dealt over ``_dealt_over``."""
+        self._dealt_over: frozenset[str] | None = None
         self.in_flight: dict[str, int] = {}
         self.held_total = 0
-        """LISTs that found every eligible apiserver at the cap (each counted once)."""
+        """LISTs that found every eligible apiserver at its limit (each counted once)."""
+        self.picked_limit = 0
+        """The limit :meth:`pick` checked its choice against (the ledger checks the same one under its lock)."""
         self.candidates: Callable[[], Sequence[str]] = lambda: ()
         """Eligible apiservers, least loaded first (the balancer's view, wired by the proxy)."""
         self.count: Callable[[str], int] = lambda name: self.in_flight.get(name, 0)
         """Expensive LISTs in flight on an apiserver; worker processes read every worker's (``ledger.py``)."""
 
+    def configure(self, nominal: int, min_bytes: int, fleet: FleetShare | None,
+                  names: Sequence[str] | None = None) -> None:
+        self.nominal, self.min_bytes, self.fleet = nominal, max(1, min_bytes), fleet
+        if names is not None:
+            self.names = tuple(names)
+        self._deal(frozenset(self.names))
+
+    def _deal(self, eligible: frozenset[str]) -> None:
+        self._dealt_over = eligible
+        if self.fleet is None or not self.nominal:
+            self.limits = dict.fromkeys(self.names, self.nominal)
+            return
+        # In the configured order, the same in every proxy, so their deals fit together.
+        dealt = self.fleet.backend_slots(self.nominal, [n for n in self.names if n in eligible])
+        self.limits = {n: dealt.get(n, 0) for n in self.names}
+
     def expensive(self, list_bytes: int) -> bool:
-        return self.limit > 0 and list_bytes >= self.min_bytes
+        return self.nominal > 0 and list_bytes >= self.min_bytes
 
     def pick(self) -> str | None:
-        """The eligible apiserver with the fewest expensive LISTs, if one is below the cap."""
+        """The eligible apiserver with the fewest expensive LISTs, if one is below this proxy's limit there."""
+        candidates = self.candidates()
+        if self.fleet is not None and frozenset(candidates) != self._dealt_over:
+            self._deal(frozenset(candidates))
         best: str | None = None
-        least = self.limit
-        for name in self.candidates():
+        least = 0
+        for name in candidates:
+            limit = self.limits.get(name, 0)
             n = self.count(name)
-            if n < least:
-                best, least = name, n
+            if n < limit and (best is None or n < least):
+                best, least, self.picked_limit = name, n, limit
         return best
 
     def take(self, name: str) -> None:

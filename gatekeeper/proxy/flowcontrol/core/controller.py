@@ -14,8 +14,8 @@ import hashlib
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
-from gatekeeper.proxy.flowcontrol.core.backendcap import LEVEL
 from gatekeeper.proxy.flowcontrol.core.borrowing import Bounds, allocate, bounds_of, go_round, item_for
+from gatekeeper.proxy.flowcontrol.core.fleet import FleetShare
 from gatekeeper.proxy.flowcontrol.core.listcost import ListShape
 from gatekeeper.proxy.flowcontrol.core.objects import FlowSchema, PriorityLevel
 from gatekeeper.proxy.flowcontrol.core.policy import Policy, RequestFacts, UserFacts
@@ -74,8 +74,9 @@ class FlowController:
         self.fair_frac = 0.0
         self.now = 0.0
         """Latest time seen; used when a caller does not pass one."""
-        self.share_of: Callable[[str, int], int] | None = None
-        """This proxy's part of a Limited level's nominal seats when a fleet shares them (``fleet.py``)."""
+        self.share_of: FleetShare | None = None
+        """This proxy's place in a fleet that shares the budget (``fleet.py``): its part of each Limited level's
+        nominal seats and of each apiserver's expensive-LIST slots."""
         self.update(policy, self.limits)
 
     def update(self, policy: Policy, limits: LevelLimits | None = None) -> list[Ticket]:
@@ -87,9 +88,8 @@ class FlowController:
             self.estimator.bytes_per_seat, self.estimator.max_seats = limits.bytes_per_seat, limits.max_seats
             self.estimator.storage_only = limits.storage_only_resources
             self.budget.cap = limits.list_bytes_cap
-        caps = self.budget.backends
-        caps.nominal, caps.min_bytes = self.limits.expensive_lists_per_backend, self.limits.expensive_list_bytes
-        caps.limit = caps.nominal if self.share_of is None or not caps.nominal else self.share_of(LEVEL, caps.nominal)
+        self.budget.backends.configure(self.limits.expensive_lists_per_backend, self.limits.expensive_list_bytes,
+                                       self.share_of)
         self.policy = policy
         levels: dict[str, LevelState] = {}
         for name, spec in policy.levels.items():

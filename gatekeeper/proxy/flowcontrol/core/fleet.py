@@ -25,7 +25,7 @@ every priority level's seats. Pure: the clock comes in as an argument.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 
@@ -50,6 +50,40 @@ def share(limit: int, size: int, rank: int, level: str) -> int:
 
 def _salt(level: str) -> int:
     return int.from_bytes(hashlib.sha256(level.encode()).digest()[:4], "big")
+
+
+@dataclass(frozen=True)
+class FleetShare:
+    """This proxy's place in the fleet, and what it makes of each budget (``share_of`` of flow control)."""
+
+    size: int
+    rank: int
+
+    def __call__(self, level: str, limit: int) -> int:
+        return share(limit, self.size, self.rank, level)
+
+    def backend_slots(self, cap: int, backends: Sequence[str]) -> dict[str, int]:
+        """This proxy's part of a cap of ``cap`` expensive LISTs per apiserver: the fleet's ``cap`` slots of
+        every apiserver are dealt out one by one, so each apiserver's slots add up to exactly ``cap``. Unlike a
+        level's seats, a proxy may own no slot of an apiserver (it still has others); only one that owns none
+        at all (more proxies than slots) gets one, the spare proxies spread evenly (``backend_bound``)."""
+        if self.size <= 1 or not backends:
+            return dict.fromkeys(backends, cap)
+        salt = _salt("expensive-lists-per-backend")
+        out = dict.fromkeys(backends, 0)
+        for g in range(cap * len(backends)):
+            if (g + salt) % self.size == self.rank:
+                out[backends[g // cap]] += 1
+        if not any(out.values()):  # the k-th proxy without a slot: the spare ones spread evenly
+            k = (self.rank - salt - cap * len(backends)) % self.size
+            out[backends[k % len(backends)]] = 1
+        return out
+
+
+def backend_bound(cap: int, backends: int, size: int) -> int:
+    """The most expensive LISTs the fleet may run on one apiserver at once (the slots' rounding)."""
+    spare = max(0, size - cap * backends) if size > 1 else 0
+    return cap + -(-spare // max(1, backends))
 
 
 def fleet_bound(limit: int, size: int) -> int:

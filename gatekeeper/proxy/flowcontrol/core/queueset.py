@@ -114,7 +114,7 @@ class ListBudget:
     cap: int
     used: int = 0
     executing: int = 0
-    backends: BackendCap = field(default_factory=lambda: BackendCap(0, 1))
+    backends: BackendCap = field(default_factory=BackendCap)
 
     def fits(self, nbytes: int) -> bool:
         return nbytes == 0 or self.executing == 0 or self.used + nbytes <= self.cap

@@ -28,7 +28,7 @@ from urllib.parse import quote
 import orjson
 from prometheus_client import Counter, Gauge
 
-from gatekeeper.proxy.flowcontrol.core.fleet import LeaseView, Membership, fleet_bound, share
+from gatekeeper.proxy.flowcontrol.core.fleet import FleetShare, LeaseView, Membership, fleet_bound
 from gatekeeper.proxy.flowcontrol.settings import FleetSettings
 from gatekeeper.proxy.messages import UserInfo
 from gatekeeper.proxy.pipeline.auth import identity_headers
@@ -95,7 +95,7 @@ class FleetMember:
     """Renews our Lease and re-divides the budget on every period (see the module docstring)."""
 
     def __init__(self, settings: FleetSettings,
-                 apply: Callable[[Callable[[str, int], int]], dict[str, tuple[int, int]]],
+                 apply: Callable[[FleetShare], dict[str, tuple[int, int]]],
                  clock: Callable[[], float] = time.monotonic, *,
                  user: UserInfo | None = None) -> None:
         """``apply(share_of)``: give flow control the function from (level, nominal seats) to ours; it returns,
@@ -197,7 +197,7 @@ class FleetMember:
             return
         self.decided = (size, rank)
         MEMBERS.set(size)
-        seats = self.apply(lambda level, nominal: share(nominal, size, rank, level))
+        seats = self.apply(FleetShare(size, rank))
         for level, (here, _) in seats.items():
             SHARE.labels(level).set(here)
         described = ", ".join(f"{lv} {here} of {whole} (fleet-wide at most {fleet_bound(whole, size)})"

@@ -362,7 +362,7 @@ class LedgerLevel(LevelState):
     def _fits(self, t: Ticket) -> bool:
         return super()._fits(t) and self.ledger.try_take(
             self.slot, self.limit, t.seats, t.list_bytes, self.budget.cap,
-            self.ledger.backend_rows.get(t.backend, -1), self.budget.backends.limit)
+            self.ledger.backend_rows.get(t.backend, -1), self.budget.backends.picked_limit)
 
     def release(self, t: Ticket) -> list[Ticket]:
         if t.holds_seats:

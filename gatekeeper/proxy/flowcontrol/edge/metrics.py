@@ -38,9 +38,9 @@ collector), so they can never drift from the queues' real state.
     (the figure the seeds' "at most 2 secret LISTs" policy is checked against).
 ``gatekeeper_flowcontrol_executing_list_estimated_bytes``
     Sum of the estimates of executing LISTs, against ``listBytesCap``.
-``gatekeeper_flowcontrol_expensive_lists_in_flight{backend}`` / ``..._expensive_lists_cap``
+``gatekeeper_flowcontrol_expensive_lists_in_flight{backend}`` / ``..._expensive_lists_cap{backend}``
 ``gatekeeper_flowcontrol_expensive_lists_held_total``
-    Expensive LISTs running per apiserver, this proxy's per-apiserver cap (its fleet share), and LISTs that
+    Expensive LISTs running per apiserver, this proxy's slots on each (its fleet share), and LISTs that
     waited because every apiserver was at the cap (``expensiveLists``).
 """
 
@@ -208,13 +208,15 @@ class _Gauges(Collector):
         expensive = GaugeMetricFamily("gatekeeper_flowcontrol_expensive_lists_in_flight",
                                       "Expensive LISTs running on each apiserver.", labels=["backend"])
         cap = GaugeMetricFamily("gatekeeper_flowcontrol_expensive_lists_cap",
-                                "This proxy's cap on expensive LISTs per apiserver (its fleet share; 0: none).")
+                                "This proxy's slots for expensive LISTs on each apiserver (its fleet share).",
+                                labels=["backend"])
         held = CounterMetricFamily("gatekeeper_flowcontrol_expensive_lists_held",
                                    "LISTs that waited because every apiserver had its cap of expensive LISTs.")
         waiting: dict[tuple[str, str], int] = {}
         running: dict[tuple[str, str], int] = {}
         per_backend: dict[str, int] = {}
-        cap_now = held_total = 0
+        slots: dict[str, int] = {}
+        held_total = 0
         levels: dict[str, dict[str, float]] = {}
         used = 0
         frac = 0.0
@@ -244,7 +246,9 @@ class _Gauges(Collector):
             caps = c.budget.backends
             for name in caps.names:
                 per_backend[name] = per_backend.get(name, 0) + caps.in_flight.get(name, 0)
-            cap_now, held_total = max(cap_now, caps.limit), held_total + caps.held_total
+            for name, n in caps.limits.items():
+                slots[name] = max(slots.get(name, 0), n)
+            held_total += caps.held_total
         for (fs, pl), v in sorted(waiting.items()):
             inqueue.add_metric([fs, pl], v)
         for (fs, pl), v in sorted(running.items()):
@@ -263,7 +267,8 @@ class _Gauges(Collector):
             for name, n in sorted(per_backend.items()):
                 expensive.add_metric([name], n)
             yield expensive
-            cap.add_metric([], cap_now)
+            for name, n in sorted(slots.items()):
+                cap.add_metric([name], n)
             yield cap
             held.add_metric([], held_total)
             yield held

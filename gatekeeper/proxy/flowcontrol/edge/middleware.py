@@ -42,6 +42,7 @@ from gatekeeper.kube.requestinfo import RequestInfo
 from gatekeeper.proxy.adapter import error_response
 from gatekeeper.proxy.flowcontrol.core.coalesce import coalesce_key, identity_key
 from gatekeeper.proxy.flowcontrol.core.controller import FlowController
+from gatekeeper.proxy.flowcontrol.core.fleet import FleetShare
 from gatekeeper.proxy.flowcontrol.core.listcost import ListShape, continued_response, list_shape
 from gatekeeper.proxy.flowcontrol.core.objects import FlowSchema, PriorityLevel
 from gatekeeper.proxy.flowcontrol.core.policy import Policy
@@ -206,9 +207,10 @@ class FlowControl:
     def use_backends(self, names: Sequence[str], candidates: Callable[[], Sequence[str]]) -> None:
         """The balancer's apiservers, for the per-apiserver cap on expensive LISTs (``process`` wires it)."""
         caps = self.controller.budget.backends
-        caps.names, caps.candidates = tuple(names), candidates
+        caps.candidates = candidates
+        caps.configure(caps.nominal, caps.min_bytes, caps.fleet, names)
 
-    def share_seats(self, share_of: Callable[[str, int], int]) -> dict[str, tuple[int, int]]:
+    def share_seats(self, share_of: FleetShare) -> dict[str, tuple[int, int]]:
         """The fleet re-divided the budget: every Limited level gets ``share_of(level, nominal)`` seats here.
         Returns, per Limited level, (seats here, seats of the whole fleet)."""
         self.controller.share_of = share_of
