@@ -435,6 +435,23 @@ def load_yaml_all(path: Path | str, *, what: str, limits: YamlLimits = YAML_LIMI
     return _documents(_read_text(p, what, limits, regular_only=regular_only), str(p), limits, single=False)
 
 
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(Ki|Mi|Gi|Ti|K|M|G|T|k|B)?\s*$")
+_SIZE_UNITS = {None: 1, "B": 1, "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+               "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes from an integer or a Kubernetes-style quantity ('128Ki', '1536Mi', '2G', '200k')."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 0:
+            raise ValueError(f"size must not be negative, got {value}")
+        return value
+    m = _SIZE.match(str(value))
+    if not m:
+        raise ValueError(f"expected a size like 131072, '128Ki', '1536Mi' or '2G', got {value!r}")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2)])
+
+
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h)$")
 
 

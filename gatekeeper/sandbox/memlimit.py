@@ -15,27 +15,24 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from gatekeeper.config import parse_size
 from gatekeeper.errors import UsageError
 
 ROOT = Path("/sys/fs/cgroup")
 GROUP = "gatekeeper-sandbox"
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(Ki|Mi|Gi|Ti|K|M|G|T)?\s*$")
-_UNITS = {None: 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
-          "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
 MIN_LIMIT = 64 << 20
 """An apiserver needs well over this just to start; a smaller limit is a typo."""
 
 
 def parse_limit(text: str) -> int:
     """Bytes of a Kubernetes-style size (``1536Mi``, ``2Gi``, ``2G``, ``1073741824``)."""
-    m = _SIZE.match(text)
-    if not m:
-        raise UsageError(f"--apiserver-memory-limit {text!r}: expected a size such as 1536Mi, 2Gi or 2G")
-    value = int(float(m.group(1)) * _UNITS[m.group(2)])
+    try:
+        value = parse_size(text)
+    except ValueError:
+        raise UsageError(f"--apiserver-memory-limit {text!r}: expected a size such as 1536Mi, 2Gi or 2G") from None
     if value < MIN_LIMIT:
         raise UsageError(f"--apiserver-memory-limit {text!r}: at least 64Mi (a kube-apiserver needs more to start)")
     return value
@@ -120,3 +117,5 @@ def remove_all(sandbox_id: str, root: Path = ROOT) -> None:
                         child.rmdir()
             with contextlib.suppress(OSError):
                 parent.rmdir()
+        with contextlib.suppress(OSError):  # the last sandbox's: fails while another sandbox has its own there
+            (base / GROUP).rmdir()

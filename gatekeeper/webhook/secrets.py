@@ -32,8 +32,9 @@ from typing import Any
 
 import orjson
 
+from gatekeeper.config import parse_size
 from gatekeeper.kube.admission import AdmissionRequest, Decision, as_dict, object_label
-from gatekeeper.webhook.settings import SecretSettings, parse_size
+from gatekeeper.webhook.settings import SecretSettings
 
 FIX = "keep large payloads in a volume or an external secret store"
 MAX_PLAIN_TYPE = 253

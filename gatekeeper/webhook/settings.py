@@ -24,11 +24,10 @@ Defaults and why (docs/webhook/ repeats this):
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal, get_args
 
-from gatekeeper.config import dataclass_section, register_section
+from gatekeeper.config import dataclass_section, parse_size, register_section
 from gatekeeper.listener import TLSListenerSettings
 from gatekeeper.webhook.gpu.sizing import MIG_CATALOG, layout_profiles, parse_quantity_bytes
 
@@ -45,23 +44,6 @@ DECISION_ANNOTATION = ANNOTATION_PREFIX + "gpu-decision"
 """Set on rewritten pods: the mode and what chose it (annotation, namespace, default, enforced)."""
 REWRITTEN_ANNOTATION = ANNOTATION_PREFIX + "gpu-rewritten"
 """Set on pods the webhook rewrote: what changed, for humans and for reinvocation."""
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(Ki|Mi|Gi|K|M|G|k|B)?\s*$")
-_UNITS = {None: 1, "B": 1, "k": 1000, "K": 1000, "M": 1000**2, "G": 1000**3,
-          "Ki": 1024, "Mi": 1024**2, "Gi": 1024**3}
-
-
-def parse_size(value: int | str) -> int:
-    """Bytes from an integer or a Kubernetes-style quantity ('128Ki', '1Mi', '200k')."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        if value < 0:
-            raise ValueError(f"size must not be negative, got {value}")
-        return value
-    m = _SIZE.match(str(value))
-    if not m:
-        raise ValueError(f"expected a size like 131072, '128Ki' or '1Mi', got {value!r}")
-    return int(float(m.group(1)) * _UNITS[m.group(2)])
-
 
 def _size_of(key: str, value: int | str) -> int:
     """parse_size with the YAML key in the message (the loader reports the enclosing section)."""

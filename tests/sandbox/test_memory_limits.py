@@ -67,6 +67,18 @@ def test_a_v2_cgroup_gets_memory_max_no_swap_and_its_kills_from_memory_events(tm
     assert group.oom_kills() == 1
 
 
+def test_down_removes_the_sandboxs_cgroups_and_the_shared_parent_once_no_other_sandbox_uses_it(
+        tmp_path: Path) -> None:
+    (tmp_path / "cgroup.controllers").write_text("cpu io memory pids\n")
+    for sandbox in ("sb-a", "sb-b"):  # empty directories, as cgroups are once their processes are gone
+        (tmp_path / memlimit.GROUP / sandbox / "kube-apiserver-1").mkdir(parents=True)
+    memlimit.remove_all("sb-a", root=tmp_path)
+    assert not (tmp_path / memlimit.GROUP / "sb-a").exists()
+    assert (tmp_path / memlimit.GROUP / "sb-b" / "kube-apiserver-1").is_dir(), "another sandbox's are kept"
+    memlimit.remove_all("sb-b", root=tmp_path)
+    assert not (tmp_path / memlimit.GROUP).exists()
+
+
 def test_without_a_memory_controller_the_limit_is_an_error_never_unlimited(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="no memory cgroup controller"):
         memlimit.create("sb", "kube-apiserver-1", 512 << 20, root=tmp_path)
