@@ -22,7 +22,7 @@ import httpx
 import yaml
 
 from gatekeeper.certs import PKI
-from gatekeeper.sandbox import client_lb, processes
+from gatekeeper.sandbox import client_lb, processes, supervisor
 from gatekeeper.sandbox.lifecycle import UpOptions, down, up
 from gatekeeper.sandbox.pki import SandboxPKI
 from gatekeeper.sandbox.state import ProcessRecord, SandboxState
@@ -40,11 +40,13 @@ class ScenarioError(Exception):
 def bring_up(directory: Path, log: Any, *, apiservers: int = 3, apiserver_args: Sequence[str] = (),
              gogc: int | None = None, with_scheduler: bool = False, gpu_nodes: int = 0,
              addons: tuple[str, ...] = (), gpus_per_node: int = 8,
-             gpu_extended_resource_mapping: bool = False) -> SandboxState:
+             gpu_extended_resource_mapping: bool = False, apiserver_memory_limit: int = 0,
+             etcd_args: Sequence[str] = ()) -> SandboxState:
     """A new sandbox in ``directory`` (in-process ``sandbox up``), its progress lines in ``log``."""
     opts = UpOptions(state_dir=directory, apiservers=apiservers, gpu_nodes=gpu_nodes, gogc=gogc,
                      with_scheduler=with_scheduler, addons=addons, apiserver_args=tuple(apiserver_args),
-                     gpus_per_node=gpus_per_node, gpu_extended_resource_mapping=gpu_extended_resource_mapping)
+                     gpus_per_node=gpus_per_node, gpu_extended_resource_mapping=gpu_extended_resource_mapping,
+                     apiserver_memory_limit=apiserver_memory_limit, etcd_args=tuple(etcd_args))
     return up(opts, argparse.Namespace(timeout=300.0), say=lambda s: print(s, file=log, flush=True))
 
 
@@ -84,6 +86,23 @@ def restart_apiservers(state: SandboxState, *, which: Sequence[str] = (), flags:
     state.save()
     wait_ready(state, [f.health for f in fresh], timeout)
     return time.monotonic() - t0
+
+
+def restart_limited_apiservers(state: SandboxState, flags: Sequence[str] = ()) -> tuple[SandboxState, float]:
+    """Fresh apiservers in their memory cgroups, with a fresh supervisor (kubelet's back-off starts over).
+
+    The supervisor restarts OOM-killed apiservers and records their new pids in ``sandbox.json``, so the state
+    is read again from disk; it is stopped first, or a restart it still had pending would start a second
+    apiserver on a port this one has just taken. Returns the state as now saved and the seconds until ready."""
+    fresh = SandboxState.load(Path(state.dir))
+    watcher = [p for p in fresh.processes if p.name == supervisor.NAME]
+    processes.stop(watcher)
+    ready = restart_apiservers(fresh, flags=flags)
+    started = [processes.start(r.name, r.cmd, Path(r.log), env=r.env, cwd=Path(state.dir)) for r in watcher]
+    by_name = {p.name: p for p in started}
+    fresh.processes = [by_name.get(p.name, p) for p in fresh.processes]
+    fresh.save()
+    return fresh, ready
 
 
 def wait_ready(state: SandboxState, health_urls: Sequence[str], timeout: float = 180) -> None:

@@ -80,6 +80,9 @@ class Sampler:
     cluster-wide concurrency a budget promises. ``/metrics`` is megabytes under a storm and read one apiserver
     after another, so its gauge sums moments up to seconds apart and counts a request that moved twice."""
     apf_interval: float = 0.1
+    follow_restarts: bool = False
+    """Read the processes from ``sandbox.json`` on every tick: the sandbox's supervisor restarts OOM-killed
+    apiservers under new pids (a gap in an apiserver's series is the time it was down)."""
 
     def __post_init__(self) -> None:
         self._stop = threading.Event()
@@ -119,7 +122,11 @@ class Sampler:
     def _proc_loop(self) -> None:
         while not self._stop.is_set():
             t = self._now()
-            procs = [(p.name, p.pid) for p in self.state.processes if p.name.startswith(tuple(self.components))]
+            state = self.state
+            if self.follow_restarts:
+                with contextlib.suppress(OSError, ValueError):  # being rewritten: this tick uses the last one read
+                    state = SandboxState.load(Path(self.state.dir))
+            procs = [(p.name, p.pid) for p in state.processes if p.name.startswith(tuple(self.components))]
             for name, pid in procs + list(self.extra_pids.items()):
                 figures = proc_figures(pid)
                 if figures:

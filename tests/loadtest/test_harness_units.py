@@ -110,3 +110,26 @@ def test_apf_dump_gives_the_executing_requests_of_one_priority_level() -> None:
     assert apf_executing(dump, "catch-all") == 0
     assert apf_executing(dump, "missing") is None
     assert apf_executing("forbidden", "catch-all") is None
+
+
+def test_oom_kills_are_read_from_the_supervisors_events_and_a_second_apiserver_killed_is_the_cascade() -> None:
+    from loadtest.scenarios.oom_storm import cascaded, downtime, kills_between
+
+    events = [
+        {"time": 90.0, "component": "kube-apiserver-1", "event": "oom_kill"},  # an earlier arm's
+        {"time": 95.0, "component": "kube-apiserver-1", "event": "restart"},
+        {"time": 110.0, "component": "kube-apiserver-2", "event": "oom_kill"},
+        {"time": 120.0, "component": "kube-apiserver-2", "event": "restart"},
+        {"time": 125.0, "component": "kube-apiserver-1", "event": "oom_kill"},
+        {"time": 130.0, "component": "kube-apiserver-3", "event": "oom_kill"},
+        {"time": 135.0, "component": "kube-apiserver-2", "event": "oom_kill"},
+        {"time": 140.0, "component": "kube-apiserver-1", "event": "restart"},
+    ]
+    kills = kills_between(events, 100.0, 150.0)
+    assert kills == [(10.0, "kube-apiserver-2"), (25.0, "kube-apiserver-1"), (30.0, "kube-apiserver-3"),
+                     (35.0, "kube-apiserver-2")]
+    assert cascaded(kills) and not cascaded(kills[:1]) and not cascaded([(1.0, "a"), (9.0, "a")])
+    names = ["kube-apiserver-1", "kube-apiserver-2", "kube-apiserver-3"]
+    per, together = downtime(events, names, 100.0, 150.0)
+    assert per == {"kube-apiserver-1": 15.0, "kube-apiserver-2": 25.0, "kube-apiserver-3": 20.0}
+    assert together == 5.0  # 135-140: all three down

@@ -117,6 +117,19 @@ def test_list_storm_writes_a_report_where_every_lister_completed_in_every_arm(tm
     assert "secrets#0" in text and "peak upstream secret LISTs" in text
 
 
+def test_list_storm_oom_runs_memory_limited_apiservers_and_reports_their_kills(tmp_path: Path, haproxy: str) -> None:
+    out = tmp_path / "list-storm-oom"
+    text = check_report(run_scenario("list-storm-oom", out, scale=0.02))
+    arms = ["haproxy", "direct", "gatekeeper", "gatekeeper-coalescing"]
+    check_samples(out, arms)
+    for arm in arms:
+        lst = locust_stats(out, arm)["LIST secrets"]
+        assert int(lst["Request Count"]) == 2 and int(lst["Failure Count"]) == 0, (arm, lst)
+    assert (out / "kills.csv").read_text().splitlines()[0] == "arm,seconds_from_arm_start,apiserver"
+    assert "each in a memory cgroup of 4096 MiB" in text and "secrets#0" in text
+    assert re.search(r"^\| haproxy \| 0 \| 0 0 0 \| no \|", text, re.M), "a tiny storm kills nothing"
+
+
 def test_skew_reports_per_apiserver_shares_that_sum_to_one(tmp_path: Path, haproxy: str) -> None:
     out = tmp_path / "skew"
     check_report(run_scenario("skew", out))
