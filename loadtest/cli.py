@@ -21,6 +21,7 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
+from loadtest.harness import report
 from loadtest.harness.cluster import ScenarioError
 from loadtest.harness.run import RunContext
 
@@ -52,6 +53,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--scale", type=float, default=1.0,
                    help="multiply every scenario's counts and durations (default 1.0; 0.05 takes seconds)")
     p.add_argument("--keep-work", action="store_true", help="keep the work directory (sandbox logs, specs)")
+    p.add_argument("--allow-dirty", action="store_true",
+                   help="write reports from a working tree with uncommitted changes (each report says so)")
     return p
 
 
@@ -64,6 +67,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if not 0 < args.scale <= 100:
         print("--scale must be in (0, 100]", file=sys.stderr)
+        return 2
+    try:
+        report.PROVENANCE.update(report.provenance(args.allow_dirty))
+    except ValueError as exc:
+        print(f"loadtest: {exc}", file=sys.stderr)
         return 2
     names = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
     failed = []

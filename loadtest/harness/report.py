@@ -11,11 +11,13 @@ import csv
 import os
 import platform
 import shlex
+import shutil
 import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
@@ -33,17 +35,46 @@ def _first_line(argv: Sequence[str]) -> str:
     return ((p.stdout or p.stderr).strip().splitlines() or ["?"])[0]
 
 
-def versions(apiserver_binary: str | None) -> dict[str, str]:
+REPO = Path(__file__).resolve().parents[2]
+PROVENANCE: dict[str, str] = {}
+"""The commit and tree state, read once when the run began (``cli.main``), so every report of one run names
+the same commit, the one that produced it."""
+VERSION_FLAGS = {"etcd": ["--version"], "kube-apiserver": ["--version"], "kube-scheduler": ["--version"],
+                 "kube-controller-manager": ["--version"], "kwok": ["--version"],
+                 "kubectl": ["version", "--client"], "haproxy": ["-v"], "caddy": ["version"]}
+
+
+def tree_state(repo: Path = REPO) -> tuple[str, list[str]]:
+    """(HEAD's full commit, the paths ``git status`` lists as changed or untracked)."""
+    head = _first_line(["git", "-C", str(repo), "rev-parse", "HEAD"])
+    p = subprocess.run(["git", "-C", str(repo), "status", "--porcelain"], capture_output=True, text=True,
+                       timeout=30)
+    return head, [line[3:] for line in p.stdout.splitlines() if line.strip()]
+
+
+def provenance(allow_dirty: bool, repo: Path = REPO) -> dict[str, str]:
+    """What a report says of the code that produced it; a changed tree only with ``allow_dirty``."""
+    head, changed = tree_state(repo)
+    if changed and not allow_dirty:
+        shown = ", ".join(changed[:10]) + (f" and {len(changed) - 10} more" if len(changed) > 10 else "")
+        raise ValueError(f"the working tree has changes ({shown}): commit them, or pass --allow-dirty and the "
+                         "report says so")
+    tree = "clean" if not changed else f"DIRTY: {len(changed)} changed or untracked paths (--allow-dirty)"
+    return {"git commit": head, "tree": tree}
+
+
+def versions(binaries: dict[str, str]) -> dict[str, str]:
+    """Every component's version: the Python side here, each binary from its own version flag."""
     from importlib.metadata import version  # not ``import locust``: that would gevent-patch this process
 
     from gatekeeper import __version__
 
     out = {"gatekeeper": __version__, "python": platform.python_version(), "locust": version("locust"),
            "matplotlib": matplotlib.__version__,
-           "git commit": _first_line(["git", "-C", str(Path(__file__).resolve().parents[2]), "rev-parse",
-                                      "--short", "HEAD"])}
-    if apiserver_binary:
-        out["kube-apiserver"] = _first_line([apiserver_binary, "--version"])
+           **(PROVENANCE or {"git commit": _first_line(["git", "-C", str(REPO), "rev-parse", "HEAD"]),
+                             "tree": "not checked (the report was not written by python -m loadtest)"})}
+    for name, path in sorted(binaries.items()):
+        out[name] = _first_line([path, *VERSION_FLAGS.get(name, ["--version"])])
     return out
 
 
@@ -64,7 +95,21 @@ class Report:
     plots: list[tuple[str, str]] = field(default_factory=list)
     csvs: list[str] = field(default_factory=list)
     setup: dict[str, str] = field(default_factory=dict)
-    apiserver_binary: str | None = None
+    binaries: dict[str, str] = field(default_factory=dict)
+    """Component name -> binary, each reported with its version (:meth:`use_sandbox`)."""
+
+    def use_sandbox(self, state: Any) -> None:
+        """Record the binaries of every component the sandbox runs, and the clients the scenarios use."""
+        from gatekeeper.sandbox.testing import kubectl_binary
+
+        for p in state.processes:
+            name = p.name.rstrip("0123456789").rstrip("-")
+            if name in VERSION_FLAGS and p.cmd:
+                self.binaries.setdefault(name, p.cmd[0])
+        self.binaries["kubectl"] = kubectl_binary(state)
+        haproxy = shutil.which("haproxy") or shutil.which("haproxy", path="/usr/sbin:/usr/bin")
+        if haproxy:
+            self.binaries["haproxy"] = haproxy
 
     def table(self, header: Sequence[str], rows: Sequence[Sequence[object]], title: str = "") -> None:
         lines = [f"### {title}\n"] if title else []
@@ -87,7 +132,7 @@ class Report:
             "load average (1/5/15 min) before": " / ".join(f"{x:.2f}" for x in self.load_before),
             "load average (1/5/15 min) after": " / ".join(f"{x:.2f}" for x in load_after),
             **self.setup,
-            **versions(self.apiserver_binary),
+            **versions(self.binaries),
         }
         parts = [f"# {self.title}\n", "## The seed's claim\n", "\n".join(f"> {line}" for line in
                                                                          self.claim.strip().splitlines()) + "\n"]
@@ -95,7 +140,7 @@ class Report:
             parts += ["## Seed vs ours\n", "| figure | seed | ours (this run) |", "|---|---|---|"]
             parts += [f"| {a} | {b} | {c} |" for a, b, c in self.seed_vs_ours]
             parts.append("")
-        parts += ["## Results\n", *self.sections]
+        parts += ["## Results\n", *self.sections, *_locust_section(self.out)]
         if self.plots:
             parts.append("## Plots\n")
             parts += [f"![{cap}]({name})\n\n*{cap}*\n" for name, cap in self.plots]
@@ -106,6 +151,28 @@ class Report:
         path = self.out / "report.md"
         path.write_text("\n".join(parts) + "\n")
         return path
+
+
+LOCUST_CSV = "locust-cpu.csv"
+
+
+def _locust_section(out: Path) -> list[str]:
+    """Locust's own CPU per arm (``run.run_locust`` writes it): on a 2-core machine the load generator can be
+    what limits a run, and then the run measures Locust."""
+    path = out / LOCUST_CSV
+    if not path.exists():
+        return []
+    with path.open() as fh:
+        rows = list(csv.DictReader(fh))
+    lines = ["### The load generator: Locust's own CPU per arm (its log beside this report)\n",
+             "| arm | Locust CPU s | wall s | share of one core | Locust's CPU warnings | load average (1 min) "
+             "after | Locust the bottleneck? |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        share = float(r["cpu_seconds"]) / max(0.001, float(r["wall_seconds"]))
+        limited = share >= 0.9 or int(r["cpu_warnings"]) > 0
+        lines.append(f"| {r['arm']} | {float(r['cpu_seconds']):.1f} | {float(r['wall_seconds']):.1f} | "
+                     f"{share:.2f} | {r['cpu_warnings']} | {r['load1']} | {'yes' if limited else 'no'} |")
+    return ["\n".join(lines) + "\n"]
 
 
 def _cell(c: object) -> str:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -12,7 +14,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from loadtest.harness.cluster import ScenarioError
-from loadtest.harness.report import locust_rows
+from loadtest.harness.report import LOCUST_CSV, locust_rows
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -43,9 +45,18 @@ def run_locust(ctx: RunContext, name: str, spec: dict[str, Any], timeout: float)
     spec_path.write_text(json.dumps(spec))
     prefix = ctx.out / name
     ctx.say(f"  locust {name}: {spec['users']} users of {', '.join(spec['user_classes'])}")
+    before, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "loadtest.harness.driver", str(spec_path), str(prefix)],
                           cwd=REPO, capture_output=True, text=True, timeout=timeout + 120)
-    (ctx.work / f"{name}-locust.log").write_text(proc.stdout + proc.stderr)
+    after, wall = resource.getrusage(resource.RUSAGE_CHILDREN), time.monotonic() - t0
+    log = proc.stdout + proc.stderr
+    (ctx.out / f"{name}-locust.log").write_text(log)  # kept with the report: Locust's own CPU warnings are in it
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    new = not (ctx.out / LOCUST_CSV).exists()
+    with open(ctx.out / LOCUST_CSV, "a") as out:
+        if new:
+            out.write("arm,cpu_seconds,wall_seconds,cpu_warnings,load1\n")
+        out.write(f"{name},{cpu:.2f},{wall:.2f},{log.count('CPU usage above')},{os.getloadavg()[0]:.2f}\n")
     if proc.returncode != 0 or not prefix.with_name(prefix.name + "_stats.csv").exists():
         raise ScenarioError(f"locust {name} failed (rc={proc.returncode}):\n{proc.stderr[-3000:]}")
     return locust_rows(prefix)

@@ -83,14 +83,20 @@ class ListerUser(K8sUser):
 
     429 + Retry-After is retried as client-go does (up to 10 times); each one is
     reported as ``throttled (429)``, and the LIST's time includes the waits. A LIST cut by an error (a proxy
-    killed under it) is sent again after 1 s, as a reflector re-lists (``re-listed after an error``).
+    killed under it) is sent again after 1 s, as a reflector re-lists (``re-listed after an error``), up to 10
+    times; with ``relist: reflector`` for as long as the run lasts, after client-go's reflector back-off
+    (0.8 s doubling to 30 s), so apiservers that come back meet the same storm, as in the seeds' incident.
     """
 
     @task
     def storm(self) -> None:
+        reflector = self.spec.get("relist") == "reflector"
         for _ in range(int(self.spec.get("rounds", 1))):
             t0 = time.perf_counter()
-            for _attempt in range(11):
+            backoff = 0.8
+            for attempt in itertools.count():
+                if attempt > 10 and not reflector:
+                    break
                 resp = self.call("GET", "LIST secrets (one try)", f"/api/v1/namespaces/{self.ns}/secrets",
                                  ok=(200, 429), stream=True)
                 if resp is not None and resp.status_code == 429:
@@ -103,7 +109,8 @@ class ListerUser(K8sUser):
                     self.environment.events.request.fire(
                         request_type="GET", name="re-listed after an error", response_time=0, response_length=0,
                         exception=None, context={})
-                    time.sleep(1.0)
+                    time.sleep(backoff if reflector else 1.0)
+                    backoff = min(30.0, backoff * 2)
                     continue
                 break
             ok = resp is not None and resp.status_code == 200

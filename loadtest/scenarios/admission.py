@@ -102,7 +102,7 @@ def run(ctx: RunContext) -> None:
     with cluster.sandbox(ctx.work / "sandbox", ctx.adopt, ctx.log, addons=("webhook",)) as state:
         if "webhook" not in state.extra:
             raise ScenarioError("the sandbox has no webhook add-on (sandbox up --with-webhook)")
-        report.apiserver_binary = cluster.apiserver_records(state)[0].cmd[0]
+        report.use_sandbox(state)
         ca = SandboxPKI(Path(state.certs_dir)).ca
         identities = cluster.tenants(state, NS, min(users, 10), ctx.work)
         with cluster.admin(state) as c:

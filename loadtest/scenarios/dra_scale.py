@@ -226,7 +226,7 @@ def run(ctx: RunContext) -> None:
         with cluster.sandbox(ctx.work / arm.name, ctx.adopt, ctx.log, apiservers=1, with_scheduler=True,
                              gpu_nodes=nodes, gpus_per_node=GPUS_PER_NODE, addons=arm.addons,
                              gpu_extended_resource_mapping=arm.mapping) as state:
-            report.apiserver_binary = cluster.apiserver_records(state)[0].cmd[0]
+            report.use_sandbox(state)
             r = run_arm(ctx, arm, state, total, users, timeout)
             results.append(r)
             lat = r.latencies()

@@ -49,7 +49,7 @@ def run(ctx: RunContext) -> None:
     samplers: list[Sampler] = []
     results: list[dict[str, Any]] = []
     with cluster.sandbox(ctx.work / "sandbox", ctx.adopt, ctx.log) as state:
-        report.apiserver_binary = cluster.apiserver_records(state)[0].cmd[0]
+        report.use_sandbox(state)
         for gogc in ARMS:
             arm, ns = f"GOGC={gogc}", f"loadtest-gogc-{gogc}"
             cluster.restart_apiservers(state, env={"GOGC": str(gogc)})

@@ -63,7 +63,10 @@ def target(arm: str, state: SandboxState, ctx: RunContext) -> Iterator[tuple[lis
             yield [url], notes
         notes.update(fleet_notes)
     else:
-        with cluster.proxy(state, ctx.work / arm, {"files": [str(kit.SEEDS)]}) as p:
+        flow: dict[str, Any] = {"files": [str(kit.SEEDS)]}
+        if arm == "gatekeeper-per-apiserver":  # what lands on one apiserver: one storage LIST at a time
+            flow.update(storageOnlyResources=["secrets"], expensiveLists={"maxInFlightPerBackend": 1})
+        with cluster.proxy(state, ctx.work / arm, flow) as p:
             notes["pid"] = p.proc.pid
             yield [p.url], notes
             text = p.metrics()
@@ -140,7 +143,7 @@ def run(ctx: RunContext) -> None:
     samplers: list[Sampler] = []
     results: list[dict[str, Any]] = []
     with cluster.sandbox(ctx.work / "sandbox", ctx.adopt, ctx.log, apiserver_args=STORAGE_READS) as state:
-        report.apiserver_binary = cluster.apiserver_records(state)[0].cmd[0]
+        report.use_sandbox(state)
         ctx.say(f"{NAME}: {secrets} Secrets x {size_kib} KiB, {listers} listers x {rounds} rounds")
         asyncio.run(kit.create_secrets(state, NS, secrets, size_kib * 1024))
         identities = cluster.tenants(state, NS, listers, ctx.work)

@@ -143,7 +143,7 @@ def run(ctx: RunContext) -> None:
     samplers: list[Sampler] = []
     results = []
     with cluster.sandbox(ctx.work / "sandbox", ctx.adopt, ctx.log) as state:
-        report.apiserver_binary = cluster.apiserver_records(state)[0].cmd[0]
+        report.use_sandbox(state)
         identities = cluster.tenants(state, NS, python_clients, ctx.work)
         for arm, conf in ARMS.items():
             cluster.restart_apiservers(state, flags=conf["flags"])

@@ -6,13 +6,14 @@ import functools
 from pathlib import Path
 
 import pytest
-from fc_helpers import Req, User
+from fc_helpers import Req, User, flow_schema, group, queued_level, rr
 from test_queueing import controller
 
 import gatekeeper.proxy.settings  # noqa: F401 - registers the proxy: section
 from gatekeeper.config import ConfigError, load_config
 from gatekeeper.proxy.flowcontrol.core.controller import FlowController, LevelLimits
 from gatekeeper.proxy.flowcontrol.core.fleet import FleetShare, backend_bound
+from gatekeeper.proxy.flowcontrol.core.policy import build_policy
 from gatekeeper.proxy.flowcontrol.core.queueset import Ticket
 from gatekeeper.proxy.flowcontrol.edge.ledger import LedgerLevel, SeatLedger
 
@@ -192,3 +193,33 @@ def test_a_stale_count_cannot_overrun_the_cap_the_ledger_checks_again_under_its_
     fcs[1].budget.backends.count = lambda name: 0  # read before worker 0 took its slots
     late = fcs[1].admit(User("late"), BIG, 0.0)[0]
     assert late.state == "queued" and not late.holds_seats
+
+
+def test_an_unsized_list_of_a_storage_only_resource_is_capped_until_its_size_is_known():
+    """Before any response the estimate is 0: the first storm of a cold proxy would otherwise land anywhere."""
+    fc = capped(per_backend=1)
+    fc.estimator.storage_only = frozenset({"secrets"})
+    cold = Req("list", "secrets", namespace="cold")
+    tickets = admit(fc, 4, cold)
+    assert on_each(tickets) == {"a": 1, "b": 1, "c": 1} and tickets[3].state == "queued"
+    woken = fc.finish(tickets[0])
+    assert woken == [tickets[3]], "an unsized LIST's slot going back wakes the next one (no bytes were freed)"
+    other = admit(fc, 3, Req("list", "configmaps", namespace="cold"), user="cm")
+    assert all(t.state == "executing" and not t.backend for t in other), "not storage-only: not capped"
+
+
+def test_an_apiserver_slot_freed_in_one_level_wakes_an_unsized_list_waiting_in_another():
+    objs = [queued_level("red", 10), queued_level("blue", 10), queued_level("catch-all", 0),
+            flow_schema("red", "red", [{"subjects": [group("red")], "resourceRules": [rr(["*"], ["*"])]}], 100),
+            flow_schema("blue", "blue", [{"subjects": [group("blue")], "resourceRules": [rr(["*"], ["*"])]}], 100)]
+    fc = FlowController(build_policy([(str(i), o) for i, o in enumerate(objs)], 20),
+                        LevelLimits(server_concurrency_limit=20, expensive_lists_per_backend=1,
+                                    storage_only_resources=frozenset({"secrets"})))
+    caps = fc.budget.backends
+    caps.candidates = lambda: ("a",)
+    caps.configure(caps.nominal, caps.min_bytes, None, ("a",))
+    first = fc.admit(User("u1", groups=["red"]), Req("list", "secrets", namespace="x"), 0.0)[0]
+    waiting = fc.admit(User("u2", groups=["blue"]), Req("list", "secrets", namespace="y"), 0.0)[0]
+    assert first.level is not waiting.level
+    assert first.state == "executing" and waiting.state == "queued"
+    assert waiting in fc.finish(first), "no bytes were freed, but an apiserver's slot was"

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from gatekeeper.sandbox.state import SandboxState
 from loadtest.harness.cluster import with_flags
@@ -133,3 +136,21 @@ def test_oom_kills_are_read_from_the_supervisors_events_and_a_second_apiserver_k
     per, together = downtime(events, names, 100.0, 150.0)
     assert per == {"kube-apiserver-1": 15.0, "kube-apiserver-2": 25.0, "kube-apiserver-3": 20.0}
     assert together == 5.0  # 135-140: all three down
+
+
+def test_a_report_is_refused_from_a_changed_tree_unless_allowed_and_then_says_so(tmp_path: Path) -> None:
+    from loadtest.harness.report import provenance
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "a.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "a")
+    clean = provenance(False, repo=tmp_path)
+    assert re.fullmatch(r"[0-9a-f]{40}", clean["git commit"]) and clean["tree"] == "clean"
+    (tmp_path / "a.py").write_text("x = 2\n")
+    with pytest.raises(ValueError, match=r"changes \(a\.py\)"):
+        provenance(False, repo=tmp_path)
+    assert provenance(True, repo=tmp_path)["tree"].startswith("DIRTY: 1 changed")

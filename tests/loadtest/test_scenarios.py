@@ -40,7 +40,9 @@ def haproxy() -> str:
 
 
 def run_scenario(name: str, out: Path, scale: float = 0.02) -> Path:
-    p = subprocess.run([sys.executable, "-m", "loadtest", name, "--out", str(out), "--scale", str(scale)],
+    # --allow-dirty: a developer runs the suite on uncommitted work; the report says so (CI's tree is clean)
+    p = subprocess.run([sys.executable, "-m", "loadtest", name, "--out", str(out), "--scale", str(scale),
+                        "--allow-dirty"],
                        cwd=REPO, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, f"{name} failed:\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
     return out / "report.md"
@@ -56,6 +58,10 @@ def check_report(report: Path) -> str:
     assert re.search(r"- machine: \d+ cores", text)
     assert re.search(r"- load average \(1/5/15 min\) before: [\d.]+ / [\d.]+ / [\d.]+", text)
     assert "Command: `" in text and "kube-apiserver: Kubernetes v" in text
+    assert re.search(r"^- git commit: [0-9a-f]{40}$", text, re.M) and re.search(r"^- tree: (clean|DIRTY)", text, re.M)
+    assert re.search(r"^- etcd: etcd Version: 3\.", text, re.M) and re.search(r"^- kubectl: Client Version", text, re.M)
+    assert "### The load generator: Locust's own CPU per arm" in text
+    assert list(report.parent.glob("*-locust.log")), "Locust's log is kept with the report"
     seed_rows = re.findall(r"^\| ([^|]+) \| ([^|]+) \| ([^|]+) \|$", text.split("## Seed vs ours")[1]
                            .split("## Results")[0], re.M)
     ours = [r[2] for r in seed_rows if r[0] not in ("figure", "---")]
@@ -120,7 +126,7 @@ def test_list_storm_writes_a_report_where_every_lister_completed_in_every_arm(tm
 def test_list_storm_oom_runs_memory_limited_apiservers_and_reports_their_kills(tmp_path: Path, haproxy: str) -> None:
     out = tmp_path / "list-storm-oom"
     text = check_report(run_scenario("list-storm-oom", out, scale=0.02))
-    arms = ["haproxy", "direct", "gatekeeper", "gatekeeper-coalescing"]
+    arms = ["haproxy", "direct", "gatekeeper", "gatekeeper-per-apiserver", "gatekeeper-coalescing"]
     check_samples(out, arms)
     for arm in arms:
         lst = locust_stats(out, arm)["LIST secrets"]

@@ -57,8 +57,8 @@ class BackendCap:
         dealt = self.fleet.backend_slots(self.nominal, [n for n in self.names if n in eligible])
         self.limits = {n: dealt.get(n, 0) for n in self.names}
 
-    def expensive(self, list_bytes: int) -> bool:
-        return self.nominal > 0 and list_bytes >= self.min_bytes
+    def expensive(self, list_bytes: int, unsized: bool = False) -> bool:
+        return self.nominal > 0 and (list_bytes >= self.min_bytes or unsized)
 
     def pick(self) -> str | None:
         """The eligible apiserver with the fewest expensive LISTs, if one is below this proxy's limit there."""

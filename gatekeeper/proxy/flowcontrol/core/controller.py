@@ -190,6 +190,8 @@ class FlowController:
             list_bytes=est.list_bytes,
             key=key,
             deadline=now + self.limits.queue_wait_seconds,
+            unsized=(ri.verb == "list" and not est.list_bytes and not single
+                     and ri.resource in self.estimator.storage_only),
         )
         level = self.levels[pl.name]
         dispatched = level.submit(t)
@@ -213,13 +215,13 @@ class FlowController:
         """A watch got its first bytes: it keeps running but no longer holds seats."""
         if t.level is None or not t.holds_seats:
             return []
-        return self._after(t.level, t.level.release(t), bool(t.list_bytes), now)
+        return self._after(t.level, t.level.release(t), bool(t.list_bytes or t.backend), now)
 
     def finish(self, t: Ticket, now: float | None = None) -> list[Ticket]:
         """The request ended (response complete, failed, or client gone). Followers end with it."""
         if t.level is None:
             return []
-        freed = bool(t.list_bytes) and t.holds_seats
+        freed = bool(t.list_bytes or t.backend) and t.holds_seats  # bytes or an apiserver's slot: any level
         for f in t.followers:
             f.state = "done"
         return self._after(t.level, t.level.finish(t), freed, now)

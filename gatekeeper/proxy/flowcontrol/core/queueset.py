@@ -103,6 +103,9 @@ class Ticket:
     backend: str = ""
     """The apiserver reserved for an expensive LIST (``backendcap.py``); empty for any other request."""
     cap_held: bool = False
+    unsized: bool = False
+    """A LIST of a storage-only resource whose size is not known yet: it may read the whole collection, so the
+    per-apiserver cap treats it as expensive until a response has taught the size."""
     start_tag: float = 0.0
     finish_tag: float = 0.0
 
@@ -122,7 +125,7 @@ class ListBudget:
     def place(self, t: Ticket) -> bool:
         """Reserve an apiserver for an expensive LIST (``t.backend``); False while every one is at the cap."""
         caps = self.backends
-        if not caps.expensive(t.list_bytes):
+        if not caps.expensive(t.list_bytes, t.unsized):
             return True
         name = caps.pick()
         if name is None:
@@ -135,7 +138,7 @@ class ListBudget:
         """Count a queued expensive LIST as held when every apiserver is at the cap, whether or not dispatch
         looks at it (it tries only the head of the fairest queue)."""
         caps = self.backends
-        if not t.cap_held and caps.expensive(t.list_bytes) and caps.pick() is None:
+        if not t.cap_held and caps.expensive(t.list_bytes, t.unsized) and caps.pick() is None:
             self._held(t)
 
     def _held(self, t: Ticket) -> None:

@@ -248,6 +248,7 @@ class SeatLedger:
         if list_bytes:
             v[self._list_off + 2 * me] = max(0, v[self._list_off + 2 * me] - list_bytes)
             v[self._list_off + 2 * me + 1] = max(0, v[self._list_off + 2 * me + 1] - 1)
+        if list_bytes or backend >= 0:  # bytes or an apiserver's slot freed: any worker's level may go on
             for w in self._waiting_anywhere(v):
                 self.signal(w)
             return
