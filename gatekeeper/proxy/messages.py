@@ -1,9 +1,8 @@
 """The one request/response shape both protocol adapters speak; everything after them sees only these types.
 
-Bodies are async iterators pulled by the consumer: that is the backpressure contract, so a slow client slows
-the backend read instead of growing a buffer. :func:`close_body` and :func:`is_exhausted` are the only places
-that test for the optional :class:`Closable` and :class:`KnowsLastChunk`.
-"""
+Bodies are async iterators pulled by the consumer: that is the backpressure contract, so a slow client slows the backend
+read instead of growing a buffer. :func:`close_body` and :func:`is_exhausted` are the only places that test for the
+optional :class:`Closable` and :class:`KnowsLastChunk`."""
 
 from __future__ import annotations
 
@@ -40,8 +39,7 @@ class KnowsLastChunk(Protocol):
 def is_exhausted(body: object) -> bool:
     """True once a :class:`KnowsLastChunk` body has returned its last chunk (always False for others).
 
-    Attribute lookup, not ``isinstance`` on the protocol: that is slow, and this runs per response chunk.
-    """
+    Attribute lookup, not ``isinstance`` on the protocol: that is slow, and this runs per response chunk."""
     return getattr(body, "exhausted", None) is True
 
 

@@ -1,8 +1,7 @@
 """Prometheus metrics of the proxy's pipeline (requests, backends, skew); the list is in docs/proxy/metrics.md.
 
 Labels are bounded against invented input (see :func:`resource_label`). The TLS port's ``/metrics`` is for
-``listener.metricsGroups`` only.
-"""
+``listener.metricsGroups`` only."""
 
 from __future__ import annotations
 
@@ -197,9 +196,8 @@ def verb_label(verb: str) -> str:
 def resource_label(resource_key: str, code: int) -> str:
     """The resource label: learned names, ``<unknown>`` for unlearned ones, ``<other>`` past the cap.
 
-    Clients can invent paths, so a name is learned only from an answer only a real resource gives: 1xx-3xx
-    or one of :data:`RESOURCE_HANDLER_ERRORS`.
-    """
+    Clients can invent paths, so a name is learned only from an answer only a real resource gives: 1xx-3xx or one of
+    :data:`RESOURCE_HANDLER_ERRORS`."""
     if not resource_key:
         return ""
     if resource_key in _known_resources:

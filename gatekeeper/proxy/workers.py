@@ -1,8 +1,7 @@
 """``gatekeeper proxy --workers N``: N proxy processes on one port under a supervising parent.
 
-One Python event loop tops out at one core. Hand-off, restarts, hang kills, signals, metrics and the runtime
-directory are described in docs/proxy/workers.md.
-"""
+One Python event loop tops out at one core. Hand-off, restarts, hang kills, signals, metrics and the runtime directory
+are described in docs/proxy/workers.md."""
 
 from __future__ import annotations
 
@@ -294,9 +293,8 @@ class Supervisor:
 def snapshot_config(settings: ProxySettings, config: Path, runtime: Path) -> Path:
     """A private copy of the validated config file, for every worker the parent ever starts.
 
-    Re-reading ``--config`` at each restart gave a replaced worker other settings than its siblings, and a bad
-    edit a crash loop. Raises UsageError if the file changed between the check and the copy.
-    """
+    Re-reading ``--config`` at each restart gave a replaced worker other settings than its siblings, and a bad edit a
+    crash loop. Raises UsageError if the file changed between the check and the copy."""
     copy = runtime / "config.yaml"
     try:
         data = config.read_bytes()

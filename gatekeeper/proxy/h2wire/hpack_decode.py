@@ -1,9 +1,8 @@
 """HPACK decoding (RFC 7541) for the HTTP/2 codec: one loop over the block, plain tuples out.
 
-``hpack.Decoder`` was about half the codec's time per request; a flat loop does the same work. Same semantics
-and limits as ``hpack.Decoder`` (the tests' oracle), see docs/proxy/limits.md. The short-string Huffman memo
-is never used for never-indexed fields or credentials (``SECRET_NAMES``), so no short secret is a cache key.
-"""
+``hpack.Decoder`` was about half the codec's time per request; a flat loop does the same work. Same semantics and limits
+as ``hpack.Decoder`` (the tests' oracle), see docs/proxy/limits.md. The short-string Huffman memo is never used for
+never-indexed fields or credentials (``SECRET_NAMES``), so no short secret is a cache key."""
 
 from __future__ import annotations
 

@@ -1,10 +1,9 @@
 """HPACK encoder for the proxy's response headers: the same compression as ``hpack``'s, a fraction of the CPU.
 
-Apiservers repeat nearly the same header list on every answer, so the repeated work becomes dict lookups: the
-dynamic table is indexed by a dict, literal encodings are memoized (bounded, cleared when full), and long or
-never-indexed fields (``audit-id``, ``date``) go out raw, without Huffman, and never enter table or memo. The
-table follows the peer's SETTINGS_HEADER_TABLE_SIZE capped at ``MAX_TABLE_SIZE`` (RFC 7541 4.2).
-"""
+Apiservers repeat nearly the same header list on every answer, so the repeated work becomes dict lookups: the dynamic
+table is indexed by a dict, literal encodings are memoized (bounded, cleared when full), and long or never-indexed
+fields (``audit-id``, ``date``) go out raw, without Huffman, and never enter table or memo. The table follows the peer's
+SETTINGS_HEADER_TABLE_SIZE capped at ``MAX_TABLE_SIZE`` (RFC 7541 4.2)."""
 
 from __future__ import annotations
 

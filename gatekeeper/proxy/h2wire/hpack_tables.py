@@ -1,8 +1,7 @@
 """The constants of HPACK (RFC 7541): its static table, its Huffman code, its integers (pure).
 
-Written from the RFC (the tests check them against ``hpack``'s). The Huffman code is canonical, so its 257
-code lengths determine every code: the table is those lengths, one letter each (``A`` = 5 bits).
-"""
+Written from the RFC (the tests check them against ``hpack``'s). The Huffman code is canonical, so its 257 code lengths
+determine every code: the table is those lengths, one letter each (``A`` = 5 bits)."""
 
 from __future__ import annotations
 

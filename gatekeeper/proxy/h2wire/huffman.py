@@ -1,15 +1,14 @@
 """HPACK Huffman decoding (RFC 7541 5.2 and Appendix B): one table step per input byte, and its memo.
 
-Huffman strings are the most CPU per byte a client can make the proxy spend, and ``hpack`` walks the tree a
-nibble at a time. This is a state machine over the code tree's 256 internal nodes plus an error state: each
-input byte is one lookup in flat lists. After the last byte the machine must rest on the all-ones path at
-depth 0..7 (padding a prefix of EOS); anything else, EOS included, raises :class:`HuffmanDecodingError`.
+Huffman strings are the most CPU per byte a client can make the proxy spend, and ``hpack`` walks the tree a nibble at a
+time. This is a state machine over the code tree's 256 internal nodes plus an error state: each input byte is one lookup
+in flat lists. After the last byte the machine must rest on the all-ones path at depth 0..7 (padding a prefix of EOS);
+anything else, EOS included, raises :class:`HuffmanDecodingError`.
 
-The memos are bounded LRUs keyed by the coded bytes; errors are never cached. A hit tells a client only that it
-sent identical bytes, and its timing gain is far below network jitter. ``decode_memo`` keeps the ~1 KB bearer
-token decoded once; huge strings are not kept (a memory sink). ``decode_memo_short`` is a separate LRU for
-other fields, so many distinct paths cannot evict tokens; callers keep credentials and never-indexed fields out.
-"""
+The memos are bounded LRUs keyed by the coded bytes; errors are never cached. A hit tells a client only that it sent
+identical bytes, and its timing gain is far below network jitter. ``decode_memo`` keeps the ~1 KB bearer token decoded
+once; huge strings are not kept (a memory sink). ``decode_memo_short`` is a separate LRU for other fields, so many
+distinct paths cannot evict tokens; callers keep credentials and never-indexed fields out."""
 
 from __future__ import annotations
 

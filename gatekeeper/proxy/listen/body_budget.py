@@ -1,9 +1,8 @@
 """A process-wide ceiling on HTTP/2 request DATA received but not yet taken by the pipeline.
 
 Windows bound each connection, not the process (20000 connections x 4 MiB is 80 GiB). A DATA frame past
-``protocol.maxBufferedRequestBytes`` resets its stream (ENHANCE_YOUR_CALM) unless its connection is under its
-fair share (:class:`Share`); other streams' bytes are untouched. Sans-IO; the gauge is the only side effect.
-"""
+``protocol.maxBufferedRequestBytes`` resets its stream (ENHANCE_YOUR_CALM) unless its connection is under its fair share
+(:class:`Share`); other streams' bytes are untouched. Sans-IO; the gauge is the only side effect."""
 
 from __future__ import annotations
 
@@ -35,10 +34,9 @@ class RequestBodyBudget:
 class Share:
     """One connection's part of the budget.
 
-    Past the limit, a connection under its fair share (the limit split over the connections holding bytes)
-    may go on, up to twice the limit in all: otherwise a client parking bodies on a few connections would get
-    every other client's uploads reset.
-    """
+    Past the limit, a connection under its fair share (the limit split over the connections holding bytes) may go on, up
+    to twice the limit in all: otherwise a client parking bodies on a few connections would get every other client's
+    uploads reset."""
 
     __slots__ = ("budget", "held")
 

@@ -1,11 +1,10 @@
 """HTTP/1.1 client connections on h11: keep-alive, streamed bodies, upgrade passthrough.
 
-``Expect: 100-continue`` is answered when the pipeline first pulls the body, so a rejected request never makes
-the client upload. goawayChance's ``Connection: close`` must be in the head, so the coin is tossed when the head
-is written. The socket is watched for hang-ups while a response is produced, so a client leaving an idle watch
-ends it upstream. ``Content-Length`` with ``Transfer-Encoding`` is a 400 (request smuggling, RFC 9112 6.3).
-Timeouts and limits are in docs/proxy/limits.md.
-"""
+``Expect: 100-continue`` is answered when the pipeline first pulls the body, so a rejected request never makes the
+client upload. goawayChance's ``Connection: close`` must be in the head, so the coin is tossed when the head is written.
+The socket is watched for hang-ups while a response is produced, so a client leaving an idle watch ends it upstream.
+``Content-Length`` with ``Transfer-Encoding`` is a 400 (request smuggling, RFC 9112 6.3). Timeouts and limits are in
+docs/proxy/limits.md."""
 
 from __future__ import annotations
 
@@ -162,8 +161,7 @@ class H1Connection:
     async def _next_event(self, *, idle: bool = False, body: bool = False) -> h11.Event | type[h11.PAUSED] | None:
         """The next h11 event; None when the connection must close (idle, or the head came too slowly).
 
-        ``idle``: waiting for a head; ``body``: reading a body (idle timeout per read, raises ClientGone).
-        """
+        ``idle``: waiting for a head; ``body``: reading a body (idle timeout per read, raises ClientGone)."""
         head_deadline: float | None = None
         head_lines = 0
         """Line ends read while this head is incomplete (an upper bound on its header fields)."""
@@ -324,9 +322,8 @@ class H1Connection:
     async def _hangup_unread(self) -> None:
         """Return once the client has gone, reading nothing (the read-ahead is full).
 
-        A paused transport sees no EOF or reset, so a client that pipelined past the read-ahead and left kept
-        its request running upstream, forever on an idle watch. The kernel is polled for FIN/RST instead.
-        """
+        A paused transport sees no EOF or reset, so a client that pipelined past the read-ahead and left kept its
+        request running upstream, forever on an idle watch. The kernel is polled for FIN/RST instead."""
         transport = self._writer.transport
         sock = transport.get_extra_info("socket")
         fd = sock.fileno() if sock is not None else -1

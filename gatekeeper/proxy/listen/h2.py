@@ -314,8 +314,7 @@ class H2Protocol(StreamServing, Draining):
     def _flush_soon(self) -> None:
         """Flush at the end of this loop iteration: frames of many streams go out in one TLS write.
 
-        Order is kept; anything that needs its bytes out now calls _flush().
-        """
+        Order is kept; anything that needs its bytes out now calls _flush()."""
         if not self._flush_scheduled:
             self._flush_scheduled = True
             self._loop.call_soon(self._deferred_flush)

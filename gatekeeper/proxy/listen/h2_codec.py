@@ -1,10 +1,9 @@
 """The proxy's sans-IO HTTP/2 server connection (RFC 9113): only the server half the proxy needs.
 
-The ``h2`` library cost ~60 us of CPU per small request in general machinery; this codec unpacks frames with
-one ``struct`` call, keeps streams in a slots record and reports plain tuples (``h2_state.EV_*``). It keeps
-every h2 server behaviour the proxy relied on (the tests hold h2 as an oracle). ``h2_inbound`` has the rules
-per received frame; error classes and closed-stream handling are summarized in docs/proxy/limits.md.
-"""
+The ``h2`` library cost ~60 us of CPU per small request in general machinery; this codec unpacks frames with one
+``struct`` call, keeps streams in a slots record and reports plain tuples (``h2_state.EV_*``). It keeps every h2 server
+behaviour the proxy relied on (the tests hold h2 as an oracle). ``h2_inbound`` has the rules per received frame; error
+classes and closed-stream handling are summarized in docs/proxy/limits.md."""
 
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
 """How an HTTP/2 client connection ends: graceful GOAWAY, drain, idle timeout, abort, close.
 
-Graceful GOAWAY as Go's server does it: our GOAWAY names the highest stream seen, later streams are refused,
-in-flight ones finish (long-running until the drain deadline), then the socket closes ``close_delay`` later so
-the client reads the final frame first; client-go then reconnects and quietly re-watches.
-"""
+Graceful GOAWAY as Go's server does it: our GOAWAY names the highest stream seen, later streams are refused, in-flight
+ones finish (long-running until the drain deadline), then the socket closes ``close_delay`` later so the client reads
+the final frame first; client-go then reconnects and quietly re-watches."""
 
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
 """HTTP/2 header blocks (pure): request block -> method, target, headers; response -> HEADERS block.
 
-Checks RFC 9113 8.2/8.3 header rules with C-speed scans (a bearer token is a kilobyte). A malformed request is
-a :class:`MalformedRequest` that resets only its stream, never a connection error taking the client's other
-streams down. ``cookie`` crumbs are joined and ``:authority`` becomes ``host`` for the HTTP/1.1 upstream.
-"""
+Checks RFC 9113 8.2/8.3 header rules with C-speed scans (a bearer token is a kilobyte). A malformed request is a
+:class:`MalformedRequest` that resets only its stream, never a connection error taking the client's other streams down.
+``cookie`` crumbs are joined and ``:authority`` becomes ``host`` for the HTTP/1.1 upstream."""
 
 from __future__ import annotations
 
@@ -27,10 +26,9 @@ _CONTROLS_TO_NUL = bytes(0 if (b < 0x20 and b != 0x09) or b == 0x7F else b for b
 def _bad_value(value: bytes) -> bool:
     """A control byte other than HTAB anywhere, or SP/HTAB at either end (``value`` is not empty).
 
-    Stricter than RFC 9113 (NUL, CR, LF) because Go's server (the apiserver) resets the stream for any control
-    byte or DEL, and on the multiplexed upstream that ejected the apiserver for every client. One translate and
-    one memchr: a regex was ~5x slower on a token.
-    """
+    Stricter than RFC 9113 (NUL, CR, LF) because Go's server (the apiserver) resets the stream for any control byte or
+    DEL, and on the multiplexed upstream that ejected the apiserver for every client. One translate and one memchr: a
+    regex was ~5x slower on a token."""
     return (0x00 in value.translate(_CONTROLS_TO_NUL)
             or value[0] in _EDGE_WHITESPACE or value[-1] in _EDGE_WHITESPACE)
 REQUEST_PSEUDO = frozenset({b":method", b":scheme", b":authority", b":path"})

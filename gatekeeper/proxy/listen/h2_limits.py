@@ -1,9 +1,8 @@
 """Per-connection HTTP/2 abuse accounting (pure): which frames count, and when a client is over its limit.
 
-PING, SETTINGS, RST_STREAM (rapid reset, CVE-2023-44487), frames on closed streams and empty frames each make
-the server work at almost no cost to the client. Past a kind's limit the codec raises :class:`FloodError`
-(GOAWAY ENHANCE_YOUR_CALM). CONTINUATION floods (CVE-2024-27316) are bounded in the codec.
-"""
+PING, SETTINGS, RST_STREAM (rapid reset, CVE-2023-44487), frames on closed streams and empty frames each make the server
+work at almost no cost to the client. Past a kind's limit the codec raises :class:`FloodError` (GOAWAY
+ENHANCE_YOUR_CALM). CONTINUATION floods (CVE-2024-27316) are bounded in the codec."""
 
 from __future__ import annotations
 
@@ -47,9 +46,8 @@ def limits_of(settings: ProtocolSettings) -> dict[str, int]:
 class FloodGuard:
     """Sliding-window counters per frame kind; :meth:`count` raises :class:`FloodError` past a limit.
 
-    Sliding, not fixed, so a burst straddling a window boundary cannot pass twice the limit: the previous
-    window weighs in proportion to its overlap. It may refuse a little early, never late.
-    """
+    Sliding, not fixed, so a burst straddling a window boundary cannot pass twice the limit: the previous window weighs
+    in proportion to its overlap. It may refuse a little early, never late."""
 
     limits: dict[str, int]
     interval: float

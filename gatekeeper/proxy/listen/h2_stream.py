@@ -1,8 +1,7 @@
 """One HTTP/2 client stream: its request body in, its response out, with backpressure both ways.
 
-Response DATA waits for window before the next chunk is pulled, and request DATA is acknowledged only as the
-pipeline takes it, so neither a slow reader nor a fast uploader grows proxy memory beyond one window.
-"""
+Response DATA waits for window before the next chunk is pulled, and request DATA is acknowledged only as the pipeline
+takes it, so neither a slow reader nor a fast uploader grows proxy memory beyond one window."""
 
 from __future__ import annotations
 
@@ -46,9 +45,8 @@ def _cleared(event: asyncio.Event | None) -> asyncio.Event:
 class Stream:
     """One client stream.
 
-    Its two events are made on first wait: most requests never wait, and two Events per request were
-    measurable. Waking an unmade event is a no-op, safe because every waiter checks the state first.
-    """
+    Its two events are made on first wait: most requests never wait, and two Events per request were measurable. Waking
+    an unmade event is a no-op, safe because every waiter checks the state first."""
 
     __slots__ = ("_inbox_changed", "_window_open", "ended", "error", "id", "inbox", "request", "responded", "task")
 
@@ -112,9 +110,8 @@ class StreamServing:
     async def _request_body(self, stream: Stream) -> AsyncIterator[bytes]:
         """Yield request DATA, reopening the client's window only for what the pipeline took.
 
-        A body quiet for ``h2BodyIdleTimeoutSeconds`` while the client may send is cut, else it holds a seat
-        and upstream connection at will; time with the connection window shut is ours, so it does not count.
-        """
+        A body quiet for ``h2BodyIdleTimeoutSeconds`` while the client may send is cut, else it holds a seat and
+        upstream connection at will; time with the connection window shut is ours, so it does not count."""
         idle = self._settings.h2_body_idle_timeout_seconds
         while True:
             if stream.inbox:
@@ -269,8 +266,7 @@ class StreamServing:
         """Wait until the connection and stream windows both have room; return it.
 
         A client keeping the window shut would pin the seat and upstream connection forever, so after
-        ``responseStallTimeoutSeconds`` the stream is reset (CANCEL).
-        """
+        ``responseStallTimeoutSeconds`` the stream is reset (CANCEL)."""
         deadline: float | None = None
         while True:
             if stream.error is not None:

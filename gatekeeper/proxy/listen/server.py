@@ -69,10 +69,9 @@ def reloading_ssl_context(listener: ListenerSettings) -> ssl.SSLContext:
 class _ClientProtocol(asyncio.StreamReaderProtocol):
     """A StreamReaderProtocol whose bytes go straight to the h2 protocol once ALPN picked h2.
 
-    Saves a StreamReader's copy, future and task wake-up per read on the hot path. Bytes, EOF or loss seen
-    before the ALPN decision are held and replayed in order. In h2 mode, reading pauses while our output is
-    over the high-water mark, and a client that leaves it there for ``stall`` seconds is cut.
-    """
+    Saves a StreamReader's copy, future and task wake-up per read on the hot path. Bytes, EOF or loss seen before the
+    ALPN decision are held and replayed in order. In h2 mode, reading pauses while our output is over the high-water
+    mark, and a client that leaves it there for ``stall`` seconds is cut."""
 
     def __init__(self, reader: asyncio.StreamReader) -> None:
         super().__init__(reader)
@@ -505,9 +504,8 @@ async def serve(
 ) -> None:
     """Serve until SIGTERM/SIGINT (or until the supervisor closes ``handoff``), then drain and return.
 
-    ``stopping`` runs as the signal arrives (``/readyz`` turns 503). ``supervised``: no later signal may stop
-    the drain (the supervisor kills an overstaying worker); alone, a second signal ends a draining proxy.
-    """
+    ``stopping`` runs as the signal arrives (``/readyz`` turns 503). ``supervised``: no later signal may stop the drain
+    (the supervisor kills an overstaying worker); alone, a second signal ends a draining proxy."""
     server = ProxyServer(settings, handler, handoff=handoff)
     port = await server.start()
     loop = asyncio.get_running_loop()

@@ -84,8 +84,7 @@ class ProtocolSettings:
     h2_abuse_interval_seconds: float = 10.0
     """Window over which the per-connection HTTP/2 frame counters below are counted."""
     h2_max_resets_per_interval: int = 1000
-    """RST_STREAM frames a client may send per interval (rapid reset, CVE-2023-44487), then GOAWAY
-    ENHANCE_YOUR_CALM."""
+    """RST_STREAM frames a client may send per interval (rapid reset, CVE-2023-44487), then GOAWAY ENHANCE_YOUR_CALM."""
     h2_max_pings_per_interval: int = 100
     """PING frames (not ACKs) a client may send per interval."""
     h2_max_settings_per_interval: int = 100

@@ -2,10 +2,9 @@
 
 Only a verified certificate becomes stamped ``X-Remote-*`` headers; tokens (including a WebSocket's
 ``Sec-WebSocket-Protocol`` token) pass untouched, and the rest is anonymous. Client-sent ``X-Remote-*`` are always
-removed (else anyone could claim ``system:masters``), ``Connection``-named headers are dropped before stamping (so
-they cannot remove what we assert), and unclean certificate names are refused, never cleaned into another name.
-See docs/proxy/index.md (Identity).
-"""
+removed (else anyone could claim ``system:masters``), ``Connection``-named headers are dropped before stamping (so they
+cannot remove what we assert), and unclean certificate names are refused, never cleaned into another name. See
+docs/proxy/index.md (Identity)."""
 
 from __future__ import annotations
 
@@ -43,8 +42,7 @@ def _subject_attrs(peer_cert: Mapping[str, Any], attr: str) -> list[str]:
 def _bad_name(value: str) -> str:
     """Why a certificate name cannot be an identity, or ''.
 
-    ``isprintable`` is False for every control, format (zero-width space) and non-ASCII space character.
-    """
+    ``isprintable`` is False for every control, format (zero-width space) and non-ASCII space character."""
     if value != value.strip():
         return "leading or trailing whitespace"
     if not value.isprintable():
@@ -77,9 +75,8 @@ _CONNECTION_OPTIONS = frozenset({"close", "keep-alive"})
 def drop_connection_named(headers: Headers) -> Headers:
     """Remove the headers the client's ``Connection`` names (RFC 9110 7.6.1), keeping an upgrade.
 
-    ``Connection`` itself is reduced to ``upgrade`` or removed, so no later hop-by-hop pass can remove a header
-    the proxy adds after this point.
-    """
+    ``Connection`` itself is reduced to ``upgrade`` or removed, so no later hop-by-hop pass can remove a header the
+    proxy adds after this point."""
     tokens = {t.strip().lower() for k, v in headers if k.lower() == "connection"
               for t in v.split(",") if t.strip()}
     if not tokens:
@@ -99,9 +96,8 @@ _RAW_URL_B64 = re.compile(r"[A-Za-z0-9_-]*")
 def websocket_token(headers: Headers) -> str | None:
     """The bearer token kube-apiserver's WebSocket protocol authenticator would read, or None.
 
-    Same rules as ``request/websocket/protocol.go``: two token entries, bad base64, a non-UTF-8 token or no
-    other subprotocol is an error (no token; the apiserver refuses the request).
-    """
+    Same rules as ``request/websocket/protocol.go``: two token entries, bad base64, a non-UTF-8 token or no other
+    subprotocol is an error (no token; the apiserver refuses the request)."""
     upgrade = next((v for k, v in headers if k == "upgrade"), None)
     if upgrade is None or upgrade.strip(" \t").lower() != "websocket":
         return None
@@ -144,10 +140,9 @@ def _certificate_user(peer_cert: Mapping[str, Any]) -> UserInfo | None:
 def identify(peer_cert: Mapping[str, Any] | None, headers: Headers, memo: dict[str, Any] | None = None) -> UserInfo:
     """UserInfo from a verified client certificate, else the Authorization header, else anonymous.
 
-    Certificate first, as kube-apiserver's chain does. ``peer_cert`` must be one the TLS layer verified, else
-    it is a free identity. ``memo`` is the connection's, so a repeated token is not hashed again; no
-    process-wide cache holds a credential. Every call returns a fresh UserInfo.
-    """
+    Certificate first, as kube-apiserver's chain does. ``peer_cert`` must be one the TLS layer verified, else it is a
+    free identity. ``memo`` is the connection's, so a repeated token is not hashed again; no process-wide cache holds a
+    credential. Every call returns a fresh UserInfo."""
     if peer_cert:
         if memo is None:
             cert_user = _certificate_user(peer_cert)
@@ -176,9 +171,8 @@ def identify(peer_cert: Mapping[str, Any] | None, headers: Headers, memo: dict[s
 def as_apiserver_sees(user: UserInfo, memo: dict[str, Any] | None = None) -> UserInfo:
     """A certificate caller as kube-apiserver's APF and authorizer see it once the proxy stamped it.
 
-    The apiserver adds ``system:authenticated`` (AuthenticatedGroupAdder); without it here a FlowSchema naming
-    that group matched upstream but not in the proxy. Stamped headers stay the certificate's own.
-    """
+    The apiserver adds ``system:authenticated`` (AuthenticatedGroupAdder); without it here a FlowSchema naming that
+    group matched upstream but not in the proxy. Stamped headers stay the certificate's own."""
     if user.source != "x509" or user.name == ANONYMOUS_USER or AUTHENTICATED_GROUP in user.groups \
             or ANONYMOUS_GROUP in user.groups:
         return user
@@ -237,7 +231,6 @@ def upstream_identity_headers(headers: Iterable[tuple[str, str]], user: UserInfo
 def wants_front_proxy_cert(user: UserInfo) -> bool:
     """Present the front-proxy certificate only when asserting an identity.
 
-    kube-apiserver tries x509 on any client certificate; ours is not signed by the client CA, and with
-    anonymous auth that error is a final 401. So token and anonymous requests go with no certificate.
-    """
+    kube-apiserver tries x509 on any client certificate; ours is not signed by the client CA, and with anonymous auth
+    that error is a final 401. So token and anonymous requests go with no certificate."""
     return user.source == "x509"

@@ -1,10 +1,9 @@
 """Talking to one apiserver: which upstream path a request takes, and the pools and TLS contexts behind them.
 
-Only callers the apiserver will authenticate share an HTTP/2 connection: kube-apiserver answers an
-unauthenticated HTTP/2 request with GOAWAY, which would kill other clients' streams. The paths are described in
-docs/proxy/index.md (Upstream connections). Errors are sorted by whether bytes may have reached the backend:
-only :class:`ConnectFailed` allows trying another backend.
-"""
+Only callers the apiserver will authenticate share an HTTP/2 connection: kube-apiserver answers an unauthenticated
+HTTP/2 request with GOAWAY, which would kill other clients' streams. The paths are described in docs/proxy/index.md
+(Upstream connections). Errors are sorted by whether bytes may have reached the backend: only :class:`ConnectFailed`
+allows trying another backend."""
 
 from __future__ import annotations
 
@@ -68,9 +67,8 @@ def make_ssl_context(settings: UpstreamSettings, *, client_cert: bool,
 class Contexts:
     """The contexts of one kind of caller (front-proxy certificate or none), built together by one reload.
 
-    Together, so a connection the HTTP/2 pool found to be HTTP/1.1 and handed to the HTTP/1.1 pool is never
-    kept under a context of newer files than it was made with (it would never be retired as stale).
-    """
+    Together, so a connection the HTTP/2 pool found to be HTTP/1.1 and handed to the HTTP/1.1 pool is never kept under a
+    context of newer files than it was made with (it would never be retired as stale)."""
 
     http1: ssl.SSLContext
     h2: ssl.SSLContext
@@ -159,9 +157,8 @@ class BackendClient:
     ) -> ProxyResponse:
         """Forward one request; the response body streams from the backend as it is pulled.
 
-        ``multiplex``: the apiserver will authenticate the caller, so a short bodiless GET or HEAD may share an
-        HTTP/2 connection. Raises the errors of :func:`exchange.exchange`.
-        """
+        ``multiplex``: the apiserver will authenticate the caller, so a short bodiless GET or HEAD may share an HTTP/2
+        connection. Raises the errors of :func:`exchange.exchange`."""
         mux = self.mux
         if (multiplex and not long_running and request.body is None
                 and request.method in _MUX_METHODS and (mux.h2 or mux.wants_h2())):

@@ -1,8 +1,7 @@
 """What can go wrong upstream, sorted by whether bytes may have reached the backend.
 
-Only :class:`ConnectFailed` lets the caller try another backend; the others
-decide the client's status and whether the backend is blamed (ejection).
-"""
+Only :class:`ConnectFailed` lets the caller try another backend; the others decide the client's status and whether the
+backend is blamed (ejection)."""
 
 from __future__ import annotations
 
@@ -36,9 +35,8 @@ class BackendFailed(ConnectionError):
 class RequestResetByBackend(BackendFailed):
     """The backend reset this request's HTTP/2 stream before answering it; never retried.
 
-    Go's server resets requests it finds malformed, so any client could cause one: counted as a 5xx answer
-    (the storm detector), never an immediate ejection.
-    """
+    Go's server resets requests it finds malformed, so any client could cause one: counted as a 5xx answer (the storm
+    detector), never an immediate ejection."""
 
 
 AFTER_CONNECT = (PoolTimeout, UpstreamTimeout, ClientBodyFailed, NoFrontProxyCert, BackendFailed)

@@ -1,8 +1,7 @@
 """One request/response exchange on the HTTP/1.1 client.
 
-The target goes out byte for byte as the pipeline classified it: checked, never re-parsed or normalised.
-A body with a Content-Length is held to it, so no byte of a second request can ride in it.
-"""
+The target goes out byte for byte as the pipeline classified it: checked, never re-parsed or normalised. A body with a
+Content-Length is held to it, so no byte of a second request can ride in it."""
 
 from __future__ import annotations
 
@@ -53,9 +52,8 @@ def encode_request_head(method: str, target: str, authority: str, headers: Heade
                         *, has_body: bool) -> tuple[bytes, int | None]:
     """The request head as one ``bytes`` and the body's declared length (None: chunked or no body).
 
-    Drops ``removed`` and the names ``Connection`` lists. A method that is not a token, a target that is not
-    origin-form visible ASCII, or CR/LF/NUL in a header raises ValueError: nothing is sent.
-    """
+    Drops ``removed`` and the names ``Connection`` lists. A method that is not a token, a target that is not origin-form
+    visible ASCII, or CR/LF/NUL in a header raises ValueError: nothing is sent."""
     if not _TOKEN.fullmatch(method) or not _TARGET.fullmatch(target):
         raise ValueError(f"refusing to send {method[:16]!r} {target[:64]!r} upstream")
     parts = [method, " ", target, " HTTP/1.1\r\nhost: ", authority, "\r\n"]
@@ -99,9 +97,8 @@ def encode_request_head(method: str, target: str, authority: str, headers: Heade
 class BodyFramer:
     """A request body's bytes as they go upstream: raw within the declared Content-Length, else chunked.
 
-    Shared by the pooled exchange and the upgrade splice so no path writes a body unframed (request smuggling
-    with the front-proxy certificate's trust). Over- or under-running the length raises ValueError.
-    """
+    Shared by the pooled exchange and the upgrade splice so no path writes a body unframed (request smuggling with the
+    front-proxy certificate's trust). Over- or under-running the length raises ValueError."""
 
     __slots__ = ("declared", "sent")
 
@@ -165,8 +162,7 @@ class BodySource(Protocol):
 class StreamedBody:
     """A response body: chunks as they arrive, what carried it released exactly once.
 
-    ``aclose`` works before iteration too, so a dropped response still frees its connection and lease.
-    """
+    ``aclose`` works before iteration too, so a dropped response still frees its connection and lease."""
 
     def __init__(self, source: BodySource, name: str, *, swallow_errors: bool,
                  on_done: Callable[[BaseException | None], None]) -> None:

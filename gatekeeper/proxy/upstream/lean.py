@@ -1,10 +1,9 @@
 """The HTTP/1.1 client under the request path: one asyncio Protocol per pooled connection, llhttp parsing.
 
-Reading pauses while more than :data:`READ_HIGH` bytes wait, so a slow client slows the backend read. A
-connection is reused only after a complete exchange; a response cut short is an error, never a truncated
-success; idle connections are keyed by TLS context so a certificate connection never carries a token request;
-and nothing is re-sent (the backend may have acted on the first copy). See docs/proxy/index.md.
-"""
+Reading pauses while more than :data:`READ_HIGH` bytes wait, so a slow client slows the backend read. A connection is
+reused only after a complete exchange; a response cut short is an error, never a truncated success; idle connections are
+keyed by TLS context so a certificate connection never carries a token request; and nothing is re-sent (the backend may
+have acted on the first copy). See docs/proxy/index.md."""
 
 from __future__ import annotations
 
@@ -69,8 +68,7 @@ class Conn(OneWaiter, asyncio.Protocol):
     def begin(self, head: bytes, *, head_only: bool, header_timeout: float | None) -> None:
         """Start an exchange: reset the response state and write the request head (one write).
 
-        ``header_timeout`` arms one timer, cheaper than an ``asyncio.timeout`` scope per request.
-        """
+        ``header_timeout`` arms one timer, cheaper than an ``asyncio.timeout`` scope per request."""
         self._response(head_only=head_only)
         self.active = True
         if self.closed:  # lost between its connect and now: connection_lost saw no exchange to fail
@@ -288,10 +286,9 @@ class Pool:
     def adopt(self, transport: asyncio.Transport, ctx: ssl.SSLContext, live: Callable[[], tuple[Any, ...]]) -> None:
         """Keep a fresh TLS connection (nothing sent yet) as an idle one for ``ctx``.
 
-        A backend that picked HTTP/1.1 in the HTTP/2 pool's ALPN has just completed a handshake the request
-        can use. ``ctx`` comes from the same reload as the connection's context, so certificate and token
-        connections never mix; a stale ``ctx``, or a full pool, closes the connection instead.
-        """
+        A backend that picked HTTP/1.1 in the HTTP/2 pool's ALPN has just completed a handshake the request can use.
+        ``ctx`` comes from the same reload as the connection's context, so certificate and token connections never mix;
+        a stale ``ctx``, or a full pool, closes the connection instead."""
         if ctx not in live():
             transport.close()
             return

@@ -1,10 +1,9 @@
 """Multiplexed HTTP/2 upstream for short, bodiless requests from verified callers (always on).
 
-One connection per backend batches a loop iteration's requests into one write and their answers into one read.
-A shared connection must not let one caller hold another's memory (per-stream windows reopen only as the client
-reads), slots (stream caps), or cause a re-send (only provably unprocessed streams are re-sent). Which requests
-take it, and why, is in docs/proxy/index.md (Upstream connections).
-"""
+One connection per backend batches a loop iteration's requests into one write and their answers into one read. A shared
+connection must not let one caller hold another's memory (per-stream windows reopen only as the client reads), slots
+(stream caps), or cause a re-send (only provably unprocessed streams are re-sent). Which requests take it, and why, is
+in docs/proxy/index.md (Upstream connections)."""
 
 from __future__ import annotations
 
@@ -31,9 +30,8 @@ IDLE_SECONDS = 60.0
 class NotH2(ConnectionError):
     """The backend did not negotiate HTTP/2 (ALPN): use the HTTP/1.1 pool for it.
 
-    ``transport`` is the handshake that found out, nothing written yet, for the HTTP/1.1 pool to take (one
-    handshake, not two); :meth:`claim` gives it out once to the requests that waited on it.
-    """
+    ``transport`` is the handshake that found out, nothing written yet, for the HTTP/1.1 pool to take (one handshake,
+    not two); :meth:`claim` gives it out once to the requests that waited on it."""
 
     def __init__(self, message: str, transport: asyncio.Transport | None = None) -> None:
         super().__init__(message)

@@ -1,9 +1,8 @@
 """Shared HTTP/2 connections to one backend, and one exchange on them (see :mod:`mux`).
 
-Connections are kept per TLS context and the oldest with room is filled first, so a backend sees one connection
-per context per worker. The bounded retry of HTTP/2 after an HTTP/1.1 ALPN answer, the pause after a 401 and
-the fall-back to HTTP/1.1 of a request refused twice are described in docs/proxy/index.md.
-"""
+Connections are kept per TLS context and the oldest with room is filled first, so a backend sees one connection per
+context per worker. The bounded retry of HTTP/2 after an HTTP/1.1 ALPN answer, the pause after a 401 and the fall-back
+to HTTP/1.1 of a request refused twice are described in docs/proxy/index.md."""
 
 from __future__ import annotations
 
@@ -88,8 +87,7 @@ class MuxPool:
     def wants_h2(self) -> bool:
         """Whether an eligible request should go over HTTP/2: known to work, or a retry is due (this one).
 
-        Called last, only for requests that may be multiplexed, so an ineligible one never takes the retry.
-        """
+        Called last, only for requests that may be multiplexed, so an ineligible one never takes the retry."""
         if self.h2:
             return True
         if not self.retry_seconds:
@@ -234,8 +232,7 @@ async def exchange(
 ) -> tuple[int, list[tuple[bytes, bytes]], MuxBody]:
     """Send one bodiless request as a stream and wait for its head; the errors are :func:`exchange.exchange`'s.
 
-    Raises :class:`NotH2`, :class:`Paused` or :class:`Refused` (nothing processed): use HTTP/1.1 instead.
-    """
+    Raises :class:`NotH2`, :class:`Paused` or :class:`Refused` (nothing processed): use HTTP/1.1 instead."""
     if pool.paused and pool.is_paused(ctx):
         pool.give_back()
         raise Paused(f"{name}: multiplexing paused after a 401")

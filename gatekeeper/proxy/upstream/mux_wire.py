@@ -1,8 +1,7 @@
 """The multiplexed upstream's request side on the wire: header fields and HEADERS frames (pure).
 
-The same rules as the HTTP/1.1 head, so a request cannot be classified as one thing and sent as another.
-Credentials are HPACK never-indexed literals (RFC 7541 7.1.3) and never memoized.
-"""
+The same rules as the HTTP/1.1 head, so a request cannot be classified as one thing and sent as another. Credentials are
+HPACK never-indexed literals (RFC 7541 7.1.3) and never memoized."""
 
 from __future__ import annotations
 
@@ -59,9 +58,8 @@ def request_block(method: str, target: str, authority: bytes, headers: Headers, 
                   *, memo: bool = True) -> bytes:
     """The request's HPACK header block, pseudo-headers first; ValueError when anything may not go out.
 
-    Nothing is indexed, so there is no dynamic table to keep in step, and ordinary fields' encodings are
-    memoized (per ``removed`` set). A non-zero ``content-length`` is refused: only bodiless requests come here.
-    """
+    Nothing is indexed, so there is no dynamic table to keep in step, and ordinary fields' encodings are memoized (per
+    ``removed`` set). A non-zero ``content-length`` is refused: only bodiless requests come here."""
     global _memo_removed
     fields = _memo
     if memo and removed is not _memo_removed:

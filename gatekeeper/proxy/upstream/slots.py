@@ -9,9 +9,8 @@ import collections
 class Slots:
     """A FIFO counting gate for a pool's slots: a plain counter while slots are free.
 
-    Cheaper than ``asyncio.Semaphore`` uncontended; a released slot goes to the oldest live waiter, so a
-    newcomer never overtakes those waiting.
-    """
+    Cheaper than ``asyncio.Semaphore`` uncontended; a released slot goes to the oldest live waiter, so a newcomer never
+    overtakes those waiting."""
 
     __slots__ = ("free", "waiters")
 
@@ -55,9 +54,8 @@ class Slots:
 class OneWaiter:
     """Mixin: a response's one consumer parks in :meth:`wait` until the protocol side calls :meth:`wake`.
 
-    Each class's ``take`` stays its own: a shared helper would cost a call per body chunk. Has slots
-    because ``MuxStream`` does.
-    """
+    Each class's ``take`` stays its own: a shared helper would cost a call per body chunk. Has slots because
+    ``MuxStream`` does."""
 
     __slots__ = ("loop", "waiter")
     loop: asyncio.AbstractEventLoop

@@ -1,8 +1,7 @@
 """Protocol upgrades (WebSocket, SPDY/3.1: exec, attach, port-forward) to one apiserver, past every pool.
 
-An upgraded connection belongs to its client until one side closes it, so it never comes from or goes back
-to a pool. A refused upgrade is an ordinary response on a connection then closed.
-"""
+An upgraded connection belongs to its client until one side closes it, so it never comes from or goes back to a pool. A
+refused upgrade is an ordinary response on a connection then closed."""
 
 from __future__ import annotations
 
@@ -37,9 +36,8 @@ async def open_upgrade(
 ) -> ProxyResponse:
     """Open a raw TLS connection, send the upgrade request, hand the 101 connection to the adapter.
 
-    The head and body are framed as on the pooled path: an unframed body was read by a refusing backend as a
-    second request. The body is written with backpressure.
-    """
+    The head and body are framed as on the pooled path: an unframed body was read by a refusing backend as a second
+    request. The body is written with backpressure."""
     ssl_ctx = client.ssl_for(identity)
     head, declared = exchange.encode_request_head(
         request.method, request.target, client.authority, strip_hop_by_hop(headers, keep_upgrade=True),
@@ -105,9 +103,8 @@ def parse_head(data: bytes) -> tuple[int, Headers]:
 class _RefusedUpgradeBody:
     """Body of a refused upgrade; its connection is closed once, whether the body was read or not.
 
-    An async generator's ``finally`` does not run if ``aclose`` precedes the first ``__anext__``, leaking the
-    lease and the socket.
-    """
+    An async generator's ``finally`` does not run if ``aclose`` precedes the first ``__anext__``, leaking the lease and
+    the socket."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, headers: Headers,
                  on_close: Callable[[], Awaitable[None]]) -> None:

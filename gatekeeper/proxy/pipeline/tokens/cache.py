@@ -1,8 +1,7 @@
 """Bounded caches keyed by a token's SHA-256 digest, each entry expiring at its own time (pure, time passed in).
 
-Insertion-order eviction: a flood of new keys only pushes out entries of the same cache, which is why verified
-and failed tokens live in separate caches.
-"""
+Insertion-order eviction: a flood of new keys only pushes out entries of the same cache, which is why verified and
+failed tokens live in separate caches."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """From an ``Authorization`` header to the identity flow control uses (pure, time passed in).
 
-The decision order is in docs/flowcontrol/tokens.md. An unverified caller's flow is its source address, so
-inventing tokens buys no extra queues; it is never exempt.
-"""
+The decision order is in docs/flowcontrol/tokens.md. An unverified caller's flow is its source address, so inventing
+tokens buys no extra queues; it is never exempt."""
 
 from __future__ import annotations
 
@@ -31,10 +30,8 @@ _GO_SPACE = " \t\n\v\f\r"
 def bearer_token(authorization: str) -> str | None:
     """The token the apiserver's bearer authenticator reads from ``authorization``, or None.
 
-    As ``request/bearertoken``: the token is the second of at most three space-split parts, so
-    ``Bearer  <token>`` (two spaces) carries none; reading it as the token classified an anonymous request as
-    the token's ServiceAccount.
-    """
+    As ``request/bearertoken``: the token is the second of at most three space-split parts, so ``Bearer <token>`` (two
+    spaces) carries none; reading it as the token classified an anonymous request as the token's ServiceAccount."""
     parts = authorization.strip(_GO_SPACE).split(" ", 2)
     if len(parts) < 2 or parts[0].lower() != "bearer":
         return None

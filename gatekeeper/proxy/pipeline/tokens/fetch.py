@@ -1,8 +1,7 @@
 """The asyncio edge of token identity: issuer keys and TokenReviews through the proxy's own upstream clients.
 
-Key fetches for an unknown key id are rate-limited (``jwksMinRefreshSeconds``), so made-up kids cost one fetch
-per period; a failed fetch keeps the previous keys. RBAC and schedule: docs/flowcontrol/tokens.md.
-"""
+Key fetches for an unknown key id are rate-limited (``jwksMinRefreshSeconds``), so made-up kids cost one fetch per
+period; a failed fetch keeps the previous keys. RBAC and schedule: docs/flowcontrol/tokens.md."""
 
 from __future__ import annotations
 
@@ -103,8 +102,7 @@ class TokenIdentities:
         """The apiserver answered 401 to a token we verified: remember it as failed.
 
         Local verification cannot see revocation or a deleted bound object; such a token otherwise kept its
-        ServiceAccount's flow until it expired (up to a year) while every request was refused.
-        """
+        ServiceAccount's flow until it expired (up to a year) while every request was refused."""
         token = bearer_token(authorization)
         if token is None:
             return

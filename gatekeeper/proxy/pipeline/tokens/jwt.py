@@ -1,8 +1,7 @@
 """ServiceAccount token verification as kube-apiserver does it (``pkg/serviceaccount``), without I/O.
 
-The checks are listed in docs/flowcontrol/tokens.md. Never ``none`` or HMAC. Not checked: that the bound
-object still exists; the identity only classifies, and the apiserver still authenticates the untouched token.
-"""
+The checks are listed in docs/flowcontrol/tokens.md. Never ``none`` or HMAC. Not checked: that the bound object still
+exists; the identity only classifies, and the apiserver still authenticates the untouched token."""
 
 from __future__ import annotations
 

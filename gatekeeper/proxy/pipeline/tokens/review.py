@@ -1,8 +1,7 @@
 """TokenReview shapes and the per-second review budget (pure).
 
 Tokens the proxy cannot verify (OIDC, webhook, legacy secret-based) may be reviewed, one apiserver round trip per
-distinct token per cache lifetime, at most ``reviewsPerSecond``; beyond it a token counts as failed.
-"""
+distinct token per cache lifetime, at most ``reviewsPerSecond``; beyond it a token counts as failed."""
 
 from __future__ import annotations
 
