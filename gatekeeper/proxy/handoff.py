@@ -386,9 +386,8 @@ class HandoffDispatcher:
             self._take_back(i)
 
     def _take_back(self, worker: int) -> None:
-        """Receive ``worker``'s unread connections on our duplicate of its end and hand them on.
-
-        Race-free: the kernel gives each message to one reader only."""
+        """Receive ``worker``'s unread connections on our duplicate of its end and hand them on. Race-free: the kernel
+        gives each message to one reader only."""
         inbox = self._inboxes[worker]
         if inbox is None:
             return

@@ -37,9 +37,8 @@ class KnowsLastChunk(Protocol):
 
 
 def is_exhausted(body: object) -> bool:
-    """True once a :class:`KnowsLastChunk` body has returned its last chunk (always False for others).
-
-    Attribute lookup, not ``isinstance`` on the protocol: that is slow, and this runs per response chunk."""
+    """True once a :class:`KnowsLastChunk` body has returned its last chunk (always False for others). Attribute lookup,
+    not ``isinstance`` on the protocol: that is slow, and this runs per response chunk."""
     return getattr(body, "exhausted", None) is True
 
 

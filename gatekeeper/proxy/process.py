@@ -1,6 +1,5 @@
-"""The proxy process put together: the pipeline, its side listener and the TLS listener, in one event loop.
-
-Import only once the metrics mode is set: prometheus_client picks single- or multiprocess values at import."""
+"""The proxy process put together: the pipeline, its side listener and the TLS listener, in one event loop. Import only
+once the metrics mode is set: prometheus_client picks single- or multiprocess values at import."""
 
 from __future__ import annotations
 
@@ -37,9 +36,8 @@ from gatekeeper.proxy.workers import PARENT_ENV
 log = logging.getLogger("gatekeeper.proxy")
 
 def tune_gc(settings: ProxySettings) -> None:
-    """Freeze what startup built (never traversed by full collections again) and collect less often.
-
-    Process entry points only: tests call ``run`` in-process."""
+    """Freeze what startup built (never traversed by full collections again) and collect less often. Process entry
+    points only: tests call ``run`` in-process."""
     gc.collect()
     gc.freeze()
     if settings.gc_young_threshold:

@@ -155,9 +155,8 @@ def multiprocess_page() -> tuple[bytes, set[str]]:
 
 
 def files_and_live_page(pages: list[str], peaks: dict[str, int]) -> bytes:
-    """The multiprocess files' page, then the workers' live ``pages`` merged (see :func:`merge_pages`).
-
-    Blocking: runs on the metrics thread, else it would hold a worker's clients or the parent's probes."""
+    """The multiprocess files' page, then the workers' live ``pages`` merged (see :func:`merge_pages`). Blocking: runs
+    on the metrics thread, else it would hold a worker's clients or the parent's probes."""
     mpc, names = multiprocess_page()
     return mpc + merge_pages(pages, names, peaks).encode()
 
@@ -200,9 +199,8 @@ async def render(sup: SupervisorView) -> bytes:
 
 
 async def render_in_worker(runtime: Path, ledger: SeatLedger, index: int) -> tuple[bytes, str]:
-    """A worker's ``/metrics``: the whole proxy's page, siblings' pages awaited (``SIBLING_TIMEOUT``).
-
-    Awaited, not fetched blocking: a stopped sibling froze every connection of the scraped worker."""
+    """A worker's ``/metrics``: the whole proxy's page, siblings' pages awaited (``SIBLING_TIMEOUT``). Awaited, not
+    fetched blocking: a stopped sibling froze every connection of the scraped worker."""
 
     pages = [generate_latest(REGISTRY).decode()]
     urls = _siblings(runtime, index)

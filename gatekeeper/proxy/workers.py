@@ -313,9 +313,8 @@ def snapshot_config(settings: ProxySettings, config: Path, runtime: Path) -> Pat
 
 
 def supervise(settings: ProxySettings, config: Path, workers: int) -> int:
-    """The parent process: returns the exit code (0 when every worker drained cleanly).
-
-    The command has called ``enable_multiprocess`` before importing this module."""
+    """The parent process: returns the exit code (0 when every worker drained cleanly). The command has called
+    ``enable_multiprocess`` before importing this module."""
     runtime = tempdirs.make("gatekeeper-proxy-")  # stamped: a later start removes it if we are SIGKILLed
     lst = settings.listener
     try:

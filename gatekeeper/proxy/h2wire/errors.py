@@ -1,6 +1,5 @@
-"""HTTP/2 error codes (RFC 9113 section 7) and the exceptions that carry them (pure).
-
-A :class:`ProtocolError` raised while receiving is a connection error; its ``error_code`` goes in the GOAWAY."""
+"""HTTP/2 error codes (RFC 9113 section 7) and the exceptions that carry them (pure). A :class:`ProtocolError` raised
+while receiving is a connection error; its ``error_code`` goes in the GOAWAY."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""Collectors for the client-facing side of the proxy (connections, GOAWAYs, refused streams).
-
-Apart from the pipeline's metrics so the protocol adapters import nothing from the pipeline."""
+"""Collectors for the client-facing side of the proxy (connections, GOAWAYs, refused streams). Apart from the pipeline's
+metrics so the protocol adapters import nothing from the pipeline."""
 
 from __future__ import annotations
 

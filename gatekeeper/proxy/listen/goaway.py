@@ -1,6 +1,5 @@
-"""The goawayChance decision, kept pure so tests can make it deterministic.
-
-Drawn once per request like kube-apiserver's, for both protocols (HTTP/1.1 clients pin connections too)."""
+"""The goawayChance decision, kept pure so tests can make it deterministic. Drawn once per request like
+kube-apiserver's, for both protocols (HTTP/1.1 clients pin connections too)."""
 
 from __future__ import annotations
 

@@ -159,9 +159,8 @@ class H1Connection:
                 return
 
     async def _next_event(self, *, idle: bool = False, body: bool = False) -> h11.Event | type[h11.PAUSED] | None:
-        """The next h11 event; None when the connection must close (idle, or the head came too slowly).
-
-        ``idle``: waiting for a head; ``body``: reading a body (idle timeout per read, raises ClientGone)."""
+        """The next h11 event; None when the connection must close (idle, or the head came too slowly). ``idle``:
+        waiting for a head; ``body``: reading a body (idle timeout per read, raises ClientGone)."""
         head_deadline: float | None = None
         head_lines = 0
         """Line ends read while this head is incomplete (an upper bound on its header fields)."""

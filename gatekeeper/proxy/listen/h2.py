@@ -1,9 +1,8 @@
 """HTTP/2 server connection with graceful GOAWAY, on the proxy's own sans-IO codec (``h2_codec``).
 
-:class:`H2Protocol` never touches a socket: it is fed bytes and given ``write`` (synchronous, so frames keep
-the codec's order), ``drain`` and ``close``, so tests wire it to an in-memory h2 client. Streams are in
-:mod:`h2_stream`, GOAWAY and close in :mod:`h2_drain`; the limits are in docs/proxy/limits.md.
-"""
+:class:`H2Protocol` never touches a socket: it is fed bytes and given ``write`` (synchronous, so frames keep the codec's
+order), ``drain`` and ``close``, so tests wire it to an in-memory h2 client. Streams are in :mod:`h2_stream`, GOAWAY and
+close in :mod:`h2_drain`; the limits are in docs/proxy/limits.md."""
 
 from __future__ import annotations
 
@@ -312,9 +311,8 @@ class H2Protocol(StreamServing, Draining):
             self._write(data)
 
     def _flush_soon(self) -> None:
-        """Flush at the end of this loop iteration: frames of many streams go out in one TLS write.
-
-        Order is kept; anything that needs its bytes out now calls _flush()."""
+        """Flush at the end of this loop iteration: frames of many streams go out in one TLS write. Order is kept;
+        anything that needs its bytes out now calls _flush()."""
         if not self._flush_scheduled:
             self._flush_scheduled = True
             self._loop.call_soon(self._deferred_flush)

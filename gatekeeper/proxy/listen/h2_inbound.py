@@ -1,6 +1,5 @@
-"""The receive side of the HTTP/2 codec: what each client frame does to the connection (RFC 9113 6).
-
-A mixin of :class:`h2_codec.H2ServerCodec`; handlers append ``h2_state.EV_*`` tuples to ``events``."""
+"""The receive side of the HTTP/2 codec: what each client frame does to the connection (RFC 9113 6). A mixin of
+:class:`h2_codec.H2ServerCodec`; handlers append ``h2_state.EV_*`` tuples to ``events``."""
 
 from __future__ import annotations
 

@@ -43,10 +43,8 @@ def _cleared(event: asyncio.Event | None) -> asyncio.Event:
 
 
 class Stream:
-    """One client stream.
-
-    Its two events are made on first wait: most requests never wait, and two Events per request were measurable. Waking
-    an unmade event is a no-op, safe because every waiter checks the state first."""
+    """One client stream. Its two events are made on first wait: most requests never wait, and two Events per request
+    were measurable. Waking an unmade event is a no-op, safe because every waiter checks the state first."""
 
     __slots__ = ("_inbox_changed", "_window_open", "ended", "error", "id", "inbox", "request", "responded", "task")
 

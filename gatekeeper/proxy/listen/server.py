@@ -1,9 +1,8 @@
 """The client-facing TLS listener: ALPN dispatch to h2/HTTP/1.1 and graceful shutdown.
 
-:func:`serve` runs until SIGTERM, then GOAWAYs, drains and returns; :class:`ProxyServer` is the same without
-signals, for tests. Client certificates are ``CERT_OPTIONAL`` as in kube-apiserver (token and anonymous clients
-still connect). The limits are in docs/proxy/limits.md. This module only moves bytes.
-"""
+:func:`serve` runs until SIGTERM, then GOAWAYs, drains and returns; :class:`ProxyServer` is the same without signals,
+for tests. Client certificates are ``CERT_OPTIONAL`` as in kube-apiserver (token and anonymous clients still connect).
+The limits are in docs/proxy/limits.md. This module only moves bytes."""
 
 from __future__ import annotations
 

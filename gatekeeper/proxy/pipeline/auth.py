@@ -40,9 +40,8 @@ def _subject_attrs(peer_cert: Mapping[str, Any], attr: str) -> list[str]:
 
 
 def _bad_name(value: str) -> str:
-    """Why a certificate name cannot be an identity, or ''.
-
-    ``isprintable`` is False for every control, format (zero-width space) and non-ASCII space character."""
+    """Why a certificate name cannot be an identity, or ''. ``isprintable`` is False for every control, format
+    (zero-width space) and non-ASCII space character."""
     if value != value.strip():
         return "leading or trailing whitespace"
     if not value.isprintable():

@@ -1,7 +1,5 @@
-"""What can go wrong upstream, sorted by whether bytes may have reached the backend.
-
-Only :class:`ConnectFailed` lets the caller try another backend; the others decide the client's status and whether the
-backend is blamed (ejection)."""
+"""What can go wrong upstream, sorted by whether bytes may have reached the backend. Only :class:`ConnectFailed` lets
+the caller try another backend; the others decide the client's status and whether the backend is blamed (ejection)."""
 
 from __future__ import annotations
 

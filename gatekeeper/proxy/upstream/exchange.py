@@ -160,9 +160,8 @@ class BodySource(Protocol):
 
 
 class StreamedBody:
-    """A response body: chunks as they arrive, what carried it released exactly once.
-
-    ``aclose`` works before iteration too, so a dropped response still frees its connection and lease."""
+    """A response body: chunks as they arrive, what carried it released exactly once. ``aclose`` works before iteration
+    too, so a dropped response still frees its connection and lease."""
 
     def __init__(self, source: BodySource, name: str, *, swallow_errors: bool,
                  on_done: Callable[[BaseException | None], None]) -> None:
@@ -250,10 +249,9 @@ async def exchange(
 ) -> tuple[int, list[tuple[bytes, bytes]], LeanBody]:
     """Send one request and wait for its response head; the body streams as it is pulled.
 
-    Raises :class:`PoolTimeout` or :class:`ConnectFailed` when nothing was sent, :class:`UpstreamTimeout`
-    without a head in time, :class:`ClientBodyFailed` when the client's body broke off, and
-    :class:`BackendFailed` when the backend may have seen the request.
-    """
+    Raises :class:`PoolTimeout` or :class:`ConnectFailed` when nothing was sent, :class:`UpstreamTimeout` without a head
+    in time, :class:`ClientBodyFailed` when the client's body broke off, and :class:`BackendFailed` when the backend may
+    have seen the request."""
     slots = pool.slots
     if not slots.try_take():  # only a full pool pays for a future and a timeout scope
         try:

@@ -1,6 +1,5 @@
-"""Which header fields stay on their hop (RFC 9110 7.6.1), for every upstream path both ways.
-
-One module, so the HTTP/1.1, HTTP/2 and upgrade paths cannot drift apart on what a hop is."""
+"""Which header fields stay on their hop (RFC 9110 7.6.1), for every upstream path both ways. One module, so the
+HTTP/1.1, HTTP/2 and upgrade paths cannot drift apart on what a hop is."""
 
 from __future__ import annotations
 

@@ -66,9 +66,8 @@ class Conn(OneWaiter, asyncio.Protocol):
         self.reading_paused = False
 
     def begin(self, head: bytes, *, head_only: bool, header_timeout: float | None) -> None:
-        """Start an exchange: reset the response state and write the request head (one write).
-
-        ``header_timeout`` arms one timer, cheaper than an ``asyncio.timeout`` scope per request."""
+        """Start an exchange: reset the response state and write the request head (one write). ``header_timeout`` arms
+        one timer, cheaper than an ``asyncio.timeout`` scope per request."""
         self._response(head_only=head_only)
         self.active = True
         if self.closed:  # lost between its connect and now: connection_lost saw no exchange to fail

@@ -85,9 +85,8 @@ class MuxPool:
         return False
 
     def wants_h2(self) -> bool:
-        """Whether an eligible request should go over HTTP/2: known to work, or a retry is due (this one).
-
-        Called last, only for requests that may be multiplexed, so an ineligible one never takes the retry."""
+        """Whether an eligible request should go over HTTP/2: known to work, or a retry is due (this one). Called last,
+        only for requests that may be multiplexed, so an ineligible one never takes the retry."""
         if self.h2:
             return True
         if not self.retry_seconds:
@@ -230,9 +229,8 @@ async def exchange(
     block: bytes, *, head_only: bool, header_timeout: float | None,
     acquire_timeout: float, on_done: Callable[[BaseException | None], None],
 ) -> tuple[int, list[tuple[bytes, bytes]], MuxBody]:
-    """Send one bodiless request as a stream and wait for its head; the errors are :func:`exchange.exchange`'s.
-
-    Raises :class:`NotH2`, :class:`Paused` or :class:`Refused` (nothing processed): use HTTP/1.1 instead."""
+    """Send one bodiless request as a stream and wait for its head; the errors are :func:`exchange.exchange`'s. Raises
+    :class:`NotH2`, :class:`Paused` or :class:`Refused` (nothing processed): use HTTP/1.1 instead."""
     if pool.paused and pool.is_paused(ctx):
         pool.give_back()
         raise Paused(f"{name}: multiplexing paused after a 401")

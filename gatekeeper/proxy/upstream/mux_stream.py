@@ -1,8 +1,7 @@
 """One stream of a multiplexed HTTP/2 upstream connection, as its consumer sees it.
 
-:mod:`mux` owns the wire; a :class:`MuxStream` holds one request's head, unread chunks and waiter, and gives the
-stream window back as the bytes are taken.
-"""
+:mod:`mux` owns the wire; a :class:`MuxStream` holds one request's head, unread chunks and waiter, and gives the stream
+window back as the bytes are taken."""
 
 from __future__ import annotations
 

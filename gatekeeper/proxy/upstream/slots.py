@@ -7,10 +7,8 @@ import collections
 
 
 class Slots:
-    """A FIFO counting gate for a pool's slots: a plain counter while slots are free.
-
-    Cheaper than ``asyncio.Semaphore`` uncontended; a released slot goes to the oldest live waiter, so a newcomer never
-    overtakes those waiting."""
+    """A FIFO counting gate for a pool's slots: a plain counter while slots are free. Cheaper than ``asyncio.Semaphore``
+    uncontended; a released slot goes to the oldest live waiter, so a newcomer never overtakes those waiting."""
 
     __slots__ = ("free", "waiters")
 
@@ -52,10 +50,8 @@ class Slots:
 
 
 class OneWaiter:
-    """Mixin: a response's one consumer parks in :meth:`wait` until the protocol side calls :meth:`wake`.
-
-    Each class's ``take`` stays its own: a shared helper would cost a call per body chunk. Has slots because
-    ``MuxStream`` does."""
+    """Mixin: a response's one consumer parks in :meth:`wait` until the protocol side calls :meth:`wake`. Each class's
+    ``take`` stays its own: a shared helper would cost a call per body chunk. Has slots because ``MuxStream`` does."""
 
     __slots__ = ("loop", "waiter")
     loop: asyncio.AbstractEventLoop

@@ -101,10 +101,8 @@ def parse_head(data: bytes) -> tuple[int, Headers]:
 
 
 class _RefusedUpgradeBody:
-    """Body of a refused upgrade; its connection is closed once, whether the body was read or not.
-
-    An async generator's ``finally`` does not run if ``aclose`` precedes the first ``__anext__``, leaking the lease and
-    the socket."""
+    """Body of a refused upgrade; its connection is closed once, whether the body was read or not. An async generator's
+    ``finally`` does not run if ``aclose`` precedes the first ``__anext__``, leaking the lease and the socket."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, headers: Headers,
                  on_close: Callable[[], Awaitable[None]]) -> None:
