@@ -1,9 +1,7 @@
 """One ``/metrics`` page for all proxy workers: the multiprocess files plus every worker's live gauges, merged.
 
-Live gauges exist only inside each worker, so each page is fetched and summed (health flags and limits take the highest,
-skew is recomputed from the sums). A page that does not come in time is shown missing
-(``gatekeeper_proxy_worker_page_missing``), never summed as zeros. Rendering runs off the event loop and is shared by
-concurrent scrapes, so a scrape never holds a worker's clients (docs/proxy/workers.md)."""
+Live gauges exist only in each worker, so pages are fetched and summed (skew recomputed from the sums); a page that
+does not come in time is shown missing, never summed as zeros. Rendering runs off the loop (docs/proxy/workers.md)."""
 
 from __future__ import annotations
 

@@ -7,10 +7,9 @@ from typing import Any, Protocol
 from gatekeeper.proxy.h2wire.errors import ErrorCodes, ProtocolError
 
 EV_REQUEST, EV_DATA, EV_ENDED, EV_RESET, EV_WINDOW, EV_GOAWAY, EV_BAD_LENGTH = range(7)
-"""Event tuples: (EV_REQUEST, sid, headers, ended), (EV_DATA, sid, data, flow_length), (EV_ENDED, sid),
-(EV_RESET, sid, code), (EV_WINDOW, sid) (0: every stream), (EV_GOAWAY, 0, code), (EV_BAD_LENGTH, sid)
-(the stream's body disagreed with its content-length and it was reset: in order with the other
-events, so a request and its bad DATA read together reach the adapter as request, then cut)."""
+"""Event tuples: (EV_REQUEST, sid, headers, ended), (EV_DATA, sid, data, flow_length), (EV_ENDED, sid), (EV_RESET, sid,
+code), (EV_WINDOW, sid) (0: every stream), (EV_GOAWAY, 0, code), (EV_BAD_LENGTH, sid): the body disagreed with its
+content-length and the stream was reset, reported in order so the adapter sees the request, then the cut."""
 
 Event = tuple[Any, ...]
 CLOSED_MEMORY = 4096

@@ -220,9 +220,8 @@ class BackendClient:
                    deadline: float, max_bytes: int) -> tuple[int, bytes]:
         """The proxy's own request (a probe, a key fetch, a TokenReview): status and body, whole.
 
-        On an HTTP/1.1 pool of its own: a request pool that clients filled must not make a probe fail, which
-        would eject a backend that is only busy. Raises ValueError for a body over ``max_bytes``,
-        TimeoutError past ``deadline``, and the errors of :meth:`send`."""
+        On an HTTP/1.1 pool of its own: a pool clients filled must not fail a probe and eject a busy backend. Raises
+        ValueError over ``max_bytes``, TimeoutError past ``deadline``, and the errors of :meth:`send`."""
 
         head, declared = exchange.encode_request_head(
             method, path, self.authority, [*headers, *([("content-length", str(len(body)))] if body else [])],
