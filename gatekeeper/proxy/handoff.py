@@ -1,64 +1,8 @@
 """Load-aware connection hand-off: the supervisor accepts, the least-loaded worker serves.
 
-Why: with SO_REUSEPORT the kernel hashes each new connection's addresses to a
-worker, blind to load. An HTTP/2 client puts all its requests on one or a few
-long-lived connections, so an uneven split stays uneven for the connections'
-whole lives: h2load's 8 connections split 6/2 in one of 5 rounds, and a closed
-loop then runs at the pace of the busier worker (the busiest of 2 served 62%).
-HAProxy's threads share one listener and pick the least-loaded thread.
-
-With several workers (``--workers N``) the proxy does the same across processes:
-
-* The supervisor listens on the TLS port; a thread of its own (the parent's
-  event loop also renders ``/metrics``, which must not delay an accept)
-  accepts each connection and passes the socket to a worker over a
-  ``SOCK_SEQPACKET`` Unix socket (``SCM_RIGHTS``): no byte of it is read
-  before the worker's TLS handshake.
-* A worker's load is the connections handed to it minus the ones it reports
-  closed. It counts those in its own slot of a shared-memory table
-  (:class:`ClosedCounts`: one int64 per worker, one writer each, no lock), so
-  a worker pays nothing per request and one store per closed connection. A
-  connection handed over but not yet picked up counts as open, so a burst of
-  connections spreads at once.
-* The least-loaded serving worker gets the connection; ties rotate. A worker
-  serves once it says so on its socket (``R``), and stops when it says it
-  drains (``D``) or its process exits (:meth:`HandoffDispatcher.retire`: our
-  duplicate of its end, below, keeps the socket open past its death); the
-  supervisor restarts it with a fresh socket and count.
-  A worker whose socket the supervisor closes drains and exits, to be
-  restarted the same way; a read that fails with ENOBUFS/ENOMEM is retried
-  after a back-off (``gatekeeper_proxy_handoff_receive_errors_total``).
-* A worker that stops reading (stopped, its event loop blocked) is passed over:
-  one that has left a connection unread (``SIOCOUTQ`` on its socket) for
-  :data:`LAG_SECONDS` gets a new one only if no other serving worker keeps up
-  with its socket. A stall of :data:`STALL_SECONDS` is logged and counted once
-  (``gatekeeper_proxy_handoff_stalls_total{worker}``): otherwise a stopped
-  worker would look least loaded and get every other connection until its
-  socket filled, each one hanging until the worker was killed as hung
-  (``workerHangSeconds``). A worker that reads again is chosen by load
-  again. A burst (connections within milliseconds) is still split by load.
-* What a worker has not read is taken back: the supervisor keeps a duplicate
-  of each worker's end of its socket, so it can receive the worker's queued
-  messages itself (the kernel gives each message to exactly one reader, so a
-  connection is never served twice; no byte of it has been read yet). It does
-  so when a worker has left a connection unread for :data:`LAG_SECONDS` while
-  another keeps up (it is passed over for :data:`PASS_OVER_SECONDS` after),
-  when it says it drains (``D``), and when its process exits; each connection
-  taken back goes to another worker (``gatekeeper_proxy_handoff_taken_back_total
-  {worker}``). Before, a descriptor sent could not be taken back: the one
-  connection handed to a worker just before it stopped hung until the worker
-  was killed as hung (``workerHangSeconds``), and the ones queued in a worker
-  that drained or died were reset.
-* A worker's socket holds about 40 connections (:data:`QUEUE_SNDBUF`): when it
-  is full the send fails with EAGAIN and the next worker gets the connection. If every worker's socket
-  is full, or none serves, the connection is held and accepting pauses until
-  one can take it (counted in ``gatekeeper_proxy_handoff_waits_total``): later
-  clients wait in the kernel's backlog, as they would for a busy worker
-  accepting for itself. Nothing is dropped.
-
-``kernel`` keeps the previous behaviour (every worker listens with
-SO_REUSEPORT), for kernels or sandboxes where passing descriptors is not allowed.
-"""
+SO_REUSEPORT hashes connections blind to load, and long-lived HTTP/2 connections keep an uneven split for their whole
+lives. The design (load count, passing over and taking back from a stalled worker, waits when every socket is full) is
+in docs/proxy/workers.md."""
 
 from __future__ import annotations
 
@@ -85,34 +29,28 @@ log = logging.getLogger("gatekeeper.proxy.handoff")
 READY = b"R"
 """What a worker sends on its hand-off socket once it serves."""
 DRAINING = b"D"
-"""What a worker sends on its hand-off socket as it begins to drain: hand it nothing more, and take back what it
-has not read (its own close no longer ends the socket: the supervisor holds a duplicate of its end)."""
+"""A worker begins to drain: hand it nothing more, and take back what it has not read (its own close no
+longer ends the socket: the supervisor holds a duplicate of its end)."""
 _CONN = b"C"
 BACKLOG = 1024
 """Pending connections the kernel queues on the TLS port once it listens (the workers' own listeners too)."""
 RECEIVE_RETRY = frozenset({errno.ENOBUFS, errno.ENOMEM})
-"""Errors of a worker's receive that pass (the kernel short of memory): it tries again after a back-off. Any
-other error (ECONNRESET: the supervisor closed its end with messages unread; EBADF, ...) ends the hand-off."""
+"""Receive errors that pass (kernel short of memory); any other (ECONNRESET, EBADF, ...) ends the hand-off."""
 RECEIVE_BACKOFF_MAX = 1.0
-"""Seconds: a worker's pause after failed receives doubles from ``ACCEPT_BACKOFF`` up to this, never spinning
-on a socket that stays readable, never pausing longer than about 40 queued connections should wait."""
+"""Max seconds of a worker's doubling back-off after failed receives: never spin on a readable socket."""
 QUEUE_SNDBUF = 16 * 1024
-"""Send buffer of the supervisor's end of a hand-off socket: about 40 queued connections (the default, 208 KiB,
-queued 555 on a worker that had stopped reading before the next worker got one)."""
+"""About 40 queued connections: the default (208 KiB) queued hundreds on a stopped worker before the next got one."""
 LAG_SECONDS = 0.05
-"""A worker that has left a handed-over connection unread this long is behind: a healthy worker reads its
-socket within one turn of its event loop (milliseconds), so it is stopped, blocked or overloaded."""
+"""A healthy worker reads its socket within milliseconds: one that leaves a connection unread this long is behind."""
 STALL_SECONDS = 0.5
 """Behind this long: logged and counted as a stall (``gatekeeper_proxy_handoff_stalls_total``)."""
 PASS_OVER_SECONDS = 0.5
-"""After its unread connections were taken back, a worker is passed over this long (while another keeps up):
-it cannot show that it reads again with nothing queued, so it is tried again after this, at the cost of one
-connection delayed by about :data:`LAG_SECONDS` per period while it stays stopped."""
+"""A worker with nothing queued cannot show it reads again, so after a take-back it is passed over this long,
+then tried again (at the cost of one connection delayed ~LAG_SECONDS per period while it stays stopped)."""
 
 
 def unread_bytes(sock: socket.socket) -> int:
-    """Bytes of hand-off messages on ``sock`` that the worker has not read yet (``SIOCOUTQ``: the kernel
-    charges a message to the sender until the receiver takes it); 0 if the socket cannot say."""
+    """Bytes of hand-off messages the worker has not read (``SIOCOUTQ``); 0 if the socket cannot say."""
     try:
         return int(struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0])
     except OSError:
@@ -173,12 +111,10 @@ class Inbox:
         self.ended = False
         """The supervisor's end closed (it is exiting, or dropped this worker): nothing more will arrive."""
         self.error: OSError | None = None
-        """The error that stopped the last :meth:`receive`: with ``ended``, the one that ended the hand-off;
-        without, one of :data:`RECEIVE_RETRY` (the caller backs off and reads again)."""
+        """The error that stopped the last :meth:`receive`: fatal with ``ended``, else one of RECEIVE_RETRY."""
         self.lost = 0
-        """Connections whose descriptor never arrived (this process was out of descriptors: the kernel closed
-        them), since the last :meth:`receive`; each is counted closed, else the supervisor's count of this
-        worker's connections would keep them for its whole life."""
+        """Connections whose descriptor never arrived (out of descriptors); each is counted closed, else the
+        supervisor would count them open for this worker's whole life."""
 
     def announce(self) -> None:
         self.sock.send(READY)
@@ -194,8 +130,7 @@ class Inbox:
             except (BlockingIOError, InterruptedError):
                 return out
             except OSError as exc:
-                # Not all ends: ENOBUFS/ENOMEM pass, and taken for the end they left a worker serving what it
-                # had, answering /readyz, never restarted, and handed nothing more: a silent loss of capacity.
+                # Not all ends: taking ENOBUFS/ENOMEM for the end left a worker serving but handed nothing more.
                 self.error = exc
                 self.ended = exc.errno not in RECEIVE_RETRY
                 return out
@@ -215,8 +150,8 @@ class Inbox:
         self._counts.add(self._index)
 
     def leave(self) -> None:
-        """We drain: say so (the supervisor takes back what we have not read and hands us nothing more), then
-        close our end. The supervisor may have closed its end already (it is exiting): nothing to say then."""
+        """Say we drain (the supervisor takes back what we have not read), then close our end; nothing to say
+        if the supervisor already closed its end."""
         with contextlib.suppress(OSError):
             self.sock.send(DRAINING)
         self.close()
@@ -234,8 +169,7 @@ class HandoffDispatcher:
                  on_stall: Callable[[int], None] = lambda worker: None,
                  on_take_back: Callable[[int], None] = lambda worker: None,
                  max_connections: int = 0, on_refused: Callable[[int], None] = lambda open_now: None) -> None:
-        """``max_connections``: client connections open in all workers together (``listener.maxClientConnections``),
-        more are closed at accept and reported to ``on_refused`` with the count open; 0 = no proxy-wide cap."""
+        """``max_connections``: proxy-wide cap on open client connections (0 = none); refusals go to ``on_refused``."""
         self._listeners = listeners
         self._max, self._on_refused = max_connections, on_refused
         self._counts = counts
@@ -280,21 +214,17 @@ class HandoffDispatcher:
         return theirs
 
     def retire(self, worker: int) -> None:
-        """``worker``'s process exited: what it had not read goes to the others, and it gets nothing more.
-        (Its own close cannot say so: our duplicate of its end keeps the socket open.)"""
+        """``worker``'s process exited: the others get what it had not read (our duplicate keeps its socket open)."""
         self._command(worker, None)
 
     def start(self, on_failure: Callable[[], object] = lambda: None) -> None:
-        """``on_failure`` runs on the thread if it dies of a bug: the port is closed then, so the caller must
-        not go on as if it served (it stops the proxy, to be restarted)."""
+        """``on_failure`` runs if the thread dies of a bug: the port is closed then, so the caller must stop."""
         self._on_failure = on_failure
         self._thread.start()
 
     def stop(self) -> set[int]:
-        """Close the listeners (queued connections are reset) and the workers' sockets; returns the workers
-        whose socket the thread closed (each reads the end and drains). A worker missing from it may still
-        hold an open socket: the thread did not end within 5 s, or it had died before it took the socket in
-        (those left in the queue are closed here, but the worker may not have reached its read yet)."""
+        """Close the listeners and the workers' sockets; returns the workers whose socket was closed (each
+        drains). Any other worker may still hold an open socket and must be signalled otherwise."""
         self._stop = True
         self._wake()
         if self._thread.is_alive():
@@ -415,8 +345,7 @@ class HandoffDispatcher:
     def _timeout(self, now: float) -> float | None:
         """Until the accept back-off ends or a worker's oldest unread connection is LAG_SECONDS old."""
         wake = [self._resume_at] if self._resume_at > now else []
-        # only deadlines ahead: a worker left behind with nobody else keeping up is looked at again at the next
-        # event (an accept, a worker's message), never in a loop that spins
+        # only deadlines ahead, never a spinning loop: a lone laggard is looked at again at the next event
         wake += [t + LAG_SECONDS for i, t in enumerate(self._unread_since)
                  if t and self._serving[i] and t + LAG_SECONDS > now]
         return max(0.0, min(wake) - now) if wake else None
@@ -457,9 +386,8 @@ class HandoffDispatcher:
             self._take_back(i)
 
     def _take_back(self, worker: int) -> None:
-        """Receive ``worker``'s unread connections ourselves (on our duplicate of its end) and hand them on.
-
-        Race-free with the worker's own reads: the kernel gives each message to one reader only."""
+        """Receive ``worker``'s unread connections on our duplicate of its end and hand them on. Race-free: the kernel
+        gives each message to one reader only."""
         inbox = self._inboxes[worker]
         if inbox is None:
             return
@@ -498,9 +426,8 @@ class HandoffDispatcher:
         except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:
-            # ECONNRESET: the worker's end closed with connections unread (no longer while we hold its duplicate:
-            # kept for safety). Anything else drops a live worker's socket: the worker reads the end, drains and
-            # exits, to be restarted.
+            # ECONNRESET cannot happen while we hold the duplicate (kept for safety); anything else drops a live
+            # worker's socket: it drains and is restarted.
             if not isinstance(exc, ConnectionResetError):
                 log.warning("worker %d's hand-off socket failed (%s): dropping it", worker, exc)
             msg = b""
@@ -517,10 +444,8 @@ class HandoffDispatcher:
             self._drop(worker)
 
     def _set_accepting(self, on: bool) -> None:
-        """Accept only while a worker serves: meanwhile connections wait in the kernel's backlog.
-
-        The listeners start listening when a worker first serves: until then the port refuses
-        connections, as with ``kernel`` balancing, so a TCP health check does not pass early."""
+        """Accept only while a worker serves; the port opens when one first serves, so a TCP health check does
+        not pass early."""
         if on == self._accepting:
             return
         self._accepting = on
@@ -535,8 +460,7 @@ class HandoffDispatcher:
 
     def _accept(self, listener: socket.socket) -> None:
         if self._pending is not None:
-            # Another listener (listener.address resolving to several addresses), readable in the same round,
-            # already left a connection no worker could take: one more would replace it, and close it.
+            # Another listener already left a connection no worker could take: one more would replace and close it.
             return
         for _ in range(64):  # then let the workers' messages in
             try:
@@ -559,8 +483,7 @@ class HandoffDispatcher:
             conn.close()  # the worker has its own descriptor now
 
     def _hand_over(self, conn: socket.socket) -> bool:
-        """Pass ``conn`` to the least-loaded worker whose socket takes it, preferring workers that keep up
-        with their socket (see the module docstring); False if none could take it."""
+        """Pass ``conn`` to the least-loaded worker that takes it, preferring ones that keep up; False if none."""
         now = time.monotonic()
         loads = self.loads()
         behind: list[int | None] = [None] * len(loads)

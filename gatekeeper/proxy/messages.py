@@ -1,23 +1,8 @@
-"""The one request/response shape both protocol adapters speak.
+"""The one request/response shape both protocol adapters speak; everything after them sees only these types.
 
-``h2.py`` and ``h1.py`` turn bytes into a :class:`ProxyRequest` and write back a
-:class:`ProxyResponse`; everything after them (identity, RequestInfo, flow
-control, balancing, upstream) is protocol-agnostic and sees only these types.
-
-Bodies are async iterators pulled by the consumer. That is the backpressure
-contract: the h2 adapter asks the response body for the next chunk only when
-the client's flow-control window has room, and the upstream reader only reads
-the socket when asked, so a slow client slows the backend read instead of
-growing a buffer. Request bodies work the same way in the other direction (the
-h2 adapter acknowledges DATA, i.e. opens the window, only as chunks are taken).
-
-Two optional parts of a body's contract are written down as protocols, so
-mypy checks their use: :class:`Closable` (``aclose()``: the consumer stopped
-pulling, release the upstream connection) and :class:`KnowsLastChunk`
-(``exhausted``: the chunk just returned was the last one, so h2 can end the
-stream on that DATA frame). :func:`close_body` and :func:`is_exhausted` are the
-only places that test for them.
-"""
+Bodies are async iterators pulled by the consumer: that is the backpressure contract, so a slow client slows the backend
+read instead of growing a buffer. :func:`close_body` and :func:`is_exhausted` are the only places that test for the
+optional :class:`Closable` and :class:`KnowsLastChunk`."""
 
 from __future__ import annotations
 
@@ -52,11 +37,8 @@ class KnowsLastChunk(Protocol):
 
 
 def is_exhausted(body: object) -> bool:
-    """True once a :class:`KnowsLastChunk` body has returned its last chunk (always False for others).
-
-    An attribute lookup, not ``isinstance`` on the runtime-checkable protocol: that walks the
-    protocol's members in Python on every call, and this runs once per response chunk.
-    """
+    """True once a :class:`KnowsLastChunk` body has returned its last chunk (always False for others). Attribute lookup,
+    not ``isinstance`` on the protocol: that is slow, and this runs per response chunk."""
     return getattr(body, "exhausted", None) is True
 
 
@@ -123,9 +105,8 @@ class ProxyRequest:
     info: RequestInfo | None = None
     """Filled by the RequestInfo stage."""
     caller: str = ""
-    """Who the request counts against: the verified identity of a token or the per-address flow of an unverified
-    one (the front stage), or whom an allowed impersonator acts for (flow control); long-running requests are
-    capped per caller. Empty: the user's name."""
+    """Who the request counts against (token identity, unverified token's per-address flow, or whom an
+    impersonator acts for); long-running requests are capped per caller. Empty: the user's name."""
     flow_schema: str = ""
     priority_level: str = ""
     """Flow control's decision: the FlowSchema and the priority level the request was classified into."""
@@ -134,13 +115,11 @@ class ProxyRequest:
     reserved_backend: str = ""
     """The apiserver flow control reserved for an expensive LIST (``expensiveLists``): sent there, nowhere else."""
     connection_memo: dict[str, Any] | None = None
-    """One dict per client connection, shared by its requests (what the identity stage learned
-    from the connection's certificate and last credential; ``auth.identify``). None: no memo."""
+    """One dict per client connection, shared by its requests (``auth.identify``'s memo). None: no memo."""
     token_verified: bool = False
     """The front stage verified the bearer token's signature and claims (the apiserver will authenticate it)."""
     identity: CallerFacts | None = None
-    """A token caller's identity as the front stage resolved it (a stand-in for an unverified token); None for
-    certificate and anonymous callers, who are what ``user`` says."""
+    """A token caller's identity as the front stage resolved it; None for certificate and anonymous callers."""
     deadline_seconds: float = 0.0
     """How long the request may run (``pipeline/deadline.py``); 0: no deadline (long-running)."""
     timed_out: bool = False
@@ -156,12 +135,8 @@ class ProxyRequest:
 
 @dataclass
 class Upgraded:
-    """A backend connection that switched protocols (WebSocket, SPDY).
-
-    The h1 adapter writes the 101 head, then splices bytes both ways between
-    the client socket and ``reader``/``writer`` until either side closes, and
-    finally awaits ``on_close`` so in-flight accounting ends.
-    """
+    """A backend connection that switched protocols (WebSocket, SPDY): the h1 adapter splices bytes both ways,
+    then awaits ``on_close`` so in-flight accounting ends."""
 
     reader: asyncio.StreamReader
     writer: asyncio.StreamWriter

@@ -1,52 +1,7 @@
-"""Prometheus metrics of the proxy's pipeline (requests, backends, skew).
+"""Prometheus metrics of the proxy's pipeline (requests, backends, skew); the list is in docs/proxy/metrics.md.
 
-Names (all on prometheus-client's default registry, next to the client-side
-ones in ``conn_metrics.py`` and flow control's ``gatekeeper_flowcontrol_*``):
-
-``gatekeeper_proxy_requests_total{backend,verb,resource,code}``
-    Requests answered by each backend; ``resource`` is ``resource`` or
-    ``resource/subresource`` (empty for non-resource URLs). Both labels are
-    bounded against invented input: a verb outside the Kubernetes and HTTP
-    vocabulary is ``other``; a resource is learned only from an answer that
-    only an existing resource gives (see :func:`resource_label`), anything not
-    learned is ``<unknown>``, and past ``MAX_KNOWN_RESOURCES`` learned names new
-    ones count as ``<other>``.
-``gatekeeper_proxy_rejected_total{reason}``
-    Everything the proxy refused or cut itself, by a fixed set of reasons
-    (``rejections.py``, shared with the protocol adapters).
-``gatekeeper_proxy_request_duration_seconds{verb}``
-    Time until the backend's response headers arrived (not the body: a watch
-    would otherwise last forever).
-``gatekeeper_proxy_upstream_errors_total{backend,kind}``
-    ``connect`` (nothing sent), ``backend`` (failed after sending),
-    ``mid_stream`` (body cut off).
-``gatekeeper_proxy_upstream_retries_total``
-    Safe requests moved to another backend after a connect failure.
-``gatekeeper_proxy_backend_in_flight{backend}``
-    Requests the backend is serving now, watches included.
-``gatekeeper_proxy_backend_watches{backend}``
-    Open long-running requests (watches, exec, logs -f) on the backend.
-``gatekeeper_proxy_upstream_connections{backend}``
-    Pooled HTTP/1.1 connections (busy + idle) to the backend.
-``gatekeeper_proxy_backend_up{backend}``
-    1 if the backend gets new requests, 0 if unready (``/readyz``) or ejected.
-``gatekeeper_proxy_backend_state{backend,state}``
-    1 for the current state: healthy, ejected or unready.
-``gatekeeper_proxy_backend_ejections_total{backend}``
-    Passive ejections (connect failures, 5xx storms).
-``gatekeeper_proxy_skew_in_flight_ratio`` / ``gatekeeper_proxy_skew_request_rate_ratio``
-    ``(max + 1) / (min + 1)`` across eligible backends of in-flight requests
-    and of requests started in the last minute; 1.0 is perfectly even, and the
-    seeds' "37 connections vs thousands" would read in the tens.
-
-The main TLS port answers ``GET /metrics`` itself with this page (so
-``kubectl --kubeconfig proxy.kubeconfig get --raw /metrics`` shows the proxy's
-per-backend counts), but only to verified client-certificate users in
-``proxy.listener.metricsGroups`` (default ``system:masters``); everyone else
-gets a 403 Status. The plain-HTTP ``metricsPort`` listener (loopback by
-default) serves it to Prometheus. An apiserver's own ``/metrics`` is reached
-by talking to that apiserver directly.
-"""
+Labels are bounded against invented input (see :func:`resource_label`). The TLS port's ``/metrics`` is for
+``listener.metricsGroups`` only."""
 
 from __future__ import annotations
 
@@ -64,9 +19,8 @@ from gatekeeper.ops import this_process_page
 from gatekeeper.proxy.tally import CounterTally, HistogramTally  # before the metrics: its flush collects first
 
 render_page: Callable[[], Awaitable[tuple[bytes, str]]] = this_process_page
-"""What the proxy's ``/metrics`` answers (the TLS port for admins, ``listener.metricsPort``). A worker of
-``--workers N`` puts the whole proxy's page here (``worker_metrics.render_in_worker``): a coroutine, because it
-waits for the other workers' pages, and the worker's event loop must serve its clients meanwhile."""
+"""What the proxy's ``/metrics`` answers. A coroutine: a worker awaits the other workers' pages
+(``worker_metrics.render_in_worker``) while its loop serves clients."""
 
 Clock = Callable[[], float]
 
@@ -146,8 +100,7 @@ class SkewView(Protocol):
 
 
 class BalancerView(Protocol):
-    """What the collector reads of the balancer (``pipeline.balancer.Balancer``); the pipeline imports this
-    module, so the types are described here, not imported."""
+    """What the collector reads of the balancer; described, not imported (the pipeline imports this module)."""
 
     @property
     def backends(self) -> Sequence[BackendView]: ...
@@ -225,8 +178,7 @@ MAX_KNOWN_RESOURCES = 500
 """Hard cap on learned resource label values (a big cluster with many CRDs serves a few hundred)."""
 
 RESOURCE_HANDLER_ERRORS = frozenset({400, 409, 410, 422})
-"""Error codes the apiserver gives only from an existing resource's handler (bad request, conflict,
-expired resourceVersion, invalid object); a made-up resource gets 404 (or 401/403/429) first."""
+"""Codes the apiserver gives only from an existing resource's handler; a made-up resource gets 404/401/403/429."""
 
 KNOWN_VERBS = frozenset({
     # Kubernetes verbs RequestInfo derives for resource requests
@@ -244,13 +196,8 @@ def verb_label(verb: str) -> str:
 def resource_label(resource_key: str, code: int) -> str:
     """The resource label: learned names, ``<unknown>`` for unlearned ones, ``<other>`` past the cap.
 
-    A client can invent paths, and the apiserver answers made-up resources with
-    404, or 401/403/429 before it even looks; so a name is learned only from an
-    answer that only a real resource's handler gives: 1xx-3xx (e.g. 200, an exec's
-    101) or one of :data:`RESOURCE_HANDLER_ERRORS` (a refused exec's 400, a 409). A 404 for a
-    missing ConfigMap still counts under ``configmaps`` once any ConfigMap
-    request has succeeded.
-    """
+    Clients can invent paths, so a name is learned only from an answer only a real resource gives: 1xx-3xx or one of
+    :data:`RESOURCE_HANDLER_ERRORS`."""
     if not resource_key:
         return ""
     if resource_key in _known_resources:

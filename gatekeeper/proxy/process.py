@@ -1,10 +1,5 @@
-"""The proxy process put together: the pipeline, its side listener and the TLS listener, in one event loop.
-
-``gatekeeper proxy`` runs this as the only process (:func:`run_single`) or as each worker under the
-supervisor (:func:`run_worker`, ``proxy/workers.py``). The command imports this module only once the
-process knows its metrics mode: every module here reaches prometheus_client, which picks single-process
-or multiprocess values when it is first imported.
-"""
+"""The proxy process put together: the pipeline, its side listener and the TLS listener, in one event loop. Import only
+once the metrics mode is set: prometheus_client picks single- or multiprocess values at import."""
 
 from __future__ import annotations
 
@@ -41,12 +36,8 @@ from gatekeeper.proxy.workers import PARENT_ENV
 log = logging.getLogger("gatekeeper.proxy")
 
 def tune_gc(settings: ProxySettings) -> None:
-    """Before serving: freeze what startup built and collect the young generation less often.
-
-    Modules, settings and tables live as long as the process; frozen, they are no
-    longer traversed by every full collection. Only process entry points call this
-    (never ``run``, which tests also call in-process).
-    """
+    """Freeze what startup built (never traversed by full collections again) and collect less often. Process entry
+    points only: tests call ``run`` in-process."""
     gc.collect()
     gc.freeze()
     if settings.gc_young_threshold:
@@ -85,9 +76,7 @@ async def start_metrics_listener(
 
 
 async def start_pipeline(settings: ProxySettings) -> tuple[FlowControl | None, Pipeline]:
-    """The pipeline as the proxy serves with it, started: flow control (its fleet renewing Leases through the
-    pipeline's own backend clients) and the pipeline (its token keys fetched, its probes running). The
-    pipeline benchmark starts the same way, so it measures what serves."""
+    """The pipeline as the proxy serves with it, started (flow control too); the benchmark starts it the same way."""
     flow = flow_control_middleware(settings)
     pipeline = build(settings, flow_control=flow)
     if flow is not None:
@@ -105,9 +94,7 @@ async def run(
     serve: Callable[..., Awaitable[Any]] | None = None,
     setup: Callable[[Any, Any], None] | None = None,
 ) -> None:
-    """Run until the listener returns (SIGTERM drained); ``on_ready`` gets the bound URLs.
-
-    ``setup(flow_control, pipeline)`` runs before the listener starts (a worker attaches its seat ledger)."""
+    """Run until the listener returns (SIGTERM drained); ``on_ready`` gets the bound URLs; ``setup`` runs first."""
     serve = serve or serve_listener
     flow, pipeline = await start_pipeline(settings)
     if setup is not None:
@@ -170,9 +157,7 @@ def _die_with_parent() -> None:
 
 
 def run_worker(settings: ProxySettings, index: int, runtime: Path, port: int, handoff_fd: int) -> None:
-    """One worker: the ordinary proxy, plus the ledger and a ``worker-N.json`` once it serves.
-
-    It binds nothing: its connections come from the parent over the ``handoff_fd`` socket."""
+    """One worker: the ordinary proxy, binding nothing (connections come over ``handoff_fd``), plus the ledger."""
     _die_with_parent()
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # flow control installs its reload handler; never die of it
     settings = worker_settings(settings, port)

@@ -1,34 +1,7 @@
-"""One ``/metrics`` page for all proxy workers, served by the supervising parent.
+"""One ``/metrics`` page for all proxy workers: the multiprocess files plus every worker's live gauges, merged.
 
-Two kinds of samples, two sources:
-
-* counters, histograms and ``Gauge`` objects are written by every worker to
-  prometheus-client's multiprocess files (``PROMETHEUS_MULTIPROC_DIR``) and read
-  with its ``MultiProcessCollector``: a dead worker's counts stay in the sums
-  (per-request counts reach the files through ``tally.py``: on each scrape of the
-  worker's page, which :func:`render` fetches before it reads the files, within a
-  second, and at exit);
-* the gauges computed from live state at scrape time (per-backend in-flight,
-  watches, pooled connections, flow control's queues and seats) exist only
-  inside each worker, so the parent fetches each live worker's private page and
-  merges them: summed, except health flags and nominal limits (highest value:
-  every worker reports the same limit), the proxy-wide peak of a level (from the
-  seat ledger, not a sum of per-worker peaks), and the skew ratios, recomputed
-  from the summed per-backend figures, so the skew describes the whole proxy.
-
-Each worker serves its own samples on ``/metrics/worker`` of its private
-listener; its ``/metrics`` (and the admin-only ``/metrics`` on the TLS port)
-renders the same merged page as the parent (:func:`render_in_worker`), so a
-scrape that lands on any worker still sees the whole proxy. Both wait for
-the workers' pages without blocking their event loop, for a bounded time; a
-page that did not come is left out of the sums and shown as missing
-(``gatekeeper_proxy_worker_page_missing{worker}``), not summed as zeros.
-
-The multiprocess files are read, and the pages merged, on the metrics thread
-(:func:`gatekeeper.ops.off_loop`), and concurrent scrapes share one render
-(:class:`gatekeeper.ops.SharedRender`): on the loop, a scrape held every client
-of the worker (or the parent's probes) for the whole merge.
-"""
+Live gauges exist only in each worker, so pages are fetched and summed (skew recomputed from the sums); a page that
+does not come in time is shown missing, never summed as zeros. Rendering runs off the loop (docs/proxy/workers.md)."""
 
 from __future__ import annotations
 
@@ -166,9 +139,7 @@ def merge_pages(pages: list[str], skip: set[str], peaks: dict[str, int]) -> str:
 
 
 def multiprocess_page() -> tuple[bytes, set[str]]:
-    """The multiprocess files' page and its family names. Blocking (reads every worker's files): call it
-    through :func:`files_and_live_page` off the loop. The files are read once (it read them twice: once for
-    the names, once for the page)."""
+    """The multiprocess files' page and its family names, read once. Blocking: call it off the loop."""
 
     families = list(multiprocess_registry().collect())
 
@@ -182,11 +153,8 @@ def multiprocess_page() -> tuple[bytes, set[str]]:
 
 
 def files_and_live_page(pages: list[str], peaks: dict[str, int]) -> bytes:
-    """The multiprocess files' page, then the workers' live ``pages`` merged (see :func:`merge_pages`).
-
-    Blocking and loop-free (file reads, parsing every worker's page), so it runs on the metrics thread
-    (:func:`gatekeeper.ops.off_loop`): on the loop it held a worker's clients, or the parent's probes and
-    hand-off, for the whole scrape."""
+    """The multiprocess files' page, then the workers' live ``pages`` merged (see :func:`merge_pages`). Blocking: runs
+    on the metrics thread, else it would hold a worker's clients or the parent's probes."""
     mpc, names = multiprocess_page()
     return mpc + merge_pages(pages, names, peaks).encode()
 
@@ -198,8 +166,7 @@ async def _fetch(session: ClientSession, url: str) -> str:
 
 
 async def _live_pages(urls: dict[int, str], seconds: float) -> tuple[list[str], list[int]]:
-    """Each worker's ``/metrics/worker`` (``urls``: worker index -> private metrics URL), fetched at once and
-    never longer than ``seconds`` in all; returns the pages that came and the workers whose page did not."""
+    """Each worker's ``/metrics/worker``, fetched at once within ``seconds`` in all; returns (pages, missing)."""
     async with ClientSession(timeout=ClientTimeout(total=seconds)) as session:
         got = await asyncio.gather(*(_fetch(session, f"{u}/metrics/worker") for u in urls.values()),
                                    return_exceptions=True)
@@ -209,8 +176,7 @@ async def _live_pages(urls: dict[int, str], seconds: float) -> tuple[list[str], 
 
 
 def missing_page(considered: list[int], missing: list[int]) -> str:
-    """Which serving workers' live gauges this page lacks: a stopped, hung or just-exited worker's in-flight
-    requests, watches, queues and seats are not in the sums, and must not pass for zeros."""
+    """Which serving workers' live gauges this page lacks, so they do not pass for zeros."""
     lines = [
         f"# HELP {MISSING} 1: this worker serves, but its live gauges are missing from this page's sums (its "
         f"page did not come in time: stopped, hung or exiting).",
@@ -221,9 +187,7 @@ def missing_page(considered: list[int], missing: list[int]) -> str:
 
 
 async def render(sup: SupervisorView) -> bytes:
-    """The whole proxy's page: multiprocess samples, then the merged live families.
-
-    A worker whose page does not come within ``FETCH_TIMEOUT`` is left out and shown in ``MISSING``."""
+    """The whole proxy's page; a worker whose page misses ``FETCH_TIMEOUT`` is shown in ``MISSING``."""
     urls = sup.worker_urls()
     pages, missing = await _live_pages(urls, FETCH_TIMEOUT)
     view = sup.ledger.view()
@@ -233,16 +197,8 @@ async def render(sup: SupervisorView) -> bytes:
 
 
 async def render_in_worker(runtime: Path, ledger: SeatLedger, index: int) -> tuple[bytes, str]:
-    """A worker's ``/metrics`` (TLS port for admins, and its private listener): the whole proxy's page.
-
-    This worker's live page comes from its own registry, the other workers' from their private
-    ``/metrics/worker``, awaited: the event loop serves this worker's clients meanwhile. It used to be a
-    blocking fetch, one sibling after the other, 2 s each: a stopped sibling froze every connection of
-    the worker answering the scrape for 2 s (measured with 3 workers, one SIGSTOPped: a ``/healthz`` sent
-    to the scraped worker 0.2 s into its scrape took 1.86 s), and two workers scraped at once waited on
-    each other's frozen loops. A sibling whose page does not come within ``SIBLING_TIMEOUT`` is left out
-    and shown in ``MISSING``.
-    """
+    """A worker's ``/metrics``: the whole proxy's page, siblings' pages awaited (``SIBLING_TIMEOUT``). Awaited, not
+    fetched blocking: a stopped sibling froze every connection of the scraped worker."""
 
     pages = [generate_latest(REGISTRY).decode()]
     urls = _siblings(runtime, index)
@@ -254,8 +210,7 @@ async def render_in_worker(runtime: Path, ledger: SeatLedger, index: int) -> tup
 
 
 def whole_proxy_page(runtime: Path, ledger: SeatLedger, index: int) -> SharedRender[tuple[bytes, str]]:
-    """What a worker's ``/metrics`` answers (``proxy.metrics.render_page``): :func:`render_in_worker`, one
-    render shared by the scrapes that arrive while it runs."""
+    """What a worker's ``/metrics`` answers: :func:`render_in_worker`, shared by concurrent scrapes."""
     return SharedRender(functools.partial(render_in_worker, runtime, ledger, index))
 
 

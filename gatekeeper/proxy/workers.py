@@ -1,39 +1,7 @@
 """``gatekeeper proxy --workers N``: N proxy processes on one port under a supervising parent.
 
-Why processes: one Python event loop does TLS, HTTP/2, flow control and the
-upstream client for every request, so one proxy process tops out at one core.
-
-* The parent listens on the TLS port and hands each connection to the worker
-  with the fewest open ones (``handoff.py``); each worker (``python -m
-  gatekeeper proxy`` with hidden ``--worker-index``/``--runtime-dir``/
-  ``--handoff-fd``, ``process.py``) gets its own hand-off socket at each start.
-  Why not the kernel's SO_REUSEPORT: it hashes connections blind to load, and
-  keeps handing new ones to a worker that is stopped (docs: proxy/workers).
-* A worker that dies is restarted in the same slot (backoff up to 10 s), and
-  the seats it held in the flow-control ledger are released at once
-  (``flowcontrol/ledger.py``: the levels' limits are proxy-wide).
-* SIGTERM/SIGINT: every worker drains (GOAWAY, streams finish, exit 0): the
-  parent closes the workers' hand-off sockets, which is their signal to drain
-  (a worker whose socket it could not close gets SIGTERM). The parent exits
-  with the worst worker exit code (a worker still running
-  ``shutdownTimeoutSeconds`` + 10 s later is SIGKILLed: its exit code is 9). SIGHUP is forwarded to every
-  worker (flow-control policy reload).
-* The parent serves ``/metrics``, ``/healthz`` and ``/readyz`` on
-  ``listener.metricsPort`` for the whole proxy (``worker_metrics.py``): counters
-  and histograms from prometheus-client's multiprocess files, live gauges
-  summed from the workers' private pages, skew recomputed from the sums.
-* ``GET /workers`` on that port lists each worker (pid, restarts, private metrics URL).
-* A worker whose parent dies gets SIGTERM (``PR_SET_PDEATHSIG``).
-* A serving worker that stops answering its private ``/healthz`` for
-  ``proxy.workerHangSeconds`` is killed (then restarted as above): a stuck
-  worker still holds its share of the port and its seats.
-
-The runtime directory (ledger, wake sockets, per-worker ``worker-N.json``
-with its private metrics URL, and the copy of the config file every worker
-starts from, :func:`snapshot_config`) is a fresh private temporary directory
-(``mkdtemp``: 0700, unpredictable name) removed at exit; after a SIGKILL of the
-parent, by the next start of any proxy supervisor (``gatekeeper/tempdirs.py``).
-"""
+One Python event loop tops out at one core. Hand-off, restarts, hang kills, signals, metrics and the runtime directory
+are described in docs/proxy/workers.md."""
 
 from __future__ import annotations
 
@@ -132,8 +100,7 @@ class Supervisor:
         slot.answered = 0.0
         log.info("worker %d started (pid %d)", slot.index, slot.proc.pid)
         if self.stopping.is_set():
-            # SIGTERM arrived while this worker was being started: stop() could not reach it, and
-            # the parent would wait for it forever.
+            # SIGTERM arrived while this worker was starting: stop() could not reach it, and we would wait forever.
             with contextlib.suppress(ProcessLookupError):
                 slot.proc.send_signal(signal.SIGTERM)
 
@@ -200,15 +167,9 @@ class Supervisor:
     async def _heartbeat(self) -> None:
         """Kill a serving worker whose private ``/healthz`` has not answered for ``workerHangSeconds``.
 
-        A worker whose event loop is stuck (a blocking call, a livelock) or that was SIGSTOPped still
-        holds the connections it has open, which hang (the dispatcher only stops handing it new ones),
-        and the seats it holds in the ledger stay taken for the whole proxy. Its process is alive, so
-        ``_watch`` alone never notices. Killed, it is reaped and restarted like any dead worker.
-
-        A late answer is an answer: each worker has one probe in flight, which waits up to
-        ``workerHangSeconds``. Before, a probe gave up after 2 s, so a worker whose loop lagged over 2 s
-        for ``workerHangSeconds`` (CPU-starved in a LIST storm on a small node, busy, not hung) was
-        SIGKILLed with every connection and seat it held: a cascade exactly when the cluster is loaded."""
+        A stuck or SIGSTOPped worker is alive, so ``_watch`` never notices, yet its connections hang and its
+        seats stay taken. A late answer counts: a short probe timeout killed CPU-starved (busy, not hung)
+        workers in a LIST storm, a cascade exactly when the cluster is loaded."""
         hang = self.settings.worker_hang_seconds
         if hang <= 0:
             return
@@ -247,10 +208,8 @@ class Supervisor:
                 await asyncio.gather(*in_flight.values(), return_exceptions=True)
 
     async def _reap_after_drain(self, watchers: list[asyncio.Task[None]]) -> None:
-        """Wait for the workers' drains; SIGKILL any still running ``shutdownTimeoutSeconds`` + KILL_GRACE later.
-
-        A worker drains for at most ``protocol.shutdownTimeoutSeconds`` and exits, unless its event loop
-        is stuck or it was stopped: then the parent used to wait for it forever, holding the port."""
+        """Wait for the workers' drains; SIGKILL any still running ``shutdownTimeoutSeconds`` + KILL_GRACE later,
+        else a stuck worker would hold the port forever."""
         grace = self.settings.protocol.shutdown_timeout_seconds + KILL_GRACE
         _, late = await asyncio.wait(watchers, timeout=grace)
         if late:
@@ -276,10 +235,8 @@ class Supervisor:
         if self.stopping.is_set():
             return
         self.stopping.set()
-        # The port closes first: new connections are refused, not queued. With the hand-off, closing a worker's
-        # socket is its signal to drain (proxy/listen/server.py): a SIGTERM as well raced that drain, and one
-        # landing as the worker swapped its handlers killed it (exit -15, the proxy 15). A worker whose socket
-        # the thread did not close (it did not end, or had died before taking the socket in) gets SIGTERM.
+        # The port closes first. Closing a worker's socket is its signal to drain; a SIGTERM too raced that drain
+        # and could kill it mid handler swap. Only a worker whose socket was not closed gets SIGTERM.
         closed = self.dispatcher.stop()
         for slot in self.slots:
             if slot.index in closed:
@@ -289,8 +246,7 @@ class Supervisor:
                     slot.proc.send_signal(signal.SIGTERM)
 
     def _handoff_failed(self) -> None:
-        """The hand-off thread died and closed the TLS port: exit 1 (to be restarted) rather than run on
-        port-less with every worker ready, which kept an orchestrator sending clients here."""
+        """The hand-off thread died and closed the port: exit 1 rather than run port-less but ready."""
         log.error("the TLS port is closed (connection hand-off failed): stopping the proxy")
         self.fatal = 1
         self.stop()
@@ -335,14 +291,10 @@ class Supervisor:
 
 
 def snapshot_config(settings: ProxySettings, config: Path, runtime: Path) -> Path:
-    """A private copy of the config file the parent validated, for every worker it ever starts.
+    """A private copy of the validated config file, for every worker the parent ever starts.
 
-    Workers used to re-read ``--config`` at each (re)start: after the file was edited, a replaced
-    worker ran other settings than its siblings (backends, limits, inline flow-control objects; SIGHUP
-    reloads only the policy *files*), and after a bad edit it exited 2 at every restart, a crash loop
-    that left its slot empty for good. Settings outside the policy files change with a restart of the
-    proxy, as with one process. Raises UsageError if the file changed between the check and the copy.
-    """
+    Re-reading ``--config`` at each restart gave a replaced worker other settings than its siblings, and a bad edit a
+    crash loop. Raises UsageError if the file changed between the check and the copy."""
     copy = runtime / "config.yaml"
     try:
         data = config.read_bytes()
@@ -361,9 +313,8 @@ def snapshot_config(settings: ProxySettings, config: Path, runtime: Path) -> Pat
 
 
 def supervise(settings: ProxySettings, config: Path, workers: int) -> int:
-    """The parent process: returns the exit code (0 when every worker drained cleanly).
-
-    The command has set the metrics directory (``enable_multiprocess``) before importing this module."""
+    """The parent process: returns the exit code (0 when every worker drained cleanly). The command has called
+    ``enable_multiprocess`` before importing this module."""
     runtime = tempdirs.make("gatekeeper-proxy-")  # stamped: a later start removes it if we are SIGKILLed
     lst = settings.listener
     try:

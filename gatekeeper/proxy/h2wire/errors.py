@@ -1,9 +1,5 @@
-"""HTTP/2 error codes (RFC 9113 section 7) and the exceptions that carry them (pure).
-
-A :class:`ProtocolError` raised while receiving is a connection error: its
-``error_code`` is the code of the GOAWAY that ends the connection. The
-subclasses are what a codec raises when it is asked to send where it may not.
-"""
+"""HTTP/2 error codes (RFC 9113 section 7) and the exceptions that carry them (pure). A :class:`ProtocolError` raised
+while receiving is a connection error; its ``error_code`` goes in the GOAWAY."""
 
 from __future__ import annotations
 

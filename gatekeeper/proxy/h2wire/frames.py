@@ -1,8 +1,4 @@
-"""HTTP/2 wire constants and frame serialization (pure, RFC 9113 section 4/6), for both HTTP/2 sides.
-
-Kept apart from :mod:`h2_codec` so the state machine reads as rules, not byte
-layouts. Everything here is a constant or a function of its arguments.
-"""
+"""HTTP/2 wire constants and frame serialization (pure, RFC 9113 sections 4 and 6), for both HTTP/2 sides."""
 
 from __future__ import annotations
 

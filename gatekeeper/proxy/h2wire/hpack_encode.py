@@ -1,31 +1,9 @@
 """HPACK encoder for the proxy's response headers: the same compression as ``hpack``'s, a fraction of the CPU.
 
-An apiserver answers small GETs with nearly the same header list every time
-(``content-type``, ``cache-control``, the ``X-Kubernetes-PF-*`` uids, our
-``x-gatekeeper-pf-*`` names), plus a few values that change on every response
-(``audit-id``, ``date``). ``hpack.Encoder`` searches its dynamic table
-linearly, Huffman-codes every literal and logs every field, on every response:
-about half of the proxy's cost of sending a HEADERS frame.
-
-:class:`ResponseEncoder` keeps the wire format and the dynamic table semantics
-(RFC 7541) but makes the repeated work a dict lookup:
-
-* a field already in the dynamic table is found through a dict that maps it to
-  its insertion number (its index is arithmetic on that number), not a scan;
-* the literal encoding of a field (Huffman-coded, with incremental indexing)
-  is a pure function of the field, so it is memoized in a bounded dict
-  (at most ``MEMO_ENTRIES`` fields of at most ``MEMO_MAX_BYTES`` each; when
-  full, the memo is cleared and refills from the next responses);
-* fields too long to memoize, and never-indexed fields (:class:`NeverIndexed`:
-  the volatile ``audit-id`` and ``date``, see ``h2_headers.response_block``) go out as raw literals, with no
-  Huffman pass (a few bytes more on the wire for much less CPU); never-indexed
-  ones never enter the table or the memo.
-
-The dynamic table follows the peer's ``SETTINGS_HEADER_TABLE_SIZE`` capped at
-``MAX_TABLE_SIZE`` (the encoder may use less than the peer allows, RFC 7541
-4.2); a change is signalled at the start of the next header block, smallest
-size first when it shrank and grew again in between (RFC 7541 4.2).
-"""
+Apiservers repeat nearly the same header list on every answer, so the repeated work becomes dict lookups: the dynamic
+table is indexed by a dict, literal encodings are memoized (bounded, cleared when full), and long or never-indexed
+fields (``audit-id``, ``date``) go out raw, without Huffman, and never enter table or memo. The table follows the peer's
+SETTINGS_HEADER_TABLE_SIZE capped at ``MAX_TABLE_SIZE`` (RFC 7541 4.2)."""
 
 from __future__ import annotations
 
@@ -117,8 +95,7 @@ def memo_size() -> int:
 
 
 class NeverIndexed(tuple[bytes, bytes]):
-    """A ``(name, value)`` field sent as a never-indexed literal (RFC 7541 6.2.3): values that change on every
-    response, or must not be kept by any intermediary."""
+    """A field sent as a never-indexed literal (RFC 7541 6.2.3): changes on every response, or must not be kept."""
 
     __slots__ = ()
 

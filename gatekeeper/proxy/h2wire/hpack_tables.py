@@ -1,14 +1,7 @@
 """The constants of HPACK (RFC 7541): its static table, its Huffman code, its integers (pure).
 
-Written from the RFC, so the proxy's HTTP/2 sides need no HPACK library at run
-time; the tests check every entry and code against ``hpack``'s (a
-differential oracle there, never imported from ``gatekeeper/``).
-
-The Huffman code of Appendix B is canonical: within one code length, codes
-rise with the symbol, and each length's first code follows the previous
-length's last. So the 257 code lengths determine every code, and the table is
-those lengths, one letter each (``A`` = 5 bits).
-"""
+Written from the RFC (the tests check them against ``hpack``'s). The Huffman code is canonical, so its 257 code lengths
+determine every code: the table is those lengths, one letter each (``A`` = 5 bits)."""
 
 from __future__ import annotations
 

@@ -1,49 +1,14 @@
 """HPACK Huffman decoding (RFC 7541 5.2 and Appendix B): one table step per input byte, and its memo.
 
-Why our own: ``hpack``'s decoder walks the code tree a nibble at a time with a
-tuple unpack and two flag tests per nibble, ~130 ns per coded byte. A client
-may send up to ``maxHeaderListBytes`` of Huffman-coded strings per block, so
-that is the most CPU per byte a client can make the proxy spend, and an honest
-h2load/nghttp2 client sends its ``:path`` as a Huffman literal on every request.
+Huffman strings are the most CPU per byte a client can make the proxy spend, and ``hpack`` walks the tree a nibble at a
+time. This is a state machine over the code tree's 256 internal nodes plus an error state: each input byte is one lookup
+in flat lists. After the last byte the machine must rest on the all-ones path at depth 0..7 (padding a prefix of EOS);
+anything else, EOS included, raises :class:`HuffmanDecodingError`.
 
-The decoder is a finite-state machine over the code tree. A state is an
-internal node (the bits read since the last complete symbol; the tree of the
-257 codes has exactly 256 internal nodes, the root is 0) plus one absorbing
-error state. One step consumes a whole byte: from any node, 8 bits complete 0,
-1 or 2 symbols (the shortest code is 5 bits) and end at another node. Two
-flat lists indexed by ``node << 8 | byte`` hold the next node (pre-shifted by
-8, so the next index is one OR) and the symbols completed on the way, as one
-shared ``bytes`` object; the inner loop is one list comprehension with two
-subscripts and no branch. Completing EOS leads to the error state, which
-never leaves. After the last byte, the string is valid only if the machine
-rests on the all-ones path from the root at depth 0..7: the padding is then
-at most 7 bits and a prefix of EOS (30 one bits). Anything else, including
-EOS inside the string, raises :class:`HuffmanDecodingError`: the codec fails
-the connection with COMPRESSION_ERROR.
-
-Tables are built on first use from the code table of RFC 7541 Appendix B
-(:mod:`hpack_tables`): ~17 ms and ~1.9 MB, once per process.
-
-**Memo.** Huffman decoding is a pure function, so a bounded LRU keyed by the
-coded bytes returns exactly what decoding would; errors are never cached.
-
-* ``decode_memo`` (for never-indexed fields and credentials) memoizes coded strings of
-  ``MEMO_MIN_BYTES``..``MEMO_MAX_BYTES``, at most ``MEMO_ENTRIES``: the ~1 KB
-  bearer token that HPACK encoders never index is decoded once, not on every
-  request. Huge strings are not kept (the cache would become a memory sink).
-  A hit returns nothing a caller does not already hold: to hit, it must send
-  the identical coded token. Its only signal is timing (a hit is under a
-  microsecond faster than a decode, far below network jitter), and dict
-  lookups compare a randomized hash before any bytes.
-* ``decode_memo_short`` (for every other field) also keeps
-  shorter strings, from ``SHORT_MEMO_MIN_BYTES``, in a separate LRU of
-  ``SHORT_MEMO_ENTRIES`` (so a client's many distinct paths cannot evict the
-  tokens): nghttp2 sends ``:path`` as a literal without indexing on every
-  request, and a hit costs ~0.05-0.09 us against ~0.8 us to decode its 18 bytes.
-  The caller keeps credentials (``authorization``, ``proxy-authorization``,
-  ``cookie``) and never-indexed fields out of it, so short secrets are
-  memoized no more than before this memo existed.
-"""
+The memos are bounded LRUs keyed by the coded bytes; errors are never cached. A hit tells a client only that it sent
+identical bytes, and its timing gain is far below network jitter. ``decode_memo`` keeps the ~1 KB bearer token decoded
+once; huge strings are not kept (a memory sink). ``decode_memo_short`` is a separate LRU for other fields, so many
+distinct paths cannot evict tokens; callers keep credentials and never-indexed fields out."""
 
 from __future__ import annotations
 
@@ -55,10 +20,8 @@ MEMO_MIN_BYTES = 64
 MEMO_MAX_BYTES = 8192
 MEMO_ENTRIES = 256
 SHORT_MEMO_MIN_BYTES = 4
-"""Chosen by measurement (loadtest/reports/2026-12-03-readme-history.md): a hit costs ~0.05 us at any
-length, decoding ~0.25 us at
-1 byte, ~0.33 at 4 and ~0.8 at 16, a miss (decode, insert, evict) ~0.18 us more than decoding. From 4
-bytes the memo pays off above a ~40% hit rate (~20% at 16 bytes); shorter strings save too little."""
+"""A hit costs ~0.05 us at any length against ~0.33 us to decode 4 bytes: from 4 bytes the memo pays off above
+a ~40% hit rate; shorter strings save too little."""
 SHORT_MEMO_ENTRIES = 1024
 """Keys under MEMO_MIN_BYTES: at most ~64 coded + ~100 decoded bytes each, ~300 KB in all."""
 

@@ -1,20 +1,8 @@
 """A process-wide ceiling on HTTP/2 request DATA received but not yet taken by the pipeline.
 
-Why: each client connection may have up to its connection window of request DATA
-in flight to us (4 stream windows, 4 MiB by default), and the proxy holds what the
-pipeline has not taken yet: the body of a request queued for a flow-control seat,
-or of one whose apiserver reads slowly. The windows bound each connection, not the
-process: ``maxClientConnections`` (20000) times 4 MiB is 80 GiB. This budget bounds
-the process. A DATA frame that would take the total past
-``protocol.maxBufferedRequestBytes`` resets its stream (RST_STREAM
-ENHANCE_YOUR_CALM, reason ``body_budget``) unless its connection is still under
-its fair share (see :class:`Share`); that stream's queued DATA is released and its
-window given back, so the bytes other streams hold are untouched and honest uploads
-(etcd caps an object at 1.5 MiB) keep flowing.
-
-Sans-IO: the adapter (``h2.H2Protocol``) takes and gives bytes; the gauge is the
-only side effect.
-"""
+Windows bound each connection, not the process (20000 connections x 4 MiB is 80 GiB). A DATA frame past
+``protocol.maxBufferedRequestBytes`` resets its stream (ENHANCE_YOUR_CALM) unless its connection is under its fair share
+(:class:`Share`); other streams' bytes are untouched. Sans-IO; the gauge is the only side effect."""
 
 from __future__ import annotations
 
@@ -46,13 +34,9 @@ class RequestBodyBudget:
 class Share:
     """One connection's part of the budget.
 
-    Over the limit, the connection that holds the most must not be the one that wins: a client
-    that parks bodies on a few connections would otherwise get every other client's uploads
-    reset. So past the limit, a connection still under its fair share (the limit split evenly
-    over the connections holding bytes, itself included) may go on, up to twice the limit in
-    all; one at or over its share is refused. A client with many connections gets a share per
-    connection (``listener.maxClientConnections`` bounds how many).
-    """
+    Past the limit, a connection under its fair share (the limit split over the connections holding bytes) may go on, up
+    to twice the limit in all: otherwise a client parking bodies on a few connections would get every other client's
+    uploads reset."""
 
     __slots__ = ("budget", "held")
 

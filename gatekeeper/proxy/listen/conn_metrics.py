@@ -1,11 +1,5 @@
-"""Collectors for the client-facing side of the proxy (connections, GOAWAYs, refused streams).
-
-Rejections (caps, floods, stalls) are counted in ``rejections.py``, shared with the pipeline.
-
-They live apart from the pipeline's request metrics so the protocol adapters
-import nothing from the pipeline; both register on prometheus-client's default
-registry, so one ``/metrics`` page shows them together.
-"""
+"""Collectors for the client-facing side of the proxy (connections, GOAWAYs, refused streams). Apart from the pipeline's
+metrics so the protocol adapters import nothing from the pipeline."""
 
 from __future__ import annotations
 

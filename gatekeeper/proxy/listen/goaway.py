@@ -1,12 +1,5 @@
-"""The goawayChance decision, kept pure so tests can make it deterministic.
-
-kube-apiserver (``WithProbabilisticGoaway``) draws ``rand.Float64() < chance``
-once per HTTP/2 request. Gatekeeper draws once per request too, after that
-request's response is complete (h2) or when its response head is written
-(http/1.1, where ``Connection: close`` must be in the head; the connection is
-then closed after the body), and applies it to both protocols because
-HTTP/1.1 clients pin connections as well.
-"""
+"""The goawayChance decision, kept pure so tests can make it deterministic. Drawn once per request like
+kube-apiserver's, for both protocols (HTTP/1.1 clients pin connections too)."""
 
 from __future__ import annotations
 

@@ -1,47 +1,10 @@
-"""HTTP/1.1 client connections: keep-alive, streamed bodies, upgrade passthrough.
+"""HTTP/1.1 client connections on h11: keep-alive, streamed bodies, upgrade passthrough.
 
-The protocol core is ``h11`` (sans-IO: bytes in, events out, framing,
-keep-alive and HEAD/204/304 rules); this module is the thin asyncio edge
-that moves bytes between it, the socket and the pipeline handler.
-
-* Request bodies (content-length or chunked) are handed to the pipeline as an
-  async iterator that reads the socket only when pulled; ``Expect:
-  100-continue`` is answered when the pipeline first pulls the body, so a
-  request rejected before that (429, 403) never makes the client upload.
-* Response bodies are streamed; without ``content-length`` h11 uses chunked
-  encoding. Hop-by-hop headers from the pipeline are dropped.
-* A response with ``upgraded`` (WebSocket for kubectl >= 1.30 exec/attach/
-  port-forward, SPDY/3.1 for older clients) gets its 101 head written, then
-  bytes are spliced both ways unchanged until either side closes, the client
-  stops taking bytes for ``h1WriteStallTimeoutSeconds`` (aborted, reason
-  ``response_stall``), or no byte moves either way for
-  ``h1UpgradeIdleTimeoutSeconds`` (closed, reason ``upgrade_idle``; the same
-  bound applies to the wait for the backend's answer to an upgrade request).
-* goawayChance: ``Connection: close`` must be in the response head, so for
-  HTTP/1.1 the coin is tossed when the head is written (not after the body as
-  on h2) and the connection closes after that body. The effect on
-  rebalancing is the same: the client's next request opens a new connection.
-* While a response is being produced the socket is watched for EOF or a
-  reset, so a client that hangs up on an idle watch ends the upstream watch
-  at once, and one that leaves an upgrade request waiting for its backend
-  frees it too (bytes read meanwhile stay in h11: the next request's, or the
-  tunnel's). Past ``PIPELINE_BUFFER_LIMIT`` bytes read ahead nothing more is
-  read, and the kernel is asked every ``HANGUP_CHECK_SECONDS`` whether the
-  client sent its FIN or reset (a paused transport sees neither).
-* Slow clients are cut, each by a setting: a request head must be complete
-  ``h1HeaderTimeoutSeconds`` after its first byte (no 408: the connection just
-  closes, as Go's ReadHeaderTimeout does); a request body that is idle for
-  ``h1BodyIdleTimeoutSeconds`` fails the request; a client that takes no
-  response bytes for ``h1WriteStallTimeoutSeconds`` has its connection
-  aborted (not closed: a close would wait to flush to a client that never
-  reads), which frees the backend connection, the seat and the buffers.
-* ``Content-Length`` together with ``Transfer-Encoding`` is a 400 (RFC 9112
-  6.3: such a message is a request-smuggling attempt, or broken).
-* A request head over ``maxHeaderListBytes`` or with more than
-  ``h1MaxHeaderFields`` fields is a 431 (the count is checked on the raw bytes
-  while the head arrives, before h11 parses it); every refused head is counted
-  (``h1_head_too_large``, ``h1_malformed``, ``length_and_chunked``).
-"""
+``Expect: 100-continue`` is answered when the pipeline first pulls the body, so a rejected request never makes the
+client upload. goawayChance's ``Connection: close`` must be in the head, so the coin is tossed when the head is written.
+The socket is watched for hang-ups while a response is produced, so a client leaving an idle watch ends it upstream.
+``Content-Length`` with ``Transfer-Encoding`` is a 400 (request smuggling, RFC 9112 6.3). Timeouts and limits are in
+docs/proxy/limits.md."""
 
 from __future__ import annotations
 
@@ -92,10 +55,7 @@ UNREAD_BODY_DRAIN_BYTES = 256 * 1024
 
 
 def peer_hung_up(fd: int) -> bool:
-    """Whether the peer of socket ``fd`` sent its FIN (POLLRDHUP, Linux) or reset, without reading a byte.
-
-    The kernel records a FIN once every byte before it is in our receive buffer, unread or not.
-    """
+    """Whether the peer of ``fd`` sent its FIN (POLLRDHUP) or reset, without reading a byte."""
     poller = select.poll()
     poller.register(fd, _HANGUP_EVENTS)
     return any(events & _HANGUP_EVENTS for _, events in poller.poll(0))
@@ -117,8 +77,8 @@ class H1Connection:
         rng: Callable[[], float] = random.random,
         draining: bool = False,
     ) -> None:
-        """``draining``: the server began to drain before this connection's TLS handshake finished; its client
-        connected in time, so its first request is answered, with ``Connection: close``, and that is all."""
+        """``draining``: the drain began during this connection's handshake: answer its first request with
+        ``Connection: close``, and that is all."""
         self._handler = handler
         self._settings = settings
         self._reader, self._writer = reader, writer
@@ -199,11 +159,8 @@ class H1Connection:
                 return
 
     async def _next_event(self, *, idle: bool = False, body: bool = False) -> h11.Event | type[h11.PAUSED] | None:
-        """The next h11 event; None when the connection must close (idle, or the head came too slowly).
-
-        ``idle``: waiting for a request head (idle timeout, then the header timeout from its
-        first byte). ``body``: reading a request body (idle timeout per read, raises ClientGone).
-        """
+        """The next h11 event; None when the connection must close (idle, or the head came too slowly). ``idle``:
+        waiting for a head; ``body``: reading a body (idle timeout per read, raises ClientGone)."""
         head_deadline: float | None = None
         head_lines = 0
         """Line ends read while this head is incomplete (an upper bound on its header fields)."""
@@ -213,9 +170,8 @@ class H1Connection:
             if event is not h11.NEED_DATA:
                 return event  # type: ignore[return-value]
             if idle and head_lines > self._settings.h1_max_header_fields + 1:  # + the request line
-                # Refused before h11 parses a line of it: h11 parses a head in one go once it is
-                # complete, about 4 us per field in the proxy (a 1 MiB head of empty fields held the
-                # event loop for a second).
+                # Refused before h11 parses it: h11 costs ~4 us per field, so a 1 MiB head of empty fields
+                # held the event loop for a second.
                 raise self._too_many_fields(head_lines - 1)
             if self._eof:
                 return h11.ConnectionClosed()
@@ -260,10 +216,7 @@ class H1Connection:
 
     async def _bad_request(self, exc: h11.RemoteProtocolError, *, reason: rejections.RejectReason | None = None,
                            ) -> None:
-        """Malformed request line or headers: a clear 4xx Status, then close (framing is lost).
-
-        Counted: ``reason``, else ``h1_head_too_large`` for a 431 and ``h1_malformed`` for the rest.
-        """
+        """Malformed request line or headers: a 4xx Status, then close (framing is lost)."""
         code = exc.error_status_hint
         if reason is None:
             reason = "h1_head_too_large" if code == 431 else "h1_malformed"
@@ -347,12 +300,8 @@ class H1Connection:
                 await watcher
 
     async def _watch_eof(self, task: asyncio.Task[bool]) -> None:
-        """After the request is fully read, notice the client hanging up (idle watches, and upgrade
-        requests whose backend has not answered: nothing else would end those).
-
-        Bytes read meanwhile go to h11, which keeps them: the next request's, or, after an upgrade
-        request, the new protocol's (``_upgrade`` stops this watcher, then sends them first).
-        """
+        """Notice the client hanging up once the request is read (idle watches, unanswered upgrades: nothing
+        else would end those). Bytes read meanwhile stay in h11 for the next request or the tunnel."""
         await self._request_done.wait()
         buffered = 0
         try:
@@ -370,16 +319,10 @@ class H1Connection:
         task.cancel()
 
     async def _hangup_unread(self) -> None:
-        """Return once the client has gone, reading nothing more from it (the read-ahead is full).
+        """Return once the client has gone, reading nothing (the read-ahead is full).
 
-        Reading stops here, so the transport pauses and no longer sees an EOF or a reset: without
-        this a client that pipelined past the read-ahead and left kept its request running upstream
-        (seats, a backend connection) until the response's next write failed, for ever on an idle
-        watch. The kernel knows without a read: its FIN or RST is checked every
-        ``HANGUP_CHECK_SECONDS`` (poll, no bytes taken). A FIN still queued behind pipelined bytes
-        the client's kernel could not send (our window is shut) is invisible to anyone; the next
-        write of the response then meets its reset.
-        """
+        A paused transport sees no EOF or reset, so a client that pipelined past the read-ahead and left kept its
+        request running upstream, forever on an idle watch. The kernel is polled for FIN/RST instead."""
         transport = self._writer.transport
         sock = transport.get_extra_info("socket")
         fd = sock.fileno() if sock is not None else -1
@@ -420,9 +363,8 @@ class H1Connection:
                 response.finish(error)
 
     async def _past_deadline(self, request: ProxyRequest) -> BaseException:
-        """The request's deadline passed (its task was cancelled for it): a 504 and close if nothing was
-        answered yet, else close the connection mid-response (HTTP/1.1 has no way to cut one response).
-        Returns the error the response finishes with."""
+        """The request's deadline passed: a 504 and close if nothing was answered, else close mid-response
+        (HTTP/1.1 cannot cut one response). Returns the error the response finishes with."""
         task = asyncio.current_task()
         if task is not None:
             task.uncancel()
@@ -441,11 +383,8 @@ class H1Connection:
         return error
 
     async def _upgrade_answer(self, request: ProxyRequest) -> ProxyResponse | None:
-        """The handler's answer to an upgrade request, or None if none came in h1UpgradeIdleTimeoutSeconds.
-
-        Nothing moves while a backend (a pods/proxy target) sits on an upgrade request, so the tunnel's
-        idle bound applies from the request on; without it such a request was held for ever.
-        """
+        """The handler's answer to an upgrade request, or None if none came in h1UpgradeIdleTimeoutSeconds:
+        nothing moves meanwhile, and without the bound such a request was held forever."""
         limit = self._settings.h1_upgrade_idle_timeout_seconds
         try:
             async with asyncio.timeout(limit):
@@ -557,10 +496,8 @@ class H1Connection:
             await self._drain()
 
     async def _tunnel_idle(self) -> None:
-        """Return (ending the tunnel) once no byte has moved either way for h1UpgradeIdleTimeoutSeconds.
-
-        One timer per tunnel, re-armed from the last move, not one per read.
-        """
+        """Return (ending the tunnel) once no byte has moved either way for h1UpgradeIdleTimeoutSeconds;
+        one timer re-armed from the last move, not one per read."""
         loop = asyncio.get_running_loop()
         limit = self._settings.h1_upgrade_idle_timeout_seconds
         while (left := self._tunnel_moved_at + limit - loop.time()) > 0:  # noqa: ASYNC110 - a re-armed deadline

@@ -1,29 +1,8 @@
-"""HTTP/2 server connection with graceful GOAWAY, on the proxy's own sans-IO codec.
+"""HTTP/2 server connection with graceful GOAWAY, on the proxy's own sans-IO codec (``h2_codec``).
 
-The codec (``h2_codec.H2ServerCodec``, about a sixth of the h2 library's CPU per
-request) hands this adapter event tuples (``h2_state.EV_*``) and takes its calls; the
-h2 library stays in the tests only, as the client side and a differential oracle.
-
-Sans-IO in the sense that matters for testing: :class:`H2Protocol` never
-touches a socket. The edge feeds it bytes (:meth:`H2Protocol.data_received`)
-and gives it three callables: ``write(bytes)`` (synchronous, so frames keep
-the order the codec queued them in), ``drain()`` (awaited after DATA, so a slow
-socket slows us down) and ``close()``. Unit tests wire those to a client-side
-``h2.connection.H2Connection`` in memory.
-
-Each stream runs the pipeline handler in its own task and streams the
-response back, with backpressure both ways (:mod:`h2_stream`, mixed in as
-:class:`StreamServing`); graceful GOAWAY, drain, idle timeout and close are in
-:mod:`h2_drain` (:class:`Draining`). This module is the connection: the
-codec, the events coming in and what they do to the streams.
-
-Abuse limits: a malformed request (RFC 9113 8.1.1) gets RST_STREAM
-PROTOCOL_ERROR and never reaches the pipeline; frame floods end in GOAWAY
-ENHANCE_YOUR_CALM (``h2_limits``); a stream keeps its MAX_CONCURRENT_STREAMS
-slot until its handler has finished, even after the client reset it; a
-response whose window stays shut for ``responseStallTimeoutSeconds`` is reset
-with CANCEL, which releases its seat and upstream connection.
-"""
+:class:`H2Protocol` never touches a socket: it is fed bytes and given ``write`` (synchronous, so frames keep the codec's
+order), ``drain`` and ``close``, so tests wire it to an in-memory h2 client. Streams are in :mod:`h2_stream`, GOAWAY and
+close in :mod:`h2_drain`; the limits are in docs/proxy/limits.md."""
 
 from __future__ import annotations
 
@@ -59,8 +38,7 @@ CONNECTION_WINDOW_FACTOR = 4
 
 
 def connection_window(settings: ProtocolSettings) -> int:
-    """CONNECTION_WINDOW_FACTOR stream windows, at most 2^31-1 (RFC 9113 6.9.1): a larger increment is
-    an invalid WINDOW_UPDATE, and ``streamWindowBytes`` itself may be up to 2^31-1."""
+    """CONNECTION_WINDOW_FACTOR stream windows, capped at 2^31-1: a larger increment is an invalid WINDOW_UPDATE."""
     return min(settings.stream_window_bytes * CONNECTION_WINDOW_FACTOR, MAX_WINDOW)
 
 
@@ -188,8 +166,7 @@ class H2Protocol(StreamServing, Draining):
 
     def _on_request(self, sid: int, block: list[tuple[bytes, bytes]], ended: bool) -> None:
         if self.goaway_last_stream_id is not None and sid > self.goaway_last_stream_id:
-            # The client may already have reset it (Go cancels streams above a GOAWAY's last id);
-            # then h2 has closed it and there is nothing to refuse.
+            # The client may already have reset it (Go cancels streams above a GOAWAY's last id).
             self._conn.release_stream(sid)
             if self._reset(sid, ErrorCodes.REFUSED_STREAM):
                 conn_metrics.REFUSED_STREAMS.inc()
@@ -197,8 +174,7 @@ class H2Protocol(StreamServing, Draining):
         try:
             method, target, headers = parse_request(block)
         except MalformedRequest as exc:
-            # RFC 9113 8.1.1: a malformed request is a stream error of type PROTOCOL_ERROR
-            # (Go's server and nginx reset; h2spec 8.1.2 checks it). Nothing reaches the pipeline.
+            # RFC 9113 8.1.1: a stream error PROTOCOL_ERROR, as Go's server does; nothing reaches the pipeline.
             self._conn.release_stream(sid)
             self._reset(sid, ErrorCodes.PROTOCOL_ERROR)
             rejections.reject("h2_malformed", "h2 connection %d from %s, stream %d: %s",
@@ -222,8 +198,7 @@ class H2Protocol(StreamServing, Draining):
         self._streams[sid] = stream
         self._cancel_idle()
         stream.task = self._loop.create_task(self._serve(stream))
-        # Cleanup hangs off the task, not a finally in _serve: a task cancelled before its first
-        # step (HEADERS and RST_STREAM in one read) never runs its body at all.
+        # Cleanup hangs off the task, not a finally in _serve: a task cancelled before its first step never runs.
         stream.task.add_done_callback(functools.partial(self._task_done, stream))
 
     def _on_refused(self, stream_id: int) -> None:
@@ -245,8 +220,7 @@ class H2Protocol(StreamServing, Draining):
     def _on_data(self, sid: int, data: bytes, flow: int) -> None:
         stream = self._streams.get(sid)
         if stream is None or stream.error is not None or not data:
-            # Nobody will read it, or there is nothing to read (a zero-length or padding-only
-            # frame must not take a place in the inbox): give the window back at once.
+            # Nobody will read it, or nothing to read (an empty frame must not take an inbox place): window back now.
             self._ack(sid, flow)
             return
         if not self._budget.take(len(data)):
@@ -337,11 +311,8 @@ class H2Protocol(StreamServing, Draining):
             self._write(data)
 
     def _flush_soon(self) -> None:
-        """Flush at the end of this loop iteration: frames of many streams go out in one TLS write.
-
-        Order is kept (everything queues in the codec's buffer); anything that needs
-        its bytes out now (DATA before a drain, our GOAWAY) calls _flush().
-        """
+        """Flush at the end of this loop iteration: frames of many streams go out in one TLS write. Order is kept;
+        anything that needs its bytes out now calls _flush()."""
         if not self._flush_scheduled:
             self._flush_scheduled = True
             self._loop.call_soon(self._deferred_flush)

@@ -1,36 +1,9 @@
-"""The proxy's sans-IO HTTP/2 server connection (RFC 9113).
+"""The proxy's sans-IO HTTP/2 server connection (RFC 9113): only the server half the proxy needs.
 
-Why: the ``h2`` library cost ~60 us of CPU per small proxied request, most of
-it in its general machinery (a frame object per frame, event objects, a
-state machine per stream driven by enum lookups, client-side and push
-paths). This codec is only the server half the proxy needs: frame headers are
-unpacked with one ``struct`` call straight from the received bytes, streams
-are a slots record, and the adapter gets plain tuples (``EV_*`` below).
-HPACK decoding is ``h2wire.hpack_decode.BlockDecoder`` (Huffman strings by
-``h2wire.huffman``), encoding ``h2wire.hpack_encode.ResponseEncoder``. Modules: this
-one holds the state, the frame loop and the sending API; ``h2_inbound`` the rules
-per received frame type; ``h2_state`` the event tuples and the stream record;
-``h2wire.frames`` the wire constants.
-
-It keeps every behaviour of the h2 library's server that the proxy relied on
-(the tests hold the library as an oracle): REFUSED_STREAM
-(a stream error) over MAX_CONCURRENT_STREAMS, counting a stream until the
-adapter releases it (rapid reset); ``FloodGuard`` counting of every frame
-kind; a content-length mismatch as a stream error; at most
-``MAX_CONTINUATIONS`` CONTINUATION frames and ``maxHeaderListBytes`` of
-decoded headers per block (over it: GOAWAY ENHANCE_YOUR_CALM, as ``h2``).
-
-Error classes follow ``h2`` where h2spec checks them, and RFC 9113 section 5.4
-otherwise: a connection error raises ``h2wire.errors.ProtocolError`` (with the
-code of the GOAWAY already queued), a stream error queues RST_STREAM and, if
-the adapter knows the stream, reports ``EV_RESET``. A frame on a stream the
-client reset is answered with RST_STREAM STREAM_CLOSED; on one we reset it is
-ignored (RFC 9113 5.1: it may have left before our RST_STREAM arrived; h2
-answers those too); on a stream closed by END_STREAM it is a connection error
-STREAM_CLOSED; on a stream id never used below the highest one, PROTOCOL_ERROR
-(RFC 9113 5.1.1). Closed streams are remembered in a bounded table
-(``CLOSED_MEMORY``), like h2. Every such frame still counts for ``FloodGuard``.
-"""
+The ``h2`` library cost ~60 us of CPU per small request in general machinery; this codec unpacks frames with one
+``struct`` call, keeps streams in a slots record and reports plain tuples (``h2_state.EV_*``). It keeps every h2 server
+behaviour the proxy relied on (the tests hold h2 as an oracle). ``h2_inbound`` has the rules per received frame; error
+classes and closed-stream handling are summarized in docs/proxy/limits.md."""
 
 from __future__ import annotations
 
@@ -195,11 +168,8 @@ class H2ServerCodec(InboundFrames):
         return min(self._send_window, stream.send_window)
 
     def acknowledge_received_data(self, acknowledged_size: int, stream_id: int) -> None:
-        """The adapter consumed ``size`` flow-controlled bytes: reopen the windows in batches.
-
-        A WINDOW_UPDATE goes out once a window has fallen under half its size, so a
-        steady upload costs one update per half window, not one per DATA frame.
-        """
+        """The adapter consumed ``size`` flow-controlled bytes: reopen the windows in batches (once under half),
+        so a steady upload costs one WINDOW_UPDATE per half window, not one per DATA frame."""
         size, sid = acknowledged_size, stream_id
         if size <= 0:
             return

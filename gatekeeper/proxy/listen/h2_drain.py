@@ -1,21 +1,8 @@
 """How an HTTP/2 client connection ends: graceful GOAWAY, drain, idle timeout, abort, close.
 
-The connection half of the adapter that is not about events coming in
-(:class:`h2.H2Protocol` mixes :class:`Draining` in). None of it runs per
-request, except re-arming the idle timer when the last stream finishes.
-
-Graceful GOAWAY (the codec's ``close_connection()`` ends the connection for
-in-flight streams too): flush the codec's output, write our own GOAWAY frame
-carrying the highest client stream id seen while the codec stays open,
-refuse later streams with REFUSED_STREAM, let in-flight streams finish and
-give long-running ones until the drain deadline, then ``close_connection()``
-with the same last stream id and close the socket ``close_delay`` seconds
-later so the client reads the final frame before the TCP close. Go's server
-does the same, and client-go then finishes its in-flight streams and opens a
-new connection; a watch cut at the deadline surfaces in client-go as "server
-sent GOAWAY and closed the connection", which it treats as a probable EOF
-and quietly re-watches.
-"""
+Graceful GOAWAY as Go's server does it: our GOAWAY names the highest stream seen, later streams are refused, in-flight
+ones finish (long-running until the drain deadline), then the socket closes ``close_delay`` later so the client reads
+the final frame first; client-go then reconnects and quietly re-watches."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""The receive side of the HTTP/2 codec: what each client frame does to the connection (RFC 9113 6).
-
-A mixin of :class:`h2_codec.H2ServerCodec`, split out to keep each module readable:
-this one is the rules for HEADERS, CONTINUATION, DATA, WINDOW_UPDATE, RST_STREAM,
-PRIORITY and SETTINGS; ``h2_codec`` holds the state, the frame loop and the sending API.
-Every handler gets the frame as (flags, stream id, buffer, payload start, payload length)
-and appends event tuples (``h2_state.EV_*``) to ``events``.
-"""
+"""The receive side of the HTTP/2 codec: what each client frame does to the connection (RFC 9113 6). A mixin of
+:class:`h2_codec.H2ServerCodec`; handlers append ``h2_state.EV_*`` tuples to ``events``."""
 
 from __future__ import annotations
 
@@ -161,12 +155,8 @@ class InboundFrames:
             self._header_block(sid, b"".join(parts), self._cont_end_stream, self._cont_bad_priority, events)
 
     def _hold_header_bytes(self, size: int) -> None:
-        """Count a header block in progress against the process's request buffer budget.
-
-        A client that sends HEADERS without END_HEADERS and trickles CONTINUATION holds up to a
-        header list of our memory until the block ends; with many connections that adds up as
-        request bodies do (``body_budget``), so it is counted in the same budget.
-        """
+        """Count a header block in progress against the process's request buffer budget: trickled
+        CONTINUATIONs hold up to a header list of our memory per connection."""
         budget = self.header_budget
         if budget is None or not size:
             return
@@ -207,8 +197,7 @@ class InboundFrames:
                         # at most 19 significant digits (Go's uint63): int() raises past 4300
                         length = int(value) if value.isdigit() and len(value.lstrip(b"0")) < 20 else -1
                         stream.length = length if stream.length in (None, length) else -1
-                # Invalid, conflicting, or a body announced on a request its HEADERS ended: malformed
-                # (RFC 9113 8.1.1). Forwarded, the HTTP/1.1 backend would read the next request as that body.
+                # Malformed (RFC 9113 8.1.1): forwarded, the HTTP/1.1 backend would read the next request as the body.
                 if stream.length == -1 or (end_stream and stream.length):
                     self._bad_length(sid, events)
                     return
@@ -222,8 +211,7 @@ class InboundFrames:
         elif stream.remote_closed:
             self._stream_error(sid, ErrorCodes.STREAM_CLOSED, events)
         elif bad_priority or not end_stream or any(map(malformed_trailer, headers)):
-            # Trailers must end the stream and carry no pseudo-header and no connection-specific field (RFC 9113
-            # 8.1, 8.2.2): malformed, as the same fields in a request's headers are.
+            # Trailers must end the stream and be valid fields (RFC 9113 8.1, 8.2.2), else malformed.
             self._stream_error(sid, ErrorCodes.PROTOCOL_ERROR, events)
         elif stream.length is not None and stream.length != stream.received:
             self._bad_length(sid, events)

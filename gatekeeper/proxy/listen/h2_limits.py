@@ -1,21 +1,8 @@
 """Per-connection HTTP/2 abuse accounting (pure): which frames count, and when a client is over its limit.
 
-HTTP/2 lets a client make the server work without asking for anything: a
-PING or SETTINGS must be answered, a RST_STREAM cancels work already started
-(rapid reset, CVE-2023-44487), a frame on a closed stream makes h2 answer
-with RST_STREAM, a zero-length DATA frame costs a dispatch and carries
-nothing. None of them is wrong once; in volume they are a denial of service
-that costs the client almost nothing. :class:`FloodGuard` counts them per
-connection in a sliding window of ``h2AbuseIntervalSeconds``; past a kind's limit
-the codec (``h2_codec``) raises :class:`FloodError`, a ``ProtocolError`` whose
-code goes in its GOAWAY (ENHANCE_YOUR_CALM), and ``h2.H2Protocol`` closes the
-connection. Limits sit far above what kubectl, client-go or
-h2load send, so only abuse hits them.
-
-CONTINUATION floods (CVE-2024-27316) are bounded by the codec: at most
-``MAX_CONTINUATIONS`` CONTINUATION frames per header block, each at most our
-SETTINGS_MAX_FRAME_SIZE; empty ones also count here.
-"""
+PING, SETTINGS, RST_STREAM (rapid reset, CVE-2023-44487), frames on closed streams and empty frames each make the server
+work at almost no cost to the client. Past a kind's limit the codec raises :class:`FloodError` (GOAWAY
+ENHANCE_YOUR_CALM). CONTINUATION floods (CVE-2024-27316) are bounded in the codec."""
 
 from __future__ import annotations
 
@@ -59,13 +46,8 @@ def limits_of(settings: ProtocolSettings) -> dict[str, int]:
 class FloodGuard:
     """Sliding-window counters per frame kind; :meth:`count` raises :class:`FloodError` past a limit.
 
-    Why sliding: with fixed windows a client could send a kind's whole limit at the end of one window and again
-    at the start of the next, twice the limit within a few milliseconds. Here the previous window's count still
-    weighs on the current one in proportion to how much of it the sliding window still covers (the estimate
-    ``previous * (1 - elapsed / interval) + current``), so a burst straddling a boundary is held to the limit.
-    The estimate assumes the previous window's frames were spread evenly, so it can refuse a little early,
-    never late; the limits sit far above what clients send. Two dicts per connection, no timestamps kept.
-    """
+    Sliding, not fixed, so a burst straddling a window boundary cannot pass twice the limit: the previous window weighs
+    in proportion to its overlap. It may refuse a little early, never late."""
 
     limits: dict[str, int]
     interval: float
@@ -93,11 +75,8 @@ class FloodGuard:
 
 
 def check_limits(listener: ListenerSettings, protocol: ProtocolSettings) -> None:
-    """Refuse limit settings that would disable a defence or break every client (config-time error).
-
-    The protocol's own rules live in ``ProtocolSettings.validate`` (run when the config loads);
-    this adds the listener's and runs both for a server built without the loader.
-    """
+    """Refuse limit settings that would disable a defence or break every client (config-time error); also
+    runs ``ProtocolSettings.validate`` for a server built without the loader."""
     for name in ("tls_handshake_timeout_seconds", "max_client_connections"):
         value = getattr(listener, name)
         if not value > 0:

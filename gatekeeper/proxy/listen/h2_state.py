@@ -1,7 +1,4 @@
-"""Shared pieces of the HTTP/2 codec: its event tuples, stream record, errors, and the adapter's view of it.
-
-Apart from :mod:`h2_codec` so :mod:`h2_inbound` (the receive side) can use them without an import cycle.
-"""
+"""Shared pieces of the HTTP/2 codec, apart from :mod:`h2_codec` to avoid an import cycle with :mod:`h2_inbound`."""
 
 from __future__ import annotations
 
@@ -10,23 +7,20 @@ from typing import Any, Protocol
 from gatekeeper.proxy.h2wire.errors import ErrorCodes, ProtocolError
 
 EV_REQUEST, EV_DATA, EV_ENDED, EV_RESET, EV_WINDOW, EV_GOAWAY, EV_BAD_LENGTH = range(7)
-"""Event tuples: (EV_REQUEST, sid, headers, ended), (EV_DATA, sid, data, flow_length), (EV_ENDED, sid),
-(EV_RESET, sid, code), (EV_WINDOW, sid) (0: every stream), (EV_GOAWAY, 0, code), (EV_BAD_LENGTH, sid)
-(the stream's body disagreed with its content-length and it was reset: in order with the other
-events, so a request and its bad DATA read together reach the adapter as request, then cut)."""
+"""Event tuples: (EV_REQUEST, sid, headers, ended), (EV_DATA, sid, data, flow_length), (EV_ENDED, sid), (EV_RESET, sid,
+code), (EV_WINDOW, sid) (0: every stream), (EV_GOAWAY, 0, code), (EV_BAD_LENGTH, sid): the body disagreed with its
+content-length and the stream was reset, reported in order so the adapter sees the request, then the cut."""
 
 Event = tuple[Any, ...]
 CLOSED_MEMORY = 4096
 """Closed stream ids remembered (how each closed decides the error for a late frame on it)."""
 CLOSED_BY_END, RESET_BY_PEER, RESET_BY_US = range(3)
-"""How a remembered stream closed. A late frame on it is a connection error STREAM_CLOSED after END_STREAM,
-answered with RST_STREAM STREAM_CLOSED after the client's reset, and ignored after ours (RFC 9113 5.1: the
-client may have sent it before our RST_STREAM reached it)."""
+"""How a remembered stream closed; a late frame on it is a connection error after END_STREAM, answered with
+RST_STREAM after the client's reset, and ignored after ours (it may have crossed our RST_STREAM)."""
 
 
 class ServerConnection(Protocol):
-    """What the adapter's mixins (``h2_stream``, ``h2_drain``) need of the codec (:class:`H2ServerCodec`),
-    typed without importing it."""
+    """What the adapter's mixins need of the codec, typed without importing it."""
 
     highest_inbound_stream_id: Any
     max_outbound_frame_size: Any

@@ -1,19 +1,7 @@
-"""One HTTP/2 client stream: its state, its request body in, its response out, with backpressure both ways.
+"""One HTTP/2 client stream: its request body in, its response out, with backpressure both ways.
 
-The per-request half of the adapter (:class:`h2.H2Protocol` mixes
-:class:`StreamServing` in; the connection half, events in and GOAWAY, stays
-there and in :mod:`h2_drain`). Everything here runs once per stream, so it
-is where the adapter spends its per-request time.
-
-* Response DATA is sent only within the client's connection and stream
-  windows; the next body chunk is pulled only once there is window, so a slow
-  client slows the upstream read instead of growing a buffer.
-* Request DATA is acknowledged (window reopened) only as the pipeline takes
-  chunks, so a client can never have more than one window in flight per
-  stream (and one connection window in total) sitting in proxy memory.
-* A request body that goes quiet and a response whose window stays shut are
-  cut after their timeouts, releasing the seat and upstream connection.
-"""
+Response DATA waits for window before the next chunk is pulled, and request DATA is acknowledged only as the pipeline
+takes it, so neither a slow reader nor a fast uploader grows proxy memory beyond one window."""
 
 from __future__ import annotations
 
@@ -55,12 +43,8 @@ def _cleared(event: asyncio.Event | None) -> asyncio.Event:
 
 
 class Stream:
-    """One client stream.
-
-    Its two events are made on first wait: nearly every request (a GET that fits the client's
-    window) never waits on either, and two ``asyncio.Event`` per request were measurable. Waking
-    an event nobody made is a no-op, which is safe because every waiter checks the state first.
-    """
+    """One client stream. Its two events are made on first wait: most requests never wait, and two Events per request
+    were measurable. Waking an unmade event is a no-op, safe because every waiter checks the state first."""
 
     __slots__ = ("_inbox_changed", "_window_open", "ended", "error", "id", "inbox", "request", "responded", "task")
 
@@ -124,11 +108,8 @@ class StreamServing:
     async def _request_body(self, stream: Stream) -> AsyncIterator[bytes]:
         """Yield request DATA, reopening the client's window only for what the pipeline took.
 
-        A body that goes quiet while the client may send (``h2BodyIdleTimeoutSeconds``) is cut: it
-        would otherwise hold a seat and an upstream connection for as long as the client likes.
-        Time while the connection window is shut (other streams' unread DATA fills it) is the
-        proxy's doing, not the client's, so it does not count.
-        """
+        A body quiet for ``h2BodyIdleTimeoutSeconds`` while the client may send is cut, else it holds a seat and
+        upstream connection at will; time with the connection window shut is ours, so it does not count."""
         idle = self._settings.h2_body_idle_timeout_seconds
         while True:
             if stream.inbox:
@@ -180,8 +161,7 @@ class StreamServing:
             response = await call_handler(self._handler, stream.request)
             await self._send_response(stream, response)
             if not stream.ended:
-                # Answered before the request body ended (e.g. a 429): ask the client to stop
-                # uploading, without error (RFC 9113 8.1).
+                # Answered before the body ended (e.g. a 429): ask the client to stop uploading (RFC 9113 8.1).
                 self._reset(stream.id, ErrorCodes.NO_ERROR)
         except asyncio.CancelledError:
             if stream.request.timed_out and stream.error is None and not self._h2_closed:
@@ -202,8 +182,7 @@ class StreamServing:
         return error is None
 
     async def _past_deadline(self, stream: Stream) -> BaseException:
-        """The request's deadline passed (its task was cancelled for it): a 504 if nothing was answered yet,
-        else RST_STREAM CANCEL. Returns the error the response finishes with."""
+        """The deadline passed: a 504 if nothing was answered yet, else RST_STREAM CANCEL; returns the error."""
         task = asyncio.current_task()
         if task is not None:
             task.uncancel()
@@ -244,8 +223,7 @@ class StreamServing:
                 chunk = await body.__anext__()
             except StopAsyncIteration:
                 break
-            # A body that knows its last chunk (upstream.exchange.StreamedBody.exhausted) ends the
-            # stream on that DATA frame instead of an extra empty one.
+            # A body that knows its last chunk ends the stream on that DATA frame, not an extra empty one.
             last = is_exhausted(body)
             await self._send_data(stream, chunk, end_stream=last)
             if last:
@@ -274,8 +252,7 @@ class StreamServing:
             n = min(len(view), window, self._conn.max_outbound_frame_size)
             view, piece = view[n:], bytes(view[:n])
             if end_stream and not view:
-                # The stream's last frame: it joins this loop iteration's one write (with the other
-                # streams' frames), and nothing more of this stream waits on the socket.
+                # The last frame joins this iteration's one write with the other streams' frames.
                 self._conn.send_data(stream.id, piece, end_stream=True)
                 self._flush_soon()
                 return
@@ -284,12 +261,10 @@ class StreamServing:
             await self._drain()
 
     async def _wait_window(self, stream: Stream) -> int:
-        """Wait until the client's connection and stream windows both have room; return it.
+        """Wait until the connection and stream windows both have room; return it.
 
-        A client that keeps the window shut (INITIAL_WINDOW_SIZE=0, no WINDOW_UPDATE) would
-        pin this stream's seat and upstream connection forever: after
-        ``responseStallTimeoutSeconds`` without room the stream is reset (CANCEL) and cut.
-        """
+        A client keeping the window shut would pin the seat and upstream connection forever, so after
+        ``responseStallTimeoutSeconds`` the stream is reset (CANCEL)."""
         deadline: float | None = None
         while True:
             if stream.error is not None:

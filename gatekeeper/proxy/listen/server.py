@@ -1,38 +1,8 @@
 """The client-facing TLS listener: ALPN dispatch to h2/HTTP/1.1 and graceful shutdown.
 
-Entry point for ``gatekeeper proxy`` (called from ``command.py``)::
-
-    async def serve(settings: ServedSettings, handler: Handler, *,
-                    ready: Callable[[int], None] | None = None) -> None
-
-``serve`` binds ``listener.address:listener.port`` (TLS >= 1.2, ALPN ``h2`` and
-``http/1.1`` on one port), calls ``ready(bound_port)`` once accepting, and
-returns after SIGTERM (or SIGINT): stop accepting, GOAWAY every h2
-connection (``Connection: close`` on the next response of every HTTP/1.1
-connection), drain up to ``protocol.shutdownTimeoutSeconds``, cut what is
-left, return. The caller then exits 0.
-
-:class:`ProxyServer` is the same thing without signal handling, for tests and
-embedding: ``port = await server.start()`` ... ``await server.shutdown()``.
-
-Client certificates: with ``listener.clientCaFile`` set, the handshake asks
-for a certificate (``CERT_OPTIONAL``, as kube-apiserver does: token and
-anonymous clients still connect) and verifies any presented certificate
-against that CA; a verified certificate reaches the pipeline as
-``ProxyRequest.peer_cert``. An untrusted certificate fails the handshake.
-
-Limits (``listener.*``/``protocol.*``, counted in ``gatekeeper_proxy_rejected_total``):
-the TLS handshake must finish within ``tlsHandshakeTimeoutSeconds`` (more, up to
-``tlsHandshakeMaxSeconds``, only while the delay is ours: ``gatekeeper/tlshandshake.py``); past
-``maxClientConnections`` open connections (handshakes included) a new one is
-closed at accept, before any TLS work; an h2 client's input is not read while our output to it is over
-``writeBufferHighBytes`` (resumed under ``writeBufferLowBytes``), and a client
-that leaves it there for ``responseStallTimeoutSeconds`` is cut. Closing waits
-``close_delay`` + 1 s for a graceful TLS close, then aborts, so a client that
-never reads cannot keep its buffers.
-
-This module only moves bytes; protocol logic lives in ``h2.py``/``h1.py``.
-"""
+:func:`serve` runs until SIGTERM, then GOAWAYs, drains and returns; :class:`ProxyServer` is the same without signals,
+for tests. Client certificates are ``CERT_OPTIONAL`` as in kube-apiserver (token and anonymous clients still connect).
+The limits are in docs/proxy/limits.md. This module only moves bytes."""
 
 from __future__ import annotations
 
@@ -98,19 +68,9 @@ def reloading_ssl_context(listener: ListenerSettings) -> ssl.SSLContext:
 class _ClientProtocol(asyncio.StreamReaderProtocol):
     """A StreamReaderProtocol whose bytes go straight to the h2 protocol once ALPN picked h2.
 
-    Why: through a StreamReader every read costs a buffer copy, a future and a task
-    wake-up (one more loop iteration) before h2 sees the bytes; on the hot path a
-    direct callback saves that per read. HTTP/1.1 keeps the StreamReader (h1.py
-    reads lines and sized bodies from it). Bytes that arrive between the TLS
-    handshake and the ALPN decision (a client preface in the same read as the
-    Finished message) are held and replayed to whichever side is attached, in order,
-    and so is an EOF or a lost connection seen in that window.
-
-    Input backpressure in h2 mode: while the transport says our output to the client
-    is over the high-water mark (``pause_writing``), reading is paused; a client that
-    leaves it there for ``stall`` seconds is cut (``write_stall``), as the StreamReader
-    loop did with ``drain()`` before each read.
-    """
+    Saves a StreamReader's copy, future and task wake-up per read on the hot path. Bytes, EOF or loss seen before the
+    ALPN decision are held and replayed in order. In h2 mode, reading pauses while our output is over the high-water
+    mark, and a client that leaves it there for ``stall`` seconds is cut."""
 
     def __init__(self, reader: asyncio.StreamReader) -> None:
         super().__init__(reader)
@@ -262,9 +222,8 @@ class ProxyServer:
         self._sockets: list[socket.socket] = []
         self._accepters: list[asyncio.Task[None]] = []
         self._handshakes: set[asyncio.Task[None]] = set()
-        """Connections still in their TLS handshake. A drain lets them finish (within the handshake timeout)
-        and then serves them as it serves every client; only those still unfinished at the drain's end are cut
-        (``gatekeeper_proxy_drain_cut_connections_total{stage="handshake"}``)."""
+        """Connections still in their TLS handshake: a drain lets them finish and serves them; only those
+        unfinished at the drain's end are cut."""
         self._clients: dict[int, _Client] = {}
         self._open = 0
         """Accepted TCP connections not yet closed, TLS handshakes included (listener.maxClientConnections)."""
@@ -273,10 +232,8 @@ class ProxyServer:
         self._handoff = handoff
         """Connections come from the supervisor (``proxy/handoff.py``) instead of a listening socket of ours."""
         self.handoff_ended = asyncio.Event()
-        """The supervisor closed our hand-off socket while we served: nothing more will come, so :func:`serve`
-        drains and returns and the worker exits; the supervisor, unless it is exiting too, starts a successor
-        with a fresh socket. Serving on, the worker answered ``/readyz`` and was never replaced, but took no
-        connection again."""
+        """The supervisor closed our hand-off socket: drain and exit, so it starts a successor. Serving on, the
+        worker answered ``/readyz`` but never got a connection again."""
         self._receive_backoff = ACCEPT_BACKOFF
         """The next pause after a receive that failed and may pass (``handoff.RECEIVE_RETRY``)."""
         self.port = 0
@@ -286,10 +243,8 @@ class ProxyServer:
         return len(self._clients)
 
     async def start(self) -> int:
-        """Bind every address ``listener.address`` resolves to (one port) and start accepting.
-
-        With a hand-off inbox nothing is bound: the supervisor listens on ``listener.port`` and
-        passes connections over; this worker says it serves once it reads them."""
+        """Bind every address ``listener.address`` resolves to (one port) and start accepting; with a hand-off
+        inbox nothing is bound."""
         lst = self._settings.listener
         loop = asyncio.get_running_loop()
         if self._handoff is not None:
@@ -300,9 +255,8 @@ class ProxyServer:
         bind = functools.partial(bind_listeners, lst.address, lst.port, backlog=BACKLOG)
         self._sockets = await loop.run_in_executor(None, bind)
         self.port = int(self._sockets[0].getsockname()[1])
-        # Our own loop (not ``asyncio.start_server(ssl=...)``) so that over-cap connections are closed at accept
-        # (``_admit``), before any TLS work, and handshake timeouts and failures can be counted; the TLS
-        # transport is still the event loop's own (``connect_accepted_socket``), so no byte is read before it.
+        # Our own loop, not start_server(ssl=...): over-cap connections close before any TLS work, and handshake
+        # failures are counted; the TLS transport is still the loop's own.
         self._accepters = [loop.create_task(accept_forever(sock, self._admit, log=log,
                                                            stopping=lambda: self._stopping))
                            for sock in self._sockets]
@@ -320,23 +274,20 @@ class ProxyServer:
         if self._handoff.ended:  # the supervisor is exiting, or dropped us: nothing more will come
             loop.remove_reader(self._handoff.sock.fileno())
             if not self._stopping:
-                # info: closing this end is how the supervisor stops its workers (Supervisor.stop); it warns
-                # when it drops a live worker's socket (HandoffDispatcher._from_worker)
+                # info: closing this end is how the supervisor stops its workers
                 log.info("the supervisor closed this worker's hand-off socket (%s): draining and exiting; "
                          "it starts a successor unless it is exiting", error or "end of stream")
                 self.handoff_ended.set()
         elif error is not None:
-            # The kernel short of memory: read again later, never in a loop on a socket that stays readable.
-            # Meanwhile our socket fills and the supervisor passes us over, as for a worker out of descriptors.
+            # The kernel short of memory: read again later, never spin; meanwhile the supervisor passes us over.
             delay, self._receive_backoff = self._receive_backoff, min(2 * self._receive_backoff,
                                                                       RECEIVE_BACKOFF_MAX)
             _receive_log.warning("handoff_receive", "receiving a handed-over connection failed: %s; "
                                  "reading again in %.1fs", error, delay)
             self._pause_handoffs(delay)
         elif self._handoff.lost:
-            # Out of descriptors: the kernel closed that connection instead of giving it to us. Stop reading
-            # for a while, as an accept loop backs off on EMFILE: our socket fills and the supervisor passes
-            # us over. Reading on, we would stay the least loaded and lose every connection handed to us.
+            # Out of descriptors: back off as an accept loop does on EMFILE, so our socket fills and the
+            # supervisor passes us over; reading on, we would stay least loaded and lose every connection.
             rejections.reject("no_descriptors", "a handed-over connection was lost: out of file descriptors; "
                               "not taking connections for %.1fs", ACCEPT_BACKOFF)
             self._pause_handoffs(ACCEPT_BACKOFF)
@@ -365,10 +316,8 @@ class ProxyServer:
         if self._handoff is not None and self._handoff.sock.fileno() >= 0:
             if not self._handoff.ended:
                 asyncio.get_running_loop().remove_reader(self._handoff.sock.fileno())
-            # Said and closed, not just unread: the supervisor hands us nothing more while we drain (a worker
-            # SIGTERMed on its own stayed the least loaded and took connections that hung until it exited), and
-            # takes back the connections still queued for us, for another worker to serve (before, they were
-            # reset when we closed our end).
+            # Said and closed: the supervisor hands us nothing more while we drain and takes back what is still
+            # queued for us, for another worker to serve.
             self._handoff.leave()
         clients = list(self._clients.values())
         log.info("shutting down: %d client connections to drain, %d in their TLS handshake (up to %.0fs)",
@@ -378,9 +327,7 @@ class ProxyServer:
                 client.h2.goaway("shutdown", drain_timeout=timeout)
             elif client.h1 is not None:
                 client.h1.shutdown()
-        # Connections still in their TLS handshake are waited for too, not cancelled: the client connected before
-        # the drain, so it finishes its handshake (tlsHandshakeTimeoutSeconds bounds it) and is then answered as
-        # a client of a draining server is (_serve_client). Cancelled, the client read a TLS EOF mid-handshake.
+        # Handshakes in progress are waited for, not cancelled: cancelled, the client read a TLS EOF mid-handshake.
         tasks = [c.task for c in clients if c.task is not None] + list(self._handshakes)
         if tasks:
             # h2 connections cut themselves at the deadline and close close_delay later.
@@ -467,9 +414,8 @@ class ProxyServer:
         client = _Client(next(self._ids), protocol, task=asyncio.current_task())
         if protocol != "h2":
             stream.attach_reader()
-        # A handshake that finished during a drain is a client like the others: h2 gets a GOAWAY right after our
-        # preface (_run_h2), HTTP/1.1 its first request answered with ``Connection: close``. Closing it here
-        # without a word left the client with an EOF it could not tell from a crash.
+        # A handshake finished during a drain is answered like any client (GOAWAY or Connection: close): a silent
+        # close left an EOF the client could not tell from a crash.
         self._clients[client.id] = client
         conn_metrics.CLIENT_CONNECTIONS.labels(protocol=protocol).inc()
         conn_metrics.CLIENT_CONNECTIONS_ACCEPTED.labels(protocol=protocol).inc()
@@ -555,13 +501,10 @@ async def serve(
     handoff: Inbox | None = None,
     supervised: bool = False,
 ) -> None:
-    """Serve until SIGTERM/SIGINT (or until the supervisor closes ``handoff``: see ``ProxyServer.handoff_ended``),
-    then drain gracefully and return (see the module docstring).
+    """Serve until SIGTERM/SIGINT (or until the supervisor closes ``handoff``), then drain and return.
 
-    ``stopping`` runs the moment the signal arrives, before the drain (``/readyz`` turns 503). ``supervised``: a
-    worker of ``--workers N``, which no later signal may stop in the middle of its drain (the supervisor kills a
-    worker that overstays it); alone, a second SIGTERM/SIGINT ends a draining proxy (the default action).
-    """
+    ``stopping`` runs as the signal arrives (``/readyz`` turns 503). ``supervised``: no later signal may stop the drain
+    (the supervisor kills an overstaying worker); alone, a second signal ends a draining proxy."""
     server = ProxyServer(settings, handler, handoff=handoff)
     port = await server.start()
     loop = asyncio.get_running_loop()
@@ -584,15 +527,9 @@ async def serve(
     finally:
         signalled.cancel()
         ended.cancel()
-        # A drain begun because the supervisor closed our hand-off socket keeps the handlers, then ignores the
-        # signals: a SIGTERM sent to the whole process group (systemd's default KillMode, or a supervisor that
-        # also signals its workers, as ours once did) may land during the drain or the process's last clean-up,
-        # where the default action killed it (the worker's exit code was -15, the proxy's 15). There is nothing
-        # left for it to stop; a worker that hangs is SIGKILLed as ever.
-        # A supervised worker drained by a signal keeps them as well: the supervisor SIGTERMs a worker whose
-        # hand-off socket it could not close, and a SIGTERM or SIGINT sent to the whole group as well (systemd's
-        # KillMode, Ctrl-C in a terminal) could land after the loop's handler was removed and kill it mid-drain,
-        # its streams cut (exit -15, the proxy 15).
+        # Draining keeps the handlers, then ignores the signals: a SIGTERM to the whole process group (systemd's
+        # KillMode, Ctrl-C) landing during the drain or clean-up would otherwise kill the worker mid-drain
+        # (exit -15). A hung worker is SIGKILLed by the supervisor as ever.
         keep = supervised or (server.handoff_ended.is_set() and not stop.is_set())
         if not keep:
             for sig in installed:
@@ -601,10 +538,7 @@ async def serve(
             await server.shutdown()
         finally:
             for sig in installed if keep else ():
-                # Ignored at the process level over the loop's handler, which is left registered: removing it
-                # restores the default action (death) until SIG_IGN follows, and a SIGTERM landing in between
-                # killed the worker. Blocking the signal in this thread across the swap did not close that window:
-                # a signal sent to the process goes to any thread that does not block it (uvloop's libuv-worker
-                # threads, which never do), and the default action then ends the whole process. uvloop's loop,
-                # closed once it stopped running, leaves the disposition alone (asyncio's restores the default).
+                # SIG_IGN over the loop's handler, left registered: removing it first restores the default action
+                # (death) for a moment, and blocking the signal in this thread does not help (uvloop's threads
+                # take it). uvloop's closed loop leaves the disposition alone.
                 signal.signal(sig, signal.SIG_IGN)

@@ -32,11 +32,9 @@ class ListenerSettings(TLSListenerSettings):
     metrics_groups: list[str] = field(default_factory=lambda: ["system:masters"])
     """Groups whose verified client-certificate users may read ``/metrics`` on the TLS port (others get 403)."""
     tls_handshake_timeout_seconds: float = 10.0
-    """A client must finish the TLS handshake within this many seconds or is cut (counted), unless its bytes
-    wait unread in our socket buffer then (the proxy was behind): see ``tls_handshake_max_seconds``."""
+    """Seconds to finish the TLS handshake, extended while the proxy, not the client, is behind."""
     tls_handshake_max_seconds: float = 0.0
-    """Hard cap on a handshake that ``tls_handshake_timeout_seconds`` extended because the proxy, not the client,
-    was behind (``gatekeeper/tlshandshake.py``); 0 means four times ``tls_handshake_timeout_seconds``."""
+    """Hard cap on such an extended handshake; 0 means four times ``tls_handshake_timeout_seconds``."""
 
     @property
     def tls_handshake_cap_seconds(self) -> float:
@@ -64,19 +62,14 @@ class ProtocolSettings:
     max_header_list_bytes: int = 1 << 20
     """Largest header block accepted from a client."""
     max_buffered_request_bytes: int = 128 << 20
-    """HTTP/2 request DATA received but not yet taken by the pipeline, all connections of one process
-    together (the windows bound each connection, not the process); a stream whose DATA would pass it is
-    reset ENHANCE_YOUR_CALM, reason ``body_budget`` (see ``listen/body_budget.py``)."""
+    """HTTP/2 request DATA not yet taken by the pipeline, per process (windows bound only each connection)."""
     request_timeout_seconds: float = 60.0
     """A request that is not long-running ends this long after it arrived, whatever its client's read speed
-    (kube-apiserver's --request-timeout): 504 before the response head, RST_STREAM CANCEL or a closed
-    HTTP/1.1 connection after it; the seats and the upstream stream are released. Watches, ``logs -f``,
-    exec, attach, port-forward and proxy are exempt; a client's ``?timeout=`` can only shorten it."""
+    (kube-apiserver's --request-timeout); a client's ``?timeout=`` can only shorten it."""
     idle_timeout_seconds: float = 300.0
     """Close client connections idle (no open stream) for this long."""
     response_stall_timeout_seconds: float = 60.0
-    """A response that cannot move for this long is cut: HTTP/2 stream window held at 0 (RST_STREAM
-    CANCEL), or the client stops reading its socket (connection closed). Frees seat, upstream, memory."""
+    """A response that cannot move for this long (window at 0, socket unread) is cut, freeing seat and upstream."""
     write_buffer_high_bytes: int = 65536
     """Stop reading a client's input while this much of our output to it is unsent (flood/slow reader)."""
     write_buffer_low_bytes: int = 16384
@@ -84,8 +77,7 @@ class ProtocolSettings:
     h2_abuse_interval_seconds: float = 10.0
     """Window over which the per-connection HTTP/2 frame counters below are counted."""
     h2_max_resets_per_interval: int = 1000
-    """RST_STREAM frames a client may send per interval (rapid reset, CVE-2023-44487), then GOAWAY
-    ENHANCE_YOUR_CALM."""
+    """RST_STREAM frames a client may send per interval (rapid reset, CVE-2023-44487), then GOAWAY ENHANCE_YOUR_CALM."""
     h2_max_pings_per_interval: int = 100
     """PING frames (not ACKs) a client may send per interval."""
     h2_max_settings_per_interval: int = 100
@@ -98,21 +90,16 @@ class ProtocolSettings:
     h1_header_timeout_seconds: float = 32.0
     """HTTP/1.1: a request's head must be complete this long after its first byte (kube-apiserver: 32 s)."""
     h1_max_header_fields: int = 1000
-    """HTTP/1.1: header fields in one request head; more is a 431, counted on the raw bytes before parsing
-    (parsing costs about 4 us of the event loop per field; kubectl sends about a dozen)."""
+    """HTTP/1.1: header fields in one head, counted before parsing (~4 us of the loop per field); more is a 431."""
     h1_body_idle_timeout_seconds: float = 30.0
-    """HTTP/1.1: a request body that sends nothing for this long is cut (the request fails, the connection closes).
-    Under kube-apiserver's 60 s request timeout, so the proxy frees the seat and connection first."""
+    """HTTP/1.1: an idle request body is cut after this, under kube-apiserver's 60 s so the proxy frees it first."""
     h2_body_idle_timeout_seconds: float = 30.0
-    """HTTP/2: a request body that sends nothing for this long while the client may send (its windows are
-    open) is cut with RST_STREAM CANCEL, releasing its seat and upstream connection (as for HTTP/1.1)."""
+    """HTTP/2: a request body idle this long while the client may send is reset, freeing its seat and upstream."""
     h1_write_stall_timeout_seconds: float = 60.0
-    """HTTP/1.1: a client that takes no response bytes for this long is cut, releasing its backend connection.
-    Upgraded tunnels (exec, attach, port-forward) too."""
+    """HTTP/1.1 (upgraded tunnels too): a client that takes no response bytes this long is cut."""
     h1_upgrade_idle_timeout_seconds: float = 14400.0
-    """HTTP/1.1: an upgraded tunnel that moves no byte either way for this long is closed (kubelet's own
-    streamingConnectionIdleTimeout default, 4 h; pods/proxy and services/proxy tunnels had no bound), and so
-    is an upgrade request whose backend has not answered in that time."""
+    """HTTP/1.1: an upgraded tunnel idle both ways this long is closed, as is an unanswered upgrade (kubelet's
+    streamingConnectionIdleTimeout default, 4 h)."""
 
     def validate(self) -> None:
         for f in dataclasses.fields(self):
@@ -131,8 +118,7 @@ class ProtocolSettings:
             if (value := getattr(self, name)) > frames.MAX_SETTING:
                 raise ValueError(f"{camel(name)} must be at most {frames.MAX_SETTING} (RFC 9113 6.5.1), got {value}")
         if self.max_buffered_request_bytes < frames.MIN_FRAME_SIZE:
-            # One full-size DATA frame or header fragment must fit (we never raise SETTINGS_MAX_FRAME_SIZE),
-            # or an idle proxy refuses every upload.
+            # One full-size DATA frame or header fragment must fit, or an idle proxy refuses every upload.
             raise ValueError(f"maxBufferedRequestBytes must be at least {frames.MIN_FRAME_SIZE} (one HTTP/2 frame), "
                              "got "
                              f"{self.max_buffered_request_bytes}")

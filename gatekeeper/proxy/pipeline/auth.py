@@ -1,40 +1,10 @@
-"""Who is calling, and how that identity reaches the apiserver (pure).
+"""Who is calling, and how that identity reaches the apiserver (pure), per kube-apiserver's ``--requestheader-*``.
 
-The proxy terminates TLS, so the apiserver never sees a client certificate.
-Following kube-apiserver's ``--requestheader-*`` contract (the one the
-aggregator and kcp's front proxy use):
-
-* A *verified* client certificate (the listener checked it against the
-  cluster client CA) becomes user = CN, groups = every O. The proxy then calls
-  the backend with its front-proxy client certificate and stamps
-  ``X-Remote-User``, one ``X-Remote-Group`` per group and
-  ``X-Remote-Extra-<key>`` per extra value (keys escaped like client-go's
-  auth-proxy round tripper, so the apiserver's unescape gives them back).
-* A bearer token (or any ``Authorization`` header) passes through untouched:
-  the apiserver authenticates it. The proxy cannot know the user; it names
-  the caller ``token:<sha256 prefix>`` only so flow control can tell callers
-  apart. Such requests go upstream *without* the front-proxy certificate (see
-  :func:`wants_front_proxy_cert`).
-* A WebSocket upgrade request without one may carry its bearer token in
-  ``Sec-WebSocket-Protocol`` (``base64url.bearer.authorization.k8s.io.<token>``,
-  what browsers must use); kube-apiserver authenticates it from there
-  (:func:`websocket_token`), so here it is a token caller too, not anonymous.
-* Anything else is anonymous and passes through as such.
-
-Certificate names are refused, not cleaned: a CN or O with a control
-character or leading/trailing whitespace (``system:mas\rters``) gets a 401
-before any upstream call (:func:`bad_certificate_names`), because cleaning it
-would turn it into some other, possibly privileged, name.
-
-Headers the client names in ``Connection`` are dropped *before* identity is
-stamped (:func:`drop_connection_named`), so ``Connection: x-remote-group``
-cannot make a later hop-by-hop pass remove what the proxy asserted.
-
-Client-sent ``X-Remote-*`` headers are always removed before anything is
-stamped; forwarding them would let any client that reaches the proxy claim to
-be ``system:masters``. ``Impersonate-*`` headers pass: the apiserver
-authorizes impersonation against the real (stamped or token) identity.
-"""
+Only a verified certificate becomes stamped ``X-Remote-*`` headers; tokens (including a WebSocket's
+``Sec-WebSocket-Protocol`` token) pass untouched, and the rest is anonymous. Client-sent ``X-Remote-*`` are always
+removed (else anyone could claim ``system:masters``), ``Connection``-named headers are dropped before stamping (so they
+cannot remove what we assert), and unclean certificate names are refused, never cleaned into another name. See
+docs/proxy/index.md (Identity)."""
 
 from __future__ import annotations
 
@@ -70,12 +40,8 @@ def _subject_attrs(peer_cert: Mapping[str, Any], attr: str) -> list[str]:
 
 
 def _bad_name(value: str) -> str:
-    """Why a certificate name cannot be an identity, or ''.
-
-    ``str.isprintable`` is False for every control (Cc), format (Cf, e.g. zero-width
-    space), line/paragraph separator and non-ASCII space character: a name with any
-    of them is refused, as is one with leading or trailing whitespace.
-    """
+    """Why a certificate name cannot be an identity, or ''. ``isprintable`` is False for every control, format
+    (zero-width space) and non-ASCII space character."""
     if value != value.strip():
         return "leading or trailing whitespace"
     if not value.isprintable():
@@ -85,11 +51,7 @@ def _bad_name(value: str) -> str:
 
 
 def bad_certificate_names(peer_cert: Mapping[str, Any] | None, memo: dict[str, Any] | None = None) -> str:
-    """A message if the verified certificate's CN or any O is not a clean name, else ''.
-
-    ``memo`` is the connection's (``ProxyRequest.connection_memo``): its certificate never
-    changes, so the verdict is worked out once per connection.
-    """
+    """A message if the verified certificate's CN or any O is not a clean name, else '' (once per connection)."""
     if not peer_cert:
         return ""
     if memo is not None:
@@ -112,10 +74,8 @@ _CONNECTION_OPTIONS = frozenset({"close", "keep-alive"})
 def drop_connection_named(headers: Headers) -> Headers:
     """Remove the headers the client's ``Connection`` names (RFC 9110 7.6.1), keeping an upgrade.
 
-    The ``Connection`` header itself is reduced to ``upgrade`` (when the client
-    asked to switch protocols and sent ``Upgrade``) or removed, so no later
-    hop-by-hop pass can remove a header the proxy adds after this point.
-    """
+    ``Connection`` itself is reduced to ``upgrade`` or removed, so no later hop-by-hop pass can remove a header the
+    proxy adds after this point."""
     tokens = {t.strip().lower() for k, v in headers if k.lower() == "connection"
               for t in v.split(",") if t.strip()}
     if not tokens:
@@ -135,12 +95,8 @@ _RAW_URL_B64 = re.compile(r"[A-Za-z0-9_-]*")
 def websocket_token(headers: Headers) -> str | None:
     """The bearer token kube-apiserver's WebSocket protocol authenticator would read, or None.
 
-    Its rules (``request/websocket/protocol.go``): only for a WebSocket request (the first
-    ``Upgrade`` is ``websocket`` in any case and ``Connection`` lists ``upgrade``); every
-    comma-separated ``Sec-WebSocket-Protocol`` entry, trimmed, that starts with the prefix is a
-    token in unpadded base64url; two such entries, bad base64, a token that is not UTF-8, or
-    no other subprotocol beside it is an error (no token, the request is refused upstream).
-    """
+    Same rules as ``request/websocket/protocol.go``: two token entries, bad base64, a non-UTF-8 token or no other
+    subprotocol is an error (no token; the apiserver refuses the request)."""
     upgrade = next((v for k, v in headers if k == "upgrade"), None)
     if upgrade is None or upgrade.strip(" \t").lower() != "websocket":
         return None
@@ -183,16 +139,9 @@ def _certificate_user(peer_cert: Mapping[str, Any]) -> UserInfo | None:
 def identify(peer_cert: Mapping[str, Any] | None, headers: Headers, memo: dict[str, Any] | None = None) -> UserInfo:
     """UserInfo from a verified client certificate, else the Authorization header, else anonymous.
 
-    Certificate first, as kube-apiserver's authenticator chain does (x509 is
-    tried before tokens). ``peer_cert`` must only be a certificate the TLS
-    layer verified; an unverified one would be a free identity.
-
-    ``memo`` is the connection's (``ProxyRequest.connection_memo``): the certificate's user is
-    read once per connection, and the name of the connection's last credential is kept
-    with it, so a client repeating its token is not hashed again (the memo lives and dies
-    with the connection; no process-wide cache holds a credential). Every call returns a
-    fresh UserInfo.
-    """
+    Certificate first, as kube-apiserver's chain does. ``peer_cert`` must be one the TLS layer verified, else it is a
+    free identity. ``memo`` is the connection's, so a repeated token is not hashed again; no process-wide cache holds a
+    credential. Every call returns a fresh UserInfo."""
     if peer_cert:
         if memo is None:
             cert_user = _certificate_user(peer_cert)
@@ -221,22 +170,14 @@ def identify(peer_cert: Mapping[str, Any] | None, headers: Headers, memo: dict[s
 def as_apiserver_sees(user: UserInfo, memo: dict[str, Any] | None = None) -> UserInfo:
     """A certificate caller as kube-apiserver's APF and authorizer see it once the proxy stamped it.
 
-    kube-apiserver wraps every authenticator, requestheader included, in its AuthenticatedGroupAdder:
-    an authenticated user gets ``system:authenticated`` unless its name is ``system:anonymous`` or its
-    groups already hold ``system:authenticated`` or ``system:unauthenticated``. The certificate's O
-    values alone lack it, so a FlowSchema naming that group (the cluster's own ``global-default`` and
-    ``probes``, or an operator's limit on every authenticated caller) matched upstream but not here:
-    the proxy charged the catch-all level, or let the caller past a limit the apiserver applied.
-    Stamped headers stay the certificate's own (the apiserver adds the group itself). ``memo``: the
-    connection's, so a connection's requests share one view.
-    """
+    The apiserver adds ``system:authenticated`` (AuthenticatedGroupAdder); without it here a FlowSchema naming that
+    group matched upstream but not in the proxy. Stamped headers stay the certificate's own."""
     if user.source != "x509" or user.name == ANONYMOUS_USER or AUTHENTICATED_GROUP in user.groups \
             or ANONYMOUS_GROUP in user.groups:
         return user
     if memo is not None:
         seen = memo.get("apiserver_view")
-        # The same name and groups: a connection's certificate never changes, but a view kept for one
-        # user must never be handed to another (the groups pick the FlowSchema, hence the seats).
+        # A view kept for one user must never be handed to another (the groups pick the FlowSchema).
         if seen is not None and seen.name == user.name and seen.groups[:-1] == user.groups:
             return seen
     view = UserInfo(name=user.name, groups=[*user.groups, AUTHENTICATED_GROUP], extra=user.extra, source="x509")
@@ -289,10 +230,6 @@ def upstream_identity_headers(headers: Iterable[tuple[str, str]], user: UserInfo
 def wants_front_proxy_cert(user: UserInfo) -> bool:
     """Present the front-proxy certificate only when asserting an identity.
 
-    kube-apiserver tries its x509 authenticator on any client certificate; the
-    front-proxy certificate is not signed by the client CA, so that attempt
-    fails with an error, and with anonymous auth an error is final (401
-    instead of ``system:anonymous``). Token and anonymous requests therefore go
-    upstream with no client certificate, exactly as if they had gone direct.
-    """
+    kube-apiserver tries x509 on any client certificate; ours is not signed by the client CA, and with anonymous auth
+    that error is a final 401. So token and anonymous requests go with no certificate."""
     return user.source == "x509"

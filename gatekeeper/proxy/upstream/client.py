@@ -1,31 +1,9 @@
 """Talking to one apiserver: which upstream path a request takes, and the pools and TLS contexts behind them.
 
-:class:`BackendClient` owns everything per backend and routes each request:
-
-* a short bodiless GET or HEAD from a caller the apiserver authenticates shares an HTTP/2 connection
-  (:mod:`upstream.mux_pool`); a backend that answers ALPN with HTTP/1.1 gets HTTP/1.1 instead;
-* everything else (bodies, watches and other long-running requests, callers whose identity the proxy
-  asserts, anonymous and unverified callers) takes a pooled HTTP/1.1 connection of its own
-  (:mod:`upstream.exchange`, :mod:`upstream.lean`): one client cannot make the apiserver send a GOAWAY
-  (its mitigation for unauthenticated floods) that would kill other clients' streams on a shared
-  connection;
-* the proxy's own calls (health probes, the token issuer's keys, TokenReviews) go through
-  :meth:`BackendClient.call` on a small HTTP/1.1 pool of their own;
-* upgrades bypass every pool (:mod:`upstream.upgrade`).
-
-Two kinds of TLS context share each pool: one presents the front-proxy client
-certificate (requests whose identity the proxy asserts with ``X-Remote-*``),
-one presents none (token and anonymous requests, see
-:func:`gatekeeper.proxy.pipeline.auth.wants_front_proxy_cert`). Each kind is
-an HTTP/1.1 context and an HTTP/2 one, built by one reload from one read of
-the files (:class:`Contexts`). Hop-by-hop headers are removed both ways
-(:mod:`upstream.hop_by_hop`). Response bodies are pulled by the client side,
-so a slow client slows the backend read instead of growing a buffer; a LIST
-of any size and an endless watch never sit in memory whole.
-
-Errors are sorted by whether bytes may have reached the backend, because
-only :class:`ConnectFailed` allows the caller to try another backend.
-"""
+Only callers the apiserver will authenticate share an HTTP/2 connection: kube-apiserver answers an unauthenticated
+HTTP/2 request with GOAWAY, which would kill other clients' streams. The paths are described in docs/proxy/index.md
+(Upstream connections). Errors are sorted by whether bytes may have reached the backend: only :class:`ConnectFailed`
+allows trying another backend."""
 
 from __future__ import annotations
 
@@ -89,11 +67,8 @@ def make_ssl_context(settings: UpstreamSettings, *, client_cert: bool,
 class Contexts:
     """The contexts of one kind of caller (front-proxy certificate or none), built together by one reload.
 
-    Why together: a connection the HTTP/2 pool opened and found to be HTTP/1.1 goes to the HTTP/1.1 pool
-    (``lean.Pool.adopt``), kept under ``http1``. Reloaded separately, each on its own check schedule, the two
-    could straddle a rotation: a connection made with the previous files, kept under a context of the new
-    ones, never retired as stale. Built together, ``h2`` and ``http1`` always carry the same files.
-    """
+    Together, so a connection the HTTP/2 pool found to be HTTP/1.1 and handed to the HTTP/1.1 pool is never kept under a
+    context of newer files than it was made with (it would never be retired as stale)."""
 
     http1: ssl.SSLContext
     h2: ssl.SSLContext
@@ -119,9 +94,8 @@ class BackendClient:
         self.settings = settings
         interval = settings.cert_check_interval_seconds
         files = [settings.ca_file]
-        # Each kind also gets a context offering h2 first and http/1.1 too (a backend that picks http/1.1,
-        # or no protocol, is used over the HTTP/1.1 pool from then on; offering h2 alone would make a strict
-        # HTTP/1.1 server fail the handshake, a connect failure that ejects a healthy backend).
+        # Each kind also gets a context offering h2 and http/1.1: offering h2 alone would fail the handshake of
+        # a strict HTTP/1.1 server, a connect failure that ejects a healthy backend.
         self.tls_identity: ReloadingTLS[Contexts] | None = None
         if settings.client_cert_file or settings.client_key_file:
             self.tls_identity = ReloadingTLS(
@@ -143,8 +117,7 @@ class BackendClient:
                                     on_pause=metrics.UPSTREAM_H2_PAUSES.labels(name).inc,
                                     on_refused=metrics.UPSTREAM_H2_REFUSED.labels(name).inc)
         self.authority = split.netloc
-        # Short requests and long-running ones (watches, exec, logs -f) have separate pools, so
-        # thousands of open watches never starve GETs of a connection (and vice versa).
+        # Separate pools for short and long-running requests, so open watches never starve GETs (and vice versa).
         self._pools = {
             long_running: lean.Pool(self.host, self.port, connect_timeout=settings.connect_timeout_seconds,
                                     limit=(settings.max_long_running_connections_per_backend if long_running
@@ -184,23 +157,16 @@ class BackendClient:
     ) -> ProxyResponse:
         """Forward one request; the response body streams from the backend as it is pulled.
 
-        ``multiplex``: the caller is one the apiserver will authenticate (see :mod:`upstream.mux`), so a short
-        bodiless GET or HEAD may share an HTTP/2 connection.
-
-        Raises :class:`PoolTimeout` or :class:`ConnectFailed` when nothing was sent,
-        :class:`UpstreamTimeout` when no response headers came in time,
-        :class:`ClientBodyFailed` when the client's body broke off, and
-        :class:`BackendFailed` when the backend failed after it may have seen the request.
-        """
+        ``multiplex``: the apiserver will authenticate the caller, so a short bodiless GET or HEAD may share an HTTP/2
+        connection. Raises the errors of :func:`exchange.exchange`."""
         mux = self.mux
         if (multiplex and not long_running and request.body is None
                 and request.method in _MUX_METHODS and (mux.h2 or mux.wants_h2())):
             try:
                 return await self._send_mux(mux, request, headers, identity, on_done)
             except mux_pool.NotH2:
-                # Nothing was sent, or nothing processed (a pause after a 401, every stream refused); the
-                # connection that found out, if any, waits in the HTTP/1.1 pool. A failed HTTP/1.1 connect
-                # next is a ConnectFailed, as for any request: a backend really going away is ejected.
+                # Nothing was sent or processed; a failed HTTP/1.1 connect next is a ConnectFailed as for any
+                # request, so a backend really going away is ejected.
                 pass
         ssl_ctx = self.ssl_for(identity)
         head, declared = exchange.encode_request_head(
@@ -254,11 +220,8 @@ class BackendClient:
                    deadline: float, max_bytes: int) -> tuple[int, bytes]:
         """The proxy's own request (a probe, a key fetch, a TokenReview): status and body, whole.
 
-        With the front-proxy certificate when there is one, on an HTTP/1.1 pool of its own (:data:`OWN_CALLS`
-        connections, kept alive between calls): a request pool that clients have filled must not make a probe
-        wait and fail, which would eject a backend that is only busy. Raises
-        :class:`ValueError` for a body over ``max_bytes``, ``TimeoutError`` past ``deadline`` seconds, and
-        the errors of :meth:`send` (``ConnectFailed``, ``BackendFailed``, ...) for a failed exchange."""
+        On an HTTP/1.1 pool of its own: a pool clients filled must not fail a probe and eject a busy backend. Raises
+        ValueError over ``max_bytes``, TimeoutError past ``deadline``, and the errors of :meth:`send`."""
 
         head, declared = exchange.encode_request_head(
             method, path, self.authority, [*headers, *([("content-length", str(len(body)))] if body else [])],

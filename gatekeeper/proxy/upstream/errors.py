@@ -1,8 +1,5 @@
-"""What can go wrong upstream, sorted by whether bytes may have reached the backend.
-
-Only :class:`ConnectFailed` lets the caller try another backend; the others
-decide the client's status and whether the backend is blamed (ejection).
-"""
+"""What can go wrong upstream, sorted by whether bytes may have reached the backend. Only :class:`ConnectFailed` lets
+the caller try another backend; the others decide the client's status and whether the backend is blamed (ejection)."""
 
 from __future__ import annotations
 
@@ -10,11 +7,7 @@ import ssl
 
 
 class ConnectFailed(ConnectionError):
-    """No byte of the request reached the backend (TCP/TLS connect failed or timed out).
-
-    ``str()`` is a short cause safe to show a client (``connection refused``,
-    ``TLS handshake failed``...); the exception chain keeps the details for the log.
-    """
+    """No byte of the request reached the backend; ``str()`` is a short cause safe to show a client."""
 
 
 class PoolTimeout(ConnectionError):
@@ -26,10 +19,7 @@ class UpstreamTimeout(ConnectionError):
 
 
 class ClientBodyFailed(ConnectionError):
-    """The client's request body failed while it was being forwarded (client gone, body idle).
-
-    The backend did nothing wrong: no ejection, no 5xx count against it.
-    """
+    """The client's request body failed while being forwarded: the backend is not blamed."""
 
 
 class NoFrontProxyCert(RuntimeError):
@@ -43,12 +33,8 @@ class BackendFailed(ConnectionError):
 class RequestResetByBackend(BackendFailed):
     """The backend reset this request's HTTP/2 stream before answering it; never retried.
 
-    Not a sign the backend is down: its connection and other streams carry on, and Go's server
-    resets a request it finds malformed (a bad ``:path`` escape, a control byte in a header), so any
-    client could cause one. The dispatcher answers 502 and counts it as a 5xx answer (the storm
-    detector, which needs most of a backend's answers to be bad) instead of ejecting the backend
-    at once as it does for a connect failure or a dead connection.
-    """
+    Go's server resets requests it finds malformed, so any client could cause one: counted as a 5xx answer (the storm
+    detector), never an immediate ejection."""
 
 
 AFTER_CONNECT = (PoolTimeout, UpstreamTimeout, ClientBodyFailed, NoFrontProxyCert, BackendFailed)

@@ -1,16 +1,7 @@
 """One request/response exchange on the HTTP/1.1 client.
 
-The request head is built here in one pass over the headers and written with
-one ``transport.write``; a small GET is then one write up and, usually, one
-read back. The target goes out byte for byte as the adapters received and the
-pipeline classified it: it is checked (origin-form, visible ASCII only), never
-re-parsed or normalised.
-
-Request bodies stream as they are pulled from the client: raw when the
-client declared a Content-Length (the byte count is enforced: a body that runs
-over or stops short fails the request and the connection, so no byte of a
-second request can ride in it), chunked otherwise.
-"""
+The target goes out byte for byte as the pipeline classified it: checked, never re-parsed or normalised. A body with a
+Content-Length is held to it, so no byte of a second request can ride in it."""
 
 from __future__ import annotations
 
@@ -61,12 +52,8 @@ def encode_request_head(method: str, target: str, authority: str, headers: Heade
                         *, has_body: bool) -> tuple[bytes, int | None]:
     """The request head as one ``bytes`` and the body's declared length (None: chunked or no body).
 
-    ``headers`` are filtered in the same pass by ``removed`` (lower-case names) and
-    by the names a ``Connection`` header lists (RFC 9110 7.6.1; only then is there a
-    second pass). A method that is not a token, a target that is not origin-form
-    visible ASCII, or a CR, LF or NUL anywhere in a header raises ValueError:
-    nothing is sent.
-    """
+    Drops ``removed`` and the names ``Connection`` lists. A method that is not a token, a target that is not origin-form
+    visible ASCII, or CR/LF/NUL in a header raises ValueError: nothing is sent."""
     if not _TOKEN.fullmatch(method) or not _TARGET.fullmatch(target):
         raise ValueError(f"refusing to send {method[:16]!r} {target[:64]!r} upstream")
     parts = [method, " ", target, " HTTP/1.1\r\nhost: ", authority, "\r\n"]
@@ -95,8 +82,7 @@ def encode_request_head(method: str, target: str, authority: str, headers: Heade
                 raise ValueError(f"bad content-length {length[:32]!r}")
             declared = int(length)
     elif length is not None and length.strip("0"):
-        # A body announced on a request that has none: the backend would wait for it, or read the next
-        # request on this connection as that body. The HTTP/2 codecs already refuse it (RFC 9113 8.1.1).
+        # A body announced on a request that has none: the backend would read the next request as that body.
         raise ValueError(f"content-length {length[:32]!r} on a request without a body")
     elif length is None and method in _BODY_METHODS:
         parts.append("content-length: 0\r\n")
@@ -111,12 +97,8 @@ def encode_request_head(method: str, target: str, authority: str, headers: Heade
 class BodyFramer:
     """A request body's bytes as they go upstream: raw within the declared Content-Length, else chunked.
 
-    Shared by the pooled exchange and the upgrade splice, so no path writes a client's body
-    without framing it: unframed body bytes are read by the backend as the next request on
-    the connection (request smuggling, with the front-proxy certificate's trust). A body
-    that runs over or stops short of its declared length raises ValueError (nothing more
-    may be sent on that connection).
-    """
+    Shared by the pooled exchange and the upgrade splice so no path writes a body unframed (request smuggling with the
+    front-proxy certificate's trust). Over- or under-running the length raises ValueError."""
 
     __slots__ = ("declared", "sent")
 
@@ -166,8 +148,7 @@ async def _send_body(conn: Conn, body: ClientBody, declared: int | None) -> None
 
 
 class BodySource(Protocol):
-    """What a streamed body reads from: an HTTP/1.1 connection (``lean.Conn``) or an HTTP/2 stream
-    (``mux_stream.MuxStream``)."""
+    """What a streamed body reads from: ``lean.Conn`` or ``mux_stream.MuxStream``."""
 
     chunks: collections.deque[bytes]
     complete: bool
@@ -179,11 +160,8 @@ class BodySource(Protocol):
 
 
 class StreamedBody:
-    """A response body: chunks as they arrive, what carried it released exactly once (:meth:`_release`).
-
-    ``aclose`` works even if iteration never started, so a response dropped by
-    the adapter or by flow control still frees its connection or stream and its lease.
-    """
+    """A response body: chunks as they arrive, what carried it released exactly once. ``aclose`` works before iteration
+    too, so a dropped response still frees its connection and lease."""
 
     def __init__(self, source: BodySource, name: str, *, swallow_errors: bool,
                  on_done: Callable[[BaseException | None], None]) -> None:
@@ -213,9 +191,8 @@ class StreamedBody:
         except StopAsyncIteration:
             raise
         except (OSError, ValueError) as exc:
-            # The backend died mid-stream. For a watch, a clean end is what client-go treats as
-            # "watch closed" and re-watches from its last resourceVersion; for anything else a
-            # clean end would pass a truncated body off as complete, so the adapter resets the stream.
+            # The backend died mid-stream: a clean end makes client-go re-watch, but would pass any other
+            # truncated body off as complete, so the adapter resets the stream.
             self._finish(exc)
             if self.swallow:
                 raise StopAsyncIteration from None
@@ -225,8 +202,7 @@ class StreamedBody:
             raise
         chunk = source.take()
         if source.complete and not source.chunks:
-            # That was all of it: give the connection back now, and let the adapter end the
-            # stream with this chunk (one HTTP/2 DATA frame with END_STREAM instead of two).
+            # All of it: give the connection back now; the adapter ends the stream with this chunk.
             self.exhausted = True
             self._finish(None)
         return chunk
@@ -273,11 +249,9 @@ async def exchange(
 ) -> tuple[int, list[tuple[bytes, bytes]], LeanBody]:
     """Send one request and wait for its response head; the body streams as it is pulled.
 
-    Raises :class:`PoolTimeout` or :class:`ConnectFailed` when nothing was sent,
-    :class:`UpstreamTimeout` when no response head came in time,
-    :class:`ClientBodyFailed` when the client's body broke off, and
-    :class:`BackendFailed` when the backend failed after it may have seen the request.
-    """
+    Raises :class:`PoolTimeout` or :class:`ConnectFailed` when nothing was sent, :class:`UpstreamTimeout` without a head
+    in time, :class:`ClientBodyFailed` when the client's body broke off, and :class:`BackendFailed` when the backend may
+    have seen the request."""
     slots = pool.slots
     if not slots.try_take():  # only a full pool pays for a future and a timeout scope
         try:

@@ -1,13 +1,5 @@
-"""Which header fields stay on their hop: the rules every upstream path applies, both ways.
-
-RFC 9110 7.6.1: hop-by-hop fields, and every field the ``Connection`` header
-names, describe one connection and are never forwarded. Requests lose them
-(plus ``Host`` and ``Expect``, which the proxy answers or sets itself) on the
-HTTP/1.1 pool, the multiplexed HTTP/2 pool and upgrades alike; responses lose
-them in :func:`response_headers`, which every upstream path runs on the
-backend's raw head. One module, so the paths cannot drift
-apart on what a hop is.
-"""
+"""Which header fields stay on their hop (RFC 9110 7.6.1), for every upstream path both ways. One module, so the
+HTTP/1.1, HTTP/2 and upgrade paths cannot drift apart on what a hop is."""
 
 from __future__ import annotations
 
@@ -35,10 +27,7 @@ _KEEP_UPGRADE = frozenset({"upgrade", "connection"})
 
 def removed_headers(headers: Headers, *, keep_upgrade: bool = False,
                     drop: frozenset[str] = frozenset()) -> frozenset[str]:
-    """Lower-case names to drop: hop-by-hop ones, those the Connection header names (RFC 9110 7.6.1), ``drop``.
-
-    The Connection header's tokens are only parsed when there is one.
-    """
+    """Lower-case names to drop: hop-by-hop ones, those the Connection header names, and ``drop``."""
     removed = HOP_BY_HOP | drop
     for k, _ in headers:
         if k.lower() == "connection":
@@ -62,10 +51,7 @@ MAX_NAMES = 512
 
 
 def response_headers(raw: Sequence[tuple[bytes, bytes]]) -> Headers:
-    """Raw response headers as lower-case text pairs, hop-by-hop ones and those ``Connection`` names removed.
-
-    One pass; the rare response with a ``Connection`` header takes a second one.
-    """
+    """Raw response headers as lower-case text pairs, without hop-by-hop ones and those ``Connection`` names."""
     out: Headers = []
     named: list[str] | None = None
     names = _NAMES

@@ -1,31 +1,9 @@
 """The HTTP/1.1 client under the request path: one asyncio Protocol per pooled connection, llhttp parsing.
 
-It carries what the multiplexed HTTP/2 pool (:mod:`upstream.mux`) does not:
-requests with a body, watches and followed logs (a connection each), callers
-the apiserver may refuse, every request to a backend without HTTP/2, and the
-proxy's own calls (probes, issuer keys, TokenReviews). It does only what a
-proxy needs: the caller hands it a finished request head (one ``bytes``, one
-write), ``httptools`` (llhttp, the parser Node.js uses) parses the response
-in C, and body chunks go straight from ``data_received`` to the consumer with
-reading paused while more than :data:`READ_HIGH` bytes wait, so a slow client
-still slows the backend read instead of growing a buffer.
-
-What a pooled connection must not let through, on purpose:
-
-* A connection goes back to its pool only when its response was read to the
-  end, the request body was sent whole, and the backend kept it alive; anything
-  else (client gone mid-body, backend cut, HEAD, header timeout) closes it.
-* A response cut before its framing says it is complete is an error to the
-  consumer (never a silent, truncated success). Only a body framed by the end
-  of the connection (no Content-Length, not chunked) ends cleanly at EOF.
-* Idle connections are keyed by the TLS context they were opened with, so a
-  connection made with the front-proxy certificate never carries a token
-  request, and a reloaded context is used by every new connection.
-* Nothing is re-sent: a reused connection the backend closed under us fails
-  the request like any other backend fault (a client library would re-send an
-  idempotent PUT or DELETE there; the proxy cannot know the backend did not act
-  on the first copy).
-"""
+Reading pauses while more than :data:`READ_HIGH` bytes wait, so a slow client slows the backend read. A connection is
+reused only after a complete exchange; a response cut short is an error, never a truncated success; idle connections are
+keyed by TLS context so a certificate connection never carries a token request; and nothing is re-sent (the backend may
+have acted on the first copy). See docs/proxy/index.md."""
 
 from __future__ import annotations
 
@@ -45,8 +23,8 @@ MAX_HEAD_BYTES = 256 * 1024
 READ_HIGH = 256 * 1024
 """Stop reading a backend while this much of its body waits for the consumer."""
 IDLE_SECONDS = 15.0
-"""An idle pooled connection older than this is closed, not reused (a backend that closes idle connections
-sooner costs a 502 on the request that raced the close, never a re-send)."""
+"""An idle pooled connection older than this is closed, not reused (a backend closing sooner costs a 502 on
+the request that raced the close, never a re-send)."""
 
 
 class BackendProtocolError(ConnectionError):
@@ -88,11 +66,8 @@ class Conn(OneWaiter, asyncio.Protocol):
         self.reading_paused = False
 
     def begin(self, head: bytes, *, head_only: bool, header_timeout: float | None) -> None:
-        """Start an exchange: reset the response state and write the request head (one write).
-
-        ``header_timeout`` arms one timer (cheaper than an ``asyncio.timeout`` scope per
-        request) that fails the exchange with TimeoutError if the head has not come by then.
-        """
+        """Start an exchange: reset the response state and write the request head (one write). ``header_timeout`` arms
+        one timer, cheaper than an ``asyncio.timeout`` scope per request."""
         self._response(head_only=head_only)
         self.active = True
         if self.closed:  # lost between its connect and now: connection_lost saw no exchange to fail
@@ -189,10 +164,7 @@ class Conn(OneWaiter, asyncio.Protocol):
         self.wake()
 
     def _framed_by_close(self) -> bool:
-        """The body ends with the connection (no Content-Length, not chunked, not a bodiless status).
-
-        Only asked when a connection ends mid-response, so the hot path never scans headers for it.
-        """
+        """The body ends with the connection; asked only when a connection ends mid-response (not on the hot path)."""
         if self.status in (204, 304):
             return False
         return not any(name.lower() in (b"content-length", b"transfer-encoding") for name, _ in self.raw_headers)
@@ -311,19 +283,11 @@ class Pool:
         return conn
 
     def adopt(self, transport: asyncio.Transport, ctx: ssl.SSLContext, live: Callable[[], tuple[Any, ...]]) -> None:
-        """Keep an established TLS connection on which nothing was sent yet as an idle one, kept for ``ctx``.
+        """Keep a fresh TLS connection (nothing sent yet) as an idle one for ``ctx``.
 
-        Why: the HTTP/2 pool offers ``h2`` and ``http/1.1`` in ALPN; a backend that
-        picks HTTP/1.1 has just completed a handshake the request that found out can use (it takes the
-        most recent idle connection, this one, unless a request put one back in between, which costs no
-        handshake either). ``ctx`` is the HTTP/1.1 context built by the same reload as the one the
-        connection was made with (``client.Contexts``), so a connection made with the certificate is
-        never kept for token requests, and one made with the previous files is never kept under a context
-        of the new ones. A ``ctx`` a reload has replaced since (it came while the connection was being
-        made) is stale: the connection is closed, as the stale contexts' idle connections are. It counts
-        in ``open`` like any other: when the pool already holds ``limit`` connections it is closed
-        instead (the request then waits for one of those, as it would have).
-        """
+        A backend that picked HTTP/1.1 in the HTTP/2 pool's ALPN has just completed a handshake the request can use.
+        ``ctx`` comes from the same reload as the connection's context, so certificate and token connections never mix;
+        a stale ``ctx``, or a full pool, closes the connection instead."""
         if ctx not in live():
             transport.close()
             return

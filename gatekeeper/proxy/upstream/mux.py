@@ -1,47 +1,9 @@
 """Multiplexed HTTP/2 upstream for short, bodiless requests from verified callers (always on).
 
-Why: on the HTTP/1.1 pool every small GET is its own TLS record up, its own
-socket read back, its own parser callbacks and its own loop wake-up. Over one
-HTTP/2 connection per backend the requests of a loop iteration leave in one
-write, and the backend's answers to them arrive in one read
-(loadtest/reports/2026-12-03-readme-history.md: x0.88 CPU per request for the whole proxy).
-
-Which requests (decided by the caller, :meth:`BackendClient.send`): GET and
-HEAD without a body, not long-running (watches and ``logs -f`` keep their own
-HTTP/1.1 connection each), from callers the proxy knows the apiserver will
-authenticate: a verified client certificate (asserted with the front-proxy
-certificate) or a bearer token whose signature flow control verified. The
-reason is kube-apiserver's HTTP/2 DoS mitigation: it answers an anonymous or
-unauthenticated request on HTTP/2 with GOAWAY, so one bad token on a shared
-connection would cost every caller on it a reconnect. Those requests take
-the HTTP/1.1 pool, where a 401 costs nothing more than the 401. A token can
-verify here and still be refused there (revoked, its bound object deleted):
-the first 401 on a connection pauses multiplexing for that kind of caller
-(:meth:`mux_pool.MuxPool.unauthorized`), so however many such tokens a tenant
-holds, they cost one GOAWAY per pause, not one each.
-
-What a shared connection must not let one caller do to another:
-
-* **Hold memory.** Each stream's window is :data:`STREAM_WINDOW`, re-opened only
-  as its consumer (the client) takes the bytes, so a client that never reads
-  holds at most that much; the connection window is acknowledged as bytes
-  arrive (bounded by the streams' windows), so a stalled stream never stops
-  the others.
-* **Hold a seat.** Streams per connection are capped (``upstream.http2MaxStreams``
-  and the backend's SETTINGS_MAX_CONCURRENT_STREAMS); past the cap a new
-  connection opens; the pool's slot gate still bounds requests per backend.
-* **Cause a re-send.** Only a stream the backend provably never processed is sent
-  again (above a GOAWAY's last stream id, or refused with REFUSED_STREAM,
-  RFC 9113 8.7), once, on a fresh connection; refused there too, the request
-  goes once over HTTP/1.1 (:class:`Refused`), where no GOAWAY applies. A
-  connection that dies under a stream fails that stream, as on HTTP/1.1.
-
-A backend that breaks HTTP/2 (bad frame, oversized head, push) loses the
-connection: every stream on it fails with :class:`BackendProtocolError`.
-
-This module is the wire (the frame loop and the connection's stream table);
-what one request's consumer holds is :class:`mux_stream.MuxStream`.
-"""
+One connection per backend batches a loop iteration's requests into one write and their answers into one read. A shared
+connection must not let one caller hold another's memory (per-stream windows reopen only as the client reads), slots
+(stream caps), or cause a re-send (only provably unprocessed streams are re-sent). Which requests take it, and why, is
+in docs/proxy/index.md (Upstream connections)."""
 
 from __future__ import annotations
 
@@ -68,11 +30,8 @@ IDLE_SECONDS = 60.0
 class NotH2(ConnectionError):
     """The backend did not negotiate HTTP/2 (ALPN): use the HTTP/1.1 pool for it.
 
-    ``transport`` is the TLS connection whose handshake found out, nothing written on it yet, for the
-    HTTP/1.1 pool to take (one handshake, not two); None when there is none to give (the backend was
-    already known not to speak HTTP/2, or the connection closed or talked first). Every request that
-    waited on that connect sees this one exception, so :meth:`claim` gives the transport out once.
-    """
+    ``transport`` is the handshake that found out, nothing written yet, for the HTTP/1.1 pool to take (one handshake,
+    not two); :meth:`claim` gives it out once to the requests that waited on it."""
 
     def __init__(self, message: str, transport: asyncio.Transport | None = None) -> None:
         super().__init__(message)
@@ -84,18 +43,14 @@ class NotH2(ConnectionError):
 
 
 class Paused(NotH2):
-    """Multiplexing is paused for this kind of caller after a 401 (:meth:`mux_pool.MuxPool.unauthorized`):
-    nothing was sent, or only a stream the backend provably did not process; use the HTTP/1.1 pool."""
+    """Multiplexing is paused for this kind of caller after a 401: nothing processed; use HTTP/1.1."""
 
 
 class Refused(NotH2):
-    """The backend refused the request's stream on every one of :data:`mux_pool.SENDS` attempts (above a GOAWAY's
-    last stream id, or REFUSED_STREAM): provably not processed, so the caller sends it over HTTP/1.1 once.
+    """Every stream attempt was refused (provably not processed): send it over HTTP/1.1 once.
 
-    Not a connect failure: kube-apiserver with ``--goaway-chance`` sends a graceful GOAWAY after a random share
-    of HTTP/2 responses, and a stream sent on a fresh connection can be caught by that connection's first one
-    under load; it says nothing about the backend's health. A backend that is really going away fails the
-    HTTP/1.1 connect, and that ejects it."""
+    Not a connect failure: ``--goaway-chance`` GOAWAYs under load catch re-sent streams too, which says nothing
+    about the backend's health; one really going away fails the HTTP/1.1 connect and is ejected."""
 
 
 class MuxConn(asyncio.Protocol):
@@ -198,8 +153,7 @@ class MuxConn(asyncio.Protocol):
         self.transport = tr = cast(asyncio.Transport, transport)
         ssl_object = transport.get_extra_info("ssl_object")
         if ssl_object is None or ssl_object.selected_alpn_protocol() != "h2":
-            # The pool sees it and hands the connection to the HTTP/1.1 pool: nothing HTTP/2 is written
-            # to it, and bytes that come first are kept unparsed in ``buf`` (they void the handover).
+            # The pool hands it to the HTTP/1.1 pool; bytes that come first are kept unparsed (they void the handover).
             self.closed = True
             return
         tr.write(f.PREFACE + f.settings_frame({

@@ -1,87 +1,8 @@
-"""Shared HTTP/2 connections to one backend, and one exchange on them (see :mod:`mux` for why and when).
+"""Shared HTTP/2 connections to one backend, and one exchange on them (see :mod:`mux`).
 
-The pool keeps its connections per TLS context (identity certificate or none,
-as the HTTP/1.1 pool does) and fills the oldest connection with room first, so
-a backend normally sees one connection per context from each worker. A new
-connection is opened only when every connection is at its stream cap; callers
-that arrive while one is being opened wait for it instead of opening their own.
-
-A backend that answers the handshake with HTTP/1.1 (ALPN) is remembered as
-such: its connection goes to the HTTP/1.1 pool (:class:`mux.NotH2`, one
-handshake, not two), and its requests take that pool from then on. Every
-``upstream.http2RetrySeconds`` (0: never) the next eligible request asks
-again on a fresh connection (:meth:`MuxPool.wants_h2`), so an apiserver
-restarted with HTTP/2 on is used over it without restarting the proxy.
-
-* **Bounded.** The retry time is moved on when the attempt is granted,
-  before it connects, so a backend flapping between ``h2`` and ``http/1.1``
-  costs at most one extra handshake per interval per worker; requests already
-  waiting when the backend turned out HTTP/1.1 fail over without connecting
-  (only the granted attempt may connect, one at a time).
-* **Not lost before the answer.** A granted attempt that ends before the
-  backend's ALPN answer (no stream slot in time, the caller gone, a pause
-  after a 401, no front-proxy certificate, the connect failed) gives the
-  grant back (:meth:`MuxPool.give_back`): the next eligible request asks
-  instead of waiting out the interval. It cost no completed handshake, so
-  the bound above holds; a backend whose connects fail is ejected by the
-  balancer and is asked again when it is back, which is when it may have
-  turned HTTP/2 on.
-* **Free when the answer is still no.** The attempt's handshake is handed to
-  the HTTP/1.1 pool and carries the request; what it costs is a new connection
-  where an idle one might have been reused.
-* **Not reset by the health checker.** An ejection and re-admission could
-  say "restarted, ask again", but a backend whose ``/readyz`` flaps under load
-  would then be asked as often as it flaps, breaking the bound above; and the
-  balancer would have to reach into the upstream client. Waiting out the
-  interval (5 minutes by default) after an apiserver turns HTTP/2 on is the
-  whole cost of keeping it simple.
-
-A 401 on a stream pauses multiplexing for that TLS context (the kind of
-caller: front-proxy certificate or none) for ``upstream.http2UnauthorizedPauseSeconds``
-(:meth:`MuxPool.unauthorized`). kube-apiserver answers every 401 on HTTP/2
-with GOAWAY; the proxy marks the token failed after its first 401, but a
-tenant holding many revoked tokens that still verify here (minted, then the
-ServiceAccount or bound Secret deleted) had one GOAWAY per token per worker,
-each a reconnect, each re-sending the other tenants' streams that raced it;
-a stream refused twice that way then failed as a connect failure, which
-ejected the backend (now it goes over HTTP/1.1, see below). Measured before
-the pause against the sandbox apiserver with this pool alone (no failed-token
-cache, so a token repeats as new ones would): 60 revoked tokens in turn cost
-61 connections and 407 re-sent streams; cycled for 8 s, 311 GOAWAYs and 6-43
-other tenants' GETs refused twice. Through the proxy (one worker, 3 apiservers), 40 revoked tokens cost
-39 GOAWAYs. Now:
-
-* **One GOAWAY per pause.** The pause starts while the 401's frame is
-  parsed, before any consumer runs; requests of that kind take the HTTP/1.1
-  pool until it ends, whatever token they carry.
-* **No double refusal, when the GOAWAY and the 401 arrive together.** A
-  stream refused by that GOAWAY (provably not processed) is re-sent over
-  HTTP/1.1 during the pause (:class:`mux.Paused`), never as a stream on a
-  connection a second 401 could close. Go writes the GOAWAY first: when it
-  lands in an earlier read than the 401's HEADERS, the refused streams wake
-  before the pause exists and are re-sent once as streams on a new
-  connection (bounded: that 401 then starts the pause).
-* **Certificate callers are untouched**: their context has its own
-  connections and its own pause.
-
-A request refused on both of its streams (:data:`SENDS`) goes once over
-HTTP/1.1 (:class:`mux.Refused`, counted in
-``gatekeeper_proxy_upstream_http2_refused_total``), never as a connect
-failure. kube-apiserver's ``--goaway-chance`` (the seeds recommend up to
-0.02) ends a random share of HTTP/2 responses with a graceful GOAWAY naming
-the highest stream Go's server has read; under load the streams re-sent on
-a fresh connection are caught by that connection's next GOAWAY too. That
-used to be a ``ConnectFailed``, which ejects the backend at once: against
-the sandbox apiserver at 0.02, 4000 GETs at 256 in flight (one backend's
-full pool) gave 37-38 GOAWAYs and 5-39 double refusals, each a connect
-failure and a 503 to its caller with one backend (the README has the
-figures through the whole proxy). A refused stream says nothing
-about the backend's health, and the filter applies to HTTP/2 requests only,
-so HTTP/1.1 gets it through. Bounded: two streams and one HTTP/1.1 request
-at most. A backend really going away (GOAWAY, then its listener closed)
-fails that HTTP/1.1 connect, or the second stream's connect, and is
-ejected as before.
-"""
+Connections are kept per TLS context and the oldest with room is filled first, so a backend sees one connection per
+context per worker. The bounded retry of HTTP/2 after an HTTP/1.1 ALPN answer, the pause after a 401 and the fall-back
+to HTTP/1.1 of a request refused twice are described in docs/proxy/index.md."""
 
 from __future__ import annotations
 
@@ -107,8 +28,7 @@ from gatekeeper.proxy.upstream.slots import Slots
 log = logging.getLogger("gatekeeper.proxy.upstream.mux_pool")
 
 SENDS = 2
-"""Times a request may go out as a stream: once, and once more if the backend provably did not process it;
-refused both times, it goes once over HTTP/1.1 (:class:`mux.Refused`)."""
+"""Times a request may go out as a stream (the second only if the first was provably not processed)."""
 
 
 class _OpenerGone(Exception):
@@ -165,11 +85,8 @@ class MuxPool:
         return False
 
     def wants_h2(self) -> bool:
-        """Whether an eligible request should go over HTTP/2: known to work, or a retry is due (this one).
-
-        Called only for requests that may be multiplexed, last, so a request that could not use HTTP/2
-        never takes the retry.
-        """
+        """Whether an eligible request should go over HTTP/2: known to work, or a retry is due (this one). Called last,
+        only for requests that may be multiplexed, so an ineligible one never takes the retry."""
         if self.h2:
             return True
         if not self.retry_seconds:
@@ -182,9 +99,8 @@ class MuxPool:
         return True
 
     def give_back(self) -> None:
-        """A request that may hold the grant of :meth:`wants_h2` failed before the attempt connected: the next
-        eligible request asks instead (see the module). A no-op unless a grant is pending: one that connected
-        was taken by :meth:`conn` first."""
+        """The grant of :meth:`wants_h2` failed before connecting: the next eligible request asks instead of
+        waiting out the interval. A no-op unless a grant is pending."""
         if self.attempt_granted:
             self.attempt_granted = False
             self.retry_at = 0.0
@@ -246,8 +162,7 @@ class MuxPool:
             except BaseException as exc:
                 if asking and not isinstance(exc, NotH2):
                     self.retry_at = 0.0  # no ALPN answer came (connect failed, caller gone): not used up
-                # A cancellation is this request's alone: handed to the waiters as it is, their tasks (not
-                # cancelled) raised CancelledError, which the listeners take for a client gone, answering nothing.
+                # Handed to the waiters, this request's CancelledError read as "client gone" in theirs.
                 fut.set_exception(_OpenerGone() if isinstance(exc, asyncio.CancelledError) else exc)
                 fut.exception()  # retrieved: waiters re-raise it, nobody else needs to
                 raise
@@ -314,12 +229,8 @@ async def exchange(
     block: bytes, *, head_only: bool, header_timeout: float | None,
     acquire_timeout: float, on_done: Callable[[BaseException | None], None],
 ) -> tuple[int, list[tuple[bytes, bytes]], MuxBody]:
-    """Send one bodiless request as a stream and wait for its head; the errors are :func:`exchange.exchange`'s.
-
-    Raises :class:`NotH2` (nothing sent) when the backend turned out not to speak HTTP/2, :class:`Paused`
-    (nothing processed) during a pause after a 401, and :class:`Refused` (nothing processed) when every stream
-    attempt was refused: the caller sends the request over HTTP/1.1 instead.
-    """
+    """Send one bodiless request as a stream and wait for its head; the errors are :func:`exchange.exchange`'s. Raises
+    :class:`NotH2`, :class:`Paused` or :class:`Refused` (nothing processed): use HTTP/1.1 instead."""
     if pool.paused and pool.is_paused(ctx):
         pool.give_back()
         raise Paused(f"{name}: multiplexing paused after a 401")

@@ -1,12 +1,7 @@
-"""One stream of a multiplexed HTTP/2 upstream connection, as its consumer sees it (see :mod:`mux`).
+"""One stream of a multiplexed HTTP/2 upstream connection, as its consumer sees it.
 
-The seam: :mod:`mux` owns the wire (the frame loop, the connection's settings,
-windows and stream table); a :class:`MuxStream` is what one request's consumer
-holds (the response head, the body chunks not yet taken, the waiter that wakes
-it, its header timer) and the one thing it gives back to the wire, the stream
-window, as it takes the bytes. The response body (``exchange.StreamedBody``)
-reads it through the same small interface as an HTTP/1.1 connection.
-"""
+:mod:`mux` owns the wire; a :class:`MuxStream` holds one request's head, unread chunks and waiter, and gives the stream
+window back as the bytes are taken."""
 
 from __future__ import annotations
 
@@ -36,9 +31,8 @@ class StreamRefused(ConnectionError):
 
 
 class StreamReset(ConnectionResetError):
-    """The backend reset this one stream (RST_STREAM other than REFUSED_STREAM); the connection and its other
-    streams go on. Go's server resets a request it finds malformed, so this says something about the
-    request, not (by itself) about the backend."""
+    """The backend reset this one stream (not REFUSED_STREAM); says something about the request (Go resets
+    malformed ones), not by itself about the backend."""
 
 
 class MuxStream(OneWaiter):

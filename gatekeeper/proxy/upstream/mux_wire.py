@@ -1,17 +1,7 @@
 """The multiplexed upstream's request side on the wire: header fields and HEADERS frames (pure).
 
-The same rules as the HTTP/1.1 head (:func:`exchange.encode_request_head`) hold,
-so a request cannot be classified as one thing and sent as another whichever
-client carries it: the method must be a token, the target origin-form visible
-ASCII, byte for byte as classified; a CR, LF or NUL in any header, a
-pseudo-header from the client, a hop-by-hop header (and any the ``Connection``
-header names) never goes out. HTTP/2 adds its own: names are sent lower-case
-(RFC 9113 8.2.1) and only ``Host``'s value survives, as ``:authority`` of the
-*backend* (the client's Host is dropped as on the HTTP/1.1 path).
-
-Credentials (``authorization``, ``proxy-authorization``, ``cookie``) are
-HPACK never-indexed literals (RFC 7541 7.1.3) and are never memoized.
-"""
+The same rules as the HTTP/1.1 head, so a request cannot be classified as one thing and sent as another. Credentials are
+HPACK never-indexed literals (RFC 7541 7.1.3) and never memoized."""
 
 from __future__ import annotations
 
@@ -68,13 +58,8 @@ def request_block(method: str, target: str, authority: bytes, headers: Headers, 
                   *, memo: bool = True) -> bytes:
     """The request's HPACK header block, pseudo-headers first; ValueError when anything may not go out.
 
-    No field is ever indexed, so the block is a pure function of the request: there is no dynamic
-    table to keep in step with the backend, and an ordinary field's encoding (checked once) is
-    memoized for the next request; credentials and long values are encoded every time and never
-    kept. The memo holds fields that passed ``removed``; a call with another set starts it afresh.
-    Only bodiless requests take this path, so a non-zero ``content-length`` is refused (the backend
-    would wait for a body that never comes).
-    """
+    Nothing is indexed, so there is no dynamic table to keep in step, and ordinary fields' encodings are memoized (per
+    ``removed`` set). A non-zero ``content-length`` is refused: only bodiless requests come here."""
     global _memo_removed
     fields = _memo
     if memo and removed is not _memo_removed:
@@ -121,8 +106,7 @@ def request_block(method: str, target: str, authority: bytes, headers: Headers, 
             fields[(name, value)] = encoded
         out.append(encoded)
     if connection:
-        # Rare: the client's Connection header names more headers to drop (RFC 9110 7.6.1). Encoded
-        # again without the memo, which may hold a named field as an ordinary one.
+        # Rare: Connection names more headers to drop; encoded again without the memo.
         named = {t.strip().lower() for k, v in headers if k.lower() == "connection" for t in v.split(",")}
         if memo or not named <= set(removed):
             return request_block(method, target, authority, headers, frozenset({*removed, *named}), memo=False)
@@ -141,11 +125,7 @@ def headers_frames(sid: int, block: bytes, max_frame: int) -> bytes:
 
 
 def response_head(fields: list[tuple[bytes, bytes]]) -> tuple[int, list[tuple[bytes, bytes]]]:
-    """The status and the regular fields of a decoded response head (RFC 9113 8.3.2).
-
-    ValueError when it is not one: a pseudo-header other than one ``:status`` first, or a
-    status that is not three digits from 100 up.
-    """
+    """The status and regular fields of a decoded response head (RFC 9113 8.3.2); ValueError if malformed."""
     status = b""
     raw: list[tuple[bytes, bytes]] = []
     for name, value in fields:

@@ -25,9 +25,8 @@ class UpstreamSettings:
     max_long_running_connections_per_backend: int = 8192
     """Separate pool for watches, exec and followed logs (one HTTP/1.1 connection each), per backend."""
     max_long_running_per_caller: int = 1024
-    """Long-running requests (watches, followed logs, exec/attach/port-forward, proxy) one caller may hold open
-    through this process, all backends together; past it 429 + Retry-After (``long_running_cap``). Without it one
-    tenant could hold every connection of the long-running pool (and ~80 KiB of proxy memory per watch)."""
+    """Long-running requests one caller may hold through this process; past it 429 (``long_running_cap``), so
+    no tenant can take the whole long-running pool."""
     pool_acquire_timeout_seconds: float = 10.0
     """Longest wait for a free pooled connection; past it the client gets 503 + Retry-After."""
     cert_check_interval_seconds: float = 2.0
@@ -37,11 +36,9 @@ class UpstreamSettings:
     http2_max_streams: int = 100
     """Streams per upstream HTTP/2 connection (fewer if the apiserver allows fewer); past it a new one opens."""
     http2_retry_seconds: float = 300.0
-    """A backend that picked HTTP/1.1 in ALPN is asked for HTTP/2 again by one request this often (0 = never);
-    each ask is a new connection, kept for HTTP/1.1 if the answer is still no (``upstream/mux_pool.py``)."""
+    """A backend that picked HTTP/1.1 in ALPN is asked for HTTP/2 again by one request this often (0 = never)."""
     http2_unauthorized_pause_seconds: float = 60.0
-    """After a 401 on a multiplexed stream (kube-apiserver then sends GOAWAY), that kind of caller (certificate
-    or token) goes over HTTP/1.1 this long, so revoked tokens cost one reconnect per pause, not one each."""
+    """After a 401 on a stream (the apiserver then GOAWAYs), that kind of caller uses HTTP/1.1 this long."""
 
     def validate(self) -> None:
         if self.max_long_running_per_caller < 1:

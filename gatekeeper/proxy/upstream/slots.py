@@ -1,13 +1,4 @@
-"""The two waiting primitives both upstream clients share (HTTP/1.1 connections, HTTP/2 streams).
-
-Their own module because both clients use them and neither imports the other:
-
-* :class:`Slots`: ``lean.Pool`` bounds the requests out on its connections with
-  it, ``mux_pool.MuxPool`` the streams out on its connections, each to
-  ``upstream.maxConnectionsPerBackend``;
-* :class:`OneWaiter`: the response's one consumer (``exchange.StreamedBody``)
-  waits on a ``lean.Conn`` or a ``mux_stream.MuxStream`` the same way.
-"""
+"""The two waiting primitives both upstream clients share, in their own module so neither imports the other."""
 
 from __future__ import annotations
 
@@ -16,14 +7,8 @@ import collections
 
 
 class Slots:
-    """A FIFO counting gate for a pool's connection slots: a plain counter while slots are free.
-
-    ``asyncio.Semaphore`` costs a coroutine and a scan of its waiters on every
-    acquire; the uncontended path here is one comparison. Only a full pool
-    creates a future to wait on. A released slot goes straight to the oldest
-    live waiter, so callers that wait are served in order and a newcomer never
-    overtakes them (free slots exist only while nobody waits).
-    """
+    """A FIFO counting gate for a pool's slots: a plain counter while slots are free. Cheaper than ``asyncio.Semaphore``
+    uncontended; a released slot goes to the oldest live waiter, so a newcomer never overtakes those waiting."""
 
     __slots__ = ("free", "waiters")
 
@@ -65,16 +50,8 @@ class Slots:
 
 
 class OneWaiter:
-    """Mixin: a response's one consumer parks in :meth:`wait` until the protocol side calls :meth:`wake`.
-
-    Headers, a body chunk, the end and an error all wake it; the consumer then looks at the state
-    itself. ``lean.Conn`` and ``mux_stream.MuxStream`` set ``loop``, ``waiter``, ``headers_done`` and
-    ``error``; what each does after taking bytes (resume the socket, re-open the stream window) stays
-    theirs, in their ``take``: a shared helper for its first four lines would cost a call per body chunk
-    (cProfile, one small GET through ``BackendClient.send`` and its body: 278 -> 279 calls on HTTP/1.1,
-    and the same +1 on HTTP/2; this mixin: 278 either way). Its slots hold ``loop`` and ``waiter``
-    (``MuxStream`` has slots, so the mixin must too).
-    """
+    """Mixin: a response's one consumer parks in :meth:`wait` until the protocol side calls :meth:`wake`. Each class's
+    ``take`` stays its own: a shared helper would cost a call per body chunk. Has slots because ``MuxStream`` does."""
 
     __slots__ = ("loop", "waiter")
     loop: asyncio.AbstractEventLoop
@@ -88,21 +65,13 @@ class OneWaiter:
             waiter.set_result(None)
 
     def wait(self) -> asyncio.Future[None]:
-        """What to await until something changes: headers, a body chunk, the end, or an error.
-
-        The future itself, not a coroutine: awaiting it costs no coroutine per wait, on every request's head
-        and every body chunk that is not in yet. A consumer cancelled while it waits leaves its future
-        cancelled behind; :meth:`wake` passes over a done one, and the next wait replaces it.
-        """
+        """What to await until something changes. The future itself, no coroutine per wait; a cancelled
+        consumer's done future is passed over by :meth:`wake` and replaced by the next wait."""
         waiter = self.waiter = self.loop.create_future()
         return waiter
 
     async def wait_head(self) -> None:
-        """Until the response head is in; raises the error that ended the exchange first.
-
-        The protocol side sets ``error`` whenever the exchange ends without a head (the connection
-        lost, closed before it began, the stream reset or refused).
-        """
+        """Until the response head is in; raises the error that ended the exchange first."""
         while not self.headers_done:
             if self.error is not None:
                 raise self.error

@@ -1,12 +1,7 @@
 """Protocol upgrades (WebSocket, SPDY/3.1: exec, attach, port-forward) to one apiserver, past every pool.
 
-An upgraded connection belongs to its client until one side closes it, so it
-never comes from or goes back to a pool: a raw TLS connection, our own request
-head (built and checked as on the pooled path), the backend's response head,
-then the h1 adapter splices bytes (:class:`messages.Upgraded`). A backend that
-refuses (403, 400) answers an ordinary response on a connection that is then
-closed (:class:`_RefusedUpgradeBody`).
-"""
+An upgraded connection belongs to its client until one side closes it, so it never comes from or goes back to a pool. A
+refused upgrade is an ordinary response on a connection then closed."""
 
 from __future__ import annotations
 
@@ -41,12 +36,8 @@ async def open_upgrade(
 ) -> ProxyResponse:
     """Open a raw TLS connection, send the upgrade request, hand the 101 connection to the adapter.
 
-    The head is built and checked as on the pooled path (``exchange.encode_request_head``), and a
-    request body is framed as there (:class:`exchange.BodyFramer`): chunked when the client sent it
-    chunked. Before, the decoded body went out raw with ``Transfer-Encoding`` dropped, so a backend
-    that refused the upgrade read it as a second request. The body is written with backpressure:
-    a backend that does not read it stops the client's upload instead of growing our buffer.
-    """
+    The head and body are framed as on the pooled path: an unframed body was read by a refusing backend as a second
+    request. The body is written with backpressure."""
     ssl_ctx = client.ssl_for(identity)
     head, declared = exchange.encode_request_head(
         request.method, request.target, client.authority, strip_hop_by_hop(headers, keep_upgrade=True),
@@ -110,13 +101,8 @@ def parse_head(data: bytes) -> tuple[int, Headers]:
 
 
 class _RefusedUpgradeBody:
-    """Body of a refused upgrade; its connection is closed once, whether the body was read or not.
-
-    An async generator's ``finally`` does not run when ``aclose`` comes before the first
-    ``__anext__`` (a HEAD, a 204/304, a client gone before the body): ``on_close`` (the balancer
-    lease) was never called, and the socket was closed only by StreamWriter's finalizer, with a
-    ResourceWarning. ``aclose`` here does both in every case.
-    """
+    """Body of a refused upgrade; its connection is closed once, whether the body was read or not. An async generator's
+    ``finally`` does not run if ``aclose`` precedes the first ``__anext__``, leaking the lease and the socket."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, headers: Headers,
                  on_close: Callable[[], Awaitable[None]]) -> None:

@@ -1,10 +1,7 @@
-"""Bounded caches keyed by a token digest, each entry expiring at its own time (pure, time passed in).
+"""Bounded caches keyed by a token's SHA-256 digest, each entry expiring at its own time (pure, time passed in).
 
-Keys are SHA-256 digests, so no token is kept as a key. Eviction is
-insertion order (the oldest entry goes when full): cheap, bounded, and a flood
-of new keys can only push out entries of the same cache, which is why
-verified and failed tokens live in separate caches.
-"""
+Insertion-order eviction: a flood of new keys only pushes out entries of the same cache, which is why verified and
+failed tokens live in separate caches."""
 
 from __future__ import annotations
 

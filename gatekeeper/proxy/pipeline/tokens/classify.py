@@ -1,21 +1,7 @@
 """From an ``Authorization`` header to the identity flow control uses (pure, time passed in).
 
-TokenDecision order for a bearer token:
-
-1. its digest is in the verified cache: that identity (the warm path: a hash
-   and two dict lookups);
-2. it is in the failed cache: the shared *unverified* identity;
-3. it verifies as a ServiceAccount token: cache it until it expires;
-4. it is a ServiceAccount-issuer token signed by an unknown key id: the edge
-   refreshes the JWKS (rate-limited) and asks again;
-5. it is some other token and TokenReview is on: the edge reviews it;
-6. otherwise it is unverified.
-
-An unverified caller is ``system:anonymous`` in ``system:unauthenticated`` for
-matching, and its ByUser flow is its source address, not its token: every
-made-up token from one address lands in the same flow, so inventing tokens
-buys no extra queues. It is never exempt (see ``controller.admit``).
-"""
+The decision order is in docs/flowcontrol/tokens.md. An unverified caller's flow is its source address, so inventing
+tokens buys no extra queues; it is never exempt."""
 
 from __future__ import annotations
 
@@ -44,13 +30,8 @@ _GO_SPACE = " \t\n\v\f\r"
 def bearer_token(authorization: str) -> str | None:
     """The token the apiserver's bearer authenticator reads from ``authorization``, or None.
 
-    Upstream (``request/bearertoken``): trim ASCII space, split on single spaces into at most
-    three parts, the scheme must be ``bearer`` in any case and the token is the *second* part:
-    ``Bearer  <token>`` (two spaces) carries an empty token, so the apiserver treats the request
-    as having none (anonymous, or 401); ``Bearer <token> extra`` authenticates ``<token>``.
-    Reading ``Bearer  <token>`` as the token here classified an anonymous request as the
-    token's ServiceAccount.
-    """
+    As ``request/bearertoken``: the token is the second of at most three space-split parts, so ``Bearer <token>`` (two
+    spaces) carries none; reading it as the token classified an anonymous request as the token's ServiceAccount."""
     parts = authorization.strip(_GO_SPACE).split(" ", 2)
     if len(parts) < 2 or parts[0].lower() != "bearer":
         return None
@@ -104,11 +85,7 @@ class TokenClassifier:
         self.review = review
 
     def cached(self, authorization: str, now: float, memo: dict[str, Any] | None = None) -> Identity | None:
-        """The warm path: the identity if this token's verdict is cached, else None.
-
-        ``memo`` is the client connection's (``ProxyRequest.connection_memo``): a client repeating
-        its token is not hashed again (the memo dies with the connection, as ``auth.identify``'s does).
-        """
+        """The warm path: the identity if this token's verdict is cached, else None (``memo``: the connection's)."""
         token = bearer_token(authorization)
         if token is None:
             return UNVERIFIED

@@ -1,23 +1,7 @@
-"""The asyncio edge of token identity: issuer keys and TokenReviews through the proxy's own upstream.
+"""The asyncio edge of token identity: issuer keys and TokenReviews through the proxy's own upstream clients.
 
-The proxy calls the apiservers it fronts with the same pooled clients the
-pipeline uses (``BackendClient``), trying each backend in turn. When it has a
-front-proxy client certificate it asserts its own identity (``proxyUser``,
-``proxyGroups``) with ``X-Remote-User``/``X-Remote-Group``; that user needs the
-built-in ``system:service-account-issuer-discovery`` role for the keys and
-``system:auth-delegator`` (``create tokenreviews``) for TokenReview
-(``deploy/examples/proxy-identity-rbac.yaml``). Without the certificate the
-calls go anonymously.
-
-Keys are fetched at start, every ``jwksRefreshSeconds``, and when a token
-names a key id the current set lacks (at most once per
-``jwksMinRefreshSeconds``, so a flood of made-up key ids costs one fetch per
-period, not one per token). A failed fetch keeps the previous keys.
-
-Again: whatever is decided here only steers classification and queuing. The
-request's ``Authorization`` header is forwarded unchanged and the apiserver
-authenticates it as if the proxy were not there.
-"""
+Key fetches for an unknown key id are rate-limited (``jwksMinRefreshSeconds``), so made-up kids cost one fetch per
+period; a failed fetch keeps the previous keys. RBAC and schedule: docs/flowcontrol/tokens.md."""
 
 from __future__ import annotations
 
@@ -108,22 +92,17 @@ class TokenIdentities:
 
     # -- resolution ---------------------------------------------------------------------------
     def cached(self, authorization: str, memo: dict[str, Any] | None = None) -> Identity | None:
-        """The warm path, synchronous: a cached verdict or None (then await :meth:`resolve`).
-        ``memo``: the client connection's, see :meth:`TokenClassifier.cached`."""
+        """The warm path, synchronous: a cached verdict or None (then await :meth:`resolve`)."""
         hit = self.classifier.cached(authorization, self.clock(), memo)
         if hit is not None:
             self._counts["cached" if hit.verified else "failed-cached"].inc()
         return hit
 
     def refused_upstream(self, authorization: str) -> None:
-        """The apiserver answered 401 to a token this proxy verified: remember it as failed.
+        """The apiserver answered 401 to a token we verified: remember it as failed.
 
-        Local verification cannot see that a token was revoked or that the Pod, Secret or Node
-        it is bound to was deleted (upstream checks that with informers). Without this, such a
-        token kept its ServiceAccount's FlowSchema, priority level and flow until it expired
-        (bound tokens of a Pod can be valid for a year with extended expiration), while the
-        apiserver refused every request it made.
-        """
+        Local verification cannot see revocation or a deleted bound object; such a token otherwise kept its
+        ServiceAccount's flow until it expired (up to a year) while every request was refused."""
         token = bearer_token(authorization)
         if token is None:
             return

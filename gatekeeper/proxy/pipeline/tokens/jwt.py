@@ -1,25 +1,7 @@
-"""ServiceAccount token verification as kube-apiserver does it, without I/O (keys are handed in).
+"""ServiceAccount token verification as kube-apiserver does it (``pkg/serviceaccount``), without I/O.
 
-What is checked (``pkg/serviceaccount/jwt.go`` and ``claims.go`` upstream):
-
-* compact JWS ``header.payload.signature``; ``alg`` one of RS256/384/512, PS256/384/512,
-  ES256/384/512 (never ``none``, never HMAC); the key picked by ``kid``, or every key
-  of a matching type when the token names none;
-* ``iss`` equals the issuer from the apiservers' ``/.well-known/openid-configuration``
-  (legacy secret-based tokens, issuer ``kubernetes/serviceaccount``, need a Secret
-  lookup upstream and are left to TokenReview here);
-* ``aud`` intersects the accepted audiences (the apiserver's ``--api-audiences``,
-  which default to its issuer);
-* ``exp`` and ``nbf`` with upstream's 60 s leeway (go-jose ``DefaultLeeway``);
-* ``kubernetes.io`` private claims: namespace and serviceaccount name present, and
-  ``sub`` equal to ``system:serviceaccount:<namespace>:<name>``.
-
-Not checked: that the ServiceAccount, Pod, Secret or Node the token is bound to
-still exists with that UID. Upstream does that with informer lookups; the proxy
-does not need to, because the identity is only used to classify and queue the
-request, and the apiserver still authenticates the untouched token (a revoked
-token gets its 401 there, after costing one seat of its ServiceAccount's flow).
-"""
+The checks are listed in docs/flowcontrol/tokens.md. Never ``none`` or HMAC. Not checked: that the bound object still
+exists; the identity only classifies, and the apiserver still authenticates the untouched token."""
 
 from __future__ import annotations
 
@@ -110,11 +92,8 @@ PublicKey = rsa.RSAPublicKey | ec.EllipticCurvePublicKey
 
 
 def parse_jwks(doc: Any) -> dict[str, PublicKey]:
-    """Public signing keys of a JWKS document by kid (keys without a kid get a synthetic one).
-
-    Keys this verifier cannot use (``use: enc``, unknown ``kty`` or curve, bad numbers)
-    are skipped rather than failing the whole set, as go-jose does.
-    """
+    """Public signing keys of a JWKS document by kid (keys without one get a synthetic kid); unusable keys are
+    skipped rather than failing the set, as go-jose does."""
     keys: dict[str, PublicKey] = {}
     items = doc.get("keys") if isinstance(doc, dict) else None
     if not isinstance(items, list):

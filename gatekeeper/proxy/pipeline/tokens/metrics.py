@@ -1,18 +1,4 @@
-"""Prometheus counters of token identity (what it costs and what it rejects).
-
-``gatekeeper_identity_tokens_total{outcome}``
-    Token classifications: cached, verified, reviewed, reviewed-cached, failed-cached, and every
-    reason a token ended up unverified (malformed, signature, expired, audience, issuer,
-    unknown-kid, not-bearer, budget, review-error, no-keys...), review-joined (waited for the same
-    token's review in flight), and refused-upstream (a token verified here that the apiserver answered
-    401: revoked or its bound object deleted; remembered as failed).
-``gatekeeper_identity_jwks_refresh_total{result}``
-    Discovery + JWKS fetches: ok, error, skipped (an unknown kid within jwksMinRefreshSeconds).
-``gatekeeper_identity_token_reviews_total{result}``
-    TokenReviews sent: authenticated, unauthenticated, error.
-``gatekeeper_identity_verify_seconds``
-    Cold-path cost of one local verification (parse + signature + claims).
-"""
+"""Prometheus counters of token identity; the names and labels are in docs/flowcontrol/tokens.md."""
 
 from __future__ import annotations
 

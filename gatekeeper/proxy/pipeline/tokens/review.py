@@ -1,18 +1,7 @@
 """TokenReview shapes and the per-second review budget (pure).
 
-A token the proxy cannot verify itself (an OIDC or webhook token, a legacy
-secret-based ServiceAccount token) may be sent to the apiservers as a
-``TokenReview`` (``authentication.k8s.io/v1``), the same call an aggregated
-apiserver makes with ``--authentication-kubeconfig``. The proxy needs
-``create tokenreviews`` for its own identity (``system:auth-delegator``).
-
-What it costs: one apiserver round trip (one authenticator run, so for a
-webhook authenticator one more webhook call) per distinct token per cache
-lifetime, at most ``reviewsPerSecond`` a second; the first request of such a
-token waits for it (bounded by ``reviewTimeoutSeconds``). Beyond the budget a
-token is classified like a token that failed, until a later request gets a
-review.
-"""
+Tokens the proxy cannot verify (OIDC, webhook, legacy secret-based) may be reviewed, one apiserver round trip per
+distinct token per cache lifetime, at most ``reviewsPerSecond``; beyond it a token counts as failed."""
 
 from __future__ import annotations
 
@@ -50,10 +39,7 @@ def review_request(token: str, audiences: Sequence[str] = ()) -> bytes:
 
 
 def parse_review(doc: Any) -> Identity | None:
-    """The reviewed identity, or None when the apiserver says the token is not authenticated.
-
-    Raises ValueError for a response that is not a TokenReview status.
-    """
+    """The reviewed identity, or None if not authenticated; ValueError for a response that is not a TokenReview."""
     status = doc.get("status") if isinstance(doc, dict) else None
     if not isinstance(status, dict):
         raise ValueError("TokenReview response has no status")
