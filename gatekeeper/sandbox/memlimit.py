@@ -14,7 +14,9 @@ those killed in turn. Without a memory limit nothing is ever killed, and a scena
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,9 +115,20 @@ def remove_all(sandbox_id: str, root: Path = ROOT) -> None:
         if parent.is_dir():
             for child in parent.iterdir():
                 if child.is_dir():
-                    with contextlib.suppress(OSError):
-                        child.rmdir()
-            with contextlib.suppress(OSError):
-                parent.rmdir()
+                    _rmdir(child)
+            _rmdir(parent)
         with contextlib.suppress(OSError):  # the last sandbox's: fails while another sandbox has its own there
             (base / GROUP).rmdir()
+
+
+def _rmdir(path: Path, seconds: float = 3.0) -> None:
+    """Remove a cgroup; a killed process still exiting keeps it busy (EBUSY) for a moment, so try again."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            path.rmdir()
+            return
+        except OSError as exc:
+            if exc.errno != errno.EBUSY or time.monotonic() > deadline:
+                return
+            time.sleep(0.1)

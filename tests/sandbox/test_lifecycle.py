@@ -12,64 +12,57 @@ import pytest
 
 from gatekeeper.sandbox import processes
 from gatekeeper.sandbox.state import SandboxState
-from gatekeeper.sandbox.testing import gatekeeper_cli, processes_mentioning, run_down, sandbox_up
+from gatekeeper.sandbox.testing import gatekeeper_cli, processes_mentioning, sandbox_up
 
 pytestmark = pytest.mark.sandbox
 
 
-@pytest.fixture
-def small_dir(tmp_path: Path):  # type: ignore[no-untyped-def]
-    directory = tmp_path / "small"
-    yield directory
-    run_down(directory)
-
-
-def test_status_then_down_leaves_no_process_and_down_is_repeatable(small_dir: Path) -> None:
-    state = sandbox_up(small_dir, "--apiservers", "1", "--gpu-nodes", "0", "--gogc", "50", "--timeout", "120")
+def test_status_then_down_leaves_no_process_and_down_is_repeatable(own_sandbox_dir: Path) -> None:
+    state = sandbox_up(own_sandbox_dir, "--apiservers", "1", "--gpu-nodes", "0", "--gogc", "50", "--timeout", "120")
     assert [p.name for p in state.processes] == ["etcd", "kube-apiserver-1"]
     assert state.extra["startup_seconds"] > 0
     for p in state.processes:
         assert b"GOGC=50" in Path(f"/proc/{p.pid}/environ").read_bytes().split(b"\0"), p.name
-    st = gatekeeper_cli("sandbox", "status", "--state-dir", str(small_dir))
+    st = gatekeeper_cli("sandbox", "status", "--state-dir", str(own_sandbox_dir))
     assert st.returncode == 0, st.stdout + st.stderr
     assert "kube-apiserver-1" in st.stdout and "FAIL" not in st.stdout
-    assert sorted(processes_mentioning(small_dir)) == sorted(p.pid for p in state.processes)
+    assert sorted(processes_mentioning(own_sandbox_dir)) == sorted(p.pid for p in state.processes)
 
-    down = gatekeeper_cli("sandbox", "down", "--state-dir", str(small_dir))
+    down = gatekeeper_cli("sandbox", "down", "--state-dir", str(own_sandbox_dir))
     assert down.returncode == 0, down.stdout + down.stderr
-    assert processes_mentioning(small_dir) == []
+    assert processes_mentioning(own_sandbox_dir) == []
     assert all(not processes.is_alive(p.pid) for p in state.processes)
 
-    again = gatekeeper_cli("sandbox", "down", "--state-dir", str(small_dir))
+    again = gatekeeper_cli("sandbox", "down", "--state-dir", str(own_sandbox_dir))
     assert again.returncode == 0
     assert again.stdout.count("not running") == 2
-    st = gatekeeper_cli("sandbox", "status", "--state-dir", str(small_dir))
+    st = gatekeeper_cli("sandbox", "status", "--state-dir", str(own_sandbox_dir))
     assert st.returncode != 0, "status must report a stopped sandbox as unhealthy"
 
 
-def test_up_refuses_a_directory_whose_sandbox_is_still_running(small_dir: Path) -> None:
-    sandbox_up(small_dir, "--apiservers", "1", "--timeout", "120")
-    second = gatekeeper_cli("sandbox", "up", "--state-dir", str(small_dir), "--apiservers", "1")
+def test_up_refuses_a_directory_whose_sandbox_is_still_running(own_sandbox_dir: Path) -> None:
+    sandbox_up(own_sandbox_dir, "--apiservers", "1", "--timeout", "120")
+    second = gatekeeper_cli("sandbox", "up", "--state-dir", str(own_sandbox_dir), "--apiservers", "1")
     assert second.returncode != 0
     assert "already running" in second.stderr
-    assert SandboxState.load(small_dir).processes[0].name == "etcd"
+    assert SandboxState.load(own_sandbox_dir).processes[0].name == "etcd"
 
 
-def test_failed_up_names_the_component_shows_its_log_and_stops_everything(small_dir: Path) -> None:
+def test_failed_up_names_the_component_shows_its_log_and_stops_everything(own_sandbox_dir: Path) -> None:
     # A zero timeout: etcd cannot answer /health within microseconds of being spawned.
-    p = gatekeeper_cli("sandbox", "up", "--state-dir", str(small_dir), "--apiservers", "1", "--timeout", "0")
+    p = gatekeeper_cli("sandbox", "up", "--state-dir", str(own_sandbox_dir), "--apiservers", "1", "--timeout", "0")
     assert p.returncode != 0
     assert "etcd: not healthy" in p.stderr
     assert "--- last lines of" in p.stderr and "etcd.log" in p.stderr
     assert "etcd stopped" in p.stderr or "etcd killed" in p.stderr, p.stderr
-    assert processes_mentioning(small_dir) == []
+    assert processes_mentioning(own_sandbox_dir) == []
 
 
-def test_sigterm_during_up_stops_what_was_already_started(small_dir: Path) -> None:
-    argv = [sys.executable, "-m", "gatekeeper", "sandbox", "up", "--state-dir", str(small_dir),
+def test_sigterm_during_up_stops_what_was_already_started(own_sandbox_dir: Path) -> None:
+    argv = [sys.executable, "-m", "gatekeeper", "sandbox", "up", "--state-dir", str(own_sandbox_dir),
             "--apiservers", "1", "--timeout", "120"]
     up = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    state_file = small_dir / "sandbox.json"
+    state_file = own_sandbox_dir / "sandbox.json"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not (state_file.exists() and '"etcd"' in state_file.read_text()):
         time.sleep(0.02)
@@ -77,10 +70,10 @@ def test_sigterm_during_up_stops_what_was_already_started(small_dir: Path) -> No
     _out, err = up.communicate(timeout=60)
     assert up.returncode != 0, "up finished before SIGTERM arrived; the test did not exercise the interrupt"
     assert "stopped:" in err, err
-    started = SandboxState.load(small_dir).processes
+    started = SandboxState.load(own_sandbox_dir).processes
     assert started, "at least etcd had started"
     assert all(not processes.is_alive(p.pid) for p in started)
-    assert processes_mentioning(small_dir) == []
+    assert processes_mentioning(own_sandbox_dir) == []
 
 
 @pytest.mark.parametrize("content", ["{not json", '{"dir": "/x", "processes": [{"pid": 1}]}', "[]"])

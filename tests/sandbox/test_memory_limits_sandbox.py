@@ -22,7 +22,7 @@ from gatekeeper.sandbox import memlimit, processes
 from gatekeeper.sandbox.pki import SandboxPKI
 from gatekeeper.sandbox.state import SandboxState
 from gatekeeper.sandbox.supervisor import EVENTS
-from gatekeeper.sandbox.testing import admin_client, gatekeeper_cli, run_down, sandbox_up
+from gatekeeper.sandbox.testing import admin_client, gatekeeper_cli, sandbox_up
 
 
 def _writable_cgroups() -> bool:
@@ -37,13 +37,6 @@ pytestmark = [pytest.mark.sandbox,
               pytest.mark.skipif(not _writable_cgroups(), reason="no writable memory cgroup controller here")]
 
 SECRETS, SIZE = 100, 200 * 1024
-
-
-@pytest.fixture
-def limited_dir(tmp_path: Path):  # type: ignore[no-untyped-def]
-    directory = tmp_path / "limited"
-    yield directory
-    run_down(directory)
 
 
 async def _fill(state: SandboxState) -> None:
@@ -82,14 +75,14 @@ async def _storm(state: SandboxState, events: Path, limit_s: float) -> None:
             await asyncio.gather(*(one() for _ in range(16)))
 
 
-def test_an_oom_killed_apiserver_is_counted_and_restarted_after_the_back_off(limited_dir: Path) -> None:
-    state = sandbox_up(limited_dir, "--apiservers", "2", "--gpu-nodes", "0", "--apiserver-memory-limit", "700Mi",
+def test_an_oom_killed_apiserver_is_counted_and_restarted_after_the_back_off(own_sandbox_dir: Path) -> None:
+    state = sandbox_up(own_sandbox_dir, "--apiservers", "2", "--gpu-nodes", "0", "--apiserver-memory-limit", "700Mi",
                        "--apiserver-arg=--watch-cache-sizes=secrets#0", "--timeout", "180")
     first = next(p for p in state.processes if p.name == "kube-apiserver-1")
     assert first.cgroup and (Path(first.cgroup) / "cgroup.procs").read_text().split() == [str(first.pid)]
     assert any(p.name == "apiserver-supervisor" for p in state.processes)
     asyncio.run(_fill(state))
-    events = limited_dir / EVENTS
+    events = own_sandbox_dir / EVENTS
     asyncio.run(_storm(state, events, 120))
     lines = [json.loads(x) for x in events.read_text().splitlines()]
     kills = [e for e in lines if e["event"] == "oom_kill"]
@@ -101,7 +94,7 @@ def test_an_oom_killed_apiserver_is_counted_and_restarted_after_the_back_off(lim
         lines = [json.loads(x) for x in events.read_text().splitlines()]
     restart = next(e for e in lines if e["event"] == "restart")
     assert restart["time"] - kills[0]["time"] >= 9.5, "kubelet's first back-off is 10 s"
-    after = SandboxState.load(limited_dir)
+    after = SandboxState.load(own_sandbox_dir)
     again = next(p for p in after.processes if p.name == "kube-apiserver-1")
     assert again.pid == restart["pid"] != first.pid and again.cgroup == first.cgroup
     assert after.extra["apiserver_oom_kills"]["kube-apiserver-1"] >= 1
@@ -113,6 +106,6 @@ def test_an_oom_killed_apiserver_is_counted_and_restarted_after_the_back_off(lim
         assert time.monotonic() < deadline, "the restarted apiserver never became ready"
         time.sleep(1)
 
-    down = gatekeeper_cli("sandbox", "down", "--state-dir", str(limited_dir))
+    down = gatekeeper_cli("sandbox", "down", "--state-dir", str(own_sandbox_dir))
     assert down.returncode == 0, down.stdout + down.stderr
     assert not Path(first.cgroup).exists(), "sandbox down must remove the cgroups it made"

@@ -21,7 +21,6 @@ from gatekeeper.sandbox.testing import (
     kubectl_binary,
     metric_sum,
     processes_mentioning,
-    run_down,
     sandbox_up,
 )
 
@@ -30,39 +29,32 @@ pytestmark = [pytest.mark.sandbox,
                                  reason="haproxy is not installed (apt-get install -y haproxy)")]
 
 
-@pytest.fixture
-def fleet_dir(tmp_path: Path):  # type: ignore[no-untyped-def]
-    directory = tmp_path / "fleet"
-    yield directory
-    run_down(directory)
-
-
 def members(metrics_url: str) -> float:
     with urllib.request.urlopen(metrics_url, timeout=10) as r:
         return metric_sum(r.read().decode(), "gatekeeper_fleet_members")
 
 
-def test_proxies_behind_a_tcp_front_share_one_budget_and_go_down_together(fleet_dir: Path) -> None:
-    state = sandbox_up(fleet_dir, "--apiservers", "2", "--gpu-nodes", "0", "--with-proxy", "--proxies", "2",
+def test_proxies_behind_a_tcp_front_share_one_budget_and_go_down_together(own_sandbox_dir: Path) -> None:
+    state = sandbox_up(own_sandbox_dir, "--apiservers", "2", "--gpu-nodes", "0", "--with-proxy", "--proxies", "2",
                        "--client-lb", "haproxy-tcp", "--timeout", "180")
     proxies = state.extra["proxies"]
     assert [p["name"] for p in proxies] == ["proxy-1", "proxy-2"]
     front = state.extra["proxy"]
     assert front["name"] == "client-lb" and front["targets"] == [p["url"] for p in proxies]
-    got = subprocess.run([kubectl_binary(state), "--kubeconfig", str(fleet_dir / "proxy.kubeconfig"), "get", "--raw",
-                          "/api/v1/namespaces/default"], capture_output=True, text=True, timeout=60)
+    got = subprocess.run([kubectl_binary(state), "--kubeconfig", str(own_sandbox_dir / "proxy.kubeconfig"), "get",
+                          "--raw", "/api/v1/namespaces/default"], capture_output=True, text=True, timeout=60)
     assert got.returncode == 0 and '"name":"default"' in got.stdout, got.stderr  # through the front, a proxy
     deadline = time.monotonic() + 30
     while not all(members(p["metricsUrl"]) == 2 for p in proxies):
         assert time.monotonic() < deadline, "the two proxies never counted each other"
         time.sleep(0.5)
 
-    down = gatekeeper_cli("sandbox", "down", "--state-dir", str(fleet_dir))
+    down = gatekeeper_cli("sandbox", "down", "--state-dir", str(own_sandbox_dir))
     assert down.returncode == 0, down.stdout + down.stderr
-    assert processes_mentioning(fleet_dir) == []
+    assert processes_mentioning(own_sandbox_dir) == []
     assert not any(processes.is_alive(p["pid"]) for p in [*proxies, front])
 
 
-def test_a_front_without_proxies_is_refused(fleet_dir: Path) -> None:
-    up = gatekeeper_cli("sandbox", "up", "--state-dir", str(fleet_dir), "--client-lb", "haproxy-tcp")
+def test_a_front_without_proxies_is_refused(own_sandbox_dir: Path) -> None:
+    up = gatekeeper_cli("sandbox", "up", "--state-dir", str(own_sandbox_dir), "--client-lb", "haproxy-tcp")
     assert up.returncode != 0 and "--with-proxy" in up.stderr

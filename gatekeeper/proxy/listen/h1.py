@@ -395,14 +395,13 @@ class H1Connection:
 
     async def _send(self, request: ProxyRequest, response: ProxyResponse, *, close: bool = False) -> bool:
         headers = [(encode_header(k), encode_header(v)) for k, v in response.headers if k not in HOP_BY_HOP]
-        if close:  # the caller closes the connection after this response (a 504 at the deadline)
-            pass
-        elif self._closing or self._draining:
-            close = True
-            conn_metrics.GOAWAY_SENT.labels(reason="shutdown").inc()
-        elif self._decider.decide():
-            close = True
-            conn_metrics.GOAWAY_SENT.labels(reason="chance").inc()
+        if not close:  # else the caller closes the connection after this response (a 504 at the deadline)
+            if self._closing or self._draining:
+                close = True
+                conn_metrics.GOAWAY_SENT.labels(reason="shutdown").inc()
+            elif self._decider.decide():
+                close = True
+                conn_metrics.GOAWAY_SENT.labels(reason="chance").inc()
         if close:
             headers.append((b"connection", b"close"))
         self._write(h11.Response(status_code=response.status, headers=headers))
