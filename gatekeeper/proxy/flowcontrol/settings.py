@@ -1,13 +1,5 @@
-"""Typed ``proxy.flowControl`` section (owned by gatekeeper.proxy.flowcontrol).
-
-Policy objects come inline (``flowSchemas``, ``priorityLevelConfigurations``:
-lists of v1 objects exactly as ``kubectl get -o yaml`` prints them) and/or
-from ``files`` (multi-document YAML, ``kind: List`` allowed). Relative file
-paths are resolved against the working directory of the proxy. The objects
-are checked when the config loads (``gatekeeper.proxy.settings.load_section``
-reads the files; this dataclass's ``validate()`` does no I/O), so a bad object
-stops ``gatekeeper proxy`` with
-``FILE: proxy.flowControl: FlowSchema/NAME: spec.field: problem``.
+"""Typed ``proxy.flowControl`` section. ``validate()`` does no I/O (``gatekeeper.proxy.settings.load_section``
+reads ``files``), and a bad object stops the proxy at load as ``FILE: proxy.flowControl: FlowSchema/NAME: ...``.
 """
 
 from __future__ import annotations
@@ -34,9 +26,8 @@ class FleetSettings:
     namespace: str = "gatekeeper-system"
     """Where the Leases live. Only the proxies may write there (the chart's Role); no tenant may."""
     identity: str = ""
-    """This proxy's name in the fleet (and of its Lease, ``gatekeeper-proxy-<identity>``). Empty: the
-    ``NODE_NAME`` or ``POD_NAME`` environment variable (the chart sets them from the downward API), else the
-    host name."""
+    """This proxy's name in the fleet and of its Lease. Empty: ``NODE_NAME`` or ``POD_NAME`` (set by the chart),
+    else the host name."""
     lease_duration_seconds: float = 15.0
     """A proxy whose Lease has not been renewed this long is gone; the others take its share one TTL later."""
     renew_interval_seconds: float = 5.0
@@ -104,9 +95,8 @@ class FlowControlSettings:
     watch_init_seconds: float = 2.0
     """A watch holds its seat until its first body bytes, or at most this long after its response head."""
     read_ahead_bytes_per_connection: int = 32 << 20
-    """A LIST's response is read from the apiserver ahead of its client, so its seats go back when the apiserver
-    has sent the last byte (``edge/readahead.py``): at most this many unsent bytes per client connection (one
-    chunk always). 0: no read ahead; a request holds its seats until its client has taken the response."""
+    """Unsent LIST bytes read ahead per client connection, so seats go back when the apiserver has sent the last
+    byte, not when a slow client took it (one chunk always). 0: no read ahead."""
     read_ahead_bytes: int = 256 << 20
     """All client connections' read-ahead bytes together, per worker process."""
     coalesce: bool = True
@@ -124,9 +114,8 @@ class FlowControlSettings:
     reload_interval_seconds: float = 2.0
     """How often the files are checked for changes (0 = only on SIGHUP)."""
     reload_timeout_seconds: float = 30.0
-    """A reload whose files are not read and validated within this long (a hung network mount; a 1 MiB file
-    takes seconds with the pure-Python parser on a loaded node) is given up: counted as failed, the running
-    policy stays, its late result is dropped, and the next reload runs on a fresh thread."""
+    """A reload not read and validated within this long (a hung mount, a slow parse) is given up: counted as
+    failed, the running policy stays, its late result is dropped."""
     max_stuck_reloads: int = 2
     """Given-up reloads whose threads may still run (each holds a thread and up to 1 MiB per file). With this
     many, a new reload is not started (counted, reason ``stuck``) until one ends; it then starts by itself."""
@@ -134,17 +123,15 @@ class FlowControlSettings:
     """How often levels' current limits are re-divided by seat demand (lendablePercent/borrowingLimitPercent;
     upstream's period is 10 s)."""
     tokens: TokenSettings = field(default_factory=TokenSettings)
-    """Who bearer-token callers are, for classification and fair queuing only (tokens still go upstream
-    untouched and the apiserver authenticates them): ServiceAccount tokens verified locally, optional
-    TokenReview, and one shared flow per source address for tokens that cannot be verified."""
+    """Who bearer-token callers are, for classification and fair queuing only: tokens still go upstream
+    untouched and the apiserver authenticates them."""
     fleet: FleetSettings = field(default_factory=FleetSettings)
     """Several proxies in front of the same apiservers hold one budget through Leases (off by default)."""
     expensive_lists: ExpensiveListSettings = field(default_factory=ExpensiveListSettings)
     """Per-apiserver cap on expensive LISTs in flight (off by default)."""
     impersonators: ImpersonatorSettings = field(default_factory=ImpersonatorSettings)
-    """Callers (an authenticating proxy such as Pinniped or Teleport) whose ``Impersonate-User`` requests are
-    classified as the identity they impersonate, as the apiserver's APF does once it authorized them; everyone
-    else is classified as themselves (``gatekeeper.proxy.pipeline.impersonation`` says why). Empty by default."""
+    """Callers (Pinniped, Teleport) whose ``Impersonate-User`` requests are classified as the impersonated
+    identity, as upstream APF does once authorized; empty by default since any tenant could pick its FlowSchema."""
 
     def validate(self) -> None:
         for name in (
