@@ -16,8 +16,7 @@ DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,200}[a-z0-9])?$")
 
 @dataclass(frozen=True)
 class FleetSettings:
-    """Proxies in front of the same apiservers share every level's seats (``core/fleet.py``): each renews a
-    ``coordination.k8s.io/v1`` Lease and takes its share of the live fleet."""
+    """Proxies in front of the same apiservers share every level's seats through Leases (``core/fleet.py``)."""
 
     enabled: bool = False
     """Off: each proxy holds the whole budget (one proxy, or a budget meant per proxy)."""
@@ -53,8 +52,7 @@ class FleetSettings:
 
 @dataclass(frozen=True)
 class ExpensiveListSettings:
-    """A cap on expensive LISTs in flight per apiserver (``core/backendcap.py``): what protects an apiserver's
-    memory is what lands on it, not what the proxy sends in total."""
+    """Expensive LISTs per apiserver: what lands on one apiserver, not the proxy's total, decides its memory."""
 
     max_in_flight_per_backend: int = 0
     """At most this many expensive LISTs run on one apiserver at once; with the fleet on, across the fleet
@@ -85,8 +83,7 @@ class FlowControlSettings:
     bytes_per_seat: int = 8 << 20
     """A LIST costs one seat per this many bytes of its observed response size (min 1)."""
     max_seats: int = 10
-    """Most seats one request can cost (upstream's maximum is 10); also capped per level as upstream does
-    (``max(1, min(ceil(0.15 * levelLimit), levelLimit // handSize))``)."""
+    """Most seats one request can cost (upstream's maximum); also capped per level as upstream does."""
     list_bytes_cap: int = 1 << 30
     """Cap on estimated response bytes of all LISTs executing in limited levels (one may always run)."""
     storage_only_resources: list[str] = field(default_factory=list)
@@ -120,8 +117,7 @@ class FlowControlSettings:
     """Given-up reloads whose threads may still run (each holds a thread and up to 1 MiB per file). With this
     many, a new reload is not started (counted, reason ``stuck``) until one ends; it then starts by itself."""
     borrowing_adjustment_seconds: float = 10.0
-    """How often levels' current limits are re-divided by seat demand (lendablePercent/borrowingLimitPercent;
-    upstream's period is 10 s)."""
+    """How often levels' current limits are re-divided by seat demand (borrowing; upstream's period is 10 s)."""
     tokens: TokenSettings = field(default_factory=TokenSettings)
     """Who bearer-token callers are, for classification and fair queuing only: tokens still go upstream
     untouched and the apiserver authenticates them."""

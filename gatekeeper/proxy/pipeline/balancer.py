@@ -217,8 +217,7 @@ class Balancer:
         return a if a.load <= b.load else b
 
     def acquire(self, backend: Backend, *, long_running: bool = False, caller: str = "") -> Lease:
-        """Count a request (or an open watch) against ``backend`` until the lease is released; a long-running
-        one is counted against ``caller`` too."""
+        """Count a request against ``backend`` (a long-running one against ``caller`` too) until released."""
         backend.in_flight += 1
         backend.requests_total += 1
         if long_running:

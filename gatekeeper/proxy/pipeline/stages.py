@@ -94,8 +94,7 @@ def _refuse_target(request: ProxyRequest) -> ProxyResponse | None:
 
 
 def _establish_identity(request: ProxyRequest) -> ProxyResponse | None:
-    """Drop Connection-named and client-sent X-Remote-* headers and set ``request.user``; or refuse an
-    unclean certificate name (auth.py)."""
+    """Drop Connection-named and client-sent X-Remote-* headers and set ``request.user``, or refuse its name."""
     bad = auth.bad_certificate_names(request.peer_cert, request.connection_memo)
     if bad:
         rejections.reject("bad_identity", f"{request.peer}: {bad}")
@@ -106,10 +105,8 @@ def _establish_identity(request: ProxyRequest) -> ProxyResponse | None:
 
 
 def _metrics_page_for(metrics_groups: Collection[str]) -> Callable[[ProxyRequest], Awaitable[ProxyResponse]]:
-    """``GET /metrics`` on the main port, for admins only: the page names every backend and the callers'
-    resources, so only verified client-certificate users in ``metrics_groups`` get it (a token cannot be
-    checked here); anyone else gets a 403 Status.
-    """
+    """``GET /metrics`` on the main port: it names every backend and callers' resources, so only verified
+    client-certificate users in ``metrics_groups`` get it (a token cannot be checked here); others a 403."""
     allowed = frozenset(metrics_groups)
     needs = ", ".join(sorted(allowed)) or "(none: proxy.listener.metricsGroups is empty)"
 
@@ -237,9 +234,8 @@ class Dispatcher:
         self.max_long_running_per_caller = max_long_running_per_caller
 
     def _over_long_running_cap(self, request: ProxyRequest, caller: str) -> ProxyResponse | None:
-        """A 429 when ``caller`` already holds its share of long-running requests, else None. Watches run outside
-        every seat and hold a pooled connection for 30-60 min: unbounded, one tenant could take the whole pool.
-        """
+        """A 429 when ``caller`` holds its share of long-running requests: watches run outside every seat and hold
+        a pooled connection for 30-60 min, so unbounded one tenant could take the whole pool."""
         cap = self.max_long_running_per_caller
         held = self.balancer.long_running_of(caller)
         if not cap or held < cap:
@@ -439,8 +435,7 @@ def build(
     policy: EjectionPolicy | None = None,
     balancer: Balancer | None = None,
 ) -> Pipeline:
-    """target -> identity -> RequestInfo -> local /metrics -> deadline (one stage, front_for) -> flow control (optional)
-    -> dispatcher."""
+    """target -> identity -> RequestInfo -> /metrics -> deadline (one front stage) -> [flow control] -> dispatcher."""
     balancer = balancer or Balancer(settings.backends, policy=policy)
     clients = {b.name: BackendClient(b.name, b.url, settings.upstream) for b in balancer.backends}
     deadlines = Deadlines()

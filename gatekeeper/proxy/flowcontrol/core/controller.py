@@ -70,8 +70,7 @@ class FlowController:
         self.now = 0.0
         """Latest time seen; used when a caller does not pass one."""
         self.share_of: FleetShare | None = None
-        """This proxy's place in a fleet that shares the budget (``fleet.py``): its part of each Limited level's
-        nominal seats and of each apiserver's expensive-LIST slots."""
+        """This proxy's part of a fleet's budget (``fleet.py``): level seats and expensive-LIST slots per apiserver."""
         self.update(policy, self.limits)
 
     def update(self, policy: Policy, limits: LevelLimits | None = None) -> list[Ticket]:
@@ -154,10 +153,7 @@ class FlowController:
         single: bool = False,
     ) -> tuple[Ticket, FlowSchema, list[Ticket]]:
         """Classify and submit one request; returns its ticket, its schema and every ticket dispatched.
-
-        ``exempt_ok=False`` (an unverifiable token) turns an Exempt match into the catch-all: upstream such a
-        request gets its 401 before any exempt level, so it must never skip the queues here.
-        """
+        ``exempt_ok=False`` (an unverifiable token) never reaches an Exempt level: upstream it gets its 401 first."""
         fs, pl = self.policy.classify(user, ri)
         if pl.exempt and not exempt_ok:
             fs, pl = self.policy.catch_all()

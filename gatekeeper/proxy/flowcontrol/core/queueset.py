@@ -39,9 +39,7 @@ def level_max_seats(spec: PriorityLevel, limit: int) -> int:
 
 @functools.lru_cache(maxsize=8192)
 def deal(hash_value: int, deck: int, hand: int) -> tuple[int, ...]:
-    """Shuffle-sharding hand: ``hand`` distinct queue indices in [0, deck), the same as upstream's
-    ``shufflesharding.Deal`` for the same hash (needs log2(deck) * hand <= 60 bits; memoized).
-    """
+    """Shuffle-sharding hand of ``hand`` distinct queues in [0, deck), as upstream's ``shufflesharding.Deal`` deals."""
     digits: list[int] = []
     for i in range(hand):
         hash_value, d = divmod(hash_value, deck - i)
@@ -109,8 +107,7 @@ class ListBudget:
         return True
 
     def note_queued(self, t: Ticket) -> None:
-        """Count a queued expensive LIST as held when every apiserver is at the cap, whether or not dispatch
-        looks at it (it tries only the head of the fairest queue)."""
+        """Count a queued expensive LIST as held when every apiserver is at the cap, looked at or not."""
         caps = self.backends
         if not t.cap_held and caps.expensive(t.list_bytes, t.unsized) and caps.pick() is None:
             self._held(t)

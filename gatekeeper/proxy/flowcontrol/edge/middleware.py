@@ -354,8 +354,7 @@ class FlowControl:
         if response.upgraded is not None:
             self._release_seats(t)  # the 101 is the start of the exec/attach/port-forward session
         elif w.info.long_running:
-            # A watch is initialized once its first bytes (initial events or a bookmark) arrive; one that
-            # stays silent gets at most watchInitSeconds of seats.
+            # A watch is set up at its first bytes (initial events, a bookmark); a silent one gets watchInitSeconds.
             on_first = functools.partial(self._release_seats, t)
             asyncio.get_running_loop().call_later(self.settings.watch_init_seconds, self._release_seats, t)
         if response.upgraded is not None:
