@@ -55,9 +55,8 @@ def status_json(code: int, reason: str, message: str) -> bytes:
 
 
 def error_response(code: int, reason: str, message: str, *, retry_after: int | None = None) -> ProxyResponse:
-    """A response carrying a Kubernetes ``Status`` failure. ``retry_after`` sets ``Retry-After`` (client-go retries
-    429/5xx only when it is present) and ``details.retryAfterSeconds``.
-    """
+    """A Kubernetes ``Status`` failure; ``retry_after`` sets ``Retry-After`` (client-go retries 429/5xx only when
+    it is present) and ``details.retryAfterSeconds``."""
     body = status.failure_json(code, reason, message, retry_after=retry_after)
     headers: Headers = [("content-type", "application/json"), ("content-length", str(len(body)))]
     if retry_after is not None:

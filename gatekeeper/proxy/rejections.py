@@ -74,9 +74,8 @@ class RateLimitedLog:
         self._skipped: dict[str, int] = {}
 
     def warning(self, key: str, message: str, *args: object) -> bool:
-        """Log ``message % args`` unless ``key`` was logged within the interval; True if it was logged. Formatted
-        here, never by ``logging``: client bytes (``%`` in a target) must not be read as a format string.
-        """
+        """Log ``message % args`` unless ``key`` was logged within the interval (True if logged). Formatted here,
+        never by ``logging``: client bytes (``%`` in a target) must not be read as a format string."""
         now = self.clock()
         if now < self._next.get(key, 0.0):
             self._skipped[key] = self._skipped.get(key, 0) + 1

@@ -1,10 +1,8 @@
 """Per-request metric updates as plain Python arithmetic, handed to prometheus-client in batches.
 
-prometheus-client takes a lock (or an mmap write) per update and walks histogram buckets one by one, and a
-request makes half a dozen updates. :func:`flush` moves the totals into the ordinary children before every
-collection (:class:`_Flush` is registered on import, ahead of the metrics), at most :data:`FLUSH_SECONDS` after
-an update so multiprocess files are never far behind, and at exit. All on the event loop's thread: a tally and its
-flush never interleave.
+prometheus-client locks (or writes an mmap) per update, and a request makes half a dozen. :func:`flush` runs
+before every collection (:class:`_Flush` registers on import, ahead of the metrics), at most
+:data:`FLUSH_SECONDS` after an update, and at exit; all on the loop's thread, so tally and flush never interleave.
 """
 
 from __future__ import annotations

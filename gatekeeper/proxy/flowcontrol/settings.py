@@ -25,8 +25,7 @@ class FleetSettings:
     namespace: str = "gatekeeper-system"
     """Where the Leases live. Only the proxies may write there (the chart's Role); no tenant may."""
     identity: str = ""
-    """This proxy's name in the fleet and of its Lease. Empty: ``NODE_NAME`` or ``POD_NAME`` (set by the chart),
-    else the host name."""
+    """This proxy's name in the fleet and its Lease; empty: ``NODE_NAME``, ``POD_NAME``, else the host name."""
     lease_duration_seconds: float = 15.0
     """A proxy whose Lease has not been renewed this long is gone; the others take its share one TTL later."""
     renew_interval_seconds: float = 5.0
@@ -114,13 +113,11 @@ class FlowControlSettings:
     """A reload not read and validated within this long (a hung mount, a slow parse) is given up: counted as
     failed, the running policy stays, its late result is dropped."""
     max_stuck_reloads: int = 2
-    """Given-up reloads whose threads may still run (each holds a thread and up to 1 MiB per file). With this
-    many, a new reload is not started (counted, reason ``stuck``) until one ends; it then starts by itself."""
+    """Given-up reloads whose threads (up to 1 MiB per file each) may still run; past it reloads wait (``stuck``)."""
     borrowing_adjustment_seconds: float = 10.0
     """How often levels' current limits are re-divided by seat demand (borrowing; upstream's period is 10 s)."""
     tokens: TokenSettings = field(default_factory=TokenSettings)
-    """Who bearer-token callers are, for classification and fair queuing only: tokens still go upstream
-    untouched and the apiserver authenticates them."""
+    """Who bearer-token callers are, for classification and queuing only (the apiserver still authenticates)."""
     fleet: FleetSettings = field(default_factory=FleetSettings)
     """Several proxies in front of the same apiservers hold one budget through Leases (off by default)."""
     expensive_lists: ExpensiveListSettings = field(default_factory=ExpensiveListSettings)

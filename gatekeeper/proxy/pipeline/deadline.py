@@ -21,13 +21,11 @@ INVALID_TIMEOUT = "invalid timeout specified in the request URL"
 """kube-apiserver's words for a ``timeout`` it cannot parse (the 400's message starts with them)."""
 
 SWEEP_SECONDS = 0.25
-"""How late a deadline may be met: one timer for all requests, since a timer per small GET costs far more than a
-dict entry."""
+"""How late a deadline may be met: one timer for all requests is far cheaper than one per request."""
 
 
 def request_timeout(info: RequestInfo, target: str, maximum: float) -> float | None:
-    """Seconds this request may run, or None for a long-running one. Raises :class:`DurationError` for a
-    ``timeout`` Go cannot parse."""
+    """Seconds this request may run (None: long-running); :class:`DurationError` for a ``timeout`` Go refuses."""
     if info.long_running:
         return None
     _, _, query = target.partition("?")
@@ -41,10 +39,8 @@ def request_timeout(info: RequestInfo, target: str, maximum: float) -> float | N
 
 
 class Deadlines:
-    """The requests in flight with a deadline, and one sweeper that cancels the adapter's task of each one past it
-    (the adapter then answers 504 or cuts the stream). Finished requests are dropped by the sweeper, so the hot path
-    pays one dict insert and no removal.
-    """
+    """Requests with a deadline, and one sweeper that cancels the adapter's task of each past it (504 or a cut
+    stream); the sweeper also drops finished ones, so the hot path pays one dict insert."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock

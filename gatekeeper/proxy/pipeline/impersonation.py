@@ -1,14 +1,9 @@
 """Who a trusted impersonator's request is charged to, for flow control only (pure).
 
-kube-apiserver classifies an authorized impersonation as the impersonated identity, so an authenticating proxy's
-users would otherwise share one flow and miss the FlowSchemas written for them. The proxy cannot know who may
-impersonate, and trusting everyone's headers would let a tenant pick its FlowSchema (an exempt one included), so
-only ``flowControl.impersonators`` are trusted (docs/flowcontrol/index.md#impersonating-callers).
-
-:func:`impersonated` builds the identity as upstream's impersonation filter does (first ``Impersonate-User``;
-every ``Impersonate-Group`` field one group, no comma splitting; ServiceAccount groups when none is given;
-``system:authenticated`` or, for ``system:anonymous``, ``system:unauthenticated`` added); a header set it
-refuses with 400 impersonates nobody here either.
+kube-apiserver's APF classifies an authorized impersonation as the impersonated identity. The proxy cannot know
+who may impersonate, and trusting every caller's headers would let a tenant pick its FlowSchema (an exempt one
+included), so only ``flowControl.impersonators`` are trusted (docs/flowcontrol/index.md#impersonating-callers).
+:func:`impersonated` builds the identity exactly as upstream's impersonation filter does.
 """
 
 from __future__ import annotations
@@ -31,8 +26,8 @@ TOO_BROAD_GROUPS = frozenset({AUTHENTICATED, UNAUTHENTICATED, SA_ALL_GROUP})
 
 @dataclass(frozen=True)
 class ImpersonatorSettings:
-    """``proxy.flowControl.impersonators``: whose ``Impersonate-*`` requests are classified as the impersonated
-    identity; the headers still go upstream and the apiserver authorizes them."""
+    """``proxy.flowControl.impersonators``: whose ``Impersonate-*`` requests count as the impersonated identity
+    (the headers still go upstream, and the apiserver authorizes them)."""
 
     users: list[str] = field(default_factory=list)
     """User names, as the apiserver sees them (a ServiceAccount: ``system:serviceaccount:<namespace>:<name>``)."""

@@ -49,12 +49,10 @@ aggregated groups (``metrics.k8s.io``, custom metrics) stay out."""
 
 
 def own_answer(method: str, info: requestinfo.RequestInfo) -> bool:
-    """Whether a 5xx answer says something about the apiserver itself, so it may feed the 5xx storm detector.
-
-    Not when a tenant decides the status, else one tenant could empty the rotation: relayed subresources (a
-    Service without endpoints is a 503), groups outside :data:`BUILTIN_GROUPS` (a down APIService is a 503 to
-    anyone), and writes (a failing admission webhook makes every apiserver answer 500).
-    """
+    """Whether a 5xx answer says something about the apiserver itself, so it may feed the storm detector. Not when
+    a tenant decides the status, else one tenant could empty the rotation: relayed subresources (a Service without
+    endpoints is a 503), groups outside :data:`BUILTIN_GROUPS` (a down APIService is a 503 to anyone), and writes
+    (a failing admission webhook makes every apiserver answer 500)."""
     if info.verb == "proxy" or info.subresource in RELAYED_SUBRESOURCES:
         return False
     if method not in SAFE_METHODS:
@@ -132,8 +130,7 @@ def _is_local(request: ProxyRequest) -> bool:
 
 
 async def resolve_token(identities: TokenIdentities, request: ProxyRequest) -> str:
-    """Who a bearer-token caller is, for classification, fair queuing, its long-running cap and its upstream
-    connection; the token still goes upstream untouched. Returns the credential."""
+    """Who a bearer-token caller is, for classification, queuing and caps (the token goes upstream untouched)."""
     credential = auth.bearer_credential(request.headers)
     who = identities.cached(credential, request.connection_memo) or await identities.resolve(credential)
     request.identity = who
@@ -144,9 +141,8 @@ async def resolve_token(identities: TokenIdentities, request: ProxyRequest) -> s
 
 def front_for(metrics_groups: Collection[str], deadlines: Deadlines | None = None,
               request_timeout_seconds: float = 60.0, identities: TokenIdentities | None = None) -> Middleware:
-    """The front stage: refuse unsafe targets, answer ``OPTIONS *``, establish the caller, parse RequestInfo,
-    answer ``/metrics``, set the deadline. One stage so everything after it sees the same caller, whether flow
-    control is on or not, at the cost of one coroutine per request."""
+    """The front stage: target checks, ``OPTIONS *``, the caller, RequestInfo, ``/metrics``, the deadline; one stage
+    so everything after it sees the same caller whether flow control is on or not."""
     own_page = _metrics_page_for(metrics_groups)
     deadlines = deadlines or Deadlines()
 

@@ -108,8 +108,7 @@ class Item:
 
 def allocate(required: float, items: Sequence[Item]) -> tuple[list[float], float]:
     """The allocations (summing to ``required``) and fairFrac, as upstream's computeConcurrencyAllocation, by
-    bisection (the sum is non-decreasing in fairFrac). Raises ValueError for ``upper < lower`` or ``lower < 0``.
-    """
+    bisection. Raises ValueError for ``upper < lower`` or ``lower < 0``."""
     for it in items:
         if it.lower < 0 or it.upper < it.lower:
             raise ValueError(f"bad allocation bounds {it}")

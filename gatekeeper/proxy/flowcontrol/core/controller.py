@@ -1,7 +1,5 @@
-"""The flow-control decision core: classify, estimate, queue, dispatch (no sockets, asyncio or clock).
-
-Every call returns the tickets it dispatched, for the async caller to wake; time is passed in so tests are
-deterministic.
+"""The flow-control decision core: classify, estimate, queue, dispatch (no sockets, asyncio or clock, so tests
+are deterministic); every call returns the tickets it dispatched, for the caller to wake.
 """
 
 from __future__ import annotations

@@ -70,8 +70,7 @@ def from_storage(shape: ListShape, storage_only: bool = False) -> bool:
 
 
 def list_bytes(shape: ListShape, full: float, per_object: float | None, *, single: bool, storage: bool) -> float:
-    """Bytes the apiserver will hold for this LIST: ``full`` is the learnt size of the whole collection,
-    ``per_object`` the learnt size of one object (None until learnt)."""
+    """Bytes the apiserver will hold for this LIST, from the learnt collection and per-object (None: unknown) sizes."""
     if single:
         return per_object if per_object is not None else 0.0
     limited = full

@@ -26,10 +26,8 @@ MAX_SEATS_SHARE = 0.15
 
 
 def level_max_seats(spec: PriorityLevel, limit: int) -> int:
-    """Most seats one request may take in a level: ``max(1, min(ceil(0.15 * limit), limit // handSize))``,
-    upstream's rule, so a wide request leaves room for others. Reject levels have no hand: capped by the limit,
-    so a LIST wider than its level runs alone rather than never.
-    """
+    """Most seats one request may take: ``max(1, min(ceil(0.15 * limit), limit // handSize))`` as upstream, so a wide
+    request leaves room; a Reject level (no hand) caps at its limit, so a too-wide LIST runs alone, not never."""
     if limit <= 0:
         return 1
     if spec.reject or spec.exempt:

@@ -67,8 +67,7 @@ class SizeEstimator:
         self, resource: str, namespace: str, nbytes: int, shape: ListShape | None = None,
         continued: bool | None = False,
     ) -> None:
-        """Learn from a complete 200 LIST response of ``nbytes``. ``continued``: the response carried a
-        continue token (True), none (False), or it could not be told (None, e.g. protobuf)."""
+        """Learn from a complete 200 LIST of ``nbytes``; ``continued``: a continue token (True), none, or unknown."""
         if shape is not None and shape.limit > 0 and continued:  # a full page: exactly ``limit`` objects
             self._blend(self.per_object, resource, nbytes / shape.limit)
             return

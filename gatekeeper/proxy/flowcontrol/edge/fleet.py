@@ -134,8 +134,7 @@ class FleetMember:
     async def _call(self, method: str, path: str, body: bytes | None, extra: list[tuple[str, str]]) -> bytes:
         """One call on the first backend that answers; raises the last failure."""
         failure: Exception = RuntimeError("no backend")
-        # Half the Lease's life, as client-go's leader election: an apiserver slowed by a LIST storm answers
-        # slower than the renewal interval, and every proxy would believe itself partitioned.
+        # Half the Lease's life, as client-go's leader election: a storm-slowed apiserver is no partition.
         deadline = max(1.0, self.settings.lease_duration_seconds / 2)
         for upstream in self.upstreams:
             try:

@@ -138,8 +138,7 @@ class SeatLedger:
 
     def try_take(self, slot: int, limit: int, seats: int, list_bytes: int, list_cap: int,
                  backend: int = -1, backend_cap: int = 0) -> bool:
-        """Take ``seats`` in the level for this worker if they fit proxy-wide and it is this worker's turn
-        (lowest virtual time among the workers with queued requests)."""
+        """Take ``seats`` for this worker if they fit proxy-wide and it has the lowest virtual time of the waiting."""
         me = self.worker
         if limit <= 0:
             return False
@@ -206,8 +205,7 @@ class SeatLedger:
         v = self._ints
         b = slot * self._row
         c = b + _HEAD + me * _PER_WORKER
-        # Holders first, then seats: a reader mid-way never sees (seats - 1, holders), so the peak is never
-        # over-counted and the seat total stays conservative.
+        # Holders first, then seats: a reader mid-way never over-counts the peak and sees at worst more seats.
         v[c + 1] = max(0, v[c + 1] - 1)
         v[c] = max(0, v[c] - seats)
         if backend >= 0:
@@ -342,8 +340,7 @@ POLL_SECONDS = 0.05
 
 
 def attach(flow: FlowControl, ledger: SeatLedger) -> Callable[[], None]:
-    """Make a running worker's flow control use the ledger (call before any request is admitted); returns a
-    function that detaches it."""
+    """Make a worker's flow control use the ledger (before any request is admitted); returns the detach function."""
     ctl = flow.controller
     caps = ctl.budget.backends
     if len(caps.names) > MAX_BACKENDS:

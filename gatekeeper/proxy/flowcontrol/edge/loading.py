@@ -79,9 +79,8 @@ def _stamp(paths: list[str]) -> tuple[tuple[str, float, int], ...]:
 
 
 def _on_a_thread(fn: Callable[[], T], on_exit: Callable[[], None] = lambda: None) -> asyncio.Future[T]:
-    """``fn()`` on a daemon thread of its own; its result or exception, delivered on the calling loop. Not a
-    pool: pool threads are joined at exit, so a parse stuck on a hung mount would keep the worker from exiting.
-    ``on_exit`` runs on the loop when the thread ends, cancelled future or not."""
+    """``fn()`` on a daemon thread of its own, its outcome delivered on the loop (``on_exit`` when it ends). Not a
+    pool: pool threads are joined at exit, so a parse stuck on a hung mount would keep the worker from exiting."""
     loop = asyncio.get_running_loop()
     fut: asyncio.Future[T] = loop.create_future()
 
@@ -115,12 +114,9 @@ class ReloadGivenUp(ValueError):
 
 
 class Reloader:
-    """Re-reads the policy files when they change (``check``) or on demand (``reload``, ``request``).
-
-    Reloads are serialized and requests during a parse coalesce into one fresh parse, so an older parse can never
-    finish last and win. A parse past ``reloadTimeoutSeconds`` is given up (its thread cannot be stopped); at most
-    ``maxStuckReloads`` such threads may run, so repeated SIGHUPs on a hung mount do not pile up threads.
-    """
+    """Re-reads the policy files when they change (``check``) or on demand (``reload``, ``request``). Reloads are
+    serialized and coalesce, so an older parse never finishes last and wins; at most ``maxStuckReloads`` given-up
+    parses may run, so SIGHUPs on a hung mount do not pile up threads."""
 
     def __init__(self, settings: FlowControlSettings, apply: Callable[[Policy], None]) -> None:
         self.settings = settings

@@ -78,8 +78,7 @@ LIST_BYTES = Histogram(
 
 
 class PairMetrics:
-    """The labelled children one (FlowSchema, level) pair records into, looked up once: ``labels()`` costs more
-    than the observation on the per-request path."""
+    """One (FlowSchema, level) pair's labelled children, looked up once: ``labels()`` costs more than observing."""
 
     __slots__ = ("coalesced", "dispatched", "exec_regular", "exec_watch", "seats", "wait_executed", "wait_rejected")
 

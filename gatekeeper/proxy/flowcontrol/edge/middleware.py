@@ -1,11 +1,8 @@
 """The asyncio edge of flow control: a pipeline middleware ``(request, next) -> response``.
 
-Decisions are the pure :class:`FlowController`'s; this layer parks queued requests on futures, arms queue-wait
-timers, and tells the controller when a request stops costing seats: ordinary requests when the response is
-written out; LISTs when the apiserver sent the last byte (read ahead, ``readahead.py``); watches at their first
-bytes or ``watchInitSeconds``; upgrades at the 101 (docs/flowcontrol/index.md#seats). Bodies other than LISTs
-pass through untouched, so small GETs pay nothing per chunk. 429s carry an integer ``Retry-After`` because
-client-go retries only when it is present.
+Decisions are the pure :class:`FlowController`'s; this layer parks queued requests, arms queue-wait timers and
+says when a request stops costing seats (docs/flowcontrol/index.md#seats). Only LIST bodies are wrapped, so small
+GETs pay nothing per chunk; 429s carry an integer ``Retry-After`` since client-go retries only when it is present.
 """
 
 from __future__ import annotations

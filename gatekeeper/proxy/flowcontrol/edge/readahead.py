@@ -40,8 +40,7 @@ class ReadAheadBudget:
         self.by_connection: dict[int, int] = {}
 
     def refusal(self, connection: int, size: int) -> str:
-        """Why ``connection`` may not hold ``size`` more bytes now ("" when it may): ``connection`` or
-        ``process``. A connection holding nothing may always hold one chunk."""
+        """Why ``connection`` may not hold ``size`` more bytes ("" if it may); an empty one may hold one chunk."""
         mine = self.by_connection.get(connection, 0)
         if mine == 0:
             return ""
