@@ -73,8 +73,7 @@ class FlowControlSettings:
     enabled: bool = True
     """Classify, queue and limit requests before they reach a backend."""
     server_concurrency_limit: int = 600
-    """Total seats shared by the Limited levels in proportion to nominalConcurrencyShares (upstream's
-    --max-requests-inflight + --max-mutating-requests-inflight, 400 + 200)."""
+    """Seats shared by the Limited levels by nominalConcurrencyShares (upstream's default inflight, 400 + 200)."""
     queue_wait_seconds: float = 15.0
     """Longest a request waits in a queue before it gets 429 (reason time-out)."""
     retry_after_seconds: int = 1
@@ -86,8 +85,7 @@ class FlowControlSettings:
     list_bytes_cap: int = 1 << 30
     """Cap on estimated response bytes of all LISTs executing in limited levels (one may always run)."""
     storage_only_resources: list[str] = field(default_factory=list)
-    """Resources the apiservers keep no watch cache for (``--watch-cache-sizes=secrets#0``): their LISTs always
-    read etcd, so a selector LIST of them costs the whole collection (see ``listcost.py``)."""
+    """Resources without a watch cache (``--watch-cache-sizes=R#0``): their selector LISTs cost the whole collection."""
     watch_init_seconds: float = 2.0
     """A watch holds its seat until its first body bytes, or at most this long after its response head."""
     read_ahead_bytes_per_connection: int = 32 << 20
@@ -110,8 +108,7 @@ class FlowControlSettings:
     reload_interval_seconds: float = 2.0
     """How often the files are checked for changes (0 = only on SIGHUP)."""
     reload_timeout_seconds: float = 30.0
-    """A reload not read and validated within this long (a hung mount, a slow parse) is given up: counted as
-    failed, the running policy stays, its late result is dropped."""
+    """A reload not read and validated within this long (a hung mount) is given up; the running policy stays."""
     max_stuck_reloads: int = 2
     """Given-up reloads whose threads (up to 1 MiB per file each) may still run; past it reloads wait (``stuck``)."""
     borrowing_adjustment_seconds: float = 10.0

@@ -44,8 +44,7 @@ BUILTIN_GROUPS = frozenset({
     "internal.apiserver.k8s.io", "networking.k8s.io", "node.k8s.io", "policy", "rbac.authorization.k8s.io",
     "resource.k8s.io", "scheduling.k8s.io", "storage.k8s.io", "storagemigration.k8s.io",
 })
-"""API groups kube-apiserver serves itself. A group missing here only makes the 5xx storm detector see less;
-aggregated groups (``metrics.k8s.io``, custom metrics) stay out."""
+"""API groups kube-apiserver serves itself (no aggregated ones); one missing only makes the storm detector see less."""
 
 
 def own_answer(method: str, info: requestinfo.RequestInfo) -> bool:

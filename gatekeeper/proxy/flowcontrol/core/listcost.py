@@ -31,8 +31,7 @@ FULL = ListShape()
 
 @functools.lru_cache(maxsize=4096)
 def list_shape(target: str) -> ListShape:
-    """The LIST options that decide its cost (memoized). The query is read with the apiserver's Go rules, so an
-    option it drops (``limit=1;``) does not count here."""
+    """The LIST options that decide its cost, read by the apiserver's Go query rules (it drops ``limit=1;``)."""
     query = target.partition("?")[2].partition("#")[0]
     if not query:
         return FULL
