@@ -1,8 +1,6 @@
 """Pieces both protocol adapters (h2.py, h1.py) share: error answers, header hygiene, handler calls.
 
-An adapter must never leak a traceback to a client: a handler that raises gets
-a 502 with a Kubernetes ``Status`` body, which kubectl and client-go print as a
-readable error.
+A handler that raises gets a 502 with a Kubernetes ``Status``, never a traceback, which client-go prints readably.
 """
 
 from __future__ import annotations
@@ -41,8 +39,7 @@ def describe_seconds(seconds: float) -> str:
 
 
 def timeout_response(seconds: float) -> ProxyResponse:
-    """The 504 of a request past its deadline before its response head, as kube-apiserver's timeout filter
-    words it (client-go shows the message)."""
+    """The 504 of a request past its deadline before its head, worded as kube-apiserver's timeout filter."""
     return error_response(504, "Timeout", f"Timeout: request did not complete within {describe_seconds(seconds)} "
                           "(gatekeeper proxy: protocol.requestTimeoutSeconds, or the request's timeout parameter)")
 
@@ -58,11 +55,8 @@ def status_json(code: int, reason: str, message: str) -> bytes:
 
 
 def error_response(code: int, reason: str, message: str, *, retry_after: int | None = None) -> ProxyResponse:
-    """A response carrying a Kubernetes ``Status`` failure (the one builder for adapters and pipeline).
-
-    ``retry_after`` sets the ``Retry-After`` header (client-go retries 429/5xx only when it is
-    present, rewinding the body to do so) and ``details.retryAfterSeconds``.
-    """
+    """A Kubernetes ``Status`` failure; ``retry_after`` sets ``Retry-After`` (client-go retries 429/5xx only when
+    it is present) and ``details.retryAfterSeconds``."""
     body = status.failure_json(code, reason, message, retry_after=retry_after)
     headers: Headers = [("content-type", "application/json"), ("content-length", str(len(body)))]
     if retry_after is not None:
@@ -76,8 +70,7 @@ async def call_handler(handler: Handler, request: ProxyRequest) -> ProxyResponse
         return await handler(request)
     except Exception:
         log.exception("handler failed for %s %s", request.method, request.target)
-        # The log has the traceback; the client gets no exception text (it can carry addresses
-        # and object reprs).
+        # The client gets no exception text: it can carry addresses and object reprs.
         return error_response(502, "InternalError", "gatekeeper proxy could not serve the request")
 
 

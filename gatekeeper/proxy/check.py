@@ -1,13 +1,8 @@
 """`gatekeeper proxy --config FILE --check`: everything the proxy would refuse at start, found before a rollout.
 
-Why a separate step: a static pod or a Deployment with a bad config crash-loops
-every replica at once, and a policy edit that fails to reload leaves the old policy
-in force (``GatekeeperFlowControlPolicyStale``) until someone reads the log. Loading
-the config already parses and cross-checks the flow-control policy; this adds what
-``gatekeeper proxy`` only finds when it builds its sockets: the files exist, the
-serving key matches its certificate, the CA files parse. Nothing listens or
-connects. The config loader stops at its first error; past it, the listener's and
-the upstream's TLS material are both checked and reported together.
+A bad config crash-loops every replica at once, and a policy that fails to reload silently keeps the old one, so
+this also checks what only socket setup finds (files exist, key matches certificate, CA files parse), reporting
+the listener's and the upstream's TLS problems together. Nothing listens or connects.
 """
 
 from __future__ import annotations

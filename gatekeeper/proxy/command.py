@@ -81,9 +81,8 @@ def worker_count(settings: ProxySettings, flag: int | None) -> int:
     return n if n > 0 else min(usable_cores(), settings.max_workers)
 
 
-# The proxy's own modules are imported inside _run, once the process knows its metrics mode: they reach
-# prometheus_client, which picks single-process or multiprocess values when first imported, and the CLI
-# imports this module in every process (the webhook's too) before any mode is set.
+# The proxy's modules are imported inside _run, once the metrics mode is known: prometheus_client picks single-
+# or multiprocess values on first import, and the CLI imports this module in every process.
 
 def _run(args: argparse.Namespace) -> int:
     settings: ProxySettings = load_config(args.config, need="proxy").proxy

@@ -1,15 +1,7 @@
-"""One record of everything the proxy refuses or cuts to protect itself.
+"""One record of everything the proxy refuses or cuts to protect itself: ``gatekeeper_proxy_rejected_total{reason}``.
 
-Both protocol adapters (connection caps, TLS handshakes, HTTP/2 floods and
-malformed streams, HTTP/1.1 slow heads and bodies) and the pipeline (request
-targets, identities, upstream pool and header timeouts) count here, under one
-metric with a fixed set of reasons, so an operator reads one series family and
-an attacker cannot mint new series:
-
-``gatekeeper_proxy_rejected_total{reason}``
-
-An attacker also controls how often a rejection happens, so the log line that
-points at the counter is rate-limited per reason (:class:`RateLimitedLog`).
+A fixed set of reasons so an attacker cannot mint new series; the log line is rate-limited per reason because an
+attacker also controls how often a rejection happens.
 """
 
 from __future__ import annotations
@@ -72,10 +64,7 @@ Clock = Callable[[], float]
 
 
 class RateLimitedLog:
-    """One warning per key per interval, carrying how many were left out since the last one.
-
-    A flood of bad requests must be visible in the log without the log becoming the flood.
-    """
+    """One warning per key per interval with the count left out: a flood must show in the log, not become one."""
 
     def __init__(self, logger: logging.Logger, interval: float, clock: Clock = time.monotonic) -> None:
         self.logger = logger
@@ -85,11 +74,8 @@ class RateLimitedLog:
         self._skipped: dict[str, int] = {}
 
     def warning(self, key: str, message: str, *args: object) -> bool:
-        """Log ``message % args`` unless ``key`` was logged within the interval; True if it was logged.
-
-        The message is formatted here, never by ``logging``: it often carries client bytes (a target
-        with ``%`` in it), which must not be read as a format string.
-        """
+        """Log ``message % args`` unless ``key`` was logged within the interval (True if logged). Formatted here,
+        never by ``logging``: client bytes (``%`` in a target) must not be read as a format string."""
         now = self.clock()
         if now < self._next.get(key, 0.0):
             self._skipped[key] = self._skipped.get(key, 0) + 1

@@ -1,10 +1,6 @@
 """Typed ``proxy:`` section of the gatekeeper config file, composed of the settings each folder owns.
 
-``listener``/``protocol`` belong to the listener (``listen/settings.py``), ``backends`` to the pipeline
-(``pipeline/settings.py``), ``upstream`` to the upstream client (``upstream/settings.py``), ``flowControl``
-to flow control (``flowcontrol/settings.py``); the worker and process settings are here. Each field has a
-one-line docstring; the loader (gatekeeper.config.from_mapping) maps camelCase YAML keys onto these
-snake_case fields and rejects unknown keys.
+The worker and process settings are here; camelCase YAML keys map onto these fields and unknown keys are refused.
 """
 
 from __future__ import annotations
@@ -38,17 +34,15 @@ class ProxySettings:
     max_workers: int = 8
     """Cap on the automatic worker count (an explicit ``workers``/``--workers`` may exceed it)."""
     worker_hang_seconds: float = 30.0
-    """With several workers: a serving worker whose private ``/healthz`` has not answered for this long (its
-    event loop is stuck, or it was stopped) is killed and restarted, and its seats are released (0 = never)."""
+    """With several workers: a serving worker whose ``/healthz`` has not answered this long is killed and restarted,
+    its seats released (0 = never)."""
     gc_young_threshold: int = 20000
-    """Allocations between young-generation garbage collections in a serving process (0 = Python's default,
-    700): each request allocates hundreds of short-lived objects, and a collection every 700 of them cost ~2%
-    of CPU for a few KiB of memory saved."""
+    """Allocations between young-generation collections in a serving process (0 = Python's 700): each request
+    allocates hundreds of short-lived objects, and collecting every 700 costs CPU for little memory."""
 
     @property
     def tokens(self) -> TokenSettings:
-        """Who token callers are (kept at ``flowControl.tokens`` in the file; the pipeline's front stage uses it,
-        with flow control on or off)."""
+        """Who token callers are (kept at ``flowControl.tokens``; used with flow control on or off)."""
         return self.flow_control.tokens
 
     def validate(self) -> None:
@@ -63,12 +57,8 @@ class ProxySettings:
 
 
 def load_section(data: Any, source: str, key: str) -> ProxySettings:
-    """Parse ``proxy:`` (pure dataclasses), then read and check the flow-control policy it names.
-
-    The policy files are read here, in the load step, not in a dataclass's
-    ``validate()``: parsing stays free of I/O, and a bad policy still stops
-    ``gatekeeper proxy`` with ``FILE: proxy.flowControl: <object>: <field>: <problem>``.
-    """
+    """Parse ``proxy:`` (pure dataclasses), then read and check the flow-control policy files it names: here, so
+    ``validate()`` stays free of I/O and a bad policy still stops the proxy at load."""
     settings = from_mapping(ProxySettings, data, source, key)
     if settings.flow_control.enabled:
         try:

@@ -1,27 +1,8 @@
 """Per-request metric updates as plain Python arithmetic, handed to prometheus-client in batches.
 
-Why: every ``Counter.inc`` and ``Histogram.observe`` of prometheus-client takes
-a lock (``MutexValue``, or an mmap write in multiprocess mode), and a histogram
-walks its bucket bounds one by one; a proxied request makes half a dozen of
-them. Here the hot path adds to an integer (:class:`CounterTally`) or to one
-bucket found by ``bisect`` (:class:`HistogramTally`), and :func:`flush` moves
-the totals into the ordinary labelled children, whose names, labels, buckets
-and exposition stay exactly what they were.
-
-When the totals move:
-
-* before every collection of the default registry: :class:`_Flush` is
-  registered on ``REGISTRY`` when this module is imported, before the metrics
-  that use tallies are defined, so it runs ahead of them on every scrape (the
-  single-process page, a worker's ``/metrics/worker`` page, and so also the
-  supervisor's merged page, which fetches the workers' pages before it reads
-  the multiprocess files);
-* at most :data:`FLUSH_SECONDS` after the first update since the last flush
-  (one event-loop timer, so multiprocess files are never far behind even if no
-  one scrapes), and at interpreter exit.
-
-Everything runs on the event loop's thread (the scrape handlers too), so a
-tally and its flush never interleave.
+prometheus-client locks (or writes an mmap) per update, and a request makes half a dozen. :func:`flush` runs
+before every collection (:class:`_Flush` registers on import, ahead of the metrics), at most
+:data:`FLUSH_SECONDS` after an update, and at exit; all on the loop's thread, so tally and flush never interleave.
 """
 
 from __future__ import annotations
@@ -93,11 +74,7 @@ class CounterTally:
 
 
 class HistogramTally:
-    """A labelled histogram child's pending observations: per-bucket counts and their sum.
-
-    A value lands in the first bucket whose upper bound is >= it, as in
-    ``Histogram.observe`` (``bisect_left`` over the same bounds, ``+Inf`` last).
-    """
+    """A labelled histogram child's pending per-bucket counts and sum, bucketed as ``Histogram.observe`` does."""
 
     __slots__ = ("bounds", "child", "counts", "dirty", "total")
 

@@ -1,29 +1,11 @@
 """Request-target hygiene (pure): what the proxy accepts as a target, and nothing else.
 
-Two attacks shaped this module:
-
-* **Steering.** Appending a client's target to ``https://backend:port`` and
-  re-parsing the string turns ``@127.0.0.1:PORT/x`` into userinfo plus a new
-  authority, so the proxy would open a connection (with its front-proxy client
-  certificate and stamped identity) to any host the client names.
-* **Flow-control bypass.** ``/healthz/../api/v1/secrets`` is classified by its
-  raw path (an exempt probe) while the HTTP client normalises it before
-  sending, so the apiserver serves ``/api/v1/secrets`` unqueued.
-
-* **Blaming a backend.** Go's ``url.ParseRequestURI`` refuses a path with a
-  malformed percent escape (``%zz``, a ``%`` near the end): kube-apiserver
-  answers 400 over HTTP/1.1 but resets the stream (RST_STREAM PROTOCOL_ERROR)
-  over HTTP/2, and on the multiplexed upstream that reset failed the request
-  before an answer, which ejected the apiserver for every client: any verified
-  ServiceAccount token could empty the rotation with one GET per apiserver.
-
-The rules: origin-form only (``/...``); ``*`` only with OPTIONS (answered
-locally, as Go's ``net/http`` does); no dot segments in any spelling
-(``.``/``..``, ``%2e``, ``%2E%2e``...), no malformed ``%`` escape in the path
-(the 400 Go's HTTP/1.1 server gives), no NUL, no byte outside visible ASCII,
-no fragment. Whatever passes is forwarded byte for byte (the upstream URL is
-built from parts with ``encoded=True``, never re-parsed), so the path
-RequestInfo classifies is exactly the path the backend receives.
+Attacks it stops: *steering* (re-parsing ``https://backend`` + ``@127.0.0.1:PORT/x`` sends the proxy's client
+certificate to any host); *flow-control bypass* (``/healthz/../api/v1/secrets`` classified as an exempt probe,
+then normalised upstream); *blaming a backend* (a malformed ``%`` escape makes kube-apiserver reset the HTTP/2
+stream, which ejected it for every client). So: origin-form only, ``*`` only with OPTIONS, no dot segments in
+any spelling, no malformed escape, NUL, non-visible byte or fragment; what passes is forwarded byte for byte
+from parts, never re-parsed, so RequestInfo classifies exactly the path the backend receives.
 """
 
 from __future__ import annotations

@@ -1,13 +1,5 @@
-"""Typed ``proxy.flowControl`` section (owned by gatekeeper.proxy.flowcontrol).
-
-Policy objects come inline (``flowSchemas``, ``priorityLevelConfigurations``:
-lists of v1 objects exactly as ``kubectl get -o yaml`` prints them) and/or
-from ``files`` (multi-document YAML, ``kind: List`` allowed). Relative file
-paths are resolved against the working directory of the proxy. The objects
-are checked when the config loads (``gatekeeper.proxy.settings.load_section``
-reads the files; this dataclass's ``validate()`` does no I/O), so a bad object
-stops ``gatekeeper proxy`` with
-``FILE: proxy.flowControl: FlowSchema/NAME: spec.field: problem``.
+"""Typed ``proxy.flowControl`` section. ``validate()`` does no I/O (``gatekeeper.proxy.settings.load_section``
+reads ``files``), and a bad object stops the proxy at load as ``FILE: proxy.flowControl: FlowSchema/NAME: ...``.
 """
 
 from __future__ import annotations
@@ -24,8 +16,7 @@ DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,200}[a-z0-9])?$")
 
 @dataclass(frozen=True)
 class FleetSettings:
-    """Proxies in front of the same apiservers share every level's seats (``core/fleet.py``): each renews a
-    ``coordination.k8s.io/v1`` Lease and takes its share of the live fleet."""
+    """Proxies in front of the same apiservers share every level's seats through Leases (``core/fleet.py``)."""
 
     enabled: bool = False
     """Off: each proxy holds the whole budget (one proxy, or a budget meant per proxy)."""
@@ -34,9 +25,7 @@ class FleetSettings:
     namespace: str = "gatekeeper-system"
     """Where the Leases live. Only the proxies may write there (the chart's Role); no tenant may."""
     identity: str = ""
-    """This proxy's name in the fleet (and of its Lease, ``gatekeeper-proxy-<identity>``). Empty: the
-    ``NODE_NAME`` or ``POD_NAME`` environment variable (the chart sets them from the downward API), else the
-    host name."""
+    """This proxy's name in the fleet and its Lease; empty: ``NODE_NAME``, ``POD_NAME``, else the host name."""
     lease_duration_seconds: float = 15.0
     """A proxy whose Lease has not been renewed this long is gone; the others take its share one TTL later."""
     renew_interval_seconds: float = 5.0
@@ -62,8 +51,7 @@ class FleetSettings:
 
 @dataclass(frozen=True)
 class ExpensiveListSettings:
-    """A cap on expensive LISTs in flight per apiserver (``core/backendcap.py``): what protects an apiserver's
-    memory is what lands on it, not what the proxy sends in total."""
+    """Expensive LISTs per apiserver: what lands on one apiserver, not the proxy's total, decides its memory."""
 
     max_in_flight_per_backend: int = 0
     """At most this many expensive LISTs run on one apiserver at once; with the fleet on, across the fleet
@@ -85,8 +73,7 @@ class FlowControlSettings:
     enabled: bool = True
     """Classify, queue and limit requests before they reach a backend."""
     server_concurrency_limit: int = 600
-    """Total seats shared by the Limited levels in proportion to nominalConcurrencyShares (upstream's
-    --max-requests-inflight + --max-mutating-requests-inflight, 400 + 200)."""
+    """Seats shared by the Limited levels by nominalConcurrencyShares (upstream's default inflight, 400 + 200)."""
     queue_wait_seconds: float = 15.0
     """Longest a request waits in a queue before it gets 429 (reason time-out)."""
     retry_after_seconds: int = 1
@@ -94,19 +81,16 @@ class FlowControlSettings:
     bytes_per_seat: int = 8 << 20
     """A LIST costs one seat per this many bytes of its observed response size (min 1)."""
     max_seats: int = 10
-    """Most seats one request can cost (upstream's maximum is 10); also capped per level as upstream does
-    (``max(1, min(ceil(0.15 * levelLimit), levelLimit // handSize))``)."""
+    """Most seats one request can cost (upstream's maximum); also capped per level as upstream does."""
     list_bytes_cap: int = 1 << 30
     """Cap on estimated response bytes of all LISTs executing in limited levels (one may always run)."""
     storage_only_resources: list[str] = field(default_factory=list)
-    """Resources the apiservers keep no watch cache for (``--watch-cache-sizes=secrets#0``): their LISTs always
-    read etcd, so a selector LIST of them costs the whole collection (see ``listcost.py``)."""
+    """Resources without a watch cache (``--watch-cache-sizes=R#0``): their selector LISTs cost the whole collection."""
     watch_init_seconds: float = 2.0
     """A watch holds its seat until its first body bytes, or at most this long after its response head."""
     read_ahead_bytes_per_connection: int = 32 << 20
-    """A LIST's response is read from the apiserver ahead of its client, so its seats go back when the apiserver
-    has sent the last byte (``edge/readahead.py``): at most this many unsent bytes per client connection (one
-    chunk always). 0: no read ahead; a request holds its seats until its client has taken the response."""
+    """Unsent LIST bytes read ahead per client connection, so seats go back when the apiserver has sent the last
+    byte, not when a slow client took it (one chunk always). 0: no read ahead."""
     read_ahead_bytes: int = 256 << 20
     """All client connections' read-ahead bytes together, per worker process."""
     coalesce: bool = True
@@ -124,27 +108,20 @@ class FlowControlSettings:
     reload_interval_seconds: float = 2.0
     """How often the files are checked for changes (0 = only on SIGHUP)."""
     reload_timeout_seconds: float = 30.0
-    """A reload whose files are not read and validated within this long (a hung network mount; a 1 MiB file
-    takes seconds with the pure-Python parser on a loaded node) is given up: counted as failed, the running
-    policy stays, its late result is dropped, and the next reload runs on a fresh thread."""
+    """A reload not read and validated within this long (a hung mount) is given up; the running policy stays."""
     max_stuck_reloads: int = 2
-    """Given-up reloads whose threads may still run (each holds a thread and up to 1 MiB per file). With this
-    many, a new reload is not started (counted, reason ``stuck``) until one ends; it then starts by itself."""
+    """Given-up reloads whose threads (up to 1 MiB per file each) may still run; past it reloads wait (``stuck``)."""
     borrowing_adjustment_seconds: float = 10.0
-    """How often levels' current limits are re-divided by seat demand (lendablePercent/borrowingLimitPercent;
-    upstream's period is 10 s)."""
+    """How often levels' current limits are re-divided by seat demand (borrowing; upstream's period is 10 s)."""
     tokens: TokenSettings = field(default_factory=TokenSettings)
-    """Who bearer-token callers are, for classification and fair queuing only (tokens still go upstream
-    untouched and the apiserver authenticates them): ServiceAccount tokens verified locally, optional
-    TokenReview, and one shared flow per source address for tokens that cannot be verified."""
+    """Who bearer-token callers are, for classification and queuing only (the apiserver still authenticates)."""
     fleet: FleetSettings = field(default_factory=FleetSettings)
     """Several proxies in front of the same apiservers hold one budget through Leases (off by default)."""
     expensive_lists: ExpensiveListSettings = field(default_factory=ExpensiveListSettings)
     """Per-apiserver cap on expensive LISTs in flight (off by default)."""
     impersonators: ImpersonatorSettings = field(default_factory=ImpersonatorSettings)
-    """Callers (an authenticating proxy such as Pinniped or Teleport) whose ``Impersonate-User`` requests are
-    classified as the identity they impersonate, as the apiserver's APF does once it authorized them; everyone
-    else is classified as themselves (``gatekeeper.proxy.pipeline.impersonation`` says why). Empty by default."""
+    """Callers (Pinniped, Teleport) whose ``Impersonate-User`` requests are classified as the impersonated
+    identity, as upstream APF does once authorized; empty by default since any tenant could pick its FlowSchema."""
 
     def validate(self) -> None:
         for name in (

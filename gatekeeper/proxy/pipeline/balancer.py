@@ -1,35 +1,10 @@
-"""Which apiserver gets the next request (pure: no sockets, injectable clock and RNG).
+"""Which apiserver gets the next request (pure: no sockets, injectable clock and RNG); docs/proxy/index.md.
 
-The seeds' incident was a TCP load balancer that balanced *connections*: one
-apiserver ended with 37 long-lived HTTP/2 connections, another with
-thousands. Here every request is placed on its own:
-
-* **Least in-flight by power of two choices.** Pick two distinct eligible
-  backends at random (weighted), send to the one with fewer in-flight
-  requests per unit of weight. P2C avoids the herd that pure
-  least-in-flight causes when many proxies (or many requests between counter
-  updates) see the same minimum.
-* **Watches count as in-flight while they are open**, so long-lived streams
-  spread the same way short requests do.
-* **Active health** (``/readyz``, probed by the I/O edge): a backend failing
-  ``unhealthy_threshold`` probes in a row stops getting new requests; one
-  success brings it back.
-* **Passive ejection** on a failed connect (immediately: the backend is
-  unreachable) or on a 5xx storm (at least ``storm_min_responses`` responses in
-  ``storm_window_seconds`` with a 5xx share of at least ``storm_ratio``).
-  Ejections last ``base * 2**(n-1)`` seconds, capped, where ``n`` counts
-  ejections since the backend last stayed healthy for ``2 * max`` seconds.
-  A successful probe lifts a connect-failure ejection early (it proves the
-  backend accepts connections again); a 5xx ejection waits out its time.
-* **Panic mode.** If no backend is eligible, all backends not actively known
-  down (else simply all) are candidates: sending to a possibly-bad backend
-  beats answering 503 for the whole control plane. A 5xx storm never ejects
-  the last eligible backend.
-
-Skew is reported as in-flight ``max/min`` and request-rate ``max/min`` over a
-sliding window, across eligible backends, each computed as
-``(max + 1) / (min + 1)`` so that idle backends give 1.0 rather than a
-division by zero; 1.0 is perfectly even.
+The seeds' incident was a TCP balancer of *connections*: one apiserver ended with 37 long-lived HTTP/2
+connections, another with thousands. So every request is placed on its own, by power of two choices (pure
+least-in-flight herds when many proxies see the same minimum), with open watches counted as in flight. A
+connect-failure ejection is lifted by a successful probe; a 5xx one waits out its time. Skew ratios are
+``(max + 1) / (min + 1)`` so idle backends give 1.0, not a division by zero.
 """
 
 from __future__ import annotations
@@ -68,13 +43,8 @@ class EjectionPolicy:
 
 
 STORM_STATUSES = frozenset({500, 502, 503})
-"""The statuses a storm is made of. Not 504: kube-apiserver answers 504 when a deadline passed, and a client
-picks it: the ``timeout`` query parameter (``?timeout=1ns`` is answered 504 at once by the timeout filter,
-which runs before authentication, so to anonymous callers too) or a ``resourceVersion`` its watch cache has
-not reached ("Too large resource version", 504 after 3 s), on any read of the core group: one tenant's GETs
-would eject apiservers past :func:`stages.own_answer`. Its own deadline (``--request-timeout``, 60 s by
-default) is as long as ``upstream.responseHeaderTimeoutSeconds`` by default, which answers the client itself
-without feeding the detector."""
+"""The statuses a storm is made of. Not 504: any client can get one at once (``?timeout=1ns``, even anonymous,
+or a future ``resourceVersion``), so one tenant's GETs would eject apiservers."""
 
 
 class RateWindow:
@@ -247,8 +217,7 @@ class Balancer:
         return a if a.load <= b.load else b
 
     def acquire(self, backend: Backend, *, long_running: bool = False, caller: str = "") -> Lease:
-        """Count a request (or an open watch) against ``backend`` until the lease is released; a long-running
-        one is counted against ``caller`` too."""
+        """Count a request against ``backend`` (a long-running one against ``caller`` too) until released."""
         backend.in_flight += 1
         backend.requests_total += 1
         if long_running:

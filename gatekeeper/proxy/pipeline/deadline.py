@@ -1,22 +1,8 @@
 """Every request that is not long-running ends by a deadline: ``proxy.protocol.requestTimeoutSeconds``.
 
-kube-apiserver cuts such a request at its ``--request-timeout`` (60 s), whatever the client's read speed, and
-its APF seat goes with it. Without the same bound here a tenant reading a LIST a byte at a time held the
-priority level's seats for as long as it kept reading: two slow readers locked every tenant of the seeds'
-2-seat secret-LIST level out.
-
-* Exempt: what :attr:`RequestInfo.long_running` names (watches, ``logs -f``, exec, attach, port-forward,
-  proxy). A log read without ``follow`` is bounded, unlike upstream, which exempts every log: here it
-  would hold a seat.
-* The client's ``?timeout=`` (a Go duration, read as Go reads it) shortens the deadline, never lengthens
-  it; ``0`` or a negative value means the maximum; a value Go refuses is a 400 before anything runs, as
-  the apiserver answers.
-* The deadline counts from the request's arrival in the pipeline, queue wait included (upstream's
-  deadline filter sits outside APF too).
-
-What happens at the deadline is the adapters' part (``listen/h2_stream.py``, ``listen/h1.py``): before the
-response head a 504 ``Status``; after it, ``RST_STREAM CANCEL`` on HTTP/2 or a closed connection on
-HTTP/1.1. The upstream body is closed (the backend's stream cancelled) and the seats released either way.
+kube-apiserver cuts such a request at ``--request-timeout`` and its APF seat goes with it; without the same bound
+here two slow readers held the seeds' 2-seat secret-LIST level for as long as they kept reading. Semantics
+(exemptions, ``?timeout=``, what the client gets): docs/proxy/deadline.md.
 """
 
 from __future__ import annotations
@@ -35,13 +21,11 @@ INVALID_TIMEOUT = "invalid timeout specified in the request URL"
 """kube-apiserver's words for a ``timeout`` it cannot parse (the 400's message starts with them)."""
 
 SWEEP_SECONDS = 0.25
-"""How late a deadline may be met: one timer for all requests, not one per request (a TimerHandle made and
-cancelled per small GET costs 1.5-3 us; a dict entry 0.1 us)."""
+"""How late a deadline may be met: one timer for all requests is far cheaper than one per request."""
 
 
 def request_timeout(info: RequestInfo, target: str, maximum: float) -> float | None:
-    """Seconds this request may run, or None for a long-running one. Raises :class:`DurationError` for a
-    ``timeout`` Go cannot parse."""
+    """Seconds this request may run (None: long-running); :class:`DurationError` for a ``timeout`` Go refuses."""
     if info.long_running:
         return None
     _, _, query = target.partition("?")
@@ -55,13 +39,8 @@ def request_timeout(info: RequestInfo, target: str, maximum: float) -> float | N
 
 
 class Deadlines:
-    """The requests in flight with a deadline, and one sweeper that cancels the task of each one past it.
-
-    The task is the adapter's own (the h2 stream's, the h1 exchange's): the front stage registers
-    ``asyncio.current_task()``, and the adapter, seeing ``request.timed_out`` in its ``CancelledError``
-    handler, answers 504 or cuts the stream. A request leaves when the sweeper finds its task done (the
-    response written, the client gone): the hot path pays one dict insert, no callback and no removal.
-    """
+    """Requests with a deadline, and one sweeper that cancels the adapter's task of each past it (504 or a cut
+    stream); the sweeper also drops finished ones, so the hot path pays one dict insert."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
@@ -87,8 +66,7 @@ class Deadlines:
         self._armed.pop(id(request), None)
 
     def expired(self, now: float) -> list[tuple[ProxyRequest, asyncio.Task[object]]]:
-        """The requests past their deadline at ``now``, taken out of the registry with their tasks; finished
-        ones are dropped on the way."""
+        """The requests past their deadline at ``now`` with their tasks, taken out; finished ones dropped."""
         late: list[tuple[ProxyRequest, asyncio.Task[object]]] = []
         for key, (deadline, request, task) in list(self._armed.items()):
             if task.done():

@@ -1,28 +1,9 @@
 """Who a trusted impersonator's request is charged to, for flow control only (pure).
 
-kube-apiserver runs its impersonation filter before API Priority and Fairness: once the
-caller may impersonate, APF classifies and queues the request as the impersonated
-identity. An authenticating proxy in front of a cluster (Pinniped, Teleport, kube-oidc-proxy,
-Rancher) sends every end user's traffic that way, under its own one identity. Classified as
-that identity, all of its users shared one flow here, and none of them matched the
-FlowSchemas written for them (the seeds' "2 concurrent secret LISTs" for tenants) while the
-apiserver applied those very schemas.
-
-The proxy cannot know whether a caller may impersonate (that is the apiserver's
-authorization), and a caller who may not gets a 403 upstream before APF. Classifying every
-caller by the headers it chose would let any tenant pick its own FlowSchema here, an exempt
-one included, and pass the proxy's limits with requests the apiserver then refuses. So only
-the callers the operator names in ``flowControl.impersonators`` are classified as whom they
-impersonate; everyone else stays themselves (the README's "Flow control in the proxy" says so).
-
-:func:`impersonated` builds the identity the way the filter does
-(``staging/src/k8s.io/apiserver/pkg/endpoints/filters/impersonation``): the first
-``Impersonate-User`` value; every ``Impersonate-Group`` field is one group (no comma
-splitting); a ServiceAccount user name gets its two ServiceAccount groups when no group is
-given; ``system:authenticated`` is added unless a group names it or
-``system:unauthenticated``, and for ``system:anonymous`` ``system:unauthenticated`` instead.
-A header set the filter refuses (a group, extra or UID without a user: 400) impersonates
-nobody here either.
+kube-apiserver's APF classifies an authorized impersonation as the impersonated identity. The proxy cannot know
+who may impersonate, and trusting every caller's headers would let a tenant pick its FlowSchema (an exempt one
+included), so only ``flowControl.impersonators`` are trusted (docs/flowcontrol/index.md#impersonating-callers).
+:func:`impersonated` builds the identity exactly as upstream's impersonation filter does.
 """
 
 from __future__ import annotations
@@ -45,9 +26,8 @@ TOO_BROAD_GROUPS = frozenset({AUTHENTICATED, UNAUTHENTICATED, SA_ALL_GROUP})
 
 @dataclass(frozen=True)
 class ImpersonatorSettings:
-    """``proxy.flowControl.impersonators``: whose ``Impersonate-*`` requests are classified as the identity they
-    impersonate (only callers the apiserver lets impersonate belong here; the headers still go upstream and the
-    apiserver authorizes them)."""
+    """``proxy.flowControl.impersonators``: whose ``Impersonate-*`` requests count as the impersonated identity
+    (the headers still go upstream, and the apiserver authorizes them)."""
 
     users: list[str] = field(default_factory=list)
     """User names, as the apiserver sees them (a ServiceAccount: ``system:serviceaccount:<namespace>:<name>``)."""

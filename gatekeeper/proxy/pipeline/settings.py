@@ -33,8 +33,7 @@ class DeadlineAccess(Protocol):
 
 
 class PipelineSettings(Protocol):
-    """What ``stages.build`` reads: the backends, the upstream client's settings, who may read ``/metrics``, the
-    requests' deadline."""
+    """What ``stages.build`` reads: backends, upstream settings, ``/metrics`` readers, the requests' deadline."""
 
     @property
     def backends(self) -> list[BackendSettings]: ...

@@ -1,18 +1,8 @@
 """Everything after the protocol adapters: identity -> RequestInfo -> [flow control] -> balancer + upstream.
 
-The pipeline is a list of middlewares ``(request, next) -> response`` ending
-in :class:`Dispatcher`, the handler that picks a backend and forwards. Flow
-control plugs in as one middleware between RequestInfo and the dispatcher
-(``build(..., flow_control=...)``): it sees ``request.user`` and
-``request.info`` already filled, and whatever it returns goes back to the
-client.
-
-The dispatcher makes no assumption that one call serves one client: flow
-control may coalesce identical LISTs and call it once for many. Everything it
-holds for a request (the backend lease, the pooled connection) is released
-when the returned body is exhausted or closed, or when ``finish()`` is called
-on the response, whichever comes first, so the caller only has to drive or
-drop the body it got.
+Flow control may coalesce identical LISTs and call the dispatcher once for many, so everything the dispatcher
+holds (backend lease, pooled connection) is released when the body is exhausted or closed or ``finish()`` is
+called: the caller only has to drive or drop the body it got.
 """
 
 from __future__ import annotations
@@ -46,8 +36,7 @@ upstream_log = rejections.RateLimitedLog(log, rejections.LOG_INTERVAL)
 
 SAFE_METHODS = frozenset({"GET", "HEAD"})
 RELAYED_SUBRESOURCES = frozenset({"proxy", "log", "exec", "attach", "portforward"})
-"""Subresources whose answer the apiserver relays from another server: a pod, a service's endpoints, a node's
-kubelet."""
+"""Subresources whose answer the apiserver relays from another server (a pod, endpoints, a kubelet)."""
 BUILTIN_GROUPS = frozenset({
     "admissionregistration.k8s.io", "apiextensions.k8s.io", "apiregistration.k8s.io", "apps",
     "authentication.k8s.io", "authorization.k8s.io", "autoscaling", "batch", "certificates.k8s.io",
@@ -55,30 +44,14 @@ BUILTIN_GROUPS = frozenset({
     "internal.apiserver.k8s.io", "networking.k8s.io", "node.k8s.io", "policy", "rbac.authorization.k8s.io",
     "resource.k8s.io", "scheduling.k8s.io", "storage.k8s.io", "storagemigration.k8s.io",
 })
-"""API groups kube-apiserver serves itself (never an APIService of another server). A group missing here
-only makes the 5xx storm detector see less; ``metrics.k8s.io`` and the custom/external metrics groups are
-aggregated servers and stay out."""
+"""API groups kube-apiserver serves itself (no aggregated ones); one missing only makes the storm detector see less."""
 
 
 def own_answer(method: str, info: requestinfo.RequestInfo) -> bool:
-    """Whether a 5xx answer to this request says something about the apiserver itself, so that it may feed
-    the 5xx storm detector (an ejection for every client).
-
-    Not when the status is another server's, because a tenant decides those:
-    * relayed subresources (the ``proxy`` verb; ``proxy``, ``log``, ``exec``, ``attach``, ``portforward``):
-      a Service without endpoints is answered 503 at once, and a tenant's pod can answer 503 to anything;
-    * API groups outside :data:`BUILTIN_GROUPS` (aggregated APIs, custom resources): an APIService whose
-      server is down is answered 503 by every apiserver to any authenticated caller (``/apis/<group>`` is
-      open to everyone for discovery), and so is ``/openapi/v3/apis/<group>/<version>``, which the
-      aggregator relays to that server.
-    * writes (anything but GET and HEAD): they go through admission, and a webhook that cannot be called
-      (failurePolicy Fail) makes every apiserver answer the writes it matches with 500, which a tenant meets
-      as often as it writes into its own namespace; ejecting an apiserver for the webhook's state only moves
-      load to the others.
-    Counted, 60 such answers in 10 s from one tenant ejected 2 of the sandbox's 3 apiservers, sending every
-    client's traffic to the last one. The apiserver's own failures (storage, its own overload) still show on
-    reads of the core and built-in groups and of the non-resource paths.
-    """
+    """Whether a 5xx answer says something about the apiserver itself, so it may feed the storm detector. Not when
+    a tenant decides the status, else one tenant could empty the rotation: relayed subresources (a Service without
+    endpoints is a 503), groups outside :data:`BUILTIN_GROUPS` (a down APIService is a 503 to anyone), and writes
+    (a failing admission webhook makes every apiserver answer 500)."""
     if info.verb == "proxy" or info.subresource in RELAYED_SUBRESOURCES:
         return False
     if method not in SAFE_METHODS:
@@ -118,8 +91,7 @@ def _refuse_target(request: ProxyRequest) -> ProxyResponse | None:
 
 
 def _establish_identity(request: ProxyRequest) -> ProxyResponse | None:
-    """Drop Connection-named and client-sent X-Remote-* headers and set ``request.user``; or refuse an
-    unclean certificate name (auth.py)."""
+    """Drop Connection-named and client-sent X-Remote-* headers and set ``request.user``, or refuse its name."""
     bad = auth.bad_certificate_names(request.peer_cert, request.connection_memo)
     if bad:
         rejections.reject("bad_identity", f"{request.peer}: {bad}")
@@ -130,14 +102,8 @@ def _establish_identity(request: ProxyRequest) -> ProxyResponse | None:
 
 
 def _metrics_page_for(metrics_groups: Collection[str]) -> Callable[[ProxyRequest], Awaitable[ProxyResponse]]:
-    """``GET /metrics`` on the main port is the proxy's own page (per-backend counts), for admins only.
-
-    The page names every backend and the callers' resources, so on the client-facing port it
-    is served only to verified client-certificate users in one of ``metrics_groups``
-    (``proxy.listener.metricsGroups``, default ``system:masters``); anyone else gets a 403
-    Status. Token callers cannot be checked here (only the apiserver can read a token);
-    Prometheus scrapes the plain ``listener.metricsPort`` listener, bound to loopback.
-    """
+    """``GET /metrics`` on the main port: it names every backend and callers' resources, so only verified
+    client-certificate users in ``metrics_groups`` get it (a token cannot be checked here); others a 403."""
     allowed = frozenset(metrics_groups)
     needs = ", ".join(sorted(allowed)) or "(none: proxy.listener.metricsGroups is empty)"
 
@@ -163,9 +129,7 @@ def _is_local(request: ProxyRequest) -> bool:
 
 
 async def resolve_token(identities: TokenIdentities, request: ProxyRequest) -> str:
-    """Who a bearer-token caller is, for classification, fair queuing, its long-running cap and its upstream
-    connection: a verified ServiceAccount (or TokenReview) identity, else one shared flow per source address.
-    The token itself goes upstream untouched; the apiserver authenticates it. Returns the credential."""
+    """Who a bearer-token caller is, for classification, queuing and caps (the token goes upstream untouched)."""
     credential = auth.bearer_credential(request.headers)
     who = identities.cached(credential, request.connection_memo) or await identities.resolve(credential)
     request.identity = who
@@ -176,12 +140,8 @@ async def resolve_token(identities: TokenIdentities, request: ProxyRequest) -> s
 
 def front_for(metrics_groups: Collection[str], deadlines: Deadlines | None = None,
               request_timeout_seconds: float = 60.0, identities: TokenIdentities | None = None) -> Middleware:
-    """The front stage: refuse targets that could steer or mis-classify the request (target.py), answer
-    ``OPTIONS *``, establish who the caller is (auth.py; a token caller's identity through ``identities``),
-    parse RequestInfo once, answer ``/metrics``, and set the request's deadline (deadline.py).
-
-    Everything after it (flow control or not) sees the same caller: turning flow control off changes no
-    routing. One coroutine per request for all of it (each stage of a chain costs a coroutine and an await)."""
+    """The front stage: target checks, ``OPTIONS *``, the caller, RequestInfo, ``/metrics``, the deadline; one stage
+    so everything after it sees the same caller whether flow control is on or not."""
     own_page = _metrics_page_for(metrics_groups)
     deadlines = deadlines or Deadlines()
 
@@ -206,8 +166,7 @@ def front_for(metrics_groups: Collection[str], deadlines: Deadlines | None = Non
         if response.upgraded is not None:
             deadlines.disarm(request)  # the 101 starts a tunnel (exec, attach, port-forward): not a request
         if credential and request.token_verified and response.status == 401:
-            # Verified here (signature, expiry) but refused by the apiserver: revoked, or the pod or secret it
-            # is bound to is gone. Its later requests are classified as unverified.
+            # Verified here but refused upstream (revoked, or its pod or secret gone): later requests are unverified.
             identities.refused_upstream(credential)  # type: ignore[union-attr]
         return response
 
@@ -222,8 +181,7 @@ def chain(middlewares: Sequence[Middleware], final: Handler) -> Handler:
 
 
 def _bind(mw: Middleware, next_handler: Handler) -> Handler:
-    """``request -> mw(request, next_handler)``, returning the middleware's own awaitable (no extra
-    coroutine per stage and request)."""
+    """``request -> mw(request, next_handler)`` without an extra coroutine per stage and request."""
     return lambda request: mw(request, next_handler)
 
 
@@ -241,11 +199,7 @@ def _forwarded_for(headers: Headers, peer: str) -> Headers:
 
 
 def upstream_headers(headers: Headers, user: UserInfo, peer: str) -> Headers:
-    """``_forwarded_for(auth.upstream_identity_headers(headers, user), peer)`` in one pass over ``headers``.
-
-    Client-sent ``X-Remote-*`` go, the proxy's identity assertion is added, and the client
-    address is appended to X-Forwarded-For (the only copy, last).
-    """
+    """``_forwarded_for(auth.upstream_identity_headers(headers, user), peer)`` in one pass over ``headers``."""
     out: Headers = []
     prior: list[str] = []
     for k, v in headers:
@@ -275,13 +229,8 @@ class Dispatcher:
         self.max_long_running_per_caller = max_long_running_per_caller
 
     def _over_long_running_cap(self, request: ProxyRequest, caller: str) -> ProxyResponse | None:
-        """A 429 when ``caller`` already holds its share of long-running requests, else None.
-
-        Watches run outside every seat once set up, and each holds a connection of the long-running pool
-        and proxy memory until the apiserver's watch timeout (30-60 min), then is opened again: without a
-        bound, one tenant's streams could hold the whole pool, and every other client's watch waited for a
-        free connection and got a 503.
-        """
+        """A 429 when ``caller`` holds its share of long-running requests: watches run outside every seat and hold
+        a pooled connection for 30-60 min, so unbounded one tenant could take the whole pool."""
         cap = self.max_long_running_per_caller
         held = self.balancer.long_running_of(caller)
         if not cap or held < cap:
@@ -300,8 +249,7 @@ class Dispatcher:
         long_running = info.long_running or upgrade
         caller = ""
         if long_running:
-            # The front stage's caller (a verified token's identity, an unverified token's per-address flow)
-            # or whom an allowed impersonator acts for; else the certificate or anonymous name.
+            # The front stage's caller or whom an allowed impersonator acts for; else the certificate or anonymous.
             caller = request.caller or user.name
             refused = self._over_long_running_cap(request, caller)
             if refused is not None:
@@ -361,10 +309,8 @@ class Dispatcher:
 
     def _failed(self, request: ProxyRequest, info: requestinfo.RequestInfo, backend: Backend,
                 exc: Exception) -> ProxyResponse:
-        """The answer to an exchange that failed after connecting, and what the failure says about the backend.
-
-        Error bodies name the backend by its configured name and a short cause; exception details (addresses,
-        SSLContext reprs) go to the log only."""
+        """The answer to an exchange that failed after connecting, and what it says about the backend. Exception
+        details (addresses, SSLContext reprs) go to the log only, not to the client."""
         what = f"{request.method} {request.target[:200]}"
         if isinstance(exc, up.PoolTimeout):
             rejections.reject("pool_timeout", str(exc))
@@ -380,8 +326,7 @@ class Dispatcher:
             return error_response(500, "InternalError", f"gatekeeper proxy: {exc}")
         metrics.UPSTREAM_ERRORS.labels(backend.name, "backend").inc()
         if isinstance(exc, up.RequestResetByBackend):
-            # This request's stream, not the backend: a 5xx answer for the storm detector, no ejection (one
-            # malformed GET per apiserver from any client used to empty the rotation).
+            # This request's stream, not the backend: no ejection, else any client's malformed GETs empty the rotation.
             if own_answer(request.method, info):
                 self.balancer.report_response(backend, 502)
             upstream_log.warning(f"reset:{backend.name}", f"{what} on {backend.name}: {exc}")
@@ -485,8 +430,7 @@ def build(
     policy: EjectionPolicy | None = None,
     balancer: Balancer | None = None,
 ) -> Pipeline:
-    """target -> identity -> RequestInfo -> local /metrics -> deadline (one stage, front_for) -> flow control (optional)
-    -> dispatcher."""
+    """target -> identity -> RequestInfo -> /metrics -> deadline (one front stage) -> [flow control] -> dispatcher."""
     balancer = balancer or Balancer(settings.backends, policy=policy)
     clients = {b.name: BackendClient(b.name, b.url, settings.upstream) for b in balancer.backends}
     deadlines = Deadlines()

@@ -1,14 +1,8 @@
 """Expensive LISTs in flight per apiserver: what lands on one apiserver, not what the proxy sends in total.
 
-A priority level's seats bound how many LISTs run at once, but the balancer places each on any apiserver: two
-of them, or two proxies' ones, can land on the same apiserver and together hold its memory. With a cap, a LIST
-whose estimated response reaches ``minBytes`` starts only when some eligible apiserver has fewer than its
-limit in flight; flow control reserves that apiserver for it and the dispatcher sends it there. It waits in its
-queue until then (the queue's wait bound and 429 apply), and its slot goes back when the apiserver has sent
-the last byte, as its seats do. In a fleet each apiserver's slots are dealt out among the proxies
-(``fleet.FleetShare.backend_slots``), so they add up to the cap on every apiserver. They are dealt over the
-apiservers eligible now: when one is down, its slots are not handed to the others (that would be the seeds'
-cascade), but the proxies that owned them get slots on the rest, so none is left unable to LIST.
+Seats bound how many LISTs run, but the balancer may put two (or two proxies') on one apiserver and exhaust its
+memory. Slots are dealt over the apiservers eligible now: a down one's slots are not handed to the others, which
+would be the seeds' cascade (docs/flowcontrol/index.md#expensive-lists-per-apiserver).
 """
 
 from __future__ import annotations

@@ -1,27 +1,7 @@
-"""Seat borrowing between priority levels, as upstream APF does it (pure; time passed in).
+"""Seat borrowing between priority levels, as upstream APF (``apf_controller.go``) does it; pure, time passed in.
 
-Per Limited level, from its object and its nominal limit (``apf_controller.go``):
-
-    lendableCL  = round(nominalCL * lendablePercent / 100)
-    borrowingCL = round(nominalCL * borrowingLimitPercent / 100)   (no limit given: serverConcurrencyLimit)
-    minCL = nominalCL - lendableCL          maxCL = nominalCL + borrowingCL
-    initial currentCL = nominalCL - lendableCL // 2
-
-Seat demand (seats executing + seats of waiting requests) is integrated over
-time. Every ``borrowingAdjustmentSeconds`` (upstream: 10 s) each level's
-period gives an average, a standard deviation and a high watermark, and
-
-    envelope = avg + stddev
-    smoothed = max(envelope, 0.977 * smoothed + 0.023 * envelope)
-    lower    = max(minCL, min(nominalCL, highWatermark))
-    target   = max(lower, smoothed)
-
-Then one ``fairFrac`` is found such that the allocations
-``clamp(fairFrac * target, lower, maxCL)`` sum to the sum of the nominal
-limits, and ``currentCL = round(allocation)``. An idle level thus lends
-down to its ``minCL`` and a busy one borrows up to its ``maxCL``; the total
-never exceeds the nominal total. Exempt levels take no part (they have no
-limit here; upstream also counts their demand against the others).
+Formulas: docs/flowcontrol/seats.md#borrowing. The total never exceeds the nominal total. Exempt levels take no
+part (upstream also counts their demand against the others).
 """
 
 from __future__ import annotations
@@ -39,8 +19,7 @@ MIN_TARGET = 0.001
 
 
 def go_round(x: float) -> int:
-    """Go's math.Round (half away from zero) for the non-negative numbers used here; Python's round()
-    rounds half to even, which would differ from upstream at exact halves."""
+    """Go's math.Round (half away from zero): Python's round() rounds half to even, unlike upstream."""
     return math.floor(x + 0.5)
 
 
@@ -128,13 +107,8 @@ class Item:
 
 
 def allocate(required: float, items: Sequence[Item]) -> tuple[list[float], float]:
-    """The allocations (summing to ``required``) and fairFrac, as upstream's computeConcurrencyAllocation.
-
-    Each allocation is ``clamp(fairFrac * target, lower, upper)``; the sum is
-    non-decreasing in fairFrac, so fairFrac is found by bisection. When the
-    bounds cannot reach ``required`` the closest bound set is returned.
-    Raises ValueError for an item with ``upper < lower`` or ``lower < 0``.
-    """
+    """The allocations (summing to ``required``) and fairFrac, as upstream's computeConcurrencyAllocation, by
+    bisection. Raises ValueError for ``upper < lower`` or ``lower < 0``."""
     for it in items:
         if it.lower < 0 or it.upper < it.lower:
             raise ValueError(f"bad allocation bounds {it}")

@@ -1,10 +1,5 @@
-"""The flow-control decision core: classify, estimate, queue, dispatch (no sockets, asyncio or clock).
-
-The async middleware (``middleware.py``) calls :meth:`FlowController.admit`
-for each request and then :meth:`finish` / :meth:`release_seats` /
-:meth:`cancel` / :meth:`expire` as things happen; each call returns the
-tickets that were dispatched as a consequence, and the caller wakes them.
-Time is always passed in, so tests drive the whole thing deterministically.
+"""The flow-control decision core: classify, estimate, queue, dispatch (no sockets, asyncio or clock, so tests
+are deterministic); every call returns the tickets it dispatched, for the caller to wake.
 """
 
 from __future__ import annotations
@@ -25,9 +20,7 @@ from gatekeeper.proxy.flowcontrol.core.seats import SizeEstimator
 
 @functools.lru_cache(maxsize=8192)
 def flow_hash(schema: str, distinguisher: str) -> int:
-    """flow = hash(schema name, distinguisher): a 64-bit value that deals the flow's hand of queues.
-
-    Pure, so memoized: the same few flows (users, namespaces) come back all the time."""
+    """flow = hash(schema name, distinguisher): 64 bits that deal the flow's hand of queues (memoized)."""
     digest = hashlib.sha256(schema.encode() + b"\x00" + distinguisher.encode()).digest()
     return int.from_bytes(digest[:8], "big")
 
@@ -75,14 +68,12 @@ class FlowController:
         self.now = 0.0
         """Latest time seen; used when a caller does not pass one."""
         self.share_of: FleetShare | None = None
-        """This proxy's place in a fleet that shares the budget (``fleet.py``): its part of each Limited level's
-        nominal seats and of each apiserver's expensive-LIST slots."""
+        """This proxy's part of a fleet's budget (``fleet.py``): level seats and expensive-LIST slots per apiserver."""
         self.update(policy, self.limits)
 
     def update(self, policy: Policy, limits: LevelLimits | None = None) -> list[Ticket]:
-        """Swap in a new policy. Levels keep their queues when their shape is unchanged; otherwise the
-        old queues drain (their waiting requests are still served) while new requests use the new ones.
-        Returns requests dispatched because limits grew."""
+        """Swap in a new policy. Levels of unchanged shape keep their queues; otherwise the old queues drain while
+        new requests use the new ones. Returns requests dispatched because limits grew."""
         if limits is not None:
             self.limits = limits
             self.estimator.bytes_per_seat, self.estimator.max_seats = limits.bytes_per_seat, limits.max_seats
@@ -117,9 +108,7 @@ class FlowController:
 
     # -- borrowing ------------------------------------------------------------------------------
     def adjust(self, now: float) -> list[Ticket]:
-        """Upstream's periodic borrowing step: close every level's seat-demand period, update its
-        statistics, and re-divide the nominal total into current limits (``borrowing.py``).
-        Returns requests dispatched because a limit grew."""
+        """Upstream's periodic borrowing step (``borrowing.py``). Returns requests dispatched because a limit grew."""
         self.now = max(self.now, now)
         for name in self.bounds:
             lv = self.levels[name]
@@ -161,19 +150,8 @@ class FlowController:
         shape: ListShape | None = None,
         single: bool = False,
     ) -> tuple[Ticket, FlowSchema, list[Ticket]]:
-        """Classify and submit one request.
-
-        ``user_key`` is the ByUser distinguisher (defaults to the user name);
-        ``key`` is the coalescing key (only given for LISTs that may be merged).
-        ``exempt_ok=False`` (a caller whose token could not be verified) turns a
-        match on an Exempt level into the catch-all: an unauthenticated
-        request never reaches an exempt level upstream either (it gets its 401
-        first), so an unverifiable token must never skip the queues here.
-        ``shape`` (a LIST's options) and ``single`` (a LIST narrowed to one name)
-        refine the LIST's cost (``listcost.py``).
-        Returns the ticket (state executing, queued or rejected), its schema,
-        and every ticket dispatched by this call.
-        """
+        """Classify and submit one request; returns its ticket, its schema and every ticket dispatched.
+        ``exempt_ok=False`` (an unverifiable token) never reaches an Exempt level: upstream it gets its 401 first."""
         fs, pl = self.policy.classify(user, ri)
         if pl.exempt and not exempt_ok:
             fs, pl = self.policy.catch_all()

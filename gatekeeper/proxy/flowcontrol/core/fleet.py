@@ -1,25 +1,10 @@
 """A fleet of proxies holds one budget: who is alive, how many seats of each level this proxy may use.
 
-Every proxy in front of the same apiservers renews a ``coordination.k8s.io/v1`` Lease of its own and lists its
-fleet's Leases (``edge/fleet.py``). This module turns those listings into a fleet size and this proxy's share of
-every priority level's seats. Pure: the clock comes in as an argument.
-
-* **Alive** is judged by the local clock, as client-go's leader election judges it: a Lease is alive while its
-  ``renewTime`` changed less than its ``leaseDurationSeconds`` ago *as seen here*. Clocks of different nodes never
-  get compared; a Lease first seen counts as fresh, so a stale one counts for at most one TTL (a smaller share
-  meanwhile: the safe direction).
-* **Shares**: a level of ``L`` seats over ``n`` proxies gives each ``L // n``, and the ``L % n`` left over go one
-  each to the proxies whose rank (place in the sorted identities, rotated by a hash of the level's name, so the
-  extras of different levels land on different proxies) is below ``L % n``. Never below 1: a proxy with 0 seats
-  would answer every request of the level with a 429 its clients, pinned to it by their long-lived connections,
-  cannot escape. The overshoot is stated: a level holds at most ``max(L, n)`` seats fleet-wide (the seeds' 2
-  secret-LIST seats over 3 proxies: 3).
-* **Shrinking waits, growing does not**: a fleet that grows (a proxy joins) takes effect at once, so the budget
-  is never overrun; a fleet that shrinks gives the survivors more when the gone proxy's Lease expires (a TTL
-  after its last renewal), and at most once per TTL, so a flapping proxy cannot make the others' shares
-  swing faster than that.
-* **Partition**: a proxy that has not renewed its own Lease for a TTL cannot know who else is alive. It assumes
-  the larger of the last fleet it saw and ``fallbackMembers``: a conservative share, never "unlimited".
+Pure, the clock passed in (docs/deploy/proxy.md#one-budget-for-the-fleet). Liveness is judged by the local clock,
+as client-go's leader election does, so clocks of different nodes are never compared. Every proxy keeps at least
+1 seat (a 0 would 429 clients pinned to it by long-lived connections), so a level holds at most ``max(L, n)``.
+Growth applies at once so the budget is never overrun; shrinking waits a TTL. A partitioned proxy assumes the
+larger of its last fleet and ``fallbackMembers``, never "unlimited".
 """
 
 from __future__ import annotations
@@ -63,10 +48,8 @@ class FleetShare:
         return share(limit, self.size, self.rank, level)
 
     def backend_slots(self, cap: int, backends: Sequence[str]) -> dict[str, int]:
-        """This proxy's part of a cap of ``cap`` expensive LISTs per apiserver: the fleet's ``cap`` slots of
-        every apiserver are dealt out one by one, so each apiserver's slots add up to exactly ``cap``. Unlike a
-        level's seats, a proxy may own no slot of an apiserver (it still has others); only one that owns none
-        at all (more proxies than slots) gets one, the spare proxies spread evenly (``backend_bound``)."""
+        """This proxy's part of ``cap`` expensive LISTs per apiserver: each apiserver's slots are dealt out one
+        by one so they add up to exactly ``cap``; only a proxy owning none at all gets a spare (``backend_bound``)."""
         if self.size <= 1 or not backends:
             return dict.fromkeys(backends, cap)
         salt = _salt("expensive-lists-per-backend")
@@ -149,8 +132,7 @@ class Membership:
             if wanted != current:
                 self._applied, self._applied_at = wanted, now
             return wanted
-        # The fleet shrank (a Lease expired, which already took a TTL): the survivors take more at most once per
-        # TTL, so a proxy that keeps coming and going cannot make their shares swing faster than that.
+        # Shrinking gives the survivors more at most once per TTL, so a flapping proxy cannot make shares swing.
         if now - self._applied_at >= self.ttl:
             self._applied, self._applied_at = wanted, now
             return wanted

@@ -1,31 +1,8 @@
 """What a LIST will make the apiserver read, from the request's shape (pure).
 
-Follows upstream's ``list_work_estimator.go`` (size-based estimate) and the
-watch cache's delegation rules (``cacher/delegator``,
-``ShouldDelegateListMeta``) for whether storage (etcd) or the watch cache
-serves the LIST:
-
-* ``resourceVersionMatch=NotOlderThan``: watch cache;
-* ``resourceVersionMatch=Exact``: storage;
-* no match given: ``limit`` plus a ``resourceVersion`` other than ""/"0"
-  (legacy exact read), or a ``continue`` token: storage; otherwise
-  (``resourceVersion`` "" is a consistent read, served from the cache since
-  ConsistentListFromCache; "0" is any-version) the watch cache;
-* a resource listed in ``storageOnlyResources`` (``--watch-cache-sizes=R#0``
-  on the apiservers) always reads storage.
-
-Objects the apiserver holds in memory for it, as upstream counts them
-(``limited`` = min(limit, all objects)):
-
-* a ``metadata.name=`` field selector (RequestInfo name set): one object;
-* from the watch cache: ``limited`` (the cache filters selectors in memory);
-* from storage with a label or field selector: every object is read and
-  decoded to be filtered, so the full collection (upstream's count-based
-  estimator also charges ``all + limited``);
-* from storage without a selector: ``limited``.
-
-The proxy then turns objects into bytes with what it has learnt (``seats.py``):
-the size of the whole collection, and the size of one object.
+Follows upstream's ``list_work_estimator.go`` and the watch cache's delegation rules (``ShouldDelegateListMeta``)
+for storage vs watch cache; a storage LIST with a selector decodes every object to filter it, so it costs the
+whole collection (docs/flowcontrol/seats.md).
 """
 
 from __future__ import annotations
@@ -54,11 +31,7 @@ FULL = ListShape()
 
 @functools.lru_cache(maxsize=4096)
 def list_shape(target: str) -> ListShape:
-    """The LIST options that decide its cost, from the raw request target (memoized: targets repeat).
-
-    The query is read as the apiserver reads it (``requestinfo.query_values``, Go's rules), so an
-    option the apiserver drops (``limit=1;``) is not one this estimate counts on.
-    """
+    """The LIST options that decide its cost, read by the apiserver's Go query rules (it drops ``limit=1;``)."""
     query = target.partition("?")[2].partition("#")[0]
     if not query:
         return FULL
@@ -96,8 +69,7 @@ def from_storage(shape: ListShape, storage_only: bool = False) -> bool:
 
 
 def list_bytes(shape: ListShape, full: float, per_object: float | None, *, single: bool, storage: bool) -> float:
-    """Bytes the apiserver will hold for this LIST: ``full`` is the learnt size of the whole collection,
-    ``per_object`` the learnt size of one object (None until learnt)."""
+    """Bytes the apiserver will hold for this LIST, from the learnt collection and per-object (None: unknown) sizes."""
     if single:
         return per_object if per_object is not None else 0.0
     limited = full
@@ -112,11 +84,8 @@ _CONTINUE = re.compile(rb'"continue"\s*:\s*"([^"]*)"')
 
 
 def continued_response(head: bytes, content_type: str) -> bool | None:
-    """Whether a LIST response carries a continue token (more pages follow), from its first bytes.
-
-    JSON lists put ``metadata`` (and so ``continue``) before ``items``; for other
-    encodings (protobuf) the answer is None: unknown.
-    """
+    """Whether a LIST response carries a continue token, from its first bytes: JSON puts ``metadata`` before
+    ``items``; for protobuf the answer is None (unknown)."""
     if "json" not in content_type:
         return None
     items = head.find(b'"items"')

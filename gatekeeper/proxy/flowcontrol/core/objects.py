@@ -1,20 +1,8 @@
 """FlowSchema and PriorityLevelConfiguration objects in the ``flowcontrol.apiserver.k8s.io/v1`` shape.
 
-Operators paste the objects they already run in their apiservers, so the
-input is the Kubernetes object (apiVersion/kind/metadata/spec) as a plain
-mapping; this module validates it the way the apiserver's validation does and
-turns it into small frozen dataclasses the classifier and queues use. Every
-error names the object and the field (``FlowSchema/secrets-list:
-spec.rules[0].subjects[0].kind: ...``) because a policy file usually holds
-many objects.
-
-``metadata`` other than ``name``/``uid`` and any ``status`` are ignored (a
-``kubectl get -o yaml`` dump loads as-is); unknown keys under ``spec`` are
-errors, as with ``kubectl apply --validate=strict``. v1beta3 objects are
-accepted too: their fields mean the same.
-
-Borrowing (``lendablePercent``/``borrowingLimitPercent``) is range-checked here
-and applied by the controller (``borrowing.py``).
+Validated as the apiserver does; errors name object and field because a policy file holds many objects.
+``metadata`` other than name/uid and ``status`` are ignored so a ``kubectl get -o yaml`` dump loads as-is; unknown
+``spec`` keys are errors (as ``--validate=strict``). v1beta3 is accepted: its fields mean the same.
 """
 
 from __future__ import annotations

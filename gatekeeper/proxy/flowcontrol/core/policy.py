@@ -1,28 +1,9 @@
 """A complete flow-control policy: validated objects, built-in defaults, and classification.
 
-Classification follows upstream APF exactly (``k8s.io/apiserver/pkg/util/flowcontrol``):
-
-* FlowSchemas are tried in order of ``matchingPrecedence`` (lowest first), ties
-  broken by name; the first whose any rule matches wins.
-* A rule matches when any subject matches the user AND, for a resource
-  request, any resourceRule matches, or for a non-resource request any
-  nonResourceRule matches.
-* Subjects: User name or ``*``; Group name or ``*``; ServiceAccount
-  namespace + name (``*`` for any name in that namespace), matched against
-  ``system:serviceaccount:<ns>:<name>`` user names.
-* resourceRules: ``*`` as the only member means every value; resources are
-  compared as ``resource`` or ``resource/subresource`` (so ``pods`` does not
-  match ``pods/log``); a request without a namespace matches only when
-  ``clusterScope`` is true, otherwise the namespace must be listed (or ``*``).
-* nonResourceURLs: ``*``, an exact path, or a prefix: ``/healthz/*`` matches
-  ``/healthz/etcd`` (upstream also treats a plain ``/healthz`` rule as the
-  prefix ``/healthz/``).
-
-Built-in objects exist unless the operator supplies an object of the same name:
-the ``exempt`` level with FlowSchemas for ``system:masters`` and the health
-endpoints, and the ``catch-all`` level/FlowSchema (upstream's mandatory pair;
-the catch-all subject here is Group ``*`` so it matches whatever identity the
-proxy settles on, verified or not).
+Classification follows upstream APF exactly (``k8s.io/apiserver/pkg/util/flowcontrol``): e.g. ``pods`` does not
+match ``pods/log``, a namespace-less request matches only ``clusterScope``, and ``/healthz`` also matches as the
+prefix ``/healthz/``. Built-ins (``exempt`` and ``catch-all``) apply unless an object of the same name is given;
+the catch-all subject is Group ``*`` so it matches whatever identity the proxy settles on.
 """
 
 from __future__ import annotations
@@ -264,10 +245,7 @@ def split_objects(docs: Iterable[Any], source: str) -> list[tuple[str, Any]]:
 
 
 def build_policy(objects: Iterable[tuple[str, Any]], server_concurrency_limit: int) -> Policy:
-    """Validate objects (label, mapping), add built-ins, cross-check, and compute nominal limits.
-
-    Raises ObjectError naming the object and field.
-    """
+    """Validate objects (label, mapping), add built-ins, cross-check, and compute nominal limits."""
     schemas: dict[str, FlowSchema] = {}
     levels: dict[str, PriorityLevel] = {}
     for label, obj in objects:

@@ -1,23 +1,8 @@
-"""One priority level's seats and queues: shuffle sharding plus fair queuing, no I/O, no clock.
+"""One priority level's seats and queues: shuffle sharding plus fair queuing by seats, as upstream; no I/O, no clock.
 
-Queue choice (upstream's shuffle sharding): the flow's 64-bit hash deals a
-hand of ``handSize`` distinct queues out of ``queues``; the request joins the
-queue in the hand with the fewest seats waiting plus executing (first dealt
-wins ties). Different flows rarely share a whole hand, so a flood stays in its
-own few queues.
-
-Dispatch is start-time fair queuing by seats: a request gets a virtual start
-tag ``max(V, finish tag of the previous request in its queue)`` and a finish
-tag ``start + seats``; whenever seats are free, the queue whose head has the
-smallest finish tag goes next (ties rotate), and ``V`` moves to that head's
-start tag. A queue holding a thousand requests of one flow therefore gets the
-same share of dispatches as a queue holding one request of another flow. The
-head of the chosen queue is not skipped when it does not fit (a wide LIST
-waits for seats rather than starving behind narrow requests), as upstream does.
-
-Coalescing: when a request with a coalescing key is dispatched, every request
-with the same key still waiting anywhere in this level joins it, leaves its
-queue, and takes no seats; the caller serves them all from one upstream call.
+Fair queuing gives a queue of a thousand requests of one flow the same share as a queue of one. The head of the
+chosen queue is not skipped when it does not fit, so a wide LIST waits rather than starves. A dispatched request
+with a coalescing key takes every waiter of the same key in the level along, seatless.
 """
 
 from __future__ import annotations
@@ -41,16 +26,8 @@ MAX_SEATS_SHARE = 0.15
 
 
 def level_max_seats(spec: PriorityLevel, limit: int) -> int:
-    """Most seats one request may take in a level: ``max(1, min(ceil(0.15 * limit), limit // handSize))``.
-
-    Upstream's per-level maxSeats (``apf_controller.go``, queuing levels): a
-    wide request must leave room for others and fit a hand's share of the
-    level. Reject levels have no hand; the request is then only capped by the
-    level's limit (a LIST wider than its level runs alone rather than never).
-    In the seeds' 2-seat level (handSize 4) this is 1, so two secret LISTs of
-    any size may run at once, as the policy says; their memory is bounded by
-    the LIST bytes cap instead (see ``seats.py``).
-    """
+    """Most seats one request may take: ``max(1, min(ceil(0.15 * limit), limit // handSize))`` as upstream, so a wide
+    request leaves room; a Reject level (no hand) caps at its limit, so a too-wide LIST runs alone, not never."""
     if limit <= 0:
         return 1
     if spec.reject or spec.exempt:
@@ -60,14 +37,7 @@ def level_max_seats(spec: PriorityLevel, limit: int) -> int:
 
 @functools.lru_cache(maxsize=8192)
 def deal(hash_value: int, deck: int, hand: int) -> tuple[int, ...]:
-    """Shuffle-sharding hand: ``hand`` distinct queue indices in [0, deck) derived from one hash.
-
-    Same hand as upstream's ``shufflesharding.Deal`` for the same hash: the
-    hash is read as a mixed-radix number with radices deck, deck-1, ...; the
-    i-th digit then steps over the earlier digits (latest first), which
-    turns it into the index of a card not dealt yet. Needs log2(deck) * hand
-    bits of entropy (validated <= 60). Pure, so memoized: a flow deals the same hand every time.
-    """
+    """Shuffle-sharding hand of ``hand`` distinct queues in [0, deck), as upstream's ``shufflesharding.Deal`` deals."""
     digits: list[int] = []
     for i in range(hand):
         hash_value, d = divmod(hash_value, deck - i)
@@ -135,8 +105,7 @@ class ListBudget:
         return True
 
     def note_queued(self, t: Ticket) -> None:
-        """Count a queued expensive LIST as held when every apiserver is at the cap, whether or not dispatch
-        looks at it (it tries only the head of the fairest queue)."""
+        """Count a queued expensive LIST as held when every apiserver is at the cap, looked at or not."""
         caps = self.backends
         if not t.cap_held and caps.expensive(t.list_bytes, t.unsized) and caps.pick() is None:
             self._held(t)
@@ -232,8 +201,7 @@ class LevelState:
         t.start_tag = max(self.vtime, q.last_finish)
         t.finish_tag = q.last_finish = t.start_tag + t.seats
         if self.waiting == 0 and self._fits(t):
-            # Nothing else waits in the level, so dispatch would pick this queue's only
-            # request at once: do exactly that without scanning every queue.
+            # Nothing else waits: dispatch would pick this request at once; skip scanning the queues.
             self._rr = (qi + 1) % len(queues)
             self.vtime = max(self.vtime, t.start_tag)
             self._start(t)

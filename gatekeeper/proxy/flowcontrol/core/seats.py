@@ -1,40 +1,9 @@
-"""Work estimates: how many seats a request occupies, learnt from real response sizes.
+"""Work estimates: how many seats a request occupies, learnt from real response sizes (docs/flowcontrol/seats.md).
 
-Upstream APF charges a LIST ``ceil(objects / 100)`` seats (capped at 10) from
-object counts in its storage. The proxy cannot count objects, but it sees every
-response byte, and bytes are what blow up an apiserver's memory (decode from
-etcd, convert, encode: several copies of the response at once). So:
-
-    non-LIST request:  seats = 1
-    WATCH:             seats = 1, held only until the first response body bytes arrive
-                       (at most watchInitSeconds after the response head)
-    LIST:              est   = estimate[(resource, namespace)]
-                             (if unseen: estimate[(resource, "")], the cluster-wide LIST,
-                              else 0), then refined by the LIST's shape (``listcost.py``):
-                             limit=N costs N * perObject[resource] (learnt from paginated
-                             responses), a selector LIST read from storage the whole est,
-                             a metadata.name LIST one object
-                       seats = clamp(ceil(est / bytesPerSeat), 1, maxSeats)
-                       then, in the level, at most the level's own maximum
-                       (queueset.level_max_seats, upstream's rule for queuing levels):
-                           max(1, min(ceil(0.15 * levelLimit), levelLimit // handSize))
-                       or the whole levelLimit for a Reject level.
-
-    after each LIST response of ``b`` bytes (complete, status 200):
-        estimate = b                          if b >= estimate   (grow at once: safety)
-        estimate = 0.8 * estimate + 0.2 * b   otherwise          (shrink slowly)
-
-A LIST is dispatched only if, in addition to seats, the estimated bytes of all
-LISTs executing in limited levels stay within ``listBytesCap``
-(``sum(est of executing LISTs) + est <= cap``), unless no LIST is executing
-(so one oversized LIST still runs, alone). Seats share a level by size in
-big levels (600-seat default total: a 60 MiB LIST costs 8 of a 588-seat level's
-seats, a 1 MiB one costs 1); in small levels the per-level maximum keeps a
-wide LIST from taking the whole level, and the byte cap is what keeps big
-LISTs apart: with the defaults (1 GiB cap) two 1 GiB LISTs never run together
-while twenty 1 MiB LISTs can. In the seeds' 2-seat level every LIST costs 1
-seat, so exactly two secret LISTs run at once whatever their size (within the
-byte cap), never more.
+Upstream charges a LIST by object count; the proxy cannot count objects but sees every byte, and bytes are what
+blow up an apiserver's memory (several copies of the response at once). An estimate grows at once (safety) and
+shrinks slowly (``0.8 * est + 0.2 * b``). ``listBytesCap`` keeps huge LISTs apart in small levels, where the
+per-level maxSeats makes every LIST cost 1 seat; one oversized LIST still runs alone.
 """
 
 from __future__ import annotations
@@ -98,13 +67,11 @@ class SizeEstimator:
         self, resource: str, namespace: str, nbytes: int, shape: ListShape | None = None,
         continued: bool | None = False,
     ) -> None:
-        """Learn from a complete 200 LIST response of ``nbytes``. ``continued``: the response carried a
-        continue token (True), none (False), or it could not be told (None, e.g. protobuf)."""
+        """Learn from a complete 200 LIST of ``nbytes``; ``continued``: a continue token (True), none, or unknown."""
         if shape is not None and shape.limit > 0 and continued:  # a full page: exactly ``limit`` objects
             self._blend(self.per_object, resource, nbytes / shape.limit)
             return
-        # no continue token (or an encoding where it cannot be seen, e.g. protobuf: as before, the
-        # response counts as the whole collection; the estimate only shrinks slowly on smaller ones)
+        # no continue token, or one that cannot be seen (protobuf): counts as the whole collection
         if shape is not None and (shape.selector or shape.continued):
             return  # a filtered or later page says nothing about the whole collection
         self._blend(self.sizes, (resource, namespace), nbytes)

@@ -1,12 +1,7 @@
 """The flow-control section the sandbox proxy runs with by default: the seeds' policy.
 
-``gatekeeper sandbox up --with-proxy`` (``gatekeeper.sandbox.with_proxy``)
-puts this section in the proxy's generated config unless ``--proxy-config``
-is given. The objects ship inside the package (``seeds.yaml`` beside this
-module, package data), so an installed gatekeeper has them without the source
-tree; ``deploy/examples/flowcontrol-seeds.yaml`` is the operator-facing copy,
-kept byte-identical by tests/flowcontrol/test_sandbox_default.py. The section
-names the file by absolute path so ``kill -HUP`` on the proxy re-reads it.
+``seeds.yaml`` ships as package data so an installed gatekeeper has it; it is kept byte-identical to
+``deploy/examples/flowcontrol-seeds.yaml`` by a test, and named by absolute path so SIGHUP re-reads it.
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
 """Stream one upstream response body to several clients without holding it whole.
 
-A pump task reads the upstream body and appends each chunk to every
-subscriber's own buffer. Before reading the next chunk it waits until every
-subscriber has drained below half of ``limit_bytes``, so the upstream read is
-paced by the slowest reader and ordinary speed differences cost nobody
-anything. A reader that keeps its buffer above that mark for ``stall_seconds``
-(a stuck or far too slow client) is cut off with :class:`FanOutOverrun` — its
-client sees the stream reset, like any failed LIST — and the others carry on.
-So memory stays within ``readers x (limit/2 + one chunk)`` whatever the
-response size, and one slow reader delays the rest by at most
-``stall_seconds`` per stall.
+The pump waits until every reader drained below half of ``limit_bytes`` before reading on, so memory stays
+within ``readers x (limit/2 + one chunk)``; a reader stuck above it for ``stall_seconds`` is cut off
+(:class:`FanOutOverrun`, its stream reset) so one slow client cannot stall the others.
 """
 
 from __future__ import annotations

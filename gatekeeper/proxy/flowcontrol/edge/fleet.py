@@ -1,15 +1,8 @@
 """The asyncio edge of the fleet budget: renew our Lease, list the fleet's, apply our share (``core/fleet.py``).
 
-The apiservers (etcd) are the coordination engine, as they are for kube-controller-manager's leader election and
-kube-apiserver's own identity Leases: no datastore of our own and no consensus of our own. Each renewal is one
-server-side apply of our Lease (``PATCH`` with ``fieldManager=gatekeeper-proxy``, ``force``): it creates the Lease
-the first time, and the workers of one proxy, which all renew the same Lease, never conflict. Then one LIST of
-the fleet's Leases by label.
-
-The proxy calls the apiservers with its front-proxy certificate as its own identity (``tokens.proxyUser``,
-``system:gatekeeper-proxy``); ``deploy/examples/proxy-identity-rbac.yaml`` lets it get, list, create and patch
-Leases in the fleet's namespace, and nothing more there. Every transition (fleet size, partition) is logged
-once and counted.
+The apiservers are the coordination engine, as for leader election: no datastore or consensus of our own. A
+renewal is one server-side apply (``force``), so the workers of one proxy renewing the same Lease never conflict.
+RBAC: ``deploy/examples/proxy-identity-rbac.yaml`` (Leases in the fleet's namespace only).
 """
 
 from __future__ import annotations
@@ -98,8 +91,7 @@ class FleetMember:
                  apply: Callable[[FleetShare], dict[str, tuple[int, int]]],
                  clock: Callable[[], float] = time.monotonic, *,
                  user: UserInfo | None = None) -> None:
-        """``apply(share_of)``: give flow control the function from (level, nominal seats) to ours; it returns,
-        per Limited level, (its seats here, its seats for the whole fleet)."""
+        """``apply(share_of)``: give flow control the function from (level, nominal seats) to ours."""
         self.settings = settings
         self.identity = own_identity(settings)
         self.apply = apply
@@ -142,9 +134,7 @@ class FleetMember:
     async def _call(self, method: str, path: str, body: bytes | None, extra: list[tuple[str, str]]) -> bytes:
         """One call on the first backend that answers; raises the last failure."""
         failure: Exception = RuntimeError("no backend")
-        # Half the Lease's life, as client-go's leader election gives a renewal 10 of a 15 s lease: an apiserver
-        # slowed by a LIST storm answered a Lease call in more than the renewal interval, and every proxy then
-        # believed itself partitioned.
+        # Half the Lease's life, as client-go's leader election: a storm-slowed apiserver is no partition.
         deadline = max(1.0, self.settings.lease_duration_seconds / 2)
         for upstream in self.upstreams:
             try:

@@ -1,36 +1,12 @@
-"""Proxy-wide seats for N worker processes: a shared-memory ledger under a file lock.
+"""Proxy-wide seats for N worker processes: a shared-memory ledger under a file lock (docs/proxy/workers.md).
 
-Each worker keeps its own queues (shuffle sharding and fair queuing among the
-flows it sees, ``queueset.py``); only *seats* are proxy-wide. A worker may
-start a request in a level when the seats held by every worker, plus the
-request's, fit the level's limit (the same rule as one process: a request
-wider than the limit still runs alone), and the LIST byte budget is checked
-the same way across workers.
-
-Layout of the ledger file (mmap, shared by the supervisor and its workers):
-a table of level names, then per level ``[last_granted, peak, V]`` and per
-worker ``[seats, holders, waiting, active queues, virtual time]``, then per
-worker ``[list_bytes, list_count]``, then per apiserver (``MAX_BACKENDS`` rows, in the configured order) per
-worker the expensive LISTs it runs there (``core/backendcap.py``). Each worker writes only its own
-column. Taking seats (check the sum, then charge) holds one POSIX record
-lock (``fcntl.lockf``) on the file; giving them back needs none. The kernel
-drops the lock when its holder dies, so a worker killed in the middle of a
-decision cannot wedge the others, and the supervisor zeroes a dead worker's
-columns (:meth:`SeatLedger.clear_worker`): its seats are released at once.
-
-Fairness across workers: start-time fair queuing between workers, each
-weighted by its number of non-empty queues in the level. When others have
-requests waiting, a free seat goes to the waiting worker with the lowest
-virtual time; a grant advances the winner's virtual time by
-``1 / its non-empty queues``, and a worker whose queues were empty starts at
-the level's current virtual time. Inside the winner, the local fair queuing
-picks the queue. Every non-empty queue of the proxy therefore gets about the
-same share of a contended level, as with one process (upstream APF's unit of
-fairness is the queue too). A worker that is not next is refused and the next
-one is woken through its datagram socket (``wake-N.sock`` beside the ledger);
-a 50 ms poll in every worker with waiting requests backs up lost wake-ups.
-(A level whose queue geometry changed on reload briefly has two local states
-with one ledger column; the fairness weight then follows the newer one.)
+Queues stay per worker; only seats (and the LIST byte budget, and expensive LISTs per apiserver) are proxy-wide,
+so a level's limit holds with any number of workers. Each worker writes only its own column; taking seats holds
+one ``fcntl.lockf`` record lock, which the kernel drops if its holder dies, so a killed worker cannot wedge the
+others, and the supervisor zeroes its columns (:meth:`SeatLedger.clear_worker`). Across workers a free seat goes
+to the waiting worker with the lowest virtual time, weighted by its non-empty queues (start-time fair queuing:
+every queue of the proxy gets an equal share, as upstream); the next one is woken through ``wake-N.sock``, and a
+50 ms poll backs up lost wake-ups.
 """
 
 from __future__ import annotations
@@ -162,12 +138,7 @@ class SeatLedger:
 
     def try_take(self, slot: int, limit: int, seats: int, list_bytes: int, list_cap: int,
                  backend: int = -1, backend_cap: int = 0) -> bool:
-        """Take ``seats`` in the level for this worker if they fit proxy-wide and it is this worker's turn.
-
-        The hot path of every non-exempt request: one lock pair, one pass over the worker columns.
-        Turn: among this worker and the others with queued requests, the one with the lowest virtual
-        time (start-time fair queuing across workers, each weighted by its non-empty queues, so every
-        queue in the proxy gets an equal share, as within one worker)."""
+        """Take ``seats`` for this worker if they fit proxy-wide and it has the lowest virtual time of the waiting."""
         me = self.worker
         if limit <= 0:
             return False
@@ -228,18 +199,13 @@ class SeatLedger:
         return 0 if row is None else self._backend_total(row)
 
     def give(self, slot: int, seats: int, list_bytes: int, backend: int = -1) -> None:
-        """Return seats taken by :meth:`try_take`; wake the waiting worker whose turn is next.
-
-        No lock: a worker's column is written only by that worker (and by the supervisor once it is
-        dead), and each cell is one aligned 8-byte store. A taker that reads the old, higher value
-        only refuses a seat it could have had, and the wake-up below makes it look again."""
+        """Return seats taken by :meth:`try_take`; wake the waiting worker whose turn is next. No lock: only
+        this worker writes its column, in aligned 8-byte stores, and a stale higher value only refuses a seat."""
         me = self.worker
         v = self._ints
         b = slot * self._row
         c = b + _HEAD + me * _PER_WORKER
-        # Holders first, then seats: a taker reading this column mid-way sees (seats, holders - 1),
-        # never (seats - 1, holders), so the peak-holders statistic it records is never over-counted,
-        # while the seat total it checks stays conservative (an old, higher value only refuses).
+        # Holders first, then seats: a reader mid-way never over-counts the peak and sees at worst more seats.
         v[c + 1] = max(0, v[c + 1] - 1)
         v[c] = max(0, v[c] - seats)
         if backend >= 0:
@@ -265,10 +231,8 @@ class SeatLedger:
         return None if best is None else best[1]
 
     def set_waiting(self, slot: int, waiting: int, active: int) -> None:
-        """This worker's queued requests and non-empty queues in the level (it alone writes them).
-
-        A worker whose queues were empty starts at the level's virtual time, so it neither gets
-        credit for the time it had nothing queued nor falls behind (start-time fair queuing)."""
+        """This worker's queued requests and non-empty queues in the level. A worker whose queues were empty
+        starts at the level's virtual time: no credit for idle time, no falling behind."""
         c = self._col(slot, self.worker, 0)
         v = self._ints
         if v[c + _WAITING] == 0 and waiting > 0:
@@ -376,11 +340,7 @@ POLL_SECONDS = 0.05
 
 
 def attach(flow: FlowControl, ledger: SeatLedger) -> Callable[[], None]:
-    """Make a running worker's flow control use the ledger; returns a function that detaches it.
-
-    Levels are rebuilt as :class:`LedgerLevel` (call before any request is admitted), the wake
-    socket is read from the event loop, and queued requests are retried every POLL_SECONDS.
-    """
+    """Make a worker's flow control use the ledger (before any request is admitted); returns the detach function."""
     ctl = flow.controller
     caps = ctl.budget.backends
     if len(caps.names) > MAX_BACKENDS:

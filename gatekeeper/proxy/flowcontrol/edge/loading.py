@@ -1,10 +1,7 @@
-"""Turn ``proxy.flowControl`` settings into a :class:`Policy`, and keep it current.
+"""Turn ``proxy.flowControl`` settings into a :class:`Policy`, and keep it current (SIGHUP, file polling).
 
-Reloads happen on SIGHUP and when a policy file's modification time or size
-changes (polled). A reload that fails validation leaves the running policy in
-place and logs the reason, so a typo in production never drops protection.
-A reload while serving parses on a thread (:meth:`Reloader.request`): the
-serving loop keeps answering, and only the swap runs on it.
+A failed reload keeps the running policy, so a typo in production never drops protection; parsing runs on a
+thread so the serving loop keeps answering.
 """
 
 from __future__ import annotations
@@ -42,13 +39,8 @@ def limits_of(settings: FlowControlSettings) -> LevelLimits:
 
 
 def read_objects(path: str) -> list[tuple[str, Any]]:
-    """All objects of a multi-document YAML file, labelled ``path[doc]``; errors name the file.
-
-    Read with the shared bounded reader (:func:`gatekeeper.config.load_yaml_all`): a reload runs beside the
-    serving event loop (sharing its CPU and GIL), so an oversized file or an alias bomb must fail (keeping the
-    running policy), not stall the worker or exhaust its memory. Only a regular file is read: a FIFO (whose
-    open or read waits for a writer) or a device behind a symlink held the reload thread for ever, and every
-    later reload of that worker waited behind it."""
+    """All objects of a multi-document YAML file, labelled ``path[doc]``. Bounded reader and regular files only:
+    an oversized file, an alias bomb or a FIFO must fail the reload, not stall or exhaust the serving worker."""
     return split_objects(load_yaml_all(path, what="flow-control policy file", regular_only=True), path)
 
 
@@ -87,16 +79,8 @@ def _stamp(paths: list[str]) -> tuple[tuple[str, float, int], ...]:
 
 
 def _on_a_thread(fn: Callable[[], T], on_exit: Callable[[], None] = lambda: None) -> asyncio.Future[T]:
-    """``fn()`` on a daemon thread of its own; its result or exception, delivered on the calling loop.
-
-    Not the loop's default pool (it also binds sockets and resolves names) nor a ThreadPoolExecutor: their
-    threads are joined at interpreter exit, so a worker stopping during a parse (2.4 s per MiB with the
-    pure-Python parser, or for ever on a file on a hung mount) would not exit until it finished. The caller
-    serializes reloads, and gives up on a parse past ``reloadTimeoutSeconds`` (cancelling the future; the
-    thread runs on, unused), so a worker runs one such thread plus at most ``maxStuckReloads`` given up.
-    ``on_exit`` runs on the loop when the thread ends, cancelled future or not. A parse of a file near the
-    1 MiB limit ran on the serving loop before: no request, probe or connection hand-off was answered
-    meanwhile."""
+    """``fn()`` on a daemon thread of its own, its outcome delivered on the loop (``on_exit`` when it ends). Not a
+    pool: pool threads are joined at exit, so a parse stuck on a hung mount would keep the worker from exiting."""
     loop = asyncio.get_running_loop()
     fut: asyncio.Future[T] = loop.create_future()
 
@@ -122,8 +106,7 @@ def _on_a_thread(fn: Callable[[], T], on_exit: Callable[[], None] = lambda: None
 
 
 class ReloadGivenUp(ValueError):
-    """A reload that was not run to the end: ``reason`` is ``timeout`` or ``stuck``
-    (``gatekeeper_flowcontrol_policy_reload_failures_total{reason}``)."""
+    """A reload not run to the end: ``reason`` is ``timeout`` or ``stuck``."""
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
@@ -131,20 +114,9 @@ class ReloadGivenUp(ValueError):
 
 
 class Reloader:
-    """Re-reads the policy files when they change (``check``) or on demand (``reload``, ``request``).
-
-    While serving, reloads go through :meth:`request`: the files are read and validated on a thread, and
-    only the swap (``apply``) and the bookkeeping run on the event loop. Reloads are serialized: a request
-    that arrives during a parse is remembered (several coalesce into one) and starts a fresh parse once the
-    running one is applied, so the last file written is the last one parsed and applied; an older parse can
-    never finish after it and win.
-
-    A parse that has not finished after ``reloadTimeoutSeconds`` is given up (a failed reload, logged with the
-    files and counted): its thread cannot be stopped, but its result is dropped, and the next reload runs on a
-    fresh thread, so one stuck read no longer blocks every later reload of the worker. At most
-    ``maxStuckReloads`` given-up threads may run: past that a reload waits (counted as ``stuck``) and starts
-    by itself when one of them ends, rather than leave a thread behind per SIGHUP.
-    """
+    """Re-reads the policy files when they change (``check``) or on demand (``reload``, ``request``). Reloads are
+    serialized and coalesce, so an older parse never finishes last and wins; at most ``maxStuckReloads`` given-up
+    parses may run, so SIGHUPs on a hung mount do not pile up threads."""
 
     def __init__(self, settings: FlowControlSettings, apply: Callable[[Policy], None]) -> None:
         self.settings = settings
@@ -160,10 +132,7 @@ class Reloader:
         """Why a reload was asked for while ``maxStuckReloads`` parses were stuck: it starts when one ends."""
 
     def reload(self, why: str = "SIGHUP") -> bool:
-        """Parse, validate and apply here and now (tests and tools; serving code calls :meth:`request`).
-
-        Counted in ``gatekeeper_flowcontrol_policy_reloads_total{result}``; a failure also sets
-        ``..._policy_reload_failing`` until a reload applies."""
+        """Parse, validate and apply here and now (tests and tools; serving code calls :meth:`request`)."""
         self.stamp = _stamp(self.settings.files)
         return self._finish(why, _parse(self.settings))
 
@@ -218,8 +187,7 @@ class Reloader:
                 log.exception("flow-control reload (%s): applying the policy failed", why)
 
     def _parse_ended(self, given_up: list[bool]) -> None:
-        """A parse's thread ended (on the loop). If it had been given up, its slot is free again, and a reload
-        refused meanwhile (``stuck``) starts now."""
+        """A parse's thread ended: a given-up slot is free again, and a reload refused as ``stuck`` starts now."""
         if not given_up[0]:
             return
         self._stuck -= 1
@@ -273,8 +241,7 @@ class Reloader:
 
 
 def _parse(settings: FlowControlSettings) -> Policy | ValueError:
-    """The policy the files and inline objects make now, or why they make none (run on the reload thread:
-    it touches nothing but the files and the immutable settings)."""
+    """The policy the files and inline objects make now, or why not (runs on the reload thread)."""
     try:
         return load_policy(settings)
     except ValueError as exc:

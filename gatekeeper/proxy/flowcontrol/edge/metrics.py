@@ -1,47 +1,6 @@
-"""Prometheus metrics of flow control: upstream APF's names under ``gatekeeper_flowcontrol_``.
+"""Prometheus metrics of flow control, upstream APF's names under ``gatekeeper_flowcontrol_`` (docs/proxy/metrics.md).
 
-Counters and histograms are recorded as requests pass; the current in-queue /
-executing gauges are read from the live controller at scrape time (a
-collector), so they can never drift from the queues' real state.
-
-``gatekeeper_flowcontrol_dispatched_requests_total{flow_schema,priority_level}``
-``gatekeeper_flowcontrol_rejected_requests_total{flow_schema,priority_level,reason}``
-    reason: queue-full, time-out, concurrency-limit, cancelled (client left while queued).
-``gatekeeper_flowcontrol_policy_reloads_total{result}`` / ``gatekeeper_flowcontrol_policy_reload_failing``
-    Policy reloads, applied or failed (the running policy stays), and whether the last one failed.
-``gatekeeper_flowcontrol_policy_reload_failures_total{reason}``
-    Failed reloads by reason: invalid (a file not YAML, too large, an invalid object, missing ...),
-    not_regular_file (a FIFO, a device: refused before reading), timeout (not read and validated within
-    reloadTimeoutSeconds: given up), stuck (maxStuckReloads given-up reloads still running: not started).
-``gatekeeper_flowcontrol_coalesced_requests_total{flow_schema,priority_level}``
-    Requests served by another identical request's upstream call.
-``gatekeeper_flowcontrol_request_wait_duration_seconds{flow_schema,priority_level,execute}``
-``gatekeeper_flowcontrol_request_execution_seconds{flow_schema,priority_level,type}``
-    type: regular, or watch (execution ends when the watch's first bytes arrive).
-``gatekeeper_flowcontrol_work_estimated_seats{flow_schema,priority_level}``
-``gatekeeper_flowcontrol_list_response_bytes{resource}``
-    Observed LIST response sizes, the input of the seat estimate.
-``gatekeeper_flowcontrol_current_inqueue_requests{flow_schema,priority_level}``
-``gatekeeper_flowcontrol_current_executing_requests{flow_schema,priority_level}``
-``gatekeeper_flowcontrol_current_executing_seats{priority_level}``
-``gatekeeper_flowcontrol_nominal_limit_seats{priority_level}``
-``gatekeeper_flowcontrol_current_limit_seats{priority_level}``
-``gatekeeper_flowcontrol_lower_limit_seats{priority_level}`` / ``..._upper_limit_seats``
-    Borrowing (upstream's metrics of the same names): the current limit, between
-    nominal - lendable and nominal + borrowable, re-divided every borrowingAdjustmentSeconds.
-``gatekeeper_flowcontrol_demand_seats_average{priority_level}`` / ``_stdev`` / ``_high_watermark`` / ``_smoothed``
-``gatekeeper_flowcontrol_target_seats{priority_level}``
-``gatekeeper_flowcontrol_seat_fair_frac``
-    The seat-demand statistics of the last period, the allocation target, and the fair fraction.
-``gatekeeper_flowcontrol_peak_executing_requests{priority_level}``
-    Highest number of requests of the level running upstream at once since start
-    (the figure the seeds' "at most 2 secret LISTs" policy is checked against).
-``gatekeeper_flowcontrol_executing_list_estimated_bytes``
-    Sum of the estimates of executing LISTs, against ``listBytesCap``.
-``gatekeeper_flowcontrol_expensive_lists_in_flight{backend}`` / ``..._expensive_lists_cap{backend}``
-``gatekeeper_flowcontrol_expensive_lists_held_total``
-    Expensive LISTs running per apiserver, this proxy's slots on each (its fleet share), and LISTs that
-    waited because every apiserver was at the cap (``expensiveLists``).
+Current in-queue/executing gauges are read from the live controller at scrape time so they cannot drift.
 """
 
 from __future__ import annotations
@@ -119,9 +78,7 @@ LIST_BYTES = Histogram(
 
 
 class PairMetrics:
-    """The labelled children one (FlowSchema, priority level) pair records into, looked up once:
-    ``labels()`` costs more than the observation itself on the per-request path. What every request
-    records goes through tallies (``gatekeeper.proxy.tally``); rejections and coalescing do not."""
+    """One (FlowSchema, level) pair's labelled children, looked up once: ``labels()`` costs more than observing."""
 
     __slots__ = ("coalesced", "dispatched", "exec_regular", "exec_watch", "seats", "wait_executed", "wait_rejected")
 

@@ -1,29 +1,8 @@
 """The asyncio edge of flow control: a pipeline middleware ``(request, next) -> response``.
 
-All decisions are the pure :class:`FlowController`'s; this layer only parks
-queued requests on futures, wakes them when the controller dispatches them,
-arms the queue-wait timers, and watches the response to tell the controller
-when a request stops costing seats:
-
-* ordinary requests hold their seats until the response has been written out
-  (the adapter's ``finish()``: complete, failed, client gone, or cut at the
-  request's deadline, ``pipeline/deadline.py``); other bodies than LISTs pass
-  through untouched, so the hot path of small GETs pays nothing per chunk;
-* a LIST's body is read ahead of its client (``readahead.py``): its seats go
-  back when the apiserver has sent the last byte, within a budget of buffered
-  bytes, and its size feeds the estimate for its (resource, namespace);
-* long-running requests (watches, ``logs -f``) hold their seats only until
-  the first response body bytes arrive (initial events, a bookmark: the
-  watch is set up), or at most ``watchInitSeconds`` after the response head
-  for a watch that stays silent, then run outside the limit; exec/attach/
-  port-forward upgrades release at the 101;
-* a dispatched request that others joined (coalescing) is sent upstream once;
-  its body goes through a :class:`FanOut` to every waiter.
-
-Rejections are 429 with an integer ``Retry-After`` (client-go retries only
-when it is present), a ``Status`` body with reason ``TooManyRequests``, and
-headers naming the FlowSchema and priority level (upstream's
-``X-Kubernetes-PF-*-UID`` plus readable ``X-Gatekeeper-PF-*`` names).
+Decisions are the pure :class:`FlowController`'s; this layer parks queued requests, arms queue-wait timers and
+says when a request stops costing seats (docs/flowcontrol/index.md#seats). Only LIST bodies are wrapped, so small
+GETs pay nothing per chunk; 429s carry an integer ``Retry-After`` since client-go retries only when it is present.
 """
 
 from __future__ import annotations
@@ -162,8 +141,7 @@ class _Metered:
 
     @property
     def exhausted(self) -> bool:
-        """The upstream body's own last-chunk mark (``upstream.exchange.StreamedBody``), passed through so the
-        h2 adapter still ends the stream on the last DATA frame."""
+        """The upstream body's last-chunk mark, passed through so the h2 adapter ends the stream on the last DATA."""
         return is_exhausted(self.body)
 
     async def aclose(self) -> None:
@@ -211,8 +189,7 @@ class FlowControl:
         caps.configure(caps.nominal, caps.min_bytes, caps.fleet, names)
 
     def share_seats(self, share_of: FleetShare) -> dict[str, tuple[int, int]]:
-        """The fleet re-divided the budget: every Limited level gets ``share_of(level, nominal)`` seats here.
-        Returns, per Limited level, (seats here, seats of the whole fleet)."""
+        """Every Limited level gets ``share_of(level, nominal)`` seats here; returns (seats here, fleet's) per level."""
         self.controller.share_of = share_of
         self._wake(self.controller.update(self.controller.policy))
         limits = self.controller.policy.limits
@@ -276,8 +253,7 @@ class FlowControl:
         if self.settings.coalesce and info.verb == "list" and request.method == "GET" and request.body is None:
             ident = identity_key(user.name, user.groups, user.source, request.headers)
             key = coalesce_key(request.method, request.target, request.headers, ident)
-        # Who the front stage says the caller is: a token's identity (or its per-address stand-in), else the
-        # certificate caller as the apiserver sees it.
+        # A token's identity (or its per-address stand-in), else the certificate caller.
         facts = request.identity or as_apiserver_sees(user, request.connection_memo)
         verified = user.source != "token" or request.token_verified
         user_key = (request.caller or unverified_flow(request.peer)) if not verified else None
@@ -375,8 +351,7 @@ class FlowControl:
         if response.upgraded is not None:
             self._release_seats(t)  # the 101 is the start of the exec/attach/port-forward session
         elif w.info.long_running:
-            # A watch is initialized once its first bytes (initial events or a bookmark) arrive; one that
-            # stays silent gets at most watchInitSeconds of seats.
+            # A watch is set up at its first bytes (initial events, a bookmark); a silent one gets watchInitSeconds.
             on_first = functools.partial(self._release_seats, t)
             asyncio.get_running_loop().call_later(self.settings.watch_init_seconds, self._release_seats, t)
         if response.upgraded is not None:
@@ -404,8 +379,7 @@ class FlowControl:
                     w.content_type = next((v for k, v in response.headers if k == "content-type"), "")
                     metered.on_end = lambda n, ok, err: self._end(t, n, ok, err, status, metered.head)
                 response.body = metered
-            # Every adapter calls finish() once the response is written out (or failed): the end of an
-            # ordinary request, and the backstop for a wrapped body that was never read to its end.
+        # finish() runs once the response is written out or failed: also the backstop for an unread body.
             response.on_complete.append(lambda err: self._end(t, 0, False, err, status))
             return response
 
@@ -455,8 +429,7 @@ class FlowControl:
             self._give_seats_back(t, w, w.m.exec_watch)
 
     def _give_seats_back(self, t: Ticket, w: _Waiter, executed: HistogramTally) -> None:
-        """The request stops holding its seats while its response goes on (a watch got going); ``executed``
-        records how long it held them."""
+        """The request stops holding seats while its response goes on; ``executed`` records how long it held them."""
         w.seats_released = True
         self._uncount(w)
         executed.observe(self.clock() - w.started)

@@ -1,21 +1,8 @@
 """Read a LIST's response from the apiserver ahead of its client, so the seats go back when the apiserver is done.
 
-A seat protects the apiserver: its memory and CPU while it reads storage and writes the answer. Once the
-apiserver has sent the last byte it is done, however slowly the client takes the response. Without a read
-ahead the proxy pulled the upstream body only as fast as the client drained it, so a tenant reading at
-1 KiB/s held the seats (and kept the apiserver holding the whole serialized list) until its deadline.
-
-With it, a pump task reads the upstream body into a buffer while the client drains it at its own pace. When
-the upstream body ends, the request gives back its seats and its backend lease (``on_upstream_end``); the
-client keeps reading from the proxy's memory until it is done or its deadline cuts it.
-
-The proxy's memory is bounded separately, per worker process: one connection's responses may hold at most
-``readAheadBytesPerConnection`` unsent, and all connections together ``readAheadBytes``. Past either the pump
-stops reading upstream (the apiserver's write blocks, as it would on the client's socket), the request keeps
-its seats, and the deadline bounds it. A connection holding nothing may always take one chunk, so a response
-always moves.
-
-Sans-IO ledger (:class:`ReadAheadBudget`) and a thin async body (:class:`ReadAhead`).
+A seat protects the apiserver, which is done once it sent the last byte; without this a client reading at 1 KiB/s
+held the seats until its deadline. Memory is bounded per connection and per worker: past either the pump stops
+reading upstream and the request keeps its seats (docs/proxy/deadline.md#list-read-ahead).
 """
 
 from __future__ import annotations
@@ -53,8 +40,7 @@ class ReadAheadBudget:
         self.by_connection: dict[int, int] = {}
 
     def refusal(self, connection: int, size: int) -> str:
-        """Why ``connection`` may not hold ``size`` more bytes now ("" when it may): ``connection`` or
-        ``process``. A connection holding nothing may always hold one chunk."""
+        """Why ``connection`` may not hold ``size`` more bytes ("" if it may); an empty one may hold one chunk."""
         mine = self.by_connection.get(connection, 0)
         if mine == 0:
             return ""
