@@ -152,8 +152,10 @@ def run(ctx: RunContext) -> None:
                 "cascade": cascaded(kills), "down": per_down, "all_down": all_down,
                 "peak": {n: max((v for _, v in pts), default=0.0)
                          for n, pts in sampler.series("kube-apiserver", "rss_bytes").items()},
-                "ok": int(ms(lst, "Request Count") - ms(lst, "Failure Count")),
-                "failed": int(ms(lst, "Failure Count")), "p50": ms(lst, "50%") / 1000, "p99": ms(lst, "99%") / 1000,
+                # no row at all: not one LIST ended (completed or given up) within the arm
+                "ok": int(ms(lst, "Request Count") - ms(lst, "Failure Count")) if lst else 0,
+                "failed": int(ms(lst, "Failure Count")) if lst else 0,
+                "p50": ms(lst, "50%") / 1000, "p99": ms(lst, "99%") / 1000,
                 "429": int(ms(throttled, "Request Count")) if throttled else 0,
                 "relisted": int(ms(relisted, "Request Count")) if relisted else 0,
                 "wall": wall1 - wall0, "load": f"{report_load()}",
