@@ -79,20 +79,19 @@ def cascaded(kills: Sequence[tuple[float, str]]) -> bool:
 
 def downtime(events: Sequence[dict[str, Any]], names: Sequence[str], start: float, end: float
              ) -> tuple[dict[str, float], float]:
-    """Seconds each apiserver was down (from its OOM kill to its restart, within [start, end]) and seconds all
-    of them were down at once (the control plane gone)."""
+    """Seconds each apiserver was down (from an OOM kill in [start, end] to its restart) and seconds all of them
+    were down at once (the control plane gone). Kills before ``start`` belong to an earlier arm: every arm
+    starts on apiservers the harness has just restarted."""
     down: dict[str, list[tuple[float, float]]] = {n: [] for n in names}
     since: dict[str, float] = {}
     for e in sorted(events, key=lambda e: e["time"]):
         name, t = str(e.get("component")), float(e["time"])
-        if name not in down or t > end:
+        if name not in down or not start <= t <= end:
             continue
         if e.get("event") == "oom_kill":
-            since.setdefault(name, max(t, start))
+            since.setdefault(name, t)
         elif e.get("event") == "restart" and name in since:
-            begun = since.pop(name)
-            if t >= start:
-                down[name].append((begun, t))
+            down[name].append((since.pop(name), t))
     for name, begun in since.items():
         down[name].append((begun, end))
     per = {n: sum(b - a for a, b in spans) for n, spans in down.items()}
@@ -109,6 +108,7 @@ def run(ctx: RunContext) -> None:
     report = Report(ctx.out, "list-storm-oom: the OOM kills and the cascade, then the fix", CLAIM)
     samplers: list[Sampler] = []
     results: list[dict[str, Any]] = []
+    arm_events: list[tuple[str, dict[str, Any]]] = []
     with cluster.sandbox(ctx.work / "sandbox", ctx.adopt, ctx.log, apiserver_args=STORAGE_READS,
                          apiserver_memory_limit=limit, etcd_args=ETCD_QUOTA) as state:
         if "memory_cgroup_version" not in state.extra:
@@ -140,6 +140,7 @@ def run(ctx: RunContext) -> None:
                     time.sleep(1.0)
             wall1 = time.time()
             events = read_events(state.dir)
+            arm_events.extend((arm, e) for e in events if wall0 <= e["time"] <= wall1)
             kills = kills_between(events, wall0, wall1)
             for t, name in kills:
                 sampler.events.append((t, f"OOM kill {name}"))
@@ -158,11 +159,16 @@ def run(ctx: RunContext) -> None:
                 "p50": ms(lst, "50%") / 1000, "p99": ms(lst, "99%") / 1000,
                 "429": int(ms(throttled, "Request Count")) if throttled else 0,
                 "relisted": int(ms(relisted, "Request Count")) if relisted else 0,
-                "wall": wall1 - wall0, "load": f"{report_load()}",
+                "wall": wall1 - wall0, "load": f"{report_load()}", "start": wall0,
             })
             ctx.say(f"  {arm}: {len(kills)} OOM kills, cascade={results[-1]['cascade']}, "
                     f"{results[-1]['ok']}/{listers} LISTs ok")
     _write(ctx, report, samplers, results, secrets, listers, limit, arm_seconds, names)
+    with open(ctx.out / "events.csv", "w") as out:  # every kill and restart, with its time from the arm's start
+        out.write("arm,seconds_from_arm_start,apiserver,event\n")
+        starts = {r["arm"]: r["start"] for r in results}
+        for arm, e in arm_events:
+            out.write(f"{arm},{e['time'] - starts[arm]:.1f},{e['component']},{e['event']}\n")
 
 
 def report_load() -> str:
@@ -177,7 +183,7 @@ def _write(ctx: RunContext, report: Report, samplers: list[Sampler], results: li
         for r in results:
             for t, name in r["kills"]:
                 out.write(f"{r['arm']},{t:.1f},{name}\n")
-    report.csvs += ["samples.csv", *(["kills.csv"] if any(r["kills"] for r in results) else []),
+    report.csvs += ["samples.csv", *(["kills.csv", "events.csv"] if any(r["kills"] for r in results) else []),
                     *[f"{r['arm']}_stats.csv" for r in results]]
     report.setup.update({
         "load": f"{secrets} Secrets x {SECRET_KIB} KiB (type helm.sh/release.v1; one LIST is about "

@@ -136,6 +136,9 @@ def test_oom_kills_are_read_from_the_supervisors_events_and_a_second_apiserver_k
     per, together = downtime(events, names, 100.0, 150.0)
     assert per == {"kube-apiserver-1": 15.0, "kube-apiserver-2": 25.0, "kube-apiserver-3": 20.0}
     assert together == 5.0  # 135-140: all three down
+    later = [*events, {"time": 149.0, "component": "kube-apiserver-1", "event": "oom_kill"}]  # never restarted
+    per, _ = downtime(later, names, 160.0, 200.0)
+    assert per == dict.fromkeys(names, 0.0), "an earlier arm's kill is not this arm's downtime"
 
 
 def test_a_report_is_refused_from_a_changed_tree_unless_allowed_and_then_says_so(tmp_path: Path) -> None:
