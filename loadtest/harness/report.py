@@ -22,6 +22,8 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
+import itertools
+
 import matplotlib.pyplot as plt
 
 MIB = 1 << 20
@@ -194,7 +196,8 @@ def line_plot(path: Path, title: str, ylabel: str, series: dict[str, list[tuple[
     fig, ax = plt.subplots(figsize=(9, 4.5))
     for label, points in series.items():
         if points:
-            ax.plot([t for t, _ in points], [v / scale for _, v in points], label=label, linewidth=1.4)
+            xs, ys = _with_gaps(points, scale)
+            ax.plot(xs, ys, label=label, linewidth=1.4)
     for t, what in events:
         ax.axvline(t, linestyle="--", color="grey", linewidth=0.8)
         ax.annotate(what, (t, ax.get_ylim()[1]), fontsize=7, rotation=90, va="top", ha="right")
@@ -206,6 +209,22 @@ def line_plot(path: Path, title: str, ylabel: str, series: dict[str, list[tuple[
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _with_gaps(points: list[tuple[float, float]], scale: float) -> tuple[list[float], list[float]]:
+    """The points, with the line broken where samples stop for more than 5 sampling intervals (a process that
+    was down), instead of a straight line drawn across the time it was gone."""
+    steps = sorted(b[0] - a[0] for a, b in itertools.pairwise(points))
+    gap = 5 * steps[len(steps) // 2] if steps else float("inf")
+    xs: list[float] = []
+    ys: list[float] = []
+    for i, (t, v) in enumerate(points):
+        if i and t - points[i - 1][0] > gap:
+            xs.append(float("nan"))
+            ys.append(float("nan"))
+        xs.append(t)
+        ys.append(v / scale)
+    return xs, ys
 
 
 def bar_plot(path: Path, title: str, ylabel: str, bars: dict[str, float]) -> None:
