@@ -147,7 +147,7 @@ def test_storm_of_secret_lists_never_runs_more_than_two_upstream(sandbox: Sandbo
                 f"max={max(lat) * 1000:.0f} ms"
             )
     assert 1 <= peak_proxy <= 2
-    assert sampler.samples > 0 and sampler.max_executing_total <= 2
+    assert sampler.within_budget(2), f"the apiservers ran more than 2 of the storm's LISTs: {sampler.totals}"
     # Other traffic keeps flowing through the storm: small GETs complete in every third of it, none waits
     # anywhere near the storm's length. Not an absolute latency bound: on 2 cores the 20 kubectl processes and
     # the apiservers' 40 MB LISTs hold the load average at 12-16, and a GET's worst case moved between 6 and

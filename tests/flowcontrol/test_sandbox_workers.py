@@ -103,7 +103,7 @@ def test_twenty_tenant_lists_through_four_workers_never_run_more_than_two_upstre
     assert sum(1 for v in served.values() if v > 0) >= 2, "the LISTs must have been spread over several workers"
     assert 1 <= peak <= 2
     # the apiservers' own APF gauges saw the storm's LISTs, never more than 2 at once
-    assert sampler.samples > 0 and 1 <= sampler.max_executing_total <= 2
+    assert sampler.max_executing_total >= 1 and sampler.within_budget(2), sampler.totals
 
 
 def _tenant_ctx(state: SandboxState, directory: Path, user: str) -> ssl.SSLContext:
