@@ -55,6 +55,14 @@ def proc_figures(pid: int) -> tuple[int, float] | None:
     return (rss, cpu) if seen else None
 
 
+GO_FIGURES = {"heap_inuse_bytes": "go_memstats_heap_inuse_bytes",
+              "heap_released_bytes": "go_memstats_heap_released_bytes",
+              "gc_cycles": "go_gc_duration_seconds_count"}
+"""More of each apiserver's Go runtime figures, one column each (gogc): heap in use and returned to the OS
+split RSS into live data and what the runtime still holds, and the GC counter gives GOGC's price in cycles."""
+FIELDS += list(GO_FIGURES)
+
+
 @dataclass
 class Sampler:
     state: SandboxState
@@ -146,7 +154,8 @@ class Sampler:
                                   heap_bytes=kit.metric_sum(text, "go_memstats_heap_alloc_bytes"),
                                   requests=kit.metric_sum(text, "apiserver_request_total", **self.count),
                                   executing=kit.metric_sum(text, "apiserver_flowcontrol_current_executing_requests",
-                                                           flow_schema=kit.OBSERVE))
+                                                           flow_schema=kit.OBSERVE),
+                                  **{col: kit.metric_sum(text, metric) for col, metric in GO_FIGURES.items()})
                 for name, c in others.items():
                     with contextlib.suppress(httpx.HTTPError):
                         r = c.get("/metrics")
@@ -186,7 +195,7 @@ class Sampler:
         out: dict[str, list[tuple[float, float]]] = {}
         for r in self.rows:
             name = str(r["component"])
-            v = r[column]
+            v = r.get(column, "")  # a column only some rows carry (GO_FIGURES: the apiservers' /metrics rows)
             if name.startswith(component_prefix) and v != "":
                 out.setdefault(name, []).append((float(r["t"]), float(v)))  # type: ignore[arg-type]
         return out

@@ -132,56 +132,6 @@ class SteadyUser(K8sUser):
         self.call("GET", "LIST configmaps", f"/api/v1/namespaces/{self.ns}/configmaps?limit=1")
 
 
-class ChurnUser(K8sUser):
-    """Steady churn: Secrets and Pods created, updated and deleted, with periodic LISTs (gogc)."""
-
-    def on_start(self) -> None:
-        super().on_start()
-        self.secrets: list[str] = []
-        self.pods: list[str] = []
-        self.size = int(self.spec.get("secret_bytes", 32 * 1024))
-
-    def _secret(self, name: str) -> dict[str, Any]:
-        return {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name},
-                "data": {"blob": base64.b64encode(os.urandom(self.size)).decode()}}
-
-    @task(4)
-    def create_secret(self) -> None:
-        name = f"churn-{uuid.uuid4().hex[:10]}"
-        if self.call("POST", "CREATE secret", f"/api/v1/namespaces/{self.ns}/secrets", json=self._secret(name)):
-            self.secrets.append(name)
-
-    @task(3)
-    def update_secret(self) -> None:
-        if self.secrets:
-            name = random.choice(self.secrets)
-            self.call("PUT", "UPDATE secret", f"/api/v1/namespaces/{self.ns}/secrets/{name}",
-                      json=self._secret(name))
-
-    @task(3)
-    def delete_secret(self) -> None:
-        if len(self.secrets) > 5:
-            name = self.secrets.pop(random.randrange(len(self.secrets)))
-            self.call("DELETE", "DELETE secret", f"/api/v1/namespaces/{self.ns}/secrets/{name}")
-
-    @task(2)
-    def create_pod(self) -> None:
-        name = f"churn-{uuid.uuid4().hex[:10]}"
-        if self.call("POST", "CREATE pod", f"/api/v1/namespaces/{self.ns}/pods", json=pod(name)):
-            self.pods.append(name)
-
-    @task(2)
-    def delete_pod(self) -> None:
-        if len(self.pods) > 5:
-            name = self.pods.pop(random.randrange(len(self.pods)))
-            self.call("DELETE", "DELETE pod", f"/api/v1/namespaces/{self.ns}/pods/{name}",
-                      params={"gracePeriodSeconds": "0"})
-
-    @task(1)
-    def list_secrets(self) -> None:
-        self.call("GET", "LIST secrets", f"/api/v1/namespaces/{self.ns}/secrets", stream=True)
-
-
 class CreateUser(K8sUser):
     """Admission traffic: create a Pod or a Secret (timed), then delete it (not timed as admission)."""
 
@@ -242,3 +192,56 @@ def gpu_pod(name: str) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": {"app": "dra-scale"}},
             "spec": {"containers": [{"name": "c", "image": "registry.k8s.io/pause:3.10",
                                      "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}}
+
+
+class SteadyChurnUser(K8sUser):
+    """gogc's tenant: churn at a constant object count, so that memory can only move with the GC, not the data.
+
+    The scenario pre-creates ``spec["objects"]`` Secrets named ``steady-NNNNN``; user k owns those whose
+    number is k modulo ``spec["users"]``. At ``spec["rate"]`` requests per second it mostly rewrites one
+    of its Secrets' data (a fresh ``secret_bytes`` blob), and now and then (``replace_every``-th request)
+    replaces one: creates a Secret under a new name, then deletes the old one, so the count moves by at most
+    one per user and returns. Every ``list_every`` seconds, first after a random offset so the users do not
+    LIST in step, it LISTs all the namespace's Secrets, the read that grows an apiserver's heap. A constant
+    rate, not a closed loop, so both GOGC arms carry the same load and CPU per request compares like with
+    like; it leaves when ``stop_file`` exists, which ends the driver's ``until_done`` run.
+    """
+
+    def wait_time(self) -> float:
+        return float(constant_throughput(float(self.spec.get("rate", 4)))(self))
+
+    def on_start(self) -> None:
+        super().on_start()
+        users, objects = int(self.spec["users"]), int(self.spec["objects"])
+        self.mine = [f"steady-{i:05d}" for i in range(objects) if i % users == self.index % users]
+        self.size = int(self.spec.get("secret_bytes", 64 * 1024))
+        self.every = float(self.spec.get("list_every", 10))
+        self.next_list = time.monotonic() + random.uniform(0, self.every)
+        self.sent = 0
+        self.stop_file = str(self.spec.get("stop_file", ""))
+
+    def _secret(self, name: str) -> dict[str, Any]:
+        return {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name, "labels": {"app": "steady"}},
+                "data": {"blob": base64.b64encode(os.urandom(self.size)).decode()}}
+
+    @task
+    def churn(self) -> None:
+        if self.stop_file and os.path.exists(self.stop_file):
+            raise StopUser()
+        base = f"/api/v1/namespaces/{self.ns}/secrets"
+        if time.monotonic() >= self.next_list:
+            self.next_list += self.every
+            self.call("GET", "LIST secrets", base, stream=True)
+            return
+        if not self.mine:
+            return
+        self.sent += 1
+        slot = random.randrange(len(self.mine))
+        old = self.mine[slot]
+        if self.sent % int(self.spec.get("replace_every", 20)):
+            self.call("PUT", "UPDATE secret", f"{base}/{old}", json=self._secret(old))
+            return
+        new = f"steady-r-{uuid.uuid4().hex[:10]}"
+        if self.call("POST", "CREATE secret (replace)", base, json=self._secret(new)):
+            self.mine[slot] = new
+            self.call("DELETE", "DELETE secret (replace)", f"{base}/{old}")
