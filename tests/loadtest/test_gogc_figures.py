@@ -40,6 +40,7 @@ def test_lower_needs_the_median_lower_and_the_ranges_apart() -> None:
     assert Spread.of([1, 2, 3]).below(Spread.of([4, 5, 6]))
     assert not Spread.of([1, 2, 5]).below(Spread.of([4, 5, 6]))
     assert Spread.of([3, float("nan"), 1]) == Spread(2, 1, 3, 2)
+    assert Spread.of([2.4, -3.1, 1.6]).fmt(0, "%") == "2% (-3 to 2)"
 
 
 def test_restart_verdict_follows_every_run() -> None:
@@ -59,4 +60,5 @@ def test_growth_verdict_needs_gogc_100_to_grow_first() -> None:
     assert growth_verdict([0.5, 5.0, 6.0], [0.0, 0.1, 0.2]).word == "not reproduced"
     assert growth_verdict([5.0, 6.0, 7.0], [0.0, 1.0, -2.0]).word == "reproduced"
     assert growth_verdict([5.0, 6.0, 7.0], [9.0, 10.0, 12.0]).word == "contradicted"
+    assert growth_verdict([0.5, 1.0, 3.0], [9.0, 10.0, 12.0]).word == "contradicted"  # 50 grows: no stop
     assert growth_verdict([5.0, 6.0, 7.0], [1.0, 4.0, 6.5]).word == "not reproduced"

@@ -181,7 +181,7 @@ def test_gogc_runs_both_arms_three_times_interleaved_and_judges_each_seed_claim(
     for claim in ("A restart frees up to 40 %", "GOGC 50 lowers memory", "GOGC 50 stops growth over time"):
         assert re.search(rf"^\d\. \*{claim}[^*]*\* \*\*(reproduced|not reproduced|contradicted)\*\*: ", text,
                          re.M), claim
-    per_arm = re.search(r"^\| GC cycles per minute[^|]*\| ([\d.]+) \([\d.]+-[\d.]+\) \| ([\d.]+) \(", text, re.M)
+    per_arm = re.search(r"^\| GC cycles per minute[^|]*\| ([\d.]+) \([\d.]+ to [\d.]+\) \| ([\d.]+) \(", text, re.M)
     assert per_arm and float(per_arm.group(1)) > 0 and float(per_arm.group(2)) > 0, text
 
 
