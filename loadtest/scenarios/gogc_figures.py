@@ -127,6 +127,9 @@ def growth_verdict(growth100: Sequence[float], growth50: Sequence[float]) -> Ver
     """"GOGC 50 stops growth over time" (``growth``: RSS slope per run in % of its mean RSS per minute)."""
     a, b = Spread.of(growth100), Spread.of(growth50)
     shown = f"RSS slope {a.fmt(1, ' %/min')} with GOGC=100, {b.fmt(1, ' %/min')} with GOGC=50"
+    if not a.n or not b.n:
+        return Verdict("not reproduced", f"{shown}: no slope in some arm (fewer than 3 samples in its window)")
+    shown += f", over {a.n} and {b.n} runs"
     grows100 = a.n > 0 and a.low > GROWTH_MIN
     grows50 = b.n > 0 and b.low > GROWTH_MIN
     flat50 = b.n > 0 and b.high <= GROWTH_MIN

@@ -62,3 +62,5 @@ def test_growth_verdict_needs_gogc_100_to_grow_first() -> None:
     assert growth_verdict([5.0, 6.0, 7.0], [9.0, 10.0, 12.0]).word == "contradicted"
     assert growth_verdict([0.5, 1.0, 3.0], [9.0, 10.0, 12.0]).word == "contradicted"  # 50 grows: no stop
     assert growth_verdict([5.0, 6.0, 7.0], [1.0, 4.0, 6.5]).word == "not reproduced"
+    nan = float("nan")
+    assert "no slope" in growth_verdict([5.0, 6.0, 7.0], [nan, nan, nan]).why

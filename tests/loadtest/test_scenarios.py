@@ -178,6 +178,7 @@ def test_gogc_runs_both_arms_three_times_interleaved_and_judges_each_seed_claim(
         assert float(r["gc_per_min"]) > 0, r  # apiservers under churn collect within any window
         assert float(r["secret_requests_per_s"]) > 0 and float(r["cpu_ms_per_request"]) > 0, r
         assert float(r["restart_s"]) > 0, r
+        assert float(r["rss_growth_pct_per_min"]) == float(r["rss_growth_pct_per_min"]), r  # a slope, not NaN
     for claim in ("A restart frees up to 40 %", "GOGC 50 lowers memory", "GOGC 50 stops growth over time"):
         assert re.search(rf"^\d\. \*{claim}[^*]*\* \*\*(reproduced|not reproduced|contradicted)\*\*: ", text,
                          re.M), claim
