@@ -122,13 +122,26 @@ class ListerUser(K8sUser):
 
 class SteadyUser(K8sUser):
     """A long-lived client issuing small requests at a steady rate on one connection (HTTP/2 or kubectl
-    proxy's), like a controller: the shape whose connections an L4 balancer pins."""
+    proxy's), like a controller: the shape whose connections an L4 balancer pins.
+
+    From wall-clock time ``storm_epoch`` on, its next ``storm_lists`` requests are full LISTs of the
+    namespace's Secrets on that same connection: the seeds' LIST storm lands where the balancer pinned
+    the connections, so the memory follows the connection skew."""
+
+    def on_start(self) -> None:
+        super().on_start()
+        self.storms = 0
 
     def wait_time(self) -> float:
         return float(constant_throughput(float(self.spec.get("rate", 5)))(self))
 
     @task
     def get(self) -> None:
+        at = self.spec.get("storm_epoch")
+        if at is not None and self.storms < int(self.spec.get("storm_lists", 0)) and time.time() >= float(at):
+            self.storms += 1
+            self.call("GET", "LIST secrets (storm)", f"/api/v1/namespaces/{self.ns}/secrets", stream=True)
+            return
         self.call("GET", "LIST configmaps", f"/api/v1/namespaces/{self.ns}/configmaps?limit=1")
 
 

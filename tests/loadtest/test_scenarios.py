@@ -150,6 +150,18 @@ def test_skew_reports_per_apiserver_shares_that_sum_to_one(tmp_path: Path, hapro
     assert all(abs(v - 1.0) < 0.01 for v in by.values())
     for arm in ("haproxy", "gatekeeper"):
         assert float(locust_stats(out, arm)["Aggregated"]["Request Count"]) > 50
+        # every client's one storm LIST of the big Secrets completed, on its own connection
+        storm = locust_stats(out, arm)["LIST secrets (storm)"]
+        assert int(storm["Request Count"]) >= 3 and int(storm["Failure Count"]) == 0, storm
+    rows = samples(out)
+    for arm in ("haproxy", "gatekeeper"):
+        conns = {r["component"]: int(r["connections"]) for r in rows if r["arm"] == arm and r["connections"]}
+        assert sorted(conns) == ["kube-apiserver-1", "kube-apiserver-2", "kube-apiserver-3"], conns
+        assert sum(conns.values()) >= 1, (arm, conns)
+    with (out / "events.csv").open() as fh:
+        events = [(r["arm"], r["event"]) for r in csv.DictReader(fh)]
+    assert ("haproxy", "restart kube-apiserver-2") in events and ("haproxy", "LIST storm") in events
+    assert "Memory per apiserver: the LIST storm after the restart" in (out / "report.md").read_text()
 
 
 def test_admission_measures_both_arms_and_webhook_cpu_per_review(tmp_path: Path) -> None:
