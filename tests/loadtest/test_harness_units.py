@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from gatekeeper.sandbox.state import SandboxState
-from loadtest.harness.cluster import with_flags
 from loadtest.harness import sockets
+from loadtest.harness.cluster import with_flags
 from loadtest.harness.sampler import Sampler, proc_figures
 from loadtest.scenarios.dra_scale import histogram_quantile, quantile
 from loadtest.scenarios.gogc import slope_mib_per_min
