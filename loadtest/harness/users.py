@@ -77,46 +77,51 @@ class K8sUser(User):
         )
         return resp if exc is None else None
 
+    def list_secrets(self, name: str, *, reflector: bool = False) -> None:
+        """One full LIST of the namespace's Secrets as client-go makes it, reported as ``name`` with its waits.
+
+        429 + Retry-After is retried (up to 10 times), each one reported as ``throttled (429)``. A LIST cut by
+        an error (a proxy killed under it) is sent again after 1 s, as a reflector re-lists (``re-listed after
+        an error``), up to 10 times; with ``reflector`` for as long as the run lasts, after client-go's
+        reflector back-off (0.8 s doubling to 30 s)."""
+        t0 = time.perf_counter()
+        backoff = 0.8
+        resp: httpx.Response | None = None
+        for attempt in itertools.count():
+            if attempt > 10 and not reflector:
+                break
+            resp = self.call("GET", "LIST secrets (one try)", f"/api/v1/namespaces/{self.ns}/secrets",
+                             ok=(200, 429), stream=True)
+            if resp is not None and resp.status_code == 429:
+                self.environment.events.request.fire(
+                    request_type="GET", name="throttled (429)", response_time=0, response_length=0,
+                    exception=None, context={})
+                time.sleep(float(resp.headers.get("retry-after", "1")))
+                continue
+            if resp is None:  # a connection cut (a proxy gone): the pool reconnects; re-list as a reflector does
+                self.environment.events.request.fire(
+                    request_type="GET", name="re-listed after an error", response_time=0, response_length=0,
+                    exception=None, context={})
+                time.sleep(backoff if reflector else 1.0)
+                backoff = min(30.0, backoff * 2)
+                continue
+            break
+        ok = resp is not None and resp.status_code == 200
+        self.environment.events.request.fire(
+            request_type="GET", name=name, response_time=(time.perf_counter() - t0) * 1000,
+            response_length=0, exception=None if ok else RuntimeError("LIST did not complete"), context={})
+
 
 class ListerUser(K8sUser):
-    """The seeds' tenant: full LISTs of the namespace's Secrets, ``rounds`` times, then it leaves.
-
-    429 + Retry-After is retried as client-go does (up to 10 times); each one is
-    reported as ``throttled (429)``, and the LIST's time includes the waits. A LIST cut by an error (a proxy
-    killed under it) is sent again after 1 s, as a reflector re-lists (``re-listed after an error``), up to 10
-    times; with ``relist: reflector`` for as long as the run lasts, after client-go's reflector back-off
-    (0.8 s doubling to 30 s), so apiservers that come back meet the same storm, as in the seeds' incident.
+    """The seeds' tenant: full LISTs of the namespace's Secrets (:meth:`K8sUser.list_secrets`), ``rounds``
+    times, then it leaves; with ``relist: reflector`` a cut LIST is sent again for as long as the run lasts,
+    so apiservers that come back meet the same storm, as in the seeds' incident.
     """
 
     @task
     def storm(self) -> None:
-        reflector = self.spec.get("relist") == "reflector"
         for _ in range(int(self.spec.get("rounds", 1))):
-            t0 = time.perf_counter()
-            backoff = 0.8
-            for attempt in itertools.count():
-                if attempt > 10 and not reflector:
-                    break
-                resp = self.call("GET", "LIST secrets (one try)", f"/api/v1/namespaces/{self.ns}/secrets",
-                                 ok=(200, 429), stream=True)
-                if resp is not None and resp.status_code == 429:
-                    self.environment.events.request.fire(
-                        request_type="GET", name="throttled (429)", response_time=0, response_length=0,
-                        exception=None, context={})
-                    time.sleep(float(resp.headers.get("retry-after", "1")))
-                    continue
-                if resp is None:  # a connection cut (a proxy gone): the pool reconnects; re-list as a reflector does
-                    self.environment.events.request.fire(
-                        request_type="GET", name="re-listed after an error", response_time=0, response_length=0,
-                        exception=None, context={})
-                    time.sleep(backoff if reflector else 1.0)
-                    backoff = min(30.0, backoff * 2)
-                    continue
-                break
-            ok = resp is not None and resp.status_code == 200
-            self.environment.events.request.fire(
-                request_type="GET", name="LIST secrets", response_time=(time.perf_counter() - t0) * 1000,
-                response_length=0, exception=None if ok else RuntimeError("LIST did not complete"), context={})
+            self.list_secrets("LIST secrets", reflector=self.spec.get("relist") == "reflector")
         raise StopUser()
 
 
@@ -140,7 +145,7 @@ class SteadyUser(K8sUser):
         at = self.spec.get("storm_epoch")
         if at is not None and self.storms < int(self.spec.get("storm_lists", 0)) and time.time() >= float(at):
             self.storms += 1
-            self.call("GET", "LIST secrets (storm)", f"/api/v1/namespaces/{self.ns}/secrets", stream=True)
+            self.list_secrets("LIST secrets (storm)")
             return
         self.call("GET", "LIST configmaps", f"/api/v1/namespaces/{self.ns}/configmaps?limit=1")
 

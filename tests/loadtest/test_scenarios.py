@@ -146,9 +146,9 @@ def test_skew_reports_per_apiserver_shares_that_sum_to_one(tmp_path: Path, hapro
     for r in shares:
         by[(r["arm"], r["t"])] = by.get((r["arm"], r["t"]), 0.0) + float(r["share"])
     assert {a for a, _ in by} == {"haproxy", "haproxy-goaway", "haproxy-goaway-0.02", "gatekeeper",
-                                     "gatekeeper-goaway"}
+                                     "gatekeeper-policy"}
     assert all(abs(v - 1.0) < 0.01 for v in by.values())
-    for arm in ("haproxy", "gatekeeper"):
+    for arm in ("haproxy", "gatekeeper", "gatekeeper-policy"):
         assert float(locust_stats(out, arm)["Aggregated"]["Request Count"]) > 50
         # every client's one storm LIST of the big Secrets completed, on its own connection
         storm = locust_stats(out, arm)["LIST secrets (storm)"]
