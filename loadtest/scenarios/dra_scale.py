@@ -90,7 +90,7 @@ def plan(scale: float) -> dict[str, Any]:
     rate = max(MIN_RATE, RATE * scale)
     return {"total": total, "nodes": math.ceil(total * HEADROOM / GPUS_PER_NODE), "rate": rate,
             "users": max(4, min(100, math.ceil(rate * 3))), "quiet": max(6.0, QUIET_S * min(1.0, scale)),
-            "runs": RUNS if scale >= 0.05 else 2, "timeout": max(120.0, total / rate * 6)}
+            "runs": RUNS if scale >= 0.05 else 2, "timeout": max(120.0, total / rate * 10)}
 
 
 def order(arms: tuple[Arm, ...], runs: int) -> list[tuple[Arm, int]]:
