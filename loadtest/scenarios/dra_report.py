@@ -30,10 +30,11 @@ apiserver memory: another 20 % saved."""
 
 TOPOLOGY_ARM = """The seed's baseline, the topology-aware scheduler (sigs.k8s.io/scheduler-plugins, plugin
 NodeResourceTopologyMatch, with topology.node.k8s.io/v1alpha2 NodeResourceTopology objects for the KWOK nodes),
-is not an arm of this run: it could not be built here. v0.35.0 was refused by the Go module proxy. One other
-release was tried, v0.34.7 (the newest in the compatibility matrix of the project's README, built with k8s
-v1.34.7): `go mod download -json sigs.k8s.io/scheduler-plugins@v0.34.7` succeeded, but building its scheduler
-inside the module (`GOTOOLCHAIN=local CGO_ENABLED=0 go build -trimpath -o .../kube-scheduler ./cmd/scheduler`, as
+is not an arm of this run: it could not be built here. An earlier attempt found v0.35.0 refused by the Go module
+proxy. One other release was tried, v0.34.7 (the newest in the compatibility matrix of the project's README,
+built with k8s v1.34.7): `go mod download -json sigs.k8s.io/scheduler-plugins@v0.34.7` succeeded, but building its
+scheduler inside the module
+(`GOTOOLCHAIN=local CGO_ENABLED=0 go build -trimpath -o .../kube-scheduler ./cmd/scheduler`, as
 gatekeeper/sandbox/build.py builds k8s) failed on a dependency the proxy refuses:
 `k8s.io/csi-translation-lib@v0.34.7: reading https://proxy.golang.org/k8s.io/csi-translation-lib/@v/v0.34.7.zip:
 403 Forbidden, server response: This module version is not available.` (imported by
