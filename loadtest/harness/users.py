@@ -260,3 +260,34 @@ def gpu_pod(name: str) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": {"app": "dra-scale"}},
             "spec": {"containers": [{"name": "c", "image": "registry.k8s.io/pause:3.10",
                                      "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}}
+
+
+_ramp_index = itertools.count()
+_ramp_start: list[float] = []
+
+
+class RampGpuPodUser(K8sUser):
+    """dra-scale's open-loop ramp: pod ``i`` is sent at ``start + i / spec["rate"]``, ``spec["total"]`` in all.
+
+    Bounded-concurrency users (:class:`GpuPodUser`) create as fast as the apiserver answers, so an arm whose
+    admission or writes are slower also gets a slower ramp, and the arms no longer see the same load. Here the
+    schedule is fixed and every arm gets the same one; the users are only the requests in flight
+    (``spec["users"]`` of them, enough for a few seconds of creates). How late each create left against its
+    slot is reported as ``ramp lag`` (response time = lag in ms), so a report can show the ramp was kept.
+    """
+
+    @task
+    def create(self) -> None:
+        i = next(_ramp_index)
+        if i >= int(self.spec["total"]):
+            raise StopUser()
+        if not _ramp_start:  # the first create fixes the schedule for everyone (no yield between: gevent)
+            _ramp_start.append(time.monotonic())
+        due = _ramp_start[0] + i / float(self.spec["rate"])
+        delay = due - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)  # gevent-patched in Locust's process: the other users go on
+        self.environment.events.request.fire(
+            request_type="RAMP", name="ramp lag", response_time=max(0.0, -delay) * 1000, response_length=0,
+            exception=None, context={})
+        self.call("POST", "CREATE gpu pod", f"/api/v1/namespaces/{self.ns}/pods", json=gpu_pod(f"gpu-{i:06d}"))
