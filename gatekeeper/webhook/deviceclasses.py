@@ -2,7 +2,9 @@
 
 With ``extendedResourceName: nvidia.com/gpu`` on a DeviceClass the scheduler
 serves an unchanged ``nvidia.com/gpu: N`` pod through DRA on nodes that do not
-advertise the resource; plain ``dra`` mode would only duplicate that. The
+advertise the resource. With ``gpu.kep5004: step-aside`` plain ``dra`` mode then
+leaves such pods to it (the default, ``rewrite``, never asks, and this map is
+not started: the scheduler-made claims cost the scheduler memory). The
 webhook answers reviews synchronously, so the answer is a cached bool, and the
 cache is a short-interval LIST (``deviceClassCheckSeconds``, default 10 s):
 one small request per interval, and a mapping added or removed never hides for

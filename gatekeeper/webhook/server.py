@@ -103,11 +103,12 @@ async def serve(settings: WebhookSettings, stop: asyncio.Event | None = None) ->
                                 on_result=lambda r: counter.labels(r).inc())
     app = build_app(settings, keeper, ready=False)
     mapping_task = ns_task = None
-    if api_client is not None:
+    if api_client is not None and settings.gpu.kep5004 == "step-aside":  # rewrite never asks whether one maps
         mapping = ExtendedResourceMap(kube_api.device_class_lister(api_client), settings.gpu.device_class_check_seconds)
         await mapping.refresh()  # the first pods already see an existing mapping
         app[MAPPING_KEY] = mapping
         mapping_task = asyncio.create_task(mapping.run())
+    if api_client is not None:
         ns_modes = NamespaceModes(*kube_api.namespace_source(api_client))
         app[NAMESPACE_MODES_KEY] = ns_modes
         ns_task = asyncio.create_task(ns_modes.run())

@@ -41,12 +41,14 @@ def bring_up(directory: Path, log: Any, *, apiservers: int = 3, apiserver_args: 
              gogc: int | None = None, with_scheduler: bool = False, gpu_nodes: int = 0,
              addons: tuple[str, ...] = (), gpus_per_node: int = 8,
              gpu_extended_resource_mapping: bool = False, apiserver_memory_limit: int = 0,
-             etcd_args: Sequence[str] = ()) -> SandboxState:
+             etcd_args: Sequence[str] = (), controller_manager_args: Sequence[str] = (),
+             scheduler_args: Sequence[str] = ()) -> SandboxState:
     """A new sandbox in ``directory`` (in-process ``sandbox up``), its progress lines in ``log``."""
     opts = UpOptions(state_dir=directory, apiservers=apiservers, gpu_nodes=gpu_nodes, gogc=gogc,
                      with_scheduler=with_scheduler, addons=addons, apiserver_args=tuple(apiserver_args),
                      gpus_per_node=gpus_per_node, gpu_extended_resource_mapping=gpu_extended_resource_mapping,
-                     apiserver_memory_limit=apiserver_memory_limit, etcd_args=tuple(etcd_args))
+                     apiserver_memory_limit=apiserver_memory_limit, etcd_args=tuple(etcd_args),
+                     controller_manager_args=tuple(controller_manager_args), scheduler_args=tuple(scheduler_args))
     return up(opts, argparse.Namespace(timeout=300.0), say=lambda s: print(s, file=log, flush=True))
 
 

@@ -19,13 +19,15 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 
 from gatekeeper.sandbox.state import SandboxState
+from loadtest.harness import sockets
 from loadtest.harness.cluster import admin, kit
 
-FIELDS = ["arm", "t", "component", "rss_bytes", "cpu_seconds", "heap_bytes", "requests", "executing"]
+FIELDS = ["arm", "t", "component", "rss_bytes", "cpu_seconds", "heap_bytes", "requests", "executing", "connections"]
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -88,6 +90,9 @@ class Sampler:
     cluster-wide concurrency a budget promises. ``/metrics`` is megabytes under a storm and read one apiserver
     after another, so its gauge sums moments up to seconds apart and counts a request that moved twice."""
     apf_interval: float = 0.1
+    front_port: int = 0
+    """The port of the front (HAProxy, a proxy) whose established connections to each apiserver are counted
+    every tick (``connections``): the connection skew an L4 balancer keeps."""
     follow_restarts: bool = False
     """Read the processes from ``sandbox.json`` on every tick: the sandbox's supervisor restarts OOM-killed
     apiservers under new pids (a gap in an apiserver's series is the time it was down)."""
@@ -124,10 +129,11 @@ class Sampler:
     def _add(self, **row: object) -> None:
         with self._lock:
             self.rows.append({"arm": self.arm, "rss_bytes": "", "cpu_seconds": "", "heap_bytes": "", "requests": "",
-                              "executing": "",
-                              **row})
+                              "executing": "", "connections": "", **row})
 
     def _proc_loop(self) -> None:
+        ports = [urlsplit(u).port or 443 for u in self.state.apiserver_urls]
+        front = sockets.listener_group(self.front_port) if self.front_port else None
         while not self._stop.is_set():
             t = self._now()
             state = self.state
@@ -139,6 +145,10 @@ class Sampler:
                 figures = proc_figures(pid)
                 if figures:
                     self._add(t=t, component=name, rss_bytes=figures[0], cpu_seconds=figures[1])
+            if front is not None:
+                counts = sockets.connections_to(front, ports)
+                for i, port in enumerate(ports, 1):
+                    self._add(t=t, component=f"kube-apiserver-{i}", connections=counts[port])
             self._stop.wait(self.interval)
 
     def _metrics_loop(self) -> None:

@@ -77,58 +77,76 @@ class K8sUser(User):
         )
         return resp if exc is None else None
 
+    def list_secrets(self, name: str, *, reflector: bool = False) -> None:
+        """One full LIST of the namespace's Secrets as client-go makes it, reported as ``name`` with its waits.
+
+        429 + Retry-After is retried (up to 10 times), each one reported as ``throttled (429)``. A LIST cut by
+        an error (a proxy killed under it) is sent again after 1 s, as a reflector re-lists (``re-listed after
+        an error``), up to 10 times; with ``reflector`` for as long as the run lasts, after client-go's
+        reflector back-off (0.8 s doubling to 30 s)."""
+        t0 = time.perf_counter()
+        backoff = 0.8
+        resp: httpx.Response | None = None
+        for attempt in itertools.count():
+            if attempt > 10 and not reflector:
+                break
+            resp = self.call("GET", "LIST secrets (one try)", f"/api/v1/namespaces/{self.ns}/secrets",
+                             ok=(200, 429), stream=True)
+            if resp is not None and resp.status_code == 429:
+                self.environment.events.request.fire(
+                    request_type="GET", name="throttled (429)", response_time=0, response_length=0,
+                    exception=None, context={})
+                time.sleep(float(resp.headers.get("retry-after", "1")))
+                continue
+            if resp is None:  # a connection cut (a proxy gone): the pool reconnects; re-list as a reflector does
+                self.environment.events.request.fire(
+                    request_type="GET", name="re-listed after an error", response_time=0, response_length=0,
+                    exception=None, context={})
+                time.sleep(backoff if reflector else 1.0)
+                backoff = min(30.0, backoff * 2)
+                continue
+            break
+        ok = resp is not None and resp.status_code == 200
+        self.environment.events.request.fire(
+            request_type="GET", name=name, response_time=(time.perf_counter() - t0) * 1000,
+            response_length=0, exception=None if ok else RuntimeError("LIST did not complete"), context={})
+
 
 class ListerUser(K8sUser):
-    """The seeds' tenant: full LISTs of the namespace's Secrets, ``rounds`` times, then it leaves.
-
-    429 + Retry-After is retried as client-go does (up to 10 times); each one is
-    reported as ``throttled (429)``, and the LIST's time includes the waits. A LIST cut by an error (a proxy
-    killed under it) is sent again after 1 s, as a reflector re-lists (``re-listed after an error``), up to 10
-    times; with ``relist: reflector`` for as long as the run lasts, after client-go's reflector back-off
-    (0.8 s doubling to 30 s), so apiservers that come back meet the same storm, as in the seeds' incident.
+    """The seeds' tenant: full LISTs of the namespace's Secrets (:meth:`K8sUser.list_secrets`), ``rounds``
+    times, then it leaves; with ``relist: reflector`` a cut LIST is sent again for as long as the run lasts,
+    so apiservers that come back meet the same storm, as in the seeds' incident.
     """
 
     @task
     def storm(self) -> None:
-        reflector = self.spec.get("relist") == "reflector"
         for _ in range(int(self.spec.get("rounds", 1))):
-            t0 = time.perf_counter()
-            backoff = 0.8
-            for attempt in itertools.count():
-                if attempt > 10 and not reflector:
-                    break
-                resp = self.call("GET", "LIST secrets (one try)", f"/api/v1/namespaces/{self.ns}/secrets",
-                                 ok=(200, 429), stream=True)
-                if resp is not None and resp.status_code == 429:
-                    self.environment.events.request.fire(
-                        request_type="GET", name="throttled (429)", response_time=0, response_length=0,
-                        exception=None, context={})
-                    time.sleep(float(resp.headers.get("retry-after", "1")))
-                    continue
-                if resp is None:  # a connection cut (a proxy gone): the pool reconnects; re-list as a reflector does
-                    self.environment.events.request.fire(
-                        request_type="GET", name="re-listed after an error", response_time=0, response_length=0,
-                        exception=None, context={})
-                    time.sleep(backoff if reflector else 1.0)
-                    backoff = min(30.0, backoff * 2)
-                    continue
-                break
-            ok = resp is not None and resp.status_code == 200
-            self.environment.events.request.fire(
-                request_type="GET", name="LIST secrets", response_time=(time.perf_counter() - t0) * 1000,
-                response_length=0, exception=None if ok else RuntimeError("LIST did not complete"), context={})
+            self.list_secrets("LIST secrets", reflector=self.spec.get("relist") == "reflector")
         raise StopUser()
 
 
 class SteadyUser(K8sUser):
     """A long-lived client issuing small requests at a steady rate on one connection (HTTP/2 or kubectl
-    proxy's), like a controller: the shape whose connections an L4 balancer pins."""
+    proxy's), like a controller: the shape whose connections an L4 balancer pins.
+
+    From wall-clock time ``storm_epoch`` on, its next ``storm_lists`` requests are full LISTs of the
+    namespace's Secrets on that same connection: the seeds' LIST storm lands where the balancer pinned
+    the connections, so the memory follows the connection skew."""
+
+    def on_start(self) -> None:
+        super().on_start()
+        self.storms = 0
 
     def wait_time(self) -> float:
         return float(constant_throughput(float(self.spec.get("rate", 5)))(self))
 
     @task
     def get(self) -> None:
+        at = self.spec.get("storm_epoch")
+        if at is not None and self.storms < int(self.spec.get("storm_lists", 0)) and time.time() >= float(at):
+            self.storms += 1
+            self.list_secrets("LIST secrets (storm)")
+            return
         self.call("GET", "LIST configmaps", f"/api/v1/namespaces/{self.ns}/configmaps?limit=1")
 
 
@@ -192,6 +210,37 @@ def gpu_pod(name: str) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": {"app": "dra-scale"}},
             "spec": {"containers": [{"name": "c", "image": "registry.k8s.io/pause:3.10",
                                      "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}}
+
+
+_ramp_index = itertools.count()
+_ramp_start: list[float] = []
+
+
+class RampGpuPodUser(K8sUser):
+    """dra-scale's open-loop ramp: pod ``i`` is sent at ``start + i / spec["rate"]``, ``spec["total"]`` in all.
+
+    Bounded-concurrency users (:class:`GpuPodUser`) create as fast as the apiserver answers, so an arm whose
+    admission or writes are slower also gets a slower ramp, and the arms no longer see the same load. Here the
+    schedule is fixed and every arm gets the same one; the users are only the requests in flight
+    (``spec["users"]`` of them, enough for a few seconds of creates). How late each create left against its
+    slot is reported as ``ramp lag`` (response time = lag in ms), so a report can show the ramp was kept.
+    """
+
+    @task
+    def create(self) -> None:
+        i = next(_ramp_index)
+        if i >= int(self.spec["total"]):
+            raise StopUser()
+        if not _ramp_start:  # the first create fixes the schedule for everyone (no yield between: gevent)
+            _ramp_start.append(time.monotonic())
+        due = _ramp_start[0] + i / float(self.spec["rate"])
+        delay = due - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)  # gevent-patched in Locust's process: the other users go on
+        self.environment.events.request.fire(
+            request_type="RAMP", name="ramp lag", response_time=max(0.0, -delay) * 1000, response_length=0,
+            exception=None, context={})
+        self.call("POST", "CREATE gpu pod", f"/api/v1/namespaces/{self.ns}/pods", json=gpu_pod(f"gpu-{i:06d}"))
 
 
 class SteadyChurnUser(K8sUser):

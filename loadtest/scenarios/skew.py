@@ -7,8 +7,17 @@ loopback). Mid-run one apiserver restarts; its clients reconnect to the other
 two, and when it is back an L4 balancer sends it nothing until connections are
 re-made. Each apiserver's own ``apiserver_request_total`` gives its share.
 Arms: HAProxy TCP (the seeds' setup), HAProxy TCP with the apiservers'
-``--goaway-chance=0.001`` (the seeds' fix), gatekeeper (per-request balancing),
-gatekeeper with its own goaway chance towards clients.
+``--goaway-chance=0.001`` (the seeds' fix), gatekeeper (per-request balancing
+alone, flow control off), gatekeeper with the flow control it is deployed with
+(the seeds' policy and at most 2 expensive LISTs per apiserver).
+
+The seeds' symptom is memory skew, so two thirds into each arm every client
+sends one full LIST of the namespace's big Secrets (``--watch-cache-sizes=secrets#0``:
+each LIST reads etcd, the storage reads of the seeds' incident) on its own
+connection: behind an L4 balancer the storm lands where the connections are
+pinned (a 429 is retried after its Retry-After, as client-go does). Each
+apiserver's RSS and Go heap, the front's connections to each apiserver (from
+/proc) and each apiserver's requests are sampled every second.
 
 Healing through GOAWAY takes a few connection lifetimes, and a lifetime is
 1 / (chance x requests per second on that connection): the report states the
@@ -19,20 +28,30 @@ mechanism on a time scale a short run can see.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import csv
+import math
 import re
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
 
 from gatekeeper.sandbox.pki import SandboxPKI
 from gatekeeper.sandbox.state import SandboxState
 from gatekeeper.sandbox.testing import kubectl_binary
 from loadtest.harness import cluster
 from loadtest.harness.cluster import ScenarioError, kit
-from loadtest.harness.report import Report, line_plot
+from loadtest.harness.report import MIB, Report
 from loadtest.harness.run import RunContext, ms, run_locust
 from loadtest.harness.sampler import Sampler, write_rows
 
@@ -40,13 +59,18 @@ NAME = "skew"
 NS = "loadtest-skew"
 RESTARTED = "kube-apiserver-2"
 BALANCED = 1.2
+STORAGE_READS = ("--watch-cache-sizes=secrets#0",)
+SECRET_KIB = 200
 ARMS: dict[str, dict[str, Any]] = {
-    "haproxy": {"flags": ("--goaway-chance=0",)},
-    "haproxy-goaway": {"flags": ("--goaway-chance=0.001",)},
+    "haproxy": {"flags": ("--goaway-chance=0", *STORAGE_READS)},
+    "haproxy-goaway": {"flags": ("--goaway-chance=0.001", *STORAGE_READS)},
     # kube-apiserver's maximum: the same fix with 20x the recycling rate, so healing fits in a short run
-    "haproxy-goaway-0.02": {"flags": ("--goaway-chance=0.02",)},
-    "gatekeeper": {"flags": ("--goaway-chance=0",), "proxy": {}},
-    "gatekeeper-goaway": {"flags": ("--goaway-chance=0",), "proxy": {"goawayChance": 0.001}},
+    "haproxy-goaway-0.02": {"flags": ("--goaway-chance=0.02", *STORAGE_READS)},
+    "gatekeeper": {"flags": ("--goaway-chance=0", *STORAGE_READS), "proxy": {}},
+    # deploy/proxy/config.yaml's flow control: the seeds' policy (2 secret LISTs at a time, the rest queued or
+    # answered 429 + Retry-After) and at most 2 expensive LISTs per apiserver
+    "gatekeeper-policy": {"flags": ("--goaway-chance=0", *STORAGE_READS), "proxy": {},
+                          "flow": {"files": [str(kit.SEEDS)], "expensiveLists": {"maxInFlightPerBackend": 2}}},
 }
 CLAIM = """Large skew in memory utilization across apiserver pods. Root cause: the LB in front of the apiservers
 has long-living TCP connections and balances based on connections, not requests. Fix: the --goaway-chance
@@ -86,7 +110,7 @@ def front(arm: str, state: SandboxState, work: Path) -> Iterator[str]:
         with cluster.haproxy(state, work / arm, balance="roundrobin") as url:
             yield url
         return
-    with cluster.proxy(state, work / arm, None, conf["proxy"] or None) as p:
+    with cluster.proxy(state, work / arm, conf.get("flow"), conf["proxy"] or None) as p:
         yield p.url
 
 
@@ -134,28 +158,58 @@ def time_to_balance(sh: dict[str, list[tuple[float, float]]], since: float, hold
     return None
 
 
+def per_apiserver(sampler: Sampler, column: str, since: float, until: float = math.inf) -> dict[str, list[float]]:
+    """Each apiserver's samples of ``column`` within [since, until]."""
+    return {n: [v for t, v in pts if since <= t <= until]
+            for n, pts in sorted(sampler.series("kube-apiserver", column).items())}
+
+
+def spread(values: dict[str, float]) -> float:
+    """max / min across apiservers (inf when one has nothing)."""
+    vals = list(values.values())
+    if not vals:
+        return float("nan")
+    return max(vals) / min(vals) if min(vals) > 0 else math.inf
+
+
+def memory_figures(sampler: Sampler, storm: float) -> dict[str, Any]:
+    """The memory skew the storm leaves: per apiserver the RSS just before it, the peak during and after it,
+    the RSS at the end, the Go heap peak, and the front's connections just before it."""
+    before = {n: (vs[-1] if vs else 0.0) for n, vs in per_apiserver(sampler, "rss_bytes", storm - 5, storm).items()}
+    peak = {n: max(vs, default=0.0) for n, vs in per_apiserver(sampler, "rss_bytes", storm).items()}
+    end = {n: (vs[-1] if vs else 0.0) for n, vs in per_apiserver(sampler, "rss_bytes", storm).items()}
+    heap = {n: max(vs, default=0.0) for n, vs in per_apiserver(sampler, "heap_bytes", storm).items()}
+    conns = {n: (vs[-1] if vs else 0.0) for n, vs in per_apiserver(sampler, "connections", 0, storm).items()}
+    growth = {n: max(0.0, peak[n] - before.get(n, 0.0)) for n in peak}
+    return {"before": before, "peak": peak, "end": end, "heap": heap, "conns": conns, "growth": growth}
+
+
 def run(ctx: RunContext) -> None:
-    duration = max(20.0, 240 * ctx.scale)
-    restart_at = duration / 6
+    duration = max(30.0, 240 * ctx.scale)
+    restart_at, storm_at = duration / 6, duration * 2 / 3
     python_clients, gogo_clients, rate = ctx.n(16, 2), ctx.n(4, 1), 12.0
+    secrets = ctx.n(200, 4)
     window = max(4.0, duration / 24)
     report = Report(ctx.out, "skew: an L4 balancer balances connections, not requests", CLAIM)
     samplers: list[Sampler] = []
-    results = []
-    with cluster.sandbox(ctx.work / "sandbox", ctx.adopt, ctx.log) as state:
+    results: list[dict[str, Any]] = []
+    with cluster.sandbox(ctx.work / "sandbox", ctx.adopt, ctx.log, apiserver_args=STORAGE_READS) as state:
         report.use_sandbox(state)
         identities = cluster.tenants(state, NS, python_clients, ctx.work)
+        asyncio.run(kit.create_secrets(state, NS, secrets, SECRET_KIB * 1024))
         for arm, conf in ARMS.items():
             cluster.restart_apiservers(state, flags=conf["flags"])
             with front(arm, state, ctx.work) as url, \
                     kubectl_proxies(state, ctx.work, url, gogo_clients) as gogo:
-                sampler = Sampler(state, arm, count={"verb": "LIST", "resource": "configmaps"}, interval=1.0)
+                sampler = Sampler(state, arm, count={"verb": "LIST", "resource": "configmaps"}, interval=1.0,
+                                  front_port=urlsplit(url).port or 443)
                 spec = {"user_classes": ["loadtest.harness.users:SteadyUser"],
                         "users": python_clients + gogo_clients, "spawn_rate": 20, "run_time": duration,
                         "rate": rate, "http2": True, "targets": gogo + [url] * python_clients,
-                        "identities": identities, "namespace": NS, "request_timeout": 30,
-                        "ca": str(SandboxPKI(Path(state.certs_dir)).ca)}
+                        "identities": identities, "namespace": NS, "request_timeout": 120,
+                        "ca": str(SandboxPKI(Path(state.certs_dir)).ca), "storm_lists": 1}
                 restarted: list[float] = []
+                storm: list[float] = []
 
                 def restart(s: Sampler = sampler, flags: tuple[str, ...] = conf["flags"],
                             restarted: list[float] = restarted) -> None:
@@ -163,11 +217,15 @@ def run(ctx: RunContext) -> None:
                     cluster.restart_apiservers(state, which=[RESTARTED], flags=flags)
                     restarted.append(s.mark(f"{RESTARTED} ready"))
 
-                timer = threading.Timer(restart_at, restart)
+                timers = [threading.Timer(restart_at, restart),
+                          threading.Timer(storm_at, lambda s=sampler, st=storm: st.append(s.mark("LIST storm")))]
                 with sampler:
-                    timer.start()
+                    spec["storm_epoch"] = time.time() + storm_at
+                    for timer in timers:
+                        timer.start()
                     rows = run_locust(ctx, arm, spec, timeout=duration)
-                    timer.join()
+                    for timer in timers:
+                        timer.join()
             samplers.append(sampler)
             sh = shares(sampler, window)
             since = restarted[0] if restarted else restart_at
@@ -177,50 +235,123 @@ def run(ctx: RunContext) -> None:
             chance = float(next((f.split("=")[1] for f in conf["flags"] if f.startswith("--goaway-chance=")), 0))
             chance = max(chance, float((conf.get("proxy") or {}).get("goawayChance", 0)))
             per_conn = ms(agg, "Requests/s") / (python_clients + gogo_clients)
+            lists = rows.get("LIST secrets (storm)")
             results.append({"arm": arm, "healed": healed, "final": final, "rps": ms(agg, "Requests/s"),
                             "lifetime": 1 / (chance * per_conn) if chance and per_conn > 0 else None,
-                            "p99": ms(agg, "99%"), "failures": int(ms(agg, "Failure Count")),
-                            "requests": int(ms(agg, "Request Count")), "since": since, "shares": sh})
-            ctx.say(f"  {arm}: balanced after {healed}s, final shares {final}")
-    _write(ctx, report, samplers, results, duration, python_clients, gogo_clients, rate, window)
+                            "p99": ms(rows.get("LIST configmaps"), "99%"),
+                            "failures": int(ms(agg, "Failure Count")),
+                            "requests": int(ms(agg, "Request Count")), "since": since, "shares": sh,
+                            "storm_at": storm[0] if storm else storm_at,
+                            "mem": memory_figures(sampler, storm[0] if storm else storm_at),
+                            "lists_ok": int(ms(lists, "Request Count") - ms(lists, "Failure Count")) if lists else 0,
+                            "list_p99": ms(lists, "99%") / 1000,
+                            "throttled": int(ms(rows.get("throttled (429)"), "Request Count") or 0)
+                            if rows.get("throttled (429)") else 0})
+            m = results[-1]["mem"]
+            ctx.say(f"  {arm}: balanced after {healed}s, final shares {final}, peak RSS max/min "
+                    f"{spread(m['peak']):.2f}, connections {m['conns']}")
+    _write(ctx, report, samplers, results, duration, python_clients, gogo_clients, rate, window, secrets)
 
 
 def _write(ctx: RunContext, report: Report, samplers: list[Sampler], results: list[dict[str, Any]],
-           duration: float, python_clients: int, gogo_clients: int, rate: float, window: float) -> None:
+           duration: float, python_clients: int, gogo_clients: int, rate: float, window: float,
+           secrets: int) -> None:
     write_rows(ctx.out / "samples.csv", samplers)
-    report.csvs += ["samples.csv", *[f"{r['arm']}_stats.csv" for r in results]]
+    with (ctx.out / "events.csv").open("w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["arm", "t", "event"])
+        w.writerows((s.arm, f"{t:.1f}", what) for s in samplers for t, what in s.events)
+    report.csvs += ["samples.csv", "events.csv", *[f"{r['arm']}_stats.csv" for r in results]]
     with (ctx.out / "shares.csv").open("w") as fh:
         fh.write("arm,t,apiserver,share\n")
         for r in results:
             for n, pts in r["shares"].items():
                 fh.writelines(f"{r['arm']},{t:.1f},{n},{v:.4f}\n" for t, v in pts)
     report.csvs.append("shares.csv")
-    report.setup["load"] = (f"{python_clients} Python HTTP/2 clients (httpx, one connection each) + {gogo_clients} "
-                            f"client-go clients (kubectl proxy), each {rate:.0f} LIST configmaps?limit=1 per second, "
-                            f"{duration:.0f} s per arm; {RESTARTED} restarted at {duration / 6:.0f} s; shares over "
-                            f"{window:.0f} s windows from each apiserver's apiserver_request_total")
+    report.setup["load"] = (
+        f"{python_clients} Python HTTP/2 clients (httpx, one connection each) + {gogo_clients} client-go clients "
+        f"(kubectl proxy), each {rate:.0f} LIST configmaps?limit=1 per second, {duration:.0f} s per arm; "
+        f"{RESTARTED} restarted at {duration / 6:.0f} s (events.csv); at {duration * 2 / 3:.0f} s every client "
+        f"sends one full LIST of {secrets} Secrets x {SECRET_KIB} KiB on its own connection; shares over "
+        f"{window:.0f} s windows from each apiserver's apiserver_request_total; RSS from /proc, Go heap "
+        "(go_memstats_heap_alloc_bytes) from each apiserver's /metrics, the front's established connections "
+        "to each apiserver from /proc/net/tcp, every second")
+    report.setup["apiservers"] = "3 kube-apiservers on one etcd, each arm's --goaway-chance + " + " ".join(
+        STORAGE_READS) + " (every Secret LIST reads etcd)"
 
-    def fmt(h: float | None) -> str:
+    def fmt(h: float | None, r: dict[str, Any]) -> str:
         return f"{h:.0f} s" if h is not None else f"not within the run (> {duration - r['since']:.0f} s)"
 
-    rows = []
+    def per(values: dict[str, float], scale: float = MIB) -> str:
+        return " / ".join(f"{v / scale:.0f}" for _, v in sorted(values.items()))
+
+    rows, mem_rows = [], []
     for r in results:
         final = r["final"]
         low = min(final.values()) if final else 0.0
         ratio = f"{max(final.values()) / low:.2f}" if low > 0 else "inf (one apiserver idle)"
-        rows.append([r["arm"], fmt(r["healed"]), " / ".join(f"{v:.2f}" for _, v in sorted(final.items())),
+        rows.append([r["arm"], fmt(r["healed"], r), " / ".join(f"{v:.2f}" for _, v in sorted(final.items())),
                      ratio, r["rps"], r["p99"], r["requests"], r["failures"],
                      f"{r['lifetime']:.0f} s" if r["lifetime"] else "-"])
+        m = r["mem"]
+        mem_rows.append([r["arm"], per(m["conns"], 1), per(m["before"]), per(m["peak"]), f"{spread(m['peak']):.2f}",
+                         per(m["growth"]), f"{spread(m['growth']):.2f}", per(m["end"]), f"{spread(m['end']):.2f}",
+                         per(m["heap"]), f"{r['lists_ok']}/{python_clients + gogo_clients}", r["list_p99"],
+                         r["throttled"]])
     report.table(["arm", f"time until max/min share <= {BALANCED} after the restart",
-                  "final shares (1/2/3)", "final max/min", "req/s", "p99 ms", "requests", "failed",
-                  "expected connection lifetime (1 / (goaway chance x req/s per connection))"], rows)
+                  "final shares (1/2/3)", "final max/min", "req/s", "small LIST p99 ms", "requests", "failed",
+                  "expected connection lifetime (1 / (goaway chance x req/s per connection))"], rows,
+                 "Requests per apiserver")
+    report.table(["arm", "front's connections before the storm (1/2/3)", "RSS before the storm MiB (1/2/3)",
+                  "peak RSS MiB (1/2/3)", "peak max/min", "RSS growth by the storm MiB (1/2/3)", "growth max/min",
+                  "RSS at the end MiB (1/2/3)", "end max/min", "peak Go heap MiB (1/2/3)", "storm LISTs ok",
+                  "storm LIST p99 s (waits included)",
+                  "429 answers (retried)"], mem_rows, "Memory per apiserver: the LIST storm after the restart")
+    report.text(
+        "Memory follows requests: the storm's LISTs land on the apiservers that hold the clients' connections. "
+        "Go returns freed heap to the OS slowly, so the RSS an apiserver reached stays for minutes after the "
+        "storm (the end column): the skew the seed saw between apiserver pods. max/min is inf where one "
+        "apiserver grew by nothing.")
     by = {r["arm"]: r for r in results}
     for arm, seed in (("haproxy", "large skew (seed)"), ("haproxy-goaway", "heals within ~15 min (seed)"),
                       ("haproxy-goaway-0.02", "(not in the seed)"), ("gatekeeper", "n/a (the project's fix)")):
         if arm in by:
             r = by[arm]
-            report.seed_vs_ours.append((f"time to balance after an apiserver restart, {arm}", seed, fmt(r["healed"])))
+            report.seed_vs_ours.append((f"time to balance requests after an apiserver restart, {arm}", seed,
+                                        fmt(r["healed"], r)))
+    for arm, seed in (("haproxy", "large skew in memory between apiserver pods (seed)"),
+                      ("haproxy-goaway", "goaway-chance fixes it (seed)"),
+                      ("haproxy-goaway-0.02", "(not in the seed)"),
+                      ("gatekeeper", "n/a (the project's fix)"), ("gatekeeper-policy", "n/a (the project's fix)")):
+        if arm in by:
+            m = by[arm]["mem"]
+            report.seed_vs_ours.append((f"peak apiserver RSS after the restart and the LIST storm, max/min across "
+                                        f"apiservers, {arm}", seed,
+                                        f"{spread(m['peak']):.2f} ({per(m['peak'])} MiB; growth {per(m['growth'])})"))
     for s, r in zip(samplers, results, strict=True):
-        line_plot(report.plot(f"share_{s.arm}.png", f"Per-apiserver share of requests over time, {s.arm}"),
-                  f"Share of requests per apiserver ({s.arm})", "share", r["shares"], events=s.events)
+        _panels(report.plot(f"skew_{s.arm}.png", f"Requests, connections and memory per apiserver, {s.arm}"),
+                s, r)
     report.write()
+
+
+def _panels(path: Path, sampler: Sampler, result: dict[str, Any]) -> None:
+    """Three panels over one time axis: share of requests, the front's connections, RSS; events marked."""
+    fig, axes = plt.subplots(3, 1, figsize=(9, 8), sharex=True)
+    panels = ((result["shares"], "share of requests", 1.0),
+              (sampler.series("kube-apiserver", "connections"), "front's connections", 1.0),
+              (sampler.series("kube-apiserver", "rss_bytes"), "RSS MiB", MIB))
+    for ax, (series, label, scale) in zip(axes, panels, strict=True):
+        for name, pts in sorted(series.items()):
+            ax.plot([t for t, _ in pts], [v / scale for _, v in pts], label=name, linewidth=1.2)
+        for t, what in sampler.events:
+            ax.axvline(t, color="grey", linestyle=":", linewidth=1)
+            if ax is axes[0]:
+                ax.annotate(what, (t, 1.0), rotation=90, fontsize=7, va="top", ha="right")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8, loc="upper right")
+    axes[0].set_title(f"skew, {sampler.arm}")
+    axes[-1].set_xlabel("seconds")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

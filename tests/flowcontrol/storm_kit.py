@@ -63,6 +63,22 @@ def kubectl(
     )
 
 
+@contextlib.contextmanager
+def big_namespace(state: SandboxState, prefix: str, count: int, size: int) -> Iterator[str]:
+    """A fresh namespace of ``count`` Secrets of ``size`` bytes, with the storm RBAC and observer FlowSchema
+    applied; both go again afterwards (the namespace without waiting for its Secrets to be deleted)."""
+    ns = f"{prefix}-{os.urandom(3).hex()}"
+    asyncio.run(create_secrets(state, ns, count, size))
+    applied = kubectl(state, "apply", "-f", "-", input=storm_rbac_and_observer())
+    if applied.returncode != 0:
+        raise RuntimeError(f"storm RBAC: {applied.stderr.strip()}")
+    try:
+        yield ns
+    finally:
+        kubectl(state, "delete", "namespace", ns, "--wait=false")
+        kubectl(state, "delete", "-f", "-", "--ignore-not-found", input=storm_rbac_and_observer())
+
+
 async def create_secrets(state: SandboxState, namespace: str, count: int, size: int, concurrency: int = 6) -> list[str]:
     """``count`` Secrets of ``size`` random bytes in ``namespace`` (created if missing); returns names."""
     async with admin_client(state) as c:

@@ -39,15 +39,8 @@ DEADLINE = 6.0
 
 @pytest.fixture(scope="module")
 def big_namespace(sandbox: SandboxState) -> Iterator[str]:
-    ns = f"fc-expensive-{uuid.uuid4().hex[:6]}"
-    asyncio.run(kit.create_secrets(sandbox, ns, SECRETS, SIZE))
-    applied = kit.kubectl(sandbox, "apply", "-f", "-", input=kit.storm_rbac_and_observer())
-    assert applied.returncode == 0, applied.stderr
-    try:
+    with kit.big_namespace(sandbox, "fc-expensive", SECRETS, SIZE) as ns:
         yield ns
-    finally:
-        kit.kubectl(sandbox, "delete", "namespace", ns, "--wait=false")
-        kit.kubectl(sandbox, "delete", "-f", "-", "--ignore-not-found", input=kit.storm_rbac_and_observer())
 
 
 def _flow_control(cap: int, fleet: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -17,7 +17,6 @@ counted as ``reason="deadline"``. Tenant identities only: system:masters is exem
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -37,15 +36,8 @@ RATE = 32 * 1024
 
 @pytest.fixture(scope="module")
 def big_namespace(sandbox: SandboxState) -> Iterator[str]:
-    ns = f"fc-slow-{uuid.uuid4().hex[:6]}"
-    asyncio.run(kit.create_secrets(sandbox, ns, SECRETS, SIZE))
-    applied = kit.kubectl(sandbox, "apply", "-f", "-", input=kit.storm_rbac_and_observer())
-    assert applied.returncode == 0, applied.stderr
-    try:
+    with kit.big_namespace(sandbox, "fc-slow", SECRETS, SIZE) as ns:
         yield ns
-    finally:
-        kit.kubectl(sandbox, "delete", "namespace", ns, "--wait=false")
-        kit.kubectl(sandbox, "delete", "-f", "-", "--ignore-not-found", input=kit.storm_rbac_and_observer())
 
 
 def _seats(proxy: kit.ProxyProcess) -> float:

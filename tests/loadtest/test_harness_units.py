@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from gatekeeper.sandbox.state import SandboxState
+from loadtest.harness import sockets
 from loadtest.harness.cluster import with_flags
 from loadtest.harness.sampler import Sampler, proc_figures
 from loadtest.scenarios.dra_scale import histogram_quantile, quantile
@@ -157,3 +158,22 @@ def test_a_report_is_refused_from_a_changed_tree_unless_allowed_and_then_says_so
     with pytest.raises(ValueError, match=r"changes \(a\.py\)"):
         provenance(False, repo=tmp_path)
     assert provenance(True, repo=tmp_path)["tree"].startswith("DIRTY: 1 changed")
+
+
+def test_a_fronts_connections_are_counted_per_apiserver_port_from_proc() -> None:
+    import socket
+
+    servers = [socket.create_server(("127.0.0.1", 0)) for _ in range(2)]
+    ports = [srv.getsockname()[1] for srv in servers]
+    me = os.getpgid(0)
+    assert sockets.listener_group(ports[0]) == me
+    assert sockets.connections_to(me, ports) == {ports[0]: 0, ports[1]: 0}
+    clients = [socket.create_connection(("127.0.0.1", ports[0])) for _ in range(2)]
+    clients.append(socket.create_connection(("127.0.0.1", ports[1])))
+    try:
+        # the accepted ends are ours too but their remote port is the client's: only the clients count
+        assert sockets.connections_to(me, ports) == {ports[0]: 2, ports[1]: 1}
+        assert sockets.connections_to(me + 10**6, ports) == {ports[0]: 0, ports[1]: 0}
+    finally:
+        for c in [*clients, *servers]:
+            c.close()

@@ -11,7 +11,8 @@ from gatekeeper.webhook.deviceclasses import ExtendedResourceMap, classes_mappin
 from gatekeeper.webhook.gpu import policy as gpu
 from gatekeeper.webhook.settings import GpuSettings
 
-DRA = GpuSettings(default_mode="dra")
+DRA = GpuSettings(default_mode="dra", kep5004="step-aside")
+"""The step-aside these tests are about is opt-in (``gpu.kep5004``; test_gpu_kep5004_setting.py has the default)."""
 
 
 def decide(obj: dict[str, Any], mapped: bool, settings: GpuSettings = DRA, **kw: Any) -> Any:

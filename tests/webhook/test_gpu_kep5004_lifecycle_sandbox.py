@@ -28,8 +28,8 @@ def mapped_sandbox(tmp_path_factory: pytest.TempPathFactory, own_sandbox: Any) -
 
     state_dir = tmp_path_factory.mktemp("gpu-kep5004")
     config = state_dir.parent / f"{state_dir.name}-webhook.yaml"
-    config.write_text("webhook:\n  gpu:\n    deviceClassCheckSeconds: 1\n    templateReconcileSeconds: 1\n"
-                      "    templateGcGraceSeconds: 4\n")
+    config.write_text("webhook:\n  gpu:\n    kep5004: step-aside\n    deviceClassCheckSeconds: 1\n"
+                      "    templateReconcileSeconds: 1\n    templateGcGraceSeconds: 4\n")
     try:
         yield own_sandbox(state_dir, "--apiservers", "1", "--gpu-nodes", "1", "--gpus-per-node", "4",
                          "--with-scheduler", "--with-webhook", "--gpu-extended-resource-mapping",

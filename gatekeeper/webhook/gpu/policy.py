@@ -317,8 +317,9 @@ def review(req: AdmissionRequest, settings: GpuSettings, extended_resource_mappe
            namespace_label_mode: str | None = None) -> Decision:
     """Decide one Pod CREATE (callers check :func:`handles` first).
 
-    ``extended_resource_mapped``: a DeviceClass has ``extendedResourceName: nvidia.com/gpu`` (KEP-5004),
-    so plain ``dra`` pods that need nothing more are left for the scheduler to serve.
+    ``extended_resource_mapped``: a DeviceClass has ``extendedResourceName: nvidia.com/gpu`` (KEP-5004);
+    with ``settings.kep5004 == "step-aside"`` plain ``dra`` pods that need nothing more are then left for the
+    scheduler to serve. With ``rewrite`` (the default) the mapping changes nothing here.
     ``namespace_label_mode``: the pod's namespace's ``gatekeeper.dev/gpu-mode`` label, if any.
     """
     pod = req.object or {}
@@ -346,7 +347,8 @@ def review(req: AdmissionRequest, settings: GpuSettings, extended_resource_mappe
                     f"then leaves the pod as it is) or the pod's own claims and shared GPU resources")
             return Decision(outcome="skipped", warnings=[
                 f"{label} already uses DRA claims or shared GPUs; its {GPU} requests were left as they are"])
-        if mode == "dra" and extended_resource_mapped and served_by_extended_resource(found, settings):
+        if (mode == "dra" and extended_resource_mapped and settings.kep5004 == "step-aside"
+                and served_by_extended_resource(found, settings)):
             return Decision(outcome="skipped", audit={"gpu-mode": "dra", "gpu-mode-source": source,
                                                       "gpu-kep5004": "served"}, warnings=[short(
                 f"gatekeeper (dra): {label} left as it is: a DeviceClass maps {GPU} (KEP-5004), so the "
