@@ -16,7 +16,6 @@ from loadtest.harness import sockets
 from loadtest.harness.cluster import with_flags
 from loadtest.harness.sampler import Sampler, proc_figures
 from loadtest.scenarios.dra_scale import histogram_quantile, quantile
-from loadtest.scenarios.gogc import slope_mib_per_min
 from loadtest.scenarios.skew import shares, time_to_balance
 
 REPO = Path(__file__).resolve().parents[2]
@@ -65,12 +64,6 @@ def test_proc_figures_read_rss_and_cpu_of_a_live_process_and_none_for_a_dead_one
     rss, cpu = proc_figures(os.getpid()) or (0, -1.0)
     assert rss > 10 * 1024 * 1024 and cpu > 0
     assert proc_figures(2**22 + 12345) is None
-
-
-def test_rss_slope_is_in_mib_per_minute_over_the_second_half() -> None:
-    mib = 1 << 20
-    points = [(float(t), 100 * mib + t * mib) for t in range(120)]  # +1 MiB/s
-    assert abs(slope_mib_per_min(points) - 60.0) < 1e-6
 
 
 def test_gatekeeper_loadtest_hands_every_argument_to_the_loadtest_parser() -> None:
