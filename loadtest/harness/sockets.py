@@ -43,15 +43,17 @@ def socket_inodes(pids: Iterable[int], proc: Path = Path("/proc")) -> set[int]:
     return inodes
 
 
+def process_group(pid_dir: Path) -> int | None:
+    """The process group of the process at ``/proc/<pid>`` (the 5th field of its stat), or None if it is gone."""
+    try:
+        return int((pid_dir / "stat").read_text().rsplit(")", 1)[1].split()[2])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def group_members(pgid: int, proc: Path = Path("/proc")) -> list[int]:
     """Processes of process group ``pgid`` (sandbox fronts lead their own group, workers included)."""
-    members = []
-    for d in proc.iterdir():
-        if d.name.isdigit():
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[2]) == pgid:
-                    members.append(int(d.name))
-    return members
+    return [int(d.name) for d in proc.iterdir() if d.name.isdigit() and process_group(d) == pgid]
 
 
 def listener_group(port: int, proc: Path = Path("/proc")) -> int | None:
@@ -61,8 +63,7 @@ def listener_group(port: int, proc: Path = Path("/proc")) -> int | None:
         return None
     for d in proc.iterdir():
         if d.name.isdigit() and socket_inodes([int(d.name)], proc) & listening:
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                return int((d / "stat").read_text().rsplit(")", 1)[1].split()[2])
+            return process_group(d)
     return None
 
 

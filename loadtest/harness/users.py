@@ -187,25 +187,6 @@ def pod(name: str) -> dict[str, Any]:
                                      "resources": {"requests": {"cpu": "10m"}}}]}}
 
 
-_created = itertools.count()
-
-
-class GpuPodUser(K8sUser):
-    """dra-scale: together the users create ``spec["total"]`` one-GPU pods (``nvidia.com/gpu: 1``), each
-    user one at a time, so ``users`` bounds the concurrency; a user leaves when the total is reached.
-
-    The pods are the same in every arm; what serves them (device plugin capacity, the webhook's DRA
-    rewrite, KEP-5004's DeviceClass mapping) is the sandbox's business.
-    """
-
-    @task
-    def create(self) -> None:
-        i = next(_created)
-        if i >= int(self.spec["total"]):
-            raise StopUser()
-        self.call("POST", "CREATE gpu pod", f"/api/v1/namespaces/{self.ns}/pods", json=gpu_pod(f"gpu-{i:06d}"))
-
-
 def gpu_pod(name: str) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": {"app": "dra-scale"}},
             "spec": {"containers": [{"name": "c", "image": "registry.k8s.io/pause:3.10",
@@ -219,8 +200,9 @@ _ramp_start: list[float] = []
 class RampGpuPodUser(K8sUser):
     """dra-scale's open-loop ramp: pod ``i`` is sent at ``start + i / spec["rate"]``, ``spec["total"]`` in all.
 
-    Bounded-concurrency users (:class:`GpuPodUser`) create as fast as the apiserver answers, so an arm whose
-    admission or writes are slower also gets a slower ramp, and the arms no longer see the same load. Here the
+    Bounded-concurrency users (each creating its next pod when its last one was answered) create as fast as the
+    apiserver answers, so an arm whose admission or writes are slower also gets a slower ramp, and the arms no
+    longer see the same load. Here the
     schedule is fixed and every arm gets the same one; the users are only the requests in flight
     (``spec["users"]`` of them, enough for a few seconds of creates). How late each create left against its
     slot is reported as ``ramp lag`` (response time = lag in ms), so a report can show the ramp was kept.

@@ -58,10 +58,7 @@ from loadtest.harness.report import MIB, Report
 from loadtest.harness.run import RunContext, ms, run_locust
 from loadtest.harness.sampler import Sampler
 from loadtest.scenarios import dra_report
-from loadtest.scenarios.dra_report import ARMS, Arm, ArmResult, histogram_quantile, quantile
-
-__all__ = ["ARMS", "Arm", "ArmResult", "histogram_quantile", "quantile", "run"]
-"""The figures' helpers moved to dra_report.py; they stay importable from here (test_harness_units)."""
+from loadtest.scenarios.dra_report import ARMS, Arm, ArmResult
 
 NAME = "dra-scale"
 NS = "loadtest-dra"

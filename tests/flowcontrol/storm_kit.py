@@ -309,7 +309,6 @@ class ApiserverSampler:
         self.state = state
         self.interval = interval
         self.max_executing_per_backend: list[float] = [0.0] * len(state.apiserver_urls)
-        self.max_executing_total = 0.0
         self.totals: list[int] = []
         """The storm's executing LISTs summed over the apiservers, per sample."""
         self.peak_rss_total = 0
@@ -343,7 +342,6 @@ class ApiserverSampler:
                     if all(v is not None for v in now):
                         for i, v in enumerate(now):
                             self.max_executing_per_backend[i] = max(self.max_executing_per_backend[i], float(v or 0))
-                        self.max_executing_total = max(self.max_executing_total, float(sum(v or 0 for v in now)))
                         self.totals.append(sum(v or 0 for v in now))
                         self.samples += 1
                     texts = await asyncio.gather(*(c.get("/metrics") for c in clients), return_exceptions=True)
@@ -358,6 +356,11 @@ class ApiserverSampler:
 
     def stop(self) -> None:
         self._stop.set()
+
+    @property
+    def max_executing_total(self) -> float:
+        """The most of the storm's LISTs the apiservers ran at once in one sample (0 before any)."""
+        return float(max(self.totals, default=0))
 
     def within_budget(self, budget: int) -> bool:
         """The apiservers never ran more than ``budget`` of the storm's LISTs, as far as sampling can tell.

@@ -15,7 +15,7 @@ from gatekeeper.sandbox.state import SandboxState
 from loadtest.harness import sockets
 from loadtest.harness.cluster import with_flags
 from loadtest.harness.sampler import Sampler, proc_figures
-from loadtest.scenarios.dra_scale import histogram_quantile, quantile
+from loadtest.scenarios.dra_report import histogram_quantile, quantile
 from loadtest.scenarios.skew import shares, time_to_balance
 
 REPO = Path(__file__).resolve().parents[2]
