@@ -18,6 +18,7 @@ from typing import Any, Generic, TypeVar
 from aiohttp import web
 
 from gatekeeper import metrics
+from gatekeeper.multiproc import MULTIPROC_ENV
 
 T = TypeVar("T")
 
@@ -71,7 +72,7 @@ class SharedRender(Generic[T]):
 
 
 async def _process_page() -> tuple[bytes, str]:
-    if os.environ.get(metrics.MULTIPROC_ENV):  # every worker's files: read on the metrics thread
+    if os.environ.get(MULTIPROC_ENV):  # every worker's files: read on the metrics thread
         return await off_loop(metrics.render)
     return metrics.render()  # this process's registry, in memory: live collectors read loop state
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from gatekeeper.config import load_config
 from gatekeeper.errors import UsageError
-from gatekeeper.metrics import MULTIPROC_ENV, enable_multiprocess
+from gatekeeper.multiproc import MULTIPROC_ENV, enable_multiprocess
 from gatekeeper.proxy.settings import ProxySettings  # also registers the proxy: config section
 
 log = logging.getLogger("gatekeeper.proxy")

@@ -63,6 +63,7 @@ from typing import Any, Literal
 
 import orjson
 from aiohttp import web
+from prometheus_client import Counter, Histogram
 
 from gatekeeper.kube.admission import Decision, ReviewError, parse_review, response
 from gatekeeper.kube.status import failure_json
@@ -83,10 +84,6 @@ class Metrics:
     """The webhook's collectors (created once per process)."""
 
     def __init__(self) -> None:
-        # Here, not at the top: the server imports this module before `--workers N` sets the metrics mode,
-        # and importing prometheus_client fixes the mode (gatekeeper/metrics.py).
-        from prometheus_client import Counter, Histogram
-
         build_info()
         self.reviews = Counter("gatekeeper_webhook_reviews_total", "Admission reviews answered",
                                ["policy", "operation", "decision"])

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 from dataclasses import replace
 
 from gatekeeper.config import load_config
 from gatekeeper.errors import UsageError
+from gatekeeper.multiproc import MULTIPROC_ENV, enable_multiprocess
 from gatekeeper.webhook.settings import WebhookSettings  # also registers the webhook: config section
 
 NAME = "webhook"
@@ -32,10 +35,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    # Here, not at the top: the server pulls in aiohttp, uvloop and kubernetes-asyncio (~0.7 s), which
-    # every other subcommand and `gatekeeper --help` would otherwise pay.
-    from gatekeeper.webhook.server import StartupError, preflight, run
-
     cfg = load_config(args.config, need="webhook")
     settings: WebhookSettings = cfg.webhook
     srv = settings.server
@@ -51,6 +50,13 @@ def _run(args: argparse.Namespace) -> int:
     if workers < 1:
         raise UsageError(f"--workers must be >= 1, got {workers}")
     settings = replace(settings, server=srv)
+    inherited = bool(os.environ.get(MULTIPROC_ENV))
+    metrics_dir = enable_multiprocess() if workers > 1 and not args.check else None
+    # Here, not at the top: the server pulls in aiohttp, uvloop and kubernetes-asyncio (~0.7 s), which every other
+    # subcommand and `gatekeeper --help` would otherwise pay; and prometheus_client, whose import fixes the
+    # metrics mode that the line above has just set.
+    from gatekeeper.webhook.server import StartupError, preflight, run
+
     try:
         preflight(settings)
         if args.check:
@@ -59,6 +65,9 @@ def _run(args: argparse.Namespace) -> int:
         return run(settings, workers)
     except StartupError as exc:
         raise UsageError(f"{args.config}: {exc}") from None
+    finally:
+        if metrics_dir and not inherited:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
 
 
 def _summary(settings: WebhookSettings, workers: int) -> str:

@@ -13,7 +13,6 @@ import contextlib
 import logging
 import multiprocessing
 import os
-import shutil
 import signal
 import ssl
 import sys
@@ -24,7 +23,6 @@ from typing import Any
 import uvloop
 from aiohttp import web
 
-from gatekeeper.metrics import enable_multiprocess
 from gatekeeper.netbind import bind_listeners
 from gatekeeper.webhook import kube_api
 from gatekeeper.webhook.app import MAPPING_KEY, NAMESPACE_MODES_KEY, READY_KEY, build_app, metrics
@@ -190,20 +188,17 @@ def _run_worker(settings: WebhookSettings) -> None:
 
 
 def run(settings: WebhookSettings, workers: int = 1) -> int:
+    """Serve in this process, or fork ``workers`` processes; with workers the caller has already called
+    ``gatekeeper.multiproc.enable_multiprocess`` (before this module's import fixed the metrics mode)."""
     if workers <= 1:
         _run_one(settings)
         return 0
-    inherited = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
-    path = enable_multiprocess()
-    owned_dir = None if inherited else path
     srv = settings.server
     try:
         # Bound (SO_REUSEPORT), not listening: port 0 resolves to one port all workers share, and a port that
         # cannot be bound is reported once, by the parent, instead of by every worker.
         reserved = bind_listeners(srv.address, srv.port, reuse_port=True)
     except OSError as exc:
-        if owned_dir:
-            shutil.rmtree(owned_dir, ignore_errors=True)
         raise _cannot_listen(srv, exc) from None
     settings = replace(settings, server=replace(srv, port=reserved[0].getsockname()[1]))
     ctx = multiprocessing.get_context("fork")
@@ -226,6 +221,4 @@ def run(settings: WebhookSettings, workers: int = 1) -> int:
     finally:
         for sock in reserved:
             sock.close()
-        if owned_dir:
-            shutil.rmtree(owned_dir, ignore_errors=True)
     return max((p.exitcode or 0) for p in procs)

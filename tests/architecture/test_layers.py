@@ -269,8 +269,9 @@ def violations(root: Path) -> list[str]:
             bad(imp, "webhook and proxy never import each other")
         elif s in ("webhook", "proxy") and d == "sandbox":
             bad(imp, "the sandbox runs the components, not the other way round")
-        if (s == "kube" or src == "gatekeeper.metrics") and any(within(dst, lib) for lib in NETWORK_LIBRARIES):
-            bad(imp, "kube/ and the base metrics module do no network I/O")
+        metrics_base = src in ("gatekeeper.metrics", "gatekeeper.multiproc")
+        if (s == "kube" or metrics_base) and any(within(dst, lib) for lib in NETWORK_LIBRARIES):
+            bad(imp, "kube/ and the base metrics modules do no network I/O")
         if flow_part(src) == "core":
             if any(within(dst, lib) for lib in IO_LIBRARIES):
                 bad(imp, "the flow-control core is pure: no asyncio, sockets, files, clocks or threads")

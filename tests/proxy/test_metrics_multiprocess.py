@@ -71,7 +71,7 @@ def test_a_dead_workers_counts_stay_on_the_page_in_a_bounded_number_of_files(tmp
 
 def test_an_inherited_metrics_dir_must_be_ours(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from gatekeeper.errors import UsageError
-    from gatekeeper.metrics import enable_multiprocess
+    from gatekeeper.multiproc import enable_multiprocess
 
     theirs = tmp_path / "theirs"
     theirs.mkdir()
@@ -91,7 +91,7 @@ def test_an_inherited_metrics_dir_must_be_ours(tmp_path: Path, monkeypatch: pyte
 def test_an_inherited_metrics_dir_others_could_write_is_closed_and_swept(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An emptyDir is 0777: ours, but anyone in the pod could have planted files; close it, then sweep."""
-    from gatekeeper.metrics import enable_multiprocess
+    from gatekeeper.multiproc import enable_multiprocess
 
     shared = tmp_path / "emptydir"
     shared.mkdir()

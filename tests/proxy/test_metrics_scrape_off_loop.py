@@ -24,6 +24,7 @@ import pytest
 from aiohttp import web
 
 from gatekeeper import metrics, ops
+from gatekeeper.multiproc import MULTIPROC_ENV
 from gatekeeper.proxy.flowcontrol.edge.ledger import SeatLedger
 
 SLOW = 3.0
@@ -51,7 +52,7 @@ class SlowFiles:
 @pytest.fixture
 def slow_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> SlowFiles:
     (tmp_path / "mp").mkdir()
-    monkeypatch.setenv(metrics.MULTIPROC_ENV, str(tmp_path / "mp"))
+    monkeypatch.setenv(MULTIPROC_ENV, str(tmp_path / "mp"))
     return SlowFiles(monkeypatch)
 
 
