@@ -161,12 +161,9 @@ class LevelState:
         self.demand.set(self.executing_seats + self.waiting_seats, now)
 
     def same_geometry(self, spec: PriorityLevel) -> bool:
-        return (spec.exempt, spec.reject, spec.queues, spec.hand_size) == (
-            self.spec.exempt,
-            self.spec.reject,
-            self.spec.queues,
-            self.spec.hand_size,
-        )
+        old = self.spec
+        return (spec.exempt, spec.reject, spec.queues, spec.hand_size) == (old.exempt, old.reject, old.queues,
+                                                                           old.hand_size)
 
     @property
     def idle(self) -> bool:
@@ -184,7 +181,7 @@ class LevelState:
             if self._fits(t):
                 self._start(t)
                 return [t]
-            self._reject(t, "concurrency-limit")
+            t.state, t.reason = "rejected", "concurrency-limit"
             return []
         queues = self.queues
         qi, least = -1, 0
@@ -195,7 +192,7 @@ class LevelState:
                 qi, least = i, load
         q = queues[qi]
         if len(q.items) >= self.spec.queue_length_limit:
-            self._reject(t, "queue-full")
+            t.state, t.reason = "rejected", "queue-full"
             return []
         t.queue, t.state = qi, "queued"
         t.start_tag = max(self.vtime, q.last_finish)
@@ -233,9 +230,6 @@ class LevelState:
                 self.budget.executing += 1
             if t.backend:
                 self.budget.backends.take(t.backend)
-
-    def _reject(self, t: Ticket, reason: RejectReason) -> None:
-        t.state, t.reason = "rejected", reason
 
     # -- dispatch ---------------------------------------------------------
     def _next_queue(self) -> int | None:
@@ -311,15 +305,5 @@ class LevelState:
         self.queues[t.queue].take(t)
         self.waiting_seats -= t.seats
         self.waiting -= 1
-        if reason == "cancelled":
-            t.state, t.reason = "cancelled", reason
-        else:
-            self._reject(t, reason)
+        t.state, t.reason = "cancelled" if reason == "cancelled" else "rejected", reason
         return True
-
-    def expire(self, now: float) -> list[Ticket]:
-        """Reject every waiting request whose deadline has passed."""
-        out = [t for q in self.queues for t in q.items if t.deadline <= now]
-        for t in out:
-            self.remove(t, "time-out")
-        return out

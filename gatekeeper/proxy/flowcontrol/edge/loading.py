@@ -122,7 +122,6 @@ class Reloader:
         self.settings = settings
         self.apply = apply
         self.stamp = _stamp(settings.files)
-        self.last_error = ""
         self._pending: str | None = None
         """Why the next reload was asked for (None: none asked since the running one began)."""
         self._task: asyncio.Task[None] | None = None
@@ -204,7 +203,6 @@ class Reloader:
 
         reason = (error.reason if isinstance(error, ReloadGivenUp)
                   else "not_regular_file" if isinstance(error, NotRegularFile) else "invalid")
-        self.last_error = str(error)
         metrics.POLICY_RELOADS.labels("failed").inc()
         metrics.POLICY_RELOAD_FAILURES.labels(reason).inc()
         metrics.POLICY_STALE.set(1)
@@ -217,7 +215,6 @@ class Reloader:
         if isinstance(result, ValueError):
             self._report(why, result)
             return False
-        self.last_error = ""
         self.apply(result)
         metrics.POLICY_RELOADS.labels("applied").inc()
         metrics.POLICY_STALE.set(0)

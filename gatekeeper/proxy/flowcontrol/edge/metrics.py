@@ -5,6 +5,7 @@ Current in-queue/executing gauges are read from the live controller at scrape ti
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Iterator
 from typing import Protocol
@@ -92,14 +93,8 @@ class PairMetrics:
         self.exec_watch = HistogramTally(EXECUTION.labels(fs, pl, "watch"))
 
 
-_pairs: dict[tuple[str, str], PairMetrics] = {}
-
-
-def for_pair(fs: str, pl: str) -> PairMetrics:
-    m = _pairs.get((fs, pl))
-    if m is None:
-        m = _pairs[(fs, pl)] = PairMetrics(fs, pl)
-    return m
+for_pair = functools.cache(PairMetrics)
+"""The pair's metrics, built once per (FlowSchema, level)."""
 
 
 class Source(Protocol):
