@@ -26,14 +26,6 @@ def flow_hash(schema: str, distinguisher: str) -> int:
     return int.from_bytes(digest[:8], "big")
 
 
-def distinguisher_of(fs: FlowSchema, user_key: str, ri: RequestInfo) -> str:
-    if fs.distinguisher == "ByUser":
-        return user_key
-    if fs.distinguisher == "ByNamespace":
-        return ri.namespace
-    return ""
-
-
 @dataclass(frozen=True)
 class LevelLimits:
     """The knobs that are not part of the Kubernetes objects."""
@@ -160,7 +152,10 @@ class FlowController:
             return t, fs, self.levels[pl.name].submit(t)
         if now > self.now:
             self.now = now
-        dist = distinguisher_of(fs, user.name if user_key is None else user_key, ri)
+        if fs.distinguisher == "ByUser":
+            dist = user.name if user_key is None else user_key
+        else:
+            dist = ri.namespace if fs.distinguisher == "ByNamespace" else ""
         t = Ticket(
             flow=flow_hash(fs.name, dist),
             seats=est.seats,
