@@ -328,8 +328,8 @@ def parse_priority_level(obj: Any, index: str = "") -> PriorityLevel:
         return limited(reject=True)
     if lr_type != "Queue":
         raise r.fail("spec.limited.limitResponse.type", f"expected Queue or Reject, got {lr_type!r}")
-    q = r.mapping(lr.get("queuing"), "spec.limited.limitResponse.queuing", ("queues", "handSize", "queueLengthLimit"))
     qp = "spec.limited.limitResponse.queuing"
+    q = r.mapping(lr.get("queuing"), qp, ("queues", "handSize", "queueLengthLimit"))
     queues = r.integer(q.get("queues"), f"{qp}.queues", 64, 1)
     hand = r.integer(q.get("handSize"), f"{qp}.handSize", 8, 1)
     if hand > queues:

@@ -38,19 +38,15 @@ def limits_of(settings: FlowControlSettings) -> LevelLimits:
     )
 
 
-def read_objects(path: str) -> list[tuple[str, Any]]:
-    """All objects of a multi-document YAML file, labelled ``path[doc]``. Bounded reader and regular files only:
-    an oversized file, an alias bomb or a FIFO must fail the reload, not stall or exhaust the serving worker."""
-    return split_objects(load_yaml_all(path, what="flow-control policy file", regular_only=True), path)
-
-
 def load_policy(settings: FlowControlSettings) -> Policy:
     """Validate inline objects and files together; raises ValueError naming file, object and field."""
     objects: list[tuple[str, Any]] = []
     objects += [(f"flowSchemas[{i}]", o) for i, o in enumerate(settings.flow_schemas)]
     objects += [(f"priorityLevelConfigurations[{i}]", o) for i, o in enumerate(settings.priority_level_configurations)]
     for path in settings.files:
-        objects += read_objects(path)
+        # Bounded reader and regular files only: an oversized file, an alias bomb or a FIFO must fail the reload,
+        # not stall or exhaust the serving worker. Objects are labelled ``path[doc]``.
+        objects += split_objects(load_yaml_all(path, what="flow-control policy file", regular_only=True), path)
     try:
         return build_policy(objects, settings.server_concurrency_limit)
     except ObjectError as exc:

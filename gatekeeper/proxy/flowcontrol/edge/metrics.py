@@ -113,17 +113,6 @@ def register_source(source: Source) -> None:
     _sources.add(source)
 
 
-def _waiting_by_schema(c: FlowController) -> dict[tuple[str, str], int]:
-    out: dict[tuple[str, str], int] = {}
-    for lv in [*c.levels.values(), *c.draining]:
-        for q in lv.queues:
-            for t in q.items:
-                fs = getattr(t.payload, "fs", None)
-                key = (fs.name if fs is not None else "", lv.spec.name)
-                out[key] = out.get(key, 0) + 1
-    return out
-
-
 class _Gauges(Collector):
     """Read at scrape time; summed over flow-control instances (a process normally has one)."""
 
@@ -175,8 +164,12 @@ class _Gauges(Collector):
         sources = list(_sources)
         for src in sources:
             c = src.controller
-            for key, v in _waiting_by_schema(c).items():
-                waiting[key] = waiting.get(key, 0) + v
+            for lv in [*c.levels.values(), *c.draining]:
+                for q in lv.queues:
+                    for t in q.items:
+                        fs = getattr(t.payload, "fs", None)
+                        key = (fs.name if fs is not None else "", lv.spec.name)
+                        waiting[key] = waiting.get(key, 0) + 1
             for key, v in src.executing_by_schema.items():
                 running[key] = running.get(key, 0) + v
             for name, lv in c.levels.items():
