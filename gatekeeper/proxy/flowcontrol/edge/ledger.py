@@ -19,7 +19,7 @@ import hashlib
 import mmap
 import os
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -335,8 +335,9 @@ POLL_SECONDS = 0.05
 """Backstop for a lost wake-up: a worker with queued requests retries dispatch this often."""
 
 
-def attach(flow: FlowControl, ledger: SeatLedger) -> Callable[[], None]:
-    """Make a worker's flow control use the ledger (before any request is admitted); returns the detach function."""
+def attach(flow: FlowControl, ledger: SeatLedger) -> asyncio.Task[None]:
+    """Make a worker's flow control use the ledger (before any request is admitted) for the worker's life; returns
+    the task that backs up lost wake-ups."""
     ctl = flow.controller
     caps = ctl.budget.backends
     if len(caps.names) > MAX_BACKENDS:
@@ -368,11 +369,5 @@ def attach(flow: FlowControl, ledger: SeatLedger) -> Callable[[], None]:
                 redispatch()
 
     loop.add_reader(sock.fileno(), on_wake)
-    task = loop.create_task(poll(), name="gatekeeper-ledger-poll")
-
-    def detach() -> None:
-        task.cancel()
-        loop.remove_reader(sock.fileno())
-
-    return detach
+    return loop.create_task(poll(), name="gatekeeper-ledger-poll")
 

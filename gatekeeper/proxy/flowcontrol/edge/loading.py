@@ -228,9 +228,7 @@ class Reloader:
 
     def check(self) -> bool:
         """Reload here if any file's mtime or size changed; True if a reload happened and succeeded."""
-        if not self.changed():
-            return False
-        return self.reload("file changed")
+        return self.changed() and self.reload("file changed")
 
 
 def _parse(settings: FlowControlSettings) -> Policy | ValueError:
