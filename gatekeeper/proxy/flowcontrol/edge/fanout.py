@@ -80,9 +80,7 @@ class FanOut:
         self.complete = False
         """True once the whole upstream body was read (the byte count is a real response size)."""
         self._progress = asyncio.Event()
-        self.task: asyncio.Task[None] | None = None
-
-    def start(self) -> None:
+        # The pump's first step runs after the caller has handed the subscribers out (it awaits nothing between).
         self.task = asyncio.get_running_loop().create_task(self._pump(), name="gatekeeper-flowcontrol-fanout")
 
     def _live(self) -> list[Subscriber]:

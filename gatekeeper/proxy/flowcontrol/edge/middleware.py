@@ -393,7 +393,6 @@ class FlowControl:
                 sub.close()
                 continue
             fw.shared.set_result(ProxyResponse(status=status, headers=list(response.headers), body=sub))
-        fan.start()
         return ProxyResponse(status=status, headers=list(response.headers), body=fan.subs[0])
 
     async def _follow(self, t: Ticket, w: _Waiter) -> ProxyResponse:
