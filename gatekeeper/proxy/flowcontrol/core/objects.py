@@ -147,11 +147,10 @@ class _Reader:
             raise self.fail(path, f"must be {rng}, got {value}")
         return value
 
-    def string(self, value: Any, path: str, *, required: bool = True) -> str:
+    def string(self, value: Any, path: str) -> str:
+        """A required, non-empty string."""
         if value is None or value == "":
-            if required:
-                raise self.fail(path, "required field is missing")
-            return ""
+            raise self.fail(path, "required field is missing")
         if not isinstance(value, str):
             raise self.fail(path, f"expected a string, got {value!r}")
         return value

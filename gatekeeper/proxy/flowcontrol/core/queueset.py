@@ -88,10 +88,10 @@ class BackendCap:
     would be the seeds' cascade (docs/flowcontrol/index.md#expensive-lists-per-apiserver).
     """
 
-    def __init__(self, nominal: int = 0, min_bytes: int = 8 << 20) -> None:
-        self.nominal = nominal
-        """The configured cap per apiserver (fleet-wide when the fleet is on)."""
-        self.min_bytes = max(1, min_bytes)
+    def __init__(self) -> None:
+        self.nominal = 0
+        """The configured cap per apiserver (fleet-wide when the fleet is on); :meth:`configure` sets it."""
+        self.min_bytes = 8 << 20
         self.fleet: FleetShare | None = None
         self.names: tuple[str, ...] = ()
         """Every apiserver, in the configured order (a worker's ledger row is the place in it)."""
@@ -124,7 +124,7 @@ class BackendCap:
         dealt = self.fleet.backend_slots(self.nominal, [n for n in self.names if n in eligible])
         self.limits = {n: dealt.get(n, 0) for n in self.names}
 
-    def expensive(self, list_bytes: int, unsized: bool = False) -> bool:
+    def expensive(self, list_bytes: int, unsized: bool) -> bool:
         return self.nominal > 0 and (list_bytes >= self.min_bytes or unsized)
 
     def pick(self) -> str | None:
