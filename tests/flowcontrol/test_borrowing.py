@@ -75,7 +75,6 @@ def test_bounds_round_like_go_and_default_to_unlimited_borrowing() -> None:
     assert bounds_of(_pl(), 10, 600) == Bounds(10, 10, 610)
     assert bounds_of(_pl(50, 0), 5, 600) == Bounds(5, 2, 5)  # 2.5 rounds away from zero, as Go does
     assert go_round(2.5) == 3 and round(2.5) == 2
-    assert Bounds(10, 4, 20).initial == 7  # nominal - lendable/2, upstream's starting point
 
 
 def test_seat_demand_is_integrated_over_time_and_smoothed() -> None:

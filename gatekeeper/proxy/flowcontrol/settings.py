@@ -137,14 +137,12 @@ class FlowControlSettings:
             raise ValueError("watchInitSeconds: must be positive")
         if self.read_ahead_bytes_per_connection < 0 or self.read_ahead_bytes < 0:
             raise ValueError("readAheadBytes and readAheadBytesPerConnection must be at least 0")
-        if self.fanout_stall_seconds <= 0:
-            raise ValueError("fanoutStallSeconds: must be positive")
-        if self.borrowing_adjustment_seconds <= 0:
-            raise ValueError("borrowingAdjustmentSeconds: must be positive")
-        if self.queue_wait_seconds <= 0:
-            raise ValueError("queueWaitSeconds: must be positive")
-        if self.reload_timeout_seconds <= 0:
-            raise ValueError("reloadTimeoutSeconds: must be positive")
+        for key, seconds in (("fanoutStallSeconds", self.fanout_stall_seconds),
+                             ("borrowingAdjustmentSeconds", self.borrowing_adjustment_seconds),
+                             ("queueWaitSeconds", self.queue_wait_seconds),
+                             ("reloadTimeoutSeconds", self.reload_timeout_seconds)):
+            if seconds <= 0:
+                raise ValueError(f"{key}: must be positive")
         if self.max_stuck_reloads < 1:
             raise ValueError("maxStuckReloads: must be at least 1")
         if self.retry_after_seconds < 1:

@@ -31,10 +31,6 @@ class Bounds:
     upper: int
     """maxCL: nominal plus what the level may borrow."""
 
-    @property
-    def initial(self) -> int:
-        return self.nominal - (self.nominal - self.lower) // 2
-
 
 def bounds_of(spec: PriorityLevel, nominal: int, server_concurrency_limit: int) -> Bounds:
     lendable = go_round(nominal * spec.lendable_percent / 100)

@@ -9,11 +9,12 @@ import hashlib
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
+from gatekeeper.kube.requestinfo import RequestInfo
 from gatekeeper.proxy.flowcontrol.core.borrowing import Bounds, allocate, bounds_of, go_round, item_for
 from gatekeeper.proxy.flowcontrol.core.fleet import FleetShare
 from gatekeeper.proxy.flowcontrol.core.listcost import ListShape
 from gatekeeper.proxy.flowcontrol.core.objects import FlowSchema, PriorityLevel
-from gatekeeper.proxy.flowcontrol.core.policy import Policy, RequestFacts, UserFacts
+from gatekeeper.proxy.flowcontrol.core.policy import Policy, UserFacts
 from gatekeeper.proxy.flowcontrol.core.queueset import LevelState, ListBudget, Ticket
 from gatekeeper.proxy.flowcontrol.core.seats import SizeEstimator
 
@@ -23,14 +24,6 @@ def flow_hash(schema: str, distinguisher: str) -> int:
     """flow = hash(schema name, distinguisher): 64 bits that deal the flow's hand of queues (memoized)."""
     digest = hashlib.sha256(schema.encode() + b"\x00" + distinguisher.encode()).digest()
     return int.from_bytes(digest[:8], "big")
-
-
-def distinguisher_of(fs: FlowSchema, user_key: str, ri: RequestFacts) -> str:
-    if fs.distinguisher == "ByUser":
-        return user_key
-    if fs.distinguisher == "ByNamespace":
-        return ri.namespace
-    return ""
 
 
 @dataclass(frozen=True)
@@ -55,10 +48,8 @@ class FlowController:
 
     def __init__(self, policy: Policy, limits: LevelLimits | None = None) -> None:
         self.limits = limits or LevelLimits()
-        self.estimator = SizeEstimator(
-            self.limits.bytes_per_seat, self.limits.max_seats, storage_only=self.limits.storage_only_resources
-        )
-        self.budget = ListBudget(self.limits.list_bytes_cap)
+        self.estimator = SizeEstimator()
+        self.budget = ListBudget(self.limits.list_bytes_cap)  # update() sets both from the limits
         self.policy = policy
         self.levels: dict[str, LevelState] = {}
         self.draining: list[LevelState] = []
@@ -135,13 +126,13 @@ class FlowController:
         if lv is not None:
             lv.note_demand(self.now)
 
-    def classify(self, user: UserFacts, ri: RequestFacts) -> tuple[FlowSchema, PriorityLevel]:
+    def classify(self, user: UserFacts, ri: RequestInfo) -> tuple[FlowSchema, PriorityLevel]:
         return self.policy.classify(user, ri)
 
     def admit(
         self,
         user: UserFacts,
-        ri: RequestFacts,
+        ri: RequestInfo,
         now: float,
         *,
         user_key: str | None = None,
@@ -161,7 +152,10 @@ class FlowController:
             return t, fs, self.levels[pl.name].submit(t)
         if now > self.now:
             self.now = now
-        dist = distinguisher_of(fs, user.name if user_key is None else user_key, ri)
+        if fs.distinguisher == "ByUser":
+            dist = user.name if user_key is None else user_key
+        else:
+            dist = ri.namespace if fs.distinguisher == "ByNamespace" else ""
         t = Ticket(
             flow=flow_hash(fs.name, dist),
             seats=est.seats,
@@ -220,16 +214,3 @@ class FlowController:
         if removed:
             self._note(t.level, now)
         return removed
-
-    def expire(self, now: float) -> list[Ticket]:
-        """Reject every waiting request past its deadline; returns them."""
-        out: list[Ticket] = []
-        for lv in [*self.levels.values(), *self.draining]:
-            out.extend(lv.expire(now))
-            self._note(lv, now)
-        return out
-
-    def observe_list(
-        self, ri: RequestFacts, nbytes: int, shape: ListShape | None = None, continued: bool | None = False
-    ) -> None:
-        self.estimator.observe(ri.resource, ri.namespace, nbytes, shape, continued)

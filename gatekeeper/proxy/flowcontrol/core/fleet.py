@@ -118,22 +118,18 @@ class Membership:
     def decide(self, now: float) -> tuple[int, int]:
         """(fleet size, our rank) to use now, with the growth/shrink rules of the module docstring."""
         if self.partitioned(now):
-            members = self._last_members
+            members = self._last_members  # always holds ourselves, as alive() does
             size = max(len(members), self.fallback_members)
-            return self._apply((size, members.index(self.me) if self.me in members else 0), now)
-        members = self.alive(now)
-        self._last_members = members
-        wanted = (len(members), members.index(self.me))
-        return self._apply(wanted, now)
+        else:
+            members = self._last_members = self.alive(now)
+            size = len(members)
+        return self._apply((size, members.index(self.me)), now)
 
     def _apply(self, wanted: tuple[int, int], now: float) -> tuple[int, int]:
         current = self._applied
-        if current is None or wanted[0] >= current[0]:
-            if wanted != current:
-                self._applied, self._applied_at = wanted, now
-            return wanted
         # Shrinking gives the survivors more at most once per TTL, so a flapping proxy cannot make shares swing.
-        if now - self._applied_at >= self.ttl:
+        if current is not None and wanted[0] < current[0] and now - self._applied_at < self.ttl:
+            return current
+        if wanted != current:
             self._applied, self._applied_at = wanted, now
-            return wanted
-        return current
+        return wanted

@@ -147,11 +147,10 @@ class _Reader:
             raise self.fail(path, f"must be {rng}, got {value}")
         return value
 
-    def string(self, value: Any, path: str, *, required: bool = True) -> str:
+    def string(self, value: Any, path: str) -> str:
+        """A required, non-empty string."""
         if value is None or value == "":
-            if required:
-                raise self.fail(path, "required field is missing")
-            return ""
+            raise self.fail(path, "required field is missing")
         if not isinstance(value, str):
             raise self.fail(path, f"expected a string, got {value!r}")
         return value
@@ -328,8 +327,8 @@ def parse_priority_level(obj: Any, index: str = "") -> PriorityLevel:
         return limited(reject=True)
     if lr_type != "Queue":
         raise r.fail("spec.limited.limitResponse.type", f"expected Queue or Reject, got {lr_type!r}")
-    q = r.mapping(lr.get("queuing"), "spec.limited.limitResponse.queuing", ("queues", "handSize", "queueLengthLimit"))
     qp = "spec.limited.limitResponse.queuing"
+    q = r.mapping(lr.get("queuing"), qp, ("queues", "handSize", "queueLengthLimit"))
     queues = r.integer(q.get("queues"), f"{qp}.queues", 64, 1)
     hand = r.integer(q.get("handSize"), f"{qp}.handSize", 8, 1)
     if hand > queues:

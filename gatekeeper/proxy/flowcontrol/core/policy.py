@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from gatekeeper.kube.requestinfo import RequestInfo
 from gatekeeper.proxy.flowcontrol.core.objects import (
     FlowSchema,
     ObjectError,
@@ -25,25 +26,6 @@ from gatekeeper.proxy.flowcontrol.core.objects import (
 
 SA_PREFIX = "system:serviceaccount:"
 _V1 = "flowcontrol.apiserver.k8s.io/v1"
-
-
-class RequestFacts(Protocol):
-    """The RequestInfo fields classification needs (gatekeeper.kube.requestinfo.RequestInfo has them)."""
-
-    @property
-    def is_resource_request(self) -> bool: ...
-    @property
-    def path(self) -> str: ...
-    @property
-    def verb(self) -> str: ...
-    @property
-    def api_group(self) -> str: ...
-    @property
-    def namespace(self) -> str: ...
-    @property
-    def resource(self) -> str: ...
-    @property
-    def subresource(self) -> str: ...
 
 
 class UserFacts(Protocol):
@@ -82,7 +64,7 @@ def url_matches(rule_urls: Sequence[str], path: str) -> bool:
     return False
 
 
-def rule_matches(rule: PolicyRule, user: UserFacts, ri: RequestFacts) -> bool:
+def rule_matches(rule: PolicyRule, user: UserFacts, ri: RequestInfo) -> bool:
     if not any(subject_matches(s, user) for s in rule.subjects):
         return False
     if ri.is_resource_request:
@@ -98,7 +80,7 @@ def rule_matches(rule: PolicyRule, user: UserFacts, ri: RequestFacts) -> bool:
     return any(_all(nr.verbs, "*", ri.verb) and url_matches(nr.urls, ri.path) for nr in rule.non_resource_rules)
 
 
-def schema_matches(fs: FlowSchema, user: UserFacts, ri: RequestFacts) -> bool:
+def schema_matches(fs: FlowSchema, user: UserFacts, ri: RequestInfo) -> bool:
     return any(rule_matches(r, user, ri) for r in fs.rules)
 
 
@@ -186,7 +168,7 @@ class Policy:
     """classify() results by every input the matching rules read. A reload builds a new Policy,
     so a stale result can never outlive the objects it came from."""
 
-    def classify(self, user: UserFacts, ri: RequestFacts) -> tuple[FlowSchema, PriorityLevel]:
+    def classify(self, user: UserFacts, ri: RequestInfo) -> tuple[FlowSchema, PriorityLevel]:
         groups = tuple(user.groups)
         if ri.is_resource_request:
             key: tuple[object, ...] = (
@@ -211,18 +193,12 @@ class Policy:
 
     def catch_all(self) -> tuple[FlowSchema, PriorityLevel]:
         """The ``catch-all`` FlowSchema and its level (always present: built in unless replaced)."""
-        for fs in self.schemas:
-            if fs.name == "catch-all":
-                return fs, self.levels[fs.priority_level]
-        fs = self.schemas[-1]
+        fs = next((fs for fs in self.schemas if fs.name == "catch-all"), self.schemas[-1])
         return fs, self.levels[fs.priority_level]
 
-    def _match(self, user: UserFacts, ri: RequestFacts) -> tuple[FlowSchema, PriorityLevel]:
-        for fs in self.schemas:
-            if schema_matches(fs, user, ri):
-                return fs, self.levels[fs.priority_level]
-        # Unreachable while the catch-all exists (it always does, built in or replaced).
-        fs = self.schemas[-1]
+    def _match(self, user: UserFacts, ri: RequestInfo) -> tuple[FlowSchema, PriorityLevel]:
+        # The last schema is unreachable while the catch-all exists (it always does, built in or replaced).
+        fs = next((fs for fs in self.schemas if schema_matches(fs, user, ri)), self.schemas[-1])
         return fs, self.levels[fs.priority_level]
 
 

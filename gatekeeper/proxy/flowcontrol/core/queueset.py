@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from gatekeeper.proxy.flowcontrol.core.backendcap import BackendCap
 from gatekeeper.proxy.flowcontrol.core.borrowing import DemandIntegrator, DemandStats
+from gatekeeper.proxy.flowcontrol.core.fleet import FleetShare
 from gatekeeper.proxy.flowcontrol.core.objects import PriorityLevel
 
 State = Literal["new", "queued", "executing", "joined", "rejected", "cancelled", "done"]
@@ -71,13 +71,85 @@ class Ticket:
     followers: list[Ticket] = field(default_factory=list)
     holds_seats: bool = False
     backend: str = ""
-    """The apiserver reserved for an expensive LIST (``backendcap.py``); empty for any other request."""
+    """The apiserver reserved for an expensive LIST (:class:`BackendCap`); empty for any other request."""
     cap_held: bool = False
     unsized: bool = False
     """A LIST of a storage-only resource whose size is not known yet: it may read the whole collection, so the
     per-apiserver cap treats it as expensive until a response has taught the size."""
     start_tag: float = 0.0
     finish_tag: float = 0.0
+
+
+class BackendCap:
+    """Per-apiserver slots for expensive LISTs; a ``nominal`` of 0 turns the cap off.
+
+    Seats bound how many LISTs run, but the balancer may put two (or two proxies') on one apiserver and exhaust its
+    memory. Slots are dealt over the apiservers eligible now: a down one's slots are not handed to the others, which
+    would be the seeds' cascade (docs/flowcontrol/index.md#expensive-lists-per-apiserver).
+    """
+
+    def __init__(self) -> None:
+        self.nominal = 0
+        """The configured cap per apiserver (fleet-wide when the fleet is on); :meth:`configure` sets it."""
+        self.min_bytes = 8 << 20
+        self.fleet: FleetShare | None = None
+        self.names: tuple[str, ...] = ()
+        """Every apiserver, in the configured order (a worker's ledger row is the place in it)."""
+        self.limits: dict[str, int] = {}
+        """This proxy's slots on each apiserver, dealt over ``_dealt_over``."""
+        self._dealt_over: frozenset[str] | None = None
+        self.in_flight: dict[str, int] = {}
+        self.held_total = 0
+        """LISTs that found every eligible apiserver at its limit (each counted once)."""
+        self.picked_limit = 0
+        """The limit :meth:`pick` checked its choice against (the ledger checks the same one under its lock)."""
+        self.candidates: Callable[[], Sequence[str]] = lambda: ()
+        """Eligible apiservers, least loaded first (the balancer's view, wired by the proxy)."""
+        self.count: Callable[[str], int] = lambda name: self.in_flight.get(name, 0)
+        """Expensive LISTs in flight on an apiserver; worker processes read every worker's (``ledger.py``)."""
+
+    def configure(self, nominal: int, min_bytes: int, fleet: FleetShare | None,
+                  names: Sequence[str] | None = None) -> None:
+        self.nominal, self.min_bytes, self.fleet = nominal, max(1, min_bytes), fleet
+        if names is not None:
+            self.names = tuple(names)
+        self._deal(frozenset(self.names))
+
+    def _deal(self, eligible: frozenset[str]) -> None:
+        self._dealt_over = eligible
+        if self.fleet is None or not self.nominal:
+            self.limits = dict.fromkeys(self.names, self.nominal)
+            return
+        # In the configured order, the same in every proxy, so their deals fit together.
+        dealt = self.fleet.backend_slots(self.nominal, [n for n in self.names if n in eligible])
+        self.limits = {n: dealt.get(n, 0) for n in self.names}
+
+    def expensive(self, list_bytes: int, unsized: bool) -> bool:
+        return self.nominal > 0 and (list_bytes >= self.min_bytes or unsized)
+
+    def pick(self) -> str | None:
+        """The eligible apiserver with the fewest expensive LISTs, if one is below this proxy's limit there."""
+        candidates = self.candidates()
+        if self.fleet is not None and frozenset(candidates) != self._dealt_over:
+            self._deal(frozenset(candidates))
+        best: str | None = None
+        least = 0
+        for name in candidates:
+            limit = self.limits.get(name, 0)
+            n = self.count(name)
+            if n < limit and (best is None or n < least):
+                best, least, self.picked_limit = name, n, limit
+        return best
+
+    def take(self, name: str) -> None:
+        self.in_flight[name] = self.in_flight.get(name, 0) + 1
+
+    def give(self, name: str) -> None:
+        left = self.in_flight.get(name, 0) - 1
+        if left > 0:
+            self.in_flight[name] = left
+        else:
+            self.in_flight.pop(name, None)
 
 
 @dataclass
@@ -161,12 +233,9 @@ class LevelState:
         self.demand.set(self.executing_seats + self.waiting_seats, now)
 
     def same_geometry(self, spec: PriorityLevel) -> bool:
-        return (spec.exempt, spec.reject, spec.queues, spec.hand_size) == (
-            self.spec.exempt,
-            self.spec.reject,
-            self.spec.queues,
-            self.spec.hand_size,
-        )
+        old = self.spec
+        return (spec.exempt, spec.reject, spec.queues, spec.hand_size) == (old.exempt, old.reject, old.queues,
+                                                                           old.hand_size)
 
     @property
     def idle(self) -> bool:
@@ -184,7 +253,7 @@ class LevelState:
             if self._fits(t):
                 self._start(t)
                 return [t]
-            self._reject(t, "concurrency-limit")
+            t.state, t.reason = "rejected", "concurrency-limit"
             return []
         queues = self.queues
         qi, least = -1, 0
@@ -195,7 +264,7 @@ class LevelState:
                 qi, least = i, load
         q = queues[qi]
         if len(q.items) >= self.spec.queue_length_limit:
-            self._reject(t, "queue-full")
+            t.state, t.reason = "rejected", "queue-full"
             return []
         t.queue, t.state = qi, "queued"
         t.start_tag = max(self.vtime, q.last_finish)
@@ -233,9 +302,6 @@ class LevelState:
                 self.budget.executing += 1
             if t.backend:
                 self.budget.backends.take(t.backend)
-
-    def _reject(self, t: Ticket, reason: RejectReason) -> None:
-        t.state, t.reason = "rejected", reason
 
     # -- dispatch ---------------------------------------------------------
     def _next_queue(self) -> int | None:
@@ -311,15 +377,5 @@ class LevelState:
         self.queues[t.queue].take(t)
         self.waiting_seats -= t.seats
         self.waiting -= 1
-        if reason == "cancelled":
-            t.state, t.reason = "cancelled", reason
-        else:
-            self._reject(t, reason)
+        t.state, t.reason = "cancelled" if reason == "cancelled" else "rejected", reason
         return True
-
-    def expire(self, now: float) -> list[Ticket]:
-        """Reject every waiting request whose deadline has passed."""
-        out = [t for q in self.queues for t in q.items if t.deadline <= now]
-        for t in out:
-            self.remove(t, "time-out")
-        return out

@@ -77,13 +77,10 @@ class FanOut:
         self.subs = [Subscriber(self) for _ in range(n)]
         self.on_done = on_done
         self.total = 0
-        self.cut_off = 0
         self.complete = False
         """True once the whole upstream body was read (the byte count is a real response size)."""
         self._progress = asyncio.Event()
-        self.task: asyncio.Task[None] | None = None
-
-    def start(self) -> None:
+        # The pump's first step runs after the caller has handed the subscribers out (it awaits nothing between).
         self.task = asyncio.get_running_loop().create_task(self._pump(), name="gatekeeper-flowcontrol-fanout")
 
     def _live(self) -> list[Subscriber]:
@@ -100,7 +97,6 @@ class FanOut:
         s.chunks.clear()
         s.buffered = 0
         s.ready.set()
-        self.cut_off += 1
 
     async def _wait_for_room(self) -> None:
         """Pace to the slowest reader; cut off readers that make no room within the stall time."""

@@ -56,18 +56,14 @@ def lease_name(identity: str) -> str:
     return f"gatekeeper-proxy-{identity}"
 
 
-def micro_time(when: float) -> str:
-    """A Kubernetes MicroTime (RFC 3339, microseconds, UTC)."""
-    return datetime.datetime.fromtimestamp(when, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
 def lease_body(settings: FleetSettings, identity: str, now: float) -> dict[str, Any]:
+    renew_time = datetime.datetime.fromtimestamp(now, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")  # MicroTime
     return {
         "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
         "metadata": {"name": lease_name(identity), "namespace": settings.namespace,
                      "labels": {FLEET_LABEL: settings.name}},
         "spec": {"holderIdentity": identity, "leaseDurationSeconds": max(1, round(settings.lease_duration_seconds)),
-                 "renewTime": micro_time(now)},
+                 "renewTime": renew_time},
     }
 
 

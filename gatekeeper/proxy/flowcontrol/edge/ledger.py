@@ -19,7 +19,7 @@ import hashlib
 import mmap
 import os
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -130,9 +130,6 @@ class SeatLedger:
                 out[raw.decode(errors="replace")] = i
         return out
 
-    def _base(self, slot: int) -> int:
-        return slot * self._row
-
     def _col(self, slot: int, worker: int, field: int) -> int:
         return slot * self._row + _HEAD + worker * _PER_WORKER + field
 
@@ -215,7 +212,7 @@ class SeatLedger:
             v[self._list_off + 2 * me] = max(0, v[self._list_off + 2 * me] - list_bytes)
             v[self._list_off + 2 * me + 1] = max(0, v[self._list_off + 2 * me + 1] - 1)
         if list_bytes or backend >= 0:  # bytes or an apiserver's slot freed: any worker's level may go on
-            for w in self._waiting_anywhere(v):
+            for w in self._waiting_anywhere(v, me):
                 self.signal(w)
             return
         nxt = self._next_waiting(v, b)
@@ -245,8 +242,9 @@ class SeatLedger:
             return
         v[c + _ACTIVE], v[c + _WAITING] = active, waiting
 
-    def _waiting_anywhere(self, v: memoryview) -> list[int]:
-        return [w for w in range(self.workers) if w != self.worker
+    def _waiting_anywhere(self, v: memoryview, but: int) -> list[int]:
+        """Workers other than ``but`` with requests queued in any level."""
+        return [w for w in range(self.workers) if w != but
                 and any(v[self._col(s, w, _WAITING)] > 0 for s in range(self.levels))]
 
     def clear_worker(self, worker: int) -> None:
@@ -259,8 +257,7 @@ class SeatLedger:
             v[self._list_off + 2 * worker + 1] = 0
             for b in range(MAX_BACKENDS):
                 v[self._backend_off + b * self.workers + worker] = 0
-            wake = [w for w in range(self.workers) if w != worker
-                    and any(v[self._col(s, w, _WAITING)] > 0 for s in range(self.levels))]
+            wake = self._waiting_anywhere(v, worker)
         for w in wake:
             self.signal(w)
 
@@ -269,12 +266,11 @@ class SeatLedger:
         out: dict[str, dict[str, int]] = {}
         with self._locked() as v:
             for name, s in self.names().items():
-                b = self._base(s)
                 out[name] = {
                     "seats": sum(int(v[self._col(s, w, _SEATS)]) for w in range(self.workers)),
                     "holders": sum(int(v[self._col(s, w, _HOLDERS)]) for w in range(self.workers)),
                     "waiting": sum(int(v[self._col(s, w, _WAITING)]) for w in range(self.workers)),
-                    "peak": int(v[b + 1]),
+                    "peak": int(v[s * self._row + 1]),
                 }
         return out
 
@@ -339,15 +335,16 @@ POLL_SECONDS = 0.05
 """Backstop for a lost wake-up: a worker with queued requests retries dispatch this often."""
 
 
-def attach(flow: FlowControl, ledger: SeatLedger) -> Callable[[], None]:
-    """Make a worker's flow control use the ledger (before any request is admitted); returns the detach function."""
+def attach(flow: FlowControl, ledger: SeatLedger) -> asyncio.Task[None]:
+    """Make a worker's flow control use the ledger (before any request is admitted) for the worker's life; returns
+    the task that backs up lost wake-ups."""
     ctl = flow.controller
     caps = ctl.budget.backends
     if len(caps.names) > MAX_BACKENDS:
         raise ValueError(f"at most {MAX_BACKENDS} backends (upstream.backends) with worker processes")
     ledger.backend_rows = {name: i for i, name in enumerate(caps.names)}
     caps.count = ledger.backend_count
-    ctl.level_factory = functools.partial(_ledger_level, ledger=ledger)
+    ctl.level_factory = functools.partial(LedgerLevel, ledger=ledger)
     ctl.levels, ctl.draining = {}, []
     flow.apply(ctl.policy)
     loop = asyncio.get_running_loop()
@@ -372,14 +369,5 @@ def attach(flow: FlowControl, ledger: SeatLedger) -> Callable[[], None]:
                 redispatch()
 
     loop.add_reader(sock.fileno(), on_wake)
-    task = loop.create_task(poll(), name="gatekeeper-ledger-poll")
+    return loop.create_task(poll(), name="gatekeeper-ledger-poll")
 
-    def detach() -> None:
-        task.cancel()
-        loop.remove_reader(sock.fileno())
-
-    return detach
-
-
-def _ledger_level(spec: PriorityLevel, limit: int, budget: ListBudget, *, ledger: SeatLedger) -> LevelState:
-    return LedgerLevel(spec, limit, budget, ledger)

@@ -38,19 +38,15 @@ def limits_of(settings: FlowControlSettings) -> LevelLimits:
     )
 
 
-def read_objects(path: str) -> list[tuple[str, Any]]:
-    """All objects of a multi-document YAML file, labelled ``path[doc]``. Bounded reader and regular files only:
-    an oversized file, an alias bomb or a FIFO must fail the reload, not stall or exhaust the serving worker."""
-    return split_objects(load_yaml_all(path, what="flow-control policy file", regular_only=True), path)
-
-
 def load_policy(settings: FlowControlSettings) -> Policy:
     """Validate inline objects and files together; raises ValueError naming file, object and field."""
     objects: list[tuple[str, Any]] = []
     objects += [(f"flowSchemas[{i}]", o) for i, o in enumerate(settings.flow_schemas)]
     objects += [(f"priorityLevelConfigurations[{i}]", o) for i, o in enumerate(settings.priority_level_configurations)]
     for path in settings.files:
-        objects += read_objects(path)
+        # Bounded reader and regular files only: an oversized file, an alias bomb or a FIFO must fail the reload,
+        # not stall or exhaust the serving worker. Objects are labelled ``path[doc]``.
+        objects += split_objects(load_yaml_all(path, what="flow-control policy file", regular_only=True), path)
     try:
         return build_policy(objects, settings.server_concurrency_limit)
     except ObjectError as exc:
@@ -122,7 +118,6 @@ class Reloader:
         self.settings = settings
         self.apply = apply
         self.stamp = _stamp(settings.files)
-        self.last_error = ""
         self._pending: str | None = None
         """Why the next reload was asked for (None: none asked since the running one began)."""
         self._task: asyncio.Task[None] | None = None
@@ -204,7 +199,6 @@ class Reloader:
 
         reason = (error.reason if isinstance(error, ReloadGivenUp)
                   else "not_regular_file" if isinstance(error, NotRegularFile) else "invalid")
-        self.last_error = str(error)
         metrics.POLICY_RELOADS.labels("failed").inc()
         metrics.POLICY_RELOAD_FAILURES.labels(reason).inc()
         metrics.POLICY_STALE.set(1)
@@ -217,7 +211,6 @@ class Reloader:
         if isinstance(result, ValueError):
             self._report(why, result)
             return False
-        self.last_error = ""
         self.apply(result)
         metrics.POLICY_RELOADS.labels("applied").inc()
         metrics.POLICY_STALE.set(0)
@@ -235,9 +228,7 @@ class Reloader:
 
     def check(self) -> bool:
         """Reload here if any file's mtime or size changed; True if a reload happened and succeeded."""
-        if not self.changed():
-            return False
-        return self.reload("file changed")
+        return self.changed() and self.reload("file changed")
 
 
 def _parse(settings: FlowControlSettings) -> Policy | ValueError:

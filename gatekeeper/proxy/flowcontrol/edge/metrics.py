@@ -5,6 +5,7 @@ Current in-queue/executing gauges are read from the live controller at scrape ti
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Iterator
 from typing import Protocol
@@ -92,14 +93,8 @@ class PairMetrics:
         self.exec_watch = HistogramTally(EXECUTION.labels(fs, pl, "watch"))
 
 
-_pairs: dict[tuple[str, str], PairMetrics] = {}
-
-
-def for_pair(fs: str, pl: str) -> PairMetrics:
-    m = _pairs.get((fs, pl))
-    if m is None:
-        m = _pairs[(fs, pl)] = PairMetrics(fs, pl)
-    return m
+for_pair = functools.cache(PairMetrics)
+"""The pair's metrics, built once per (FlowSchema, level)."""
 
 
 class Source(Protocol):
@@ -116,17 +111,6 @@ _sources: weakref.WeakSet[Source] = weakref.WeakSet()
 
 def register_source(source: Source) -> None:
     _sources.add(source)
-
-
-def _waiting_by_schema(c: FlowController) -> dict[tuple[str, str], int]:
-    out: dict[tuple[str, str], int] = {}
-    for lv in [*c.levels.values(), *c.draining]:
-        for q in lv.queues:
-            for t in q.items:
-                fs = getattr(t.payload, "fs", None)
-                key = (fs.name if fs is not None else "", lv.spec.name)
-                out[key] = out.get(key, 0) + 1
-    return out
 
 
 class _Gauges(Collector):
@@ -180,8 +164,12 @@ class _Gauges(Collector):
         sources = list(_sources)
         for src in sources:
             c = src.controller
-            for key, v in _waiting_by_schema(c).items():
-                waiting[key] = waiting.get(key, 0) + v
+            for lv in [*c.levels.values(), *c.draining]:
+                for q in lv.queues:
+                    for t in q.items:
+                        fs = getattr(t.payload, "fs", None)
+                        key = (fs.name if fs is not None else "", lv.spec.name)
+                        waiting[key] = waiting.get(key, 0) + 1
             for key, v in src.executing_by_schema.items():
                 running[key] = running.get(key, 0) + v
             for name, lv in c.levels.items():

@@ -37,7 +37,6 @@ from gatekeeper.proxy.pipeline.auth import as_apiserver_sees
 from gatekeeper.proxy.pipeline.impersonation import impersonated
 from gatekeeper.proxy.pipeline.tokens.classify import unverified_flow
 from gatekeeper.proxy.pipeline.tokens.fetch import Upstream
-from gatekeeper.proxy.tally import HistogramTally
 
 log = logging.getLogger("gatekeeper.proxy.flowcontrol")
 
@@ -74,22 +73,21 @@ class _Waiter:
     fs: FlowSchema
     pl: PriorityLevel
     info: RequestInfo
-    enqueued: float
-    future: asyncio.Future[None] | None
-    """Only a request that has to queue waits on one (created when it is queued)."""
     m: metrics.PairMetrics
+    shape: ListShape | None
+    """A LIST's options (limit, selectors, resourceVersion): its cost, and what its response teaches."""
+    future: asyncio.Future[None] | None = None
+    """Only a request that has to queue waits on one (created when it is queued)."""
     abandoned: bool = False
     shared: asyncio.Future[ProxyResponse] | None = None
     """For a follower: resolved by the leader with this follower's own view of the shared response."""
     started: float = 0.0
     seats_released: bool = False
     counted: bool = False
+    """Counted in executing_by_schema (the current_executing_requests gauge)."""
     outcome: str = ""
     """State at wake-up (executing, joined, rejected): the ticket may move on before this task resumes."""
-    """Counted in executing_by_schema (the current_executing_requests gauge)."""
     finished: bool = False
-    shape: ListShape | None = None
-    """A LIST's options (limit, selectors, resourceVersion): its cost, and what its response teaches."""
     content_type: str = ""
     """A LIST response's Content-Type (a continue token can only be seen in JSON)."""
 
@@ -100,7 +98,7 @@ class _Metered:
     def __init__(
         self,
         body: AsyncIterator[bytes],
-        on_end: Callable[[int, bool, BaseException | None], None],
+        on_end: Callable[[int, bool, BaseException | None, bytes], None],
         on_first: Callable[[], None] | None = None,
     ):
         self.body = body
@@ -116,7 +114,7 @@ class _Metered:
     def _end(self, complete: bool, error: BaseException | None) -> None:
         if not self.done:
             self.done = True
-            self.on_end(self.count, complete, error)
+            self.on_end(self.count, complete, error, self.head)
 
     async def __anext__(self) -> bytes:
         if self.done:
@@ -270,8 +268,7 @@ class FlowControl:
         )
         assert t.level is not None
         pl = t.level.spec
-        w = _Waiter(fs, pl, info, now, None, metrics.for_pair(fs.name, pl.name))
-        w.shape = shape
+        w = _Waiter(fs, pl, info, metrics.for_pair(fs.name, pl.name), shape)
         t.payload = w
         request.flow_schema, request.priority_level = fs.name, pl.name
         if t.state == "queued":
@@ -299,7 +296,7 @@ class FlowControl:
         try:
             response = await next_handler(request)
         except BaseException as exc:
-            self._end(t, 0, False, exc, status=0)
+            self._end(t, 0, 0, False, exc)
             raise
         return self._respond(t, w, response, request.connection_id)
 
@@ -341,7 +338,7 @@ class FlowControl:
             self.controller.cancel(t, self.clock())
             metrics.REJECTED.labels(w.fs.name, w.pl.name, "cancelled").inc()
         elif t.state == "executing":
-            self._end(t, 0, False, None, status=0)
+            self._end(t, 0, 0, False, None)
 
     # -- responses ----------------------------------------------------------------------------
     def _respond(self, t: Ticket, w: _Waiter, response: ProxyResponse, connection: int) -> ProxyResponse:
@@ -350,42 +347,37 @@ class FlowControl:
         on_first: Callable[[], None] | None = None
         if response.upgraded is not None:
             self._release_seats(t)  # the 101 is the start of the exec/attach/port-forward session
-        elif w.info.long_running:
-            # A watch is set up at its first bytes (initial events, a bookmark); a silent one gets watchInitSeconds.
-            on_first = functools.partial(self._release_seats, t)
-            asyncio.get_running_loop().call_later(self.settings.watch_init_seconds, self._release_seats, t)
-        if response.upgraded is not None:
             upgraded = response.upgraded
             inner = upgraded.on_close
 
             async def on_close() -> None:
-                self._end(t, 0, False, None, status=101)
+                self._end(t, 101, 0, False, None)
                 if inner is not None:
                     await inner()
 
             upgraded.on_close = on_close
             return response
+        if w.info.long_running:
+            # A watch is set up at its first bytes (initial events, a bookmark); a silent one gets watchInitSeconds.
+            on_first = functools.partial(self._release_seats, t)
+            asyncio.get_running_loop().call_later(self.settings.watch_init_seconds, self._release_seats, t)
         status = response.status
-        live = [f for f in t.followers if isinstance(f.payload, _Waiter) and not f.payload.abandoned]
         if not t.followers:
-            if w.shape is not None and self.read_ahead.per_connection and status == 200:
+            if w.shape is not None:  # a LIST
                 w.content_type = next((v for k, v in response.headers if k == "content-type"), "")
+            if w.shape is not None and self.read_ahead.per_connection and status == 200:
                 response.body = ReadAhead(response.body, self.read_ahead, connection,
-                                          lambda n, ok, err, head: self._end(t, n, ok, err, status, head))
-            elif on_first is not None or w.info.verb == "list":
+                                          functools.partial(self._end, t, status))
+            elif on_first is not None or w.shape is not None:
                 # a LIST's size feeds the seat estimate; a watch frees its seats at its first bytes
-                metered = _Metered(response.body, lambda n, ok, err: self._end(t, n, ok, err, status), on_first)
-                if w.shape is not None:
-                    w.content_type = next((v for k, v in response.headers if k == "content-type"), "")
-                    metered.on_end = lambda n, ok, err: self._end(t, n, ok, err, status, metered.head)
-                response.body = metered
+                response.body = _Metered(response.body, functools.partial(self._end, t, status), on_first)
         # finish() runs once the response is written out or failed: also the backstop for an unread body.
-            response.on_complete.append(lambda err: self._end(t, 0, False, err, status))
+            response.on_complete.append(lambda err: self._end(t, status, 0, False, err))
             return response
 
         def pumped(total: int, error: BaseException | None) -> None:
             response.finish(error)
-            self._end(t, total, fan.complete, error, status)
+            self._end(t, status, total, fan.complete, error)
 
         fan = FanOut(
             response.body,
@@ -397,11 +389,10 @@ class FlowControl:
         for i, f in enumerate(t.followers, start=1):
             fw = f.payload
             sub = fan.subs[i]
-            if f not in live or not isinstance(fw, _Waiter) or fw.shared is None:
+            if not isinstance(fw, _Waiter) or fw.abandoned or fw.shared is None:
                 sub.close()
                 continue
             fw.shared.set_result(ProxyResponse(status=status, headers=list(response.headers), body=sub))
-        fan.start()
         return ProxyResponse(status=status, headers=list(response.headers), body=fan.subs[0])
 
     async def _follow(self, t: Ticket, w: _Waiter) -> ProxyResponse:
@@ -424,19 +415,16 @@ class FlowControl:
             self.executing_by_schema[key] = self.executing_by_schema.get(key, 1) - 1
 
     def _release_seats(self, t: Ticket) -> None:
+        """A watch or an upgraded session stops holding seats while its response goes on."""
         w = t.payload
         if isinstance(w, _Waiter) and not w.seats_released:
-            self._give_seats_back(t, w, w.m.exec_watch)
-
-    def _give_seats_back(self, t: Ticket, w: _Waiter, executed: HistogramTally) -> None:
-        """The request stops holding seats while its response goes on; ``executed`` records how long it held them."""
-        w.seats_released = True
-        self._uncount(w)
-        executed.observe(self.clock() - w.started)
-        self._wake(self.controller.release_seats(t, self.clock()))
+            w.seats_released = True
+            self._uncount(w)
+            w.m.exec_watch.observe(self.clock() - w.started)
+            self._wake(self.controller.release_seats(t, self.clock()))
 
     def _end(
-        self, t: Ticket, nbytes: int, complete: bool, error: BaseException | None, status: int, head: bytes = b""
+        self, t: Ticket, status: int, nbytes: int, complete: bool, error: BaseException | None, head: bytes = b""
     ) -> None:
         """The upstream exchange is over: free seats, learn the LIST size, fail followers still waiting."""
         w = t.payload
@@ -449,7 +437,7 @@ class FlowControl:
         if w.info.verb == "list" and status == 200 and complete:
             shape = w.shape
             continued = continued_response(head, w.content_type) if shape is not None and shape.limit else False
-            self.controller.observe_list(w.info, nbytes, shape, continued)
+            self.controller.estimator.observe(w.info.resource, w.info.namespace, nbytes, shape, continued)
             metrics.LIST_BYTES.labels(w.info.resource_key).observe(nbytes)
         for f in t.followers:
             fw = f.payload
