@@ -54,6 +54,8 @@ class SeatLedger:
     def __init__(self, path: Path, worker: int = -1) -> None:
         self.path = Path(path)
         self.worker = worker
+        self.poller: asyncio.Task[None] | None = None
+        """The lost-wake-up backstop of :func:`attach`, held here for the worker's life."""
         self._fd = os.open(self.path, os.O_RDWR)
         self._mm = mmap.mmap(self._fd, os.fstat(self._fd).st_size)
         head = memoryview(self._mm)[: _HEADER * 8].cast("q")
@@ -369,5 +371,6 @@ def attach(flow: FlowControl, ledger: SeatLedger) -> asyncio.Task[None]:
                 redispatch()
 
     loop.add_reader(sock.fileno(), on_wake)
-    return loop.create_task(poll(), name="gatekeeper-ledger-poll")
+    ledger.poller = loop.create_task(poll(), name="gatekeeper-ledger-poll")  # the loop only holds tasks weakly
+    return ledger.poller
 
