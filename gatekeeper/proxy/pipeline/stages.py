@@ -22,7 +22,7 @@ from gatekeeper.proxy.adapter import error_response
 from gatekeeper.proxy.messages import Handler, Headers, Middleware, ProxyRequest, ProxyResponse, UserInfo, one_chunk
 from gatekeeper.proxy.pipeline import auth
 from gatekeeper.proxy.pipeline.balancer import Backend, Balancer, EjectionPolicy, Lease
-from gatekeeper.proxy.pipeline.deadline import Deadlines, bad_timeout_message, request_timeout
+from gatekeeper.proxy.pipeline.deadline import INVALID_TIMEOUT, Deadlines, request_timeout
 from gatekeeper.proxy.pipeline.settings import PipelineSettings
 from gatekeeper.proxy.pipeline.tokens.classify import source_host, unverified_flow
 from gatekeeper.proxy.pipeline.tokens.fetch import TokenIdentities
@@ -156,7 +156,7 @@ def front_for(metrics_groups: Collection[str], deadlines: Deadlines | None = Non
             seconds = request_timeout(info, request.target, request_timeout_seconds)
         except DurationError as exc:
             rejections.reject("bad_timeout", f"{request.peer} {request.method} {request.target[:200]}: {exc}")
-            return error_response(400, "BadRequest", bad_timeout_message(exc))
+            return error_response(400, "BadRequest", f"{INVALID_TIMEOUT} - {exc}")
         credential = ""
         if identities is not None and request.user is not None and request.user.source == "token":
             credential = await resolve_token(identities, request)
@@ -299,7 +299,7 @@ class Dispatcher:
                 self.balancer.report_response(backend, response.status)
             metrics.observe_response(backend.name, info.verb, info.resource_key, response.status,
                                      time.monotonic() - started)
-            response.on_complete.append(_releaser(lease))
+            response.on_complete.append(lease.release)
             return response
 
     def _connect_failed(self, backend: Backend, exc: up.ConnectFailed) -> None:
@@ -357,13 +357,6 @@ def _closer(lease: Lease) -> Callable[[], Awaitable[None]]:
         lease.release()
 
     return on_close
-
-
-def _releaser(lease: Lease) -> Callable[[BaseException | None], None]:
-    def release(_error: BaseException | None) -> None:
-        lease.release()
-
-    return release
 
 
 @dataclass(eq=False)

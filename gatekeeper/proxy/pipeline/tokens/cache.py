@@ -21,7 +21,6 @@ class ExpiringCache(Generic[V]):
     def __init__(self, max_entries: int) -> None:
         self.max_entries = max(1, max_entries)
         self._items: dict[bytes, tuple[V, float]] = {}
-        self.evictions = 0
 
     def __len__(self) -> int:
         return len(self._items)
@@ -41,7 +40,6 @@ class ExpiringCache(Generic[V]):
         items = self._items
         if key not in items and len(items) >= self.max_entries:
             del items[next(iter(items))]
-            self.evictions += 1
         items[key] = (value, expires)
 
     def discard(self, key: bytes) -> bool:

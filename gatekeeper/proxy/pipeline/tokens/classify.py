@@ -135,6 +135,3 @@ class TokenClassifier:
 
     def fail(self, key: bytes, reason: str, now: float, seconds: float | None = None) -> None:
         self.failed.put(key, reason, now + (self.failed_seconds if seconds is None else seconds), now)
-
-    def remember(self, key: bytes, identity: Identity, expires: float, now: float) -> None:
-        self.verified.put(key, identity, expires, now)

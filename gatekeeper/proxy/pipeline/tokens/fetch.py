@@ -210,7 +210,7 @@ class TokenIdentities:
             return UNVERIFIED
         metrics.REVIEWS.labels("authenticated").inc()
         metrics.TOKENS.labels("reviewed").inc()
-        self.classifier.remember(d.key, identity, now + self.settings.review_cache_seconds, now)
+        self.classifier.verified.put(d.key, identity, now + self.settings.review_cache_seconds, now)
         return identity
 
     # -- HTTP ---------------------------------------------------------------------------------

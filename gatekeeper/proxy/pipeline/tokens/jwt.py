@@ -34,7 +34,7 @@ MAX_TOKEN_BYTES = 16 << 10
 """Longer bearer values are not parsed (a real ServiceAccount token is about 1 KiB)."""
 
 _HASHES: dict[str, type[hashes.HashAlgorithm]] = {"256": hashes.SHA256, "384": hashes.SHA384, "512": hashes.SHA512}
-_EC_CURVES = {"P-256": (ec.SECP256R1, 32), "P-384": (ec.SECP384R1, 48), "P-521": (ec.SECP521R1, 66)}
+_EC_CURVES: dict[str, type[ec.EllipticCurve]] = {"P-256": ec.SECP256R1, "P-384": ec.SECP384R1, "P-521": ec.SECP521R1}
 
 
 class TokenError(ValueError):
@@ -50,7 +50,6 @@ class UnknownKey(TokenError):
 
     def __init__(self, kid: str) -> None:
         super().__init__("unknown-kid", kid)
-        self.kid = kid
 
 
 class NotServiceAccount(TokenError):
@@ -106,9 +105,8 @@ def parse_jwks(doc: Any) -> dict[str, PublicKey]:
             if jwk.get("kty") == "RSA":
                 key = rsa.RSAPublicNumbers(_b64_int(jwk.get("e")), _b64_int(jwk.get("n"))).public_key()
             elif jwk.get("kty") == "EC" and jwk.get("crv") in _EC_CURVES:
-                curve, _ = _EC_CURVES[jwk["crv"]]
                 x, y = _b64_int(jwk.get("x")), _b64_int(jwk.get("y"))
-                key = ec.EllipticCurvePublicNumbers(x, y, curve()).public_key()
+                key = ec.EllipticCurvePublicNumbers(x, y, _EC_CURVES[jwk["crv"]]()).public_key()
             else:
                 continue
         except (ValueError, TokenError):
