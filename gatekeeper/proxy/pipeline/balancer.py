@@ -59,13 +59,13 @@ class RateWindow:
         while self.buckets and self.buckets[0][0] <= now_s - self.seconds:
             self.buckets.popleft()
 
-    def add(self, n: int = 1) -> None:
+    def add(self) -> None:
         now_s = int(self.clock())
         self._trim(now_s)
         if self.buckets and self.buckets[-1][0] == now_s:
-            self.buckets[-1][1] += n
+            self.buckets[-1][1] += 1
         else:
-            self.buckets.append([now_s, n])
+            self.buckets.append([now_s, 1])
 
     def count(self) -> int:
         self._trim(int(self.clock()))

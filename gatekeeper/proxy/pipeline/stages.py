@@ -58,11 +58,11 @@ def own_answer(method: str, info: requestinfo.RequestInfo) -> bool:
         return False
     if info.is_resource_request:
         return info.api_prefix == "api" or info.api_group in BUILTIN_GROUPS
-    if info.path.startswith("/apis/"):
-        group = info.path[6:].partition("/")[0]
-        return not group or group in BUILTIN_GROUPS
-    if info.path.startswith("/openapi/v3/apis/"):  # the aggregator relays a group's spec from its own server
-        group = info.path[17:].partition("/")[0]
+    path = info.path
+    if path.startswith("/openapi/v3/apis/"):  # the aggregator relays a group's spec from its own server
+        path = path[11:]
+    if path.startswith("/apis/"):
+        group = path[6:].partition("/")[0]
         return not group or group in BUILTIN_GROUPS
     return True
 
@@ -366,9 +366,9 @@ class Pipeline:
     handler: Handler
     balancer: Balancer
     clients: dict[str, BackendClient]
-    health_interval: float = 2.0
-    deadlines: Deadlines = field(default_factory=Deadlines)
-    identities: TokenIdentities | None = None
+    health_interval: float
+    deadlines: Deadlines
+    identities: TokenIdentities
     """Token callers' identities (the front stage's); started and closed with the pipeline."""
     _probe_task: asyncio.Task[None] | None = field(default=None, repr=False)
 
@@ -378,8 +378,7 @@ class Pipeline:
 
     async def start(self) -> None:
         metrics.register_source(self)
-        if self.identities is not None:
-            await self.identities.start()  # the issuer's keys, before the first token caller
+        await self.identities.start()  # the issuer's keys, before the first token caller
         await self.probe_once()
         self._probe_task = asyncio.create_task(self._probe_loop(), name="gatekeeper-proxy-health")
 
@@ -411,8 +410,7 @@ class Pipeline:
                 await self._probe_task
             self._probe_task = None
         self.deadlines.close()
-        if self.identities is not None:
-            await self.identities.close()
+        await self.identities.close()
         await asyncio.gather(*(c.close() for c in self.clients.values()))
 
 

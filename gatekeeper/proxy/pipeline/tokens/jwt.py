@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
 from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
 
@@ -79,12 +78,6 @@ def _b64_int(value: Any) -> int:
     if not isinstance(value, str):
         raise ValueError("expected a base64url string")
     return int.from_bytes(b64url_decode(value), "big")
-
-
-def kid_of(public_key: rsa.RSAPublicKey | ec.EllipticCurvePublicKey) -> str:
-    """The key id kube-apiserver publishes: base64url(sha256(DER SubjectPublicKeyInfo)), unpadded."""
-    der = public_key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
-    return base64.urlsafe_b64encode(hashlib.sha256(der).digest()).rstrip(b"=").decode()
 
 
 PublicKey = rsa.RSAPublicKey | ec.EllipticCurvePublicKey
