@@ -83,7 +83,6 @@ class Backend:
     """Requests in the last ``rate_window_seconds`` (the request-rate skew gauge)."""
     in_flight: int = 0
     watches: int = 0
-    requests_total: int = 0
     connect_failures_total: int = 0
     ejections_total: int = 0
     ready: bool = True
@@ -213,7 +212,6 @@ class Balancer:
     def acquire(self, backend: Backend, *, long_running: bool = False, caller: str = "") -> Lease:
         """Count a request against ``backend`` (a long-running one against ``caller`` too) until released."""
         backend.in_flight += 1
-        backend.requests_total += 1
         if long_running:
             backend.watches += 1
             self._long_running_callers[caller] = self._long_running_callers.get(caller, 0) + 1
