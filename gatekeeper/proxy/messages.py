@@ -1,8 +1,10 @@
 """The one request/response shape both protocol adapters speak; everything after them sees only these types.
 
 Bodies are async iterators pulled by the consumer: that is the backpressure contract, so a slow client slows the backend
-read instead of growing a buffer. :func:`close_body` and :func:`is_exhausted` are the only places that test for the
-optional :class:`Closable` and :class:`KnowsLastChunk`."""
+read instead of growing a buffer. A body may also have ``aclose()`` (its producer holds an upstream connection until
+closed or drained) and ``exhausted`` (True right after it returned its last chunk); :func:`close_body` and
+:func:`is_exhausted` are the only places that look for them, by attribute: ``isinstance`` on a protocol is slow, and
+these run per response chunk."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 if TYPE_CHECKING:
     from gatekeeper.kube.requestinfo import RequestInfo
@@ -21,30 +23,14 @@ Headers = list[tuple[str, str]]
 """Header list with lower-case names, order and duplicates preserved."""
 
 
-@runtime_checkable
-class Closable(Protocol):
-    """A body whose producer holds something (an upstream connection) until closed or drained."""
-
-    def aclose(self) -> Awaitable[None]: ...
-
-
-@runtime_checkable
-class KnowsLastChunk(Protocol):
-    """A body that knows, right after returning a chunk, whether that chunk was the last."""
-
-    @property
-    def exhausted(self) -> bool: ...
-
-
 def is_exhausted(body: object) -> bool:
-    """True once a :class:`KnowsLastChunk` body has returned its last chunk (always False for others). Attribute lookup,
-    not ``isinstance`` on the protocol: that is slow, and this runs per response chunk."""
+    """True once a body with ``exhausted`` has returned its last chunk (always False for others)."""
     return getattr(body, "exhausted", None) is True
 
 
 async def close_body(body: object) -> None:
     """Close a body iterator we stopped pulling, so its producer releases the upstream connection."""
-    aclose = getattr(body, "aclose", None)  # a Closable (see is_exhausted for why not isinstance)
+    aclose = getattr(body, "aclose", None)
     if aclose is not None:
         try:
             await aclose()
@@ -169,12 +155,3 @@ class Middleware(Protocol):
     """A pipeline stage around the rest: ``await mw(request, next_handler)``."""
 
     def __call__(self, request: ProxyRequest, next_handler: Handler, /) -> Awaitable[ProxyResponse]: ...
-
-
-class ManagedMiddleware(Middleware, Protocol):
-    """A middleware with background work: ``gatekeeper proxy`` awaits ``start()`` before serving and
-    ``close()`` after the listener has drained (flow control's policy reloads)."""
-
-    async def start(self) -> None: ...
-
-    async def close(self) -> None: ...

@@ -22,8 +22,6 @@ render_page: Callable[[], Awaitable[tuple[bytes, str]]] = this_process_page
 """What the proxy's ``/metrics`` answers. A coroutine: a worker awaits the other workers' pages
 (``worker_metrics.render_in_worker``) while its loop serves clients."""
 
-Clock = Callable[[], float]
-
 build_info()
 
 REQUESTS = Counter(

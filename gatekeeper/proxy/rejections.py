@@ -60,13 +60,10 @@ for _reason in REJECT_REASONS:
 LOG_INTERVAL = 10.0
 """Seconds between two log lines for the same rejection reason; the rest are only counted."""
 
-Clock = Callable[[], float]
-
-
 class RateLimitedLog:
     """One warning per key per interval with the count left out: a flood must show in the log, not become one."""
 
-    def __init__(self, logger: logging.Logger, interval: float, clock: Clock = time.monotonic) -> None:
+    def __init__(self, logger: logging.Logger, interval: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.logger = logger
         self.interval = interval
         self.clock = clock

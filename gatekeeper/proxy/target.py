@@ -68,9 +68,3 @@ def check(method: str, target: str) -> BadTarget | None:
                                  f"request path contains the dot segment {segment!r} (in some encoding); "
                                  "send the normalised path")
     return None
-
-
-def split(target: str) -> tuple[str, str]:
-    """Raw path and raw query (without ``?``) of an accepted origin-form target, unchanged."""
-    path, _, query = target.partition("?")
-    return path, query

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import time
 from typing import Any
 
-from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
 from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature
-
-from gatekeeper.proxy.pipeline.tokens.jwt import kid_of
 
 ISSUER = "https://kubernetes.default.svc.cluster.local"
 
@@ -32,6 +31,13 @@ def rsa_key() -> rsa.RSAPrivateKey:
 
 def ec_key() -> ec.EllipticCurvePrivateKey:
     return ec.generate_private_key(ec.SECP256R1())
+
+
+
+def kid_of(public_key: rsa.RSAPublicKey | ec.EllipticCurvePublicKey) -> str:
+    """The key id kube-apiserver publishes: base64url(sha256(DER SubjectPublicKeyInfo)), unpadded."""
+    der = public_key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    return base64.urlsafe_b64encode(hashlib.sha256(der).digest()).rstrip(b"=").decode()
 
 
 def jwk(key: PrivateKey, kid: str | None = None) -> dict[str, Any]:

@@ -31,12 +31,7 @@ _KEY_SAFE = frozenset(b"!#$&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEF
 
 def _subject_attrs(peer_cert: Mapping[str, Any], attr: str) -> list[str]:
     """Values of ``attr`` in a ``getpeercert()`` subject, in certificate order."""
-    out: list[str] = []
-    for rdn in peer_cert.get("subject", ()):
-        for key, value in rdn:
-            if key == attr:
-                out.append(value)
-    return out
+    return [value for rdn in peer_cert.get("subject", ()) for key, value in rdn if key == attr]
 
 
 def _bad_name(value: str) -> str:

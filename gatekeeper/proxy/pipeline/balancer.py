@@ -59,13 +59,13 @@ class RateWindow:
         while self.buckets and self.buckets[0][0] <= now_s - self.seconds:
             self.buckets.popleft()
 
-    def add(self, n: int = 1) -> None:
+    def add(self) -> None:
         now_s = int(self.clock())
         self._trim(now_s)
         if self.buckets and self.buckets[-1][0] == now_s:
-            self.buckets[-1][1] += n
+            self.buckets[-1][1] += 1
         else:
-            self.buckets.append([now_s, n])
+            self.buckets.append([now_s, 1])
 
     def count(self) -> int:
         self._trim(int(self.clock()))
@@ -79,9 +79,10 @@ class Backend:
     name: str
     url: str
     weight: int
+    rate: RateWindow
+    """Requests in the last ``rate_window_seconds`` (the request-rate skew gauge)."""
     in_flight: int = 0
     watches: int = 0
-    requests_total: int = 0
     connect_failures_total: int = 0
     ejections_total: int = 0
     ready: bool = True
@@ -95,7 +96,6 @@ class Backend:
     """(time, was_5xx) inside the storm window."""
     bad_responses: int = 0
     """How many of ``responses`` were 5xx (kept as a running count: no scan per response)."""
-    rate: RateWindow | None = None
 
     def ejected(self, now: float) -> bool:
         return now < self.ejected_until
@@ -108,16 +108,9 @@ class Backend:
         return (self.in_flight + 1) / self.weight
 
 
-def backend_name(settings: BackendSettings) -> str:
-    if settings.name:
-        return settings.name
-    parts = urlsplit(settings.url)
-    return parts.netloc or settings.url
-
-
 @dataclass
 class Lease:
-    """One request's hold on a backend; ``release`` is idempotent."""
+    """One request's hold on a backend; ``release`` is idempotent (and a ``ProxyResponse.on_complete`` callback)."""
 
     balancer: Balancer
     backend: Backend
@@ -126,7 +119,7 @@ class Lease:
     caller: str = ""
     """Who holds it, for a long-running lease (:meth:`Balancer.long_running_of`)."""
 
-    def release(self) -> None:
+    def release(self, _error: BaseException | None = None) -> None:
         if not self.released:
             self.released = True
             self.balancer._release(self)
@@ -161,13 +154,13 @@ class Balancer:
         for s in backends:
             if s.weight < 1:
                 raise ValueError(f"backend {s.url}: weight must be >= 1, got {s.weight}")
-            name = backend_name(s)
+            name = s.name or urlsplit(s.url).netloc or s.url
             if name in seen:
                 raise ValueError(f"backend {s.url}: duplicate name {name!r}")
             seen.add(name)
             self.backends.append(
-                Backend(name=name, url=s.url.rstrip("/"), weight=s.weight, healthy_since=clock(),
-                        rate=RateWindow(self.policy.rate_window_seconds, clock))
+                Backend(name=name, url=s.url.rstrip("/"), weight=s.weight,
+                        rate=RateWindow(self.policy.rate_window_seconds, clock), healthy_since=clock())
             )
         self.by_name = {b.name: b for b in self.backends}
         self._equal_weights = len({b.weight for b in self.backends}) == 1
@@ -219,12 +212,10 @@ class Balancer:
     def acquire(self, backend: Backend, *, long_running: bool = False, caller: str = "") -> Lease:
         """Count a request against ``backend`` (a long-running one against ``caller`` too) until released."""
         backend.in_flight += 1
-        backend.requests_total += 1
         if long_running:
             backend.watches += 1
             self._long_running_callers[caller] = self._long_running_callers.get(caller, 0) + 1
-        if backend.rate is not None:
-            backend.rate.add()
+        backend.rate.add()
         return Lease(self, backend, long_running, caller=caller)
 
     def long_running_of(self, caller: str) -> int:
@@ -309,7 +300,7 @@ class Balancer:
         now = self.clock()
         pool = [b for b in self.backends if b.eligible(now)] or self.backends
         flights = [b.in_flight / b.weight for b in pool]
-        rates = [(b.rate.count() if b.rate else 0) / b.weight for b in pool]
+        rates = [b.rate.count() / b.weight for b in pool]
         return Skew(
             in_flight_ratio=(max(flights) + 1) / (min(flights) + 1),
             rate_ratio=(max(rates) + 1) / (min(rates) + 1),

@@ -11,7 +11,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from gatekeeper.kube.duration import DurationError, go_duration
+from gatekeeper.kube.duration import go_duration
 from gatekeeper.kube.requestinfo import RequestInfo, query_values
 from gatekeeper.proxy import rejections
 from gatekeeper.proxy.adapter import describe_seconds
@@ -65,21 +65,18 @@ class Deadlines:
         """The request became something else (a 101 starts a tunnel): no deadline from now on."""
         self._armed.pop(id(request), None)
 
-    def expired(self, now: float) -> list[tuple[ProxyRequest, asyncio.Task[object]]]:
-        """The requests past their deadline at ``now`` with their tasks, taken out; finished ones dropped."""
-        late: list[tuple[ProxyRequest, asyncio.Task[object]]] = []
+    def _sweep(self) -> None:
+        self._sweeper = None
+        now = self.clock()
         for key, (deadline, request, task) in list(self._armed.items()):
             if task.done():
                 del self._armed[key]
             elif deadline <= now:
                 del self._armed[key]
-                late.append((request, task))
-        return late
-
-    def _sweep(self) -> None:
-        self._sweeper = None
-        for request, task in self.expired(self.clock()):
-            cut(request, task)
+                request.timed_out = True  # the adapter answers 504, or cuts a response under way
+                rejections.reject("deadline", f"{request.peer} {request.method} {request.target[:200]}: not done "
+                                  f"within {describe_seconds(request.deadline_seconds)}")
+                task.cancel()
         if self._armed:
             self._sweeper = asyncio.get_running_loop().call_later(SWEEP_SECONDS, self._sweep)
 
@@ -89,16 +86,3 @@ class Deadlines:
             self._sweeper = None
         self._armed.clear()
 
-
-def cut(request: ProxyRequest, task: asyncio.Task[object]) -> None:
-    """Cut ``request`` now: mark it, count it, cancel its task (the adapter answers 504 or resets)."""
-    if task.done():
-        return
-    request.timed_out = True
-    rejections.reject("deadline", f"{request.peer} {request.method} {request.target[:200]}: not done within "
-                      f"{describe_seconds(request.deadline_seconds)}")
-    task.cancel()
-
-
-def bad_timeout_message(exc: DurationError) -> str:
-    return f"{INVALID_TIMEOUT} - {exc}"

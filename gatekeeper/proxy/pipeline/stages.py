@@ -22,7 +22,7 @@ from gatekeeper.proxy.adapter import error_response
 from gatekeeper.proxy.messages import Handler, Headers, Middleware, ProxyRequest, ProxyResponse, UserInfo, one_chunk
 from gatekeeper.proxy.pipeline import auth
 from gatekeeper.proxy.pipeline.balancer import Backend, Balancer, EjectionPolicy, Lease
-from gatekeeper.proxy.pipeline.deadline import Deadlines, bad_timeout_message, request_timeout
+from gatekeeper.proxy.pipeline.deadline import INVALID_TIMEOUT, Deadlines, request_timeout
 from gatekeeper.proxy.pipeline.settings import PipelineSettings
 from gatekeeper.proxy.pipeline.tokens.classify import source_host, unverified_flow
 from gatekeeper.proxy.pipeline.tokens.fetch import TokenIdentities
@@ -58,11 +58,11 @@ def own_answer(method: str, info: requestinfo.RequestInfo) -> bool:
         return False
     if info.is_resource_request:
         return info.api_prefix == "api" or info.api_group in BUILTIN_GROUPS
-    if info.path.startswith("/apis/"):
-        group = info.path[6:].partition("/")[0]
-        return not group or group in BUILTIN_GROUPS
-    if info.path.startswith("/openapi/v3/apis/"):  # the aggregator relays a group's spec from its own server
-        group = info.path[17:].partition("/")[0]
+    path = info.path
+    if path.startswith("/openapi/v3/apis/"):  # the aggregator relays a group's spec from its own server
+        path = path[11:]
+    if path.startswith("/apis/"):
+        group = path[6:].partition("/")[0]
         return not group or group in BUILTIN_GROUPS
     return True
 
@@ -156,7 +156,7 @@ def front_for(metrics_groups: Collection[str], deadlines: Deadlines | None = Non
             seconds = request_timeout(info, request.target, request_timeout_seconds)
         except DurationError as exc:
             rejections.reject("bad_timeout", f"{request.peer} {request.method} {request.target[:200]}: {exc}")
-            return error_response(400, "BadRequest", bad_timeout_message(exc))
+            return error_response(400, "BadRequest", f"{INVALID_TIMEOUT} - {exc}")
         credential = ""
         if identities is not None and request.user is not None and request.user.source == "token":
             credential = await resolve_token(identities, request)
@@ -299,7 +299,7 @@ class Dispatcher:
                 self.balancer.report_response(backend, response.status)
             metrics.observe_response(backend.name, info.verb, info.resource_key, response.status,
                                      time.monotonic() - started)
-            response.on_complete.append(_releaser(lease))
+            response.on_complete.append(lease.release)
             return response
 
     def _connect_failed(self, backend: Backend, exc: up.ConnectFailed) -> None:
@@ -359,13 +359,6 @@ def _closer(lease: Lease) -> Callable[[], Awaitable[None]]:
     return on_close
 
 
-def _releaser(lease: Lease) -> Callable[[BaseException | None], None]:
-    def release(_error: BaseException | None) -> None:
-        lease.release()
-
-    return release
-
-
 @dataclass(eq=False)
 class Pipeline:
     """A built pipeline: the handler for the adapters plus what must start and stop with it."""
@@ -373,9 +366,9 @@ class Pipeline:
     handler: Handler
     balancer: Balancer
     clients: dict[str, BackendClient]
-    health_interval: float = 2.0
-    deadlines: Deadlines = field(default_factory=Deadlines)
-    identities: TokenIdentities | None = None
+    health_interval: float
+    deadlines: Deadlines
+    identities: TokenIdentities
     """Token callers' identities (the front stage's); started and closed with the pipeline."""
     _probe_task: asyncio.Task[None] | None = field(default=None, repr=False)
 
@@ -385,8 +378,7 @@ class Pipeline:
 
     async def start(self) -> None:
         metrics.register_source(self)
-        if self.identities is not None:
-            await self.identities.start()  # the issuer's keys, before the first token caller
+        await self.identities.start()  # the issuer's keys, before the first token caller
         await self.probe_once()
         self._probe_task = asyncio.create_task(self._probe_loop(), name="gatekeeper-proxy-health")
 
@@ -418,8 +410,7 @@ class Pipeline:
                 await self._probe_task
             self._probe_task = None
         self.deadlines.close()
-        if self.identities is not None:
-            await self.identities.close()
+        await self.identities.close()
         await asyncio.gather(*(c.close() for c in self.clients.values()))
 
 

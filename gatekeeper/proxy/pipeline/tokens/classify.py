@@ -1,14 +1,15 @@
 """From an ``Authorization`` header to the identity flow control uses (pure, time passed in).
 
 The decision order is in docs/flowcontrol/tokens.md. An unverified caller's flow is its source address, so inventing
-tokens buys no extra queues; it is never exempt."""
+tokens buys no extra queues; it is never exempt. Verdicts are cached by the token's SHA-256 digest, verified and failed
+tokens in separate caches: eviction is by insertion order, so a flood of new keys only pushes out its own kind."""
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Generic, Literal, TypeVar
 
-from gatekeeper.proxy.pipeline.tokens.cache import ExpiringCache, digest
 from gatekeeper.proxy.pipeline.tokens.jwt import (
     Identity,
     NotServiceAccount,
@@ -16,6 +17,47 @@ from gatekeeper.proxy.pipeline.tokens.jwt import (
     TokenError,
     UnknownKey,
 )
+
+V = TypeVar("V")
+
+
+def digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode("utf-8", "surrogateescape")).digest()
+
+
+class ExpiringCache(Generic[V]):
+    """At most ``max_entries`` values; :meth:`get` never returns one past its expiry."""
+
+    def __init__(self, max_entries: int) -> None:
+        self.max_entries = max(1, max_entries)
+        self._items: dict[bytes, tuple[V, float]] = {}
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def get(self, key: bytes, now: float) -> V | None:
+        hit = self._items.get(key)
+        if hit is None:
+            return None
+        if hit[1] <= now:
+            del self._items[key]
+            return None
+        return hit[0]
+
+    def put(self, key: bytes, value: V, expires: float, now: float) -> None:
+        if expires <= now:
+            return
+        items = self._items
+        if key not in items and len(items) >= self.max_entries:
+            del items[next(iter(items))]
+        items[key] = (value, expires)
+
+    def discard(self, key: bytes) -> None:
+        self._items.pop(key, None)
+
+    def clear(self) -> None:
+        self._items.clear()
+
 
 UNVERIFIED = Identity(name="system:anonymous", groups=["system:unauthenticated"], verified=False)
 """Stand-in identity of a token caller the proxy could not verify."""
@@ -135,6 +177,3 @@ class TokenClassifier:
 
     def fail(self, key: bytes, reason: str, now: float, seconds: float | None = None) -> None:
         self.failed.put(key, reason, now + (self.failed_seconds if seconds is None else seconds), now)
-
-    def remember(self, key: bytes, identity: Identity, expires: float, now: float) -> None:
-        self.verified.put(key, identity, expires, now)

@@ -13,19 +13,29 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from gatekeeper.proxy.pipeline.tokens import metrics
-from gatekeeper.proxy.pipeline.tokens.cache import digest
-from gatekeeper.proxy.pipeline.tokens.classify import UNVERIFIED, TokenClassifier, TokenDecision, bearer_token
+from prometheus_client import Counter, Histogram
+
+from gatekeeper.proxy.pipeline.tokens.classify import UNVERIFIED, TokenClassifier, TokenDecision, bearer_token, digest
 from gatekeeper.proxy.pipeline.tokens.jwt import Identity, ServiceAccountVerifier
 from gatekeeper.proxy.pipeline.tokens.review import TOKEN_REVIEW_PATH, Budget, parse_review, review_request
 from gatekeeper.proxy.pipeline.tokens.settings import TokenSettings
-from gatekeeper.proxy.tally import CounterTally
+from gatekeeper.proxy.tally import CounterTally  # before the metrics: its flush collects first
 
 log = logging.getLogger("gatekeeper.proxy.pipeline.tokens")
 
 DISCOVERY_PATH = "/.well-known/openid-configuration"
 JWKS_PATH = "/openid/v1/jwks"
 MAX_DOCUMENT_BYTES = 1 << 20
+
+# Names and labels: docs/flowcontrol/tokens.md.
+TOKENS = Counter("gatekeeper_identity_tokens", "Bearer-token classifications by outcome.", ["outcome"])
+JWKS_REFRESH = Counter("gatekeeper_identity_jwks_refresh", "Issuer discovery and JWKS fetches.", ["result"])
+REVIEWS = Counter("gatekeeper_identity_token_reviews", "TokenReviews sent to the apiservers.", ["result"])
+VERIFY_SECONDS = Histogram(
+    "gatekeeper_identity_verify_seconds",
+    "Local ServiceAccount token verification time (cache misses).",
+    buckets=(25e-6, 50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 5e-3),
+)
 
 
 class Upstream(Protocol):
@@ -65,7 +75,7 @@ class TokenIdentities:
         self._last_refresh = float("-inf")
         self._loop_task: asyncio.Task[None] | None = None
         self._reviews: dict[bytes, asyncio.Future[Identity]] = {}
-        self._counts = {k: CounterTally(metrics.TOKENS.labels(k)) for k in ("cached", "failed-cached", "not-bearer")}
+        self._counts = {k: CounterTally(TOKENS.labels(k)) for k in ("cached", "failed-cached", "not-bearer")}
         """Counted on every token request, so through tallies (``gatekeeper.proxy.tally``)."""
 
     # -- wiring -------------------------------------------------------------------------------
@@ -110,7 +120,7 @@ class TokenIdentities:
         now = self.clock()
         self.classifier.verified.discard(key)
         self.classifier.fail(key, "refused-upstream", now)
-        metrics.TOKENS.labels("refused-upstream").inc()
+        TOKENS.labels("refused-upstream").inc()
 
     async def resolve(self, authorization: str) -> Identity:
         """The cold path: verify, refresh keys, or review. Never raises (a failure means unverified)."""
@@ -118,7 +128,7 @@ class TokenIdentities:
             return await self._resolve(authorization)
         except Exception:  # a bug here must not fail the request: it only classifies it
             log.exception("classifying a token caller failed; treating the caller as unverified")
-            metrics.TOKENS.labels("error").inc()
+            TOKENS.labels("error").inc()
             return UNVERIFIED
 
     async def _resolve(self, authorization: str) -> Identity:
@@ -128,16 +138,16 @@ class TokenIdentities:
         if d.step == "review":
             return await self._review(d)
         if d.step != "done":  # keys could not be (re)fetched: do not cache the failure
-            metrics.TOKENS.labels(d.outcome).inc()
+            TOKENS.labels(d.outcome).inc()
         return d.identity
 
     def _decide(self, authorization: str) -> TokenDecision:
         t0 = time.perf_counter()
         d = self.classifier.decide(authorization, self.clock())
         if d.outcome == "verified":
-            metrics.VERIFY_SECONDS.observe(time.perf_counter() - t0)
+            VERIFY_SECONDS.observe(time.perf_counter() - t0)
         if d.step == "done":
-            metrics.TOKENS.labels(d.outcome).inc()
+            TOKENS.labels(d.outcome).inc()
         return d
 
     # -- JWKS ---------------------------------------------------------------------------------
@@ -147,7 +157,7 @@ class TokenIdentities:
             return await asyncio.shield(self._refresh)
         now = time.monotonic()
         if not force and now - self._last_refresh < self.settings.jwks_min_refresh_seconds:
-            metrics.JWKS_REFRESH.labels("skipped").inc()
+            JWKS_REFRESH.labels("skipped").inc()
             return False
         self._last_refresh = now
         self._refresh = asyncio.get_running_loop().create_task(self._fetch_keys())
@@ -164,20 +174,20 @@ class TokenIdentities:
                 self.classifier.verified.clear()
                 self.classifier.failed.clear()
         except (FetchError, ValueError) as exc:
-            metrics.JWKS_REFRESH.labels("error").inc()
+            JWKS_REFRESH.labels("error").inc()
             log.warning("service-account keys not refreshed (keeping %d keys): %s", len(self.verifier.keys), exc)
             return False
-        metrics.JWKS_REFRESH.labels("ok").inc()
+        JWKS_REFRESH.labels("ok").inc()
         return True
 
     # -- TokenReview --------------------------------------------------------------------------
     async def _review(self, d: TokenDecision) -> Identity:
         pending = self._reviews.get(d.key)
         if pending is not None:
-            metrics.TOKENS.labels("review-joined").inc()  # every classification path is counted
+            TOKENS.labels("review-joined").inc()  # every classification path is counted
             return await asyncio.shield(pending)
         if not self.budget.take(time.monotonic()):
-            metrics.TOKENS.labels("budget").inc()
+            TOKENS.labels("budget").inc()
             return UNVERIFIED
         fut: asyncio.Future[Identity] = asyncio.get_running_loop().create_future()
         self._reviews[d.key] = fut
@@ -199,18 +209,18 @@ class TokenIdentities:
             doc = await self._call("POST", TOKEN_REVIEW_PATH, review_request(d.token, self.settings.audiences))
             identity = parse_review(doc)
         except (FetchError, ValueError) as exc:
-            metrics.REVIEWS.labels("error").inc()
-            metrics.TOKENS.labels("review-error").inc()
+            REVIEWS.labels("error").inc()
+            TOKENS.labels("review-error").inc()
             log.warning("TokenReview failed: %s", exc)
             return UNVERIFIED
         if identity is None:
-            metrics.REVIEWS.labels("unauthenticated").inc()
-            metrics.TOKENS.labels("review-unauthenticated").inc()
+            REVIEWS.labels("unauthenticated").inc()
+            TOKENS.labels("review-unauthenticated").inc()
             self.classifier.fail(d.key, "review-unauthenticated", now, self.settings.review_failed_cache_seconds)
             return UNVERIFIED
-        metrics.REVIEWS.labels("authenticated").inc()
-        metrics.TOKENS.labels("reviewed").inc()
-        self.classifier.remember(d.key, identity, now + self.settings.review_cache_seconds, now)
+        REVIEWS.labels("authenticated").inc()
+        TOKENS.labels("reviewed").inc()
+        self.classifier.verified.put(d.key, identity, now + self.settings.review_cache_seconds, now)
         return identity
 
     # -- HTTP ---------------------------------------------------------------------------------

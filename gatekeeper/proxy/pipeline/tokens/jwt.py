@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
 from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
 
@@ -34,7 +33,7 @@ MAX_TOKEN_BYTES = 16 << 10
 """Longer bearer values are not parsed (a real ServiceAccount token is about 1 KiB)."""
 
 _HASHES: dict[str, type[hashes.HashAlgorithm]] = {"256": hashes.SHA256, "384": hashes.SHA384, "512": hashes.SHA512}
-_EC_CURVES = {"P-256": (ec.SECP256R1, 32), "P-384": (ec.SECP384R1, 48), "P-521": (ec.SECP521R1, 66)}
+_EC_CURVES: dict[str, type[ec.EllipticCurve]] = {"P-256": ec.SECP256R1, "P-384": ec.SECP384R1, "P-521": ec.SECP521R1}
 
 
 class TokenError(ValueError):
@@ -50,7 +49,6 @@ class UnknownKey(TokenError):
 
     def __init__(self, kid: str) -> None:
         super().__init__("unknown-kid", kid)
-        self.kid = kid
 
 
 class NotServiceAccount(TokenError):
@@ -82,12 +80,6 @@ def _b64_int(value: Any) -> int:
     return int.from_bytes(b64url_decode(value), "big")
 
 
-def kid_of(public_key: rsa.RSAPublicKey | ec.EllipticCurvePublicKey) -> str:
-    """The key id kube-apiserver publishes: base64url(sha256(DER SubjectPublicKeyInfo)), unpadded."""
-    der = public_key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
-    return base64.urlsafe_b64encode(hashlib.sha256(der).digest()).rstrip(b"=").decode()
-
-
 PublicKey = rsa.RSAPublicKey | ec.EllipticCurvePublicKey
 
 
@@ -106,9 +98,8 @@ def parse_jwks(doc: Any) -> dict[str, PublicKey]:
             if jwk.get("kty") == "RSA":
                 key = rsa.RSAPublicNumbers(_b64_int(jwk.get("e")), _b64_int(jwk.get("n"))).public_key()
             elif jwk.get("kty") == "EC" and jwk.get("crv") in _EC_CURVES:
-                curve, _ = _EC_CURVES[jwk["crv"]]
                 x, y = _b64_int(jwk.get("x")), _b64_int(jwk.get("y"))
-                key = ec.EllipticCurvePublicNumbers(x, y, curve()).public_key()
+                key = ec.EllipticCurvePublicNumbers(x, y, _EC_CURVES[jwk["crv"]]()).public_key()
             else:
                 continue
         except (ValueError, TokenError):

@@ -8,25 +8,11 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, TypedDict
+from typing import Any
 
 from gatekeeper.proxy.pipeline.tokens.jwt import Identity
 
 TOKEN_REVIEW_PATH = "/apis/authentication.k8s.io/v1/tokenreviews"
-
-
-class TokenReviewUser(TypedDict, total=False):
-    username: str
-    uid: str
-    groups: list[str]
-    extra: dict[str, list[str]]
-
-
-class TokenReviewStatus(TypedDict, total=False):
-    authenticated: bool
-    user: TokenReviewUser
-    audiences: list[str]
-    error: str
 
 
 def review_request(token: str, audiences: Sequence[str] = ()) -> bytes:
@@ -43,10 +29,9 @@ def parse_review(doc: Any) -> Identity | None:
     status = doc.get("status") if isinstance(doc, dict) else None
     if not isinstance(status, dict):
         raise ValueError("TokenReview response has no status")
-    st: TokenReviewStatus = status  # type: ignore[assignment]
-    if st.get("authenticated") is not True:
+    if status.get("authenticated") is not True:
         return None
-    user = st.get("user")
+    user = status.get("user")
     if not isinstance(user, dict):
         return None
     name = user.get("username")
