@@ -18,6 +18,7 @@ import token_kit as kit
 from aiohttp import web
 from prometheus_client import REGISTRY
 
+from gatekeeper.proxy import tally
 from gatekeeper.proxy.pipeline.tokens.fetch import TokenIdentities
 from gatekeeper.proxy.pipeline.tokens.settings import TokenSettings
 
@@ -148,3 +149,20 @@ async def test_token_review_is_cached_single_flight_and_budgeted(world) -> None:
     assert negative is not None and not negative.verified
     await ti.resolve("Bearer nonsense")
     assert fake.hits["review"] == 3
+
+
+def _tokens_total(outcome: str) -> float:
+    tally.flush()
+    return REGISTRY.get_sample_value("gatekeeper_identity_tokens_total", {"outcome": outcome}) or 0
+
+
+async def test_a_header_that_is_no_bearer_token_counts_as_not_bearer_on_the_warm_path(world) -> None:  # type: ignore[no-untyped-def]
+    _, identities = world
+    ti = identities(service_accounts=False)
+    before = {k: _tokens_total(k) for k in ("not-bearer", "failed-cached", "cached")}
+    for _ in range(3):
+        hit = ti.cached("Basic YWxpY2U6c2VjcmV0")
+        assert hit is not None and not hit.verified
+    after = {k: _tokens_total(k) for k in before}
+    assert after["not-bearer"] - before["not-bearer"] == 3
+    assert after["failed-cached"] == before["failed-cached"] and after["cached"] == before["cached"]
