@@ -287,6 +287,11 @@ async def start_parent_listener(sup: SupervisorView, address: str, port: int) ->
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/livez", healthz)
     app.router.add_get("/readyz", readyz)
+    return await serve_app(app, address, port)
+
+
+async def serve_app(app: web.Application, address: str, port: int) -> tuple[web.AppRunner, int]:
+    """Serve a metrics ``app`` on ``address:port``; returns the runner and the port bound (``port`` 0 resolves)."""
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
     site = web.TCPSite(runner, address, port)
