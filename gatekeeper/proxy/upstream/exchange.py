@@ -6,11 +6,10 @@ Content-Length is held to it, so no byte of a second request can ride in it."""
 from __future__ import annotations
 
 import asyncio
-import collections
 import re
 import ssl
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection
-from typing import Protocol
+from collections.abc import AsyncIterator, Callable, Collection
+from typing import TYPE_CHECKING
 
 from gatekeeper.proxy.messages import Headers
 from gatekeeper.proxy.upstream.errors import (
@@ -22,6 +21,9 @@ from gatekeeper.proxy.upstream.errors import (
     connect_cause,
 )
 from gatekeeper.proxy.upstream.lean import Conn, Pool
+
+if TYPE_CHECKING:
+    from gatekeeper.proxy.upstream.mux_stream import MuxStream
 
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _TARGET = re.compile(r"/[\x21-\x7e]*")
@@ -147,23 +149,11 @@ async def _send_body(conn: Conn, body: ClientBody, declared: int | None) -> None
         conn._fail(exc)
 
 
-class BodySource(Protocol):
-    """What a streamed body reads from: ``lean.Conn`` or ``mux_stream.MuxStream``."""
-
-    chunks: collections.deque[bytes]
-    complete: bool
-    error: BaseException | None
-
-    def wait(self) -> Awaitable[None]: ...
-
-    def take(self) -> bytes: ...
-
-
 class StreamedBody:
     """A response body: chunks as they arrive, what carried it released exactly once. ``aclose`` works before iteration
     too, so a dropped response still frees its connection and lease."""
 
-    def __init__(self, source: BodySource, name: str, *, swallow_errors: bool,
+    def __init__(self, source: Conn | MuxStream, name: str, *, swallow_errors: bool,
                  on_done: Callable[[BaseException | None], None]) -> None:
         self.source = source
         self.name = name
