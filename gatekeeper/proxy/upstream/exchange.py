@@ -25,8 +25,9 @@ from gatekeeper.proxy.upstream.lean import Conn, Pool
 if TYPE_CHECKING:
     from gatekeeper.proxy.upstream.mux_stream import MuxStream
 
-_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
-_TARGET = re.compile(r"/[\x21-\x7e]*")
+TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+TARGET = re.compile(r"/[\x21-\x7e]*")
+"""What a method and an origin-form target must match to go upstream, on either protocol (``mux_wire`` too)."""
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 
 
@@ -56,7 +57,7 @@ def encode_request_head(method: str, target: str, authority: str, headers: Heade
 
     Drops ``removed`` and the names ``Connection`` lists. A method that is not a token, a target that is not origin-form
     visible ASCII, or CR/LF/NUL in a header raises ValueError: nothing is sent."""
-    if not _TOKEN.fullmatch(method) or not _TARGET.fullmatch(target):
+    if not TOKEN.fullmatch(method) or not TARGET.fullmatch(target):
         raise ValueError(f"refusing to send {method[:16]!r} {target[:64]!r} upstream")
     parts = [method, " ", target, " HTTP/1.1\r\nhost: ", authority, "\r\n"]
     lines = 3  # request line, host, the empty line
