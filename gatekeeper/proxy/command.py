@@ -7,7 +7,6 @@ and its workers (``proxy/workers.py``). It stays light: the CLI imports it in ev
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import shutil
 import sys
@@ -17,9 +16,6 @@ from gatekeeper.config import load_config
 from gatekeeper.errors import UsageError
 from gatekeeper.multiproc import MULTIPROC_ENV, enable_multiprocess
 from gatekeeper.proxy.settings import ProxySettings  # also registers the proxy: config section
-
-log = logging.getLogger("gatekeeper.proxy")
-
 
 NAME = "proxy"
 HELP = "run the API-aware front proxy in front of several kube-apiservers"

@@ -30,7 +30,7 @@ from gatekeeper.proxy.handoff import ClosedCounts, Inbox
 from gatekeeper.proxy.listen.server import serve as serve_listener
 from gatekeeper.proxy.pipeline.stages import Pipeline, build
 from gatekeeper.proxy.settings import ProxySettings
-from gatekeeper.proxy.worker_metrics import register_recent_requests, whole_proxy_page
+from gatekeeper.proxy.worker_metrics import register_recent_requests, serve_app, whole_proxy_page
 from gatekeeper.proxy.workers import PARENT_ENV
 
 log = logging.getLogger("gatekeeper.proxy")
@@ -60,19 +60,6 @@ def metrics_app(ready: Callable[[], bool]) -> web.Application:
                                                      "shutting down", render=lambda: metrics.render_page())
     app.router.add_get("/metrics/worker", worker_page)
     return app
-
-
-async def start_metrics_listener(
-    address: str, port: int, ready: Callable[[], bool],
-) -> tuple[web.AppRunner, int]:
-    runner = web.AppRunner(metrics_app(ready), access_log=None, handle_signals=False)
-    await runner.setup()
-    site = web.TCPSite(runner, address, port)
-    await site.start()
-    server: Any = site._server
-    sockets = getattr(server, "sockets", None) or []
-    bound = sockets[0].getsockname()[1] if sockets else port
-    return runner, int(bound)
 
 
 async def start_pipeline(settings: ProxySettings) -> tuple[FlowControl | None, Pipeline]:
@@ -105,9 +92,9 @@ async def run(
     info: dict[str, Any] = {}
     try:
         if settings.listener.metrics_port >= 0:
-            runner, mport = await start_metrics_listener(
+            runner, mport = await serve_app(
+                metrics_app(lambda: listening.is_set() and not draining.is_set() and pipeline.ready()),
                 settings.listener.metrics_address, settings.listener.metrics_port,
-                lambda: listening.is_set() and not draining.is_set() and pipeline.ready(),
             )
             info["metricsUrl"] = f"http://{settings.listener.metrics_address}:{mport}"
 
@@ -180,6 +167,3 @@ def run_worker(settings: ProxySettings, index: int, runtime: Path, port: int, ha
     uvloop.install()
     tune_gc(settings)
     asyncio.run(run(settings, on_ready=on_ready, setup=setup, serve=serve_fn))
-
-
-# ---------------------------------------------------------------------------------------- parent side

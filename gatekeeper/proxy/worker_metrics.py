@@ -165,11 +165,10 @@ async def _fetch(session: ClientSession, url: str) -> str:
         return await resp.text()
 
 
-async def _live_pages(urls: dict[int, str], seconds: float) -> tuple[list[str], list[int]]:
-    """Each worker's ``/metrics/worker``, fetched at once within ``seconds`` in all; returns (pages, missing)."""
+async def _fetch_all(urls: dict[int, str], path: str, seconds: float) -> tuple[list[str], list[int]]:
+    """Each worker's ``path``, fetched at once within ``seconds`` in all; returns (pages, missing)."""
     async with ClientSession(timeout=ClientTimeout(total=seconds)) as session:
-        got = await asyncio.gather(*(_fetch(session, f"{u}/metrics/worker") for u in urls.values()),
-                                   return_exceptions=True)
+        got = await asyncio.gather(*(_fetch(session, f"{u}{path}") for u in urls.values()), return_exceptions=True)
     pages = [p for p in got if isinstance(p, str)]
     missing = [i for i, p in zip(urls, got, strict=True) if not isinstance(p, str)]
     return pages, missing
@@ -189,7 +188,7 @@ def missing_page(considered: list[int], missing: list[int]) -> str:
 async def render(sup: SupervisorView) -> bytes:
     """The whole proxy's page; a worker whose page misses ``FETCH_TIMEOUT`` is shown in ``MISSING``."""
     urls = sup.worker_urls()
-    pages, missing = await _live_pages(urls, FETCH_TIMEOUT)
+    pages, missing = await _fetch_all(urls, "/metrics/worker", FETCH_TIMEOUT)
     view = sup.ledger.view()
     peaks = {name: v["peak"] for name, v in view.items()}
     merged = await off_loop(files_and_live_page, pages, peaks)
@@ -202,7 +201,7 @@ async def render_in_worker(runtime: Path, ledger: SeatLedger, index: int) -> tup
 
     pages = [generate_latest(REGISTRY).decode()]
     urls = _siblings(runtime, index)
-    fetched, missing = await _live_pages(urls, SIBLING_TIMEOUT)
+    fetched, missing = await _fetch_all(urls, "/metrics/worker", SIBLING_TIMEOUT)
     pages += fetched
     peaks = {name: v["peak"] for name, v in ledger.view().items()}
     page = await off_loop(files_and_live_page, pages, peaks) + missing_page([index, *urls], missing).encode()
@@ -257,10 +256,8 @@ async def ready(sup: SupervisorView) -> tuple[bool, str]:
     urls = sup.worker_urls()
     if len(urls) < len(sup.slots):
         return False, f"{len(urls)} of {len(sup.slots)} workers serving"
-    async with ClientSession(timeout=ClientTimeout(total=FETCH_TIMEOUT)) as session:
-        results = await asyncio.gather(*(_fetch(session, f"{u}/readyz") for u in urls.values()),
-                                       return_exceptions=True)
-    bad = sum(1 for r in results if not isinstance(r, str))
+    _, missing = await _fetch_all(urls, "/readyz", FETCH_TIMEOUT)
+    bad = len(missing)
     return bad == 0, f"{len(urls) - bad} of {len(sup.slots)} workers ready"
 
 
@@ -287,6 +284,11 @@ async def start_parent_listener(sup: SupervisorView, address: str, port: int) ->
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/livez", healthz)
     app.router.add_get("/readyz", readyz)
+    return await serve_app(app, address, port)
+
+
+async def serve_app(app: web.Application, address: str, port: int) -> tuple[web.AppRunner, int]:
+    """Serve a metrics ``app`` on ``address:port``; returns the runner and the port bound (``port`` 0 resolves)."""
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
     site = web.TCPSite(runner, address, port)

@@ -86,16 +86,13 @@ class Supervisor:
                 "--worker-index", str(slot.index), "--runtime-dir", str(self.runtime), "--worker-port", str(self.port)]
         env = {**os.environ, PARENT_ENV: str(os.getpid())}
         (self.runtime / f"worker-{slot.index}.json").unlink(missing_ok=True)
-        theirs = None
         theirs = self.dispatcher.channel(slot.index)
         argv += ["--handoff-fd", str(theirs.fileno())]
         try:
             slot.proc = await asyncio.create_subprocess_exec(
-                *argv, env=env, stdin=asyncio.subprocess.DEVNULL,
-                pass_fds=() if theirs is None else (theirs.fileno(),))
+                *argv, env=env, stdin=asyncio.subprocess.DEVNULL, pass_fds=(theirs.fileno(),))
         finally:
-            if theirs is not None:
-                theirs.close()  # the worker has it; ours must go or its end never reads EOF
+            theirs.close()  # the worker has it; ours must go or its end never reads EOF
         slot.started = time.monotonic()
         slot.answered = 0.0
         log.info("worker %d started (pid %d)", slot.index, slot.proc.pid)
@@ -151,6 +148,7 @@ class Supervisor:
     def describe(self) -> list[dict[str, Any]]:
         """``GET /workers`` on the metrics port: index, pid, restarts and private metrics URL of each worker."""
         out = []
+        loads = self.dispatcher.loads()
         for slot in self.slots:
             info: dict[str, Any] = {}
             with contextlib.suppress(OSError, ValueError):
@@ -158,10 +156,9 @@ class Supervisor:
             pid = slot.proc.pid if slot.proc is not None else None
             alive = slot.proc is not None and slot.proc.returncode is None
             serving = alive and info.get("pid") == pid
-            row = {"index": slot.index, "pid": pid, "alive": alive, "restarts": slot.restarts,
-                   "metricsUrl": info.get("metricsUrl") if serving else None}
-            row["connections"] = self.dispatcher.loads()[slot.index]  # None: not taking connections
-            out.append(row)
+            out.append({"index": slot.index, "pid": pid, "alive": alive, "restarts": slot.restarts,
+                        "metricsUrl": info.get("metricsUrl") if serving else None,
+                        "connections": loads[slot.index]})  # None: not taking connections
         return out
 
     async def _heartbeat(self) -> None:

@@ -197,17 +197,16 @@ class BackendClient:
             mux.give_back()  # a retry of HTTP/2 granted to this request was never tried
             raise NoFrontProxyCert(NO_FRONT_PROXY_CERT)  # as on the HTTP/1.1 path
         contexts = tls.get()
-        ctx = contexts.h2
         block = mux_wire.request_block(request.method, request.target, self._h2_authority, headers,
                                        REQUEST_REMOVED)
         try:
             status, raw, body = await mux_pool.exchange(
-                mux, self.name, ctx, self._live_h2_contexts, block, head_only=request.method == "HEAD",
+                mux, self.name, contexts.h2, self._live_h2_contexts, block, head_only=request.method == "HEAD",
                 header_timeout=self.settings.response_header_timeout_seconds,
                 acquire_timeout=self.settings.pool_acquire_timeout_seconds, on_done=on_done)
         except mux_pool.NotH2 as exc:  # not counted as a stream (also Paused, Refused): it goes over HTTP/1.1
             transport = exc.claim()
-            if transport is not None:  # made with ctx: kept under the HTTP/1.1 context built with it
+            if transport is not None:  # made with contexts.h2: kept under the HTTP/1.1 context built with it
                 self._pools[False].adopt(transport, contexts.http1, self._live_contexts)
             raise
         except BaseException:

@@ -41,7 +41,6 @@ AFTER_CONNECT = (PoolTimeout, UpstreamTimeout, ClientBodyFailed, NoFrontProxyCer
 """The failures of an exchange the dispatcher answers with a Status of its own (``stages.Dispatcher._failed``)."""
 
 
-
 def connect_cause(exc: BaseException) -> str:
     """A short, client-safe cause of a failed connect (never an exception repr: no addresses, no objects)."""
     if isinstance(exc, TimeoutError):

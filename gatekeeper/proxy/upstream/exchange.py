@@ -6,11 +6,10 @@ Content-Length is held to it, so no byte of a second request can ride in it."""
 from __future__ import annotations
 
 import asyncio
-import collections
 import re
 import ssl
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection
-from typing import Protocol
+from collections.abc import AsyncIterator, Callable, Collection
+from typing import TYPE_CHECKING
 
 from gatekeeper.proxy.messages import Headers
 from gatekeeper.proxy.upstream.errors import (
@@ -23,8 +22,12 @@ from gatekeeper.proxy.upstream.errors import (
 )
 from gatekeeper.proxy.upstream.lean import Conn, Pool
 
-_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
-_TARGET = re.compile(r"/[\x21-\x7e]*")
+if TYPE_CHECKING:
+    from gatekeeper.proxy.upstream.mux_stream import MuxStream
+
+TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+TARGET = re.compile(r"/[\x21-\x7e]*")
+"""What a method and an origin-form target must match to go upstream, on either protocol (``mux_wire`` too)."""
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 
 
@@ -54,7 +57,7 @@ def encode_request_head(method: str, target: str, authority: str, headers: Heade
 
     Drops ``removed`` and the names ``Connection`` lists. A method that is not a token, a target that is not origin-form
     visible ASCII, or CR/LF/NUL in a header raises ValueError: nothing is sent."""
-    if not _TOKEN.fullmatch(method) or not _TARGET.fullmatch(target):
+    if not TOKEN.fullmatch(method) or not TARGET.fullmatch(target):
         raise ValueError(f"refusing to send {method[:16]!r} {target[:64]!r} upstream")
     parts = [method, " ", target, " HTTP/1.1\r\nhost: ", authority, "\r\n"]
     lines = 3  # request line, host, the empty line
@@ -147,23 +150,11 @@ async def _send_body(conn: Conn, body: ClientBody, declared: int | None) -> None
         conn._fail(exc)
 
 
-class BodySource(Protocol):
-    """What a streamed body reads from: ``lean.Conn`` or ``mux_stream.MuxStream``."""
-
-    chunks: collections.deque[bytes]
-    complete: bool
-    error: BaseException | None
-
-    def wait(self) -> Awaitable[None]: ...
-
-    def take(self) -> bytes: ...
-
-
 class StreamedBody:
     """A response body: chunks as they arrive, what carried it released exactly once. ``aclose`` works before iteration
     too, so a dropped response still frees its connection and lease."""
 
-    def __init__(self, source: BodySource, name: str, *, swallow_errors: bool,
+    def __init__(self, source: Conn | MuxStream, name: str, *, swallow_errors: bool,
                  on_done: Callable[[BaseException | None], None]) -> None:
         self.source = source
         self.name = name

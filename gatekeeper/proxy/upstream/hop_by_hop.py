@@ -25,22 +25,11 @@ def connection_tokens(headers: Headers) -> set[str]:
 _KEEP_UPGRADE = frozenset({"upgrade", "connection"})
 
 
-def removed_headers(headers: Headers, *, keep_upgrade: bool = False,
-                    drop: frozenset[str] = frozenset()) -> frozenset[str]:
-    """Lower-case names to drop: hop-by-hop ones, those the Connection header names, and ``drop``."""
-    removed = HOP_BY_HOP | drop
-    for k, _ in headers:
-        if k.lower() == "connection":
-            removed = removed | connection_tokens(headers)
-            break
+def strip_hop_by_hop(headers: Headers, *, keep_upgrade: bool = False) -> Headers:
+    """``headers`` without hop-by-hop fields, those ``Connection`` names, and pseudo-headers."""
+    removed = HOP_BY_HOP | connection_tokens(headers)
     if keep_upgrade:
         removed = removed - _KEEP_UPGRADE
-    return removed
-
-
-def strip_hop_by_hop(headers: Headers, *, keep_upgrade: bool = False, drop: frozenset[str] = frozenset()) -> Headers:
-    """``headers`` without :func:`removed_headers` and pseudo-headers; one pass, one ``lower()`` per name."""
-    removed = removed_headers(headers, keep_upgrade=keep_upgrade, drop=drop)
     return [(k, v) for k, v in headers if k.lower() not in removed and k[:1] != ":"]
 
 

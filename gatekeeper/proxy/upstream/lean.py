@@ -215,10 +215,6 @@ class Conn(OneWaiter, asyncio.Protocol):
             self.drain_waiter = self.loop.create_future()
             await self.drain_waiter
 
-    def reusable(self) -> bool:
-        return (self.complete and self.keep_alive and self.request_sent and not self.closed
-                and not self.head_only and self.error is None)
-
     def abort(self) -> None:
         timer, self.timer = self.timer, None
         if timer is not None:
@@ -308,7 +304,8 @@ class Pool:
         """Keep a connection for reuse if its exchange ended cleanly; close it otherwise."""
         conn.active = False
         idle = self.idle.get(conn.ctx)
-        if not conn.reusable() or idle is None or len(idle) >= self.limit:
+        if (not (conn.complete and conn.keep_alive and conn.request_sent) or conn.closed or conn.head_only
+                or conn.error is not None or idle is None or len(idle) >= self.limit):
             conn.abort()
             return
         conn.idle_since = time.monotonic()

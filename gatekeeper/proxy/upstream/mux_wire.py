@@ -11,9 +11,8 @@ from collections.abc import Collection
 from gatekeeper.proxy.h2wire import frames as f
 from gatekeeper.proxy.h2wire.hpack_encode import STATIC_NAME
 from gatekeeper.proxy.messages import Headers
+from gatekeeper.proxy.upstream.exchange import TARGET, TOKEN
 
-_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
-_TARGET = re.compile(r"/[\x21-\x7e]*")
 _NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9a-z]+")
 SECRET = frozenset({"authorization", "proxy-authorization", "cookie"})
 _WITHOUT, _NEVER = 0x00, 0x10
@@ -68,7 +67,7 @@ def request_block(method: str, target: str, authority: bytes, headers: Headers, 
     method_field = _METHOD.get(method)
     path_field = fields.get((":path", target)) if memo else None  # a target seen before was checked then
     if method_field is None or path_field is None:
-        if not _TOKEN.fullmatch(method) or not _TARGET.fullmatch(target):
+        if not TOKEN.fullmatch(method) or not TARGET.fullmatch(target):
             raise ValueError(f"refusing to send {method[:16]!r} {target[:64]!r} upstream")
         method_field = method_field or literal(b":method", method.encode("ascii"))
         if path_field is None:

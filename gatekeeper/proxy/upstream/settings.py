@@ -21,7 +21,6 @@ class UpstreamSettings:
     """TCP+TLS connect timeout; a connect failure on a safe request is retried on another backend."""
     health_interval_seconds: float = 2.0
     """Active /readyz probe interval."""
-    # --- harden-edge: upstream timeouts and pools -------------------------------------------
     max_long_running_connections_per_backend: int = 8192
     """Separate pool for watches, exec and followed logs (one HTTP/1.1 connection each), per backend."""
     max_long_running_per_caller: int = 1024
