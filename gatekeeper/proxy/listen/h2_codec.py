@@ -29,12 +29,11 @@ from gatekeeper.proxy.listen.h2_state import (
     EV_WINDOW,
     RESET_BY_US,
     Event,
-    ServerConnection,
     StreamState,
 )
 
 __all__ = ["CLOSED_MEMORY", "EV_BAD_LENGTH", "EV_DATA", "EV_ENDED", "EV_GOAWAY", "EV_REQUEST", "EV_RESET",
-           "EV_WINDOW", "Event", "H2ServerCodec", "ServerConnection"]
+           "EV_WINDOW", "Event", "H2ServerCodec"]
 _FH = f.FRAME_HEADER.unpack_from
 _U32 = f.U32.unpack_from
 

@@ -17,7 +17,7 @@ from gatekeeper.proxy.listen import conn_metrics
 from gatekeeper.proxy.listen.goaway import Reason
 
 if TYPE_CHECKING:
-    from gatekeeper.proxy.listen.h2_codec import ServerConnection
+    from gatekeeper.proxy.listen.h2_codec import H2ServerCodec
     from gatekeeper.proxy.listen.h2_stream import Stream
     from gatekeeper.proxy.listen.settings import ProtocolSettings
 
@@ -33,7 +33,7 @@ class Draining:
         _close: Callable[[], None]
         connection_id: int
         _close_delay: float
-        _conn: ServerConnection
+        _conn: H2ServerCodec
         _streams: dict[int, Stream]
         _streams_changed: asyncio.Event
         _loop: asyncio.AbstractEventLoop

@@ -28,7 +28,7 @@ from gatekeeper.proxy.messages import Handler, ProxyRequest, ProxyResponse, is_e
 
 if TYPE_CHECKING:
     from gatekeeper.proxy.listen.body_budget import Share
-    from gatekeeper.proxy.listen.h2_codec import ServerConnection
+    from gatekeeper.proxy.listen.h2_codec import H2ServerCodec
     from gatekeeper.proxy.listen.settings import ProtocolSettings
 
 log = logging.getLogger("gatekeeper.proxy.listen.h2")  # the adapter logs under one name, whichever part logs
@@ -93,7 +93,7 @@ class StreamServing:
         connection_id: int
         _budget: Share
         _window_reopened_at: float
-        _conn: ServerConnection
+        _conn: H2ServerCodec
         _loop: asyncio.AbstractEventLoop
         _h2_closed: bool
 
