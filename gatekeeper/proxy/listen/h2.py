@@ -1,8 +1,12 @@
 """HTTP/2 server connection with graceful GOAWAY, on the proxy's own sans-IO codec (``h2_codec``).
 
 :class:`H2Protocol` never touches a socket: it is fed bytes and given ``write`` (synchronous, so frames keep the codec's
-order), ``drain`` and ``close``, so tests wire it to an in-memory h2 client. Streams are in :mod:`h2_stream`, GOAWAY and
-close in :mod:`h2_drain`; the limits are in docs/proxy/limits.md."""
+order), ``drain`` and ``close``, so tests wire it to an in-memory h2 client. Streams are in :mod:`h2_stream`; the limits
+are in docs/proxy/limits.md.
+
+Graceful GOAWAY as Go's server does it: our GOAWAY names the highest stream seen, later streams are refused, in-flight
+ones finish (long-running until the drain deadline), then the socket closes ``close_delay`` later so the client reads
+the final frame first; client-go then reconnects and quietly re-watches."""
 
 from __future__ import annotations
 
@@ -16,14 +20,13 @@ from typing import Any, cast
 
 from gatekeeper.proxy import rejections
 from gatekeeper.proxy.adapter import ClientGone
+from gatekeeper.proxy.h2wire import frames
 from gatekeeper.proxy.h2wire.errors import ErrorCodes, ProtocolError, StreamClosedError
-from gatekeeper.proxy.h2wire.frames import MAX_WINDOW
 from gatekeeper.proxy.listen import conn_metrics
 from gatekeeper.proxy.listen import h2_state as ev
 from gatekeeper.proxy.listen.body_budget import RequestBodyBudget
-from gatekeeper.proxy.listen.goaway import GoawayDecider
+from gatekeeper.proxy.listen.goaway import GoawayDecider, Reason
 from gatekeeper.proxy.listen.h2_codec import H2ServerCodec
-from gatekeeper.proxy.listen.h2_drain import Draining
 from gatekeeper.proxy.listen.h2_headers import MalformedRequest, parse_request
 from gatekeeper.proxy.listen.h2_limits import FloodError, FloodGuard, limits_of
 from gatekeeper.proxy.listen.h2_state import Event, HeaderBudgetExceeded
@@ -39,10 +42,10 @@ CONNECTION_WINDOW_FACTOR = 4
 
 def connection_window(settings: ProtocolSettings) -> int:
     """CONNECTION_WINDOW_FACTOR stream windows, capped at 2^31-1: a larger increment is an invalid WINDOW_UPDATE."""
-    return min(settings.stream_window_bytes * CONNECTION_WINDOW_FACTOR, MAX_WINDOW)
+    return min(settings.stream_window_bytes * CONNECTION_WINDOW_FACTOR, frames.MAX_WINDOW)
 
 
-class H2Protocol(StreamServing, Draining):
+class H2Protocol(StreamServing):
     """One HTTP/2 client connection; see the module docstring for the I/O contract."""
 
     def __init__(
@@ -322,4 +325,79 @@ class H2Protocol(StreamServing, Draining):
         if not self.closed.is_set():
             self._flush()
 
+    def goaway(self, reason: Reason, drain_timeout: float | None = None) -> None:
+        """Start (or, if already started, only shorten) a graceful GOAWAY and drain."""
+        if self._h2_closed:
+            return
+        timeout = self._settings.drain_timeout_seconds if drain_timeout is None else drain_timeout
+        deadline = self._loop.time() + timeout
+        if self.goaway_last_stream_id is not None:
+            if deadline < self._deadline:
+                self._deadline = deadline
+                self._streams_changed.set()
+            return
+        self._flush()
+        self.goaway_last_stream_id = self._conn.highest_inbound_stream_id
+        self._write(frames.goaway(self.goaway_last_stream_id, 0))
+        conn_metrics.GOAWAY_SENT.labels(reason=reason).inc()
+        log.debug("h2 connection %d: GOAWAY (%s), last stream %d, %d in flight",
+                  self.connection_id, reason, self.goaway_last_stream_id, len(self._streams))
+        self._deadline = deadline
+        self._cancel_idle()
+        self._drain_task = self._loop.create_task(self._drain_then_close())
 
+    async def _drain_then_close(self) -> None:
+        while self._streams:
+            remaining = self._deadline - self._loop.time()
+            if remaining <= 0:
+                break
+            self._streams_changed.clear()
+            try:
+                await asyncio.wait_for(self._streams_changed.wait(), remaining)
+            except TimeoutError:
+                pass
+        tasks = [s.task for s in self._streams.values() if s.task is not None]
+        for stream in list(self._streams.values()):
+            self._cut(stream, ClientGone("HTTP/2 drain deadline passed after GOAWAY"))
+        # Final GOAWAY before the cut streams' tasks run, so nothing more goes out for them.
+        self._close_h2()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.sleep(self._close_delay)
+        self._close_transport()
+
+    def _close_h2(self) -> None:
+        if self._h2_closed:
+            return
+        self._conn.close_connection(last_stream_id=self.goaway_last_stream_id)
+        self._flush()
+        self._h2_closed = True
+
+    def _abort(self, error: BaseException) -> None:
+        self._h2_closed = True
+        for stream in list(self._streams.values()):
+            self._cut(stream, error)
+        if self._drain_task is not None and self._drain_task is not asyncio.current_task():
+            self._drain_task.cancel()
+        self._close_transport()
+
+    def _close_transport(self) -> None:
+        self._conn.release_pending()  # a header block cut short gives its budget back
+        self._cancel_idle()
+        if not self.closed.is_set():
+            self.closed.set()
+            self._close()
+
+    def _arm_idle(self) -> None:
+        self._cancel_idle()
+        if self.goaway_last_stream_id is None and not self._h2_closed:
+            self._idle_handle = self._loop.call_later(self._settings.idle_timeout_seconds, self._on_idle)
+
+    def _cancel_idle(self) -> None:
+        if self._idle_handle is not None:
+            self._idle_handle.cancel()
+            self._idle_handle = None
+
+    def _on_idle(self) -> None:
+        self._idle_handle = None
+        if not self._streams:
+            self.goaway("idle")
