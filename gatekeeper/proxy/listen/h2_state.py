@@ -1,4 +1,4 @@
-"""Shared pieces of the HTTP/2 codec, apart from :mod:`h2_codec` to avoid an import cycle with :mod:`h2_inbound`."""
+"""Event tuples, closed-stream bookkeeping and errors of the HTTP/2 codec (:mod:`h2_codec`), shared with :mod:`h2`."""
 
 from __future__ import annotations
 
