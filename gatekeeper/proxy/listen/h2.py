@@ -35,13 +35,12 @@ from gatekeeper.proxy.adapter import (
 from gatekeeper.proxy.h2wire import frames
 from gatekeeper.proxy.h2wire.errors import ErrorCodes, ProtocolError, StreamClosedError
 from gatekeeper.proxy.listen import conn_metrics
-from gatekeeper.proxy.listen import h2_state as ev
+from gatekeeper.proxy.listen import h2_codec as ev
 from gatekeeper.proxy.listen.body_budget import RequestBodyBudget
 from gatekeeper.proxy.listen.goaway import GoawayDecider, Reason
-from gatekeeper.proxy.listen.h2_codec import H2ServerCodec
+from gatekeeper.proxy.listen.h2_codec import Event, H2ServerCodec, HeaderBudgetExceeded
 from gatekeeper.proxy.listen.h2_headers import MalformedRequest, parse_request, response_block
 from gatekeeper.proxy.listen.h2_limits import FloodError, FloodGuard, limits_of
-from gatekeeper.proxy.listen.h2_state import Event, HeaderBudgetExceeded
 from gatekeeper.proxy.listen.settings import ProtocolSettings
 from gatekeeper.proxy.messages import Handler, ProxyRequest, ProxyResponse, is_exhausted
 

@@ -1,7 +1,7 @@
 """The proxy's sans-IO HTTP/2 server connection (RFC 9113): only the server half the proxy needs.
 
 The ``h2`` library cost ~60 us of CPU per small request in general machinery; this codec unpacks frames with one
-``struct`` call, keeps streams in a slots record and reports plain tuples (``h2_state.EV_*``). It keeps every h2 server
+``struct`` call, keeps streams in a slots record and reports plain tuples (``EV_*``). It keeps every h2 server
 behaviour the proxy relied on (the tests hold h2 as an oracle). The rules per received frame (RFC 9113 6) close the
 class; error classes and closed-stream handling are summarized in docs/proxy/limits.md."""
 
@@ -17,26 +17,46 @@ from gatekeeper.proxy.h2wire.hpack_encode import ResponseEncoder
 from gatekeeper.proxy.listen.body_budget import Share
 from gatekeeper.proxy.listen.h2_headers import malformed_trailer
 from gatekeeper.proxy.listen.h2_limits import CLOSED_STREAM, EMPTY_FRAME, PING, RST_STREAM, SETTINGS, FloodGuard
-from gatekeeper.proxy.listen.h2_state import (
-    CLOSED_BY_END,
-    CLOSED_MEMORY,
-    EV_BAD_LENGTH,
-    EV_DATA,
-    EV_ENDED,
-    EV_GOAWAY,
-    EV_REQUEST,
-    EV_RESET,
-    EV_WINDOW,
-    RESET_BY_PEER,
-    RESET_BY_US,
-    Event,
-    H2ConnectionError,
-    HeaderBudgetExceeded,
-    StreamState,
-)
 
-__all__ = ["CLOSED_MEMORY", "EV_BAD_LENGTH", "EV_DATA", "EV_ENDED", "EV_GOAWAY", "EV_REQUEST", "EV_RESET",
-           "EV_WINDOW", "Event", "H2ServerCodec"]
+EV_REQUEST, EV_DATA, EV_ENDED, EV_RESET, EV_WINDOW, EV_GOAWAY, EV_BAD_LENGTH = range(7)
+"""Event tuples: (EV_REQUEST, sid, headers, ended), (EV_DATA, sid, data, flow_length), (EV_ENDED, sid), (EV_RESET, sid,
+code), (EV_WINDOW, sid) (0: every stream), (EV_GOAWAY, 0, code), (EV_BAD_LENGTH, sid): the body disagreed with its
+content-length and the stream was reset, reported in order so the adapter sees the request, then the cut."""
+
+Event = tuple[Any, ...]
+CLOSED_MEMORY = 4096
+"""Closed stream ids remembered (how each closed decides the error for a late frame on it)."""
+CLOSED_BY_END, RESET_BY_PEER, RESET_BY_US = range(3)
+"""How a remembered stream closed; a late frame on it is a connection error after END_STREAM, answered with
+RST_STREAM after the client's reset, and ignored after ours (it may have crossed our RST_STREAM)."""
+
+
+class H2ConnectionError(ProtocolError):
+    """A connection error: the GOAWAY with ``error_code`` is already queued."""
+
+    def __init__(self, code: ErrorCodes, message: str) -> None:
+        super().__init__(message)
+        self.error_code = code
+
+
+class StreamState:
+    __slots__ = ("length", "local_closed", "received", "recv_window", "remote_closed", "send_window", "unacked")
+
+    def __init__(self, send_window: int, recv_window: int) -> None:
+        self.send_window = send_window
+        self.recv_window = recv_window
+        self.unacked = 0
+        self.remote_closed = False
+        self.local_closed = False
+        self.length: int | None = None
+        """content-length of the request, when given; checked against the DATA received."""
+        self.received = 0
+
+
+class HeaderBudgetExceeded(H2ConnectionError):
+    """A header block in progress would pass the process's request buffer budget (``body_budget``)."""
+
+
 _FH = f.FRAME_HEADER.unpack_from
 _U32 = f.U32.unpack_from
 
@@ -69,7 +89,7 @@ class H2ServerCodec:
         self.streams: dict[int, StreamState] = {}
         self._held: set[int] = set()
         self._closed: dict[int, int] = {}
-        """Recently closed stream id -> how it closed (``h2_state.CLOSED_BY_END``, ...)."""
+        """Recently closed stream id -> how it closed (``CLOSED_BY_END``, ...)."""
         self.highest_inbound_stream_id = 0
         self._send_window = f.DEFAULT_WINDOW
         self._peer_initial_window = f.DEFAULT_WINDOW
