@@ -33,8 +33,8 @@ from hyperframe.frame import ContinuationFrame, DataFrame, Frame, HeadersFrame, 
 from gatekeeper.proxy.h2wire.hpack_encode import ResponseEncoder
 from gatekeeper.proxy.listen import h2_codec
 from gatekeeper.proxy.listen.body_budget import Share
+from gatekeeper.proxy.listen.h2_codec import HeaderBudgetExceeded
 from gatekeeper.proxy.listen.h2_limits import CLOSED_STREAM, EMPTY_FRAME, PING, RST_STREAM, SETTINGS, FloodGuard
-from gatekeeper.proxy.listen.h2_state import HeaderBudgetExceeded
 
 
 class _QuietLog:

@@ -58,13 +58,6 @@ def make_ssl_context(listener: ListenerSettings) -> ssl.SSLContext:
     return ctx
 
 
-def reloading_ssl_context(listener: ListenerSettings) -> ssl.SSLContext:
-    """:func:`make_ssl_context` whose certificate and client CA follow the files (gatekeeper/tls.py)."""
-    files = [listener.cert_file, listener.key_file, listener.client_ca_file]
-    return ReloadingTLS(lambda: make_ssl_context(listener), files, what="proxy serving certificate and client CA",
-                        check_interval=listener.cert_check_interval_seconds).server_base()
-
-
 class _ClientProtocol(asyncio.StreamReaderProtocol):
     """A StreamReaderProtocol whose bytes go straight to the h2 protocol once ALPN picked h2.
 
@@ -218,7 +211,11 @@ class ProxyServer:
         self._close_delay = close_delay
         self._body_budget = RequestBodyBudget(settings.protocol.max_buffered_request_bytes)
         """Shared by every HTTP/2 connection of this process (see ``body_budget``)."""
-        self._ssl = reloading_ssl_context(settings.listener)
+        lst = settings.listener
+        self._ssl = ReloadingTLS(lambda: make_ssl_context(lst), [lst.cert_file, lst.key_file, lst.client_ca_file],
+                                 what="proxy serving certificate and client CA",
+                                 check_interval=lst.cert_check_interval_seconds).server_base()
+        """Certificate and client CA follow the files (gatekeeper/tls.py)."""
         self._sockets: list[socket.socket] = []
         self._accepters: list[asyncio.Task[None]] = []
         self._handshakes: set[asyncio.Task[None]] = set()
