@@ -61,9 +61,6 @@ class ExpiringCache(Generic[V]):
 
 UNVERIFIED = Identity(name="system:anonymous", groups=["system:unauthenticated"], verified=False)
 """Stand-in identity of a token caller the proxy could not verify."""
-NOT_BEARER = Identity(name=UNVERIFIED.name, groups=UNVERIFIED.groups, verified=False)
-""":data:`UNVERIFIED` for an ``Authorization`` that is no bearer token; its own object, so the warm path counts
-it as ``not-bearer`` instead of ``failed-cached``."""
 
 Step = Literal["done", "refresh", "review"]
 
@@ -133,7 +130,7 @@ class TokenClassifier:
         """The warm path: the identity if this token's verdict is cached, else None (``memo``: the connection's)."""
         token = bearer_token(authorization)
         if token is None:
-            return NOT_BEARER
+            return UNVERIFIED
         last = memo.get("token_digest") if memo is not None else None
         if last is not None and last[0] == token:
             key = last[1]

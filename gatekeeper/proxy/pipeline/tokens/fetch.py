@@ -15,14 +15,7 @@ from typing import Any, Protocol
 
 from prometheus_client import Counter, Histogram
 
-from gatekeeper.proxy.pipeline.tokens.classify import (
-    NOT_BEARER,
-    UNVERIFIED,
-    TokenClassifier,
-    TokenDecision,
-    bearer_token,
-    digest,
-)
+from gatekeeper.proxy.pipeline.tokens.classify import UNVERIFIED, TokenClassifier, TokenDecision, bearer_token, digest
 from gatekeeper.proxy.pipeline.tokens.jwt import Identity, ServiceAccountVerifier
 from gatekeeper.proxy.pipeline.tokens.review import TOKEN_REVIEW_PATH, Budget, parse_review, review_request
 from gatekeeper.proxy.pipeline.tokens.settings import TokenSettings
@@ -112,7 +105,10 @@ class TokenIdentities:
         """The warm path, synchronous: a cached verdict or None (then await :meth:`resolve`)."""
         hit = self.classifier.cached(authorization, self.clock(), memo)
         if hit is not None:
-            self._counts["cached" if hit.verified else "not-bearer" if hit is NOT_BEARER else "failed-cached"].inc()
+            if hit.verified:
+                self._counts["cached"].inc()
+            else:  # no token at all, or one whose failure is cached: parsed again only on this path
+                self._counts["not-bearer" if bearer_token(authorization) is None else "failed-cached"].inc()
         return hit
 
     def refused_upstream(self, authorization: str) -> None:
