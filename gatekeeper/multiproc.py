@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import shutil
 import stat
 from collections.abc import Iterator
 from pathlib import Path
@@ -46,6 +47,19 @@ def enable_multiprocess(prefix: str = "gatekeeper-metrics-") -> str:
         stale.unlink(missing_ok=True)
     os.environ[MULTIPROC_ENV] = path
     return path
+
+
+@contextlib.contextmanager
+def multiprocess_mode(prefix: str = "gatekeeper-metrics-") -> Iterator[str]:
+    """:func:`enable_multiprocess` for a command's life; the directory goes afterwards unless it was inherited (an
+    inherited one belongs to whoever set ``PROMETHEUS_MULTIPROC_DIR``)."""
+    inherited = bool(os.environ.get(MULTIPROC_ENV))
+    path = enable_multiprocess(prefix)
+    try:
+        yield path
+    finally:
+        if not inherited:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _own_private_dir(path: str) -> str:

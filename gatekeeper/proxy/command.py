@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 from pathlib import Path
 
 from gatekeeper.config import load_config
 from gatekeeper.errors import UsageError
-from gatekeeper.multiproc import MULTIPROC_ENV, enable_multiprocess
+from gatekeeper.multiproc import multiprocess_mode
 from gatekeeper.proxy.settings import ProxySettings  # also registers the proxy: config section
 
 NAME = "proxy"
@@ -96,15 +95,10 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError("--workers: must be >= 0 (0 = one per usable core)")
     n = worker_count(settings, args.workers)
     if n > 1:
-        inherited = bool(os.environ.get(MULTIPROC_ENV))
-        metrics_dir = enable_multiprocess("gatekeeper-proxy-metrics-")
-        from gatekeeper.proxy import workers  # after enable_multiprocess (see above)
+        with multiprocess_mode("gatekeeper-proxy-metrics-"):
+            from gatekeeper.proxy import workers  # after the mode is set (see above)
 
-        try:
             return workers.supervise(settings, args.config, n)
-        finally:
-            if not inherited:
-                shutil.rmtree(metrics_dir, ignore_errors=True)
     from gatekeeper.proxy import process  # one process: prometheus_client in its single-process mode
 
     process.run_single(settings)

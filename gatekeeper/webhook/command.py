@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
+import contextlib
 from dataclasses import replace
 
 from gatekeeper.config import load_config
 from gatekeeper.errors import UsageError
-from gatekeeper.multiproc import MULTIPROC_ENV, enable_multiprocess
+from gatekeeper.multiproc import multiprocess_mode
 from gatekeeper.webhook.settings import WebhookSettings  # also registers the webhook: config section
 
 NAME = "webhook"
@@ -50,24 +49,20 @@ def _run(args: argparse.Namespace) -> int:
     if workers < 1:
         raise UsageError(f"--workers must be >= 1, got {workers}")
     settings = replace(settings, server=srv)
-    inherited = bool(os.environ.get(MULTIPROC_ENV))
-    metrics_dir = enable_multiprocess() if workers > 1 and not args.check else None
-    # Here, not at the top: the server pulls in aiohttp, uvloop and kubernetes-asyncio (~0.7 s), which every other
-    # subcommand and `gatekeeper --help` would otherwise pay; and prometheus_client, whose import fixes the
-    # metrics mode that the line above has just set.
-    from gatekeeper.webhook.server import StartupError, preflight, run
+    with multiprocess_mode() if workers > 1 and not args.check else contextlib.nullcontext():
+        # Here, not at the top: the server pulls in aiohttp, uvloop and kubernetes-asyncio (~0.7 s), which every
+        # other subcommand and `gatekeeper --help` would otherwise pay; and prometheus_client, whose import fixes
+        # the metrics mode that the `with` has just set.
+        from gatekeeper.webhook.server import StartupError, preflight, run
 
-    try:
-        preflight(settings)
-        if args.check:
-            print(_summary(settings, workers))
-            return 0
-        return run(settings, workers)
-    except StartupError as exc:
-        raise UsageError(f"{args.config}: {exc}") from None
-    finally:
-        if metrics_dir and not inherited:
-            shutil.rmtree(metrics_dir, ignore_errors=True)
+        try:
+            preflight(settings)
+            if args.check:
+                print(_summary(settings, workers))
+                return 0
+            return run(settings, workers)
+        except StartupError as exc:
+            raise UsageError(f"{args.config}: {exc}") from None
 
 
 def _summary(settings: WebhookSettings, workers: int) -> str:

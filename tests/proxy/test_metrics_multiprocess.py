@@ -103,3 +103,20 @@ def test_an_inherited_metrics_dir_others_could_write_is_closed_and_swept(
     assert enable_multiprocess() == str(shared)
     assert stat.S_IMODE(shared.stat().st_mode) == 0o700
     assert not list(shared.glob("*.db")) and victim.read_text() == "precious"
+
+
+def test_a_command_removes_the_metrics_dir_it_made_but_keeps_an_inherited_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gatekeeper.multiproc import multiprocess_mode
+
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    with multiprocess_mode("gatekeeper-test-metrics-") as made:
+        assert os.environ["PROMETHEUS_MULTIPROC_DIR"] == made and os.path.isdir(made)
+    assert not os.path.exists(made)
+
+    inherited = tmp_path / "inherited"
+    inherited.mkdir(mode=0o700)
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(inherited))
+    with multiprocess_mode() as path:
+        assert path == str(inherited)
+    assert inherited.is_dir()
