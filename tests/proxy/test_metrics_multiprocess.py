@@ -109,7 +109,7 @@ def test_a_command_removes_the_metrics_dir_it_made_but_keeps_an_inherited_one(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from gatekeeper.multiproc import multiprocess_mode
 
-    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", "")  # unset for the mode, and restored after the test
     with multiprocess_mode("gatekeeper-test-metrics-") as made:
         assert os.environ["PROMETHEUS_MULTIPROC_DIR"] == made and os.path.isdir(made)
     assert not os.path.exists(made)
