@@ -49,9 +49,6 @@ def _check_files(settings: ProxySettings) -> None:
         "proxy.upstream.clientCertFile": settings.upstream.client_cert_file,
         "proxy.upstream.clientKeyFile": settings.upstream.client_key_file,
     }
-    if not settings.upstream.ca_file:
-        raise UsageError("proxy.upstream.caFile is required: the CA that signed the apiservers' serving "
-                         "certificates (the system roots are never trusted for them)")
     for key, path in files.items():
         if path and not Path(path).is_file():
             raise UsageError(f"{key}: {path} does not exist or is not a file")

@@ -96,8 +96,6 @@ class ProxyRequest:
     flow_schema: str = ""
     priority_level: str = ""
     """Flow control's decision: the FlowSchema and the priority level the request was classified into."""
-    backend: str = ""
-    """The backend the balancer chose (the last one tried)."""
     reserved_backend: str = ""
     """The apiserver flow control reserved for an expensive LIST (``expensiveLists``): sent there, nowhere else."""
     connection_memo: dict[str, Any] | None = None

@@ -57,7 +57,7 @@ class _Slot:
     hung_kills: int = 0
 
 
-class Supervisor:
+class WorkerSupervisor:
     """Starts, watches and stops the workers; serves the proxy-wide metrics."""
 
     def __init__(self, settings: ProxySettings, config: Path, workers: int, runtime: Path, port: int,
@@ -323,7 +323,7 @@ def supervise(settings: ProxySettings, config: Path, workers: int) -> int:
     port = int(reserved[0].getsockname()[1])
     try:
         snapshot = snapshot_config(settings, config, runtime)
-        return asyncio.run(Supervisor(settings, snapshot, workers, runtime, port, reserved).run())
+        return asyncio.run(WorkerSupervisor(settings, snapshot, workers, runtime, port, reserved).run())
     finally:
         for sock in reserved:
             sock.close()

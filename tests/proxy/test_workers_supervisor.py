@@ -24,14 +24,14 @@ SETTINGS = ProxySettings(backends=[BackendSettings(url="https://127.0.0.1:1")],
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
 
 
-def supervisor(tmp_path: Path, settings: ProxySettings = SETTINGS, n: int = 1) -> workers.Supervisor:
+def supervisor(tmp_path: Path, settings: ProxySettings = SETTINGS, n: int = 1) -> workers.WorkerSupervisor:
     """A supervisor whose port is bound but never accepted on (these tests do not start its dispatcher)."""
     port = socket.socket()
     port.bind(("127.0.0.1", 0))
-    return workers.Supervisor(settings, tmp_path / "proxy.yaml", n, tmp_path, port.getsockname()[1], [port])
+    return workers.WorkerSupervisor(settings, tmp_path / "proxy.yaml", n, tmp_path, port.getsockname()[1], [port])
 
 
-def handoff_supervisor(tmp_path: Path, n: int) -> tuple[workers.Supervisor, socket.socket]:
+def handoff_supervisor(tmp_path: Path, n: int) -> tuple[workers.WorkerSupervisor, socket.socket]:
     """A supervisor that hands connections over (listening on a loopback port), with no metrics port and no
     heartbeat; the caller closes the listener."""
     from dataclasses import replace
@@ -41,7 +41,7 @@ def handoff_supervisor(tmp_path: Path, n: int) -> tuple[workers.Supervisor, sock
     settings = replace(SETTINGS, listener=ListenerSettings(metrics_port=-1), worker_hang_seconds=0)
     listener = socket.create_server(("127.0.0.1", 0))
     listener.setblocking(False)
-    return workers.Supervisor(settings, tmp_path / "proxy.yaml", n, tmp_path, listener.getsockname()[1],
+    return workers.WorkerSupervisor(settings, tmp_path / "proxy.yaml", n, tmp_path, listener.getsockname()[1],
                               [listener]), listener
 
 

@@ -267,7 +267,6 @@ class Dispatcher:
                                       f"gatekeeper proxy: no apiserver reachable ({last_error})", retry_after=1)
             client = self.clients[backend.name]
             lease = self.balancer.acquire(backend, long_running=long_running, caller=caller)
-            request.backend = backend.name
             started = time.monotonic()
             try:
                 if upgrade:
