@@ -3,11 +3,11 @@
 Why: aiohttp keeps a request head whole, as parsed Python objects (~3x its bytes), from its first byte until the
 request is answered, and keeps up to 32 parsed requests per connection queued behind the one being answered
 (pipelining), each with its body. The per-head limits (``maxHeaderFields`` x ``maxHeaderFieldBytes``) bound one
-head, not a connection or the worker. Measured on one worker (``loadtest/bench_webhook_heads.py``, peak RSS):
-1000 connections of unfinished 254 KiB heads took it from 53 to 794 MiB (111 MiB with this budget), and 25 that
-pipeline 40 requests with such heads and never read their answers to 412 MiB (146); the chart's pod limit is
-512 MiB for two workers then (1280 MiB since the worst case was re-derived and its decoding term measured:
-docs/webhook/hardening.md).
+head, not a connection or the worker. Measured on one worker (peak RSS; the run is in
+loadtest/reports/2026-12-03-readme-history.md): 1000 connections of unfinished 254 KiB heads took it from 53 to 794
+MiB (111 MiB with this budget), and 25 that pipeline 40 requests with such heads and never read their answers to 412
+MiB (146); the chart's pod limit is 512 MiB for two workers then (1280 MiB since the worst case was re-derived and
+its decoding term measured: docs/webhook/hardening.md).
 
 What a connection is counted for, in bytes as received:
 

@@ -51,6 +51,5 @@ def test_go_int64_is_strconv_parse_int(text: str, ok: bool) -> None:
     ("a-" * 120 + "a.") * 800, "a" * 200_000, "a\0" * 100_000, "(" * 200_000, "x.io/" * 40_000,
 ])
 def test_a_long_hostile_selector_gets_a_verdict(selector: str) -> None:
-    """One regular expression, linear in the input (no recursion, no backtracking blow-up); the time per MiB
-    is in loadtest/bench_labelselector.py."""
+    """One regular expression, linear in the input (no recursion, no backtracking blow-up)."""
     assert valid(selector) in (True, False)
