@@ -136,3 +136,42 @@ class ResourceClaimTemplate(TypedDict, total=False):
     kind: str
     metadata: ObjectMeta
     spec: ResourceClaimTemplateSpec
+
+
+class TokenReviewSpec(TypedDict, total=False):
+    token: str
+    audiences: list[str]
+
+
+class TokenReviewUser(TypedDict, total=False):
+    username: str
+    uid: str
+    groups: list[str]
+    extra: dict[str, list[str]]
+
+
+class TokenReviewStatus(TypedDict, total=False):
+    authenticated: bool
+    user: TokenReviewUser
+    audiences: list[str]
+    error: str
+
+
+class TokenReview(TypeMeta, total=False):
+    """``authentication.k8s.io/v1`` TokenReview: the proxy sends the spec and reads the status."""
+
+    spec: TokenReviewSpec
+    status: TokenReviewStatus
+
+
+class LeaseSpec(TypedDict, total=False):
+    holderIdentity: str
+    leaseDurationSeconds: int
+    renewTime: str
+    """MicroTime: RFC 3339 with microseconds."""
+
+
+class Lease(KubeObject, total=False):
+    """``coordination.k8s.io/v1`` Lease, as the proxies of a fleet renew and list them."""
+
+    spec: LeaseSpec

@@ -15,12 +15,12 @@ import os
 import socket
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 from urllib.parse import quote
 
 import orjson
 from prometheus_client import Counter, Gauge
 
+from gatekeeper.kube.objects import Lease
 from gatekeeper.proxy.flowcontrol.core.fleet import FleetShare, LeaseView, Membership, fleet_bound
 from gatekeeper.proxy.flowcontrol.settings import FleetSettings
 from gatekeeper.proxy.messages import UserInfo
@@ -56,7 +56,7 @@ def lease_name(identity: str) -> str:
     return f"gatekeeper-proxy-{identity}"
 
 
-def lease_body(settings: FleetSettings, identity: str, now: float) -> dict[str, Any]:
+def lease_body(settings: FleetSettings, identity: str, now: float) -> Lease:
     renew_time = datetime.datetime.fromtimestamp(now, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")  # MicroTime
     return {
         "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",

@@ -10,22 +10,24 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from gatekeeper.kube.objects import TokenReview, TokenReviewSpec
 from gatekeeper.proxy.pipeline.tokens.jwt import Identity
 
 TOKEN_REVIEW_PATH = "/apis/authentication.k8s.io/v1/tokenreviews"
 
 
 def review_request(token: str, audiences: Sequence[str] = ()) -> bytes:
-    spec: dict[str, Any] = {"token": token}
+    spec: TokenReviewSpec = {"token": token}
     if audiences:
         spec["audiences"] = list(audiences)
-    return json.dumps(
-        {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview", "spec": spec}, separators=(",", ":")
-    ).encode()
+    review: TokenReview = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview", "spec": spec}
+    return json.dumps(review, separators=(",", ":")).encode()
 
 
 def parse_review(doc: Any) -> Identity | None:
-    """The reviewed identity, or None if not authenticated; ValueError for a response that is not a TokenReview."""
+    """The reviewed identity, or None if not authenticated; ValueError for a response that is not a TokenReview.
+
+    ``doc`` is read as a :class:`~gatekeeper.kube.objects.TokenReview`, every field checked: it is parsed JSON."""
     status = doc.get("status") if isinstance(doc, dict) else None
     if not isinstance(status, dict):
         raise ValueError("TokenReview response has no status")
