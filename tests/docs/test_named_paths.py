@@ -35,11 +35,11 @@ def test_the_repository_names_only_source_files_that_exist() -> None:
 
 
 def test_a_name_of_a_deleted_module_is_found(tmp_path: Path) -> None:
+    gone, bench = "gatekeeper/" + "gone.py", "loadtest/" + "bench_gone.py"  # split, or this file names them
     (tmp_path / "gatekeeper").mkdir()
-    (tmp_path / "gatekeeper" / "kept.py").write_text('"""Parsed as in gatekeeper/gone.py; see gatekeeper/kept.py."""\n')
+    (tmp_path / "gatekeeper" / "kept.py").write_text(f'"""Parsed as in {gone}; see gatekeeper/kept.py."""\n')
     (tmp_path / "loadtest" / "reports").mkdir(parents=True)
-    (tmp_path / "loadtest" / "reports" / "old.md").write_text("measured with loadtest/bench_gone.py\n")
-    (tmp_path / "README.md").write_text("run `python loadtest/bench_gone.py`, or see x/gatekeeper/gone.py\n")
+    (tmp_path / "loadtest" / "reports" / "old.md").write_text(f"measured with {bench}\n")
+    (tmp_path / "README.md").write_text(f"run `python {bench}`, or see x/{gone}\n")
     files = ["gatekeeper/kept.py", "loadtest/reports/old.md", "README.md"]
-    assert missing_names(tmp_path, files) == [
-        "gatekeeper/kept.py: gatekeeper/gone.py", "README.md: loadtest/bench_gone.py"]
+    assert missing_names(tmp_path, files) == [f"gatekeeper/kept.py: {gone}", f"README.md: {bench}"]
