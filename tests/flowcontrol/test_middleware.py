@@ -505,3 +505,39 @@ def test_removed_seat_timeout_key_says_what_replaced_it(tmp_path):
     path.write_text("proxy:\n  flowControl:\n    seatTimeoutSeconds: 60\n")
     with pytest.raises(ConfigError, match="requestTimeoutSeconds"):
         load_config(path)
+
+
+async def test_a_follower_cancelled_as_the_shared_answer_arrives_does_not_fail_the_leader():
+    """A follower's client can go away in the same loop turn in which the leader's answer arrives: its task is
+    cancelled (so is the future it awaits), but its own cleanup has not run yet. The leader and the other follower
+    still get the answer; the cancelled one's share is closed."""
+    fc = FlowControl(seeds_settings())
+    waiting: list[asyncio.Task] = []
+
+    class CancelsAFollower(Upstream):
+        async def __call__(self, request):
+            response = await super().__call__(request)
+            if request.target == SECRETS:
+                for _ in range(3):
+                    await asyncio.sleep(0)  # the followers reach their await of the shared answer
+                follower = next(w for w in waiting if w is not asyncio.current_task())
+                follower.cancel()  # no await between this and the leader handing out shares
+            return response
+
+    up = CancelsAFollower()
+    up.gate.clear()
+    blockers = [asyncio.create_task(call(fc, req(target=f"/api/v1/namespaces/n{i}/secrets"), up)) for i in range(2)]
+    await until(lambda: up.calls == 2, "two blockers to hold both seats")
+    waiting.extend(asyncio.create_task(fc(req(), up)) for _ in range(3))
+    level = fc.controller.levels["secrets-list"]
+    await until(lambda: level.waiting == 3, "three identical LISTs to queue")
+    up.gate.set()
+    await asyncio.gather(*blockers)
+    results = await asyncio.gather(*waiting, return_exceptions=True)
+    assert sum(isinstance(r, asyncio.CancelledError) for r in results) == 1, results
+    served = [r for r in results if isinstance(r, ProxyResponse)]
+    assert [await read(r) for r in served] == [up.body, up.body]
+    assert up.calls == 3
+    for r in served:
+        r.finish(None)
+    await until(lambda: level.executing_seats == 0, "the shared call's seat to be released")

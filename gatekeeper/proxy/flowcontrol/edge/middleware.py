@@ -389,7 +389,8 @@ class FlowControl:
         for i, f in enumerate(t.followers, start=1):
             fw = f.payload
             sub = fan.subs[i]
-            if not isinstance(fw, _Waiter) or fw.abandoned or fw.shared is None:
+            # done: cancelled with its task, whose own cleanup (abandoned) has not run yet
+            if not isinstance(fw, _Waiter) or fw.abandoned or fw.shared is None or fw.shared.done():
                 sub.close()
                 continue
             fw.shared.set_result(ProxyResponse(status=status, headers=list(response.headers), body=sub))
