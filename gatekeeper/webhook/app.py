@@ -23,6 +23,10 @@ Metrics (Prometheus):
     Pods rewritten, by GPU mode.
 ``gatekeeper_webhook_gpu_mode_decisions_total{mode,source}``
     GPU pods decided, by mode and what chose it (annotation, namespace, default, enforced, opt-out).
+``gatekeeper_webhook_gpu_denials_total{reason}``
+    GPU pods denied, by reason: ``unknown-model``, ``unknown-fallback``, ``memory-too-large``,
+    ``contradictory-ask`` (HAMi resources that contradict each other or the mode), ``too-many-ways``,
+    ``forbidden`` (an enforced namespace) or ``invalid`` (anything else the pod got wrong).
 ``gatekeeper_webhook_template_reconciliations_total{result}``
     ResourceClaimTemplate checks: created, exists (409), cached, error; and the lifecycle loop's
     recreated (deleted while pods use it) and collected (unreferenced past the grace period).
@@ -95,6 +99,8 @@ class Metrics:
         self.rewrites = Counter("gatekeeper_webhook_gpu_rewrites_total", "GPU pods rewritten", ["mode"])
         self.mode_decisions = Counter("gatekeeper_webhook_gpu_mode_decisions_total",
                                       "GPU pods decided, by mode and by what chose the mode", ["mode", "source"])
+        self.gpu_denials = Counter("gatekeeper_webhook_gpu_denials_total", "GPU pods denied, by reason",
+                                   ["reason"])
         self.templates = Counter("gatekeeper_webhook_template_reconciliations_total",
                                  "ResourceClaimTemplate create-if-missing results", ["result"])
         self.refused = Counter("gatekeeper_webhook_refused_requests_total",
@@ -312,6 +318,8 @@ async def _decide(request: web.Request, route: str, settings: WebhookSettings, c
                             message="gatekeeper webhook internal error; see the webhook's log")
     if decision.outcome == "mutated":
         m.rewrites.labels(decision.audit.get("gpu-mode", "")).inc()
+    if "gpu-denied-reason" in decision.audit:
+        m.gpu_denials.labels(decision.audit["gpu-denied-reason"]).inc()
     if "gpu-mode-source" in decision.audit:
         m.mode_decisions.labels(decision.audit.get("gpu-mode", "denied"),
                                 decision.audit["gpu-mode-source"]).inc()

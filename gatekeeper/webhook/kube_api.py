@@ -15,11 +15,18 @@ from typing import Any
 import aiohttp
 import orjson
 from kubernetes_asyncio import client, config, watch
-from kubernetes_asyncio.client import CoreV1Api, CustomObjectsApi, V1DeleteOptions, V1Preconditions
+from kubernetes_asyncio.client import (
+    CoordinationV1Api,
+    CoreV1Api,
+    CustomObjectsApi,
+    V1DeleteOptions,
+    V1Preconditions,
+)
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from gatekeeper.webhook.deviceclasses import ListClasses
 from gatekeeper.webhook.gpu.claims import MANAGED_BY
+from gatekeeper.webhook.inventory.lease import Conflict, LeaseOps
 from gatekeeper.webhook.kube_errors import describe
 from gatekeeper.webhook.listwatch import ListFn, WatchFn
 from gatekeeper.webhook.namespace_modes import LABEL
@@ -50,7 +57,10 @@ def list_watch(list_call: Callable[..., Any], watch_seconds: int = 300, **select
 
     async def list_fn() -> tuple[list[dict[str, Any]], str]:
         resp: Any = await list_call(_preload_content=False, _request_timeout=30, **selectors)
-        doc = orjson.loads(await resp.read())
+        body = await resp.read()
+        if resp.status >= 400:  # unparsed responses are not raised: a 403's Status read as a LIST had no items
+            raise ApiException(status=resp.status, reason=body.decode(errors="replace")[:200])
+        doc = orjson.loads(body)
         return list(doc.get("items") or []), str((doc.get("metadata") or {}).get("resourceVersion") or "")
 
     async def watch_fn(rv: str) -> AsyncIterator[tuple[str, dict[str, Any]]]:
@@ -75,6 +85,53 @@ def namespace_source(api: Any, watch_seconds: int = 300) -> tuple[ListFn, WatchF
 def pod_source(api: Any, watch_seconds: int = 300) -> tuple[ListFn, WatchFn]:
     """All pods (a template's pods may be anywhere in its namespace, with no label to select them by)."""
     return list_watch(CoreV1Api(api).list_pod_for_all_namespaces, watch_seconds)
+
+
+def dra_source(api: Any, plural: str, watch_seconds: int = 300) -> tuple[ListFn, WatchFn]:
+    """LIST and WATCH a cluster-wide resource.k8s.io/v1 resource (resourceslices, resourceclaims) as raw dicts."""
+    custom = CustomObjectsApi(api)
+
+    async def list_call(*args: Any, **kwargs: Any) -> Any:
+        return await custom.list_cluster_custom_object("resource.k8s.io", "v1", plural, **kwargs)
+
+    return list_watch(list_call, watch_seconds)
+
+
+def lease_ops(api: Any, name: str, namespace: str, request_timeout: float = 5.0) -> LeaseOps:
+    """Read, create and replace (resourceVersion precondition) one coordination.k8s.io/v1 Lease, as dicts."""
+    coord = CoordinationV1Api(api)
+
+    async def get() -> dict[str, Any] | None:
+        try:
+            resp: Any = await coord.read_namespaced_lease(name, namespace, _preload_content=False,
+                                                          _request_timeout=request_timeout)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        body = await resp.read()
+        if resp.status == 404:  # unparsed responses are not raised as ApiException
+            return None
+        if resp.status >= 400:
+            raise ApiException(status=resp.status, reason=body.decode(errors="replace")[:200])
+        doc: dict[str, Any] = orjson.loads(body)
+        return doc
+
+    async def write(call: Any, *args: Any) -> None:
+        try:
+            await call(*args, _request_timeout=request_timeout)
+        except ApiException as exc:
+            if exc.status == 409:
+                raise Conflict() from None
+            raise
+
+    async def create(body: dict[str, Any]) -> None:
+        await write(coord.create_namespaced_lease, namespace, body)
+
+    async def replace(body: dict[str, Any]) -> None:
+        await write(coord.replace_namespaced_lease, name, namespace, body)
+
+    return LeaseOps(get, create, replace)
 
 
 def device_class_lister(api: Any, request_timeout: float = 5.0) -> ListClasses:

@@ -64,13 +64,16 @@ resets ``data`` but leaves ``binaryData`` and labels as they are, so 300 KiB of 
 namespace's ``kube-root-ca.crt`` by a tenant was stored and stayed (found by the admission fuzz,
 tests/webhook/test_admission_fuzz_sandbox.py)."""
 
+GPU_NAMES = ("nvidia.com/gpu", "nvidia.com/gpumem", "nvidia.com/gpumem-percentage", "nvidia.com/gpucores")
+"""The device plugin's GPU count and HAMi's per-container names (gpu/asks.py): pods asking for any reach the webhook."""
+_NAMES = "[" + ", ".join(f"'{n}'" for n in GPU_NAMES) + "]"
 _ASKS_GPU = (
-    "has(c.resources) && ((has(c.resources.limits) && 'nvidia.com/gpu' in c.resources.limits) || "
-    "(has(c.resources.requests) && 'nvidia.com/gpu' in c.resources.requests))"
+    f"has(c.resources) && ((has(c.resources.limits) && c.resources.limits.exists(k, k in {_NAMES})) || "
+    f"(has(c.resources.requests) && c.resources.requests.exists(k, k in {_NAMES})))"
 )
 MATCH_CONDITIONS: list[dict[str, str]] = [
     {
-        "name": "asks-for-nvidia-gpu",
+        "name": "asks-for-nvidia-gpu",  # or for HAMi's names of a share of one
         "expression": (
             f"object.spec.containers.exists(c, {_ASKS_GPU}) || "
             f"(has(object.spec.initContainers) && object.spec.initContainers.exists(c, {_ASKS_GPU}))"
@@ -84,6 +87,9 @@ RBAC_RULES: list[dict[str, Any]] = [
     {"apiGroups": ["resource.k8s.io"], "resources": ["deviceclasses"], "verbs": ["list"]},
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]},
     {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"]},
+    # the GPU inventory (webhook/inventory/): what is committed on each GPU, and its one leader's Lease
+    {"apiGroups": ["resource.k8s.io"], "resources": ["resourceslices", "resourceclaims"], "verbs": ["list", "watch"]},
+    {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "create", "update"]},
 ]
 """All the webhook does against the API: POST templates (409 means present), LIST and DELETE them
 (lifecycle), LIST+WATCH pods (which templates are referenced) and DeviceClasses (KEP-5004 mapping), LIST+WATCH

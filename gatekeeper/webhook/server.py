@@ -14,6 +14,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import socket
 import ssl
 import sys
 from dataclasses import replace
@@ -23,10 +24,15 @@ from typing import Any
 import uvloop
 from aiohttp import web
 
+from gatekeeper.metrics import register_page_collector
+from gatekeeper.multiproc import MULTIPROC_ENV
 from gatekeeper.netbind import bind_listeners
 from gatekeeper.webhook import kube_api
 from gatekeeper.webhook.app import MAPPING_KEY, NAMESPACE_MODES_KEY, READY_KEY, build_app, metrics
 from gatekeeper.webhook.deviceclasses import ExtendedResourceMap
+from gatekeeper.webhook.inventory.controller import Inventory
+from gatekeeper.webhook.inventory.exposition import InventoryCollector, SnapshotStore
+from gatekeeper.webhook.inventory.lease import LeaseElector
 from gatekeeper.webhook.listen import LimitedSite, QuietClientErrors
 from gatekeeper.webhook.namespace_modes import NamespaceModes
 from gatekeeper.webhook.pod_refs import PodTemplateRefs
@@ -112,6 +118,7 @@ async def serve(settings: WebhookSettings, stop: asyncio.Event | None = None) ->
         ns_task = asyncio.create_task(ns_modes.run())
         with contextlib.suppress(TimeoutError):  # the first pods already see existing labels
             await asyncio.wait_for(ns_modes.synced.wait(), 10)
+    inventory_task = _start_inventory(settings, api_client)
     lifecycle_task = refs_task = None
     if keeper is not None and settings.gpu.template_reconcile_seconds > 0:
         pod_refs = PodTemplateRefs(*kube_api.pod_source(api_client))
@@ -166,12 +173,34 @@ async def serve(settings: WebhookSettings, stop: asyncio.Event | None = None) ->
         app[READY_KEY].update(ready=False, reason="shutting down")
         if srv.shutdown_delay_seconds:
             await asyncio.sleep(srv.shutdown_delay_seconds)
-        for task in (mapping_task, ns_task, lifecycle_task, refs_task):
+        for task in (mapping_task, ns_task, lifecycle_task, refs_task, inventory_task):
             if task is not None:
                 task.cancel()
         await runner.cleanup()
         if api_client is not None:
             await api_client.close()
+
+
+SA_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+
+
+def _start_inventory(settings: WebhookSettings, api_client: Any) -> asyncio.Task[None] | None:
+    """The GPU inventory of this process: it competes for the Lease, and leads or follows."""
+    inv = settings.inventory
+    if api_client is None or not inv.enabled:
+        return None
+    namespace = inv.lease_namespace or (SA_NAMESPACE.read_text().strip() if SA_NAMESPACE.is_file() else "default")
+    store = SnapshotStore(os.environ.get(MULTIPROC_ENV), inv.lease_seconds)
+    register_page_collector(InventoryCollector(store))
+    ops = kube_api.lease_ops(api_client, inv.lease_name, namespace)
+    identity = f"{socket.gethostname()}-{os.getpid()}"
+
+    def elector(on_change: Any) -> LeaseElector:
+        return LeaseElector(ops, inv.lease_name, namespace, identity, inv.lease_seconds, inv.renew_seconds, on_change)
+
+    inventory = Inventory(elector, kube_api.dra_source(api_client, "resourceslices"),
+                          kube_api.dra_source(api_client, "resourceclaims"), store, inv.publish_seconds)
+    return asyncio.create_task(inventory.run())
 
 
 def _run_one(settings: WebhookSettings) -> None:

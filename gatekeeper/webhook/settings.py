@@ -29,10 +29,14 @@ from typing import ClassVar, Literal, get_args
 
 from gatekeeper.config import dataclass_section, parse_size, register_section
 from gatekeeper.listener import TLSListenerSettings
+from gatekeeper.webhook.gpu.models import DEFAULT_MODELS, GpuModel, ModelError, parse_choice
 from gatekeeper.webhook.gpu.sizing import MIG_CATALOG, layout_profiles, parse_quantity_bytes
 
-Mode = Literal["dra", "shared", "time-slicing", "mps", "mps-dra", "mig", "mig-dra", "off"]
+Mode = Literal["dra", "shared", "shares", "first-available", "time-slicing", "mps", "mps-dra", "mig", "mig-dra",
+               "off"]
 MODES: tuple[str, ...] = get_args(Mode)
+FALLBACK_WAYS: tuple[str, ...] = ("mig-dra", "shared", "shares", "mps-dra", "dra")
+"""Modes a ``first-available`` claim may list: those that are a DRA device request (the device plugin's are not)."""
 Kep5004 = Literal["rewrite", "step-aside"]
 """What ``dra`` mode does with a pod a KEP-5004 DeviceClass mapping could serve (see ``GpuSettings.kep5004``)."""
 KEP5004_CHOICES: tuple[str, ...] = get_args(Kep5004)
@@ -47,6 +51,10 @@ DECISION_ANNOTATION = ANNOTATION_PREFIX + "gpu-decision"
 """Set on rewritten pods: the mode and what chose it (annotation, namespace, default, enforced)."""
 REWRITTEN_ANNOTATION = ANNOTATION_PREFIX + "gpu-rewritten"
 """Set on pods the webhook rewrote: what changed, for humans and for reinvocation."""
+MODELS_ANNOTATION = ANNOTATION_PREFIX + "gpu-models"
+"""Pod annotation naming the GPU models a pod may run on (``H100-80GB,A100-80GB``) or a minimum (``>=40Gi``)."""
+FALLBACKS_ANNOTATION = ANNOTATION_PREFIX + "gpu-fallbacks"
+"""Pod annotation: the ordered ways to serve the pod (``mig-dra,shared,dra``); implies gpu-mode first-available."""
 
 def _size_of(key: str, value: int | str) -> int:
     """parse_size with the YAML key in the message (the loader reports the enclosing section)."""
@@ -329,6 +337,29 @@ class GpuSettings:
     device_class_check_seconds: float = 10.0
     """How often the DeviceClasses are listed to see whether one maps ``nvidia.com/gpu`` (KEP-5004):
     a mapping added or removed changes what ``dra`` mode does within this time."""
+    gpu_models: list[GpuModel] = field(default_factory=lambda: list(DEFAULT_MODELS))
+    """GPU models pods may name (``gatekeeper.dev/gpu-models``): name, the product names the driver publishes
+    (``productName``) and the memory of one GPU. Also the list a denial of an unknown model names, the largest
+    GPU a memory ask is checked against, and what a HAMi ``gpumem-percentage`` is a percentage of."""
+    product_attribute: str = "gpu.nvidia.com/productName"
+    """Device attribute (domain/name) with the GPU's product name; model choice selects on it with CEL."""
+    namespace_gpu_models: dict[str, str] = field(default_factory=dict)
+    """Per-namespace default model choice, same form as the annotation, e.g. ``{training: '>=80Gi'}``."""
+    shares_capacity: str = "gpu.nvidia.com/shares"
+    """Device capacity (domain/name) a share count publishes (the NVIDIA driver's ``--consumable-shares=N``)."""
+    shares_per_pod: int = 1
+    """Shares of that capacity a ``shares`` pod's claim asks per GPU: with ``--consumable-shares=N``, N / this
+    pods per GPU (the device plugin's time-slicing ``replicas``)."""
+    fallbacks: list[str] = field(default_factory=lambda: ["mig-dra", "shared", "dra"])
+    """``first-available`` ways, in order, for pods without a ``gatekeeper.dev/gpu-fallbacks`` annotation."""
+    consumable_capacity: bool = True
+    """The cluster runs DRAConsumableCapacity (beta, on in v1.37): claims select devices by
+    ``device.allowMultipleAllocations``. False (the gate off: that CEL field does not exist there): no such
+    selectors, and shared pods may again take exclusive GPUs whole."""
+    hami_aliases: bool = True
+    """Read HAMi's ``nvidia.com/gpumem``, ``gpumem-percentage`` and ``gpucores`` as a shared ask; where
+    the mode would be the default ``off``, such pods get ``shared`` (without it nothing could schedule them once
+    HAMi is gone). False: they are left as they are."""
     kep5004: Kep5004 = "rewrite"
     """``dra`` pods a KEP-5004 DeviceClass mapping could serve: ``rewrite`` them to our claim template anyway
     (default), or ``step-aside`` and leave them to the scheduler's own claim. Rewrite by default: in
@@ -355,6 +386,7 @@ class GpuSettings:
                 except ValueError as exc:
                     raise ValueError(f"{key}: {exc}") from None
 
+        self._validate_choices()
         if self.mig_gpu_model not in MIG_CATALOG:
             raise ValueError(f"migGpuModel {self.mig_gpu_model!r} is unknown; expected one of "
                              + ", ".join(MIG_CATALOG))
@@ -374,6 +406,56 @@ class GpuSettings:
                              f"expected one of {', '.join(sorted(names))}")
 
 
+    def _validate_choices(self) -> None:
+        """Models, namespace model defaults, shares and fallbacks: wrong ones fail at startup, not per pod."""
+        if not self.gpu_models:
+            raise ValueError("gpuModels must list at least one model (the default catalog is used when unset)")
+        for m in self.gpu_models:
+            m.validate()
+        if len({m.name for m in self.gpu_models}) != len(self.gpu_models):
+            raise ValueError("gpuModels: every model needs its own name")
+        for key, attr in (("productAttribute", self.product_attribute), ("sharesCapacity", self.shares_capacity)):
+            if "/" not in attr:
+                raise ValueError(f"{key} must be qualified (domain/name, e.g. gpu.nvidia.com/productName), "
+                                 f"got {attr!r}")
+        for ns, text in self.namespace_gpu_models.items():
+            try:
+                parse_choice(text, self.gpu_models, f"namespaceGpuModels.{ns}")
+            except ModelError as exc:
+                raise ValueError(str(exc)) from None
+        if not 1 <= self.shares_per_pod <= 1024:
+            raise ValueError(f"sharesPerPod must be 1..1024, got {self.shares_per_pod}")
+        bad = [w for w in self.fallbacks if w not in FALLBACK_WAYS]
+        if bad or not self.fallbacks or len(set(self.fallbacks)) != len(self.fallbacks):
+            raise ValueError(f"fallbacks must list distinct ways among {', '.join(FALLBACK_WAYS)}, got "
+                             f"{', '.join(self.fallbacks) or 'none'}")
+
+
+@dataclass(frozen=True)
+class InventorySettings:
+    """Per-GPU committed capacity exported on /metrics by one leader (webhook/inventory/)."""
+
+    enabled: bool = True
+    """Run the GPU inventory (needs list/watch of resourceslices and resourceclaims, and a Lease)."""
+    lease_name: str = "gatekeeper-gpu-inventory"
+    """Lease all webhook processes compete for; its holder alone watches and exports."""
+    lease_namespace: str = ""
+    """Namespace of the Lease ('' = the webhook's own, from its ServiceAccount; 'default' outside a cluster)."""
+    lease_seconds: float = 15.0
+    """How long a silent leader keeps the Lease before another process takes over (and a snapshot stays shown)."""
+    renew_seconds: float = 5.0
+    """How often the leader renews (and followers try)."""
+    publish_seconds: float = 1.0
+    """Least time between two recomputations of the per-GPU figures while claims change."""
+
+    def validate(self) -> None:
+        if not 0 < self.renew_seconds * 2 <= self.lease_seconds:
+            raise ValueError(f"inventory: renewSeconds ({self.renew_seconds}) must be > 0 and at most half of "
+                             f"leaseSeconds ({self.lease_seconds}), so a leader renews before it could be replaced")
+        if not 0 < self.publish_seconds <= 60:
+            raise ValueError(f"inventory: publishSeconds must be > 0 and <= 60, got {self.publish_seconds}")
+
+
 @dataclass(frozen=True)
 class WebhookSettings:
     """Root of the ``webhook:`` section."""
@@ -384,6 +466,8 @@ class WebhookSettings:
     """Oversized Secret policy."""
     gpu: GpuSettings = field(default_factory=GpuSettings)
     """GPU pod policy."""
+    inventory: InventorySettings = field(default_factory=InventorySettings)
+    """What is committed on each GPU, exported by one leader."""
     kubeconfig: str = ""
     """Kubeconfig for template reconciliation (empty = in-cluster service account)."""
 

@@ -41,8 +41,10 @@ def test_dra_single_gpu_container_becomes_claim_and_loses_nvidia_gpu() -> None:
                                 "labels": {"app.kubernetes.io/managed-by": "gatekeeper"},
                                 "annotations": {"gatekeeper.dev/spec-hash": spec_hash(tmpl["spec"])}}
     devices = tmpl["spec"]["spec"]["devices"]
+    # A whole GPU: exclusive devices or memory-shared ones (whose default is all of it), never a share count.
     assert devices["requests"] == [{"name": "gpu", "exactly": {
-        "deviceClassName": "gpu.nvidia.com", "allocationMode": "ExactCount", "count": 1}}]
+        "deviceClassName": "gpu.nvidia.com", "allocationMode": "ExactCount", "count": 1, "selectors": [{"cel": {
+            "expression": '!device.allowMultipleAllocations || !("shares" in device.capacity["gpu.nvidia.com"])'}}]}}]
     assert "constraints" not in devices and "config" not in devices
     assert out["metadata"]["annotations"][REWRITTEN_ANNOTATION] == "dra main:1->gpu-main"
     r = resp["response"]

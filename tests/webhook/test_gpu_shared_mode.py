@@ -30,8 +30,10 @@ def test_shared_pod_becomes_claim_asking_for_its_memory_as_consumable_capacity()
     assert rc == {"name": "gpu-server", "resourceClaimTemplateName": tmpl["metadata"]["name"]}
     assert tmpl["metadata"]["name"].startswith("gatekeeper-gpu-shared-1-")
     (req,) = tmpl["spec"]["spec"]["devices"]["requests"]
+    # Only devices that can be shared: the allocator gives a memory ask an exclusive GPU whole otherwise.
     assert req["exactly"] == {"deviceClassName": "gpu.nvidia.com", "allocationMode": "ExactCount", "count": 1,
-                              "capacity": {"requests": {"memory": "20480Mi"}}}
+                              "capacity": {"requests": {"memory": "20480Mi"}},
+                              "selectors": [{"cel": {"expression": "device.allowMultipleAllocations"}}]}
     assert out["metadata"]["annotations"][REWRITTEN_ANNOTATION] == "shared server:1->gpu-server@20480Mi"
 
 

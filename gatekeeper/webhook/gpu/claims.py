@@ -1,8 +1,15 @@
 """ResourceClaimTemplates the GPU rewrite points pods at (pure).
 
-Template names come from what the template contains (mode, count, device
-class, constraint, driver config, memory), so every pod of one shape shares one
-template per namespace, and two shapes never collide.
+Template names come from what the template contains (mode, count and a hash
+of the whole spec: classes, selectors, capacity, constraint, driver config), so
+every pod of one shape shares one template per namespace, and two shapes never
+collide.
+
+Selectors keep each way on the devices it is meant for (DRAConsumableCapacity's
+``device.allowMultipleAllocations``): a shared claim on shareable devices only,
+since the allocator gives a capacity request an exclusive device whole; a
+whole-GPU claim off devices with a share count, whose default request is one
+share.
 
 Alignment: a multi-GPU claim gets ``matchAttribute`` (default
 ``resource.kubernetes.io/pcieRoot``) only up to ``alignUpTo`` GPUs. Real 8-GPU
@@ -16,14 +23,16 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+from dataclasses import dataclass
 from typing import Any
 
+from gatekeeper.webhook.gpu.models import GpuModel, product_selector
 from gatekeeper.webhook.settings import GpuSettings
 
 DRA_API = "resource.k8s.io/v1"
 REQUEST_NAME = "gpu"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "gatekeeper"}
-DRA_MODES = ("dra", "mps-dra", "shared", "mig-dra")
+DRA_MODES = ("dra", "mps-dra", "shared", "shares", "mig-dra", "first-available")
 
 
 def claim_name(container: str) -> str:
@@ -48,31 +57,82 @@ def profile_selector(settings: GpuSettings, profile: str) -> str:
     return f'device.attributes["{domain}"].{name} == "{profile}"'
 
 
-def template_spec(settings: GpuSettings, mode: str, count: int, memory: str = "", profile: str = "") -> dict[str, Any]:
+SHAREABLE = "device.allowMultipleAllocations"
+"""CEL (DRAConsumableCapacity): the device may be allocated to several claims (the driver's consumable shares)."""
+
+
+def counted_selector(settings: GpuSettings) -> str:
+    """CEL: a shareable device that publishes a share count (``--consumable-shares=N``)."""
+    domain, _, name = settings.shares_capacity.rpartition("/")
+    return f'{SHAREABLE} && "{name}" in device.capacity["{domain}"]'
+
+
+def whole_selector(settings: GpuSettings) -> str:
+    """CEL: a device a claim that asks for no capacity gets whole: exclusive, or shared by memory (whose
+    requestPolicy defaults to all of it). A device with a share count defaults to one share and no memory:
+    a whole-GPU pod there would share its GPU with N - 1 others (loadtest/reports/2026-12-06-mixed-fleet-before.md)."""
+    domain, _, name = settings.shares_capacity.rpartition("/")
+    return f'!{SHAREABLE} || !("{name}" in device.capacity["{domain}"])'
+
+
+@dataclass(frozen=True)
+class Way:
+    """One way to serve a claim's devices: its ``exactly`` request, or one ``firstAvailable`` entry."""
+
+    mode: str
+    """dra, shared, shares, mps-dra or mig-dra."""
+    device_class: str
+    selectors: tuple[str, ...] = ()
+    """CEL expressions, all of which a device must meet."""
+    capacity: tuple[tuple[str, str], ...] = ()
+    """(capacity name, quantity) asked of each device, e.g. ``("memory", "20480Mi")``."""
+    name: str = ""
+    """Sub-request name inside ``firstAvailable`` (unused for ``exactly``)."""
+
+    def body(self, count: int) -> dict[str, Any]:
+        out: dict[str, Any] = {"deviceClassName": self.device_class, "allocationMode": "ExactCount", "count": count}
+        if self.capacity:
+            out["capacity"] = {"requests": dict(self.capacity)}
+        if self.selectors:
+            out["selectors"] = [{"cel": {"expression": e}} for e in self.selectors]
+        return out
+
+
+@dataclass(frozen=True)
+class ClaimShape:
+    """Everything a claim template holds: the mode it came from, the GPU count, and its ways in order."""
+
+    mode: str
+    count: int
+    ways: tuple[Way, ...]
+    align: str = ""
+    """``matchAttribute`` all devices share ('' = none)."""
+    mps_driver: str = ""
+    """Driver of the opaque MPS ``GpuConfig`` given to the ``mps-dra`` way."""
+
+
+def shape_spec(shape: ClaimShape) -> dict[str, Any]:
     """ResourceClaimTemplate ``spec`` (which itself holds the claim's ``spec``).
 
-    ``memory`` (shared mode) becomes ``capacity.requests.memory``: each allocated
-    device must have that much memory left, and the allocation consumes it, so
-    other claims can share the rest of the same GPU (DRAConsumableCapacity).
-    ``profile`` (mig-dra) selects partitions of that MIG profile; the scheduler
-    allocates one only while its GPU's shared counters (memory and compute
-    slices) have room (DRAPartitionableDevices).
+    One way is a plain ``exactly`` request; several are ``firstAvailable`` sub-requests, which the
+    scheduler tries in order on each node. Driver config names the sub-request it belongs to
+    (``gpu/mps-dra``), so the container is configured for whichever way was allocated.
     """
-    exactly: dict[str, Any] = {"deviceClassName": settings.mig_device_class if profile else settings.device_class,
-                               "allocationMode": "ExactCount", "count": count}
-    if memory:
-        exactly["capacity"] = {"requests": {"memory": memory}}
-    if profile:
-        exactly["selectors"] = [{"cel": {"expression": profile_selector(settings, profile)}}]
-    devices: dict[str, Any] = {"requests": [{"name": REQUEST_NAME, "exactly": exactly}]}
-    attribute = "" if profile else aligned(settings, count)
-    if attribute:
-        devices["constraints"] = [{"requests": [REQUEST_NAME], "matchAttribute": attribute}]
-    if mode == "mps-dra":
+    request: dict[str, Any] = {"name": REQUEST_NAME}
+    if len(shape.ways) == 1:
+        request["exactly"] = shape.ways[0].body(shape.count)
+    else:
+        request["firstAvailable"] = [{"name": w.name, **w.body(shape.count)} for w in shape.ways]
+    devices: dict[str, Any] = {"requests": [request]}
+    if shape.align:
+        devices["constraints"] = [{"requests": [REQUEST_NAME], "matchAttribute": shape.align}]
+    mps = [w for w in shape.ways if w.mode == "mps-dra"]
+    if mps:
+        target = REQUEST_NAME if len(shape.ways) == 1 else f"{REQUEST_NAME}/{mps[0].name}"
         devices["config"] = [{
-            "requests": [REQUEST_NAME],
+            "requests": [target],
             "opaque": {
-                "driver": settings.mps_driver,
+                "driver": shape.mps_driver,
                 "parameters": {
                     "apiVersion": "resource.nvidia.com/v1beta1",
                     "kind": "GpuConfig",
@@ -83,23 +143,49 @@ def template_spec(settings: GpuSettings, mode: str, count: int, memory: str = ""
     return {"spec": {"devices": devices}}
 
 
-def template_name(settings: GpuSettings, mode: str, count: int, memory: str = "", profile: str = "") -> str:
+def shape_name(prefix: str, shape: ClaimShape) -> str:
     """Deterministic from what the template contains, so equal shapes share one template."""
-    if profile:  # mig-dra: the class and the selector are what differ
-        return _template_name(settings.template_prefix, mode, count, settings.mig_device_class, "",
-                              settings.mig_profile_attribute, profile)
-    return _template_name(settings.template_prefix, mode, count, settings.device_class,
-                          aligned(settings, count), settings.mps_driver if mode == "mps-dra" else "", memory)
+    return _named(prefix, shape.mode, shape.count, json.dumps(shape_spec(shape), sort_keys=True))
 
 
-@functools.lru_cache(maxsize=256)
-def _template_name(prefix: str, mode: str, count: int, device_class: str, match_attribute: str,
-                   mps_driver: str, memory: str) -> str:
-    parts = [mode, str(count), device_class, match_attribute, mps_driver]
-    if memory:  # appended only when set, so the names of existing dra/mps-dra templates stay the same
-        parts.append(memory)
-    digest = hashlib.sha256("|".join(parts).encode()).hexdigest()[:8]
-    return f"{prefix}-{mode}-{count}-{digest}"
+@functools.lru_cache(maxsize=512)
+def _named(prefix: str, mode: str, count: int, spec: str) -> str:
+    return f"{prefix}-{mode}-{count}-{hashlib.sha256(spec.encode()).hexdigest()[:8]}"
+
+
+def single_way(settings: GpuSettings, mode: str, memory: str = "", profile: str = "",
+               models: tuple[GpuModel, ...] = ()) -> Way:
+    """The way a claim of one mode is served: class, selectors and capacity for ``mode``."""
+    product = (product_selector(settings.product_attribute, models),) if models else ()
+    if mode == "mig-dra":
+        return Way(mode, settings.mig_device_class, (profile_selector(settings, profile), *product))
+    capacity: tuple[tuple[str, str], ...] = (("memory", memory),) if memory else ()
+    if not settings.consumable_capacity:
+        return Way(mode, settings.device_class, product, capacity)
+    if mode == "shares":
+        shares = (settings.shares_capacity.rpartition("/")[2], str(settings.shares_per_pod))
+        return Way(mode, settings.device_class, (counted_selector(settings), *product), (shares, *capacity))
+    if mode == "shared":
+        return Way(mode, settings.device_class, (SHAREABLE, *product), capacity)
+    return Way(mode, settings.device_class, (whole_selector(settings), *product), capacity)
+
+
+def simple_shape(settings: GpuSettings, mode: str, count: int, memory: str = "", profile: str = "",
+                 models: tuple[GpuModel, ...] = ()) -> ClaimShape:
+    """One mode, one way: what dra, shared, shares, mps-dra and mig-dra pods get."""
+    way = single_way(settings, mode, memory, profile, models)
+    return ClaimShape(mode, count, (way,), "" if mode == "mig-dra" else aligned(settings, count),
+                      settings.mps_driver if mode == "mps-dra" else "")
+
+
+def template_spec(settings: GpuSettings, mode: str, count: int, memory: str = "", profile: str = "") -> dict[str, Any]:
+    """:func:`shape_spec` of a one-mode claim: ``memory`` becomes ``capacity.requests.memory`` (shared),
+    ``profile`` the MIG profile selector (mig-dra)."""
+    return shape_spec(simple_shape(settings, mode, count, memory, profile))
+
+
+def template_name(settings: GpuSettings, mode: str, count: int, memory: str = "", profile: str = "") -> str:
+    return shape_name(settings.template_prefix, simple_shape(settings, mode, count, memory, profile))
 
 
 SPEC_HASH_ANNOTATION = "gatekeeper.dev/spec-hash"
@@ -112,11 +198,15 @@ def spec_hash(spec: dict[str, Any]) -> str:
 
 def claim_template(settings: GpuSettings, mode: str, count: int, namespace: str,
                    memory: str = "", profile: str = "") -> dict[str, Any]:
-    spec = template_spec(settings, mode, count, memory, profile)
+    return shape_template(settings, simple_shape(settings, mode, count, memory, profile), namespace)
+
+
+def shape_template(settings: GpuSettings, shape: ClaimShape, namespace: str) -> dict[str, Any]:
+    spec = shape_spec(shape)
     return {
         "apiVersion": DRA_API,
         "kind": "ResourceClaimTemplate",
-        "metadata": {"name": template_name(settings, mode, count, memory, profile), "namespace": namespace,
+        "metadata": {"name": shape_name(settings.template_prefix, shape), "namespace": namespace,
                      "labels": dict(MANAGED_BY), "annotations": {SPEC_HASH_ANNOTATION: spec_hash(spec)}},
         "spec": spec,
     }

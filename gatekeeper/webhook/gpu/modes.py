@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from gatekeeper.kube.admission import quoted
-from gatekeeper.webhook.settings import MODE_ANNOTATION, MODES, GpuSettings
+from gatekeeper.webhook.settings import FALLBACKS_ANNOTATION, MODE_ANNOTATION, MODES, GpuSettings
 
 
 class PolicyError(ValueError):
@@ -52,6 +52,8 @@ def decide_mode(annotations: dict[str, Any], namespace: str, settings: GpuSettin
     so the user learns why their pod is not what they asked for.
     """
     value = annotations.get(MODE_ANNOTATION)
+    if value is None and FALLBACKS_ANNOTATION in annotations:
+        value = "first-available"  # a pod that lists its ways asks for them
     if value is not None and value not in MODES:
         raise PolicyError(f"annotation {MODE_ANNOTATION} must be one of {', '.join(MODES)}, got {quoted(value)}")
     base, base_source = _namespace_mode(namespace, settings, label_mode) or (settings.default_mode, "default")

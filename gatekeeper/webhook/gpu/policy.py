@@ -39,7 +39,6 @@ class, constraint), so all pods of a shape share one template per namespace.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from gatekeeper.kube.admission import (
@@ -52,11 +51,10 @@ from gatekeeper.kube.admission import (
     escape,
     object_label,
     op_add,
-    op_remove,
-    quoted,
     short,
 )
 from gatekeeper.webhook.gpu import migpools
+from gatekeeper.webhook.gpu.asks import AskError
 from gatekeeper.webhook.gpu.claims import (
     DRA_API,
     DRA_MODES,
@@ -68,20 +66,29 @@ from gatekeeper.webhook.gpu.claims import (
     template_name,
     template_spec,
 )
-from gatekeeper.webhook.gpu.migpools import MigChoice
+from gatekeeper.webhook.gpu.containers import (
+    GPU,
+    MIG_PREFIX,
+    POD_CLAIM,
+    GpuContainer,
+    already_shared_or_dra,
+    claim_groups,
+    gpu_containers,
+    rename,
+)
+from gatekeeper.webhook.gpu.dra_rewrite import dra_claims, mig_choice, shared_memory
 from gatekeeper.webhook.gpu.modes import PolicyError, PolicyForbidden, decide_mode, resolve_mode
 from gatekeeper.webhook.gpu.sizing import (
     MIG_CATALOG,
     MigProfile,
-    mib_quantity,
     mig_need_bytes,
-    parse_quantity,
     parse_quantity_bytes,
     smallest_mig_profile,
 )
 from gatekeeper.webhook.settings import (
     DECISION_ANNOTATION,
     MEMORY_ANNOTATION,
+    MODELS_ANNOTATION,
     REWRITTEN_ANNOTATION,
     GpuSettings,
 )
@@ -91,6 +98,7 @@ __all__ = [
     "DRA_MODES",
     "GPU",
     "MANAGED_BY",
+    "MEMORY_ANNOTATION",
     "MIG_CATALOG",
     "MIG_PREFIX",
     "POD_CLAIM",
@@ -116,187 +124,6 @@ __all__ = [
     "template_name",
     "template_spec",
 ]
-
-GPU = "nvidia.com/gpu"
-MIG_PREFIX = "nvidia.com/mig-"
-
-
-@dataclass(frozen=True)
-class GpuContainer:
-    """A container asking for whole GPUs, and where it sits in the pod."""
-
-    path: str
-    """JSON Pointer of the container, e.g. ``/spec/initContainers/0``."""
-    name: str
-    count: int
-    container: dict[str, Any]
-
-
-MAX_GPUS = 1 << 20
-"""More GPUs than any pod could be given; a larger count is refused instead of becoming a template name."""
-
-
-def _count(value: Any, where: str) -> int:
-    """GPUs asked for, read as the apiserver reads a quantity: ``1000m`` is 1 and ``1e3`` or ``1k`` is 1000
-    (``int()`` refused those, so valid pods were denied even in mode off, and took ``1_0`` for 10)."""
-    if isinstance(value, bool) or not isinstance(value, int | str):
-        raise PolicyError(f"{where}: {GPU} must be a whole number of GPUs, got {quoted(value)}")
-    try:
-        q = parse_quantity(str(value))
-    except ValueError:
-        raise PolicyError(f"{where}: {GPU} must be a whole number of GPUs, got {quoted(value)}") from None
-    if q < 0:
-        raise PolicyError(f"{where}: {GPU} must not be negative, got {quoted(value)}")
-    if q != q.to_integral_value() or q > MAX_GPUS:
-        raise PolicyError(f"{where}: {GPU} must be a whole number of GPUs (at most {MAX_GPUS}), got {quoted(value)}")
-    return int(q)
-
-
-def _resource_maps(c: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any] | None]:
-    res = as_dict(c.get("resources"))
-    limits, requests = res.get("limits"), res.get("requests")
-    return (res, limits if isinstance(limits, dict) else None,
-            requests if isinstance(requests, dict) else None)
-
-
-def _containers(spec: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-    out = []
-    for key in ("initContainers", "containers"):
-        items = spec.get(key)
-        if isinstance(items, list):
-            out += [(f"/spec/{key}/{i}", c) for i, c in enumerate(items) if isinstance(c, dict)]
-    return out
-
-
-def gpu_containers(spec: dict[str, Any], label: str) -> list[GpuContainer]:
-    out = []
-    for path, c in _containers(spec):
-        _, limits, requests = _resource_maps(c)
-        raw = (limits or {}).get(GPU, (requests or {}).get(GPU))
-        if raw is None:
-            continue
-        n = _count(raw, f"{label} container {c.get('name', '?')}")
-        if n > 0:
-            out.append(GpuContainer(path, str(c.get("name", "")), n, c))
-    return out
-
-
-def _already_shared_or_dra(spec: dict[str, Any], settings: GpuSettings) -> bool:
-    if spec.get("resourceClaims"):
-        return True
-    shared = {settings.time_slicing_resource, settings.mps_resource}
-    for _, c in _containers(spec):
-        res, limits, requests = _resource_maps(c)
-        if res.get("claims"):
-            return True
-        for m in (limits or {}, requests or {}):
-            if any(k in shared or k.startswith(MIG_PREFIX) for k in m):
-                return True
-    return False
-
-
-POD_CLAIM = "gpu"
-"""The claim app and regular init containers share (never clashes: per-container claims are ``gpu-<name>``)."""
-
-
-def _regular_init(c: GpuContainer) -> bool:
-    return c.path.startswith("/spec/initContainers/") and c.container.get("restartPolicy") != "Always"
-
-
-def claim_groups(found: list[GpuContainer]) -> list[tuple[str, int, list[GpuContainer]]]:
-    """(claim name, GPU count, containers using it), as device-plugin semantics allocate.
-
-    A regular init container runs to completion before the app containers start, so the kubelet
-    hands its GPUs on to them: the pod needs max(largest init, sum of app), not the sum of all.
-    A claim is reserved for the pod's whole life, so a claim per init container would hold GPUs that
-    nobody uses after start-up. With regular init containers asking for GPUs, they and the app
-    containers therefore share one claim of that size. Sidecars (``restartPolicy: Always``) run
-    beside the app containers and keep a claim of their own, as they keep their own devices with the
-    device plugin. Without regular GPU init containers every container keeps its own claim, so
-    containers do not see each other's GPUs.
-    """
-    inits = [c for c in found if _regular_init(c)]
-    if not inits:
-        return [(claim_name(c.name), c.count, [c]) for c in found]
-    app = [c for c in found if c.path.startswith("/spec/containers/")]
-    # By path (unique per container), not ``c not in inits + app``: that compared whole containers pairwise, and
-    # a pod of 100,000 GPU containers (a 6 MiB review) kept the worker's event loop busy for many minutes.
-    shared = {c.path for c in inits} | {c.path for c in app}
-    sidecars = [c for c in found if c.path not in shared]
-    count = max(max(c.count for c in inits), sum(c.count for c in app))
-    return [(POD_CLAIM, count, inits + app)] + [(claim_name(c.name), c.count, [c]) for c in sidecars]
-
-
-def _drop_gpu(c: GpuContainer) -> list[PatchOp]:
-    """Remove nvidia.com/gpu from limits and requests (the whole map if it held nothing else)."""
-    _, limits, requests = _resource_maps(c.container)
-    ops: list[PatchOp] = []
-    for key, m in (("limits", limits), ("requests", requests)):
-        if m is not None and GPU in m:
-            if len(m) == 1:
-                ops.append(op_remove(f"{c.path}/resources/{key}"))
-            else:
-                ops.append(op_remove(f"{c.path}/resources/{key}/{escape(GPU)}"))
-    return ops
-
-
-def _rename(c: GpuContainer, new: str) -> list[PatchOp]:
-    """Move the GPU count to ``new`` in limits (always) and requests (if it was there)."""
-    _, limits, requests = _resource_maps(c.container)
-    ops: list[PatchOp] = []
-    if limits is None:  # requests without limits: extended resources need limits; set them
-        ops.append(op_add(f"{c.path}/resources/limits", {new: str(c.count)}))
-    else:
-        if GPU in limits:
-            ops.append(op_remove(f"{c.path}/resources/limits/{escape(GPU)}"))
-        ops.append(op_add(f"{c.path}/resources/limits/{escape(new)}", str(c.count)))
-    if requests is not None and GPU in requests:
-        ops.append(op_remove(f"{c.path}/resources/requests/{escape(GPU)}"))
-        ops.append(op_add(f"{c.path}/resources/requests/{escape(new)}", str(c.count)))
-    return ops
-
-
-def _mig_choice(annotations: dict[str, Any], spec: dict[str, Any], settings: GpuSettings, label: str,
-                dynamic: bool = False) -> MigChoice:
-    """``dynamic`` (mig-dra): any profile of ``migGpuModel``, no pools (partitions are found by attribute)."""
-    raw = annotations.get(MEMORY_ANNOTATION)
-    selector = spec.get("nodeSelector")
-    pinned = selector.get(settings.mig_pool_label) if isinstance(selector, dict) else None
-    pinned = str(pinned) if pinned is not None else None
-    if raw is None:
-        if settings.mig_default_profile and dynamic:
-            return MigChoice(settings.mig_default_profile)
-        if settings.mig_default_profile:
-            return migpools.choose(settings, None, "", pinned, label)
-        what = ("a MIG profile of its pool" if settings.mig_pools and not dynamic
-                else f"a {settings.mig_gpu_model} MIG profile")
-        raise PolicyError(f"{label} uses gpu-mode {'mig-dra' if dynamic else 'mig'} but has no {MEMORY_ANNOTATION} "
-                          "annotation "
-                          f"(e.g. '20Gi'): set it so {what} can be chosen")
-    try:
-        need = mig_need_bytes(str(raw))
-    except ValueError as exc:
-        raise PolicyError(f"{label}: {exc}") from None
-    if dynamic:
-        return MigChoice(migpools.catalog_profile(settings, need, str(raw), label))
-    return migpools.choose(settings, need, str(raw), pinned, label)
-
-
-def shared_memory(annotations: dict[str, Any], namespace: str, settings: GpuSettings, label: str) -> str:
-    """The capacity request (whole MiB, rounded up) of a shared pod's GPUs; where it came from is in the error."""
-    raw = annotations.get(MEMORY_ANNOTATION)
-    source = f"annotation {MEMORY_ANNOTATION}"
-    if raw is None:
-        raw = settings.namespace_gpu_memory.get(namespace) or settings.shared_default_memory
-        source = f"the default for namespace {namespace}"
-    if not raw:
-        raise PolicyError(f"{label} uses gpu-mode shared but says no GPU memory: set the annotation "
-                          f"{MEMORY_ANNOTATION} (e.g. '16Gi') to what one GPU container needs")
-    try:
-        return mib_quantity(parse_quantity_bytes(str(raw)))
-    except ValueError as exc:
-        raise PolicyError(f"{label}: {source}: {exc}") from None
-
 
 def handles(req: AdmissionRequest, settings: GpuSettings) -> bool:
     return (settings.enabled and req.kind == "Pod" and req.group == "" and not req.sub_resource
@@ -327,16 +154,17 @@ def review(req: AdmissionRequest, settings: GpuSettings, extended_resource_mappe
     annotations = as_dict(meta.get("annotations"))
     label = object_label("Pod", req.namespace, meta)
     try:
-        found = gpu_containers(spec, label)
+        found = gpu_containers(spec, label, aliases=settings.hami_aliases)
         if not found:
             return Decision(outcome="skipped")
         groups = as_dict(req.raw.get("userInfo")).get("groups") or []
         mode, source = decide_mode(annotations, req.namespace, settings, groups, namespace_label_mode)
+        mode, source = _asked_mode(found, mode, source, annotations, label)
         if mode == "off":
             return Decision(outcome="skipped", audit={"gpu-mode": "off", "gpu-mode-source": source})
         # A pod we rewrote before (reinvocation after a later webhook injected another GPU container)
         # has our own claims and shared names; only a pod that came with its own is left alone.
-        if REWRITTEN_ANNOTATION not in annotations and _already_shared_or_dra(spec, settings):
+        if REWRITTEN_ANNOTATION not in annotations and already_shared_or_dra(spec, settings):
             if source == "enforced":
                 # Skipping would leave nvidia.com/gpu in place: whole GPUs through the device plugin, in the
                 # very namespace whose mode is meant to hold. One claim or shared GPU of the pod's own was
@@ -364,10 +192,41 @@ def review(req: AdmissionRequest, settings: GpuSettings, extended_resource_mappe
         return decision
     except PolicyForbidden as exc:
         return Decision(allowed=False, outcome="denied", message=str(exc), code=403, reason="Forbidden",
-                        audit={"gpu-denied": str(exc), "gpu-mode-source": "enforced"})
+                        audit={"gpu-denied": str(exc), "gpu-mode-source": "enforced", DENIED_REASON: "forbidden"})
     except PolicyError as exc:
         return Decision(allowed=False, outcome="denied", message=str(exc), code=422, reason="Invalid",
-                        audit={"gpu-denied": str(exc)})
+                        audit={"gpu-denied": str(exc), DENIED_REASON: getattr(exc, "reason", "invalid")})
+
+
+DENIED_REASON = "gpu-denied-reason"
+"""Audit key of a denial's reason: the ``reason`` label of ``gatekeeper_webhook_gpu_denials_total``."""
+ALIAS_MODES = ("shared", "shares", "mig-dra", "first-available")
+"""Modes that can serve a share of a GPU's memory, as HAMi's resources ask."""
+
+
+def _asked_mode(found: list[GpuContainer], mode: str, source: str, annotations: dict[str, Any],
+                label: str) -> tuple[str, str]:
+    """The mode once HAMi resources and model choice are read: a HAMi pod whose mode is only the cluster's default
+    (``off`` or one that cannot hold a share) is ``shared`` (source ``hami-alias``); one whose annotation or
+    namespace chose such a mode, or a model choice in a device-plugin mode, is a contradiction, denied with the
+    fix rather than silently half-served."""
+    if MODELS_ANNOTATION in annotations and mode in ("time-slicing", "mps", "mig"):
+        raise AskError(f"{label} names GPU models ({MODELS_ANNOTATION}) but gpu-mode {mode} ({source}) goes through "
+                       "the device plugin, which cannot choose a model: use a DRA mode (dra, shared, shares, mig-dra, "
+                       "first-available) or remove the annotation", "contradictory-ask")
+    asked = [c for c in found if c.alias is not None]
+    if not asked:
+        return mode, source
+    if source == "default" and mode not in ALIAS_MODES:
+        return "shared", "hami-alias"  # the pod's own ask is more specific than the cluster's default
+    if mode == "off":
+        return mode, source
+    if mode not in ALIAS_MODES:
+        what = "HAMi resources (nvidia.com/gpumem, gpumem-percentage or gpucores)"
+        raise AskError(f"{label}: container {asked[0].name} asks for a share of a GPU with {what}, but gpu-mode "
+                       f"{mode} ({source}) cannot serve one: remove them, or use gpu-mode {', '.join(ALIAS_MODES)}",
+                       "contradictory-ask")
+    return mode, source
 
 
 def _rewrite(req: AdmissionRequest, settings: GpuSettings, mode: str, found: list[GpuContainer],
@@ -377,28 +236,11 @@ def _rewrite(req: AdmissionRequest, settings: GpuSettings, mode: str, found: lis
     warnings: list[str] = []
     templates: dict[str, dict[str, Any]] = {}
     claims: list[dict[str, str]] = []
-    existing = spec.get("resourceClaims")
-    taken = {rc.get("name") for rc in existing if isinstance(rc, dict)} if isinstance(existing, list) else set()
-    memory = shared_memory(annotations, req.namespace, settings, label) if mode == "shared" else ""
-    profile = _mig_choice(annotations, spec, settings, label, dynamic=True).profile if mode == "mig-dra" else ""
     if mode in DRA_MODES:
-        for cname, count, members in claim_groups(found):
-            tmpl = claim_template(settings, mode, count, req.namespace, memory, profile)
-            tname = tmpl["metadata"]["name"]
-            templates[tname] = tmpl
-            if cname in taken:
-                raise PolicyError(f"{label}: container {members[0].name} would get DRA claim {cname}, but the pod "
-                                  "already has a resourceClaims entry of that name: rename one of them")
-            claims.append({"name": cname, "resourceClaimTemplateName": tname})
-            for c in members:
-                ops += _drop_gpu(c)
-                res, _, _ = _resource_maps(c.container)
-                ops += append_list_items(res.get("claims"), f"{c.path}/resources/claims", [{"name": cname}])
-                notes.append(f"{c.name}:{c.count}->{cname}" + (f"@{memory or profile}" if memory or profile else ""))
-                warnings.append(short(f"gatekeeper ({mode}): container {c.name}: {GPU}={c.count} -> "
-                                      f"DRA claim {cname} ({tname})"))
+        dra = dra_claims(settings, mode, found, spec, annotations, req.namespace, label)
+        ops, claims, templates, notes, warnings = dra.ops, dra.claims, dra.templates, dra.notes, dra.warnings
     else:
-        mig = _mig_choice(annotations, spec, settings, label) if mode == "mig" else None
+        mig = mig_choice(annotations, spec, settings, label) if mode == "mig" else None
         if mig is not None and mig.pools:
             ops += migpools.placement_ops(spec, settings.mig_pool_label, mig.pools)
             notes.append("pools=" + ",".join(p.name for p in mig.pools))
@@ -412,7 +254,7 @@ def _rewrite(req: AdmissionRequest, settings: GpuSettings, mode: str, found: lis
                 new = MIG_PREFIX + mig.profile
             else:
                 new = settings.time_slicing_resource if mode == "time-slicing" else settings.mps_resource
-            ops += _rename(c, new)
+            ops += rename(c, new)
             notes.append(f"{c.name}:{c.count}->{new}")
             warnings.append(short(f"gatekeeper ({mode}): container {c.name}: {GPU}={c.count} -> {new}={c.count}"))
     if claims:
