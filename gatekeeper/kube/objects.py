@@ -17,6 +17,7 @@ class ObjectMeta(TypedDict, total=False):
     labels: dict[str, str]
     annotations: dict[str, str]
     deletionTimestamp: str
+    resourceVersion: str
 
 
 class TypeMeta(TypedDict, total=False):
@@ -169,9 +170,49 @@ class LeaseSpec(TypedDict, total=False):
     leaseDurationSeconds: int
     renewTime: str
     """MicroTime: RFC 3339 with microseconds."""
+    acquireTime: str
+    leaseTransitions: int
 
 
 class Lease(KubeObject, total=False):
     """``coordination.k8s.io/v1`` Lease, as the proxies of a fleet renew and list them."""
 
     spec: LeaseSpec
+
+
+class EndpointPort(TypedDict):
+    name: str
+    port: int
+    protocol: str
+
+
+class EndpointAddress(TypedDict):
+    ip: str
+
+
+class EndpointSubset(TypedDict):
+    addresses: list[EndpointAddress]
+    ports: list[EndpointPort]
+
+
+class Endpoints(KubeObject, total=False):
+    """``v1`` Endpoints (deprecated since 1.33, still read by old clients), as the fleet writes ``kubernetes``."""
+
+    subsets: list[EndpointSubset]
+
+
+class EndpointConditions(TypedDict, total=False):
+    ready: bool
+
+
+class Endpoint(TypedDict, total=False):
+    addresses: list[str]
+    conditions: EndpointConditions
+
+
+class EndpointSlice(KubeObject, total=False):
+    """``discovery.k8s.io/v1`` EndpointSlice: one address family and one set of ports per slice."""
+
+    addressType: str
+    endpoints: list[Endpoint]
+    ports: list[EndpointPort]

@@ -159,7 +159,7 @@ def query_values(query: str) -> dict[str, list[str]]:
     return values
 
 
-def _truthy(values: list[str] | None) -> bool:
+def query_flag(values: list[str] | None) -> bool:
     """apimachinery's Convert_Slice_string_To_bool: anything but ``0`` or (EqualFold) ``false`` is true."""
     if not values:
         return False
@@ -345,7 +345,7 @@ def _parse(method: str, target: str) -> RequestInfo:
 
     if not name and verb == "get":
         watch = query.get("watch")
-        watching = _truthy(watch)
+        watching = query_flag(watch)
         name = _exact_name(query.get("fieldSelector"))
         # Whether the ListOptions decode matters only where its two readings differ: a metadata.name
         # fieldSelector, or a non-ASCII watch value (EqualFold and ToLower agree on ASCII). Every ordinary
@@ -359,7 +359,7 @@ def _parse(method: str, target: str) -> RequestInfo:
         verb = "deletecollection"
 
     long_running = verb in LONG_RUNNING_VERBS or subresource in LONG_RUNNING_SUBRESOURCES or (
-        subresource == "log" and _truthy(query.get("follow"))
+        subresource == "log" and query_flag(query.get("follow"))
     )
     return RequestInfo(
         is_resource_request=True, path=path, verb=verb, api_prefix=prefix, api_group=group,

@@ -327,7 +327,7 @@ class ApiserverSampler:
                         total += int(line.split()[1]) * 1024
         return total
 
-    async def run(self, with_metrics: bool = True) -> None:
+    async def run(self, with_metrics: bool = True, with_heap: bool = True) -> None:
         clients = [admin_client(self.state, u, timeout=20) for u in self.state.apiserver_urls]
         try:
             while not self._stop.is_set():
@@ -344,6 +344,7 @@ class ApiserverSampler:
                             self.max_executing_per_backend[i] = max(self.max_executing_per_backend[i], float(v or 0))
                         self.totals.append(sum(v or 0 for v in now))
                         self.samples += 1
+                if with_metrics and with_heap:
                     texts = await asyncio.gather(*(c.get("/metrics") for c in clients), return_exceptions=True)
                     heap = sum(metric_sum(t.text, "go_memstats_heap_alloc_bytes") for t in texts
                                if not isinstance(t, BaseException))

@@ -175,3 +175,49 @@ def test_concurrent_processes_never_exceed_the_limit(tmp_path):
     view = parent.view()["work"]
     assert view["seats"] == 0 and view["holders"] == 0
     assert 1 <= peak.value <= 3 and view["peak"] <= 3
+
+
+def _leased(tmp_path: Path, n: int, held: dict[int, int]) -> list[FlowController]:
+    """``n`` workers of one proxy; worker ``i`` holds ``held[i]`` seat Leases of "work" (absent: not leased)."""
+    from test_expensive_lists import capped
+
+    SeatLedger.create(tmp_path / "ledger", n)
+    out = []
+    for i in range(n):
+        fc = capped(per_backend=1, backends=("a", "b"))
+        ledger = SeatLedger(tmp_path / "ledger", i)
+        ledger.backend_rows = {"a": 0, "b": 1}
+        fc.budget.backends.count = ledger.backend_count
+        fc.level_factory = functools.partial(LedgerLevel, ledger=ledger)
+        if i in held:
+            fc.seat_leases = lambda name, limit, k=held[i]: k if name == "work" else None
+        fc.levels, fc.draining = {}, []
+        fc.update(fc.policy)
+        out.append(fc)
+    return out
+
+
+def test_a_leased_levels_expensive_lists_still_count_against_each_apiservers_cap(tmp_path):
+    """Two workers each holding a seat Lease: their seats are their own, the apiservers' slots still shared."""
+    from test_expensive_lists import BIG, on_each
+
+    fcs = _leased(tmp_path, 2, {0: 1, 1: 1})
+    assert all(fc.levels["work"].leased for fc in fcs)
+    tickets = [fcs[i].admit(User(f"u{i}"), BIG, 0.0)[0] for i in range(2)]
+    assert [t.state for t in tickets] == ["executing", "executing"]
+    assert on_each(tickets) == {"a": 1, "b": 1}
+    for fc, t in zip(fcs, tickets, strict=True):
+        fc.finish(t)
+    assert [fc.budget.backends.count(b) for fc in fcs[:1] for b in ("a", "b")] == [0, 0]
+
+
+def test_a_worker_on_the_static_share_is_not_starved_by_another_workers_queue_on_seat_leases(tmp_path):
+    """Workers decide "leased" each on its own; a leased worker's queue must not hold the ledger's turn for good."""
+    fcs = _leased(tmp_path, 2, {1: 0})  # worker 1: leased, no Lease yet; worker 0: the static share
+    assert fcs[1].levels["work"].leased and not fcs[0].levels["work"].leased
+    lst = Req("list", "configmaps", namespace="ns")
+    assert fcs[1].admit(User("w1"), lst, 0.0)[0].state == "queued"
+    first = fcs[0].admit(User("w0"), lst, 0.0)[0]
+    assert first.state == "executing"
+    fcs[0].finish(first)
+    assert fcs[0].admit(User("w0"), lst, 0.0)[0].state == "executing"

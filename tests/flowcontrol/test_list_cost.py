@@ -116,3 +116,27 @@ def test_list_options_the_apiserver_drops_are_not_counted_on() -> None:
     assert list_shape("/api/v1/secrets?limit=1%zz&labelSelector=a%zz") == FULL
     assert list_shape("/api/v1/secrets?limit=1;&limit=7").limit == 7
     assert list_shape("/api/v1/secrets?limit=5").limit == 5
+
+
+def test_learned_sizes_are_bounded_and_a_forgotten_namespace_costs_the_whole_collection() -> None:
+    """Any caller can LIST a made-up namespace (a 200 with no objects): the table of sizes cannot grow for good."""
+    from gatekeeper.proxy.flowcontrol.core.seats import SizeEstimator
+
+    est = SizeEstimator(max_entries=100)
+    est.observe("secrets", "", 80 << 20)
+    est.observe("secrets", "real", 5 << 20)
+    for i in range(1000):
+        est.observe("secrets", f"made-up-{i}", 50)
+    assert len(est.sizes) <= 100
+    assert est.list_bytes("secrets", "real") == 80 << 20  # forgotten: the conservative whole-collection size
+
+
+def test_a_watch_ignores_limit_and_continue_and_reads_resource_versions_as_the_apiserver_does() -> None:
+    """The apiserver streams every object of a watch whatever limit says, and parses the resourceVersion with
+    strconv.ParseUint: "00" is 0, the current state first."""
+    shape = list_shape("/api/v1/secrets?watch=1&sendInitialEvents=true&limit=1&continue=x").watched()
+    assert (shape.limit, shape.continued) == (0, False)
+    for rv, resumes in (("", False), ("0", False), ("00", False), ("000", False), ("12", True), ("+12", False),
+                        ("1e3", False), ("18446744073709551616", False)):
+        assert list_shape(f"/api/v1/secrets?watch=1&resourceVersion={rv}").resumes is resumes, rv
+    assert not list_shape("/api/v1/secrets?watch=1&resourceVersion=12&sendInitialEvents=true").resumes

@@ -248,24 +248,6 @@ def _watch_setup(**kw):
     return fc, handler, stream
 
 
-async def test_watch_gives_back_its_seats_at_its_first_bytes():
-    fc, handler, stream = _watch_setup(watch_init_seconds=30)
-    watch = await fc(req(target="/api/v1/secrets?watch=true"), handler)
-    it = watch.body.__aiter__()
-    first = asyncio.create_task(it.__anext__())
-    await until(lambda: len(stream._waiters) == 1, "the watch to wait for its first event")
-    level = fc.controller.levels["w"]
-    assert level.executing_seats == 1  # head arrived, no events yet: still initializing
-    lister = asyncio.create_task(call(fc, req(user="bob"), handler))
-    await until(lambda: level.waiting == 1, "the LIST to queue behind the initializing watch")
-    stream.set()
-    assert await first == b'{"type":"ADDED"}\n'
-    assert (await asyncio.wait_for(lister, 2))[0] == 200
-    assert level.executing_seats == 0
-    await it.aclose()
-    assert level.executing_requests == 0
-
-
 async def test_silent_watch_holds_its_seat_at_most_watch_init_seconds():
     fc, handler, _stream = _watch_setup(watch_init_seconds=0.2)
     watch = await fc(req(target="/api/v1/secrets?watch=true"), handler)

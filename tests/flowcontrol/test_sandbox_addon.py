@@ -40,7 +40,9 @@ def test_sandbox_proxy_classifies_secret_lists_with_the_seeds_policy(sandbox: Sa
             assert r.status_code == 200, r.text
             assert r.headers["x-gatekeeper-pf-flowschema"] == "secrets-list"
             assert r.headers["x-gatekeeper-pf-prioritylevel"] == "secrets-list"
-            r = c.get("/api/v1/namespaces/default/configmaps")
+            r = c.get("/api/v1/namespaces/default/configmaps")  # the other kind of big objects, same level
+            assert r.status_code == 200 and r.headers["x-gatekeeper-pf-flowschema"] == "secrets-list"
+            r = c.get("/api/v1/namespaces/default/pods")
             assert r.status_code == 200 and r.headers["x-gatekeeper-pf-flowschema"] == "workload"
         certs = SandboxPKI(Path(sandbox.certs_dir))
         with _client(sandbox, certs.crt("admin"), certs.key("admin")) as c:

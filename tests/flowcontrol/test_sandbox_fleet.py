@@ -2,8 +2,8 @@
 
 Each proxy renews ``gatekeeper-proxy-<identity>`` in gatekeeper-system as its own identity
 (system:gatekeeper-proxy, front-proxy certificate) and divides every level by the live fleet: the seeds'
-catch-all level (10 seats) becomes 4 + 3 + 3, 2 secret-LIST seats become 1 each (the stated rounding:
-at least 1 per proxy), and each apiserver's 4 expensive-LIST slots are dealt out among them. A proxy
+catch-all level (10 seats) becomes 4 + 3 + 3, the 2 secret-LIST seats (fewer than the proxies) become seat
+Leases taken on demand, and each apiserver's 4 expensive-LIST slots are dealt out among them. A proxy
 killed with SIGKILL stops renewing; the survivors take its share once its Lease has expired. A proxy whose
 Leases the apiserver forbids runs on the conservative share (``fallbackMembers``) and counts the failures;
 a tenant can neither forge nor delete a fleet Lease.
@@ -69,7 +69,8 @@ def test_three_proxies_divide_the_budget_and_survivors_take_a_killed_ones_share(
         until(lambda: all(metric(p, "gatekeeper_fleet_members") == 3 for p in proxies)
               and sorted(metric(p, "gatekeeper_fleet_share_seats", priority_level="catch-all") for p in proxies)
               == [3, 3, 4], 4 * TTL, "3 members dividing catch-all's 10 seats as 3 + 3 + 4")
-        assert [metric(p, "gatekeeper_fleet_share_seats", priority_level="secrets-list") for p in proxies] == [1] * 3
+        # 2 secret-LIST seats behind 3 proxies are seat Leases (exactly 2 fleet-wide): idle, nobody holds one
+        assert [metric(p, "gatekeeper_fleet_share_seats", priority_level="secrets-list") for p in proxies] == [0] * 3
         # 4 expensive LISTs per apiserver across the fleet: each apiserver's 4 slots are dealt out among them
         until(lambda: slots_per_apiserver(sandbox, proxies) == [4, 4, 4], 2 * TTL, "4 slots on each apiserver")
         leases = kit.kubectl(sandbox, "get", "leases", "-n", "gatekeeper-system", "-l",

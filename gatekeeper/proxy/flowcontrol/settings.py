@@ -4,7 +4,10 @@ reads ``files``), and a bad object stops the proxy at load as ``FILE: proxy.flow
 
 from __future__ import annotations
 
+import ipaddress
+import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,6 +15,50 @@ from gatekeeper.proxy.pipeline.impersonation import ImpersonatorSettings
 from gatekeeper.proxy.pipeline.tokens.settings import TokenSettings
 
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,200}[a-z0-9])?$")
+
+
+@dataclass(frozen=True)
+class PublishEndpointsSettings:
+    """The fleet writes the ``default/kubernetes`` Service's endpoints, so in-cluster callers reach the proxies."""
+
+    enabled: bool = False
+    """Off: whatever wrote them before (the apiservers' lease reconciler) keeps them. On: run the apiservers with
+    ``--endpoint-reconciler-type=none``, or each puts its own address back every 10 s."""
+    advertise_address: str = ""
+    """The IP in-cluster callers connect to for this proxy; empty: ``$HOST_IP`` (the static pod sets it from
+    ``status.hostIP``). Not loopback, link-local or unspecified: the API refuses those in endpoints."""
+    advertise_port: int = 0
+    """The port in-cluster callers connect to; 0: ``listener.port``."""
+
+    def validate(self) -> None:
+        if self.advertise_address:
+            check_advertise_address(self.advertise_address, "fleet.publishEndpoints.advertiseAddress")
+        if not 0 <= self.advertise_port <= 65535:
+            raise ValueError("fleet.publishEndpoints.advertisePort: must be 0 (listener.port) to 65535")
+
+    def resolve(self, listener_port: int, environ: Mapping[str, str] = os.environ) -> tuple[str, int]:
+        """(address, port) in-cluster callers reach this proxy at; a ValueError says what to set."""
+        address = self.advertise_address or environ.get("HOST_IP", "")
+        if not address:
+            raise ValueError("fleet.publishEndpoints: set advertiseAddress, or HOST_IP in the environment (the "
+                             "static pod sets it from status.hostIP)")
+        address = check_advertise_address(address, "fleet.publishEndpoints.advertiseAddress (or HOST_IP)")
+        port = self.advertise_port or listener_port
+        if not 0 < port < 65536:
+            raise ValueError("fleet.publishEndpoints: listener.port is 0 (any free port); set advertisePort")
+        return address, port
+
+
+def check_advertise_address(value: str, key: str) -> str:
+    """``value`` as the API accepts it in an EndpointSlice, or a ValueError naming ``key``."""
+    try:
+        ip = ipaddress.ip_address(value)
+    except ValueError:
+        raise ValueError(f"{key}: {value!r} is not an IP address") from None
+    if ip.is_loopback or ip.is_link_local or ip.is_unspecified or ip.is_multicast:
+        raise ValueError(f"{key}: {value} is loopback, link-local, unspecified or multicast; the API refuses it "
+                         "in endpoints (use the node's address)")
+    return str(ip)
 
 
 @dataclass(frozen=True)
@@ -32,6 +79,20 @@ class FleetSettings:
     """How often each proxy renews its Lease and lists the fleet's (at most a third of the duration)."""
     fallback_members: int = 3
     """A proxy that could not renew its Lease for a whole duration assumes at least this many proxies alive."""
+    seat_leases: bool = True
+    """A level with fewer seats than live proxies shares them as seat Leases, so the fleet holds exactly its seats
+    (each proxy takes one when it has requests of the level); off: every proxy keeps at least one (max(L, N))."""
+    seat_poll_seconds: float = 0.1
+    """A process with requests waiting for a seat Lease asks again this often (doubling up to 4x while refused)."""
+    seat_max_hold_seconds: float = 5.0
+    """A seat Lease held this long goes back once the request on it ends, even with more waiting, so proxies take
+    turns; the proxy that gave it back waits ``seatTurnPauseSeconds`` before asking again."""
+    seat_turn_pause_seconds: float = 0.3
+    """How long a proxy that gave a seat back to take turns lets the others ask first."""
+    seat_linger_seconds: float = 0.05
+    """A seat Lease no longer needed is kept this long first, so back-to-back requests do not write a Lease each."""
+    publish_endpoints: PublishEndpointsSettings = field(default_factory=PublishEndpointsSettings)
+    """The fleet owns the ``default/kubernetes`` Service's endpoints (off by default)."""
 
     def validate(self) -> None:
         if not DNS_LABEL.match(self.name):
@@ -47,6 +108,15 @@ class FleetSettings:
                              "late renewal makes a live proxy look gone")
         if self.fallback_members < 1:
             raise ValueError("fleet.fallbackMembers must be at least 1")
+        for key, seconds in (("seatPollSeconds", self.seat_poll_seconds),
+                             ("seatMaxHoldSeconds", self.seat_max_hold_seconds),
+                             ("seatTurnPauseSeconds", self.seat_turn_pause_seconds),
+                             ("seatLingerSeconds", self.seat_linger_seconds)):
+            if seconds <= 0:
+                raise ValueError(f"fleet.{key}: must be positive")
+        self.publish_endpoints.validate()
+        if self.publish_endpoints.enabled and not self.enabled:
+            raise ValueError("fleet.publishEndpoints needs fleet.enabled: the endpoints list the fleet's live members")
 
 
 @dataclass(frozen=True)
@@ -64,6 +134,30 @@ class ExpensiveListSettings:
             raise ValueError("expensiveLists.maxInFlightPerBackend: must be at least 0 (0: no cap)")
         if self.min_bytes < 1:
             raise ValueError("expensiveLists.minBytes: must be at least 1")
+
+
+@dataclass(frozen=True)
+class WatchStartSettings:
+    """How fast one caller may start new watches (kubernetes#98423: upstream limits neither their number nor
+    rate)."""
+
+    per_flow_per_second: float = 50.0
+    """New watches per second per caller and FlowSchema after the burst; more get 429 with a Retry-After of the
+    time until the next one may start. 0: no limit. Each worker process keeps its own buckets: a client's
+    connection is served by one worker, so one that spreads its watches over several connections can get up to
+    ``workers`` times as many."""
+    burst: int = 200
+    """Watches a caller may start at once: a controller's informers all start together (kube-controller-manager
+    starts about 100 on its own)."""
+    max_flows: int = 10_000
+    """Callers whose bucket is remembered; the least recently used is forgotten first (a forgotten caller starts
+    with a full burst again), so the table cannot grow without bound."""
+
+    def validate(self) -> None:
+        if self.per_flow_per_second < 0:
+            raise ValueError("watchStarts.perFlowPerSecond: must be at least 0 (0: no limit)")
+        if self.burst < 1 or self.max_flows < 1:
+            raise ValueError("watchStarts.burst and watchStarts.maxFlows: must be at least 1")
 
 
 @dataclass(frozen=True)
@@ -87,7 +181,13 @@ class FlowControlSettings:
     storage_only_resources: list[str] = field(default_factory=list)
     """Resources without a watch cache (``--watch-cache-sizes=R#0``): their selector LISTs cost the whole collection."""
     watch_init_seconds: float = 2.0
-    """A watch holds its seat until its first body bytes, or at most this long after its response head."""
+    """A watch without a resourceVersion (which sends every existing object first) holds its seat until its first
+    body bytes, or at most this long after its response head; a watch from a resourceVersion frees it at the head."""
+    watch_list_sync_seconds: float = 60.0
+    """A watch-list (``sendInitialEvents=true``) holds its LIST seats until the apiserver has sent the
+    initial-events-end bookmark, or at most this long (the apiservers' default request timeout)."""
+    watch_starts: WatchStartSettings = field(default_factory=WatchStartSettings)
+    """The rate at which each flow may start new watches."""
     read_ahead_bytes_per_connection: int = 32 << 20
     """Unsent LIST bytes read ahead per client connection, so seats go back when the apiserver has sent the last
     byte, not when a slow client took it (one chunk always). 0: no read ahead."""
@@ -133,8 +233,8 @@ class FlowControlSettings:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be at least 1")
-        if self.watch_init_seconds <= 0:
-            raise ValueError("watchInitSeconds: must be positive")
+        if self.watch_init_seconds <= 0 or self.watch_list_sync_seconds <= 0:
+            raise ValueError("watchInitSeconds and watchListSyncSeconds: must be positive")
         if self.read_ahead_bytes_per_connection < 0 or self.read_ahead_bytes < 0:
             raise ValueError("readAheadBytes and readAheadBytesPerConnection must be at least 0")
         for key, seconds in (("fanoutStallSeconds", self.fanout_stall_seconds),
@@ -151,3 +251,4 @@ class FlowControlSettings:
         self.impersonators.validate()
         self.fleet.validate()
         self.expensive_lists.validate()
+        self.watch_starts.validate()

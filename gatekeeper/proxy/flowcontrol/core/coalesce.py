@@ -28,7 +28,8 @@ def identity_key(user_name: str, groups: Sequence[str], source: str, headers: Se
 
 
 def coalesce_key(method: str, target: str, headers: Sequence[tuple[str, str]], identity: str) -> tuple[str, ...] | None:
-    """The merge key for a request, or None if it must never be merged (only plain GET LISTs merge)."""
+    """The merge key for a request, or None if it must never be merged (the caller asks only for plain GET LISTs
+    and watch-lists, whose answer to one identity is the same stream)."""
     if method != "GET" or any(k == "upgrade" for k, _ in headers):
         return None
     picked = tuple(f"{k}:{v}" for k, v in sorted(headers) if k in MERGE_HEADERS or k.startswith("impersonate-"))

@@ -17,6 +17,7 @@ from gatekeeper.proxy.flowcontrol.core.objects import FlowSchema, PriorityLevel
 from gatekeeper.proxy.flowcontrol.core.policy import Policy, UserFacts
 from gatekeeper.proxy.flowcontrol.core.queueset import LevelState, ListBudget, Ticket
 from gatekeeper.proxy.flowcontrol.core.seats import SizeEstimator
+from gatekeeper.proxy.flowcontrol.core.watchstarts import WatchStarts
 
 
 @functools.lru_cache(maxsize=8192)
@@ -38,6 +39,9 @@ class LevelLimits:
     storage_only_resources: frozenset[str] = frozenset()
     expensive_lists_per_backend: int = 0
     expensive_list_bytes: int = 8 << 20
+    watch_starts_per_second: float = 0.0
+    watch_start_burst: int = 1
+    watch_start_flows: int = 10_000
 
 
 class FlowController:
@@ -50,6 +54,7 @@ class FlowController:
         self.limits = limits or LevelLimits()
         self.estimator = SizeEstimator()
         self.budget = ListBudget(self.limits.list_bytes_cap)  # update() sets both from the limits
+        self.watch_starts = WatchStarts(0.0, 1, 1)
         self.policy = policy
         self.levels: dict[str, LevelState] = {}
         self.draining: list[LevelState] = []
@@ -60,6 +65,11 @@ class FlowController:
         """Latest time seen; used when a caller does not pass one."""
         self.share_of: FleetShare | None = None
         """This proxy's part of a fleet's budget (``fleet.py``): level seats and expensive-LIST slots per apiserver."""
+        self.seat_leases: Callable[[str, int], int | None] | None = None
+        """For a fleet's small levels (``seatleases.py``): the seats this process holds as Leases, or None where a
+        level's seats are not leased."""
+        self.ceilings: dict[str, int] = {}
+        """Leased levels: seats held; borrowing never lifts such a level above them."""
         self.update(policy, self.limits)
 
     def update(self, policy: Policy, limits: LevelLimits | None = None) -> list[Ticket]:
@@ -70,13 +80,19 @@ class FlowController:
             self.estimator.bytes_per_seat, self.estimator.max_seats = limits.bytes_per_seat, limits.max_seats
             self.estimator.storage_only = limits.storage_only_resources
             self.budget.cap = limits.list_bytes_cap
+            ws = self.watch_starts
+            ws.rate, ws.burst, ws.max_flows = (limits.watch_starts_per_second, max(1, limits.watch_start_burst),
+                                               max(1, limits.watch_start_flows))
         self.budget.backends.configure(self.limits.expensive_lists_per_backend, self.limits.expensive_list_bytes,
                                        self.share_of)
         self.policy = policy
         levels: dict[str, LevelState] = {}
+        ceilings: dict[str, int] = {}
         for name, spec in policy.levels.items():
             limit = policy.limits.get(name, 0)
-            if self.share_of is not None and not spec.exempt:
+            if not spec.exempt and self.seat_leases is not None and (held := self.seat_leases(name, limit)) is not None:
+                limit = ceilings[name] = held
+            elif self.share_of is not None and not spec.exempt:
                 limit = self.share_of(name, limit)
             old = self.levels.pop(name, None)
             if old is not None and old.same_geometry(spec):
@@ -86,6 +102,10 @@ class FlowController:
                 if old is not None:
                     self.draining.append(old)
                 levels[name] = self.level_factory(spec, limit, self.budget)
+            # A leased level's seats are this process's own Leases, not the workers' shared ledger; it keeps its
+            # queues when the fleet turns leasing on or off.
+            levels[name].leased = name in ceilings
+        self.ceilings = ceilings
         self.draining.extend(self.levels.values())
         self.levels = levels
         self.draining = [lv for lv in self.draining if not lv.idle]
@@ -119,6 +139,8 @@ class FlowController:
             lv = self.levels[name]
             lv.target = item.target
             lv.limit = go_round(alloc)
+            if name in self.ceilings:
+                lv.limit = min(lv.limit, self.ceilings[name])
 
     def _note(self, lv: LevelState | None, now: float | None) -> None:
         if now is not None and now > self.now:
@@ -146,7 +168,10 @@ class FlowController:
         fs, pl = self.policy.classify(user, ri)
         if pl.exempt and not exempt_ok:
             fs, pl = self.policy.catch_all()
-        est = self.estimator.estimate(ri.verb, ri.resource, ri.namespace, shape, single)
+        # A watch that sends the current state first (a watch-list, or one without a resourceVersion) streams the
+        # collection before it watches: the LIST's cost (upstream's width estimator does so for watch-lists).
+        listing = ri.verb == "list" or (ri.verb == "watch" and shape is not None)
+        est = self.estimator.estimate("list" if listing else ri.verb, ri.resource, ri.namespace, shape, single)
         if pl.exempt:  # runs at once, uncounted: no queue, so no flow either
             t = Ticket(flow=0, seats=est.seats, list_bytes=est.list_bytes, key=None, deadline=now)
             return t, fs, self.levels[pl.name].submit(t)
@@ -162,10 +187,15 @@ class FlowController:
             list_bytes=est.list_bytes,
             key=key,
             deadline=now + self.limits.queue_wait_seconds,
-            unsized=(ri.verb == "list" and not est.list_bytes and not single
-                     and ri.resource in self.estimator.storage_only),
+            unsized=(listing and not est.list_bytes and not single and ri.resource in self.estimator.storage_only),
         )
         level = self.levels[pl.name]
+        # Per caller within the schema, whatever its distinguisher: a schema without one must not let one caller
+        # spend everyone's watches, and ByNamespace must not give a caller a fresh burst per (made-up) namespace.
+        if ri.verb == "watch" and (wait := self.watch_starts.take(
+                flow_hash(fs.name, "\x00watch\x00" + (user.name if user_key is None else user_key)), now)) > 0:
+            t.level, t.state, t.reason, t.retry_in = level, "rejected", "watch-rate", wait
+            return t, fs, []
         dispatched = level.submit(t)
         level.note_demand(self.now)
         return t, fs, dispatched

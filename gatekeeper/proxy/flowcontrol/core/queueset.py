@@ -18,7 +18,7 @@ from gatekeeper.proxy.flowcontrol.core.fleet import FleetShare
 from gatekeeper.proxy.flowcontrol.core.objects import PriorityLevel
 
 State = Literal["new", "queued", "executing", "joined", "rejected", "cancelled", "done"]
-RejectReason = Literal["queue-full", "time-out", "concurrency-limit", "cancelled"]
+RejectReason = Literal["queue-full", "time-out", "concurrency-limit", "cancelled", "watch-rate"]
 
 
 MAX_SEATS_SHARE = 0.15
@@ -78,6 +78,11 @@ class Ticket:
     per-apiserver cap treats it as expensive until a response has taught the size."""
     start_tag: float = 0.0
     finish_tag: float = 0.0
+    retry_in: float = 0.0
+    """For a rejected watch start: seconds until its flow may start another."""
+    ledgered: str = ""
+    """What it took in the workers' shared ledger, and gives back there: "seats" (seats, LIST bytes, an
+    apiserver's slot), "bytes" (a leased level: only the bytes and slot), or nothing."""
 
 
 class BackendCap:
@@ -203,6 +208,9 @@ class _Queue:
 
 class LevelState:
     """Runtime state of one PriorityLevelConfiguration."""
+
+    leased = False
+    """Its seats are seat Leases this process holds (a fleet's small level), not a share of a static limit."""
 
     def __init__(self, spec: PriorityLevel, limit: int, budget: ListBudget) -> None:
         self.spec = spec

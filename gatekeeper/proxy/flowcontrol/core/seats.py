@@ -43,6 +43,9 @@ class SizeEstimator:
     """Bytes per object by resource: a page of a paginated LIST (limit=N, continue token set) holds N objects."""
     storage_only: frozenset[str] = frozenset()
     """Resources whose LISTs always read storage (no watch cache on the apiservers)."""
+    max_entries: int = 20_000
+    """Learned sizes kept; past it the oldest namespace's goes. Any caller can LIST a made-up namespace (a 200 with
+    no objects), so the table is bounded; a forgotten namespace falls back to the whole collection's size."""
 
     def list_bytes(self, resource: str, namespace: str) -> int:
         est = self.sizes.get((resource, namespace))
@@ -76,9 +79,13 @@ class SizeEstimator:
             return  # a filtered or later page says nothing about the whole collection
         self._blend(self.sizes, (resource, namespace), nbytes)
 
-    @staticmethod
-    def _blend(table: dict[Any, float], key: Any, value: float) -> None:
+    def _blend(self, table: dict[Any, float], key: Any, value: float) -> None:
         old = table.get(key)
+        if old is None and table is self.sizes and len(table) >= self.max_entries:
+            # the oldest namespace's: a whole collection's ((resource, "")) is what a forgotten one falls back to
+            oldest = next((k for k in table if k[1]), None)
+            if oldest is not None:
+                del table[oldest]
         if old is None or value >= old:
             table[key] = float(value)
         else:

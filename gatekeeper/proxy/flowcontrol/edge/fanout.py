@@ -49,12 +49,16 @@ class Subscriber:
             await self.ready.wait()
 
     def close(self) -> None:
-        """Stop receiving (client gone); the others carry on."""
+        """Stop receiving (client gone); the others carry on. The last one gone stops the upstream read: a
+        shared watch may send nothing for minutes, so the pump would not notice before then."""
         if not self.closed:
             self.closed = True
             self.chunks.clear()
             self.buffered = 0
+            self.ready.set()  # a reader waiting for the next chunk ends now
             self.fan._progress.set()
+            if not self.fan._live():
+                self.fan.task.cancel()
 
     async def aclose(self) -> None:
         self.close()
@@ -77,11 +81,26 @@ class FanOut:
         self.subs = [Subscriber(self) for _ in range(n)]
         self.on_done = on_done
         self.total = 0
+        self.timers: list[asyncio.TimerHandle] = []
+        """The caller's per-reader timers, cancelled by its ``on_done``."""
         self.complete = False
         """True once the whole upstream body was read (the byte count is a real response size)."""
         self._progress = asyncio.Event()
+        self._reported = False
         # The pump's first step runs after the caller has handed the subscribers out (it awaits nothing between).
         self.task = asyncio.get_running_loop().create_task(self._pump(), name="gatekeeper-flowcontrol-fanout")
+        self.task.add_done_callback(self._never_ran)
+
+    def _never_ran(self, task: asyncio.Task[None]) -> None:
+        """A pump cancelled before its first step (every reader gone at once) never ran its ``finally``: the end is
+        reported and the upstream body closed here, or the ticket and the upstream stream would stay for good."""
+        if not self._reported:
+            self._reported = True
+            for s in self.subs:
+                s.ended = True
+                s.ready.set()
+            asyncio.get_running_loop().create_task(close_body(self.source))
+            self.on_done(self.total, asyncio.CancelledError())
 
     def _live(self) -> list[Subscriber]:
         return [s for s in self.subs if not s.closed and s.error is None]
@@ -132,6 +151,7 @@ class FanOut:
                 s.error = exc if isinstance(exc, Exception) else ConnectionError("upstream body cancelled")
                 s.ready.set()
         finally:
+            self._reported = True
             for s in self.subs:
                 s.ended = True
                 s.ready.set()

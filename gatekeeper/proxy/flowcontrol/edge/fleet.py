@@ -22,6 +22,7 @@ from prometheus_client import Counter, Gauge
 
 from gatekeeper.kube.objects import Lease
 from gatekeeper.proxy.flowcontrol.core.fleet import FleetShare, LeaseView, Membership, fleet_bound
+from gatekeeper.proxy.flowcontrol.edge.seatleases import SeatLeaser
 from gatekeeper.proxy.flowcontrol.settings import FleetSettings
 from gatekeeper.proxy.messages import UserInfo
 from gatekeeper.proxy.pipeline.auth import identity_headers
@@ -56,15 +57,19 @@ def lease_name(identity: str) -> str:
     return f"gatekeeper-proxy-{identity}"
 
 
-def lease_body(settings: FleetSettings, identity: str, now: float) -> Lease:
+def lease_body(settings: FleetSettings, identity: str, now: float,
+               annotations: dict[str, str] | None = None) -> Lease:
     renew_time = datetime.datetime.fromtimestamp(now, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")  # MicroTime
-    return {
+    body: Lease = {
         "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
         "metadata": {"name": lease_name(identity), "namespace": settings.namespace,
                      "labels": {FLEET_LABEL: settings.name}},
         "spec": {"holderIdentity": identity, "leaseDurationSeconds": max(1, round(settings.lease_duration_seconds)),
                  "renewTime": renew_time},
     }
+    if annotations:  # server-side apply: dropped from a later body, they are removed from the Lease
+        body["metadata"]["annotations"] = dict(annotations)
+    return body
 
 
 def parse_leases(body: bytes) -> list[LeaseView]:
@@ -86,8 +91,11 @@ class FleetMember:
     def __init__(self, settings: FleetSettings,
                  apply: Callable[[FleetShare], dict[str, tuple[int, int]]],
                  clock: Callable[[], float] = time.monotonic, *,
-                 user: UserInfo | None = None) -> None:
-        """``apply(share_of)``: give flow control the function from (level, nominal seats) to ours."""
+                 user: UserInfo | None = None,
+                 demand: Callable[[str], tuple[int, int]] = lambda level: (0, 0),
+                 seats_changed: Callable[[], None] = lambda: None) -> None:
+        """``apply(share_of)``: give flow control the function from (level, nominal seats) to ours; ``demand`` and
+        ``seats_changed``: a leased level's (seats executing, seats waiting) here, and held seat Leases changed."""
         self.settings = settings
         self.identity = own_identity(settings)
         self.apply = apply
@@ -97,15 +105,32 @@ class FleetMember:
         self.decided: tuple[int, int] | None = None
         self.was_partitioned = False
         self._task: asyncio.Task[None] | None = None
+        self.annotations: dict[str, str] = {}
+        """Put on our Lease at every renewal (``edge/endpoints.py``: where in-cluster callers reach us)."""
+        self.on_listing: list[Callable[[bytes], None]] = []
+        """Called with every fleet LeaseList read, after membership has seen it."""
         user = user or UserInfo(name="system:gatekeeper-proxy", groups=["system:authenticated"])
         self._headers = [("accept", "application/json"),
                          *identity_headers(UserInfo(name=user.name, groups=list(user.groups), source="x509"))]
         base = f"/apis/coordination.k8s.io/v1/namespaces/{quote(settings.namespace)}/leases"
         self._patch_path = f"{base}/{quote(lease_name(self.identity))}?fieldManager=gatekeeper-proxy&force=true"
         self._list_path = f"{base}?labelSelector={quote(f'{FLEET_LABEL}={settings.name}', safe='')}"
+        self.seats = SeatLeaser(settings, self.identity, self._headers, demand, seats_changed, clock)
+
+    def set_worker(self, index: int) -> None:
+        """Each worker process holds seat Leases of its own (its seats are not in the workers' shared ledger)."""
+        self.seats.holder = f"{self.identity}-w{index}"
+
+    def seats_for(self, level: str, limit: int) -> int | None:
+        """Seat Leases this process holds of ``level`` when the fleet leases it (fewer seats than live proxies);
+        None: the level takes the static share."""
+        size = self.decided[0] if self.decided is not None else 1
+        if not self.settings.seat_leases or size <= 1 or limit >= size or not self.seats.usable:
+            return None
+        return self.seats.held(level, limit)
 
     def use_upstream(self, upstreams: Sequence[Upstream]) -> None:
-        self.upstreams = upstreams
+        self.upstreams = self.seats.upstreams = upstreams
         if not any(u.ssl_identity is not None for u in upstreams):
             raise ValueError("flowControl.fleet needs upstream.clientCertFile and clientKeyFile (the front-proxy "
                              "certificate): the proxy renews its Lease as its own identity (tokens.proxyUser)")
@@ -115,6 +140,7 @@ class FleetMember:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="gatekeeper-fleet")
 
     async def close(self) -> None:
+        await self.seats.close()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -150,15 +176,19 @@ class FleetMember:
     async def renew_and_list(self) -> None:
         now = self.clock()
         try:
-            body = orjson.dumps(lease_body(self.settings, self.identity, time.time()))
+            body = orjson.dumps(lease_body(self.settings, self.identity, time.time(), self.annotations))
             await self._call("PATCH", self._patch_path, body, [("content-type", "application/apply-patch+yaml")])
             self.membership.renewed(now)
         except Exception as exc:
             self._failed("renew", exc)
+            self.seats.heartbeat(isinstance(exc, PermissionError))  # a refusal is an answer: the seats find out
             return
+        self.seats.heartbeat(True)
         try:
             listing = await self._call("GET", self._list_path, None, [])
             self.membership.observe(parse_leases(listing), self.clock())
+            for hook in self.on_listing:
+                hook(listing)
         except Exception as exc:
             self._failed("list", exc)
 
@@ -186,7 +216,9 @@ class FleetMember:
         seats = self.apply(FleetShare(size, rank))
         for level, (here, _) in seats.items():
             SHARE.labels(level).set(here)
-        described = ", ".join(f"{lv} {here} of {whole} (fleet-wide at most {fleet_bound(whole, size)})"
-                              for lv, (here, whole) in sorted(seats.items()))
+        described = ", ".join(
+            f"{lv} {here} of {whole} as seat Leases" if lv in self.seats.leased else
+            f"{lv} {here} of {whole} (fleet-wide at most {fleet_bound(whole, size)})"
+            for lv, (here, whole) in sorted(seats.items()))
         log.info("fleet %s: %d proxies, this one (%s) is number %d; seats here: %s", self.settings.name, size,
                  self.identity, rank + 1, described)

@@ -136,10 +136,11 @@ class SeatLedger:
         return slot * self._row + _HEAD + worker * _PER_WORKER + field
 
     def try_take(self, slot: int, limit: int, seats: int, list_bytes: int, list_cap: int,
-                 backend: int = -1, backend_cap: int = 0) -> bool:
-        """Take ``seats`` for this worker if they fit proxy-wide and it has the lowest virtual time of the waiting."""
+                 backend: int = -1, backend_cap: int = 0, *, seated: bool = True) -> bool:
+        """Take ``seats`` for this worker if they fit proxy-wide and it has the lowest virtual time of the waiting.
+        ``seated=False``: only the LIST bytes and the apiserver's slot (a leased level's seats are its Leases)."""
         me = self.worker
-        if limit <= 0:
+        if seated and limit <= 0:
             return False
         v = self._ints
         b = slot * self._row
@@ -152,13 +153,13 @@ class SeatLedger:
             my_vt = max(v[mine + _VT], v[b + 2])
             turn = me
             turn_vt = my_vt
-            for w in range(self.workers):
+            for w in range(self.workers if seated else 0):
                 total += v[c]
                 holders += v[c + 1]
                 if w != me and v[c + _WAITING] > 0 and v[c + _VT] < turn_vt:
                     turn, turn_vt = w, v[c + _VT]
                 c += _PER_WORKER
-            if total + seats > limit and holders > 0:
+            if seated and total + seats > limit and holders > 0:
                 return False
             if list_bytes:
                 used = count = 0
@@ -172,13 +173,14 @@ class SeatLedger:
             if turn != me:
                 self.signal(turn)
                 return False
-            v[mine] += seats
-            v[mine + 1] += 1
-            v[mine + _VT] = my_vt + VT_SCALE // max(1, v[mine + _ACTIVE])
-            v[b] = me
-            v[b + 2] = my_vt
-            if holders >= v[b + 1]:
-                v[b + 1] = holders + 1
+            if seated:
+                v[mine] += seats
+                v[mine + 1] += 1
+                v[mine + _VT] = my_vt + VT_SCALE // max(1, v[mine + _ACTIVE])
+                v[b] = me
+                v[b + 2] = my_vt
+                if holders >= v[b + 1]:
+                    v[b + 1] = holders + 1
             if list_bytes:
                 v[self._list_off + 2 * me] += list_bytes
                 v[self._list_off + 2 * me + 1] += 1
@@ -197,16 +199,17 @@ class SeatLedger:
         row = self.backend_rows.get(name)
         return 0 if row is None else self._backend_total(row)
 
-    def give(self, slot: int, seats: int, list_bytes: int, backend: int = -1) -> None:
-        """Return seats taken by :meth:`try_take`; wake the waiting worker whose turn is next. No lock: only
+    def give(self, slot: int, seats: int, list_bytes: int, backend: int = -1, *, seated: bool = True) -> None:
+        """Return what :meth:`try_take` took; wake the waiting worker whose turn is next. No lock: only
         this worker writes its column, in aligned 8-byte stores, and a stale higher value only refuses a seat."""
         me = self.worker
         v = self._ints
         b = slot * self._row
         c = b + _HEAD + me * _PER_WORKER
-        # Holders first, then seats: a reader mid-way never over-counts the peak and sees at worst more seats.
-        v[c + 1] = max(0, v[c + 1] - 1)
-        v[c] = max(0, v[c] - seats)
+        if seated:
+            # Holders first, then seats: a reader mid-way never over-counts the peak and sees at worst more seats.
+            v[c + 1] = max(0, v[c + 1] - 1)
+            v[c] = max(0, v[c] - seats)
         if backend >= 0:
             cell = self._backend_off + backend * self.workers + me
             v[cell] = max(0, v[cell] - 1)
@@ -216,6 +219,8 @@ class SeatLedger:
         if list_bytes or backend >= 0:  # bytes or an apiserver's slot freed: any worker's level may go on
             for w in self._waiting_anywhere(v, me):
                 self.signal(w)
+            return
+        if not seated:
             return
         nxt = self._next_waiting(v, b)
         if nxt is not None and nxt != me:
@@ -308,8 +313,21 @@ class LedgerLevel(LevelState):
         self.ledger = ledger
         self.slot = ledger.slot(spec.name)
         self._waiting = 0
+        self._leased = False
         self.queues = []
         super().__init__(spec, limit, budget)
+
+    @property
+    def leased(self) -> bool:
+        return self._leased
+
+    @leased.setter
+    def leased(self, value: bool) -> None:
+        if value != getattr(self, "_leased", False):
+            self._leased = value
+            n, self._waiting = self._waiting, -1
+            self.waiting = n  # publish (or withdraw) the queue for the new kind of seats
+        self._leased = value
 
     @property
     def waiting(self) -> int:
@@ -319,17 +337,29 @@ class LedgerLevel(LevelState):
     def waiting(self, n: int) -> None:
         if n != self._waiting:
             self._waiting = n
-            active = sum(1 for q in self.queues if q.items) if n else 0
-            self.ledger.set_waiting(self.slot, n, active)
+            # A leased level's queue waits for Leases, not for the ledger's seats: published, it would hold the
+            # turn in the ledger for good (its virtual time never moves) and starve the other workers.
+            active = sum(1 for q in self.queues if q.items) if n and not self.leased else 0
+            self.ledger.set_waiting(self.slot, 0 if self.leased else n, active)
 
     def _fits(self, t: Ticket) -> bool:
-        return super()._fits(t) and self.ledger.try_take(
-            self.slot, self.limit, t.seats, t.list_bytes, self.budget.cap,
-            self.ledger.backend_rows.get(t.backend, -1), self.budget.backends.picked_limit)
+        if not super()._fits(t):
+            return False
+        backend = self.ledger.backend_rows.get(t.backend, -1)
+        seated = not self.leased  # a leased level's seats are this worker's Leases; bytes and slots stay shared
+        if not seated and not t.list_bytes and backend < 0:
+            return True
+        if self.ledger.try_take(self.slot, self.limit, t.seats, t.list_bytes, self.budget.cap, backend,
+                                self.budget.backends.picked_limit, seated=seated):
+            t.ledgered = "seats" if seated else "bytes"
+            return True
+        return False
 
     def release(self, t: Ticket) -> list[Ticket]:
-        if t.holds_seats:
-            self.ledger.give(self.slot, t.seats, t.list_bytes, self.ledger.backend_rows.get(t.backend, -1))
+        if t.holds_seats and t.ledgered:
+            self.ledger.give(self.slot, t.seats, t.list_bytes, self.ledger.backend_rows.get(t.backend, -1),
+                             seated=t.ledgered == "seats")
+            t.ledgered = ""
         return super().release(t)
 
 

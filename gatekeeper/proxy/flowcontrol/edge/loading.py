@@ -35,6 +35,9 @@ def limits_of(settings: FlowControlSettings) -> LevelLimits:
         storage_only_resources=frozenset(settings.storage_only_resources),
         expensive_lists_per_backend=settings.expensive_lists.max_in_flight_per_backend,
         expensive_list_bytes=settings.expensive_lists.min_bytes,
+        watch_starts_per_second=settings.watch_starts.per_flow_per_second,
+        watch_start_burst=settings.watch_starts.burst,
+        watch_start_flows=settings.watch_starts.max_flows,
     )
 
 

@@ -14,25 +14,29 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from gatekeeper.kube.requestinfo import RequestInfo
+from gatekeeper.kube.watchlist import DecodedSize
 from gatekeeper.proxy.adapter import error_response
 from gatekeeper.proxy.flowcontrol.core.coalesce import coalesce_key, identity_key
 from gatekeeper.proxy.flowcontrol.core.controller import FlowController
 from gatekeeper.proxy.flowcontrol.core.fleet import FleetShare
-from gatekeeper.proxy.flowcontrol.core.listcost import ListShape, continued_response, list_shape
+from gatekeeper.proxy.flowcontrol.core.listcost import ListShape, continued_response, list_shape, without_timeout
 from gatekeeper.proxy.flowcontrol.core.objects import FlowSchema, PriorityLevel
 from gatekeeper.proxy.flowcontrol.core.policy import Policy
 from gatekeeper.proxy.flowcontrol.core.queueset import Ticket
+from gatekeeper.proxy.flowcontrol.core.watchstarts import retry_after
 from gatekeeper.proxy.flowcontrol.edge import metrics
+from gatekeeper.proxy.flowcontrol.edge.bodies import Metered
 from gatekeeper.proxy.flowcontrol.edge.fanout import FanOut, Subscriber
 from gatekeeper.proxy.flowcontrol.edge.fleet import FleetMember
 from gatekeeper.proxy.flowcontrol.edge.loading import Reloader, limits_of, load_policy
 from gatekeeper.proxy.flowcontrol.edge.readahead import ReadAhead, ReadAheadBudget
+from gatekeeper.proxy.flowcontrol.edge.watchlist import WatchListSync
 from gatekeeper.proxy.flowcontrol.settings import FlowControlSettings
-from gatekeeper.proxy.messages import Handler, ProxyRequest, ProxyResponse, UserInfo, close_body, is_exhausted
+from gatekeeper.proxy.messages import Handler, ProxyRequest, ProxyResponse, UserInfo
 from gatekeeper.proxy.pipeline.auth import as_apiserver_sees
 from gatekeeper.proxy.pipeline.impersonation import impersonated
 from gatekeeper.proxy.pipeline.tokens.classify import unverified_flow
@@ -47,6 +51,7 @@ _REASON_TEXT = {
     "time-out": "it waited in the queue for the longest allowed time",
     "concurrency-limit": "the priority level has no free seats and rejects rather than queues",
     "leader-failed": "the identical request it was merged with failed before answering",
+    "watch-rate": "its flow started new watches faster than watchStarts allows",
 }
 
 
@@ -75,7 +80,10 @@ class _Waiter:
     info: RequestInfo
     m: metrics.PairMetrics
     shape: ListShape | None
-    """A LIST's options (limit, selectors, resourceVersion): its cost, and what its response teaches."""
+    """A LIST's or watch-list's options (limit, selectors, resourceVersion): its cost, and what its response
+    teaches."""
+    resumes: bool = False
+    """A watch from a resourceVersion: it is set up once its response head is out."""
     future: asyncio.Future[None] | None = None
     """Only a request that has to queue waits on one (created when it is queued)."""
     abandoned: bool = False
@@ -90,61 +98,10 @@ class _Waiter:
     finished: bool = False
     content_type: str = ""
     """A LIST response's Content-Type (a continue token can only be seen in JSON)."""
-
-
-class _Metered:
-    """Body wrapper: counts bytes and reports the end exactly once (end, error, or close)."""
-
-    def __init__(
-        self,
-        body: AsyncIterator[bytes],
-        on_end: Callable[[int, bool, BaseException | None, bytes], None],
-        on_first: Callable[[], None] | None = None,
-    ):
-        self.body = body
-        self.on_end = on_end
-        self.on_first = on_first
-        self.count = 0
-        self.done = False
-        self.head = b""
-
-    def __aiter__(self) -> _Metered:
-        return self
-
-    def _end(self, complete: bool, error: BaseException | None) -> None:
-        if not self.done:
-            self.done = True
-            self.on_end(self.count, complete, error, self.head)
-
-    async def __anext__(self) -> bytes:
-        if self.done:
-            raise StopAsyncIteration
-        try:
-            chunk = await self.body.__anext__()
-        except StopAsyncIteration:
-            self._end(True, None)
-            raise
-        except BaseException as exc:
-            self._end(False, exc)
-            raise
-        if not self.head and chunk:
-            self.head = chunk[:4096]
-            if self.on_first is not None:
-                first, self.on_first = self.on_first, None
-                first()
-        self.count += len(chunk)
-        if is_exhausted(self.body):
-            self._end(True, None)  # the h2 adapter ends the stream on this chunk and reads no further
-        return chunk
-
-    @property
-    def exhausted(self) -> bool:
-        """The upstream body's last-chunk mark, passed through so the h2 adapter ends the stream on the last DATA."""
-        return is_exhausted(self.body)
-
-    async def aclose(self) -> None:
-        self._end(False, None)
-        await close_body(self.body)
+    sync: WatchListSync | None = None
+    """A watch-list's initial sync, while its response is read."""
+    sizer: DecodedSize | None = None
+    """A gzip LIST's decoded size and first bytes: what the apiserver holds, whatever encoding the client took."""
 
 
 class FlowControl:
@@ -167,18 +124,34 @@ class FlowControl:
         self._sighup = False
         self.read_ahead = ReadAheadBudget(settings.read_ahead_bytes, settings.read_ahead_bytes_per_connection)
         own = UserInfo(name=settings.tokens.proxy_user, groups=list(settings.tokens.proxy_groups))
-        self.fleet = FleetMember(settings.fleet, self.share_seats, user=own) if settings.fleet.enabled else None
+        self.fleet: FleetMember | None = None
+        if settings.fleet.enabled:
+            self.fleet = FleetMember(settings.fleet, self.share_seats, user=own, demand=self._demand,
+                                     seats_changed=self._seats_changed)
+            self.controller.seat_leases = self.fleet.seats_for
         metrics.register_source(self)
 
     # -- lifecycle ----------------------------------------------------------------------------
     def apply(self, policy: Policy) -> None:
         """Swap in a new policy (reload); requests it lets run are woken."""
         self._wake(self.controller.update(policy, limits_of(self.settings)))
+        if self.fleet is not None:
+            self.fleet.seats.settle(set(self.controller.ceilings))
 
     def use_upstream(self, upstreams: list[Upstream]) -> None:
         """The pipeline's backend clients, for the fleet's Leases (``process.run`` wires it)."""
         if self.fleet is not None:
             self.fleet.use_upstream(upstreams)
+
+    def _seats_changed(self) -> None:
+        """Seat Leases taken or given back, or the fleet re-divided: limits follow, queued requests may run."""
+        self._wake(self.controller.update(self.controller.policy))
+        if self.fleet is not None:
+            self.fleet.seats.settle(set(self.controller.ceilings))
+
+    def _demand(self, level: str) -> tuple[int, int]:
+        lv = self.controller.levels.get(level)
+        return (lv.executing_seats, lv.waiting_seats) if lv is not None else (0, 0)
 
     def use_backends(self, names: Sequence[str], candidates: Callable[[], Sequence[str]]) -> None:
         """The balancer's apiservers, for the per-apiserver cap on expensive LISTs (``process`` wires it)."""
@@ -187,9 +160,10 @@ class FlowControl:
         caps.configure(caps.nominal, caps.min_bytes, caps.fleet, names)
 
     def share_seats(self, share_of: FleetShare) -> dict[str, tuple[int, int]]:
-        """Every Limited level gets ``share_of(level, nominal)`` seats here; returns (seats here, fleet's) per level."""
+        """Every Limited level gets ``share_of(level, nominal)`` seats here (its seat Leases where it is leased);
+        returns (seats here, fleet's) per level."""
         self.controller.share_of = share_of
-        self._wake(self.controller.update(self.controller.policy))
+        self._seats_changed()
         limits = self.controller.policy.limits
         return {name: (lv.nominal, limits.get(name, 0))
                 for name, lv in self.controller.levels.items() if not lv.spec.exempt}
@@ -247,10 +221,18 @@ class FlowControl:
         info = request.info
         assert info is not None, "the front stage parses RequestInfo"
         user = request.user or ANONYMOUS
+        shape = list_shape(request.target) if info.verb in ("list", "watch") else None
+        resumes = False
+        if shape is not None and info.verb == "watch":
+            resumes = shape.resumes
+            # one that sends the current state first is costed as the LIST of it; one from a version is not
+            shape = None if resumes else shape.watched()
         key = None
-        if self.settings.coalesce and info.verb == "list" and request.method == "GET" and request.body is None:
+        if self.settings.coalesce and shape is not None and request.method == "GET" and request.body is None:
+            # identical LISTs or watch-lists of one identity queued together share one upstream stream
             ident = identity_key(user.name, user.groups, user.source, request.headers)
-            key = coalesce_key(request.method, request.target, request.headers, ident)
+            target = without_timeout(request.target) if info.verb == "watch" else request.target
+            key = coalesce_key(request.method, target, request.headers, ident)
         # A token's identity (or its per-address stand-in), else the certificate caller.
         facts = request.identity or as_apiserver_sees(user, request.connection_memo)
         verified = user.source != "token" or request.token_verified
@@ -261,18 +243,19 @@ class FlowControl:
             if acting_as is not None:  # classified, queued and capped as whom it acts for, as upstream
                 facts = acting_as
                 request.caller = acting_as.name
-        shape = list_shape(request.target) if info.verb == "list" else None
         now = self.clock()
         t, fs, dispatched = self.controller.admit(
             facts, info, now, user_key=user_key, key=key, exempt_ok=verified, shape=shape, single=bool(info.name)
         )
         assert t.level is not None
         pl = t.level.spec
-        w = _Waiter(fs, pl, info, metrics.for_pair(fs.name, pl.name), shape)
+        w = _Waiter(fs, pl, info, metrics.for_pair(fs.name, pl.name), shape, resumes)
         t.payload = w
         request.flow_schema, request.priority_level = fs.name, pl.name
         if t.state == "queued":
             w.future = asyncio.get_running_loop().create_future()
+            if self.fleet is not None:
+                self._poke(t)  # a leased level takes a seat Lease for it
         self._wake(dispatched)
         if w.future is not None:
             timer = asyncio.get_running_loop().call_later(max(0.0, t.deadline - now), self._timeout, t)
@@ -287,7 +270,8 @@ class FlowControl:
         if outcome == "rejected":
             metrics.REJECTED.labels(fs.name, pl.name, t.reason or "").inc()
             w.m.wait_rejected.observe(self.clock() - now)
-            return too_many_requests(fs, pl, t.reason or "", self.settings.retry_after_seconds)
+            return too_many_requests(fs, pl, t.reason or "", max(self.settings.retry_after_seconds,
+                                                                 retry_after(t.retry_in) if t.retry_in else 0))
         w.m.wait_executed.observe(self.clock() - now)
         w.m.seats.observe(t.seats)
         request.reserved_backend = t.backend
@@ -357,30 +341,47 @@ class FlowControl:
 
             upgraded.on_close = on_close
             return response
-        if w.info.long_running:
-            # A watch is set up at its first bytes (initial events, a bookmark); a silent one gets watchInitSeconds.
+        status = response.status
+        until: Callable[[bytes], bool] | None = None
+        if w.shape is not None and w.info.verb == "watch":
+            if status == 200:  # anything else is an error Status: its end gives the seats back
+                until = self._sync(t, w, response.headers).feed
+        elif w.resumes:
+            self._release_seats(t)  # a watch from a resourceVersion is set up when its response head is out
+        elif w.info.long_running:
+            # proxy, exec and followed logs: set up at their first bytes; a silent one gets watchInitSeconds
             on_first = functools.partial(self._release_seats, t)
             asyncio.get_running_loop().call_later(self.settings.watch_init_seconds, self._release_seats, t)
-        status = response.status
+        elif w.shape is not None and status == 200:
+            encoding = next((v for k, v in response.headers if k == "content-encoding"), "")
+            if encoding:  # a LIST the apiserver compressed: learned decoded, not as the client chose to take it
+                w.sizer = DecodedSize(encoding)
+                until = w.sizer.feed
         if not t.followers:
-            if w.shape is not None:  # a LIST
+            if w.shape is not None:  # a LIST or a watch-list
                 w.content_type = next((v for k, v in response.headers if k == "content-type"), "")
             if w.shape is not None and self.read_ahead.per_connection and status == 200:
-                response.body = ReadAhead(response.body, self.read_ahead, connection,
-                                          functools.partial(self._end, t, status))
+                ahead = ReadAhead(response.body, self.read_ahead, connection, functools.partial(self._end, t, status),
+                                  until, self.settings.watch_list_sync_seconds)
+                if w.sync is not None:
+                    w.sync.blocked = ahead.waiting_for_room
+                response.body = ahead
             elif on_first is not None or w.shape is not None:
                 # a LIST's size feeds the seat estimate; a watch frees its seats at its first bytes
-                response.body = _Metered(response.body, functools.partial(self._end, t, status), on_first)
+                response.body = Metered(response.body, functools.partial(self._end, t, status), on_first, until)
         # finish() runs once the response is written out or failed: also the backstop for an unread body.
             response.on_complete.append(lambda err: self._end(t, status, 0, False, err))
             return response
 
         def pumped(total: int, error: BaseException | None) -> None:
+            for timer in fan.timers:
+                timer.cancel()
             response.finish(error)
             self._end(t, status, total, fan.complete, error)
 
         fan = FanOut(
-            response.body,
+            # a shared watch-list's sync reads the upstream stream, so the leader's seats go back at the bookmark
+            Metered(response.body, lambda *_: None, None, until) if until is not None else response.body,
             1 + len(t.followers),
             self.settings.fanout_buffer_bytes,
             pumped,
@@ -394,7 +395,16 @@ class FlowControl:
                 sub.close()
                 continue
             fw.shared.set_result(ProxyResponse(status=status, headers=list(response.headers), body=sub))
+            self._end_share_in_time(fw, sub, fan)
+        self._end_share_in_time(w, fan.subs[0], fan)
         return ProxyResponse(status=status, headers=list(response.headers), body=fan.subs[0])
+
+    @staticmethod
+    def _end_share_in_time(w: _Waiter, sub: Subscriber, fan: FanOut) -> None:
+        """A shared watch ends for each client at its own timeoutSeconds (they differ only there); at most a day
+        (an apiserver may end a watch sooner), and the timer goes with the shared stream."""
+        if w.shape is not None and w.info.verb == "watch" and w.shape.timeout:
+            fan.timers.append(asyncio.get_running_loop().call_later(min(w.shape.timeout, 86_400), sub.close))
 
     async def _follow(self, t: Ticket, w: _Waiter) -> ProxyResponse:
         assert w.shared is not None
@@ -407,6 +417,22 @@ class FlowControl:
                 if isinstance(body, Subscriber):
                     body.close()
             raise
+
+    def _sync(self, t: Ticket, w: _Waiter, headers: Sequence[tuple[str, str]]) -> WatchListSync:
+        """Hold a watch-list's seats until its initial events are sent; learn the collection's size from them."""
+
+        def synced(nbytes: int) -> None:
+            if nbytes >= 0 and w.shape is not None:
+                self.controller.estimator.observe(w.info.resource, w.info.namespace, nbytes, w.shape)
+                metrics.LIST_BYTES.labels(w.info.resource_key).observe(nbytes)
+            self._release_seats(t)
+
+        head = dict(headers)
+        assert w.shape is not None
+        w.sync = WatchListSync(head.get("content-type", ""), head.get("content-encoding", ""),
+                               self.settings.watch_list_sync_seconds, w.pl.name, synced,
+                               bookmark=w.shape.initial_events, quiet_seconds=self.settings.watch_init_seconds)
+        return w.sync
 
     def _uncount(self, w: _Waiter) -> None:
         """The request no longer counts as executing (ended, or a watch got going)."""
@@ -423,6 +449,8 @@ class FlowControl:
             self._uncount(w)
             w.m.exec_watch.observe(self.clock() - w.started)
             self._wake(self.controller.release_seats(t, self.clock()))
+            if self.fleet is not None:
+                self._poke(t)
 
     def _end(
         self, t: Ticket, status: int, nbytes: int, complete: bool, error: BaseException | None, head: bytes = b""
@@ -432,10 +460,14 @@ class FlowControl:
         if not isinstance(w, _Waiter) or w.finished:
             return
         w.finished = True
+        if w.sync is not None:
+            w.sync.ended()
         self._uncount(w)
         if not w.seats_released:
             w.m.exec_regular.observe(self.clock() - w.started)
         if w.info.verb == "list" and status == 200 and complete:
+            if w.sizer is not None and not w.sizer.failed:
+                nbytes, head = w.sizer.decoded, w.sizer.head
             shape = w.shape
             continued = continued_response(head, w.content_type) if shape is not None and shape.limit else False
             self.controller.estimator.observe(w.info.resource, w.info.namespace, nbytes, shape, continued)
@@ -448,6 +480,12 @@ class FlowControl:
                     too_many_requests(fw.fs, fw.pl, "leader-failed", self.settings.retry_after_seconds)
                 )
         self._wake(self.controller.finish(t, self.clock()))
+        if self.fleet is not None:
+            self._poke(t)  # a seat Lease may go back
+
+    def _poke(self, t: Ticket) -> None:
+        if t.level is not None and t.level.leased and self.fleet is not None:
+            self.fleet.seats.poke(t.level.spec.name)
 
 
 def from_settings(settings: FlowControlSettings) -> FlowControl | None:

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Callable
 
 from prometheus_client import Counter, Gauge
 
-from gatekeeper.proxy.messages import close_body
+from gatekeeper.proxy.messages import close_body, is_exhausted
 
 READ_AHEAD_BYTES = Gauge(
     "gatekeeper_flowcontrol_read_ahead_bytes",
@@ -74,12 +74,22 @@ class ReadAhead:
         budget: ReadAheadBudget,
         connection: int,
         on_upstream_end: Callable[[int, bool, BaseException | None, bytes], None],
+        until: Callable[[bytes], bool] | None = None,
+        drain_seconds: float = 60.0,
     ) -> None:
         self.source = source
         self.budget = budget
         self.connection = connection
         self.on_upstream_end = on_upstream_end
         """``(bytes, complete, error, head)``: once, when the upstream body ended, failed or was closed."""
+        self.until = until
+        """A watch-list's sync: True once the apiserver's part is done; from then on the client reads the source."""
+        self.handed_over = False
+        self.drain_seconds = drain_seconds
+        """After the hand-over, how long the client may take to read what was read ahead: a watch has no deadline,
+        and an idle one must not hold the worker's read-ahead budget for its whole life."""
+        self.full = False
+        """The pump waits for its client to make room (not for the apiserver)."""
         self.chunks: deque[bytes] = deque()
         self.buffered = 0
         self.total = 0
@@ -97,6 +107,8 @@ class ReadAhead:
     @property
     def exhausted(self) -> bool:
         """The chunk just returned was the last (the h2 adapter ends the stream on it)."""
+        if self.handed_over:
+            return not self.chunks and is_exhausted(self.source)
         return self.ended and self.error is None and not self.chunks
 
     async def __anext__(self) -> bytes:
@@ -109,6 +121,8 @@ class ReadAhead:
                 return chunk
             if self.error is not None:
                 raise self.error
+            if self.handed_over:
+                return await self.source.__anext__()
             if self.ended:
                 raise StopAsyncIteration
             self._ready.clear()
@@ -134,12 +148,21 @@ class ReadAhead:
                         full = True
                         READ_AHEAD_FULL.labels(why).inc()
                     self._room.clear()
-                    await self._room.wait()
+                    self.full = True
+                    try:
+                        await self._room.wait()
+                    finally:
+                        self.full = False
                 self.total += len(chunk)
                 self.budget.take(self.connection, len(chunk))
                 self.buffered += len(chunk)
                 self.chunks.append(chunk)
                 self._ready.set()
+                if self.until is not None and self.until(chunk):
+                    self.handed_over = True  # the rest is a plain watch: no pump, no buffer
+                    if self.chunks:
+                        asyncio.get_running_loop().call_later(self.drain_seconds, self._drain_deadline)
+                    return
             complete = True
         except asyncio.CancelledError as exc:
             error = exc
@@ -148,10 +171,24 @@ class ReadAhead:
             error = exc
             self.error = exc
         finally:
-            self.ended = True
             self._ready.set()
-            await close_body(self.source)
-            self._report(complete, error)
+            if not self.handed_over:
+                self.ended = True
+                await close_body(self.source)
+                self._report(complete, error)
+
+    def waiting_for_room(self) -> bool:
+        return self.full
+
+    def _drain_deadline(self) -> None:
+        """The client did not take the initial events read ahead for it in time: they go, and its stream is cut."""
+        if self.buffered:
+            self.budget.give(self.connection, self.buffered)
+            self.buffered = 0
+            self.chunks.clear()
+            self.error = ConnectionError(
+                f"the client did not read a watch's initial events within {self.drain_seconds:g}s")
+            self._ready.set()
 
     async def aclose(self) -> None:
         """The client is gone or done: stop reading upstream, give the buffered bytes back."""
@@ -161,6 +198,8 @@ class ReadAhead:
                 await self._pump
             except asyncio.CancelledError:
                 pass
+        if self.handed_over:
+            await close_body(self.source)
         self._report(False, None)  # a pump cancelled before its first step never ran its finally
         if self.buffered:
             self.budget.give(self.connection, self.buffered)
