@@ -25,11 +25,14 @@ BENCHES: dict[str, tuple[str, str]] = {
     "storm-probe": ("loadtest.bench_storm_probe", "other tenants' latency during the seeds' LIST storm"),
     "slow-readers": ("loadtest.bench_slow_readers", "two slow readers on the seeds' 2-seat level: read ahead, none, "
                                                     "and direct"),
+    "read-ahead-memory": ("loadtest.soak.readahead", "a worker's RSS with its read-ahead budget full"),
+    "soak": ("loadtest.soak.run", "does the proxy's RSS level off under a steady load? (--minutes N --rps R)"),
     "workers": ("loadtest.bench.workers", "--workers N: connections per worker, and new clients with one stopped"),
     "webhook": ("loadtest.bench_webhook", "the admission webhook over TLS: reviews per second and latency"),
     "webhook-worstcase": ("loadtest.bench_webhook_worstcase", "webhook RSS under what its budgets do not count"),
     "webhook-decode-shapes": ("loadtest.bench_webhook_decode_shapes", "why reviews are not refused by brace counts"),
-    "gpu-packing": ("loadtest.gpu_packing", "the same inference pods whole-GPU and shared, side by side"),
+    "gpu-packing": ("loadtest.gpu_packing", "the same inference pods whole-GPU and shared, side by side; on a mixed "
+                                            "fleet 48 pods with mixed asks in three arms"),
 }
 """Name -> (module, with ``:function`` when its entry is not ``main()``; the question it answers).
 Modules load only when run."""

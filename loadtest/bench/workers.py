@@ -118,19 +118,9 @@ async def one_round(arm: str, p: ProxyProcess, args: argparse.Namespace) -> Roun
 
 def run_arm(arm: str, state: SandboxState, workdir: Path, args: argparse.Namespace, tree: str | None,
             user_config: dict[str, Any]) -> Round:
-    before = {k: os.environ.get(k) for k in ("PYTHONPATH", "PYTHONSAFEPATH")}
-    if tree:
-        # PYTHONSAFEPATH: `python -m gatekeeper` would put the working directory (this checkout) first.
-        os.environ.update(PYTHONPATH=tree, PYTHONSAFEPATH="1")
-    try:
-        p = ProxyProcess(state, workdir, name=f"bench-{arm}", workers=args.workers, user_config=user_config)
-        p.start()
-    finally:
-        for key, value in before.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    # PYTHONSAFEPATH: `python -m gatekeeper` would put the working directory (this checkout) first.
+    p = ProxyProcess(state, workdir, name=f"bench-{arm}", workers=args.workers, user_config=user_config)
+    p.start(env={"PYTHONPATH": tree, "PYTHONSAFEPATH": "1"} if tree else None)
     try:
         return asyncio.run(one_round(arm, p, args))
     finally:

@@ -187,15 +187,16 @@ def test_gogc_runs_both_arms_three_times_interleaved_and_judges_each_seed_claim(
         assert int(r["secrets_before"]) == 8 and abs(int(r["secrets_after"]) - 8) <= 2, r
         assert float(r["rss_life1_mib"]) > 50 and float(r["rss_life2_mib"]) > 50, r
         assert float(r["heap_inuse_mib"]) > 10 and float(r["heap_released_mib"]) >= 0, r
-        assert float(r["gc_per_min"]) > 0, r  # apiservers under churn collect within any window
+        assert float(r["gc_per_min"]) >= 0, r  # a tiny run's window may hold no cycle (CI: 0.000 at load 5)
         assert float(r["secret_requests_per_s"]) > 0 and float(r["cpu_ms_per_request"]) > 0, r
         assert float(r["restart_s"]) > 0, r
         assert float(r["rss_growth_pct_per_min"]) == float(r["rss_growth_pct_per_min"]), r  # a slope, not NaN
+    assert sum(float(r["gc_per_min"]) for r in runs) > 0, runs  # the apiservers' GC cycles are read at all
     for claim in ("A restart frees up to 40 %", "GOGC 50 lowers memory", "GOGC 50 stops growth over time"):
         assert re.search(rf"^\d\. \*{claim}[^*]*\* \*\*(reproduced|not reproduced|contradicted)\*\*: ", text,
                          re.M), claim
     per_arm = re.search(r"^\| GC cycles per minute[^|]*\| ([\d.]+) \([\d.]+ to [\d.]+\) \| ([\d.]+) \(", text, re.M)
-    assert per_arm and float(per_arm.group(1)) > 0 and float(per_arm.group(2)) > 0, text
+    assert per_arm and float(per_arm.group(1)) >= 0 and float(per_arm.group(2)) >= 0, text
 
 
 def test_dra_scale_interleaves_runs_on_one_ramp_and_compares_quiet_memory(tmp_path: Path) -> None:
