@@ -88,11 +88,16 @@ class Component:
     def build_dir(self, root: Path | None = None) -> Path:
         return (root or cache_root()) / "build" / f"{self.name}-{self.version()}"
 
+    def own_sources(self) -> list[Path]:
+        """Go files of our own beside go.mod (a load generator's main package); ``tools.go`` only pins imports."""
+        return sorted(p for p in self.source_dir().glob("*.go") if p.name != "tools.go")
+
     def stamp(self) -> str:
         src = self.source_dir()
         gomod, gosum = (src / "go.mod").read_bytes(), (src / "go.sum").read_bytes()
         tags = f" -tags={','.join(self.tags)}" if self.tags else ""
-        return stamp_of(gomod, gosum, self.ldflags() + tags, self.packages)
+        own = "".join(f" {p.name}:{hashlib.sha256(p.read_bytes()).hexdigest()}" for p in self.own_sources())
+        return stamp_of(gomod, gosum, self.ldflags() + tags + own, self.packages)
 
 
 _K8S_LDFLAGS = (
@@ -107,6 +112,11 @@ K8S = Component("k8s", "kubernetes", "k8s.io/kubernetes",
                 tuple(f"k8s.io/kubernetes/cmd/{b}" for b in
                       ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl")),
                 ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl"), _K8S_LDFLAGS)
+KUBEADM = Component("kubeadm", "kubeadm", "k8s.io/kubernetes", ("k8s.io/kubernetes/cmd/kubeadm",), ("kubeadm",),
+                    _K8S_LDFLAGS, version_args=("version", "-o", "short"))
+"""kubeadm from the same k8s.io/kubernetes version as K8S, in a module of its own: its extra dependencies
+(system-validators, coredns migration) would change K8S's go.sum, and so its stamp, forcing a rebuild of the
+sandbox's binaries. Not used by ``up``: tests render the kube-apiserver static pod with it (deploy/proxy/kubeadm/)."""
 ETCD = Component("etcd", "etcd", "go.etcd.io/etcd/server/v3", ("go.etcd.io/etcd/server/v3",), ("etcd",), "-s -w")
 KWOK = Component("kwok", "kwok", "sigs.k8s.io/kwok", ("sigs.k8s.io/kwok/cmd/kwok",), ("kwok",),
                  "-s -w -X sigs.k8s.io/kwok/pkg/consts.Version={version}")
@@ -115,6 +125,10 @@ H2SPEC = Component("h2spec", "h2spec", "github.com/summerwind/h2spec", ("github.
 """HTTP/2 conformance checker; tests/proxy/test_h2spec.py runs it against the proxy (not used by ``up``)."""
 HELM = Component("helm", "helm", "helm.sh/helm/v3", ("helm.sh/helm/v3/cmd/helm",), ("helm",),
                  "-s -w -X helm.sh/helm/v3/internal/version.version={version}", version_args=("version", "--short"))
+INFORMERS = Component("informers", "informers", "k8s.io/client-go", ("gatekeeper.local/sandbox/informers",),
+                      ("informers",), "-s -w -X main.clientGoVersion={version}")
+"""Real client-go Secrets informers, one per tenant identity (``gomod/informers/main.go``): the seeds' storm as
+today's controllers send it, a watch-list per informer (tests/flowcontrol, ``python -m loadtest list-storm``)."""
 PROMTOOL = Component("promtool", "promtool", "github.com/prometheus/prometheus",
                      ("github.com/prometheus/prometheus/cmd/promtool",), ("promtool",),
                      "-s -w -X github.com/prometheus/common/version.Version={bare}", tags=("remove_all_sd",))
@@ -130,7 +144,14 @@ CRD_MODULES = {
 }
 """CRDs the chart's optional objects need, taken from the projects' Go modules (no other source
 is reachable from the build machine): name -> (module, version, directory of CRD YAML)."""
-COMPONENTS = (ETCD, KWOK, K8S, H2SPEC, HELM, PROMTOOL)
+CADDY = Component("caddy", "caddy", "github.com/caddyserver/caddy/v2", ("github.com/caddyserver/caddy/v2/cmd/caddy",),
+                  ("caddy",), "-s -w -X github.com/caddyserver/caddy/v2.CustomVersion={version}",
+                  version_args=("version",))
+"""Caddy, the Go reverse proxy ``python -m loadtest bench proxy`` measures the proxy against. Not in
+:data:`COMPONENTS`: only that benchmark needs it, and it builds it on first use (or ``sandbox build --only caddy``)."""
+COMPONENTS = (ETCD, KWOK, K8S, KUBEADM, H2SPEC, HELM, PROMTOOL, INFORMERS)
+ON_DEMAND = (CADDY,)
+"""Built only when named (``--only``) or when a benchmark asks for them."""
 
 
 def module_version(gomod_text: str, module: str) -> str:
@@ -214,8 +235,9 @@ def go_env() -> dict[str, str]:
 
 def _prepare_build_dir(component: Component, build_dir: Path) -> None:
     build_dir.mkdir(parents=True, exist_ok=True)
-    for name in ("go.mod", "go.sum", "tools.go"):
-        shutil.copy2(component.source_dir() / name, build_dir / name)
+    for path in (component.source_dir() / "go.mod", component.source_dir() / "go.sum",
+                 *component.source_dir().glob("*.go")):
+        shutil.copy2(path, build_dir / path.name)
 
 
 def go_build_argv(component: Component, out: Path) -> list[str]:
@@ -342,8 +364,8 @@ def build_component(component: Component, *, force: bool = False, say: Callable[
 def build_all(*, force: bool = False, only: tuple[str, ...] = (), say: Callable[[str], None] = print) -> None:
     if shutil.which("go") is None:
         raise BuildError("`go` is not on PATH; install Go >= 1.26 (the modules pin go 1.26.0)")
-    for c in COMPONENTS:
-        if only and c.name not in only:
+    for c in (*COMPONENTS, *ON_DEMAND):
+        if (only and c.name not in only) or (not only and c in ON_DEMAND):
             continue
         build_component(c, force=force, say=say)
         sys.stdout.flush()
@@ -394,6 +416,23 @@ def deploy_tool(component: Component) -> Path:
     if not path.is_file():
         raise BuildError(f"{path} is not built; run `gatekeeper sandbox build`")
     return path
+
+
+def kubeadm_binary() -> Path:
+    """Path of the built kubeadm, or a BuildError naming the fix."""
+    return deploy_tool(KUBEADM)
+
+
+def informers_binary() -> Path:
+    """Path of the built client-go informers load generator, or a BuildError naming the fix."""
+    return deploy_tool(INFORMERS)
+
+
+def caddy_binary(say: Callable[[str], None] = print) -> Path:
+    """Path of Caddy, built from its module on first use (a few minutes) and cached like the sandbox's binaries."""
+    if shutil.which("go") is None and not is_current(CADDY, CADDY.bin_dir()):
+        raise BuildError("Caddy is not built and `go` is not on PATH; install Go >= 1.26")
+    return build_component(CADDY, say=say) / CADDY.binaries[0]
 
 
 def h2spec_binary() -> Path:

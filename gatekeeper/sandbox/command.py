@@ -6,8 +6,8 @@ import argparse
 from pathlib import Path
 
 from gatekeeper.errors import UsageError, non_negative_int, positive_int
-from gatekeeper.sandbox import memlimit, mig
-from gatekeeper.sandbox.build import BuildError, build_all
+from gatekeeper.sandbox import fleet, gpu, memlimit, mig
+from gatekeeper.sandbox.build import COMPONENTS, ON_DEMAND, BuildError, build_all
 from gatekeeper.sandbox.lifecycle import SandboxError, UpOptions, down, status, up
 
 NAME = "sandbox"
@@ -31,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     b.add_argument("--force", action="store_true", help="rebuild even if the stamp says up to date")
     b.add_argument("--only", action="append",
-                   choices=["etcd", "kwok", "k8s", "h2spec", "helm", "promtool", "crds"], default=[],
+                   choices=[*(c.name for c in (*COMPONENTS, *ON_DEMAND)), "crds"], default=[],
                    help="build only this component (repeatable)")
     b.set_defaults(func=_build)
 
@@ -45,9 +45,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     u.add_argument("--apiservers", type=positive_int, default=3, help="kube-apiservers sharing etcd (default 3)")
     u.add_argument("--gpu-nodes", type=non_negative_int, default=0, help="KWOK GPU nodes (default 0)")
     u.add_argument("--gpus-per-node", type=positive_int, default=8, help="GPUs per node (default 8)")
-    u.add_argument("--gpu-sharing", choices=["none", "memory"], default="none",
-                   help="publish the GPUs exclusive (none, default) or shareable by memory like the NVIDIA "
-                        "DRA driver's --consumable-shares=memory (for the webhook's shared mode)")
+    u.add_argument("--gpu-sharing", type=_sharing, default="none",
+                   help="publish the --gpu-nodes GPUs exclusive (none, default) or shareable like the NVIDIA DRA "
+                        "driver's --consumable-shares: memory (for the webhook's shared mode), unlimited, or a "
+                        "share count N (N pods per GPU, the webhook's shares mode)")
+    u.add_argument("--gpu-pool", action="append", default=[], type=_pool, metavar="SPEC",
+                   help="a pool of GPU nodes: name=NAME,nodes=N,gpus=G,model=MODEL,sharing=SHARING (e.g. "
+                        "name=a100,nodes=1,gpus=4,model=A100-40GB,sharing=4); nodes gpu-NAME-<i>; repeatable")
+    u.add_argument("--mixed-fleet", action="store_true",
+                   help="the mixed fleet: H100s shared by memory, whole H100s, A100s shared 4 ways, whole A100s "
+                        "(1 node x 4 GPUs each) and one dynamic-MIG node (adds --mig-dra-nodes 1)")
     u.add_argument("--gpu-extended-resource-mapping", action="store_true",
                    help="the GPU DeviceClass maps nvidia.com/gpu (KEP-5004 extendedResourceName) and the "
                         "nodes do not advertise it, so the scheduler serves unchanged GPU pods through DRA")
@@ -86,9 +93,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     u.add_argument("--proxy-goaway-chance", type=float, default=None,
                    help="GOAWAY probability per request for the proxy add-on")
     u.add_argument("--proxy-config", default=None, help="YAML config file for the proxy add-on")
-    u.add_argument("--proxies", type=positive_int, default=1,
-                   help="proxy processes, each in front of every apiserver as the static pods are; more than one "
-                        "share one flow-control budget through Leases (flowControl.fleet)")
+    u.add_argument("--proxies", type=positive_int, default=None,
+                   help="the deployed topology: N proxy processes, each in front of every apiserver as the static "
+                        "pods are, sharing one flow-control budget through Leases and publishing the kubernetes "
+                        "Service's endpoints (flowControl.fleet); the scheduler, controller manager, KWOK and the "
+                        "webhook call through them. Without it: one proxy, beside direct access")
     u.add_argument("--client-lb", choices=("none", "haproxy-tcp"), default="none",
                    help="haproxy-tcp: an HAProxy TCP front over the proxies (a VIP or cloud LB); proxy.kubeconfig "
                         "points at it")
@@ -105,6 +114,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d.set_defaults(func=_down)
 
 
+def _sharing(text: str) -> str:
+    try:
+        return gpu.check_sharing(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _pool(text: str) -> fleet.GpuPool:
+    try:
+        return fleet.parse_pool(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _state_dir(p: argparse.ArgumentParser) -> None:
     p.add_argument("--state-dir", required=True, type=Path, help="sandbox directory (e.g. ./.sandbox)")
 
@@ -118,7 +141,7 @@ def _build(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
-    if (args.proxies > 1 or args.client_lb != "none") and not args.with_proxy:
+    if (args.proxies is not None or args.client_lb != "none") and not args.with_proxy:
         raise UsageError("--proxies and --client-lb need --with-proxy")
     addons = tuple(n for n, on in (("webhook", args.with_webhook), ("proxy", args.with_proxy)) if on)
     opts = UpOptions(
@@ -126,7 +149,8 @@ def _up(args: argparse.Namespace) -> int:
         gpus_per_node=args.gpus_per_node, with_scheduler=args.with_scheduler, gogc=args.gogc,
         timeout=args.timeout, addons=addons, apiserver_args=tuple(args.apiserver_arg), gpu_sharing=args.gpu_sharing,
         gpu_extended_resource_mapping=args.gpu_extended_resource_mapping,
-        mig_nodes=tuple(args.mig_node), mig_dra_nodes=args.mig_dra_nodes,
+        mig_nodes=tuple(args.mig_node), mig_dra_nodes=max(args.mig_dra_nodes, 1 if args.mixed_fleet else 0),
+        gpu_pools=tuple(args.gpu_pool) + (fleet.MIXED_FLEET if args.mixed_fleet else ()),
         controller_manager_args=tuple(args.controller_manager_arg), scheduler_args=tuple(args.scheduler_arg),
         etcd_args=tuple(args.etcd_arg),
         apiserver_memory_limit=memlimit.parse_limit(args.apiserver_memory_limit) if args.apiserver_memory_limit else 0,

@@ -24,13 +24,19 @@ GPU_MEMORY = "80Gi"
 PCIE_ROOTS = ("pci0000:00", "pci0000:80")
 """Two PCIe roots per node, half the GPUs each, so a 2-GPU ``matchAttribute`` constraint means something."""
 NODE_PREFIX = "gpu-node-"
-SHARING_MODES = ("none", "memory")
-"""``--gpu-sharing``: ``memory`` publishes every GPU as the NVIDIA DRA driver does with
-``--consumable-shares=memory`` (kubernetes-sigs/dra-driver-nvidia-gpu, cmd/gpu-kubelet-plugin/
-consumable_shares.go): ``allowMultipleAllocations: true`` and a ``memory`` capacity whose
-``requestPolicy`` defaults to the whole GPU and allows 1Mi..all in 1Mi steps. A claim that asks for no
-memory still gets the whole GPU (the default), so whole-GPU pods behave exactly as with ``none``."""
+SHARING_MODES = ("none", "memory", "unlimited", "<N>")
+"""``--gpu-sharing`` / a pool's ``sharing``, as the NVIDIA DRA driver's ``--consumable-shares``
+(kubernetes-sigs/dra-driver-nvidia-gpu, cmd/gpu-kubelet-plugin/consumable_shares.go) publishes a GPU:
+
+* ``none``: exclusive (no ``allowMultipleAllocations``);
+* ``memory``: ``allowMultipleAllocations: true`` and a ``memory`` capacity whose ``requestPolicy``
+  defaults to the whole GPU and allows 1Mi..all in 1Mi steps. A claim that asks for no memory still
+  gets the whole GPU (the default), so whole-GPU pods behave exactly as with ``none``;
+* ``unlimited``: the same, but memory defaults to 0 (and may be 0): any number of claims;
+* ``N`` (a count): memory as ``unlimited``, plus a ``shares`` capacity of N whose requests default to 1
+  (1..N in steps of 1): N claims per GPU, the device plugin's time-slicing ``replicas: N``."""
 MEMORY_STEP = "1Mi"
+SHARES_CAPACITY = "shares"
 
 
 class ClusterObjectMeta(objects.ObjectMeta, total=False):
@@ -66,7 +72,7 @@ def device_class(extended_resource_mapping: bool = False) -> Manifest:
     }
 
 
-def node(name: str, gpus: int, advertise_extended_resource: bool = True) -> Manifest:
+def node(name: str, gpus: int, advertise_extended_resource: bool = True, product: str = PRODUCT) -> Manifest:
     """A Node as KWOK's docs create them; KWOK fills conditions and keeps our capacity.
 
     No ``kwok.x-k8s.io/node=fake:NoSchedule`` taint: KWOK's docs add it to keep real
@@ -94,7 +100,7 @@ def node(name: str, gpus: int, advertise_extended_resource: bool = True) -> Mani
                 "kubernetes.io/arch": "amd64",
                 "nvidia.com/gpu.present": "true",
                 "nvidia.com/gpu.count": str(gpus),
-                "nvidia.com/gpu.product": PRODUCT.replace(" ", "-"),
+                "nvidia.com/gpu.product": product.replace(" ", "-"),
             },
         },
         "spec": {},
@@ -111,34 +117,48 @@ def pcie_root(index: int, gpus: int) -> str:
     return PCIE_ROOTS[0] if index < (gpus + 1) // 2 else PCIE_ROOTS[1]
 
 
-def gpu_device(node_name: str, i: int, gpus: int, sharing: str = "none") -> dict[str, Any]:
+def check_sharing(sharing: str) -> str:
+    """``sharing`` if it is one of :data:`SHARING_MODES` (a count: a positive integer), else ValueError."""
+    if sharing in ("none", "memory", "unlimited") or (sharing.isdigit() and 0 < int(sharing) <= 1024):
+        return sharing
+    raise ValueError(f"gpu sharing must be none, memory, unlimited or a share count 1..1024, got {sharing!r}")
+
+
+def gpu_device(node_name: str, i: int, gpus: int, sharing: str = "none", product: str = PRODUCT,
+               memory: str = GPU_MEMORY, architecture: str = "Hopper") -> dict[str, Any]:
     """One GPU as the driver publishes it (``sharing``: see :data:`SHARING_MODES`)."""
     device: dict[str, Any] = {
         "name": f"gpu-{i}",
         "attributes": {
             "type": {"string": "gpu"},
-            "productName": {"string": PRODUCT},
-            "architecture": {"string": "Hopper"},
+            "productName": {"string": product},
+            "architecture": {"string": architecture},
             "index": {"int": i},
             "uuid": {"string": gpu_uuid(node_name, i)},
             "resource.kubernetes.io/pcieRoot": {"string": pcie_root(i, gpus)},
         },
-        "capacity": {"memory": {"value": GPU_MEMORY}},
+        "capacity": {"memory": {"value": memory}},
     }
+    check_sharing(sharing)
+    if sharing == "none":
+        return device
+    device["allowMultipleAllocations"] = True
+    mem = device["capacity"]["memory"]
     if sharing == "memory":
-        device["allowMultipleAllocations"] = True
-        device["capacity"]["memory"]["requestPolicy"] = {
-            "default": GPU_MEMORY,
-            "validRange": {"min": MEMORY_STEP, "max": GPU_MEMORY, "step": MEMORY_STEP},
-        }
-    elif sharing != "none":
-        raise ValueError(f"gpu sharing must be one of {', '.join(SHARING_MODES)}, got {sharing!r}")
+        mem["requestPolicy"] = {"default": memory,
+                                "validRange": {"min": MEMORY_STEP, "max": memory, "step": MEMORY_STEP}}
+        return device
+    mem["requestPolicy"] = {"default": "0", "validRange": {"min": "0", "max": memory, "step": MEMORY_STEP}}
+    if sharing != "unlimited":
+        device["capacity"][SHARES_CAPACITY] = {"value": sharing, "requestPolicy": {
+            "default": "1", "validRange": {"min": "1", "max": sharing, "step": "1"}}}
     return device
 
 
-def resource_slice(node_name: str, gpus: int, node_uid: str = "", sharing: str = "none") -> Manifest:
+def resource_slice(node_name: str, gpus: int, node_uid: str = "", sharing: str = "none", product: str = PRODUCT,
+                   memory: str = GPU_MEMORY, architecture: str = "Hopper") -> Manifest:
     """The one slice of pool ``node_name``; owned by the Node so deleting the node cleans it up."""
-    devices = [gpu_device(node_name, i, gpus, sharing) for i in range(gpus)]
+    devices = [gpu_device(node_name, i, gpus, sharing, product, memory, architecture) for i in range(gpus)]
     meta: ClusterObjectMeta = {"name": f"{node_name}-{DRIVER}"}
     if node_uid:
         meta["ownerReferences"] = [

@@ -26,6 +26,7 @@ import yaml
 from gatekeeper.errors import UsageError
 from gatekeeper.sandbox import components as comp
 from gatekeeper.sandbox import (
+    fleet,
     gpu,
     kubectl,
     memlimit,
@@ -78,6 +79,8 @@ class UpOptions:
     """One device-plugin MIG node (all-balanced, ``nvidia.com/mig-*`` capacity) per GPU model listed."""
     mig_dra_nodes: int = 0
     """Nodes whose GPUs are DRA partitionable devices (dynamic MIG: shared counters + partitions)."""
+    gpu_pools: tuple[fleet.GpuPool, ...] = ()
+    """Further GPU node pools, each of one model and sharing setting (``--gpu-pool``, ``--mixed-fleet``)."""
     addons: tuple[str, ...] = ()
     """Add-ons (keys of :data:`ADDONS`) to start after the control plane."""
     apiserver_args: tuple[str, ...] = ()
@@ -176,6 +179,13 @@ def _start_apiservers(s: _Starter, bins: Binaries, opts: UpOptions, etcd_url: st
         wait_until(rec, rec.name, lambda r=rec: processes.probe(r.health, tls), opts.timeout)  # type: ignore[misc]
 
 
+def _point_components_at(layout: comp.Layout, url: str) -> None:
+    """The scheduler's, controller manager's and KWOK's kubeconfigs call ``url`` (the proxies) instead of
+    apiserver 1; written before they start."""
+    for client in ("kube-scheduler", "kube-controller-manager", "kwok"):
+        pki.write_kubeconfig(layout.kubeconfig(client), layout.pki, client, url)
+
+
 def _start_scheduler_and_kcm(s: _Starter, bins: Binaries, opts: UpOptions) -> None:
     tls = _tls(s.layout)
     started = []
@@ -215,8 +225,10 @@ def _publish_gpus(s: _Starter, bins: Binaries, opts: UpOptions) -> None:
     kc, kb = s.layout.kubeconfig("admin"), bins.kubectl
     dc = gpu.device_class(opts.gpu_extended_resource_mapping)
     kubectl.run(kc, "create", "-f", "-", input=json.dumps(dc), binary=kb, check=True)
-    names = gpu.node_names(opts.gpu_nodes)
-    s.state.extra.update({"gpu_nodes": names, "gpus_per_node": opts.gpus_per_node,
+    pool_nodes = [n for p in opts.gpu_pools for n in p.node_names()]
+    names = gpu.node_names(opts.gpu_nodes) + pool_nodes
+    s.state.extra.update({"gpu_nodes": names, "gpu_pools": [p.record() for p in opts.gpu_pools],
+                          "gpus_per_node": opts.gpus_per_node,
                           "device_class": gpu.DEVICE_CLASS, "dra_driver": gpu.DRIVER,
                           "gpu_sharing": opts.gpu_sharing,
                           "gpu_extended_resource_mapping": opts.gpu_extended_resource_mapping})
@@ -226,7 +238,9 @@ def _publish_gpus(s: _Starter, bins: Binaries, opts: UpOptions) -> None:
     if dra_names:
         kubectl.run(kc, "create", "-f", "-", input=json.dumps(mig.mig_device_class()), binary=kb, check=True)
     s.state.save()
-    nodes = [gpu.node(n, opts.gpus_per_node, not opts.gpu_extended_resource_mapping) for n in names]
+    nodes = [gpu.node(n, opts.gpus_per_node, not opts.gpu_extended_resource_mapping)
+             for n in gpu.node_names(opts.gpu_nodes)]
+    nodes += [n for p in opts.gpu_pools for n in fleet.manifests(p)[0]]
     nodes += [mig.mig_node(n, m, opts.gpus_per_node) for n, m in zip(mig_names, opts.mig_nodes, strict=True)]
     dra_gpus = mig.mig_dra_gpus(opts.gpus_per_node)
     nodes += [mig.mig_dra_node(n, dra_gpus) for n in dra_names]
@@ -237,7 +251,8 @@ def _publish_gpus(s: _Starter, bins: Binaries, opts: UpOptions) -> None:
     created = kubectl.get_json(kc, "nodes", "-l", comp.KWOK_NODE_SELECTOR, binary=kb)
     uids = {i["metadata"]["name"]: i["metadata"]["uid"] for i in created["items"]}
     slices = [gpu.resource_slice(n, opts.gpus_per_node, uids.get(n, ""), opts.gpu_sharing)
-              for n in s.state.extra["gpu_nodes"]]
+              for n in gpu.node_names(opts.gpu_nodes)]
+    slices += [sl for p in opts.gpu_pools for sl in fleet.manifests(p, uids)[1]]
     slices += [sl for n in dra_names for sl in mig.mig_dra_slices(n, dra_gpus, uids.get(n, ""))]
     kubectl.run(kc, "create", "-f", "-", input=json.dumps(gpu.as_list(slices)), binary=kb, check=True)
     kwok_rec = s.state.process("kwok")
@@ -306,16 +321,22 @@ def up(opts: UpOptions, args: argparse.Namespace | None = None, say: Say = print
         etcd_url = _start_etcd(s, bins, opts.timeout)
         _start_apiservers(s, bins, opts, etcd_url)
         say(f"  {opts.apiservers} apiserver(s) ready after {time.monotonic() - t0:.1f}s")
+        addons = opts.addons
+        if with_proxy.NAME in addons and with_proxy.deployed(args or argparse.Namespace()):
+            # The deployed topology: the proxies first, and every component after them calls through them.
+            _start_addons(state, args or argparse.Namespace(), (with_proxy.NAME,), say)
+            _point_components_at(layout, state.extra["cluster_url"])
+            addons = tuple(a for a in addons if a != with_proxy.NAME)
         if opts.apiserver_memory_limit:
             s.start(supervisor.NAME, [sys.executable, "-m", "gatekeeper.sandbox.supervisor", str(directory)],
                     ports={}, urls={}, go_env=False)
         if opts.with_scheduler:
             _start_scheduler_and_kcm(s, bins, opts)
-        if opts.gpu_nodes or opts.mig_nodes or opts.mig_dra_nodes:
+        if opts.gpu_nodes or opts.mig_nodes or opts.mig_dra_nodes or opts.gpu_pools:
             _start_kwok(s, bins, opts)
         _publish_gpus(s, bins, opts)
         state.extra["control_plane_seconds"] = round(time.monotonic() - t0, 2)
-        _start_addons(state, args or argparse.Namespace(), opts.addons, say)
+        _start_addons(state, args or argparse.Namespace(), addons, say)
     except BaseException as exc:
         _report_failure(state, exc)
         results = stop_all(state.processes)

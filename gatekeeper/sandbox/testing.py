@@ -18,7 +18,7 @@ import threading
 import time
 import urllib.request
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -152,12 +152,15 @@ class ProxyProcess:
         self.admin_cert = (str(certs.crt("admin")), str(certs.key("admin")))
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self, timeout: float = 60) -> None:
-        """Start it and wait for ``/readyz``; fails with the log's tail if it exits or is not ready in time."""
+    def start(self, timeout: float = 60, env: Mapping[str, str] | None = None) -> None:
+        """Start it and wait for ``/readyz``; fails with the log's tail if it exits or is not ready in time.
+
+        ``env`` is added to this process's environment for the proxy alone (a benchmark's other tree on
+        ``PYTHONPATH``, an allocator setting), so callers need not change their own environment around it."""
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen([sys.executable, "-m", "gatekeeper", "proxy", "--config",
                                           str(self.config_path)], stdout=out, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+                                         start_new_session=True, env={**os.environ, **env} if env else None)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, f"proxy exited: {processes.tail(self.log)}"

@@ -13,6 +13,11 @@ Called by ``sandbox up`` once the control plane is healthy. It
   ``sandbox.json`` (``sandbox down`` stops it like any other process), and
 * writes ``DIR/proxy.kubeconfig``: the admin client certificate, server = the proxy.
 
+``--proxies N`` runs the deployed topology (docs/install/index.md): N proxies, one per "control-plane node", sharing one
+budget through Leases and publishing the ``default/kubernetes`` Service's endpoints (``flowControl.fleet``); each
+advertises a node address of its own (:func:`node_address`, port = its listener's). ``sandbox up`` then starts
+them before the scheduler, controller manager, KWOK and the webhook, which call through them (``cluster_url``).
+
 ``--proxy-workers N`` sets ``workers`` (N processes on the port, ``proxy/workers.py``).
 ``--proxy-goaway-chance P`` sets ``protocol.goawayChance`` (values above
 kube-apiserver's 0.02 cap turn on the test-only override). ``--proxy-config
@@ -39,7 +44,13 @@ from gatekeeper.errors import UsageError
 from gatekeeper.proxy.flowcontrol.edge.defaults import sandbox_flow_control
 from gatekeeper.proxy.settings import MAX_GOAWAY_CHANCE
 from gatekeeper.sandbox import client_lb, kubectl, processes
-from gatekeeper.sandbox.pki import FRONT_PROXY_CLIENT, SandboxPKI, write_kubeconfig
+from gatekeeper.sandbox.pki import (
+    APISERVER_DNS,
+    FRONT_PROXY_CLIENT,
+    KUBERNETES_SERVICE_IP,
+    SandboxPKI,
+    write_kubeconfig,
+)
 from gatekeeper.sandbox.state import SandboxState
 from gatekeeper.sandbox.waiting import wait_until
 
@@ -117,9 +128,22 @@ FLEET = "sandbox"
 """The fleet name of the sandbox's proxies (``--proxies N``): their Leases in gatekeeper-system carry it."""
 
 
+def deployed(args: argparse.Namespace) -> bool:
+    """``--proxies N`` given: the deployed topology (a fleet owning the kubernetes Service's endpoints)."""
+    return getattr(args, "proxies", None) is not None
+
+
+def node_address(index: int) -> str:
+    """The address proxy ``index`` advertises in the kubernetes Service's endpoints. The API refuses loopback
+    there, and the sandbox binds only loopback, so each proxy plays a node of TEST-NET-1 (RFC 5737, never routed)
+    that ``service_network.py`` maps back to 127.0.0.1, as a node network and kube-proxy would."""
+    return f"192.0.2.{index}"
+
+
 def fleet_section(index: int) -> dict[str, Any]:
-    """Proxy ``index`` of a sandbox fleet: one budget shared through Leases (``flowControl.fleet``)."""
-    return {"enabled": True, "name": FLEET, "identity": f"sandbox-proxy-{index}"}
+    """Proxy ``index`` of a sandbox fleet: one budget shared through Leases, publishing its node address."""
+    return {"enabled": True, "name": FLEET, "identity": f"sandbox-proxy-{index}",
+            "publishEndpoints": {"enabled": True, "advertiseAddress": node_address(index)}}
 
 
 def start(state: SandboxState, args: argparse.Namespace) -> None:
@@ -127,13 +151,16 @@ def start(state: SandboxState, args: argparse.Namespace) -> None:
     that ``proxy.kubeconfig`` points at, as a VIP or cloud load balancer would be."""
     directory = Path(state.dir)
     count = max(1, getattr(args, "proxies", 1) or 1)
+    fleet = deployed(args)
     client_lb_kind = getattr(args, "client_lb", "none") or "none"
     haproxy = client_lb.haproxy_binary() if client_lb_kind == "haproxy-tcp" else ""
     # Before the proxy starts, so its first fetch of the issuer's keys is allowed: without them every
     # token caller would be classified as unverified (one flow per address) instead of by who it is.
     kubectl.run(state.kubeconfig, "apply", "-f", "-", input=IDENTITY_RBAC.read_text(), check=True)
     pki = PKI(state.certs_dir)
-    serving = pki.issue_serving(SERVING, dns=["localhost"], ips=["127.0.0.1", "::1"], ca=CLUSTER_CA)
+    # The names and ClusterIP in-cluster callers verify, as on the apiservers' certificate.
+    serving = pki.issue_serving(SERVING, dns=list(APISERVER_DNS), ips=["127.0.0.1", "::1", KUBERNETES_SERVICE_IP],
+                                ca=CLUSTER_CA)
     user = _user_config(getattr(args, "proxy_config", None))
     started: list[dict[str, Any]] = []
     for index in range(1, count + 1):
@@ -144,7 +171,7 @@ def start(state: SandboxState, args: argparse.Namespace) -> None:
             goaway_chance=getattr(args, "proxy_goaway_chance", None), user_config=user,
             workers=getattr(args, "proxy_workers", None),
         )
-        if count > 1:  # a copy: the user's section is shared by every proxy's config
+        if fleet:  # a copy: the user's section is shared by every proxy's config
             flow = dict(config["proxy"].get("flowControl") or {})
             flow["fleet"] = _merge(fleet_section(index), flow.get("fleet") or {})
             config["proxy"]["flowControl"] = flow
@@ -171,6 +198,9 @@ def start(state: SandboxState, args: argparse.Namespace) -> None:
         front = {**_start_client_lb(state, haproxy, [p["url"] for p in started]), "metricsUrl": front["metricsUrl"]}
     state.extra[NAME] = front
     state.extra["proxies"] = started
+    if fleet:
+        state.extra["node_addresses"] = {node_address(i): "127.0.0.1" for i in range(1, count + 1)}
+        state.extra["cluster_url"] = front["url"]
     kubeconfig = write_kubeconfig(directory / "proxy.kubeconfig", SandboxPKI(Path(state.certs_dir)), "admin",
                                   front["url"])
     state.extra[NAME]["kubeconfig"] = str(kubeconfig)

@@ -35,7 +35,7 @@ import yaml
 
 from gatekeeper.certs import PKI
 from gatekeeper.config import load_yaml
-from gatekeeper.sandbox import kubectl, mig, pki, processes, webhook_client
+from gatekeeper.sandbox import fleet, kubectl, mig, pki, processes, webhook_client
 from gatekeeper.sandbox.state import SandboxState
 from gatekeeper.sandbox.waiting import wait_until
 from gatekeeper.webhook import registration
@@ -54,6 +54,14 @@ def gpu_config(state: SandboxState) -> dict[str, Any]:
                            for m in models]
     if state.extra.get("mig_dra_nodes"):
         out["migGpuModel"] = mig.MIG_DRA_MODEL
+    pools = state.extra.get("gpu_pools") or []
+    if pools:  # the fleet's models, as an operator lists them: the known list, and what a percentage is of
+        known = {p["model"]: {"name": p["model"], "productNames": [p["product"]], "memory": p["memory"]}
+                 for p in pools}
+        if state.extra.get("mig_dra_nodes"):
+            dra = fleet.model(mig.MIG_DRA_MODEL)
+            known.setdefault(dra.name, {"name": dra.name, "productNames": dra.product_names, "memory": dra.memory})
+        out["gpuModels"] = list(known.values())
     return out
 
 
@@ -139,7 +147,9 @@ def start(state: SandboxState, args: argparse.Namespace) -> None:
     serving = ca.issue_serving("webhook-serving", ips=["127.0.0.1"])
     ca.issue_client(USER, user=USER)
     sandbox_pki = pki.SandboxPKI(Path(state.certs_dir))
-    kubeconfig = pki.write_kubeconfig(work / "kubeconfig", sandbox_pki, USER, state.apiserver_urls[0])
+    # In the deployed topology (``--proxies N``) through the proxies, as the webhook's in-cluster config would be.
+    server = state.extra.get("cluster_url") or state.apiserver_urls[0]
+    kubeconfig = pki.write_kubeconfig(work / "kubeconfig", sandbox_pki, USER, server)
     kubectl.run(state.kubeconfig, "apply", "-f", "-", binary=binary, check=True,
                 input=json.dumps({"apiVersion": "v1", "kind": "List",
                                   "items": registration.rbac({"kind": "User", "name": USER,

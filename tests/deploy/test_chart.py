@@ -302,7 +302,8 @@ def test_the_chart_the_manifests_and_the_static_pod_run_the_image_the_containerf
 
 def test_the_charts_proxy_rbac_is_the_example_files_and_grants_only_fleet_leases_in_one_namespace() -> None:
     """The static pods' identity gets the same objects from the chart as from
-    deploy/examples/proxy-identity-rbac.yaml; in the fleet namespace only Leases, never delete."""
+    deploy/examples/proxy-identity-rbac.yaml; in the fleet namespace only Leases, never delete; in default only
+    the kubernetes Service's endpoints."""
     assert not [d for d in render() if d["metadata"]["name"].startswith("gatekeeper-proxy:")]  # off by default
     rendered = {(d["kind"], d["metadata"]["name"]): d for d in render(values=(VALUES_SETS / "monitoring.yaml",))
                 if d["metadata"]["name"].startswith("gatekeeper-proxy:")}
@@ -315,6 +316,11 @@ def test_the_charts_proxy_rbac_is_the_example_files_and_grants_only_fleet_leases
         assert got.get("rules") == want.get("rules") and got.get("subjects") == want.get("subjects"), key
         assert got.get("roleRef") == want.get("roleRef"), key
         assert got["metadata"].get("namespace") == want["metadata"].get("namespace"), key
-    (role,) = [d for d in rendered.values() if d["kind"] == "Role"]
+    role = rendered[("Role", "gatekeeper-proxy:fleet")]
     assert role["rules"] == [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
                               "verbs": ["get", "list", "watch", "create", "patch"]}]
+    endpoints = rendered[("Role", "gatekeeper-proxy:kubernetes-endpoints")]
+    assert endpoints["metadata"]["namespace"] == "default"
+    assert {r["resources"][0] for r in endpoints["rules"]} == {"endpointslices", "endpoints"}
+    assert all(r.get("resourceNames") == ["kubernetes"] for r in endpoints["rules"]
+               if r["resources"] == ["endpoints"] and r["verbs"] != ["create"])

@@ -150,13 +150,15 @@ def installed() -> Iterator[Path]:
 
 
 def _as_the_image_runs(install: Path, config: Path, argv: list[str], log: Path) -> subprocess.Popen[bytes]:
-    """``argv`` (after ``gatekeeper``) as uid 65532 on a read-only root, only /tmp writable, the repo hidden."""
+    """``argv`` (after ``gatekeeper``) as uid 65532 on a read-only root, only /tmp writable, the repo hidden.
+
+    The repository is hidden before /tmp gets its tmpfs: a checkout under /tmp has no mount point after it."""
     script = f"""set -e
 mount --bind {install} {INSTALL_AT} && mount -o remount,bind,ro {INSTALL_AT}
 mount --bind {config} {CONFIG_AT} && mount -o remount,bind,ro {CONFIG_AT}
+mount -t tmpfs -o ro,mode=000 tmpfs {ROOT}
 mount -t tmpfs -o mode=1777,size=64m tmpfs /tmp
 mount -o remount,bind,ro /
-mount -t tmpfs -o ro,mode=000 tmpfs {ROOT}
 exec setpriv --reuid {UID} --regid {UID} --clear-groups env -i PATH=/usr/bin:/bin HOME=/nonexistent \
   PYTHONPATH={INSTALL_AT}/site PYTHONDONTWRITEBYTECODE=1 PYTHONSAFEPATH=1 PROMETHEUS_MULTIPROC_DIR=/tmp/metrics \
   {SYSTEM_PYTHON} -m gatekeeper {' '.join(argv)}
