@@ -78,6 +78,11 @@ def _describe(tp: Any) -> str:
     )
 
 
+def describe(tp: Any) -> str:
+    """How the loader names a type in its errors ("an integer", "a list of a string"); the reference pages too."""
+    return _describe(tp)
+
+
 def _typename(value: Any) -> str:
     if value is None:
         return "null"

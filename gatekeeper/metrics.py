@@ -106,8 +106,21 @@ class WrittenFilesCollector:
             return multiprocess.MultiProcessCollector.merge(files, accumulate=True)
 
 
+PAGE_COLLECTORS: list[Any] = []
+"""Collectors whose data is not per-process samples (a component's own snapshot): on every page, multiprocess too."""
+
+
+def register_page_collector(collector: Any) -> None:
+    """Show ``collector`` on this process's /metrics page, whichever mode the page is rendered in."""
+    PAGE_COLLECTORS.append(collector)
+    if not os.environ.get(MULTIPROC_ENV):
+        REGISTRY.register(collector)
+
+
 def multiprocess_registry() -> CollectorRegistry:
-    """A registry holding every process's samples (``PROMETHEUS_MULTIPROC_DIR``)."""
+    """A registry holding every process's samples (``PROMETHEUS_MULTIPROC_DIR``) and the page collectors."""
     registry = CollectorRegistry()
     registry.register(WrittenFilesCollector(os.environ[MULTIPROC_ENV]))
+    for c in PAGE_COLLECTORS:
+        registry.register(c)
     return registry

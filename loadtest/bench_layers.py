@@ -50,7 +50,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_proxy import Env, cpu_seconds, load_average, start_warm, tree_pids
+from loadtest.bench.proxies import Env, cpu_seconds, load_average, start_warm, tree_pids
 
 GET_PATH = "/api/v1/namespaces/default"
 LOCAL_PATH = "/metrics"

@@ -113,10 +113,9 @@ def main() -> None:
     if args.run:
         run_child(args)
         return
-    from bench_proxy import Env
-
     from gatekeeper.sandbox.testing import ProxyProcess
     from gatekeeper.sandbox.with_proxy import default_flow_control
+    from loadtest.bench.proxies import Env
 
     env = Env(args.state_dir, Path(tempfile.mkdtemp(prefix="bench-pipeline-")))
     env.make_token()

@@ -19,6 +19,10 @@ in the claims' allocation results), and the memory utilization of those GPUs
 (pods' memory / memory of the GPUs they hold). "Utilization" here is memory
 committed, not SM activity: the sandbox's GPUs run nothing. Prints a table
 and, with matplotlib installed (the ``loadtest`` extra), writes a PNG.
+
+On a ``--mixed-fleet`` sandbox it runs loadtest/gpu_mixed_packing.py instead: 48 pods with mixed asks, whole
+GPUs against today's shared claim against the asks through the webhook, counted with the GPU inventory's own
+function and checked against its metrics.
 """
 
 from __future__ import annotations
@@ -211,19 +215,46 @@ def plot(results: list[ArmResult], path: Path) -> bool:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--state-dir", type=Path, required=True,
-                    help="a running sandbox (--with-webhook --with-scheduler --gpu-sharing memory)")
-    ap.add_argument("--pods", type=int, default=24)
-    ap.add_argument("--seed", type=int, default=7)
-    ap.add_argument("--png", type=Path, default=None, help="write the chart here")
+                    help="a running sandbox (--with-webhook --with-scheduler, and --gpu-sharing memory or "
+                         "--mixed-fleet)")
+    ap.add_argument("--pods", type=int, default=24, help="uniform fleet: pods per arm (the mixed fleet runs 48)")
+    ap.add_argument("--seed", type=int, default=None, help="pod sizes (default 7; mixed fleet 44)")
+    ap.add_argument("--png", type=Path, default=None, help="uniform fleet: write the chart here")
+    ap.add_argument("--out", type=Path, default=None, help="mixed fleet: write report.md (with provenance) here")
+    ap.add_argument("--allow-dirty", action="store_true", help="write a report from a tree with changes")
+    ap.add_argument("--rounds", type=int, default=3, help="mixed fleet: every arm this many times, interleaved")
     args = ap.parse_args(argv)
     state = SandboxState.load(args.state_dir)
+    if state.extra.get("gpu_pools") and "webhook" in state.extra:
+        return _mixed(state, args)
     if state.extra.get("gpu_sharing") != "memory" or "webhook" not in state.extra:
-        print("the sandbox must run with --with-webhook --gpu-sharing memory", file=sys.stderr)
+        print("the sandbox must run with --with-webhook and --gpu-sharing memory or --mixed-fleet", file=sys.stderr)
         return 2
-    results = run(state, args.pods, args.seed)
+    results = run(state, args.pods, 7 if args.seed is None else args.seed)
     print(table(results))
     if args.png:
         print(f"chart: {args.png}" if plot(results, args.png) else "matplotlib not installed: no chart")
+    return 0
+
+
+def _mixed(state: SandboxState, args: argparse.Namespace) -> int:
+    import os
+
+    from loadtest import gpu_mixed_packing as mixed
+    from loadtest.harness.report import provenance
+
+    try:
+        prov = provenance(args.allow_dirty)
+    except ValueError as exc:
+        print(f"gpu-packing: {exc}", file=sys.stderr)
+        return 2
+    before = os.getloadavg()[0]
+    seed = 44 if args.seed is None else args.seed
+    arms = mixed.run(state, seed, args.rounds)
+    print(mixed.table(arms))
+    if args.out:
+        path = mixed.write_report(args.out, arms, state, prov, seed, args.rounds, (before, os.getloadavg()[0]))
+        print(f"report: {path}")
     return 0
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_proxy import Env, h2load
+from loadtest.bench.proxies import Env, h2load
 
 
 def summarize(collapsed: Path, top: int) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_proxy import Env, h2load, tree_pids
+from loadtest.bench.proxies import Env, h2load, tree_pids
 
 
 def cpu_seconds(pids: list[int]) -> tuple[float, float]:

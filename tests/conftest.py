@@ -18,6 +18,7 @@ import atexit
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -38,6 +39,10 @@ from gatekeeper.sandbox.testing import (
     run_down,
     sandbox_up,
 )
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # the loadtest package lives beside gatekeeper/ (not installed); its harness is shared
+    sys.path.insert(0, str(REPO))
 
 ADDONS = tuple(lifecycle.ADDONS)
 

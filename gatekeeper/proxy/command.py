@@ -52,6 +52,12 @@ def _check_files(settings: ProxySettings) -> None:
     for key, path in files.items():
         if path and not Path(path).is_file():
             raise UsageError(f"{key}: {path} does not exist or is not a file")
+    publish = settings.flow_control.fleet.publish_endpoints
+    if publish.enabled:
+        try:
+            publish.resolve(settings.listener.port)
+        except ValueError as exc:
+            raise UsageError(f"proxy.flowControl.{exc}") from None
     if settings.listener.client_ca_file and not settings.upstream.client_cert_file:
         raise UsageError(
             "proxy.listener.clientCaFile is set (client certificates are accepted) but "

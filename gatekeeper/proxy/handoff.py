@@ -117,7 +117,12 @@ class Inbox:
         supervisor would count them open for this worker's whole life."""
 
     def announce(self) -> None:
-        self.sock.send(READY)
+        try:
+            self.sock.send(READY)
+        except (BrokenPipeError, ConnectionResetError):
+            # The supervisor closed its end while we started (SIGTERM early in its life): the reader sees the end
+            # of stream next and drains this worker, as for any stop; a traceback and exit 1 said otherwise.
+            pass
 
     def receive(self) -> list[socket.socket]:
         """Every connection waiting now (never blocks); stops at one whose descriptor was lost (see ``lost``)."""

@@ -23,11 +23,13 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from gatekeeper.ops import add_ops_routes
-from gatekeeper.proxy import metrics
+from gatekeeper.proxy import caches, gcpace, memtrace, metrics
+from gatekeeper.proxy.flowcontrol.edge.endpoints import EndpointPublisher, publisher_for
 from gatekeeper.proxy.flowcontrol.edge.ledger import SeatLedger, attach
 from gatekeeper.proxy.flowcontrol.edge.middleware import FlowControl, from_settings
 from gatekeeper.proxy.handoff import ClosedCounts, Inbox
 from gatekeeper.proxy.listen.server import serve as serve_listener
+from gatekeeper.proxy.messages import UserInfo
 from gatekeeper.proxy.pipeline.stages import Pipeline, build
 from gatekeeper.proxy.settings import ProxySettings
 from gatekeeper.proxy.worker_metrics import register_recent_requests, serve_app, whole_proxy_page
@@ -74,18 +76,39 @@ async def start_pipeline(settings: ProxySettings) -> tuple[FlowControl | None, P
     return flow, pipeline
 
 
+def start_endpoints(settings: ProxySettings, flow: FlowControl | None, *, writer: bool) -> EndpointPublisher | None:
+    """``fleet.publishEndpoints``: our advert on the fleet Lease; ``writer`` (one process per proxy) also takes part
+    in electing the one proxy that writes the ``kubernetes`` Service's endpoints."""
+    fc = settings.flow_control
+    own = UserInfo(name=fc.tokens.proxy_user, groups=list(fc.tokens.proxy_groups))
+    publisher = publisher_for(getattr(flow, "fleet", None), fc.fleet.publish_endpoints, settings.listener.port,
+                              writer=writer, user=own)
+    if publisher is not None:
+        publisher.start()
+    return publisher
+
+
 async def run(
     settings: ProxySettings,
     *,
     on_ready: Callable[[dict[str, Any]], None] | None = None,
     serve: Callable[..., Awaitable[Any]] | None = None,
     setup: Callable[[Any, Any], None] | None = None,
+    endpoints_writer: bool = True,
 ) -> None:
-    """Run until the listener returns (SIGTERM drained); ``on_ready`` gets the bound URLs; ``setup`` runs first."""
+    """Run until the listener returns (SIGTERM drained); ``on_ready`` gets the bound URLs; ``setup`` runs first;
+    ``endpoints_writer``: this process may write the ``kubernetes`` Service's endpoints (one per proxy)."""
     serve = serve or serve_listener
     flow, pipeline = await start_pipeline(settings)
     if setup is not None:
         setup(flow, pipeline)
+    endpoints = start_endpoints(settings, flow, writer=endpoints_writer)
+    leaving: set[asyncio.Task[None]] = set()
+    caches.watch_tokens(pipeline.identities)
+    if flow is not None and getattr(flow, "controller", None) is not None:
+        caches.watch_flow_control(flow.controller)
+    collections = gcpace.FullCollections(settings.gc_full_interval_seconds)
+    collections.start()
     listening = asyncio.Event()
     draining = asyncio.Event()
     runner: web.AppRunner | None = None
@@ -107,14 +130,22 @@ async def run(
                 on_ready(dict(info))
 
         def stopping() -> None:
-            # Load balancers stop sending new connections while the open ones drain.
+            # Load balancers stop sending new connections while the open ones drain, and so does kube-proxy once
+            # our advert is off the kubernetes Service's endpoints.
             draining.set()
             log.info("draining: /readyz now answers 503")
+            if endpoints is not None:
+                leaving.add(asyncio.get_running_loop().create_task(endpoints.leave()))
 
         await serve(settings, pipeline.handler, ready=ready, stopping=stopping)
     finally:
+        collections.stop()
         if runner is not None:
             await runner.cleanup()
+        if endpoints is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.gather(*leaving), settings.flow_control.fleet.renew_interval_seconds)
+            await endpoints.close()
         await pipeline.close()
         if flow is not None:
             with contextlib.suppress(Exception):
@@ -146,6 +177,7 @@ def _die_with_parent() -> None:
 def run_worker(settings: ProxySettings, index: int, runtime: Path, port: int, handoff_fd: int) -> None:
     """One worker: the ordinary proxy, binding nothing (connections come over ``handoff_fd``), plus the ledger."""
     _die_with_parent()
+    memtrace.install(index)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # flow control installs its reload handler; never die of it
     settings = worker_settings(settings, port)
 
@@ -154,6 +186,8 @@ def run_worker(settings: ProxySettings, index: int, runtime: Path, port: int, ha
         register_recent_requests(pipeline)
         metrics.render_page = whole_proxy_page(runtime, ledger, index)
         if flow is not None and getattr(flow, "controller", None) is not None:
+            if flow.fleet is not None:
+                flow.fleet.set_worker(index)  # before attach re-reads the levels
             attach(flow, ledger)
 
     def on_ready(info: dict[str, Any]) -> None:
@@ -166,4 +200,4 @@ def run_worker(settings: ProxySettings, index: int, runtime: Path, port: int, ha
     serve_fn = functools.partial(serve_listener, handoff=inbox, supervised=True)
     uvloop.install()
     tune_gc(settings)
-    asyncio.run(run(settings, on_ready=on_ready, setup=setup, serve=serve_fn))
+    asyncio.run(run(settings, on_ready=on_ready, setup=setup, serve=serve_fn, endpoints_writer=index == 0))

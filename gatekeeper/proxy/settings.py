@@ -39,6 +39,10 @@ class ProxySettings:
     gc_young_threshold: int = 20000
     """Allocations between young-generation collections in a serving process (0 = Python's 700): each request
     allocates hundreds of short-lived objects, and collecting every 700 costs CPU for little memory."""
+    gc_full_interval_seconds: float = 60.0
+    """Seconds between the full garbage collections (then glibc's ``malloc_trim``) a serving process runs on a timer
+    (0 = only Python's own, rare with ``gcYoungThreshold``): anything left in a reference cycle waits for one
+    (``proxy/gcpace.py``, docs/proxy/memory.md)."""
 
     @property
     def tokens(self) -> TokenSettings:
@@ -54,6 +58,9 @@ class ProxySettings:
             raise ValueError(f"workerHangSeconds must be 0 (never) or at least 1, got {self.worker_hang_seconds}")
         if self.gc_young_threshold < 0:
             raise ValueError("gcYoungThreshold must be >= 0 (0 = Python's default)")
+        if not (self.gc_full_interval_seconds == 0 or 1 <= self.gc_full_interval_seconds <= 3600):
+            raise ValueError(f"gcFullIntervalSeconds must be 0 (off) or in [1, 3600], got "
+                             f"{self.gc_full_interval_seconds}")
 
 
 def load_section(data: Any, source: str, key: str) -> ProxySettings:

@@ -64,7 +64,8 @@ PROXY_BASE = ("messages", "target", "rejections", "tally", "metrics", "adapter",
 """Top-level proxy modules every folder may use: they import no folder and no assembly module. ``handoff`` is
 the connection hand-off protocol both sides speak: the supervisor sends, the listener's Inbox receives."""
 PROXY_FOLDERS = ("listen", "pipeline", "upstream", "flowcontrol", "h2wire")
-PROXY_ASSEMBLY = ("command", "process", "workers", "worker_metrics", "settings", "check")
+PROXY_ASSEMBLY = ("command", "process", "workers", "worker_metrics", "settings", "check", "gcpace", "memtrace",
+                  "caches")
 """The proxy put together: the command, its worker supervisor and the settings composed from the folders'."""
 NETWORK_LIBRARIES = ("asyncio", "aiohttp", "socket", "ssl", "selectors", "http.client", "urllib.request")
 

@@ -675,3 +675,17 @@ def _pending(sock: socket.socket) -> bool:
         return bool(sock.recv(16, socket.MSG_PEEK | socket.MSG_DONTWAIT))
     except BlockingIOError:
         return False
+
+
+def test_a_worker_announcing_after_the_supervisor_closed_its_end_drains_instead_of_crashing(tmp_path: Path) -> None:
+    """A SIGTERM early in the supervisor's life closes the hand-off before a slow worker announces: the announce
+    used to raise BrokenPipeError, and the worker exited 1 with a traceback instead of draining."""
+    ClosedCounts.create(tmp_path / "closed", 1)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    theirs.close()
+    inbox = Inbox(ours.detach(), ClosedCounts(tmp_path / "closed"), 0)
+    try:
+        inbox.announce()  # no exception
+        assert inbox.receive() == [] and inbox.ended  # the end of stream: the worker drains and exits
+    finally:
+        inbox.close()

@@ -104,6 +104,19 @@ def connection_window(settings: ProtocolSettings) -> int:
     return min(settings.stream_window_bytes * CONNECTION_WINDOW_FACTOR, frames.MAX_WINDOW)
 
 
+def _refusal_counter(connection_id: int, streams: dict[int, Any]) -> Callable[[int], None]:
+    """The codec's callback for a stream refused over MAX_CONCURRENT_STREAMS (the client may retry it).
+
+    Not a bound method: the codec would hold the protocol that holds the codec, a cycle that kept every closed
+    connection (and its transport's TLS buffers) until a full garbage collection."""
+
+    def refused(stream_id: int) -> None:
+        conn_metrics.REFUSED_STREAMS.inc()
+        log.debug("h2 connection %d: stream %d refused, %d streams open", connection_id, stream_id, len(streams))
+
+    return refused
+
+
 class H2Protocol:
     """One HTTP/2 client connection; see the module docstring for the I/O contract."""
 
@@ -133,8 +146,9 @@ class H2Protocol:
         self._window_reopened_at = -math.inf
         """When an acknowledgement last reopened a shut connection receive window (request-body idle clock)."""
         guard = FloodGuard(limits_of(settings), settings.h2_abuse_interval_seconds)
+        self._streams: dict[int, Stream] = {}
         self._conn = H2ServerCodec(
-            on_refused=self._on_refused, guard=guard,
+            on_refused=_refusal_counter(connection_id, self._streams), guard=guard,
             max_concurrent_streams=settings.max_concurrent_streams,
             stream_window=settings.stream_window_bytes,
             max_header_list=settings.max_header_list_bytes,
@@ -142,7 +156,6 @@ class H2Protocol:
             header_budget=self._budget,
         )
         self._receive: Callable[[bytes], list[Event]] = self._conn.receive_data
-        self._streams: dict[int, Stream] = {}
         self._memo: dict[str, Any] = {}
         """ProxyRequest.connection_memo of every request on this connection."""
         self._streams_changed = asyncio.Event()
@@ -262,12 +275,6 @@ class H2Protocol:
         stream.task = self._loop.create_task(self._serve(stream))
         # Cleanup hangs off the task, not a finally in _serve: a task cancelled before its first step never runs.
         stream.task.add_done_callback(functools.partial(self._task_done, stream))
-
-    def _on_refused(self, stream_id: int) -> None:
-        """The codec refused a stream over MAX_CONCURRENT_STREAMS (the client may retry it)."""
-        conn_metrics.REFUSED_STREAMS.inc()
-        log.debug("h2 connection %d: stream %d refused, %d streams open",
-                  self.connection_id, stream_id, len(self._streams))
 
     def _on_bad_length(self, stream_id: int) -> None:
         """The codec reset a stream whose DATA disagreed with its content-length (RFC 9113 8.1.1)."""

@@ -58,6 +58,10 @@ def make_ssl_context(listener: ListenerSettings) -> ssl.SSLContext:
     return ctx
 
 
+def _ended(data: bytes) -> None:
+    """The sink of an h2 connection that has ended: nothing is fed after the end."""
+
+
 class _ClientProtocol(asyncio.StreamReaderProtocol):
     """A StreamReaderProtocol whose bytes go straight to the h2 protocol once ALPN picked h2.
 
@@ -120,6 +124,11 @@ class _ClientProtocol(asyncio.StreamReaderProtocol):
     def _end(self) -> None:
         self._cancel_stall()
         on_end, self._on_end = self._on_end, None
+        self._on_stall = None
+        if self._sink is not None:
+            # Still h2 mode (not None), but the protocol goes: it holds the writer, which holds us, a cycle that kept
+            # each closed connection's TLS buffers until a full garbage collection.
+            self._sink = _ended
         if on_end is not None:
             on_end()
 
@@ -392,8 +401,10 @@ class ProxyServer:
         writer.close()
         try:
             await asyncio.wait_for(writer.wait_closed(), self._close_delay + 1.0)
-        except (TimeoutError, ConnectionError, OSError, ssl.SSLError):
-            pass
+        except (TimeoutError, ConnectionError, OSError, ssl.SSLError) as exc:
+            # The error is also kept by the protocol's future and the reader; its traceback would hold this frame
+            # (and wait_for's, which holds its task), which hold the writer, which holds them: a cycle.
+            exc.__traceback__ = None
         finally:
             writer.transport.abort()  # no-op once closed; frees a non-reading client's buffers otherwise
 
@@ -430,6 +441,9 @@ class ProxyServer:
         finally:
             conn_metrics.CLIENT_CONNECTIONS.labels(protocol=protocol).dec()
             self._clients.pop(client.id, None)
+            # The record and the closures over it (drain, stalled) form a cycle with the connection: cut here, the
+            # connection and its TLS buffers go when the last reference does, not at the next full collection.
+            client.h2 = client.h1 = client.task = None
 
     async def _run_h2(
         self, client: _Client, stream: _ClientProtocol, writer: asyncio.StreamWriter,

@@ -31,6 +31,10 @@ class BackendProtocolError(ConnectionError):
     """The backend broke HTTP/1.1 (unparsable head, oversized head, bytes while idle)."""
 
 
+_LOST_PARSER = httptools.HttpResponseParser(object())
+"""What a lost connection holds instead of its own parser; never fed (no bytes come after the loss)."""
+
+
 class Conn(OneWaiter, asyncio.Protocol):
     """One backend connection and the response being read on it."""
 
@@ -121,6 +125,9 @@ class Conn(OneWaiter, asyncio.Protocol):
         if drain is not None and not drain.done():
             drain.set_exception(ConnectionResetError("the backend closed the connection"))
         self.on_lost(self)
+        # The parser calls back into us (a cycle): nothing is parsed after the loss, so let it go, and this
+        # connection's buffers go with its last reference instead of at the next full garbage collection.
+        self.parser = _LOST_PARSER
 
     def pause_writing(self) -> None:
         self.write_paused = True

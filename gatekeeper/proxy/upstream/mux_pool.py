@@ -165,6 +165,9 @@ class MuxPool:
                 # Handed to the waiters, this request's CancelledError read as "client gone" in theirs.
                 fut.set_exception(_OpenerGone() if isinstance(exc, asyncio.CancelledError) else exc)
                 fut.exception()  # retrieved: waiters re-raise it, nobody else needs to
+                # The error's traceback holds this frame: without the name the future would hold itself (a cycle
+                # keeping this request and its callers' frames until a full garbage collection).
+                del fut
                 raise
             else:
                 fut.set_result(conn)
