@@ -34,6 +34,8 @@ SCENARIOS = {
     "dra-scale": "loadtest.scenarios.dra_scale",
 }
 """In the issue's priority order; ``all`` runs them in this order."""
+ARMED = ("list-storm", "list-storm-oom")
+"""Scenarios that take ``--arms`` and ``--runs``."""
 
 ALL_SCALES = {"list-storm": 1.0, "list-storm-oom": 1.0, "skew": 0.5, "admission": 0.5, "gogc": 1.0, "dra-scale": 1.0}
 """``all`` multiplies ``--scale`` by these: the scales of the checked-in reports, so ``all`` at ``--scale 1``
@@ -51,6 +53,11 @@ def parser() -> argparse.ArgumentParser:
                    help="use this running sandbox instead of starting one (it is left running)")
     p.add_argument("--scale", type=float, default=1.0,
                    help="multiply every scenario's counts and durations (default 1.0; 0.05 takes seconds)")
+    p.add_argument("--runs", type=int, default=1,
+                   help="run every arm this many times, interleaved (list-storm, list-storm-oom; default 1)")
+    p.add_argument("--arms", default="",
+                   help="comma-separated arms to run, in this order (list-storm, list-storm-oom; "
+                        "default: the scenario's own)")
     p.add_argument("--keep-work", action="store_true", help="keep the work directory (sandbox logs, specs)")
     p.add_argument("--allow-dirty", action="store_true",
                    help="write reports from a working tree with uncommitted changes (each report says so)")
@@ -67,6 +74,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not 0 < args.scale <= 100:
         print("--scale must be in (0, 100]", file=sys.stderr)
         return 2
+    arms = tuple(a for a in args.arms.split(",") if a)
+    if (arms or args.runs != 1) and args.scenario not in ARMED:
+        print(f"--arms and --runs are taken by {', '.join(ARMED)} only", file=sys.stderr)
+        return 2
+    if args.runs < 1:
+        print("--runs must be at least 1", file=sys.stderr)
+        return 2
     try:
         report.PROVENANCE.update(report.provenance(args.allow_dirty))
     except ValueError as exc:
@@ -78,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         out = args.out / name if args.scenario == "all" else args.out
         out.mkdir(parents=True, exist_ok=True)
         scale = args.scale * (ALL_SCALES[name] if args.scenario == "all" else 1.0)
-        ctx = RunContext(out=out, scale=scale, adopt=args.state_dir)
+        ctx = RunContext(out=out, scale=scale, adopt=args.state_dir, runs=args.runs, arms=arms)
         t0 = time.monotonic()
         ctx.say(f"== {name} (scale {scale:g}) -> {out}; work in {ctx.work}")
         try:

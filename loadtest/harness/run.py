@@ -30,6 +30,10 @@ class RunContext:
     work: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="gk-loadtest-")))
     """Sandboxes, specs with credentials, logs: never inside ``out``."""
     log: TextIO = sys.stderr
+    runs: int = 1
+    """``--runs``: how many times each arm runs, interleaved (scenarios that take it)."""
+    arms: tuple[str, ...] = ()
+    """``--arms``: the arms to run, in this order; empty for the scenario's own list."""
 
     def n(self, default: float, minimum: int = 1) -> int:
         """A count scaled by ``--scale``, never below ``minimum``."""

@@ -123,6 +123,19 @@ class Sampler:
         self.events.append((t, what))
         return t
 
+    def wait_metrics(self, timeout: float = 10.0) -> bool:
+        """Wait until every apiserver's /metrics has been read again since now: a run of a second or two may
+        otherwise end between two scrapes and its requests (a WATCH is counted when it ends) go unseen."""
+        since, deadline = self._now(), time.monotonic() + timeout
+        want = len(self.state.apiserver_urls)
+        while time.monotonic() < deadline:
+            with self._lock:
+                seen = {r["component"] for r in self.rows if r["requests"] != "" and float(str(r["t"])) > since}
+            if len(seen) >= want:
+                return True
+            time.sleep(0.05)
+        return False
+
     def _now(self) -> float:
         return round(time.monotonic() - self.t0, 3)
 

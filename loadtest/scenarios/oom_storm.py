@@ -13,6 +13,11 @@ LISTs), ``gatekeeper-per-apiserver`` (the same, and at most one storage LIST per
 ``expensiveLists.maxInFlightPerBackend: 1`` with ``storageOnlyResources: [secrets]``), ``gatekeeper-coalescing``
 (the seeds' policy, listers sharing two identities so identical LISTs coalesce). Listers re-list after an error
 as client-go's reflector does, with its back-off, for as long as the arm lasts.
+
+The ``informers-*`` arms (``--arms``) send the storm as today's clients do: one real client-go v0.37 Secrets
+informer per tenant, syncing with a watch-list (``-watch-list``) or a LIST (``-list``,
+``KUBE_FEATURE_WatchListClient=false``) through ``haproxy``, ``direct`` or ``gatekeeper``; client-go retries a
+failed sync with its own back-off until the arm's time is up. ``--runs N`` runs the arms interleaved N times.
 """
 
 from __future__ import annotations
@@ -31,12 +36,17 @@ from gatekeeper.sandbox.supervisor import EVENTS
 from loadtest.harness import cluster
 from loadtest.harness.cluster import ScenarioError, kit
 from loadtest.harness.report import MIB, Report, line_plot
+from loadtest.harness.rounds import interleave, run_label
 from loadtest.harness.run import RunContext, ms, run_locust
 from loadtest.harness.sampler import Sampler, write_rows
-from loadtest.scenarios.list_storm import NS, STORAGE_READS, target
+from loadtest.scenarios.list_storm import NS, STORAGE_READS, informer_run, target
 
 NAME = "list-storm-oom"
 ARMS = ("haproxy", "direct", "gatekeeper", "gatekeeper-per-apiserver", "gatekeeper-coalescing")
+"""Locust listers; what runs without ``--arms``."""
+INFORMER_ARMS = tuple(f"informers-{t}-{kind}" for kind in ("watch-list", "list")
+                      for t in ("haproxy", "direct", "gatekeeper"))
+ALL_ARMS = ARMS + INFORMER_ARMS
 SECRETS = 1000
 SECRET_KIB = 200
 MEMORY_LIMIT = 2560 << 20
@@ -120,12 +130,18 @@ def run(ctx: RunContext) -> None:
         asyncio.run(kit.create_secrets(state, NS, secrets, SECRET_KIB * 1024, concurrency=12))
         identities = cluster.tenants(state, NS, listers, ctx.work)
         names = [r.name for r in cluster.apiserver_records(state)]
-        for arm in ARMS:
+        arms = list(ctx.arms or ARMS)
+        unknown = [a for a in arms if a not in ALL_ARMS]
+        if unknown:
+            raise ScenarioError(f"unknown arms {', '.join(unknown)}; known: {', '.join(ALL_ARMS)}")
+        ca = str(SandboxPKI(Path(state.certs_dir)).ca)
+        for round_, base in interleave(arms, ctx.runs):
+            arm = run_label(base, round_, ctx.runs)
             state, ready_s = cluster.restart_limited_apiservers(state, flags=STORAGE_READS)
             ctx.say(f"  {arm}: apiservers restarted ({ready_s:.1f}s)")
             time.sleep(2)
             wall0 = time.time()
-            with target(arm, state, ctx) as (urls, notes):
+            with target(base, state, ctx.work / arm) as (urls, notes):
                 sampler = Sampler(state, arm, count={"verb": "LIST", "resource": "secrets"}, interval=0.25,
                                   metrics_interval=1.0, follow_restarts=True,
                                   extra_pids={"gatekeeper-proxy": notes["pid"]} if "pid" in notes else {})
@@ -133,10 +149,14 @@ def run(ctx: RunContext) -> None:
                         "spawn_rate": listers, "run_time": arm_seconds, "until_done": True, "rounds": 1,
                         "relist": "reflector",
                         "targets": urls, "identities": identities[:2] if arm.endswith("coalescing") else identities,
-                        "namespace": NS, "ca": str(SandboxPKI(Path(state.certs_dir)).ca)}
+                        "namespace": NS, "ca": ca}
                 with sampler:
                     time.sleep(1.0)
-                    rows = run_locust(ctx, arm, spec, timeout=arm_seconds + 60)
+                    if base.startswith("informers-"):
+                        figures = informer_run(base, urls, ca, identities, ctx.work / arm / "informers",
+                                               timeout=arm_seconds)[0]
+                    else:
+                        figures = _locust_figures(run_locust(ctx, arm, spec, timeout=arm_seconds + 60))
                     time.sleep(1.0)
             wall1 = time.time()
             events = read_events(state.dir)
@@ -146,19 +166,12 @@ def run(ctx: RunContext) -> None:
                 sampler.events.append((t, f"OOM kill {name}"))
             per_down, all_down = downtime(events, names, wall0, wall1)
             samplers.append(sampler)
-            lst, throttled = rows.get("LIST secrets"), rows.get("throttled (429)")
-            relisted = rows.get("re-listed after an error")
             results.append({
                 "arm": arm, "kills": kills, "per_apiserver": {n: sum(1 for _, k in kills if k == n) for n in names},
                 "cascade": cascaded(kills), "down": per_down, "all_down": all_down,
                 "peak": {n: max((v for _, v in pts), default=0.0)
                          for n, pts in sampler.series("kube-apiserver", "rss_bytes").items()},
-                # no row at all: not one LIST ended (completed or given up) within the arm
-                "ok": int(ms(lst, "Request Count") - ms(lst, "Failure Count")) if lst else 0,
-                "failed": int(ms(lst, "Failure Count")) if lst else 0,
-                "p50": ms(lst, "50%") / 1000, "p99": ms(lst, "99%") / 1000,
-                "429": int(ms(throttled, "Request Count")) if throttled else 0,
-                "relisted": int(ms(relisted, "Request Count")) if relisted else 0,
+                **figures,
                 "wall": wall1 - wall0, "load": f"{report_load()}", "start": wall0,
             })
             ctx.say(f"  {arm}: {len(kills)} OOM kills, cascade={results[-1]['cascade']}, "
@@ -169,6 +182,17 @@ def run(ctx: RunContext) -> None:
         starts = {r["arm"]: r["start"] for r in results}
         for arm, e in arm_events:
             out.write(f"{arm},{e['time'] - starts[arm]:.1f},{e['component']},{e['event']}\n")
+
+
+def _locust_figures(rows: dict[str, dict[str, str]]) -> dict[str, Any]:
+    lst, throttled = rows.get("LIST secrets"), rows.get("throttled (429)")
+    relisted = rows.get("re-listed after an error")
+    return {  # no row at all: not one LIST ended (completed or given up) within the arm
+        "ok": int(ms(lst, "Request Count") - ms(lst, "Failure Count")) if lst else 0,
+        "failed": int(ms(lst, "Failure Count")) if lst else 0,
+        "p50": ms(lst, "50%") / 1000, "p99": ms(lst, "99%") / 1000,
+        "429": int(ms(throttled, "Request Count")) if throttled else 0,
+        "relisted": int(ms(relisted, "Request Count")) if relisted else 0}
 
 
 def report_load() -> str:
@@ -184,7 +208,7 @@ def _write(ctx: RunContext, report: Report, samplers: list[Sampler], results: li
             for t, name in r["kills"]:
                 out.write(f"{r['arm']},{t:.1f},{name}\n")
     report.csvs += ["samples.csv", *(["kills.csv", "events.csv"] if any(r["kills"] for r in results) else []),
-                    *[f"{r['arm']}_stats.csv" for r in results]]
+                    *[f"{r['arm']}_stats.csv" for r in results if not r["arm"].startswith("informers-")]]
     report.setup.update({
         "load": f"{secrets} Secrets x {SECRET_KIB} KiB (type helm.sh/release.v1; one LIST is about "
                 f"{secrets * SECRET_KIB * 4 // 3 // 1024} MiB of JSON), {listers} tenant listers (half client "
@@ -208,8 +232,9 @@ def _write(ctx: RunContext, report: Report, samplers: list[Sampler], results: li
                      f"{r['ok']}/{listers}", r["p50"], r["p99"], r["429"], r["relisted"],
                      " ".join(f"{r['peak'].get(n, 0) / MIB:.0f}" for n in names), f"{r['wall']:.0f}"])
     report.table(["arm", "OOM kills", "kills per apiserver (1 2 3)", "cascade", "s all apiservers down",
-                  "s down per apiserver", "LISTs ok", "LIST p50 s", "LIST p99 s", "429s",
-                  "LISTs re-sent after an error",
+                  "s down per apiserver", "LISTs (informers: syncs) ok", "LIST p50 s",
+                  "LIST p99 s (informers: last sync)", "429s", "LISTs re-sent after an error (informers: LISTs "
+                  "of a watch-list informer)",
                   "peak RSS MiB per apiserver", "wall s"], rows,
                  "Kills from the apiservers' memory cgroups (supervisor events); cascade: after the first kill, "
                  "another apiserver was killed too; down: from a kill to its restart")

@@ -170,3 +170,40 @@ def test_a_fronts_connections_are_counted_per_apiserver_port_from_proc() -> None
     finally:
         for c in [*clients, *servers]:
             c.close()
+
+
+def test_interleaved_runs_put_every_arm_once_in_each_round() -> None:
+    from loadtest.harness.rounds import interleave, run_label
+
+    assert interleave(["a", "b"], 2) == [(1, "a"), (1, "b"), (2, "a"), (2, "b")]
+    assert run_label("a", 1, 1) == "a" and run_label("a", 2, 3) == "a-r2"
+    with pytest.raises(ValueError):
+        interleave(["a"], 0)
+
+
+def test_a_bound_holds_only_when_every_run_keeps_it() -> None:
+    from loadtest.harness.rounds import bound_verdict, spread
+
+    assert bound_verdict([0.27, 0.3, 0.28], 0.3) == "holds"
+    assert bound_verdict([0.31, 0.4], 0.3) == "fails"
+    assert bound_verdict([0.28, 0.31, 0.29], 0.3) == "not distinguished (2 of 3 runs keep it)"
+    assert spread([0.31, 0.27, 0.28]).show(".2f", "x") == "x0.28 [0.27-0.31]"
+    assert spread([5.0]).show(".0f") == "5"
+
+
+def test_arms_and_runs_are_refused_by_scenarios_that_do_not_take_them(tmp_path: Path) -> None:
+    for argv in (["skew", "--arms", "direct"], ["gogc", "--runs", "3"], ["list-storm", "--runs", "0"]):
+        p = subprocess.run([sys.executable, "-m", "loadtest", *argv, "--out", str(tmp_path / "x")], cwd=REPO,
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 2 and "--runs" in p.stderr, (argv, p.stderr)
+
+
+def test_an_unknown_list_storm_arm_is_named_before_any_sandbox_starts() -> None:
+    from loadtest.harness.run import RunContext
+    from loadtest.scenarios import list_storm
+
+    with pytest.raises(list_storm.cluster.ScenarioError, match="unknown arms informers-nowhere-list"):
+        list_storm.run(RunContext(out=Path("/nonexistent"), arms=("direct", "informers-nowhere-list")))
+    assert list_storm.base_arm("informers-fleet-watch-list") == "gatekeeper-fleet"
+    assert list_storm.base_arm("informers-gatekeeper-list") == "gatekeeper"
+    assert list_storm.reference("informers-fleet-list") == "informers-direct-list"

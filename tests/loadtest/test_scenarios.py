@@ -15,6 +15,7 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -39,10 +40,10 @@ def haproxy() -> str:
     return found
 
 
-def run_scenario(name: str, out: Path, scale: float = 0.02) -> Path:
+def run_scenario(name: str, out: Path, scale: float = 0.02, extra: Sequence[str] = ()) -> Path:
     # --allow-dirty: a developer runs the suite on uncommitted work; the report says so (CI's tree is clean)
     p = subprocess.run([sys.executable, "-m", "loadtest", name, "--out", str(out), "--scale", str(scale),
-                        "--allow-dirty"],
+                        "--allow-dirty", *extra],
                        cwd=REPO, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, f"{name} failed:\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
     return out / "report.md"
@@ -123,14 +124,52 @@ def test_list_storm_writes_a_report_where_every_lister_completed_in_every_arm(tm
     assert "secrets#0" in text and "peak upstream secret LISTs" in text
 
 
+def test_list_storm_informer_arms_sync_every_informer_and_compare_each_run_with_direct_of_its_kind(
+        tmp_path: Path, haproxy: str) -> None:
+    """Today's clients: real client-go informers, watch-lists and LISTs, run interleaved twice."""
+    out = tmp_path / "list-storm-informers"
+    arms = ["informers-direct-watch-list", "informers-gatekeeper-watch-list", "informers-direct-list",
+            "informers-gatekeeper-list"]
+    text = check_report(run_scenario("list-storm", out, scale=0.05,
+                                     extra=["--arms", ",".join([*arms, "direct"]), "--runs", "2"]))
+    with (out / "runs.csv").open() as fh:
+        runs = list(csv.DictReader(fh))
+    assert [r["label"] for r in runs] == [f"{a}-r{i}" for i in (1, 2) for a in [*arms, "direct"]]
+    for r in runs:  # two informers synced, or two Locust listers LISTed twice each
+        assert int(r["ok"]) == (4 if r["arm"] == "direct" else 2) and int(r["failed"]) == 0, r
+        if r["arm"] != "direct":
+            assert float(r["upstream"]) >= 2, r  # the informers' WATCHes or LISTs reached the apiservers
+        if r["arm"].startswith("informers-direct"):
+            assert float(r["ratio"]) == 1.0, r
+        elif r["arm"].startswith("informers-gatekeeper"):
+            assert 0 < float(r["ratio"]), r
+    with (out / "informers.csv").open() as fh:
+        informers = list(csv.DictReader(fh))
+    assert len(informers) == 2 * 2 * len(arms)
+    for row in informers:
+        kinds = {item.split(":")[0] for item in row["responses"].split()}
+        ok = {item.split("=")[0] for item in row["responses"].split()}
+        if "watch-list-r" in row["run"]:
+            assert "watch-list:200" in ok and "list" not in kinds, row
+        else:
+            assert "list:200" in ok and "watch-list" not in kinds, row
+    assert "### Verdicts" in text and "informers-gatekeeper-watch-list" in text
+    assert "| informers-gatekeeper-watch-list | 2 |" in text
+
+
 def test_list_storm_oom_runs_memory_limited_apiservers_and_reports_their_kills(tmp_path: Path, haproxy: str) -> None:
     out = tmp_path / "list-storm-oom"
-    text = check_report(run_scenario("list-storm-oom", out, scale=0.02))
     arms = ["haproxy", "direct", "gatekeeper", "gatekeeper-per-apiserver", "gatekeeper-coalescing"]
-    check_samples(out, arms)
+    informer_arms = ["informers-haproxy-watch-list", "informers-gatekeeper-watch-list"]
+    text = check_report(run_scenario("list-storm-oom", out, scale=0.02,
+                                     extra=["--arms", ",".join([*arms, *informer_arms])]))
+    check_samples(out, [*arms, *informer_arms])
     for arm in arms:
         lst = locust_stats(out, arm)["LIST secrets"]
         assert int(lst["Request Count"]) == 2 and int(lst["Failure Count"]) == 0, (arm, lst)
+    for arm in informer_arms:  # both informers synced, by watch-list, none fell back to a LIST
+        assert re.search(rf"^\| {arm} \| 0 \| 0 0 0 \| no \| 0 \| [0-9 ]+ \| 2/2 \|.* \| 0 \| [0-9 ]+ \| \d+ \|$",
+                         text, re.M), arm
     assert (out / "kills.csv").read_text().splitlines()[0] == "arm,seconds_from_arm_start,apiserver"
     assert "each in a memory cgroup of 4096 MiB" in text and "secrets#0" in text
     assert re.search(r"^\| haproxy \| 0 \| 0 0 0 \| no \|", text, re.M), "a tiny storm kills nothing"
