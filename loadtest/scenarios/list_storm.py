@@ -333,8 +333,9 @@ def _write(ctx: RunContext, report: Report, samplers: list[Sampler], results: li
                   "upstream LISTs (watch-list arms: WATCHes)", "peak concurrent (apiservers' APF)", "wall s",
                   "+RSS vs direct of its kind, same round"], rows,
                  "Per arm, median [min-max] over its runs; RSS and heap summed over the 3 apiservers; concurrent: "
-                 "the executing requests of the tenants' observer priority level in the apiservers' own APF "
-                 "(dump_priority_levels), read from the 3 at once every 0.1 s and summed")
+                 "the executing requests of the tenants' observer priority level (the seeds' level in the kube-apf "
+                 "arms) in the apiservers' own APF (dump_priority_levels), read from the 3 at once every 0.1 s and "
+                 "summed")
     report.table(["order", "run", "load (1 min) before -> after", "load generator CPU s", "idle RSS MiB",
                   "+RSS MiB", "wall s", "+RSS vs direct", "gatekeeper"],
                  [[i, r["label"], f"{r['load'][0]:.2f} -> {r['load'][1]:.2f}",
