@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from gatekeeper import __version__, certs_command
+from gatekeeper import __version__, certs_command, compiled
 from gatekeeper.config import ConfigError
 from gatekeeper.errors import UsageError, non_negative_int, positive_int
 from gatekeeper.logs import FORMAT_ENV, FORMATS, LEVEL_ENV, configure
@@ -37,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
             "that balances every request across apiservers, limits expensive LISTs and sends GOAWAY."
         ),
     )
-    parser.add_argument("--version", action="version", version=f"gatekeeper {__version__}")
+    parser.add_argument("--version", action="version",
+                        version=f"gatekeeper {__version__} (compiled modules: {compiled.summary()})")
     parser.add_argument("--log-level", default=os.environ.get(LEVEL_ENV, "INFO"),
                         help=f"logging level (DEBUG, INFO, WARNING); default ${LEVEL_ENV} or INFO")
     parser.add_argument("--log-format", default=os.environ.get(FORMAT_ENV, "text"), choices=FORMATS,

@@ -20,7 +20,7 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Gauge, generate_latest, multiprocess
 from prometheus_client.mmap_dict import MmapedDict
 
-from gatekeeper import __version__
+from gatekeeper import __version__, compiled
 from gatekeeper.multiproc import ARCHIVE, MMAP_HEADER_BYTES, MULTIPROC_ENV, merge_lock
 
 
@@ -56,13 +56,14 @@ def absorb_dead_process(pid: int, path: str | None = None) -> None:
 
 @functools.cache
 def build_info() -> Any:
-    """``gatekeeper_build_info{version} 1`` on the process's registry, once (the webhook and the proxy call it
-    when they define their metrics): which build answers, for a rollout to be checked from ``/metrics``. Its
+    """``gatekeeper_build_info{version,compiled} 1`` on the process's registry, once (the webhook and the proxy call
+    it when they define their metrics): which build answers, for a rollout to be checked from ``/metrics``;
+    ``compiled`` is ``"10/10"`` when the hot modules load compiled by mypyc, ``"0/10"`` for pure Python. Its
     multiprocess mode is ``livemax``: every live worker's 1 merges into one sample, and a dead worker's file
     goes with it (``mark_process_dead``), so restarts do not grow the metrics directory."""
-    info = Gauge("gatekeeper_build_info", "The running gatekeeper's version (value 1).", ["version"],
-                 multiprocess_mode="livemax")
-    info.labels(__version__).set(1)
+    info = Gauge("gatekeeper_build_info", "The running gatekeeper's version and how many of its hot modules "
+                 "load compiled (value 1).", ["version", "compiled"], multiprocess_mode="livemax")
+    info.labels(__version__, compiled.summary()).set(1)
     return info
 
 

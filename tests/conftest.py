@@ -28,6 +28,7 @@ from typing import Any
 
 import pytest
 
+from gatekeeper import compiled
 from gatekeeper.sandbox import lifecycle
 from gatekeeper.sandbox.state import SandboxState
 from gatekeeper.sandbox.testing import (
@@ -170,3 +171,17 @@ def pytest_collection_modifyitems(config: Any, items: list[pytest.Item]) -> None
     for item in items:
         if item.get_closest_marker("sandbox") and not item.get_closest_marker("timeout"):
             item.add_marker(pytest.mark.timeout(UP_TIMEOUT + 300))
+
+
+def pytest_report_header() -> str:
+    return f"gatekeeper compiled modules (mypyc): {compiled.summary()}"
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Refuse to test old code: after ``pip install -e .`` the compiled extensions sit beside the sources and win
+    the import, so an edited hot module would be tested as it was when it was built."""
+    stale = compiled.stale_modules()
+    if stale:
+        pytest.exit(f"compiled extensions older than their source: {', '.join(stale)}. Rebuild them "
+                    "(pip install -e .), or test pure Python (GATEKEEPER_PURE=1 pip install -e . removes them)",
+                    returncode=4)

@@ -18,6 +18,10 @@ BENCHES: dict[str, tuple[str, str]] = {
     "layers": ("loadtest.bench_layers", "where the proxy's CPU per request goes, layer by layer"),
     "profile": ("loadtest.profile_proxy", "a py-spy profile of the proxy under closed-loop small GETs"),
     "pipeline": ("loadtest.bench_pipeline", "CPU per request of the pipeline alone, in process"),
+    "codec-ir": ("loadtest.bench_codec_ir", "instructions per GET of the HTTP/2 codec path, in process (run it under "
+                                            "callgrind): pure against mypyc-compiled modules"),
+    "proxy-ir": ("loadtest.bench_proxy_ir", "instructions per GET of the whole proxy process under callgrind, for a "
+                                            "pure or a compiled tree"),
     "flowcontrol": ("loadtest.bench_flowcontrol:cli", "CPU of the flow-control middleware per request, in process"),
     "ledger": ("loadtest.bench_ledger", "what proxy-wide seats (the worker ledger) cost per request"),
     "policy-reload": ("loadtest.bench_policy_reload", "how long a policy reload keeps the event loop from running"),

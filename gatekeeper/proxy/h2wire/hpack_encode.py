@@ -11,6 +11,8 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
+from mypy_extensions import mypyc_attr
+
 from gatekeeper.proxy.h2wire.hpack_tables import STATIC_TABLE, encode_integer, huffman_encode
 
 DEFAULT_TABLE_SIZE = 4096
@@ -94,6 +96,7 @@ def memo_size() -> int:
     return len(_memo)
 
 
+@mypyc_attr(native_class=False)  # a tuple subclass: a plain Python class when compiled (mypyc)
 class NeverIndexed(tuple[bytes, bytes]):
     """A field sent as a never-indexed literal (RFC 7541 6.2.3): changes on every response, or must not be kept."""
 

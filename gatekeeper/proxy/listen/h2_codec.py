@@ -428,8 +428,8 @@ class H2ServerCodec:
             headers = self.decoder.decode(block)
         except HeaderListTooLarge as exc:
             self._fail(ErrorCodes.ENHANCE_YOUR_CALM, f"oversized header block: {exc}")
-        except HeaderBlockError as exc:
-            self._fail(ErrorCodes.COMPRESSION_ERROR, f"undecodable header block: {exc}")
+        except HeaderBlockError as bad:  # not ``exc`` again: mypyc types a name once, by its first handler
+            self._fail(ErrorCodes.COMPRESSION_ERROR, f"undecodable header block: {bad}")
         stream = self.streams.get(sid)
         if sid > self.highest_inbound_stream_id:
             self.highest_inbound_stream_id = sid

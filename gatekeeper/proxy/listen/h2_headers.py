@@ -119,15 +119,18 @@ VOLATILE_RESPONSE_HEADERS = frozenset({"audit-id", "date"})
 
 RESPONSE_MEMO_ENTRIES = 512
 RESPONSE_MEMO_MAX_CHARS = 1024
-_response_fields: dict[tuple[str, str], tuple[bytes, bytes] | tuple[()]] = {}
+_response_fields: dict[tuple[str, str], tuple[bytes, ...]] = {}
 """Response fields as HEADERS entries (``()``: dropped, hop-by-hop), memoized: apiservers repeat the same few.
 
 Keyed by the exact text; bounded (``RESPONSE_MEMO_MAX_CHARS``, ``RESPONSE_MEMO_ENTRIES``, cleared when full);
-volatile fields are never kept."""
+volatile fields are never kept.
+
+Typed ``tuple[bytes, ...]``, not ``tuple[bytes, bytes]``, on the way of a :class:`NeverIndexed`: compiled by mypyc, a
+fixed-length tuple is unboxed into a C struct and comes back a plain tuple, without its never-indexed mark."""
 _STATUS_LINES: dict[int, bytes] = {}
 
 
-def _response_field(name: str, value: str) -> tuple[bytes, bytes] | tuple[()]:
+def _response_field(name: str, value: str) -> tuple[bytes, ...]:
     name = name.lower()
     if name in HOP_BY_HOP:
         return ()
@@ -144,7 +147,7 @@ def malformed_trailer(field: tuple[bytes, bytes]) -> bool:
             or (name == b"te" and value.lower() != b"trailers"))
 
 
-def response_block(status: int, headers: Headers) -> list[tuple[bytes, bytes]]:
+def response_block(status: int, headers: Headers) -> list[tuple[bytes, ...]]:
     """The HEADERS block for a response, normalized here (the encoder does none): names lower-cased,
     connection-specific headers dropped, values trimmed."""
     code = _STATUS_LINES.get(status)
@@ -152,7 +155,7 @@ def response_block(status: int, headers: Headers) -> list[tuple[bytes, bytes]]:
         code = str(status).encode()
         if 100 <= status <= 999:
             _STATUS_LINES[status] = code
-    block: list[tuple[bytes, bytes]] = [(b":status", code)]
+    block: list[tuple[bytes, ...]] = [(b":status", code)]
     memo = _response_fields
     for name, value in headers:
         key = (name, value)
