@@ -38,10 +38,10 @@ from gatekeeper.kube import requestinfo
 from gatekeeper.proxy.flowcontrol.edge.defaults import SEEDS_POLICY
 from gatekeeper.proxy.flowcontrol.edge.middleware import FlowControl
 from gatekeeper.proxy.flowcontrol.settings import FlowControlSettings
+from gatekeeper.proxy.identity.tokens.fetch import TokenIdentities
+from gatekeeper.proxy.identity.tokens.settings import TokenSettings
 from gatekeeper.proxy.messages import Handler, ProxyRequest, ProxyResponse, UserInfo
 from gatekeeper.proxy.pipeline.stages import resolve_token
-from gatekeeper.proxy.pipeline.tokens.fetch import TokenIdentities
-from gatekeeper.proxy.pipeline.tokens.settings import TokenSettings
 
 Middleware = Callable[[ProxyRequest, Handler], Awaitable[ProxyResponse]]
 BODY = b'{"kind":"ConfigMap","apiVersion":"v1","metadata":{"name":"x","namespace":"default"}}'
@@ -162,7 +162,7 @@ async def main(requests: int, rounds: int) -> None:
 
 def cold_verify(n: int = 2000) -> None:
     """The cache-miss path: one full local verification per call."""
-    from gatekeeper.proxy.pipeline.tokens.jwt import ServiceAccountVerifier
+    from gatekeeper.proxy.identity.tokens.jwt import ServiceAccountVerifier
 
     v = ServiceAccountVerifier()
     v.set_keys(ISSUER, JWKS)

@@ -20,9 +20,9 @@ from prometheus_client.registry import Collector
 from gatekeeper.proxy import metrics as proxy_metrics
 from gatekeeper.proxy.flowcontrol.core import controller, listcost, queueset
 from gatekeeper.proxy.h2wire import hpack_encode, huffman
+from gatekeeper.proxy.identity.tokens.fetch import TokenIdentities
 from gatekeeper.proxy.listen import h2_headers
 from gatekeeper.proxy.pipeline import stages
-from gatekeeper.proxy.pipeline.tokens.fetch import TokenIdentities
 from gatekeeper.proxy.upstream import hop_by_hop, mux_wire
 
 

@@ -61,7 +61,7 @@ class UserInfo:
 
 class CallerFacts(Protocol):
     """Who flow control classifies a request as: a verified token's identity, or a certificate caller as the
-    apiserver sees it (``pipeline/tokens``, ``pipeline/auth``)."""
+    apiserver sees it (``identity/tokens``, ``identity/auth``)."""
 
     @property
     def name(self) -> str: ...

@@ -11,9 +11,9 @@ from typing import Any
 from gatekeeper.config import ConfigError, from_mapping, register_section
 from gatekeeper.proxy.flowcontrol.edge.loading import load_policy
 from gatekeeper.proxy.flowcontrol.settings import FlowControlSettings
+from gatekeeper.proxy.identity.tokens.settings import TokenSettings
 from gatekeeper.proxy.listen.settings import MAX_GOAWAY_CHANCE, ListenerSettings, ProtocolSettings
 from gatekeeper.proxy.pipeline.settings import BackendSettings
-from gatekeeper.proxy.pipeline.tokens.settings import TokenSettings
 from gatekeeper.proxy.upstream.settings import UpstreamSettings
 
 __all__ = ["MAX_GOAWAY_CHANCE", "BackendSettings", "FlowControlSettings", "ListenerSettings", "ProtocolSettings",

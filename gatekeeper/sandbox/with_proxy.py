@@ -119,7 +119,7 @@ def _user_config(path: str | None) -> dict[str, Any] | None:
     return dict(data.get("proxy") or {})
 
 
-IDENTITY_RBAC = importlib.resources.files("gatekeeper.proxy.pipeline.tokens").joinpath("rbac.yaml")
+IDENTITY_RBAC = importlib.resources.files("gatekeeper.proxy.identity.tokens").joinpath("rbac.yaml")
 """What the proxy's own identity needs to verify ServiceAccount tokens (issuer discovery) and to ask
 TokenReviews; the same file is ``deploy/examples/proxy-identity-rbac.yaml`` for real clusters."""
 

@@ -17,7 +17,8 @@
 * Once the proxy is in subpackages (``proxy/listen/``): the listener imports
   none of pipeline/, upstream/, flowcontrol/; pipeline/ does not import
   listen/; upstream/ imports neither listen/ nor pipeline/ nor flowcontrol/;
-  flowcontrol/ imports neither listen/ nor upstream/; h2wire/ (the HTTP/2 wire
+  flowcontrol/ imports none of listen/, upstream/, pipeline/ (identity comes before it: what both need is in
+  identity/, which imports none of listen/, pipeline/, upstream/, flowcontrol/); h2wire/ (the HTTP/2 wire
   format the listener and the multiplexed upstream share) imports none of them.
 * Inside ``proxy/``, three tiers: the base modules (``PROXY_BASE``: the
   message contract, target hygiene, rejections, metrics) import no proxy
@@ -63,7 +64,7 @@ IO_LIBRARIES = (
 PROXY_BASE = ("messages", "target", "rejections", "tally", "metrics", "adapter", "handoff")
 """Top-level proxy modules every folder may use: they import no folder and no assembly module. ``handoff`` is
 the connection hand-off protocol both sides speak: the supervisor sends, the listener's Inbox receives."""
-PROXY_FOLDERS = ("listen", "pipeline", "upstream", "flowcontrol", "h2wire")
+PROXY_FOLDERS = ("listen", "identity", "pipeline", "upstream", "flowcontrol", "h2wire")
 PROXY_ASSEMBLY = ("command", "process", "workers", "worker_metrics", "settings", "check", "gcpace", "memtrace",
                   "caches")
 """The proxy put together: the command, its worker supervisor and the settings composed from the folders'."""
@@ -159,7 +160,10 @@ def subpackage_rules(root: Path) -> dict[str, tuple[str, ...]]:
         p + "listen": (p + "pipeline", p + "upstream", p + "flowcontrol"),
         p + "pipeline": (p + "listen",),
         p + "upstream": (p + "listen", p + "pipeline", p + "flowcontrol"),
-        p + "flowcontrol": (p + "listen", p + "upstream"),
+        # Identity is settled before flow control: flow control reads the caller the pipeline's front stage set,
+        # and takes what it shares with identity (the Upstream protocol, header stamping) from identity/.
+        p + "flowcontrol": (p + "listen", p + "upstream", p + "pipeline"),
+        p + "identity": (p + "listen", p + "pipeline", p + "upstream", p + "flowcontrol"),
         # The HTTP/2 wire format both HTTP/2 sides share: it serves them, never the other way round.
         p + "h2wire": (p + "listen", p + "pipeline", p + "upstream", p + "flowcontrol"),
     }
@@ -355,6 +359,13 @@ BAD = [
       "proxy/upstream/client.py": "from gatekeeper.proxy.pipeline import balancer\n",
       "proxy/pipeline/balancer.py": ""},
      "gatekeeper.proxy.upstream must not import gatekeeper.proxy.pipeline"),
+    ({"proxy/pipeline/__init__.py": "", "proxy/pipeline/auth.py": "",
+      "proxy/flowcontrol/edge/__init__.py": "",
+      "proxy/flowcontrol/edge/fleet.py": "def f():\n    from gatekeeper.proxy.pipeline.auth import h\n"},
+     "gatekeeper.proxy.flowcontrol must not import gatekeeper.proxy.pipeline"),
+    ({"proxy/identity/__init__.py": "", "proxy/pipeline/__init__.py": "", "proxy/pipeline/stages.py": "",
+      "proxy/identity/auth.py": "from gatekeeper.proxy.pipeline import stages\n"},
+     "gatekeeper.proxy.identity must not import gatekeeper.proxy.pipeline"),
     ({"proxy/a.py": "", "proxy/b.py": ""}, "in no tier"),
     ({"proxy/messages.py": "from gatekeeper.proxy.pipeline import stages\n", "proxy/pipeline/__init__.py": "",
       "proxy/pipeline/stages.py": ""}, "a proxy base module imports no proxy folder"),

@@ -16,8 +16,8 @@ from fc_helpers import flow_schema, group, queued_level, rr
 from gatekeeper.kube import requestinfo
 from gatekeeper.proxy.flowcontrol.edge.middleware import FlowControl
 from gatekeeper.proxy.flowcontrol.settings import FlowControlSettings
+from gatekeeper.proxy.identity import auth
 from gatekeeper.proxy.messages import ProxyRequest, ProxyResponse, UserInfo
-from gatekeeper.proxy.pipeline import auth
 
 
 def _cert(cn: str, *orgs: str) -> dict:

@@ -18,9 +18,9 @@ from gatekeeper.config import ConfigError
 from gatekeeper.kube import requestinfo
 from gatekeeper.proxy.flowcontrol.edge.middleware import FlowControl
 from gatekeeper.proxy.flowcontrol.settings import FlowControlSettings
+from gatekeeper.proxy.identity import auth
+from gatekeeper.proxy.identity.impersonation import ImpersonatorSettings, impersonated
 from gatekeeper.proxy.messages import ProxyRequest, ProxyResponse
-from gatekeeper.proxy.pipeline import auth
-from gatekeeper.proxy.pipeline.impersonation import ImpersonatorSettings, impersonated
 from gatekeeper.proxy.settings import load_section
 
 SECRETS = "/api/v1/namespaces/team-a/secrets"

@@ -22,7 +22,7 @@ import pytest
 import storm_kit as kit
 import yaml
 
-from gatekeeper.proxy.pipeline.tokens.settings import TokenSettings
+from gatekeeper.proxy.identity.tokens.settings import TokenSettings
 from gatekeeper.sandbox.pki import SandboxPKI
 from gatekeeper.sandbox.state import SandboxState
 

@@ -19,8 +19,8 @@ from aiohttp import web
 from prometheus_client import REGISTRY
 
 from gatekeeper.proxy import tally
-from gatekeeper.proxy.pipeline.tokens.fetch import TokenIdentities
-from gatekeeper.proxy.pipeline.tokens.settings import TokenSettings
+from gatekeeper.proxy.identity.tokens.fetch import TokenIdentities
+from gatekeeper.proxy.identity.tokens.settings import TokenSettings
 
 KEY_A, KEY_B = kit.rsa_key(), kit.rsa_key()
 

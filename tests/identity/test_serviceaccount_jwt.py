@@ -7,7 +7,7 @@ import time
 import pytest
 import token_kit as kit
 
-from gatekeeper.proxy.pipeline.tokens.jwt import (
+from gatekeeper.proxy.identity.tokens.jwt import (
     NotServiceAccount,
     ServiceAccountVerifier,
     TokenError,

@@ -7,9 +7,9 @@ import time
 import pytest
 import token_kit as kit
 
-from gatekeeper.proxy.pipeline.tokens.classify import UNVERIFIED, TokenClassifier, bearer_token, unverified_flow
-from gatekeeper.proxy.pipeline.tokens.jwt import ServiceAccountVerifier
-from gatekeeper.proxy.pipeline.tokens.review import Budget, parse_review, review_request
+from gatekeeper.proxy.identity.tokens.classify import UNVERIFIED, TokenClassifier, bearer_token, unverified_flow
+from gatekeeper.proxy.identity.tokens.jwt import ServiceAccountVerifier
+from gatekeeper.proxy.identity.tokens.review import Budget, parse_review, review_request
 
 RSA = kit.rsa_key()
 NOW = time.time()
@@ -59,7 +59,7 @@ def test_verified_token_is_cached_until_it_expires() -> None:
 def test_a_connection_memo_skips_rehashing_its_token_but_never_answers_for_another(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from gatekeeper.proxy.pipeline.tokens import classify
+    from gatekeeper.proxy.identity.tokens import classify
 
     hashed: list[str] = []
     real = classify.digest
@@ -132,8 +132,8 @@ def test_with_serviceaccount_verification_off_tokens_go_to_review_or_fail() -> N
 
 
 async def test_an_unexpected_failure_while_classifying_means_unverified_not_an_error(monkeypatch) -> None:
-    from gatekeeper.proxy.pipeline.tokens.fetch import TokenIdentities
-    from gatekeeper.proxy.pipeline.tokens.settings import TokenSettings
+    from gatekeeper.proxy.identity.tokens.fetch import TokenIdentities
+    from gatekeeper.proxy.identity.tokens.settings import TokenSettings
 
     ti = TokenIdentities(TokenSettings())
 

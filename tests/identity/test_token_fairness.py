@@ -18,10 +18,10 @@ from gatekeeper.kube import requestinfo
 from gatekeeper.proxy.flowcontrol.core.policy import flow_schema_object
 from gatekeeper.proxy.flowcontrol.edge.middleware import FlowControl
 from gatekeeper.proxy.flowcontrol.settings import FlowControlSettings
+from gatekeeper.proxy.identity.tokens.fetch import TokenIdentities
 from gatekeeper.proxy.messages import ProxyRequest, ProxyResponse, UserInfo
 from gatekeeper.proxy.pipeline import stages as front_stage
 from gatekeeper.proxy.pipeline.stages import resolve_token
-from gatekeeper.proxy.pipeline.tokens.fetch import TokenIdentities
 
 RSA = kit.rsa_key()
 CM = "/api/v1/namespaces/team-a/configmaps/x"

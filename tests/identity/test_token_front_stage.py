@@ -13,10 +13,10 @@ import token_kit as kit
 
 from gatekeeper.proxy.flowcontrol.edge.middleware import FlowControl
 from gatekeeper.proxy.flowcontrol.settings import FlowControlSettings
+from gatekeeper.proxy.identity.tokens.fetch import TokenIdentities
+from gatekeeper.proxy.identity.tokens.settings import TokenSettings
 from gatekeeper.proxy.messages import ProxyRequest, ProxyResponse
 from gatekeeper.proxy.pipeline.stages import chain, front_for
-from gatekeeper.proxy.pipeline.tokens.fetch import TokenIdentities
-from gatekeeper.proxy.pipeline.tokens.settings import TokenSettings
 
 RSA = kit.rsa_key()
 SA = "system:serviceaccount:team-a:builder"

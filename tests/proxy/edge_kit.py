@@ -23,9 +23,9 @@ from prometheus_client import REGISTRY
 
 from gatekeeper.certs import FRONT_PROXY_CA, PKI
 from gatekeeper.kube import requestinfo
+from gatekeeper.proxy.identity import auth
 from gatekeeper.proxy.listen.server import ProxyServer
 from gatekeeper.proxy.messages import ProxyRequest
-from gatekeeper.proxy.pipeline import auth
 from gatekeeper.proxy.pipeline.stages import Pipeline, build
 from gatekeeper.proxy.settings import (
     BackendSettings,

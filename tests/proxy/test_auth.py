@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from urllib.parse import unquote
 
-from gatekeeper.proxy.messages import UserInfo
-from gatekeeper.proxy.pipeline.auth import (
+from gatekeeper.proxy.identity.auth import (
     escape_extra_key,
     identify,
     strip_remote,
@@ -13,6 +12,7 @@ from gatekeeper.proxy.pipeline.auth import (
     upstream_identity_headers,
     wants_front_proxy_cert,
 )
+from gatekeeper.proxy.messages import UserInfo
 
 ADMIN_CERT = {
     "subject": (
@@ -128,7 +128,7 @@ def test_connection_memo_gives_the_same_identities_as_fresh_reads() -> None:
 
 
 def test_a_refused_certificate_name_is_refused_on_every_request_of_the_connection() -> None:
-    from gatekeeper.proxy.pipeline.auth import bad_certificate_names
+    from gatekeeper.proxy.identity.auth import bad_certificate_names
 
     bad_cert = {"subject": ((("commonName", "system:mas\nters"),),)}
     memo: dict = {}
@@ -151,7 +151,7 @@ def _b64(token: str) -> str:
 def test_a_websocket_request_is_a_token_caller_when_the_apiserver_would_read_its_protocol_token() -> None:
     """kube-apiserver authenticates a WebSocket request by ``base64url.bearer.authorization.k8s.io.<token>``
     (v1.37.2 answers a LIST sent that way as the token's ServiceAccount): it is not anonymous."""
-    from gatekeeper.proxy.pipeline.auth import bearer_credential, websocket_token
+    from gatekeeper.proxy.identity.auth import bearer_credential, websocket_token
 
     good = _ws(f"base64url.bearer.authorization.k8s.io.{_b64('tok.en-1')}, v4.channel.k8s.io")
     assert websocket_token(good) == "tok.en-1"
@@ -166,7 +166,7 @@ def test_a_websocket_request_is_a_token_caller_when_the_apiserver_would_read_its
 
 
 def test_protocol_tokens_the_apiserver_refuses_are_not_tokens() -> None:
-    from gatekeeper.proxy.pipeline.auth import websocket_token
+    from gatekeeper.proxy.identity.auth import websocket_token
 
     tok = f"base64url.bearer.authorization.k8s.io.{_b64('tok')}"
     assert websocket_token(_ws(tok)) is None  # no other subprotocol: "missing additional subprotocol"

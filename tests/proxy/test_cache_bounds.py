@@ -9,8 +9,8 @@ from prometheus_client import REGISTRY
 from gatekeeper.proxy import caches
 from gatekeeper.proxy.flowcontrol.core import listcost
 from gatekeeper.proxy.h2wire import hpack_encode
-from gatekeeper.proxy.pipeline.tokens.fetch import TokenIdentities
-from gatekeeper.proxy.pipeline.tokens.settings import TokenSettings
+from gatekeeper.proxy.identity.tokens.fetch import TokenIdentities
+from gatekeeper.proxy.identity.tokens.settings import TokenSettings
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "proxy" / "memory.md"
 

@@ -6,7 +6,7 @@ import pytest
 from edge_kit import bench, body_json, make_pki, status_of
 
 from gatekeeper.certs import PKI
-from gatekeeper.proxy.pipeline import auth
+from gatekeeper.proxy.identity import auth
 
 
 @pytest.fixture(scope="module")

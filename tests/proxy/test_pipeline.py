@@ -9,8 +9,8 @@ import pytest
 from edge_kit import fronted
 
 from gatekeeper.kube import requestinfo
+from gatekeeper.proxy.identity.auth import upstream_identity_headers
 from gatekeeper.proxy.messages import Handler, ProxyRequest, ProxyResponse, UserInfo
-from gatekeeper.proxy.pipeline.auth import upstream_identity_headers
 from gatekeeper.proxy.pipeline.balancer import Balancer
 from gatekeeper.proxy.pipeline.stages import (
     Dispatcher,

@@ -11,8 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from gatekeeper.proxy.pipeline.impersonation import ImpersonatorSettings
-from gatekeeper.proxy.pipeline.tokens.settings import TokenSettings
+from gatekeeper.proxy.identity.impersonation import ImpersonatorSettings
+from gatekeeper.proxy.identity.tokens.settings import TokenSettings
 
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,200}[a-z0-9])?$")
 

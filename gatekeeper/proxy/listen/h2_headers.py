@@ -38,7 +38,7 @@ CONNECTION_SPECIFIC = frozenset({b"connection", b"keep-alive", b"proxy-connectio
 
 FIELD_MEMO_ENTRIES = 512
 FIELD_MEMO_MAX_BYTES = 1024
-"""Never memoized: no credential is kept as a cache key (as in ``pipeline/tokens``)."""
+"""Never memoized: no credential is kept as a cache key (as in ``identity/tokens``)."""
 _checked_fields: dict[tuple[bytes, bytes], tuple[str, str]] = {}
 """Regular fields that passed every per-field check, as text: clients repeat the same fields on every request.
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from gatekeeper.proxy.pipeline.tokens.settings import TokenSettings
+from gatekeeper.proxy.identity.tokens.settings import TokenSettings
 from gatekeeper.proxy.upstream.settings import UpstreamSettings
 
 

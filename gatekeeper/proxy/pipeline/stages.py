@@ -19,13 +19,13 @@ from gatekeeper.kube import requestinfo
 from gatekeeper.kube.duration import DurationError
 from gatekeeper.proxy import metrics, rejections, target
 from gatekeeper.proxy.adapter import error_response
+from gatekeeper.proxy.identity import auth
+from gatekeeper.proxy.identity.tokens.classify import source_host, unverified_flow
+from gatekeeper.proxy.identity.tokens.fetch import TokenIdentities
 from gatekeeper.proxy.messages import Handler, Headers, Middleware, ProxyRequest, ProxyResponse, UserInfo, one_chunk
-from gatekeeper.proxy.pipeline import auth
 from gatekeeper.proxy.pipeline.balancer import Backend, Balancer, EjectionPolicy, Lease
 from gatekeeper.proxy.pipeline.deadline import INVALID_TIMEOUT, Deadlines, request_timeout
 from gatekeeper.proxy.pipeline.settings import PipelineSettings
-from gatekeeper.proxy.pipeline.tokens.classify import source_host, unverified_flow
-from gatekeeper.proxy.pipeline.tokens.fetch import TokenIdentities
 from gatekeeper.proxy.upstream import errors as up
 from gatekeeper.proxy.upstream.client import BackendClient
 from gatekeeper.proxy.upstream.upgrade import is_upgrade, open_upgrade

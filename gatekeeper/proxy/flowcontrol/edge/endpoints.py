@@ -28,8 +28,8 @@ from gatekeeper.proxy.flowcontrol.core import endpoints as core
 from gatekeeper.proxy.flowcontrol.core.leader import LeaderElection, LeaderRecord
 from gatekeeper.proxy.flowcontrol.edge.fleet import MAX_LIST_BYTES, FleetMember, lease_name
 from gatekeeper.proxy.flowcontrol.settings import PublishEndpointsSettings
+from gatekeeper.proxy.identity.auth import identity_headers
 from gatekeeper.proxy.messages import UserInfo
-from gatekeeper.proxy.pipeline.auth import identity_headers
 
 log = logging.getLogger("gatekeeper.proxy.flowcontrol.endpoints")
 

@@ -24,9 +24,9 @@ from gatekeeper.kube.objects import Lease
 from gatekeeper.proxy.flowcontrol.core.fleet import FleetShare, LeaseView, Membership, fleet_bound
 from gatekeeper.proxy.flowcontrol.edge.seatleases import SeatLeaser
 from gatekeeper.proxy.flowcontrol.settings import FleetSettings
+from gatekeeper.proxy.identity.auth import identity_headers
+from gatekeeper.proxy.identity.tokens.fetch import Upstream
 from gatekeeper.proxy.messages import UserInfo
-from gatekeeper.proxy.pipeline.auth import identity_headers
-from gatekeeper.proxy.pipeline.tokens.fetch import Upstream
 
 log = logging.getLogger("gatekeeper.proxy.flowcontrol.fleet")
 

@@ -36,11 +36,11 @@ from gatekeeper.proxy.flowcontrol.edge.loading import Reloader, limits_of, load_
 from gatekeeper.proxy.flowcontrol.edge.readahead import ReadAhead, ReadAheadBudget
 from gatekeeper.proxy.flowcontrol.edge.watchlist import WatchListSync
 from gatekeeper.proxy.flowcontrol.settings import FlowControlSettings
+from gatekeeper.proxy.identity.auth import as_apiserver_sees
+from gatekeeper.proxy.identity.impersonation import impersonated
+from gatekeeper.proxy.identity.tokens.classify import unverified_flow
+from gatekeeper.proxy.identity.tokens.fetch import Upstream
 from gatekeeper.proxy.messages import Handler, ProxyRequest, ProxyResponse, UserInfo
-from gatekeeper.proxy.pipeline.auth import as_apiserver_sees
-from gatekeeper.proxy.pipeline.impersonation import impersonated
-from gatekeeper.proxy.pipeline.tokens.classify import unverified_flow
-from gatekeeper.proxy.pipeline.tokens.fetch import Upstream
 
 log = logging.getLogger("gatekeeper.proxy.flowcontrol")
 

@@ -23,7 +23,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from gatekeeper.proxy.flowcontrol.core.seatleases import SEAT_LABEL, SeatPool, SeatView, seat_label, wanted_seats
 from gatekeeper.proxy.flowcontrol.settings import FleetSettings
-from gatekeeper.proxy.pipeline.tokens.fetch import Upstream
+from gatekeeper.proxy.identity.tokens.fetch import Upstream
 
 log = logging.getLogger("gatekeeper.proxy.flowcontrol.seatleases")
 

@@ -10,7 +10,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar
 
-from gatekeeper.proxy.pipeline.tokens.jwt import (
+from gatekeeper.proxy.identity.tokens.jwt import (
     Identity,
     NotServiceAccount,
     ServiceAccountVerifier,

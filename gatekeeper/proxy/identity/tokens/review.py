@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gatekeeper.kube.objects import TokenReview, TokenReviewSpec
-from gatekeeper.proxy.pipeline.tokens.jwt import Identity
+from gatekeeper.proxy.identity.tokens.jwt import Identity
 
 TOKEN_REVIEW_PATH = "/apis/authentication.k8s.io/v1/tokenreviews"
 

@@ -12,10 +12,10 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from gatekeeper.proxy.pipeline.auth import ANONYMOUS_GROUP as UNAUTHENTICATED
-from gatekeeper.proxy.pipeline.auth import ANONYMOUS_USER as ANONYMOUS
-from gatekeeper.proxy.pipeline.auth import AUTHENTICATED_GROUP as AUTHENTICATED
-from gatekeeper.proxy.pipeline.tokens.jwt import SA_ALL_GROUP, SA_NS_GROUP_PREFIX, SA_USER_PREFIX, Identity
+from gatekeeper.proxy.identity.auth import ANONYMOUS_GROUP as UNAUTHENTICATED
+from gatekeeper.proxy.identity.auth import ANONYMOUS_USER as ANONYMOUS
+from gatekeeper.proxy.identity.auth import AUTHENTICATED_GROUP as AUTHENTICATED
+from gatekeeper.proxy.identity.tokens.jwt import SA_ALL_GROUP, SA_NS_GROUP_PREFIX, SA_USER_PREFIX, Identity
 
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 _DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")

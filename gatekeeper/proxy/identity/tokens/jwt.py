@@ -17,7 +17,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
 from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
 
-from gatekeeper.proxy.pipeline.auth import AUTHENTICATED_GROUP
+from gatekeeper.proxy.identity.auth import AUTHENTICATED_GROUP
 
 SA_USER_PREFIX = "system:serviceaccount:"
 SA_ALL_GROUP = "system:serviceaccounts"

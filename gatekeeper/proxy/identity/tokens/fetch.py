@@ -15,13 +15,13 @@ from typing import Any, Protocol
 
 from prometheus_client import Counter, Histogram
 
-from gatekeeper.proxy.pipeline.tokens.classify import UNVERIFIED, TokenClassifier, TokenDecision, bearer_token, digest
-from gatekeeper.proxy.pipeline.tokens.jwt import Identity, ServiceAccountVerifier
-from gatekeeper.proxy.pipeline.tokens.review import TOKEN_REVIEW_PATH, Budget, parse_review, review_request
-from gatekeeper.proxy.pipeline.tokens.settings import TokenSettings
+from gatekeeper.proxy.identity.tokens.classify import UNVERIFIED, TokenClassifier, TokenDecision, bearer_token, digest
+from gatekeeper.proxy.identity.tokens.jwt import Identity, ServiceAccountVerifier
+from gatekeeper.proxy.identity.tokens.review import TOKEN_REVIEW_PATH, Budget, parse_review, review_request
+from gatekeeper.proxy.identity.tokens.settings import TokenSettings
 from gatekeeper.proxy.tally import CounterTally  # before the metrics: its flush collects first
 
-log = logging.getLogger("gatekeeper.proxy.pipeline.tokens")
+log = logging.getLogger("gatekeeper.proxy.identity.tokens")
 
 DISCOVERY_PATH = "/.well-known/openid-configuration"
 JWKS_PATH = "/openid/v1/jwks"
