@@ -29,3 +29,18 @@ def non_negative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
+
+
+class ConfigError(ValueError):
+    """A configuration problem, already phrased for the operator."""
+
+    def __init__(self, source: str, key: str, message: str) -> None:
+        self.source = source
+        self.key = key
+        self.message = message
+        where = f"{source}: {key}: " if key else f"{source}: "
+        super().__init__(where + message)
+
+
+class NotRegularFile(ConfigError):
+    """A file that must be a regular file is something else (a FIFO, a device, a socket, a directory)."""

@@ -39,7 +39,6 @@ from typing import Any
 import yaml
 
 from gatekeeper.certs import CLUSTER_CA, PKI
-from gatekeeper.config import load_yaml
 from gatekeeper.errors import UsageError
 from gatekeeper.proxy.flowcontrol.edge.defaults import sandbox_flow_control
 from gatekeeper.proxy.settings import MAX_GOAWAY_CHANCE
@@ -53,6 +52,7 @@ from gatekeeper.sandbox.pki import (
 )
 from gatekeeper.sandbox.state import SandboxState
 from gatekeeper.sandbox.waiting import wait_until
+from gatekeeper.yamlfiles import load_yaml
 
 NAME = "proxy"
 CLIENT_LB = "client-lb"

@@ -175,7 +175,8 @@ def test_upstream_headers_in_one_pass_equal_the_identity_then_forwarded_for_pass
 def test_deploy_example_config_is_valid() -> None:
     from pathlib import Path
 
-    from gatekeeper.config import from_mapping, load_yaml
+    from gatekeeper.config import from_mapping
+    from gatekeeper.yamlfiles import load_yaml
 
     path = Path(__file__).resolve().parents[2] / "deploy" / "proxy" / "config.yaml"
     data = load_yaml(path)["proxy"]
