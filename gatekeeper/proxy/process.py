@@ -27,7 +27,8 @@ from gatekeeper.proxy import caches, gcpace, memtrace, metrics
 from gatekeeper.proxy.flowcontrol.edge.endpoints import EndpointPublisher, publisher_for
 from gatekeeper.proxy.flowcontrol.edge.ledger import SeatLedger, attach
 from gatekeeper.proxy.flowcontrol.edge.middleware import FlowControl, from_settings
-from gatekeeper.proxy.handoff import ClosedCounts, Inbox
+from gatekeeper.proxy.handoff.inbox import Inbox
+from gatekeeper.proxy.handoff.protocol import ClosedCounts
 from gatekeeper.proxy.listen.server import serve as serve_listener
 from gatekeeper.proxy.messages import UserInfo
 from gatekeeper.proxy.pipeline.stages import Pipeline, build

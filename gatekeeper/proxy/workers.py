@@ -28,7 +28,8 @@ from gatekeeper.metrics import absorb_dead_process
 from gatekeeper.netbind import bind_listeners
 from gatekeeper.proxy import rejections
 from gatekeeper.proxy.flowcontrol.edge.ledger import SeatLedger
-from gatekeeper.proxy.handoff import ClosedCounts, HandoffDispatcher
+from gatekeeper.proxy.handoff.dispatcher import HandoffDispatcher
+from gatekeeper.proxy.handoff.protocol import ClosedCounts
 from gatekeeper.proxy.listen.conn_metrics import HANDED_OFF, HANDOFF_STALLS, HANDOFF_TAKEN_BACK, HANDOFF_WAITS
 from gatekeeper.proxy.settings import ProxySettings
 from gatekeeper.proxy.worker_metrics import start_parent_listener

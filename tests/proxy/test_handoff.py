@@ -1,4 +1,4 @@
-"""The supervisor's connection hand-off (``proxy/handoff.py``): least-loaded choice, real sockets; in-test workers,
+"""The supervisor's connection hand-off (``proxy/handoff/``): least-loaded choice, real sockets; in-test workers,
 then a real ``ProxyServer`` as the receiving worker."""
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ from edge_kit import chunks, make_pki, rejected
 from prometheus_client import REGISTRY
 
 from gatekeeper.certs import PKI
-from gatekeeper.proxy.handoff import PASS_OVER_SECONDS, ClosedCounts, HandoffDispatcher, Inbox, least_loaded
+from gatekeeper.proxy.handoff.dispatcher import PASS_OVER_SECONDS, HandoffDispatcher
+from gatekeeper.proxy.handoff.inbox import Inbox
+from gatekeeper.proxy.handoff.protocol import ClosedCounts, least_loaded
 from gatekeeper.proxy.listen import server as server_module
 from gatekeeper.proxy.listen.server import ProxyServer, serve
 from gatekeeper.proxy.messages import ProxyRequest, ProxyResponse

@@ -178,7 +178,7 @@ async def test_the_proxy_exits_when_its_connection_hand_off_thread_fails(tmp_pat
     """The hand-off thread closes the TLS port when it fails (a bug, a full disk under its metrics). The
     parent ran on without a port: workers alive, ``/readyz`` still ready, so an orchestrator kept sending
     clients to a node that refused them. It now stops and exits 1, to be restarted."""
-    from gatekeeper.proxy.handoff import HandoffDispatcher
+    from gatekeeper.proxy.handoff.dispatcher import HandoffDispatcher
 
     sup, listener = handoff_supervisor(tmp_path, 1)
     real = asyncio.create_subprocess_exec

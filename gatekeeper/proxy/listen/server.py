@@ -24,7 +24,8 @@ from gatekeeper.acceptloop import ACCEPT_BACKOFF, accept_forever
 from gatekeeper.netbind import bind_listeners
 from gatekeeper.proxy import rejections
 from gatekeeper.proxy.adapter import ClientGone
-from gatekeeper.proxy.handoff import BACKLOG, RECEIVE_BACKOFF_MAX, Inbox
+from gatekeeper.proxy.handoff.inbox import Inbox
+from gatekeeper.proxy.handoff.protocol import BACKLOG, RECEIVE_BACKOFF_MAX
 from gatekeeper.proxy.listen import conn_metrics
 from gatekeeper.proxy.listen.body_budget import RequestBodyBudget
 from gatekeeper.proxy.listen.h1 import H1Connection
@@ -236,7 +237,7 @@ class ProxyServer:
         self._ids = itertools.count(1)
         self._stopping = False
         self._handoff = handoff
-        """Connections come from the supervisor (``proxy/handoff.py``) instead of a listening socket of ours."""
+        """Connections come from the supervisor (``proxy/handoff/``) instead of a listening socket of ours."""
         self.handoff_ended = asyncio.Event()
         """The supervisor closed our hand-off socket: drain and exit, so it starts a successor. Serving on, the
         worker answered ``/readyz`` but never got a connection again."""

@@ -1,17 +1,10 @@
-"""Load-aware connection hand-off: the supervisor accepts, the least-loaded worker serves.
-
-SO_REUSEPORT hashes connections blind to load, and long-lived HTTP/2 connections keep an uneven split for their whole
-lives. The design (load count, passing over and taking back from a stalled worker, waits when every socket is full) is
-in docs/proxy/workers.md."""
+"""The supervisor's end of the hand-off: one thread accepts and sends each connection to the least-loaded worker."""
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import logging
-import mmap
-import os
 import queue
 import selectors
 import socket
@@ -19,25 +12,13 @@ import struct
 import termios
 import threading
 import time
-from collections.abc import Callable, Sequence
-from pathlib import Path
+from collections.abc import Callable
 
 from gatekeeper.acceptloop import ACCEPT_BACKOFF
+from gatekeeper.proxy.handoff.protocol import BACKLOG, CONN, DRAINING, READY, ClosedCounts, least_loaded
 
 log = logging.getLogger("gatekeeper.proxy.handoff")
 
-READY = b"R"
-"""What a worker sends on its hand-off socket once it serves."""
-DRAINING = b"D"
-"""A worker begins to drain: hand it nothing more, and take back what it has not read (its own close no
-longer ends the socket: the supervisor holds a duplicate of its end)."""
-_CONN = b"C"
-BACKLOG = 1024
-"""Pending connections the kernel queues on the TLS port once it listens (the workers' own listeners too)."""
-RECEIVE_RETRY = frozenset({errno.ENOBUFS, errno.ENOMEM})
-"""Receive errors that pass (kernel short of memory); any other (ECONNRESET, EBADF, ...) ends the hand-off."""
-RECEIVE_BACKOFF_MAX = 1.0
-"""Max seconds of a worker's doubling back-off after failed receives: never spin on a readable socket."""
 QUEUE_SNDBUF = 16 * 1024
 """About 40 queued connections: the default (208 KiB) queued hundreds on a stopped worker before the next got one."""
 LAG_SECONDS = 0.05
@@ -55,114 +36,6 @@ def unread_bytes(sock: socket.socket) -> int:
         return int(struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0])
     except OSError:
         return 0
-
-
-def least_loaded(loads: Sequence[int | None], after: int) -> int | None:
-    """The index with the smallest load (``None``: not serving); ties go to the first one after ``after``."""
-    n = len(loads)
-    best: int | None = None
-    best_load = 0
-    for k in range(1, n + 1):
-        i = (after + k) % n
-        load = loads[i]
-        if load is not None and (best is None or load < best_load):
-            best, best_load = i, load
-    return best
-
-
-class ClosedCounts:
-    """Per worker: connections it closed since it started (shared memory; the worker writes, the parent reads)."""
-
-    def __init__(self, path: Path) -> None:
-        fd = os.open(path, os.O_RDWR)
-        try:
-            self._mm = mmap.mmap(fd, os.fstat(fd).st_size)
-        finally:
-            os.close(fd)
-        self._slots = memoryview(self._mm).cast("q")
-
-    @classmethod
-    def create(cls, path: Path, workers: int) -> ClosedCounts:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        try:
-            os.ftruncate(fd, 8 * workers)
-        finally:
-            os.close(fd)
-        return cls(path)
-
-    def add(self, worker: int) -> None:
-        self._slots[worker] += 1  # one writer per slot
-
-    def read(self, worker: int) -> int:
-        return int(self._slots[worker])
-
-    def reset(self, worker: int) -> None:
-        self._slots[worker] = 0
-
-
-class Inbox:
-    """A worker's end: connections arrive here, closes are counted, ``R`` announces it serves."""
-
-    def __init__(self, fd: int, counts: ClosedCounts, index: int) -> None:
-        self.sock = socket.socket(fileno=fd)
-        self.sock.setblocking(False)
-        self._counts = counts
-        self._index = index
-        self.ended = False
-        """The supervisor's end closed (it is exiting, or dropped this worker): nothing more will arrive."""
-        self.error: OSError | None = None
-        """The error that stopped the last :meth:`receive`: fatal with ``ended``, else one of RECEIVE_RETRY."""
-        self.lost = 0
-        """Connections whose descriptor never arrived (out of descriptors); each is counted closed, else the
-        supervisor would count them open for this worker's whole life."""
-
-    def announce(self) -> None:
-        try:
-            self.sock.send(READY)
-        except (BrokenPipeError, ConnectionResetError):
-            # The supervisor closed its end while we started (SIGTERM early in its life): the reader sees the end
-            # of stream next and drains this worker, as for any stop; a traceback and exit 1 said otherwise.
-            pass
-
-    def receive(self) -> list[socket.socket]:
-        """Every connection waiting now (never blocks); stops at one whose descriptor was lost (see ``lost``)."""
-        out: list[socket.socket] = []
-        self.lost = 0
-        self.error = None
-        while True:
-            try:
-                msg, fds, _, _ = socket.recv_fds(self.sock, 1, 8)
-            except (BlockingIOError, InterruptedError):
-                return out
-            except OSError as exc:
-                # Not all ends: taking ENOBUFS/ENOMEM for the end left a worker serving but handed nothing more.
-                self.error = exc
-                self.ended = exc.errno not in RECEIVE_RETRY
-                return out
-            for fd in fds:
-                conn = socket.socket(fileno=fd)
-                conn.setblocking(False)
-                out.append(conn)
-            if msg == _CONN and not fds:  # EMFILE on receipt: the kernel dropped it (MSG_CTRUNC)
-                self.lost += 1
-                self.closed()
-                return out  # the next ones would be lost too: the caller backs off
-            if not msg and not fds:
-                self.ended = True
-                return out
-
-    def closed(self) -> None:
-        self._counts.add(self._index)
-
-    def leave(self) -> None:
-        """Say we drain (the supervisor takes back what we have not read), then close our end; nothing to say
-        if the supervisor already closed its end."""
-        with contextlib.suppress(OSError):
-            self.sock.send(DRAINING)
-        self.close()
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 class HandoffDispatcher:
@@ -404,7 +277,7 @@ class HandoffDispatcher:
                 break
             if not msg and not fds:
                 break
-            if msg == _CONN:
+            if msg == CONN:
                 self._sent[worker] -= 1  # never reached it
             taken += [socket.socket(fileno=fd) for fd in fds]  # none: we are out of descriptors, it is lost
         self._unread_since[worker] = 0.0
@@ -509,7 +382,7 @@ class HandoffDispatcher:
             ch = self._channels[worker]
             assert ch is not None
             try:
-                socket.send_fds(ch, [_CONN], [conn.fileno()], socket.MSG_DONTWAIT)
+                socket.send_fds(ch, [CONN], [conn.fileno()], socket.MSG_DONTWAIT)
             except OSError:  # BlockingIOError: its socket is full, it is not reading; else it just died
                 loads[worker] = None
                 continue
