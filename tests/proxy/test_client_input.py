@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from gatekeeper.proxy.listen.server import _ClientProtocol
+from gatekeeper.proxy.listen.client_input import ClientProtocol
 
 
 class _Transport(asyncio.Transport):
@@ -27,9 +27,9 @@ class _Transport(asyncio.Transport):
         return default
 
 
-def _proto() -> tuple[_ClientProtocol, asyncio.StreamReader, _Transport]:
+def _proto() -> tuple[ClientProtocol, asyncio.StreamReader, _Transport]:
     reader = asyncio.StreamReader()
-    proto = _ClientProtocol(reader)
+    proto = ClientProtocol(reader)
     transport = _Transport()
     proto.connection_made(transport)
     return proto, reader, transport
@@ -90,7 +90,7 @@ async def test_a_client_gone_error_while_feeding_ends_the_connection() -> None:
 
 
 async def test_bytes_held_before_the_alpn_decision_are_bounded_by_pausing_the_reads() -> None:
-    from gatekeeper.proxy.listen.server import EARLY_PAUSE_BYTES
+    from gatekeeper.proxy.listen.client_input import EARLY_PAUSE_BYTES
 
     proto, _, transport = _proto()
     chunk = b"x" * 16384
