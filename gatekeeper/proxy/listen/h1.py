@@ -36,6 +36,7 @@ from gatekeeper.proxy.adapter import (
 )
 from gatekeeper.proxy.listen import conn_metrics
 from gatekeeper.proxy.listen.goaway import GoawayDecider
+from gatekeeper.proxy.listen.h1_tunnel import READ_SIZE, splice, upgrade_answer
 from gatekeeper.proxy.listen.settings import ProtocolSettings
 from gatekeeper.proxy.messages import Handler, Headers, ProxyRequest, ProxyResponse, Upgraded, is_exhausted
 
@@ -44,7 +45,6 @@ LINGER_RESET = struct.pack("ii", 1, 0)
 
 log = logging.getLogger("gatekeeper.proxy.listen.h1")
 
-READ_SIZE = 65536
 PIPELINE_BUFFER_LIMIT = 65536
 """Pipelined bytes read ahead while a response is running; beyond this we stop reading."""
 HANGUP_CHECK_SECONDS = 1.0
@@ -95,8 +95,6 @@ class H1Connection:
         self._request_done = asyncio.Event()
         self._watcher: asyncio.Task[None] | None = None
         """The current exchange's EOF watcher (it reads the client while a response is produced)."""
-        self._tunnel_moved_at = 0.0
-        """Loop time of the last byte an upgraded tunnel moved (either way)."""
         self.closed = asyncio.Event()
 
     # ------------------------------------------------------------------ public
@@ -338,7 +336,7 @@ class H1Connection:
             if request.header("upgrade") is None:
                 response = await call_handler(self._handler, request)
             else:
-                response = await self._upgrade_answer(request)
+                response = await upgrade_answer(self._handler, request, self._settings, self._peer)
                 if response is None:
                     return False
             if response.upgraded is not None:
@@ -381,17 +379,6 @@ class H1Connection:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, LINGER_RESET)
         transport.abort()
         return error
-
-    async def _upgrade_answer(self, request: ProxyRequest) -> ProxyResponse | None:
-        """The handler's answer to an upgrade request, or None if none came in h1UpgradeIdleTimeoutSeconds:
-        nothing moves meanwhile, and without the bound such a request was held forever."""
-        limit = self._settings.h1_upgrade_idle_timeout_seconds
-        try:
-            async with asyncio.timeout(limit):
-                return await call_handler(self._handler, request)
-        except TimeoutError:
-            rejections.reject("upgrade_idle", f"{self._peer}: no answer to an upgrade request in {limit:g}s")
-            return None
 
     async def _send(self, request: ProxyRequest, response: ProxyResponse, *, close: bool = False) -> bool:
         headers = [(encode_header(k), encode_header(v)) for k, v in response.headers if k not in HOP_BY_HOP]
@@ -454,15 +441,7 @@ class H1Connection:
             if early:
                 up.writer.write(early)
                 await up.writer.drain()
-            self._tunnel_moved_at = asyncio.get_running_loop().time()
-            tasks = {asyncio.create_task(self._to_backend(up.writer)), asyncio.create_task(self._to_client(up.reader)),
-                     asyncio.create_task(self._tunnel_idle())}
-            try:
-                await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for t in tasks:
-                    t.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
+            await splice(self._reader, self._writer, self._drain, up, self._settings, self._peer)
         except asyncio.CancelledError:
             error = ClientGone("connection closed during an upgraded session")
             raise
@@ -475,33 +454,6 @@ class H1Connection:
             if up.on_close is not None:
                 await up.on_close()
         return False
-
-    async def _to_backend(self, dst: asyncio.StreamWriter) -> None:
-        """Client bytes to the backend; a backend that stops reading stops us reading the client (the idle
-        timeout ends it if nothing moves)."""
-        loop = asyncio.get_running_loop()
-        while data := await self._reader.read(READ_SIZE):
-            self._tunnel_moved_at = loop.time()
-            dst.write(data)
-            await dst.drain()
-
-    async def _to_client(self, src: asyncio.StreamReader) -> None:
-        """Backend bytes to the client; a client that takes none for h1WriteStallTimeoutSeconds is aborted
-        (as for any response), so a never-reading client cannot hold the tunnel and its backend."""
-        loop = asyncio.get_running_loop()
-        while data := await src.read(READ_SIZE):
-            self._tunnel_moved_at = loop.time()
-            self._writer.write(data)
-            await self._drain()
-
-    async def _tunnel_idle(self) -> None:
-        """Return (ending the tunnel) once no byte has moved either way for h1UpgradeIdleTimeoutSeconds;
-        one timer re-armed from the last move, not one per read."""
-        loop = asyncio.get_running_loop()
-        limit = self._settings.h1_upgrade_idle_timeout_seconds
-        while (left := self._tunnel_moved_at + limit - loop.time()) > 0:  # noqa: ASYNC110 - a re-armed deadline
-            await asyncio.sleep(left)
-        rejections.reject("upgrade_idle", f"{self._peer}: upgraded connection idle for {limit:g}s")
 
     def _write(self, event: h11.Event) -> None:
         data = self._conn.send(event)
