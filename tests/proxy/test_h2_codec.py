@@ -16,7 +16,6 @@ from hpack import Decoder, Encoder, NeverIndexedHeaderTuple
 from gatekeeper.proxy.h2wire import frames as f
 from gatekeeper.proxy.h2wire.errors import ErrorCodes, ProtocolError
 from gatekeeper.proxy.listen.h2_codec import (
-    CLOSED_MEMORY,
     EV_BAD_LENGTH,
     EV_DATA,
     EV_ENDED,
@@ -27,6 +26,7 @@ from gatekeeper.proxy.listen.h2_codec import (
     H2ServerCodec,
 )
 from gatekeeper.proxy.listen.h2_limits import FloodError, FloodGuard
+from gatekeeper.proxy.listen.h2_send import CLOSED_MEMORY
 
 GET = [(b":method", b"GET"), (b":scheme", b"https"), (b":authority", b"a.test"), (b":path", b"/api")]
 

@@ -3,7 +3,8 @@
 The ``h2`` library cost ~60 us of CPU per small request in general machinery; this codec unpacks frames with one
 ``struct`` call, keeps streams in a slots record and reports plain tuples (``EV_*``). It keeps every h2 server
 behaviour the proxy relied on (the tests hold h2 as an oracle). The rules per received frame (RFC 9113 6) close the
-class; error classes and closed-stream handling are summarized in docs/proxy/limits.md."""
+class; error classes and closed-stream handling are summarized in docs/proxy/limits.md. The connection's state and
+the frames it sends are ``h2_send``'s :class:`H2Sender`, which this codec extends."""
 
 from __future__ import annotations
 
@@ -11,12 +12,19 @@ from collections.abc import Callable
 from typing import Any
 
 from gatekeeper.proxy.h2wire import frames as f
-from gatekeeper.proxy.h2wire.errors import ErrorCodes, FlowControlError, ProtocolError, StreamClosedError
+from gatekeeper.proxy.h2wire.errors import ErrorCodes, ProtocolError
 from gatekeeper.proxy.h2wire.hpack_decode import BlockDecoder, HeaderBlockError, HeaderListTooLarge
-from gatekeeper.proxy.h2wire.hpack_encode import ResponseEncoder
 from gatekeeper.proxy.listen.body_budget import Share
 from gatekeeper.proxy.listen.h2_headers import malformed_trailer
 from gatekeeper.proxy.listen.h2_limits import CLOSED_STREAM, EMPTY_FRAME, PING, RST_STREAM, SETTINGS, FloodGuard
+from gatekeeper.proxy.listen.h2_send import (
+    CLOSED_BY_END,
+    RESET_BY_PEER,
+    RESET_BY_US,
+    H2ConnectionError,
+    H2Sender,
+    StreamState,
+)
 
 EV_REQUEST, EV_DATA, EV_ENDED, EV_RESET, EV_WINDOW, EV_GOAWAY, EV_BAD_LENGTH = range(7)
 """Event tuples: (EV_REQUEST, sid, headers, ended), (EV_DATA, sid, data, flow_length), (EV_ENDED, sid), (EV_RESET, sid,
@@ -24,33 +32,6 @@ code), (EV_WINDOW, sid) (0: every stream), (EV_GOAWAY, 0, code), (EV_BAD_LENGTH,
 content-length and the stream was reset, reported in order so the adapter sees the request, then the cut."""
 
 Event = tuple[Any, ...]
-CLOSED_MEMORY = 4096
-"""Closed stream ids remembered (how each closed decides the error for a late frame on it)."""
-CLOSED_BY_END, RESET_BY_PEER, RESET_BY_US = range(3)
-"""How a remembered stream closed; a late frame on it is a connection error after END_STREAM, answered with
-RST_STREAM after the client's reset, and ignored after ours (it may have crossed our RST_STREAM)."""
-
-
-class H2ConnectionError(ProtocolError):
-    """A connection error: the GOAWAY with ``error_code`` is already queued."""
-
-    def __init__(self, code: ErrorCodes, message: str) -> None:
-        super().__init__(message)
-        self.error_code = code
-
-
-class StreamState:
-    __slots__ = ("length", "local_closed", "received", "recv_window", "remote_closed", "send_window", "unacked")
-
-    def __init__(self, send_window: int, recv_window: int) -> None:
-        self.send_window = send_window
-        self.recv_window = recv_window
-        self.unacked = 0
-        self.remote_closed = False
-        self.local_closed = False
-        self.length: int | None = None
-        """content-length of the request, when given; checked against the DATA received."""
-        self.received = 0
 
 
 class HeaderBudgetExceeded(H2ConnectionError):
@@ -61,7 +42,7 @@ _FH = f.FRAME_HEADER.unpack_from
 _U32 = f.U32.unpack_from
 
 
-class H2ServerCodec:
+class H2ServerCodec(H2Sender):
     """Server side of one HTTP/2 connection: bytes in, event tuples out; frames to send in a buffer."""
 
     def __init__(
@@ -75,27 +56,15 @@ class H2ServerCodec:
         connection_window: int = f.DEFAULT_WINDOW,
         header_budget: Share | None = None,
     ) -> None:
+        super().__init__(max_concurrent_streams=max_concurrent_streams, stream_window=stream_window,
+                         max_header_list=max_header_list, connection_window=connection_window)
         self._on_refused = on_refused
         self.header_budget = header_budget
         """Where a header block in progress is counted (the connection's share of the process budget)."""
         self._cont_bytes = 0
         self._guard = guard
-        self.max_concurrent_streams = max_concurrent_streams
-        self._stream_window = stream_window
-        self._conn_window_size = max(connection_window, f.DEFAULT_WINDOW)
         self.decoder = BlockDecoder(max_header_list)
-        self._max_header_list = max_header_list
-        self.encoder = ResponseEncoder()
-        self.streams: dict[int, StreamState] = {}
-        self._held: set[int] = set()
-        self._closed: dict[int, int] = {}
-        """Recently closed stream id -> how it closed (``CLOSED_BY_END``, ...)."""
-        self.highest_inbound_stream_id = 0
-        self._send_window = f.DEFAULT_WINDOW
         self._peer_initial_window = f.DEFAULT_WINDOW
-        self.max_outbound_frame_size = f.MIN_FRAME_SIZE
-        self._recv_window = f.DEFAULT_WINDOW
-        self._recv_unacked = 0
         self._buf = b""
         self._preface = True
         """Still expecting the client preface (magic, then a SETTINGS frame)."""
@@ -104,134 +73,6 @@ class H2ServerCodec:
         self._cont_parts: list[bytes] = []
         self._cont_end_stream = False
         self._cont_bad_priority = False
-        self._out: list[bytes] = []
-        self.closed = False
-
-    # ------------------------------------------------------------------ outbound API
-
-    def initiate_connection(self) -> None:
-        """Our SETTINGS, then a connection WINDOW_UPDATE up to the configured connection window."""
-        self._out.append(f.settings_frame({
-            f.MAX_CONCURRENT_STREAMS: self.max_concurrent_streams,
-            f.INITIAL_WINDOW_SIZE: self._stream_window,
-            f.MAX_FRAME_SIZE: f.MIN_FRAME_SIZE,
-            f.MAX_HEADER_LIST_SIZE: self._max_header_list,
-        }))
-        extra = self._conn_window_size - f.DEFAULT_WINDOW
-        if extra > 0:
-            self._recv_window += extra
-            self._out.append(f.window_update(0, extra))
-
-    @property
-    def inbound_flow_control_window(self) -> int:
-        return self._recv_window
-
-    @property
-    def held_streams(self) -> int:
-        return len(self._held)
-
-    def release_stream(self, stream_id: int) -> None:
-        """The adapter is done with a stream: it stops counting against MAX_CONCURRENT_STREAMS."""
-        self._held.discard(stream_id)
-
-    def data_to_send(self) -> bytes:
-        out = self._out
-        if not out:
-            return b""
-        self._out = []
-        return out[0] if len(out) == 1 else b"".join(out)
-
-    def send_headers(self, stream_id: int, headers: Any, end_stream: bool = False) -> None:
-        sid = stream_id
-        stream = self._sendable(sid)
-        block = self.encoder.encode(headers)
-        size = self.max_outbound_frame_size
-        flags = f.END_STREAM if end_stream else 0
-        if len(block) <= size:
-            self._out += (f.header(f.HEADERS, flags | f.END_HEADERS, sid, len(block)), block)
-        else:
-            pieces = [block[i:i + size] for i in range(0, len(block), size)]
-            self._out += (f.header(f.HEADERS, flags, sid, len(pieces[0])), pieces[0])
-            for n, piece in enumerate(pieces[1:], 2):
-                end = f.END_HEADERS if n == len(pieces) else 0
-                self._out += (f.header(f.CONTINUATION, end, sid, len(piece)), piece)
-        if end_stream:
-            self._local_close(sid, stream)
-
-    def send_data(self, stream_id: int, data: bytes, end_stream: bool = False) -> None:
-        sid = stream_id
-        stream = self._sendable(sid)
-        n = len(data)
-        if n > self._send_window or n > stream.send_window:
-            raise FlowControlError(f"{n} bytes exceed the flow-control window of stream {sid}")
-        if n > self.max_outbound_frame_size:
-            size = self.max_outbound_frame_size
-            for i in range(0, n - size, size):
-                self._out += (f.header(f.DATA, 0, sid, size), data[i:i + size])
-            data = data[(n - 1) // size * size:]
-        self._send_window -= n
-        stream.send_window -= n
-        self._out += (f.header(f.DATA, f.END_STREAM if end_stream else 0, sid, len(data)), data)
-        if end_stream:
-            self._local_close(sid, stream)
-
-    def end_stream(self, stream_id: int) -> None:
-        self.send_data(stream_id, b"", end_stream=True)
-
-    def reset_stream(self, stream_id: int, error_code: Any = 0) -> None:
-        sid = stream_id
-        if self.streams.pop(sid, None) is None:
-            raise StreamClosedError(sid)
-        self._remember(sid, RESET_BY_US)
-        self._out.append(f.rst_stream(sid, error_code))
-
-    def local_flow_control_window(self, stream_id: int) -> int:
-        stream = self._sendable(stream_id)
-        return min(self._send_window, stream.send_window)
-
-    def acknowledge_received_data(self, acknowledged_size: int, stream_id: int) -> None:
-        """The adapter consumed ``size`` flow-controlled bytes: reopen the windows in batches (once under half),
-        so a steady upload costs one WINDOW_UPDATE per half window, not one per DATA frame."""
-        size, sid = acknowledged_size, stream_id
-        if size <= 0:
-            return
-        self._recv_unacked += size
-        if self._recv_window < self._conn_window_size // 2:
-            self._recv_window += self._recv_unacked
-            self._out.append(f.window_update(0, self._recv_unacked))
-            self._recv_unacked = 0
-        stream = self.streams.get(sid)
-        if stream is not None and not stream.remote_closed:
-            stream.unacked += size
-            if stream.recv_window < self._stream_window // 2:
-                stream.recv_window += stream.unacked
-                self._out.append(f.window_update(sid, stream.unacked))
-                stream.unacked = 0
-
-    def close_connection(self, error_code: int = 0, last_stream_id: int | None = None) -> None:
-        if self.closed:
-            return
-        last = self.highest_inbound_stream_id if last_stream_id is None else last_stream_id
-        self._out.append(f.goaway(last, error_code))
-        self.closed = True
-
-    def _sendable(self, sid: int) -> StreamState:
-        stream = self.streams.get(sid)
-        if stream is None or stream.local_closed or self.closed:
-            raise StreamClosedError(sid)
-        return stream
-
-    def _local_close(self, sid: int, stream: StreamState) -> None:
-        stream.local_closed = True
-        if stream.remote_closed:
-            del self.streams[sid]
-            self._remember(sid, CLOSED_BY_END)
-
-    def _remember(self, sid: int, how: int) -> None:
-        closed = self._closed
-        closed[sid] = how
-        if len(closed) > CLOSED_MEMORY:
-            del closed[next(iter(closed))]
 
     # ------------------------------------------------------------------ inbound
 
@@ -313,10 +154,6 @@ class H2ServerCodec:
         # unknown frame types are ignored (RFC 9113 5.5)
 
     # ------------------------------------------------------------------ inbound frames (RFC 9113 6)
-
-    def _fail(self, code: ErrorCodes, message: str) -> None:
-        self.close_connection(code)
-        raise H2ConnectionError(code, message)
 
     def _count(self, kind: str) -> None:
         if self._guard is not None:
