@@ -244,64 +244,82 @@ class MuxConn(asyncio.Protocol):
                 else:
                     self.block, self.block_sid, self.block_flags = [buf[start:stop]], sid, flags
                     self.block_size, self.block_frames = stop - start, 1
-            elif ftype == f.CONTINUATION:
-                if self.block is None or sid != self.block_sid:
-                    return self._broken("CONTINUATION out of place")
-                self.block.append(buf[start:pos])
-                self.block_size += length
-                self.block_frames += 1
-                if self.block_size > MAX_HEAD_BYTES or self.block_frames > f.MAX_CONTINUATIONS:
-                    return self._broken("header block too large", 0xB)  # ENHANCE_YOUR_CALM
-                if flags & f.END_HEADERS:
-                    parts, self.block = self.block, None
-                    if self._head(sid, self.block_flags, b"".join(parts)) is False:
-                        return None
-            elif ftype == f.RST_STREAM:
-                if length != 4 or sid == 0:
-                    return self._broken("bad RST_STREAM")
-                stream = streams.pop(sid, None)
-                if stream is not None:
-                    code = f.U32.unpack_from(buf, start)[0]
-                    if code == REFUSED_STREAM and not stream.headers_done:
-                        stream.fail(StreamRefused(f"stream refused by the backend (stream {sid})"))
-                    else:
-                        stream.fail(StreamReset(f"the backend reset the stream (code {code})"))
-                    self._maybe_close()
-            elif ftype == f.SETTINGS:
-                if sid != 0 or length % 6 or (flags & f.ACK and length):
-                    return self._broken("bad SETTINGS")
-                if not flags & f.ACK:
-                    for at in range(start, pos, 6):
-                        key, value = f.SETTING.unpack_from(buf, at)
-                        if key == f.MAX_CONCURRENT_STREAMS:
-                            self.peer_max_streams = value
-                        elif key == f.MAX_FRAME_SIZE:
-                            if not f.MIN_FRAME_SIZE <= value <= f.MAX_FRAME_SIZE_LIMIT:
-                                return self._broken("bad SETTINGS_MAX_FRAME_SIZE")
-                            self.peer_max_frame = value
-                        elif key == f.INITIAL_WINDOW_SIZE and value > f.MAX_WINDOW:
-                            return self._broken("bad SETTINGS_INITIAL_WINDOW_SIZE", 0x3)
-                    self.queue(f.frame(f.SETTINGS, f.ACK, 0))
-            elif ftype == f.PING:
-                if length != 8 or sid != 0:
-                    return self._broken("bad PING")
-                if not flags & f.ACK:
-                    self.queue(f.frame(f.PING, f.ACK, 0, buf[start:pos]))
-            elif ftype == f.GOAWAY:
-                if length < 8 or sid != 0:
-                    return self._broken("bad GOAWAY")
-                self._goaway(f.U32.unpack_from(buf, start)[0] & MAX_STREAM_ID)
-            elif ftype == f.PUSH_PROMISE:
-                return self._broken("PUSH_PROMISE (push is disabled)")
-            elif ftype == f.WINDOW_UPDATE:
-                if length != 4:
-                    return self._broken("bad WINDOW_UPDATE")
-            # PRIORITY and unknown frame types are ignored (RFC 9113 5.5).
+            elif self._control(ftype, flags, sid, buf, start, pos):
+                return None
         self.buf = buf[pos:] if pos < end else b""
         if self.conn_unacked >= self.window // 4 and not self.closed:
             self.queue(f.window_update(0, self.conn_unacked))
             self.conn_unacked = 0
         return None
+
+    def _control(self, ftype: int, flags: int, sid: int, buf: bytes, start: int, pos: int) -> bool:
+        """Every frame but DATA and HEADERS (``data_received`` keeps those inline: they are the per-request ones);
+        True when the connection broke or a stream's head ended the read."""
+        length = pos - start
+        if ftype == f.CONTINUATION:
+            if self.block is None or sid != self.block_sid:
+                self._broken("CONTINUATION out of place")
+                return True
+            self.block.append(buf[start:pos])
+            self.block_size += length
+            self.block_frames += 1
+            if self.block_size > MAX_HEAD_BYTES or self.block_frames > f.MAX_CONTINUATIONS:
+                self._broken("header block too large", 0xB)  # ENHANCE_YOUR_CALM
+                return True
+            if flags & f.END_HEADERS:
+                parts, self.block = self.block, None
+                if self._head(sid, self.block_flags, b"".join(parts)) is False:
+                    return True
+        elif ftype == f.RST_STREAM:
+            if length != 4 or sid == 0:
+                self._broken("bad RST_STREAM")
+                return True
+            stream = self.streams.pop(sid, None)
+            if stream is not None:
+                code = f.U32.unpack_from(buf, start)[0]
+                if code == REFUSED_STREAM and not stream.headers_done:
+                    stream.fail(StreamRefused(f"stream refused by the backend (stream {sid})"))
+                else:
+                    stream.fail(StreamReset(f"the backend reset the stream (code {code})"))
+                self._maybe_close()
+        elif ftype == f.SETTINGS:
+            if sid != 0 or length % 6 or (flags & f.ACK and length):
+                self._broken("bad SETTINGS")
+                return True
+            if not flags & f.ACK:
+                for at in range(start, pos, 6):
+                    key, value = f.SETTING.unpack_from(buf, at)
+                    if key == f.MAX_CONCURRENT_STREAMS:
+                        self.peer_max_streams = value
+                    elif key == f.MAX_FRAME_SIZE:
+                        if not f.MIN_FRAME_SIZE <= value <= f.MAX_FRAME_SIZE_LIMIT:
+                            self._broken("bad SETTINGS_MAX_FRAME_SIZE")
+                            return True
+                        self.peer_max_frame = value
+                    elif key == f.INITIAL_WINDOW_SIZE and value > f.MAX_WINDOW:
+                        self._broken("bad SETTINGS_INITIAL_WINDOW_SIZE", 0x3)
+                        return True
+                self.queue(f.frame(f.SETTINGS, f.ACK, 0))
+        elif ftype == f.PING:
+            if length != 8 or sid != 0:
+                self._broken("bad PING")
+                return True
+            if not flags & f.ACK:
+                self.queue(f.frame(f.PING, f.ACK, 0, buf[start:pos]))
+        elif ftype == f.GOAWAY:
+            if length < 8 or sid != 0:
+                self._broken("bad GOAWAY")
+                return True
+            self._goaway(f.U32.unpack_from(buf, start)[0] & MAX_STREAM_ID)
+        elif ftype == f.PUSH_PROMISE:
+            self._broken("PUSH_PROMISE (push is disabled)")
+            return True
+        elif ftype == f.WINDOW_UPDATE:
+            if length != 4:
+                self._broken("bad WINDOW_UPDATE")
+                return True
+        # PRIORITY and unknown frame types are ignored (RFC 9113 5.5).
+        return False
 
     def _head(self, sid: int, flags: int, block: bytes) -> bool:
         """A complete header block: decoded whatever the stream's state (the HPACK table must follow)."""
