@@ -35,6 +35,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="build only this component (repeatable)")
     b.set_defaults(func=_build)
 
+    _up_arguments(ssub)
+
+    s = ssub.add_parser("status", help="show each sandbox process and its health")
+    _state_dir(s)
+    s.set_defaults(func=_status)
+
+    d = ssub.add_parser("down", help="stop every sandbox process (TERM, then KILL); safe to repeat")
+    _state_dir(d)
+    d.set_defaults(func=_down)
+
+
+def _up_arguments(ssub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``sandbox up``: what the control plane runs with, and which add-ons."""
     u = ssub.add_parser(
         "up", help="start the control plane and wait until every component is healthy",
         description="Start the sandbox in --state-dir (certs, kubeconfigs, logs, sandbox.json). "
@@ -104,14 +117,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     u.add_argument("--proxy-workers", type=non_negative_int, default=None,
                    help="worker processes of the proxy add-on (default proxy.workers: one per usable core)")
     u.set_defaults(func=_up)
-
-    s = ssub.add_parser("status", help="show each sandbox process and its health")
-    _state_dir(s)
-    s.set_defaults(func=_status)
-
-    d = ssub.add_parser("down", help="stop every sandbox process (TERM, then KILL); safe to repeat")
-    _state_dir(d)
-    d.set_defaults(func=_down)
 
 
 def _sharing(text: str) -> str:

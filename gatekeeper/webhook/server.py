@@ -90,6 +90,30 @@ async def _kube_client(settings: WebhookSettings) -> Any:
     return await kube_api.api_client(settings.kubeconfig)
 
 
+async def _runner_and_site(srv: ServerSettings, app: web.Application, tls: ReloadingContext,
+                           ) -> tuple[web.AppRunner, LimitedSite]:
+    """The set-up aiohttp runner of ``app`` and its bounded TLS site (not started yet)."""
+    # keepalive_timeout: aiohttp closes a connection without a complete request head this long (idle or
+    # slowloris); its own default is 3630 s.
+    # max_headers/max_field_size/max_line_size: what one unfinished request head can hold (aiohttp's 128 fields of
+    # 8 KiB were ~2.5 MiB of memory per connection); refusals are malformed HTTP, counted by QuietClientErrors.
+    # What all connections hold together is maxBufferedRequestBytes (LimitedSite).
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, keepalive_timeout=srv.idle_timeout_seconds,
+                           logger=QuietClientErrors(metrics().bad_requests.labels("http").inc),
+                           max_headers=srv.max_header_fields, max_field_size=srv.max_header_field_bytes,
+                           max_line_size=srv.max_header_field_bytes)
+    await runner.setup()
+    refused = metrics().refused_connections.labels("connection-cap")
+    evicted = metrics().refused_connections.labels("request-budget")
+    handshake_timeouts = metrics().refused_connections.labels("handshake-timeout")
+    site = LimitedSite(runner, srv.address, srv.port, ssl_context=tls.base, max_connections=srv.max_connections,
+                       handshake_timeout=srv.tls_handshake_timeout_seconds, on_refused=refused.inc,
+                       max_buffered_request_bytes=srv.max_buffered_request_bytes, on_evicted=evicted.inc,
+                       on_handshake_timeout=handshake_timeouts.inc, on_handshake_late=metrics().handshakes_late.inc,
+                       receive_buffer=srv.socket_receive_buffer_bytes)
+    return runner, site
+
+
 async def serve(settings: WebhookSettings, stop: asyncio.Event | None = None) -> None:
     """Serve until ``stop`` is set or SIGTERM/SIGINT arrives."""
     srv = settings.server
@@ -129,24 +153,7 @@ async def serve(settings: WebhookSettings, stop: asyncio.Event | None = None) ->
                                       forget=keeper.forget, on_result=lambda r: counter.labels(r).inc())
         keeper.on_ensured = lifecycle.ensured
         lifecycle_task = asyncio.create_task(lifecycle.run())
-    # keepalive_timeout: aiohttp closes a connection without a complete request head this long (idle or
-    # slowloris); its own default is 3630 s.
-    # max_headers/max_field_size/max_line_size: what one unfinished request head can hold (aiohttp's 128 fields of
-    # 8 KiB were ~2.5 MiB of memory per connection); refusals are malformed HTTP, counted by QuietClientErrors.
-    # What all connections hold together is maxBufferedRequestBytes (LimitedSite).
-    runner = web.AppRunner(app, access_log=None, handle_signals=False, keepalive_timeout=srv.idle_timeout_seconds,
-                           logger=QuietClientErrors(metrics().bad_requests.labels("http").inc),
-                           max_headers=srv.max_header_fields, max_field_size=srv.max_header_field_bytes,
-                           max_line_size=srv.max_header_field_bytes)
-    await runner.setup()
-    refused = metrics().refused_connections.labels("connection-cap")
-    evicted = metrics().refused_connections.labels("request-budget")
-    handshake_timeouts = metrics().refused_connections.labels("handshake-timeout")
-    site = LimitedSite(runner, srv.address, srv.port, ssl_context=tls.base, max_connections=srv.max_connections,
-                       handshake_timeout=srv.tls_handshake_timeout_seconds, on_refused=refused.inc,
-                       max_buffered_request_bytes=srv.max_buffered_request_bytes, on_evicted=evicted.inc,
-                       on_handshake_timeout=handshake_timeouts.inc, on_handshake_late=metrics().handshakes_late.inc,
-                       receive_buffer=srv.socket_receive_buffer_bytes)
+    runner, site = await _runner_and_site(srv, app, tls)
     try:
         await site.start()
     except OSError as exc:

@@ -113,6 +113,41 @@ def register_source(source: Source) -> None:
     _sources.add(source)
 
 
+PER_LEVEL = {
+    "seats": ("gatekeeper_flowcontrol_current_executing_seats", "Seats held by running requests."),
+    "limit": ("gatekeeper_flowcontrol_nominal_limit_seats", "Nominal concurrency limit per level."),
+    "current": ("gatekeeper_flowcontrol_current_limit_seats", "Current limit (nominal moved by borrowing)."),
+    "lower": ("gatekeeper_flowcontrol_lower_limit_seats", "Nominal limit minus what the level may lend."),
+    "upper": ("gatekeeper_flowcontrol_upper_limit_seats", "Nominal limit plus what the level may borrow."),
+    "avg": ("gatekeeper_flowcontrol_demand_seats_average", "Time-averaged seat demand, last period."),
+    "stdev": ("gatekeeper_flowcontrol_demand_seats_stdev", "Standard deviation of seat demand, last period."),
+    "high": ("gatekeeper_flowcontrol_demand_seats_high_watermark", "Peak seat demand, last period."),
+    "smoothed": ("gatekeeper_flowcontrol_demand_seats_smoothed", "Smoothed seat demand envelope."),
+    "target": ("gatekeeper_flowcontrol_target_seats", "Seat allocation target of the last adjustment."),
+    "peak": ("gatekeeper_flowcontrol_peak_executing_requests", "Most requests of a level running at once."),
+}
+"""Per priority level gauges: key -> (name, help)."""
+
+
+def _add_levels(src: Source, levels: dict[str, dict[str, float]]) -> None:
+    """Add ``src``'s per-level values (``PER_LEVEL``) into ``levels``."""
+    c = src.controller
+    for name, lv in c.levels.items():
+        agg = levels.setdefault(name, dict.fromkeys(PER_LEVEL, 0.0))
+        agg["seats"] += lv.executing_seats + sum(d.executing_seats for d in c.draining if d.spec.name == name)
+        agg["peak"] = max(agg["peak"], src.peak_executing.get(name, 0))
+        b = c.bounds.get(name)
+        if b is not None:
+            st = lv.demand_stats
+            values: dict[str, float] = {
+                "limit": b.nominal, "current": lv.limit, "lower": b.lower, "upper": b.upper,
+                "avg": st.avg, "stdev": st.stddev, "high": st.high_watermark, "smoothed": st.smoothed,
+                "target": lv.target,
+            }
+            for k, x in values.items():
+                agg[k] += x
+
+
 class _Gauges(Collector):
     """Read at scrape time; summed over flow-control instances (a process normally has one)."""
 
@@ -126,20 +161,7 @@ class _Gauges(Collector):
             "Requests running upstream (watches until their response starts).",
             labels=by_schema,
         )
-        per_level = {
-            "seats": ("gatekeeper_flowcontrol_current_executing_seats", "Seats held by running requests."),
-            "limit": ("gatekeeper_flowcontrol_nominal_limit_seats", "Nominal concurrency limit per level."),
-            "current": ("gatekeeper_flowcontrol_current_limit_seats", "Current limit (nominal moved by borrowing)."),
-            "lower": ("gatekeeper_flowcontrol_lower_limit_seats", "Nominal limit minus what the level may lend."),
-            "upper": ("gatekeeper_flowcontrol_upper_limit_seats", "Nominal limit plus what the level may borrow."),
-            "avg": ("gatekeeper_flowcontrol_demand_seats_average", "Time-averaged seat demand, last period."),
-            "stdev": ("gatekeeper_flowcontrol_demand_seats_stdev", "Standard deviation of seat demand, last period."),
-            "high": ("gatekeeper_flowcontrol_demand_seats_high_watermark", "Peak seat demand, last period."),
-            "smoothed": ("gatekeeper_flowcontrol_demand_seats_smoothed", "Smoothed seat demand envelope."),
-            "target": ("gatekeeper_flowcontrol_target_seats", "Seat allocation target of the last adjustment."),
-            "peak": ("gatekeeper_flowcontrol_peak_executing_requests", "Most requests of a level running at once."),
-        }
-        fams = {k: GaugeMetricFamily(n, h, labels=["priority_level"]) for k, (n, h) in per_level.items()}
+        fams = {k: GaugeMetricFamily(n, h, labels=["priority_level"]) for k, (n, h) in PER_LEVEL.items()}
         fair_frac = GaugeMetricFamily(
             "gatekeeper_flowcontrol_seat_fair_frac", "Fair fraction of the last borrowing allocation."
         )
@@ -172,20 +194,7 @@ class _Gauges(Collector):
                         waiting[key] = waiting.get(key, 0) + 1
             for key, v in src.executing_by_schema.items():
                 running[key] = running.get(key, 0) + v
-            for name, lv in c.levels.items():
-                agg = levels.setdefault(name, dict.fromkeys(per_level, 0.0))
-                agg["seats"] += lv.executing_seats + sum(d.executing_seats for d in c.draining if d.spec.name == name)
-                agg["peak"] = max(agg["peak"], src.peak_executing.get(name, 0))
-                b = c.bounds.get(name)
-                if b is not None:
-                    st = lv.demand_stats
-                    values: dict[str, float] = {
-                        "limit": b.nominal, "current": lv.limit, "lower": b.lower, "upper": b.upper,
-                        "avg": st.avg, "stdev": st.stddev, "high": st.high_watermark, "smoothed": st.smoothed,
-                        "target": lv.target,
-                    }
-                    for k, x in values.items():
-                        agg[k] += x
+            _add_levels(src, levels)
             used += c.budget.used
             frac = max(frac, c.fair_frac)
             caps = c.budget.backends
