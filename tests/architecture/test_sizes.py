@@ -85,12 +85,12 @@ def test_a_body_is_counted_without_signature_and_docstring(source: str, expected
 
 
 def test_the_checker_reports_a_long_module_and_a_long_function(tmp_path: Path) -> None:
-    root = tmp_path / "gatekeeper"
+    root = tmp_path / "pkg"
     root.mkdir()
     (root / "big.py").write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
     (root / "long.py").write_text("def f():\n" + "    x = 1\n" * (MAX_FUNCTION_LINES + 1))
     (root / "fine.py").write_text("def f():\n" + "    x = 1\n" * MAX_FUNCTION_LINES)
     problems = oversized(root)
-    assert any(p.startswith("gatekeeper/big.py: 501 lines") for p in problems), problems
-    assert any("gatekeeper/long.py:1 f: 81 body lines" in p for p in problems), problems
+    assert any(p.startswith("pkg/big.py: 501 lines") for p in problems), problems
+    assert any("pkg/long.py:1 f: 81 body lines" in p for p in problems), problems
     assert not any("fine.py" in p for p in problems), problems
