@@ -27,6 +27,7 @@ from prometheus_client import Counter, Gauge
 from gatekeeper.proxy.flowcontrol.core import endpoints as core
 from gatekeeper.proxy.flowcontrol.core.leader import LeaderElection, LeaderRecord
 from gatekeeper.proxy.flowcontrol.edge.fleet import MAX_LIST_BYTES, FleetMember, lease_name
+from gatekeeper.proxy.flowcontrol.edge.seatleases import first_answer
 from gatekeeper.proxy.flowcontrol.settings import PublishEndpointsSettings
 from gatekeeper.proxy.identity.auth import identity_headers
 from gatekeeper.proxy.messages import UserInfo
@@ -228,22 +229,10 @@ class EndpointPublisher:
     async def _request(self, method: str, path: str, body: Any = None,
                        content_type: str = "application/json") -> tuple[int, bytes]:
         """One call on the first backend that answers (below 500); raises the last failure."""
-        failure: Exception = RuntimeError("no backend")
         payload = None if body is None else orjson.dumps(body)
         headers = [*self._headers, *([("content-type", content_type)] if payload is not None else [])]
-        deadline = max(1.0, self.fleet.settings.lease_duration_seconds / 2)
-        for upstream in self.fleet.upstreams:
-            try:
-                status, answer = await upstream.call(method, path, headers, payload, deadline=deadline,
-                                                     max_bytes=MAX_LIST_BYTES)
-            except (OSError, TimeoutError, ValueError, RuntimeError) as exc:
-                failure = exc
-                continue
-            if status >= 500:
-                failure = RuntimeError(f"{method} {path.split('?')[0]} on {upstream.name}: {status}")
-                continue
-            return status, answer
-        raise failure
+        return await first_answer(self.fleet.upstreams, method, path, headers, payload, max_bytes=MAX_LIST_BYTES,
+                                  deadline=max(1.0, self.fleet.settings.lease_duration_seconds / 2))
 
     def _ok(self, status: int, body: bytes, what: str) -> bytes:
         if status in (401, 403):

@@ -22,7 +22,7 @@ from prometheus_client import Counter, Gauge
 
 from gatekeeper.kube.objects import Lease
 from gatekeeper.proxy.flowcontrol.core.fleet import FleetShare, LeaseView, Membership, fleet_bound
-from gatekeeper.proxy.flowcontrol.edge.seatleases import SeatLeaser
+from gatekeeper.proxy.flowcontrol.edge.seatleases import SeatLeaser, first_answer
 from gatekeeper.proxy.flowcontrol.settings import FleetSettings
 from gatekeeper.proxy.identity.auth import identity_headers
 from gatekeeper.proxy.identity.tokens.fetch import Upstream
@@ -155,23 +155,13 @@ class FleetMember:
 
     async def _call(self, method: str, path: str, body: bytes | None, extra: list[tuple[str, str]]) -> bytes:
         """One call on the first backend that answers; raises the last failure."""
-        failure: Exception = RuntimeError("no backend")
         # Half the Lease's life, as client-go's leader election: a storm-slowed apiserver is no partition.
         deadline = max(1.0, self.settings.lease_duration_seconds / 2)
-        for upstream in self.upstreams:
-            try:
-                status, answer = await upstream.call(method, path, [*self._headers, *extra], body,
-                                                     deadline=deadline, max_bytes=MAX_LIST_BYTES)
-            except (OSError, TimeoutError, ValueError, RuntimeError) as exc:
-                failure = exc
-                continue
-            if status in (401, 403):
-                raise PermissionError(f"{method} {path.split('?')[0]}: {status} {answer[:300]!r}")
-            if status >= 300:
-                failure = RuntimeError(f"{method} {path.split('?')[0]} on {upstream.name}: {status}")
-                continue
-            return answer
-        raise failure
+        status, answer = await first_answer(self.upstreams, method, path, [*self._headers, *extra], body,
+                                            deadline=deadline, max_bytes=MAX_LIST_BYTES, retry_from=300)
+        if status in (401, 403):
+            raise PermissionError(f"{method} {path.split('?')[0]}: {status} {answer[:300]!r}")
+        return answer
 
     async def renew_and_list(self) -> None:
         now = self.clock()

@@ -63,6 +63,24 @@ def parse_seats(body: bytes) -> list[SeatView]:
     return out
 
 
+async def first_answer(upstreams: Sequence[Upstream], method: str, path: str, headers: list[tuple[str, str]],
+                       body: bytes | None, *, deadline: float, max_bytes: int, retry_from: int = 500
+                       ) -> tuple[int, bytes]:
+    """The first apiserver's answer: a status below ``retry_from``, or 401/403; a broken call or another status
+    tries the next one. Raises the last failure when none answers (the fleet's Lease and endpoint calls)."""
+    failure: Exception = RuntimeError("no backend")
+    for upstream in upstreams:
+        try:
+            status, answer = await upstream.call(method, path, headers, body, deadline=deadline, max_bytes=max_bytes)
+        except (OSError, TimeoutError, ValueError, RuntimeError) as exc:
+            failure = exc
+            continue
+        if status < retry_from or status in (401, 403):
+            return status, answer
+        failure = RuntimeError(f"{method} {path.split('?')[0]} on {upstream.name}: {status}")
+    raise failure
+
+
 class SeatLeaser:
     """This process's seat Leases, one pool per leased level (see the module docstring)."""
 
@@ -210,25 +228,18 @@ class SeatLeaser:
     async def _call(self, method: str, path: str, body: bytes | None, extra: Sequence[tuple[str, str]] = ()
                     ) -> tuple[int, bytes]:
         """The first apiserver that answers; a status is an answer (a 409 is final), a broken call is not."""
-        failure: Exception = RuntimeError("no backend")
-        deadline = max(1.0, self.settings.lease_duration_seconds / 3)
-        for upstream in self.upstreams:
-            try:
-                status, answer = await upstream.call(method, path, [*self.headers, *extra], body,
-                                                     deadline=deadline, max_bytes=MAX_LIST_BYTES)
-            except (OSError, TimeoutError, ValueError, RuntimeError) as exc:
-                failure = exc
-                continue
-            if status >= 500:
-                failure = RuntimeError(f"{method} {path.split('?')[0]}: {status}")
-                continue
-            if status in (401, 403):
-                self._refused(status)
-            else:
-                self._reachable()
-            return status, answer
-        self._unreachable()
-        raise failure
+        try:
+            status, answer = await first_answer(self.upstreams, method, path, [*self.headers, *extra], body,
+                                                deadline=max(1.0, self.settings.lease_duration_seconds / 3),
+                                                max_bytes=MAX_LIST_BYTES)
+        except (OSError, TimeoutError, ValueError, RuntimeError):
+            self._unreachable()
+            raise
+        if status in (401, 403):
+            self._refused(status)
+        else:
+            self._reachable()
+        return status, answer
 
     # -- health: when the Leases cannot be used, small levels take the static share ------------------------------
     def heartbeat(self, reached: bool) -> None:
