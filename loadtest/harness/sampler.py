@@ -16,7 +16,6 @@ import os
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -85,10 +84,11 @@ class Sampler:
     """More components whose /metrics give ``go_memstats_heap_alloc_bytes`` (e.g. kube-scheduler's URL)."""
 
     apf_level: str = ""
-    """A priority level whose executing requests are summed over the apiservers every ``apf_interval``, read from
-    all of them at once (``/debug/api_priority_and_fairness/dump_priority_levels``, a few hundred bytes): the
-    cluster-wide concurrency a budget promises. ``/metrics`` is megabytes under a storm and read one apiserver
-    after another, so its gauge sums moments up to seconds apart and counts a request that moved twice."""
+    """A priority level whose executing requests are summed over the apiservers every ``apf_interval``
+    (``/debug/api_priority_and_fairness/dump_priority_levels``, a few hundred bytes): the cluster-wide concurrency
+    a budget promises. ``/metrics`` is megabytes under a storm, so its gauge sums moments up to seconds apart. Each
+    tick is one nested sweep (see ``nested_sum``): ``apf-sum`` rows hold what either read saw, ``apf-held`` rows
+    what both reads saw."""
     apf_interval: float = 0.1
     front_port: int = 0
     """The port of the front (HAProxy, a proxy) whose established connections to each apiserver are counted
@@ -192,7 +192,6 @@ class Sampler:
 
     def _apf_loop(self) -> None:
         clients = [admin(self.state, u, timeout=5) for u in self.state.apiserver_urls]
-        pool = ThreadPoolExecutor(max_workers=len(clients), thread_name_prefix=f"apf-{self.arm}")
 
         def executing(c: httpx.Client) -> int | None:
             try:
@@ -204,12 +203,14 @@ class Sampler:
         try:
             while not self._stop.is_set():
                 t = self._now()
-                values = list(pool.map(executing, clients))
-                if all(v is not None for v in values):
-                    self._add(t=t, component="apf-sum", executing=sum(v for v in values if v is not None))
+                out = [executing(c) for c in clients]
+                back = [executing(c) for c in reversed(clients)][::-1]
+                if all(v is not None for v in out + back):
+                    seen, held = nested_sum([v or 0 for v in out], [v or 0 for v in back])
+                    self._add(t=t, component="apf-sum", executing=seen)
+                    self._add(t=t, component="apf-held", executing=held)
                 self._stop.wait(self.apf_interval)
         finally:
-            pool.shutdown(wait=False)
             for c in clients:
                 c.close()
 
@@ -238,6 +239,22 @@ class Sampler:
     def first(self, component_prefix: str, column: str) -> float:
         s = self.summed(component_prefix, column)
         return s[0][1] if s else 0.0
+
+
+def nested_sum(out: Sequence[int], back: Sequence[int]) -> tuple[int, int]:
+    """Executing requests summed over apiservers read one after another, then again in reverse (``back`` indexed
+    as ``out``): (seen by either read, seen by both).
+
+    No sum of separate reads is one instant. A LIST that ends on one apiserver while the next starts on another is
+    seen on both by reads a few milliseconds apart, so "either" overcounts hand-offs, which a budget makes every
+    few hundred milliseconds. The reverse sweep nests every apiserver's two reads around all later ones', so a
+    request counted by "both" ran across the whole inner window: a LIST outlasts a sweep by two orders of
+    magnitude, and an overlap that holds memory is seen there, while a hand-off is not.
+    """
+    if len(out) != len(back):
+        raise ValueError("one value per apiserver in each sweep")
+    pairs = list(zip(out, back, strict=True))
+    return sum(max(p) for p in pairs), sum(min(p) for p in pairs)
 
 
 def write_rows(path: Path, samplers: Iterable[Sampler]) -> int:

@@ -207,3 +207,15 @@ def test_an_unknown_list_storm_arm_is_named_before_any_sandbox_starts() -> None:
     assert list_storm.base_arm("informers-fleet-watch-list") == "gatekeeper-fleet"
     assert list_storm.base_arm("informers-gatekeeper-list") == "gatekeeper"
     assert list_storm.reference("informers-fleet-list") == "informers-direct-list"
+
+
+def test_nested_sweep_counts_a_handoff_between_apiservers_once_and_a_real_overlap_fully() -> None:
+    from loadtest.harness.sampler import nested_sum
+
+    # A LIST ends on apiserver 1 and the next starts on apiserver 3 between the two sweeps: either read sees 3.
+    assert nested_sum([2, 0, 0], [1, 0, 1]) == (3, 1)
+    # Three LISTs running through the whole sweep: both reads see all three.
+    assert nested_sum([1, 1, 1], [1, 1, 1]) == (3, 3)
+    assert nested_sum([2, 0, 1], [2, 0, 1]) == (3, 3)
+    with pytest.raises(ValueError):
+        nested_sum([1, 2], [1])
