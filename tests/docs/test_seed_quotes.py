@@ -105,7 +105,8 @@ def test_the_vendored_seeds_are_the_ones_the_page_names_and_nothing_else() -> No
     assert named == set(sources_on_disk()), "vendor exactly the seed files docs/seeds.md names"
 
 
-SEED = "- Fix: API Priority & Fairness (only allow two concurrent list calls, queue the rest)\n- 5,000 secrets of 0.2 MB"
+SEED = ("- Fix: API Priority & Fairness (only allow two concurrent list calls, queue the rest)\n"
+        "- 5,000 secrets of 0.2 MB")
 LINKED = "([000](seeds/sources/a.txt))"
 
 
