@@ -201,7 +201,8 @@ def test_skew_reports_per_apiserver_shares_that_sum_to_one(tmp_path: Path, hapro
     with (out / "events.csv").open() as fh:
         events = [(r["arm"], r["event"]) for r in csv.DictReader(fh)]
     assert ("haproxy", "restart kube-apiserver-2") in events and ("haproxy", "LIST storm") in events
-    assert "Memory per apiserver: the LIST storm after the restart" in (out / "report.md").read_text()
+    text = (out / "report.md").read_text()
+    assert "Memory per apiserver: the LIST storm after the restart" in text and "### Verdicts" in text
 
 
 def test_admission_measures_both_arms_and_webhook_cpu_per_review(tmp_path: Path) -> None:
