@@ -36,7 +36,7 @@ SCENARIOS = {
     "dra-scale": "loadtest.scenarios.dra_scale",
 }
 """In the issue's priority order; ``all`` runs them in this order."""
-ARMED = ("list-storm", "list-storm-oom", "skew")
+ARMED = ("list-storm", "list-storm-oom", "skew", "admission")
 """Scenarios that take ``--arms`` and ``--runs``."""
 
 ALL_SCALES = {"list-storm": 1.0, "list-storm-oom": 1.0, "skew": 0.5, "admission": 0.5, "gogc": 1.0, "dra-scale": 1.0}
@@ -57,9 +57,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--scale", type=float, default=1.0,
                    help="multiply every scenario's counts and durations (default 1.0; 0.05 takes seconds)")
     p.add_argument("--runs", type=int, default=1,
-                   help="run every arm this many times, interleaved (list-storm, list-storm-oom, skew; default 1)")
+                   help="run every arm this many times, interleaved (list-storm, list-storm-oom, skew, admission; "
+                        "default 1)")
     p.add_argument("--arms", default="",
-                   help="comma-separated arms to run, in this order (list-storm, list-storm-oom, skew; "
+                   help="comma-separated arms to run, in this order (list-storm, list-storm-oom, skew, admission; "
                         "default: the scenario's own)")
     p.add_argument("--memory-limits", default="",
                    help="comma-separated apiserver memory limits, e.g. 1536Mi,2560Mi,4Gi: every arm runs at each, "

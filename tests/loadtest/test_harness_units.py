@@ -192,7 +192,7 @@ def test_a_bound_holds_only_when_every_run_keeps_it() -> None:
 
 
 def test_arms_and_runs_are_refused_by_scenarios_that_do_not_take_them(tmp_path: Path) -> None:
-    for argv in (["admission", "--arms", "direct"], ["gogc", "--runs", "3"], ["list-storm", "--runs", "0"]):
+    for argv in (["dra-scale", "--arms", "direct"], ["gogc", "--runs", "3"], ["list-storm", "--runs", "0"]):
         p = subprocess.run([sys.executable, "-m", "loadtest", *argv, "--out", str(tmp_path / "x")], cwd=REPO,
                            capture_output=True, text=True, timeout=120)
         assert p.returncode == 2 and "--runs" in p.stderr, (argv, p.stderr)

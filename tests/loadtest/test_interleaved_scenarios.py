@@ -1,4 +1,4 @@
-"""skew on the interleaved method without a sandbox: its verdicts from fixed thresholds and its arms' names."""
+"""skew and admission on the interleaved method without a sandbox: verdicts from fixed thresholds, arms named."""
 
 from __future__ import annotations
 
@@ -35,3 +35,30 @@ def test_an_unknown_skew_arm_is_named_before_any_sandbox_starts() -> None:
 
     with pytest.raises(ScenarioError, match="unknown arms nowhere"):
         skew.run(RunContext(out=Path("/nonexistent"), arms=("haproxy", "nowhere")))
+
+
+def test_admission_ratios_are_taken_within_a_round_with_plain_pods_as_the_control() -> None:
+    from loadtest.scenarios.admission import OWN_BOUND, ratios
+
+    def run(arm: str, round_: int, pod: float, gpu: float, secret: float) -> dict[str, object]:
+        rows = {n: {"Average Response Time": str(v)}
+                for n, v in (("CREATE pod", pod), ("CREATE gpu pod", gpu), ("CREATE secret", secret))}
+        return {"arm": arm, "round": round_, "rows": rows}
+
+    results = [run("webhooks-off", 1, 100, 100, 100), run("webhooks-on", 1, 110, 143, 121),
+               run("webhooks-off", 2, 200, 200, 100), run("webhooks-on", 2, 200, 240, 130),
+               run("webhooks-off", 3, 100, 100, 100)]  # an unfinished round counts for nothing
+    got = ratios(results)
+    assert got["CREATE gpu pod"] == pytest.approx([1.43, 1.2])
+    assert got["own CREATE gpu pod"] == pytest.approx([1.3, 1.2])
+    assert got["own CREATE secret"] == pytest.approx([1.1, 1.3])
+    assert got["CREATE pod"] == pytest.approx([1.1, 1.0]) and OWN_BOUND == 1.25
+
+
+def test_an_unknown_admission_arm_is_named_before_any_sandbox_starts() -> None:
+    from loadtest.harness.cluster import ScenarioError
+    from loadtest.harness.run import RunContext
+    from loadtest.scenarios import admission
+
+    with pytest.raises(ScenarioError, match="unknown arms webhooks-maybe"):
+        admission.run(RunContext(out=Path("/nonexistent"), arms=("webhooks-off", "webhooks-maybe")))
