@@ -22,7 +22,7 @@ COLUMN = "seed's number"
 QUOTE = re.compile(r'"([^"]+)"')
 LINK = re.compile(r"\[[^\]]*\]\((?:\./)?seeds/sources/([^)\s]+)\)")
 NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?")
-FILLER = re.compile(r"[\s;,.:()\-–%/]*")
+FILLER = re.compile(r"[\s;,.:()\-%/]*")
 """What may stand between the quotes, numbers and links of a cell: separators, never words."""
 
 
