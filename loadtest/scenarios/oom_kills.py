@@ -157,7 +157,7 @@ def verdicts(results: Sequence[Mapping[str, Any]]) -> list[str]:
         if base:
             fo = [float(r["failover"]) for r in base]
             lines.append(f"- {at}, HAProxy TCP shows the seeds' cascade (>= {CASCADE_FLOOR} failover kill per run): "
-                         f"**{floor_verdict(fo, CASCADE_FLOOR)}**: failover kills {spread(fo).show('.0f')}")
+                         f"**{floor_verdict(fo, CASCADE_FLOOR)}**: failover kills {spread(fo).show('g')}")
         for arm, arm_runs in runs.items():
             if arm == BALANCER:
                 continue
@@ -165,9 +165,9 @@ def verdicts(results: Sequence[Mapping[str, Any]]) -> list[str]:
             fo = [float(r["failover"]) for r in arm_runs]
             if arm.startswith("gatekeeper") or "-gatekeeper-" in arm:
                 lines.append(f"- {at}, {arm} has no failover kill (<= {GATEKEEPER_FAILOVER_BOUND} per run): "
-                             f"**{bound_verdict(fo, GATEKEEPER_FAILOVER_BOUND)}**: {spread(fo).show('.0f')}")
+                             f"**{bound_verdict(fo, GATEKEEPER_FAILOVER_BOUND)}**: {spread(fo).show('g')}")
             if base_kills:
                 lines.append(f"- {at}, {arm} has fewer OOM kills than HAProxy TCP in every run: "
-                             f"**{apart_verdict(kills, base_kills)}**: {spread(kills).show('.0f')} against "
-                             f"{spread(base_kills).show('.0f')}")
+                             f"**{apart_verdict(kills, base_kills)}**: {spread(kills).show('g')} against "
+                             f"{spread(base_kills).show('g')}")
     return lines

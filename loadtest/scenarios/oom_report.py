@@ -77,10 +77,10 @@ def _summary(results: list[dict[str, Any]], listers: int) -> list[list[object]]:
         groups.setdefault((r["limit"], r["arm"]), []).append(r)
     for (limit, arm), runs in sorted(groups.items(), key=lambda kv: kv[0][0]):
         p50s = [r["p50"] for r in runs if not math.isnan(r["p50"])]  # NaN: no LIST ended
-        rows.append([f"{limit / MIB:.0f}", arm, len(runs), spread([len(r["kills"]) for r in runs]).show(".0f"),
-                     spread([r["own"] for r in runs]).show(".0f"), spread([r["failover"] for r in runs]).show(".0f"),
+        rows.append([f"{limit / MIB:.0f}", arm, len(runs), spread([len(r["kills"]) for r in runs]).show("g"),
+                     spread([r["own"] for r in runs]).show("g"), spread([r["failover"] for r in runs]).show("g"),
                      spread([r["all_down"] for r in runs]).show(".0f"),
-                     f"{spread([r['ok'] for r in runs]).show('.0f')} of {listers}",
+                     f"{spread([r['ok'] for r in runs]).show('g')} of {listers}",
                      spread(p50s).show(".1f") if p50s else "n/a",
                      spread([max(r["peak"].values(), default=0.0) / MIB for r in runs]).show(".0f")])
     return rows
@@ -131,6 +131,6 @@ def _seed_rows(report: Report, results: list[dict[str, Any]], listers: int) -> N
             if runs:
                 report.seed_vs_ours.append((
                     f"{mib}: OOM kills, {what}", seed,
-                    f"{spread([len(r['kills']) for r in runs]).show('.0f')} "
-                    f"(failover {spread([r['failover'] for r in runs]).show('.0f')}), "
-                    f"LISTs ok {spread([r['ok'] for r in runs]).show('.0f')} of {listers}"))
+                    f"{spread([len(r['kills']) for r in runs]).show('g')} "
+                    f"(failover {spread([r['failover'] for r in runs]).show('g')}), "
+                    f"LISTs ok {spread([r['ok'] for r in runs]).show('g')} of {listers}"))
