@@ -138,13 +138,22 @@ CASCADE_FLOOR = 1
 GATEKEEPER_FAILOVER_BOUND = 0
 """Gatekeeper's arms: at most this many failover kills in any run (its queue holds the moved LISTs)."""
 BALANCER = "haproxy"
-"""The arm every other arm's kills are compared with at the same memory limit: the seeds' load balancer."""
+"""The arm every fix is compared with at the same memory limit: the seeds' load balancer, no fix."""
+FIXES = ("haproxy-kube-apf", "gatekeeper")
+"""Arms (by prefix of their target) that apply a fix: the seeds' APF in the apiservers, or gatekeeper."""
+
+
+def balancer_of(arm: str) -> str:
+    """The no-fix arm of the same kind of client: HAProxy TCP with Locust listers or with informers of that sync."""
+    if arm.startswith("informers-"):
+        return "informers-haproxy-watch-list" if arm.endswith("-watch-list") else "informers-haproxy-list"
+    return BALANCER
 
 
 def verdicts(results: Sequence[Mapping[str, Any]]) -> list[str]:
     """The report's verdicts, per memory limit, from each run's ``arm``, ``limit``, ``kills`` and ``failover``
     (the count of its failover kills). Thresholds are the constants above, fixed before any run; a verdict over
-    ranges that overlap says "not distinguished"."""
+    ranges that overlap says "not distinguished". Each fix is compared with HAProxy TCP with clients of its kind."""
     lines = []
     for limit in sorted({int(r["limit"]) for r in results}):
         runs: dict[str, list[Mapping[str, Any]]] = {}
@@ -152,22 +161,25 @@ def verdicts(results: Sequence[Mapping[str, Any]]) -> list[str]:
             if int(r["limit"]) == limit:
                 runs.setdefault(str(r["arm"]), []).append(r)
         at = f"at {limit >> 20} MiB"
-        base = runs.get(BALANCER, [])
-        base_kills = [float(len(r["kills"])) for r in base]
-        if base:
-            fo = [float(r["failover"]) for r in base]
-            lines.append(f"- {at}, HAProxy TCP shows the seeds' cascade (>= {CASCADE_FLOOR} failover kill per run): "
-                         f"**{floor_verdict(fo, CASCADE_FLOOR)}**: failover kills {spread(fo).show('g')}")
         for arm, arm_runs in runs.items():
-            if arm == BALANCER:
-                continue
             kills = [float(len(r["kills"])) for r in arm_runs]
             fo = [float(r["failover"]) for r in arm_runs]
-            if arm.startswith("gatekeeper") or "-gatekeeper-" in arm:
+            target = arm.removeprefix("informers-")
+            if arm == balancer_of(arm):
+                lines.append(f"- {at}, {arm} shows the seeds' cascade (>= {CASCADE_FLOOR} failover kill per run): "
+                             f"**{floor_verdict(fo, CASCADE_FLOOR)}**: failover kills {spread(fo).show('g')}")
+                continue
+            if not target.startswith(FIXES):
+                continue
+            if target.startswith("gatekeeper"):
                 lines.append(f"- {at}, {arm} has no failover kill (<= {GATEKEEPER_FAILOVER_BOUND} per run): "
                              f"**{bound_verdict(fo, GATEKEEPER_FAILOVER_BOUND)}**: {spread(fo).show('g')}")
-            if base_kills:
-                lines.append(f"- {at}, {arm} has fewer OOM kills than HAProxy TCP in every run: "
-                             f"**{apart_verdict(kills, base_kills)}**: {spread(kills).show('g')} against "
-                             f"{spread(base_kills).show('g')}")
+            base = [float(len(r["kills"])) for r in runs.get(balancer_of(arm), [])]
+            if base and max(base) == 0:
+                lines.append(f"- {at}, {arm} against {balancer_of(arm)}: no kill through HAProxy TCP at this limit, "
+                             "nothing to decrease")
+            elif base:
+                lines.append(f"- {at}, {arm} has fewer OOM kills than {balancer_of(arm)} in every run: "
+                             f"**{apart_verdict(kills, base)}**: {spread(kills).show('g')} against "
+                             f"{spread(base).show('g')}")
     return lines

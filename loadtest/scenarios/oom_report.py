@@ -24,7 +24,8 @@ def write(ctx: RunContext, report: Report, samplers: list[Sampler], results: lis
     _kills_csv(ctx, results, arm_events)
     listers, limits = setup["listers"], setup["limits"]
     locust = [r["label"] for r in results if not r["arm"].startswith("informers-")]
-    report.csvs += ["samples.csv", "kills.csv", "events.csv", *[f"{label}_stats.csv" for label in locust]]
+    report.csvs += ["samples.csv", *(["kills.csv", "events.csv"] if arm_events else []),  # linked when not empty
+                    *[f"{label}_stats.csv" for label in locust]]
     report.setup.update({
         "load": f"{setup['secrets']} Secrets x {setup['secret_kib']} KiB (type helm.sh/release.v1; one LIST is about "
                 f"{setup['secrets'] * setup['secret_kib'] * 4 // 3 // 1024} MiB of JSON), {listers} tenant listers "

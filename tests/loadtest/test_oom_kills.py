@@ -59,21 +59,26 @@ def run(arm: str, limit_mib: int, kills: int, failover: int) -> dict[str, object
 
 def test_the_verdicts_come_from_fixed_thresholds_per_limit() -> None:
     results = [run("haproxy", 2560, 9, 2), run("gatekeeper", 2560, 0, 0), run("haproxy-kube-apf", 2560, 3, 1),
+               run("direct", 2560, 15, 0),  # the reference without a balancer: no verdict of its own
                run("haproxy", 2560, 12, 1), run("gatekeeper", 2560, 1, 0), run("haproxy-kube-apf", 2560, 10, 0),
-               run("haproxy", 1536, 14, 0), run("gatekeeper", 1536, 5, 1)]
-    lines = verdicts(results)
-    assert lines == [
-        "- at 1536 MiB, HAProxy TCP shows the seeds' cascade (>= 1 failover kill per run): **fails**: failover "
-        "kills 0",
+               run("haproxy", 1536, 14, 0), run("gatekeeper", 1536, 5, 1),
+               run("informers-haproxy-list", 4096, 0, 0), run("informers-gatekeeper-list", 4096, 0, 0)]
+    assert verdicts(results) == [
+        "- at 1536 MiB, haproxy shows the seeds' cascade (>= 1 failover kill per run): **fails**: failover kills 0",
         "- at 1536 MiB, gatekeeper has no failover kill (<= 0 per run): **fails**: 1",
-        "- at 1536 MiB, gatekeeper has fewer OOM kills than HAProxy TCP in every run: **holds**: 5 against 14",
-        "- at 2560 MiB, HAProxy TCP shows the seeds' cascade (>= 1 failover kill per run): **holds**: failover "
-        "kills 1.5 [1-2]",
+        "- at 1536 MiB, gatekeeper has fewer OOM kills than haproxy in every run: **holds**: 5 against 14",
+        "- at 2560 MiB, haproxy shows the seeds' cascade (>= 1 failover kill per run): **holds**: failover kills "
+        "1.5 [1-2]",
         "- at 2560 MiB, gatekeeper has no failover kill (<= 0 per run): **holds**: 0 [0-0]",
-        "- at 2560 MiB, gatekeeper has fewer OOM kills than HAProxy TCP in every run: **holds**: 0.5 [0-1] "
+        "- at 2560 MiB, gatekeeper has fewer OOM kills than haproxy in every run: **holds**: 0.5 [0-1] "
         "against 10.5 [9-12]",
-        "- at 2560 MiB, haproxy-kube-apf has fewer OOM kills than HAProxy TCP in every run: **not distinguished "
+        "- at 2560 MiB, haproxy-kube-apf has fewer OOM kills than haproxy in every run: **not distinguished "
         "(the runs' ranges overlap)**: 6.5 [3-10] against 10.5 [9-12]",
+        "- at 4096 MiB, informers-haproxy-list shows the seeds' cascade (>= 1 failover kill per run): **fails**: "
+        "failover kills 0",
+        "- at 4096 MiB, informers-gatekeeper-list has no failover kill (<= 0 per run): **holds**: 0",
+        "- at 4096 MiB, informers-gatekeeper-list against informers-haproxy-list: no kill through HAProxy TCP at "
+        "this limit, nothing to decrease",
     ]
 
 
