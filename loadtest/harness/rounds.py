@@ -76,3 +76,13 @@ def apart_verdict(lower: Sequence[float], higher: Sequence[float]) -> str:
     if min(lower) >= max(higher):
         return "fails"
     return "not distinguished (the runs' ranges overlap)"
+
+
+def compare(values: Sequence[float], against: Sequence[float]) -> str:
+    """``lower`` or ``higher`` when every run of ``values`` is below (above) every run of ``against``, else ``not
+    distinguished`` (the ranges overlap, or there is no run to compare)."""
+    if values and against and max(values) < min(against):
+        return "lower"
+    if values and against and min(values) > max(against):
+        return "higher"
+    return "not distinguished (the runs' ranges overlap)"
