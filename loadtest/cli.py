@@ -43,7 +43,7 @@ ALL_SCALES = {"list-storm": 1.0, "list-storm-oom": 1.0, "skew": 0.5, "admission"
 """``all`` multiplies ``--scale`` by these: the scales of the checked-in reports, so ``all`` at ``--scale 1``
 reproduces them (each report's setup gives its own command). On a 2-core machine that took about 1 h 50 min with
 list-storm-oom's 5 arms x 300 s; list-storm-oom now runs 6 arms at 3 memory limits (up to 300 s each: about
-1 h 30 min on its own at ``--runs 1``, not yet timed). The rest: skew 5 arms x 120 s, admission 2 x 60 s, gogc 6
+1 h 30 min on its own at ``--runs 1``, not yet timed). The rest: skew 6 arms x 120 s, admission 2 x 60 s, gogc 6
 fresh sandboxes (3 interleaved runs per GOGC), dra-scale 9 fresh sandboxes (3 interleaved runs per arm, 1,000 pods
 each); list-storm counts LISTs, not seconds. A scenario run on its own uses ``--scale`` as given."""
 

@@ -163,6 +163,24 @@ def tenant_rbac(namespace: str) -> str:
     return yaml.safe_dump_all(docs)
 
 
+@contextlib.contextmanager
+def seeds_apf(state: SandboxState, namespace: str) -> Iterator[None]:
+    """The seeds' fix as they deployed it, for one arm: their FlowSchemas and PriorityLevelConfigurations
+    (``deploy/examples/flowcontrol-seeds.yaml``, 2 concurrent secret LISTs) in the apiservers' own APF.
+
+    The observer FlowSchema (precedence 100) would catch the tenants before the seeds' (400-500): it goes for the
+    arm and comes back afterwards with the tenants' RBAC of ``namespace``."""
+    try:
+        kit.kubectl(state, "delete", "flowschema", "--ignore-not-found", kit.OBSERVE)
+        applied = kit.kubectl(state, "apply", "-f", str(kit.SEEDS))
+        if applied.returncode != 0:
+            raise ScenarioError(f"the seeds' APF objects: {applied.stderr.strip()}")
+        yield
+    finally:
+        kit.kubectl(state, "delete", "--ignore-not-found", "-f", str(kit.SEEDS))
+        kit.kubectl(state, "apply", "-f", "-", input=tenant_rbac(namespace))
+
+
 def ensure_namespace(client: httpx.Client, namespace: str) -> None:
     r = client.post("/api/v1/namespaces", json={"apiVersion": "v1", "kind": "Namespace",
                                                  "metadata": {"name": namespace}})

@@ -7,7 +7,8 @@ loopback). Mid-run one apiserver restarts; its clients reconnect to the other
 two, and when it is back an L4 balancer sends it nothing until connections are
 re-made. Each apiserver's own ``apiserver_request_total`` gives its share.
 Arms: HAProxy TCP (the seeds' setup), HAProxy TCP with the apiservers'
-``--goaway-chance=0.001`` (the seeds' fix), gatekeeper (per-request balancing
+``--goaway-chance=0.001`` (the seeds' fix), HAProxy TCP with the seeds' APF objects in the apiservers
+(``haproxy-kube-apf``, their other fix), gatekeeper (per-request balancing
 alone, flow control off), gatekeeper with the flow control it is deployed with
 (the seeds' policy and at most 2 expensive LISTs per apiserver).
 
@@ -65,6 +66,9 @@ SECRET_KIB = 200
 ARMS: dict[str, dict[str, Any]] = {
     "haproxy": {"flags": ("--goaway-chance=0",)},
     "haproxy-goaway": {"flags": ("--goaway-chance=0.001",)},
+    # the seeds' other fix, in the apiservers themselves: their APF objects (2 concurrent secret LISTs per
+    # apiserver; their FlowSchema also takes the clients' small configmap LISTs)
+    "haproxy-kube-apf": {"flags": ("--goaway-chance=0",), "kube_apf": True},
     # kube-apiserver's maximum: the same fix with 20x the recycling rate, so healing fits in a short run
     "haproxy-goaway-0.02": {"flags": ("--goaway-chance=0.02",)},
     "gatekeeper": {"flags": ("--goaway-chance=0",), "proxy": {}},
@@ -108,8 +112,10 @@ def kubectl_proxies(state: SandboxState, work: Path, server: str, count: int) ->
 def front(arm: str, state: SandboxState, work: Path) -> Iterator[str]:
     conf = ARMS[arm]
     if "proxy" not in conf:
-        with cluster.haproxy(state, work / arm, balance="roundrobin") as url:
-            yield url
+        with contextlib.ExitStack() as stack:
+            if conf.get("kube_apf"):
+                stack.enter_context(cluster.seeds_apf(state, NS))
+            yield stack.enter_context(cluster.haproxy(state, work / arm, balance="roundrobin"))
         return
     with cluster.proxy(state, work / arm, conf.get("flow"), conf["proxy"] or None) as p:
         yield p.url

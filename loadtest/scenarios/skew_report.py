@@ -138,6 +138,7 @@ def write(ctx: RunContext, report: Report, samplers: list[Sampler], results: lis
                                         f"{shown} ({_balanced(by[arm])} runs balanced within the run)"))
     for arm, seed in (("haproxy", "large skew in memory between apiserver pods (seed)"),
                       ("haproxy-goaway", "goaway-chance fixes it (seed)"),
+                      ("haproxy-kube-apf", "(the seeds' APF fix of the LIST storm, not their skew fix)"),
                       ("haproxy-goaway-0.02", "(not in the seed)"),
                       ("gatekeeper", "n/a (the project's fix)"), ("gatekeeper-policy", "n/a (the project's fix)")):
         if arm in by:

@@ -185,8 +185,8 @@ def test_skew_reports_per_apiserver_shares_that_sum_to_one(tmp_path: Path, hapro
     by: dict[tuple[str, str], float] = {}
     for r in shares:
         by[(r["arm"], r["t"])] = by.get((r["arm"], r["t"]), 0.0) + float(r["share"])
-    assert {a for a, _ in by} == {"haproxy", "haproxy-goaway", "haproxy-goaway-0.02", "gatekeeper",
-                                     "gatekeeper-policy"}
+    assert {a for a, _ in by} == {"haproxy", "haproxy-goaway", "haproxy-kube-apf", "haproxy-goaway-0.02",
+                                     "gatekeeper", "gatekeeper-policy"}
     assert all(abs(v - 1.0) < 0.01 for v in by.values())
     for arm in ("haproxy", "gatekeeper", "gatekeeper-policy"):
         assert float(locust_stats(out, arm)["Aggregated"]["Request Count"]) > 50
