@@ -50,7 +50,6 @@ from loadtest.scenarios.oom_kills import (
     failover_possible,
     kills_between,
     read_events,
-    several_killed,
 )
 from loadtest.scenarios.oom_report import write
 
@@ -154,7 +153,7 @@ def run(ctx: RunContext) -> None:
             failover = sum(1 for k in classified if k.kind == "failover")
             results.append({
                 "arm": base, "label": arm, "round": round_, "limit": limit, "kills": kills, "classified": classified,
-                "failover": failover, "own": len(kills) - failover, "several": several_killed(kills),
+                "failover": failover, "own": len(kills) - failover,
                 "per_apiserver": {n: sum(1 for _, k in kills if k == n) for n in names},
                 "cascade": failover > 0, "down": per_down, "all_down": all_down,
                 "peak": {n: max((v for _, v in pts), default=0.0)
