@@ -21,6 +21,8 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
+from gatekeeper.errors import UsageError
+from gatekeeper.sandbox.memlimit import parse_limit
 from loadtest.harness import report
 from loadtest.harness.cluster import ScenarioError
 from loadtest.harness.run import RunContext
@@ -34,15 +36,16 @@ SCENARIOS = {
     "dra-scale": "loadtest.scenarios.dra_scale",
 }
 """In the issue's priority order; ``all`` runs them in this order."""
-ARMED = ("list-storm", "list-storm-oom")
+ARMED = ("list-storm", "list-storm-oom", "skew", "admission")
 """Scenarios that take ``--arms`` and ``--runs``."""
 
 ALL_SCALES = {"list-storm": 1.0, "list-storm-oom": 1.0, "skew": 0.5, "admission": 0.5, "gogc": 1.0, "dra-scale": 1.0}
 """``all`` multiplies ``--scale`` by these: the scales of the checked-in reports, so ``all`` at ``--scale 1``
-reproduces them (each report's setup gives its own command). On a 2-core machine that takes about 1 h 50 min:
-list-storm-oom 5 arms x 300 s, skew 5 arms x 120 s, admission 2 x 60 s, gogc 6 fresh sandboxes (3 interleaved
-runs per GOGC), dra-scale 9 fresh sandboxes (3 interleaved runs per arm, 1,000 pods each); list-storm counts
-LISTs, not seconds. A scenario run on its own uses ``--scale`` as given."""
+reproduces them (each report's setup gives its own command). On a 2-core machine that took about 1 h 50 min with
+list-storm-oom's 5 arms x 300 s; list-storm-oom now runs 6 arms at 3 memory limits (up to 300 s each: about
+1 h 30 min on its own at ``--runs 1``, not yet timed). The rest: skew 6 arms x 120 s, admission 2 x 60 s, gogc 6
+fresh sandboxes (3 interleaved runs per GOGC), dra-scale 9 fresh sandboxes (3 interleaved runs per arm, 1,000 pods
+each); list-storm counts LISTs, not seconds. A scenario run on its own uses ``--scale`` as given."""
 
 
 def parser() -> argparse.ArgumentParser:
@@ -54,14 +57,23 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--scale", type=float, default=1.0,
                    help="multiply every scenario's counts and durations (default 1.0; 0.05 takes seconds)")
     p.add_argument("--runs", type=int, default=1,
-                   help="run every arm this many times, interleaved (list-storm, list-storm-oom; default 1)")
+                   help="run every arm this many times, interleaved (list-storm, list-storm-oom, skew, admission; "
+                        "default 1)")
     p.add_argument("--arms", default="",
-                   help="comma-separated arms to run, in this order (list-storm, list-storm-oom; "
+                   help="comma-separated arms to run, in this order (list-storm, list-storm-oom, skew, admission; "
                         "default: the scenario's own)")
+    p.add_argument("--memory-limits", default="",
+                   help="comma-separated apiserver memory limits, e.g. 1536Mi,2560Mi,4Gi: every arm runs at each, "
+                        "interleaved (list-storm-oom; default: its three around where two LISTs fit)")
     p.add_argument("--keep-work", action="store_true", help="keep the work directory (sandbox logs, specs)")
     p.add_argument("--allow-dirty", action="store_true",
                    help="write reports from a working tree with uncommitted changes (each report says so)")
     return p
+
+
+def memory_limits(text: str) -> tuple[int, ...]:
+    """``--memory-limits``: bytes of each comma-separated size, in the order given (UsageError names a bad one)."""
+    return tuple(parse_limit(part.strip()) for part in text.split(",") if part.strip())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -82,6 +94,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("--runs must be at least 1", file=sys.stderr)
         return 2
     try:
+        limits = memory_limits(args.memory_limits)
+    except UsageError as exc:
+        print(f"loadtest: --memory-limits: {exc}", file=sys.stderr)
+        return 2
+    if limits and args.scenario != "list-storm-oom":
+        print("--memory-limits is taken by list-storm-oom only", file=sys.stderr)
+        return 2
+    try:
         report.PROVENANCE.update(report.provenance(args.allow_dirty))
     except ValueError as exc:
         print(f"loadtest: {exc}", file=sys.stderr)
@@ -92,7 +112,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         out = args.out / name if args.scenario == "all" else args.out
         out.mkdir(parents=True, exist_ok=True)
         scale = args.scale * (ALL_SCALES[name] if args.scenario == "all" else 1.0)
-        ctx = RunContext(out=out, scale=scale, adopt=args.state_dir, runs=args.runs, arms=arms)
+        ctx = RunContext(out=out, scale=scale, adopt=args.state_dir, runs=args.runs, arms=arms,
+                         memory_limits=limits)
         t0 = time.monotonic()
         ctx.say(f"== {name} (scale {scale:g}) -> {out}; work in {ctx.work}")
         try:

@@ -67,6 +67,21 @@ class MemoryCgroup:
             return int((self.path / name).read_text())
         return 0
 
+    def set_limit(self, limit: int) -> None:
+        """A new limit for the next process in this cgroup (list-storm-oom runs several on one sandbox). Set it
+        while the cgroup is empty: a limit below what a running process holds makes the kernel reclaim or kill.
+        On v1 the memory+swap limit may never be below the memory limit, so the one that grows is written first."""
+        if self.version == 2:
+            (self.path / "memory.max").write_text(str(limit))
+            return
+        names = ["memory.limit_in_bytes", "memory.memsw.limit_in_bytes"]
+        with contextlib.suppress(OSError, ValueError):
+            if limit > int((self.path / names[0]).read_text()):
+                names.reverse()
+        for name in names:
+            if name == "memory.limit_in_bytes" or (self.path / name).exists():  # memsw: with swap accounting
+                (self.path / name).write_text(str(limit))
+
     def remove(self) -> None:
         with contextlib.suppress(OSError):
             self.path.rmdir()

@@ -22,7 +22,7 @@ import httpx
 import yaml
 
 from gatekeeper.certs import PKI
-from gatekeeper.sandbox import client_lb, processes, supervisor
+from gatekeeper.sandbox import client_lb, memlimit, processes, supervisor
 from gatekeeper.sandbox.lifecycle import UpOptions, down, up
 from gatekeeper.sandbox.pki import SandboxPKI
 from gatekeeper.sandbox.state import ProcessRecord, SandboxState
@@ -76,11 +76,22 @@ def apiserver_records(state: SandboxState) -> list[ProcessRecord]:
 
 
 def restart_apiservers(state: SandboxState, *, which: Sequence[str] = (), flags: Sequence[str] = (),
-                       env: dict[str, str] | None = None, timeout: float = 180) -> float:
-    """Restart the named apiservers (all by default) with ``flags``; returns seconds until all are ready."""
+                       env: dict[str, str] | None = None, timeout: float = 180, memory_limit: int = 0) -> float:
+    """Restart the named apiservers (all by default) with ``flags``; returns seconds until all are ready.
+    ``memory_limit`` (bytes) is written to their memory cgroups between the stop and the start."""
     recs = [r for r in apiserver_records(state) if not which or r.name in which]
     t0 = time.monotonic()
     processes.stop(recs)
+    if memory_limit:
+        version = int(state.extra.get("memory_cgroup_version", 0))
+        if not version or not all(r.cgroup for r in recs):
+            raise ScenarioError("a memory limit needs apiservers in memory cgroups "
+                                "(sandbox up --apiserver-memory-limit)")
+        for r in recs:
+            try:
+                memlimit.MemoryCgroup(Path(r.cgroup), version).set_limit(memory_limit)
+            except OSError as exc:
+                raise ScenarioError(f"cannot set {r.name}'s memory limit to {memory_limit} bytes: {exc}") from None
     fresh = [processes.start(r.name, with_flags(r.cmd, flags), Path(r.log), env={**r.env, **(env or {})},
                              ports=r.ports, urls=r.urls, health=r.health, cgroup=r.cgroup) for r in recs]
     by_name = {f.name: f for f in fresh}
@@ -90,8 +101,10 @@ def restart_apiservers(state: SandboxState, *, which: Sequence[str] = (), flags:
     return time.monotonic() - t0
 
 
-def restart_limited_apiservers(state: SandboxState, flags: Sequence[str] = ()) -> tuple[SandboxState, float]:
-    """Fresh apiservers in their memory cgroups, with a fresh supervisor (kubelet's back-off starts over).
+def restart_limited_apiservers(state: SandboxState, flags: Sequence[str] = (), *, memory_limit: int = 0
+                               ) -> tuple[SandboxState, float]:
+    """Fresh apiservers in their memory cgroups, with a fresh supervisor (kubelet's back-off starts over);
+    ``memory_limit`` (bytes) changes their cgroups' limit while they are stopped.
 
     The supervisor restarts OOM-killed apiservers and records their new pids in ``sandbox.json``, so the state
     is read again from disk; it is stopped first, or a restart it still had pending would start a second
@@ -99,7 +112,7 @@ def restart_limited_apiservers(state: SandboxState, flags: Sequence[str] = ()) -
     fresh = SandboxState.load(Path(state.dir))
     watcher = [p for p in fresh.processes if p.name == supervisor.NAME]
     processes.stop(watcher)
-    ready = restart_apiservers(fresh, flags=flags)
+    ready = restart_apiservers(fresh, flags=flags, memory_limit=memory_limit)
     started = [processes.start(r.name, r.cmd, Path(r.log), env=r.env, cwd=Path(state.dir)) for r in watcher]
     by_name = {p.name: p for p in started}
     fresh.processes = [by_name.get(p.name, p) for p in fresh.processes]
@@ -148,6 +161,24 @@ def tenant_rbac(namespace: str) -> str:
             d["spec"]["rules"][0]["resourceRules"][0]["resources"] = ["secrets", "configmaps", "pods"]
             d["spec"]["rules"][0]["resourceRules"][0]["verbs"] = ["*"]
     return yaml.safe_dump_all(docs)
+
+
+@contextlib.contextmanager
+def seeds_apf(state: SandboxState, namespace: str) -> Iterator[None]:
+    """The seeds' fix as they deployed it, for one arm: their FlowSchemas and PriorityLevelConfigurations
+    (``deploy/examples/flowcontrol-seeds.yaml``, 2 concurrent secret LISTs) in the apiservers' own APF.
+
+    The observer FlowSchema (precedence 100) would catch the tenants before the seeds' (400-500): it goes for the
+    arm and comes back afterwards with the tenants' RBAC of ``namespace``."""
+    try:
+        kit.kubectl(state, "delete", "flowschema", "--ignore-not-found", kit.OBSERVE)
+        applied = kit.kubectl(state, "apply", "-f", str(kit.SEEDS))
+        if applied.returncode != 0:
+            raise ScenarioError(f"the seeds' APF objects: {applied.stderr.strip()}")
+        yield
+    finally:
+        kit.kubectl(state, "delete", "--ignore-not-found", "-f", str(kit.SEEDS))
+        kit.kubectl(state, "apply", "-f", "-", input=tenant_rbac(namespace))
 
 
 def ensure_namespace(client: httpx.Client, namespace: str) -> None:

@@ -10,10 +10,14 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
-def interleave(arms: Sequence[str], runs: int) -> list[tuple[int, str]]:
-    """``(round, arm)`` in the order to run them: every arm once per round, rounds one after another."""
+def interleave(arms: Sequence[T], runs: int) -> list[tuple[int, T]]:
+    """``(round, arm)`` in the order to run them: every arm once per round, rounds one after another. An arm may be
+    any value, e.g. ``(memory limit, arm)``: every combination then runs once per round."""
     if runs < 1:
         raise ValueError(f"runs must be at least 1, got {runs}")
     return [(r, arm) for r in range(1, runs + 1) for arm in arms]
@@ -55,3 +59,30 @@ def bound_verdict(values: Sequence[float], bound: float) -> str:
     if keep == 0:
         return "fails"
     return f"not distinguished ({keep} of {len(values)} runs keep it)"
+
+
+def floor_verdict(values: Sequence[float], floor: float) -> str:
+    """``holds`` when every run reaches ``floor`` (something happens every time), ``fails`` when none does."""
+    return bound_verdict([-v for v in values], -floor)
+
+
+def apart_verdict(lower: Sequence[float], higher: Sequence[float]) -> str:
+    """``holds`` when every run of ``lower`` is below every run of ``higher``, ``fails`` when every run of ``lower``
+    is at or above every run of ``higher``; ranges that overlap are ``not distinguished``."""
+    if not lower or not higher:
+        raise ValueError("no runs to compare")
+    if max(lower) < min(higher):
+        return "holds"
+    if min(lower) >= max(higher):
+        return "fails"
+    return "not distinguished (the runs' ranges overlap)"
+
+
+def compare(values: Sequence[float], against: Sequence[float]) -> str:
+    """``lower`` or ``higher`` when every run of ``values`` is below (above) every run of ``against``, else ``not
+    distinguished`` (the ranges overlap, or there is no run to compare)."""
+    if values and against and max(values) < min(against):
+        return "lower"
+    if values and against and min(values) > max(against):
+        return "higher"
+    return "not distinguished (the runs' ranges overlap)"

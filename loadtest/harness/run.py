@@ -34,6 +34,8 @@ class RunContext:
     """``--runs``: how many times each arm runs, interleaved (scenarios that take it)."""
     arms: tuple[str, ...] = ()
     """``--arms``: the arms to run, in this order; empty for the scenario's own list."""
+    memory_limits: tuple[int, ...] = ()
+    """``--memory-limits`` (bytes, list-storm-oom): every arm runs at each; empty for the scenario's own."""
 
     def n(self, default: float, minimum: int = 1) -> int:
         """A count scaled by ``--scale``, never below ``minimum``."""

@@ -21,6 +21,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from loadtest.harness.report import MIB, Report, line_plot
+from loadtest.harness.rounds import compare
 from loadtest.harness.run import RunContext, ms
 from loadtest.harness.sampler import Sampler, write_rows
 
@@ -224,6 +225,11 @@ def write(ctx: RunContext, report: Report, results: list[ArmResult], p: dict[str
                                                                          "heap_gc", "sched", "p50", "p99",
                                                                          "completion"))] for a, b in pairs],
                      title="Ratios of the arms' medians")
+    lines = range_verdicts(by_arm, pairs)
+    if lines:
+        report.text("### Verdicts over the runs\n\nEvery run of one arm against every run of the other (no margin "
+                    "to choose: ranges apart or not distinguished). The ratios above are of medians and say "
+                    "nothing where a verdict here is not distinguished.\n\n" + "\n".join(lines))
     _verdicts(report, med)
     report.text(TOPOLOGY_ARM)
     _plots(report, results)
@@ -275,6 +281,25 @@ def _verdicts(report: Report, med: dict[str, dict[str, float]]) -> None:
             f"{web['sched_quiet'] / MIB:.0f} MiB on the template path ({_x(kep['sched_quiet'], web['sched_quiet'])}; "
             f"heap after GC {_x(kep['sched_heap_gc'], web['sched_heap_gc'])}), so this run "
             + kep5004_verdict(kep["sched_quiet"], web["sched_quiet"]))
+
+
+RANGE_FIGURES = (("sched_quiet", "scheduler RSS (quiet)", MIB, "MiB"),
+                 ("api_quiet", "apiserver RSS (quiet)", MIB, "MiB"),
+                 ("p50", "scheduling latency p50", 1e-3, "ms"))
+"""(run column, what, divisor, unit) of the figures judged over the runs."""
+
+
+def range_verdicts(by_arm: dict[str, list[dict[str, float]]], pairs: list[tuple[str, str]]) -> list[str]:
+    """For each compared pair and figure, whether every run of the first arm is below or above every run of the
+    second: the verdict a ratio of medians (x1.23 with overlapping runs) cannot give."""
+    lines = []
+    for a, b in pairs:
+        for key, what, scale, unit in RANGE_FIGURES:
+            va = [f[key] for f in by_arm[a] if not math.isnan(f[key])]
+            vb = [f[key] for f in by_arm[b] if not math.isnan(f[key])]
+            lines.append(f"- {what}, {a} against {b}: **{compare(va, vb)}** ({spread(va, scale)} vs "
+                         f"{spread(vb, scale)} {unit})")
+    return lines
 
 
 def kep5004_verdict(kep: float, web: float, margin: float = 0.10) -> str:

@@ -93,18 +93,8 @@ def target(arm: str, state: SandboxState, work: Path) -> Iterator[tuple[list[str
         with cluster.haproxy(state, work, balance="leastconn") as url:
             yield [url], notes
     elif base == "haproxy-kube-apf":  # the seeds' fix as they deployed it: APF objects in every apiserver
-        # The observer FlowSchema (precedence 100) would catch the tenants before the seeds' (400-500): it goes
-        # for the arm and comes back with the tenants' RBAC.
-        kit.kubectl(state, "delete", "flowschema", "--ignore-not-found", kit.OBSERVE)
-        applied = kit.kubectl(state, "apply", "-f", str(kit.SEEDS))
-        if applied.returncode != 0:
-            raise cluster.ScenarioError(f"the seeds' APF objects: {applied.stderr.strip()}")
-        try:
-            with cluster.haproxy(state, work, balance="leastconn") as url:
-                yield [url], notes
-        finally:
-            kit.kubectl(state, "delete", "--ignore-not-found", "-f", str(kit.SEEDS))
-            kit.kubectl(state, "apply", "-f", "-", input=cluster.tenant_rbac(NS))
+        with cluster.seeds_apf(state, NS), cluster.haproxy(state, work, balance="leastconn") as url:
+            yield [url], notes
     elif base == "gatekeeper-fleet":
         with fleet_front(state, work, kill=arm == base) as (url, fleet_notes):
             yield [url], notes

@@ -7,7 +7,8 @@ loopback). Mid-run one apiserver restarts; its clients reconnect to the other
 two, and when it is back an L4 balancer sends it nothing until connections are
 re-made. Each apiserver's own ``apiserver_request_total`` gives its share.
 Arms: HAProxy TCP (the seeds' setup), HAProxy TCP with the apiservers'
-``--goaway-chance=0.001`` (the seeds' fix), gatekeeper (per-request balancing
+``--goaway-chance=0.001`` (the seeds' fix), HAProxy TCP with the seeds' APF objects in the apiservers
+(``haproxy-kube-apf``, their other fix), gatekeeper (per-request balancing
 alone, flow control off), gatekeeper with the flow control it is deployed with
 (the seeds' policy and at most 2 expensive LISTs per apiserver).
 
@@ -24,15 +25,19 @@ Healing through GOAWAY takes a few connection lifetimes, and a lifetime is
 achieved per-connection rate, hence the expected lifetime, beside the measured
 time. ``haproxy-goaway-0.02`` (the apiserver's maximum chance) shows the same
 mechanism on a time scale a short run can see.
+
+``--arms`` picks arms and ``--runs N`` runs them interleaved N times; the verdicts (:mod:`.skew_report`) judge
+every run of an arm against thresholds fixed before the runs, and ranges that overlap are not distinguished.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import csv
 import math
+import os
 import re
+import resource
 import subprocess
 import threading
 import time
@@ -41,19 +46,15 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
-
 from gatekeeper.sandbox.pki import SandboxPKI
 from gatekeeper.sandbox.state import SandboxState
 from gatekeeper.sandbox.testing import kubectl_binary
 from loadtest.harness import cluster
 from loadtest.harness.cluster import ScenarioError, kit
-from loadtest.harness.report import MIB, Report
+from loadtest.harness.report import Report
+from loadtest.harness.rounds import interleave, run_label
 from loadtest.harness.run import RunContext, ms, run_locust
-from loadtest.harness.sampler import Sampler, write_rows
+from loadtest.harness.sampler import Sampler
 
 NAME = "skew"
 NS = "loadtest-skew"
@@ -65,6 +66,9 @@ SECRET_KIB = 200
 ARMS: dict[str, dict[str, Any]] = {
     "haproxy": {"flags": ("--goaway-chance=0",)},
     "haproxy-goaway": {"flags": ("--goaway-chance=0.001",)},
+    # the seeds' other fix, in the apiservers themselves: their APF objects (2 concurrent secret LISTs per
+    # apiserver; their FlowSchema also takes the clients' small configmap LISTs)
+    "haproxy-kube-apf": {"flags": ("--goaway-chance=0",), "kube_apf": True},
     # kube-apiserver's maximum: the same fix with 20x the recycling rate, so healing fits in a short run
     "haproxy-goaway-0.02": {"flags": ("--goaway-chance=0.02",)},
     "gatekeeper": {"flags": ("--goaway-chance=0",), "proxy": {}},
@@ -108,8 +112,10 @@ def kubectl_proxies(state: SandboxState, work: Path, server: str, count: int) ->
 def front(arm: str, state: SandboxState, work: Path) -> Iterator[str]:
     conf = ARMS[arm]
     if "proxy" not in conf:
-        with cluster.haproxy(state, work / arm, balance="roundrobin") as url:
-            yield url
+        with contextlib.ExitStack() as stack:
+            if conf.get("kube_apf"):
+                stack.enter_context(cluster.seeds_apf(state, NS))
+            yield stack.enter_context(cluster.haproxy(state, work / arm, balance="roundrobin"))
         return
     with cluster.proxy(state, work / arm, conf.get("flow"), conf["proxy"] or None) as p:
         yield p.url
@@ -192,6 +198,10 @@ def run(ctx: RunContext) -> None:
     python_clients, gogo_clients, rate = ctx.n(16, 2), ctx.n(4, 1), 12.0
     secrets = ctx.n(200, 4)
     window = max(4.0, duration / 24)
+    arms = list(ctx.arms or ARMS)
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown:
+        raise ScenarioError(f"unknown arms {', '.join(unknown)}; known: {', '.join(ARMS)}")
     report = Report(ctx.out, "skew: an L4 balancer balances connections, not requests", CLAIM)
     samplers: list[Sampler] = []
     results: list[dict[str, Any]] = []
@@ -199,12 +209,15 @@ def run(ctx: RunContext) -> None:
         report.use_sandbox(state)
         identities = cluster.tenants(state, NS, python_clients, ctx.work)
         asyncio.run(kit.create_secrets(state, NS, secrets, SECRET_KIB * 1024))
-        for arm, conf in ARMS.items():
+        for round_, arm in interleave(arms, ctx.runs):
+            label = run_label(arm, round_, ctx.runs)
+            conf = ARMS[arm]
             flags = (*conf["flags"], *STORAGE_READS)
             cluster.restart_apiservers(state, flags=flags)
-            with front(arm, state, ctx.work) as url, \
+            load0, cpu0 = os.getloadavg()[0], resource.getrusage(resource.RUSAGE_CHILDREN)
+            with front(arm, state, ctx.work / label) as url, \
                     kubectl_proxies(state, ctx.work, url, gogo_clients) as gogo:
-                sampler = Sampler(state, arm, count={"verb": "LIST", "resource": "configmaps"}, interval=1.0,
+                sampler = Sampler(state, label, count={"verb": "LIST", "resource": "configmaps"}, interval=1.0,
                                   front_port=urlsplit(url).port or 443)
                 spec = {"user_classes": ["loadtest.harness.users:SteadyUser"],
                         "users": python_clients + gogo_clients, "spawn_rate": 20, "run_time": duration,
@@ -226,9 +239,10 @@ def run(ctx: RunContext) -> None:
                     spec["storm_epoch"] = time.time() + storm_at
                     for timer in timers:
                         timer.start()
-                    rows = run_locust(ctx, arm, spec, timeout=duration)
+                    rows = run_locust(ctx, label, spec, timeout=duration)
                     for timer in timers:
                         timer.join()
+            cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
             samplers.append(sampler)
             sh = shares(sampler, window)
             since = restarted[0] if restarted else restart_at
@@ -239,122 +253,23 @@ def run(ctx: RunContext) -> None:
             chance = max(chance, float((conf.get("proxy") or {}).get("goawayChance", 0)))
             per_conn = ms(agg, "Requests/s") / (python_clients + gogo_clients)
             lists = rows.get("LIST secrets (storm)")
-            results.append({"arm": arm, "healed": healed, "final": final, "rps": ms(agg, "Requests/s"),
+            results.append({"arm": arm, "label": label, "round": round_, "load": (load0, os.getloadavg()[0]),
+                            "generator_cpu": (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime),
+                            "healed": healed, "final": final, "rps": ms(agg, "Requests/s"),
                             "lifetime": 1 / (chance * per_conn) if chance and per_conn > 0 else None,
                             "p99": ms(rows.get("LIST configmaps"), "99%"),
                             "failures": int(ms(agg, "Failure Count")),
                             "requests": int(ms(agg, "Request Count")), "since": since, "shares": sh,
                             "storm_at": storm[0] if storm else storm_at,
-                            "mem": memory_figures(sampler, storm[0] if storm else storm_at),
+                            "mem": (mem := memory_figures(sampler, storm[0] if storm else storm_at)),
+                            "skew": spread(mem["peak"]),
                             "lists_ok": int(ms(lists, "Request Count") - ms(lists, "Failure Count")) if lists else 0,
                             "list_p99": ms(lists, "99%") / 1000,
                             "throttled": int(ms(rows.get("throttled (429)"), "Request Count") or 0)
                             if rows.get("throttled (429)") else 0})
             m = results[-1]["mem"]
-            ctx.say(f"  {arm}: balanced after {healed}s, final shares {final}, peak RSS max/min "
+            ctx.say(f"  {label}: balanced after {healed}s, final shares {final}, peak RSS max/min "
                     f"{spread(m['peak']):.2f}, connections {m['conns']}")
-    _write(ctx, report, samplers, results, duration, python_clients, gogo_clients, rate, window, secrets)
+    from loadtest.scenarios.skew_report import write  # it imports this module's figures
 
-
-def _write(ctx: RunContext, report: Report, samplers: list[Sampler], results: list[dict[str, Any]],
-           duration: float, python_clients: int, gogo_clients: int, rate: float, window: float,
-           secrets: int) -> None:
-    write_rows(ctx.out / "samples.csv", samplers)
-    with (ctx.out / "events.csv").open("w", newline="") as fh:
-        w = csv.writer(fh)
-        w.writerow(["arm", "t", "event"])
-        w.writerows((s.arm, f"{t:.1f}", what) for s in samplers for t, what in s.events)
-    report.csvs += ["samples.csv", "events.csv", *[f"{r['arm']}_stats.csv" for r in results]]
-    with (ctx.out / "shares.csv").open("w") as fh:
-        fh.write("arm,t,apiserver,share\n")
-        for r in results:
-            for n, pts in r["shares"].items():
-                fh.writelines(f"{r['arm']},{t:.1f},{n},{v:.4f}\n" for t, v in pts)
-    report.csvs.append("shares.csv")
-    report.setup["load"] = (
-        f"{python_clients} Python HTTP/2 clients (httpx, one connection each) + {gogo_clients} client-go clients "
-        f"(kubectl proxy), each {rate:.0f} LIST configmaps?limit=1 per second, {duration:.0f} s per arm; "
-        f"{RESTARTED} restarted at {duration / 6:.0f} s (events.csv); at {duration * 2 / 3:.0f} s every client "
-        f"sends one full LIST of {secrets} Secrets x {SECRET_KIB} KiB on its own connection; shares over "
-        f"{window:.0f} s windows from each apiserver's apiserver_request_total; RSS from /proc, Go heap "
-        "(go_memstats_heap_alloc_bytes) from each apiserver's /metrics, the front's established connections "
-        "to each apiserver from /proc/net/tcp, every second")
-    report.setup["apiservers"] = "3 kube-apiservers on one etcd, each arm's --goaway-chance + " + " ".join(
-        STORAGE_READS) + " (every Secret LIST reads etcd)"
-
-    def fmt(h: float | None, r: dict[str, Any]) -> str:
-        return f"{h:.0f} s" if h is not None else f"not within the run (> {duration - r['since']:.0f} s)"
-
-    def per(values: dict[str, float], scale: float = MIB) -> str:
-        return " / ".join(f"{v / scale:.0f}" for _, v in sorted(values.items()))
-
-    rows, mem_rows = [], []
-    for r in results:
-        final = r["final"]
-        low = min(final.values()) if final else 0.0
-        ratio = f"{max(final.values()) / low:.2f}" if low > 0 else "inf (one apiserver idle)"
-        rows.append([r["arm"], fmt(r["healed"], r), " / ".join(f"{v:.2f}" for _, v in sorted(final.items())),
-                     ratio, r["rps"], r["p99"], r["requests"], r["failures"],
-                     f"{r['lifetime']:.0f} s" if r["lifetime"] else "-"])
-        m = r["mem"]
-        mem_rows.append([r["arm"], per(m["conns"], 1), per(m["before"]), per(m["peak"]), f"{spread(m['peak']):.2f}",
-                         per(m["growth"]), f"{spread(m['growth']):.2f}", per(m["end"]), f"{spread(m['end']):.2f}",
-                         per(m["heap"]), f"{r['lists_ok']}/{python_clients + gogo_clients}", r["list_p99"],
-                         r["throttled"]])
-    report.table(["arm", f"time until max/min share <= {BALANCED} after the restart",
-                  "final shares (1/2/3)", "final max/min", "req/s", "small LIST p99 ms", "requests", "failed",
-                  "expected connection lifetime (1 / (goaway chance x req/s per connection))"], rows,
-                 "Requests per apiserver")
-    report.table(["arm", "front's connections before the storm (1/2/3)", "RSS before the storm MiB (1/2/3)",
-                  "peak RSS MiB (1/2/3)", "peak max/min", "RSS growth by the storm MiB (1/2/3)", "growth max/min",
-                  "RSS at the end MiB (1/2/3)", "end max/min", "peak Go heap MiB (1/2/3)", "storm LISTs ok",
-                  "storm LIST p99 s (waits included)",
-                  "429 answers (retried)"], mem_rows, "Memory per apiserver: the LIST storm after the restart")
-    report.text(
-        "Memory follows requests: the storm's LISTs land on the apiservers that hold the clients' connections. "
-        "Go returns freed heap to the OS slowly, so the RSS an apiserver reached stays for minutes after the "
-        "storm (the end column): the skew the seed saw between apiserver pods. max/min is inf where one "
-        "apiserver grew by nothing.")
-    by = {r["arm"]: r for r in results}
-    for arm, seed in (("haproxy", "large skew (seed)"), ("haproxy-goaway", "heals within ~15 min (seed)"),
-                      ("haproxy-goaway-0.02", "(not in the seed)"), ("gatekeeper", "n/a (the project's fix)")):
-        if arm in by:
-            r = by[arm]
-            report.seed_vs_ours.append((f"time to balance requests after an apiserver restart, {arm}", seed,
-                                        fmt(r["healed"], r)))
-    for arm, seed in (("haproxy", "large skew in memory between apiserver pods (seed)"),
-                      ("haproxy-goaway", "goaway-chance fixes it (seed)"),
-                      ("haproxy-goaway-0.02", "(not in the seed)"),
-                      ("gatekeeper", "n/a (the project's fix)"), ("gatekeeper-policy", "n/a (the project's fix)")):
-        if arm in by:
-            m = by[arm]["mem"]
-            report.seed_vs_ours.append((f"peak apiserver RSS after the restart and the LIST storm, max/min across "
-                                        f"apiservers, {arm}", seed,
-                                        f"{spread(m['peak']):.2f} ({per(m['peak'])} MiB; growth {per(m['growth'])})"))
-    for s, r in zip(samplers, results, strict=True):
-        _panels(report.plot(f"skew_{s.arm}.png", f"Requests, connections and memory per apiserver, {s.arm}"),
-                s, r)
-    report.write()
-
-
-def _panels(path: Path, sampler: Sampler, result: dict[str, Any]) -> None:
-    """Three panels over one time axis: share of requests, the front's connections, RSS; events marked."""
-    fig, axes = plt.subplots(3, 1, figsize=(9, 8), sharex=True)
-    panels = ((result["shares"], "share of requests", 1.0),
-              (sampler.series("kube-apiserver", "connections"), "front's connections", 1.0),
-              (sampler.series("kube-apiserver", "rss_bytes"), "RSS MiB", MIB))
-    for ax, (series, label, scale) in zip(axes, panels, strict=True):
-        for name, pts in sorted(series.items()):
-            ax.plot([t for t, _ in pts], [v / scale for _, v in pts], label=name, linewidth=1.2)
-        for t, what in sampler.events:
-            ax.axvline(t, color="grey", linestyle=":", linewidth=1)
-            if ax is axes[0]:
-                ax.annotate(what, (t, 1.0), rotation=90, fontsize=7, va="top", ha="right")
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8, loc="upper right")
-    axes[0].set_title(f"skew, {sampler.arm}")
-    axes[-1].set_xlabel("seconds")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    write(ctx, report, samplers, results, duration, python_clients, gogo_clients, rate, window, secrets)

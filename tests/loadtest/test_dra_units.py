@@ -51,3 +51,25 @@ def test_kep5004_verdict_needs_more_than_the_run_to_run_noise() -> None:
     assert dra_report.kep5004_verdict(50.0, 100.0).startswith("contradicts `rewrite`")
     assert dra_report.kep5004_verdict(105.0, 100.0).startswith("shows no difference")
     assert dra_report.kep5004_verdict(math.nan, 100.0).startswith("cannot say")
+
+
+def test_dra_arms_are_judged_over_every_run_not_by_a_ratio_of_medians() -> None:
+    from loadtest.harness.rounds import compare
+    from loadtest.scenarios.dra_report import range_verdicts
+
+    mib, ms = 1 << 20, 1e-3
+
+    def run(sched: float, api: float, p50: float) -> dict[str, float]:
+        return {"sched_quiet": sched * mib, "api_quiet": api * mib, "p50": p50 * ms}
+
+    by_arm = {"dra-webhook": [run(124, 537, 220), run(120, 530, 300), run(126, 540, 200)],
+              "dra-kep5004": [run(131, 523, 277), run(135, 500, 190), run(130, 520, 350)],
+              "device-plugin": [run(96, 444, 9), run(95, 450, 10), run(97, 440, 8)]}
+    lines = range_verdicts(by_arm, [("dra-webhook", "device-plugin"), ("dra-kep5004", "dra-webhook")])
+    assert lines[0] == ("- scheduler RSS (quiet), dra-webhook against device-plugin: **higher** "
+                        "(124 [120-126] vs 96 [95-97] MiB)")
+    assert lines[3] == "- scheduler RSS (quiet), dra-kep5004 against dra-webhook: **higher** (131 [130-135] vs " \
+                       "124 [120-126] MiB)"
+    assert lines[5] == ("- scheduling latency p50, dra-kep5004 against dra-webhook: **not distinguished (the runs' "
+                        "ranges overlap)** (277 [190-350] vs 220 [200-300] ms)"), "p50 x1.26 of medians, runs overlap"
+    assert compare([1.0], [2.0]) == "lower" and compare([], [1.0]).startswith("not distinguished")

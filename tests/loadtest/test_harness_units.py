@@ -109,8 +109,8 @@ def test_apf_dump_gives_the_executing_requests_of_one_priority_level() -> None:
     assert apf_executing("forbidden", "catch-all") is None
 
 
-def test_oom_kills_are_read_from_the_supervisors_events_and_a_second_apiserver_killed_is_the_cascade() -> None:
-    from loadtest.scenarios.oom_storm import cascaded, downtime, kills_between
+def test_oom_kills_are_read_from_the_supervisors_events_and_their_downtime_counted() -> None:
+    from loadtest.scenarios.oom_kills import downtime, kills_between, several_killed
 
     events = [
         {"time": 90.0, "component": "kube-apiserver-1", "event": "oom_kill"},  # an earlier arm's
@@ -125,7 +125,7 @@ def test_oom_kills_are_read_from_the_supervisors_events_and_a_second_apiserver_k
     kills = kills_between(events, 100.0, 150.0)
     assert kills == [(10.0, "kube-apiserver-2"), (25.0, "kube-apiserver-1"), (30.0, "kube-apiserver-3"),
                      (35.0, "kube-apiserver-2")]
-    assert cascaded(kills) and not cascaded(kills[:1]) and not cascaded([(1.0, "a"), (9.0, "a")])
+    assert several_killed(kills) and not several_killed(kills[:1]) and not several_killed([(1.0, "a"), (9.0, "a")])
     names = ["kube-apiserver-1", "kube-apiserver-2", "kube-apiserver-3"]
     per, together = downtime(events, names, 100.0, 150.0)
     assert per == {"kube-apiserver-1": 15.0, "kube-apiserver-2": 25.0, "kube-apiserver-3": 20.0}
@@ -192,7 +192,7 @@ def test_a_bound_holds_only_when_every_run_keeps_it() -> None:
 
 
 def test_arms_and_runs_are_refused_by_scenarios_that_do_not_take_them(tmp_path: Path) -> None:
-    for argv in (["skew", "--arms", "direct"], ["gogc", "--runs", "3"], ["list-storm", "--runs", "0"]):
+    for argv in (["dra-scale", "--arms", "direct"], ["gogc", "--runs", "3"], ["list-storm", "--runs", "0"]):
         p = subprocess.run([sys.executable, "-m", "loadtest", *argv, "--out", str(tmp_path / "x")], cwd=REPO,
                            capture_output=True, text=True, timeout=120)
         assert p.returncode == 2 and "--runs" in p.stderr, (argv, p.stderr)

@@ -157,7 +157,7 @@ def test_list_storm_informer_arms_sync_every_informer_and_compare_each_run_with_
 
 def test_list_storm_oom_runs_memory_limited_apiservers_and_reports_their_kills(tmp_path: Path, haproxy: str) -> None:
     out = tmp_path / "list-storm-oom"
-    arms = ["haproxy", "direct", "gatekeeper", "gatekeeper-per-apiserver", "gatekeeper-coalescing"]
+    arms = ["haproxy", "haproxy-kube-apf", "direct", "gatekeeper", "gatekeeper-per-apiserver", "gatekeeper-coalescing"]
     informer_arms = ["informers-haproxy-watch-list", "informers-gatekeeper-watch-list"]
     text = check_report(run_scenario("list-storm-oom", out, scale=0.02,
                                      extra=["--arms", ",".join([*arms, *informer_arms])]))
@@ -166,11 +166,14 @@ def test_list_storm_oom_runs_memory_limited_apiservers_and_reports_their_kills(t
         lst = locust_stats(out, arm)["LIST secrets"]
         assert int(lst["Request Count"]) == 2 and int(lst["Failure Count"]) == 0, (arm, lst)
     for arm in informer_arms:  # both informers synced, by watch-list, none fell back to a LIST
-        assert re.search(rf"^\| {arm} \| 0 \| 0 0 0 \| no \| 0 \| [0-9 ]+ \| 2/2 \|.* \| 0 \| [0-9 ]+ \| \d+ \|$",
-                         text, re.M), arm
-    assert (out / "kills.csv").read_text().splitlines()[0] == "arm,seconds_from_arm_start,apiserver"
+        assert re.search(rf"^\| \d+ \| {arm} \| 4096 \| [\d.]+ -> [\d.]+ \| [\d.]+ \| 0 \| 0 \| - \| 0 0 0 \| 0 \| "
+                         rf"[0-9 ]+ \| 2/2 \|.* \| 0 \| [0-9 ]+ \| \d+ \|$", text, re.M), arm
+    assert (out / "kills.csv").read_text().splitlines()[0] == (
+        "run,arm,limit_mib,seconds_from_run_start,apiserver,kind,after,evidence")
     assert "each in a memory cgroup of 4096 MiB" in text and "secrets#0" in text
-    assert re.search(r"^\| haproxy \| 0 \| 0 0 0 \| no \|", text, re.M), "a tiny storm kills nothing"
+    assert re.search(r"^\| \d+ \| haproxy \| 4096 \| .* \| 0 \| 0 \| - \| 0 0 0 \|", text, re.M), \
+        "a tiny storm kills nothing"
+    assert "### Verdicts" in text and "at 4096 MiB, gatekeeper has no failover kill" in text
 
 
 def test_skew_reports_per_apiserver_shares_that_sum_to_one(tmp_path: Path, haproxy: str) -> None:
@@ -182,8 +185,8 @@ def test_skew_reports_per_apiserver_shares_that_sum_to_one(tmp_path: Path, hapro
     by: dict[tuple[str, str], float] = {}
     for r in shares:
         by[(r["arm"], r["t"])] = by.get((r["arm"], r["t"]), 0.0) + float(r["share"])
-    assert {a for a, _ in by} == {"haproxy", "haproxy-goaway", "haproxy-goaway-0.02", "gatekeeper",
-                                     "gatekeeper-policy"}
+    assert {a for a, _ in by} == {"haproxy", "haproxy-goaway", "haproxy-kube-apf", "haproxy-goaway-0.02",
+                                     "gatekeeper", "gatekeeper-policy"}
     assert all(abs(v - 1.0) < 0.01 for v in by.values())
     for arm in ("haproxy", "gatekeeper", "gatekeeper-policy"):
         assert float(locust_stats(out, arm)["Aggregated"]["Request Count"]) > 50
@@ -198,7 +201,8 @@ def test_skew_reports_per_apiserver_shares_that_sum_to_one(tmp_path: Path, hapro
     with (out / "events.csv").open() as fh:
         events = [(r["arm"], r["event"]) for r in csv.DictReader(fh)]
     assert ("haproxy", "restart kube-apiserver-2") in events and ("haproxy", "LIST storm") in events
-    assert "Memory per apiserver: the LIST storm after the restart" in (out / "report.md").read_text()
+    text = (out / "report.md").read_text()
+    assert "Memory per apiserver: the LIST storm after the restart" in text and "### Verdicts" in text
 
 
 def test_admission_measures_both_arms_and_webhook_cpu_per_review(tmp_path: Path) -> None:
