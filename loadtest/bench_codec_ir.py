@@ -79,7 +79,7 @@ def main() -> None:
     authority = mux_wire.authority_field("10.0.0.2:6443")
     removed = hop_by_hop.REQUEST_REMOVED
     parse_request, parse_info = h2_headers.parse_request, requestinfo.parse
-    request_block, headers_frames = mux_wire.request_block, mux_wire.headers_frames
+    request_block, headers_frames = mux_wire.request_block, f.headers_frames
     response_head, response_headers = mux_wire.response_head, hop_by_hop.response_headers
     response_block = h2_headers.response_block
     out = 0
@@ -88,7 +88,7 @@ def main() -> None:
         (_, _, fields, _), = codec.receive_data(frame)
         method, target, headers = parse_request(fields)
         info = parse_info(method, target)
-        up = headers_frames(sid, request_block(method, target, authority, headers, removed), 16384)
+        up = headers_frames(sid, request_block(method, target, authority, headers, removed), 16384, f.END_STREAM)
         status, raw = response_head(upstream.decode(responses[i]))
         codec.send_headers(sid, response_block(status, response_headers(raw)))
         codec.send_data(sid, body, end_stream=True)

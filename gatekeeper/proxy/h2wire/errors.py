@@ -29,6 +29,14 @@ class ProtocolError(Exception):
     error_code: ErrorCodes = ErrorCodes.PROTOCOL_ERROR
 
 
+class FrameError(ProtocolError):
+    """A connection error with its ``code`` (the GOAWAY's), raised by the frame rules both sides share (``frames``)."""
+
+    def __init__(self, code: ErrorCodes, message: str) -> None:
+        super().__init__(message)
+        self.error_code = code
+
+
 class FlowControlError(ProtocolError):
     """More bytes than a flow-control window allows."""
 

@@ -68,8 +68,9 @@ INCREMENTAL, WITHOUT, NEVER = (0x40, 6), (0x00, 4), (0x10, 4)
 """Literal representations (RFC 7541 6.2): first-byte flags and the name index's prefix bits."""
 
 
-def _literal(name: bytes, value: bytes, kind: tuple[int, int], *, huffman: bool) -> bytes:
-    """A literal field, its name indexed from the static table when it is there."""
+def literal(name: bytes, value: bytes, kind: tuple[int, int], *, huffman: bool = False) -> bytes:
+    """A literal field, its name indexed from the static table when it is there (also the multiplexed upstream's
+    request fields: ``upstream/mux_wire``)."""
     flags, bits = kind
     index = STATIC_NAME.get(name)
     if index is not None:
@@ -84,8 +85,8 @@ def indexed_literal(name: bytes, value: bytes) -> bytes:
     if hit is not None:
         return hit
     if len(name) + len(value) > MEMO_MAX_BYTES:
-        return _literal(name, value, INCREMENTAL, huffman=False)  # paid on every use: no Huffman pass
-    encoded = _literal(name, value, INCREMENTAL, huffman=True)
+        return literal(name, value, INCREMENTAL)  # paid on every use: no Huffman pass
+    encoded = literal(name, value, INCREMENTAL, huffman=True)
     if len(_memo) >= MEMO_ENTRIES:
         _memo.clear()
     _memo[key] = encoded
@@ -162,7 +163,7 @@ class ResponseEncoder:
                 out.append(_indexed(static))
                 continue
             if type(header) is NeverIndexed:
-                out.append(_literal(name, value, NEVER, huffman=False))
+                out.append(literal(name, value, NEVER))
                 continue
             number = self._where.get(field)
             if number is not None:
@@ -171,7 +172,7 @@ class ResponseEncoder:
             size = ENTRY_OVERHEAD + len(name) + len(value)
             if size > self._max:
                 # Would empty the table and still not fit (RFC 7541 4.4): send it without indexing.
-                out.append(_literal(name, value, WITHOUT, huffman=False))
+                out.append(literal(name, value, WITHOUT))
                 continue
             out.append(indexed_literal(name, value))
             self._evict(size)

@@ -127,30 +127,21 @@ class H2ServerCodec(H2Sender):
             self._on_data(flags, sid, buf, start, length, events)
         elif ftype == f.CONTINUATION:
             self._on_continuation(flags, sid, buf, start, length, events)
-        elif ftype == f.WINDOW_UPDATE:
-            self._on_window_update(sid, buf, start, length, events)
-        elif ftype == f.RST_STREAM:
-            self._on_rst_stream(sid, buf, start, length, events)
-        elif ftype == f.SETTINGS:
-            self._on_settings(flags, sid, buf, start, length, events)
-        elif ftype == f.PING:
-            if length != 8:
-                self._fail(ErrorCodes.FRAME_SIZE_ERROR, "PING payload must be 8 bytes")
-            if sid:
-                self._fail(ErrorCodes.PROTOCOL_ERROR, "PING on a stream")
-            if not flags & f.ACK:
-                self._count(PING)
-                self._out.append(f.frame(f.PING, f.ACK, 0, buf[start:start + 8]))
         elif ftype == f.PRIORITY:
             self._on_priority(sid, buf, start, length, events)
-        elif ftype == f.GOAWAY:
-            if sid:
-                self._fail(ErrorCodes.PROTOCOL_ERROR, "GOAWAY on a stream")
-            if length < 8:
-                self._fail(ErrorCodes.FRAME_SIZE_ERROR, "GOAWAY shorter than 8 bytes")
-            events.append((EV_GOAWAY, 0, _U32(buf, start + 4)[0]))
-        elif ftype == f.PUSH_PROMISE:
-            self._fail(ErrorCodes.PROTOCOL_ERROR, "a client cannot send PUSH_PROMISE")
+        else:
+            f.check_control(ftype, flags, sid, length)
+            if ftype == f.WINDOW_UPDATE:
+                self._on_window_update(sid, buf, start, events)
+            elif ftype == f.RST_STREAM:
+                self._on_rst_stream(sid, buf, start, events)
+            elif ftype == f.SETTINGS:
+                self._on_settings(flags, buf, start, length, events)
+            elif ftype == f.PING and not flags & f.ACK:
+                self._count(PING)
+                self._out.append(f.frame(f.PING, f.ACK, 0, buf[start:start + 8]))
+            elif ftype == f.GOAWAY:
+                events.append((EV_GOAWAY, 0, _U32(buf, start + 4)[0]))
         # unknown frame types are ignored (RFC 9113 5.5)
 
     # ------------------------------------------------------------------ inbound frames (RFC 9113 6)
@@ -180,20 +171,6 @@ class H2ServerCodec(H2Sender):
             self._fail(ErrorCodes.STREAM_CLOSED, f"{what} on stream {sid} after END_STREAM")
         # RESET_BY_US: ignored (sent before our RST_STREAM arrived)
 
-    def _unpad(self, flags: int, buf: bytes, start: int, length: int, fixed: int = 0) -> tuple[int, int]:
-        """(start, length) of the payload past the pad length byte and ``fixed`` bytes, minus padding."""
-        if not flags & f.PADDED:
-            if length < fixed:
-                self._fail(ErrorCodes.FRAME_SIZE_ERROR, "frame too short")
-            return start + fixed, length - fixed
-        if length < 1 + fixed:
-            self._fail(ErrorCodes.FRAME_SIZE_ERROR, "padded frame too short")
-        pad = buf[start]
-        body = length - 1 - fixed - pad
-        if body < 0:
-            self._fail(ErrorCodes.PROTOCOL_ERROR, "padding longer than the frame")
-        return start + 1 + fixed, body
-
     # ------------------------------------------------------------------ HEADERS and CONTINUATION
 
     def _on_headers(self, flags: int, sid: int, buf: bytes, start: int, length: int, events: list[Event]) -> None:
@@ -201,10 +178,10 @@ class H2ServerCodec(H2Sender):
             self._fail(ErrorCodes.PROTOCOL_ERROR, f"HEADERS on stream {sid}: client streams are odd and non-zero")
         bad_priority = False
         if flags & f.PRIORITY_FLAG:
-            first, length = self._unpad(flags, buf, start, length, 5)
+            first, length = f.unpad(flags, buf, start, length, 5)
             bad_priority = (_U32(buf, first - 5)[0] & 0x7FFFFFFF) == sid
         elif flags & f.PADDED:
-            first, length = self._unpad(flags, buf, start, length)
+            first, length = f.unpad(flags, buf, start, length)
         else:
             first = start
         if sid not in self.streams and sid <= self.highest_inbound_stream_id:
@@ -309,7 +286,7 @@ class H2ServerCodec(H2Sender):
     def _on_data(self, flags: int, sid: int, buf: bytes, start: int, length: int, events: list[Event]) -> None:
         if not sid:
             self._fail(ErrorCodes.PROTOCOL_ERROR, "DATA on stream 0")
-        first, size = self._unpad(flags, buf, start, length) if flags & f.PADDED else (start, length)
+        first, size = f.unpad(flags, buf, start, length) if flags & f.PADDED else (start, length)
         if not size and not flags & f.END_STREAM:
             self._count(EMPTY_FRAME)
         if length > self._recv_window:
@@ -358,9 +335,7 @@ class H2ServerCodec(H2Sender):
         self._out.append(f.rst_stream(sid, ErrorCodes.PROTOCOL_ERROR))
         events.append((EV_BAD_LENGTH, sid))
 
-    def _on_window_update(self, sid: int, buf: bytes, start: int, length: int, events: list[Event]) -> None:
-        if length != 4:
-            self._fail(ErrorCodes.FRAME_SIZE_ERROR, "WINDOW_UPDATE payload must be 4 bytes")
+    def _on_window_update(self, sid: int, buf: bytes, start: int, events: list[Event]) -> None:
         increment = _U32(buf, start)[0] & 0x7FFFFFFF
         if not increment:
             # As h2 does (h2spec accepts it); RFC 9113 6.9 allows a stream error on a stream.
@@ -384,11 +359,7 @@ class H2ServerCodec(H2Sender):
 
     # ------------------------------------------------------------------ control frames
 
-    def _on_rst_stream(self, sid: int, buf: bytes, start: int, length: int, events: list[Event]) -> None:
-        if length != 4:
-            self._fail(ErrorCodes.FRAME_SIZE_ERROR, "RST_STREAM payload must be 4 bytes")
-        if not sid:
-            self._fail(ErrorCodes.PROTOCOL_ERROR, "RST_STREAM on stream 0")
+    def _on_rst_stream(self, sid: int, buf: bytes, start: int, events: list[Event]) -> None:
         self._count(RST_STREAM)
         if self.streams.pop(sid, None) is not None:
             self._remember(sid, RESET_BY_PEER)
@@ -409,31 +380,18 @@ class H2ServerCodec(H2Sender):
             self._stream_error(sid, ErrorCodes.PROTOCOL_ERROR, events)
         # otherwise ignored: the proxy does not prioritize (RFC 9113 5.3.2)
 
-    def _on_settings(self, flags: int, sid: int, buf: bytes, start: int, length: int, events: list[Event]) -> None:
-        if sid:
-            self._fail(ErrorCodes.PROTOCOL_ERROR, "SETTINGS on a stream")
+    def _on_settings(self, flags: int, buf: bytes, start: int, length: int, events: list[Event]) -> None:
         if flags & f.ACK:
-            if length:
-                self._fail(ErrorCodes.FRAME_SIZE_ERROR, "SETTINGS ACK with a payload")
             return
-        if length % 6:
-            self._fail(ErrorCodes.FRAME_SIZE_ERROR, "SETTINGS payload not a multiple of 6")
         self._count(SETTINGS)
         initial = self._peer_initial_window
-        for pos in range(start, start + length, 6):
-            key, value = f.SETTING.unpack_from(buf, pos)
+        for key, value in f.settings(buf, start, length):
             if key == f.HEADER_TABLE_SIZE:
                 self.encoder.header_table_size = value
             elif key == f.INITIAL_WINDOW_SIZE:
-                if value > f.MAX_WINDOW:
-                    self._fail(ErrorCodes.FLOW_CONTROL_ERROR, "INITIAL_WINDOW_SIZE above 2^31-1")
                 initial = value  # applied once below: a frame of 2730 of these must not walk the streams 2730 times
             elif key == f.MAX_FRAME_SIZE:
-                if not f.MIN_FRAME_SIZE <= value <= f.MAX_FRAME_SIZE_LIMIT:
-                    self._fail(ErrorCodes.PROTOCOL_ERROR, f"MAX_FRAME_SIZE {value} out of range")
                 self.max_outbound_frame_size = value
-            elif key in (f.ENABLE_PUSH, f.ENABLE_CONNECT_PROTOCOL) and value > 1:
-                self._fail(ErrorCodes.PROTOCOL_ERROR, f"setting {key} must be 0 or 1")
         if initial != self._peer_initial_window:
             delta = initial - self._peer_initial_window
             self._peer_initial_window = initial

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from gatekeeper.proxy.h2wire import frames as f
-from gatekeeper.proxy.h2wire.errors import ErrorCodes, FlowControlError, ProtocolError, StreamClosedError
+from gatekeeper.proxy.h2wire.errors import ErrorCodes, FlowControlError, FrameError, StreamClosedError
 from gatekeeper.proxy.h2wire.hpack_encode import ResponseEncoder
 
 CLOSED_MEMORY = 4096
@@ -20,12 +20,8 @@ CLOSED_BY_END, RESET_BY_PEER, RESET_BY_US = range(3)
 RST_STREAM after the client's reset, and ignored after ours (it may have crossed our RST_STREAM)."""
 
 
-class H2ConnectionError(ProtocolError):
+class H2ConnectionError(FrameError):
     """A connection error: the GOAWAY with ``error_code`` is already queued."""
-
-    def __init__(self, code: ErrorCodes, message: str) -> None:
-        super().__init__(message)
-        self.error_code = code
 
 
 class StreamState:
@@ -102,16 +98,7 @@ class H2Sender:
         sid = stream_id
         stream = self._sendable(sid)
         block = self.encoder.encode(headers)
-        size = self.max_outbound_frame_size
-        flags = f.END_STREAM if end_stream else 0
-        if len(block) <= size:
-            self._out += (f.header(f.HEADERS, flags | f.END_HEADERS, sid, len(block)), block)
-        else:
-            pieces = [block[i:i + size] for i in range(0, len(block), size)]
-            self._out += (f.header(f.HEADERS, flags, sid, len(pieces[0])), pieces[0])
-            for n, piece in enumerate(pieces[1:], 2):
-                end = f.END_HEADERS if n == len(pieces) else 0
-                self._out += (f.header(f.CONTINUATION, end, sid, len(piece)), piece)
+        self._out += f.headers_frames(sid, block, self.max_outbound_frame_size, f.END_STREAM if end_stream else 0)
         if end_stream:
             self._local_close(sid, stream)
 

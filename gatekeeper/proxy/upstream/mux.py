@@ -14,14 +14,14 @@ from collections.abc import Callable
 from typing import cast
 
 from gatekeeper.proxy.h2wire import frames as f
+from gatekeeper.proxy.h2wire.errors import ErrorCodes, FrameError
 from gatekeeper.proxy.h2wire.hpack_decode import BlockDecoder, HeaderBlockError
 from gatekeeper.proxy.upstream.lean import MAX_HEAD_BYTES, BackendProtocolError
 from gatekeeper.proxy.upstream.mux_stream import STREAM_WINDOW, MuxStream, StreamRefused, StreamReset
-from gatekeeper.proxy.upstream.mux_wire import headers_frames, response_head
+from gatekeeper.proxy.upstream.mux_wire import response_head
 
 MAX_FRAME = f.MIN_FRAME_SIZE
 """Largest frame we accept (the default; we never advertise more)."""
-NO_ERROR, PROTOCOL_ERROR, REFUSED_STREAM, CANCEL = 0x0, 0x1, 0x7, 0x8
 MAX_STREAM_ID = 2**31 - 1
 IDLE_SECONDS = 60.0
 """A connection with no stream for this long is closed at the next pick (the backend may have dropped it)."""
@@ -100,7 +100,7 @@ class MuxConn(asyncio.Protocol):
         sid = self.next_sid
         self.next_sid += 2
         stream = self.streams[sid] = MuxStream(sid, self, head_only)
-        self.queue(headers_frames(sid, block, self.peer_max_frame))
+        self.queue(b"".join(f.headers_frames(sid, block, self.peer_max_frame, f.END_STREAM)))
         if header_timeout is not None:
             stream.timer = self.loop.call_later(header_timeout, self._header_timeout, stream)
         return stream
@@ -109,7 +109,7 @@ class MuxConn(asyncio.Protocol):
         """The consumer gave up on ``stream``: reset it if the backend may still send on it."""
         stream.stop_timer()
         if self.streams.pop(stream.sid, None) is not None and not self.closed:
-            self.queue(f.rst_stream(stream.sid, CANCEL))
+            self.queue(f.rst_stream(stream.sid, ErrorCodes.CANCEL))
         self._maybe_close()
 
     def queue(self, data: bytes) -> None:
@@ -171,7 +171,7 @@ class MuxConn(asyncio.Protocol):
     def eof_received(self) -> bool | None:
         return None
 
-    def _broken(self, why: str, code: int = PROTOCOL_ERROR) -> None:
+    def _broken(self, why: str, code: int = ErrorCodes.PROTOCOL_ERROR) -> None:
         error = BackendProtocolError(f"HTTP/2 from the backend: {why}")
         for stream in self.streams.values():
             stream.fail(error)
@@ -184,171 +184,127 @@ class MuxConn(asyncio.Protocol):
         pos = 0
         unpack = f.FRAME_HEADER.unpack_from
         streams = self.streams
-        while end - pos >= 9 and not self.closed:
-            lt, flags, sid = unpack(buf, pos)
-            length = lt >> 8
-            if length > MAX_FRAME:
-                return self._broken(f"frame of {length} bytes", 0x6)  # FRAME_SIZE_ERROR
-            if end - pos - 9 < length:
-                break
-            ftype = lt & 0xFF
-            start = pos + 9
-            pos = start + length
-            sid &= MAX_STREAM_ID
-            if self.block is not None and ftype != f.CONTINUATION:
-                return self._broken("a frame inside a header block")
-            if ftype == f.DATA:
-                self.conn_unacked += length
-                if sid == 0:
-                    return self._broken("DATA on stream 0")
-                if flags & f.PADDED:
-                    if not length or buf[start] >= length:
-                        return self._broken("bad padding")
-                    start, stop = start + 1, pos - buf[start]
+        try:
+            while end - pos >= 9 and not self.closed:
+                lt, flags, sid = unpack(buf, pos)
+                length = lt >> 8
+                if length > MAX_FRAME:
+                    raise FrameError(ErrorCodes.FRAME_SIZE_ERROR, f"frame of {length} bytes")
+                if end - pos - 9 < length:
+                    break
+                ftype = lt & 0xFF
+                start = pos + 9
+                pos = start + length
+                sid &= MAX_STREAM_ID
+                if self.block is not None and ftype != f.CONTINUATION:
+                    raise FrameError(ErrorCodes.PROTOCOL_ERROR, "a frame inside a header block")
+                if ftype == f.DATA:
+                    self.conn_unacked += length
+                    if sid == 0:
+                        raise FrameError(ErrorCodes.PROTOCOL_ERROR, "DATA on stream 0")
+                    size = length
+                    if flags & f.PADDED:
+                        start, size = f.unpad(flags, buf, start, length)
+                    stream = streams.get(sid)
+                    if stream is None:
+                        if sid >= self.next_sid:
+                            raise FrameError(ErrorCodes.PROTOCOL_ERROR, f"DATA on stream {sid}, never opened")
+                        continue  # a stream we reset: its bytes still count for the connection window
+                    if not stream.headers_done:
+                        raise FrameError(ErrorCodes.PROTOCOL_ERROR, f"DATA before the head on stream {sid}")
+                    if size:
+                        if stream.buffered + size > STREAM_WINDOW:
+                            raise FrameError(ErrorCodes.FLOW_CONTROL_ERROR, f"stream {sid} over its window")
+                        if not stream.head_only:
+                            stream.chunks.append(buf[start:start + size])
+                            stream.buffered += size
+                    if flags & f.END_STREAM:
+                        stream.complete = True
+                        del streams[sid]
+                        self._maybe_close()
+                    stream.wake()
+                elif ftype == f.HEADERS:
+                    if sid == 0 or sid % 2 == 0:
+                        raise FrameError(ErrorCodes.PROTOCOL_ERROR, f"HEADERS on stream {sid}")
+                    size = length
+                    if flags & (f.PADDED | f.PRIORITY_FLAG):
+                        start, size = f.unpad(flags, buf, start, length, 5 if flags & f.PRIORITY_FLAG else 0)
+                    if flags & f.END_HEADERS:
+                        self._head(sid, flags, buf[start:start + size])
+                    else:
+                        self.block, self.block_sid, self.block_flags = [buf[start:start + size]], sid, flags
+                        self.block_size, self.block_frames = size, 1
                 else:
-                    stop = pos
-                stream = streams.get(sid)
-                if stream is None:
-                    if sid >= self.next_sid:
-                        return self._broken(f"DATA on stream {sid}, never opened")
-                    continue  # a stream we reset: its bytes still count for the connection window
-                if not stream.headers_done:
-                    return self._broken(f"DATA before the head on stream {sid}")
-                if stop > start:
-                    if stream.buffered + stop - start > STREAM_WINDOW:
-                        return self._broken(f"stream {sid} over its window", 0x3)  # FLOW_CONTROL_ERROR
-                    if not stream.head_only:
-                        stream.chunks.append(buf[start:stop])
-                        stream.buffered += stop - start
-                if flags & f.END_STREAM:
-                    stream.complete = True
-                    del streams[sid]
-                    self._maybe_close()
-                stream.wake()
-            elif ftype == f.HEADERS:
-                if sid == 0 or sid % 2 == 0:
-                    return self._broken(f"HEADERS on stream {sid}")
-                if flags & f.PADDED:
-                    if not length or buf[start] >= length - (5 if flags & f.PRIORITY_FLAG else 0):
-                        return self._broken("bad padding")
-                    start, stop = start + 1, pos - buf[start]
-                else:
-                    stop = pos
-                if flags & f.PRIORITY_FLAG:
-                    start += 5
-                    if start > stop:
-                        return self._broken("HEADERS too short")
-                if flags & f.END_HEADERS:
-                    if self._head(sid, flags, buf[start:stop]) is False:
-                        return None
-                else:
-                    self.block, self.block_sid, self.block_flags = [buf[start:stop]], sid, flags
-                    self.block_size, self.block_frames = stop - start, 1
-            elif self._control(ftype, flags, sid, buf, start, pos):
-                return None
+                    self._control(ftype, flags, sid, buf, start, length)
+        except FrameError as exc:
+            return self._broken(str(exc), exc.error_code)
         self.buf = buf[pos:] if pos < end else b""
         if self.conn_unacked >= self.window // 4 and not self.closed:
             self.queue(f.window_update(0, self.conn_unacked))
             self.conn_unacked = 0
         return None
 
-    def _control(self, ftype: int, flags: int, sid: int, buf: bytes, start: int, pos: int) -> bool:
+    def _control(self, ftype: int, flags: int, sid: int, buf: bytes, start: int, length: int) -> None:
         """Every frame but DATA and HEADERS (``data_received`` keeps those inline: they are the per-request ones);
-        True when the connection broke or a stream's head ended the read."""
-        length = pos - start
+        FrameError when the connection broke."""
         if ftype == f.CONTINUATION:
             if self.block is None or sid != self.block_sid:
-                self._broken("CONTINUATION out of place")
-                return True
-            self.block.append(buf[start:pos])
+                raise FrameError(ErrorCodes.PROTOCOL_ERROR, "CONTINUATION out of place")
+            self.block.append(buf[start:start + length])
             self.block_size += length
             self.block_frames += 1
             if self.block_size > MAX_HEAD_BYTES or self.block_frames > f.MAX_CONTINUATIONS:
-                self._broken("header block too large", 0xB)  # ENHANCE_YOUR_CALM
-                return True
+                raise FrameError(ErrorCodes.ENHANCE_YOUR_CALM, "header block too large")
             if flags & f.END_HEADERS:
                 parts, self.block = self.block, None
-                if self._head(sid, self.block_flags, b"".join(parts)) is False:
-                    return True
-        elif ftype == f.RST_STREAM:
-            if length != 4 or sid == 0:
-                self._broken("bad RST_STREAM")
-                return True
+                self._head(sid, self.block_flags, b"".join(parts))
+            return
+        f.check_control(ftype, flags, sid, length)
+        if ftype == f.RST_STREAM:
             stream = self.streams.pop(sid, None)
             if stream is not None:
                 code = f.U32.unpack_from(buf, start)[0]
-                if code == REFUSED_STREAM and not stream.headers_done:
+                if code == ErrorCodes.REFUSED_STREAM and not stream.headers_done:
                     stream.fail(StreamRefused(f"stream refused by the backend (stream {sid})"))
                 else:
                     stream.fail(StreamReset(f"the backend reset the stream (code {code})"))
                 self._maybe_close()
-        elif ftype == f.SETTINGS:
-            if sid != 0 or length % 6 or (flags & f.ACK and length):
-                self._broken("bad SETTINGS")
-                return True
-            if not flags & f.ACK:
-                for at in range(start, pos, 6):
-                    key, value = f.SETTING.unpack_from(buf, at)
-                    if key == f.MAX_CONCURRENT_STREAMS:
-                        self.peer_max_streams = value
-                    elif key == f.MAX_FRAME_SIZE:
-                        if not f.MIN_FRAME_SIZE <= value <= f.MAX_FRAME_SIZE_LIMIT:
-                            self._broken("bad SETTINGS_MAX_FRAME_SIZE")
-                            return True
-                        self.peer_max_frame = value
-                    elif key == f.INITIAL_WINDOW_SIZE and value > f.MAX_WINDOW:
-                        self._broken("bad SETTINGS_INITIAL_WINDOW_SIZE", 0x3)
-                        return True
-                self.queue(f.frame(f.SETTINGS, f.ACK, 0))
-        elif ftype == f.PING:
-            if length != 8 or sid != 0:
-                self._broken("bad PING")
-                return True
-            if not flags & f.ACK:
-                self.queue(f.frame(f.PING, f.ACK, 0, buf[start:pos]))
+        elif ftype == f.SETTINGS and not flags & f.ACK:
+            for key, value in f.settings(buf, start, length):
+                if key == f.MAX_CONCURRENT_STREAMS:
+                    self.peer_max_streams = value
+                elif key == f.MAX_FRAME_SIZE:
+                    self.peer_max_frame = value
+            self.queue(f.frame(f.SETTINGS, f.ACK, 0))
+        elif ftype == f.PING and not flags & f.ACK:
+            self.queue(f.frame(f.PING, f.ACK, 0, buf[start:start + 8]))
         elif ftype == f.GOAWAY:
-            if length < 8 or sid != 0:
-                self._broken("bad GOAWAY")
-                return True
             self._goaway(f.U32.unpack_from(buf, start)[0] & MAX_STREAM_ID)
-        elif ftype == f.PUSH_PROMISE:
-            self._broken("PUSH_PROMISE (push is disabled)")
-            return True
-        elif ftype == f.WINDOW_UPDATE:
-            if length != 4:
-                self._broken("bad WINDOW_UPDATE")
-                return True
-        # PRIORITY and unknown frame types are ignored (RFC 9113 5.5).
-        return False
+        # PRIORITY, WINDOW_UPDATE (we send no DATA) and unknown frame types are ignored (RFC 9113 5.5).
 
-    def _head(self, sid: int, flags: int, block: bytes) -> bool:
+    def _head(self, sid: int, flags: int, block: bytes) -> None:
         """A complete header block: decoded whatever the stream's state (the HPACK table must follow)."""
         try:
             fields = self.decoder.decode(block)
         except HeaderBlockError as exc:
-            self._broken(f"header block: {exc}", 0x9)  # COMPRESSION_ERROR
-            return False
+            raise FrameError(ErrorCodes.COMPRESSION_ERROR, f"header block: {exc}") from None
         stream = self.streams.get(sid)
         if stream is None:
             if sid >= self.next_sid:
-                self._broken(f"HEADERS on stream {sid}, never opened")
-                return False
-            return True
+                raise FrameError(ErrorCodes.PROTOCOL_ERROR, f"HEADERS on stream {sid}, never opened")
+            return
         if stream.headers_done:  # trailers: must end the stream; their fields are dropped
             if not flags & f.END_STREAM:
-                self._broken(f"a second head without END_STREAM on stream {sid}")
-                return False
+                raise FrameError(ErrorCodes.PROTOCOL_ERROR, f"a second head without END_STREAM on stream {sid}")
         else:
             try:
                 code, raw = response_head(fields)
-            except ValueError as exc:
-                self._broken(str(exc))
-                return False
+            except ValueError as bad:
+                raise FrameError(ErrorCodes.PROTOCOL_ERROR, str(bad)) from None
             if code < 200:
                 if flags & f.END_STREAM:
-                    self._broken("an interim response ended the stream")
-                    return False
-                return True  # interim (1xx): wait for the final head
+                    raise FrameError(ErrorCodes.PROTOCOL_ERROR, "an interim response ended the stream")
+                return  # interim (1xx): wait for the final head
             stream.status = code
             stream.raw_headers = raw
             stream.headers_done = True
@@ -360,7 +316,6 @@ class MuxConn(asyncio.Protocol):
             del self.streams[sid]
             self._maybe_close()
         stream.wake()
-        return True
 
     def _goaway(self, last: int) -> None:
         """Streams above ``last`` were never processed: they fail with StreamRefused (the caller re-sends)."""

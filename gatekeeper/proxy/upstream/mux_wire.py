@@ -1,4 +1,4 @@
-"""The multiplexed upstream's request side on the wire: header fields and HEADERS frames (pure).
+"""The multiplexed upstream's request side on the wire: header fields and the response head's check (pure).
 
 The same rules as the HTTP/1.1 head, so a request cannot be classified as one thing and sent as another. Credentials are
 HPACK never-indexed literals (RFC 7541 7.1.3) and never memoized."""
@@ -8,15 +8,12 @@ from __future__ import annotations
 import re
 from collections.abc import Collection
 
-from gatekeeper.proxy.h2wire import frames as f
-from gatekeeper.proxy.h2wire.hpack_encode import STATIC_NAME
+from gatekeeper.proxy.h2wire.hpack_encode import NEVER, WITHOUT, literal
 from gatekeeper.proxy.messages import Headers
 from gatekeeper.proxy.upstream.exchange import TARGET, TOKEN
 
 _NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9a-z]+")
 SECRET = frozenset({"authorization", "proxy-authorization", "cookie"})
-_WITHOUT, _NEVER = 0x00, 0x10
-"""First-byte flags of a literal field without indexing / never indexed (RFC 7541 6.2.2, 6.2.3; 4-bit name index)."""
 _METHOD = {"GET": b"\x82", "POST": b"\x83"}
 _SCHEME_HTTPS = b"\x87"
 MEMO_ENTRIES = 4096
@@ -27,30 +24,9 @@ _memo_removed: Collection[str] | None = None
 """The ``removed`` set the memo's fields passed."""
 
 
-def _int(value: int, bits: int, flags: int) -> bytes:
-    """An HPACK integer (RFC 7541 5.1) with ``flags`` in the first byte."""
-    limit = (1 << bits) - 1
-    if value < limit:
-        return bytes((flags | value,))
-    out = bytearray((flags | limit,))
-    value -= limit
-    while value >= 128:
-        out.append((value & 127) | 128)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def literal(name: bytes, value: bytes, flags: int = _WITHOUT) -> bytes:
-    """A literal field that never enters the peer's dynamic table; the name from the static table when there."""
-    index = STATIC_NAME.get(name)
-    head = _int(index, 4, flags) if index is not None else _int(0, 4, flags) + _int(len(name), 7, 0) + name
-    return head + _int(len(value), 7, 0) + value
-
-
 def authority_field(authority: str) -> bytes:
     """The backend's ``:authority``, encoded once per pool."""
-    return literal(b":authority", authority.encode("ascii"))
+    return literal(b":authority", authority.encode("ascii"), WITHOUT)
 
 
 def request_block(method: str, target: str, authority: bytes, headers: Headers, removed: Collection[str],
@@ -69,9 +45,9 @@ def request_block(method: str, target: str, authority: bytes, headers: Headers, 
     if method_field is None or path_field is None:
         if not TOKEN.fullmatch(method) or not TARGET.fullmatch(target):
             raise ValueError(f"refusing to send {method[:16]!r} {target[:64]!r} upstream")
-        method_field = method_field or literal(b":method", method.encode("ascii"))
+        method_field = method_field or literal(b":method", method.encode("ascii"), WITHOUT)
         if path_field is None:
-            path_field = literal(b":path", target.encode("ascii"))
+            path_field = literal(b":path", target.encode("ascii"), WITHOUT)
             if memo and len(target) <= MEMO_MAX_BYTES:
                 if len(fields) >= MEMO_ENTRIES:
                     fields.clear()
@@ -98,7 +74,7 @@ def request_block(method: str, target: str, authority: bytes, headers: Headers, 
             raise ValueError("CR, LF or NUL in a request header")
         secret = lower in SECRET
         encoded = literal(lower.encode("ascii"), value.encode("utf-8", "surrogateescape"),
-                          _NEVER if secret else _WITHOUT)
+                          NEVER if secret else WITHOUT)
         if memo and not secret and len(name) + len(value) <= MEMO_MAX_BYTES:
             if len(fields) >= MEMO_ENTRIES:
                 fields.clear()
@@ -109,17 +85,6 @@ def request_block(method: str, target: str, authority: bytes, headers: Headers, 
         named = {t.strip().lower() for k, v in headers if k.lower() == "connection" for t in v.split(",")}
         if memo or not named <= set(removed):
             return request_block(method, target, authority, headers, frozenset({*removed, *named}), memo=False)
-    return b"".join(out)
-
-
-def headers_frames(sid: int, block: bytes, max_frame: int) -> bytes:
-    """A bodiless request's HEADERS (END_STREAM), with CONTINUATION frames when the block is larger than one frame."""
-    if len(block) <= max_frame:
-        return f.header(f.HEADERS, f.END_STREAM | f.END_HEADERS, sid, len(block)) + block
-    parts = [block[i:i + max_frame] for i in range(0, len(block), max_frame)]
-    out = [f.header(f.HEADERS, f.END_STREAM, sid, len(parts[0])), parts[0]]
-    for i, part in enumerate(parts[1:], start=2):
-        out += (f.header(f.CONTINUATION, f.END_HEADERS if i == len(parts) else 0, sid, len(part)), part)
     return b"".join(out)
 
 
