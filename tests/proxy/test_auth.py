@@ -7,9 +7,9 @@ from urllib.parse import unquote
 from gatekeeper.proxy.identity.auth import (
     escape_extra_key,
     identify,
+    identity_headers,
     strip_remote,
     token_user,
-    upstream_identity_headers,
     wants_front_proxy_cert,
 )
 from gatekeeper.proxy.messages import UserInfo
@@ -75,7 +75,7 @@ def test_token_request_gets_no_identity_headers_even_if_spoofed() -> None:
     headers = [("authorization", "Bearer t"), ("x-remote-user", "admin"),
                ("x-remote-group", "system:masters")]
     user = identify(None, headers)
-    out = upstream_identity_headers(headers, user)
+    out = strip_remote(headers) + identity_headers(user)
     assert out == [("authorization", "Bearer t")]
     assert not wants_front_proxy_cert(user)
 
@@ -84,7 +84,7 @@ def test_certificate_identity_is_stamped_replacing_spoofed_headers() -> None:
     headers = [("x-remote-user", "admin"), ("x-remote-group", "system:masters"), ("accept", "*/*")]
     user = UserInfo(name="bob", groups=["dev", "ops"], extra={"Scopes": ["a", "b"], "acme.com/team": ["x"]},
                     source="x509")
-    out = upstream_identity_headers(headers, user)
+    out = strip_remote(headers) + identity_headers(user)
     assert out == [
         ("accept", "*/*"),
         ("x-remote-user", "bob"),
@@ -106,7 +106,7 @@ def test_extra_key_escaping_round_trips_through_unescape() -> None:
 
 def test_stamped_values_cannot_inject_headers() -> None:
     user = UserInfo(name="bob\r\nx-remote-group: system:masters", source="x509")
-    (name, value), = upstream_identity_headers([], user)
+    (name, value), = identity_headers(user)
     assert name == "x-remote-user" and "\n" not in value and "\r" not in value
 
 

@@ -9,12 +9,12 @@ import pytest
 from edge_kit import fronted
 
 from gatekeeper.kube import requestinfo
-from gatekeeper.proxy.identity.auth import upstream_identity_headers
-from gatekeeper.proxy.messages import Handler, ProxyRequest, ProxyResponse, UserInfo
+from gatekeeper.proxy.identity.auth import identity_headers, strip_remote
+from gatekeeper.proxy.identity.tokens.classify import source_host
+from gatekeeper.proxy.messages import Handler, Headers, ProxyRequest, ProxyResponse, UserInfo
 from gatekeeper.proxy.pipeline.balancer import Balancer
 from gatekeeper.proxy.pipeline.stages import (
     Dispatcher,
-    _forwarded_for,
     build,
     chain,
     front_for,
@@ -148,6 +148,21 @@ async def test_other_paths_pass_local_endpoints() -> None:
     front = front_for(["system:masters"])
     assert (await front(req("GET", "/metricsx"), nxt)).status == 204
     assert (await front(req("POST", "/metrics"), nxt)).status == 204
+
+
+def upstream_identity_headers(headers: Headers, user: UserInfo) -> Headers:
+    """The oracle's first pass: client headers with spoofable identity removed and the proxy's assertion added."""
+    return strip_remote(headers) + identity_headers(user)
+
+
+def _forwarded_for(headers: Headers, peer: str) -> Headers:
+    """The oracle's second pass: the client address appended to X-Forwarded-For."""
+    if not peer:
+        return headers
+    host = source_host(peer)
+    prior = [v for k, v in headers if k == "x-forwarded-for"]
+    rest = [(k, v) for k, v in headers if k != "x-forwarded-for"]
+    return [*rest, ("x-forwarded-for", ", ".join([*prior, host]))]
 
 
 def test_forwarded_for_appends_client_address() -> None:

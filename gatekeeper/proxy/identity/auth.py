@@ -217,11 +217,6 @@ def identity_headers(user: UserInfo) -> Headers:
     return out
 
 
-def upstream_identity_headers(headers: Iterable[tuple[str, str]], user: UserInfo) -> Headers:
-    """Client headers with spoofable identity removed and the proxy's assertion added."""
-    return strip_remote(headers) + identity_headers(user)
-
-
 def wants_front_proxy_cert(user: UserInfo) -> bool:
     """Present the front-proxy certificate only when asserting an identity.
 

@@ -188,18 +188,9 @@ def _bind(mw: Middleware, next_handler: Handler) -> Handler:
 # --- the final handler --------------------------------------------------------------------------
 
 
-def _forwarded_for(headers: Headers, peer: str) -> Headers:
-    """Append the client address to X-Forwarded-For (the apiserver logs it as a source IP in audit)."""
-    if not peer:
-        return headers
-    host = source_host(peer)
-    prior = [v for k, v in headers if k == "x-forwarded-for"]
-    rest = [(k, v) for k, v in headers if k != "x-forwarded-for"]
-    return [*rest, ("x-forwarded-for", ", ".join([*prior, host]))]
-
-
 def upstream_headers(headers: Headers, user: UserInfo, peer: str) -> Headers:
-    """``_forwarded_for(auth.upstream_identity_headers(headers, user), peer)`` in one pass over ``headers``."""
+    """Client headers without spoofable ``X-Remote-*``, the proxy's identity assertion added (x509 callers), and the
+    client address appended to X-Forwarded-For (the apiserver logs it as a source IP in audit), in one pass."""
     out: Headers = []
     prior: list[str] = []
     for k, v in headers:

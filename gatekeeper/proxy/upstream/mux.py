@@ -168,9 +168,6 @@ class MuxConn(asyncio.Protocol):
         self.streams.clear()
         self.on_lost(self)
 
-    def eof_received(self) -> bool | None:
-        return None
-
     def _broken(self, why: str, code: int = ErrorCodes.PROTOCOL_ERROR) -> None:
         error = BackendProtocolError(f"HTTP/2 from the backend: {why}")
         for stream in self.streams.values():
