@@ -97,8 +97,23 @@ def restart_apiservers(state: SandboxState, *, which: Sequence[str] = (), flags:
     by_name = {f.name: f for f in fresh}
     state.processes = [by_name.get(p.name, p) for p in state.processes]
     state.save()
-    wait_ready(state, [f.health for f in fresh], timeout)
+    kills = {r.name: _oom_kills(state, r) for r in recs} if memory_limit else {}
+    try:
+        wait_ready(state, [f.health for f in fresh], timeout)
+    except processes.WaitFailed:
+        starved = [r.name for r in recs if kills and _oom_kills(state, r) > kills[r.name]]
+        if starved:
+            raise ScenarioError(
+                f"{', '.join(starved)} OOM-killed while starting under a {memory_limit >> 20} MiB limit: "
+                "kube-apiserver reads every Secret from etcd as it starts (etcd's log shows the range), so the limit "
+                "must hold that read too; choose larger --memory-limits") from None
+        raise
     return time.monotonic() - t0
+
+
+def _oom_kills(state: SandboxState, rec: ProcessRecord) -> int:
+    version = int(state.extra.get("memory_cgroup_version", 0))
+    return memlimit.MemoryCgroup(Path(rec.cgroup), version).oom_kills() if version and rec.cgroup else 0
 
 
 def restart_limited_apiservers(state: SandboxState, flags: Sequence[str] = (), *, memory_limit: int = 0

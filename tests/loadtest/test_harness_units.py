@@ -219,3 +219,34 @@ def test_nested_sweep_counts_a_handoff_between_apiservers_once_and_a_real_overla
     assert nested_sum([2, 0, 1], [2, 0, 1]) == (3, 3)
     with pytest.raises(ValueError):
         nested_sum([1, 2], [1])
+
+
+def test_an_apiserver_killed_while_starting_under_a_limit_is_named_with_the_reason(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gatekeeper.sandbox import processes
+    from gatekeeper.sandbox.state import ProcessRecord
+    from loadtest.harness import cluster
+
+    cg = tmp_path / "cg"
+    cg.mkdir()
+    (cg / "memory.events").write_text("oom 0\noom_kill 3\n")
+    state = SandboxState(dir=str(tmp_path), extra={"memory_cgroup_version": 2})
+    state.processes = [ProcessRecord(name="kube-apiserver-1", pid=1, cmd=["true"], log=str(tmp_path / "log"),
+                                     cgroup=str(cg))]
+    monkeypatch.setattr(processes, "stop", lambda recs: None)
+    monkeypatch.setattr(processes, "start", lambda name, cmd, log, **kw: ProcessRecord(
+        name=name, pid=2, cmd=cmd, log=str(log), cgroup=kw.get("cgroup", "")))
+    monkeypatch.setattr(cluster.memlimit.MemoryCgroup, "set_limit", lambda self, limit: None)
+
+    def starts_then_killed(state: SandboxState, urls: list[str], timeout: float = 0) -> None:
+        (cg / "memory.events").write_text("oom 1\noom_kill 4\n")
+        raise processes.WaitFailed("connection refused", exited=True)
+
+    monkeypatch.setattr(cluster, "wait_ready", starts_then_killed)
+    with pytest.raises(cluster.ScenarioError, match=r"kube-apiserver-1 OOM-killed while starting under a 1536 MiB"):
+        cluster.restart_apiservers(state, memory_limit=1536 << 20)
+    # no kill while starting: the original failure stands
+    monkeypatch.setattr(cluster, "wait_ready", lambda *a, **k: (_ for _ in ()).throw(
+        processes.WaitFailed("timeout", exited=False)))
+    with pytest.raises(processes.WaitFailed):
+        cluster.restart_apiservers(state, memory_limit=1536 << 20)
