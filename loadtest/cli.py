@@ -63,7 +63,7 @@ def parser() -> argparse.ArgumentParser:
                    help="comma-separated arms to run, in this order (list-storm, list-storm-oom, skew, admission; "
                         "default: the scenario's own)")
     p.add_argument("--memory-limits", default="",
-                   help="comma-separated apiserver memory limits, e.g. 1536Mi,2560Mi,4Gi: every arm runs at each, "
+                   help="comma-separated apiserver memory limits, e.g. 2Gi,2560Mi,4Gi: every arm runs at each, "
                         "interleaved (list-storm-oom; default: its three around where two LISTs fit)")
     p.add_argument("--keep-work", action="store_true", help="keep the work directory (sandbox logs, specs)")
     p.add_argument("--allow-dirty", action="store_true",
