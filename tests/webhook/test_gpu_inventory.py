@@ -104,21 +104,22 @@ class FakeLeases:
         async def get() -> dict[str, Any] | None:
             return json.loads(json.dumps(self.obj)) if self.obj else None
 
-        async def create(body: dict[str, Any]) -> None:
+        async def create(body: dict[str, Any]) -> dict[str, Any]:
             if self.obj is not None:
                 raise Conflict()
-            self._store(body)
+            return self._store(body)
 
-        async def replace(body: dict[str, Any]) -> None:
+        async def replace(body: dict[str, Any]) -> dict[str, Any]:
             if self.obj is None or body["metadata"].get("resourceVersion") != self.obj["metadata"]["resourceVersion"]:
                 raise Conflict()
-            self._store(body)
+            return self._store(body)
 
         return LeaseOps(get, create, replace)
 
-    def _store(self, body: dict[str, Any]) -> None:
+    def _store(self, body: dict[str, Any]) -> dict[str, Any]:
         self.rv += 1
         self.obj = {**body, "metadata": {**body["metadata"], "resourceVersion": str(self.rv)}}
+        return json.loads(json.dumps(self.obj))
 
 
 def test_one_leader_renews_and_a_second_takes_over_only_after_the_lease_ran_out() -> None:
@@ -175,3 +176,40 @@ def test_an_empty_holder_is_taken_at_once(holder: str | None) -> None:
     b = LeaseElector(leases.ops(), "l", "ns", "b", 15, 5, clock=lambda: 0.0)
     asyncio.run(b.step())
     assert b.leading
+
+
+def test_a_leader_renews_with_one_call_and_a_change_by_another_is_still_seen() -> None:
+    """Idle cost: a leader renews from the Lease its own last write returned (one call every renewSeconds, not a
+    read and a write); a write by someone else in between makes the renewal fail (409), and it stops leading."""
+    leases, now, calls = FakeLeases(), [0.0], []
+    real = leases.ops()
+
+    async def get() -> dict[str, Any] | None:
+        calls.append("get")
+        return await real.get()
+
+    async def replace(body: dict[str, Any]) -> dict[str, Any] | None:
+        calls.append("replace")
+        return await real.replace(body)
+
+    a = LeaseElector(LeaseOps(get, real.create, replace), "l", "ns", "a", 15, 5, clock=lambda: now[0])
+
+    async def play() -> None:
+        await a.step()
+        assert a.leading
+        calls.clear()
+        for _ in range(4):
+            now[0] += 5
+            await a.step()
+        assert calls == ["replace"] * 4 and a.leading
+        assert leases.obj is not None
+        leases._store({**leases.obj, "spec": {**leases.obj["spec"], "holderIdentity": "b"}})  # taken meanwhile
+        now[0] += 5
+        await a.step()
+        assert not a.leading
+        calls.clear()
+        now[0] += 5
+        await a.step()
+        assert calls == ["get"] and not a.leading  # it reads again: b holds it and has not expired
+
+    asyncio.run(play())
