@@ -213,3 +213,46 @@ def test_a_leader_renews_with_one_call_and_a_change_by_another_is_still_seen() -
         assert calls == ["get"] and not a.leading  # it reads again: b holds it and has not expired
 
     asyncio.run(play())
+
+
+def test_without_a_change_the_leader_republishes_its_rows_without_recounting_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Idle cost: the heartbeat that keeps the snapshot fresh does not recount every claim of the cluster."""
+    from gatekeeper.webhook.inventory import controller
+    from gatekeeper.webhook.inventory.controller import Inventory
+    from gatekeeper.webhook.inventory.exposition import SnapshotStore
+
+    counts: list[int] = []
+    real_rows = controller.gpu_rows
+
+    def counting(*args: Any) -> Any:
+        counts.append(1)
+        return real_rows(*args)
+
+    monkeypatch.setattr(controller, "gpu_rows", counting)
+
+    async def list_fn() -> tuple[list[dict[str, Any]], str]:
+        return [], "1"
+
+    async def watch_fn(rv: str) -> Any:
+        await asyncio.sleep(3600)
+        yield "BOOKMARK", {}
+
+    async def play() -> None:
+        store = SnapshotStore(None, 15)
+        inv = Inventory(lambda on_change: None, (list_fn, watch_fn), (list_fn, watch_fn), store, 0.01)
+        inv.heartbeat_seconds = 0.01
+        for view in (inv.slices, inv.claims):
+            await view.relist()
+        task = asyncio.create_task(inv._publish())
+        await asyncio.sleep(0.05)
+        first = store.mine
+        await asyncio.sleep(0.2)
+        assert len(counts) == 1 and store.mine is not None and first is not None
+        assert store.mine["at"] > first["at"] and store.mine["rows"] == first["rows"]
+        inv.changed.set()
+        await asyncio.sleep(0.1)
+        task.cancel()
+        assert len(counts) == 2
+
+    asyncio.run(play())
