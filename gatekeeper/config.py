@@ -17,6 +17,7 @@ only holds the generic loader and the section registry; ``gatekeeper.yamlfiles``
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import reprlib
 import types
@@ -206,8 +207,11 @@ _SIZE_UNITS = {None: 1, "B": 1, "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, 
                "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
 
 
+@functools.lru_cache(maxsize=256, typed=True)  # typed: True is not 1
 def parse_size(value: int | str) -> int:
-    """Bytes from an integer or a Kubernetes-style quantity ('128Ki', '1536Mi', '2G', '200k')."""
+    """Bytes from an integer or a Kubernetes-style quantity ('128Ki', '1536Mi', '2G', '200k').
+
+    Cached: the size policy reads its limits from the settings' strings on every review."""
     if isinstance(value, int) and not isinstance(value, bool):
         if value < 0:
             raise ValueError(f"size must not be negative, got {value}")

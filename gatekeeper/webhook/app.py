@@ -316,13 +316,13 @@ async def _decide(request: web.Request, route: str, settings: WebhookSettings, c
         policy = "error"
         decision = Decision(allowed=False, outcome="error", code=500, reason="InternalError",
                             message="gatekeeper webhook internal error; see the webhook's log")
+    audit = decision.audit
     if decision.outcome == "mutated":
-        m.rewrites.labels(decision.audit.get("gpu-mode", "")).inc()
-    if "gpu-denied-reason" in decision.audit:
-        m.gpu_denials.labels(decision.audit["gpu-denied-reason"]).inc()
-    if "gpu-mode-source" in decision.audit:
-        m.mode_decisions.labels(decision.audit.get("gpu-mode", "denied"),
-                                decision.audit["gpu-mode-source"]).inc()
+        child(m.rewrites, audit.get("gpu-mode", "")).inc()
+    if "gpu-denied-reason" in audit:
+        child(m.gpu_denials, audit["gpu-denied-reason"]).inc()
+    if "gpu-mode-source" in audit:
+        child(m.mode_decisions, audit.get("gpu-mode", "denied"), audit["gpu-mode-source"]).inc()
     child(m.reviews, policy, req.operation, decision.outcome).inc()
     out = _call_failed(decision) if decision.outcome == "error" and decision.code >= 500 else \
         _json(response(req.uid, decision))

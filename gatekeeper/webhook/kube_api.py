@@ -14,7 +14,7 @@ from typing import Any
 
 import aiohttp
 import orjson
-from kubernetes_asyncio import client, config, watch
+from kubernetes_asyncio import client, config
 from kubernetes_asyncio.client import (
     CoordinationV1Api,
     CoreV1Api,
@@ -28,9 +28,9 @@ from gatekeeper.webhook.deviceclasses import ListClasses
 from gatekeeper.webhook.gpu.claims import MANAGED_BY
 from gatekeeper.webhook.inventory.lease import Conflict, LeaseOps
 from gatekeeper.webhook.kube_errors import describe
-from gatekeeper.webhook.listwatch import ListFn, WatchFn
+from gatekeeper.webhook.listwatch import ListFn, WatchFn, watch_event
 from gatekeeper.webhook.namespace_modes import LABEL
-from gatekeeper.webhook.pod_refs import Key
+from gatekeeper.webhook.pod_refs import REFERENCE, Key
 from gatekeeper.webhook.template_lifecycle import KubeOps
 from gatekeeper.webhook.templates import REQUEST_TIMEOUT, AlreadyExists, Create, TemplateError
 
@@ -45,15 +45,10 @@ async def api_client(kubeconfig: str) -> Any:
     return client.ApiClient(configuration=cfg)
 
 
-class _RawWatch(watch.Watch):
-    """Events as the apiserver sent them: building model objects per event costs CPU for nothing."""
-
-    def unmarshal_event(self, data: str | bytes, response_type: str | None) -> Any:
-        return super().unmarshal_event(data, None)
-
-
-def list_watch(list_call: Callable[..., Any], watch_seconds: int = 300, **selectors: Any) -> tuple[ListFn, WatchFn]:
-    """LIST and WATCH through a kubernetes-asyncio list function, as raw dicts (no model objects)."""
+def list_watch(list_call: Callable[..., Any], watch_seconds: int = 300, relevant: bytes | None = None,
+               **selectors: Any) -> tuple[ListFn, WatchFn]:
+    """LIST and WATCH through a kubernetes-asyncio list function, as raw dicts (no model objects); the watch's
+    lines are read and decoded here (listwatch.watch_event), ``relevant``: see there."""
 
     async def list_fn() -> tuple[list[dict[str, Any]], str]:
         resp: Any = await list_call(_preload_content=False, _request_timeout=30, **selectors)
@@ -64,15 +59,24 @@ def list_watch(list_call: Callable[..., Any], watch_seconds: int = 300, **select
         return list(doc.get("items") or []), str((doc.get("metadata") or {}).get("resourceVersion") or "")
 
     async def watch_fn(rv: str) -> AsyncIterator[tuple[str, dict[str, Any]]]:
-        w = _RawWatch()
+        # kubernetes-asyncio's Watch decoded every line with the json module, after a readline that cannot take
+        # a line over aiohttp's buffer limit; here a chunk carries as many events as arrived together.
+        resp: Any = await list_call(watch=True, _preload_content=False, resource_version=rv,
+                                    timeout_seconds=watch_seconds, allow_watch_bookmarks=True, **selectors)
         try:
-            async for ev in w.stream(list_call, resource_version=rv, timeout_seconds=watch_seconds,
-                                     allow_watch_bookmarks=True, **selectors):
-                obj = ev.get("raw_object") or {}
-                yield str(ev.get("type", "")), obj if isinstance(obj, dict) else {}
+            if resp.status >= 400:
+                body = await resp.read()
+                raise ApiException(status=resp.status, reason=body.decode(errors="replace")[:200])
+            rest = b""
+            async for chunk in resp.content.iter_any():
+                *lines, rest = (rest + chunk).split(b"\n")
+                for line in lines:
+                    if line.strip():
+                        yield watch_event(line, relevant)
+            if rest.strip():
+                yield watch_event(rest, relevant)
         finally:
-            w.stop()
-            await w.close()
+            resp.release()
 
     return list_fn, watch_fn
 
@@ -83,8 +87,10 @@ def namespace_source(api: Any, watch_seconds: int = 300) -> tuple[ListFn, WatchF
 
 
 def pod_source(api: Any, watch_seconds: int = 300) -> tuple[ListFn, WatchFn]:
-    """All pods (a template's pods may be anywhere in its namespace, with no label to select them by)."""
-    return list_watch(CoreV1Api(api).list_pod_for_all_namespaces, watch_seconds)
+    """All pods (a template's pods may be anywhere in its namespace, with no label to select them by); only the
+    events of pods that name a template are decoded (a pod's resourceClaims cannot change after its creation,
+    so a pod without the word never had a reference the index could hold)."""
+    return list_watch(CoreV1Api(api).list_pod_for_all_namespaces, watch_seconds, relevant=REFERENCE)
 
 
 def dra_source(api: Any, plural: str, watch_seconds: int = 300) -> tuple[ListFn, WatchFn]:
@@ -117,19 +123,27 @@ def lease_ops(api: Any, name: str, namespace: str, request_timeout: float = 5.0)
         doc: dict[str, Any] = orjson.loads(body)
         return doc
 
-    async def write(call: Any, *args: Any) -> None:
+    async def write(call: Any, *args: Any) -> dict[str, Any] | None:
+        """The Lease as written, undecoded into models (a renewal every few seconds, forever)."""
         try:
-            await call(*args, _request_timeout=request_timeout)
+            resp: Any = await call(*args, _preload_content=False, _request_timeout=request_timeout)
         except ApiException as exc:
             if exc.status == 409:
                 raise Conflict() from None
             raise
+        body = await resp.read()
+        if resp.status == 409:
+            raise Conflict()
+        if resp.status >= 400:
+            raise ApiException(status=resp.status, reason=body.decode(errors="replace")[:200])
+        doc = orjson.loads(body)
+        return doc if isinstance(doc, dict) else None
 
-    async def create(body: dict[str, Any]) -> None:
-        await write(coord.create_namespaced_lease, namespace, body)
+    async def create(body: dict[str, Any]) -> dict[str, Any] | None:
+        return await write(coord.create_namespaced_lease, namespace, body)
 
-    async def replace(body: dict[str, Any]) -> None:
-        await write(coord.replace_namespaced_lease, name, namespace, body)
+    async def replace(body: dict[str, Any]) -> dict[str, Any] | None:
+        return await write(coord.replace_namespaced_lease, name, namespace, body)
 
     return LeaseOps(get, create, replace)
 

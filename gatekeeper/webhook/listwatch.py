@@ -6,14 +6,22 @@ resourceVersion. A watch that ends normally (its ``timeoutSeconds``) is resumed
 from the last resourceVersion seen (bookmarks keep it fresh), so a quiet cluster
 costs no LIST; an ERROR event (410 Gone: the version is too old) or a broken
 stream LISTs again. Subclasses say what an event or a LIST does to their view.
+
+A watch's lines are decoded here too (:func:`watch_event`), and a view may name the bytes an event must hold
+to change anything in it: the pod index watches every pod of the cluster but keeps only those that name a
+ResourceClaimTemplate, and decoding every other pod's event was most of the webhook's CPU while it reviewed
+nothing (1.2 ms per pod created by anyone, measured on the sandbox).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
+
+import orjson
 
 from gatekeeper.webhook.kube_errors import describe
 
@@ -27,6 +35,25 @@ WatchFn = Callable[[str], AsyncIterator[tuple[str, dict[str, Any]]]]
 
 def resource_version(obj: dict[str, Any]) -> str:
     return str((obj.get("metadata") or {}).get("resourceVersion") or "")
+
+
+_CHANGES = (b'{"type":"ADDED"', b'{"type":"MODIFIED"', b'{"type":"DELETED"')
+_FIRST_RV = re.compile(rb'"resourceVersion":"([0-9]+)"')
+"""The object's own resourceVersion: the apiserver writes ``metadata`` first and its ``uid`` and
+``resourceVersion`` before labels, annotations or anything a user chose (whose quotes would be escaped anyway)."""
+
+
+def watch_event(line: bytes, relevant: bytes | None = None) -> tuple[str, dict[str, Any]]:
+    """(type, object) of one line of a watch; an ADDED/MODIFIED/DELETED line without ``relevant`` in its
+    bytes comes back as a BOOKMARK at its resourceVersion, undecoded: it cannot change the view, and the
+    watch still resumes after it. ERROR lines, bookmarks and anything unexpected are decoded whole."""
+    if relevant is not None and relevant not in line and line.startswith(_CHANGES):
+        m = _FIRST_RV.search(line)
+        if m is not None:
+            return "BOOKMARK", {"metadata": {"resourceVersion": m.group(1).decode()}}
+    doc = orjson.loads(line)
+    obj = doc.get("object") if isinstance(doc, dict) else None
+    return str(doc.get("type", "")) if isinstance(doc, dict) else "ERROR", obj if isinstance(obj, dict) else {}
 
 
 class ListWatch:

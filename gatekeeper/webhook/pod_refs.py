@@ -18,6 +18,8 @@ from gatekeeper.webhook.listwatch import ListFn, ListWatch, WatchFn
 
 Key = tuple[str, str]
 """(namespace, name) of a template."""
+REFERENCE = b'"resourceClaimTemplateName"'
+"""In the JSON of every pod this index keeps: the watch decodes no other pod's event."""
 
 
 def template_refs(pod: dict[str, Any]) -> frozenset[Key]:

@@ -24,7 +24,7 @@ from typing import Any
 import uvloop
 from aiohttp import web
 
-from gatekeeper.metrics import register_page_collector
+from gatekeeper.metrics import child, register_page_collector
 from gatekeeper.multiproc import MULTIPROC_ENV
 from gatekeeper.netbind import bind_listeners
 from gatekeeper.webhook import kube_api
@@ -128,7 +128,7 @@ async def serve(settings: WebhookSettings, stop: asyncio.Event | None = None) ->
     if api_client is not None:
         counter = metrics().templates
         keeper = TemplateKeeper(kube_api.template_creator(api_client), settings.gpu.template_cache_seconds,
-                                on_result=lambda r: counter.labels(r).inc())
+                                on_result=lambda r: child(counter, r).inc())
     app = build_app(settings, keeper, ready=False)
     mapping_task = ns_task = None
     if api_client is not None and settings.gpu.kep5004 == "step-aside":  # rewrite never asks whether one maps
@@ -150,7 +150,8 @@ async def serve(settings: WebhookSettings, stop: asyncio.Event | None = None) ->
         counter = metrics().templates
         lifecycle = TemplateLifecycle(kube_api.template_ops(api_client), settings.gpu.template_reconcile_seconds,
                                       settings.gpu.template_gc_grace_seconds, pod_refs.referenced,
-                                      forget=keeper.forget, on_result=lambda r: counter.labels(r).inc())
+                                      forget=keeper.forget, on_result=lambda r: child(counter, r).inc(),
+                                      seen=keeper.seen)
         keeper.on_ensured = lifecycle.ensured
         lifecycle_task = asyncio.create_task(lifecycle.run())
     runner, site = await _runner_and_site(srv, app, tls)

@@ -47,6 +47,8 @@ class Plan:
     recreate: list[dict[str, Any]] = field(default_factory=list)
     delete: list[tuple[Key, str]] = field(default_factory=list)
     """(key, uid) of templates to delete."""
+    kept: list[Key] = field(default_factory=list)
+    """Templates of ours the LIST showed and the pass keeps: admission may take them as existing."""
 
 
 @dataclass
@@ -94,6 +96,8 @@ def plan(state: LifecycleState, templates: list[dict[str, Any]], refs: set[Key],
     for key, _ in out.delete:
         state.specs.pop(key, None)
         state.unreferenced_since.pop(key, None)
+    gone = {key for key, _ in out.delete}
+    out.kept = [key for key in sorted(present) if key not in gone]
     return out
 
 
@@ -114,10 +118,13 @@ class TemplateLifecycle:
                  references: Callable[[], set[Key] | None],
                  forget: Callable[[str, str], None] = lambda ns, name: None,
                  clock: Callable[[], float] = time.monotonic,
-                 on_result: Callable[[str], None] = lambda result: None) -> None:
+                 on_result: Callable[[str], None] = lambda result: None,
+                 seen: Callable[[list[Key]], None] = lambda keys: None) -> None:
         self.ops, self.interval, self.grace, self._references = ops, interval, grace, references
         self.state = LifecycleState()
-        self._forget, self._clock, self._on_result = forget, clock, on_result
+        self._forget, self._clock, self._on_result, self._seen = forget, clock, on_result, seen
+        self._listed: set[Key] = set()
+        """What the last pass's LIST showed (and kept)."""
 
     def ensured(self, objects: list[dict[str, Any]]) -> None:
         """Admission made sure of these templates: remember their spec, and keep GC off them for a grace period."""
@@ -136,6 +143,11 @@ class TemplateLifecycle:
         if refs is None:
             return Plan()
         p = plan(self.state, templates, refs, self._clock(), self.grace)
+        listed = set(p.kept)
+        for key in self._listed - listed:  # deleted by someone since the last LIST: the next pod POSTs again
+            self._forget(*key)
+        self._listed = listed
+        self._seen(p.kept)  # another worker's or replica's templates: its pods need no POST here either
         for obj in p.recreate:
             meta = obj["metadata"]
             self._forget(meta["namespace"], meta["name"])

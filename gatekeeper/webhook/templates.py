@@ -59,19 +59,34 @@ class TemplateKeeper:
         """Drop a template from the cache (it was deleted): the next pod that needs it creates it."""
         self._known.pop((namespace, name), None)
 
+    def seen(self, keys: list[tuple[str, str]]) -> None:
+        """The lifecycle loop's LIST showed these templates: the next pods that name them need no POST (a miss
+        still POSTs, 409 meaning it exists; a deletion seen by the loop is forgotten at once)."""
+        until = self._clock() + self._ttl
+        for key in keys:
+            self._known[key] = until
+
     def known(self, namespace: str, name: str) -> bool:
         exp = self._known.get((namespace, name))
         return exp is not None and exp > self._clock()
 
     async def ensure(self, objects: list[dict[str, Any]]) -> None:
-        await asyncio.gather(*(self._ensure_one(o) for o in objects))
+        missing = [o for o in objects if not self._cached(o)]
+        if missing:  # the steady state has none: no task, no loop turn, no API call
+            await asyncio.gather(*(self._ensure_one(o) for o in missing))
         self.on_ensured(objects)
+
+    def _cached(self, obj: dict[str, Any]) -> bool:
+        meta = obj["metadata"]
+        if not self.known(meta["namespace"], meta["name"]):
+            return False
+        self._on_result("cached")
+        return True
 
     async def _ensure_one(self, obj: dict[str, Any]) -> None:
         meta = obj["metadata"]
         key = (meta["namespace"], meta["name"])
-        if self.known(*key):
-            self._on_result("cached")
+        if self._cached(obj):  # made sure of by another review since ensure() looked
             return
         fut = self._inflight.get(key)
         if fut is not None:

@@ -150,23 +150,34 @@ class SteadyUser(K8sUser):
         self.call("GET", "LIST configmaps", f"/api/v1/namespaces/{self.ns}/configmaps?limit=1")
 
 
+def create_pod(user: K8sUser, kind: str = "CREATE pod") -> None:
+    """Create a Pod (timed as ``kind``), then delete it (not timed as admission)."""
+    name = f"adm-{uuid.uuid4().hex[:10]}"
+    body = gpu_pod(name) if kind == "CREATE gpu pod" else pod(name)
+    if user.call("POST", kind, f"/api/v1/namespaces/{user.ns}/pods", json=body):
+        user.call("DELETE", "DELETE pod", f"/api/v1/namespaces/{user.ns}/pods/{name}",
+                  params={"gracePeriodSeconds": "0"})
+
+
+def create_secret(user: K8sUser) -> None:
+    """Create a 1 KiB Secret (timed), then delete it (not timed)."""
+    name = f"adm-{uuid.uuid4().hex[:10]}"
+    body = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name},
+            "data": {"k": base64.b64encode(os.urandom(1024)).decode()}}
+    if user.call("POST", "CREATE secret", f"/api/v1/namespaces/{user.ns}/secrets", json=body):
+        user.call("DELETE", "DELETE secret", f"/api/v1/namespaces/{user.ns}/secrets/{name}")
+
+
 class CreateUser(K8sUser):
     """Admission traffic: create a Pod or a Secret (timed), then delete it (not timed as admission)."""
 
     @task
     def create_pod(self) -> None:
-        name = f"adm-{uuid.uuid4().hex[:10]}"
-        if self.call("POST", "CREATE pod", f"/api/v1/namespaces/{self.ns}/pods", json=pod(name)):
-            self.call("DELETE", "DELETE pod", f"/api/v1/namespaces/{self.ns}/pods/{name}",
-                      params={"gracePeriodSeconds": "0"})
+        create_pod(self)
 
     @task
     def create_secret(self) -> None:
-        name = f"adm-{uuid.uuid4().hex[:10]}"
-        body = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name},
-                "data": {"k": base64.b64encode(os.urandom(1024)).decode()}}
-        if self.call("POST", "CREATE secret", f"/api/v1/namespaces/{self.ns}/secrets", json=body):
-            self.call("DELETE", "DELETE secret", f"/api/v1/namespaces/{self.ns}/secrets/{name}")
+        create_secret(self)
 
 
 class AdmissionUser(CreateUser):
@@ -175,10 +186,36 @@ class AdmissionUser(CreateUser):
 
     @task
     def create_gpu_pod(self) -> None:
-        name = f"adm-gpu-{uuid.uuid4().hex[:10]}"
-        if self.call("POST", "CREATE gpu pod", f"/api/v1/namespaces/{self.ns}/pods", json=gpu_pod(name)):
-            self.call("DELETE", "DELETE pod", f"/api/v1/namespaces/{self.ns}/pods/{name}",
-                      params={"gracePeriodSeconds": "0"})
+        create_pod(self, "CREATE gpu pod")
+
+
+_rate_index = itertools.count()
+_rate_start: list[float] = []
+
+
+class RateAdmissionUser(K8sUser):
+    """admission's fixed-rate phase: create ``i`` (a plain pod, a GPU pod, a Secret, in turn) is sent at
+    ``start + i / spec["rate"]`` whatever the answers take, so both arms get the same creates at the same times
+    (an open loop well under saturation: latency without queueing in the load generator). The users are only the
+    creates in flight. How late each create left against its slot is ``ramp lag``, as in :class:`RampGpuPodUser`;
+    a create late by more than its own interval means the generator, not the apiserver, set the pace."""
+
+    @task
+    def create_in_turn(self) -> None:
+        i = next(_rate_index)
+        if not _rate_start:  # the first create fixes the schedule for everyone (no yield between: gevent)
+            _rate_start.append(time.monotonic())
+        due = _rate_start[0] + i / float(self.spec["rate"])
+        delay = due - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)  # gevent-patched in Locust's process: the other users go on
+        self.environment.events.request.fire(
+            request_type="RAMP", name="ramp lag", response_time=max(0.0, -delay) * 1000, response_length=0,
+            exception=None, context={})
+        if i % 3 == 2:
+            create_secret(self)
+        else:
+            create_pod(self, ("CREATE pod", "CREATE gpu pod")[i % 3])
 
 
 def pod(name: str) -> dict[str, Any]:

@@ -104,21 +104,22 @@ class FakeLeases:
         async def get() -> dict[str, Any] | None:
             return json.loads(json.dumps(self.obj)) if self.obj else None
 
-        async def create(body: dict[str, Any]) -> None:
+        async def create(body: dict[str, Any]) -> dict[str, Any]:
             if self.obj is not None:
                 raise Conflict()
-            self._store(body)
+            return self._store(body)
 
-        async def replace(body: dict[str, Any]) -> None:
+        async def replace(body: dict[str, Any]) -> dict[str, Any]:
             if self.obj is None or body["metadata"].get("resourceVersion") != self.obj["metadata"]["resourceVersion"]:
                 raise Conflict()
-            self._store(body)
+            return self._store(body)
 
         return LeaseOps(get, create, replace)
 
-    def _store(self, body: dict[str, Any]) -> None:
+    def _store(self, body: dict[str, Any]) -> dict[str, Any]:
         self.rv += 1
         self.obj = {**body, "metadata": {**body["metadata"], "resourceVersion": str(self.rv)}}
+        return json.loads(json.dumps(self.obj))
 
 
 def test_one_leader_renews_and_a_second_takes_over_only_after_the_lease_ran_out() -> None:
@@ -175,3 +176,83 @@ def test_an_empty_holder_is_taken_at_once(holder: str | None) -> None:
     b = LeaseElector(leases.ops(), "l", "ns", "b", 15, 5, clock=lambda: 0.0)
     asyncio.run(b.step())
     assert b.leading
+
+
+def test_a_leader_renews_with_one_call_and_a_change_by_another_is_still_seen() -> None:
+    """Idle cost: a leader renews from the Lease its own last write returned (one call every renewSeconds, not a
+    read and a write); a write by someone else in between makes the renewal fail (409), and it stops leading."""
+    leases, now, calls = FakeLeases(), [0.0], []
+    real = leases.ops()
+
+    async def get() -> dict[str, Any] | None:
+        calls.append("get")
+        return await real.get()
+
+    async def replace(body: dict[str, Any]) -> dict[str, Any] | None:
+        calls.append("replace")
+        return await real.replace(body)
+
+    a = LeaseElector(LeaseOps(get, real.create, replace), "l", "ns", "a", 15, 5, clock=lambda: now[0])
+
+    async def play() -> None:
+        await a.step()
+        assert a.leading
+        calls.clear()
+        for _ in range(4):
+            now[0] += 5
+            await a.step()
+        assert calls == ["replace"] * 4 and a.leading
+        assert leases.obj is not None
+        leases._store({**leases.obj, "spec": {**leases.obj["spec"], "holderIdentity": "b"}})  # taken meanwhile
+        now[0] += 5
+        await a.step()
+        assert not a.leading
+        calls.clear()
+        now[0] += 5
+        await a.step()
+        assert calls == ["get"] and not a.leading  # it reads again: b holds it and has not expired
+
+    asyncio.run(play())
+
+
+def test_without_a_change_the_leader_republishes_its_rows_without_recounting_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Idle cost: the heartbeat that keeps the snapshot fresh does not recount every claim of the cluster."""
+    from gatekeeper.webhook.inventory import controller
+    from gatekeeper.webhook.inventory.controller import Inventory
+    from gatekeeper.webhook.inventory.exposition import SnapshotStore
+
+    counts: list[int] = []
+    real_rows = controller.gpu_rows
+
+    def counting(*args: Any) -> Any:
+        counts.append(1)
+        return real_rows(*args)
+
+    monkeypatch.setattr(controller, "gpu_rows", counting)
+
+    async def list_fn() -> tuple[list[dict[str, Any]], str]:
+        return [], "1"
+
+    async def watch_fn(rv: str) -> Any:
+        await asyncio.sleep(3600)
+        yield "BOOKMARK", {}
+
+    async def play() -> None:
+        store = SnapshotStore(None, 15)
+        inv = Inventory(lambda on_change: None, (list_fn, watch_fn), (list_fn, watch_fn), store, 0.01)
+        inv.heartbeat_seconds = 0.01
+        for view in (inv.slices, inv.claims):
+            await view.relist()
+        task = asyncio.create_task(inv._publish())
+        await asyncio.sleep(0.05)
+        first = store.mine
+        await asyncio.sleep(0.2)
+        assert len(counts) == 1 and store.mine is not None and first is not None
+        assert store.mine["at"] > first["at"] and store.mine["rows"] == first["rows"]
+        inv.changed.set()
+        await asyncio.sleep(0.1)
+        task.cancel()
+        assert len(counts) == 2
+
+    asyncio.run(play())

@@ -145,12 +145,17 @@ def shape_spec(shape: ClaimShape) -> dict[str, Any]:
 
 def shape_name(prefix: str, shape: ClaimShape) -> str:
     """Deterministic from what the template contains, so equal shapes share one template."""
-    return _named(prefix, shape.mode, shape.count, json.dumps(shape_spec(shape), sort_keys=True))
+    return _shape_facts(prefix, shape)[0]
 
 
 @functools.lru_cache(maxsize=512)
-def _named(prefix: str, mode: str, count: int, spec: str) -> str:
-    return f"{prefix}-{mode}-{count}-{hashlib.sha256(spec.encode()).hexdigest()[:8]}"
+def _shape_facts(prefix: str, shape: ClaimShape) -> tuple[str, str]:
+    """(template name, spec hash) of a shape: a review asks for both, and every pod of one shape for the same
+    two, so the spec is serialised (twice, in the two canonical forms the names and hashes already in clusters
+    were made with) once per shape, not three times per review."""
+    spec = shape_spec(shape)
+    digest = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:8]
+    return f"{prefix}-{shape.mode}-{shape.count}-{digest}", spec_hash(spec)
 
 
 def single_way(settings: GpuSettings, mode: str, memory: str = "", profile: str = "",
@@ -202,11 +207,11 @@ def claim_template(settings: GpuSettings, mode: str, count: int, namespace: str,
 
 
 def shape_template(settings: GpuSettings, shape: ClaimShape, namespace: str) -> dict[str, Any]:
-    spec = shape_spec(shape)
+    name, digest = _shape_facts(settings.template_prefix, shape)
     return {
         "apiVersion": DRA_API,
         "kind": "ResourceClaimTemplate",
-        "metadata": {"name": shape_name(settings.template_prefix, shape), "namespace": namespace,
-                     "labels": dict(MANAGED_BY), "annotations": {SPEC_HASH_ANNOTATION: spec_hash(spec)}},
-        "spec": spec,
+        "metadata": {"name": name, "namespace": namespace,
+                     "labels": dict(MANAGED_BY), "annotations": {SPEC_HASH_ANNOTATION: digest}},
+        "spec": shape_spec(shape),
     }

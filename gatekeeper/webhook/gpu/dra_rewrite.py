@@ -12,7 +12,7 @@ from typing import Any
 from gatekeeper.kube.admission import PatchOp, append_list_items, short
 from gatekeeper.webhook.gpu import migpools
 from gatekeeper.webhook.gpu.asks import MemoryAsk, fallbacks, merge_aliases, model_choice
-from gatekeeper.webhook.gpu.claims import ClaimShape, shape_name, shape_template
+from gatekeeper.webhook.gpu.claims import ClaimShape, shape_template
 from gatekeeper.webhook.gpu.containers import GPU, GpuContainer, claim_groups, drop_gpu, resource_maps
 from gatekeeper.webhook.gpu.migpools import MigChoice
 from gatekeeper.webhook.gpu.modes import PolicyError
@@ -139,7 +139,7 @@ def dra_claims(settings: GpuSettings, mode: str, found: list[GpuContainer], spec
         shape, warnings = claim_shape(settings, mode, count, ask, label, ways)
         out.warnings += [short(w) for w in warnings]
         tmpl = shape_template(settings, shape, namespace)
-        tname = shape_name(settings.template_prefix, shape)
+        tname = tmpl["metadata"]["name"]
         out.templates[tname] = tmpl
         if cname in taken:
             raise PolicyError(f"{label}: container {members[0].name} would get DRA claim {cname}, but the pod "

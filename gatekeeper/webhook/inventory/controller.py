@@ -3,13 +3,15 @@ per-GPU committed capacity (committed.py) as a snapshot the /metrics pages show 
 
 Followers watch nothing: the cost of the view (a LIST and WATCH of every claim) is paid once per cluster.
 The view is recomputed at most every ``publishSeconds`` after a change, not per event: a burst of a
-thousand claims costs a few recomputations, not a thousand.
+thousand claims costs a few recomputations, not a thousand; and not at all without a change (a heartbeat
+re-publishes the last rows with a new time).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -72,18 +74,27 @@ class Inventory:
         else:
             self.store.publish(None)
 
-    def publish_now(self) -> None:
-        self.store.publish(snapshot(gpu_rows(list(self.slices.items.values()), list(self.claims.items.values()))))
+    heartbeat_seconds = 5.0
+    """With no change, the snapshot is re-published at least this often, so its age says the leader is alive."""
+
+    def publish_now(self) -> dict[str, Any]:
+        snap = snapshot(gpu_rows(list(self.slices.items.values()), list(self.claims.items.values())))
+        self.store.publish(snap)
+        return snap
 
     async def _publish(self) -> None:
         await self.slices.synced.wait()
         await self.claims.synced.wait()
+        snap: dict[str, Any] | None = None
         while True:
-            self.changed.clear()
-            self.publish_now()
-            # Re-publish at least every few seconds so the snapshot's age says the leader is alive.
+            if snap is None or self.changed.is_set():
+                self.changed.clear()
+                snap = self.publish_now()
+            else:  # a heartbeat: the same rows at a new time, not a recount of every claim of the cluster
+                snap = {**snap, "at": time.time()}
+                self.store.publish(snap)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.changed.wait(), timeout=max(5.0, self.publish_seconds))
+                await asyncio.wait_for(self.changed.wait(), timeout=max(self.heartbeat_seconds, self.publish_seconds))
             await asyncio.sleep(self.publish_seconds)
 
     async def run(self) -> None:

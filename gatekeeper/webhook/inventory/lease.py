@@ -33,8 +33,9 @@ class LeaseOps:
     """The three calls the elector makes; kube_api.lease_ops builds them from an ApiClient."""
 
     get: Callable[[], Awaitable[dict[str, Any] | None]]
-    create: Callable[[dict[str, Any]], Awaitable[None]]
-    replace: Callable[[dict[str, Any]], Awaitable[None]]
+    create: Callable[[dict[str, Any]], Awaitable[dict[str, Any] | None]]
+    replace: Callable[[dict[str, Any]], Awaitable[dict[str, Any] | None]]
+    """create and replace return the Lease as written (its new resourceVersion), None if the answer lacks it."""
 
 
 def _micro(now: float) -> str:
@@ -54,6 +55,9 @@ class LeaseElector:
         self._seen: tuple[str, float] = ("", 0.0)
         """(resourceVersion last seen, when it was first seen on our clock)."""
         self._renewed = 0.0
+        self._written: dict[str, Any] | None = None
+        """The Lease as this process's last write left it: a leader renews from it without reading first (one
+        call per renewal, not two); a write that meets another's change gets 409, and the next step reads."""
 
     def _spec(self, old: dict[str, Any], now: float) -> dict[str, Any]:
         mine = old.get("holderIdentity") == self.identity
@@ -66,11 +70,13 @@ class LeaseElector:
     async def try_once(self) -> bool:
         """Read the Lease and take or renew it if it is ours to take; whether this process now leads."""
         now = time.time()
-        current = await self.ops.get()
+        current, self._written = (self._written if self.leading else None), None
         if current is None:
-            await self.ops.create({"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-                                   "metadata": {"name": self.name, "namespace": self.namespace},
-                                   "spec": self._spec({}, now)})
+            current = await self.ops.get()
+        if current is None:
+            self._written = await self.ops.create({"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                                                   "metadata": {"name": self.name, "namespace": self.namespace},
+                                                   "spec": self._spec({}, now)})
             return True
         meta, spec = current.get("metadata") or {}, current.get("spec") or {}
         rv = str(meta.get("resourceVersion", ""))
@@ -80,7 +86,7 @@ class LeaseElector:
         expired = self.clock() - self._seen[1] >= self.lease_seconds
         if holder and holder != self.identity and not expired:
             return False
-        await self.ops.replace({**current, "spec": {**spec, **self._spec(spec, now)}})
+        self._written = await self.ops.replace({**current, "spec": {**spec, **self._spec(spec, now)}})
         return True
 
     def _set(self, leading: bool) -> None:
