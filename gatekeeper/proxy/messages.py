@@ -43,9 +43,30 @@ async def empty_body() -> AsyncIterator[bytes]:
     yield b""  # pragma: no cover - makes this an async generator
 
 
-async def one_chunk(data: bytes) -> AsyncIterator[bytes]:
-    """A body that is ``data`` in one piece (a Status, a /metrics page)."""
-    yield data
+class OneChunk:
+    """A body that is ``data`` in one piece (a Status, a /metrics page). It knows its last chunk (``exhausted``), so
+    the adapters end the response with that chunk: an HTTP/2 answer leaves in one write (HEADERS, DATA with
+    END_STREAM), not a second one for an empty END_STREAM frame (tests/proxy/test_h2_wakeups.py)."""
+
+    __slots__ = ("_data", "exhausted")
+
+    def __init__(self, data: bytes) -> None:
+        self._data = data
+        self.exhausted = False
+
+    def __aiter__(self) -> OneChunk:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self.exhausted:
+            raise StopAsyncIteration
+        self.exhausted = True
+        return self._data
+
+
+def one_chunk(data: bytes) -> AsyncIterator[bytes]:
+    """A body that is ``data`` in one piece (:class:`OneChunk`)."""
+    return OneChunk(data)
 
 
 @dataclass

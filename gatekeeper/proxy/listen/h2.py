@@ -86,6 +86,8 @@ class H2Protocol(StreamServing):
         self._peer, self._peer_cert = peer, peer_cert
         self.connection_id = connection_id
         self._decider = GoawayDecider(settings.goaway_chance, rng)
+        self._goaway_chance = settings.goaway_chance > 0.0
+        """No coin to toss per stream when the chance is 0 (the default)."""
         self._close_delay = close_delay
         self._budget = (body_budget or RequestBodyBudget(settings.max_buffered_request_bytes, gauge=None)).share()
         self._window_reopened_at = -math.inf
@@ -106,6 +108,8 @@ class H2Protocol(StreamServing):
         self._streams_changed = asyncio.Event()
         self._loop = asyncio.get_running_loop()
         self._idle_handle: asyncio.TimerHandle | None = None
+        self._idle_since = 0.0
+        """When the connection last became idle (no stream open); the idle timer's due time counts from it."""
         self._drain_task: asyncio.Task[None] | None = None
         self._peer_goaway = False
         self.goaway_last_stream_id: int | None = None
@@ -115,6 +119,8 @@ class H2Protocol(StreamServing):
         self._flush_scheduled = False
         self.closed = asyncio.Event()
         """Set once the transport was asked to close (by us or because the peer went away)."""
+        self._transport_closed = False
+        """``closed`` as a plain flag, for the per-flush check (``Event.is_set`` is a Python call)."""
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -215,8 +221,7 @@ class H2Protocol(StreamServing):
         stream = Stream(sid, request, ended=ended)
         if not stream.ended:
             request.body = self._request_body(stream)
-        self._streams[sid] = stream
-        self._cancel_idle()
+        self._streams[sid] = stream  # a pending idle timer stays: it finds the stream when it fires (_on_idle)
         stream.task = self._loop.create_task(self._serve(stream))
         # Cleanup hangs off the task, not a finally in _serve: a task cancelled before its first step never runs.
         stream.task.add_done_callback(functools.partial(self._task_done, stream))
@@ -283,12 +288,14 @@ class H2Protocol(StreamServing):
 
     def _stream_done(self, stream: Stream, *, completed: bool) -> None:
         self._streams.pop(stream.id, None)
-        self._drop_inbox(stream)  # answered before its body was read (a 429): that DATA is never taken
+        if stream.inbox:
+            self._drop_inbox(stream)  # answered before its body was read (a 429): that DATA is never taken
         self._conn.release_stream(stream.id)
-        self._streams_changed.set()
+        if self.goaway_last_stream_id is not None:
+            self._streams_changed.set()  # only a drain (_drain_then_close) waits on it
         if self._h2_closed:
             return
-        if completed and self.goaway_last_stream_id is None and self._decider.decide():
+        if completed and self._goaway_chance and self.goaway_last_stream_id is None and self._decider.decide():
             self.goaway("chance")
         if self._peer_goaway and not self._streams:
             self._h2_closed = True
@@ -333,7 +340,7 @@ class H2Protocol(StreamServing):
 
     def _deferred_flush(self) -> None:
         self._flush_scheduled = False
-        if not self.closed.is_set():
+        if not self._transport_closed:
             self._flush()
 
     def goaway(self, reason: Reason, drain_timeout: float | None = None) -> None:
@@ -394,14 +401,22 @@ class H2Protocol(StreamServing):
     def _close_transport(self) -> None:
         self._conn.release_pending()  # a header block cut short gives its budget back
         self._cancel_idle()
-        if not self.closed.is_set():
+        if not self._transport_closed:
+            self._transport_closed = True
             self.closed.set()
             self._close()
 
     def _arm_idle(self) -> None:
-        self._cancel_idle()
+        """The connection just became idle: the idle GOAWAY is due ``idleTimeoutSeconds`` from now.
+
+        Lazy: a timer already pending is kept, and :meth:`_on_idle` moves it on to the new due time when it fires.
+        A connection serving a request every few milliseconds thus arms one timer per idle timeout, not a
+        TimerHandle made and cancelled per request (tests/proxy/test_h2_wakeups.py)."""
         if self.goaway_last_stream_id is None and not self._h2_closed:
-            self._idle_handle = self._loop.call_later(self._settings.idle_timeout_seconds, self._on_idle)
+            self._idle_since = self._loop.time()
+            if self._idle_handle is None:
+                self._idle_handle = self._loop.call_at(self._idle_since + self._settings.idle_timeout_seconds,
+                                                       self._on_idle)
 
     def _cancel_idle(self) -> None:
         if self._idle_handle is not None:
@@ -410,5 +425,10 @@ class H2Protocol(StreamServing):
 
     def _on_idle(self) -> None:
         self._idle_handle = None
-        if not self._streams:
-            self.goaway("idle")
+        if self._streams or self.goaway_last_stream_id is not None or self._h2_closed:
+            return  # busy (re-armed when its last stream ends), or already going away
+        due = self._idle_since + self._settings.idle_timeout_seconds
+        if due > self._loop.time():  # streams came and went since it was armed: idle for less than the timeout
+            self._idle_handle = self._loop.call_at(due, self._on_idle)
+            return
+        self.goaway("idle")

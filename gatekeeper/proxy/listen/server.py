@@ -316,13 +316,15 @@ class ProxyServer:
         self, client: _Client, stream: ClientProtocol, writer: asyncio.StreamWriter,
         peer: str, peer_cert: dict[str, Any] | None,
     ) -> None:
+        transport = writer.transport
+
         def write(data: bytes) -> None:
-            if not writer.is_closing():
-                writer.write(data)
+            # The transport's own methods, not StreamWriter's wrappers of them: two Python frames less per write.
+            if not transport.is_closing():
+                transport.write(data)
 
         stall = self._settings.protocol.response_stall_timeout_seconds
         low = self._settings.protocol.write_buffer_low_bytes
-        transport = writer.transport
 
         def stalled() -> None:
             rejections.reject("write_stall", "h2 connection %d from %s: output not read for %.0fs",

@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 
 from gatekeeper.proxy import metrics
 from gatekeeper.proxy.messages import Headers, ProxyRequest, ProxyResponse, one_chunk
+from gatekeeper.proxy.tally import CounterTally
 from gatekeeper.proxy.upstream import exchange, lean, mux_pool, mux_wire
 from gatekeeper.proxy.upstream.errors import (
     BackendFailed,
@@ -105,7 +106,7 @@ class BackendClient:
             )
         self.tls_plain = ReloadingTLS(lambda: make_contexts(settings, client_cert=False), files,
                                       what="upstream CA", check_interval=interval)
-        self._h2_streams = metrics.UPSTREAM_H2_STREAMS.labels(name)
+        self._h2_streams = CounterTally(metrics.UPSTREAM_H2_STREAMS.labels(name))  # per request: batched (tally.py)
         self._h2_authority = mux_wire.authority_field(split.netloc)
         self.mux = mux_pool.MuxPool(self.host, self.port, limit=settings.max_connections_per_backend,
                                     max_streams=settings.http2_max_streams,
