@@ -77,6 +77,11 @@ class H2Connection:
     def inbound_flow_control_window(self) -> int:
         return self._recv_window
 
+    @property
+    def pending(self) -> bool:
+        """Frames wait in :meth:`data_to_send`."""
+        return bool(self._out)
+
     def data_to_send(self) -> bytes:
         out = self._out
         if not out:
