@@ -109,7 +109,9 @@ class H2ClientCodec(H2Connection):
             for above in [s for s in self.streams if s > last]:
                 del self.streams[above]
             events.append((EV_GOAWAY, last))
-        # WINDOW_UPDATE: we send no DATA.
+        elif ftype == f.WINDOW_UPDATE and (sid >= self.next_sid or (sid and not sid & 1)):
+            self._fail(ErrorCodes.PROTOCOL_ERROR, f"WINDOW_UPDATE on stream {sid}, never opened")
+        # WINDOW_UPDATE otherwise: we send no DATA.
 
     def _head(self, sid: int, flags: int, block: bytes, events: list[Event]) -> None:
         """A complete header block: decoded whatever the stream's state (the HPACK table must stay in step)."""
@@ -123,9 +125,9 @@ class H2ClientCodec(H2Connection):
                 self._fail(ErrorCodes.PROTOCOL_ERROR, f"HEADERS on stream {sid}, never opened")
             return  # a stream we reset or forgot
         ended = flags & f.END_STREAM
-        if stream.head:  # trailers: must end the stream; their fields are dropped
-            if not ended:
-                self._fail(ErrorCodes.PROTOCOL_ERROR, f"a second head without END_STREAM on stream {sid}")
+        if stream.head:  # trailers: must end the stream, without pseudo-headers (RFC 9113 8.1); dropped
+            if not ended or any(name[:1] == b":" for name, _ in fields):
+                self._fail(ErrorCodes.PROTOCOL_ERROR, f"a second head that is not trailers on stream {sid}")
             del self.streams[sid]
             events.append((EV_DATA, sid, b"", True))
             return
@@ -150,7 +152,7 @@ class H2ClientCodec(H2Connection):
         self._ack_connection(length)  # the stream windows bound what is held: the connection's reopens at once
         stream = self.streams.get(sid)
         if stream is None:
-            if sid >= self.next_sid:
+            if sid >= self.next_sid or not sid & 1:
                 self._fail(ErrorCodes.PROTOCOL_ERROR, f"DATA on stream {sid}, never opened")
             return  # a stream we reset: its bytes only counted for the connection window
         if not stream.head:
