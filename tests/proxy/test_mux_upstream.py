@@ -28,14 +28,15 @@ from test_upstream import server_ssl
 from gatekeeper.certs import PKI
 from gatekeeper.config import ConfigError, load_config
 from gatekeeper.proxy.h2wire import frames as f
+from gatekeeper.proxy.h2wire.client_codec import response_head
 from gatekeeper.proxy.messages import ProxyRequest, ProxyResponse
 from gatekeeper.proxy.pipeline.balancer import Balancer
 from gatekeeper.proxy.pipeline.stages import Dispatcher
 from gatekeeper.proxy.settings import BackendSettings, UpstreamSettings
-from gatekeeper.proxy.upstream import mux, mux_stream
+from gatekeeper.proxy.upstream import mux_stream
 from gatekeeper.proxy.upstream.client import BackendClient, BackendFailed, UpstreamTimeout
 from gatekeeper.proxy.upstream.mux_pool import MuxBody
-from gatekeeper.proxy.upstream.mux_wire import authority_field, request_block, response_head
+from gatekeeper.proxy.upstream.mux_wire import authority_field, request_block
 
 Script = Callable[["Backend", "Peer", int, dict[str, str]], Awaitable[None]]
 """What the backend does with one request (stream id, its headers)."""
@@ -285,7 +286,7 @@ async def test_a_client_that_stops_reading_holds_one_stream_window_and_the_other
 
 @pytest.mark.parametrize("frame", [
     pytest.param(f.frame(f.PUSH_PROMISE, f.END_HEADERS, 1, b"\x00\x00\x00\x02\x88"), id="push-promise"),
-    pytest.param(f.header(f.DATA, 0, 1, mux.MAX_FRAME + 1) + b"x" * (mux.MAX_FRAME + 1), id="oversized-frame"),
+    pytest.param(f.header(f.DATA, 0, 1, f.MIN_FRAME_SIZE + 1) + b"x" * (f.MIN_FRAME_SIZE + 1), id="oversized-frame"),
     pytest.param(f.frame(f.DATA, 0, 99, b"x"), id="data-on-a-stream-never-opened"),
     pytest.param(f.frame(f.HEADERS, f.END_HEADERS, 1, b"\xff\xff\xff\xff\x0f"), id="bad-header-block"),
     pytest.param(f.frame(f.HEADERS, f.END_HEADERS, 1, b"\x88\x82"), id="request-pseudo-header-in-a-response"),

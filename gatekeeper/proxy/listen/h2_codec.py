@@ -3,42 +3,33 @@
 The ``h2`` library cost ~60 us of CPU per small request in general machinery; this codec unpacks frames with one
 ``struct`` call, keeps streams in a slots record and reports plain tuples (``EV_*``). It keeps every h2 server
 behaviour the proxy relied on (the tests hold h2 as an oracle). The rules per received frame (RFC 9113 6) close the
-class; error classes and closed-stream handling are summarized in docs/proxy/limits.md. The connection's state and
-the frames it sends are ``h2_send``'s :class:`H2Sender`, which this codec extends."""
+class; error classes and closed-stream handling are summarized in docs/proxy/limits.md. The read loop, header
+blocks and windows are the frame layer both sides share (``h2wire.connection``); the frames it sends are ``h2_send``'s
+:class:`H2Sender`, which this codec extends."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from gatekeeper.proxy.h2wire import frames as f
-from gatekeeper.proxy.h2wire.errors import ErrorCodes, ProtocolError
-from gatekeeper.proxy.h2wire.hpack_decode import BlockDecoder, HeaderBlockError, HeaderListTooLarge
+from gatekeeper.proxy.h2wire.connection import Event, H2ConnectionError, StreamState
+from gatekeeper.proxy.h2wire.errors import ErrorCodes
+from gatekeeper.proxy.h2wire.hpack_decode import HeaderBlockError, HeaderListTooLarge
 from gatekeeper.proxy.listen.body_budget import Share
 from gatekeeper.proxy.listen.h2_headers import malformed_trailer
 from gatekeeper.proxy.listen.h2_limits import CLOSED_STREAM, EMPTY_FRAME, PING, RST_STREAM, SETTINGS, FloodGuard
-from gatekeeper.proxy.listen.h2_send import (
-    CLOSED_BY_END,
-    RESET_BY_PEER,
-    RESET_BY_US,
-    H2ConnectionError,
-    H2Sender,
-    StreamState,
-)
+from gatekeeper.proxy.listen.h2_send import CLOSED_BY_END, RESET_BY_PEER, RESET_BY_US, H2Sender
 
 EV_REQUEST, EV_DATA, EV_ENDED, EV_RESET, EV_WINDOW, EV_GOAWAY, EV_BAD_LENGTH = range(7)
 """Event tuples: (EV_REQUEST, sid, headers, ended), (EV_DATA, sid, data, flow_length), (EV_ENDED, sid), (EV_RESET, sid,
 code), (EV_WINDOW, sid) (0: every stream), (EV_GOAWAY, 0, code), (EV_BAD_LENGTH, sid): the body disagreed with its
 content-length and the stream was reset, reported in order so the adapter sees the request, then the cut."""
 
-Event = tuple[Any, ...]
-
 
 class HeaderBudgetExceeded(H2ConnectionError):
     """A header block in progress would pass the process's request buffer budget (``body_budget``)."""
 
 
-_FH = f.FRAME_HEADER.unpack_from
 _U32 = f.U32.unpack_from
 
 
@@ -63,55 +54,23 @@ class H2ServerCodec(H2Sender):
         """Where a header block in progress is counted (the connection's share of the process budget)."""
         self._cont_bytes = 0
         self._guard = guard
-        self.decoder = BlockDecoder(max_header_list)
         self._peer_initial_window = f.DEFAULT_WINDOW
-        self._buf = b""
         self._preface = True
-        """Still expecting the client preface (magic, then a SETTINGS frame)."""
         self._first_frame = True
-        self._cont_sid = 0
-        self._cont_parts: list[bytes] = []
-        self._cont_end_stream = False
         self._cont_bad_priority = False
 
     # ------------------------------------------------------------------ inbound
 
-    def receive_data(self, data: bytes) -> list[Event]:
-        """Parse every complete frame in ``data`` (plus what was left over); return the events."""
-        if self.closed:
-            return []
-        buf = self._buf + data if self._buf else data
-        events: list[Event] = []
-        try:
-            pos = 0
-            if self._preface:
-                if len(buf) < len(f.PREFACE):
-                    if not f.PREFACE.startswith(buf):
-                        self._fail(ErrorCodes.PROTOCOL_ERROR, "invalid connection preface")
-                    self._buf = buf
-                    return events
-                if not buf.startswith(f.PREFACE):
-                    self._fail(ErrorCodes.PROTOCOL_ERROR, "invalid connection preface")
-                self._preface = False
-                pos = len(f.PREFACE)
-            end = len(buf)
-            while end - pos >= 9:
-                lt, flags, sid = _FH(buf, pos)
-                length = lt >> 8
-                if length > f.MIN_FRAME_SIZE:
-                    self._fail(ErrorCodes.FRAME_SIZE_ERROR, f"frame of {length} bytes exceeds MAX_FRAME_SIZE")
-                if end - pos - 9 < length:
-                    break
-                start = pos + 9
-                pos = start + length
-                self._frame(lt & 0xFF, flags, sid & 0x7FFFFFFF, buf, start, length, events)
-            self._buf = buf[pos:] if pos < end else b""
-        except ProtocolError as exc:
-            if not self.closed:  # a FloodError from the guard: its GOAWAY is not queued yet
-                self.close_connection(exc.error_code or ErrorCodes.PROTOCOL_ERROR)
-            self._buf = b""
-            raise
-        return events
+    def _start(self, buf: bytes) -> int:
+        """Past the client preface's magic (its SETTINGS frame is ``_frame``'s first check)."""
+        if len(buf) < len(f.PREFACE):
+            if not f.PREFACE.startswith(buf):
+                self._fail(ErrorCodes.PROTOCOL_ERROR, "invalid connection preface")
+            return -1
+        if not buf.startswith(f.PREFACE):
+            self._fail(ErrorCodes.PROTOCOL_ERROR, "invalid connection preface")
+        self._preface = False
+        return len(f.PREFACE)
 
     def _frame(self, ftype: int, flags: int, sid: int, buf: bytes, start: int, length: int,
                events: list[Event]) -> None:
@@ -119,8 +78,6 @@ class H2ServerCodec(H2Sender):
             if ftype != f.SETTINGS or flags & f.ACK:
                 self._fail(ErrorCodes.PROTOCOL_ERROR, "the client preface must end with a SETTINGS frame")
             self._first_frame = False
-        if self._cont_sid and (ftype != f.CONTINUATION or sid != self._cont_sid):
-            self._fail(ErrorCodes.PROTOCOL_ERROR, "header block interrupted by another frame")
         if ftype == f.HEADERS:
             self._on_headers(flags, sid, buf, start, length, events)
         elif ftype == f.DATA:
@@ -176,46 +133,29 @@ class H2ServerCodec(H2Sender):
     def _on_headers(self, flags: int, sid: int, buf: bytes, start: int, length: int, events: list[Event]) -> None:
         if not sid or not sid & 1:
             self._fail(ErrorCodes.PROTOCOL_ERROR, f"HEADERS on stream {sid}: client streams are odd and non-zero")
-        bad_priority = False
-        if flags & f.PRIORITY_FLAG:
-            first, length = f.unpad(flags, buf, start, length, 5)
-            bad_priority = (_U32(buf, first - 5)[0] & 0x7FFFFFFF) == sid
-        elif flags & f.PADDED:
-            first, length = f.unpad(flags, buf, start, length)
-        else:
-            first = start
+        fragment, bad_priority = self._fragment(flags, sid, buf, start, length)
         if sid not in self.streams and sid <= self.highest_inbound_stream_id:
             self._count(CLOSED_STREAM)
             if not self._closed.get(sid):
                 self._closed_stream_frame(sid, "HEADERS")  # connection error
-        fragment = buf[first:first + length]
         if flags & f.END_HEADERS:
             self._header_block(sid, fragment, flags & f.END_STREAM, bad_priority, events)
         else:
-            self._hold_header_bytes(length)
-            self._cont_sid = sid
-            self._cont_parts = [fragment]
-            self._cont_end_stream = bool(flags & f.END_STREAM)
+            self._hold_header_bytes(len(fragment))
+            self._begin_block(sid, flags, fragment)
             self._cont_bad_priority = bad_priority
 
     def _on_continuation(self, flags: int, sid: int, buf: bytes, start: int, length: int,
                          events: list[Event]) -> None:
-        if not self._cont_sid:
-            self._fail(ErrorCodes.PROTOCOL_ERROR, "CONTINUATION without a header block in progress")
         if not length:
             self._count(EMPTY_FRAME)
         if self._is_closed(sid):
             self._count(CLOSED_STREAM)
-        parts = self._cont_parts
         self._hold_header_bytes(length)
-        parts.append(buf[start:start + length])
-        if len(parts) > f.MAX_CONTINUATIONS:
-            self._fail(ErrorCodes.ENHANCE_YOUR_CALM, "too many CONTINUATION frames")
-        if flags & f.END_HEADERS:
+        block = self._continuation(flags, buf, start, length)
+        if block is not None:
             self.release_pending()
-            self._cont_sid = 0
-            self._cont_parts = []
-            self._header_block(sid, b"".join(parts), self._cont_end_stream, self._cont_bad_priority, events)
+            self._header_block(sid, block, self._cont_flags & f.END_STREAM, self._cont_bad_priority, events)
 
     def _hold_header_bytes(self, size: int) -> None:
         """Count a header block in progress against the process's request buffer budget: trickled
@@ -289,9 +229,7 @@ class H2ServerCodec(H2Sender):
         first, size = f.unpad(flags, buf, start, length) if flags & f.PADDED else (start, length)
         if not size and not flags & f.END_STREAM:
             self._count(EMPTY_FRAME)
-        if length > self._recv_window:
-            self._fail(ErrorCodes.FLOW_CONTROL_ERROR, "DATA beyond the connection window")
-        self._recv_window -= length
+        self._take_window(length)
         stream = self.streams.get(sid)
         if stream is None or stream.remote_closed:
             if sid > self.highest_inbound_stream_id or not sid & 1:

@@ -195,7 +195,7 @@ class MuxPool:
                 "%s:%s did not negotiate HTTP/2: its multiplexed requests go over HTTP/1.1%s", self.host, self.port,
                 f" (asked again every {self.retry_seconds:g}s)" if self.retry_seconds else "")
             handover: asyncio.Transport | None = None
-            if not conn.lost and not conn.buf and not transport.is_closing():
+            if not conn.lost and not conn.stray and not transport.is_closing():
                 handover = transport
             else:
                 transport.close()

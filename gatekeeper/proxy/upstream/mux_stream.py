@@ -9,7 +9,6 @@ import asyncio
 import collections
 from typing import Protocol
 
-from gatekeeper.proxy.h2wire import frames as f
 from gatekeeper.proxy.upstream.slots import OneWaiter
 
 
@@ -18,7 +17,7 @@ class StreamOwner(Protocol):
 
     loop: asyncio.AbstractEventLoop
 
-    def queue(self, data: bytes) -> None: ...
+    def consumed(self, sid: int, size: int) -> None: ...
 
     def cancel(self, stream: MuxStream) -> None: ...
 
@@ -50,7 +49,6 @@ class MuxStream(OneWaiter):
         "sid",
         "status",
         "timer",
-        "unacked",
     )
 
     def __init__(self, sid: int, conn: StreamOwner, head_only: bool) -> None:
@@ -63,8 +61,6 @@ class MuxStream(OneWaiter):
         self.chunks: collections.deque[bytes] = collections.deque()
         self.buffered = 0
         """Bytes received and not yet taken by the consumer (bounded by the stream window)."""
-        self.unacked = 0
-        """Bytes taken and not yet given back to the backend as window."""
         self.complete = False
         self.error: BaseException | None = None
         self.waiter: asyncio.Future[None] | None = None
@@ -89,8 +85,5 @@ class MuxStream(OneWaiter):
         chunks.clear()
         self.buffered = 0
         if not self.complete:
-            self.unacked += len(chunk)
-            if self.unacked >= STREAM_WINDOW // 2:
-                self.conn.queue(f.window_update(self.sid, self.unacked))
-                self.unacked = 0
+            self.conn.consumed(self.sid, len(chunk))
         return chunk

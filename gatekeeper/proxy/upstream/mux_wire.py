@@ -1,4 +1,4 @@
-"""The multiplexed upstream's request side on the wire: header fields and the response head's check (pure).
+"""The multiplexed upstream's request on the wire: its header fields (pure; the response head is ``client_codec``'s).
 
 The same rules as the HTTP/1.1 head, so a request cannot be classified as one thing and sent as another. Credentials are
 HPACK never-indexed literals (RFC 7541 7.1.3) and never memoized."""
@@ -86,19 +86,3 @@ def request_block(method: str, target: str, authority: bytes, headers: Headers, 
         if memo or not named <= set(removed):
             return request_block(method, target, authority, headers, frozenset({*removed, *named}), memo=False)
     return b"".join(out)
-
-
-def response_head(fields: list[tuple[bytes, bytes]]) -> tuple[int, list[tuple[bytes, bytes]]]:
-    """The status and regular fields of a decoded response head (RFC 9113 8.3.2); ValueError if malformed."""
-    status = b""
-    raw: list[tuple[bytes, bytes]] = []
-    for name, value in fields:
-        if name[:1] == b":":
-            if name != b":status" or status or raw:
-                raise ValueError(f"pseudo-header {name[:16]!r} in a response")
-            status = value
-        else:
-            raw.append((name, value))
-    if len(status) != 3 or not status.isdigit() or status[:1] == b"0":
-        raise ValueError("response without a valid :status")
-    return int(status), raw
