@@ -28,7 +28,7 @@ from gatekeeper.proxy.upstream.errors import (
 )
 from gatekeeper.proxy.upstream.hop_by_hop import REQUEST_REMOVED, response_headers
 from gatekeeper.proxy.upstream.settings import UpstreamSettings
-from gatekeeper.tls import ReloadingTLS
+from gatekeeper.serving.tls import ReloadingTLS
 
 __all__ = [
     "BackendClient", "BackendFailed", "ClientBodyFailed", "ConnectFailed", "NoFrontProxyCert", "PoolTimeout",
