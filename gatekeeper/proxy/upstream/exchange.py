@@ -232,7 +232,7 @@ class LeanBody(StreamedBody):
         self.pool.slots.release()
 
 
-async def exchange(
+async def round_trip(
     pool: Pool, name: str, ctx: ssl.SSLContext, live: Callable[[], tuple[object, ...]], head: bytes, *,
     method: str, body: ClientBody | None, declared: int | None, header_timeout: float | None,
     acquire_timeout: float, pool_name: str, swallow_body_errors: bool,
