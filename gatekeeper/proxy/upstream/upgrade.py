@@ -14,6 +14,7 @@ from gatekeeper.proxy.messages import Headers, ProxyRequest, ProxyResponse, Upgr
 from gatekeeper.proxy.upstream import exchange
 from gatekeeper.proxy.upstream.errors import BackendFailed, ClientBodyFailed, ConnectFailed, connect_cause
 from gatekeeper.proxy.upstream.hop_by_hop import REQUEST_DROP, strip_hop_by_hop
+from gatekeeper.proxy.upstream.lean import BodyFramer
 
 if TYPE_CHECKING:
     from gatekeeper.proxy.upstream.client import BackendClient
@@ -45,7 +46,7 @@ async def open_upgrade(
     try:
         writer.write(head)
         if body is not None:
-            framer = exchange.BodyFramer(declared)
+            framer = BodyFramer(declared)
             try:
                 async for chunk in body:
                     if chunk:
