@@ -1,4 +1,4 @@
-"""The build's one dynamic part: the hot modules compiled with mypyc (``gatekeeper/compiled.py`` names them).
+"""The build's one dynamic part: the hot modules compiled with mypyc (``gatekeeper/runtime/compiled.py`` names them).
 
 Everything else is in pyproject.toml. The compiled extensions sit beside the ``.py`` files, which stay in the wheel:
 ``GATEKEEPER_PURE=1``, no mypyc, a type error mypyc refuses or a failing C compiler give a pure build (a warning says
@@ -17,7 +17,7 @@ from setuptools import setup
 from setuptools.command.build_ext import build_ext
 
 HERE = Path(__file__).resolve().parent
-MODULES: tuple[str, ...] = runpy.run_path(str(HERE / "gatekeeper" / "compiled.py"))["MODULES"]
+MODULES: tuple[str, ...] = runpy.run_path(str(HERE / "gatekeeper" / "runtime" / "compiled.py"))["MODULES"]
 
 
 def warn(message: str) -> None:

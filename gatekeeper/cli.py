@@ -14,17 +14,19 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from gatekeeper import __version__, certs_command, compiled
-from gatekeeper.config import ConfigError
-from gatekeeper.errors import UsageError, non_negative_int, positive_int
-from gatekeeper.logs import FORMAT_ENV, FORMATS, LEVEL_ENV, configure
+from gatekeeper import __version__
+from gatekeeper.base.config import ConfigError
+from gatekeeper.base.errors import UsageError, non_negative_int, positive_int
+from gatekeeper.certs import command as certs_command
 from gatekeeper.proxy import command as proxy_command
+from gatekeeper.runtime import compiled
+from gatekeeper.runtime.logs import FORMAT_ENV, FORMATS, LEVEL_ENV, configure
 from gatekeeper.sandbox import command as sandbox_command
 from gatekeeper.webhook import command as webhook_command
 
 # The command modules keep their imports light: prometheus_client must not be imported before a
 # command has set PROMETHEUS_MULTIPROC_DIR (tests/cli/test_cli.py checks this).
-# Re-exported for callers written before gatekeeper.errors existed; new code imports gatekeeper.errors.
+# Re-exported for callers written before gatekeeper.base.errors existed; new code imports gatekeeper.base.errors.
 __all__ = ["UsageError", "build_parser", "main", "non_negative_int", "positive_int"]
 
 

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 async def drive(config: str, token: str, n: int, concurrency: int) -> None:
-    from gatekeeper.config import load_config
+    from gatekeeper.base.config import load_config
     from gatekeeper.proxy import process
     from gatekeeper.proxy.messages import ProxyRequest
 

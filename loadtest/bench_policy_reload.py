@@ -1,7 +1,7 @@
 """Benchmark: how long a flow-control policy reload keeps an event loop from running.
 
 Not a test: it prints figures measured on one machine. A ~1 MB policy file (FlowSchemas, one per document,
-near ``YamlLimits.max_bytes``) is read with :func:`gatekeeper.yamlfiles.load_yaml_all` while a ticker task on the
+near ``YamlLimits.max_bytes``) is read with :func:`gatekeeper.base.yamlfiles.load_yaml_all` while a ticker task on the
 same loop sleeps 1 ms at a time; the largest gap between its ticks is how long the loop could answer nothing.
 Arms: the parse on the loop (how reloads ran before) and on a thread (how they run now), each with the
 pure-Python and the libyaml parser.
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import yaml
 
-from gatekeeper import yamlfiles as config
+from gatekeeper.base import yamlfiles as config
 
 
 def policy_text(size: int = 1_000_000) -> str:

@@ -42,9 +42,9 @@ async def _backend(d: Path) -> None:
 
 
 async def _proxy(d: Path, url: str) -> None:
-    from gatekeeper import compiled
     from gatekeeper.proxy.listen.server import ProxyServer
     from gatekeeper.proxy.pipeline.stages import build
+    from gatekeeper.runtime import compiled
 
     kit = _kit()
     settings = kit.proxy_settings(kit.PKI(d), [url])

@@ -40,7 +40,7 @@ import orjson
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gatekeeper.certs import PKI  # noqa: E402
+from gatekeeper.certs.pki import PKI  # noqa: E402
 
 
 def gpu_pod_review() -> bytes:

@@ -53,7 +53,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gatekeeper.certs import PKI  # noqa: E402
+from gatekeeper.certs.pki import PKI  # noqa: E402
 from loadtest.webhook_flood import flood, run_one  # noqa: E402
 
 CONNECTION_BYTES = 30 * 1024

@@ -21,7 +21,7 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
-from gatekeeper.errors import UsageError
+from gatekeeper.base.errors import UsageError
 from gatekeeper.sandbox.memlimit import parse_limit
 from loadtest.harness import report
 from loadtest.harness.cluster import ScenarioError

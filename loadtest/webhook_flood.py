@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from gatekeeper.certs import PKI
+from gatekeeper.certs.pki import PKI
 
 
 def status(pid: int, key: str) -> int:

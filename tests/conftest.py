@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from gatekeeper import compiled
+from gatekeeper.runtime import compiled
 from gatekeeper.sandbox import lifecycle
 from gatekeeper.sandbox.state import SandboxState
 from gatekeeper.sandbox.testing import (

@@ -10,7 +10,7 @@ from __future__ import annotations
 import ssl
 from collections.abc import Callable
 
-from gatekeeper.errors import UsageError
+from gatekeeper.base.errors import UsageError
 from gatekeeper.proxy.flowcontrol.edge.loading import load_policy
 from gatekeeper.proxy.listen.server import make_ssl_context as serving_context
 from gatekeeper.proxy.settings import ProxySettings

@@ -11,10 +11,10 @@ import os
 import sys
 from pathlib import Path
 
-from gatekeeper.config import load_config
-from gatekeeper.errors import UsageError
-from gatekeeper.multiproc import multiprocess_mode
+from gatekeeper.base.config import load_config
+from gatekeeper.base.errors import UsageError
 from gatekeeper.proxy.settings import ProxySettings  # also registers the proxy: config section
+from gatekeeper.runtime.multiproc import multiprocess_mode
 
 NAME = "proxy"
 HELP = "run the API-aware front proxy in front of several kube-apiservers"

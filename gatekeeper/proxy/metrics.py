@@ -13,10 +13,10 @@ from prometheus_client import REGISTRY, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from gatekeeper.metrics import build_info
-from gatekeeper.metrics import render as render  # the one renderer (multiprocess-aware); pipeline.py's /metrics
-from gatekeeper.ops import this_process_page
 from gatekeeper.proxy.tally import CounterTally, HistogramTally  # before the metrics: its flush collects first
+from gatekeeper.runtime.metrics import build_info
+from gatekeeper.runtime.metrics import render as render  # the one renderer (multiprocess-aware); pipeline.py's /metrics
+from gatekeeper.runtime.ops import this_process_page
 
 render_page: Callable[[], Awaitable[tuple[bytes, str]]] = this_process_page
 """What the proxy's ``/metrics`` answers. A coroutine: a worker awaits the other workers' pages

@@ -22,7 +22,6 @@ import uvloop
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
-from gatekeeper.ops import add_ops_routes
 from gatekeeper.proxy import caches, gcpace, memtrace, metrics
 from gatekeeper.proxy.flowcontrol.edge.endpoints import EndpointPublisher, publisher_for
 from gatekeeper.proxy.flowcontrol.edge.ledger import SeatLedger, attach
@@ -35,6 +34,7 @@ from gatekeeper.proxy.pipeline.stages import Pipeline, build
 from gatekeeper.proxy.settings import ProxySettings
 from gatekeeper.proxy.worker_metrics import register_recent_requests, serve_app, whole_proxy_page
 from gatekeeper.proxy.workers import PARENT_ENV
+from gatekeeper.runtime.ops import add_ops_routes
 
 log = logging.getLogger("gatekeeper.proxy")
 

@@ -13,7 +13,7 @@ from typing import Literal, get_args
 
 from prometheus_client import Counter
 
-from gatekeeper.metrics import child
+from gatekeeper.runtime.metrics import child
 
 RejectReason = Literal[
     # listener (server.py)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from gatekeeper.config import ConfigError, from_mapping, register_section
+from gatekeeper.base.config import ConfigError, from_mapping, register_section
 from gatekeeper.proxy.flowcontrol.edge.loading import load_policy
 from gatekeeper.proxy.flowcontrol.settings import FlowControlSettings
 from gatekeeper.proxy.identity.tokens.settings import TokenSettings

@@ -20,9 +20,9 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
-from gatekeeper.metrics import multiprocess_registry
-from gatekeeper.ops import SharedRender, off_loop
 from gatekeeper.proxy.flowcontrol.edge.ledger import SeatLedger
+from gatekeeper.runtime.metrics import multiprocess_registry
+from gatekeeper.runtime.ops import SharedRender, off_loop
 
 
 class WorkerSlot(Protocol):

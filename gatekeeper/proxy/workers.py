@@ -21,11 +21,8 @@ from typing import Any
 
 from aiohttp import ClientSession, ClientTimeout
 
-from gatekeeper import tempdirs
-from gatekeeper.config import ConfigError, load_config
-from gatekeeper.errors import UsageError
-from gatekeeper.metrics import absorb_dead_process
-from gatekeeper.netbind import bind_listeners
+from gatekeeper.base.config import ConfigError, load_config
+from gatekeeper.base.errors import UsageError
 from gatekeeper.proxy import rejections
 from gatekeeper.proxy.flowcontrol.edge.ledger import SeatLedger
 from gatekeeper.proxy.handoff.dispatcher import HandoffDispatcher
@@ -33,6 +30,9 @@ from gatekeeper.proxy.handoff.protocol import ClosedCounts
 from gatekeeper.proxy.listen.conn_metrics import HANDED_OFF, HANDOFF_STALLS, HANDOFF_TAKEN_BACK, HANDOFF_WAITS
 from gatekeeper.proxy.settings import ProxySettings
 from gatekeeper.proxy.worker_metrics import start_parent_listener
+from gatekeeper.runtime import tempdirs
+from gatekeeper.runtime.metrics import absorb_dead_process
+from gatekeeper.serving.netbind import bind_listeners
 
 log = logging.getLogger("gatekeeper.proxy.workers")
 

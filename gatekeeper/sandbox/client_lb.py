@@ -10,7 +10,7 @@ from __future__ import annotations
 import shutil
 from collections.abc import Sequence
 
-from gatekeeper.errors import UsageError
+from gatekeeper.base.errors import UsageError
 
 CONFIG = """global
     maxconn 8192

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from gatekeeper.errors import UsageError, non_negative_int, positive_int
+from gatekeeper.base.errors import UsageError, non_negative_int, positive_int
 from gatekeeper.sandbox import fleet, gpu, memlimit, mig
 from gatekeeper.sandbox.build import COMPONENTS, ON_DEMAND, BuildError, build_all
 from gatekeeper.sandbox.lifecycle import SandboxError, UpOptions, down, status, up

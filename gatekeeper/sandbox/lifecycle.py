@@ -23,7 +23,7 @@ from pathlib import Path
 
 import yaml
 
-from gatekeeper.errors import UsageError
+from gatekeeper.base.errors import UsageError
 from gatekeeper.sandbox import components as comp
 from gatekeeper.sandbox import (
     fleet,

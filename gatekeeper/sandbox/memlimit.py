@@ -20,8 +20,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from gatekeeper.config import parse_size
-from gatekeeper.errors import UsageError
+from gatekeeper.base.config import parse_size
+from gatekeeper.base.errors import UsageError
 
 ROOT = Path("/sys/fs/cgroup")
 GROUP = "gatekeeper-sandbox"

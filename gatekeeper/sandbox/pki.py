@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from gatekeeper.certs import CLUSTER_CA, FRONT_PROXY_CA, PKI
+from gatekeeper.certs.pki import CLUSTER_CA, FRONT_PROXY_CA, PKI
 
 SERVICE_CIDR = "10.96.0.0/16"
 KUBERNETES_SERVICE_IP = "10.96.0.1"

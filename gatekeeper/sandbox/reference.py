@@ -22,7 +22,7 @@ from typing import Any, get_args, get_origin, get_type_hints
 
 import yaml
 
-from gatekeeper.config import REMOVED_KEYS, camel, describe
+from gatekeeper.base.config import REMOVED_KEYS, camel, describe
 from gatekeeper.proxy.flowcontrol.settings import FlowControlSettings
 from gatekeeper.proxy.settings import ProxySettings
 from gatekeeper.webhook.settings import WebhookSettings

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gatekeeper.errors import UsageError
+from gatekeeper.base.errors import UsageError
 
 STATE_FILE = "sandbox.json"
 
@@ -53,7 +53,7 @@ class SandboxState:
     dir: str
     processes: list[ProcessRecord] = field(default_factory=list)
     certs_dir: str = ""
-    """PKI directory (gatekeeper.certs.PKI layout: ca.crt, front-proxy-ca.crt, admin.crt, ...)."""
+    """PKI directory (gatekeeper.certs.pki.PKI layout: ca.crt, front-proxy-ca.crt, admin.crt, ...)."""
     kubeconfig: str = ""
     """Admin kubeconfig for apiserver 1."""
     apiserver_urls: list[str] = field(default_factory=list)

@@ -29,7 +29,7 @@ import h2.events
 import httpx
 import yaml
 
-from gatekeeper.certs import PKI
+from gatekeeper.certs.pki import PKI
 from gatekeeper.sandbox import processes
 from gatekeeper.sandbox.pki import SandboxPKI, write_kubeconfig
 from gatekeeper.sandbox.state import STATE_FILE, SandboxState

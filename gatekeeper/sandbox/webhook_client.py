@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from gatekeeper.certs import PKI
+from gatekeeper.certs.pki import PKI
 
 CLIENT_NAME = "kube-apiserver-webhook-client"
 """CN of the client certificate the apiservers present to webhooks."""

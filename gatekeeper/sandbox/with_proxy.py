@@ -38,8 +38,9 @@ from typing import Any
 
 import yaml
 
-from gatekeeper.certs import CLUSTER_CA, PKI
-from gatekeeper.errors import UsageError
+from gatekeeper.base.errors import UsageError
+from gatekeeper.base.yamlfiles import load_yaml
+from gatekeeper.certs.pki import CLUSTER_CA, PKI
 from gatekeeper.proxy.flowcontrol.edge.defaults import sandbox_flow_control
 from gatekeeper.proxy.settings import MAX_GOAWAY_CHANCE
 from gatekeeper.sandbox import client_lb, kubectl, processes
@@ -52,7 +53,6 @@ from gatekeeper.sandbox.pki import (
 )
 from gatekeeper.sandbox.state import SandboxState
 from gatekeeper.sandbox.waiting import wait_until
-from gatekeeper.yamlfiles import load_yaml
 
 NAME = "proxy"
 CLIENT_LB = "client-lb"

@@ -33,12 +33,12 @@ from typing import Any
 
 import yaml
 
-from gatekeeper.certs import PKI
+from gatekeeper.base.yamlfiles import load_yaml
+from gatekeeper.certs.pki import PKI
 from gatekeeper.sandbox import fleet, kubectl, mig, pki, processes, webhook_client
 from gatekeeper.sandbox.state import SandboxState
 from gatekeeper.sandbox.waiting import wait_until
 from gatekeeper.webhook import registration
-from gatekeeper.yamlfiles import load_yaml
 
 USER = "gatekeeper-webhook"
 PROBE_NAMESPACE = "default"

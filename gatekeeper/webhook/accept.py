@@ -1,4 +1,4 @@
-"""The webhook's accept loop: TLS handshakes under :func:`gatekeeper.tlshandshake.handshake_within`.
+"""The webhook's accept loop: TLS handshakes under :func:`gatekeeper.serving.tlshandshake.handshake_within`.
 
 Why not ``loop.create_server(ssl=..., ssl_handshake_timeout=...)`` any more: the
 event loop's handshake timer runs before the loop reads sockets, so a worker
@@ -21,8 +21,8 @@ import socket
 import ssl
 from collections.abc import Callable
 
-from gatekeeper.acceptloop import accept_forever
-from gatekeeper.tlshandshake import handshake_within
+from gatekeeper.serving.acceptloop import accept_forever
+from gatekeeper.serving.tlshandshake import handshake_within
 
 log = logging.getLogger("gatekeeper.webhook.accept")
 

@@ -71,8 +71,8 @@ from prometheus_client import Counter, Histogram
 
 from gatekeeper.kube.admission import Decision, ReviewError, parse_review, response
 from gatekeeper.kube.status import failure_json
-from gatekeeper.metrics import build_info, child
-from gatekeeper.ops import add_ops_routes
+from gatekeeper.runtime.metrics import build_info, child
+from gatekeeper.runtime.ops import add_ops_routes
 from gatekeeper.webhook import policies
 from gatekeeper.webhook.body import TRIM_AFTER_BYTES, BodyTooLarge, heap_trimmer, read_body
 from gatekeeper.webhook.deviceclasses import ExtendedResourceMap

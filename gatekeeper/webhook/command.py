@@ -6,9 +6,9 @@ import argparse
 import contextlib
 from dataclasses import replace
 
-from gatekeeper.config import load_config
-from gatekeeper.errors import UsageError
-from gatekeeper.multiproc import multiprocess_mode
+from gatekeeper.base.config import load_config
+from gatekeeper.base.errors import UsageError
+from gatekeeper.runtime.multiproc import multiprocess_mode
 from gatekeeper.webhook.settings import WebhookSettings  # also registers the webhook: config section
 
 NAME = "webhook"

@@ -7,7 +7,7 @@ listener must not let a caller hold connections for free:
   handshake is dropped (asyncio's default is 60 s; TCPSite cannot set it) and
   counted (``reason="handshake-timeout"``); not while the delay is the worker's own
   (its loop stalled, or the client's bytes wait unread), up to 4 x the timeout
-  (accept.py, ``gatekeeper/tlshandshake.py``);
+  (accept.py, ``gatekeeper/serving/tlshandshake.py``);
 * ``maxConnections``: past that many open connections (per worker process), a
   new one is closed right after its handshake, before any request is read, and
   counted in ``gatekeeper_webhook_refused_connections_total{reason="connection-cap"}``.
@@ -45,7 +45,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.http_parser import RawRequestMessage
 from aiohttp.web_protocol import RequestHandler
 
-from gatekeeper.netbind import bind_listeners
+from gatekeeper.serving.netbind import bind_listeners
 from gatekeeper.webhook.accept import AcceptServer
 from gatekeeper.webhook.request_budget import RequestBudget, UnfinishedHead, head_size
 

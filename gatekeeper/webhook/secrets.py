@@ -32,7 +32,7 @@ from typing import Any
 
 import orjson
 
-from gatekeeper.config import parse_size
+from gatekeeper.base.config import parse_size
 from gatekeeper.kube.admission import AdmissionRequest, Decision, as_dict, object_label
 from gatekeeper.webhook.settings import SecretSettings
 

@@ -24,9 +24,9 @@ from typing import Any
 import uvloop
 from aiohttp import web
 
-from gatekeeper.metrics import child, register_page_collector
-from gatekeeper.multiproc import MULTIPROC_ENV
-from gatekeeper.netbind import bind_listeners
+from gatekeeper.runtime.metrics import child, register_page_collector
+from gatekeeper.runtime.multiproc import MULTIPROC_ENV
+from gatekeeper.serving.netbind import bind_listeners
 from gatekeeper.webhook import kube_api
 from gatekeeper.webhook.app import MAPPING_KEY, NAMESPACE_MODES_KEY, READY_KEY, build_app, metrics
 from gatekeeper.webhook.deviceclasses import ExtendedResourceMap
@@ -226,7 +226,7 @@ def _run_worker(settings: WebhookSettings) -> None:
 
 def run(settings: WebhookSettings, workers: int = 1) -> int:
     """Serve in this process, or fork ``workers`` processes; with workers the caller has already called
-    ``gatekeeper.multiproc.enable_multiprocess`` (before this module's import fixed the metrics mode)."""
+    ``gatekeeper.runtime.multiproc.enable_multiprocess`` (before this module's import fixed the metrics mode)."""
     if workers <= 1:
         _run_one(settings)
         return 0

@@ -27,8 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal, get_args
 
-from gatekeeper.config import dataclass_section, parse_size, register_section
-from gatekeeper.listener import TLSListenerSettings
+from gatekeeper.base.config import dataclass_section, parse_size, register_section
+from gatekeeper.serving.listener import TLSListenerSettings
 from gatekeeper.webhook.gpu.models import DEFAULT_MODELS, GpuModel, ModelError, parse_choice
 from gatekeeper.webhook.gpu.sizing import MIG_CATALOG, layout_profiles, parse_quantity_bytes
 

@@ -1,8 +1,8 @@
-"""The webhook's serving context: :class:`gatekeeper.tls.ReloadingTLS` over its cert/key pair.
+"""The webhook's serving context: :class:`gatekeeper.serving.tls.ReloadingTLS` over its cert/key pair.
 
 cert-manager (or ``gatekeeper certs issue``) rewrites the pair in place; the
 listener's ``sni_callback`` switches every new handshake to the current
-context, so reviews keep flowing through a rotation (see gatekeeper/tls.py).
+context, so reviews keep flowing through a rotation (see gatekeeper/serving/tls.py).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import ssl
 import time
 from collections.abc import Callable
 
-from gatekeeper.tls import ReloadingTLS, server_context
+from gatekeeper.serving.tls import ReloadingTLS, server_context
 
 
 def load_server_context(cert_file: str, key_file: str, client_ca_file: str = "") -> ssl.SSLContext:

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from gatekeeper.certs import PKI
+from gatekeeper.certs.pki import PKI
 from gatekeeper.sandbox import processes
 from gatekeeper.sandbox.state import SandboxState
 from gatekeeper.sandbox.testing import ProxyProcess, metric_sum

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import yaml
 
-from gatekeeper.certs import PKI
+from gatekeeper.certs.pki import PKI
 from gatekeeper.sandbox import client_lb, memlimit, processes, supervisor
 from gatekeeper.sandbox.lifecycle import UpOptions, down, up
 from gatekeeper.sandbox.pki import SandboxPKI

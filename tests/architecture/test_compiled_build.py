@@ -10,7 +10,7 @@ from pathlib import Path
 
 from prometheus_client import REGISTRY
 
-from gatekeeper import compiled, metrics
+from gatekeeper.runtime import compiled, metrics
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -4,9 +4,8 @@
 
 * Nothing imports ``gatekeeper.cli`` but ``gatekeeper.__main__``; command
   modules are imported only by the CLI; components import no command module.
-* ``kube/`` and the base (``config``, ``metrics``, ``certs``, ``errors``,
-  ``tls``, ``listener``, ``netbind``, ``acceptloop``, ``tlshandshake``, ``ops``) import no component; ``kube/`` and
-  ``metrics`` do no network I/O (no asyncio, aiohttp, socket, ssl).
+* ``kube/`` and the base (``base/``, ``serving/``, ``runtime/``, ``certs/``) import no component; ``kube/``
+  and ``runtime.metrics``/``runtime.multiproc`` do no network I/O (no asyncio, aiohttp, socket, ssl).
 * ``webhook`` and ``proxy`` never import each other, and neither imports
   ``sandbox`` (the sandbox runs them, not the other way round).
 * The flow-control core (objects, policy, queueset, seats, controller,
@@ -49,7 +48,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "gatekeeper"
 
 COMPONENTS = ("webhook", "proxy", "sandbox")
 COMMAND_MODULES = {
-    "gatekeeper.certs_command",
+    "gatekeeper.certs.command",
     *(f"gatekeeper.{c}.command" for c in COMPONENTS),
 }
 CLI_MODULES = {"gatekeeper.cli", "gatekeeper.__main__"}
@@ -265,7 +264,7 @@ def violations(root: Path) -> list[str]:
             if dst.rpartition(".")[0] in internal:
                 continue
         if d == "cli" and src != "gatekeeper.__main__":
-            bad(imp, "only gatekeeper.__main__ imports the CLI (errors live in gatekeeper.errors)")
+            bad(imp, "only gatekeeper.__main__ imports the CLI (errors live in gatekeeper.base.errors)")
         elif d == "command" and s not in ("cli", "command"):
             bad(imp, "command modules are wired by the CLI; a component must not import one")
         elif d and s and d != s and RANK[d] < RANK[s]:
@@ -274,7 +273,7 @@ def violations(root: Path) -> list[str]:
             bad(imp, "webhook and proxy never import each other")
         elif s in ("webhook", "proxy") and d == "sandbox":
             bad(imp, "the sandbox runs the components, not the other way round")
-        metrics_base = src in ("gatekeeper.metrics", "gatekeeper.multiproc")
+        metrics_base = src in ("gatekeeper.runtime.metrics", "gatekeeper.runtime.multiproc")
         if (s == "kube" or metrics_base) and any(within(dst, lib) for lib in NETWORK_LIBRARIES):
             bad(imp, "kube/ and the base metrics modules do no network I/O")
         if flow_part(src) == "core":
@@ -313,7 +312,7 @@ def test_gatekeeper_keeps_its_layers() -> None:
 
 def test_the_checker_sees_every_package_module() -> None:
     names = {module_name(PACKAGE, p) for p in PACKAGE.rglob("*.py")}
-    assert {"gatekeeper.cli", "gatekeeper.errors", "gatekeeper.config"} <= names
+    assert {"gatekeeper.cli", "gatekeeper.base.errors", "gatekeeper.base.config"} <= names
     assert any(flow_part(n) == "core" for n in names) and any(flow_part(n) == "edge" for n in names)
     assert sum(1 for i in imports_of(PACKAGE) if i.importer == "gatekeeper.cli") >= 4
 
@@ -322,7 +321,7 @@ def test_the_checker_sees_every_package_module() -> None:
 
 def tree(tmp_path: Path, files: dict[str, str]) -> Path:
     root = tmp_path / "gatekeeper"
-    for rel, text in {"__init__.py": "", "errors.py": "", "cli.py": "", "metrics.py": "",
+    for rel, text in {"__init__.py": "", "errors.py": "", "cli.py": "", "runtime/metrics.py": "",
                       "kube/__init__.py": "", "proxy/__init__.py": "", "webhook/__init__.py": "",
                       "sandbox/__init__.py": "", "proxy/flowcontrol/__init__.py": "", **files}.items():
         path = root / rel
@@ -345,7 +344,7 @@ BAD = [
      "webhook and proxy never import each other"),
     ({"proxy/x.py": "from gatekeeper.sandbox import state\n", "sandbox/state.py": ""},
      "the sandbox runs the components"),
-    ({"metrics.py": "from aiohttp import web\n"}, "no network I/O"),
+    ({"runtime/metrics.py": "from aiohttp import web\n"}, "no network I/O"),
     ({"proxy/flowcontrol/queueset.py": "import asyncio\n"}, "the flow-control core is pure"),
     ({"proxy/flowcontrol/core/__init__.py": "", "proxy/flowcontrol/core/policy.py": "from pathlib import Path\n"},
      "the flow-control core is pure"),
@@ -393,7 +392,7 @@ def test_a_deliberately_wrong_import_is_reported(tmp_path: Path, files: dict[str
 def test_imports_that_point_down_pass(tmp_path: Path) -> None:
     root = tree(tmp_path, {
         "__main__.py": "from gatekeeper.cli import main\n",
-        "cli.py": "from gatekeeper.proxy import command\nfrom gatekeeper.errors import UsageError\n",
+        "cli.py": "from gatekeeper.proxy import command\nfrom gatekeeper.base.errors import UsageError\n",
         "proxy/command.py": "from gatekeeper.proxy.listen import server\nfrom gatekeeper import errors\n",
         "proxy/listen/__init__.py": "",
         "proxy/listen/server.py": "import asyncio\nfrom gatekeeper.proxy import messages\n",

@@ -1,4 +1,4 @@
-"""Certificates issued by gatekeeper.certs: chains, usages, SANs, file modes and real TLS handshakes."""
+"""Certificates issued by gatekeeper.certs.pki: chains, usages, SANs, file modes and real TLS handshakes."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from gatekeeper.certs import CLUSTER_CA, FRONT_PROXY_CA, PKI, load_cert
+from gatekeeper.certs.pki import CLUSTER_CA, FRONT_PROXY_CA, PKI, load_cert
 
 
 @pytest.fixture

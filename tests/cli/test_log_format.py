@@ -10,8 +10,8 @@ import sys
 import time
 from pathlib import Path
 
-from gatekeeper.certs import PKI
-from gatekeeper.logs import JsonFormatter
+from gatekeeper.certs.pki import PKI
+from gatekeeper.runtime.logs import JsonFormatter
 
 
 def record(msg: str, *args: object, exc: bool = False) -> logging.LogRecord:

@@ -1,4 +1,4 @@
-"""``gatekeeper.tempdirs``: a supervisor's stamped directories outlive a SIGKILL only until the next start."""
+"""``gatekeeper.runtime.tempdirs``: a supervisor's stamped directories outlive a SIGKILL only until the next start."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from gatekeeper import tempdirs
+from gatekeeper.runtime import tempdirs
 
 
 def _stamp(path: Path, pid: int, started: str | None) -> Path:

@@ -10,8 +10,8 @@ import pytest
 
 import gatekeeper.proxy.settings  # registers the proxy: section
 import gatekeeper.webhook.settings  # noqa: F401 - registers the webhook: section
-from gatekeeper import config
-from gatekeeper.config import ConfigError, from_mapping, load_config, parse_duration
+from gatekeeper.base import config
+from gatekeeper.base.config import ConfigError, from_mapping, load_config, parse_duration
 
 
 @dataclass(frozen=True)

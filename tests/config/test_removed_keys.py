@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 import gatekeeper.proxy.settings  # noqa: F401 - registers the proxy: section
-from gatekeeper.config import REMOVED_KEYS, ConfigError, load_config
+from gatekeeper.base.config import REMOVED_KEYS, ConfigError, load_config
 
 BASE = {"backends": "[{url: 'https://127.0.0.1:6443'}]", "upstream": "{caFile: /etc/hostname}"}
 

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 import gatekeeper.proxy.settings  # noqa: F401 - registers the proxy: section
-from gatekeeper import yamlfiles as config
-from gatekeeper.config import load_config
-from gatekeeper.errors import ConfigError
-from gatekeeper.yamlfiles import YAML_LIMITS, YamlLimits, load_yaml, load_yaml_all
+from gatekeeper.base import yamlfiles as config
+from gatekeeper.base.config import load_config
+from gatekeeper.base.errors import ConfigError
+from gatekeeper.base.yamlfiles import YAML_LIMITS, YamlLimits, load_yaml, load_yaml_all
 
 
 @pytest.fixture(autouse=True, params=["libyaml", "pure"])
@@ -79,7 +79,7 @@ def test_a_file_over_the_size_limit_is_refused_without_reading_it_all(tmp_path: 
 
 def test_a_device_that_never_ends_is_refused_at_the_size_limit() -> None:
     """In a child capped at 1 GiB of address space: a reader that reads to the end takes all the memory."""
-    code = ("from gatekeeper.errors import ConfigError\nfrom gatekeeper.yamlfiles import load_yaml\n"
+    code = ("from gatekeeper.base.errors import ConfigError\nfrom gatekeeper.base.yamlfiles import load_yaml\n"
             "try:\n    load_yaml('/dev/zero')\nexcept ConfigError as exc:\n    print(exc)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30)))

@@ -29,7 +29,7 @@ def test_deploy_tools_are_pinned_in_their_gomods_and_built_by_sandbox_build() ->
 
 
 def test_apiservers_present_a_client_certificate_to_webhooks(tmp_path: Path) -> None:
-    from gatekeeper.certs import PKI, load_cert
+    from gatekeeper.certs.pki import PKI, load_cert
 
     PKI(tmp_path / "pki").init()
     config = webhook_client.write(tmp_path / "pki", tmp_path)

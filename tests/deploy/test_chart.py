@@ -13,7 +13,7 @@ import pytest
 import yaml
 from cryptography import x509
 
-from gatekeeper.config import from_mapping, load_config
+from gatekeeper.base.config import from_mapping, load_config
 from gatekeeper.sandbox import chart
 from gatekeeper.webhook import registration
 from gatekeeper.webhook.secrets import limits_for

@@ -30,8 +30,8 @@ import pytest
 import yaml
 
 from gatekeeper import __version__
-from gatekeeper.certs import PKI
-from gatekeeper.compiled import MODULES
+from gatekeeper.certs.pki import PKI
+from gatekeeper.runtime.compiled import MODULES
 from gatekeeper.sandbox.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,7 +41,7 @@ UID = 65532
 INSTALL_AT, CONFIG_AT = "/srv", "/media"
 """Where the installed prefix and the read-only config are bind-mounted inside the namespace (empty dirs)."""
 COMPILED = f"{len(MODULES)}/{len(MODULES)}"
-"""The wheel is built here, where a C compiler is: every hot module loads compiled (gatekeeper/compiled.py)."""
+"""The wheel is built here, where a C compiler is: every hot module loads compiled (gatekeeper/runtime/compiled.py)."""
 BUILD_INFO = f'gatekeeper_build_info{{compiled="{COMPILED}",version="{__version__}"}} 1.0'
 """As the multiprocess collector writes it (labels sorted by name)."""
 

@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 import yaml
 
-from gatekeeper.certs import PKI
+from gatekeeper.certs.pki import PKI
 from gatekeeper.sandbox import processes
 from gatekeeper.sandbox.build import K8S, KUBEADM, BuildError, installed, kubeadm_binary, module_version
 from gatekeeper.sandbox.pki import SERVICE_CIDR, SandboxPKI

@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from gatekeeper.config import from_mapping
+from gatekeeper.base.config import from_mapping
 from gatekeeper.proxy.settings import ProxySettings
 from gatekeeper.sandbox import chart
 

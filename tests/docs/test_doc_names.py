@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from gatekeeper.base.config import REMOVED_KEYS
 from gatekeeper.cli import build_parser
-from gatekeeper.config import REMOVED_KEYS
 from gatekeeper.sandbox import reference
 
 REPO = Path(__file__).resolve().parents[2]

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-from gatekeeper.config import from_mapping
+from gatekeeper.base.config import from_mapping
 from gatekeeper.proxy.settings import ProxySettings
 from gatekeeper.sandbox import reference
 from gatekeeper.webhook.settings import ServerSettings, WebhookSettings

@@ -34,8 +34,8 @@ from typing import Any
 
 import yaml
 
-from gatekeeper.certs import PKI
-from gatekeeper.config import _key_of
+from gatekeeper.base.config import _key_of
+from gatekeeper.certs.pki import PKI
 from gatekeeper.sandbox.pki import FRONT_PROXY_CLIENT, SandboxPKI, kubeconfig
 from gatekeeper.sandbox.processes import free_port
 from gatekeeper.sandbox.state import SandboxState

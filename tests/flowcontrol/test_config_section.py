@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 import gatekeeper.proxy.settings  # noqa: F401 - registers the proxy: section
-from gatekeeper.config import ConfigError, load_config
+from gatekeeper.base.config import ConfigError, load_config
 
 SEEDS = Path(__file__).resolve().parents[2] / "deploy" / "examples" / "flowcontrol-seeds.yaml"
 

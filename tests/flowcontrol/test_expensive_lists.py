@@ -10,7 +10,7 @@ from fc_helpers import Req, User, flow_schema, group, queued_level, rr
 from test_queueing import controller
 
 import gatekeeper.proxy.settings  # noqa: F401 - registers the proxy: section
-from gatekeeper.config import ConfigError, load_config
+from gatekeeper.base.config import ConfigError, load_config
 from gatekeeper.proxy.flowcontrol.core.controller import FlowController, LevelLimits
 from gatekeeper.proxy.flowcontrol.core.fleet import FleetShare, backend_bound
 from gatekeeper.proxy.flowcontrol.core.policy import build_policy

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from gatekeeper.config import ConfigError, from_mapping
+from gatekeeper.base.config import ConfigError, from_mapping
 from gatekeeper.proxy.flowcontrol.core import endpoints as ep
 from gatekeeper.proxy.flowcontrol.core.leader import LeaderElection, LeaderRecord
 from gatekeeper.proxy.flowcontrol.edge.fleet import lease_body

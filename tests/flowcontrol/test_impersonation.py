@@ -14,7 +14,7 @@ import asyncio
 import pytest
 from fc_helpers import flow_schema, group, queued_level, rr, user
 
-from gatekeeper.config import ConfigError
+from gatekeeper.base.config import ConfigError
 from gatekeeper.kube import requestinfo
 from gatekeeper.proxy.flowcontrol.edge.middleware import FlowControl
 from gatekeeper.proxy.flowcontrol.settings import FlowControlSettings

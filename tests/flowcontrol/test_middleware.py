@@ -14,7 +14,7 @@ import pytest
 import yaml
 from fc_helpers import flow_schema, group, queued_level, rr, secrets_list_schema
 
-from gatekeeper.config import ConfigError, load_config
+from gatekeeper.base.config import ConfigError, load_config
 from gatekeeper.kube import requestinfo
 from gatekeeper.proxy.flowcontrol.edge.loading import load_policy
 from gatekeeper.proxy.flowcontrol.edge.middleware import FlowControl

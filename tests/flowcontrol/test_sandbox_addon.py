@@ -11,7 +11,7 @@ import httpx
 import pytest
 import storm_kit as kit
 
-from gatekeeper.certs import PKI
+from gatekeeper.certs.pki import PKI
 from gatekeeper.sandbox.pki import SandboxPKI
 from gatekeeper.sandbox.state import SandboxState
 

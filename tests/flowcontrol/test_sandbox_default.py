@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import gatekeeper
-from gatekeeper.config import from_mapping
+from gatekeeper.base.config import from_mapping
 from gatekeeper.proxy.flowcontrol.edge.defaults import SEEDS_POLICY, sandbox_flow_control
 from gatekeeper.proxy.flowcontrol.edge.loading import load_policy
 from gatekeeper.proxy.flowcontrol.edge.middleware import FlowControl, from_settings

@@ -23,7 +23,7 @@ import pytest
 import storm_kit as kit
 import yaml
 
-from gatekeeper.certs import PKI
+from gatekeeper.certs.pki import PKI
 from gatekeeper.sandbox.pki import SandboxPKI
 from gatekeeper.sandbox.state import SandboxState
 

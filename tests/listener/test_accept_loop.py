@@ -1,4 +1,4 @@
-"""The accept loop both servers share (``gatekeeper/acceptloop.py``): connections out, failures backed off."""
+"""The accept loop both servers share (``gatekeeper/serving/acceptloop.py``): connections out, failures backed off."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import socket
 
 import pytest
 
-from gatekeeper import acceptloop
-from gatekeeper.acceptloop import accept_forever
+from gatekeeper.serving import acceptloop
+from gatekeeper.serving.acceptloop import accept_forever
 
 log = logging.getLogger("test.acceptloop")
 

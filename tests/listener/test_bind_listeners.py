@@ -1,4 +1,5 @@
-"""Binding a server's port (``gatekeeper.netbind``), as the webhook's parent and the proxy's supervisor and workers do.
+"""Binding a server's port (``gatekeeper.serving.netbind``), as the webhook's parent and the proxy's supervisor and
+workers do.
 
 A name may resolve to an IPv4 and an IPv6 loopback address (``localhost`` does on most hosts, not on every test
 machine), so the resolver is replaced here by one that answers both, ``127.0.0.1`` and ``::1``.
@@ -11,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from gatekeeper.netbind import bind_listeners
+from gatekeeper.serving.netbind import bind_listeners
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ import h11
 import orjson
 from prometheus_client import REGISTRY
 
-from gatekeeper.certs import FRONT_PROXY_CA, PKI
+from gatekeeper.certs.pki import FRONT_PROXY_CA, PKI
 from gatekeeper.kube import requestinfo
 from gatekeeper.proxy.identity import auth
 from gatekeeper.proxy.listen.server import ProxyServer

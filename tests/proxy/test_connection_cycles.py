@@ -23,7 +23,7 @@ import httpx
 import pytest
 from edge_kit import Bench, bench, make_pki
 
-from gatekeeper.certs import PKI
+from gatekeeper.certs.pki import PKI
 from gatekeeper.proxy import gcpace
 from gatekeeper.proxy.settings import BackendSettings, ProxySettings
 

@@ -14,7 +14,7 @@ import pytest
 from edge_kit import bench, body_json, make_pki, rejected, status_of
 from h2.errors import ErrorCodes
 
-from gatekeeper.certs import PKI
+from gatekeeper.certs.pki import PKI
 from gatekeeper.kube import requestinfo
 from gatekeeper.kube.duration import DurationError
 from gatekeeper.proxy.adapter import DeadlinePassed

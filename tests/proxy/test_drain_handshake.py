@@ -13,7 +13,7 @@ import asyncio
 import h2.events
 import pytest
 
-from gatekeeper.certs import PKI
+from gatekeeper.certs.pki import PKI
 from gatekeeper.proxy.listen import conn_metrics
 from gatekeeper.proxy.listen.server import ProxyServer
 from gatekeeper.proxy.messages import ProxyRequest, ProxyResponse

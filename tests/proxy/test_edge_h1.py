@@ -12,7 +12,7 @@ import h11
 import pytest
 from edge_kit import Bench, bench, make_pki, rejected, status_of
 
-from gatekeeper.certs import PKI
+from gatekeeper.certs.pki import PKI
 from gatekeeper.proxy.listen import h1
 
 

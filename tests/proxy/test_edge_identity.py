@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from edge_kit import bench, body_json, make_pki, status_of
 
-from gatekeeper.certs import PKI
+from gatekeeper.certs.pki import PKI
 from gatekeeper.proxy.identity import auth
 
 

@@ -8,7 +8,7 @@ import pytest
 from edge_kit import bench, make_pki
 from prometheus_client import REGISTRY
 
-from gatekeeper.certs import PKI
+from gatekeeper.certs.pki import PKI
 from gatekeeper.proxy import metrics, rejections
 from gatekeeper.proxy.messages import ProxyRequest
 

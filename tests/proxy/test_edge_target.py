@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from edge_kit import bench, body_json, make_pki, rejected, status_of
 
-from gatekeeper.certs import PKI
+from gatekeeper.certs.pki import PKI
 from gatekeeper.kube import requestinfo
 from gatekeeper.proxy import target
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from edge_kit import EchoBackend, make_pki, proxy_settings, status_of
 
-from gatekeeper.certs import FRONT_PROXY_CA, PKI, load_cert
+from gatekeeper.certs.pki import FRONT_PROXY_CA, PKI, load_cert
 from gatekeeper.proxy.listen.server import ProxyServer
 from gatekeeper.proxy.messages import ProxyRequest
 from gatekeeper.proxy.pipeline.stages import build

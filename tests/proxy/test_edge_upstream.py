@@ -12,8 +12,8 @@ import orjson
 import pytest
 from edge_kit import bench, make_pki, proxy_settings
 
-from gatekeeper.certs import PKI
-from gatekeeper.config import ConfigError, load_config
+from gatekeeper.base.config import ConfigError, load_config
+from gatekeeper.certs.pki import PKI
 from gatekeeper.proxy.adapter import ClientGone
 from gatekeeper.proxy.messages import ProxyRequest, ProxyResponse
 from gatekeeper.proxy.pipeline.stages import build

@@ -18,7 +18,7 @@ import pytest
 from edge_kit import chunks, make_pki, rejected
 from prometheus_client import REGISTRY
 
-from gatekeeper.certs import PKI
+from gatekeeper.certs.pki import PKI
 from gatekeeper.proxy.handoff.dispatcher import PASS_OVER_SECONDS, HandoffDispatcher
 from gatekeeper.proxy.handoff.inbox import Inbox
 from gatekeeper.proxy.handoff.protocol import ClosedCounts, least_loaded
@@ -541,7 +541,7 @@ def test_with_two_listeners_a_held_connection_is_not_replaced_by_the_next(tmp_pa
 def test_the_port_refuses_connections_until_a_worker_first_serves(tmp_path: Path) -> None:
     """The supervisor binds without listening: before any worker serves, a connect is refused (as with
     kernel balancing), so a TCP health check does not pass while nothing can answer."""
-    from gatekeeper.netbind import bind_listeners
+    from gatekeeper.serving.netbind import bind_listeners
 
     [listener] = bind_listeners("127.0.0.1", 0)
     port = listener.getsockname()[1]

@@ -5,7 +5,7 @@ a worker starved of CPU (the seeds' LIST storm on a small node): the client
 connects, the proxy arms its handshake deadline, stops, and the client's
 ClientHello waits in the proxy's socket buffer past the deadline. The loop's
 own timer, which runs before the loop reads sockets, cut such clients (the
-storm test's probe lost its connection that way); ``gatekeeper/tlshandshake.py``
+storm test's probe lost its connection that way); ``gatekeeper/serving/tlshandshake.py``
 gives them a fresh period instead. A client that sends nothing is still cut.
 """
 

@@ -13,8 +13,8 @@ from hpack.hpack import encode_integer as hpack_encode_integer
 from hpack.table import HeaderTable
 
 from gatekeeper.proxy.h2wire import hpack_encode
-from gatekeeper.proxy.h2wire.hpack_encode import NeverIndexed, ResponseEncoder
-from gatekeeper.proxy.h2wire.hpack_tables import STATIC_TABLE, encode_integer
+from gatekeeper.proxy.h2wire.hpack_encode import NeverIndexed, ResponseEncoder, encode_integer
+from gatekeeper.proxy.h2wire.hpack_tables import STATIC_TABLE
 from gatekeeper.proxy.listen.h2_codec import H2ServerCodec
 
 APISERVER_HEADERS = [

@@ -24,7 +24,8 @@ from gatekeeper.proxy.h2wire import frames as f
 from gatekeeper.proxy.h2wire import huffman
 from gatekeeper.proxy.h2wire.errors import ErrorCodes
 from gatekeeper.proxy.h2wire.hpack_decode import BlockDecoder, HeaderBlockError
-from gatekeeper.proxy.h2wire.hpack_tables import HUFFMAN_CODES, HUFFMAN_LENGTHS, huffman_encode
+from gatekeeper.proxy.h2wire.hpack_encode import huffman_encode
+from gatekeeper.proxy.h2wire.hpack_tables import HUFFMAN_CODES, HUFFMAN_LENGTHS
 from gatekeeper.proxy.h2wire.huffman import HuffmanDecodingError, decode
 
 encode = HuffmanEncoder(REQUEST_CODES, REQUEST_CODES_LENGTH).encode

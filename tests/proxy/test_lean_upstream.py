@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import pytest
 
-from gatekeeper.certs import FRONT_PROXY_CA, PKI
+from gatekeeper.certs.pki import FRONT_PROXY_CA, PKI
 from gatekeeper.proxy.messages import ProxyRequest, ProxyResponse
 from gatekeeper.proxy.settings import UpstreamSettings
 from gatekeeper.proxy.upstream import lean

@@ -19,7 +19,7 @@ from h2.events import StreamEnded
 from h2_raw import RawH2, tls_context
 from hyperframe.frame import PingFrame
 
-from gatekeeper.certs import PKI
+from gatekeeper.certs.pki import PKI
 from gatekeeper.proxy.listen.server import ProxyServer
 from gatekeeper.proxy.messages import ProxyRequest, ProxyResponse
 from gatekeeper.proxy.settings import ListenerSettings, ProtocolSettings, ProxySettings

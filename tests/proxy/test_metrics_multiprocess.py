@@ -1,4 +1,4 @@
-"""The proxy's /metrics page is the one multiprocess-aware renderer (gatekeeper.metrics.render)."""
+"""The proxy's /metrics page is the one multiprocess-aware renderer (gatekeeper.runtime.metrics.render)."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def page_of(path: Path) -> dict[str, float]:
     """The merged page of the files in ``path``, read in this process (a renderer process would add its own)."""
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from gatekeeper.metrics import WrittenFilesCollector
+    from gatekeeper.runtime.metrics import WrittenFilesCollector
 
     registry = CollectorRegistry()
     registry.register(WrittenFilesCollector(str(path)))
@@ -52,7 +52,7 @@ def page_of(path: Path) -> dict[str, float]:
 def test_a_dead_workers_counts_stay_on_the_page_in_a_bounded_number_of_files(tmp_path: Path) -> None:
     """What the supervisor does for each reaped worker: its counter and histogram files are folded into
     one archive per type, so a crash-looping worker no longer adds two files per restart."""
-    from gatekeeper.metrics import absorb_dead_process
+    from gatekeeper.runtime.metrics import absorb_dead_process
 
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
     pids = []
@@ -70,8 +70,8 @@ def test_a_dead_workers_counts_stay_on_the_page_in_a_bounded_number_of_files(tmp
 
 
 def test_an_inherited_metrics_dir_must_be_ours(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from gatekeeper.errors import UsageError
-    from gatekeeper.multiproc import enable_multiprocess
+    from gatekeeper.base.errors import UsageError
+    from gatekeeper.runtime.multiproc import enable_multiprocess
 
     theirs = tmp_path / "theirs"
     theirs.mkdir()
@@ -91,7 +91,7 @@ def test_an_inherited_metrics_dir_must_be_ours(tmp_path: Path, monkeypatch: pyte
 def test_an_inherited_metrics_dir_others_could_write_is_closed_and_swept(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An emptyDir is 0777: ours, but anyone in the pod could have planted files; close it, then sweep."""
-    from gatekeeper.multiproc import enable_multiprocess
+    from gatekeeper.runtime.multiproc import enable_multiprocess
 
     shared = tmp_path / "emptydir"
     shared.mkdir()
@@ -107,7 +107,7 @@ def test_an_inherited_metrics_dir_others_could_write_is_closed_and_swept(
 
 def test_a_command_removes_the_metrics_dir_it_made_but_keeps_an_inherited_one(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from gatekeeper.multiproc import multiprocess_mode
+    from gatekeeper.runtime.multiproc import multiprocess_mode
 
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", "")  # unset for the mode, and restored after the test
     with multiprocess_mode("gatekeeper-test-metrics-") as made:

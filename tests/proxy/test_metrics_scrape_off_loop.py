@@ -23,9 +23,9 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from gatekeeper import metrics, ops
-from gatekeeper.multiproc import MULTIPROC_ENV
 from gatekeeper.proxy.flowcontrol.edge.ledger import SeatLedger
+from gatekeeper.runtime import metrics, ops
+from gatekeeper.runtime.multiproc import MULTIPROC_ENV
 
 SLOW = 3.0
 BOUND = 1.5
@@ -93,7 +93,7 @@ async def serve() -> AsyncIterator[Callable[[web.Application], Any]]:
 
 async def test_the_webhooks_healthz_answers_while_a_slow_scrape_reads_the_files(slow_files: SlowFiles,
                                                                                serve: Any) -> None:
-    """The webhook's /metrics (``gatekeeper.ops``, default page), on the port that answers admission reviews;
+    """The webhook's /metrics (``gatekeeper.runtime.ops``, default page), on the port that answers admission reviews;
     three scrapes at once read the files once."""
     app = web.Application()
     ops.add_ops_routes(app, lambda: None)

@@ -20,7 +20,7 @@ from edge_kit import make_pki
 from test_lean_upstream import RawBackend
 from test_mux_upstream import fetch, interval_passes
 
-from gatekeeper.certs import FRONT_PROXY_CA, PKI
+from gatekeeper.certs.pki import FRONT_PROXY_CA, PKI
 from gatekeeper.proxy.settings import UpstreamSettings
 from gatekeeper.proxy.upstream.client import BackendClient, make_ssl_context
 from gatekeeper.proxy.upstream.lean import Pool

@@ -22,7 +22,7 @@ from edge_kit import fronted, make_pki
 from prometheus_client import REGISTRY
 from test_mux_upstream import Peer, Switching, read_all
 
-from gatekeeper.certs import PKI
+from gatekeeper.certs.pki import PKI
 from gatekeeper.proxy.h2wire import frames as f
 from gatekeeper.proxy.messages import ProxyRequest
 from gatekeeper.proxy.pipeline.balancer import Balancer

@@ -18,7 +18,7 @@ import pytest
 from edge_kit import make_pki
 from test_mux_upstream import Switching, fetch, interval_passes
 
-from gatekeeper.certs import PKI
+from gatekeeper.certs.pki import PKI
 from gatekeeper.proxy.settings import UpstreamSettings
 from gatekeeper.proxy.upstream.client import BackendClient, ConnectFailed, NoFrontProxyCert, PoolTimeout
 

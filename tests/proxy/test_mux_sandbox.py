@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from gatekeeper.certs import PKI
+from gatekeeper.certs.pki import PKI
 from gatekeeper.proxy.messages import ProxyRequest
 from gatekeeper.proxy.settings import UpstreamSettings
 from gatekeeper.proxy.upstream import mux_pool

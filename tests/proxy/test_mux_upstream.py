@@ -25,8 +25,8 @@ from hpack import NeverIndexedHeaderTuple
 from prometheus_client import REGISTRY
 from test_upstream import server_ssl
 
-from gatekeeper.certs import PKI
-from gatekeeper.config import ConfigError, load_config
+from gatekeeper.base.config import ConfigError, load_config
+from gatekeeper.certs.pki import PKI
 from gatekeeper.proxy.h2wire import frames as f
 from gatekeeper.proxy.h2wire.client_codec import response_head
 from gatekeeper.proxy.messages import ProxyRequest, ProxyResponse

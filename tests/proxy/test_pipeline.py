@@ -190,8 +190,8 @@ def test_upstream_headers_in_one_pass_equal_the_identity_then_forwarded_for_pass
 def test_deploy_example_config_is_valid() -> None:
     from pathlib import Path
 
-    from gatekeeper.config import from_mapping
-    from gatekeeper.yamlfiles import load_yaml
+    from gatekeeper.base.config import from_mapping
+    from gatekeeper.base.yamlfiles import load_yaml
 
     path = Path(__file__).resolve().parents[2] / "deploy" / "proxy" / "config.yaml"
     data = load_yaml(path)["proxy"]
@@ -211,7 +211,7 @@ def test_resource_label_is_bounded_against_invented_paths() -> None:
 
 
 def test_sandbox_proxy_config_merges_user_file_but_owns_ports_certs_and_backends(tmp_path: Any) -> None:
-    from gatekeeper.config import from_mapping
+    from gatekeeper.base.config import from_mapping
     from gatekeeper.sandbox.state import SandboxState
     from gatekeeper.sandbox.with_proxy import build_config
 
@@ -359,7 +359,7 @@ async def test_one_caller_holds_at_most_its_share_of_long_running_requests() -> 
 
 @pytest.mark.parametrize("value", ["0", "-1"])
 def test_a_long_running_cap_below_one_is_refused(tmp_path: Any, value: str) -> None:
-    from gatekeeper.config import ConfigError, load_config
+    from gatekeeper.base.config import ConfigError, load_config
 
     p = tmp_path / "c.yaml"
     p.write_text("proxy:\n  backends: [{url: 'https://127.0.0.1:1'}]\n  listener: {certFile: a, keyFile: b}\n"

@@ -16,7 +16,7 @@ import httpx
 import orjson
 import pytest
 
-from gatekeeper.certs import PKI
+from gatekeeper.certs.pki import PKI
 from gatekeeper.proxy.listen.server import ProxyServer
 from gatekeeper.proxy.messages import ProxyRequest, ProxyResponse
 from gatekeeper.proxy.settings import ListenerSettings, ProtocolSettings, ProxySettings

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from gatekeeper.certs import FRONT_PROXY_CA, PKI
+from gatekeeper.certs.pki import FRONT_PROXY_CA, PKI
 from gatekeeper.proxy.messages import ProxyRequest, ProxyResponse, close_body
 from gatekeeper.proxy.pipeline.balancer import Balancer
 from gatekeeper.proxy.pipeline.stages import Pipeline, build

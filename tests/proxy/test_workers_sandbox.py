@@ -703,7 +703,8 @@ def test_workers_follow_a_sigkilled_parent_and_the_next_start_removes_its_direct
     sandbox: SandboxState, churn_proxy: ProxyProcess, tmp_path: Path,
 ) -> None:
     """PR_SET_PDEATHSIG: no worker is left holding the port (and seats) after the parent is SIGKILLed. The
-    runtime directory the parent could not remove goes at the next supervisor's start (gatekeeper/tempdirs.py)."""
+    runtime directory the parent could not remove goes at the next supervisor's start
+    (gatekeeper/runtime/tempdirs.py)."""
     pids = [w["pid"] for w in workers_of(churn_proxy)]
     argv = Path(f"/proc/{pids[0]}/cmdline").read_text().split("\0")
     runtime = Path(argv[argv.index("--runtime-dir") + 1])

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
-from gatekeeper.errors import UsageError
+from gatekeeper.base.errors import UsageError
 from gatekeeper.proxy import workers
 from gatekeeper.proxy.settings import BackendSettings, ProxySettings, UpstreamSettings
 
@@ -121,7 +121,7 @@ async def test_a_worker_that_answers_late_is_not_killed(tmp_path: Path) -> None:
 
 def test_workers_start_from_a_private_copy_of_the_validated_config(tmp_path: Path) -> None:
     import gatekeeper.proxy.settings  # noqa: F401 - registers the proxy: section
-    from gatekeeper.config import load_config
+    from gatekeeper.base.config import load_config
 
     config = tmp_path / "proxy.yaml"
     config.write_text(yaml.safe_dump({"proxy": {"backends": [{"url": "https://127.0.0.1:1"}],

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gatekeeper.errors import UsageError
+from gatekeeper.base.errors import UsageError
 from gatekeeper.sandbox import lifecycle
 from gatekeeper.sandbox.state import ProcessRecord, SandboxState
 

@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 import yaml
 
-from gatekeeper.certs import PKI
+from gatekeeper.certs.pki import PKI
 from gatekeeper.sandbox import processes
 from gatekeeper.sandbox.pki import KUBERNETES_SERVICE_IP, SandboxPKI, kubeconfig
 from gatekeeper.sandbox.service_network import Target, kubernetes_service_targets

@@ -8,7 +8,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gatekeeper.certs import FRONT_PROXY_CA, PKI
+from gatekeeper.certs.pki import FRONT_PROXY_CA, PKI
 from gatekeeper.sandbox.state import SandboxState
 
 pytestmark = pytest.mark.sandbox

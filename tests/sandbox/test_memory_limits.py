@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gatekeeper.errors import UsageError
+from gatekeeper.base.errors import UsageError
 from gatekeeper.sandbox import components as comp
 from gatekeeper.sandbox import memlimit, processes
 from gatekeeper.sandbox.restarts import BackOff

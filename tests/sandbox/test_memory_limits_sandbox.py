@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gatekeeper.errors import UsageError
+from gatekeeper.base.errors import UsageError
 from gatekeeper.sandbox import memlimit, processes
 from gatekeeper.sandbox.pki import SandboxPKI
 from gatekeeper.sandbox.state import SandboxState

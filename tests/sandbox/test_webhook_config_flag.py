@@ -33,7 +33,7 @@ def test_a_file_without_a_webhook_section_is_refused_naming_it(bad: object) -> N
 def test_sandbox_mig_nodes_become_the_webhooks_mig_pools() -> None:
     from types import SimpleNamespace
 
-    from gatekeeper.config import from_mapping
+    from gatekeeper.base.config import from_mapping
     from gatekeeper.sandbox.with_webhook import gpu_config
     from gatekeeper.webhook.settings import GpuSettings
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from review_fixtures import container, pod, request, review
 
-from gatekeeper.config import ConfigError, load_config
+from gatekeeper.base.config import ConfigError, load_config
 from gatekeeper.webhook import policies
 from gatekeeper.webhook.gpu import policy as gpu
 from gatekeeper.webhook.settings import GpuSettings, WebhookSettings

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from review_fixtures import apply, container, pod, request, review
 
-from gatekeeper.config import ConfigError, load_config
+from gatekeeper.base.config import ConfigError, load_config
 from gatekeeper.kube.admission import response
 from gatekeeper.webhook.gpu import policy as gpu
 from gatekeeper.webhook.gpu.sizing import layout_profiles

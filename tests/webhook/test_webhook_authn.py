@@ -15,7 +15,7 @@ import pytest
 from aiohttp import ClientError, ClientSession, TCPConnector, web
 from review_fixtures import b64, container, pod, review, secret
 
-from gatekeeper.certs import PKI
+from gatekeeper.certs.pki import PKI
 from gatekeeper.webhook.app import build_app, metrics
 from gatekeeper.webhook.server import serve
 from gatekeeper.webhook.settings import GpuSettings, ServerSettings, WebhookSettings

@@ -18,7 +18,7 @@ import pytest
 from prometheus_client.multiprocess import MultiProcessCollector
 from review_fixtures import container, pod, review
 
-from gatekeeper.certs import PKI, load_cert
+from gatekeeper.certs.pki import PKI, load_cert
 from gatekeeper.sandbox.testing import handshake_held_up, is_cut
 
 

@@ -23,7 +23,7 @@ import pytest
 from aiohttp import web
 from review_fixtures import b64, review, secret
 
-from gatekeeper.certs import PKI
+from gatekeeper.certs.pki import PKI
 from gatekeeper.webhook.app import metrics
 from gatekeeper.webhook.server import serve
 from gatekeeper.webhook.settings import GpuSettings, ServerSettings, WebhookSettings

@@ -13,7 +13,7 @@ import orjson
 import pytest
 from review_fixtures import apply, b64, container, pod, review, secret
 
-from gatekeeper.certs import PKI, load_cert
+from gatekeeper.certs.pki import PKI, load_cert
 from gatekeeper.webhook.app import build_app
 from gatekeeper.webhook.server import serve
 from gatekeeper.webhook.settings import GpuSettings, ServerSettings, WebhookSettings

@@ -13,7 +13,7 @@ from typing import Any
 
 from mypy_extensions import mypyc_attr
 
-from gatekeeper.proxy.h2wire.hpack_tables import STATIC_TABLE, encode_integer, huffman_encode
+from gatekeeper.proxy.h2wire.hpack_tables import HUFFMAN_CODES, HUFFMAN_LENGTHS, STATIC_TABLE
 
 DEFAULT_TABLE_SIZE = 4096
 """The table size both ends start with (RFC 7541 6.5.2 / RFC 9113 6.5.2)."""
@@ -25,6 +25,31 @@ MEMO_MAX_BYTES = 512
 """Longest field (name + value) that is memoized; longer ones are encoded each time."""
 ENTRY_OVERHEAD = 32
 """RFC 7541 4.1: a table entry's size is name + value + 32."""
+
+def huffman_encode(data: bytes) -> bytes:
+    """``data`` Huffman-coded (5.2), padded to a byte with the most significant bits of EOS (all ones)."""
+    bits = acc = 0
+    for byte in data:
+        length = HUFFMAN_LENGTHS[byte]
+        acc = acc << length | HUFFMAN_CODES[byte]
+        bits += length
+    pad = -bits % 8
+    return (acc << pad | (1 << pad) - 1).to_bytes((bits + pad) // 8, "big")
+
+
+def encode_integer(value: int, prefix_bits: int) -> bytearray:
+    """An HPACK integer (5.1) in a ``prefix_bits``-bit prefix; the caller ORs its flags into the first byte."""
+    limit = (1 << prefix_bits) - 1
+    if value < limit:
+        return bytearray([value])
+    out = bytearray([limit])
+    value -= limit
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return out
+
 
 _STATIC_FULL: dict[tuple[bytes, bytes], int] = {}
 STATIC_NAME: dict[bytes, int] = {}

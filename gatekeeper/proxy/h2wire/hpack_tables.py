@@ -1,4 +1,4 @@
-"""The constants of HPACK (RFC 7541): its static table, its Huffman code, its integers (pure).
+"""The constants of HPACK (RFC 7541): its static table and its Huffman code (pure; the encoder codes with them).
 
 Written from the RFC (the tests check them against ``hpack``'s). The Huffman code is canonical, so its 257 code lengths
 determine every code: the table is those lengths, one letter each (``A`` = 5 bits)."""
@@ -44,28 +44,3 @@ def _canonical_codes(lengths: tuple[int, ...]) -> tuple[int, ...]:
 
 HUFFMAN_CODES = _canonical_codes(HUFFMAN_LENGTHS)
 """The code of each symbol, right-aligned in ``HUFFMAN_LENGTHS[symbol]`` bits."""
-
-
-def huffman_encode(data: bytes) -> bytes:
-    """``data`` Huffman-coded (5.2), padded to a byte with the most significant bits of EOS (all ones)."""
-    bits = acc = 0
-    for byte in data:
-        length = HUFFMAN_LENGTHS[byte]
-        acc = acc << length | HUFFMAN_CODES[byte]
-        bits += length
-    pad = -bits % 8
-    return (acc << pad | (1 << pad) - 1).to_bytes((bits + pad) // 8, "big")
-
-
-def encode_integer(value: int, prefix_bits: int) -> bytearray:
-    """An HPACK integer (5.1) in a ``prefix_bits``-bit prefix; the caller ORs its flags into the first byte."""
-    limit = (1 << prefix_bits) - 1
-    if value < limit:
-        return bytearray([value])
-    out = bytearray([limit])
-    value -= limit
-    while value >= 0x80:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return out

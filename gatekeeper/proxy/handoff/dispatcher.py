@@ -14,8 +14,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from gatekeeper.acceptloop import ACCEPT_BACKOFF
 from gatekeeper.proxy.handoff.protocol import BACKLOG, CONN, DRAINING, READY, ClosedCounts, least_loaded
+from gatekeeper.serving.acceptloop import ACCEPT_BACKOFF
 
 log = logging.getLogger("gatekeeper.proxy.handoff")
 

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gatekeeper.config import camel
+from gatekeeper.base.config import camel
 from gatekeeper.proxy.h2wire.errors import ErrorCodes, ProtocolError
 from gatekeeper.proxy.listen.settings import ListenerSettings, ProtocolSettings
 

@@ -20,8 +20,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from gatekeeper.acceptloop import ACCEPT_BACKOFF, accept_forever
-from gatekeeper.netbind import bind_listeners
 from gatekeeper.proxy import rejections
 from gatekeeper.proxy.adapter import ClientGone
 from gatekeeper.proxy.handoff.inbox import Inbox
@@ -34,8 +32,10 @@ from gatekeeper.proxy.listen.h2 import H2Protocol
 from gatekeeper.proxy.listen.h2_limits import check_limits
 from gatekeeper.proxy.listen.settings import ListenerSettings, ServedSettings
 from gatekeeper.proxy.messages import Handler
-from gatekeeper.tls import ReloadingTLS
-from gatekeeper.tlshandshake import handshake_within
+from gatekeeper.serving.acceptloop import ACCEPT_BACKOFF, accept_forever
+from gatekeeper.serving.netbind import bind_listeners
+from gatekeeper.serving.tls import ReloadingTLS
+from gatekeeper.serving.tlshandshake import handshake_within
 
 log = logging.getLogger("gatekeeper.proxy.listen.server")
 _receive_log = rejections.RateLimitedLog(log, rejections.LOG_INTERVAL)
@@ -91,7 +91,7 @@ class ProxyServer:
         self._ssl = ReloadingTLS(lambda: make_ssl_context(lst), [lst.cert_file, lst.key_file, lst.client_ca_file],
                                  what="proxy serving certificate and client CA",
                                  check_interval=lst.cert_check_interval_seconds).server_base()
-        """Certificate and client CA follow the files (gatekeeper/tls.py)."""
+        """Certificate and client CA follow the files (gatekeeper/serving/tls.py)."""
         self._sockets: list[socket.socket] = []
         self._accepters: list[asyncio.Task[None]] = []
         self._handshakes: set[asyncio.Task[None]] = set()

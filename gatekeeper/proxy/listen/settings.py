@@ -7,9 +7,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
-from gatekeeper.config import camel
-from gatekeeper.listener import TLSListenerSettings
+from gatekeeper.base.config import camel
 from gatekeeper.proxy.h2wire import frames
+from gatekeeper.serving.listener import TLSListenerSettings
 
 MAX_GOAWAY_CHANCE = 0.02
 """kube-apiserver refuses --goaway-chance above 0.02; so do we, outside tests."""

@@ -28,7 +28,8 @@ from gatekeeper.proxy.pipeline.deadline import INVALID_TIMEOUT, Deadlines, reque
 from gatekeeper.proxy.pipeline.settings import PipelineSettings
 from gatekeeper.proxy.upstream import errors as up
 from gatekeeper.proxy.upstream.client import BackendClient
-from gatekeeper.proxy.upstream.upgrade import is_upgrade, open_upgrade
+from gatekeeper.proxy.upstream.hop_by_hop import connection_tokens
+from gatekeeper.proxy.upstream.upgrade import open_upgrade
 
 log = logging.getLogger("gatekeeper.proxy.pipeline.stages")
 upstream_log = rejections.RateLimitedLog(log, rejections.LOG_INTERVAL)
@@ -207,6 +208,12 @@ def upstream_headers(headers: Headers, user: UserInfo, peer: str) -> Headers:
         prior.append(source_host(peer))
         out.append(("x-forwarded-for", ", ".join(prior)))
     return out
+
+
+def is_upgrade(request: ProxyRequest) -> bool:
+    """An HTTP/1.1 protocol switch (WebSocket for kubectl >= 1.30 exec/attach/port-forward, SPDY/3.1)."""
+    return (request.protocol == "http/1.1" and request.header("upgrade") is not None
+            and "upgrade" in connection_tokens(request.headers))
 
 
 class Dispatcher:

@@ -29,7 +29,7 @@ from gatekeeper.proxy.upstream.errors import (
 )
 from gatekeeper.proxy.upstream.hop_by_hop import REQUEST_REMOVED, response_headers
 from gatekeeper.proxy.upstream.settings import UpstreamSettings
-from gatekeeper.tls import ReloadingTLS
+from gatekeeper.serving.tls import ReloadingTLS
 
 __all__ = [
     "BackendClient", "BackendFailed", "ClientBodyFailed", "ConnectFailed", "NoFrontProxyCert", "PoolTimeout",
@@ -159,7 +159,7 @@ class BackendClient:
         """Forward one request; the response body streams from the backend as it is pulled.
 
         ``multiplex``: the apiserver will authenticate the caller, so a short bodiless GET or HEAD may share an HTTP/2
-        connection. Raises the errors of :func:`exchange.exchange`."""
+        connection. Raises the errors of :func:`lean.round_trip`."""
         mux = self.mux
         if (multiplex and not long_running and request.body is None
                 and request.method in _MUX_METHODS and (mux.h2 or mux.wants_h2())):
@@ -174,7 +174,7 @@ class BackendClient:
             request.method, request.target, self.authority, headers, REQUEST_REMOVED,
             has_body=request.body is not None)
         settings = self.settings
-        status, raw, lean_body = await exchange.exchange(
+        status, raw, lean_body = await lean.round_trip(
             self._pools[long_running], self.name, ssl_ctx, self._live_contexts, head,
             method=request.method,
             body=exchange.ClientBody(request.body) if request.body is not None else None,
@@ -227,7 +227,7 @@ class BackendClient:
             method, path, self.authority, [*headers, *([("content-length", str(len(body)))] if body else [])],
             REQUEST_REMOVED, has_body=body is not None)
         async with asyncio.timeout(deadline):
-            status, _, response = await exchange.exchange(
+            status, _, response = await lean.round_trip(
                 self._own, self.name, self.ssl_identity or self.ssl_plain, self._live_contexts, head,
                 method=method, body=exchange.ClientBody(one_chunk(body)) if body is not None else None,
                 declared=declared, header_timeout=deadline, acquire_timeout=deadline, pool_name="own-call",

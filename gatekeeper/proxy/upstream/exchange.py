@@ -1,4 +1,4 @@
-"""One request/response exchange on the HTTP/1.1 client.
+"""The HTTP/1.1 message both upstream paths agree on: the request head, body framing, and the streamed response body.
 
 The target goes out byte for byte as the pipeline classified it: checked, never re-parsed or normalised. A body with a
 Content-Length is held to it, so no byte of a second request can ride in it."""
@@ -6,24 +6,13 @@ Content-Length is held to it, so no byte of a second request can ride in it."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import re
-import ssl
 from collections.abc import AsyncIterator, Callable, Collection
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from gatekeeper.proxy.messages import Headers
-from gatekeeper.proxy.upstream.errors import (
-    BackendFailed,
-    ClientBodyFailed,
-    ConnectFailed,
-    PoolTimeout,
-    UpstreamTimeout,
-    connect_cause,
-)
-from gatekeeper.proxy.upstream.lean import Conn, Pool
-
-if TYPE_CHECKING:
-    from gatekeeper.proxy.upstream.mux_stream import MuxStream
+from gatekeeper.proxy.upstream.errors import BackendFailed
 
 TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 TARGET = re.compile(r"/[\x21-\x7e]*")
@@ -97,64 +86,21 @@ def encode_request_head(method: str, target: str, authority: str, headers: Heade
     return text.encode("utf-8", "surrogateescape"), declared
 
 
-class BodyFramer:
-    """A request body's bytes as they go upstream: raw within the declared Content-Length, else chunked.
+class BodySource(Protocol):
+    """What a response body is read from: a pooled HTTP/1.1 connection (``lean.Conn``) or an HTTP/2 stream."""
 
-    Shared by the pooled exchange and the upgrade splice so no path writes a body unframed (request smuggling with the
-    front-proxy certificate's trust). Over- or under-running the length raises ValueError."""
-
-    __slots__ = ("declared", "sent")
-
-    def __init__(self, declared: int | None) -> None:
-        self.declared = declared
-        self.sent = 0
-
-    def frame(self, chunk: bytes) -> bytes:
-        """The wire bytes for one non-empty chunk."""
-        self.sent += len(chunk)
-        declared = self.declared
-        if declared is None:
-            return b"%x\r\n%b\r\n" % (len(chunk), chunk)
-        if self.sent > declared:
-            raise ValueError(f"request body longer than its content-length {declared}")
-        return chunk
-
-    def end(self) -> bytes:
-        """The bytes that end the body (the last chunk, or nothing); ValueError if it came up short."""
-        if self.declared is None:
-            return b"0\r\n\r\n"
-        if self.sent != self.declared:
-            raise ValueError(f"request body of {self.sent} bytes, content-length {self.declared}")
-        return b""
-
-
-async def _send_body(conn: Conn, body: ClientBody, declared: int | None) -> None:
-    """Stream the client's body to the backend; any failure aborts the connection (the response side sees it)."""
-    transport = conn.transport
-    assert transport is not None
-    framer = BodyFramer(declared)
-    try:
-        async for chunk in body:
-            if chunk:
-                transport.write(framer.frame(chunk))
-                await conn.drain()
-        if end := framer.end():
-            transport.write(end)
-        conn.request_sent = True
-    except asyncio.CancelledError:
-        conn.abort()
-        raise
-    except BaseException as exc:  # reported through the connection, never lost
-        if body.error is None and isinstance(exc, ValueError):
-            body.error = exc  # the client's body broke its own framing
-        conn._fail(exc)
+    chunks: collections.deque[bytes]
+    complete: bool
+    error: BaseException | None
+    def wait(self) -> asyncio.Future[None]: ...
+    def take(self) -> bytes: ...
 
 
 class StreamedBody:
     """A response body: chunks as they arrive, what carried it released exactly once. ``aclose`` works before iteration
     too, so a dropped response still frees its connection and lease."""
 
-    def __init__(self, source: Conn | MuxStream, name: str, *, swallow_errors: bool,
+    def __init__(self, source: BodySource, name: str, *, swallow_errors: bool,
                  on_done: Callable[[BaseException | None], None]) -> None:
         self.source = source
         self.name = name
@@ -213,68 +159,3 @@ class StreamedBody:
         if not self.done:
             # Stopped early (client went away): mid-body, so the connection or stream is closed.
             self._finish(asyncio.CancelledError("response body closed before its end"))
-
-
-class LeanBody(StreamedBody):
-    """A body on a pooled HTTP/1.1 connection: back to the pool when read whole, closed otherwise."""
-
-    def __init__(self, conn: Conn, pool: Pool, name: str, *, swallow_errors: bool,
-                 on_done: Callable[[BaseException | None], None]) -> None:
-        super().__init__(conn, name, swallow_errors=swallow_errors, on_done=on_done)
-        self.conn = conn
-        self.pool = pool
-
-    def _release(self, error: BaseException | None) -> None:
-        if error is None:
-            self.pool.put_back(self.conn)
-        else:
-            self.conn.abort()
-        self.pool.slots.release()
-
-
-async def exchange(
-    pool: Pool, name: str, ctx: ssl.SSLContext, live: Callable[[], tuple[object, ...]], head: bytes, *,
-    method: str, body: ClientBody | None, declared: int | None, header_timeout: float | None,
-    acquire_timeout: float, pool_name: str, swallow_body_errors: bool,
-    on_done: Callable[[BaseException | None], None],
-) -> tuple[int, list[tuple[bytes, bytes]], LeanBody]:
-    """Send one request and wait for its response head; the body streams as it is pulled.
-
-    Raises :class:`PoolTimeout` or :class:`ConnectFailed` when nothing was sent, :class:`UpstreamTimeout` without a head
-    in time, :class:`ClientBodyFailed` when the client's body broke off, and :class:`BackendFailed` when the backend may
-    have seen the request."""
-    slots = pool.slots
-    if not slots.try_take():  # only a full pool pays for a future and a timeout scope
-        try:
-            async with asyncio.timeout(acquire_timeout):
-                await slots.take()
-        except TimeoutError:
-            raise PoolTimeout(f"no free {pool_name} connection to {name} within {acquire_timeout:g}s") from None
-    conn: Conn | None = None
-    try:
-        conn = pool.take_idle(ctx, live)
-        if conn is None:
-            try:
-                conn = await pool.connect(ctx)
-            except (TimeoutError, OSError, ssl.SSLError) as exc:
-                raise ConnectFailed(connect_cause(exc)) from exc
-        conn.begin(head, head_only=method == "HEAD", header_timeout=header_timeout)
-        conn.request_sent = body is None
-        if body is not None:
-            conn.body_task = asyncio.create_task(_send_body(conn, body, declared))
-        await conn.wait_head()
-    except BaseException as exc:
-        if conn is not None:
-            conn.abort()
-        pool.slots.release()
-        if body is not None and body.error is not None:
-            raise ClientBodyFailed(f"request body failed: {body.error}") from body.error
-        if isinstance(exc, ConnectFailed):
-            raise
-        if isinstance(exc, TimeoutError):
-            raise UpstreamTimeout(f"no response headers from {name} within {header_timeout:g}s") from exc
-        if isinstance(exc, OSError):
-            raise BackendFailed(f"{name}: {type(exc).__name__}") from exc
-        raise
-    return conn.status, conn.raw_headers, LeanBody(conn, pool, name, swallow_errors=swallow_body_errors,
-                                                   on_done=on_done)

@@ -232,7 +232,7 @@ async def exchange(
     block: bytes, *, head_only: bool, header_timeout: float | None,
     acquire_timeout: float, on_done: Callable[[BaseException | None], None],
 ) -> tuple[int, list[tuple[bytes, bytes]], MuxBody]:
-    """Send one bodiless request as a stream and wait for its head; the errors are :func:`exchange.exchange`'s. Raises
+    """Send one bodiless request as a stream and wait for its head; the errors are :func:`lean.round_trip`'s. Raises
     :class:`NotH2`, :class:`Paused` or :class:`Refused` (nothing processed): use HTTP/1.1 instead."""
     if pool.paused and pool.is_paused(ctx):
         pool.give_back()

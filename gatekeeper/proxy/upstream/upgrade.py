@@ -13,21 +13,13 @@ from typing import TYPE_CHECKING
 from gatekeeper.proxy.messages import Headers, ProxyRequest, ProxyResponse, Upgraded
 from gatekeeper.proxy.upstream import exchange
 from gatekeeper.proxy.upstream.errors import BackendFailed, ClientBodyFailed, ConnectFailed, connect_cause
-from gatekeeper.proxy.upstream.hop_by_hop import REQUEST_DROP, connection_tokens, strip_hop_by_hop
+from gatekeeper.proxy.upstream.hop_by_hop import REQUEST_DROP, strip_hop_by_hop
+from gatekeeper.proxy.upstream.lean import BodyFramer
 
 if TYPE_CHECKING:
     from gatekeeper.proxy.upstream.client import BackendClient
 
 MAX_HEAD_BYTES = 256 * 1024
-
-
-def is_upgrade(request: ProxyRequest) -> bool:
-    """An HTTP/1.1 protocol switch (WebSocket for kubectl >= 1.30 exec/attach/port-forward, SPDY/3.1)."""
-    return (
-        request.protocol == "http/1.1"
-        and request.header("upgrade") is not None
-        and "upgrade" in connection_tokens(request.headers)
-    )
 
 
 async def open_upgrade(
@@ -54,7 +46,7 @@ async def open_upgrade(
     try:
         writer.write(head)
         if body is not None:
-            framer = exchange.BodyFramer(declared)
+            framer = BodyFramer(declared)
             try:
                 async for chunk in body:
                     if chunk:

@@ -14,7 +14,7 @@ HOLD_MARK = "# gatekeeper-test: hold this parse"
 
 _dir = os.environ.get("GATEKEEPER_TEST_HOLD_DIR")
 if _dir:
-    from gatekeeper import yamlfiles as config
+    from gatekeeper.base import yamlfiles as config
 
     _real = config._documents
     _hold = Path(_dir)

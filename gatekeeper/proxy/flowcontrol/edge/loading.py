@@ -15,12 +15,12 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from gatekeeper.errors import NotRegularFile
+from gatekeeper.base.errors import NotRegularFile
+from gatekeeper.base.yamlfiles import load_yaml_all
 from gatekeeper.proxy.flowcontrol.core.controller import LevelLimits
 from gatekeeper.proxy.flowcontrol.core.objects import ObjectError
 from gatekeeper.proxy.flowcontrol.core.policy import Policy, build_policy, split_objects
 from gatekeeper.proxy.flowcontrol.settings import FlowControlSettings
-from gatekeeper.yamlfiles import load_yaml_all
 
 log = logging.getLogger("gatekeeper.proxy.flowcontrol")
 T = TypeVar("T")

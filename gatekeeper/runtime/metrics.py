@@ -4,8 +4,8 @@ Components define their collectors on the default registry. With several worker 
 prometheus-client's multiprocess mode makes every process write its samples to files that :func:`render`
 aggregates, so a scrape that lands on any worker reports the whole server. Importing this module imports
 prometheus_client, which fixes the mode: a command that runs workers calls
-:func:`gatekeeper.multiproc.enable_multiprocess` before it imports anything that defines metrics. No HTTP here:
-the aiohttp routes are in ``gatekeeper.ops``.
+:func:`gatekeeper.runtime.multiproc.enable_multiprocess` before it imports anything that defines metrics. No HTTP here:
+the aiohttp routes are in ``gatekeeper.runtime.ops``.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Gauge, generate_latest, multiprocess
 from prometheus_client.mmap_dict import MmapedDict
 
-from gatekeeper import __version__, compiled
-from gatekeeper.multiproc import ARCHIVE, MMAP_HEADER_BYTES, MULTIPROC_ENV, merge_lock
+from gatekeeper import __version__
+from gatekeeper.runtime import compiled
+from gatekeeper.runtime.multiproc import ARCHIVE, MMAP_HEADER_BYTES, MULTIPROC_ENV, merge_lock
 
 
 def absorb_dead_process(pid: int, path: str | None = None) -> None:

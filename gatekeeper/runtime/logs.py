@@ -20,7 +20,7 @@ from typing import Any
 
 import orjson
 
-from gatekeeper.errors import UsageError
+from gatekeeper.base.errors import UsageError
 
 LEVEL_ENV = "GATEKEEPER_LOG_LEVEL"
 FORMAT_ENV = "GATEKEEPER_LOG_FORMAT"

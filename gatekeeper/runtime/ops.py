@@ -2,7 +2,7 @@
 
 The webhook serves them on its TLS port beside ``/validate`` and ``/mutate``;
 the proxy on its plain-HTTP side listener (``listener.metricsPort``). The
-page comes from :func:`gatekeeper.metrics.render`, so both honour prometheus
+page comes from :func:`gatekeeper.runtime.metrics.render`, so both honour prometheus
 multiprocess mode.
 """
 
@@ -17,8 +17,8 @@ from typing import Any, Generic, TypeVar
 
 from aiohttp import web
 
-from gatekeeper import metrics
-from gatekeeper.multiproc import MULTIPROC_ENV
+from gatekeeper.runtime import metrics
+from gatekeeper.runtime.multiproc import MULTIPROC_ENV
 
 T = TypeVar("T")
 
@@ -78,7 +78,8 @@ async def _process_page() -> tuple[bytes, str]:
 
 
 this_process_page = SharedRender(_process_page)
-"""The default ``/metrics`` page: :func:`gatekeeper.metrics.render`, its multiprocess files read off the loop."""
+"""The default ``/metrics`` page: :func:`gatekeeper.runtime.metrics.render`, its multiprocess files read off the
+loop."""
 
 
 async def healthz(request: web.Request) -> web.Response:

@@ -24,7 +24,7 @@ import stat
 import tempfile
 from pathlib import Path
 
-log = logging.getLogger("gatekeeper.tempdirs")
+log = logging.getLogger("gatekeeper.runtime.tempdirs")
 
 OWNER_FILE = ".gatekeeper-owner"
 

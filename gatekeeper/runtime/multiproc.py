@@ -2,7 +2,7 @@
 
 Nothing here imports prometheus_client: importing the library picks the value class (in-process or mmap files)
 once, so a command calls :func:`enable_multiprocess` first and only then imports the modules that define
-metrics (``gatekeeper.metrics`` and every component's collectors)."""
+metrics (``gatekeeper.runtime.metrics`` and every component's collectors)."""
 
 from __future__ import annotations
 
@@ -14,13 +14,13 @@ import stat
 from collections.abc import Iterator
 from pathlib import Path
 
-from gatekeeper import tempdirs
-from gatekeeper.errors import UsageError
+from gatekeeper.base.errors import UsageError
+from gatekeeper.runtime import tempdirs
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 LOCK_FILE = ".gatekeeper-merge.lock"
-"""Beside the sample files: scrapes read under a shared lock, ``gatekeeper.metrics.absorb_dead_process`` writes under an
-exclusive one, so no scrape ever sees a dead process's counts both in its own file and in the archive."""
+"""Beside the sample files: scrapes read under a shared lock, ``gatekeeper.runtime.metrics.absorb_dead_process`` writes
+under an exclusive one, so no scrape ever sees a dead process's counts both in its own file and in the archive."""
 ARCHIVE = "archive"
 """``counter_archive.db`` / ``histogram_archive.db``: the summed counts of every dead process."""
 

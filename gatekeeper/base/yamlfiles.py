@@ -2,8 +2,8 @@
 policy files.
 
 A key given twice is an error, a file is read within :class:`YamlLimits` (size, aliases, nesting, time), and every
-problem is a :class:`~gatekeeper.errors.ConfigError` naming the file; :mod:`gatekeeper.config` maps what it reads
-onto settings dataclasses.
+problem is a :class:`~gatekeeper.base.errors.ConfigError` naming the file; :mod:`gatekeeper.base.config` maps what
+it reads onto settings dataclasses.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from gatekeeper.errors import ConfigError, NotRegularFile
+from gatekeeper.base.errors import ConfigError, NotRegularFile
 
 
 class _StrictConstructor(yaml.constructor.SafeConstructor):

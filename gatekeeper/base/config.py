@@ -11,7 +11,7 @@ an operator can fix the file without reading our code.
 Section dataclasses live beside the component that owns them
 (``gatekeeper.webhook.settings``, ``gatekeeper.proxy.settings``) so that each
 component can evolve its settings without touching the others; this module
-only holds the generic loader and the section registry; ``gatekeeper.yamlfiles`` is the strict YAML reader.
+only holds the generic loader and the section registry; ``gatekeeper.base.yamlfiles`` is the strict YAML reader.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
-from gatekeeper.errors import ConfigError
-from gatekeeper.yamlfiles import load_yaml
+from gatekeeper.base.errors import ConfigError
+from gatekeeper.base.yamlfiles import load_yaml
 
 T = TypeVar("T")
 

@@ -3,8 +3,8 @@ the other).
 
 Both accept for themselves rather than through ``loop.create_server(ssl=...)``: the proxy closes connections
 over ``maxClientConnections`` before any TLS work, and both run the handshake under
-:func:`gatekeeper.tlshandshake.handshake_within`. What each does with a connection is its own (``on_connection``);
-what is common is the loop, and its answer to a failing accept.
+:func:`gatekeeper.serving.tlshandshake.handshake_within`. What each does with a connection is its own
+(``on_connection``); what is common is the loop, and its answer to a failing accept.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
-"""`gatekeeper certs ...`: thin CLI over gatekeeper.certs."""
+"""`gatekeeper certs ...`: thin CLI over gatekeeper.certs.pki."""
 
 from __future__ import annotations
 
 import argparse
 
-from gatekeeper.certs import CLUSTER_CA, FRONT_PROXY_CA, PKI
-from gatekeeper.errors import UsageError, non_negative_int, positive_int
+from gatekeeper.base.errors import UsageError, non_negative_int, positive_int
+from gatekeeper.certs.pki import CLUSTER_CA, FRONT_PROXY_CA, PKI
 
 NAME = "certs"
 HELP = "create CAs and issue serving/client certificates"

@@ -1,0 +1,1 @@
+"""Certificates for a cluster and for gatekeeper itself: the PKI and the `gatekeeper certs` command."""
