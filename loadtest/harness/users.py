@@ -189,6 +189,20 @@ class AdmissionUser(CreateUser):
         create_pod(self, "CREATE gpu pod")
 
 
+def wait_for_slot(user: K8sUser, i: int, start: list[float]) -> None:
+    """An open-loop schedule: sleep until create ``i``'s slot, ``start + i / spec["rate"]``, then report how late
+    it left as ``ramp lag`` (response time = lag in ms). ``start`` holds the schedule's origin, set by the first
+    create for every user of the class (no yield between the check and the append: gevent)."""
+    if not start:
+        start.append(time.monotonic())
+    delay = start[0] + i / float(user.spec["rate"]) - time.monotonic()
+    if delay > 0:
+        time.sleep(delay)  # gevent-patched in Locust's process: the other users go on
+    user.environment.events.request.fire(
+        request_type="RAMP", name="ramp lag", response_time=max(0.0, -delay) * 1000, response_length=0,
+        exception=None, context={})
+
+
 _rate_index = itertools.count()
 _rate_start: list[float] = []
 
@@ -203,15 +217,7 @@ class RateAdmissionUser(K8sUser):
     @task
     def create_in_turn(self) -> None:
         i = next(_rate_index)
-        if not _rate_start:  # the first create fixes the schedule for everyone (no yield between: gevent)
-            _rate_start.append(time.monotonic())
-        due = _rate_start[0] + i / float(self.spec["rate"])
-        delay = due - time.monotonic()
-        if delay > 0:
-            time.sleep(delay)  # gevent-patched in Locust's process: the other users go on
-        self.environment.events.request.fire(
-            request_type="RAMP", name="ramp lag", response_time=max(0.0, -delay) * 1000, response_length=0,
-            exception=None, context={})
+        wait_for_slot(self, i, _rate_start)
         if i % 3 == 2:
             create_secret(self)
         else:
@@ -250,15 +256,7 @@ class RampGpuPodUser(K8sUser):
         i = next(_ramp_index)
         if i >= int(self.spec["total"]):
             raise StopUser()
-        if not _ramp_start:  # the first create fixes the schedule for everyone (no yield between: gevent)
-            _ramp_start.append(time.monotonic())
-        due = _ramp_start[0] + i / float(self.spec["rate"])
-        delay = due - time.monotonic()
-        if delay > 0:
-            time.sleep(delay)  # gevent-patched in Locust's process: the other users go on
-        self.environment.events.request.fire(
-            request_type="RAMP", name="ramp lag", response_time=max(0.0, -delay) * 1000, response_length=0,
-            exception=None, context={})
+        wait_for_slot(self, i, _ramp_start)
         self.call("POST", "CREATE gpu pod", f"/api/v1/namespaces/{self.ns}/pods", json=gpu_pod(f"gpu-{i:06d}"))
 
 
