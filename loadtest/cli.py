@@ -6,8 +6,8 @@ Brings up the sandbox the scenario needs (or adopts ``--state-dir``), drives the
 load with Locust, samples /proc and the components' /metrics, tears down, and
 writes DIR/report.md with the seed's figure beside ours, DIR/*.csv and DIR/*.png.
 ``all`` runs every scenario into DIR/<scenario>/ at its :data:`ALL_SCALES` share
-of ``--scale`` (the checked-in reports' scales; about 1 h 50 min at ``--scale 1`` on a 2-core machine);
-``--scale`` grows or shrinks every scenario.
+of ``--scale`` (the checked-in reports' scales); ``--scale`` grows or shrinks every scenario, and every arm runs
+:data:`RUNS` times, interleaved, unless ``--runs`` says otherwise.
 """
 
 from __future__ import annotations
@@ -37,15 +37,16 @@ SCENARIOS = {
 }
 """In the issue's priority order; ``all`` runs them in this order."""
 ARMED = ("list-storm", "list-storm-oom", "skew", "admission")
-"""Scenarios that take ``--arms`` and ``--runs``."""
+"""Scenarios that take ``--arms`` and ``--runs`` (gogc and dra-scale interleave their own 3 runs)."""
+RUNS = 3
+"""``--runs`` when not given: every verdict rests on at least 3 interleaved runs per arm (the reports' method)."""
 
 ALL_SCALES = {"list-storm": 1.0, "list-storm-oom": 1.0, "skew": 0.5, "admission": 0.5, "gogc": 1.0, "dra-scale": 1.0}
 """``all`` multiplies ``--scale`` by these: the scales of the checked-in reports, so ``all`` at ``--scale 1``
-reproduces them (each report's setup gives its own command). On a 2-core machine that took about 1 h 50 min with
-list-storm-oom's 5 arms x 300 s; list-storm-oom now runs 6 arms at 3 memory limits (up to 300 s each: about
-1 h 30 min on its own at ``--runs 1``, not yet timed). The rest: skew 6 arms x 120 s, admission 2 x 60 s, gogc 6
-fresh sandboxes (3 interleaved runs per GOGC), dra-scale 9 fresh sandboxes (3 interleaved runs per arm, 1,000 pods
-each); list-storm counts LISTs, not seconds. A scenario run on its own uses ``--scale`` as given."""
+reproduces them (each report's setup gives its own command), every arm :data:`RUNS` times: well over 3 hours on a
+2-core machine (list-storm-oom's 2 arms at 3 limits x 3 runs took 37 min; its 6 arms about three times that; skew's
+6 arms x 3 runs about an hour; gogc 6 and dra-scale 9 fresh sandboxes). A scenario run on its own uses ``--scale``
+as given."""
 
 
 def parser() -> argparse.ArgumentParser:
@@ -56,9 +57,9 @@ def parser() -> argparse.ArgumentParser:
                    help="use this running sandbox instead of starting one (it is left running)")
     p.add_argument("--scale", type=float, default=1.0,
                    help="multiply every scenario's counts and durations (default 1.0; 0.05 takes seconds)")
-    p.add_argument("--runs", type=int, default=1,
-                   help="run every arm this many times, interleaved (list-storm, list-storm-oom, skew, admission; "
-                        "default 1)")
+    p.add_argument("--runs", type=int, default=None,
+                   help=f"run every arm this many times, interleaved (list-storm, list-storm-oom, skew, admission, "
+                        f"and those in all; default {RUNS}, the fewest a verdict rests on; 1 for a quick look)")
     p.add_argument("--arms", default="",
                    help="comma-separated arms to run, in this order (list-storm, list-storm-oom, skew, admission; "
                         "default: the scenario's own)")
@@ -87,9 +88,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("--scale must be in (0, 100]", file=sys.stderr)
         return 2
     arms = tuple(a for a in args.arms.split(",") if a)
-    if (arms or args.runs != 1) and args.scenario not in ARMED:
-        print(f"--arms and --runs are taken by {', '.join(ARMED)} only", file=sys.stderr)
+    if arms and args.scenario not in ARMED:
+        print(f"--arms is taken by {', '.join(ARMED)} only", file=sys.stderr)
         return 2
+    if args.runs is not None and args.scenario not in (*ARMED, "all"):
+        print(f"--runs is taken by {', '.join(ARMED)} and all only", file=sys.stderr)
+        return 2
+    args.runs = RUNS if args.runs is None else args.runs
     if args.runs < 1:
         print("--runs must be at least 1", file=sys.stderr)
         return 2

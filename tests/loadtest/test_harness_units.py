@@ -192,10 +192,31 @@ def test_a_bound_holds_only_when_every_run_keeps_it() -> None:
 
 
 def test_arms_and_runs_are_refused_by_scenarios_that_do_not_take_them(tmp_path: Path) -> None:
-    for argv in (["dra-scale", "--arms", "direct"], ["gogc", "--runs", "3"], ["list-storm", "--runs", "0"]):
+    for argv, named in ((["dra-scale", "--arms", "direct"], "--arms"), (["gogc", "--runs", "3"], "--runs"),
+                        (["list-storm", "--runs", "0"], "--runs"), (["all", "--arms", "direct"], "--arms")):
         p = subprocess.run([sys.executable, "-m", "loadtest", *argv, "--out", str(tmp_path / "x")], cwd=REPO,
                            capture_output=True, text=True, timeout=120)
-        assert p.returncode == 2 and "--runs" in p.stderr, (argv, p.stderr)
+        assert p.returncode == 2 and named in p.stderr, (argv, p.stderr)
+
+
+def test_every_armed_scenario_and_all_run_three_interleaved_runs_unless_told(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import types
+
+    from loadtest import cli
+
+    seen: list[tuple[str, int]] = []
+
+    def fake(name: str) -> types.SimpleNamespace:
+        return types.SimpleNamespace(run=lambda ctx: seen.append((name.rsplit(".", 1)[-1], ctx.runs)))
+
+    monkeypatch.setattr(cli.importlib, "import_module", fake)
+    assert cli.main(["all", "--out", str(tmp_path / "a"), "--scale", "0.05", "--allow-dirty"]) == 0
+    assert seen and all(runs == cli.RUNS >= 3 for _, runs in seen), seen
+    assert len(seen) == len(cli.SCENARIOS)
+    seen.clear()
+    assert cli.main(["skew", "--out", str(tmp_path / "s"), "--runs", "1", "--allow-dirty"]) == 0
+    assert seen == [("skew", 1)]
 
 
 def test_an_unknown_list_storm_arm_is_named_before_any_sandbox_starts() -> None:

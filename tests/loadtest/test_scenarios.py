@@ -41,9 +41,13 @@ def haproxy() -> str:
 
 
 def run_scenario(name: str, out: Path, scale: float = 0.02, extra: Sequence[str] = ()) -> Path:
+    """One run per arm unless ``extra`` asks for more (the reports' 3 would triple the suite's time)."""
+    from loadtest.cli import ARMED
+
+    runs = ["--runs", "1"] if name in ARMED and "--runs" not in extra else []
     # --allow-dirty: a developer runs the suite on uncommitted work; the report says so (CI's tree is clean)
     p = subprocess.run([sys.executable, "-m", "loadtest", name, "--out", str(out), "--scale", str(scale),
-                        "--allow-dirty", *extra],
+                        "--allow-dirty", *runs, *extra],
                        cwd=REPO, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, f"{name} failed:\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
     return out / "report.md"
