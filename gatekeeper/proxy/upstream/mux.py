@@ -75,12 +75,7 @@ class MuxConn(asyncio.Protocol):
         self.flush_pending = False
         self.idle_since = time.monotonic()
 
-    # --- for the pool -------------------------------------------------------------------------
-
-    def available(self) -> bool:
-        codec = self.codec
-        return (not self.closed and self.goaway is None and codec.next_sid < MAX_STREAM_ID
-                and len(self.streams) < min(self.cap, codec.peer_max_streams))
+    # --- for the pool (which reads its fields to pick one) ---------------------------------------
 
     def start(self, block: bytes, *, head_only: bool, header_timeout: float | None) -> MuxStream:
         """Open a stream for a bodiless request whose header block is ``block`` (:func:`mux_wire.request_block`)."""
