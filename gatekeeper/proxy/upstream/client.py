@@ -172,7 +172,9 @@ class BackendClient:
             request.method, request.target, self.authority, headers, UPGRADE_REMOVED if upgrade else REQUEST_REMOVED,
             has_body=request.body is not None)
         if upgrade:
-            return await open_upgrade(self, request, head, declared, contexts.http1, on_done)
+            return await open_upgrade(request, head, declared, name=self.name, host=self.host, port=self.port,
+                                      ssl_ctx=contexts.http1, connect_timeout=self.settings.connect_timeout_seconds,
+                                      on_done=on_done)
         settings = self.settings
         status, raw, lean_body = await lean.round_trip(
             self._pools[long_running], self.name, contexts.http1, self._live_contexts, head,

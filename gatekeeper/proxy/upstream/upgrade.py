@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from typing import TYPE_CHECKING
 
 from gatekeeper.proxy.messages import Headers, ProxyRequest, ProxyResponse, Upgraded
 from gatekeeper.proxy.upstream import exchange
@@ -16,25 +15,22 @@ from gatekeeper.proxy.upstream.errors import BackendFailed, ClientBodyFailed, Co
 from gatekeeper.proxy.upstream.hop_by_hop import REQUEST_REMOVED, strip_hop_by_hop
 from gatekeeper.proxy.upstream.lean import BodyFramer
 
-if TYPE_CHECKING:
-    from gatekeeper.proxy.upstream.client import BackendClient
-
 MAX_HEAD_BYTES = 256 * 1024
 UPGRADE_REMOVED = REQUEST_REMOVED - {"connection", "upgrade"}
 """What never leaves on an upgrade request: it keeps ``Connection: upgrade`` (all the front stage left of it)."""
 
 
-async def open_upgrade(client: BackendClient, request: ProxyRequest, head: bytes, declared: int | None,
-                       ssl_ctx: ssl.SSLContext, on_done: Callable[[BaseException | None], None]) -> ProxyResponse:
+async def open_upgrade(request: ProxyRequest, head: bytes, declared: int | None, *, name: str, host: str, port: int,
+                       ssl_ctx: ssl.SSLContext, connect_timeout: float,
+                       on_done: Callable[[BaseException | None], None]) -> ProxyResponse:
     """Open a raw TLS connection, send the upgrade request, hand the 101 connection to the adapter.
 
     ``head`` is framed as on the pooled path (:data:`UPGRADE_REMOVED`), and so is the body: an unframed body was read
     by a refusing backend as a second request. The body is written with backpressure."""
     try:
         reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(client.host, client.port, ssl=ssl_ctx, server_hostname=client.host,
-                                    limit=MAX_HEAD_BYTES),
-            client.settings.connect_timeout_seconds,
+            asyncio.open_connection(host, port, ssl=ssl_ctx, server_hostname=host, limit=MAX_HEAD_BYTES),
+            connect_timeout,
         )
     except (TimeoutError, OSError, ssl.SSLError) as exc:
         raise ConnectFailed(connect_cause(exc)) from exc
@@ -58,7 +54,7 @@ async def open_upgrade(client: BackendClient, request: ProxyRequest, head: bytes
         writer.close()
         if body is not None and body.error is not None:
             raise ClientBodyFailed(f"upgrade request body failed: {body.error}") from body.error
-        raise BackendFailed(f"{client.name}: upgrade failed: {type(exc).__name__}") from exc
+        raise BackendFailed(f"{name}: upgrade failed: {type(exc).__name__}") from exc
     except BaseException:
         writer.close()
         raise
