@@ -33,7 +33,7 @@ from gatekeeper.proxy.messages import ProxyRequest, ProxyResponse
 from gatekeeper.proxy.pipeline.balancer import Balancer
 from gatekeeper.proxy.pipeline.stages import Dispatcher
 from gatekeeper.proxy.settings import BackendSettings, UpstreamSettings
-from gatekeeper.proxy.upstream import mux_stream
+from gatekeeper.proxy.upstream import mux
 from gatekeeper.proxy.upstream.client import BackendClient, BackendFailed, UpstreamTimeout
 from gatekeeper.proxy.upstream.exchange import encode_request_head
 from gatekeeper.proxy.upstream.mux_pool import MuxBody
@@ -263,7 +263,7 @@ async def test_a_refused_stream_is_sent_once_more_and_a_reset_one_never(backend)
 
 async def test_a_client_that_stops_reading_holds_one_stream_window_and_the_others_go_on(backend) -> None:
     b, client = backend
-    big = b"x" * (3 * mux_stream.STREAM_WINDOW)
+    big = b"x" * (3 * mux.STREAM_WINDOW)
 
     async def script(backend: Backend, peer: Peer, sid: int, headers: dict[str, str]) -> None:
         if headers[":path"] == "/big":
@@ -280,7 +280,7 @@ async def test_a_client_that_stops_reading_holds_one_stream_window_and_the_other
     assert [await read_all(r) for r in small] == [b"small"] * 5
     assert isinstance(stalled.body, MuxBody)
     stream = stalled.body.stream
-    assert 0 < stream.buffered <= mux_stream.STREAM_WINDOW
+    assert 0 < stream.buffered <= mux.STREAM_WINDOW
     assert await read_all(stalled) == big  # the window re-opens as the consumer reads
     assert b.connections == 1
 

@@ -21,8 +21,17 @@ from gatekeeper.proxy.upstream.errors import (
     connect_cause,
 )
 from gatekeeper.proxy.upstream.exchange import StreamedBody
-from gatekeeper.proxy.upstream.mux import IDLE_SECONDS, MAX_STREAM_ID, MuxConn, NotH2, Paused, Refused
-from gatekeeper.proxy.upstream.mux_stream import MuxStream, StreamRefused, StreamReset
+from gatekeeper.proxy.upstream.mux import (
+    IDLE_SECONDS,
+    MAX_STREAM_ID,
+    MuxConn,
+    MuxStream,
+    NotH2,
+    Paused,
+    Refused,
+    StreamRefused,
+    StreamReset,
+)
 from gatekeeper.proxy.upstream.slots import Slots
 
 log = logging.getLogger("gatekeeper.proxy.upstream.mux_pool")
