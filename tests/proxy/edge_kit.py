@@ -37,8 +37,9 @@ from gatekeeper.proxy.settings import (
 
 
 def fronted(request: ProxyRequest) -> ProxyRequest:
-    """``request`` as the front stage hands it on (RequestInfo parsed, the caller identified): what a test
-    that drives the dispatcher alone must give it."""
+    """``request`` as the front stage hands it on (RequestInfo parsed, Connection-named headers dropped, the caller
+    identified): what a test that drives the dispatcher alone must give it."""
+    request.headers = auth.drop_connection_named(request.headers)
     request.info = requestinfo.parse(request.method, request.target)
     request.user = auth.identify(request.peer_cert, request.headers)
     return request

@@ -28,8 +28,6 @@ from gatekeeper.proxy.pipeline.deadline import INVALID_TIMEOUT, Deadlines, reque
 from gatekeeper.proxy.pipeline.settings import PipelineSettings
 from gatekeeper.proxy.upstream import errors as up
 from gatekeeper.proxy.upstream.client import BackendClient
-from gatekeeper.proxy.upstream.hop_by_hop import connection_tokens
-from gatekeeper.proxy.upstream.upgrade import open_upgrade
 
 log = logging.getLogger("gatekeeper.proxy.pipeline.stages")
 upstream_log = rejections.RateLimitedLog(log, rejections.LOG_INTERVAL)
@@ -211,9 +209,9 @@ def upstream_headers(headers: Headers, user: UserInfo, peer: str) -> Headers:
 
 
 def is_upgrade(request: ProxyRequest) -> bool:
-    """An HTTP/1.1 protocol switch (WebSocket for kubectl >= 1.30 exec/attach/port-forward, SPDY/3.1)."""
-    return (request.protocol == "http/1.1" and request.header("upgrade") is not None
-            and "upgrade" in connection_tokens(request.headers))
+    """An HTTP/1.1 protocol switch (WebSocket for kubectl >= 1.30 exec/attach/port-forward, SPDY/3.1). The front
+    stage left ``Connection`` as this one field, and only beside an ``Upgrade`` (``auth.drop_connection_named``)."""
+    return request.protocol == "http/1.1" and ("connection", "upgrade") in request.headers
 
 
 class Dispatcher:
@@ -267,14 +265,10 @@ class Dispatcher:
             lease = self.balancer.acquire(backend, long_running=long_running, caller=caller)
             started = time.monotonic()
             try:
-                if upgrade:
-                    response = await open_upgrade(client, request, headers, identity=asserts_identity,
-                                                  on_close=_closer(lease))
-                else:
-                    response = await client.send(request, headers, identity=asserts_identity,
-                                                 swallow_body_errors=info.verb == "watch",
-                                                 on_done=_Done(backend, lease), long_running=info.long_running,
-                                                 multiplex=asserts_identity or request.token_verified)
+                response = await client.send(request, headers, identity=asserts_identity,
+                                             swallow_body_errors=info.verb == "watch", on_done=_Done(backend, lease),
+                                             long_running=info.long_running, upgrade=upgrade,
+                                             multiplex=(asserts_identity or request.token_verified) and not upgrade)
             except up.ConnectFailed as exc:
                 lease.release()
                 self._connect_failed(backend, exc)
@@ -347,13 +341,6 @@ class _Done:
         self.lease.release()
         if error is not None and not isinstance(error, (asyncio.CancelledError, GeneratorExit)):
             metrics.UPSTREAM_ERRORS.labels(self.backend.name, "mid_stream").inc()
-
-
-def _closer(lease: Lease) -> Callable[[], Awaitable[None]]:
-    async def on_close() -> None:
-        lease.release()
-
-    return on_close
 
 
 @dataclass(eq=False)

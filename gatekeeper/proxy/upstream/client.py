@@ -29,6 +29,7 @@ from gatekeeper.proxy.upstream.errors import (
 )
 from gatekeeper.proxy.upstream.hop_by_hop import REQUEST_REMOVED, response_headers
 from gatekeeper.proxy.upstream.settings import UpstreamSettings
+from gatekeeper.proxy.upstream.upgrade import UPGRADE_REMOVED, open_upgrade
 from gatekeeper.serving.tls import ReloadingTLS
 
 __all__ = [
@@ -135,14 +136,6 @@ class BackendClient:
     def ssl_plain(self) -> ssl.SSLContext:
         return self.tls_plain.get().http1
 
-    def ssl_for(self, identity: bool) -> ssl.SSLContext:
-        if not identity:
-            return self.ssl_plain
-        ctx = self.ssl_identity
-        if ctx is None:
-            raise NoFrontProxyCert(NO_FRONT_PROXY_CERT)
-        return ctx
-
     async def close(self) -> None:
         self.mux.close()
         for pool in (*self._pools.values(), self._own):
@@ -155,27 +148,36 @@ class BackendClient:
     async def send(
         self, request: ProxyRequest, headers: Headers, *, identity: bool, swallow_body_errors: bool,
         on_done: Callable[[BaseException | None], None], long_running: bool = False, multiplex: bool = False,
+        upgrade: bool = False,
     ) -> ProxyResponse:
         """Forward one request; the response body streams from the backend as it is pulled.
 
         ``multiplex``: the apiserver will authenticate the caller, so a short bodiless GET or HEAD may share an HTTP/2
-        connection. Raises the errors of :func:`lean.round_trip`."""
+        connection. ``upgrade``: a protocol switch, on a connection of its own (:mod:`upgrade`). Raises the errors of
+        :func:`lean.round_trip`."""
+        tls = self.tls_identity if identity else self.tls_plain
+        if tls is None:
+            raise NoFrontProxyCert(NO_FRONT_PROXY_CERT)
+        contexts = tls.get()  # one pair for every path: a handed-over HTTP/2 handshake joins its HTTP/1.1 pool
         mux = self.mux
         if (multiplex and not long_running and request.body is None
                 and request.method in _MUX_METHODS and (mux.h2 or mux.wants_h2())):
             try:
-                return await self._send_mux(mux, request, headers, identity, on_done)
+                return await self._send_mux(mux, request, headers, contexts, on_done)
             except mux_pool.NotH2:
                 # Nothing was sent or processed; a failed HTTP/1.1 connect next is a ConnectFailed as for any
                 # request, so a backend really going away is ejected.
                 pass
-        ssl_ctx = self.ssl_for(identity)
         head, declared = exchange.encode_request_head(
-            request.method, request.target, self.authority, headers, REQUEST_REMOVED,
+            request.method, request.target, self.authority, headers, UPGRADE_REMOVED if upgrade else REQUEST_REMOVED,
             has_body=request.body is not None)
+        if upgrade:
+            return await open_upgrade(request, head, declared, name=self.name, host=self.host, port=self.port,
+                                      ssl_ctx=contexts.http1, connect_timeout=self.settings.connect_timeout_seconds,
+                                      on_done=on_done)
         settings = self.settings
         status, raw, lean_body = await lean.round_trip(
-            self._pools[long_running], self.name, ssl_ctx, self._live_contexts, head,
+            self._pools[long_running], self.name, contexts.http1, self._live_contexts, head,
             method=request.method,
             body=exchange.ClientBody(request.body) if request.body is not None else None,
             declared=declared, header_timeout=None if long_running else settings.response_header_timeout_seconds,
@@ -191,13 +193,8 @@ class BackendClient:
     def _live_h2_contexts(self) -> tuple[ssl.SSLContext | None, ...]:
         return tuple(t.get().h2 if t is not None else None for t in (self.tls_identity, self.tls_plain))
 
-    async def _send_mux(self, mux: mux_pool.MuxPool, request: ProxyRequest, headers: Headers, identity: bool,
+    async def _send_mux(self, mux: mux_pool.MuxPool, request: ProxyRequest, headers: Headers, contexts: Contexts,
                         on_done: Callable[[BaseException | None], None]) -> ProxyResponse:
-        tls = self.tls_identity if identity else self.tls_plain
-        if tls is None:
-            mux.give_back()  # a retry of HTTP/2 granted to this request was never tried
-            raise NoFrontProxyCert(NO_FRONT_PROXY_CERT)  # as on the HTTP/1.1 path
-        contexts = tls.get()
         block = mux_wire.request_block(request.method, request.target, self._h2_authority, headers,
                                        REQUEST_REMOVED)
         try:

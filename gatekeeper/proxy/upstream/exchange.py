@@ -8,7 +8,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import re
-from collections.abc import AsyncIterator, Callable, Collection
+from collections.abc import AsyncIterator, Callable
+from collections.abc import Set as AbstractSet
 from typing import Protocol
 
 from gatekeeper.proxy.messages import Headers
@@ -40,11 +41,12 @@ class ClientBody:
             raise
 
 
-def encode_request_head(method: str, target: str, authority: str, headers: Headers, removed: Collection[str],
+def encode_request_head(method: str, target: str, authority: str, headers: Headers, removed: AbstractSet[str],
                         *, has_body: bool) -> tuple[bytes, int | None]:
     """The request head as one ``bytes`` and the body's declared length (None: chunked or no body).
 
-    Drops ``removed`` and the names ``Connection`` lists. A method that is not a token, a target that is not origin-form
+    Drops ``removed``. What ``Connection`` names the front stage dropped (``auth.drop_connection_named``): one naming
+    a field not in ``removed`` raises, as does a method that is not a token, a target that is not origin-form
     visible ASCII, or CR/LF/NUL in a header raises ValueError: nothing is sent."""
     if not TOKEN.fullmatch(method) or not TARGET.fullmatch(target):
         raise ValueError(f"refusing to send {method[:16]!r} {target[:64]!r} upstream")
@@ -54,11 +56,8 @@ def encode_request_head(method: str, target: str, authority: str, headers: Heade
     for name, value in headers:
         lower = name.lower()
         if lower in removed or lower[:1] == ":":
-            if lower == "connection":
-                named = {t.strip().lower() for k, v in headers if k.lower() == "connection" for t in v.split(",")}
-                if not named <= set(removed):
-                    return encode_request_head(method, target, authority, headers, {*removed, *named},
-                                               has_body=has_body)
+            if lower == "connection" and not {t.strip().lower() for t in value.split(",") if t.strip()} <= removed:
+                raise ValueError(f"Connection names fields still present: {value[:64]!r}")  # see the docstring
             continue
         if lower == "content-length":
             length = value

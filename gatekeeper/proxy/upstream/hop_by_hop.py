@@ -14,20 +14,16 @@ HOP_BY_HOP = frozenset({
 # The adapter handles 100-continue with the client; Host is the backend's.
 REQUEST_DROP = frozenset({"host", "expect"})
 REQUEST_REMOVED = HOP_BY_HOP | REQUEST_DROP
-"""What never leaves on a request (the encoders also drop what ``Connection`` names)."""
-
-
-def connection_tokens(headers: Headers) -> set[str]:
-    values = [v for k, v in headers if k.lower() == "connection"]
-    return {t.strip().lower() for v in values for t in v.split(",") if t.strip()}
+"""What never leaves on a request (the front stage dropped what ``Connection`` names)."""
 
 
 _KEEP_UPGRADE = frozenset({"upgrade", "connection"})
 
 
 def strip_hop_by_hop(headers: Headers, *, keep_upgrade: bool = False) -> Headers:
-    """``headers`` without hop-by-hop fields, those ``Connection`` names, and pseudo-headers."""
-    removed = HOP_BY_HOP | connection_tokens(headers)
+    """``headers`` without hop-by-hop fields, those ``Connection`` names, and pseudo-headers (an upgrade's response)."""
+    removed = HOP_BY_HOP | {t.strip().lower() for k, v in headers if k.lower() == "connection"
+                            for t in v.split(",") if t.strip()}
     if keep_upgrade:
         removed = removed - _KEEP_UPGRADE
     return [(k, v) for k, v in headers if k.lower() not in removed and k[:1] != ":"]

@@ -3,11 +3,13 @@
 One connection per backend batches a loop iteration's requests into one write and their answers into one read. A shared
 connection must not let one caller hold another's memory (per-stream windows reopen only as the client reads), slots
 (stream caps), or cause a re-send (only provably unprocessed streams are re-sent). Which requests take it, and why, is
-in docs/proxy/index.md (Upstream connections)."""
+in docs/proxy/index.md (Upstream connections). A :class:`MuxStream` holds one request's head, unread chunks and waiter,
+and gives the stream window back as the bytes are taken."""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import ssl
 import time
 from collections.abc import Callable
@@ -16,11 +18,77 @@ from typing import cast
 from gatekeeper.proxy.h2wire.client_codec import EV_DATA, EV_GOAWAY, EV_HEAD, H2ClientCodec
 from gatekeeper.proxy.h2wire.errors import ErrorCodes, ProtocolError
 from gatekeeper.proxy.upstream.lean import MAX_HEAD_BYTES, BackendProtocolError
-from gatekeeper.proxy.upstream.mux_stream import STREAM_WINDOW, MuxStream, StreamRefused, StreamReset
+from gatekeeper.proxy.upstream.slots import OneWaiter
 
 MAX_STREAM_ID = 2**31 - 1
 IDLE_SECONDS = 60.0
 """A connection with no stream for this long is closed at the next pick (the backend may have dropped it)."""
+STREAM_WINDOW = 256 * 1024
+"""Per-stream receive window (as ``lean.READ_HIGH``: what a client that stops reading can make us hold)."""
+
+
+class StreamRefused(ConnectionError):
+    """The backend did not process the stream (GOAWAY above it, or REFUSED_STREAM): safe to send again."""
+
+
+class StreamReset(ConnectionResetError):
+    """The backend reset this one stream (not REFUSED_STREAM); says something about the request (Go resets
+    malformed ones), not by itself about the backend."""
+
+
+class MuxStream(OneWaiter):
+    """One request's response as it arrives on a shared connection."""
+
+    __slots__ = (
+        "buffered",
+        "chunks",
+        "complete",
+        "conn",
+        "error",
+        "head_only",
+        "headers_done",
+        "raw_headers",
+        "sid",
+        "status",
+        "timer",
+    )
+
+    def __init__(self, sid: int, conn: MuxConn, head_only: bool) -> None:
+        self.sid = sid
+        self.conn = conn
+        self.loop = conn.loop
+        self.status = 0
+        self.raw_headers: list[tuple[bytes, bytes]] = []
+        self.headers_done = False
+        self.chunks: collections.deque[bytes] = collections.deque()
+        self.buffered = 0
+        """Bytes received and not yet taken by the consumer (bounded by the stream window)."""
+        self.complete = False
+        self.error: BaseException | None = None
+        self.waiter: asyncio.Future[None] | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.head_only = head_only
+
+    def fail(self, error: BaseException) -> None:
+        if self.error is None and not self.complete:
+            self.error = error
+        self.stop_timer()
+        self.wake()
+
+    def stop_timer(self) -> None:
+        timer, self.timer = self.timer, None
+        if timer is not None:
+            timer.cancel()
+
+    def take(self) -> bytes:
+        """Everything buffered, as one chunk; its bytes go back to the backend as stream window."""
+        chunks = self.chunks
+        chunk = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        self.buffered = 0
+        if not self.complete:
+            self.conn.consumed(self.sid, len(chunk))
+        return chunk
 
 
 class NotH2(ConnectionError):
@@ -75,12 +143,7 @@ class MuxConn(asyncio.Protocol):
         self.flush_pending = False
         self.idle_since = time.monotonic()
 
-    # --- for the pool -------------------------------------------------------------------------
-
-    def available(self) -> bool:
-        codec = self.codec
-        return (not self.closed and self.goaway is None and codec.next_sid < MAX_STREAM_ID
-                and len(self.streams) < min(self.cap, codec.peer_max_streams))
+    # --- for the pool (which reads its fields to pick one) ---------------------------------------
 
     def start(self, block: bytes, *, head_only: bool, header_timeout: float | None) -> MuxStream:
         """Open a stream for a bodiless request whose header block is ``block`` (:func:`mux_wire.request_block`)."""

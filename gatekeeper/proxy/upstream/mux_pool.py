@@ -21,8 +21,17 @@ from gatekeeper.proxy.upstream.errors import (
     connect_cause,
 )
 from gatekeeper.proxy.upstream.exchange import StreamedBody
-from gatekeeper.proxy.upstream.mux import IDLE_SECONDS, MuxConn, NotH2, Paused, Refused
-from gatekeeper.proxy.upstream.mux_stream import MuxStream, StreamRefused, StreamReset
+from gatekeeper.proxy.upstream.mux import (
+    IDLE_SECONDS,
+    MAX_STREAM_ID,
+    MuxConn,
+    MuxStream,
+    NotH2,
+    Paused,
+    Refused,
+    StreamRefused,
+    StreamReset,
+)
 from gatekeeper.proxy.upstream.slots import Slots
 
 log = logging.getLogger("gatekeeper.proxy.upstream.mux_pool")
@@ -131,8 +140,9 @@ class MuxPool:
             elif not conn.streams and now - conn.idle_since > IDLE_SECONDS:
                 conns.remove(conn)
                 conn.close()
-            elif conn.available():
-                return conn
+            elif (not conn.closed and conn.goaway is None and conn.codec.next_sid < MAX_STREAM_ID
+                  and len(conn.streams) < min(conn.cap, conn.codec.peer_max_streams)):
+                return conn  # room for one more stream
         return None
 
     async def conn(self, ctx: ssl.SSLContext, live: Callable[[], tuple[object, ...]]) -> MuxConn:
@@ -146,10 +156,8 @@ class MuxPool:
                 try:
                     conn = await asyncio.shield(opening)
                 except _OpenerGone:
-                    continue  # the request connecting was cancelled, not this one: connect (or wait) anew
-                if conn.available():
-                    return conn
-                continue
+                    pass  # the request connecting was cancelled, not this one: connect (or wait) anew
+                continue  # the new connection is picked if it has room
             asking = not self.h2
             if asking:
                 if not self.attempt_granted:  # found out while this request waited: nothing was sent

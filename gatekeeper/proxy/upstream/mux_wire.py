@@ -6,7 +6,7 @@ HPACK never-indexed literals (RFC 7541 7.1.3) and never memoized."""
 from __future__ import annotations
 
 import re
-from collections.abc import Collection
+from collections.abc import Set as AbstractSet
 
 from gatekeeper.proxy.h2wire.hpack_encode import NEVER, WITHOUT, literal
 from gatekeeper.proxy.messages import Headers
@@ -20,7 +20,7 @@ MEMO_ENTRIES = 4096
 MEMO_MAX_BYTES = 512
 _memo: dict[tuple[str, str], bytes] = {}
 """(name, value) -> its encoded field, for fields that are neither credentials nor long (checked once, then reused)."""
-_memo_removed: Collection[str] | None = None
+_memo_removed: AbstractSet[str] | None = None
 """The ``removed`` set the memo's fields passed."""
 
 
@@ -29,40 +29,38 @@ def authority_field(authority: str) -> bytes:
     return literal(b":authority", authority.encode("ascii"), WITHOUT)
 
 
-def request_block(method: str, target: str, authority: bytes, headers: Headers, removed: Collection[str],
-                  *, memo: bool = True) -> bytes:
+def request_block(method: str, target: str, authority: bytes, headers: Headers, removed: AbstractSet[str]) -> bytes:
     """The request's HPACK header block, pseudo-headers first; ValueError when anything may not go out.
 
     Nothing is indexed, so there is no dynamic table to keep in step, and ordinary fields' encodings are memoized (per
     ``removed`` set). A non-zero ``content-length`` is refused: only bodiless requests come here."""
     global _memo_removed
     fields = _memo
-    if memo and removed is not _memo_removed:
+    if removed is not _memo_removed:
         fields.clear()
         _memo_removed = removed
     method_field = _METHOD.get(method)
-    path_field = fields.get((":path", target)) if memo else None  # a target seen before was checked then
+    path_field = fields.get((":path", target))  # a target seen before was checked then
     if method_field is None or path_field is None:
         if not TOKEN.fullmatch(method) or not TARGET.fullmatch(target):
             raise ValueError(f"refusing to send {method[:16]!r} {target[:64]!r} upstream")
         method_field = method_field or literal(b":method", method.encode("ascii"), WITHOUT)
         if path_field is None:
             path_field = literal(b":path", target.encode("ascii"), WITHOUT)
-            if memo and len(target) <= MEMO_MAX_BYTES:
+            if len(target) <= MEMO_MAX_BYTES:
                 if len(fields) >= MEMO_ENTRIES:
                     fields.clear()
                 fields[(":path", target)] = path_field
     out = [method_field, _SCHEME_HTTPS, authority, path_field]
-    connection = False
     for name, value in headers:
-        if memo:
-            hit = fields.get((name, value))
-            if hit is not None:
-                out.append(hit)
-                continue
+        hit = fields.get((name, value))
+        if hit is not None:
+            out.append(hit)
+            continue
         lower = name.lower()
         if lower in removed or lower[:1] == ":":
-            connection = connection or lower == "connection"
+            if lower == "connection" and not {t.strip().lower() for t in value.split(",") if t.strip()} <= removed:
+                raise ValueError(f"Connection names fields still present: {value[:64]!r}")  # as exchange's head
             continue
         if lower == "content-length":
             if value.strip("0"):
@@ -75,14 +73,9 @@ def request_block(method: str, target: str, authority: bytes, headers: Headers, 
         secret = lower in SECRET
         encoded = literal(lower.encode("ascii"), value.encode("utf-8", "surrogateescape"),
                           NEVER if secret else WITHOUT)
-        if memo and not secret and len(name) + len(value) <= MEMO_MAX_BYTES:
+        if not secret and len(name) + len(value) <= MEMO_MAX_BYTES:
             if len(fields) >= MEMO_ENTRIES:
                 fields.clear()
             fields[(name, value)] = encoded
         out.append(encoded)
-    if connection:
-        # Rare: Connection names more headers to drop; encoded again without the memo.
-        named = {t.strip().lower() for k, v in headers if k.lower() == "connection" for t in v.split(",")}
-        if memo or not named <= set(removed):
-            return request_block(method, target, authority, headers, frozenset({*removed, *named}), memo=False)
     return b"".join(out)

@@ -8,37 +8,29 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from typing import TYPE_CHECKING
 
 from gatekeeper.proxy.messages import Headers, ProxyRequest, ProxyResponse, Upgraded
 from gatekeeper.proxy.upstream import exchange
 from gatekeeper.proxy.upstream.errors import BackendFailed, ClientBodyFailed, ConnectFailed, connect_cause
-from gatekeeper.proxy.upstream.hop_by_hop import REQUEST_DROP, strip_hop_by_hop
+from gatekeeper.proxy.upstream.hop_by_hop import REQUEST_REMOVED, strip_hop_by_hop
 from gatekeeper.proxy.upstream.lean import BodyFramer
 
-if TYPE_CHECKING:
-    from gatekeeper.proxy.upstream.client import BackendClient
-
 MAX_HEAD_BYTES = 256 * 1024
+UPGRADE_REMOVED = REQUEST_REMOVED - {"connection", "upgrade"}
+"""What never leaves on an upgrade request: it keeps ``Connection: upgrade`` (all the front stage left of it)."""
 
 
-async def open_upgrade(
-    client: BackendClient, request: ProxyRequest, headers: Headers, *, identity: bool,
-    on_close: Callable[[], Awaitable[None]],
-) -> ProxyResponse:
+async def open_upgrade(request: ProxyRequest, head: bytes, declared: int | None, *, name: str, host: str, port: int,
+                       ssl_ctx: ssl.SSLContext, connect_timeout: float,
+                       on_done: Callable[[BaseException | None], None]) -> ProxyResponse:
     """Open a raw TLS connection, send the upgrade request, hand the 101 connection to the adapter.
 
-    The head and body are framed as on the pooled path: an unframed body was read by a refusing backend as a second
-    request. The body is written with backpressure."""
-    ssl_ctx = client.ssl_for(identity)
-    head, declared = exchange.encode_request_head(
-        request.method, request.target, client.authority, strip_hop_by_hop(headers, keep_upgrade=True),
-        REQUEST_DROP, has_body=request.body is not None)
+    ``head`` is framed as on the pooled path (:data:`UPGRADE_REMOVED`), and so is the body: an unframed body was read
+    by a refusing backend as a second request. The body is written with backpressure."""
     try:
         reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(client.host, client.port, ssl=ssl_ctx, server_hostname=client.host,
-                                    limit=MAX_HEAD_BYTES),
-            client.settings.connect_timeout_seconds,
+            asyncio.open_connection(host, port, ssl=ssl_ctx, server_hostname=host, limit=MAX_HEAD_BYTES),
+            connect_timeout,
         )
     except (TimeoutError, OSError, ssl.SSLError) as exc:
         raise ConnectFailed(connect_cause(exc)) from exc
@@ -62,10 +54,14 @@ async def open_upgrade(
         writer.close()
         if body is not None and body.error is not None:
             raise ClientBodyFailed(f"upgrade request body failed: {body.error}") from body.error
-        raise BackendFailed(f"{client.name}: upgrade failed: {type(exc).__name__}") from exc
+        raise BackendFailed(f"{name}: upgrade failed: {type(exc).__name__}") from exc
     except BaseException:
         writer.close()
         raise
+
+    async def on_close() -> None:
+        on_done(None)
+
     if status == 101:
         return ProxyResponse(status=101, headers=strip_hop_by_hop(resp_headers, keep_upgrade=True),
                              upgraded=Upgraded(reader, writer, on_close))
