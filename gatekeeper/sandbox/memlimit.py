@@ -80,7 +80,19 @@ class MemoryCgroup:
                 names.reverse()
         for name in names:
             if name == "memory.limit_in_bytes" or (self.path / name).exists():  # memsw: with swap accounting
-                (self.path / name).write_text(str(limit))
+                self._write_v1(name, limit)
+
+    def _write_v1(self, name: str, limit: int) -> None:
+        """v1 refuses a limit below the cgroup's usage (EBUSY) when reclaim falls short, and an exited apiserver
+        leaves its page cache charged here (a 4 GiB run's before a 2 GiB one): an empty v1 cgroup drops its
+        charges on request (``memory.force_empty``), then the limit is written again."""
+        try:
+            (self.path / name).write_text(str(limit))
+        except OSError as exc:
+            if exc.errno != errno.EBUSY:
+                raise
+            (self.path / "memory.force_empty").write_text("0")
+            (self.path / name).write_text(str(limit))
 
     def remove(self) -> None:
         with contextlib.suppress(OSError):

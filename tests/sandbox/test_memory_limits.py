@@ -3,6 +3,7 @@ cgroup, restarts with kubelet's back-off; and the per-component flags."""
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import sys
@@ -116,3 +117,24 @@ def test_the_cli_refuses_a_bad_limit_before_starting_anything(tmp_path: Path) ->
                           "--apiserver-memory-limit", "lots"], capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "--apiserver-memory-limit 'lots'" in out.stderr
     assert not (tmp_path / "s" / "sandbox.json").exists()
+
+
+def test_a_v1_limit_below_the_charges_an_exited_process_left_is_set_after_they_are_dropped(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel answers EBUSY while the cgroup's usage (an exited apiserver's page cache) is over the new limit."""
+    (tmp_path / "memory.limit_in_bytes").write_text(str(4 << 30))
+    (tmp_path / "memory.usage_in_bytes").write_text(str(3 << 30))
+    write_text = Path.write_text
+
+    def kernel(path: Path, text: str) -> int:
+        usage = tmp_path / "memory.usage_in_bytes"
+        if path.name == "memory.force_empty":
+            usage.write_text("0")
+        elif path.name == "memory.limit_in_bytes" and int(text) < int(usage.read_text()):
+            raise OSError(errno.EBUSY, "Device or resource busy")
+        return write_text(path, text)
+
+    monkeypatch.setattr(Path, "write_text", kernel)
+    memlimit.MemoryCgroup(tmp_path, 1).set_limit(2 << 30)
+    assert (tmp_path / "memory.limit_in_bytes").read_text() == str(2 << 30)
+    assert (tmp_path / "memory.force_empty").exists()
