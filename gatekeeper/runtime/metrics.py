@@ -59,7 +59,7 @@ def absorb_dead_process(pid: int, path: str | None = None) -> None:
 def build_info() -> Any:
     """``gatekeeper_build_info{version,compiled} 1`` on the process's registry, once (the webhook and the proxy call
     it when they define their metrics): which build answers, for a rollout to be checked from ``/metrics``;
-    ``compiled`` is ``"13/13"`` when the hot modules load compiled by mypyc, ``"0/13"`` for pure Python. Its
+    ``compiled`` is ``"15/15"`` when the hot modules load compiled by mypyc, ``"0/15"`` for pure Python. Its
     multiprocess mode is ``livemax``: every live worker's 1 merges into one sample, and a dead worker's file
     goes with it (``mark_process_dead``), so restarts do not grow the metrics directory."""
     info = Gauge("gatekeeper_build_info", "The running gatekeeper's version and how many of its hot modules "

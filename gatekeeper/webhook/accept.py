@@ -32,12 +32,14 @@ class AcceptServer(asyncio.AbstractServer):
 
     def __init__(self, sockets: list[socket.socket], protocol_factory: Callable[[], asyncio.Protocol],
                  ssl_context: ssl.SSLContext, *, period: float, max_seconds: float,
-                 on_timeout: Callable[[], None], on_late: Callable[[], None]) -> None:
+                 on_timeout: Callable[[], None], on_late: Callable[[], None],
+                 on_accepted: Callable[[], None] = lambda: None) -> None:
         self._sockets = sockets
         self._factory = protocol_factory
         self._ssl = ssl_context
         self._period, self._max_seconds = period, max_seconds
         self._on_timeout, self._on_late = on_timeout, on_late
+        self._on_accepted = on_accepted
         self._loop = asyncio.get_running_loop()
         self._accepters = [self._loop.create_task(accept_forever(s, self._start_handshake, log=log))
                            for s in sockets]
@@ -57,6 +59,7 @@ class AcceptServer(asyncio.AbstractServer):
         try:
             await handshake_within(self._loop, conn, self._factory, self._ssl, self._period, self._max_seconds,
                                    self._on_late)
+            self._on_accepted()
         except (ConnectionAbortedError, TimeoutError):
             self._on_timeout()
             conn.close()

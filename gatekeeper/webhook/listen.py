@@ -320,7 +320,7 @@ class ConnectionCap:
 class LimitedSite(web.BaseSite):
     """A TCP site with a TLS handshake timeout, a connection cap and a request budget (see the module docstring)."""
 
-    __slots__ = ("_address", "_budget", "_handshake_timeout", "_max_connections", "_on_evicted",
+    __slots__ = ("_address", "_budget", "_handshake_timeout", "_max_connections", "_on_accepted", "_on_evicted",
                  "_on_handshake_late", "_on_handshake_timeout", "_on_refused", "_port", "_receive_buffer")
 
     def __init__(self, runner: web.BaseRunner, address: str, port: int, *, ssl_context: ssl.SSLContext,
@@ -328,7 +328,7 @@ class LimitedSite(web.BaseSite):
                  max_buffered_request_bytes: int | None = None, on_evicted: Callable[[], None] = lambda: None,
                  on_handshake_timeout: Callable[[], None] = lambda: None,
                  on_handshake_late: Callable[[], None] = lambda: None, backlog: int = 2048,
-                 receive_buffer: int = 0) -> None:
+                 receive_buffer: int = 0, on_accepted: Callable[[], None] = lambda: None) -> None:
         super().__init__(runner, ssl_context=ssl_context, backlog=backlog)
         self._receive_buffer = receive_buffer
         self._address, self._port = address, port
@@ -340,6 +340,7 @@ class LimitedSite(web.BaseSite):
         self._on_evicted = on_evicted
         self._on_handshake_timeout = on_handshake_timeout
         self._on_handshake_late = on_handshake_late
+        self._on_accepted = on_accepted
 
     @property
     def name(self) -> str:
@@ -368,4 +369,4 @@ class LimitedSite(web.BaseSite):
             sockets, ConnectionCap(server, self._max_connections, self._on_refused, self._budget, self._on_evicted),
             self._ssl_context, period=self._handshake_timeout,
             max_seconds=HANDSHAKE_CAP_PERIODS * self._handshake_timeout, on_timeout=self._on_handshake_timeout,
-            on_late=self._on_handshake_late)
+            on_late=self._on_handshake_late, on_accepted=self._on_accepted)

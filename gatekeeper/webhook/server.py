@@ -110,7 +110,7 @@ async def _runner_and_site(srv: ServerSettings, app: web.Application, tls: Reloa
                        handshake_timeout=srv.tls_handshake_timeout_seconds, on_refused=refused.inc,
                        max_buffered_request_bytes=srv.max_buffered_request_bytes, on_evicted=evicted.inc,
                        on_handshake_timeout=handshake_timeouts.inc, on_handshake_late=metrics().handshakes_late.inc,
-                       receive_buffer=srv.socket_receive_buffer_bytes)
+                       receive_buffer=srv.socket_receive_buffer_bytes, on_accepted=metrics().connections.inc)
     return runner, site
 
 

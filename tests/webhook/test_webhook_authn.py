@@ -127,6 +127,21 @@ async def test_certificate_from_the_ca_with_another_name_gets_403(authn_webhook:
     assert status == 403 and authn_webhook.created == []
 
 
+async def test_kept_connections_of_the_apiserver_and_another_name_keep_their_own_verdicts(
+        authn_webhook: Served) -> None:
+    """The caller's name is matched once per connection (app.verified_caller): reviews alternating over a kept
+    connection of the apiserver and one of another certificate from the same CA (each session keeps its
+    connection alive) never borrow each other's name. Matching on the settings alone failed here."""
+    doc = orjson.dumps(review(pod(container("m", 1))))
+    async with ClientSession(connector=TCPConnector(ssl=authn_webhook.client_ctx(APISERVER))) as ours, \
+            ClientSession(connector=TCPConnector(ssl=authn_webhook.client_ctx("some-pod"))) as theirs:
+        for _ in range(3):
+            for session, expected in ((ours, 200), (theirs, 403), (theirs, 403), (ours, 200)):
+                async with session.post(authn_webhook.url + "/mutate", data=doc) as r:
+                    await r.read()
+                    assert r.status == expected
+
+
 async def test_certificate_from_another_ca_fails_the_handshake(authn_webhook: Served, tmp_path: Path) -> None:
     rogue = _pki(tmp_path, "rogue")
     # TLS 1.3: the server's alert arrives on the first read, so aiohttp reports it as a client error.
