@@ -28,7 +28,6 @@ from gatekeeper.proxy.pipeline.stages import Pipeline, build
 from gatekeeper.proxy.settings import BackendSettings, ProxySettings, UpstreamSettings
 from gatekeeper.proxy.upstream.client import BackendClient, PoolTimeout
 from gatekeeper.proxy.upstream.hop_by_hop import strip_hop_by_hop
-from gatekeeper.proxy.upstream.upgrade import parse_head
 from gatekeeper.sandbox.processes import free_port
 
 ADMIN_CERT = {"subject": ((("organizationName", "system:masters"),), (("commonName", "alice"),))}
@@ -432,10 +431,36 @@ def test_hop_by_hop_stripping_keeps_upgrade_only_when_asked() -> None:
                                                            ("upgrade", "SPDY/3.1"), ("x-ok", "1")]
 
 
-def test_parse_head_rejects_garbage() -> None:
-    assert parse_head(b"HTTP/1.1 101 Switching\r\nUpgrade: x\r\n\r\n") == (101, [("upgrade", "x")])
-    with pytest.raises(ValueError):
-        parse_head(b"SSH-2.0-OpenSSH\r\n\r\n")
+async def test_a_protocol_switch_nobody_asked_for_is_a_502_never_a_tunnel(pki: PKI) -> None:
+    srv, port, _heads = await upgrade_server(pki)  # answers 101 to anything
+    pipeline = build(settings_for(pki, [f"https://127.0.0.1:{port}"]))
+    try:
+        resp = await pipeline.handler(req("GET", "/api/v1/pods", cert=ADMIN_CERT, protocol="http/1.1"))
+        assert resp.status == 502 and resp.upgraded is None
+        assert pipeline.balancer.backends[0].in_flight == 0
+    finally:
+        await pipeline.close()
+        srv.close()
+
+
+async def test_an_upgrade_answered_with_something_not_http_is_a_502(pki: PKI) -> None:
+    async def ssh(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"SSH-2.0-OpenSSH\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    srv = await asyncio.start_server(ssh, "127.0.0.1", 0, ssl=server_ssl(pki))
+    pipeline = build(settings_for(pki, [f"https://127.0.0.1:{srv.sockets[0].getsockname()[1]}"]))
+    try:
+        headers = [("connection", "Upgrade"), ("upgrade", "websocket"), ("sec-websocket-key", "k")]
+        resp = await pipeline.handler(req("GET", "/api/v1/namespaces/a/pods/p/exec", headers, cert=ADMIN_CERT,
+                                          protocol="http/1.1"))
+        assert resp.status == 502 and resp.upgraded is None
+        assert pipeline.balancer.backends[0].in_flight == 0 and pipeline.balancer.backends[0].watches == 0
+    finally:
+        await pipeline.close()
+        srv.close()
 
 
 def test_balancer_argument_is_used(pki: PKI, tmp_path: Path) -> None:
