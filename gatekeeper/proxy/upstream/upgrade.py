@@ -15,7 +15,7 @@ from gatekeeper.proxy.messages import ProxyRequest, ProxyResponse, Upgraded
 from gatekeeper.proxy.upstream import lean
 from gatekeeper.proxy.upstream.errors import BackendFailed
 from gatekeeper.proxy.upstream.exchange import ClientBody
-from gatekeeper.proxy.upstream.hop_by_hop import REQUEST_REMOVED, response_headers, strip_hop_by_hop
+from gatekeeper.proxy.upstream.hop_by_hop import KEEP_UPGRADE, REQUEST_REMOVED, response_headers
 
 UPGRADE_REMOVED = REQUEST_REMOVED - {"connection", "upgrade"}
 """What never leaves on an upgrade request: it keeps ``Connection: upgrade`` (all the front stage left of it)."""
@@ -73,6 +73,5 @@ async def open_upgrade(request: ProxyRequest, head: bytes, declared: int | None,
     async def on_close() -> None:
         on_done(None)
 
-    headers = [(k.decode("latin-1").lower(), v.decode("latin-1")) for k, v in raw]
-    return ProxyResponse(status=101, headers=strip_hop_by_hop(headers, keep_upgrade=True),
+    return ProxyResponse(status=101, headers=response_headers(raw, KEEP_UPGRADE),
                          upgraded=Upgraded(streams[0], streams[1], on_close))
