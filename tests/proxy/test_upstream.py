@@ -27,8 +27,7 @@ from gatekeeper.proxy.pipeline.balancer import Balancer
 from gatekeeper.proxy.pipeline.stages import Pipeline, build
 from gatekeeper.proxy.settings import BackendSettings, ProxySettings, UpstreamSettings
 from gatekeeper.proxy.upstream.client import BackendClient, PoolTimeout
-from gatekeeper.proxy.upstream.hop_by_hop import strip_hop_by_hop
-from gatekeeper.proxy.upstream.upgrade import parse_head
+from gatekeeper.proxy.upstream.hop_by_hop import KEEP_UPGRADE, response_headers
 from gatekeeper.sandbox.processes import free_port
 
 ADMIN_CERT = {"subject": ((("organizationName", "system:masters"),), (("commonName", "alice"),))}
@@ -425,17 +424,43 @@ async def test_upgrade_returns_spliceable_backend_connection(pki: PKI) -> None:
 
 
 def test_hop_by_hop_stripping_keeps_upgrade_only_when_asked() -> None:
-    headers = [("connection", "upgrade, foo"), ("upgrade", "SPDY/3.1"), ("foo", "1"), ("transfer-encoding",
-               "chunked"), ("proxy-authorization", "x"), ("keep-alive", "5"), ("x-ok", "1")]
-    assert strip_hop_by_hop(headers) == [("x-ok", "1")]
-    assert strip_hop_by_hop(headers, keep_upgrade=True) == [("connection", "upgrade, foo"),
-                                                           ("upgrade", "SPDY/3.1"), ("x-ok", "1")]
+    headers = [(b"Connection", b"upgrade, foo"), (b"upgrade", b"SPDY/3.1"), (b"foo", b"1"), (b"transfer-encoding",
+               b"chunked"), (b"proxy-authorization", b"x"), (b"keep-alive", b"5"), (b"x-ok", b"1")]
+    assert response_headers(headers) == [("x-ok", "1")]
+    assert response_headers(headers, KEEP_UPGRADE) == [("connection", "upgrade, foo"),
+                                                       ("upgrade", "SPDY/3.1"), ("x-ok", "1")]
 
 
-def test_parse_head_rejects_garbage() -> None:
-    assert parse_head(b"HTTP/1.1 101 Switching\r\nUpgrade: x\r\n\r\n") == (101, [("upgrade", "x")])
-    with pytest.raises(ValueError):
-        parse_head(b"SSH-2.0-OpenSSH\r\n\r\n")
+async def test_a_protocol_switch_nobody_asked_for_is_a_502_never_a_tunnel(pki: PKI) -> None:
+    srv, port, _heads = await upgrade_server(pki)  # answers 101 to anything
+    pipeline = build(settings_for(pki, [f"https://127.0.0.1:{port}"]))
+    try:
+        resp = await pipeline.handler(req("GET", "/api/v1/pods", cert=ADMIN_CERT, protocol="http/1.1"))
+        assert resp.status == 502 and resp.upgraded is None
+        assert pipeline.balancer.backends[0].in_flight == 0
+    finally:
+        await pipeline.close()
+        srv.close()
+
+
+async def test_an_upgrade_answered_with_something_not_http_is_a_502(pki: PKI) -> None:
+    async def ssh(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"SSH-2.0-OpenSSH\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    srv = await asyncio.start_server(ssh, "127.0.0.1", 0, ssl=server_ssl(pki))
+    pipeline = build(settings_for(pki, [f"https://127.0.0.1:{srv.sockets[0].getsockname()[1]}"]))
+    try:
+        headers = [("connection", "Upgrade"), ("upgrade", "websocket"), ("sec-websocket-key", "k")]
+        resp = await pipeline.handler(req("GET", "/api/v1/namespaces/a/pods/p/exec", headers, cert=ADMIN_CERT,
+                                          protocol="http/1.1"))
+        assert resp.status == 502 and resp.upgraded is None
+        assert pipeline.balancer.backends[0].in_flight == 0 and pipeline.balancer.backends[0].watches == 0
+    finally:
+        await pipeline.close()
+        srv.close()
 
 
 def test_balancer_argument_is_used(pki: PKI, tmp_path: Path) -> None:

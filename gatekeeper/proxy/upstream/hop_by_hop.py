@@ -17,26 +17,19 @@ REQUEST_REMOVED = HOP_BY_HOP | REQUEST_DROP
 """What never leaves on a request (the front stage dropped what ``Connection`` names)."""
 
 
-_KEEP_UPGRADE = frozenset({"upgrade", "connection"})
-
-
-def strip_hop_by_hop(headers: Headers, *, keep_upgrade: bool = False) -> Headers:
-    """``headers`` without hop-by-hop fields, those ``Connection`` names, and pseudo-headers (an upgrade's response)."""
-    removed = HOP_BY_HOP | {t.strip().lower() for k, v in headers if k.lower() == "connection"
-                            for t in v.split(",") if t.strip()}
-    if keep_upgrade:
-        removed = removed - _KEEP_UPGRADE
-    return [(k, v) for k, v in headers if k.lower() not in removed and k[:1] != ":"]
-
-
 _NAMES: dict[bytes, str] = {}
 """Response header names as received -> lower-case text: an apiserver sends the same dozen names all day."""
 MAX_NAMES = 512
 """Names past this many are decoded every time (a backend cannot grow the table without bound)."""
 
 
-def response_headers(raw: Sequence[tuple[bytes, bytes]]) -> Headers:
-    """Raw response headers as lower-case text pairs, without hop-by-hop ones and those ``Connection`` names."""
+KEEP_UPGRADE = frozenset({"upgrade", "connection"})
+"""The hop-by-hop fields a 101 keeps: they are its point."""
+
+
+def response_headers(raw: Sequence[tuple[bytes, bytes]], keep: frozenset[str] = frozenset()) -> Headers:
+    """Raw response headers as lower-case text pairs, without hop-by-hop ones and those ``Connection`` names, but for
+    ``keep``."""
     out: Headers = []
     named: list[str] | None = None
     names = _NAMES
@@ -49,9 +42,10 @@ def response_headers(raw: Sequence[tuple[bytes, bytes]]) -> Headers:
         if name in HOP_BY_HOP:
             if name == "connection":
                 named = [*(named or []), v.decode("latin-1")]
-            continue
+            if name not in keep:
+                continue
         out.append((name, v.decode("utf-8", "surrogateescape")))
     if named:
-        tokens = {t.strip().lower() for v in named for t in v.split(",")}
+        tokens = {t.strip().lower() for v in named for t in v.split(",")} - keep
         out = [(k, v) for k, v in out if k not in tokens]
     return out

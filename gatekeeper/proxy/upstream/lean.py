@@ -41,6 +41,9 @@ _LOST_PARSER = httptools.HttpResponseParser(object())
 class Conn(OneWaiter, asyncio.Protocol):
     """One backend connection and the response being read on it."""
 
+    final_1xx = 0
+    """An interim status that is this request's answer (an upgrade's 101); any other 1xx is skipped."""
+
     def __init__(self, ctx: ssl.SSLContext, on_lost: Callable[[Conn], None]) -> None:
         self.ctx = ctx
         self.on_lost = on_lost
@@ -104,14 +107,18 @@ class Conn(OneWaiter, asyncio.Protocol):
             self.head_bytes += len(data)
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            self._fail(BackendProtocolError("unexpected protocol switch"))
+        except httptools.HttpParserUpgrade as switch:
+            self._switched(data[switch.args[0]:])
         except httptools.HttpParserError as exc:
             self._fail(BackendProtocolError(f"malformed response: {exc}"))
         else:
             # Counted per read, not per header (see on_headers_complete for the exact check).
             if not self.headers_done and self.head_bytes > MAX_HEAD_BYTES:
                 self._fail(BackendProtocolError(f"response head over {MAX_HEAD_BYTES} bytes"))
+
+    def _switched(self, rest: bytes) -> None:
+        """The backend switched protocols; ``rest`` is what followed its head (only an upgrade expects that)."""
+        self._fail(BackendProtocolError("unexpected protocol switch"))
 
     def eof_received(self) -> bool | None:
         return None  # close the transport; connection_lost decides what the EOF means
@@ -153,7 +160,7 @@ class Conn(OneWaiter, asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         status = self.parser.get_status_code()
-        if 100 <= status < 200:
+        if 100 <= status < 200 and status != self.final_1xx:
             # An interim response (we never send Expect, but a backend may): skip it whole.
             self.interim = True
             self.raw_headers = []
@@ -240,6 +247,8 @@ class Conn(OneWaiter, asyncio.Protocol):
 class Pool:
     """Connections to one backend for one kind of request (short or long-running)."""
 
+    conn_class: type[Conn] = Conn
+
     def __init__(self, host: str, port: int, *, limit: int, connect_timeout: float) -> None:
         self.host = host
         self.port = port
@@ -281,7 +290,7 @@ class Pool:
     async def connect(self, ctx: ssl.SSLContext) -> Conn:
         """A new connection; TimeoutError, OSError or ssl.SSLError when it cannot be made."""
         loop = asyncio.get_running_loop()
-        conn = Conn(ctx, self._lost)
+        conn = self.conn_class(ctx, self._lost)
         async with asyncio.timeout(self.connect_timeout):
             await loop.create_connection(lambda: conn, self.host, self.port, ssl=ctx,
                                          server_hostname=self.host)

@@ -1,143 +1,77 @@
 """Protocol upgrades (WebSocket, SPDY/3.1: exec, attach, port-forward) to one apiserver, past every pool.
 
-An upgraded connection belongs to its client until one side closes it, so it never comes from or goes back to a pool. A
-refused upgrade is an ordinary response on a connection then closed."""
+An upgraded connection belongs to its client until one side closes it, so it never comes from or goes back to a shared
+pool: each upgrade has a pool of one. The request and the answer go through the pooled path's round trip (one parser,
+one body framing, one error mapping); a refused upgrade is an ordinary response on a connection then closed, a 101
+hands the socket to the adapter as streams."""
 
 from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import Callable
 
-from gatekeeper.proxy.messages import Headers, ProxyRequest, ProxyResponse, Upgraded
-from gatekeeper.proxy.upstream import exchange
-from gatekeeper.proxy.upstream.errors import BackendFailed, ClientBodyFailed, ConnectFailed, connect_cause
-from gatekeeper.proxy.upstream.hop_by_hop import REQUEST_REMOVED, strip_hop_by_hop
-from gatekeeper.proxy.upstream.lean import BodyFramer
+from gatekeeper.proxy.messages import ProxyRequest, ProxyResponse, Upgraded
+from gatekeeper.proxy.upstream import lean
+from gatekeeper.proxy.upstream.errors import BackendFailed
+from gatekeeper.proxy.upstream.exchange import ClientBody
+from gatekeeper.proxy.upstream.hop_by_hop import KEEP_UPGRADE, REQUEST_REMOVED, response_headers
 
-MAX_HEAD_BYTES = 256 * 1024
 UPGRADE_REMOVED = REQUEST_REMOVED - {"connection", "upgrade"}
 """What never leaves on an upgrade request: it keeps ``Connection: upgrade`` (all the front stage left of it)."""
+
+
+class _UpgradeConn(lean.Conn):
+    """A connection whose 101 is the answer: the socket then leaves the parser for the tunnel's streams."""
+
+    final_1xx = 101
+    streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+
+    def _switched(self, rest: bytes) -> None:
+        task = self.body_task
+        if self.status != 101 or self.transport is None or (task is not None and not task.done()):
+            # Tunnel bytes must not mix with a request body still going up (the old splice sent it whole first).
+            super()._switched(rest)
+            return
+        transport = self.transport
+        reader = asyncio.StreamReader(limit=lean.MAX_HEAD_BYTES, loop=self.loop)
+        protocol = asyncio.StreamReaderProtocol(reader, loop=self.loop)
+        transport.set_protocol(protocol)
+        protocol.connection_made(transport)
+        if rest:
+            reader.feed_data(rest)
+        self.streams = reader, asyncio.StreamWriter(transport, protocol, reader, self.loop)
+
+
+class _UpgradePool(lean.Pool):
+    conn_class = _UpgradeConn
 
 
 async def open_upgrade(request: ProxyRequest, head: bytes, declared: int | None, *, name: str, host: str, port: int,
                        ssl_ctx: ssl.SSLContext, connect_timeout: float,
                        on_done: Callable[[BaseException | None], None]) -> ProxyResponse:
-    """Open a raw TLS connection, send the upgrade request, hand the 101 connection to the adapter.
+    """Open a TLS connection, send the upgrade request (framed as on the pooled path, :data:`UPGRADE_REMOVED`), hand a
+    101 connection to the adapter. The errors are :func:`lean.round_trip`'s; there is no response-header timeout (the
+    listener bounds an unanswered upgrade)."""
+    pool = _UpgradePool(host, port, limit=1, connect_timeout=connect_timeout)
 
-    ``head`` is framed as on the pooled path (:data:`UPGRADE_REMOVED`), and so is the body: an unframed body was read
-    by a refusing backend as a second request. The body is written with backpressure."""
-    try:
-        reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(host, port, ssl=ssl_ctx, server_hostname=host, limit=MAX_HEAD_BYTES),
-            connect_timeout,
-        )
-    except (TimeoutError, OSError, ssl.SSLError) as exc:
-        raise ConnectFailed(connect_cause(exc)) from exc
-    body = exchange.ClientBody(request.body) if request.body is not None else None
-    try:
-        writer.write(head)
-        if body is not None:
-            framer = BodyFramer(declared)
-            try:
-                async for chunk in body:
-                    if chunk:
-                        writer.write(framer.frame(chunk))
-                        await writer.drain()
-                writer.write(framer.end())
-            except ValueError as exc:
-                body.error = body.error or exc  # the client's body broke its own framing
-                raise
-        await writer.drain()
-        status, resp_headers = parse_head(await reader.readuntil(b"\r\n\r\n"))
-    except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:
-        writer.close()
-        if body is not None and body.error is not None:
-            raise ClientBodyFailed(f"upgrade request body failed: {body.error}") from body.error
-        raise BackendFailed(f"{name}: upgrade failed: {type(exc).__name__}") from exc
-    except BaseException:
-        writer.close()
-        raise
+    def done(error: BaseException | None) -> None:
+        pool.close()  # a refused upgrade's connection read whole is never reused
+        on_done(error)
+
+    status, raw, body = await lean.round_trip(
+        pool, name, ssl_ctx, lambda: (ssl_ctx,), head, method=request.method,
+        body=ClientBody(request.body) if request.body is not None else None, declared=declared, header_timeout=None,
+        acquire_timeout=connect_timeout, pool_name="upgrade", swallow_body_errors=True, on_done=done)
+    if status != 101:
+        return ProxyResponse(status=status, headers=response_headers(raw), body=body)
+    streams = body.conn.streams if isinstance(body.conn, _UpgradeConn) else None
+    if streams is None:  # failed as round_trip fails: no on_done
+        body.conn.abort()
+        raise BackendFailed(f"{name}: upgrade failed: switched protocols before the request body was sent")
 
     async def on_close() -> None:
         on_done(None)
 
-    if status == 101:
-        return ProxyResponse(status=101, headers=strip_hop_by_hop(resp_headers, keep_upgrade=True),
-                             upgraded=Upgraded(reader, writer, on_close))
-    # Refused upgrade (e.g. 403, 400): an ordinary response on a connection we then close.
-    return ProxyResponse(status=status, headers=strip_hop_by_hop(resp_headers),
-                         body=_RefusedUpgradeBody(reader, writer, resp_headers, on_close))
-
-
-def parse_head(data: bytes) -> tuple[int, Headers]:
-    """Status and headers of an HTTP/1.1 response head; ValueError if it is not one."""
-    text = data.decode("latin-1")
-    status_line, *lines = text.split("\r\n")
-    parts = status_line.split(" ", 2)
-    if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
-        raise ValueError(f"not an HTTP/1.1 response: {status_line[:80]!r}")
-    headers: Headers = []
-    for line in lines:
-        if not line:
-            continue
-        name, sep, value = line.partition(":")
-        if not sep:
-            raise ValueError(f"malformed response header line {line[:80]!r}")
-        headers.append((name.strip().lower(), value.strip()))
-    return int(parts[1]), headers
-
-
-class _RefusedUpgradeBody:
-    """Body of a refused upgrade; its connection is closed once, whether the body was read or not. An async generator's
-    ``finally`` does not run if ``aclose`` precedes the first ``__anext__``, leaking the lease and the socket."""
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, headers: Headers,
-                 on_close: Callable[[], Awaitable[None]]) -> None:
-        self._chunks = _raw_body(reader, headers)
-        self._writer = writer
-        self._on_close: Callable[[], Awaitable[None]] | None = on_close
-
-    def __aiter__(self) -> _RefusedUpgradeBody:
-        return self
-
-    async def __anext__(self) -> bytes:
-        try:
-            return await self._chunks.__anext__()
-        except BaseException:
-            await self.aclose()
-            raise
-
-    async def aclose(self) -> None:
-        on_close, self._on_close = self._on_close, None
-        if on_close is None:
-            return
-        await self._chunks.aclose()
-        self._writer.close()
-        await on_close()
-
-
-async def _raw_body(reader: asyncio.StreamReader, headers: Headers) -> AsyncGenerator[bytes, None]:
-    """Content-Length, chunked, or until close; a broken body just ends (the caller closes the socket)."""
-    values = dict(headers)
-    try:
-        if "chunked" in values.get("transfer-encoding", "").lower():
-            while True:
-                size = int((await reader.readuntil(b"\r\n")).split(b";")[0].strip() or b"0", 16)
-                if size == 0:
-                    break
-                yield await reader.readexactly(size)
-                await reader.readexactly(2)
-        elif "content-length" in values:
-            left = int(values["content-length"])
-            while left > 0:
-                chunk = await reader.read(min(left, 1 << 16))
-                if not chunk:
-                    break
-                left -= len(chunk)
-                yield chunk
-        else:
-            while chunk := await reader.read(1 << 16):
-                yield chunk
-    except (OSError, asyncio.IncompleteReadError, ValueError):
-        pass
+    return ProxyResponse(status=101, headers=response_headers(raw, KEEP_UPGRADE),
+                         upgraded=Upgraded(streams[0], streams[1], on_close))
