@@ -25,6 +25,8 @@ from gatekeeper.base.errors import UsageError
 
 ROOT = Path("/sys/fs/cgroup")
 GROUP = "gatekeeper-sandbox"
+EMPTY_TRIES = 8
+"""Times a v1 limit below the charges an exited process left is tried, emptying the cgroup in between (~14 s)."""
 MIN_LIMIT = 64 << 20
 """An apiserver needs well over this just to start; a smaller limit is a typo."""
 
@@ -86,13 +88,17 @@ class MemoryCgroup:
         """v1 refuses a limit below the cgroup's usage (EBUSY) when reclaim falls short, and an exited apiserver
         leaves its page cache charged here (a 4 GiB run's before a 2 GiB one): an empty v1 cgroup drops its
         charges on request (``memory.force_empty``), then the limit is written again."""
-        try:
-            (self.path / name).write_text(str(limit))
-        except OSError as exc:
-            if exc.errno != errno.EBUSY:
-                raise
-            (self.path / "memory.force_empty").write_text("0")
-            (self.path / name).write_text(str(limit))
+        for attempt in range(EMPTY_TRIES):
+            try:
+                (self.path / name).write_text(str(limit))
+                return
+            except OSError as exc:
+                if exc.errno != errno.EBUSY or attempt + 1 == EMPTY_TRIES:
+                    raise
+            os.sync()  # dirty pages are reclaimed only once written back
+            with contextlib.suppress(OSError):  # EBUSY too while pages are under writeback: try again
+                (self.path / "memory.force_empty").write_text("0")
+            time.sleep(attempt * 0.5)
 
     def remove(self) -> None:
         with contextlib.suppress(OSError):
