@@ -11,22 +11,12 @@ import json
 import ssl
 import urllib.request
 from pathlib import Path
-from typing import Any
 
 import pytest
-
-from gatekeeper.sandbox.state import SandboxState
 
 pytestmark = pytest.mark.sandbox
 
 CREATES = 30
-
-
-@pytest.fixture(scope="module")
-def webhook(sandbox: SandboxState) -> dict[str, Any]:
-    if "webhook" not in sandbox.extra:
-        pytest.skip("the session sandbox runs without the webhook add-on (GATEKEEPER_SANDBOX_ADDONS)")
-    return sandbox.extra["webhook"]
 
 
 def _counters(url: str, ca: Path) -> tuple[float, float]:

@@ -15,18 +15,9 @@ from typing import Any
 
 import pytest
 
-from gatekeeper.sandbox.state import SandboxState
-
 pytestmark = pytest.mark.sandbox
 
 KIB = 1024
-
-
-@pytest.fixture(scope="module")
-def webhook(sandbox: SandboxState) -> dict[str, Any]:
-    if "webhook" not in sandbox.extra:
-        pytest.skip("the session sandbox runs without the webhook add-on (GATEKEEPER_SANDBOX_ADDONS)")
-    return sandbox.extra["webhook"]
 
 
 def blob(tmp_path: Path, size: int) -> Path:
