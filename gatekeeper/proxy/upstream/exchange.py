@@ -41,6 +41,14 @@ class ClientBody:
             raise
 
 
+def refuse_named_fields(connection: str, removed: AbstractSet[str]) -> None:
+    """ValueError when a ``Connection`` value names a field that is not in ``removed``: the front stage dropped what
+    it names (``auth.drop_connection_named``), so a request that still carries one did not pass it, and both encoders
+    send nothing rather than a field the backend would treat as hop-by-hop."""
+    if not {t.strip().lower() for t in connection.split(",") if t.strip()} <= removed:
+        raise ValueError(f"Connection names fields still present: {connection[:64]!r}")
+
+
 def encode_request_head(method: str, target: str, authority: str, headers: Headers, removed: AbstractSet[str],
                         *, has_body: bool) -> tuple[bytes, int | None]:
     """The request head as one ``bytes`` and the body's declared length (None: chunked or no body).
@@ -56,8 +64,8 @@ def encode_request_head(method: str, target: str, authority: str, headers: Heade
     for name, value in headers:
         lower = name.lower()
         if lower in removed or lower[:1] == ":":
-            if lower == "connection" and not {t.strip().lower() for t in value.split(",") if t.strip()} <= removed:
-                raise ValueError(f"Connection names fields still present: {value[:64]!r}")  # see the docstring
+            if lower == "connection":
+                refuse_named_fields(value, removed)
             continue
         if lower == "content-length":
             length = value

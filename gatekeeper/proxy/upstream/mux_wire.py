@@ -10,7 +10,7 @@ from collections.abc import Set as AbstractSet
 
 from gatekeeper.proxy.h2wire.hpack_encode import NEVER, WITHOUT, literal
 from gatekeeper.proxy.messages import Headers
-from gatekeeper.proxy.upstream.exchange import TARGET, TOKEN
+from gatekeeper.proxy.upstream.exchange import TARGET, TOKEN, refuse_named_fields
 
 _NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9a-z]+")
 SECRET = frozenset({"authorization", "proxy-authorization", "cookie"})
@@ -59,8 +59,8 @@ def request_block(method: str, target: str, authority: bytes, headers: Headers, 
             continue
         lower = name.lower()
         if lower in removed or lower[:1] == ":":
-            if lower == "connection" and not {t.strip().lower() for t in value.split(",") if t.strip()} <= removed:
-                raise ValueError(f"Connection names fields still present: {value[:64]!r}")  # as exchange's head
+            if lower == "connection":
+                refuse_named_fields(value, removed)
             continue
         if lower == "content-length":
             if value.strip("0"):
