@@ -82,7 +82,7 @@ from gatekeeper.webhook import policies
 from gatekeeper.webhook.body import TRIM_AFTER_BYTES, BodyTooLarge, heap_trimmer, read_body
 from gatekeeper.webhook.deviceclasses import ExtendedResourceMap
 from gatekeeper.webhook.namespace_modes import NamespaceModes
-from gatekeeper.webhook.settings import WebhookSettings
+from gatekeeper.webhook.settings import ServerSettings, WebhookSettings
 from gatekeeper.webhook.templates import TemplateError, TemplateKeeper
 
 log = logging.getLogger(__name__)
@@ -156,21 +156,26 @@ def verified_caller(request: web.Request, settings: WebhookSettings) -> str:
     cert = transport.get_extra_info("peercert")
     if not cert:
         return ""
-    last = _LAST_CALLER
-    if last[0] is cert and last[1] is srv:
-        return last[2]
+    known = _CALLERS.get(id(cert))
+    if known is not None and known[0] is cert and known[1] is srv:
+        return known[2]
     names = [v for rdn in cert.get("subject", ()) for k, v in rdn if k == "commonName"]
     names += [v for k, v in cert.get("subjectAltName", ()) if k == "DNS"]
     name = next((n for n in names if n in srv.allowed_client_names), "")
-    _LAST_CALLER[:] = (cert, srv, name)
+    if len(_CALLERS) >= MAX_CALLERS:
+        _CALLERS.clear()
+    _CALLERS[id(cert)] = (cert, srv, name)
     return name
 
 
-_LAST_CALLER: list[Any] = [None, None, ""]
-"""The last peer certificate named (the TLS layer's own dict, the same object for every request of a connection,
-kept from the handshake), the settings it was matched against and the name: the apiserver's reviews arrive on a
-few kept connections, so matching the names once per connection instead of per review saves ~10 Python calls of
-~350 (tests/webhook/test_webhook_review_path.py). Held by reference, so ``is`` cannot meet a recycled id."""
+MAX_CALLERS = 64
+"""Connections whose caller name is kept (every apiserver keeps a few; past this the table starts over)."""
+_CALLERS: dict[int, tuple[Any, ServerSettings, str]] = {}
+"""Peer certificate (the TLS layer's own dict, the same object for every request of a connection, kept from the
+handshake) -> the settings it was matched against and the name: the apiserver's reviews arrive on a few kept
+connections, one per apiserver and more under load, so the names are matched once per connection instead of per
+review, ~10 Python calls of ~350 (tests/webhook/test_webhook_review_path.py). The entry holds the certificate, so
+its id cannot be reused while the entry lives, and ``is`` checks it is the same one."""
 
 
 BudgetRefusal = Literal["body-budget", "body-budget-caller"]
