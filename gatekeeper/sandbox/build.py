@@ -89,14 +89,16 @@ class Component:
         return (root or cache_root()) / "build" / f"{self.name}-{self.version()}"
 
     def own_sources(self) -> list[Path]:
-        """Go files of our own beside go.mod (a load generator's main package); ``tools.go`` only pins imports."""
-        return sorted(p for p in self.source_dir().glob("*.go") if p.name != "tools.go")
+        """Go files of our own under go.mod's directory (load generators' main packages); ``tools.go`` only pins
+        imports."""
+        return sorted(p for p in self.source_dir().rglob("*.go") if p.name != "tools.go")
 
     def stamp(self) -> str:
         src = self.source_dir()
         gomod, gosum = (src / "go.mod").read_bytes(), (src / "go.sum").read_bytes()
         tags = f" -tags={','.join(self.tags)}" if self.tags else ""
-        own = "".join(f" {p.name}:{hashlib.sha256(p.read_bytes()).hexdigest()}" for p in self.own_sources())
+        own = "".join(f" {p.relative_to(src)}:{hashlib.sha256(p.read_bytes()).hexdigest()}"
+                      for p in self.own_sources())
         return stamp_of(gomod, gosum, self.ldflags() + tags + own, self.packages)
 
 
@@ -125,10 +127,12 @@ H2SPEC = Component("h2spec", "h2spec", "github.com/summerwind/h2spec", ("github.
 """HTTP/2 conformance checker; tests/proxy/test_h2spec.py runs it against the proxy (not used by ``up``)."""
 HELM = Component("helm", "helm", "helm.sh/helm/v3", ("helm.sh/helm/v3/cmd/helm",), ("helm",),
                  "-s -w -X helm.sh/helm/v3/internal/version.version={version}", version_args=("version", "--short"))
-INFORMERS = Component("informers", "informers", "k8s.io/client-go", ("gatekeeper.local/sandbox/informers",),
-                      ("informers",), "-s -w -X main.clientGoVersion={version}")
+INFORMERS = Component("informers", "informers", "k8s.io/client-go",
+                      ("gatekeeper.local/sandbox/informers", "gatekeeper.local/sandbox/informers/noopwebhook"),
+                      ("informers", "noopwebhook"), "-s -w -X main.clientGoVersion={version}")
 """Real client-go Secrets informers, one per tenant identity (``gomod/informers/main.go``): the seeds' storm as
-today's controllers send it, a watch-list per informer (tests/flowcontrol, ``python -m loadtest list-storm``)."""
+today's controllers send it, a watch-list per informer (tests/flowcontrol, ``python -m loadtest list-storm``). Beside
+them ``noopwebhook``, a webhook that allows everything and decides nothing: the admission scenario's floor."""
 PROMTOOL = Component("promtool", "promtool", "github.com/prometheus/prometheus",
                      ("github.com/prometheus/prometheus/cmd/promtool",), ("promtool",),
                      "-s -w -X github.com/prometheus/common/version.Version={bare}", tags=("remove_all_sd",))
@@ -235,9 +239,11 @@ def go_env() -> dict[str, str]:
 
 def _prepare_build_dir(component: Component, build_dir: Path) -> None:
     build_dir.mkdir(parents=True, exist_ok=True)
-    for path in (component.source_dir() / "go.mod", component.source_dir() / "go.sum",
-                 *component.source_dir().glob("*.go")):
-        shutil.copy2(path, build_dir / path.name)
+    src = component.source_dir()
+    for path in (src / "go.mod", src / "go.sum", *component.own_sources(), *src.glob("tools.go")):
+        dest = build_dir / path.relative_to(src)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(path, dest)
 
 
 def go_build_argv(component: Component, out: Path) -> list[str]:
@@ -426,6 +432,11 @@ def kubeadm_binary() -> Path:
 def informers_binary() -> Path:
     """Path of the built client-go informers load generator, or a BuildError naming the fix."""
     return deploy_tool(INFORMERS)
+
+
+def noop_webhook_binary() -> Path:
+    """Path of the do-nothing admission webhook (``gomod/informers/noopwebhook``), built beside the informers."""
+    return INFORMERS.bin_dir() / "noopwebhook"
 
 
 def caddy_binary(say: Callable[[str], None] = print) -> Path:

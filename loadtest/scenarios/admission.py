@@ -31,6 +31,7 @@ plain pods' is the webhooks' own share, judged over every round against :data:`O
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -52,12 +53,14 @@ from loadtest.harness.report import Report, bar_plot
 from loadtest.harness.rounds import bound_verdict, interleave, run_label, spread
 from loadtest.harness.run import RunContext, ms, run_locust
 from loadtest.harness.sampler import Sampler, proc_figures, write_rows
+from loadtest.scenarios import admission_floor as floor
 
 NAME = "admission"
 NS = "loadtest-admission"
 CLAIM = """Admission webhooks add latency to every create. Anchor (Kyverno's published load test, quoted in
 issue 12): 251 ms without vs 297 ms with policies, at 500 virtual users (+18%)."""
-ARMS = ("webhooks-off", "webhooks-on")
+ARMS = ("webhooks-off", "webhooks-noop", "webhooks-on")
+"""Off, a webhook that decides nothing where gatekeeper's are (the floor: admission_floor.py), gatekeeper's."""
 OWN_BOUND = 1.25
 """The webhooks' own cost on a create they review, as a ratio over the plain pods' in the same round: at most
 this in every round (Kyverno's published x1.18 with room for a shared 2-core machine), fixed before the runs."""
@@ -70,6 +73,8 @@ RATE = 30.0
 """Creates per second (all kinds) of the fixed-rate phase at --scale >= 0.5: about a third of what the 2-core
 machine's apiservers take closed loop with the webhooks off (~80/s, loadtest/reports/admission/)."""
 PHASES = ("rate", "saturation")
+COMPARISONS = (("webhooks-on", "webhooks-off"), ("webhooks-noop", "webhooks-off"), ("webhooks-on", "webhooks-noop"))
+"""(arm, baseline) pairs reported: the whole cost, the floor of calling any webhook, gatekeeper's over the floor."""
 CONFIGS = (("validatingwebhookconfiguration", registration.VALIDATING_NAME),
            ("mutatingwebhookconfiguration", registration.MUTATING_NAME))
 
@@ -84,20 +89,23 @@ def _save_configs(state: SandboxState) -> list[dict[str, Any]]:
     return out
 
 
-def _set_webhooks(state: SandboxState, on: bool, saved: list[dict[str, Any]]) -> None:
-    """Register or remove the webhooks, then wait until every apiserver agrees."""
+def _set_webhooks(state: SandboxState, arm: str, saved: list[dict[str, Any]], noop_url: str | None) -> None:
+    """Register gatekeeper's webhooks, the noop twins or none, then wait until every apiserver agrees."""
     binary = state.extra.get("kubectl")
-    if on:
+    for kind, name in CONFIGS:
+        kubectl.run(state.kubeconfig, "delete", kind, name, "--ignore-not-found", binary=binary, check=True)
+    items = saved if arm == "webhooks-on" else []
+    if arm == "webhooks-noop":
+        items = floor.noop_configs(saved, noop_url or "")
+    if items:
         kubectl.run(state.kubeconfig, "apply", "-f", "-", binary=binary, check=True,
-                    input=json.dumps({"apiVersion": "v1", "kind": "List", "items": saved}))
-    else:
-        for kind, name in CONFIGS:
-            kubectl.run(state.kubeconfig, "delete", kind, name, binary=binary, check=True)
+                    input=json.dumps({"apiVersion": "v1", "kind": "List", "items": items}))
     deadline = time.monotonic() + 120
     for kc in state.extra.get("apiserver_kubeconfigs") or [state.kubeconfig]:
-        while (enforced(kc, binary)[0]) != on:
+        while (enforced(kc, binary)[0] != (arm == "webhooks-on")
+               or floor.noop_answers(state, kc) != (arm == "webhooks-noop")):
             if time.monotonic() > deadline:
-                raise ScenarioError(f"webhooks still {'off' if on else 'on'} on {kc} after 120s")
+                raise ScenarioError(f"{arm}: the apiserver behind {kc} still calls other webhooks after 120s")
             time.sleep(0.5)
 
 
@@ -127,15 +135,16 @@ def _phase(results: Sequence[dict[str, Any]], phase: str) -> list[dict[str, Any]
     return [r for r in results if r.get("phase", "saturation") == phase]
 
 
-def ratios(results: Sequence[dict[str, Any]], phase: str = "saturation") -> dict[str, list[float]]:
-    """Per kind, each round's mean create latency with the webhooks on over off; ``own <kind>``: that ratio over
+def ratios(results: Sequence[dict[str, Any]], phase: str = "saturation", on_arm: str = "webhooks-on",
+           off_arm: str = "webhooks-off") -> dict[str, list[float]]:
+    """Per kind, each round's mean create latency in ``on_arm`` over ``off_arm``; ``own <kind>``: that ratio over
     the plain pods' in the same round (the machine's drift taken out). Rounds without both arms are skipped."""
     means: dict[tuple[int, str], dict[str, float]] = {}
     for r in _phase(results, phase):
         means[(r["round"], r["arm"])] = {n: ms(r["rows"].get(n), "Average Response Time") for n in KINDS}
     out: dict[str, list[float]] = {}
     for round_ in sorted({rnd for rnd, _ in means}):
-        off, on = means.get((round_, "webhooks-off")), means.get((round_, "webhooks-on"))
+        off, on = means.get((round_, off_arm)), means.get((round_, on_arm))
         if not off or not on:
             continue
         each = {n: on[n] / off[n] for n in KINDS if off[n] > 0}
@@ -146,13 +155,14 @@ def ratios(results: Sequence[dict[str, Any]], phase: str = "saturation") -> dict
     return out
 
 
-def added_ms(results: Sequence[dict[str, Any]], phase: str) -> dict[str, list[float]]:
-    """Per kind, each round's mean create latency with the webhooks on minus off, ms."""
+def added_ms(results: Sequence[dict[str, Any]], phase: str, on_arm: str = "webhooks-on",
+             off_arm: str = "webhooks-off") -> dict[str, list[float]]:
+    """Per kind, each round's mean create latency in ``on_arm`` minus ``off_arm``, ms."""
     means = {(r["round"], r["arm"]): r["rows"] for r in _phase(results, phase)}
     out: dict[str, list[float]] = {}
     for (round_, arm), rows in sorted(means.items()):
-        off = means.get((round_, "webhooks-off"))
-        if arm != "webhooks-on" or off is None:
+        off = means.get((round_, off_arm))
+        if arm != on_arm or off is None:
             continue
         for n in KINDS:
             out.setdefault(n, []).append(ms(rows.get(n), "Average Response Time") - ms(off.get(n),
@@ -178,19 +188,22 @@ def _idle(pid: int, seconds: float) -> float:
 
 
 def _measure(ctx: RunContext, state: SandboxState, pid: int, metrics_url: str, ca: Path, label: str,
-             spec: dict[str, Any], duration: float, samplers: list[Sampler]) -> dict[str, Any]:
-    """One Locust run: its stats rows, and the webhook's CPU, reviews and wall time over it."""
+             spec: dict[str, Any], duration: float, samplers: list[Sampler], names: list[str]) -> dict[str, Any]:
+    """One Locust run: its stats rows, the webhook's CPU, reviews and wall time over it, and every webhook call
+    as the apiservers timed it."""
     sampler = Sampler(state, label, interval=1.0, extra_pids={"webhook": pid})
+    calls0 = floor.webhook_calls(state, names)
     cpu0, rev0 = (proc_figures(pid) or (0, 0.0))[1], _reviews(metrics_url, ca)
     load0, gen0, t0 = os.getloadavg()[0], resource.getrusage(resource.RUSAGE_CHILDREN), time.monotonic()
     with sampler:
         rows = run_locust(ctx, label, spec, timeout=duration)
     wall, gen1 = time.monotonic() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu1, rev1 = (proc_figures(pid) or (0, 0.0))[1], _reviews(metrics_url, ca)
+    calls1 = floor.webhook_calls(state, names)
     samplers.append(sampler)
     delta = {k: rev1[k] - rev0[k] for k in rev1}
     return {"rows": rows, "cpu": cpu1 - cpu0, "wall": wall, "reviews": delta["total"], "by": delta,
-            "load": (load0, os.getloadavg()[0]),
+            "load": (load0, os.getloadavg()[0]), "calls": floor.calls_between(calls0, calls1),
             "generator_cpu": (gen1.ru_utime - gen0.ru_utime) + (gen1.ru_stime - gen0.ru_stime)}
 
 
@@ -205,7 +218,8 @@ def run(ctx: RunContext) -> None:
     report = Report(ctx.out, "admission: create latency with gatekeeper's webhooks on vs off", CLAIM)
     samplers: list[Sampler] = []
     results: list[dict[str, Any]] = []
-    with cluster.sandbox(ctx.work / "sandbox", ctx.adopt, ctx.log, addons=("webhook",)) as state:
+    with contextlib.ExitStack() as stack:
+        state = stack.enter_context(cluster.sandbox(ctx.work / "sandbox", ctx.adopt, ctx.log, addons=("webhook",)))
         if "webhook" not in state.extra:
             raise ScenarioError("the sandbox has no webhook add-on (sandbox up --with-webhook)")
         report.use_sandbox(state)
@@ -215,6 +229,8 @@ def run(ctx: RunContext) -> None:
             c.post(f"/api/v1/namespaces/{NS}/serviceaccounts",
                    json={"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "default"}})
         saved = _save_configs(state)
+        names = floor.webhook_names(saved)
+        noop_url = stack.enter_context(floor.noop_server(state, ctx.work)) if "webhooks-noop" in arms else None
         hook = state.process("webhook")
         metrics_url = hook.urls["metrics"]
         idle: dict[int, float] = {}
@@ -222,7 +238,7 @@ def run(ctx: RunContext) -> None:
             if round_ not in idle:
                 idle[round_] = _idle(hook.pid, duration)
                 ctx.say(f"  round {round_} idle: webhook {100 * idle[round_]:.2f} % of a core")
-            _set_webhooks(state, arm == "webhooks-on", saved)
+            _set_webhooks(state, arm, saved, noop_url)
             for phase in PHASES:
                 label = run_label(arm if phase == "saturation" else f"{arm}-rate", round_, ctx.runs)
                 spec = {"users": users, "spawn_rate": max(1, users // 5)} if phase == "saturation" else \
@@ -231,10 +247,12 @@ def run(ctx: RunContext) -> None:
                 spec = {"user_classes": ["loadtest.harness.users:AdmissionUser"], "run_time": duration,
                         "targets": state.apiserver_urls, "identities": identities, "namespace": NS, "ca": str(ca),
                         "request_timeout": 60, **spec}
-                r = _measure(ctx, state, hook.pid, metrics_url, ca, label, spec, duration, samplers)
+                r = _measure(ctx, state, hook.pid, metrics_url, ca, label, spec, duration, samplers, names)
                 results.append({"arm": arm, "phase": phase, "label": label, "round": round_, **r})
                 ctx.say(f"  {label}: {ms(r['rows'].get('Aggregated'), 'Requests/s'):.1f} req/s, "
                         f"{r['reviews']:.0f} reviews")
+        if ctx.adopt:  # leave an adopted sandbox as it was handed over
+            _set_webhooks(state, "webhooks-on", saved, noop_url)
     write_rows(ctx.out / "samples.csv", samplers)
     report.csvs += ["samples.csv", *[f"{r['label']}_stats.csv" for r in results]]
     report.setup["load"] = (f"fixed rate: {rate:g} creates/s open loop ({rate_users} Locust users in flight), a "
@@ -242,8 +260,9 @@ def run(ctx: RunContext) -> None:
                             "(Kyverno's test used 500 VUs on a real cluster), each creating a Pod or a 1 KiB Secret "
                             f"and deleting it; {duration:.0f} s per phase and for each round's idle window, tenants "
                             "(client certificates and ServiceAccount tokens) spread over 3 apiservers")
-    report.setup["runs"] = (f"{ctx.runs} per arm, interleaved (idle, off, on, idle, off, on, ...), each arm at the "
-                            "fixed rate then at saturation, on one sandbox")
+    report.setup["runs"] = (f"{ctx.runs} per arm, interleaved (idle, then {', '.join(arms)}, per round), each arm "
+                            "at the fixed rate then at saturation, on one sandbox; webhooks-noop is Go's "
+                            "noopwebhook (gatekeeper/sandbox/gomod/informers/noopwebhook) in gatekeeper's places")
     _write_report(report, results, idle, users)
 
 
@@ -262,15 +281,22 @@ def _latency_tables(report: Report, results: list[dict[str, Any]]) -> None:
                    ms(r["rows"].get("ramp lag"), "99%") if r.get("phase") == "rate" else "closed loop"]
                   for i, r in enumerate(results, 1)], "Runs in the order run")
     for phase in PHASES:
-        got, added = ratios(results, phase), added_ms(results, phase)
-        if got:
-            report.table([f"{phase}: mean create latency, on / off in the same round", "rounds", "median [min-max]"],
-                         [[n, len(v), spread(v).show(".2f", "x")] for n, v in got.items()],
-                         f"Ratios per round ({phase}); own: over the plain pods' ratio of the same round (the "
-                         "webhook never sees them)")
-        if added:
-            report.table([f"{phase}: latency added per create, on - off", "rounds", "median [min-max] ms"],
-                         [[n, len(v), spread(v).show(".1f")] for n, v in added.items()])
+        for on_arm, off_arm in COMPARISONS:
+            got, added = ratios(results, phase, on_arm, off_arm), added_ms(results, phase, on_arm, off_arm)
+            vs = f"{on_arm.removeprefix('webhooks-')} / {off_arm.removeprefix('webhooks-')}"
+            if got:
+                report.table([f"{phase}: mean create latency, {vs} in the same round", "rounds", "median [min-max]"],
+                             [[n, len(v), spread(v).show(".2f", "x")] for n, v in got.items()],
+                             f"Ratios per round ({phase}, {vs}); own: over the plain pods' ratio of the same round "
+                             "(no webhook sees them)")
+            if added:
+                report.table([f"{phase}: latency added per create, {vs.replace('/', '-')}", "rounds",
+                              "median [min-max] ms"], [[n, len(v), spread(v).show(".1f")] for n, v in added.items()])
+    calls = [[r["label"], name, f"{mean:.2f}", int(n)] for r in results for name, (mean, n) in r["calls"].items()]
+    if calls:
+        report.table(["run", "webhook", "mean ms per call", "calls"], calls,
+                     "Webhook calls as the apiservers time them (apiserver_admission_webhook_admission_duration_"
+                     "seconds, all apiservers): the call alone, without the rest of the create")
 
 
 def _verdicts(results: list[dict[str, Any]], idle: dict[int, float]) -> list[str]:
@@ -278,6 +304,11 @@ def _verdicts(results: list[dict[str, Any]], idle: dict[int, float]) -> list[str
              f"x{RATE_BOUND} of its latency without them in every round: **{bound_verdict(v, RATE_BOUND)}**: "
              f"{spread(v).show('.2f', 'x')}"
              for n, v in ratios(results, "rate").items() if not n.startswith("own ")]
+    lines += [f"- at the fixed rate, a {n.removeprefix('CREATE ')} create through a webhook that decides nothing "
+              f"takes at most x{RATE_BOUND} of its latency without webhooks in every round (is the bound above "
+              f"reachable at all here?): **{bound_verdict(v, RATE_BOUND)}**: {spread(v).show('.2f', 'x')}"
+              for n, v in ratios(results, "rate", "webhooks-noop").items()
+              if not n.startswith("own ") and n != "CREATE pod"]
     lines += [f"- at saturation, the webhooks' own cost on a {n.removeprefix('own CREATE ')} create is at most "
               f"x{OWN_BOUND} in every round: **{bound_verdict(v, OWN_BOUND)}**: {spread(v).show('.2f', 'x')}"
               for n, v in ratios(results).items() if n.startswith("own ")]

@@ -62,3 +62,35 @@ def test_an_unknown_admission_arm_is_named_before_any_sandbox_starts() -> None:
 
     with pytest.raises(ScenarioError, match="unknown arms webhooks-maybe"):
         admission.run(RunContext(out=Path("/nonexistent"), arms=("webhooks-off", "webhooks-maybe")))
+
+
+def test_the_noop_arm_registers_gatekeepers_own_rules_under_its_own_names_and_url() -> None:
+    from loadtest.harness.cluster import ScenarioError
+    from loadtest.scenarios.admission_floor import NOOP_SUFFIX, noop_configs, webhook_names
+
+    saved = [{"metadata": {"name": "gatekeeper-gpu"},
+              "webhooks": [{"name": "gpu.gatekeeper.dev", "matchConditions": [{"name": "asks-for-gpu"}],
+                            "clientConfig": {"url": "https://127.0.0.1:4443/mutate", "caBundle": "Q0E="}}]}]
+    got = noop_configs(saved, "https://127.0.0.1:9999/")
+    hook = got[0]["webhooks"][0]
+    assert hook["clientConfig"] == {"url": "https://127.0.0.1:9999/mutate", "caBundle": "Q0E="}
+    assert hook["name"] == "gpu" + NOOP_SUFFIX and hook["matchConditions"] == [{"name": "asks-for-gpu"}]
+    assert saved[0]["webhooks"][0]["name"] == "gpu.gatekeeper.dev"  # gatekeeper's own stay as saved
+    assert webhook_names(saved) == ["gpu.gatekeeper.dev", "gpu" + NOOP_SUFFIX]
+    with pytest.raises(ScenarioError, match="called by URL"):
+        noop_configs([{"metadata": {"name": "x"}, "webhooks": [{"name": "a", "clientConfig": {"service": {}}}]}],
+                     "https://127.0.0.1:1")
+
+
+def test_admission_compares_gatekeeper_with_the_floor_of_a_webhook_that_does_nothing() -> None:
+    from loadtest.scenarios.admission import added_ms, ratios
+
+    def run(arm: str, round_: int, pod: float, gpu: float) -> dict[str, object]:
+        rows = {n: {"Average Response Time": str(v)}
+                for n, v in (("CREATE pod", pod), ("CREATE gpu pod", gpu), ("CREATE secret", pod))}
+        return {"arm": arm, "round": round_, "rows": rows, "phase": "rate"}
+
+    results = [run("webhooks-off", 1, 8, 8), run("webhooks-noop", 1, 8, 9), run("webhooks-on", 1, 8, 10.8)]
+    assert ratios(results, "rate", "webhooks-noop")["CREATE gpu pod"] == pytest.approx([1.125])
+    assert ratios(results, "rate", "webhooks-on", "webhooks-noop")["CREATE gpu pod"] == pytest.approx([1.2])
+    assert added_ms(results, "rate", "webhooks-on", "webhooks-noop")["CREATE gpu pod"] == pytest.approx([1.8])

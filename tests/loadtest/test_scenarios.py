@@ -212,10 +212,17 @@ def test_skew_reports_per_apiserver_shares_that_sum_to_one(tmp_path: Path, hapro
 def test_admission_measures_both_arms_and_webhook_cpu_per_review(tmp_path: Path) -> None:
     out = tmp_path / "admission"
     text = check_report(run_scenario("admission", out))
-    check_samples(out, ["webhooks-off", "webhooks-on"])
-    for arm in ("webhooks-off", "webhooks-on"):
+    check_samples(out, ["webhooks-off", "webhooks-noop", "webhooks-on"])
+    for arm in ("webhooks-off", "webhooks-noop", "webhooks-on"):
         stats = locust_stats(out, arm)
         assert int(stats["CREATE pod"]["Request Count"]) > 0 and int(stats["CREATE secret"]["Request Count"]) > 0
+    # the apiservers' own timing of each call: gatekeeper's webhooks in the on arm, only the noop twins in the
+    # noop arm, none with the webhooks off
+    rows = re.findall(r"^\| (webhooks-[a-z]+)(?:-rate)? \| ([a-z.]+) \| [\d.]+ \| \d+ \|$", text, re.M)
+    names = {arm: {name for a, name in rows if a == arm} for arm in ("webhooks-off", "webhooks-noop", "webhooks-on")}
+    assert names["webhooks-on"] == {"secrets.gatekeeper.dev", "gpu.gatekeeper.dev"}, text
+    assert names["webhooks-noop"] == {"secrets.noop.gatekeeper.dev", "gpu.noop.gatekeeper.dev"}, text
+    assert not names["webhooks-off"], text
     m = re.search(r"\*\*([\d.]+) ms CPU per review\*\*", text)
     assert m and float(m.group(1)) > 0, text
 
