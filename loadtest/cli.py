@@ -47,6 +47,10 @@ reproduces them (each report's setup gives its own command), every arm :data:`RU
 2-core machine (list-storm-oom's 2 arms at 3 limits x 3 runs took 37 min; its 6 arms about three times that; skew's
 6 arms x 3 runs about an hour; gogc 6 and dra-scale 9 fresh sandboxes). A scenario run on its own uses ``--scale``
 as given."""
+QUICK = 0.25
+"""``all --quick`` runs every scenario at this share of its :data:`ALL_SCALES` scale, still :data:`RUNS` runs per
+arm interleaved: the same method and verdicts on a smaller storm (fewer objects and clients, shorter arms). Its
+figures are not the checked-in reports' (each report's setup gives the scale it ran at)."""
 
 
 def parser() -> argparse.ArgumentParser:
@@ -66,6 +70,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-limits", default="",
                    help="comma-separated apiserver memory limits, e.g. 2Gi,2560Mi,4Gi: every arm runs at each, "
                         "interleaved (list-storm-oom; default: its three around where two LISTs fit)")
+    p.add_argument("--quick", action="store_true",
+                   help=f"with all: every scenario at {QUICK:g} of its report's scale, same interleaved runs and "
+                        "verdicts (figures differ from the checked-in reports')")
     p.add_argument("--keep-work", action="store_true", help="keep the work directory (sandbox logs, specs)")
     p.add_argument("--allow-dirty", action="store_true",
                    help="write reports from a working tree with uncommitted changes (each report says so)")
@@ -98,6 +105,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.runs < 1:
         print("--runs must be at least 1", file=sys.stderr)
         return 2
+    if args.quick and args.scenario != "all":
+        print("--quick is taken by all only (a scenario on its own takes --scale)", file=sys.stderr)
+        return 2
     try:
         limits = memory_limits(args.memory_limits)
     except UsageError as exc:
@@ -116,7 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in names:
         out = args.out / name if args.scenario == "all" else args.out
         out.mkdir(parents=True, exist_ok=True)
-        scale = args.scale * (ALL_SCALES[name] if args.scenario == "all" else 1.0)
+        scale = args.scale * (ALL_SCALES[name] * (QUICK if args.quick else 1.0) if args.scenario == "all" else 1.0)
         ctx = RunContext(out=out, scale=scale, adopt=args.state_dir, runs=args.runs, arms=arms,
                          memory_limits=limits)
         t0 = time.monotonic()

@@ -193,7 +193,8 @@ def test_a_bound_holds_only_when_every_run_keeps_it() -> None:
 
 def test_arms_and_runs_are_refused_by_scenarios_that_do_not_take_them(tmp_path: Path) -> None:
     for argv, named in ((["dra-scale", "--arms", "direct"], "--arms"), (["gogc", "--runs", "3"], "--runs"),
-                        (["list-storm", "--runs", "0"], "--runs"), (["all", "--arms", "direct"], "--arms")):
+                        (["list-storm", "--runs", "0"], "--runs"), (["all", "--arms", "direct"], "--arms"),
+                        (["skew", "--quick"], "--quick")):
         p = subprocess.run([sys.executable, "-m", "loadtest", *argv, "--out", str(tmp_path / "x")], cwd=REPO,
                            capture_output=True, text=True, timeout=120)
         assert p.returncode == 2 and named in p.stderr, (argv, p.stderr)
@@ -217,6 +218,22 @@ def test_every_armed_scenario_and_all_run_three_interleaved_runs_unless_told(
     seen.clear()
     assert cli.main(["skew", "--out", str(tmp_path / "s"), "--runs", "1", "--allow-dirty"]) == 0
     assert seen == [("skew", 1)]
+
+
+def test_all_quick_keeps_three_interleaved_runs_at_a_quarter_of_each_reports_scale(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import types
+
+    from loadtest import cli
+
+    seen: dict[str, tuple[float, int]] = {}
+
+    def fake(name: str) -> types.SimpleNamespace:
+        return types.SimpleNamespace(run=lambda ctx: seen.__setitem__(name, (ctx.scale, ctx.runs)))
+
+    monkeypatch.setattr(cli.importlib, "import_module", fake)
+    assert cli.main(["all", "--quick", "--out", str(tmp_path / "q"), "--allow-dirty"]) == 0
+    assert {cli.SCENARIOS[n]: (pytest.approx(s * cli.QUICK), cli.RUNS) for n, s in cli.ALL_SCALES.items()} == seen
 
 
 def test_an_unknown_list_storm_arm_is_named_before_any_sandbox_starts() -> None:
