@@ -31,6 +31,7 @@ from gatekeeper.proxy.flowcontrol.edge.seatleases import first_answer, leases_pa
 from gatekeeper.proxy.flowcontrol.settings import PublishEndpointsSettings
 from gatekeeper.proxy.identity.auth import identity_headers
 from gatekeeper.proxy.messages import UserInfo
+from gatekeeper.runtime.tasks import stop_task
 
 log = logging.getLogger("gatekeeper.proxy.flowcontrol.endpoints")
 
@@ -99,11 +100,8 @@ class EndpointPublisher:
             await self._release()
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await stop_task(self._task)
+        self._task = None
         with contextlib.suppress(ValueError):
             self.fleet.on_listing.remove(self._listed)
 

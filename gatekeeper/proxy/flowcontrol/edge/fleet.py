@@ -8,7 +8,6 @@ RBAC: ``deploy/examples/proxy-identity-rbac.yaml`` (Leases in the fleet's namesp
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import socket
@@ -26,6 +25,7 @@ from gatekeeper.proxy.flowcontrol.settings import FleetSettings
 from gatekeeper.proxy.identity.auth import identity_headers
 from gatekeeper.proxy.identity.tokens.fetch import Upstream
 from gatekeeper.proxy.messages import UserInfo
+from gatekeeper.runtime.tasks import stop_task
 
 log = logging.getLogger("gatekeeper.proxy.flowcontrol.fleet")
 
@@ -131,11 +131,8 @@ class FleetMember:
 
     async def close(self) -> None:
         await self.seats.close()
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await stop_task(self._task)
+        self._task = None
 
     async def _run(self) -> None:
         while True:
