@@ -137,16 +137,13 @@ class H2Protocol(StreamServing):
         try:
             events = self._receive(data)
         except ProtocolError as exc:
+            reason: rejections.RejectReason = "h2_protocol_error"
             if isinstance(exc, HeaderBudgetExceeded):
-                rejections.reject("body_budget", "h2 connection %d from %s: %s, GOAWAY ENHANCE_YOUR_CALM",
-                                  self.connection_id, self._peer, exc)
+                reason = "body_budget"
             elif isinstance(exc, FloodError):
-                rejections.reject(cast(rejections.RejectReason, f"h2_flood_{exc.kind}"),  # h2_limits kinds
-                                  "h2 connection %d from %s: %s, GOAWAY ENHANCE_YOUR_CALM",
-                                  self.connection_id, self._peer, exc)
-            else:
-                rejections.reject("h2_protocol_error", "h2 connection %d from %s: %s",
-                                  self.connection_id, self._peer, exc)
+                reason = cast(rejections.RejectReason, f"h2_flood_{exc.kind}")  # h2_limits kinds
+            calm = ", GOAWAY ENHANCE_YOUR_CALM" if reason != "h2_protocol_error" else ""
+            rejections.reject(reason, "h2 connection %d from %s: %s%s", self.connection_id, self._peer, exc, calm)
             self._flush()  # h2 queued a GOAWAY with the right error code
             self._abort(ClientGone(f"HTTP/2 protocol error: {exc}"))
             return
