@@ -29,7 +29,6 @@ from gatekeeper.proxy.listen.body_budget import RequestBodyBudget
 from gatekeeper.proxy.listen.client_input import ClientProtocol
 from gatekeeper.proxy.listen.h1 import H1Connection
 from gatekeeper.proxy.listen.h2 import H2Protocol
-from gatekeeper.proxy.listen.h2_limits import check_limits
 from gatekeeper.proxy.listen.settings import ListenerSettings, ServedSettings
 from gatekeeper.proxy.messages import Handler
 from gatekeeper.serving.acceptloop import ACCEPT_BACKOFF, accept_forever
@@ -76,8 +75,8 @@ class ProxyServer:
         close_delay: float = 1.0,
         handoff: Inbox | None = None,
     ) -> None:
-        settings.listener.validate()
-        check_limits(settings.listener, settings.protocol)  # the protocol's validate() included
+        settings.listener.validate()  # for a server built without the loader
+        settings.protocol.validate()
         self._settings = settings
         self._handler = handler
         self._rng = rng
