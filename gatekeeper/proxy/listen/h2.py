@@ -13,6 +13,7 @@ the final frame first; client-go then reconnects and quietly re-watches."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import math
@@ -362,15 +363,10 @@ class H2Protocol(StreamServing):
         self._drain_task = self._loop.create_task(self._drain_then_close())
 
     async def _drain_then_close(self) -> None:
-        while self._streams:
-            remaining = self._deadline - self._loop.time()
-            if remaining <= 0:
-                break
+        while self._streams and (remaining := self._deadline - self._loop.time()) > 0:
             self._streams_changed.clear()
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._streams_changed.wait(), remaining)
-            except TimeoutError:
-                pass
         tasks = [s.task for s in self._streams.values() if s.task is not None]
         for stream in list(self._streams.values()):
             self._cut(stream, ClientGone("HTTP/2 drain deadline passed after GOAWAY"))
