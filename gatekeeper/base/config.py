@@ -38,6 +38,18 @@ def camel(name: str) -> str:
     return head + "".join(p[:1].upper() + p[1:] for p in rest)
 
 
+def require(settings: object, prefix: str = "", *, positive: tuple[str, ...] = (),
+            at_least_one: tuple[str, ...] = ()) -> None:
+    """The ``validate()`` check most sections repeat: ValueError naming the first field (by its YAML key, after
+    ``prefix``) of ``positive`` that is not above 0, or of ``at_least_one`` that is under 1."""
+    for name in positive:
+        if not getattr(settings, name) > 0:
+            raise ValueError(f"{prefix}{camel(name)}: must be positive")
+    for name in at_least_one:
+        if getattr(settings, name) < 1:
+            raise ValueError(f"{prefix}{camel(name)}: must be at least 1")
+
+
 def _key_of(f: dataclasses.Field[Any]) -> str:
     return str(f.metadata.get("key", camel(f.name)))
 

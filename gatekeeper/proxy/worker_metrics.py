@@ -22,7 +22,7 @@ from prometheus_client.registry import Collector
 
 from gatekeeper.proxy.flowcontrol.edge.ledger import SeatLedger
 from gatekeeper.runtime.metrics import multiprocess_registry
-from gatekeeper.runtime.ops import SharedRender, off_loop
+from gatekeeper.runtime.ops import SharedRender, healthz, off_loop
 
 
 class WorkerSlot(Protocol):
@@ -267,9 +267,6 @@ async def start_parent_listener(sup: SupervisorView, address: str, port: int) ->
 
     async def metrics(request: web.Request) -> web.Response:
         return web.Response(body=await page(), headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-    async def healthz(request: web.Request) -> web.Response:
-        return web.Response(text="ok")
 
     async def readyz(request: web.Request) -> web.Response:
         ok, detail = await ready(sup)

@@ -32,6 +32,7 @@ from gatekeeper.proxy.settings import ProxySettings
 from gatekeeper.proxy.worker_metrics import start_parent_listener
 from gatekeeper.runtime import tempdirs
 from gatekeeper.runtime.metrics import absorb_dead_process
+from gatekeeper.runtime.tasks import stop_task
 from gatekeeper.serving.netbind import bind_listeners
 
 log = logging.getLogger("gatekeeper.proxy.workers")
@@ -277,9 +278,7 @@ class WorkerSupervisor:
             codes = [s.proc.returncode for s in self.slots if s.proc is not None]
         finally:
             self.dispatcher.stop()
-            heartbeat.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await heartbeat
+            await stop_task(heartbeat)
             if runner is not None:
                 await runner.cleanup()
         if self.fatal is not None:

@@ -12,7 +12,8 @@ import pytest
 
 from gatekeeper.base.config import ConfigError, from_mapping
 from gatekeeper.proxy.flowcontrol.core import endpoints as ep
-from gatekeeper.proxy.flowcontrol.core.leader import LeaderElection, LeaderRecord
+from gatekeeper.proxy.flowcontrol.core.fleet import LeaseView
+from gatekeeper.proxy.flowcontrol.core.leader import LeaderElection
 from gatekeeper.proxy.flowcontrol.edge.fleet import lease_body
 from gatekeeper.proxy.flowcontrol.settings import FleetSettings, FlowControlSettings
 
@@ -126,8 +127,8 @@ def test_the_advert_rides_on_the_fleet_lease_and_goes_when_dropped() -> None:
 
 # -- the writer election -----------------------------------------------------------------------------------------
 
-def record(holder: str, renewed: str, rv: str = "1") -> LeaderRecord:
-    return LeaderRecord(holder, renewed, 15.0, 0, rv)
+def record(holder: str, renewed: str, rv: str = "1") -> LeaseView:
+    return LeaseView("gatekeeper-endpoints-f", holder, renewed, 15.0, rv)
 
 
 def test_the_first_proxy_creates_the_writer_lease_and_renews_it() -> None:

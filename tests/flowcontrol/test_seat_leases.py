@@ -15,8 +15,8 @@ from test_middleware import Upstream, call, req, until
 from test_watch_lists import settings as watch_list_settings
 
 from gatekeeper.kube import requestinfo
-from gatekeeper.proxy.flowcontrol.core.fleet import FleetShare
-from gatekeeper.proxy.flowcontrol.core.seatleases import SeatPool, SeatView, seat_name, wanted_seats
+from gatekeeper.proxy.flowcontrol.core.fleet import FleetShare, LeaseView
+from gatekeeper.proxy.flowcontrol.core.seatleases import SeatPool, seat_name, wanted_seats
 from gatekeeper.proxy.flowcontrol.edge.middleware import FlowControl
 from gatekeeper.proxy.flowcontrol.settings import FleetSettings
 
@@ -193,9 +193,9 @@ def test_a_pool_never_offers_a_seat_a_live_holder_renews():
     pool = SeatPool("me", "t", LEVEL, 2)
     a, b = seat_name("t", LEVEL, 0), seat_name("t", LEVEL, 1)
     assert pool.free(0.0) == [(a, ""), (b, "")]  # not created yet
-    pool.observe([SeatView(a, "other", "t1", 10, "5"), SeatView(b, "", "t1", 10, "6")], 0.0)
+    pool.observe([LeaseView(a, "other", "t1", 10, "5"), LeaseView(b, "", "t1", 10, "6")], 0.0)
     assert pool.free(5.0) == [(b, "6")]
-    pool.observe([SeatView(a, "other", "t2", 10, "7"), SeatView(b, "", "t1", 10, "6")], 9.0)  # renewed
+    pool.observe([LeaseView(a, "other", "t2", 10, "7"), LeaseView(b, "", "t1", 10, "6")], 9.0)  # renewed
     assert pool.free(15.0) == [(b, "6")]
     assert pool.free(19.5) == [(a, "7"), (b, "6")]  # silent for its whole duration: the holder is gone
     assert wanted_seats(1, 5, 2) == 2 and wanted_seats(0, 0, 2) == 0

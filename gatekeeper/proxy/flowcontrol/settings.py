@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from gatekeeper.base.config import require
 from gatekeeper.proxy.identity.impersonation import ImpersonatorSettings
 from gatekeeper.proxy.identity.tokens.settings import TokenSettings
 
@@ -101,19 +102,12 @@ class FleetSettings:
             raise ValueError(f"fleet.namespace: {self.namespace!r} is not a namespace name")
         if self.identity and not DNS_LABEL.match(self.identity):
             raise ValueError(f"fleet.identity: {self.identity!r} must be a lower-case DNS name (it names a Lease)")
-        if self.lease_duration_seconds <= 0 or self.renew_interval_seconds <= 0:
-            raise ValueError("fleet.leaseDurationSeconds and renewIntervalSeconds must be positive")
+        require(self, "fleet.", at_least_one=("fallback_members",), positive=(
+            "lease_duration_seconds", "renew_interval_seconds", "seat_poll_seconds", "seat_max_hold_seconds",
+            "seat_turn_pause_seconds", "seat_linger_seconds"))
         if self.renew_interval_seconds * 3 > self.lease_duration_seconds:
             raise ValueError("fleet.renewIntervalSeconds must be at most a third of leaseDurationSeconds, or one "
                              "late renewal makes a live proxy look gone")
-        if self.fallback_members < 1:
-            raise ValueError("fleet.fallbackMembers must be at least 1")
-        for key, seconds in (("seatPollSeconds", self.seat_poll_seconds),
-                             ("seatMaxHoldSeconds", self.seat_max_hold_seconds),
-                             ("seatTurnPauseSeconds", self.seat_turn_pause_seconds),
-                             ("seatLingerSeconds", self.seat_linger_seconds)):
-            if seconds <= 0:
-                raise ValueError(f"fleet.{key}: must be positive")
         self.publish_endpoints.validate()
         if self.publish_endpoints.enabled and not self.enabled:
             raise ValueError("fleet.publishEndpoints needs fleet.enabled: the endpoints list the fleet's live members")
@@ -132,8 +126,7 @@ class ExpensiveListSettings:
     def validate(self) -> None:
         if self.max_in_flight_per_backend < 0:
             raise ValueError("expensiveLists.maxInFlightPerBackend: must be at least 0 (0: no cap)")
-        if self.min_bytes < 1:
-            raise ValueError("expensiveLists.minBytes: must be at least 1")
+        require(self, "expensiveLists.", at_least_one=("min_bytes",))
 
 
 @dataclass(frozen=True)
@@ -156,8 +149,7 @@ class WatchStartSettings:
     def validate(self) -> None:
         if self.per_flow_per_second < 0:
             raise ValueError("watchStarts.perFlowPerSecond: must be at least 0 (0: no limit)")
-        if self.burst < 1 or self.max_flows < 1:
-            raise ValueError("watchStarts.burst and watchStarts.maxFlows: must be at least 1")
+        require(self, "watchStarts.", at_least_one=("burst", "max_flows"))
 
 
 @dataclass(frozen=True)
@@ -224,27 +216,13 @@ class FlowControlSettings:
     identity, as upstream APF does once authorized; empty by default since any tenant could pick its FlowSchema."""
 
     def validate(self) -> None:
-        for name in (
-            "server_concurrency_limit",
-            "max_seats",
-            "bytes_per_seat",
-            "list_bytes_cap",
-            "fanout_buffer_bytes",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be at least 1")
-        if self.watch_init_seconds <= 0 or self.watch_list_sync_seconds <= 0:
-            raise ValueError("watchInitSeconds and watchListSyncSeconds: must be positive")
+        require(self, at_least_one=(
+            "server_concurrency_limit", "max_seats", "bytes_per_seat", "list_bytes_cap", "fanout_buffer_bytes",
+            "max_stuck_reloads"), positive=(
+            "watch_init_seconds", "watch_list_sync_seconds", "fanout_stall_seconds", "borrowing_adjustment_seconds",
+            "queue_wait_seconds", "reload_timeout_seconds"))
         if self.read_ahead_bytes_per_connection < 0 or self.read_ahead_bytes < 0:
             raise ValueError("readAheadBytes and readAheadBytesPerConnection must be at least 0")
-        for key, seconds in (("fanoutStallSeconds", self.fanout_stall_seconds),
-                             ("borrowingAdjustmentSeconds", self.borrowing_adjustment_seconds),
-                             ("queueWaitSeconds", self.queue_wait_seconds),
-                             ("reloadTimeoutSeconds", self.reload_timeout_seconds)):
-            if seconds <= 0:
-                raise ValueError(f"{key}: must be positive")
-        if self.max_stuck_reloads < 1:
-            raise ValueError("maxStuckReloads: must be at least 1")
         if self.retry_after_seconds < 1:
             raise ValueError("retryAfterSeconds: must be a whole number of seconds >= 1")
         self.tokens.validate()

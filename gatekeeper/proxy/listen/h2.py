@@ -13,6 +13,7 @@ the final frame first; client-go then reconnects and quietly re-watches."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import math
@@ -137,16 +138,13 @@ class H2Protocol(StreamServing):
         try:
             events = self._receive(data)
         except ProtocolError as exc:
+            reason: rejections.RejectReason = "h2_protocol_error"
             if isinstance(exc, HeaderBudgetExceeded):
-                rejections.reject("body_budget", "h2 connection %d from %s: %s, GOAWAY ENHANCE_YOUR_CALM",
-                                  self.connection_id, self._peer, exc)
+                reason = "body_budget"
             elif isinstance(exc, FloodError):
-                rejections.reject(cast(rejections.RejectReason, f"h2_flood_{exc.kind}"),  # h2_limits kinds
-                                  "h2 connection %d from %s: %s, GOAWAY ENHANCE_YOUR_CALM",
-                                  self.connection_id, self._peer, exc)
-            else:
-                rejections.reject("h2_protocol_error", "h2 connection %d from %s: %s",
-                                  self.connection_id, self._peer, exc)
+                reason = cast(rejections.RejectReason, f"h2_flood_{exc.kind}")  # h2_limits kinds
+            calm = ", GOAWAY ENHANCE_YOUR_CALM" if reason != "h2_protocol_error" else ""
+            rejections.reject(reason, "h2 connection %d from %s: %s%s", self.connection_id, self._peer, exc, calm)
             self._flush()  # h2 queued a GOAWAY with the right error code
             self._abort(ClientGone(f"HTTP/2 protocol error: {exc}"))
             return
@@ -365,15 +363,10 @@ class H2Protocol(StreamServing):
         self._drain_task = self._loop.create_task(self._drain_then_close())
 
     async def _drain_then_close(self) -> None:
-        while self._streams:
-            remaining = self._deadline - self._loop.time()
-            if remaining <= 0:
-                break
+        while self._streams and (remaining := self._deadline - self._loop.time()) > 0:
             self._streams_changed.clear()
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._streams_changed.wait(), remaining)
-            except TimeoutError:
-                pass
         tasks = [s.task for s in self._streams.values() if s.task is not None]
         for stream in list(self._streams.values()):
             self._cut(stream, ClientGone("HTTP/2 drain deadline passed after GOAWAY"))

@@ -10,9 +10,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gatekeeper.base.config import camel
 from gatekeeper.proxy.h2wire.errors import ErrorCodes, ProtocolError
-from gatekeeper.proxy.listen.settings import ListenerSettings, ProtocolSettings
+from gatekeeper.proxy.listen.settings import ProtocolSettings
 
 RST_STREAM = "rst_stream"
 PING = "ping"
@@ -72,18 +71,3 @@ class FloodGuard:
         limit = self.limits[kind]
         if n > limit or (carried and n + carried * (1 - elapsed / self.interval) > limit):
             raise FloodError(kind, limit + 1, self.interval)
-
-
-def check_limits(listener: ListenerSettings, protocol: ProtocolSettings) -> None:
-    """Refuse limit settings that would disable a defence or break every client (config-time error); also
-    runs ``ProtocolSettings.validate`` for a server built without the loader."""
-    for name in ("tls_handshake_timeout_seconds", "max_client_connections"):
-        value = getattr(listener, name)
-        if not value > 0:
-            raise ValueError(f"{camel(name)} must be > 0, got {value}")
-    if listener.tls_handshake_max_seconds and not (
-            listener.tls_handshake_max_seconds >= listener.tls_handshake_timeout_seconds):
-        raise ValueError(f"tlsHandshakeMaxSeconds must be 0 (4 x tlsHandshakeTimeoutSeconds) or >= "
-                         f"tlsHandshakeTimeoutSeconds ({listener.tls_handshake_timeout_seconds:g}), "
-                         f"got {listener.tls_handshake_max_seconds:g}")
-    protocol.validate()

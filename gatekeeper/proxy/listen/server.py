@@ -29,12 +29,11 @@ from gatekeeper.proxy.listen.body_budget import RequestBodyBudget
 from gatekeeper.proxy.listen.client_input import ClientProtocol
 from gatekeeper.proxy.listen.h1 import H1Connection
 from gatekeeper.proxy.listen.h2 import H2Protocol
-from gatekeeper.proxy.listen.h2_limits import check_limits
 from gatekeeper.proxy.listen.settings import ListenerSettings, ServedSettings
 from gatekeeper.proxy.messages import Handler
 from gatekeeper.serving.acceptloop import ACCEPT_BACKOFF, accept_forever
 from gatekeeper.serving.netbind import bind_listeners
-from gatekeeper.serving.tls import ReloadingTLS
+from gatekeeper.serving.tls import ReloadingTLS, server_context
 from gatekeeper.serving.tlshandshake import handshake_within
 
 log = logging.getLogger("gatekeeper.proxy.listen.server")
@@ -46,12 +45,9 @@ H2_CIPHERS = "ECDHE+AESGCM:ECDHE+CHACHA20"
 
 
 def make_ssl_context(listener: ListenerSettings) -> ssl.SSLContext:
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx = server_context(listener.cert_file, listener.key_file, alpn=("h2", "http/1.1"))
     ctx.options |= ssl.OP_NO_COMPRESSION | ssl.OP_NO_RENEGOTIATION
     ctx.set_ciphers(H2_CIPHERS)
-    ctx.load_cert_chain(listener.cert_file, listener.key_file)
-    ctx.set_alpn_protocols(["h2", "http/1.1"])
     if listener.client_ca_file:
         ctx.load_verify_locations(cafile=listener.client_ca_file)
         ctx.verify_mode = ssl.CERT_OPTIONAL
@@ -79,8 +75,8 @@ class ProxyServer:
         close_delay: float = 1.0,
         handoff: Inbox | None = None,
     ) -> None:
-        settings.listener.validate()
-        check_limits(settings.listener, settings.protocol)  # the protocol's validate() included
+        settings.listener.validate()  # for a server built without the loader
+        settings.protocol.validate()
         self._settings = settings
         self._handler = handler
         self._rng = rng

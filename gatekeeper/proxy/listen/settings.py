@@ -42,6 +42,17 @@ class ListenerSettings(TLSListenerSettings):
     max_client_connections: int = 20000
     """Client connections open at once (handshaking included); more are closed at accept (counted)."""
 
+    def validate(self) -> None:
+        """Also refuses limits that would disable a defence or break every client."""
+        super().validate()
+        for name in ("tls_handshake_timeout_seconds", "max_client_connections"):
+            if not (value := getattr(self, name)) > 0:
+                raise ValueError(f"{camel(name)} must be > 0, got {value}")
+        if self.tls_handshake_max_seconds and not self.tls_handshake_max_seconds >= self.tls_handshake_timeout_seconds:
+            raise ValueError(f"tlsHandshakeMaxSeconds must be 0 (4 x tlsHandshakeTimeoutSeconds) or >= "
+                             f"tlsHandshakeTimeoutSeconds ({self.tls_handshake_timeout_seconds:g}), "
+                             f"got {self.tls_handshake_max_seconds:g}")
+
 
 @dataclass(frozen=True)
 class ProtocolSettings:

@@ -8,7 +8,6 @@ called: the caller only has to drive or drop the body it got.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import time
@@ -28,6 +27,7 @@ from gatekeeper.proxy.pipeline.deadline import INVALID_TIMEOUT, Deadlines, reque
 from gatekeeper.proxy.pipeline.settings import PipelineSettings
 from gatekeeper.proxy.upstream import errors as up
 from gatekeeper.proxy.upstream.client import BackendClient
+from gatekeeper.runtime.tasks import stop_task
 
 log = logging.getLogger("gatekeeper.proxy.pipeline.stages")
 upstream_log = rejections.RateLimitedLog(log, rejections.LOG_INTERVAL)
@@ -388,11 +388,8 @@ class Pipeline:
         return any(self.balancer.health(b) == "healthy" for b in self.balancer.backends)
 
     async def close(self) -> None:
-        if self._probe_task is not None:
-            self._probe_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._probe_task
-            self._probe_task = None
+        await stop_task(self._probe_task)
+        self._probe_task = None
         self.deadlines.close()
         await self.identities.close()
         await asyncio.gather(*(c.close() for c in self.clients.values()))

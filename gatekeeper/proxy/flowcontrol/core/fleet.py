@@ -12,16 +12,40 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
 class LeaseView:
-    """What one fleet Lease says (the fields membership reads)."""
+    """What one Lease says: the fields the fleet's member, seat and writer Leases are read by."""
 
     name: str
     holder: str
     renew_time: str
     duration_seconds: float
+    version: str = ""
+    """metadata.resourceVersion: the compare-and-swap precondition of the next write."""
+    transitions: int = 0
+    """spec.leaseTransitions: takeovers so far (the writer Lease counts them)."""
+
+
+def lease_view(item: Any) -> LeaseView:
+    """One Lease object as read; KeyError, TypeError, ValueError or AttributeError when it is malformed."""
+    meta, spec = item["metadata"], item.get("spec") or {}
+    return LeaseView(str(meta["name"]), str(spec.get("holderIdentity") or ""), str(spec.get("renewTime") or ""),
+                     float(spec.get("leaseDurationSeconds") or 0), str(meta.get("resourceVersion") or ""),
+                     int(spec.get("leaseTransitions") or 0))
+
+
+def lease_views(items: Iterable[Any]) -> list[LeaseView]:
+    """A LeaseList's items; a malformed one is skipped (another writer's mistake is not ours)."""
+    out = []
+    for item in items:
+        try:
+            out.append(lease_view(item))
+        except (KeyError, TypeError, ValueError, AttributeError):
+            continue
+    return out
 
 
 def share(limit: int, size: int, rank: int, level: str) -> int:

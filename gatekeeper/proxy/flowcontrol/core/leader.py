@@ -9,20 +9,9 @@ proxies racing for a free Lease exactly one wins; the API server is the arbiter,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Literal
 
-
-@dataclass(frozen=True)
-class LeaderRecord:
-    """The writer Lease as read."""
-
-    holder: str
-    renew_time: str
-    duration_seconds: float
-    transitions: int
-    resource_version: str
-
+from gatekeeper.proxy.flowcontrol.core.fleet import LeaseView
 
 Action = Literal["create", "renew", "acquire", "follow"]
 
@@ -40,7 +29,7 @@ class LeaderElection:
         self._renewed_at = float("-inf")
         """Local time of our last successful write as holder."""
 
-    def observe(self, record: LeaderRecord | None, now: float) -> Action:
+    def observe(self, record: LeaseView | None, now: float) -> Action:
         """What to do with the Lease as just read (None: it does not exist)."""
         if record is None:
             self._seen = None

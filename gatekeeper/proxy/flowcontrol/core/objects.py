@@ -11,15 +11,16 @@ import functools
 import hashlib
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 API_VERSIONS = ("flowcontrol.apiserver.k8s.io/v1", "flowcontrol.apiserver.k8s.io/v1beta3")
 MAX_HASH_BITS = 60
 """Shuffle sharding deals the whole hand from one 64-bit hash; upstream caps the entropy at 60 bits."""
 
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9.:]*[a-z0-9])?$")
+T = TypeVar("T")
 
 
 class ObjectError(ValueError):
@@ -147,6 +148,13 @@ class _Reader:
             raise self.fail(path, f"must be {rng}, got {value}")
         return value
 
+    def each(self, m: dict[str, Any], key: str, path: str, parse: Callable[[_Reader, Any, str], T]) -> tuple[T, ...]:
+        """``parse`` of every element of the list ``m[key]`` (absent: none), each given its own key path."""
+        value = m.get(key)
+        if value is not None and not isinstance(value, list):
+            raise self.fail(f"{path}.{key}", f"expected a list, got {type(value).__name__}")
+        return tuple(parse(self, x, f"{path}.{key}[{i}]") for i, x in enumerate(value or ()))
+
     def string(self, value: Any, path: str) -> str:
         """A required, non-empty string."""
         if value is None or value == "":
@@ -233,12 +241,16 @@ def _non_resource_rule(r: _Reader, raw: Any, path: str) -> NonResourceRule:
     return NonResourceRule(verbs=r.strings(m.get("verbs"), f"{path}.verbs", wildcard="*"), urls=urls)
 
 
-def _list(r: _Reader, value: Any, path: str) -> list[Any]:
-    if value is None:
-        return []
-    if not isinstance(value, list):
-        raise r.fail(path, f"expected a list, got {type(value).__name__}")
-    return value
+def _policy_rule(r: _Reader, raw: Any, p: str) -> PolicyRule:
+    m = r.mapping(raw, p, ("subjects", "resourceRules", "nonResourceRules"))
+    subjects = r.each(m, "subjects", p, _subject)
+    if not subjects:
+        raise r.fail(f"{p}.subjects", "must not be empty")
+    rr = r.each(m, "resourceRules", p, _resource_rule)
+    nr = r.each(m, "nonResourceRules", p, _non_resource_rule)
+    if not rr and not nr:
+        raise r.fail(p, "at least one of resourceRules or nonResourceRules is required")
+    return PolicyRule(subjects, rr, nr)
 
 
 def parse_flow_schema(obj: Any, index: str = "") -> FlowSchema:
@@ -252,31 +264,14 @@ def parse_flow_schema(obj: Any, index: str = "") -> FlowSchema:
     distinguisher = dm.get("type", "") if dm else ""
     if dm and distinguisher not in ("ByUser", "ByNamespace"):
         raise r.fail("spec.distinguisherMethod.type", f"expected ByUser or ByNamespace, got {distinguisher!r}")
-    rules = []
-    for i, raw in enumerate(_list(r, spec.get("rules"), "spec.rules")):
-        p = f"spec.rules[{i}]"
-        m = r.mapping(raw, p, ("subjects", "resourceRules", "nonResourceRules"))
-        subjects = tuple(_subject(r, s, f"{p}.subjects[{j}]") for j, s in enumerate(_list(r, m.get("subjects"), p)))
-        if not subjects:
-            raise r.fail(f"{p}.subjects", "must not be empty")
-        rr = tuple(
-            _resource_rule(r, x, f"{p}.resourceRules[{j}]")
-            for j, x in enumerate(_list(r, m.get("resourceRules"), f"{p}.resourceRules"))
-        )
-        nr = tuple(
-            _non_resource_rule(r, x, f"{p}.nonResourceRules[{j}]")
-            for j, x in enumerate(_list(r, m.get("nonResourceRules"), f"{p}.nonResourceRules"))
-        )
-        if not rr and not nr:
-            raise r.fail(p, "at least one of resourceRules or nonResourceRules is required")
-        rules.append(PolicyRule(subjects, rr, nr))
+    rules = r.each(spec, "rules", "spec", _policy_rule)
     return FlowSchema(
         name=name,
         uid=uid,
         matching_precedence=r.integer(spec.get("matchingPrecedence"), "spec.matchingPrecedence", 1000, 1, 10000),
         priority_level=level,
         distinguisher=distinguisher,  # type: ignore[arg-type]  # checked above
-        rules=tuple(rules),
+        rules=rules,
     )
 
 

@@ -15,22 +15,11 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable
-from dataclasses import dataclass
+
+from gatekeeper.proxy.flowcontrol.core.fleet import LeaseView
 
 SEAT_LABEL = "gatekeeper.dev/seat-of"
 """Label on every seat Lease: ``<fleet>.<level>`` (hashed when too long for a label value)."""
-
-
-@dataclass(frozen=True)
-class SeatView:
-    """What one seat Lease says."""
-
-    name: str
-    holder: str
-    renew_time: str
-    duration_seconds: float
-    version: str
-    """metadata.resourceVersion: the compare-and-swap precondition of the next write."""
 
 
 def _dns(text: str, limit: int) -> str:
@@ -70,7 +59,7 @@ class SeatPool:
     def names(self) -> list[str]:
         return [seat_name(self.fleet, self.level, i) for i in range(self.seats)]
 
-    def observe(self, views: Iterable[SeatView], now: float) -> None:
+    def observe(self, views: Iterable[LeaseView], now: float) -> None:
         """One listing of the level's seat Leases (the only source of what other holders do)."""
         seen: dict[str, tuple[str, float, float, str, str]] = {}
         for v in views:

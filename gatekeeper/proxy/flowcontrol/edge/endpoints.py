@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime
 import logging
 import time
 from typing import Any
@@ -25,12 +24,14 @@ import orjson
 from prometheus_client import Counter, Gauge
 
 from gatekeeper.proxy.flowcontrol.core import endpoints as core
-from gatekeeper.proxy.flowcontrol.core.leader import LeaderElection, LeaderRecord
+from gatekeeper.proxy.flowcontrol.core.fleet import LeaseView, lease_view
+from gatekeeper.proxy.flowcontrol.core.leader import LeaderElection
 from gatekeeper.proxy.flowcontrol.edge.fleet import MAX_LIST_BYTES, FleetMember, lease_name
-from gatekeeper.proxy.flowcontrol.edge.seatleases import first_answer
+from gatekeeper.proxy.flowcontrol.edge.seatleases import first_answer, leases_path, micro_time
 from gatekeeper.proxy.flowcontrol.settings import PublishEndpointsSettings
 from gatekeeper.proxy.identity.auth import identity_headers
 from gatekeeper.proxy.messages import UserInfo
+from gatekeeper.runtime.tasks import stop_task
 
 log = logging.getLogger("gatekeeper.proxy.flowcontrol.endpoints")
 
@@ -44,7 +45,6 @@ WRITES = Counter("gatekeeper_fleet_endpoints_writes", "Writes of the kubernetes 
                  ["kind", "op"])
 FAILURES = Counter("gatekeeper_fleet_endpoints_failures",
                    "Failed calls for the kubernetes Service's endpoints or the writer Lease.", ["reason"])
-LEASES = "/apis/coordination.k8s.io/v1/namespaces/{ns}/leases"
 SLICES = f"/apis/discovery.k8s.io/v1/namespaces/{core.NAMESPACE}/endpointslices"
 ENDPOINTS = f"/api/v1/namespaces/{core.NAMESPACE}/endpoints"
 MERGE = "application/merge-patch+json"
@@ -56,10 +56,6 @@ class Conflict(RuntimeError):
 
 def writer_lease_name(fleet: str) -> str:
     return f"gatekeeper-endpoints-{fleet}"
-
-
-def micro_time(now: float) -> str:
-    return datetime.datetime.fromtimestamp(now, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 class EndpointPublisher:
@@ -75,11 +71,11 @@ class EndpointPublisher:
         self.listed = asyncio.Event()
         self.leaving = False
         self.was_leading = False
-        self._record: LeaderRecord | None = None
+        self._record: LeaseView | None = None
         self._task: asyncio.Task[None] | None = None
-        ns = quote(fleet.settings.namespace)
-        self._writer_path = f"{LEASES.format(ns=ns)}/{quote(writer_lease_name(fleet.settings.name))}"
-        self._own_path = f"{LEASES.format(ns=ns)}/{quote(lease_name(fleet.identity))}"
+        leases = leases_path(fleet.settings.namespace)
+        self._writer_path = f"{leases}/{quote(writer_lease_name(fleet.settings.name))}"
+        self._own_path = f"{leases}/{quote(lease_name(fleet.identity))}"
         self._headers = [("accept", "application/json"),
                          *identity_headers(UserInfo(name=user.name, groups=list(user.groups), source="x509"))]
 
@@ -104,11 +100,8 @@ class EndpointPublisher:
             await self._release()
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await stop_task(self._task)
+        self._task = None
         with contextlib.suppress(ValueError):
             self.fleet.on_listing.remove(self._listed)
 
@@ -138,7 +131,7 @@ class EndpointPublisher:
         """One round of the election; True while we are the writer."""
         now = self.fleet.clock()
         status, body = await self._request("GET", self._writer_path)
-        record = None if status == 404 else self._parse_record(self._ok(status, body, "read the writer Lease"))
+        record = None if status == 404 else lease_view(orjson.loads(self._ok(status, body, "read the writer Lease")))
         action = self.election.observe(record, now)
         if action != "follow" and not self.leaving:
             spec = {"holderIdentity": self.fleet.identity, "renewTime": micro_time(time.time()),
@@ -153,13 +146,13 @@ class EndpointPublisher:
                 status, body = await self._request("POST", self._writer_path.rsplit("/", 1)[0], new)
             else:
                 assert record is not None
-                patch = {"metadata": {"resourceVersion": record.resource_version}, "spec": spec}
+                patch = {"metadata": {"resourceVersion": record.version}, "spec": spec}
                 status, body = await self._request("PATCH", self._writer_path, patch, MERGE)
             if status == 409:  # another proxy won this round
                 self.election.lost()
                 FAILURES.labels("conflict").inc()
             else:
-                self._record = self._parse_record(self._ok(status, body, f"{action} the writer Lease"))
+                self._record = lease_view(orjson.loads(self._ok(status, body, f"{action} the writer Lease")))
                 self.election.wrote(now)
         elif action == "follow":
             self.election.lost()
@@ -218,7 +211,7 @@ class EndpointPublisher:
         record = self._record
         if record is None:
             return
-        patch = {"metadata": {"resourceVersion": record.resource_version},
+        patch = {"metadata": {"resourceVersion": record.version},
                  "spec": {"holderIdentity": None, "leaseDurationSeconds": 1}}
         with contextlib.suppress(Exception):
             await self._request("PATCH", self._writer_path, patch, MERGE)
@@ -242,14 +235,6 @@ class EndpointPublisher:
         if status >= 300:
             raise RuntimeError(f"{what}: {status} {body[:300]!r}")
         return body
-
-    @staticmethod
-    def _parse_record(body: bytes) -> LeaderRecord:
-        item = orjson.loads(body)
-        spec = item.get("spec") or {}
-        return LeaderRecord(str(spec.get("holderIdentity") or ""), str(spec.get("renewTime") or ""),
-                            float(spec.get("leaseDurationSeconds") or 0), int(spec.get("leaseTransitions") or 0),
-                            str((item.get("metadata") or {}).get("resourceVersion") or ""))
 
     def _failed(self, reason: str, exc: Exception) -> None:
         reason = "forbidden" if isinstance(exc, PermissionError) else reason

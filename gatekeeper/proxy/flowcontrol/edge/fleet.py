@@ -8,8 +8,6 @@ RBAC: ``deploy/examples/proxy-identity-rbac.yaml`` (Leases in the fleet's namesp
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import datetime
 import logging
 import os
 import socket
@@ -21,12 +19,13 @@ import orjson
 from prometheus_client import Counter, Gauge
 
 from gatekeeper.kube.objects import Lease
-from gatekeeper.proxy.flowcontrol.core.fleet import FleetShare, LeaseView, Membership, fleet_bound
-from gatekeeper.proxy.flowcontrol.edge.seatleases import SeatLeaser, first_answer
+from gatekeeper.proxy.flowcontrol.core.fleet import FleetShare, LeaseView, Membership, fleet_bound, lease_views
+from gatekeeper.proxy.flowcontrol.edge.seatleases import SeatLeaser, first_answer, leases_path, micro_time
 from gatekeeper.proxy.flowcontrol.settings import FleetSettings
 from gatekeeper.proxy.identity.auth import identity_headers
 from gatekeeper.proxy.identity.tokens.fetch import Upstream
 from gatekeeper.proxy.messages import UserInfo
+from gatekeeper.runtime.tasks import stop_task
 
 log = logging.getLogger("gatekeeper.proxy.flowcontrol.fleet")
 
@@ -59,13 +58,12 @@ def lease_name(identity: str) -> str:
 
 def lease_body(settings: FleetSettings, identity: str, now: float,
                annotations: dict[str, str] | None = None) -> Lease:
-    renew_time = datetime.datetime.fromtimestamp(now, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")  # MicroTime
     body: Lease = {
         "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
         "metadata": {"name": lease_name(identity), "namespace": settings.namespace,
                      "labels": {FLEET_LABEL: settings.name}},
         "spec": {"holderIdentity": identity, "leaseDurationSeconds": max(1, round(settings.lease_duration_seconds)),
-                 "renewTime": renew_time},
+                 "renewTime": micro_time(now)},
     }
     if annotations:  # server-side apply: dropped from a later body, they are removed from the Lease
         body["metadata"]["annotations"] = dict(annotations)
@@ -73,16 +71,8 @@ def lease_body(settings: FleetSettings, identity: str, now: float,
 
 
 def parse_leases(body: bytes) -> list[LeaseView]:
-    """The fleet's Leases from a LeaseList; a malformed item is skipped (another writer's mistake is not ours)."""
-    out = []
-    for item in orjson.loads(body).get("items") or []:
-        try:
-            spec = item.get("spec") or {}
-            out.append(LeaseView(str(item["metadata"]["name"]), str(spec.get("holderIdentity") or ""),
-                                 str(spec.get("renewTime") or ""), float(spec.get("leaseDurationSeconds") or 0)))
-        except (KeyError, TypeError, ValueError, AttributeError):
-            continue
-    return out
+    """The fleet's Leases from a LeaseList (see :func:`lease_views`)."""
+    return lease_views(orjson.loads(body).get("items") or [])
 
 
 class FleetMember:
@@ -112,7 +102,7 @@ class FleetMember:
         user = user or UserInfo(name="system:gatekeeper-proxy", groups=["system:authenticated"])
         self._headers = [("accept", "application/json"),
                          *identity_headers(UserInfo(name=user.name, groups=list(user.groups), source="x509"))]
-        base = f"/apis/coordination.k8s.io/v1/namespaces/{quote(settings.namespace)}/leases"
+        base = leases_path(settings.namespace)
         self._patch_path = f"{base}/{quote(lease_name(self.identity))}?fieldManager=gatekeeper-proxy&force=true"
         self._list_path = f"{base}?labelSelector={quote(f'{FLEET_LABEL}={settings.name}', safe='')}"
         self.seats = SeatLeaser(settings, self.identity, self._headers, demand, seats_changed, clock)
@@ -141,11 +131,8 @@ class FleetMember:
 
     async def close(self) -> None:
         await self.seats.close()
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await stop_task(self._task)
+        self._task = None
 
     async def _run(self) -> None:
         while True:

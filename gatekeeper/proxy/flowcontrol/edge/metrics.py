@@ -148,37 +148,23 @@ def _add_levels(src: Source, levels: dict[str, dict[str, float]]) -> None:
                 agg[k] += x
 
 
+def _family(kind: type[GaugeMetricFamily] | type[CounterMetricFamily], name: str, doc: str, labels: list[str],
+            values: dict[tuple[str, ...], float]) -> Metric:
+    """A family of one value per label set, in label order."""
+    family = kind(name, doc, labels=labels)
+    for key, value in sorted(values.items()):
+        family.add_metric(list(key), value)
+    return family
+
+
 class _Gauges(Collector):
     """Read at scrape time; summed over flow-control instances (a process normally has one)."""
 
     def collect(self) -> Iterator[Metric]:
-        by_schema = ["flow_schema", "priority_level"]
-        inqueue = GaugeMetricFamily(
-            "gatekeeper_flowcontrol_current_inqueue_requests", "Requests waiting in queues.", labels=by_schema
-        )
-        executing = GaugeMetricFamily(
-            "gatekeeper_flowcontrol_current_executing_requests",
-            "Requests running upstream (watches until their response starts).",
-            labels=by_schema,
-        )
-        fams = {k: GaugeMetricFamily(n, h, labels=["priority_level"]) for k, (n, h) in PER_LEVEL.items()}
-        fair_frac = GaugeMetricFamily(
-            "gatekeeper_flowcontrol_seat_fair_frac", "Fair fraction of the last borrowing allocation."
-        )
-        list_bytes = GaugeMetricFamily(
-            "gatekeeper_flowcontrol_executing_list_estimated_bytes", "Estimated bytes of LISTs running upstream."
-        )
-        expensive = GaugeMetricFamily("gatekeeper_flowcontrol_expensive_lists_in_flight",
-                                      "Expensive LISTs running on each apiserver.", labels=["backend"])
-        cap = GaugeMetricFamily("gatekeeper_flowcontrol_expensive_lists_cap",
-                                "This proxy's slots for expensive LISTs on each apiserver (its fleet share).",
-                                labels=["backend"])
-        held = CounterMetricFamily("gatekeeper_flowcontrol_expensive_lists_held",
-                                   "LISTs that waited because every apiserver had its cap of expensive LISTs.")
-        waiting: dict[tuple[str, str], int] = {}
-        running: dict[tuple[str, str], int] = {}
-        per_backend: dict[str, int] = {}
-        slots: dict[str, int] = {}
+        waiting: dict[tuple[str, ...], float] = {}
+        running: dict[tuple[str, ...], float] = {}
+        per_backend: dict[tuple[str, ...], float] = {}
+        slots: dict[tuple[str, ...], float] = {}
         held_total = 0
         levels: dict[str, dict[str, float]] = {}
         used = 0
@@ -199,33 +185,30 @@ class _Gauges(Collector):
             frac = max(frac, c.fair_frac)
             caps = c.budget.backends
             for name in caps.names:
-                per_backend[name] = per_backend.get(name, 0) + caps.in_flight.get(name, 0)
+                per_backend[(name,)] = per_backend.get((name,), 0) + caps.in_flight.get(name, 0)
             for name, n in caps.limits.items():
-                slots[name] = max(slots.get(name, 0), n)
+                slots[(name,)] = max(slots.get((name,), 0), n)
             held_total += caps.held_total
-        for (fs, pl), v in sorted(waiting.items()):
-            inqueue.add_metric([fs, pl], v)
-        for (fs, pl), v in sorted(running.items()):
-            executing.add_metric([fs, pl], v)
-        for name, agg in sorted(levels.items()):
-            for k, fam in fams.items():
-                fam.add_metric([name], agg[k])
-        yield inqueue
-        yield executing
-        yield from fams.values()
+        gauge = GaugeMetricFamily
+        yield _family(gauge, "gatekeeper_flowcontrol_current_inqueue_requests", "Requests waiting in queues.", _FS_PL,
+                      waiting)
+        yield _family(gauge, "gatekeeper_flowcontrol_current_executing_requests",
+                      "Requests running upstream (watches until their response starts).", _FS_PL, running)
+        for k, (name, doc) in PER_LEVEL.items():
+            yield _family(gauge, name, doc, ["priority_level"], {(level,): agg[k] for level, agg in levels.items()})
         if sources:
-            list_bytes.add_metric([], used)
-            yield list_bytes
-            fair_frac.add_metric([], frac)
-            yield fair_frac
-            for name, n in sorted(per_backend.items()):
-                expensive.add_metric([name], n)
-            yield expensive
-            for name, n in sorted(slots.items()):
-                cap.add_metric([name], n)
-            yield cap
-            held.add_metric([], held_total)
-            yield held
+            yield _family(gauge, "gatekeeper_flowcontrol_executing_list_estimated_bytes",
+                          "Estimated bytes of LISTs running upstream.", [], {(): used})
+            yield _family(gauge, "gatekeeper_flowcontrol_seat_fair_frac",
+                          "Fair fraction of the last borrowing allocation.", [], {(): frac})
+            yield _family(gauge, "gatekeeper_flowcontrol_expensive_lists_in_flight",
+                          "Expensive LISTs running on each apiserver.", ["backend"], per_backend)
+            yield _family(gauge, "gatekeeper_flowcontrol_expensive_lists_cap",
+                          "This proxy's slots for expensive LISTs on each apiserver (its fleet share).", ["backend"],
+                          slots)
+            yield _family(CounterMetricFamily, "gatekeeper_flowcontrol_expensive_lists_held",
+                          "LISTs that waited because every apiserver had its cap of expensive LISTs.", [],
+                          {(): held_total})
 
 
 REGISTRY.register(_Gauges())

@@ -41,6 +41,7 @@ from gatekeeper.proxy.identity.impersonation import impersonated
 from gatekeeper.proxy.identity.tokens.classify import unverified_flow
 from gatekeeper.proxy.identity.tokens.fetch import Upstream
 from gatekeeper.proxy.messages import Handler, ProxyRequest, ProxyResponse, UserInfo
+from gatekeeper.runtime.tasks import stop_task
 
 log = logging.getLogger("gatekeeper.proxy.flowcontrol")
 
@@ -208,10 +209,7 @@ class FlowControl:
                 asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
             self._sighup = False
         for task in (self._poll, self._borrow):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            await stop_task(task)
         self._poll = self._borrow = None
 
     # -- the middleware -----------------------------------------------------------------------

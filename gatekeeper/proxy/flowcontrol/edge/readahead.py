@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from prometheus_client import Counter, Gauge
 
 from gatekeeper.proxy.messages import close_body, is_exhausted
+from gatekeeper.runtime.tasks import stop_task
 
 READ_AHEAD_BYTES = Gauge(
     "gatekeeper_flowcontrol_read_ahead_bytes",
@@ -192,12 +193,7 @@ class ReadAhead:
 
     async def aclose(self) -> None:
         """The client is gone or done: stop reading upstream, give the buffered bytes back."""
-        if not self._pump.done():
-            self._pump.cancel()
-            try:
-                await self._pump
-            except asyncio.CancelledError:
-                pass
+        await stop_task(self._pump)
         if self.handed_over:
             await close_body(self.source)
         self._report(False, None)  # a pump cancelled before its first step never ran its finally

@@ -21,7 +21,8 @@ from urllib.parse import quote
 import orjson
 from prometheus_client import Counter, Gauge, Histogram
 
-from gatekeeper.proxy.flowcontrol.core.seatleases import SEAT_LABEL, SeatPool, SeatView, seat_label, wanted_seats
+from gatekeeper.proxy.flowcontrol.core.fleet import lease_views
+from gatekeeper.proxy.flowcontrol.core.seatleases import SEAT_LABEL, SeatPool, seat_label, wanted_seats
 from gatekeeper.proxy.flowcontrol.settings import FleetSettings
 from gatekeeper.proxy.identity.tokens.fetch import Upstream
 
@@ -46,21 +47,14 @@ DEGRADED = Gauge("gatekeeper_fleet_seat_leases_degraded",
 MAX_LIST_BYTES = 1 << 20
 
 
-def _micro_time(now: float) -> str:
+def micro_time(now: float) -> str:
+    """A Lease's renewTime or acquireTime (MicroTime) for the wall-clock time ``now``."""
     return datetime.datetime.fromtimestamp(now, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
-def parse_seats(body: bytes) -> list[SeatView]:
-    out = []
-    for item in orjson.loads(body).get("items") or []:
-        try:
-            meta, spec = item["metadata"], item.get("spec") or {}
-            out.append(SeatView(str(meta["name"]), str(spec.get("holderIdentity") or ""),
-                                str(spec.get("renewTime") or ""), float(spec.get("leaseDurationSeconds") or 0),
-                                str(meta.get("resourceVersion") or "")))
-        except (KeyError, TypeError, ValueError, AttributeError):
-            continue
-    return out
+def leases_path(namespace: str) -> str:
+    """Where the fleet's member, seat and writer Leases live."""
+    return f"/apis/coordination.k8s.io/v1/namespaces/{quote(namespace)}/leases"
 
 
 async def first_answer(upstreams: Sequence[Upstream], method: str, path: str, headers: list[tuple[str, str]],
@@ -104,7 +98,7 @@ class SeatLeaser:
         self.forbidden = False
         self._forbidden_at = 0.0
         self._was_usable = True
-        self._base = f"/apis/coordination.k8s.io/v1/namespaces/{quote(settings.namespace)}/leases"
+        self._base = leases_path(settings.namespace)
 
     # -- what flow control asks ----------------------------------------------------------------------------
     @property
@@ -295,7 +289,7 @@ class SeatLeaser:
             OPERATIONS.labels("list", "error").inc()
             return False
         try:
-            seats = parse_seats(body)
+            seats = lease_views(orjson.loads(body).get("items") or [])
         except ValueError:  # not JSON: another writer's or a broken answer, never a reason to stop the driver
             OPERATIONS.labels("list", "error").inc()
             return False
@@ -304,7 +298,7 @@ class SeatLeaser:
         return True
 
     def _spec(self, now: float, **more: object) -> dict[str, object]:
-        return {"renewTime": _micro_time(now), "leaseDurationSeconds": max(1, round(
+        return {"renewTime": micro_time(now), "leaseDurationSeconds": max(1, round(
             self.settings.lease_duration_seconds)), **more}
 
     async def _write(self, operation: str, pool: SeatPool, name: str, version: str,
@@ -342,7 +336,7 @@ class SeatLeaser:
         for name, version in pool.free(self.clock()):
             now = time.time()
             _, got = await self._write("take", pool, name, version,
-                                       self._spec(now, holderIdentity=self.holder, acquireTime=_micro_time(now)))
+                                       self._spec(now, holderIdentity=self.holder, acquireTime=micro_time(now)))
             if got is not None:
                 pool.acquired(name, got, self.clock())
                 self._held_changed(pool)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from gatekeeper.base.config import require
+
 
 @dataclass(frozen=True)
 class TokenSettings:
@@ -39,12 +41,6 @@ class TokenSettings:
     """Groups asserted with ``proxyUser``."""
 
     def validate(self) -> None:
-        for name in ("cache_entries", "failed_cache_entries"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"tokens.{name}: must be at least 1")
-        for name in (
+        require(self, "tokens.", at_least_one=("cache_entries", "failed_cache_entries"), positive=(
             "jwks_refresh_seconds", "jwks_min_refresh_seconds", "fetch_timeout_seconds", "failed_cache_seconds",
-            "reviews_per_second", "review_cache_seconds", "review_failed_cache_seconds",
-        ):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"tokens.{name}: must be positive")
+            "reviews_per_second", "review_cache_seconds", "review_failed_cache_seconds"))
