@@ -8,16 +8,11 @@ from __future__ import annotations
 import logging
 
 from gatekeeper.kube import status
+from gatekeeper.proxy.messages import HOP_BY_HOP as HOP_BY_HOP  # the adapters' imports; defined with the contract
 from gatekeeper.proxy.messages import Handler, Headers, ProxyRequest, ProxyResponse, one_chunk
-from gatekeeper.proxy.messages import close_body as close_body  # the adapters' import; defined with the contract
+from gatekeeper.proxy.messages import close_body as close_body
 
 log = logging.getLogger("gatekeeper.proxy")
-
-HOP_BY_HOP = frozenset(
-    {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "upgrade", "te", "trailer",
-     "http2-settings"}
-)
-"""Connection-specific headers (RFC 9110 7.6.1); HTTP/2 forbids them outright (RFC 9113 8.2.2)."""
 
 NO_BODY_STATUSES = frozenset({204, 304})
 

@@ -22,6 +22,13 @@ log = logging.getLogger(__name__)
 Headers = list[tuple[str, str]]
 """Header list with lower-case names, order and duplicates preserved."""
 
+HOP_BY_HOP = frozenset({
+    "connection", "keep-alive", "proxy-connection", "proxy-authenticate", "proxy-authorization", "te",
+    "trailer", "transfer-encoding", "upgrade", "http2-settings",
+})
+"""Fields that stay on their hop (RFC 9110 7.6.1; HTTP/2 forbids them outright, RFC 9113 8.2.2): one set for the
+upstream paths both ways and the adapters' answers, so what a hop is cannot drift apart between them."""
+
 
 def is_exhausted(body: object) -> bool:
     """True once a body with ``exhausted`` has returned its last chunk (always False for others)."""

@@ -22,7 +22,7 @@ from prometheus_client.registry import Collector
 
 from gatekeeper.proxy.flowcontrol.edge.ledger import SeatLedger
 from gatekeeper.runtime.metrics import multiprocess_registry
-from gatekeeper.runtime.ops import SharedRender, healthz, off_loop
+from gatekeeper.runtime.ops import SharedRender, add_ops_routes, off_loop
 
 
 class WorkerSlot(Protocol):
@@ -185,14 +185,15 @@ def missing_page(considered: list[int], missing: list[int]) -> str:
     return "\n".join(lines) + "\n"
 
 
-async def render(sup: SupervisorView) -> bytes:
+async def render(sup: SupervisorView) -> tuple[bytes, str]:
     """The whole proxy's page; a worker whose page misses ``FETCH_TIMEOUT`` is shown in ``MISSING``."""
     urls = sup.worker_urls()
     pages, missing = await _fetch_all(urls, "/metrics/worker", FETCH_TIMEOUT)
     view = sup.ledger.view()
     peaks = {name: v["peak"] for name, v in view.items()}
     merged = await off_loop(files_and_live_page, pages, peaks)
-    return merged + supervisor_page(sup, len(urls), view).encode() + missing_page(list(urls), missing).encode()
+    page = merged + supervisor_page(sup, len(urls), view).encode() + missing_page(list(urls), missing).encode()
+    return page, CONTENT_TYPE_LATEST
 
 
 async def render_in_worker(runtime: Path, ledger: SeatLedger, index: int) -> tuple[bytes, str]:
@@ -251,36 +252,24 @@ def supervisor_page(sup: SupervisorView, serving: int, view: dict[str, dict[str,
     return "\n".join(lines) + "\n"
 
 
-async def ready(sup: SupervisorView) -> tuple[bool, str]:
-    """Ready when every worker serves and answers its own ``/readyz``."""
+async def not_ready(sup: SupervisorView) -> str | None:
+    """Ready (None) when every worker serves and answers its own ``/readyz``; else how many do."""
     urls = sup.worker_urls()
     if len(urls) < len(sup.slots):
-        return False, f"{len(urls)} of {len(sup.slots)} workers serving"
+        return f"{len(urls)} of {len(sup.slots)} workers serving"
     _, missing = await _fetch_all(urls, "/readyz", FETCH_TIMEOUT)
-    bad = len(missing)
-    return bad == 0, f"{len(urls) - bad} of {len(sup.slots)} workers ready"
+    return f"{len(urls) - len(missing)} of {len(sup.slots)} workers ready" if missing else None
 
 
 async def start_parent_listener(sup: SupervisorView, address: str, port: int) -> tuple[web.AppRunner, int]:
-
-    page = SharedRender(functools.partial(render, sup))  # concurrent scrapes share one render
-
-    async def metrics(request: web.Request) -> web.Response:
-        return web.Response(body=await page(), headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-    async def readyz(request: web.Request) -> web.Response:
-        ok, detail = await ready(sup)
-        return web.Response(status=200 if ok else 503, text="ok" if ok else detail)
+    """The parent's listener: every server's ops endpoints (concurrent scrapes share one render), and ``/workers``."""
 
     async def workers(request: web.Request) -> web.Response:
         return web.json_response(sup.describe())
 
     app = web.Application()
     app.router.add_get("/workers", workers)
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/livez", healthz)
-    app.router.add_get("/readyz", readyz)
+    add_ops_routes(app, functools.partial(not_ready, sup), SharedRender(functools.partial(render, sup)))
     return await serve_app(app, address, port)
 
 

@@ -87,9 +87,10 @@ async def healthz(request: web.Request) -> web.Response:
     return web.Response(text="ok")
 
 
-def add_ops_routes(app: web.Application, not_ready: Callable[[], str | None],
+def add_ops_routes(app: web.Application, not_ready: Callable[[], str | Awaitable[str | None] | None],
                    render: Render | None = None) -> None:
-    """Route the four endpoints; ``not_ready()`` is None when ready, else the 503 body saying why.
+    """Route the four endpoints; ``not_ready()`` is None when ready, else the 503 body saying why (awaited if a
+    coroutine: the proxy's parent asks its workers).
 
     ``render`` defaults to :data:`this_process_page`; the proxy passes a lambda reading
     ``gatekeeper.proxy.metrics.render_page``, which a worker replaces with the whole-proxy page.
@@ -102,6 +103,8 @@ def add_ops_routes(app: web.Application, not_ready: Callable[[], str | None],
 
     async def readyz(request: web.Request) -> web.Response:
         reason = not_ready()
+        if inspect.isawaitable(reason):
+            reason = await reason
         if reason is None:
             return web.Response(text="ok")
         return web.Response(status=503, text=reason)

@@ -5,12 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from gatekeeper.proxy.messages import Headers
+from gatekeeper.proxy.messages import HOP_BY_HOP, Headers
 
-HOP_BY_HOP = frozenset({
-    "connection", "keep-alive", "proxy-connection", "proxy-authenticate", "proxy-authorization", "te",
-    "trailer", "transfer-encoding", "upgrade", "http2-settings",
-})
 # The adapter handles 100-continue with the client; Host is the backend's.
 REQUEST_DROP = frozenset({"host", "expect"})
 REQUEST_REMOVED = HOP_BY_HOP | REQUEST_DROP
