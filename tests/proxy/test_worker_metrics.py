@@ -8,14 +8,23 @@ import json
 import socket
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
-from aiohttp import web
+from aiohttp import ClientSession, web
 
 from gatekeeper.proxy import command, process
 from gatekeeper.proxy.flowcontrol.edge.ledger import SeatLedger
 from gatekeeper.proxy.settings import BackendSettings, ProxySettings
-from gatekeeper.proxy.worker_metrics import MISSING, SKEW_INPUT, merge_pages, render_in_worker
+from gatekeeper.proxy.worker_metrics import (
+    MISSING,
+    SKEW_INPUT,
+    merge_pages,
+    render_in_worker,
+    serve_app,
+    start_parent_listener,
+)
 
 
 def page(in_flight: dict[str, float], rate: dict[str, float], up: float, peak: float, limit: float) -> str:
@@ -132,3 +141,28 @@ async def test_a_worker_rendering_the_whole_page_serves_on_while_a_sibling_does_
     assert value(page, 'gatekeeper_proxy_backend_watches{backend="a"}') == 3.0  # the answering sibling's
     assert value(page, f'{MISSING}{{worker="1"}}') == 1.0
     assert value(page, f'{MISSING}{{worker="0"}}') == value(page, f'{MISSING}{{worker="2"}}') == 0.0
+
+
+async def test_the_parents_readyz_says_how_many_workers_serve_and_answers_ok_once_all_are_ready(tmp_path: Path):
+    async def readyz(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_get("/readyz", readyz)
+    worker, wport = await serve_app(app, "127.0.0.1", 0)
+    urls: dict[int, str] = {}
+    sup: Any = SimpleNamespace(worker_urls=lambda: urls, slots=[object()],
+                               ledger=SeatLedger.create(tmp_path / "ledger", 2), describe=lambda: [])
+    runner, port = await start_parent_listener(sup, "127.0.0.1", 0)
+    try:
+        async with ClientSession() as session:
+            async with session.get(f"http://127.0.0.1:{port}/readyz") as resp:
+                assert (resp.status, await resp.text()) == (503, "0 of 1 workers serving")
+            urls[0] = f"http://127.0.0.1:{wport}"
+            async with session.get(f"http://127.0.0.1:{port}/readyz") as resp:
+                assert (resp.status, await resp.text()) == (200, "ok")
+            async with session.get(f"http://127.0.0.1:{port}/healthz") as resp:
+                assert (resp.status, await resp.text()) == (200, "ok")
+    finally:
+        await runner.cleanup()
+        await worker.cleanup()
