@@ -10,7 +10,7 @@ import contextlib
 import functools
 import json
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -61,6 +61,7 @@ FETCH_TIMEOUT = 5.0
 SIBLING_TIMEOUT = 2.0
 """Seconds a worker rendering the whole proxy's page waits for the other workers' pages, all fetched at once."""
 MISSING = "gatekeeper_proxy_worker_page_missing"
+Labels = tuple[tuple[str, str], ...]
 
 
 def register_recent_requests(pipeline: Any) -> None:
@@ -86,15 +87,24 @@ def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
-def _fmt(name: str, labels: tuple[tuple[str, str], ...], value: float) -> str:
+def _fmt(name: str, labels: Labels, value: float) -> str:
     inner = ",".join(f'{k}="{_escape(v)}"' for k, v in labels)
     return f"{name}{{{inner}}} {value!r}" if inner else f"{name} {value!r}"
+
+
+def _text(families: Iterable[tuple[str, str, str, Iterable[tuple[str, Labels, float]]]]) -> str:
+    """Families (name, type, help, samples) in the text format: the one writer of the merged, missing and parent's
+    pages."""
+    out: list[str] = []
+    for name, typ, doc, samples in families:
+        out += (f"# HELP {name} {doc}", f"# TYPE {name} {typ}", *(_fmt(*s) for s in samples))
+    return "\n".join(out) + "\n" if out else ""
 
 
 def merge_pages(pages: list[str], skip: set[str], peaks: dict[str, int]) -> str:
     """Merge the workers' live families (those not in ``skip``) into one text page."""
 
-    families: dict[str, tuple[str, str, dict[tuple[str, tuple[tuple[str, str], ...]], float]]] = {}
+    families: dict[str, tuple[str, str, dict[tuple[str, Labels], float]]] = {}
     for page in pages:
         for fam in text_string_to_metric_families(page):
             if fam.name in skip:
@@ -130,12 +140,8 @@ def merge_pages(pages: list[str], skip: set[str], peaks: dict[str, int]) -> str:
             level = dict(labels).get("priority_level", "")
             if level in peaks:
                 samples[(sname, labels)] = max(peaks[level], 0)
-    out: list[str] = []
-    for name, (typ, doc, samples) in families.items():
-        out.append(f"# HELP {name} {doc}")
-        out.append(f"# TYPE {name} {typ}")
-        out.extend(_fmt(sname, labels, value) for (sname, labels), value in samples.items())
-    return "\n".join(out) + "\n" if out else ""
+    return _text((name, typ, doc, ((sname, labels, value) for (sname, labels), value in samples.items()))
+                 for name, (typ, doc, samples) in families.items())
 
 
 def multiprocess_page() -> tuple[bytes, set[str]]:
@@ -176,13 +182,9 @@ async def _fetch_all(urls: dict[int, str], path: str, seconds: float) -> tuple[l
 
 def missing_page(considered: list[int], missing: list[int]) -> str:
     """Which serving workers' live gauges this page lacks, so they do not pass for zeros."""
-    lines = [
-        f"# HELP {MISSING} 1: this worker serves, but its live gauges are missing from this page's sums (its "
-        f"page did not come in time: stopped, hung or exiting).",
-        f"# TYPE {MISSING} gauge",
-        *(_fmt(MISSING, (("worker", str(i)),), 1.0 if i in missing else 0.0) for i in sorted(considered)),
-    ]
-    return "\n".join(lines) + "\n"
+    return _text([(MISSING, "gauge", "1: this worker serves, but its live gauges are missing from this page's sums "
+                   "(its page did not come in time: stopped, hung or exiting).",
+                   [(MISSING, (("worker", str(i)),), 1.0 if i in missing else 0.0) for i in sorted(considered)])])
 
 
 async def render(sup: SupervisorView) -> tuple[bytes, str]:
@@ -228,28 +230,20 @@ def _siblings(runtime: Path, index: int) -> dict[int, str]:
 
 def supervisor_page(sup: SupervisorView, serving: int, view: dict[str, dict[str, int]]) -> str:
     """The parent's own figures: workers serving, restarts, and the seat ledger (proxy-wide seats)."""
-    lines = [
-        "# HELP gatekeeper_proxy_workers Worker processes configured and serving.",
-        "# TYPE gatekeeper_proxy_workers gauge",
-        _fmt("gatekeeper_proxy_workers", (("state", "configured"),), float(len(sup.slots))),
-        _fmt("gatekeeper_proxy_workers", (("state", "serving"),), float(serving)),
-        "# HELP gatekeeper_proxy_worker_restarts Workers restarted after they died.",
-        "# TYPE gatekeeper_proxy_worker_restarts counter",
-        *(_fmt("gatekeeper_proxy_worker_restarts_total", (("worker", str(s.index)),), float(s.restarts))
-          for s in sup.slots),
-        "# HELP gatekeeper_proxy_worker_hung_kills Workers killed because their /healthz stopped answering "
-        "(proxy.workerHangSeconds).",
-        "# TYPE gatekeeper_proxy_worker_hung_kills counter",
-        *(_fmt("gatekeeper_proxy_worker_hung_kills_total", (("worker", str(s.index)),), float(s.hung_kills))
-          for s in sup.slots),
-        "# HELP gatekeeper_flowcontrol_ledger_seats Seats in use and requests queued per level, all workers.",
-        "# TYPE gatekeeper_flowcontrol_ledger_seats gauge",
-    ]
-    for name, v in sorted(view.items()):
-        for what in ("seats", "waiting"):
-            lines.append(_fmt("gatekeeper_flowcontrol_ledger_seats", (("priority_level", name), ("what", what)),
-                              float(v[what])))
-    return "\n".join(lines) + "\n"
+    workers, restarts, hung, seats = ("gatekeeper_proxy_workers", "gatekeeper_proxy_worker_restarts",
+                                      "gatekeeper_proxy_worker_hung_kills", "gatekeeper_flowcontrol_ledger_seats")
+    return _text([
+        (workers, "gauge", "Worker processes configured and serving.",
+         [(workers, (("state", "configured"),), float(len(sup.slots))),
+          (workers, (("state", "serving"),), float(serving))]),
+        (restarts, "counter", "Workers restarted after they died.",
+         [(f"{restarts}_total", (("worker", str(s.index)),), float(s.restarts)) for s in sup.slots]),
+        (hung, "counter", "Workers killed because their /healthz stopped answering (proxy.workerHangSeconds).",
+         [(f"{hung}_total", (("worker", str(s.index)),), float(s.hung_kills)) for s in sup.slots]),
+        (seats, "gauge", "Seats in use and requests queued per level, all workers.",
+         [(seats, (("priority_level", name), ("what", what)), float(v[what]))
+          for name, v in sorted(view.items()) for what in ("seats", "waiting")]),
+    ])
 
 
 async def not_ready(sup: SupervisorView) -> str | None:
