@@ -19,7 +19,7 @@ import httptools
 
 from gatekeeper.proxy.upstream import errors as up
 from gatekeeper.proxy.upstream.exchange import ClientBody, StreamedBody
-from gatekeeper.proxy.upstream.slots import OneWaiter, Slots
+from gatekeeper.proxy.upstream.slots import BackendPool, OneWaiter
 
 MAX_HEAD_BYTES = 256 * 1024
 """Largest response head accepted from a backend (status line plus headers)."""
@@ -244,17 +244,14 @@ class Conn(OneWaiter, asyncio.Protocol):
             task.cancel()
 
 
-class Pool:
+class Pool(BackendPool):
     """Connections to one backend for one kind of request (short or long-running)."""
 
     conn_class: type[Conn] = Conn
 
     def __init__(self, host: str, port: int, *, limit: int, connect_timeout: float) -> None:
-        self.host = host
-        self.port = port
+        super().__init__(host, port, limit=limit, connect_timeout=connect_timeout)
         self.limit = limit
-        self.connect_timeout = connect_timeout
-        self.slots = Slots(limit)
         self.idle: dict[ssl.SSLContext, list[Conn]] = {}
         self.open = 0
 
@@ -288,12 +285,9 @@ class Pool:
         return None
 
     async def connect(self, ctx: ssl.SSLContext) -> Conn:
-        """A new connection; TimeoutError, OSError or ssl.SSLError when it cannot be made."""
-        loop = asyncio.get_running_loop()
+        """A new connection; :class:`ConnectFailed` when it cannot be made."""
         conn = self.conn_class(ctx, self._lost)
-        async with asyncio.timeout(self.connect_timeout):
-            await loop.create_connection(lambda: conn, self.host, self.port, ssl=ctx,
-                                         server_hostname=self.host)
+        await self._dial(conn, ctx)
         self.open += 1
         return conn
 
@@ -417,21 +411,13 @@ async def round_trip(
     Raises :class:`PoolTimeout` or :class:`ConnectFailed` when nothing was sent, :class:`UpstreamTimeout` without a head
     in time, :class:`ClientBodyFailed` when the client's body broke off, and :class:`BackendFailed` when the backend may
     have seen the request."""
-    slots = pool.slots
-    if not slots.try_take():  # only a full pool pays for a future and a timeout scope
-        try:
-            async with asyncio.timeout(acquire_timeout):
-                await slots.take()
-        except TimeoutError:
-            raise up.PoolTimeout(f"no free {pool_name} connection to {name} within {acquire_timeout:g}s") from None
+    if not pool.slots.try_take():
+        await pool.wait_for_slot(acquire_timeout, f"{pool_name} connection to {name}")
     conn: Conn | None = None
     try:
         conn = pool.take_idle(ctx, live)
         if conn is None:
-            try:
-                conn = await pool.connect(ctx)
-            except (TimeoutError, OSError, ssl.SSLError) as exc:
-                raise up.ConnectFailed(up.connect_cause(exc)) from exc
+            conn = await pool.connect(ctx)
         conn.begin(head, head_only=method == "HEAD", header_timeout=header_timeout)
         conn.request_sent = body is None
         if body is not None:

@@ -12,14 +12,7 @@ import ssl
 import time
 from collections.abc import Callable
 
-from gatekeeper.proxy.upstream.errors import (
-    BackendFailed,
-    ConnectFailed,
-    PoolTimeout,
-    RequestResetByBackend,
-    UpstreamTimeout,
-    connect_cause,
-)
+from gatekeeper.proxy.upstream.errors import BackendFailed, ConnectFailed, RequestResetByBackend, UpstreamTimeout
 from gatekeeper.proxy.upstream.exchange import StreamedBody
 from gatekeeper.proxy.upstream.mux import (
     IDLE_SECONDS,
@@ -32,7 +25,7 @@ from gatekeeper.proxy.upstream.mux import (
     StreamRefused,
     StreamReset,
 )
-from gatekeeper.proxy.upstream.slots import Slots
+from gatekeeper.proxy.upstream.slots import BackendPool
 
 log = logging.getLogger("gatekeeper.proxy.upstream.mux_pool")
 
@@ -44,18 +37,15 @@ class _OpenerGone(Exception):
     """The request opening a connection was cancelled: the requests waiting on that connect try again."""
 
 
-class MuxPool:
+class MuxPool(BackendPool):
     """HTTP/2 connections to one backend; ``slots`` bounds its concurrent streams, as the HTTP/1.1 pool's."""
 
     def __init__(self, host: str, port: int, *, limit: int, max_streams: int, connect_timeout: float,
                  retry_seconds: float = 300.0, pause_seconds: float = 60.0,
                  on_goaway: Callable[[], None] = lambda: None, on_fallback: Callable[[], None] = lambda: None,
                  on_pause: Callable[[], None] = lambda: None, on_refused: Callable[[], None] = lambda: None) -> None:
-        self.host = host
-        self.port = port
+        super().__init__(host, port, limit=limit, connect_timeout=connect_timeout)
         self.max_streams = max_streams
-        self.connect_timeout = connect_timeout
-        self.slots = Slots(limit)
         self.conns: dict[ssl.SSLContext, list[MuxConn]] = {}
         self.opening: dict[ssl.SSLContext, asyncio.Future[MuxConn]] = {}
         self.on_goaway = on_goaway
@@ -185,14 +175,8 @@ class MuxPool:
             return conn
 
     async def _connect(self, ctx: ssl.SSLContext) -> MuxConn:
-        loop = asyncio.get_running_loop()
         conn = MuxConn(ctx, self.max_streams, self._lost, self.on_goaway, self.unauthorized)
-        try:
-            async with asyncio.timeout(self.connect_timeout):
-                transport, _ = await loop.create_connection(lambda: conn, self.host, self.port, ssl=ctx,
-                                                            server_hostname=self.host)
-        except (TimeoutError, OSError, ssl.SSLError) as exc:
-            raise ConnectFailed(connect_cause(exc)) from exc
+        transport = await self._dial(conn, ctx)
         ssl_object = transport.get_extra_info("ssl_object")
         if ssl_object is None or ssl_object.selected_alpn_protocol() != "h2":
             conn.closed = True
@@ -248,12 +232,9 @@ async def exchange(
     slots = pool.slots
     if not slots.try_take():
         try:
-            async with asyncio.timeout(acquire_timeout):
-                await slots.take()
-        except BaseException as exc:
+            await pool.wait_for_slot(acquire_timeout, f"HTTP/2 stream to {name}")
+        except BaseException:
             pool.give_back()
-            if isinstance(exc, TimeoutError):
-                raise PoolTimeout(f"no free HTTP/2 stream to {name} within {acquire_timeout:g}s") from None
             raise
     stream: MuxStream | None = None
     try:

@@ -1,9 +1,13 @@
-"""The two waiting primitives both upstream clients share, in their own module so neither imports the other."""
+"""What both upstream clients share (the waiting primitives and the pools' common part), in their own module so
+neither imports the other."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import ssl
+
+from gatekeeper.proxy.upstream.errors import ConnectFailed, PoolTimeout, connect_cause
 
 
 class Slots:
@@ -76,3 +80,32 @@ class OneWaiter:
             if self.error is not None:
                 raise self.error
             await self.wait()
+
+
+class BackendPool:
+    """What both pools of one backend (HTTP/1.1 ``lean.Pool``, HTTP/2 ``mux_pool.MuxPool``) hold and do alike: the
+    address, the slots bounding its requests, waiting for one, and the connect (so both fail it the same way)."""
+
+    def __init__(self, host: str, port: int, *, limit: int, connect_timeout: float) -> None:
+        self.host = host
+        self.port = port
+        self.connect_timeout = connect_timeout
+        self.slots = Slots(limit)
+
+    async def wait_for_slot(self, seconds: float, what: str) -> None:
+        """A slot once :meth:`Slots.try_take` failed (only a full pool pays for a future and a timeout scope)."""
+        try:
+            async with asyncio.timeout(seconds):
+                await self.slots.take()
+        except TimeoutError:
+            raise PoolTimeout(f"no free {what} within {seconds:g}s") from None
+
+    async def _dial(self, protocol: asyncio.Protocol, ctx: ssl.SSLContext) -> asyncio.Transport:
+        """A TLS connection for ``protocol``; :class:`ConnectFailed` (nothing sent) when it cannot be had in time."""
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                transport, _ = await asyncio.get_running_loop().create_connection(
+                    lambda: protocol, self.host, self.port, ssl=ctx, server_hostname=self.host)
+        except (TimeoutError, OSError, ssl.SSLError) as exc:
+            raise ConnectFailed(connect_cause(exc)) from exc
+        return transport
