@@ -29,7 +29,6 @@ from gatekeeper.proxy.flowcontrol.edge.middleware import FlowControl, from_setti
 from gatekeeper.proxy.handoff.inbox import Inbox
 from gatekeeper.proxy.handoff.protocol import ClosedCounts
 from gatekeeper.proxy.listen.server import serve as serve_listener
-from gatekeeper.proxy.messages import UserInfo
 from gatekeeper.proxy.pipeline.stages import Pipeline, build
 from gatekeeper.proxy.settings import ProxySettings
 from gatekeeper.proxy.worker_metrics import register_recent_requests, serve_app, whole_proxy_page
@@ -81,9 +80,8 @@ def start_endpoints(settings: ProxySettings, flow: FlowControl | None, *, writer
     """``fleet.publishEndpoints``: our advert on the fleet Lease; ``writer`` (one process per proxy) also takes part
     in electing the one proxy that writes the ``kubernetes`` Service's endpoints."""
     fc = settings.flow_control
-    own = UserInfo(name=fc.tokens.proxy_user, groups=list(fc.tokens.proxy_groups))
     publisher = publisher_for(getattr(flow, "fleet", None), fc.fleet.publish_endpoints, settings.listener.port,
-                              writer=writer, user=own)
+                              writer=writer)
     if publisher is not None:
         publisher.start()
     return publisher

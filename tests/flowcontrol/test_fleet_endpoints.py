@@ -187,3 +187,30 @@ def test_the_advert_defaults_to_host_ip_and_the_listener_port() -> None:
     explicit = flow({"enabled": True, "publishEndpoints": {"enabled": True, "advertiseAddress": "fd00::1",
                                                            "advertisePort": 443}}).fleet.publish_endpoints
     assert explicit.resolve(8443, {"HOST_IP": "10.0.0.11"}) == ("fd00::1", 443)
+
+
+async def test_the_endpoint_calls_carry_the_fleets_own_identity() -> None:
+    from gatekeeper.proxy.flowcontrol.edge.endpoints import publisher_for
+    from gatekeeper.proxy.flowcontrol.edge.fleet import FleetMember
+    from gatekeeper.proxy.flowcontrol.settings import PublishEndpointsSettings
+    from gatekeeper.proxy.messages import UserInfo
+
+    sent: list[list[tuple[str, str]]] = []
+
+    class Upstream:
+        name = "a"
+
+        async def call(self, method: str, path: str, headers: list[tuple[str, str]], body: bytes | None, *,
+                       deadline: float, max_bytes: int) -> tuple[int, bytes]:
+            sent.append(headers)
+            return 200, b"{}"
+
+    fleet = FleetMember(FleetSettings(enabled=True, identity="p1"), lambda share: {},
+                        user=UserInfo(name="system:gk", groups=["g1"]))
+    fleet.upstreams = [Upstream()]  # type: ignore[list-item]
+    publisher = publisher_for(fleet, PublishEndpointsSettings(enabled=True, advertise_address="10.0.0.7"), 6443,
+                              writer=True)
+    assert publisher is not None
+    await publisher._request("PATCH", "/x", {"a": 1})
+    assert sent == [[("accept", "application/json"), ("x-remote-user", "system:gk"), ("x-remote-group", "g1"),
+                     ("content-type", "application/json")]]

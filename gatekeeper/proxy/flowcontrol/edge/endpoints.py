@@ -29,8 +29,6 @@ from gatekeeper.proxy.flowcontrol.core.leader import LeaderElection
 from gatekeeper.proxy.flowcontrol.edge.fleet import MAX_LIST_BYTES, FleetMember, lease_name
 from gatekeeper.proxy.flowcontrol.edge.seatleases import first_answer, leases_path, micro_time
 from gatekeeper.proxy.flowcontrol.settings import PublishEndpointsSettings
-from gatekeeper.proxy.identity.auth import identity_headers
-from gatekeeper.proxy.messages import UserInfo
 from gatekeeper.runtime.tasks import stop_task
 
 log = logging.getLogger("gatekeeper.proxy.flowcontrol.endpoints")
@@ -61,7 +59,7 @@ def writer_lease_name(fleet: str) -> str:
 class EndpointPublisher:
     """See the module docstring. ``writer``: this process takes part in the writer election (worker 0)."""
 
-    def __init__(self, fleet: FleetMember, advert: core.Advert, *, writer: bool, user: UserInfo) -> None:
+    def __init__(self, fleet: FleetMember, advert: core.Advert, *, writer: bool) -> None:
         self.fleet = fleet
         self.advert = advert
         self.writer = writer
@@ -76,8 +74,6 @@ class EndpointPublisher:
         leases = leases_path(fleet.settings.namespace)
         self._writer_path = f"{leases}/{quote(writer_lease_name(fleet.settings.name))}"
         self._own_path = f"{leases}/{quote(lease_name(fleet.identity))}"
-        self._headers = [("accept", "application/json"),
-                         *identity_headers(UserInfo(name=user.name, groups=list(user.groups), source="x509"))]
 
     # -- lifecycle ------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -223,7 +219,7 @@ class EndpointPublisher:
                        content_type: str = "application/json") -> tuple[int, bytes]:
         """One call on the first backend that answers (below 500); raises the last failure."""
         payload = None if body is None else orjson.dumps(body)
-        headers = [*self._headers, *([("content-type", content_type)] if payload is not None else [])]
+        headers = [*self.fleet.headers, *([("content-type", content_type)] if payload is not None else [])]
         return await first_answer(self.fleet.upstreams, method, path, headers, payload, max_bytes=MAX_LIST_BYTES,
                                   deadline=max(1.0, self.fleet.settings.lease_duration_seconds / 2))
 
@@ -243,8 +239,8 @@ class EndpointPublisher:
 
 
 def publisher_for(fleet: FleetMember | None, settings: PublishEndpointsSettings, listener_port: int, *,
-                  writer: bool, user: UserInfo) -> EndpointPublisher | None:
+                  writer: bool) -> EndpointPublisher | None:
     """The publisher when ``fleet.publishEndpoints`` is on (the process wiring starts and closes it)."""
     if fleet is None or not settings.enabled:
         return None
-    return EndpointPublisher(fleet, core.Advert(*settings.resolve(listener_port)), writer=writer, user=user)
+    return EndpointPublisher(fleet, core.Advert(*settings.resolve(listener_port)), writer=writer)

@@ -100,12 +100,14 @@ class FleetMember:
         self.on_listing: list[Callable[[bytes], None]] = []
         """Called with every fleet LeaseList read, after membership has seen it."""
         user = user or UserInfo(name="system:gatekeeper-proxy", groups=["system:authenticated"])
-        self._headers = [("accept", "application/json"),
-                         *identity_headers(UserInfo(name=user.name, groups=list(user.groups), source="x509"))]
+        self.headers = [("accept", "application/json"),
+                        *identity_headers(UserInfo(name=user.name, groups=list(user.groups), source="x509"))]
+        """What every call of the fleet carries (the proxy's own identity): its Lease's, the seat Leases' and the
+        endpoint publisher's."""
         base = leases_path(settings.namespace)
         self._patch_path = f"{base}/{quote(lease_name(self.identity))}?fieldManager=gatekeeper-proxy&force=true"
         self._list_path = f"{base}?labelSelector={quote(f'{FLEET_LABEL}={settings.name}', safe='')}"
-        self.seats = SeatLeaser(settings, self.identity, self._headers, demand, seats_changed, clock)
+        self.seats = SeatLeaser(settings, self.identity, self.headers, demand, seats_changed, clock)
 
     def set_worker(self, index: int) -> None:
         """Each worker process holds seat Leases of its own (its seats are not in the workers' shared ledger)."""
@@ -144,7 +146,7 @@ class FleetMember:
         """One call on the first backend that answers; raises the last failure."""
         # Half the Lease's life, as client-go's leader election: a storm-slowed apiserver is no partition.
         deadline = max(1.0, self.settings.lease_duration_seconds / 2)
-        status, answer = await first_answer(self.upstreams, method, path, [*self._headers, *extra], body,
+        status, answer = await first_answer(self.upstreams, method, path, [*self.headers, *extra], body,
                                             deadline=deadline, max_bytes=MAX_LIST_BYTES, retry_from=300)
         if status in (401, 403):
             raise PermissionError(f"{method} {path.split('?')[0]}: {status} {answer[:300]!r}")
