@@ -1,17 +1,14 @@
-"""Prometheus metrics of the proxy's pipeline (requests, backends, skew); the list is in docs/proxy/metrics.md.
+"""Prometheus metrics of the proxy's pipeline (the backend and skew gauges: ``pipeline/stages.py``); the list is in
+docs/proxy/metrics.md.
 
 Labels are bounded against invented input (see :func:`resource_label`). The TLS port's ``/metrics`` is for
 ``listener.metricsGroups`` only."""
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Awaitable, Callable, Iterator, Sequence
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable
 
-from prometheus_client import REGISTRY, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
+from prometheus_client import Counter, Histogram
 
 from gatekeeper.proxy.tally import CounterTally, HistogramTally  # before the metrics: its flush collects first
 from gatekeeper.runtime.metrics import build_info
@@ -78,97 +75,6 @@ UPSTREAM_H2_PAUSES = Counter(
     "but refused by the apiserver (revoked, or its bound object deleted), or a front-proxy certificate it rejects.",
     ["backend"],
 )
-
-
-class BackendView(Protocol):
-    """What the collector reads of one backend (``pipeline.balancer.Backend``)."""
-
-    name: str
-    in_flight: int
-    watches: int
-    ejections_total: int
-
-
-class SkewView(Protocol):
-    @property
-    def in_flight_ratio(self) -> float: ...
-
-    @property
-    def rate_ratio(self) -> float: ...
-
-
-class BalancerView(Protocol):
-    """What the collector reads of the balancer; described, not imported (the pipeline imports this module)."""
-
-    @property
-    def backends(self) -> Sequence[BackendView]: ...
-
-    def health(self, backend: Any) -> str: ...
-
-    def skew(self) -> SkewView: ...
-
-
-class PoolSource(Protocol):
-    """What the collector reads at scrape time (a running pipeline)."""
-
-    @property
-    def balancer(self) -> BalancerView: ...
-
-    def upstream_connections(self, backend: str) -> int: ...
-
-
-_sources: weakref.WeakSet[PoolSource] = weakref.WeakSet()
-
-
-def register_source(source: PoolSource) -> None:
-    """Expose a pipeline's backends; a process normally runs one, tests may run several."""
-    _sources.add(source)
-
-
-class BackendCollector(Collector):
-    """Gauges read from balancer state when scraped, so they can never drift from it."""
-
-    def collect(self) -> Iterator[Metric]:
-        in_flight = GaugeMetricFamily("gatekeeper_proxy_backend_in_flight",
-                                      "Requests each backend is serving now, watches included.",
-                                      labels=["backend"])
-        watches = GaugeMetricFamily("gatekeeper_proxy_backend_watches",
-                                    "Open long-running requests per backend.", labels=["backend"])
-        conns = GaugeMetricFamily("gatekeeper_proxy_upstream_connections",
-                                  "Pooled connections (busy + idle) per backend.", labels=["backend"])
-        up = GaugeMetricFamily("gatekeeper_proxy_backend_up",
-                               "1 if the backend receives new requests.", labels=["backend"])
-        state = GaugeMetricFamily("gatekeeper_proxy_backend_state",
-                                  "1 for the backend's current health state.", labels=["backend", "state"])
-        ejections = CounterMetricFamily("gatekeeper_proxy_backend_ejections",
-                                        "Passive ejections per backend.", labels=["backend"])
-        skew_flight = GaugeMetricFamily("gatekeeper_proxy_skew_in_flight_ratio",
-                                        "(max+1)/(min+1) of per-backend in-flight requests; 1 is even.")
-        skew_rate = GaugeMetricFamily("gatekeeper_proxy_skew_request_rate_ratio",
-                                      "(max+1)/(min+1) of per-backend recent request counts; 1 is even.")
-        any_source = False
-        for source in list(_sources):
-            any_source = True
-            bal = source.balancer
-            for b in bal.backends:
-                in_flight.add_metric([b.name], b.in_flight)
-                watches.add_metric([b.name], b.watches)
-                conns.add_metric([b.name], source.upstream_connections(b.name))
-                health = bal.health(b)
-                up.add_metric([b.name], 1.0 if health == "healthy" else 0.0)
-                for s in ("healthy", "ejected", "unready"):
-                    state.add_metric([b.name, s], 1.0 if s == health else 0.0)
-                ejections.add_metric([b.name], b.ejections_total)
-            skew = bal.skew()
-            skew_flight.add_metric([], skew.in_flight_ratio)
-            skew_rate.add_metric([], skew.rate_ratio)
-        yield from (in_flight, watches, conns, up, state, ejections)
-        if any_source:
-            yield skew_flight
-            yield skew_rate
-
-
-REGISTRY.register(BackendCollector())
 
 
 _known_resources: set[str] = set()

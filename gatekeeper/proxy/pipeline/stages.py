@@ -11,8 +11,13 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Collection, Sequence
+import weakref
+from collections.abc import Awaitable, Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
+
+from prometheus_client import REGISTRY
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from gatekeeper.kube import requestinfo
 from gatekeeper.kube.duration import DurationError
@@ -361,7 +366,7 @@ class Pipeline:
         return client.connections() if client else 0
 
     async def start(self) -> None:
-        metrics.register_source(self)
+        _sources.add(self)
         await self.identities.start()  # the issuer's keys, before the first token caller
         await self.probe_once()
         self._probe_task = asyncio.create_task(self._probe_loop(), name="gatekeeper-proxy-health")
@@ -393,6 +398,57 @@ class Pipeline:
         self.deadlines.close()
         await self.identities.close()
         await asyncio.gather(*(c.close() for c in self.clients.values()))
+
+
+_sources: weakref.WeakSet[Pipeline] = weakref.WeakSet()
+"""The started pipelines whose backends the collector shows; a process normally runs one, tests may run several."""
+
+
+class BackendCollector(Collector):
+    """Gauges read from balancer state when scraped, so they can never drift from it. Here, beside the pipeline it
+    reads, so it reads the balancer itself rather than a description of it."""
+
+    def collect(self) -> Iterator[Metric]:
+        in_flight = GaugeMetricFamily("gatekeeper_proxy_backend_in_flight",
+                                      "Requests each backend is serving now, watches included.",
+                                      labels=["backend"])
+        watches = GaugeMetricFamily("gatekeeper_proxy_backend_watches",
+                                    "Open long-running requests per backend.", labels=["backend"])
+        conns = GaugeMetricFamily("gatekeeper_proxy_upstream_connections",
+                                  "Pooled connections (busy + idle) per backend.", labels=["backend"])
+        up = GaugeMetricFamily("gatekeeper_proxy_backend_up",
+                               "1 if the backend receives new requests.", labels=["backend"])
+        state = GaugeMetricFamily("gatekeeper_proxy_backend_state",
+                                  "1 for the backend's current health state.", labels=["backend", "state"])
+        ejections = CounterMetricFamily("gatekeeper_proxy_backend_ejections",
+                                        "Passive ejections per backend.", labels=["backend"])
+        skew_flight = GaugeMetricFamily("gatekeeper_proxy_skew_in_flight_ratio",
+                                        "(max+1)/(min+1) of per-backend in-flight requests; 1 is even.")
+        skew_rate = GaugeMetricFamily("gatekeeper_proxy_skew_request_rate_ratio",
+                                      "(max+1)/(min+1) of per-backend recent request counts; 1 is even.")
+        any_source = False
+        for source in list(_sources):
+            any_source = True
+            bal = source.balancer
+            for b in bal.backends:
+                in_flight.add_metric([b.name], b.in_flight)
+                watches.add_metric([b.name], b.watches)
+                conns.add_metric([b.name], source.upstream_connections(b.name))
+                health = bal.health(b)
+                up.add_metric([b.name], 1.0 if health == "healthy" else 0.0)
+                for s in ("healthy", "ejected", "unready"):
+                    state.add_metric([b.name, s], 1.0 if s == health else 0.0)
+                ejections.add_metric([b.name], b.ejections_total)
+            skew = bal.skew()
+            skew_flight.add_metric([], skew.in_flight_ratio)
+            skew_rate.add_metric([], skew.rate_ratio)
+        yield from (in_flight, watches, conns, up, state, ejections)
+        if any_source:
+            yield skew_flight
+            yield skew_rate
+
+
+REGISTRY.register(BackendCollector())
 
 
 def build(
