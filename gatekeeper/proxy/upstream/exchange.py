@@ -6,14 +6,13 @@ Content-Length is held to it, so no byte of a second request can ride in it."""
 from __future__ import annotations
 
 import asyncio
-import collections
 import re
 from collections.abc import AsyncIterator, Callable
 from collections.abc import Set as AbstractSet
-from typing import Protocol
 
 from gatekeeper.proxy.messages import Headers
 from gatekeeper.proxy.upstream.errors import BackendFailed
+from gatekeeper.proxy.upstream.slots import OneWaiter
 
 TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 TARGET = re.compile(r"/[\x21-\x7e]*")
@@ -93,21 +92,11 @@ def encode_request_head(method: str, target: str, authority: str, headers: Heade
     return text.encode("utf-8", "surrogateescape"), declared
 
 
-class BodySource(Protocol):
-    """What a response body is read from: a pooled HTTP/1.1 connection (``lean.Conn``) or an HTTP/2 stream."""
-
-    chunks: collections.deque[bytes]
-    complete: bool
-    error: BaseException | None
-    def wait(self) -> asyncio.Future[None]: ...
-    def take(self) -> bytes: ...
-
-
 class StreamedBody:
     """A response body: chunks as they arrive, what carried it released exactly once. ``aclose`` works before iteration
     too, so a dropped response still frees its connection and lease."""
 
-    def __init__(self, source: BodySource, name: str, *, swallow_errors: bool,
+    def __init__(self, source: OneWaiter, name: str, *, swallow_errors: bool,
                  on_done: Callable[[BaseException | None], None]) -> None:
         self.source = source
         self.name = name

@@ -54,14 +54,22 @@ class Slots:
 
 
 class OneWaiter:
-    """Mixin: a response's one consumer parks in :meth:`wait` until the protocol side calls :meth:`wake`. Each class's
-    ``take`` stays its own: a shared helper would cost a call per body chunk. Has slots because ``MuxStream`` does."""
+    """Mixin: a response's one consumer parks in :meth:`wait` until the protocol side calls :meth:`wake`; what a
+    response body (``exchange.StreamedBody``) is read from: a pooled HTTP/1.1 connection or an HTTP/2 stream. Each
+    class's ``take`` stays its own: a shared helper would cost a call per body chunk. Has slots because ``MuxStream``
+    does."""
 
     __slots__ = ("loop", "waiter")
     loop: asyncio.AbstractEventLoop
     waiter: asyncio.Future[None] | None
     headers_done: bool
     error: BaseException | None
+    chunks: collections.deque[bytes]
+    complete: bool
+
+    def take(self) -> bytes:
+        """Everything buffered, as one chunk."""
+        raise NotImplementedError
 
     def wake(self) -> None:
         waiter, self.waiter = self.waiter, None
