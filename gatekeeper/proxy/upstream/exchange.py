@@ -12,6 +12,7 @@ from collections.abc import Set as AbstractSet
 
 from gatekeeper.proxy.messages import Headers
 from gatekeeper.proxy.upstream.errors import BackendFailed
+from gatekeeper.proxy.upstream.hop_by_hop import refuse_named_fields
 from gatekeeper.proxy.upstream.slots import OneWaiter
 
 TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
@@ -38,14 +39,6 @@ class ClientBody:
         except BaseException as exc:
             self.error = exc
             raise
-
-
-def refuse_named_fields(connection: str, removed: AbstractSet[str]) -> None:
-    """ValueError when a ``Connection`` value names a field that is not in ``removed``: the front stage dropped what
-    it names (``auth.drop_connection_named``), so a request that still carries one did not pass it, and both encoders
-    send nothing rather than a field the backend would treat as hop-by-hop."""
-    if not {t.strip().lower() for t in connection.split(",") if t.strip()} <= removed:
-        raise ValueError(f"Connection names fields still present: {connection[:64]!r}")
 
 
 def encode_request_head(method: str, target: str, authority: str, headers: Headers, removed: AbstractSet[str],

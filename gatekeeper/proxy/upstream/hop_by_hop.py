@@ -4,6 +4,7 @@ HTTP/1.1, HTTP/2 and upgrade paths cannot drift apart on what a hop is."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 
 from gatekeeper.proxy.messages import HOP_BY_HOP, Headers
 
@@ -11,6 +12,14 @@ from gatekeeper.proxy.messages import HOP_BY_HOP, Headers
 REQUEST_DROP = frozenset({"host", "expect"})
 REQUEST_REMOVED = HOP_BY_HOP | REQUEST_DROP
 """What never leaves on a request (the front stage dropped what ``Connection`` names)."""
+
+
+def refuse_named_fields(connection: str, removed: AbstractSet[str]) -> None:
+    """ValueError when a ``Connection`` value names a field that is not in ``removed``: the front stage dropped what
+    it names (``auth.drop_connection_named``), so a request that still carries one did not pass it, and both encoders
+    send nothing rather than a field the backend would treat as hop-by-hop."""
+    if not {t.strip().lower() for t in connection.split(",") if t.strip()} <= removed:
+        raise ValueError(f"Connection names fields still present: {connection[:64]!r}")
 
 
 _NAMES: dict[bytes, str] = {}

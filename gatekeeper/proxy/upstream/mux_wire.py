@@ -10,7 +10,8 @@ from collections.abc import Set as AbstractSet
 
 from gatekeeper.proxy.h2wire.hpack_encode import NEVER, WITHOUT, literal
 from gatekeeper.proxy.messages import Headers
-from gatekeeper.proxy.upstream.exchange import TARGET, TOKEN, refuse_named_fields
+from gatekeeper.proxy.upstream.exchange import TARGET, TOKEN
+from gatekeeper.proxy.upstream.hop_by_hop import refuse_named_fields
 
 _NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9a-z]+")
 SECRET = frozenset({"authorization", "proxy-authorization", "cookie"})
@@ -52,6 +53,7 @@ def request_block(method: str, target: str, authority: bytes, headers: Headers, 
                     fields.clear()
                 fields[(":path", target)] = path_field
     out = [method_field, _SCHEME_HTTPS, authority, path_field]
+    connection = ""
     for name, value in headers:
         hit = fields.get((name, value))
         if hit is not None:
@@ -60,7 +62,7 @@ def request_block(method: str, target: str, authority: bytes, headers: Headers, 
         lower = name.lower()
         if lower in removed or lower[:1] == ":":
             if lower == "connection":
-                refuse_named_fields(value, removed)
+                connection = value if not connection else f"{connection}, {value}"
             continue
         if lower == "content-length":
             if value.strip("0"):
@@ -78,4 +80,6 @@ def request_block(method: str, target: str, authority: bytes, headers: Headers, 
                 fields.clear()
             fields[(name, value)] = encoded
         out.append(encoded)
+    if connection:
+        refuse_named_fields(connection, removed)
     return b"".join(out)
